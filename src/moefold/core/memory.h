@@ -1,0 +1,88 @@
+// Planned memory. Every module binds its tensors through a Memory twice: first while measuring
+// (views carry null pointers, only sizes are summed), then after allocate() for real, so all
+// sizes are pure functions of the config and the step loop never calls the allocator.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moefold/core/tensor.h"
+
+namespace moefold {
+
+// One contiguous, 64-byte aligned, zero-initialised block carved by a bump pointer.
+class Arena {
+ public:
+  Arena() = default;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  bool measuring() const { return base_ == nullptr; }
+  // Reserves exactly the bytes measured so far and rewinds for the real pass.
+  void allocate();
+  // Rewinds to the start (keeps the block).
+  void rewind() { offset_ = 0; }
+  Tensor take(DType dtype, Shape shape);
+  size_t used() const { return offset_; }
+  size_t capacity() const { return capacity_; }
+  // Zeroes the used part of the block.
+  void zero() const;
+
+ private:
+  struct Free {
+    void operator()(void* p) const;
+  };
+  std::unique_ptr<char, Free> storage_;
+  char* base_ = nullptr;
+  size_t capacity_ = 0;
+  size_t offset_ = 0;
+};
+
+enum class Init : uint8_t { zeros, ones, normal };
+
+struct Param {
+  std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  Tensor value;      // master weight (compute dtype on the CPU)
+  Tensor grad;       // same shape; accumulated by backward
+  Init init = Init::normal;
+  double init_std = 0.02;
+  bool decay = true;  // false for norms and biases
+  uint64_t id = 0;    // position in registration order; keys the init RNG stream
+};
+
+class Memory {
+ public:
+  explicit Memory(DType dtype) : dtype_(dtype) {}
+
+  DType dtype() const { return dtype_; }
+  bool measuring() const { return acts_.measuring(); }
+
+  // Registers a parameter (and its gradient) under `name`; returns its value view.
+  Tensor param(const std::string& name, Shape shape, Init init, double init_std, bool decay);
+  // Activation or workspace tensor (compute dtype unless given).
+  Tensor act(Shape shape);
+  Tensor act(Shape shape, DType dtype);
+
+  // Ends the measuring pass: allocates every arena and clears the registrations; the caller
+  // binds again. REQUIRES: measuring().
+  void allocate();
+  // Checks that the real pass took exactly what the measuring pass did.
+  void finish_binding() const;
+
+  std::vector<Param>& params() { return params_; }
+  const std::vector<Param>& params() const { return params_; }
+  const Param* find(const std::string& name) const;
+  Arena& grad_arena() { return grads_; }
+  size_t param_bytes() const { return params_arena_.used(); }
+  size_t act_bytes() const { return acts_.used(); }
+
+ private:
+  DType dtype_;
+  Arena params_arena_, grads_, acts_;
+  size_t measured_[3] = {0, 0, 0};
+  std::vector<Param> params_;
+};
+
+}  // namespace moefold

@@ -1,0 +1,33 @@
+// Configuration of one MoE layer (the [moe] config section), keys named as Hugging Face names
+// them where a name exists. validate() names the field that is wrong.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace moefold {
+
+enum class ScoreFunc : uint8_t { softmax, sigmoid };
+
+struct MoeConfig {
+  int64_t num_experts = 8;             // E, routed experts per MoE layer
+  int64_t num_experts_per_tok = 2;     // K, experts each token is sent to
+  int64_t moe_intermediate_size = 128; // F, FFN width of one expert
+  ScoreFunc scoring_func = ScoreFunc::softmax;  // router scores from logits
+  bool norm_topk_prob = true;          // renormalise the k selected probabilities to sum 1
+  double routed_scaling_factor = 1.0;  // multiplies the (renormalised) top-k probabilities
+  double aux_loss_coeff = 1e-2;        // Switch/GShard load-balancing loss weight (HF: router_aux_loss_coef)
+  double z_loss_coeff = 0.0;           // router z-loss weight (ST-MoE)
+  double capacity_factor = 0.0;        // <= 0: dropless; else capacity = ceil(cf * T * K / E) per expert
+  bool pad_to_capacity = false;        // with a capacity: every expert gets exactly `capacity` rows
+
+  // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 > moe.num_experts = 8").
+  void validate() const;
+  // Rows per expert under a capacity factor for T tokens (0 when dropless).
+  int64_t capacity(int64_t num_tokens) const;
+  // Upper bound on dispatched rows for T tokens: T*K dropless, else min(T*K, E*capacity) (or
+  // E*capacity exactly with padding).
+  int64_t max_rows(int64_t num_tokens) const;
+};
+
+}  // namespace moefold

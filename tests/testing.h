@@ -1,0 +1,51 @@
+// Test helpers: owned tensors with fresh random contents, and a float64 finite-difference
+// gradient checker shared by every backward test.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moefold/core/tensor.h"
+
+namespace moefold::testing {
+
+// Owns the storage of the tensors it hands out (kept alive until the pool dies).
+class Pool {
+ public:
+  Tensor zeros(Shape shape, DType dtype = DType::f64);
+  // Normal(0, std) with a fresh seed per call (seeded from the test's random seed).
+  Tensor randn(Shape shape, DType dtype = DType::f64, double std = 1.0);
+  Tensor uniform(Shape shape, double lo, double hi, DType dtype = DType::f64);
+  Tensor ints(Shape shape, int32_t lo, int32_t hi);  // i32 uniform in [lo, hi)
+  Tensor clone(const Tensor& t);
+
+ private:
+  std::vector<std::unique_ptr<double[]>> bufs_;
+};
+
+// A seed that differs between runs (fresh inputs each run) unless MOEFOLD_TEST_SEED is set;
+// printed on failure through SCOPED_TRACE by the helpers that use it.
+uint64_t fresh_seed();
+
+// sum_i a_i * b_i over float tensors of equal numel.
+double dot(const Tensor& a, const Tensor& b);
+double max_abs_diff(const Tensor& a, const Tensor& b);
+double max_abs(const Tensor& a);
+
+struct GradCheckOptions {
+  double eps = 1e-6;   // central difference step
+  double rtol = 1e-5;  // |fd - analytic| <= atol + rtol * max(|fd|, |analytic|)
+  double atol = 1e-7;
+};
+
+// For every element x_i of `x` (f64): fd_i = (loss(x + eps e_i) - loss(x - eps e_i)) / (2 eps),
+// EXPECTs fd_i to match analytic_i. `x` is restored afterwards.
+void check_gradient(const std::string& what, const Tensor& x, const Tensor& analytic,
+                    const std::function<double()>& loss, GradCheckOptions opts = {});
+
+}  // namespace moefold::testing
