@@ -1,0 +1,49 @@
+// SwiGLU on a fused gate|up input: h = silu(g) * u with silu(g) = g * sigmoid(g).
+// Backward: dg = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))), du = dh * silu(g).
+#include <cmath>
+
+#include "moefold/ops/ops.h"
+
+namespace moefold {
+
+namespace {
+void check_swiglu(const Tensor& gu, const Tensor& h) {
+  MF_CHECK(gu.ndim() == 2 && h.ndim() == 2 && gu.size(0) == h.size(0) && gu.size(1) == 2 * h.size(1), "swiglu: ",
+           gu.str(), " -> ", h.str());
+  MF_CHECK(gu.contiguous() && h.contiguous() && gu.dtype() == h.dtype());
+}
+}  // namespace
+
+void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF) {
+  check_swiglu(gu_N2F, h_NF);
+  const int64_t n = h_NF.size(0), f = h_NF.size(1);
+  dispatch_float(h_NF.dtype(), [&]<class T>() {
+    const T* gu = gu_N2F.ptr<T>();
+    T* h = h_NF.ptr<T>();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < f; ++j) {
+        T g = gu[i * 2 * f + j], u = gu[i * 2 * f + f + j];
+        h[i * f + j] = g / (T(1) + std::exp(-g)) * u;
+      }
+  });
+}
+
+void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F) {
+  check_swiglu(gu_N2F, dh_NF);
+  check_shape(dgu_N2F, gu_N2F.shape(), "swiglu_backward dgu");
+  const int64_t n = dh_NF.size(0), f = dh_NF.size(1);
+  dispatch_float(dh_NF.dtype(), [&]<class T>() {
+    const T* gu = gu_N2F.ptr<T>();
+    const T* dh = dh_NF.ptr<T>();
+    T* dgu = dgu_N2F.ptr<T>();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < f; ++j) {
+        T g = gu[i * 2 * f + j], u = gu[i * 2 * f + f + j], d = dh[i * f + j];
+        T sig = T(1) / (T(1) + std::exp(-g));
+        dgu[i * 2 * f + j] = d * u * sig * (T(1) + g * (T(1) - sig));
+        dgu[i * 2 * f + f + j] = d * g * sig;
+      }
+  });
+}
+
+}  // namespace moefold
