@@ -1,1 +1,113 @@
-int main() { return 0; }
+// The moefold command line: train, info, prepare. User mistakes end in one line on stderr
+// ("moefold: error: ...") and exit code 1; usage mistakes exit 2 (CLI11's convention is kept).
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "moefold/core/error.h"
+#include "moefold/data/prepare.h"
+#include "moefold/model/config.h"
+#include "moefold/train/run.h"
+
+namespace {
+
+using namespace moefold;
+namespace fs = std::filesystem;
+
+std::string new_run_dir() {
+  auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  char buf[64];
+  std::strftime(buf, sizeof buf, "runs/run-%Y%m%d-%H%M%S", std::localtime(&now));
+  return buf;
+}
+
+// The newest runs/run-* directory (for --resume without --run-dir).
+std::string newest_run_dir() {
+  std::string best;
+  std::error_code ec;
+  if (!fs::is_directory("runs", ec)) return best;
+  for (const auto& e : fs::directory_iterator("runs", ec)) {
+    std::string p = e.path().string();
+    if (e.is_directory() && e.path().filename().string().starts_with("run-") && p > best) best = p;
+  }
+  return best;
+}
+
+void print_info(const Config& c) {
+  ModelSize s = model_size(c.model, c.moe, c.train.seq_len);
+  std::printf("preset              %s\n", c.preset.c_str());
+  std::printf("architecture        %s\n", c.model.architecture.c_str());
+  std::printf("layers              %lld (hidden %lld, %lld q / %lld kv heads x %lld, vocab %lld)\n",
+              static_cast<long long>(c.model.num_hidden_layers), static_cast<long long>(c.model.hidden_size),
+              static_cast<long long>(c.model.num_attention_heads), static_cast<long long>(c.model.num_key_value_heads),
+              static_cast<long long>(c.model.head_dim), static_cast<long long>(c.model.vocab_size));
+  std::printf("experts             %lld, top-%lld, FFN %lld, %s scores\n", static_cast<long long>(c.moe.num_experts),
+              static_cast<long long>(c.moe.num_experts_per_tok), static_cast<long long>(c.moe.moe_intermediate_size),
+              c.moe.scoring_func == ScoreFunc::softmax ? "softmax" : "sigmoid");
+  std::printf("total parameters    %lld (%.3f B)\n", static_cast<long long>(s.total_params), s.total_params / 1e9);
+  std::printf("active parameters   %lld (%.3f B)\n", static_cast<long long>(s.active_params), s.active_params / 1e9);
+  std::printf("train FLOPs/token   %.4g (seq_len %lld; 3 x forward)\n", s.train_flops_per_token,
+              static_cast<long long>(c.train.seq_len));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moefold: train Mixture-of-Experts transformers"};
+  app.require_subcommand(1);
+
+  std::string config_spec;
+  std::vector<std::string> overrides;
+  auto add_config = [&](CLI::App* cmd) {
+    cmd->add_option("--config", config_spec, "preset name (tiny, qwen3-30b-a3b, qwen3-235b-a22b) or TOML file");
+    cmd->add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
+  };
+
+  CLI::App* train = app.add_subcommand("train", "train a model");
+  add_config(train);
+  RunOptions run;
+  train->add_option("--steps", run.stop_step, "train until this step (default: train.steps)");
+  train->add_option("--run-dir", run.run_dir, "run directory (default: runs/run-DATE-TIME)");
+  train->add_flag("--resume", run.resume, "continue from the latest checkpoint in the run directory");
+  train->add_flag("--quiet", run.quiet, "no progress output");
+
+  CLI::App* info = app.add_subcommand("info", "print parameter counts and FLOPs of a config");
+  add_config(info);
+
+  CLI::App* prep = app.add_subcommand("prepare", "tokenize text files or directories into a token file");
+  std::vector<std::string> inputs;
+  std::string output, format = "plain";
+  prep->add_option("inputs", inputs, "text files or directories")->required();
+  prep->add_option("-o,--output", output, "output .tokens file, or Megatron prefix with --format megatron")
+      ->required();
+  prep->add_option("--format", format, "plain (.tokens) or megatron (.bin/.idx)")
+      ->check(CLI::IsMember({"plain", "megatron"}));
+
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (*train) {
+      Config cfg = load_config(config_spec, overrides);
+      if (run.run_dir.empty()) run.run_dir = run.resume ? newest_run_dir() : new_run_dir();
+      if (run.run_dir.empty()) MF_FAIL("--resume: no run directory given and none found under runs/");
+      if (run.stop_step < -1 || run.stop_step == 0) MF_FAIL("--steps ", run.stop_step, ": must be >= 1");
+      run_training(cfg, run);
+    } else if (*info) {
+      print_info(load_config(config_spec, overrides));
+    } else if (*prep) {
+      PrepareStats s = prepare(inputs, output, format == "megatron" ? TokenFormat::megatron : TokenFormat::plain);
+      std::printf("prepared %lld files, %lld bytes -> %lld tokens in %s\n", static_cast<long long>(s.files),
+                  static_cast<long long>(s.bytes), static_cast<long long>(s.tokens), output.c_str());
+    }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "moefold: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moefold: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <string>
 
-namespace moefold {
+#include "moefold/ops/moe_ops.h"  // ScoreFunc, TopkRouting (ops sit below moe)
 
-enum class ScoreFunc : uint8_t { softmax, sigmoid };
+namespace moefold {
 
 struct MoeConfig {
   int64_t num_experts = 8;             // E, routed experts per MoE layer
@@ -21,13 +21,16 @@ struct MoeConfig {
   double capacity_factor = 0.0;        // <= 0: dropless; else capacity = ceil(cf * T * K / E) per expert
   bool pad_to_capacity = false;        // with a capacity: every expert gets exactly `capacity` rows
 
-  // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 > moe.num_experts = 8").
+  // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 must be <=
+  // moe.num_experts = 8").
   void validate() const;
   // Rows per expert under a capacity factor for T tokens (0 when dropless).
   int64_t capacity(int64_t num_tokens) const;
   // Upper bound on dispatched rows for T tokens: T*K dropless, else min(T*K, E*capacity) (or
   // E*capacity exactly with padding).
   int64_t max_rows(int64_t num_tokens) const;
+  // The router's score -> top-k probability settings.
+  TopkRouting routing() const { return {scoring_func, norm_topk_prob, routed_scaling_factor}; }
 };
 
 }  // namespace moefold

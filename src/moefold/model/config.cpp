@@ -1,0 +1,353 @@
+#include "moefold/model/config.h"
+
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <sstream>
+#include <toml++/toml.h>
+#include <variant>
+
+#include "moefold/core/error.h"
+
+namespace moefold {
+
+namespace {
+
+using Ref = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*, ScoreFunc*>;
+
+struct Field {
+  const char* section;
+  const char* key;
+  std::function<Ref(Config&)> ref;
+};
+
+#define MF_FIELD(sec, key, member) Field{#sec, key, [](Config& c) -> Ref { return &c.sec.member; }}
+
+const std::vector<Field>& fields() {
+  static const std::vector<Field> f = {
+      MF_FIELD(model, "architecture", architecture),
+      MF_FIELD(model, "vocab_size", vocab_size),
+      MF_FIELD(model, "hidden_size", hidden_size),
+      MF_FIELD(model, "num_hidden_layers", num_hidden_layers),
+      MF_FIELD(model, "num_attention_heads", num_attention_heads),
+      MF_FIELD(model, "num_key_value_heads", num_key_value_heads),
+      MF_FIELD(model, "head_dim", head_dim),
+      MF_FIELD(model, "max_position_embeddings", max_position_embeddings),
+      MF_FIELD(model, "rms_norm_eps", rms_norm_eps),
+      MF_FIELD(model, "rope_theta", rope_theta),
+      MF_FIELD(model, "initializer_range", initializer_range),
+      MF_FIELD(moe, "num_experts", num_experts),
+      MF_FIELD(moe, "num_experts_per_tok", num_experts_per_tok),
+      MF_FIELD(moe, "moe_intermediate_size", moe_intermediate_size),
+      MF_FIELD(moe, "scoring_func", scoring_func),
+      MF_FIELD(moe, "norm_topk_prob", norm_topk_prob),
+      MF_FIELD(moe, "routed_scaling_factor", routed_scaling_factor),
+      MF_FIELD(moe, "router_aux_loss_coef", aux_loss_coeff),
+      MF_FIELD(moe, "router_z_loss_coef", z_loss_coeff),
+      MF_FIELD(moe, "capacity_factor", capacity_factor),
+      MF_FIELD(moe, "pad_to_capacity", pad_to_capacity),
+      MF_FIELD(train, "seq_len", seq_len),
+      MF_FIELD(train, "micro_batch_size", micro_batch_size),
+      MF_FIELD(train, "global_batch_size", global_batch_size),
+      MF_FIELD(train, "steps", steps),
+      MF_FIELD(train, "lr", lr),
+      MF_FIELD(train, "min_lr", min_lr),
+      MF_FIELD(train, "warmup_steps", warmup_steps),
+      MF_FIELD(train, "weight_decay", weight_decay),
+      MF_FIELD(train, "adam_beta1", adam_beta1),
+      MF_FIELD(train, "adam_beta2", adam_beta2),
+      MF_FIELD(train, "adam_eps", adam_eps),
+      MF_FIELD(train, "grad_clip", grad_clip),
+      MF_FIELD(train, "eval_interval", eval_interval),
+      MF_FIELD(train, "eval_batches", eval_batches),
+      MF_FIELD(train, "checkpoint_interval", checkpoint_interval),
+      MF_FIELD(train, "seed", seed),
+      MF_FIELD(data, "path", path),
+      MF_FIELD(data, "valid_fraction", valid_fraction),
+      MF_FIELD(data, "default_corpus_dir", default_corpus_dir),
+  };
+  return f;
+}
+#undef MF_FIELD
+
+const Field* find_field(std::string_view section, std::string_view key) {
+  for (const Field& f : fields())
+    if (section == f.section && key == f.key) return &f;
+  return nullptr;
+}
+
+std::string where_of(const std::string& origin, const toml::node& n) {
+  const auto& src = n.source();
+  if (src.begin.line == 0) return origin;
+  return cat(origin, ":", src.begin.line);
+}
+
+// Assigns TOML value `n` to the field, checking its type. `what` names the place for errors.
+void assign(Config& c, const Field& f, const toml::node& n, const std::string& what) {
+  std::string name = cat(f.section, ".", f.key);
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
+          auto v = n.value_exact<int64_t>();
+          if (!v) MF_FAIL(what, ": ", name, " must be an integer");
+          if (std::is_same_v<T, uint64_t> && *v < 0) MF_FAIL(what, ": ", name, " must be >= 0, got ", *v);
+          *p = static_cast<T>(*v);
+        } else if constexpr (std::is_same_v<T, double>) {
+          auto v = n.value<double>();  // integers are accepted for floats
+          if (!v || !(n.is_floating_point() || n.is_integer())) MF_FAIL(what, ": ", name, " must be a number");
+          *p = *v;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          auto v = n.value_exact<bool>();
+          if (!v) MF_FAIL(what, ": ", name, " must be true or false");
+          *p = *v;
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          auto v = n.value_exact<std::string>();
+          if (!v) MF_FAIL(what, ": ", name, " must be a string");
+          *p = *v;
+        } else if constexpr (std::is_same_v<T, ScoreFunc>) {
+          auto v = n.value_exact<std::string>();
+          if (v && *v == "softmax")
+            *p = ScoreFunc::softmax;
+          else if (v && *v == "sigmoid")
+            *p = ScoreFunc::sigmoid;
+          else
+            MF_FAIL(what, ": ", name, " must be \"softmax\" or \"sigmoid\"");
+        }
+      },
+      f.ref(c));
+}
+
+void apply_table(Config& c, const toml::table& root, const std::string& origin) {
+  for (const auto& [key, node] : root) {
+    std::string k(key.str());
+    if (k == "preset") continue;  // consumed by load_config
+    const toml::table* sec = node.as_table();
+    if (!sec) {
+      if (k == "model" || k == "moe" || k == "train" || k == "data")
+        MF_FAIL(where_of(origin, node), ": '", k, "' must be a [", k, "] section");
+      MF_FAIL(where_of(origin, node), ": unknown key '", k, "' (sections: [model], [moe], [train], [data])");
+    }
+    if (k == "parallel")
+      MF_FAIL(where_of(origin, node), ": section [parallel] is not supported yet (single process only)");
+    for (const auto& [sk, sn] : *sec) {
+      const Field* f = find_field(k, sk.str());
+      if (!f) {
+        if (k != "model" && k != "moe" && k != "train" && k != "data")
+          MF_FAIL(where_of(origin, node), ": unknown section [", k, "]");
+        MF_FAIL(where_of(origin, sn), ": unknown key '", k, ".", sk.str(), "'");
+      }
+      assign(c, *f, sn, where_of(origin, sn));
+    }
+  }
+}
+
+void apply_override(Config& c, const std::string& ov) {
+  std::string what = cat("--set ", ov);
+  auto eq = ov.find('=');
+  auto dot = ov.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq)
+    MF_FAIL(what, ": expected section.key=value");
+  std::string section = ov.substr(0, dot), key = ov.substr(dot + 1, eq - dot - 1), value = ov.substr(eq + 1);
+  const Field* f = find_field(section, key);
+  if (!f) MF_FAIL(what, ": unknown key '", section, ".", key, "'");
+  toml::table t;
+  try {
+    t = toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+    t = toml::table{{"v", value}};  // a bare word: a string
+  }
+  assign(c, *f, *t.get("v"), what);
+}
+
+}  // namespace
+
+void ModelConfig::validate() const {
+  if (architecture != "qwen3_moe")
+    MF_FAIL("model.architecture = '", architecture, "' is not supported (supported: qwen3_moe)");
+  auto positive = [](const char* k, int64_t v) {
+    if (v < 1) MF_FAIL("model.", k, " = ", v, " must be >= 1");
+  };
+  positive("vocab_size", vocab_size);
+  positive("hidden_size", hidden_size);
+  positive("num_hidden_layers", num_hidden_layers);
+  positive("num_attention_heads", num_attention_heads);
+  positive("num_key_value_heads", num_key_value_heads);
+  positive("head_dim", head_dim);
+  positive("max_position_embeddings", max_position_embeddings);
+  if (num_attention_heads % num_key_value_heads != 0)
+    MF_FAIL("model.num_key_value_heads = ", num_key_value_heads, " does not divide model.num_attention_heads = ",
+            num_attention_heads);
+  if (head_dim % 2 != 0) MF_FAIL("model.head_dim = ", head_dim, " must be even (rotary embedding)");
+  if (!(rms_norm_eps > 0)) MF_FAIL("model.rms_norm_eps = ", rms_norm_eps, " must be > 0");
+  if (!(rope_theta > 0)) MF_FAIL("model.rope_theta = ", rope_theta, " must be > 0");
+  if (!(initializer_range > 0)) MF_FAIL("model.initializer_range = ", initializer_range, " must be > 0");
+}
+
+void TrainConfig::validate() const {
+  auto positive = [](const char* k, int64_t v) {
+    if (v < 1) MF_FAIL("train.", k, " = ", v, " must be >= 1");
+  };
+  positive("seq_len", seq_len);
+  positive("micro_batch_size", micro_batch_size);
+  positive("global_batch_size", global_batch_size);
+  positive("steps", steps);
+  positive("eval_batches", eval_batches);
+  if (global_batch_size % micro_batch_size != 0)
+    MF_FAIL("train.micro_batch_size = ", micro_batch_size, " does not divide train.global_batch_size = ",
+            global_batch_size);
+  if (!(lr > 0) || !std::isfinite(lr)) MF_FAIL("train.lr = ", lr, " must be > 0");
+  if (!(min_lr >= 0) || min_lr > lr) MF_FAIL("train.min_lr = ", min_lr, " must be in [0, train.lr = ", lr, "]");
+  if (warmup_steps < 0) MF_FAIL("train.warmup_steps = ", warmup_steps, " must be >= 0");
+  if (!(weight_decay >= 0)) MF_FAIL("train.weight_decay = ", weight_decay, " must be >= 0");
+  if (!(adam_beta1 >= 0 && adam_beta1 < 1)) MF_FAIL("train.adam_beta1 = ", adam_beta1, " must be in [0, 1)");
+  if (!(adam_beta2 >= 0 && adam_beta2 < 1)) MF_FAIL("train.adam_beta2 = ", adam_beta2, " must be in [0, 1)");
+  if (!(adam_eps > 0)) MF_FAIL("train.adam_eps = ", adam_eps, " must be > 0");
+  if (!std::isfinite(grad_clip)) MF_FAIL("train.grad_clip = ", grad_clip, " must be finite");
+  if (eval_interval < 0) MF_FAIL("train.eval_interval = ", eval_interval, " must be >= 0");
+  if (checkpoint_interval < 0) MF_FAIL("train.checkpoint_interval = ", checkpoint_interval, " must be >= 0");
+}
+
+void DataConfig::validate() const {
+  if (!(valid_fraction >= 0 && valid_fraction < 0.5))
+    MF_FAIL("data.valid_fraction = ", valid_fraction, " must be in [0, 0.5)");
+}
+
+void Config::validate() const {
+  model.validate();
+  moe.validate();
+  train.validate();
+  data.validate();
+  if (train.seq_len > model.max_position_embeddings)
+    MF_FAIL("train.seq_len = ", train.seq_len, " exceeds model.max_position_embeddings = ",
+            model.max_position_embeddings);
+}
+
+std::vector<std::string> preset_names() { return {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b"}; }
+
+Config preset_config(const std::string& name) {
+  Config c;  // the defaults are the tiny preset
+  c.preset = name;
+  if (name == "tiny") return c;
+  if (name == "qwen3-30b-a3b" || name == "qwen3-235b-a22b") {
+    // Shapes from the models' published config.json (see ../shared/BENCHMARKS.md).
+    bool big = name == "qwen3-235b-a22b";
+    c.model.vocab_size = 151936;
+    c.model.hidden_size = big ? 4096 : 2048;
+    c.model.num_hidden_layers = big ? 94 : 48;
+    c.model.num_attention_heads = big ? 64 : 32;
+    c.model.num_key_value_heads = 4;
+    c.model.head_dim = 128;
+    c.model.max_position_embeddings = 40960;
+    c.model.rope_theta = 1e6;
+    c.moe.num_experts = 128;
+    c.moe.num_experts_per_tok = 8;
+    c.moe.moe_intermediate_size = big ? 1536 : 768;
+    c.moe.norm_topk_prob = true;
+    c.moe.aux_loss_coeff = 1e-3;
+    c.train.seq_len = 4096;
+    c.train.micro_batch_size = 1;
+    c.train.global_batch_size = 1024;
+    c.train.lr = 3e-4;
+    c.train.min_lr = 3e-5;
+    c.train.warmup_steps = 2000;
+    c.train.steps = 100000;
+    c.train.eval_interval = 1000;
+    c.train.checkpoint_interval = 1000;
+    return c;
+  }
+  std::string known;
+  for (const auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
+  MF_FAIL("unknown preset '", name, "' (known: ", known, ")");
+}
+
+Config load_config(const std::string& spec, const std::vector<std::string>& overrides) {
+  Config c;
+  bool is_file = spec.ends_with(".toml") || spec.find('/') != std::string::npos ||
+                 std::filesystem::is_regular_file(spec);
+  if (spec.empty()) {
+    c = preset_config("tiny");
+  } else if (!is_file) {
+    c = preset_config(spec);
+  } else {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(spec, ec)) MF_FAIL(spec, ": config file not found");
+    toml::table root;
+    try {
+      root = toml::parse_file(spec);
+    } catch (const toml::parse_error& e) {
+      MF_FAIL(spec, ":", e.source().begin.line, ": TOML syntax error: ", e.description());
+    }
+    std::string base = "tiny";
+    if (const toml::node* p = root.get("preset")) {
+      auto v = p->value_exact<std::string>();
+      if (!v) MF_FAIL(where_of(spec, *p), ": preset must be a string");
+      base = *v;
+    }
+    try {
+      c = preset_config(base);
+    } catch (const Error& e) {
+      MF_FAIL(spec, ": ", e.what());
+    }
+    apply_table(c, root, spec);
+  }
+  for (const std::string& ov : overrides) apply_override(c, ov);
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    if (is_file) MF_FAIL(spec, ": ", e.what());
+    throw;
+  }
+  return c;
+}
+
+std::string config_to_toml(const Config& cc) {
+  Config& c = const_cast<Config&>(cc);  // fields() hands out mutable refs; nothing is written here
+  std::ostringstream os;
+  os.precision(17);
+  os << "preset = \"" << c.preset << "\"\n";
+  std::string section;
+  for (const Field& f : fields()) {
+    if (section != f.section) {
+      section = f.section;
+      os << "\n[" << section << "]\n";
+    }
+    os << f.key << " = ";
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, std::string>)
+            os << toml::value<std::string>(*p);
+          else if constexpr (std::is_same_v<T, bool>)
+            os << (*p ? "true" : "false");
+          else if constexpr (std::is_same_v<T, ScoreFunc>)
+            os << (*p == ScoreFunc::softmax ? "\"softmax\"" : "\"sigmoid\"");
+          else if constexpr (std::is_same_v<T, double>)
+            os << toml::value<double>(*p);
+          else
+            os << *p;
+        },
+        f.ref(c));
+    os << "\n";
+  }
+  return os.str();
+}
+
+ModelSize model_size(const ModelConfig& m, const MoeConfig& e, int64_t seq_len) {
+  const int64_t h = m.hidden_size, q_dim = m.num_attention_heads * m.head_dim,
+                kv_dim = m.num_key_value_heads * m.head_dim;
+  const int64_t attn = h * (q_dim + 2 * kv_dim) + q_dim * h + 2 * m.head_dim;  // + q/k norms
+  const int64_t norms = 2 * h;
+  const int64_t router = e.num_experts * h;
+  const int64_t expert = 3 * h * e.moe_intermediate_size;
+  const int64_t embed = m.vocab_size * h, head = m.vocab_size * h;
+  ModelSize s;
+  s.total_params = embed + head + h + m.num_hidden_layers * (attn + norms + router + e.num_experts * expert);
+  s.active_params = embed + head + h + m.num_hidden_layers * (attn + norms + router + e.num_experts_per_tok * expert);
+  const double attn_fwd = 2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h + 2.0 * seq_len * q_dim;
+  const double moe_fwd = 2.0 * h * e.num_experts + 6.0 * e.num_experts_per_tok * h * e.moe_intermediate_size;
+  s.train_flops_per_token = 3.0 * (m.num_hidden_layers * (attn_fwd + moe_fwd) + 2.0 * h * m.vocab_size);
+  return s;
+}
+
+}  // namespace moefold

@@ -1,0 +1,21 @@
+// The parameter table under Hugging Face names. Experts are stored fused for the grouped GEMM
+// ("<mlp>.experts.gate_up_proj" [E, 2F, H], "<mlp>.experts.down_proj" [E, H, F]); on disk they
+// are the per-expert tensors of the Hub checkpoints ("<mlp>.experts.{e}.gate_proj.weight" ...).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "moefold/core/memory.h"
+
+namespace moefold {
+
+struct NamedView {
+  std::string name;
+  Tensor value;  // a view into the parameter (or its gradient)
+};
+
+// The Hugging Face tensors that make up parameter `p` (one view, or 2E / E views for experts).
+std::vector<NamedView> hf_views(const Param& p);
+
+}  // namespace moefold

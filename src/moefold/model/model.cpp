@@ -1,0 +1,149 @@
+#include "moefold/model/model.h"
+
+#include "moefold/core/rng.h"
+#include "moefold/ops/ops.h"
+
+namespace moefold {
+
+namespace {
+Tensor grad_of(Memory& mem, const std::string& name) {
+  const Param* p = mem.find(name);
+  MF_CHECK(p != nullptr, name);
+  return p->grad;
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+}  // namespace
+
+DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t index)
+    : m_(m),
+      t_(batch * seq_len),
+      prefix_(cat("model.layers.", index)),
+      attn_(m, batch, seq_len, prefix_ + ".self_attn"),
+      moe_(e, m.hidden_size, batch * seq_len, prefix_ + ".mlp") {
+  moe_.set_init_std(m.initializer_range);
+}
+
+void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
+                        const Tensor& dn_TH, const Tensor& tmp_TH) {
+  const int64_t h = m_.hidden_size;
+  norm1_ = mem.param(prefix_ + ".input_layernorm.weight", {h}, Init::ones, 0, false);
+  dnorm1_ = grad_of(mem, prefix_ + ".input_layernorm.weight");
+  attn_.bind(mem, cos_SD, sin_SD, scratch);
+  norm2_ = mem.param(prefix_ + ".post_attention_layernorm.weight", {h}, Init::ones, 0, false);
+  dnorm2_ = grad_of(mem, prefix_ + ".post_attention_layernorm.weight");
+  moe_.bind(mem);
+  dn_TH_ = dn_TH;
+  tmp_TH_ = tmp_TH;
+  n1_TH_ = mem.act({t_, h});
+  rstd1_T_ = mem.act({t_});
+  a_TH_ = mem.act({t_, h});
+  h_TH_ = mem.act({t_, h});
+  n2_TH_ = mem.act({t_, h});
+  rstd2_T_ = mem.act({t_});
+  m_TH_ = mem.act({t_, h});
+}
+
+void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
+  x_ = x_TH;
+  rmsnorm_forward(x_TH, norm1_, m_.rms_norm_eps, n1_TH_, rstd1_T_);
+  attn_.forward(n1_TH_, a_TH_);
+  h_TH_.copy_from(x_TH);
+  add_inplace(h_TH_, a_TH_);
+  rmsnorm_forward(h_TH_, norm2_, m_.rms_norm_eps, n2_TH_, rstd2_T_);
+  moe_.forward(n2_TH_, m_TH_);
+  out_TH.copy_from(h_TH_);
+  add_inplace(out_TH, m_TH_);
+}
+
+void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
+  moe_.backward(dres_TH, dn_TH_, moe_loss_scale);
+  rmsnorm_backward(h_TH_, norm2_, rstd2_T_, dn_TH_, tmp_TH_, dnorm2_);
+  add_inplace(dres_TH, tmp_TH_);  // d(h)
+  attn_.backward(dres_TH, dn_TH_);
+  rmsnorm_backward(x_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
+  add_inplace(dres_TH, tmp_TH_);  // d(x)
+}
+
+Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len)
+    : m_(m), e_(e), b_(micro_batch), s_(seq_len), t_(micro_batch * seq_len) {
+  for (int64_t l = 0; l < m.num_hidden_layers; ++l)
+    layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, seq_len, l));
+}
+
+void Model::bind(Memory& mem) {
+  const int64_t h = m_.hidden_size, v = m_.vocab_size;
+  const double std = m_.initializer_range;
+  embed_ = mem.param("model.embed_tokens.weight", {v, h}, Init::normal, std, true);
+  dembed_ = grad_of(mem, "model.embed_tokens.weight");
+  cos_SD_ = mem.act({s_, m_.head_dim});
+  sin_SD_ = mem.act({s_, m_.head_dim});
+  scratch_.bind(mem, m_, t_, s_);
+  dn_TH_ = mem.act({t_, h});
+  tmp_TH_ = mem.act({t_, h});
+  res_.clear();
+  for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({t_, h}));
+  for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, dn_TH_, tmp_TH_);
+  norm_ = mem.param("model.norm.weight", {h}, Init::ones, 0, false);
+  dnorm_ = grad_of(mem, "model.norm.weight");
+  lm_head_ = mem.param("lm_head.weight", {v, h}, Init::normal, std, true);
+  dlm_head_ = grad_of(mem, "lm_head.weight");
+  ids_ = Tensor();
+  targets_ = Tensor();
+  nf_TH_ = mem.act({t_, h});
+  rstdf_T_ = mem.act({t_});
+  logits_TV_ = mem.act({t_, v});
+  lse_T_ = mem.act({t_});
+  dlogits_TV_ = mem.act({t_, v});
+  dnf_TH_ = mem.act({t_, h});
+  dres_TH_ = mem.act({t_, h});
+  if (!mem.measuring()) rope_table(m_.rope_theta, cos_SD_, sin_SD_);
+}
+
+void Model::init_params(std::vector<Param>& params, uint64_t seed) {
+  for (Param& p : params) {
+    switch (p.init) {
+      case Init::zeros: fill_constant(p.value, 0.0); break;
+      case Init::ones: fill_constant(p.value, 1.0); break;
+      case Init::normal: fill_normal(p.value, seed, fnv1a(p.name), 0.0, p.init_std); break;
+    }
+  }
+}
+
+double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS) {
+  check_shape(ids_BS, {b_, s_}, "model input ids");
+  check_shape(targets_BS, {b_, s_}, "model targets");
+  ids_ = ids_BS.view({t_});
+  targets_ = targets_BS.view({t_});
+  embedding_forward(ids_, embed_, res_[0]);
+  for (int64_t l = 0; l < num_layers(); ++l) layers_[l]->forward(res_[l], res_[l + 1]);
+  rmsnorm_forward(res_.back(), norm_, m_.rms_norm_eps, nf_TH_, rstdf_T_);
+  linear_forward(nf_TH_, lm_head_, logits_TV_);
+  return cross_entropy_forward(logits_TV_, targets_, lse_T_);
+}
+
+void Model::backward(double lm_grad_scale, double moe_loss_scale) {
+  cross_entropy_backward(logits_TV_, targets_, lse_T_, lm_grad_scale, dlogits_TV_);
+  linear_backward(nf_TH_, lm_head_, dlogits_TV_, dnf_TH_, dlm_head_);
+  rmsnorm_backward(res_.back(), norm_, rstdf_T_, dnf_TH_, dres_TH_, dnorm_);
+  for (int64_t l = num_layers() - 1; l >= 0; --l) layers_[l]->backward(dres_TH_, moe_loss_scale);
+  embedding_backward(ids_, dres_TH_, dembed_);
+}
+
+double Model::aux_loss() const {
+  double s = 0;
+  for (const auto& l : layers_) s += l->moe().aux_loss();
+  return s;
+}
+
+double Model::z_loss() const {
+  double s = 0;
+  for (const auto& l : layers_) s += l->moe().z_loss();
+  return s;
+}
+
+}  // namespace moefold

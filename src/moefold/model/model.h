@@ -1,0 +1,75 @@
+// The decoder-only Qwen3-MoE model: embedding; N x [RMSNorm -> attention -> residual ->
+// RMSNorm -> MoE -> residual]; final RMSNorm; untied LM head; softmax cross-entropy.
+// forward() keeps every activation backward needs (one micro-batch); backward() accumulates
+// parameter gradients. The model knows nothing of parallelism (STYLE.md, item 4).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moefold/core/memory.h"
+#include "moefold/model/attention.h"
+#include "moefold/model/config.h"
+#include "moefold/moe/moe_layer.h"
+
+namespace moefold {
+
+class DecoderLayer {
+ public:
+  DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t index);
+  void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
+            const Tensor& dn_TH, const Tensor& tmp_TH);
+  // x_TH -> out_TH (written); x_TH must stay unchanged until backward.
+  void forward(const Tensor& x_TH, const Tensor& out_TH);
+  // On entry dres_TH = d(out); on exit d(x). moe_loss_scale weights the router losses.
+  void backward(const Tensor& dres_TH, double moe_loss_scale);
+  const MoeLayer& moe() const { return moe_; }
+
+ private:
+  ModelConfig m_;
+  int64_t t_;
+  std::string prefix_;
+  Attention attn_;
+  MoeLayer moe_;
+  Tensor norm1_, norm2_, dnorm1_, dnorm2_;
+  Tensor dn_TH_, tmp_TH_;  // shared backward workspaces
+  Tensor x_, n1_TH_, rstd1_T_, a_TH_, h_TH_, n2_TH_, rstd2_T_, m_TH_;
+};
+
+class Model {
+ public:
+  // REQUIRES: valid configs (Config::validate).
+  Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len);
+
+  void bind(Memory& mem);
+  // Fills every parameter from its init rule: element i of parameter p gets
+  // normal(seed, stream = hash(p.name), i) * init_std (or ones / zeros).
+  static void init_params(std::vector<Param>& params, uint64_t seed);
+
+  // One micro-batch: ids_BS/targets_BS are i32 [B, S]. Returns the SUM of the token losses.
+  double forward(const Tensor& ids_BS, const Tensor& targets_BS);
+  // lm_grad_scale multiplies d(sum of token losses); moe_loss_scale multiplies the router losses
+  // of this micro-batch (1 / micro-batches per step).
+  void backward(double lm_grad_scale, double moe_loss_scale);
+
+  // Router losses of the last forward, summed over layers (already times their coefficients).
+  double aux_loss() const;
+  double z_loss() const;
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  const MoeLayer& moe(int64_t layer) const { return layers_[layer]->moe(); }
+  int64_t tokens() const { return t_; }
+
+ private:
+  ModelConfig m_;
+  MoeConfig e_;
+  int64_t b_, s_, t_;
+  std::vector<std::unique_ptr<DecoderLayer>> layers_;
+  AttentionScratch scratch_;
+  Tensor embed_, dembed_, norm_, dnorm_, lm_head_, dlm_head_;
+  Tensor cos_SD_, sin_SD_;
+  std::vector<Tensor> res_;  // residual stream: res_[l] is the input of layer l, res_[L] the output
+  Tensor ids_, targets_, nf_TH_, rstdf_T_, logits_TV_, lse_T_, dlogits_TV_, dnf_TH_, dres_TH_, dn_TH_, tmp_TH_;
+};
+
+}  // namespace moefold

@@ -1,0 +1,58 @@
+// LocalDispatcher: permute / combine on one process through the moe_ops reference ops.
+#include "moefold/moe/dispatcher.h"
+
+#include "moefold/ops/moe_ops.h"
+
+namespace moefold {
+
+LocalDispatcher::LocalDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens)
+    : cfg_(cfg), hidden_(hidden), max_tokens_(max_tokens) {
+  MF_CHECK(hidden >= 1 && max_tokens >= 0, "LocalDispatcher: hidden ", hidden, ", max_tokens ", max_tokens);
+}
+
+void LocalDispatcher::bind(Memory& mem) {
+  const int64_t e_n = cfg_.num_experts, r_max = max_rows();
+  counts_E_ = mem.act({e_n}, DType::i64);
+  offsets_E1_ = mem.act({e_n + 1}, DType::i64);
+  row_TK_ = mem.act({max_tokens_, cfg_.num_experts_per_tok}, DType::i64);
+  token_R_ = mem.act({r_max}, DType::i64);
+  rows_RH_ = mem.act({r_max, hidden_});
+  plan_ = DispatchPlan{};
+}
+
+const DispatchPlan& LocalDispatcher::dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK,
+                                              const Tensor& topk_prob_TK) {
+  const int64_t t_n = x_TH.size(0);
+  MF_CHECK(x_TH.ndim() == 2 && x_TH.size(1) == hidden_ && t_n <= max_tokens_, "dispatch: x ", x_TH.str(),
+           " for hidden ", hidden_, ", max_tokens ", max_tokens_);
+  check_shape(topk_idx_TK, {t_n, cfg_.num_experts_per_tok}, "dispatch topk_idx");
+  DispatchPlan& p = plan_;
+  p.num_tokens = t_n;
+  p.capacity = cfg_.capacity(t_n);
+  p.counts_E = counts_E_;
+  p.offsets_E1 = offsets_E1_;
+  p.row_TK = row_TK_.slice(0, t_n);
+  p.num_rows =
+      moe_permute_plan(topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
+                       PermutePlanOut{p.counts_E, p.offsets_E1, p.row_TK, token_R_});
+  p.token_R = token_R_.slice(0, p.num_rows);
+  p.rows_RH = rows_RH_.slice(0, p.num_rows);
+  p.topk_prob_TK = topk_prob_TK;
+  moe_permute(x_TH, p.token_R, p.rows_RH);
+  return p;
+}
+
+void LocalDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan, const Tensor& y_TH) {
+  moe_combine(out_RH, plan.row_TK, plan.topk_prob_TK, y_TH);
+}
+
+void LocalDispatcher::combine_backward(const Tensor& dy_TH, const Tensor& out_RH, const DispatchPlan& plan,
+                                       const Tensor& dout_RH, const Tensor& dprob_TK) {
+  moe_combine_backward(out_RH, plan.row_TK, plan.topk_prob_TK, dy_TH, dout_RH, dprob_TK);
+}
+
+void LocalDispatcher::dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) {
+  moe_permute_backward(drows_RH, plan.row_TK, dx_TH);
+}
+
+}  // namespace moefold

@@ -1,0 +1,81 @@
+// Token dispatchers (STYLE.md item 6): dispatch() moves each token's k assignments to
+// expert-contiguous rows and returns a DispatchPlan; combine() consumes that plan to bring the
+// expert outputs back, weighted by the router's probabilities. Backends (local now; all-to-all
+// over EP ranks later) implement the same calls, so MoeLayer knows nothing of parallelism.
+// Gradient rule: every backward here WRITES its activation gradients (no parameters).
+// Shape letters: T tokens, H hidden, K top-k, E (local) experts, R rows handed to the experts.
+#pragma once
+
+#include <cstdint>
+
+#include "moefold/core/memory.h"
+#include "moefold/moe/moe_config.h"
+
+namespace moefold {
+
+// Who goes where, computed once in forward and reused by combine and by backward. Views are
+// sized to the last dispatch (T tokens, R rows) and live in the dispatcher's bound buffers.
+struct DispatchPlan {
+  int64_t num_tokens = 0;  // T of the last dispatch
+  int64_t num_rows = 0;    // R: rows handed to the local experts, padding included
+  int64_t capacity = 0;    // rows kept per expert (0: dropless)
+  Tensor counts_E;         // i64 [E]: rows per local expert (padding included)
+  Tensor offsets_E1;       // i64 [E+1]: first row of each local expert; offsets_E1[E] = R
+  Tensor row_TK;           // i64 [T, K]: row of assignment (t, k); -1 when dropped by capacity
+  Tensor token_R;          // i64 [R]: source token of each row; -1 for a padding row
+  Tensor rows_RH;          // [R, H]: the dispatched rows (padding rows are zero)
+  Tensor topk_prob_TK;     // the combine weights given to dispatch() (a view of the caller's)
+};
+
+class Dispatcher {
+ public:
+  virtual ~Dispatcher() = default;
+
+  // Plans the dispatcher's buffers (plan, rows); called in both binding passes of a Memory.
+  virtual void bind(Memory& mem) = 0;
+  // Experts held here: the leading dimension of the expert weights fed by the rows.
+  virtual int64_t num_local_experts() const = 0;
+  // Most rows dispatch() can hand to the local experts (sizes the expert activations).
+  virtual int64_t max_rows() const = 0;
+
+  // Routes x_TH to expert-contiguous rows. topk_idx_TK (i32) and topk_prob_TK come from the
+  // router. REQUIRES: T <= max_tokens; topk_prob_TK stays unchanged until combine_backward (the
+  // plan keeps a view). The plan is valid until the next dispatch().
+  virtual const DispatchPlan& dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) = 0;
+  // y_TH[t] = sum_k prob_tk * out_RH[row(t, k)] (dropped assignments add 0); y written.
+  virtual void combine(const Tensor& out_RH, const DispatchPlan& plan, const Tensor& y_TH) = 0;
+
+  // dout_RH[row(t, k)] = prob_tk * dy_t (padding rows 0) and dprob_TK[t, k] = <dy_t, out_RH[row]>
+  // (0 when dropped); both written.
+  virtual void combine_backward(const Tensor& dy_TH, const Tensor& out_RH, const DispatchPlan& plan,
+                                const Tensor& dout_RH, const Tensor& dprob_TK) = 0;
+  // dx_TH[t] = sum_k drows_RH[row(t, k)]; dx written.
+  virtual void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) = 0;
+};
+
+// All experts on this process: the permutation is the whole dispatch.
+class LocalDispatcher final : public Dispatcher {
+ public:
+  // REQUIRES: cfg.validate() passes.
+  LocalDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens);
+
+  void bind(Memory& mem) override;
+  int64_t num_local_experts() const override { return cfg_.num_experts; }
+  int64_t max_rows() const override { return cfg_.max_rows(max_tokens_); }
+
+  const DispatchPlan& dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) override;
+  void combine(const Tensor& out_RH, const DispatchPlan& plan, const Tensor& y_TH) override;
+  void combine_backward(const Tensor& dy_TH, const Tensor& out_RH, const DispatchPlan& plan, const Tensor& dout_RH,
+                        const Tensor& dprob_TK) override;
+  void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) override;
+
+ private:
+  MoeConfig cfg_;
+  int64_t hidden_;
+  int64_t max_tokens_;
+  // Buffers sized for max_tokens; plan_ holds views of their first T / R rows.
+  Tensor counts_E_, offsets_E1_, row_TK_, token_R_, rows_RH_;
+  DispatchPlan plan_;
+};
+
+}  // namespace moefold

@@ -1,0 +1,57 @@
+// Routed SwiGLU experts over expert-contiguous rows: grouped_linear -> swiglu -> grouped_linear.
+#include "moefold/moe/experts.h"
+
+#include <utility>
+
+#include "moefold/ops/moe_ops.h"
+#include "moefold/ops/ops.h"
+
+namespace moefold {
+
+Experts::Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_rows, std::string prefix,
+                 double init_std)
+    : num_experts_(num_experts),
+      hidden_(hidden),
+      ffn_(ffn),
+      max_rows_(max_rows),
+      prefix_(std::move(prefix)),
+      init_std_(init_std) {
+  MF_CHECK(num_experts >= 1 && hidden >= 1 && ffn >= 1 && max_rows >= 0, "Experts: E ", num_experts, ", H ", hidden,
+           ", F ", ffn, ", max_rows ", max_rows);
+}
+
+void Experts::bind(Memory& mem) {
+  gate_up_E2FH_ = mem.param(prefix_ + ".experts.gate_up_proj", {num_experts_, 2 * ffn_, hidden_}, Init::normal,
+                            init_std_, true);
+  down_EHF_ = mem.param(prefix_ + ".experts.down_proj", {num_experts_, hidden_, ffn_}, Init::normal, init_std_, true);
+  if (!mem.measuring()) {
+    dgate_up_E2FH_ = mem.find(prefix_ + ".experts.gate_up_proj")->grad;
+    ddown_EHF_ = mem.find(prefix_ + ".experts.down_proj")->grad;
+  }
+  gu_R2F_ = mem.act({max_rows_, 2 * ffn_});
+  h_RF_ = mem.act({max_rows_, ffn_});
+  dh_RF_ = mem.act({max_rows_, ffn_});
+  dgu_R2F_ = mem.act({max_rows_, 2 * ffn_});
+}
+
+void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH) {
+  const int64_t r_n = rows_RH.size(0);
+  MF_CHECK(r_n <= max_rows_, "Experts: ", r_n, " rows > max_rows ", max_rows_);
+  const Tensor gu = gu_R2F_.slice(0, r_n), h = h_RF_.slice(0, r_n);
+  grouped_linear_forward(rows_RH, gate_up_E2FH_, offsets_E1, gu);
+  swiglu_forward(gu, h);
+  grouped_linear_forward(h, down_EHF_, offsets_E1, out_RH);
+}
+
+void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH,
+                       const Tensor& drows_RH) {
+  const int64_t r_n = rows_RH.size(0);
+  MF_CHECK(r_n <= max_rows_, "Experts: ", r_n, " rows > max_rows ", max_rows_);
+  const Tensor gu = gu_R2F_.slice(0, r_n), h = h_RF_.slice(0, r_n);
+  const Tensor dh = dh_RF_.slice(0, r_n), dgu = dgu_R2F_.slice(0, r_n);
+  grouped_linear_backward(h, down_EHF_, offsets_E1, dout_RH, dh, ddown_EHF_);
+  swiglu_backward(gu, dh, dgu);
+  grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_);
+}
+
+}  // namespace moefold

@@ -1,0 +1,41 @@
+// Routed experts: E SwiGLU MLPs run as a grouped GEMM over expert-contiguous rows (CPU: one gemm
+// per expert), out = down(silu(gate(x)) * up(x)). Parameters use Hugging Face's fused layout.
+// Gradient rule: drows written; parameter grads accumulated. Experts with no rows are skipped.
+// Shape letters: R rows, H hidden, F expert FFN, E local experts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "moefold/core/memory.h"
+
+namespace moefold {
+
+class Experts {
+ public:
+  // prefix: e.g. "model.layers.3.mlp"; max_rows bounds R (Dispatcher::max_rows()).
+  Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_rows, std::string prefix, double init_std);
+
+  // "<prefix>.experts.gate_up_proj" [E, 2F, H] (rows 0..F-1 of each expert: gate_proj, F..2F-1:
+  // up_proj) and "<prefix>.experts.down_proj" [E, H, F]; plus the saved activations.
+  void bind(Memory& mem);
+
+  // out_RH = experts(rows_RH) with expert e on rows [offsets_E1[e], offsets_E1[e+1]). Saves the
+  // gate|up and SwiGLU activations; REQUIRES: rows_RH unchanged until backward.
+  void forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH);
+  // drows_RH written; expert weight grads accumulated. Same rows and offsets as forward.
+  void backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH);
+
+  const Tensor& gate_up_proj() const { return gate_up_E2FH_; }
+  const Tensor& down_proj() const { return down_EHF_; }
+
+ private:
+  int64_t num_experts_, hidden_, ffn_, max_rows_;
+  std::string prefix_;
+  double init_std_;
+  Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;
+  Tensor gu_R2F_, h_RF_;     // saved by forward (max_rows rows)
+  Tensor dh_RF_, dgu_R2F_;   // backward workspaces
+};
+
+}  // namespace moefold

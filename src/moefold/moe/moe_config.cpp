@@ -1,0 +1,42 @@
+// MoeConfig's invariants and the capacity arithmetic every MoE buffer is sized from.
+#include "moefold/moe/moe_config.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "moefold/core/error.h"
+
+namespace moefold {
+
+void MoeConfig::validate() const {
+  if (num_experts < 1) MF_FAIL("moe.num_experts = ", num_experts, " must be >= 1");
+  if (num_experts_per_tok < 1) MF_FAIL("moe.num_experts_per_tok = ", num_experts_per_tok, " must be >= 1");
+  if (num_experts_per_tok > num_experts)
+    MF_FAIL("moe.num_experts_per_tok = ", num_experts_per_tok, " must be <= moe.num_experts = ", num_experts);
+  if (moe_intermediate_size < 1) MF_FAIL("moe.moe_intermediate_size = ", moe_intermediate_size, " must be >= 1");
+  if (!std::isfinite(capacity_factor)) MF_FAIL("moe.capacity_factor = ", capacity_factor, " must be finite");
+  if (!(routed_scaling_factor > 0) || !std::isfinite(routed_scaling_factor))
+    MF_FAIL("moe.routed_scaling_factor = ", routed_scaling_factor, " must be finite and > 0");
+  if (!(aux_loss_coeff >= 0) || !std::isfinite(aux_loss_coeff))
+    MF_FAIL("moe.aux_loss_coeff = ", aux_loss_coeff, " must be finite and >= 0");
+  if (!(z_loss_coeff >= 0) || !std::isfinite(z_loss_coeff))
+    MF_FAIL("moe.z_loss_coeff = ", z_loss_coeff, " must be finite and >= 0");
+  if (pad_to_capacity && !(capacity_factor > 0))
+    MF_FAIL("moe.pad_to_capacity = true requires moe.capacity_factor > 0 (got ", capacity_factor, ")");
+}
+
+int64_t MoeConfig::capacity(int64_t num_tokens) const {
+  if (!(capacity_factor > 0)) return 0;
+  // GShard / Megatron-Core: ceil(capacity_factor * tokens * topk / experts).
+  return static_cast<int64_t>(std::ceil(capacity_factor * static_cast<double>(num_tokens * num_experts_per_tok) /
+                                        static_cast<double>(num_experts)));
+}
+
+int64_t MoeConfig::max_rows(int64_t num_tokens) const {
+  const int64_t assignments = num_tokens * num_experts_per_tok;
+  if (!(capacity_factor > 0)) return assignments;
+  const int64_t capped = num_experts * capacity(num_tokens);
+  return pad_to_capacity ? capped : std::min(assignments, capped);
+}
+
+}  // namespace moefold

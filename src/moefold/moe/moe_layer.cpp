@@ -1,0 +1,79 @@
+// MoeLayer: wires Router, Dispatcher and Experts, and owns the buffers between them.
+#include "moefold/moe/moe_layer.h"
+
+#include <utility>
+
+namespace moefold {
+
+namespace {
+const MoeConfig& validated(const MoeConfig& cfg) {
+  cfg.validate();
+  return cfg;
+}
+}  // namespace
+
+MoeLayer::MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix)
+    : MoeLayer(validated(cfg), hidden, max_tokens, prefix, std::make_unique<LocalDispatcher>(cfg, hidden, max_tokens)) {}
+
+MoeLayer::MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix,
+                   std::unique_ptr<Dispatcher> dispatcher)
+    : cfg_(validated(cfg)),
+      hidden_(hidden),
+      max_tokens_(max_tokens),
+      prefix_(std::move(prefix)),
+      dispatcher_(std::move(dispatcher)),
+      router_(cfg_, hidden, max_tokens, prefix_, init_std_),
+      experts_(dispatcher_->num_local_experts(), hidden, cfg_.moe_intermediate_size, dispatcher_->max_rows(), prefix_,
+               init_std_) {
+  MF_CHECK(hidden >= 1 && max_tokens >= 0, "MoeLayer: hidden ", hidden, ", max_tokens ", max_tokens);
+}
+
+void MoeLayer::set_init_std(double std) {
+  init_std_ = std;
+  router_ = Router(cfg_, hidden_, max_tokens_, prefix_, init_std_);
+  experts_ = Experts(dispatcher_->num_local_experts(), hidden_, cfg_.moe_intermediate_size, dispatcher_->max_rows(),
+                     prefix_, init_std_);
+}
+
+void MoeLayer::bind(Memory& mem) {
+  router_.bind(mem);
+  dispatcher_->bind(mem);
+  experts_.bind(mem);
+  const int64_t r_max = dispatcher_->max_rows();
+  x_TH_ = mem.act({max_tokens_, hidden_});
+  out_RH_ = mem.act({r_max, hidden_});
+  dout_RH_ = mem.act({r_max, hidden_});
+  drows_RH_ = mem.act({r_max, hidden_});
+  dprob_TK_ = mem.act({max_tokens_, cfg_.num_experts_per_tok});
+  plan_ = nullptr;
+}
+
+void MoeLayer::forward(const Tensor& x_TH, const Tensor& y_TH) {
+  const int64_t t_n = x_TH.size(0);
+  MF_CHECK(x_TH.ndim() == 2 && x_TH.size(1) == hidden_ && t_n <= max_tokens_, "MoeLayer: x ", x_TH.str(),
+           " for hidden ", hidden_, ", max_tokens ", max_tokens_);
+  check_shape(y_TH, x_TH.shape(), "MoeLayer y");
+  num_tokens_ = t_n;
+  const Tensor x = x_TH_.slice(0, t_n);
+  x.copy_from(x_TH);
+  router_.forward(x);
+  plan_ = &dispatcher_->dispatch(x, router_.topk_idx(), router_.topk_prob());
+  const Tensor out = out_RH_.slice(0, plan_->num_rows);
+  experts_.forward(plan_->rows_RH, plan_->offsets_E1, out);
+  dispatcher_->combine(out, *plan_, y_TH);
+}
+
+void MoeLayer::backward(const Tensor& dy_TH, const Tensor& dx_TH, double loss_scale) {
+  MF_CHECK(plan_ != nullptr, "MoeLayer::backward before forward");
+  const int64_t t_n = num_tokens_, r_n = plan_->num_rows;
+  check_shape(dy_TH, {t_n, hidden_}, "MoeLayer dy");
+  check_shape(dx_TH, {t_n, hidden_}, "MoeLayer dx");
+  const Tensor x = x_TH_.slice(0, t_n), out = out_RH_.slice(0, r_n), dout = dout_RH_.slice(0, r_n),
+               drows = drows_RH_.slice(0, r_n), dprob = dprob_TK_.slice(0, t_n);
+  dispatcher_->combine_backward(dy_TH, out, *plan_, dout, dprob);
+  experts_.backward(plan_->rows_RH, plan_->offsets_E1, dout, drows);
+  dispatcher_->dispatch_backward(drows, *plan_, dx_TH);
+  router_.backward(x, dprob, loss_scale, dx_TH);  // adds the router branch to dx
+}
+
+}  // namespace moefold

@@ -1,0 +1,67 @@
+// The MoE layer that replaces a dense MLP: Router -> Dispatcher.dispatch -> Experts ->
+// Dispatcher.combine (DESIGN.md, "The job and the three walls"). Parallelism lives in the
+// dispatcher, which comes in from outside (LocalDispatcher by default).
+// Gradient rule: dx written; parameter grads accumulated. Shape letters: T tokens, H hidden.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moefold/core/memory.h"
+#include "moefold/moe/dispatcher.h"
+#include "moefold/moe/experts.h"
+#include "moefold/moe/moe_config.h"
+#include "moefold/moe/router.h"
+
+namespace moefold {
+
+class MoeLayer {
+ public:
+  // Validates cfg (throws moefold::Error). prefix: e.g. "model.layers.3.mlp" (HF Qwen3-MoE).
+  MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix);
+  // Same, with a dispatcher from outside (e.g. all-to-all over an EP group); experts are sized
+  // by dispatcher->num_local_experts().
+  MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix,
+           std::unique_ptr<Dispatcher> dispatcher);
+
+  // Std of the Init::normal parameters (gate and experts); default 0.02. REQUIRES: before bind.
+  void set_init_std(double std);
+  // Parameters and buffers; called in both binding passes of a Memory.
+  void bind(Memory& mem);
+  // Hook for after parameter initialisation (nothing to derive on the CPU).
+  void init_done() {}
+
+  // y_TH written. REQUIRES: T <= max_tokens, bound and allocated. Saves what backward needs.
+  void forward(const Tensor& x_TH, const Tensor& y_TH);
+  // dx_TH written; parameter grads accumulated; includes the gradient of
+  // loss_scale * (aux_loss_coeff * aux + z_loss_coeff * z). REQUIRES: after forward.
+  void backward(const Tensor& dy_TH, const Tensor& dx_TH, double loss_scale);
+
+  // From the last forward, already multiplied by their coefficients.
+  double aux_loss() const { return router_.aux_loss(); }
+  double z_loss() const { return router_.z_loss(); }
+  // Tokens routed to each expert by the last forward (before capacity dropping), E entries.
+  const int64_t* expert_counts() const { return router_.tokens_per_expert().ptr<int64_t>(); }
+  int64_t num_experts() const { return cfg_.num_experts; }
+
+  const MoeConfig& config() const { return cfg_; }
+  const Router& router() const { return router_; }
+  const Dispatcher& dispatcher() const { return *dispatcher_; }
+  const DispatchPlan& plan() const { return *plan_; }  // REQUIRES: after forward
+
+ private:
+  MoeConfig cfg_;
+  int64_t hidden_, max_tokens_;
+  std::string prefix_;
+  double init_std_ = 0.02;
+  std::unique_ptr<Dispatcher> dispatcher_;
+  Router router_;
+  Experts experts_;
+  Tensor x_TH_;                                  // saved input (max_tokens rows)
+  Tensor out_RH_, dout_RH_, drows_RH_, dprob_TK_;  // max_rows / max_tokens rows
+  const DispatchPlan* plan_ = nullptr;
+  int64_t num_tokens_ = 0;
+};
+
+}  // namespace moefold

@@ -1,0 +1,86 @@
+// Rotary position embedding, Hugging Face "rotate_half" form (Qwen3/Llama): the pair
+// (x[j], x[j + D/2]) is rotated by angle s * theta^(-2j/D). Forward and backward are in place;
+// the backward applies the transpose (rotation by -angle) to the gradient, which is WRITTEN.
+#include <cmath>
+
+#include "moefold/ops/ops.h"
+
+namespace moefold {
+
+namespace {
+void check_table(const Tensor& cos, const Tensor& sin, const char* what) {
+  MF_CHECK(cos.ndim() == 2 && cos.size(1) % 2 == 0, what, ": cos ", cos.str(), " (D must be even)");
+  check_shape(sin, cos.shape(), what);
+  MF_CHECK(cos.dtype() == sin.dtype() && cos.contiguous() && sin.contiguous() && cos.device() == Device::cpu &&
+               sin.device() == Device::cpu,
+           what, ": cos ", cos.str(), ", sin ", sin.str());
+}
+// REQUIRES: the table covers exactly x's S positions (slice a longer table to offset them).
+void check_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const char* what) {
+  check_table(cos, sin, what);
+  MF_CHECK(x.ndim() == 4 && x.size(1) == cos.size(0) && x.size(3) == cos.size(1), what, ": x ", x.str(), ", table ",
+           cos.str());
+  MF_CHECK(x.dtype() == cos.dtype() && x.contiguous() && x.device() == Device::cpu, what, ": x ", x.str());
+}
+
+// Forward: (a, b) -> (a*cos[j] - b*sin[j], b*cos[j+D/2] + a*sin[j+D/2]); `transpose` applies
+// the exact transpose of that 2x2 map.
+template <class T>
+void rope_apply(T* x, const T* cos, const T* sin, int64_t b, int64_t s, int64_t h, int64_t d, bool transpose) {
+  const int64_t half = d / 2;
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t si = 0; si < s; ++si) {
+      const T* c = cos + si * d;
+      const T* sn = sin + si * d;
+      for (int64_t hi = 0; hi < h; ++hi) {
+        T* row = x + ((bi * s + si) * h + hi) * d;
+        for (int64_t j = 0; j < half; ++j) {
+          const T a = row[j], bb = row[j + half];
+          if (!transpose) {
+            row[j] = a * c[j] - bb * sn[j];
+            row[j + half] = bb * c[j + half] + a * sn[j + half];
+          } else {
+            row[j] = a * c[j] + bb * sn[j + half];
+            row[j + half] = bb * c[j + half] - a * sn[j];
+          }
+        }
+      }
+    }
+}
+}  // namespace
+
+void rope_table(double theta, const Tensor& cos_SD, const Tensor& sin_SD) {
+  check_table(cos_SD, sin_SD, "rope_table");
+  MF_CHECK(theta > 0, "rope_table: theta ", theta);
+  const int64_t s = cos_SD.size(0), d = cos_SD.size(1), half = d / 2;
+  dispatch_float(cos_SD.dtype(), [&]<class T>() {
+    T* c = cos_SD.ptr<T>();
+    T* sn = sin_SD.ptr<T>();
+    for (int64_t j = 0; j < half; ++j) {
+      const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(d));
+      for (int64_t si = 0; si < s; ++si) {
+        const double angle = static_cast<double>(si) * inv_freq;
+        c[si * d + j] = c[si * d + j + half] = static_cast<T>(std::cos(angle));
+        sn[si * d + j] = sn[si * d + j + half] = static_cast<T>(std::sin(angle));
+      }
+    }
+  });
+}
+
+void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
+  check_rope(x_BSHD, cos_SD, sin_SD, "rope_forward");
+  dispatch_float(x_BSHD.dtype(), [&]<class T>() {
+    rope_apply<T>(x_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), x_BSHD.size(0), x_BSHD.size(1), x_BSHD.size(2),
+                  x_BSHD.size(3), false);
+  });
+}
+
+void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
+  check_rope(dx_BSHD, cos_SD, sin_SD, "rope_backward");
+  dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
+    rope_apply<T>(dx_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), dx_BSHD.size(0), dx_BSHD.size(1), dx_BSHD.size(2),
+                  dx_BSHD.size(3), true);
+  });
+}
+
+}  // namespace moefold

@@ -1,0 +1,71 @@
+#include "moefold/train/optimizer.h"
+
+#include <cmath>
+
+#include "moefold/ops/ops.h"
+
+namespace moefold {
+
+void AdamW::bind(const std::vector<Param>& params) {
+  auto take_all = [&] {
+    m_.clear();
+    v_.clear();
+    for (const Param& p : params) {
+      m_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
+      v_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
+    }
+  };
+  take_all();  // measure
+  arena_.allocate();
+  take_all();
+}
+
+void AdamW::step(std::vector<Param>& params, double lr) {
+  MF_CHECK(params.size() == m_.size(), "optimizer bound to ", m_.size(), " parameters, stepping ", params.size());
+  ++t_;
+  const double b1 = cfg_.adam_beta1, b2 = cfg_.adam_beta2, eps = cfg_.adam_eps;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t_));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t_));
+  for (size_t i = 0; i < params.size(); ++i) {
+    Param& p = params[i];
+    const double decay = p.decay ? cfg_.weight_decay : 0.0;
+    dispatch_float(p.value.dtype(), [&]<class T>() {
+      T* w = p.value.ptr<T>();
+      const T* g = p.grad.ptr<T>();
+      T* m = m_[i].ptr<T>();
+      T* v = v_[i].ptr<T>();
+      const T tb1 = static_cast<T>(b1), tb2 = static_cast<T>(b2);
+      const T step_size = static_cast<T>(lr / bc1), inv_sqrt_bc2 = static_cast<T>(1.0 / std::sqrt(bc2));
+      const T wd = static_cast<T>(1.0 - lr * decay), teps = static_cast<T>(eps);
+      for (int64_t j = 0; j < p.value.numel(); ++j) {
+        m[j] = tb1 * m[j] + (T(1) - tb1) * g[j];
+        v[j] = tb2 * v[j] + (T(1) - tb2) * g[j] * g[j];
+        w[j] = w[j] * wd - step_size * m[j] / (std::sqrt(v[j]) * inv_sqrt_bc2 + teps);
+      }
+    });
+  }
+}
+
+double global_grad_norm(const std::vector<Param>& params) {
+  double s = 0;
+  for (const Param& p : params) s += sum_squares(p.grad);
+  return std::sqrt(s);
+}
+
+double clip_grad_norm(std::vector<Param>& params, double norm, double max_norm) {
+  if (!(max_norm > 0)) return 1.0;
+  double f = max_norm / (norm + 1e-6);
+  if (f >= 1.0) return 1.0;
+  for (Param& p : params) scale_inplace(p.grad, f);
+  return f;
+}
+
+double learning_rate(const TrainConfig& c, int64_t step) {
+  if (step < c.warmup_steps) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
+  const int64_t decay_steps = c.steps - c.warmup_steps;
+  if (decay_steps <= 0 || step >= c.steps) return c.min_lr;
+  const double progress = static_cast<double>(step - c.warmup_steps) / static_cast<double>(decay_steps);
+  return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+}  // namespace moefold

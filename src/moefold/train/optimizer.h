@@ -1,0 +1,45 @@
+// AdamW with decoupled weight decay (Loshchilov & Hutter, 2019) and fp32 (compute-dtype)
+// state, global-norm gradient clipping, and the warmup + cosine learning-rate schedule.
+// Weight decay is skipped for parameters registered with decay = false (norms, biases).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moefold/core/memory.h"
+#include "moefold/model/config.h"
+
+namespace moefold {
+
+class AdamW {
+ public:
+  explicit AdamW(const TrainConfig& cfg) : cfg_(cfg) {}
+
+  // Reserves first and second moments for every parameter (zero-initialised).
+  void bind(const std::vector<Param>& params);
+  // One update with learning rate `lr`; increments step().
+  void step(std::vector<Param>& params, double lr);
+
+  int64_t num_steps() const { return t_; }
+  void set_num_steps(int64_t t) { t_ = t; }
+  // exp_avg / exp_avg_sq of parameter i (same order as bind's params).
+  const Tensor& exp_avg(size_t i) const { return m_[i]; }
+  const Tensor& exp_avg_sq(size_t i) const { return v_[i]; }
+
+ private:
+  TrainConfig cfg_;
+  Arena arena_;
+  std::vector<Tensor> m_, v_;
+  int64_t t_ = 0;
+};
+
+// sqrt(sum of squared gradients over every parameter).
+double global_grad_norm(const std::vector<Param>& params);
+// Scales every gradient by min(1, max_norm / (norm + 1e-6)) when max_norm > 0; returns the factor.
+double clip_grad_norm(std::vector<Param>& params, double norm, double max_norm);
+
+// Learning rate for optimizer step `step` (0-based): linear warmup to cfg.lr over
+// cfg.warmup_steps, then cosine decay to cfg.min_lr at cfg.steps, constant min_lr after.
+double learning_rate(const TrainConfig& cfg, int64_t step);
+
+}  // namespace moefold

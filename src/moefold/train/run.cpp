@@ -1,0 +1,175 @@
+#include "moefold/train/run.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "moefold/data/byte_tokenizer.h"
+#include "moefold/data/prepare.h"
+#include "moefold/data/token_dataset.h"
+#include "moefold/train/trainer.h"
+
+namespace moefold {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// The dataset named by data.path, or the default corpus prepared once into the run directory.
+TokenDataset open_data(const Config& cfg, const std::string& run_dir, bool quiet) {
+  if (!cfg.data.path.empty()) return open_token_dataset(cfg.data.path);
+  const std::string path = (fs::path(run_dir) / "default_corpus.tokens").string();
+  if (!fs::exists(path)) {
+    std::vector<std::string> inputs;
+    if (!cfg.data.default_corpus_dir.empty())
+      inputs.push_back(cfg.data.default_corpus_dir);
+    else
+      inputs = default_corpus_dirs();
+    PrepareStats s = prepare(inputs, path, TokenFormat::plain);
+    if (!quiet)
+      std::fprintf(stderr, "moefold: prepared the default corpus: %lld files, %lld tokens from %s -> %s\n",
+                   static_cast<long long>(s.files), static_cast<long long>(s.tokens), inputs.front().c_str(),
+                   path.c_str());
+  }
+  return open_token_dataset(path);
+}
+
+std::string human_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  char buf[32];
+  long long t = std::llround(s);
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%lldh%02lldm", t / 3600, t / 60 % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%lldm%02llds", t / 60, t % 60);
+  return buf;
+}
+
+void progress(const StepMetrics& m, int64_t stop, double tok_s, double eta, bool tty) {
+  const int width = 24;
+  int filled = stop > 0 ? static_cast<int>(width * m.step / stop) : width;
+  std::string bar(static_cast<size_t>(filled), '=');
+  bar.resize(width, ' ');
+  std::fprintf(stderr, "%sstep %lld/%lld [%s] loss %.4f | %.0f tok/s | ETA %s%s", tty ? "\r" : "",
+               static_cast<long long>(m.step), static_cast<long long>(stop), bar.c_str(), m.loss, tok_s,
+               human_duration(eta).c_str(), tty ? "   " : "\n");
+  std::fflush(stderr);
+}
+
+// Keeps the metrics lines up to `step` (a resumed run rewrites what follows).
+void truncate_metrics(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    try {
+      if (nlohmann::json::parse(line).at("step").get<int64_t>() <= step) kept += line + "\n";
+    } catch (const nlohmann::json::exception&) {
+      // a torn last line from a crash: dropped
+    }
+  }
+  in.close();
+  std::ofstream(path, std::ios::trunc) << kept;
+}
+
+}  // namespace
+
+int64_t run_training(const Config& cfg, const RunOptions& opts) {
+  std::error_code ec;
+  fs::create_directories(opts.run_dir, ec);
+  if (ec) MF_FAIL(opts.run_dir, ": cannot create run directory: ", ec.message());
+  const std::string ckpt_dir = (fs::path(opts.run_dir) / "checkpoints").string();
+  const std::string metrics_path = (fs::path(opts.run_dir) / "metrics.jsonl").string();
+  std::string resume_from;
+  if (opts.resume) {
+    resume_from = latest_checkpoint(ckpt_dir);
+    if (resume_from.empty()) MF_FAIL(opts.run_dir, ": --resume given but there is no checkpoint in ", ckpt_dir);
+  } else if (!latest_checkpoint(ckpt_dir).empty()) {
+    MF_FAIL(opts.run_dir, ": already holds checkpoints; pass --resume to continue it or choose another --run-dir");
+  }
+
+  TokenDataset data = open_data(cfg, opts.run_dir, opts.quiet);
+  data.check_vocab(cfg.model.vocab_size);
+  Trainer trainer(cfg, data);
+  if (resume_from.empty()) {
+    trainer.init_fresh();
+    std::ofstream(metrics_path, std::ios::trunc);
+  } else {
+    trainer.load(resume_from);
+    truncate_metrics(metrics_path, trainer.step());
+    if (!opts.quiet)
+      std::fprintf(stderr, "moefold: resumed from %s (step %lld)\n", resume_from.c_str(),
+                   static_cast<long long>(trainer.step()));
+  }
+  {
+    std::ofstream f(fs::path(opts.run_dir) / "config.toml", std::ios::trunc);
+    f << config_to_toml(cfg);
+  }
+
+  const int64_t stop = opts.stop_step >= 0 ? opts.stop_step : cfg.train.steps;
+  const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
+  if (!opts.quiet)
+    std::fprintf(stderr,
+                 "moefold: training %s (%.2fM params, %.2fM active) on %lld tokens, %lld tokens/step, until step "
+                 "%lld; run dir %s\n",
+                 cfg.preset.c_str(), size.total_params / 1e6, size.active_params / 1e6,
+                 static_cast<long long>(data.num_tokens()),
+                 static_cast<long long>(cfg.train.global_batch_size * cfg.train.seq_len),
+                 static_cast<long long>(stop), opts.run_dir.c_str());
+  std::ofstream metrics(metrics_path, std::ios::app);
+  const bool tty = ::isatty(STDERR_FILENO);
+  const int64_t print_every = tty ? 1 : std::max<int64_t>(1, (stop - trainer.step()) / 20);
+  double elapsed = 0;
+  int64_t steps_done = 0;
+  int64_t last_saved = -1;
+  while (trainer.step() < stop) {
+    const StepMetrics& m = trainer.train_step();
+    elapsed += m.seconds;
+    ++steps_done;
+    nlohmann::json j = {{"step", m.step},
+                        {"loss", m.loss},
+                        {"lm_loss", m.lm_loss},
+                        {"aux_loss", m.aux_loss},
+                        {"z_loss", m.z_loss},
+                        {"grad_norm", m.grad_norm},
+                        {"lr", m.lr},
+                        {"tokens", m.tokens},
+                        {"tokens_per_s", m.tokens / m.seconds},
+                        {"step_time_s", m.seconds},
+                        {"expert_load_max", m.expert_load_max},
+                        {"expert_load_mean", m.expert_load_mean}};
+    const bool last = m.step == stop;
+    if ((cfg.train.eval_interval > 0 && m.step % cfg.train.eval_interval == 0) || last)
+      if (trainer.num_valid_batches() > 0) j["eval_loss"] = trainer.evaluate();
+    metrics << j.dump() << "\n";
+    metrics.flush();
+    if (!opts.quiet && (m.step % print_every == 0 || last)) {
+      double tok_s = static_cast<double>(m.tokens) * steps_done / elapsed;
+      progress(m, stop, tok_s, elapsed / steps_done * static_cast<double>(stop - m.step), tty);
+      if (j.contains("eval_loss")) {
+        std::fprintf(stderr, "%seval loss %.4f at step %lld\n", tty ? "\n" : "", j["eval_loss"].get<double>(),
+                     static_cast<long long>(m.step));
+      }
+    }
+    if ((cfg.train.checkpoint_interval > 0 && m.step % cfg.train.checkpoint_interval == 0) || last) {
+      trainer.save(ckpt_dir);
+      last_saved = m.step;
+    }
+  }
+  if (last_saved != trainer.step() && steps_done == 0 && !opts.quiet)
+    std::fprintf(stderr, "moefold: already at step %lld; nothing to do\n", static_cast<long long>(trainer.step()));
+  if (!opts.quiet && tty) std::fprintf(stderr, "\n");
+  if (!opts.quiet && steps_done > 0)
+    std::fprintf(stderr, "moefold: done at step %lld: %.1f s, %.0f tokens/s; checkpoints in %s\n",
+                 static_cast<long long>(trainer.step()), elapsed,
+                 static_cast<double>(cfg.train.global_batch_size * cfg.train.seq_len) * steps_done / elapsed,
+                 ckpt_dir.c_str());
+  return trainer.step();
+}
+
+}  // namespace moefold

@@ -1,0 +1,68 @@
+// The training loop of one process: micro-batch gradient accumulation, global-norm clipping,
+// AdamW, warmup + cosine schedule, held-out evaluation, checkpoints and resume. train_step()
+// does not allocate: every buffer is planned when the Trainer is built.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moefold/core/memory.h"
+#include "moefold/data/loader.h"
+#include "moefold/data/token_dataset.h"
+#include "moefold/model/config.h"
+#include "moefold/model/model.h"
+#include "moefold/train/checkpoint.h"
+#include "moefold/train/optimizer.h"
+
+namespace moefold {
+
+struct StepMetrics {
+  int64_t step = 0;        // optimizer steps completed after this one
+  double loss = 0;         // lm_loss + aux_loss + z_loss
+  double lm_loss = 0;      // mean next-token cross-entropy over the global batch
+  double aux_loss = 0;     // load-balancing loss (times its coefficient), summed over layers
+  double z_loss = 0;       // router z-loss (times its coefficient), summed over layers
+  double grad_norm = 0;    // before clipping
+  double lr = 0;
+  double seconds = 0;      // wall time of the step
+  int64_t tokens = 0;      // tokens in the global batch
+  std::vector<double> expert_load_max;   // per MoE layer: most tokens on one expert / step
+  std::vector<double> expert_load_mean;  // per MoE layer: mean tokens per expert / step
+};
+
+class Trainer {
+ public:
+  // REQUIRES: cfg validated; `data` outlives the trainer and fits the vocabulary.
+  Trainer(const Config& cfg, const TokenDataset& data);
+
+  // Fresh parameters from cfg.train.seed, or the state of checkpoint directory `ckpt`.
+  void init_fresh();
+  void load(const std::string& ckpt);
+  std::string save(const std::string& checkpoints_dir) const;
+
+  // One optimizer step over global_batch_size sequences; fills and returns metrics().
+  const StepMetrics& train_step();
+  // Mean next-token loss over up to train.eval_batches held-out micro-batches (0 when none).
+  double evaluate();
+
+  int64_t step() const { return step_; }
+  const StepMetrics& metrics() const { return metrics_; }
+  Memory& memory() { return mem_; }
+  const Model& model() const { return model_; }
+  int64_t num_valid_batches() const { return loader_.num_valid_batches(); }
+
+ private:
+  Config cfg_;
+  Model model_;
+  Memory mem_;
+  AdamW opt_;
+  Loader loader_;
+  Tensor ids_BS_, targets_BS_;
+  std::vector<double> load_sum_;  // [layers * experts] accumulated over a step's micro-batches
+  StepMetrics metrics_;
+  int64_t step_ = 0;
+};
+
+}  // namespace moefold

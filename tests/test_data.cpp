@@ -1,0 +1,515 @@
+// data: token datasets (Megatron .bin/.idx and plain .tokens) round trips, a hand-built
+// Megatron file, malformed files, the byte tokenizer, prepare, and the resumable loader.
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <new>
+#include <set>
+
+#include "moefold/core/rng.h"
+#include "moefold/data/byte_tokenizer.h"
+#include "moefold/data/loader.h"
+#include "moefold/data/prepare.h"
+#include "moefold/data/token_dataset.h"
+#include "testing.h"
+
+// Counts heap allocations while g_count_allocs is set (the loader's no-allocation promise).
+namespace {
+std::atomic<bool> g_count_allocs{false};
+std::atomic<int64_t> g_allocs{0};
+}  // namespace
+// noinline: inlined into callers, GCC would flag the free() of a `new` pointer.
+[[gnu::noinline]] void* operator new(size_t n) {
+  if (g_count_allocs) ++g_allocs;
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, size_t) noexcept { std::free(p); }
+
+namespace moefold {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TempDir {
+ public:
+  TempDir() {
+    path_ = fs::temp_directory_path() /
+            ("moefold_test_data_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  static inline int counter_ = 0;
+  fs::path path_;
+};
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+template <class T>
+void put(std::string* s, T v) {
+  s->append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+template <class F>
+void expect_error(F&& f, const std::string& name, const std::string& what) {
+  try {
+    f();
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find(name), std::string::npos) << "message does not name '" << name << "': " << msg;
+    EXPECT_NE(msg.find(what), std::string::npos) << "message lacks '" << what << "': " << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
+    return;
+  }
+  ADD_FAILURE() << "no moefold::Error (expected '" << what << "' naming " << name << ")";
+}
+
+std::vector<uint32_t> all_tokens(const TokenDataset& ds) {
+  std::vector<uint32_t> v;
+  for (int64_t i = 0; i < ds.num_tokens(); ++i) v.push_back(ds.token(i));
+  return v;
+}
+
+std::vector<std::vector<uint32_t>> random_documents(uint64_t seed, uint32_t max_token) {
+  std::vector<std::vector<uint32_t>> docs(5);
+  docs[2] = {};  // an empty document is legal
+  for (size_t d = 0; d < docs.size(); ++d) {
+    if (d == 2) continue;
+    int64_t len = 1 + static_cast<int64_t>(rng_below(seed, d, 1000, 50));
+    for (int64_t i = 0; i < len; ++i) docs[d].push_back(static_cast<uint32_t>(rng_below(seed, d, i, max_token + 1)));
+  }
+  docs[0].push_back(max_token);  // the extreme value must survive
+  return docs;
+}
+
+// ---- Megatron ----
+
+TEST(Megatron, RoundTripUint16AndInt32) {
+  TempDir dir;
+  for (MegatronDType dt : {MegatronDType::uint16, MegatronDType::int32, MegatronDType::uint8, MegatronDType::int64}) {
+    uint32_t max_token = dt == MegatronDType::uint16 ? 65535 : dt == MegatronDType::uint8 ? 255 : 2000000000;
+    auto docs = random_documents(testing::fresh_seed(), max_token);
+    std::string prefix = dir.file("ds" + std::to_string(int(dt)));
+    write_megatron_dataset(prefix, docs, dt);
+    std::vector<uint32_t> flat;
+    for (const auto& d : docs) flat.insert(flat.end(), d.begin(), d.end());
+
+    TokenDataset ds = TokenDataset::open_megatron(prefix);
+    EXPECT_EQ(ds.path(), prefix);
+    EXPECT_EQ(ds.num_documents(), 5);
+    EXPECT_EQ(ds.num_tokens(), static_cast<int64_t>(flat.size()));
+    EXPECT_EQ(all_tokens(ds), flat);
+    EXPECT_EQ(ds.max_token(), max_token);
+    std::vector<int32_t> copy(flat.size());
+    ds.copy_tokens(0, ds.num_tokens(), copy.data());
+    for (size_t i = 0; i < flat.size(); ++i) ASSERT_EQ(static_cast<uint32_t>(copy[i]), flat[i]);
+    // The .bin is exactly the tokens at the dtype's width.
+    EXPECT_EQ(fs::file_size(prefix + ".bin"), flat.size() * (dt == MegatronDType::uint16 ? 2
+                                                             : dt == MegatronDType::uint8 ? 1
+                                                             : dt == MegatronDType::int32 ? 4
+                                                                                           : 8));
+    // open_token_dataset resolves the prefix, PREFIX.idx and PREFIX.bin alike.
+    for (const std::string& p : {prefix, prefix + ".idx", prefix + ".bin"})
+      EXPECT_EQ(all_tokens(open_token_dataset(p)), flat) << p;
+  }
+}
+
+// The .idx written byte by byte from Megatron's _IndexWriter description (not by our writer):
+// 3 sequences of int32 tokens in 2 documents (document 0 = sequences 0-1, document 1 = 2).
+std::string hand_built_idx(uint8_t code, uint64_t num_seq, const std::vector<int32_t>& sizes,
+                           const std::vector<int64_t>& pointers, const std::vector<int64_t>& doc_idx) {
+  std::string s("MMIDIDX\0\0", 9);
+  put<uint64_t>(&s, 1);
+  put<uint8_t>(&s, code);
+  put<uint64_t>(&s, num_seq);
+  put<uint64_t>(&s, doc_idx.size());
+  for (int32_t v : sizes) put(&s, v);
+  for (int64_t v : pointers) put(&s, v);
+  for (int64_t v : doc_idx) put(&s, v);
+  return s;
+}
+
+TEST(Megatron, ReadsHandBuiltFile) {
+  TempDir dir;
+  std::string prefix = dir.file("hand");
+  std::string idx = hand_built_idx(4, 3, {2, 0, 3}, {0, 8, 8}, {0, 2, 3});
+  ASSERT_EQ(idx.size(), 34u + 3 * 4 + 3 * 8 + 3 * 8);
+  write_bytes(prefix + ".idx", idx);
+  std::string bin;
+  for (int32_t t : {7, 1000000, 0, 65536, 42}) put(&bin, t);
+  write_bytes(prefix + ".bin", bin);
+  TokenDataset ds = open_token_dataset(prefix);
+  EXPECT_EQ(ds.num_tokens(), 5);
+  EXPECT_EQ(ds.num_documents(), 2);
+  EXPECT_EQ(all_tokens(ds), (std::vector<uint32_t>{7, 1000000, 0, 65536, 42}));
+
+  // Multimodal indexes carry one int8 mode per sequence after doc_idx; accepted.
+  std::string mm = idx + std::string(3, '\0');
+  write_bytes(prefix + ".idx", mm);
+  EXPECT_EQ(open_token_dataset(prefix).num_tokens(), 5);
+
+  // Our writer produces these very bytes for the same documents split one sequence each.
+  std::string ours = dir.file("ours");
+  write_megatron_dataset(ours, {{7, 1000000}, {0, 65536, 42}}, MegatronDType::int32);
+  EXPECT_EQ(read_bytes(ours + ".bin"), bin);
+  EXPECT_EQ(read_bytes(ours + ".idx"), hand_built_idx(4, 2, {2, 3}, {0, 8}, {0, 1, 2}));
+}
+
+TEST(Megatron, CorruptFilesNameTheFile) {
+  TempDir dir;
+  std::string prefix = dir.file("bad");
+  std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
+  std::string good = hand_built_idx(4, 2, {2, 3}, {0, 8}, {0, 1, 2});
+  std::string bin(20, '\0');
+  auto check = [&](const std::string& idx, const std::string& b, const std::string& name, const std::string& what) {
+    write_bytes(idx_path, idx);
+    write_bytes(bin_path, b);
+    expect_error([&] { TokenDataset::open_megatron(prefix); }, name, what);
+  };
+  write_bytes(idx_path, good);
+  write_bytes(bin_path, bin);
+  EXPECT_EQ(TokenDataset::open_megatron(prefix).num_tokens(), 5);
+
+  std::string x = good;
+  x[0] = 'X';
+  check(x, bin, idx_path, "bad magic");
+  x = good;
+  x[9] = 2;
+  check(x, bin, idx_path, "unsupported version 2");
+  x = good;
+  x[17] = 7;
+  check(x, bin, idx_path, "float32");
+  x = good;
+  x[17] = 9;
+  check(x, bin, idx_path, "unknown dtype code 9");
+  check(good.substr(0, 20), bin, idx_path, "truncated");
+  check(good.substr(0, good.size() - 1), bin, idx_path, "index says 2 sequences and 3 document indices");
+  check(good + "xx", bin, idx_path, "file has");
+  check(good, bin.substr(0, 19), bin_path, "truncated: sequence 1");
+  check(good, bin + "zzzz", bin_path, "file has 24 bytes, the index describes 20");
+  check(hand_built_idx(4, 2, {2, 3}, {0, 12}, {0, 1, 2}), bin, idx_path, "sequence 1 starts at byte 12");
+  check(hand_built_idx(4, 2, {-2, 3}, {0, 8}, {0, 1, 2}), bin, idx_path, "negative size");
+  check(hand_built_idx(4, 2, {2, 3}, {0, 8}, {1, 1, 2}), bin, idx_path, "document index 0");
+  check(hand_built_idx(4, 2, {2, 3}, {0, 8}, {0, 2, 1}), bin, idx_path, "document index 2");
+  check(hand_built_idx(4, 2, {2, 3}, {0, 8}, {0, 1}), bin, idx_path, "last document index is 1");
+  fs::remove(bin_path);
+  write_bytes(idx_path, good);
+  expect_error([&] { open_token_dataset(prefix); }, bin_path, "cannot open");
+}
+
+TEST(Megatron, WriterRejectsTokensThatDoNotFit) {
+  TempDir dir;
+  std::string prefix = dir.file("w");
+  expect_error([&] { write_megatron_dataset(prefix, {{1, 2}, {3, 65536}}, MegatronDType::uint16); }, prefix + ".bin",
+               "token 65536 (document 1, position 1) does not fit uint16");
+  EXPECT_FALSE(fs::exists(prefix + ".bin"));  // the unfinished file is removed
+  EXPECT_FALSE(fs::exists(prefix + ".idx"));
+}
+
+// ---- plain .tokens ----
+
+TEST(PlainTokens, RoundTrip) {
+  TempDir dir;
+  for (int bpt : {2, 4}) {
+    std::string path = dir.file("t" + std::to_string(bpt) + ".tokens");
+    auto docs = random_documents(testing::fresh_seed(), bpt == 2 ? 65535 : 4000000000u);
+    TokenWriter w = TokenWriter::plain(path, bpt);
+    std::vector<uint32_t> flat;
+    for (const auto& d : docs) {
+      w.add_document(d);
+      flat.insert(flat.end(), d.begin(), d.end());
+    }
+    w.finish();
+    EXPECT_EQ(fs::file_size(path), 24 + flat.size() * bpt);
+    TokenDataset ds = open_token_dataset(path);
+    EXPECT_EQ(ds.num_tokens(), static_cast<int64_t>(flat.size()));
+    EXPECT_EQ(ds.num_documents(), -1);
+    EXPECT_EQ(all_tokens(ds), flat);
+  }
+}
+
+TEST(PlainTokens, ReadsHandBuiltFile) {
+  TempDir dir;
+  std::string path = dir.file("hand.tokens");
+  std::string s = "MFTOKENS";
+  put<uint32_t>(&s, 1);
+  put<uint32_t>(&s, 2);
+  put<uint64_t>(&s, 3);
+  for (uint16_t t : {5, 256, 65535}) put(&s, t);
+  write_bytes(path, s);
+  EXPECT_EQ(all_tokens(open_token_dataset(path)), (std::vector<uint32_t>{5, 256, 65535}));
+  // Our writer produces the same bytes.
+  std::string ours = dir.file("ours.tokens");
+  write_token_file(ours, std::vector<uint32_t>{5, 256, 65535}, 2);
+  EXPECT_EQ(read_bytes(ours), s);
+  // Recognised by its magic under another name too.
+  std::string other = dir.file("tokens.dat");
+  write_bytes(other, s);
+  EXPECT_EQ(open_token_dataset(other).num_tokens(), 3);
+}
+
+TEST(PlainTokens, CorruptFilesNameTheFile) {
+  TempDir dir;
+  std::string path = dir.file("c.tokens");
+  write_token_file(path, std::vector<uint32_t>{1, 2, 3, 4}, 4);
+  const std::string good = read_bytes(path);
+  auto check = [&](const std::string& bytes, const std::string& what) {
+    write_bytes(path, bytes);
+    expect_error([&] { open_token_dataset(path); }, path, what);
+  };
+  check(good.substr(0, good.size() - 3), "truncated: header says 4 tokens");
+  check(good.substr(0, 10), "truncated");
+  check(good + "x", "1 trailing bytes");
+  std::string x = good;
+  x[1] = 'X';
+  check(x, "bad magic");
+  x = good;
+  x[8] = 7;
+  check(x, "unsupported version 7");
+  x = good;
+  x[12] = 3;
+  check(x, "bad bytes per token 3");
+  std::string missing = dir.file("missing.tokens");
+  expect_error([&] { open_token_dataset(missing); }, missing, "no such file");
+  std::string nothing = dir.file("nothing");
+  expect_error([&] { open_token_dataset(nothing); }, "data.path = '" + nothing + "': no such file, nor", ".idx");
+  std::string text = dir.file("notes.txt");
+  write_bytes(text, "hello");
+  expect_error([&] { open_token_dataset(text); }, text, "not a token dataset");
+}
+
+TEST(PlainTokens, CheckVocab) {
+  TempDir dir;
+  std::string path = dir.file("v.tokens");
+  write_token_file(path, std::vector<uint32_t>{1, 2, 256, 3, 4, 300, 5, 999}, 2);
+  TokenDataset ds = open_token_dataset(path);
+  EXPECT_EQ(ds.max_token(), 999);
+  ds.check_vocab(1000);
+  expect_error([&] { ds.check_vocab(257); }, path, "token id 300 at index 5 is outside the vocabulary [0, 257)");
+  // Signed Megatron storage: a negative id is caught too.
+  std::string prefix = dir.file("neg");
+  write_bytes(prefix + ".idx", hand_built_idx(4, 1, {2}, {0}, {0, 1}));
+  std::string bin;
+  put<int32_t>(&bin, 3);
+  put<int32_t>(&bin, -1);
+  write_bytes(prefix + ".bin", bin);
+  expect_error([&] { open_token_dataset(prefix).check_vocab(257); }, prefix + ".bin", "token id -1 at index 1");
+}
+
+// ---- byte tokenizer ----
+
+TEST(ByteTokenizer, RoundTrip) {
+  std::string all;
+  for (int c = 0; c < 256; ++c) all.push_back(static_cast<char>(c));
+  all += "hello, wörld";
+  std::vector<uint32_t> t = ByteTokenizer::encode(all);
+  ASSERT_EQ(t.size(), all.size());
+  for (size_t i = 0; i < t.size(); ++i) EXPECT_EQ(t[i], static_cast<uint8_t>(all[i]));
+  EXPECT_EQ(ByteTokenizer::decode(t), all);
+  t.push_back(ByteTokenizer::kEos);
+  EXPECT_EQ(ByteTokenizer::decode(t), all);
+  EXPECT_EQ(ByteTokenizer::decode(t, "<eos>"), all + "<eos>");
+  EXPECT_EQ(ByteTokenizer::decode(std::vector<uint32_t>{'a', 300, 'b'}), "a\xEF\xBF\xBD" "b");
+  EXPECT_EQ(ByteTokenizer::kVocabSize, 257);
+}
+
+// ---- prepare ----
+
+TEST(Prepare, TreeSortedSkipsBinaryDeterministic) {
+  TempDir dir;
+  fs::path in = dir.path() / "corpus";
+  fs::create_directories(in / "a" / "c");
+  write_bytes((in / "z.txt").string(), "zzz");
+  write_bytes((in / "a" / "b.txt").string(), "bee\n");
+  write_bytes((in / "a" / "c" / "d.txt").string(), "dee");
+  write_bytes((in / "a" / "empty.txt").string(), "");
+  std::string binary(9000, 'x');
+  binary[100] = '\0';
+  write_bytes((in / "a" / "blob.dat").string(), binary);
+  std::string late_nul(9000, 'y');
+  late_nul[8500] = '\0';  // a NUL past the first 8 KiB: still text
+  write_bytes((in / "m.txt").string(), late_nul);
+  std::string single = dir.file("single.txt");
+  write_bytes(single, "S");
+
+  std::string out = dir.file("out.tokens");
+  PrepareStats st = prepare({in.string(), single}, out);
+  EXPECT_EQ(st.files, 5);
+  EXPECT_EQ(st.skipped, 2);
+  EXPECT_EQ(st.bytes, 4 + 3 + 9000 + 3 + 1);
+  EXPECT_EQ(st.tokens, st.bytes + 5);
+  EXPECT_EQ(st.output, out);
+  TokenDataset ds = open_token_dataset(out);
+  ASSERT_EQ(ds.num_tokens(), st.tokens);
+  // Sorted: a/b.txt, a/c/d.txt, m.txt, z.txt; then the second input.
+  std::string want = "bee\n|dee|" + late_nul + "|zzz|S|";
+  std::vector<uint32_t> toks = all_tokens(ds);
+  EXPECT_EQ(ByteTokenizer::decode(toks, "|"), want);
+  EXPECT_EQ(toks.back(), ByteTokenizer::kEos);
+  ds.check_vocab(ByteTokenizer::kVocabSize);
+
+  // Same inputs, same bytes; Megatron output holds the same stream and one document per file.
+  std::string out2 = dir.file("out2.tokens");
+  prepare({in.string(), single}, out2);
+  EXPECT_EQ(read_bytes(out), read_bytes(out2));
+  std::string prefix = dir.file("mega");
+  PrepareStats sm = prepare({in.string(), single}, prefix + ".bin", TokenFormat::megatron);
+  EXPECT_EQ(sm.output, prefix);
+  TokenDataset dm = open_token_dataset(prefix);
+  EXPECT_EQ(dm.num_documents(), 5);
+  EXPECT_EQ(all_tokens(dm), toks);
+  // No temporary files are left behind.
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+
+  expect_error([&] { prepare({dir.file("nope")}, dir.file("x.tokens")); }, dir.file("nope"), "no such file");
+  expect_error([&] { prepare({in.string()}, dir.file("x.bin")); }, dir.file("x.bin"), "must end with .tokens");
+  EXPECT_FALSE(default_corpus_dirs().empty());
+}
+
+// ---- loader ----
+
+// A stream whose token i is i, so a window's tokens tell where it came from.
+std::string iota_dataset(const TempDir& dir, int64_t n) {
+  std::vector<uint32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(i);
+  std::string path = dir.file("iota" + std::to_string(n) + ".tokens");
+  write_token_file(path, t, 4);
+  return path;
+}
+
+TEST(Loader, WindowsShiftedAndInsideTrainRange) {
+  TempDir dir;
+  TokenDataset ds = open_token_dataset(iota_dataset(dir, 5000));
+  const int64_t S = 16, B = 4;
+  Loader ld(ds, S, B, testing::fresh_seed(), 0.1);
+  EXPECT_EQ(ld.num_train_tokens(), 4500);
+  std::vector<int32_t> in(B * S), tg(B * S);
+  std::set<int32_t> starts;
+  for (int step = 0; step < 200; ++step) {
+    ld.next_train(in.data(), tg.data());
+    for (int64_t b = 0; b < B; ++b) {
+      starts.insert(in[b * S]);
+      for (int64_t s = 0; s < S; ++s) {
+        ASSERT_EQ(in[b * S + s], in[b * S] + s);      // a contiguous window
+        ASSERT_EQ(tg[b * S + s], in[b * S + s] + 1);  // targets = inputs shifted by one
+      }
+      ASSERT_GE(in[b * S], 0);
+      ASSERT_LT(tg[b * S + S - 1], ld.num_train_tokens());  // never reads held-out tokens
+    }
+  }
+  EXPECT_EQ(ld.position(), 200 * B);
+  EXPECT_GT(starts.size(), 400u);  // windows are spread, not repeated
+}
+
+TEST(Loader, DeterministicAndResumable) {
+  TempDir dir;
+  TokenDataset ds = open_token_dataset(iota_dataset(dir, 3000));
+  const int64_t S = 8, B = 3;
+  const uint64_t seed = testing::fresh_seed();
+  Loader a(ds, S, B, seed, 0.0), b(ds, S, B, seed, 0.0), c(ds, S, B, seed + 1, 0.0);
+  std::vector<int32_t> ia(B * S), ta(B * S), ib(B * S), tb(B * S);
+  std::vector<std::vector<int32_t>> history;
+  bool differs = false;
+  for (int step = 0; step < 10; ++step) {
+    a.next_train(ia.data(), ta.data());
+    b.next_train(ib.data(), tb.data());
+    EXPECT_EQ(ia, ib);
+    EXPECT_EQ(ta, tb);
+    history.push_back(ia);
+    c.next_train(ib.data(), tb.data());
+    differs |= ia != ib;
+  }
+  EXPECT_TRUE(differs) << "another seed gave the same batches";
+  // A fresh loader resumed at the position after step 6 replays steps 7..9.
+  Loader r(ds, S, B, seed, 0.0);
+  r.set_position(6 * B);
+  for (int step = 6; step < 10; ++step) {
+    r.next_train(ib.data(), tb.data());
+    EXPECT_EQ(ib, history[step]) << "step " << step;
+  }
+  // Any rank can compute any sample alone.
+  std::vector<int32_t> one(S), one_t(S);
+  a.train_sample(4 * B + 1, one.data(), one_t.data());
+  EXPECT_TRUE(std::equal(one.begin(), one.end(), history[4].begin() + S));
+  expect_error([&] { r.set_position(-1); }, ds.path(), "must not be negative");
+}
+
+TEST(Loader, ValidBatchesAreHeldOutAndDisjoint) {
+  TempDir dir;
+  TokenDataset ds = open_token_dataset(iota_dataset(dir, 2000));
+  const int64_t S = 10, B = 2;
+  Loader ld(ds, S, B, 7, 0.25);
+  EXPECT_EQ(ld.num_train_tokens(), 1500);
+  EXPECT_EQ(ld.num_valid_batches(), 500 / 11 / 2);
+  std::vector<int32_t> in(B * S), tg(B * S);
+  std::set<int32_t> seen;
+  for (int64_t j = 0; j < ld.num_valid_batches(); ++j) {
+    ld.valid_batch(j, in.data(), tg.data());
+    for (int64_t b = 0; b < B; ++b) {
+      // Window = inputs plus the last target: S + 1 tokens, none shared with another window.
+      for (int64_t s = 0; s < S; ++s) {
+        EXPECT_GE(in[b * S + s], ld.num_train_tokens());
+        EXPECT_EQ(tg[b * S + s], in[b * S + s] + 1);
+        EXPECT_TRUE(seen.insert(in[b * S + s]).second) << "windows overlap at token " << in[b * S + s];
+      }
+      EXPECT_TRUE(seen.insert(tg[b * S + S - 1]).second) << "windows overlap at token " << tg[b * S + S - 1];
+    }
+  }
+  EXPECT_LT(*seen.rbegin(), 2000);
+  EXPECT_EQ(Loader(ds, S, B, 7, 0.0).num_valid_batches(), 0);
+}
+
+TEST(Loader, RejectsShortDataAndBadArguments) {
+  TempDir dir;
+  std::string path = iota_dataset(dir, 100);
+  TokenDataset ds = open_token_dataset(path);
+  expect_error([&] { Loader(ds, 100, 1, 0, 0.0); }, path, "fewer than one window of seq_len + 1 = 101");
+  expect_error([&] { Loader(ds, 60, 1, 0, 0.5); }, path, "fewer than one window");
+  expect_error([&] { Loader(ds, 10, 4, 0, 0.2); }, path, "fewer than one validation batch of 4 x (seq_len + 1) = 44");
+  expect_error([&] { Loader(ds, 0, 4, 0, 0.0); }, path, "seq_len = 0");
+  expect_error([&] { Loader(ds, 4, 4, 0, 1.0); }, path, "valid_fraction = 1");
+  Loader ok(ds, 99, 1, 0, 0.0);  // exactly one window: always starts at 0
+  std::vector<int32_t> in(99), tg(99);
+  ok.next_train(in.data(), tg.data());
+  EXPECT_EQ(in[0], 0);
+  EXPECT_EQ(tg[98], 99);
+}
+
+TEST(Loader, NextTrainDoesNotAllocate) {
+  TempDir dir;
+  TokenDataset ds = open_token_dataset(iota_dataset(dir, 4096));
+  Loader ld(ds, 32, 8, 1, 0.1);
+  std::vector<int32_t> in(32 * 8), tg(32 * 8);
+  ld.next_train(in.data(), tg.data());
+  g_allocs = 0;
+  g_count_allocs = true;
+  for (int i = 0; i < 50; ++i) ld.next_train(in.data(), tg.data());
+  ld.valid_batch(0, in.data(), tg.data());
+  g_count_allocs = false;
+  EXPECT_EQ(g_allocs.load(), 0);
+}
+
+}  // namespace
+}  // namespace moefold

@@ -1,0 +1,750 @@
+// MoE: config checks, every MoE op's backward against float64 finite differences, the permutation
+// and capacity rules, and the whole MoeLayer (gradients, dense equivalence, zero-token experts,
+// f32 vs f64). Shape letters: T tokens, H hidden, E experts, K top-k, F expert FFN, R rows.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moefold/core/memory.h"
+#include "moefold/moe/moe_layer.h"
+#include "moefold/ops/moe_ops.h"
+#include "testing.h"
+
+namespace moefold {
+namespace {
+
+using testing::check_gradient;
+using testing::dot;
+using testing::max_abs;
+using testing::max_abs_diff;
+using testing::Pool;
+
+const std::string kPrefix = "model.layers.0.mlp";
+
+double get(const Tensor& t, int64_t i) {
+  if (t.dtype() == DType::i32) return t.ptr<int32_t>()[i];
+  if (t.dtype() == DType::i64) return static_cast<double>(t.ptr<int64_t>()[i]);
+  return dispatch_float(t.dtype(), [&]<class T>() { return static_cast<double>(t.ptr<T>()[i]); });
+}
+void set(const Tensor& t, int64_t i, double v) {
+  if (t.dtype() == DType::i32) {
+    t.ptr<int32_t>()[i] = static_cast<int32_t>(v);
+    return;
+  }
+  dispatch_float(t.dtype(), [&]<class T>() { t.ptr<T>()[i] = static_cast<T>(v); });
+}
+// Copies with dtype conversion (f32 <-> f64).
+void convert(const Tensor& dst, const Tensor& src) {
+  ASSERT_EQ(dst.numel(), src.numel());
+  for (int64_t i = 0; i < src.numel(); ++i) set(dst, i, get(src, i));
+}
+
+// Smallest gap between the K-th and (K+1)-th score of any token: finite differences with
+// eps = 1e-6 see a fixed top-k selection when this is well above 1e-6.
+double topk_gap(const Tensor& scores_TE, int64_t k) {
+  const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
+  double gap = 1e30;
+  for (int64_t t = 0; t < t_n && k < e_n; ++t) {
+    std::vector<double> s(e_n);
+    for (int64_t e = 0; e < e_n; ++e) s[e] = get(scores_TE, t * e_n + e);
+    std::sort(s.rbegin(), s.rend());
+    gap = std::min(gap, s[k - 1] - s[k]);
+  }
+  return gap;
+}
+
+// Smallest gap between two probabilities routed to the same expert (capacity ordering).
+double capacity_gap(const Tensor& idx_TK, const Tensor& prob_TK) {
+  double gap = 1e30;
+  for (int64_t a = 0; a < idx_TK.numel(); ++a)
+    for (int64_t b = a + 1; b < idx_TK.numel(); ++b)
+      if (get(idx_TK, a) == get(idx_TK, b)) gap = std::min(gap, std::abs(get(prob_TK, a) - get(prob_TK, b)));
+  return gap;
+}
+
+// ---- config --------------------------------------------------------------------------------------
+
+std::string validate_message(const MoeConfig& c) {
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(MoeConfig, ValidateNamesTheKey) {
+  EXPECT_EQ(validate_message(MoeConfig{}), "");
+  MoeConfig c;
+  c.num_experts_per_tok = 9;
+  EXPECT_EQ(validate_message(c), "moe.num_experts_per_tok = 9 must be <= moe.num_experts = 8");
+  c = {};
+  c.num_experts = 0;
+  EXPECT_NE(validate_message(c).find("moe.num_experts = 0"), std::string::npos);
+  c = {};
+  c.num_experts_per_tok = 0;
+  EXPECT_NE(validate_message(c).find("moe.num_experts_per_tok = 0"), std::string::npos);
+  c = {};
+  c.moe_intermediate_size = 0;
+  EXPECT_NE(validate_message(c).find("moe.moe_intermediate_size = 0"), std::string::npos);
+  c = {};
+  c.capacity_factor = INFINITY;
+  EXPECT_NE(validate_message(c).find("moe.capacity_factor"), std::string::npos);
+  c = {};
+  c.capacity_factor = NAN;
+  EXPECT_NE(validate_message(c).find("moe.capacity_factor"), std::string::npos);
+  c = {};
+  c.routed_scaling_factor = 0;
+  EXPECT_NE(validate_message(c).find("moe.routed_scaling_factor = 0"), std::string::npos);
+  c = {};
+  c.aux_loss_coeff = -1;
+  EXPECT_NE(validate_message(c).find("moe.aux_loss_coeff = -1"), std::string::npos);
+  c = {};
+  c.z_loss_coeff = NAN;
+  EXPECT_NE(validate_message(c).find("moe.z_loss_coeff"), std::string::npos);
+  c = {};
+  c.pad_to_capacity = true;
+  EXPECT_NE(validate_message(c).find("moe.pad_to_capacity"), std::string::npos);
+  c.capacity_factor = 1.0;
+  EXPECT_EQ(validate_message(c), "");
+  EXPECT_THROW(MoeLayer(MoeConfig{.num_experts = 2, .num_experts_per_tok = 3}, 4, 4, kPrefix), Error);
+}
+
+TEST(MoeConfig, CapacityAndMaxRows) {
+  MoeConfig c;  // E = 8, K = 2, dropless
+  EXPECT_EQ(c.capacity(100), 0);
+  EXPECT_EQ(c.max_rows(100), 200);
+  c.capacity_factor = 1.0;
+  EXPECT_EQ(c.capacity(100), 25);  // ceil(1.0 * 100 * 2 / 8)
+  EXPECT_EQ(c.max_rows(100), 200);
+  c.capacity_factor = 1.1;
+  EXPECT_EQ(c.capacity(100), 28);  // ceil(27.5)
+  EXPECT_EQ(c.max_rows(100), 200);  // min(T*K, E*cap) = min(200, 224)
+  c.pad_to_capacity = true;
+  EXPECT_EQ(c.max_rows(100), 224);
+  c.capacity_factor = 0.5;
+  c.pad_to_capacity = false;
+  EXPECT_EQ(c.capacity(100), 13);  // ceil(12.5)
+  EXPECT_EQ(c.max_rows(100), 104);
+}
+
+// ---- router scores and top-k -----------------------------------------------------------------
+
+TEST(RouterTopk, SelectsLargestTiesToLowerExpert) {
+  Pool pool;
+  Tensor logits = pool.zeros({2, 4});
+  const double l[] = {0.5, 2.0, 2.0, -1.0,  // tie between experts 1 and 2
+                      0.0, 0.0, 0.0, 0.0};  // all tied
+  for (int i = 0; i < 8; ++i) set(logits, i, l[i]);
+  Tensor scores = pool.zeros({2, 4}), idx = pool.ints({2, 3}, 0, 1), prob = pool.zeros({2, 3});
+  router_topk_forward(logits, {ScoreFunc::softmax, true, 2.0}, scores, idx, prob);
+  EXPECT_EQ(get(idx, 0), 1);
+  EXPECT_EQ(get(idx, 1), 2);
+  EXPECT_EQ(get(idx, 2), 0);
+  EXPECT_EQ(get(idx, 3), 0);
+  EXPECT_EQ(get(idx, 4), 1);
+  EXPECT_EQ(get(idx, 5), 2);
+  for (int t = 0; t < 2; ++t)  // renormalised then scaled: sums to the scaling factor
+    EXPECT_NEAR(get(prob, t * 3) + get(prob, t * 3 + 1) + get(prob, t * 3 + 2), 2.0, 1e-12);
+  EXPECT_NEAR(get(prob, 3), 2.0 / 3, 1e-12);
+  double se = 0;
+  for (int e = 0; e < 4; ++e) se += std::exp(l[e]);
+  router_topk_forward(logits, {ScoreFunc::softmax, false, 1.0}, scores, idx, prob);
+  EXPECT_NEAR(get(prob, 0), std::exp(2.0) / se, 1e-12);
+  router_topk_forward(logits, {ScoreFunc::sigmoid, false, 1.5}, scores, idx, prob);
+  EXPECT_NEAR(get(prob, 2), 1.5 / (1 + std::exp(-0.5)), 1e-12);
+}
+
+TEST(RouterTopk, BackwardMatchesFiniteDifferences) {
+  const int64_t t_n = 5, e_n = 6;
+  for (ScoreFunc f : {ScoreFunc::softmax, ScoreFunc::sigmoid})
+    for (bool norm : {false, true})
+      for (double scaling : {1.0, 2.5})
+        for (int64_t k_n : {1, 3}) {
+          const TopkRouting routing{f, norm, scaling};
+          const std::string what = std::string(f == ScoreFunc::softmax ? "softmax" : "sigmoid") +
+                                   (norm ? " norm" : "") + " scaling " + std::to_string(scaling) + " k " +
+                                   std::to_string(k_n);
+          Pool pool;
+          Tensor scores = pool.zeros({t_n, e_n}), idx = pool.ints({t_n, k_n}, 0, 1), prob = pool.zeros({t_n, k_n});
+          Tensor logits;
+          for (int tries = 0; tries < 50; ++tries) {
+            logits = pool.randn({t_n, e_n});
+            router_topk_forward(logits, routing, scores, idx, prob);
+            if (topk_gap(scores, k_n) > 1e-3) break;
+          }
+          ASSERT_GT(topk_gap(scores, k_n), 1e-3) << what;
+          Tensor g = pool.randn({t_n, k_n}), dlogits = pool.zeros({t_n, e_n});
+          router_topk_backward(scores, idx, routing, g, dlogits);
+          if (norm && k_n == 1) {
+            EXPECT_LE(max_abs(dlogits), 1e-14) << what;  // the single probability is the constant `scaling`
+          } else {
+            EXPECT_GT(max_abs(dlogits), 0) << what;
+          }
+          check_gradient("router_topk " + what, logits, dlogits, [&] {
+            router_topk_forward(logits, routing, scores, idx, prob);
+            return dot(g, prob);
+          });
+        }
+}
+
+// ---- aux loss and z-loss -------------------------------------------------------------------------
+
+TEST(AuxLoss, BackwardMatchesFiniteDifferences) {
+  const int64_t t_n = 7, e_n = 5, k_n = 2;
+  for (ScoreFunc f : {ScoreFunc::softmax, ScoreFunc::sigmoid}) {
+    Pool pool;
+    Tensor logits = pool.randn({t_n, e_n}), scores = pool.zeros({t_n, e_n});
+    Tensor idx = pool.ints({t_n, k_n}, 0, 1), prob = pool.zeros({t_n, k_n});
+    Tensor counts = pool.zeros({e_n}, DType::i64);
+    router_topk_forward(logits, {f, true, 1.0}, scores, idx, prob);
+    topk_expert_counts(idx, counts);
+    int64_t total = 0;
+    for (int64_t e = 0; e < e_n; ++e) total += counts.ptr<int64_t>()[e];
+    EXPECT_EQ(total, t_n * k_n);
+    // The counts are constants of the loss (no gradient through the selection).
+    const double grad_scale = 0.7;
+    Tensor dlogits = pool.zeros({t_n, e_n});
+    aux_loss_backward(scores, f, counts, k_n, grad_scale, dlogits);
+    EXPECT_GT(max_abs(dlogits), 0);
+    check_gradient(std::string("aux_loss ") + (f == ScoreFunc::softmax ? "softmax" : "sigmoid"), logits, dlogits,
+                   [&] {
+                     router_topk_forward(logits, {f, true, 1.0}, scores, idx, prob);
+                     return grad_scale * aux_loss_forward(scores, f, counts, k_n);
+                   });
+  }
+}
+
+TEST(AuxLoss, ExactlyOneForUniformRouting) {
+  Pool pool;
+  const int64_t e_n = 4, k_n = 2;
+  // Uniform scores (zero logits) with uniform counts.
+  Tensor scores = pool.zeros({8, e_n}), counts = pool.zeros({e_n}, DType::i64);
+  for (int64_t i = 0; i < scores.numel(); ++i) set(scores, i, 1.0 / e_n);
+  for (int64_t e = 0; e < e_n; ++e) counts.ptr<int64_t>()[e] = 8 * k_n / e_n;
+  EXPECT_NEAR(aux_loss_forward(scores, ScoreFunc::softmax, counts, k_n), 1.0, 1e-14);
+  // Through the router: each token's logits are a cyclic shift of one vector, so every expert
+  // gets the same count and the same total probability.
+  for (ScoreFunc f : {ScoreFunc::softmax, ScoreFunc::sigmoid}) {
+    const int64_t t_n = 3 * e_n;
+    Tensor v = pool.randn({e_n}), logits = pool.zeros({t_n, e_n}), s = pool.zeros({t_n, e_n});
+    Tensor idx = pool.ints({t_n, k_n}, 0, 1), prob = pool.zeros({t_n, k_n});
+    for (int64_t t = 0; t < t_n; ++t)
+      for (int64_t e = 0; e < e_n; ++e) set(logits, t * e_n + e, get(v, (e + t) % e_n));
+    router_topk_forward(logits, {f, true, 1.0}, s, idx, prob);
+    topk_expert_counts(idx, counts);
+    for (int64_t e = 0; e < e_n; ++e) EXPECT_EQ(counts.ptr<int64_t>()[e], t_n * k_n / e_n);
+    EXPECT_NEAR(aux_loss_forward(s, f, counts, k_n), 1.0, 1e-12);
+  }
+  // Everything on one expert with confident scores: the loss approaches E.
+  Tensor s1 = pool.zeros({4, e_n}), c1 = pool.zeros({e_n}, DType::i64);
+  for (int64_t t = 0; t < 4; ++t) set(s1, t * e_n, 1.0);
+  c1.ptr<int64_t>()[0] = 4;
+  EXPECT_NEAR(aux_loss_forward(s1, ScoreFunc::softmax, c1, 1), static_cast<double>(e_n), 1e-12);
+}
+
+TEST(ZLoss, ForwardAndBackward) {
+  Pool pool;
+  Tensor zeros = pool.zeros({3, 4});
+  EXPECT_NEAR(z_loss_forward(zeros), std::log(4.0) * std::log(4.0), 1e-12);
+  Tensor logits = pool.randn({6, 5}, DType::f64, 2.0), dlogits = pool.zeros({6, 5});
+  z_loss_backward(logits, 1.3, dlogits);
+  check_gradient("z_loss", logits, dlogits, [&] { return 1.3 * z_loss_forward(logits); });
+}
+
+// ---- permutation, combine, capacity ---------------------------------------------------------------
+
+// Random distinct top-k indices for each token.
+Tensor random_topk(Pool& pool, int64_t t_n, int64_t e_n, int64_t k_n) {
+  Tensor r = pool.uniform({t_n, e_n}, 0.0, 1.0), idx = pool.ints({t_n, k_n}, 0, 1);
+  for (int64_t t = 0; t < t_n; ++t) {
+    std::vector<int> order(e_n);
+    for (int e = 0; e < e_n; ++e) order[e] = e;
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return get(r, t * e_n + a) > get(r, t * e_n + b); });
+    for (int64_t k = 0; k < k_n; ++k) set(idx, t * k_n + k, order[k]);
+  }
+  return idx;
+}
+
+struct Plan {
+  Tensor counts, offsets, row, token;
+  int64_t num_rows = 0;
+  Plan(Pool& pool, const Tensor& idx, const Tensor& prob, int64_t e_n, int64_t capacity, bool pad, int64_t max_rows) {
+    counts = pool.zeros({e_n}, DType::i64);
+    offsets = pool.zeros({e_n + 1}, DType::i64);
+    row = pool.zeros(idx.shape(), DType::i64);
+    token = pool.zeros({max_rows}, DType::i64);
+    num_rows = moe_permute_plan(idx, prob, capacity, pad, {counts, offsets, row, token});
+  }
+  int64_t at(const Tensor& t, int64_t i) const { return t.ptr<int64_t>()[i]; }
+};
+
+TEST(Permute, PlanIsExpertContiguousAndStable) {
+  Pool pool;
+  const int64_t t_n = 9, e_n = 5, k_n = 2;
+  Tensor idx = random_topk(pool, t_n, e_n, k_n), prob = pool.uniform({t_n, k_n}, 0.1, 1.0);
+  Plan p(pool, idx, prob, e_n, 0, false, t_n * k_n);
+  ASSERT_EQ(p.num_rows, t_n * k_n);
+  EXPECT_EQ(p.at(p.offsets, 0), 0);
+  EXPECT_EQ(p.at(p.offsets, e_n), t_n * k_n);
+  for (int64_t e = 0; e < e_n; ++e) {
+    EXPECT_EQ(p.at(p.offsets, e + 1) - p.at(p.offsets, e), p.at(p.counts, e));
+    for (int64_t r = p.at(p.offsets, e); r < p.at(p.offsets, e + 1); ++r) {
+      const int64_t t = p.at(p.token, r);
+      bool routed = false;
+      for (int64_t k = 0; k < k_n; ++k)
+        if (get(idx, t * k_n + k) == e) {
+          routed = true;
+          EXPECT_EQ(p.at(p.row, t * k_n + k), r);
+        }
+      EXPECT_TRUE(routed) << "row " << r << " of expert " << e << " holds token " << t;
+      if (r > p.at(p.offsets, e)) {
+        EXPECT_LT(p.at(p.token, r - 1), t) << "rows of expert " << e << " not in token order";
+      }
+    }
+  }
+}
+
+TEST(Permute, ThenCombineWithProbabilityOneIsIdentity) {
+  Pool pool;
+  const int64_t t_n = 11, e_n = 4, h_n = 7, kGuard = 2;
+  for (int64_t k_n : {1, 3}) {
+    Tensor x = pool.randn({t_n, h_n}), idx = random_topk(pool, t_n, e_n, k_n), prob = pool.zeros({t_n, k_n});
+    for (int64_t i = 0; i < prob.numel(); ++i) set(prob, i, 1.0);
+    Plan p(pool, idx, prob, e_n, 0, false, t_n * k_n);
+    // Guard rows after the permute output (ggml-style sentinels) catch overruns.
+    Tensor buf = pool.zeros({p.num_rows + kGuard, h_n});
+    for (int64_t i = 0; i < buf.numel(); ++i) set(buf, i, 12345.0);
+    Tensor rows = buf.slice(0, p.num_rows), y = pool.zeros({t_n, h_n});
+    moe_permute(x, p.token.slice(0, p.num_rows), rows);
+    for (int64_t i = p.num_rows * h_n; i < buf.numel(); ++i) ASSERT_EQ(get(buf, i), 12345.0) << "guard overwritten";
+    moe_combine(rows, p.row, prob, y);
+    for (int64_t i = 0; i < x.numel(); ++i) EXPECT_EQ(get(y, i), static_cast<double>(k_n) * get(x, i));
+  }
+}
+
+TEST(Permute, BackwardsMatchFiniteDifferences) {
+  const int64_t t_n = 8, e_n = 3, k_n = 2, h_n = 4;
+  for (int64_t capacity : {int64_t{0}, int64_t{3}})
+    for (bool pad : {false, true}) {
+      if (pad && capacity == 0) continue;
+      const std::string what = "capacity " + std::to_string(capacity) + (pad ? " pad" : "");
+      Pool pool;
+      Tensor idx = random_topk(pool, t_n, e_n, k_n), prob = pool.uniform({t_n, k_n}, 0.1, 1.0);
+      Plan p(pool, idx, prob, e_n, capacity, pad, t_n * k_n + e_n * capacity);
+      const int64_t r_n = p.num_rows;
+      if (pad) {
+        EXPECT_EQ(r_n, e_n * capacity) << what;
+      }
+      Tensor token = p.token.slice(0, r_n);
+      // permute: loss = <g_R, permute(x)>.
+      Tensor x = pool.randn({t_n, h_n}), rows = pool.zeros({r_n, h_n}), grows = pool.randn({r_n, h_n});
+      Tensor dx = pool.zeros({t_n, h_n});
+      moe_permute_backward(grows, p.row, dx);
+      check_gradient("permute " + what, x, dx, [&] {
+        moe_permute(x, token, rows);
+        return dot(grows, rows);
+      });
+      // combine: loss = <g_T, combine(out, prob)>.
+      Tensor out = pool.randn({r_n, h_n}), g = pool.randn({t_n, h_n}), y = pool.zeros({t_n, h_n});
+      Tensor dout = pool.randn({r_n, h_n}), dprob = pool.randn({t_n, k_n});  // garbage: must be overwritten
+      moe_combine_backward(out, p.row, prob, g, dout, dprob);
+      auto loss = [&] {
+        moe_combine(out, p.row, prob, y);
+        return dot(g, y);
+      };
+      check_gradient("combine dout " + what, out, dout, loss);
+      check_gradient("combine dprob " + what, prob, dprob, loss);
+      for (int64_t r = 0; r < r_n; ++r)
+        if (p.at(token, r) < 0) {
+          for (int64_t h = 0; h < h_n; ++h) EXPECT_EQ(get(dout, r * h_n + h), 0.0) << "padding row " << r;
+        }
+    }
+}
+
+TEST(Capacity, KeepsHighestProbabilitiesAndDropsTheRest) {
+  Pool pool;
+  const int64_t t_n = 24, e_n = 4, k_n = 2;
+  MoeConfig cfg{.num_experts = e_n, .num_experts_per_tok = k_n, .capacity_factor = 0.5};
+  const int64_t cap = cfg.capacity(t_n);
+  ASSERT_EQ(cap, 6);
+  Tensor idx = random_topk(pool, t_n, e_n, k_n), prob = pool.uniform({t_n, k_n}, 0.0, 1.0);
+  Tensor routed = pool.zeros({e_n}, DType::i64);
+  topk_expert_counts(idx, routed);
+  Plan p(pool, idx, prob, e_n, cap, false, cfg.max_rows(t_n));
+  int64_t dropped = 0, expected_dropped = 0;
+  for (int64_t e = 0; e < e_n; ++e) {
+    EXPECT_LE(p.at(p.counts, e), cap);
+    EXPECT_EQ(p.at(p.counts, e), std::min(cap, routed.ptr<int64_t>()[e]));
+    expected_dropped += std::max<int64_t>(0, routed.ptr<int64_t>()[e] - cap);
+    // Every kept probability of e is >= every dropped one of e.
+    double min_kept = 2, max_dropped = -1;
+    for (int64_t a = 0; a < t_n * k_n; ++a) {
+      if (get(idx, a) != e) continue;
+      if (p.at(p.row, a) >= 0)
+        min_kept = std::min(min_kept, get(prob, a));
+      else
+        max_dropped = std::max(max_dropped, get(prob, a));
+    }
+    EXPECT_GE(min_kept, max_dropped) << "expert " << e;
+  }
+  for (int64_t a = 0; a < t_n * k_n; ++a) dropped += p.at(p.row, a) < 0;
+  EXPECT_EQ(dropped, expected_dropped);
+  EXPECT_GT(dropped, 0);  // 48 assignments into 4 x 6 slots
+  EXPECT_EQ(p.num_rows, t_n * k_n - dropped);
+}
+
+TEST(Capacity, TiesDropTheHigherToken) {
+  Pool pool;
+  // Five tokens all on expert 1 with equal probabilities except token 3 (highest): capacity 2
+  // keeps token 3 and then token 0 (lower index wins the tie); rows stay in token order.
+  const int64_t t_n = 5;
+  Tensor idx = pool.ints({t_n, 1}, 1, 2), prob = pool.zeros({t_n, 1});
+  for (int64_t t = 0; t < t_n; ++t) set(prob, t, t == 3 ? 0.9 : 0.5);
+  Plan p(pool, idx, prob, 2, 2, false, 4);
+  ASSERT_EQ(p.num_rows, 2);
+  EXPECT_EQ(p.at(p.counts, 0), 0);
+  EXPECT_EQ(p.at(p.counts, 1), 2);
+  EXPECT_EQ(p.at(p.token, 0), 0);
+  EXPECT_EQ(p.at(p.token, 1), 3);
+  const int64_t want_row[] = {0, -1, -1, 1, -1};
+  for (int64_t t = 0; t < t_n; ++t) EXPECT_EQ(p.at(p.row, t), want_row[t]) << "token " << t;
+}
+
+TEST(Capacity, PadGivesExactlyCapacityRowsPerExpert) {
+  Pool pool;
+  const int64_t t_n = 10, e_n = 4, k_n = 2, h_n = 3;
+  MoeConfig cfg{.num_experts = e_n, .num_experts_per_tok = k_n, .capacity_factor = 0.75, .pad_to_capacity = true};
+  const int64_t cap = cfg.capacity(t_n);  // ceil(3.75) = 4
+  // Skewed routing: half the experts get almost nothing, so both padding and dropping happen.
+  Tensor idx = pool.ints({t_n, k_n}, 0, 1), prob = pool.uniform({t_n, k_n}, 0.0, 1.0);
+  for (int64_t t = 0; t < t_n; ++t) {
+    set(idx, t * k_n, t < 8 ? 0 : 2);
+    set(idx, t * k_n + 1, t < 8 ? 1 : 3);
+  }
+  Plan p(pool, idx, prob, e_n, cap, true, cfg.max_rows(t_n));
+  ASSERT_EQ(p.num_rows, e_n * cap);
+  ASSERT_EQ(p.num_rows, cfg.max_rows(t_n));
+  for (int64_t e = 0; e < e_n; ++e) {
+    EXPECT_EQ(p.at(p.counts, e), cap);
+    EXPECT_EQ(p.at(p.offsets, e), e * cap);
+  }
+  int64_t padding = 0;
+  for (int64_t r = 0; r < p.num_rows; ++r) padding += p.at(p.token, r) < 0;
+  EXPECT_EQ(padding, 2 * (cap - 2));  // experts 2 and 3 hold 2 tokens each
+  Tensor x = pool.randn({t_n, h_n}), rows = pool.randn({p.num_rows, h_n});
+  moe_permute(x, p.token.slice(0, p.num_rows), rows);
+  for (int64_t r = 0; r < p.num_rows; ++r)
+    for (int64_t h = 0; h < h_n; ++h)
+      if (p.at(p.token, r) < 0) {
+        EXPECT_EQ(get(rows, r * h_n + h), 0.0) << "padding row " << r;
+      }
+}
+
+TEST(GroupedLinear, BackwardMatchesFiniteDifferences) {
+  Pool pool;
+  const int64_t e_n = 3, o_n = 4, i_n = 5, r_n = 6;
+  Tensor offsets = pool.zeros({e_n + 1}, DType::i64);
+  const int64_t off[] = {0, 4, 4, 6};  // expert 1 gets no rows
+  for (int i = 0; i <= e_n; ++i) offsets.ptr<int64_t>()[i] = off[i];
+  Tensor x = pool.randn({r_n, i_n}), w = pool.randn({e_n, o_n, i_n}), y = pool.zeros({r_n, o_n});
+  Tensor g = pool.randn({r_n, o_n}), dx = pool.zeros({r_n, i_n}), dw = pool.zeros({e_n, o_n, i_n});
+  grouped_linear_backward(x, w, offsets, g, dx, dw);
+  Tensor dw_once = pool.clone(dw);
+  auto loss = [&] {
+    grouped_linear_forward(x, w, offsets, y);
+    return dot(g, y);
+  };
+  check_gradient("grouped_linear dx", x, dx, loss);
+  check_gradient("grouped_linear dw", w, dw_once, loss);
+  for (int64_t i = 0; i < o_n * i_n; ++i) EXPECT_EQ(get(dw, o_n * i_n + i), 0.0) << "idle expert";
+  grouped_linear_backward(x, w, offsets, g, Tensor{}, dw);  // accumulates
+  for (int64_t i = 0; i < dw.numel(); ++i) EXPECT_NEAR(get(dw, i), 2 * get(dw_once, i), 1e-12);
+}
+
+// ---- the whole layer ---------------------------------------------------------------------------
+
+// A MoeLayer bound to its own Memory (both passes), with every parameter filled randn * std.
+struct Rig {
+  Memory mem;
+  MoeLayer layer;
+  Rig(const MoeConfig& cfg, int64_t h_n, int64_t max_t, DType dtype) : mem(dtype), layer(cfg, h_n, max_t, kPrefix) {
+    layer.bind(mem);
+    mem.allocate();
+    layer.bind(mem);
+    mem.finish_binding();
+  }
+  const Param& param(const std::string& suffix) const { return *mem.find(kPrefix + suffix); }
+  void fill(Pool& pool, double std) {
+    for (Param& p : mem.params()) p.value.copy_from(pool.randn(p.value.shape(), p.value.dtype(), std));
+  }
+  void zero_grads() { mem.grad_arena().zero(); }
+};
+
+const char* const kParams[] = {".gate.weight", ".experts.gate_up_proj", ".experts.down_proj"};
+
+// Redraws x until the top-k selection (and the capacity ordering) is far from a tie.
+Tensor stable_input(Pool& pool, Rig& rig, int64_t t_n, int64_t h_n, DType dtype = DType::f64) {
+  Tensor y = pool.zeros({t_n, h_n}, dtype);
+  const MoeConfig& cfg = rig.layer.config();
+  for (int tries = 0; tries < 100; ++tries) {
+    Tensor x = pool.randn({t_n, h_n}, dtype);
+    rig.layer.forward(x, y);
+    const Router& r = rig.layer.router();
+    bool ok = topk_gap(r.scores(), cfg.num_experts_per_tok) > 1e-3;
+    if (cfg.capacity_factor > 0) ok = ok && capacity_gap(r.topk_idx(), r.topk_prob()) > 1e-3;
+    if (ok) return x;
+  }
+  ADD_FAILURE() << "no input with a stable top-k selection";
+  return pool.randn({t_n, h_n}, dtype);
+}
+
+struct LayerCase {
+  std::string name;
+  MoeConfig cfg;
+};
+
+TEST(MoeLayer, BackwardMatchesFiniteDifferences) {
+  const int64_t h_n = 6, t_n = 8;
+  const MoeConfig base{.num_experts = 4, .num_experts_per_tok = 2, .moe_intermediate_size = 5, .aux_loss_coeff = 0.3,
+                       .z_loss_coeff = 0.05};
+  std::vector<LayerCase> cases = {{"softmax norm", base}};
+  cases.push_back({"softmax no-norm", base});
+  cases.back().cfg.norm_topk_prob = false;
+  cases.push_back({"sigmoid norm scaled", base});
+  cases.back().cfg.scoring_func = ScoreFunc::sigmoid;
+  cases.back().cfg.routed_scaling_factor = 2.5;
+  cases.push_back({"sigmoid no-norm k3", base});
+  cases.back().cfg.scoring_func = ScoreFunc::sigmoid;
+  cases.back().cfg.norm_topk_prob = false;
+  cases.back().cfg.num_experts_per_tok = 3;
+  cases.push_back({"capacity 0.5", base});
+  cases.back().cfg.capacity_factor = 0.5;
+  cases.push_back({"capacity 0.75 padded", base});
+  cases.back().cfg.capacity_factor = 0.75;
+  cases.back().cfg.pad_to_capacity = true;
+  for (const LayerCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    Pool pool;
+    Rig rig(c.cfg, h_n, t_n + 2, DType::f64);  // max_tokens > T: views of the first T rows
+    rig.fill(pool, 0.5);
+    Tensor x = stable_input(pool, rig, t_n, h_n);
+    Tensor g = pool.randn({t_n, h_n}), y = pool.zeros({t_n, h_n}), dx = pool.randn({t_n, h_n});
+    const double loss_scale = 1.7;
+    rig.zero_grads();
+    rig.layer.forward(x, y);
+    EXPECT_GT(rig.layer.aux_loss(), 0);
+    EXPECT_GT(rig.layer.z_loss(), 0);
+    rig.layer.backward(g, dx, loss_scale);
+    auto loss = [&] {
+      rig.layer.forward(x, y);
+      return dot(g, y) + loss_scale * (rig.layer.aux_loss() + rig.layer.z_loss());
+    };
+    std::vector<Tensor> analytic;
+    for (const char* name : kParams) analytic.push_back(pool.clone(rig.param(name).grad));
+    Tensor dx_saved = pool.clone(dx);
+    check_gradient(c.name + " dx", x, dx_saved, loss);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_GT(max_abs(analytic[i]), 0) << kParams[i];
+      check_gradient(c.name + " " + kParams[i], rig.param(kParams[i]).value, analytic[i], loss);
+    }
+  }
+}
+
+TEST(MoeLayer, SingleExpertEqualsDenseSwiGLU) {
+  const int64_t h_n = 5, f_n = 7, t_n = 6;
+  MoeConfig cfg{.num_experts = 1, .num_experts_per_tok = 1, .moe_intermediate_size = f_n};
+  Pool pool;
+  Rig rig(cfg, h_n, t_n, DType::f64);
+  rig.fill(pool, 0.5);
+  Tensor x = pool.randn({t_n, h_n}), y = pool.zeros({t_n, h_n});
+  rig.layer.forward(x, y);
+  const double* w1 = rig.param(".experts.gate_up_proj").value.ptr<double>();  // [2F, H]
+  const double* w2 = rig.param(".experts.down_proj").value.ptr<double>();     // [H, F]
+  for (int64_t t = 0; t < t_n; ++t) {
+    std::vector<double> h(f_n);
+    for (int64_t j = 0; j < f_n; ++j) {
+      double g = 0, u = 0;
+      for (int64_t i = 0; i < h_n; ++i) {
+        g += w1[j * h_n + i] * get(x, t * h_n + i);
+        u += w1[(f_n + j) * h_n + i] * get(x, t * h_n + i);
+      }
+      h[j] = g / (1 + std::exp(-g)) * u;
+    }
+    for (int64_t o = 0; o < h_n; ++o) {
+      double want = 0;
+      for (int64_t j = 0; j < f_n; ++j) want += w2[o * f_n + j] * h[j];
+      EXPECT_NEAR(get(y, t * h_n + o), want, 1e-12) << "token " << t << " channel " << o;
+    }
+  }
+  EXPECT_NEAR(rig.layer.aux_loss(), cfg.aux_loss_coeff * 1.0, 1e-15);  // one expert: perfectly balanced
+  EXPECT_EQ(rig.layer.expert_counts()[0], t_n);
+}
+
+TEST(MoeLayer, AuxLossIsOneForUniformRouting) {
+  // gate = identity (H = E), token t's input is a cyclic shift of one vector: every expert gets
+  // the same count and the same total score.
+  const int64_t e_n = 4, t_n = 8;
+  MoeConfig cfg{.num_experts = e_n, .num_experts_per_tok = 2, .moe_intermediate_size = 3, .aux_loss_coeff = 0.25};
+  Pool pool;
+  Rig rig(cfg, e_n, t_n, DType::f64);
+  rig.fill(pool, 0.5);
+  const Tensor& gate = rig.param(".gate.weight").value;
+  for (int64_t i = 0; i < e_n * e_n; ++i) set(gate, i, i / e_n == i % e_n ? 1.0 : 0.0);
+  Tensor v = pool.randn({e_n}), x = pool.zeros({t_n, e_n}), y = pool.zeros({t_n, e_n});
+  for (int64_t t = 0; t < t_n; ++t)
+    for (int64_t e = 0; e < e_n; ++e) set(x, t * e_n + e, get(v, (e + t) % e_n));
+  rig.layer.forward(x, y);
+  EXPECT_NEAR(rig.layer.aux_loss() / cfg.aux_loss_coeff, 1.0, 1e-12);
+  for (int64_t e = 0; e < e_n; ++e) EXPECT_EQ(rig.layer.expert_counts()[e], t_n * 2 / e_n);
+}
+
+TEST(MoeLayer, AuxLossAloneGivesRouterGradient) {
+  const int64_t h_n = 6, t_n = 8;
+  MoeConfig cfg{.num_experts = 4, .num_experts_per_tok = 2, .moe_intermediate_size = 5, .aux_loss_coeff = 0.1};
+  Pool pool;
+  Rig rig(cfg, h_n, t_n, DType::f64);
+  rig.fill(pool, 0.5);
+  Tensor x = pool.randn({t_n, h_n}), y = pool.zeros({t_n, h_n}), dy = pool.zeros({t_n, h_n});
+  Tensor dx = pool.randn({t_n, h_n});
+  rig.layer.forward(x, y);
+  rig.zero_grads();
+  rig.layer.backward(dy, dx, 1.0);
+  EXPECT_GT(max_abs(rig.param(".gate.weight").grad), 1e-6);
+  EXPECT_GT(max_abs(dx), 1e-6);  // through the router branch
+  EXPECT_EQ(max_abs(rig.param(".experts.gate_up_proj").grad), 0.0);
+  EXPECT_EQ(max_abs(rig.param(".experts.down_proj").grad), 0.0);
+  // And with the coefficient at zero, nothing at all.
+  MoeConfig off = cfg;
+  off.aux_loss_coeff = 0;
+  Rig rig0(off, h_n, t_n, DType::f64);
+  rig0.fill(pool, 0.5);
+  rig0.layer.forward(x, y);
+  rig0.layer.backward(dy, dx, 1.0);
+  EXPECT_EQ(max_abs(rig0.param(".gate.weight").grad), 0.0);
+  EXPECT_EQ(max_abs(dx), 0.0);
+}
+
+TEST(MoeLayer, ZeroTokenExperts) {
+  // Every token goes to expert 0 (K = 1) or experts {0, 1} (K = 2); the others get no rows.
+  const int64_t h_n = 4, f_n = 3, t_n = 5, e_n = 4;
+  for (int64_t k_n : {1, 2}) {
+    SCOPED_TRACE("k " + std::to_string(k_n));
+    MoeConfig cfg{.num_experts = e_n, .num_experts_per_tok = k_n, .moe_intermediate_size = f_n,
+                  .aux_loss_coeff = 0.2};
+    Pool pool;
+    Rig rig(cfg, h_n, t_n, DType::f64);
+    rig.fill(pool, 0.5);
+    const Tensor& gate = rig.param(".gate.weight").value;
+    for (int64_t e = 0; e < e_n; ++e)
+      for (int64_t i = 0; i < h_n; ++i) set(gate, e * h_n + i, e == 0 ? 1.0 : e == 1 ? 0.5 : -1.0);
+    Tensor x = pool.uniform({t_n, h_n}, 0.5, 1.5), y = pool.zeros({t_n, h_n}), g = pool.randn({t_n, h_n});
+    Tensor dx = pool.zeros({t_n, h_n});
+    rig.layer.forward(x, y);
+    for (int64_t e = 0; e < e_n; ++e) EXPECT_EQ(rig.layer.expert_counts()[e], e < k_n ? t_n : 0);
+    const DispatchPlan& plan = rig.layer.plan();
+    EXPECT_EQ(plan.num_rows, t_n * k_n);
+    // y_t = sum_k prob_tk * expert_k(x_t), each expert written out with loops.
+    const double* w1 = rig.param(".experts.gate_up_proj").value.ptr<double>();
+    const double* w2 = rig.param(".experts.down_proj").value.ptr<double>();
+    const Tensor& prob = rig.layer.router().topk_prob();
+    for (int64_t t = 0; t < t_n; ++t)
+      for (int64_t o = 0; o < h_n; ++o) {
+        double want = 0;
+        for (int64_t k = 0; k < k_n; ++k) {
+          const double* a = w1 + k * 2 * f_n * h_n;
+          const double* b = w2 + k * h_n * f_n;
+          double acc = 0;
+          for (int64_t j = 0; j < f_n; ++j) {
+            double gg = 0, uu = 0;
+            for (int64_t i = 0; i < h_n; ++i) {
+              gg += a[j * h_n + i] * get(x, t * h_n + i);
+              uu += a[(f_n + j) * h_n + i] * get(x, t * h_n + i);
+            }
+            acc += b[o * f_n + j] * gg / (1 + std::exp(-gg)) * uu;
+          }
+          want += get(prob, t * k_n + k) * acc;
+        }
+        EXPECT_NEAR(get(y, t * h_n + o), want, 1e-12);
+      }
+    rig.zero_grads();
+    rig.layer.backward(g, dx, 1.0);
+    const Tensor& dgu = rig.param(".experts.gate_up_proj").grad;
+    const Tensor& ddown = rig.param(".experts.down_proj").grad;
+    for (int64_t e = 0; e < e_n; ++e) {
+      double m1 = max_abs(dgu.view({e_n, 2 * f_n * h_n}).slice(e, e + 1));
+      double m2 = max_abs(ddown.view({e_n, h_n * f_n}).slice(e, e + 1));
+      if (e < k_n) {
+        EXPECT_GT(m1, 0) << "expert " << e;
+        EXPECT_GT(m2, 0) << "expert " << e;
+      } else {
+        EXPECT_EQ(m1, 0.0) << "idle expert " << e;
+        EXPECT_EQ(m2, 0.0) << "idle expert " << e;
+      }
+    }
+    Tensor dx_saved = pool.clone(dx), dgu_saved = pool.clone(dgu);
+    auto loss = [&] {
+      rig.layer.forward(x, y);
+      return dot(g, y) + rig.layer.aux_loss() + rig.layer.z_loss();
+    };
+    check_gradient("zero-token dx", x, dx_saved, loss);
+    check_gradient("zero-token gate_up_proj", rig.param(".experts.gate_up_proj").value, dgu_saved, loss);
+  }
+}
+
+TEST(MoeLayer, PaddingDoesNotChangeTheResult) {
+  const int64_t h_n = 5, t_n = 9;
+  MoeConfig cfg{.num_experts = 3, .num_experts_per_tok = 2, .moe_intermediate_size = 4, .capacity_factor = 0.8};
+  MoeConfig padded = cfg;
+  padded.pad_to_capacity = true;
+  Pool pool;
+  Rig a(cfg, h_n, t_n, DType::f64), b(padded, h_n, t_n, DType::f64);
+  a.fill(pool, 0.5);
+  for (const char* name : kParams) b.param(name).value.copy_from(a.param(name).value);
+  Tensor x = pool.randn({t_n, h_n}), ya = pool.zeros({t_n, h_n}), yb = pool.zeros({t_n, h_n});
+  Tensor g = pool.randn({t_n, h_n}), dxa = pool.zeros({t_n, h_n}), dxb = pool.zeros({t_n, h_n});
+  a.layer.forward(x, ya);
+  b.layer.forward(x, yb);
+  EXPECT_EQ(b.layer.plan().num_rows, 3 * cfg.capacity(t_n));
+  EXPECT_LE(a.layer.plan().num_rows, b.layer.plan().num_rows);
+  EXPECT_LE(max_abs_diff(ya, yb), 1e-13);
+  a.layer.backward(g, dxa, 1.0);
+  b.layer.backward(g, dxb, 1.0);
+  EXPECT_LE(max_abs_diff(dxa, dxb), 1e-13);
+  for (const char* name : kParams) EXPECT_LE(max_abs_diff(a.param(name).grad, b.param(name).grad), 1e-13) << name;
+}
+
+TEST(MoeLayer, Float32MatchesFloat64) {
+  const int64_t h_n = 16, t_n = 12;
+  MoeConfig cfg{.num_experts = 6, .num_experts_per_tok = 2, .moe_intermediate_size = 8, .aux_loss_coeff = 0.1,
+                .z_loss_coeff = 0.01, .capacity_factor = 1.0};
+  Pool pool;
+  Rig r64(cfg, h_n, t_n, DType::f64), r32(cfg, h_n, t_n, DType::f32);
+  r64.fill(pool, 0.3);
+  Tensor x64 = stable_input(pool, r64, t_n, h_n);
+  for (const char* name : kParams) convert(r32.param(name).value, r64.param(name).value);
+  Tensor x32 = pool.zeros({t_n, h_n}, DType::f32), g64 = pool.randn({t_n, h_n}), g32 = pool.zeros({t_n, h_n}, DType::f32);
+  convert(x32, x64);
+  convert(g32, g64);
+  Tensor y64 = pool.zeros({t_n, h_n}), y32 = pool.zeros({t_n, h_n}, DType::f32);
+  Tensor dx64 = pool.zeros({t_n, h_n}), dx32 = pool.zeros({t_n, h_n}, DType::f32);
+  r64.layer.forward(x64, y64);
+  r32.layer.forward(x32, y32);
+  for (int64_t i = 0; i < t_n * 2; ++i)
+    ASSERT_EQ(get(r64.layer.router().topk_idx(), i), get(r32.layer.router().topk_idx(), i)) << "selection differs";
+  r64.layer.backward(g64, dx64, 1.0);
+  r32.layer.backward(g32, dx32, 1.0);
+  // fp32 rounding (~6e-8) accumulated over sums of <= 16 terms: 1e-5 relative to the largest.
+  const double rtol = 1e-5;
+  EXPECT_LE(max_abs_diff(y32, y64), rtol * max_abs(y64));
+  EXPECT_LE(max_abs_diff(dx32, dx64), rtol * max_abs(dx64));
+  EXPECT_NEAR(r32.layer.aux_loss(), r64.layer.aux_loss(), rtol * r64.layer.aux_loss());
+  EXPECT_NEAR(r32.layer.z_loss(), r64.layer.z_loss(), rtol * r64.layer.z_loss());
+  for (const char* name : kParams)
+    EXPECT_LE(max_abs_diff(r32.param(name).grad, r64.param(name).grad), rtol * max_abs(r64.param(name).grad)) << name;
+}
+
+}  // namespace
+}  // namespace moefold

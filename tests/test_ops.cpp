@@ -1,0 +1,373 @@
+// CPU reference ops (elementwise, embedding, RMSNorm, linear, RoPE, SwiGLU, cross-entropy):
+// forward against naive formulas, backward against float64 finite differences, float32 against
+// float64, and the gradient rule (activation grads written, parameter grads accumulated).
+// Tolerances: float64 forwards 1e-12 (same formula, different order); float32 vs float64 1e-5
+// relative to the output's magnitude (a few float32 roundings per element).
+#include <cmath>
+#include <complex>
+#include <vector>
+
+#include "moefold/ops/ops.h"
+#include "testing.h"
+
+namespace moefold {
+namespace {
+
+using testing::check_gradient;
+using testing::dot;
+using testing::max_abs;
+using testing::max_abs_diff;
+using testing::Pool;
+
+constexpr double kF64Tol = 1e-12;
+constexpr double kF32Rel = 1e-5;
+
+double get(const Tensor& t, int64_t i) {
+  return dispatch_float(t.dtype(), [&]<class T>() { return static_cast<double>(t.ptr<T>()[i]); });
+}
+void set(const Tensor& t, int64_t i, double v) {
+  dispatch_float(t.dtype(), [&]<class T>() { t.ptr<T>()[i] = static_cast<T>(v); });
+}
+Tensor cast(Pool& pool, const Tensor& t, DType dtype) {
+  Tensor c = pool.zeros(t.shape(), dtype);
+  for (int64_t i = 0; i < t.numel(); ++i) set(c, i, get(t, i));
+  return c;
+}
+// float32 result against the float64 one, relative to the float64 magnitude.
+void expect_f32_close(const char* what, const Tensor& got32, const Tensor& want64) {
+  EXPECT_LE(max_abs_diff(got32, want64), kF32Rel * std::max(1.0, max_abs(want64))) << what;
+}
+// a + k * b, elementwise, into a new f64 tensor.
+Tensor axpy(Pool& pool, const Tensor& a, double k, const Tensor& b) {
+  Tensor c = pool.zeros(a.shape());
+  for (int64_t i = 0; i < a.numel(); ++i) set(c, i, get(a, i) + k * get(b, i));
+  return c;
+}
+
+// ---- elementwise -----------------------------------------------------------------------------
+
+TEST(Elementwise, AddInplace) {
+  Pool pool;
+  for (DType dt : {DType::f64, DType::f32}) {
+    Tensor y = pool.randn({5, 7}, dt), x = pool.randn({5, 7}, dt);
+    Tensor y0 = pool.clone(y);
+    add_inplace(y, x);
+    for (int64_t i = 0; i < y.numel(); ++i) {
+      const double want = dt == DType::f32
+                              ? static_cast<double>(static_cast<float>(get(y0, i)) + static_cast<float>(get(x, i)))
+                              : get(y0, i) + get(x, i);
+      ASSERT_EQ(get(y, i), want) << i;
+    }
+  }
+}
+
+TEST(Elementwise, SumSquaresAndScale) {
+  Pool pool;
+  for (DType dt : {DType::f64, DType::f32}) {
+    Tensor x = pool.randn({5, 7}, dt);
+    double want = 0;
+    for (int64_t i = 0; i < x.numel(); ++i) want += get(x, i) * get(x, i);
+    EXPECT_NEAR(sum_squares(x), want, 1e-12 * want);
+    Tensor x0 = pool.clone(x);
+    scale_inplace(x, -0.37);
+    for (int64_t i = 0; i < x.numel(); ++i) EXPECT_NEAR(get(x, i), -0.37 * get(x0, i), 1e-6 * std::abs(get(x0, i)));
+  }
+}
+
+// ---- embedding -------------------------------------------------------------------------------
+
+TEST(Embedding, ForwardGathersRows) {
+  Pool pool;
+  const int64_t n = 11, v = 5, c = 7;  // n > v: repeated ids
+  Tensor ids = pool.ints({n}, 0, v);
+  for (DType dt : {DType::f64, DType::f32}) {
+    Tensor table = pool.randn({v, c}, dt), out = pool.randn({n, c}, dt);
+    embedding_forward(ids, table, out);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < c; ++j) ASSERT_EQ(get(out, i * c + j), get(table, ids.ptr<int32_t>()[i] * c + j));
+  }
+}
+
+TEST(Embedding, BackwardMatchesFiniteDifferencesAndAccumulates) {
+  Pool pool;
+  const int64_t n = 11, v = 5, c = 7;
+  Tensor ids = pool.ints({n}, 0, v);
+  Tensor table = pool.randn({v, c}), out = pool.zeros({n, c}), w = pool.randn({n, c});
+  Tensor g = pool.zeros({v, c});
+  embedding_backward(ids, w, g);
+  check_gradient("embedding dtable", table, g, [&] {
+    embedding_forward(ids, table, out);
+    return dot(out, w);
+  });
+  // Parameter gradient: ACCUMULATED on top of what is there.
+  Tensor r = pool.randn({v, c}), dtable = pool.clone(r);
+  embedding_backward(ids, w, dtable);
+  embedding_backward(ids, w, dtable);
+  EXPECT_LE(max_abs_diff(dtable, axpy(pool, r, 2.0, g)), kF64Tol);
+  // float32 agrees.
+  Tensor g32 = pool.zeros({v, c}, DType::f32);
+  embedding_backward(ids, cast(pool, w, DType::f32), g32);
+  expect_f32_close("embedding dtable f32", g32, g);
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------------
+
+TEST(RMSNorm, ForwardMatchesFormula) {
+  Pool pool;
+  const int64_t n = 5, c = 7;
+  const double eps = 1e-5;
+  Tensor x = pool.randn({n, c}), w = pool.randn({c}), y = pool.randn({n, c}), rstd = pool.randn({n});
+  rmsnorm_forward(x, w, eps, y, rstd);
+  for (int64_t i = 0; i < n; ++i) {
+    double ms = 0;
+    for (int64_t j = 0; j < c; ++j) ms += get(x, i * c + j) * get(x, i * c + j) / c;
+    EXPECT_NEAR(get(rstd, i), 1 / std::sqrt(ms + eps), kF64Tol);
+    for (int64_t j = 0; j < c; ++j)
+      EXPECT_NEAR(get(y, i * c + j), get(w, j) * get(x, i * c + j) / std::sqrt(ms + eps), kF64Tol);
+  }
+  Tensor y32 = pool.zeros({n, c}, DType::f32), rstd32 = pool.zeros({n}, DType::f32);
+  rmsnorm_forward(cast(pool, x, DType::f32), cast(pool, w, DType::f32), eps, y32, rstd32);
+  expect_f32_close("rmsnorm y f32", y32, y);
+  expect_f32_close("rmsnorm rstd f32", rstd32, rstd);
+}
+
+TEST(RMSNorm, BackwardMatchesFiniteDifferences) {
+  Pool pool;
+  const int64_t n = 5, c = 7;
+  const double eps = 1e-5;
+  Tensor x = pool.randn({n, c}), w = pool.randn({c}), y = pool.zeros({n, c}), rstd = pool.zeros({n});
+  Tensor dy = pool.randn({n, c});
+  rmsnorm_forward(x, w, eps, y, rstd);
+  Tensor dx = pool.randn({n, c}, DType::f64, 100.0);  // garbage: dx is WRITTEN
+  Tensor dw = pool.zeros({c});
+  rmsnorm_backward(x, w, rstd, dy, dx, dw);
+  auto loss = [&] {
+    rmsnorm_forward(x, w, eps, y, rstd);
+    return dot(y, dy);
+  };
+  check_gradient("rmsnorm dx", x, dx, loss);
+  check_gradient("rmsnorm dw", w, dw, loss);
+
+  // dw ACCUMULATES, dx is overwritten.
+  rmsnorm_forward(x, w, eps, y, rstd);
+  Tensor r = pool.randn({c}), dw2 = pool.clone(r), dx2 = pool.randn({n, c}, DType::f64, 100.0);
+  rmsnorm_backward(x, w, rstd, dy, dx2, dw2);
+  rmsnorm_backward(x, w, rstd, dy, dx2, dw2);
+  EXPECT_LE(max_abs_diff(dw2, axpy(pool, r, 2.0, dw)), kF64Tol);
+  EXPECT_LE(max_abs_diff(dx2, dx), kF64Tol);
+
+  // float32 agrees.
+  Tensor x32 = cast(pool, x, DType::f32), w32 = cast(pool, w, DType::f32);
+  Tensor y32 = pool.zeros({n, c}, DType::f32), rstd32 = pool.zeros({n}, DType::f32);
+  Tensor dx32 = pool.zeros({n, c}, DType::f32), dw32 = pool.zeros({c}, DType::f32);
+  rmsnorm_forward(x32, w32, eps, y32, rstd32);
+  rmsnorm_backward(x32, w32, rstd32, cast(pool, dy, DType::f32), dx32, dw32);
+  expect_f32_close("rmsnorm dx f32", dx32, dx);
+  expect_f32_close("rmsnorm dw f32", dw32, dw);
+}
+
+// ---- linear ----------------------------------------------------------------------------------
+
+TEST(Linear, ForwardMatchesTripleLoop) {
+  Pool pool;
+  const int64_t n = 5, in = 7, out = 3;
+  Tensor x = pool.randn({n, in}), w = pool.randn({out, in}), y = pool.randn({n, out});
+  linear_forward(x, w, y);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t o = 0; o < out; ++o) {
+      double s = 0;
+      for (int64_t k = 0; k < in; ++k) s += get(x, i * in + k) * get(w, o * in + k);
+      EXPECT_NEAR(get(y, i * out + o), s, kF64Tol);
+    }
+  Tensor y32 = pool.zeros({n, out}, DType::f32);
+  linear_forward(cast(pool, x, DType::f32), cast(pool, w, DType::f32), y32);
+  expect_f32_close("linear y f32", y32, y);
+}
+
+TEST(Linear, BackwardMatchesFiniteDifferences) {
+  Pool pool;
+  const int64_t n = 5, in = 7, out = 3;
+  Tensor x = pool.randn({n, in}), w = pool.randn({out, in}), y = pool.zeros({n, out}), dy = pool.randn({n, out});
+  Tensor dx = pool.randn({n, in}, DType::f64, 100.0);  // garbage: dx is WRITTEN
+  Tensor dw = pool.zeros({out, in});
+  linear_backward(x, w, dy, dx, dw);
+  auto loss = [&] {
+    linear_forward(x, w, y);
+    return dot(y, dy);
+  };
+  check_gradient("linear dx", x, dx, loss);
+  check_gradient("linear dw", w, dw, loss);
+
+  // dw ACCUMULATES; an undefined dx skips the input gradient.
+  Tensor r = pool.randn({out, in}), dw2 = pool.clone(r);
+  linear_backward(x, w, dy, Tensor{}, dw2);
+  linear_backward(x, w, dy, Tensor{}, dw2);
+  EXPECT_LE(max_abs_diff(dw2, axpy(pool, r, 2.0, dw)), kF64Tol);
+
+  Tensor dx32 = pool.zeros({n, in}, DType::f32), dw32 = pool.zeros({out, in}, DType::f32);
+  linear_backward(cast(pool, x, DType::f32), cast(pool, w, DType::f32), cast(pool, dy, DType::f32), dx32, dw32);
+  expect_f32_close("linear dx f32", dx32, dx);
+  expect_f32_close("linear dw f32", dw32, dw);
+}
+
+// ---- RoPE ------------------------------------------------------------------------------------
+
+// Independent angle: position s times theta^(-2j/D), written as exp(-(2j/D) ln theta).
+double rope_angle(double theta, int64_t s, int64_t j, int64_t d) {
+  return static_cast<double>(s) * std::exp(-(2.0 * static_cast<double>(j) / static_cast<double>(d)) * std::log(theta));
+}
+
+TEST(RoPE, TableMatchesFormula) {
+  Pool pool;
+  const int64_t s = 5, d = 6;
+  const double theta = 10000.0;
+  Tensor cos = pool.randn({s, d}), sin = pool.randn({s, d});
+  rope_table(theta, cos, sin);
+  for (int64_t si = 0; si < s; ++si)
+    for (int64_t j = 0; j < d / 2; ++j) {
+      const double a = rope_angle(theta, si, j, d);
+      for (int64_t jj : {j, j + d / 2}) {
+        EXPECT_NEAR(get(cos, si * d + jj), std::cos(a), kF64Tol);
+        EXPECT_NEAR(get(sin, si * d + jj), std::sin(a), kF64Tol);
+      }
+    }
+  EXPECT_EQ(get(cos, 0), 1.0);
+  EXPECT_EQ(get(sin, d - 1), 0.0);
+}
+
+TEST(RoPE, ForwardIsComplexRotation) {
+  Pool pool;
+  const int64_t b = 2, s = 5, h = 3, d = 6, half = d / 2;
+  const double theta = 100.0;
+  Tensor cos = pool.zeros({s, d}), sin = pool.zeros({s, d});
+  rope_table(theta, cos, sin);
+  Tensor x0 = pool.randn({b, s, h, d}), x = pool.clone(x0);
+  rope_forward(x, cos, sin);
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t si = 0; si < s; ++si)
+      for (int64_t hi = 0; hi < h; ++hi)
+        for (int64_t j = 0; j < half; ++j) {
+          const int64_t base = ((bi * s + si) * h + hi) * d;
+          // HF rotate_half pairs x[j] with x[j + D/2]: z = x[j] + i x[j + D/2], z *= e^{i angle}.
+          const std::complex<double> z = std::complex<double>(get(x0, base + j), get(x0, base + j + half)) *
+                                         std::polar(1.0, rope_angle(theta, si, j, d));
+          EXPECT_NEAR(get(x, base + j), z.real(), kF64Tol);
+          EXPECT_NEAR(get(x, base + j + half), z.imag(), kF64Tol);
+        }
+  Tensor cos32 = cast(pool, cos, DType::f32), sin32 = cast(pool, sin, DType::f32);
+  Tensor x32 = cast(pool, x0, DType::f32);
+  rope_forward(x32, cos32, sin32);
+  expect_f32_close("rope f32", x32, x);
+  // The rotation is orthogonal: backward (the transpose) undoes forward.
+  rope_backward(x, cos, sin);
+  EXPECT_LE(max_abs_diff(x, x0), kF64Tol);
+}
+
+TEST(RoPE, BackwardMatchesFiniteDifferences) {
+  Pool pool;
+  const int64_t b = 2, s = 5, h = 3, d = 6;
+  Tensor cos = pool.zeros({s, d}), sin = pool.zeros({s, d});
+  rope_table(100.0, cos, sin);
+  Tensor x = pool.randn({b, s, h, d}), w = pool.randn({b, s, h, d}), y = pool.zeros({b, s, h, d});
+  Tensor dx = pool.clone(w);
+  rope_backward(dx, cos, sin);
+  check_gradient("rope dx", x, dx, [&] {
+    y.copy_from(x);
+    rope_forward(y, cos, sin);
+    return dot(y, w);
+  });
+  Tensor dx32 = cast(pool, w, DType::f32);
+  rope_backward(dx32, cast(pool, cos, DType::f32), cast(pool, sin, DType::f32));
+  expect_f32_close("rope dx f32", dx32, dx);
+}
+
+// ---- SwiGLU ----------------------------------------------------------------------------------
+
+TEST(SwiGLU, ForwardAndBackward) {
+  Pool pool;
+  const int64_t n = 5, f = 7;
+  Tensor gu = pool.randn({n, 2 * f}), h = pool.zeros({n, f}), dh = pool.randn({n, f});
+  swiglu_forward(gu, h);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < f; ++j) {
+      const double g = get(gu, i * 2 * f + j), u = get(gu, i * 2 * f + f + j);
+      EXPECT_NEAR(get(h, i * f + j), g / (1 + std::exp(-g)) * u, kF64Tol);
+    }
+  Tensor dgu = pool.randn({n, 2 * f}, DType::f64, 100.0);
+  swiglu_backward(gu, dh, dgu);
+  check_gradient("swiglu dgu", gu, dgu, [&] {
+    swiglu_forward(gu, h);
+    return dot(h, dh);
+  });
+  Tensor gu32 = cast(pool, gu, DType::f32), h32 = pool.zeros({n, f}, DType::f32);
+  Tensor dgu32 = pool.zeros({n, 2 * f}, DType::f32);
+  swiglu_forward(gu32, h32);
+  swiglu_backward(gu32, cast(pool, dh, DType::f32), dgu32);
+  swiglu_forward(gu, h);
+  expect_f32_close("swiglu h f32", h32, h);
+  expect_f32_close("swiglu dgu f32", dgu32, dgu);
+}
+
+// ---- cross-entropy ---------------------------------------------------------------------------
+
+TEST(CrossEntropy, ForwardMatchesNaiveSoftmax) {
+  Pool pool;
+  const int64_t n = 5, v = 7;
+  Tensor logits = pool.randn({n, v}, DType::f64, 3.0), targets = pool.ints({n}, 0, v), lse = pool.zeros({n});
+  const double loss = cross_entropy_forward(logits, targets, lse);
+  double want = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double z = 0;
+    for (int64_t j = 0; j < v; ++j) z += std::exp(get(logits, i * v + j));
+    EXPECT_NEAR(get(lse, i), std::log(z), kF64Tol);
+    want += -std::log(std::exp(get(logits, i * v + targets.ptr<int32_t>()[i])) / z);
+  }
+  EXPECT_NEAR(loss, want, kF64Tol * n);
+
+  Tensor lse32 = pool.zeros({n}, DType::f32);
+  const double loss32 = cross_entropy_forward(cast(pool, logits, DType::f32), targets, lse32);
+  EXPECT_NEAR(loss32, loss, kF32Rel * std::max(1.0, std::abs(loss)));
+  expect_f32_close("cross-entropy lse f32", lse32, lse);
+}
+
+TEST(CrossEntropy, StableForLargeLogits) {
+  Pool pool;
+  const int64_t n = 5, v = 7;
+  Tensor logits = pool.randn({n, v}, DType::f64, 3.0), targets = pool.ints({n}, 0, v), lse = pool.zeros({n});
+  const double loss = cross_entropy_forward(logits, targets, lse);
+  for (DType dt : {DType::f64, DType::f32}) {
+    Tensor shifted = cast(pool, logits, dt);
+    // Row r shifted by 1000 (r + 1): exp overflows in both dtypes unless the max is taken out.
+    for (int64_t i = 0; i < shifted.numel(); ++i)
+      set(shifted, i, get(shifted, i) + 1000.0 * static_cast<double>(i / v + 1));
+    Tensor lse_s = pool.zeros({n}, dt), d = pool.zeros({n, v}, dt);
+    const double loss_s = cross_entropy_forward(shifted, targets, lse_s);
+    ASSERT_TRUE(std::isfinite(loss_s));
+    // f32 logits near 5000 carry up to 2.5e-4 rounding each.
+    EXPECT_NEAR(loss_s, loss, dt == DType::f32 ? 1e-3 * n : 1e-9) << dtype_name(dt);
+    cross_entropy_backward(shifted, targets, lse_s, 1.0, d);
+    for (int64_t i = 0; i < d.numel(); ++i) ASSERT_TRUE(std::isfinite(get(d, i)));
+  }
+}
+
+TEST(CrossEntropy, BackwardMatchesFiniteDifferences) {
+  Pool pool;
+  const int64_t n = 5, v = 7;
+  const double grad_scale = 0.3;
+  Tensor logits = pool.randn({n, v}, DType::f64, 3.0), targets = pool.ints({n}, 0, v), lse = pool.zeros({n});
+  cross_entropy_forward(logits, targets, lse);
+  Tensor d = pool.randn({n, v}, DType::f64, 100.0);  // garbage: dlogits is WRITTEN
+  cross_entropy_backward(logits, targets, lse, grad_scale, d);
+  check_gradient("cross-entropy dlogits", logits, d,
+                 [&] { return grad_scale * cross_entropy_forward(logits, targets, lse); });
+
+  cross_entropy_forward(logits, targets, lse);
+  Tensor logits32 = cast(pool, logits, DType::f32), lse32 = pool.zeros({n}, DType::f32);
+  Tensor d32 = pool.zeros({n, v}, DType::f32);
+  cross_entropy_forward(logits32, targets, lse32);
+  cross_entropy_backward(logits32, targets, lse32, grad_scale, d32);
+  expect_f32_close("cross-entropy dlogits f32", d32, d);
+}
+
+}  // namespace
+}  // namespace moefold
