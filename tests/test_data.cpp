@@ -205,7 +205,7 @@ TEST(Megatron, CorruptFilesNameTheFile) {
   check(x, bin, idx_path, "unknown dtype code 9");
   check(good.substr(0, 20), bin, idx_path, "truncated");
   check(good.substr(0, good.size() - 1), bin, idx_path, "index says 2 sequences and 3 document indices");
-  check(good + "xx", bin, idx_path, "file has");
+  check(good + "xxx", bin, idx_path, "file has");  // (2 extra bytes would be multimodal modes)
   check(good, bin.substr(0, 19), bin_path, "truncated: sequence 1");
   check(good, bin + "zzzz", bin_path, "file has 24 bytes, the index describes 20");
   check(hand_built_idx(4, 2, {2, 3}, {0, 12}, {0, 1, 2}), bin, idx_path, "sequence 1 starts at byte 12");

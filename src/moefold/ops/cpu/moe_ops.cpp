@@ -292,7 +292,8 @@ int64_t moe_permute_plan(const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, 
       const int64_t n = end - begin;
       int64_t kept = n;
       if (capacity > 0 && n > capacity) {
-        std::sort(seg, seg + n, [&](int64_t x, int64_t y) { return prob[x] > prob[y] || (prob[x] == prob[y] && x < y); });
+        std::sort(seg, seg + n,
+                  [&](int64_t x, int64_t y) { return prob[x] > prob[y] || (prob[x] == prob[y] && x < y); });
         kept = capacity;
         std::sort(seg, seg + kept);
       }

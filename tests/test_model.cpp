@@ -1,0 +1,219 @@
+// Model: config parsing and validation, parameter/FLOP counts, and the whole Qwen3-MoE model's
+// backward against float64 finite differences.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "moefold/core/rng.h"
+#include "moefold/model/config.h"
+#include "moefold/model/hf_names.h"
+#include "moefold/model/model.h"
+#include "testing.h"
+
+namespace moefold {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string write_file(const std::string& name, const std::string& text) {
+  fs::path dir = fs::temp_directory_path() / cat("moefold_test_model_", ::getpid());
+  fs::create_directories(dir);
+  std::string p = (dir / name).string();
+  std::ofstream(p) << text;
+  return p;
+}
+
+// The message of the moefold::Error thrown by f ("" when none).
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Config, PresetsAreValid) {
+  for (const auto& name : preset_names()) {
+    Config c = load_config(name, {});
+    EXPECT_EQ(c.preset, name);
+  }
+  EXPECT_EQ(load_config("", {}).preset, "tiny");
+}
+
+TEST(Config, FileDerivesFromPresetAndOverridesApply) {
+  std::string p = write_file("ok.toml",
+                             "preset = \"qwen3-30b-a3b\"\n[model]\nnum_hidden_layers = 2\n[moe]\nscoring_func = "
+                             "\"sigmoid\"\nrouter_aux_loss_coef = 0\n[train]\nlr = 1\n");
+  Config c = load_config(p, {"moe.num_experts=64", "data.path=foo/bar", "train.lr=2e-3", "moe.norm_topk_prob=false"});
+  EXPECT_EQ(c.model.hidden_size, 2048);
+  EXPECT_EQ(c.model.num_hidden_layers, 2);
+  EXPECT_EQ(c.moe.scoring_func, ScoreFunc::sigmoid);
+  EXPECT_EQ(c.moe.num_experts, 64);
+  EXPECT_EQ(c.moe.aux_loss_coeff, 0.0);
+  EXPECT_FALSE(c.moe.norm_topk_prob);
+  EXPECT_EQ(c.data.path, "foo/bar");
+  EXPECT_DOUBLE_EQ(c.train.lr, 2e-3);
+}
+
+TEST(Config, TomlRoundTrip) {
+  Config a = load_config("tiny", {"moe.capacity_factor=1.25", "train.seed=7", "data.path=x y.tokens"});
+  std::string p = write_file("round.toml", config_to_toml(a));
+  Config b = load_config(p, {});
+  EXPECT_EQ(config_to_toml(a), config_to_toml(b));
+}
+
+TEST(Config, BadInputNamesTheKey) {
+  auto err = [](const std::string& text, std::vector<std::string> ov = {}) {
+    std::string p = write_file("bad.toml", text);
+    return error_of([&] { load_config(p, ov); });
+  };
+  EXPECT_NE(err("[model]\nhiden_size = 3\n").find("bad.toml:2: unknown key 'model.hiden_size'"), std::string::npos);
+  EXPECT_NE(err("[model]\nhidden_size = \"big\"\n").find("model.hidden_size must be an integer"), std::string::npos);
+  EXPECT_NE(err("[model]\nhidden_size = 1.5\n").find("model.hidden_size must be an integer"), std::string::npos);
+  EXPECT_NE(err("[modle]\nx = 1\n").find("unknown section [modle]"), std::string::npos);
+  EXPECT_NE(err("[model]\nnum_attention_heads = 6\nnum_key_value_heads = 4\n").find("num_key_value_heads = 4"),
+            std::string::npos);
+  EXPECT_NE(err("[moe]\nnum_experts = 4\nnum_experts_per_tok = 5\n").find("num_experts_per_tok"), std::string::npos);
+  EXPECT_NE(err("[moe]\nscoring_func = \"relu\"\n").find("moe.scoring_func"), std::string::npos);
+  EXPECT_NE(err("[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\n").find("does not divide"),
+            std::string::npos);
+  EXPECT_NE(err("[model]\nhidden_size = \n").find("TOML syntax error"), std::string::npos);
+  EXPECT_NE(err("[parallel]\ntp = 2\n").find("[parallel]"), std::string::npos);
+  EXPECT_NE(err("preset = \"huge\"\n").find("unknown preset 'huge'"), std::string::npos);
+  EXPECT_NE(err("").find(""), std::string::npos);
+  EXPECT_EQ(err(""), "");
+  EXPECT_NE(error_of([] { load_config("tiny", {"model.nope=1"}); }).find("--set model.nope=1: unknown key"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { load_config("tiny", {"train.lr=fast"}); }).find("train.lr must be a number"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { load_config("tiny", {"trainlr"}); }).find("expected section.key=value"), std::string::npos);
+  EXPECT_NE(error_of([] { load_config("/no/such.toml", {}); }).find("/no/such.toml: config file not found"),
+            std::string::npos);
+}
+
+TEST(ModelSize, MatchesPublishedQwen3Sizes) {
+  Config c = preset_config("qwen3-30b-a3b");
+  ModelSize s = model_size(c.model, c.moe, 4096);
+  EXPECT_NEAR(s.total_params / 1e9, 30.53, 0.01);  // "30.5B total, 3.3B activated"
+  EXPECT_NEAR(s.active_params / 1e9, 3.35, 0.01);
+  // BENCHMARKS.md formulas, by hand: per layer attention + MoE, plus the LM head.
+  const double h = 2048, q = 4096, kv = 512, S = 4096;
+  const double per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * S * q + 2 * h * 128 + 6 * 8 * h * 768;
+  EXPECT_DOUBLE_EQ(s.train_flops_per_token, 3 * (48 * per_layer + 2 * h * 151936));
+  Config big = preset_config("qwen3-235b-a22b");
+  ModelSize b = model_size(big.model, big.moe, 4096);
+  EXPECT_NEAR(b.total_params / 1e9, 235.1, 0.1);
+  EXPECT_NEAR(b.active_params / 1e9, 22.2, 0.1);
+}
+
+struct TinyModel {
+  Config cfg;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Memory> mem;
+  testing::Pool pool;
+  Tensor ids, targets;
+
+  TinyModel(int64_t b, int64_t s, std::vector<std::string> overrides, DType dtype = DType::f64) {
+    std::vector<std::string> ov = {"model.vocab_size=11",         "model.hidden_size=8",
+                                   "model.num_hidden_layers=2",    "model.num_attention_heads=3",
+                                   "model.num_key_value_heads=1",  "model.head_dim=4",
+                                   "moe.num_experts=3",            "moe.num_experts_per_tok=2",
+                                   "moe.moe_intermediate_size=5",  "moe.router_aux_loss_coef=0.1",
+                                   "moe.router_z_loss_coef=0.01",  "model.rope_theta=100"};
+    ov.insert(ov.end(), overrides.begin(), overrides.end());
+    cfg = load_config("tiny", ov);
+    model = std::make_unique<Model>(cfg.model, cfg.moe, b, s);
+    mem = std::make_unique<Memory>(dtype);
+    model->bind(*mem);
+    mem->allocate();
+    model->bind(*mem);
+    mem->finish_binding();
+    Model::init_params(mem->params(), 42);
+    // Larger weights than the 0.02 init so every term of the gradient matters.
+    for (Param& p : mem->params())
+      if (p.init == Init::normal) scale_by(p.value, 20.0);
+    ids = pool.ints({b, s}, 0, 11);
+    targets = pool.ints({b, s}, 0, 11);
+  }
+  static void scale_by(const Tensor& t, double f) {
+    dispatch_float(t.dtype(), [&]<class T>() {
+      for (int64_t i = 0; i < t.numel(); ++i) t.ptr<T>()[i] *= static_cast<T>(f);
+    });
+  }
+  // Total loss with lm_scale on the summed token loss and moe_scale on the router losses.
+  double loss(double lm_scale, double moe_scale) {
+    double l = model->forward(ids, targets) * lm_scale;
+    return l + moe_scale * (model->aux_loss() + model->z_loss());
+  }
+};
+
+TEST(Model, BackwardMatchesFiniteDifferences) {
+  for (const char* score : {"softmax", "sigmoid"}) {
+    TinyModel t(2, 5, {cat("moe.scoring_func=", score)});
+    const double lm_scale = 1.0 / 10, moe_scale = 0.5;
+    for (Param& p : t.mem->params()) p.grad.zero();
+    double l0 = t.loss(lm_scale, moe_scale);
+    ASSERT_TRUE(std::isfinite(l0));
+    t.model->backward(lm_scale, moe_scale);
+    std::vector<Tensor> analytic;
+    for (Param& p : t.mem->params()) analytic.push_back(t.pool.clone(p.grad));
+    size_t i = 0;
+    for (Param& p : t.mem->params()) {
+      EXPECT_GT(testing::max_abs(analytic[i]), 0.0) << p.name << " has an all-zero gradient";
+      testing::check_gradient(cat(score, " ", p.name), p.value, analytic[i], [&] { return t.loss(lm_scale, moe_scale); },
+                              {.eps = 1e-6, .rtol = 1e-5, .atol = 1e-8});
+      ++i;
+    }
+  }
+}
+
+TEST(Model, Float32AgreesWithFloat64) {
+  TinyModel a(2, 6, {}, DType::f64), b(2, 6, {}, DType::f32);
+  b.ids.copy_from(a.ids);
+  b.targets.copy_from(a.targets);
+  for (size_t i = 0; i < a.mem->params().size(); ++i) {
+    const Tensor& src = a.mem->params()[i].value;
+    const Tensor& dst = b.mem->params()[i].value;
+    for (int64_t j = 0; j < src.numel(); ++j) dst.ptr<float>()[j] = static_cast<float>(src.ptr<double>()[j]);
+  }
+  double la = a.loss(1.0 / 12, 1.0), lb = b.loss(1.0 / 12, 1.0);
+  EXPECT_NEAR(lb, la, 1e-5 * std::abs(la));
+}
+
+TEST(Model, ParametersUseHuggingFaceNames) {
+  TinyModel t(1, 2, {});
+  std::vector<std::string> names;
+  for (const Param& p : t.mem->params())
+    for (const NamedView& v : hf_views(p)) names.push_back(v.name);
+  auto has = [&](const std::string& n) { return std::find(names.begin(), names.end(), n) != names.end(); };
+  for (const char* n :
+       {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.1.input_layernorm.weight",
+        "model.layers.1.post_attention_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_norm.weight", "model.layers.0.mlp.gate.weight",
+        "model.layers.0.mlp.experts.2.gate_proj.weight", "model.layers.1.mlp.experts.0.up_proj.weight",
+        "model.layers.1.mlp.experts.1.down_proj.weight"})
+    EXPECT_TRUE(has(n)) << n;
+  // 2 layers x (4 attn + 2 qk norms + 2 norms + gate + 3 experts x 3) + embed + norm + head
+  EXPECT_EQ(names.size(), 2u * (4 + 2 + 2 + 1 + 9) + 3);
+  // The per-expert views are the right slices of the fused tensor.
+  const Param* gu = t.mem->find("model.layers.0.mlp.experts.gate_up_proj");
+  ASSERT_NE(gu, nullptr);
+  for (const NamedView& v : hf_views(*gu))
+    if (v.name == "model.layers.0.mlp.experts.1.up_proj.weight") {
+      EXPECT_EQ(v.value.shape(), Shape({5, 8}));
+      EXPECT_EQ(v.value.data(), gu->value.ptr<double>() + (1 * 10 + 5) * 8);
+    }
+}
+
+TEST(Model, InitIsDeterministicPerName) {
+  TinyModel a(1, 2, {}), b(1, 2, {});
+  for (size_t i = 0; i < a.mem->params().size(); ++i)
+    EXPECT_EQ(testing::max_abs_diff(a.mem->params()[i].value, b.mem->params()[i].value), 0.0);
+  const Param* norm = a.mem->find("model.norm.weight");
+  EXPECT_EQ(norm->value.ptr<double>()[0], 1.0);
+}
+
+}  // namespace
+}  // namespace moefold

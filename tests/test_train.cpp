@@ -1,0 +1,245 @@
+// Training: schedule, AdamW against its formula, clipping, a step loop that does not
+// allocate, bit-identical resume, and checkpoints that refuse to load when corrupt or mismatched.
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <new>
+#include <nlohmann/json.hpp>
+
+#include "moefold/core/rng.h"
+#include "moefold/data/token_dataset.h"
+#include "moefold/train/run.h"
+#include "moefold/train/trainer.h"
+#include "testing.h"
+
+// GCC cannot see that these replace the global operators and flags new/free pairs.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+// Counts heap allocations while g_counting is set (the step loop must not allocate).
+static std::atomic<bool> g_counting{false};
+static std::atomic<int64_t> g_allocs{0};
+void* operator new(std::size_t n) {
+  if (g_counting.load(std::memory_order_relaxed)) g_allocs.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+namespace moefold {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / cat("moefold_test_train_", ::getpid(), "_", name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// A learnable token stream: a repeating pattern with some noise, vocabulary 32.
+std::string make_data(const fs::path& dir) {
+  std::vector<uint32_t> toks(20000);
+  for (size_t i = 0; i < toks.size(); ++i)
+    toks[i] = rng_uniform(9, 0, i) < 0.1 ? static_cast<uint32_t>(rng_below(9, 1, i, 32)) : static_cast<uint32_t>(i % 17);
+  std::string p = (dir / "data.tokens").string();
+  write_token_file(p, toks, 2);
+  return p;
+}
+
+Config small_config(const std::string& data, std::vector<std::string> extra = {}) {
+  std::vector<std::string> ov = {"model.vocab_size=32",        "model.hidden_size=16",   "model.num_hidden_layers=2",
+                                 "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=8",
+                                 "moe.num_experts=4",           "moe.moe_intermediate_size=12", "train.seq_len=16",
+                                 "train.micro_batch_size=2",    "train.global_batch_size=4", "train.steps=12",
+                                 "train.warmup_steps=2",        "train.eval_interval=4",  "train.eval_batches=2",
+                                 "train.checkpoint_interval=5", "moe.router_z_loss_coef=0.001",
+                                 "data.valid_fraction=0.05",    cat("data.path=", data)};
+  ov.insert(ov.end(), extra.begin(), extra.end());
+  return load_config("tiny", ov);
+}
+
+std::vector<nlohmann::json> read_metrics(const fs::path& run) {
+  std::vector<nlohmann::json> out;
+  std::ifstream f(run / "metrics.jsonl");
+  std::string line;
+  while (std::getline(f, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+TEST(Schedule, WarmupThenCosine) {
+  TrainConfig c;
+  c.lr = 1.0;
+  c.min_lr = 0.1;
+  c.warmup_steps = 4;
+  c.steps = 14;
+  EXPECT_DOUBLE_EQ(learning_rate(c, 0), 0.25);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 3), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 4), 1.0);
+  EXPECT_NEAR(learning_rate(c, 9), 0.55, 1e-12);  // halfway: (lr + min_lr) / 2
+  EXPECT_DOUBLE_EQ(learning_rate(c, 14), 0.1);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 100), 0.1);
+  for (int64_t s = 4; s < 14; ++s) EXPECT_GT(learning_rate(c, s), learning_rate(c, s + 1));
+}
+
+TEST(AdamW, MatchesReferenceFormulaAndSkipsDecayOnNorms) {
+  testing::Pool pool;
+  TrainConfig c;
+  c.weight_decay = 0.1;
+  std::vector<Param> params(2);
+  for (int i = 0; i < 2; ++i) {
+    params[i].name = cat("p", i);
+    params[i].value = pool.randn({7});
+    params[i].grad = pool.randn({7});
+    params[i].decay = i == 0;
+  }
+  std::vector<Tensor> w0 = {pool.clone(params[0].value), pool.clone(params[1].value)};
+  AdamW opt(c);
+  opt.bind(params);
+  std::vector<std::vector<double>> m(2, std::vector<double>(7)), v = m;
+  for (int t = 1; t <= 3; ++t) {
+    const double lr = 0.01 * t;
+    opt.step(params, lr);
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 7; ++j) {
+        double g = params[i].grad.ptr<double>()[j], &w = w0[i].ptr<double>()[j];
+        m[i][j] = c.adam_beta1 * m[i][j] + (1 - c.adam_beta1) * g;
+        v[i][j] = c.adam_beta2 * v[i][j] + (1 - c.adam_beta2) * g * g;
+        double mh = m[i][j] / (1 - std::pow(c.adam_beta1, t)), vh = v[i][j] / (1 - std::pow(c.adam_beta2, t));
+        w = w * (1 - lr * (i == 0 ? c.weight_decay : 0.0)) - lr * mh / (std::sqrt(vh) + c.adam_eps);
+      }
+  }
+  for (int i = 0; i < 2; ++i) EXPECT_LT(testing::max_abs_diff(params[i].value, w0[i]), 1e-12);
+  EXPECT_EQ(opt.num_steps(), 3);
+}
+
+TEST(Clip, ScalesToMaxNorm) {
+  testing::Pool pool;
+  std::vector<Param> params(2);
+  for (auto& p : params) p.grad = pool.randn({5});
+  double n = global_grad_norm(params);
+  EXPECT_NEAR(n * n, testing::dot(params[0].grad, params[0].grad) + testing::dot(params[1].grad, params[1].grad),
+              1e-12);
+  EXPECT_DOUBLE_EQ(clip_grad_norm(params, n, 2 * n), 1.0);
+  clip_grad_norm(params, n, n / 4);
+  EXPECT_NEAR(global_grad_norm(params), n / 4, 1e-5 * n);
+}
+
+TEST(Trainer, StepLoopDoesNotAllocateAndLearns) {
+  fs::path dir = temp_dir("noalloc");
+  Config cfg = small_config(make_data(dir), {"train.lr=1e-2"});
+  TokenDataset data = open_token_dataset(cfg.data.path);
+  Trainer t(cfg, data);
+  t.init_fresh();
+  double first = t.train_step().lm_loss;  // warm-up (OpenBLAS buffers, first touches)
+  g_allocs = 0;
+  g_counting = true;
+  double last = 0;
+  for (int i = 0; i < 10; ++i) last = t.train_step().lm_loss;
+  g_counting = false;
+  EXPECT_EQ(g_allocs.load(), 0) << "heap allocations inside train_step";
+  EXPECT_NEAR(first, std::log(32.0), 0.3);
+  EXPECT_LT(last, first - 0.5);
+  fs::remove_all(dir);
+}
+
+TEST(Trainer, ResumeIsBitIdentical) {
+  fs::path dir = temp_dir("resume");
+  Config cfg = small_config(make_data(dir));
+  RunOptions full{(dir / "full").string(), 12, false, true};
+  run_training(cfg, full);
+  RunOptions part{(dir / "part").string(), 7, false, true};
+  run_training(cfg, part);  // checkpoints at 5 and 7
+  // Simulate a crash after step 7's metrics but before a later checkpoint: resume from 7.
+  RunOptions rest{(dir / "part").string(), 12, true, true};
+  run_training(cfg, rest);
+  auto a = read_metrics(dir / "full"), b = read_metrics(dir / "part");
+  ASSERT_EQ(a.size(), 12u);
+  ASSERT_EQ(b.size(), 12u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i]["step"], b[i]["step"]);
+    for (const char* k : {"loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr"})
+      EXPECT_EQ(a[i][k].get<double>(), b[i][k].get<double>()) << k << " at step " << i + 1;
+    EXPECT_EQ(a[i]["expert_load_max"], b[i]["expert_load_max"]);
+    // Every evaluation of the uninterrupted run is also in the resumed one (which also
+    // evaluated at its interruption, step 7, as every run does at its end).
+    EXPECT_TRUE(!a[i].contains("eval_loss") || b[i].contains("eval_loss")) << "step " << i + 1;
+    if (a[i].contains("eval_loss") && b[i].contains("eval_loss")) {
+      EXPECT_EQ(a[i]["eval_loss"].get<double>(), b[i]["eval_loss"].get<double>());
+    }
+  }
+  EXPECT_TRUE(a[3].contains("eval_loss"));
+  // Resuming again from step 5 (an older checkpoint, by deleting the newer ones) also matches.
+  fs::remove_all(dir / "part" / "checkpoints" / "step_00000012");
+  fs::remove_all(dir / "part" / "checkpoints" / "step_00000010");
+  fs::remove_all(dir / "part" / "checkpoints" / "step_00000007");
+  run_training(cfg, rest);
+  auto c = read_metrics(dir / "part");
+  ASSERT_EQ(c.size(), 12u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i]["loss"].get<double>(), c[i]["loss"].get<double>());
+  // No temporary directories are left behind.
+  for (const auto& e : fs::directory_iterator(dir / "part" / "checkpoints"))
+    EXPECT_TRUE(e.path().filename().string().starts_with("step_")) << e.path();
+  fs::remove_all(dir);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {
+  fs::path dir = temp_dir("corrupt");
+  Config cfg = small_config(make_data(dir), {"train.checkpoint_interval=0"});
+  run_training(cfg, RunOptions{(dir / "run").string(), 2, false, true});
+  fs::path ck = dir / "run" / "checkpoints" / "step_00000002";
+  ASSERT_TRUE(fs::exists(ck / "model.safetensors"));
+  TokenDataset data = open_token_dataset(cfg.data.path);
+  auto load_err = [&](const Config& c, const fs::path& p) {
+    Trainer t(c, data);
+    return error_of([&] { t.load(p.string()); });
+  };
+  EXPECT_EQ(load_err(cfg, ck), "");
+  // A model of another shape: the error names the tensor and both shapes.
+  Config other = small_config(cfg.data.path, {"moe.moe_intermediate_size=8"});
+  std::string e = load_err(other, ck);
+  EXPECT_NE(e.find("model.safetensors"), std::string::npos) << e;
+  EXPECT_NE(e.find("experts.0.gate_proj.weight"), std::string::npos) << e;
+  Config fewer = small_config(cfg.data.path, {"model.num_hidden_layers=1"});
+  EXPECT_NE(load_err(fewer, ck).find("holds"), std::string::npos);
+  // One flipped byte anywhere in the weights.
+  fs::path bad = dir / "bad";
+  fs::copy(ck, bad, fs::copy_options::recursive);
+  {
+    std::fstream f(bad / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-5, std::ios::end);
+    f.put('\x7f');
+  }
+  EXPECT_NE(load_err(cfg, bad).find("checksum mismatch"), std::string::npos);
+  // Truncated optimizer state.
+  fs::remove_all(bad);
+  fs::copy(ck, bad, fs::copy_options::recursive);
+  fs::resize_file(bad / "optimizer.safetensors", 100);
+  EXPECT_NE(load_err(cfg, bad).find("optimizer.safetensors"), std::string::npos);
+  // Garbage metadata; missing directory.
+  std::ofstream(bad / "trainer.json") << "{ not json";
+  EXPECT_NE(load_err(cfg, bad).find("trainer.json: not valid JSON"), std::string::npos);
+  EXPECT_NE(load_err(cfg, dir / "nothing").find("cannot open"), std::string::npos);
+  // A run directory with checkpoints is never overwritten by a fresh run.
+  EXPECT_NE(error_of([&] { run_training(cfg, RunOptions{(dir / "run").string(), 2, false, true}); })
+                .find("already holds checkpoints"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { run_training(cfg, RunOptions{(dir / "empty").string(), 2, true, true}); })
+                .find("no checkpoint"),
+            std::string::npos);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace moefold
