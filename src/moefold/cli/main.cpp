@@ -1,5 +1,5 @@
 // The moefold command line: train, info, prepare. User mistakes end in one line on stderr
-// ("moefold: error: ...") and exit code 1; usage mistakes exit 2 (CLI11's convention is kept).
+// ("moefold: error: ...") and exit code 1; usage mistakes get CLI11's message and non-zero code.
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>

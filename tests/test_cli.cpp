@@ -1,0 +1,151 @@
+// The moefold binary: every bad input ends in exactly one line "moefold: error: ..." naming the
+// file/key/value and a non-zero exit; the good paths (info, prepare, train, --resume) work.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "moefold/core/error.h"
+#include "testing.h"
+
+namespace moefold {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int code = -1;
+  std::string out, err;
+};
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / cat("moefold_test_cli_", ::getpid(), "_", name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+Result run(const std::string& args, const fs::path& cwd = fs::temp_directory_path()) {
+  fs::path errf = cwd / "stderr.txt", outf = cwd / "stdout.txt";
+  std::string cmd = cat("cd '", cwd.string(), "' && OPENBLAS_NUM_THREADS=1 '", MOEFOLD_BINARY, "' ", args, " >'",
+                        outf.string(), "' 2>'", errf.string(), "' </dev/null");
+  int status = std::system(cmd.c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::stringstream so, se;
+  so << std::ifstream(outf).rdbuf();
+  se << std::ifstream(errf).rdbuf();
+  r.out = so.str();
+  r.err = se.str();
+  return r;
+}
+
+// Exit code 1 and a single stderr line "moefold: error: ..." containing every `needle`.
+void expect_one_line_error(const Result& r, std::initializer_list<std::string> needles) {
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_TRUE(r.err.starts_with("moefold: error: ")) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  for (const auto& n : needles) EXPECT_NE(r.err.find(n), std::string::npos) << "missing '" << n << "' in: " << r.err;
+}
+
+std::string write(const fs::path& p, const std::string& text) {
+  std::ofstream(p) << text;
+  return p.string();
+}
+
+const char* kSmall =
+    "--set model.hidden_size=16 --set model.num_hidden_layers=1 --set model.num_attention_heads=2 "
+    "--set model.num_key_value_heads=1 --set model.head_dim=8 --set moe.num_experts=4 "
+    "--set moe.moe_intermediate_size=8 --set train.seq_len=16 --set train.micro_batch_size=2 "
+    "--set train.global_batch_size=2 --set train.eval_batches=1 --quiet";
+
+TEST(Cli, InfoPrintsSizes) {
+  Result r = run("info --config qwen3-30b-a3b");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("total parameters    30532122624"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("active parameters   3353032704"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("train FLOPs/token"), std::string::npos);
+}
+
+TEST(Cli, BadConfigs) {
+  fs::path d = temp_dir("config");
+  expect_one_line_error(run(cat("info --config ", write(d / "a.toml", "[model]\nhiden_size = 64\n"))),
+                        {"a.toml:2", "model.hiden_size"});
+  expect_one_line_error(run(cat("info --config ", write(d / "b.toml", "[moe]\nnum_experts = \"many\"\n"))),
+                        {"b.toml:2", "moe.num_experts must be an integer"});
+  expect_one_line_error(run("info --set model.num_attention_heads=5"),
+                        {"num_key_value_heads = 2", "num_attention_heads = 5"});
+  expect_one_line_error(run("info --set model.hidden_size=0"), {"model.hidden_size = 0"});
+  expect_one_line_error(run("info --set moe.num_experts_per_tok=9"), {"num_experts_per_tok", "9"});
+  expect_one_line_error(run("info --set moe.capacity_factor=-inf --set moe.pad_to_capacity=true"), {"moe."});
+  expect_one_line_error(run("info --config nosuchpreset"), {"unknown preset 'nosuchpreset'"});
+  expect_one_line_error(run("info --config /no/such/file.toml"), {"/no/such/file.toml"});
+  expect_one_line_error(run("info --set train.seq_len=9999"), {"train.seq_len = 9999", "max_position_embeddings"});
+  // Usage errors get CLI11's own non-zero exit codes (109: extra arguments), not crashes.
+  EXPECT_EQ(run("train --no-such-flag").code, 109);
+  EXPECT_NE(run("").code, 0);
+  fs::remove_all(d);
+}
+
+TEST(Cli, BadData) {
+  fs::path d = temp_dir("data");
+  expect_one_line_error(run(cat("train --run-dir r1 --steps 1 --set data.path=", (d / "missing").string()), d),
+                        {"data.path", "missing"});
+  // A truncated token file.
+  {
+    std::ofstream f(d / "t.tokens", std::ios::binary);
+    f.write("MFTOKENS\x01\0\0\0\x02\0\0\0\xe8\x03\0\0\0\0\0\0", 24);
+    f.write("\x01\0\x02\0", 4);
+  }
+  expect_one_line_error(run(cat("train --run-dir r2 --steps 1 --set data.path=", (d / "t.tokens").string()), d),
+                        {"t.tokens", "trunc"});
+  // Token ids beyond the vocabulary.
+  ASSERT_EQ(run(cat("prepare ", write(d / "text.txt", std::string(5000, 'z')), " -o ", (d / "z.tokens").string()), d)
+                .code,
+            0);
+  expect_one_line_error(run(cat("train --run-dir r3 --steps 1 --set model.vocab_size=100 --set data.path=",
+                                (d / "z.tokens").string()),
+                            d),
+                        {"z.tokens", "122"});
+  fs::remove_all(d);
+}
+
+TEST(Cli, PrepareTrainResumeAndBadCheckpoint) {
+  fs::path d = temp_dir("train");
+  fs::create_directories(d / "corpus" / "sub");
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += cat("line ", i % 13, ": the quick brown fox jumps over the lazy dog\n");
+  write(d / "corpus" / "a.txt", text);
+  write(d / "corpus" / "sub" / "b.txt", text);
+  Result p = run("prepare corpus -o data.tokens", d);
+  ASSERT_EQ(p.code, 0) << p.err;
+  EXPECT_NE(p.out.find("prepared 2 files"), std::string::npos) << p.out;
+
+  Result t = run(cat("train --run-dir run --steps 3 --set data.path=data.tokens ", kSmall), d);
+  ASSERT_EQ(t.code, 0) << t.err;
+  EXPECT_TRUE(fs::exists(d / "run" / "checkpoints" / "step_00000003" / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(d / "run" / "config.toml"));
+  // Fresh run into a directory with checkpoints: refused, nothing overwritten.
+  expect_one_line_error(run(cat("train --run-dir run --steps 3 --set data.path=data.tokens ", kSmall), d),
+                        {"already holds checkpoints", "--resume"});
+  Result r = run(cat("train --run-dir run --resume --steps 5 --set data.path=data.tokens ", kSmall), d);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(d / "run" / "checkpoints" / "step_00000005"));
+  // A resumed run whose config no longer matches the checkpoint.
+  expect_one_line_error(run(cat("train --run-dir run --resume --steps 6 --set data.path=data.tokens ", kSmall,
+                                " --set moe.moe_intermediate_size=12"),
+                            d),
+                        {"model.safetensors", "shape"});
+  // A corrupt checkpoint.
+  fs::resize_file(d / "run" / "checkpoints" / "step_00000005" / "model.safetensors", 64);
+  expect_one_line_error(run(cat("train --run-dir run --resume --steps 6 --set data.path=data.tokens ", kSmall), d),
+                        {"step_00000005/model.safetensors"});
+  expect_one_line_error(run(cat("train --run-dir empty --resume --set data.path=data.tokens ", kSmall), d),
+                        {"no checkpoint"});
+  fs::remove_all(d);
+}
+
+}  // namespace
+}  // namespace moefold
