@@ -111,7 +111,7 @@ class TokenWriter {
   MegatronDType dtype_ = MegatronDType::uint16;
   int elem_size_ = 2;
   int64_t num_tokens_ = 0;
-  std::vector<int32_t> sizes_;  // Megatron: tokens per document
+  std::vector<int32_t> sizes_;  // tokens per document (Megatron); plain files only count them
   std::vector<uint8_t> buf_;
 };
 
