@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages moefold builds with, when missing (README: "Dependencies").
 set -euo pipefail
-packages=(build-essential cmake pkg-config libopenblas-dev nlohmann-json3-dev libtomlplusplus-dev
+packages=(build-essential cmake pkg-config clang-format libopenblas-dev nlohmann-json3-dev libtomlplusplus-dev
           libcli11-dev libgtest-dev)
 missing=()
 for p in "${packages[@]}"; do

@@ -102,13 +102,13 @@ TEST(Cli, BadData) {
   expect_one_line_error(run(cat("train --run-dir r2 --steps 1 --set data.path=", (d / "t.tokens").string()), d),
                         {"t.tokens", "trunc"});
   // Token ids beyond the vocabulary.
-  ASSERT_EQ(run(cat("prepare ", write(d / "text.txt", std::string(5000, 'z')), " -o ", (d / "z.tokens").string()), d)
-                .code,
-            0);
-  expect_one_line_error(run(cat("train --run-dir r3 --steps 1 --set model.vocab_size=100 --set data.path=",
-                                (d / "z.tokens").string()),
-                            d),
-                        {"z.tokens", "122"});
+  ASSERT_EQ(
+      run(cat("prepare ", write(d / "text.txt", std::string(5000, 'z')), " -o ", (d / "z.tokens").string()), d).code,
+      0);
+  expect_one_line_error(
+      run(cat("train --run-dir r3 --steps 1 --set model.vocab_size=100 --set data.path=", (d / "z.tokens").string()),
+          d),
+      {"z.tokens", "122"});
   fs::remove_all(d);
 }
 

@@ -1,5 +1,7 @@
 // Core: tensor views, planned arenas, bf16 conversion, the counter-based RNG.
 #include <cmath>
+#include <tuple>
+#include <vector>
 
 #include "moefold/core/memory.h"
 #include "moefold/core/rng.h"
@@ -18,6 +20,113 @@ TEST(Philox, KnownAnswer) {
   r = philox4x32({0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}, {0xa4093822u, 0x299f31d0u});
   EXPECT_EQ(r[0], 0xd16cfe09u);
   EXPECT_EQ(r[1], 0x94fdccebu);
+}
+
+}  // namespace
+}  // namespace moefold
+
+namespace moefold {
+namespace {
+
+TEST(BFloat16, RoundsToNearestEvenAndRoundTrips) {
+  EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(bf16_to_f32(0x3f80), 1.0f);
+  // 1 + 2^-8 is exactly halfway between two bf16 values: ties to even (down to 1.0).
+  EXPECT_EQ(f32_to_bf16(1.0f + 1.0f / 256), 0x3f80);
+  // 1 + 3 * 2^-8 is halfway between 1+2^-7 (odd) and 1+2^-6 (even): up.
+  EXPECT_EQ(f32_to_bf16(1.0f + 3.0f / 256), 0x3f82);
+  EXPECT_EQ(f32_to_bf16(-2.5f), 0xc020);
+  EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(std::nanf("")))));
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(INFINITY)), INFINITY);
+  for (uint32_t h = 0; h < 0x10000; h += 7) {
+    float f = bf16_to_f32(static_cast<uint16_t>(h));
+    if (!std::isnan(f)) {
+      EXPECT_EQ(f32_to_bf16(f), h);
+    }
+  }
+  DType t;
+  ASSERT_TRUE(dtype_from_name("BF16", &t));
+  EXPECT_EQ(t, DType::bf16);
+  EXPECT_EQ(dtype_size(DType::bf16), 2u);
+  EXPECT_FALSE(dtype_from_name("Q4", &t));
+}
+
+TEST(Tensor, ViewsSliceAndReshape) {
+  float buf[24];
+  for (int i = 0; i < 24; ++i) buf[i] = static_cast<float>(i);
+  Tensor t(buf, DType::f32, {4, 3, 2});
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_EQ(t.stride(0), 6);
+  EXPECT_EQ(t.stride(-1), 1);
+  EXPECT_TRUE(t.contiguous());
+  Tensor s = t.slice(1, 3);
+  EXPECT_EQ(s.shape(), Shape({2, 3, 2}));
+  EXPECT_EQ(s.ptr<float>()[0], 6.0f);
+  Tensor v = s.view({6, 2});
+  EXPECT_EQ(v.ptr<float>()[11], 17.0f);
+  EXPECT_EQ(t.str(), "F32[4, 3, 2]");
+  EXPECT_DEATH(t.ptr<double>(), "accessed as F64");
+  EXPECT_DEATH(t.slice(2, 5), "slice");
+  EXPECT_DEATH(t.view({5, 5}), "view");
+}
+
+TEST(Memory, MeasureThenAllocateGivesTheSameLayout) {
+  Memory mem(DType::f32);
+  auto bind = [&] {
+    Tensor w = mem.param("w", {3, 5}, Init::normal, 0.02, true);
+    Tensor a = mem.act({7});
+    Tensor i = mem.act({2, 2}, DType::i32);
+    return std::tuple{w, a, i};
+  };
+  auto [w0, a0, i0] = bind();
+  EXPECT_TRUE(mem.measuring());
+  EXPECT_EQ(w0.data(), nullptr);
+  EXPECT_EQ(mem.params().size(), 1u);
+  mem.allocate();
+  auto [w, a, i] = bind();
+  mem.finish_binding();
+  ASSERT_NE(w.data(), nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(w.data()) % 64, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % 64, 0u);
+  EXPECT_EQ(w.ptr<float>()[14], 0.0f);  // zero-initialised
+  const Param* p = mem.find("w");
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(p->grad.shape(), Shape({3, 5}));
+  EXPECT_NE(p->grad.data(), p->value.data());
+  EXPECT_EQ(mem.find("nope"), nullptr);
+  EXPECT_DEATH(mem.param("w", {1}, Init::ones, 0, false), "registered twice");
+}
+
+TEST(Memory, RealPassMustMatchMeasuredPass) {
+  Memory mem(DType::f32);
+  mem.act({100});
+  mem.allocate();
+  mem.act({4});  // smaller: fits, but the layouts differ
+  EXPECT_DEATH(mem.finish_binding(), "differs from the measuring pass");
+}
+
+TEST(Rng, DeterministicAndWellDistributed) {
+  EXPECT_EQ(rng_normal(1, 2, 3), rng_normal(1, 2, 3));
+  EXPECT_NE(rng_normal(1, 2, 3), rng_normal(1, 2, 4));
+  EXPECT_NE(rng_normal(1, 2, 3), rng_normal(1, 3, 3));
+  EXPECT_NE(rng_normal(1, 2, 3), rng_normal(2, 2, 3));
+  double s = 0, s2 = 0, u = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) {
+    double x = rng_normal(7, 0, i);
+    s += x;
+    s2 += x * x;
+    u += rng_uniform(7, 1, i);
+    ASSERT_LT(rng_below(7, 2, i, 10), 10u);
+  }
+  EXPECT_NEAR(s / n, 0.0, 0.01);
+  EXPECT_NEAR(s2 / n, 1.0, 0.01);
+  EXPECT_NEAR(u / n, 0.5, 0.005);
+  std::vector<float> a(100), b(100);
+  fill_normal(Tensor(a.data(), DType::f32, {100}), 5, 9, 1.0, 0.5);
+  fill_normal(Tensor(b.data(), DType::f32, {100}), 5, 9, 1.0, 0.5);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a[3], static_cast<float>(1.0 + 0.5 * rng_normal(5, 9, 3)));
 }
 
 }  // namespace

@@ -125,10 +125,10 @@ TEST(Megatron, RoundTripUint16AndInt32) {
     ds.copy_tokens(0, ds.num_tokens(), copy.data());
     for (size_t i = 0; i < flat.size(); ++i) ASSERT_EQ(static_cast<uint32_t>(copy[i]), flat[i]);
     // The .bin is exactly the tokens at the dtype's width.
-    EXPECT_EQ(fs::file_size(prefix + ".bin"), flat.size() * (dt == MegatronDType::uint16 ? 2
+    EXPECT_EQ(fs::file_size(prefix + ".bin"), flat.size() * (dt == MegatronDType::uint16  ? 2
                                                              : dt == MegatronDType::uint8 ? 1
                                                              : dt == MegatronDType::int32 ? 4
-                                                                                           : 8));
+                                                                                          : 8));
     // open_token_dataset resolves the prefix, PREFIX.idx and PREFIX.bin alike.
     for (const std::string& p : {prefix, prefix + ".idx", prefix + ".bin"})
       EXPECT_EQ(all_tokens(open_token_dataset(p)), flat) << p;
@@ -221,8 +221,11 @@ TEST(Megatron, CorruptFilesNameTheFile) {
 TEST(Megatron, WriterRejectsTokensThatDoNotFit) {
   TempDir dir;
   std::string prefix = dir.file("w");
-  expect_error([&] { write_megatron_dataset(prefix, {{1, 2}, {3, 65536}}, MegatronDType::uint16); }, prefix + ".bin",
-               "token 65536 (document 1, position 1) does not fit uint16");
+  expect_error(
+      [&] {
+        write_megatron_dataset(prefix, {{1, 2}, {3, 65536}}, MegatronDType::uint16);
+      },
+      prefix + ".bin", "token 65536 (document 1, position 1) does not fit uint16");
   EXPECT_FALSE(fs::exists(prefix + ".bin"));  // the unfinished file is removed
   EXPECT_FALSE(fs::exists(prefix + ".idx"));
 }
@@ -330,7 +333,9 @@ TEST(ByteTokenizer, RoundTrip) {
   t.push_back(ByteTokenizer::kEos);
   EXPECT_EQ(ByteTokenizer::decode(t), all);
   EXPECT_EQ(ByteTokenizer::decode(t, "<eos>"), all + "<eos>");
-  EXPECT_EQ(ByteTokenizer::decode(std::vector<uint32_t>{'a', 300, 'b'}), "a\xEF\xBF\xBD" "b");
+  EXPECT_EQ(ByteTokenizer::decode(std::vector<uint32_t>{'a', 300, 'b'}),
+            "a\xEF\xBF\xBD"
+            "b");
   EXPECT_EQ(ByteTokenizer::kVocabSize, 257);
 }
 

@@ -19,9 +19,9 @@ namespace fs = std::filesystem;
 class TempDir {
  public:
   TempDir() {
-    path_ = fs::temp_directory_path() /
-            ("moefold_test_io_" + std::to_string(::getpid()) + "_" + std::to_string(testing::fresh_seed() % 100000) +
-             "_" + std::to_string(counter_++));
+    path_ =
+        fs::temp_directory_path() / ("moefold_test_io_" + std::to_string(::getpid()) + "_" +
+                                     std::to_string(testing::fresh_seed() % 100000) + "_" + std::to_string(counter_++));
     fs::create_directories(path_);
   }
   ~TempDir() {
@@ -147,7 +147,8 @@ TEST(Safetensors, RoundTripBf16) {
   }
   Tensor v2 = pool.zeros({5}, DType::f64);
   r.load_into("v", v2);
-  for (int64_t i = 0; i < 5; ++i) EXPECT_NEAR(v2.ptr<double>()[i], v.ptr<double>()[i], std::fabs(v.ptr<double>()[i]) / 128);
+  for (int64_t i = 0; i < 5; ++i)
+    EXPECT_NEAR(v2.ptr<double>()[i], v.ptr<double>()[i], std::fabs(v.ptr<double>()[i]) / 128);
 }
 
 TEST(Safetensors, ReadsHandBuiltFile) {
@@ -155,9 +156,8 @@ TEST(Safetensors, ReadsHandBuiltFile) {
   // against our writer. Offsets are relative to the start of the data.
   TempDir dir;
   std::string path = dir.file("hand.safetensors");
-  std::string header =
-      R"({"__metadata__":{"k":"v"},"b":{"dtype":"BF16","shape":[2],"data_offsets":[8,12]},)"
-      R"("a":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]}})";
+  std::string header = R"({"__metadata__":{"k":"v"},"b":{"dtype":"BF16","shape":[2],"data_offsets":[8,12]},)"
+                       R"("a":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]}})";
   std::string s = raw_file(header, 0);
   float a[2] = {1.5f, -2.25f};
   uint16_t b[2] = {0x3f80, 0xc000};  // bf16 1.0, -2.0
@@ -252,12 +252,21 @@ TEST(Safetensors, WriterRejectsBadEntries) {
   testing::Pool pool;
   std::string path = dir.file("w.safetensors");
   Tensor t = pool.randn({2}, DType::f32);
-  expect_error([&] { write_safetensors(path, {{"a", t, DType::f32}, {"a", t, DType::f32}}); }, path,
-               "tensor 'a' given twice");
-  expect_error([&] { write_safetensors(path, {{"i", pool.ints({2}, 0, 5), DType::bf16}}); }, path,
-               "cannot store I32 as BF16");
-  expect_error([&] { write_safetensors(dir.file("no/such/dir/x.safetensors"), {{"a", t, DType::f32}}); },
-               dir.file("no/such/dir/x.safetensors"), "cannot create");
+  expect_error(
+      [&] {
+        write_safetensors(path, {{"a", t, DType::f32}, {"a", t, DType::f32}});
+      },
+      path, "tensor 'a' given twice");
+  expect_error(
+      [&] {
+        write_safetensors(path, {{"i", pool.ints({2}, 0, 5), DType::bf16}});
+      },
+      path, "cannot store I32 as BF16");
+  expect_error(
+      [&] {
+        write_safetensors(dir.file("no/such/dir/x.safetensors"), {{"a", t, DType::f32}});
+      },
+      dir.file("no/such/dir/x.safetensors"), "cannot create");
 }
 
 }  // namespace

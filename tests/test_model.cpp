@@ -64,6 +64,12 @@ TEST(Config, TomlRoundTrip) {
   EXPECT_EQ(config_to_toml(a), config_to_toml(b));
 }
 
+TEST(Config, CommittedTinyConfigIsThePreset) {
+  // configs/tiny.toml is `moefold config` output: it documents every key and must stay current.
+  Config c = load_config(std::string(MOEFOLD_SOURCE_DIR) + "/configs/tiny.toml", {});
+  EXPECT_EQ(config_to_toml(c), config_to_toml(preset_config("tiny")));
+}
+
 TEST(Config, BadInputNamesTheKey) {
   auto err = [](const std::string& text, std::vector<std::string> ov = {}) {
     std::string p = write_file("bad.toml", text);
@@ -77,8 +83,7 @@ TEST(Config, BadInputNamesTheKey) {
             std::string::npos);
   EXPECT_NE(err("[moe]\nnum_experts = 4\nnum_experts_per_tok = 5\n").find("num_experts_per_tok"), std::string::npos);
   EXPECT_NE(err("[moe]\nscoring_func = \"relu\"\n").find("moe.scoring_func"), std::string::npos);
-  EXPECT_NE(err("[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\n").find("does not divide"),
-            std::string::npos);
+  EXPECT_NE(err("[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\n").find("does not divide"), std::string::npos);
   EXPECT_NE(err("[model]\nhidden_size = \n").find("TOML syntax error"), std::string::npos);
   EXPECT_NE(err("[parallel]\ntp = 2\n").find("[parallel]"), std::string::npos);
   EXPECT_NE(err("preset = \"huge\"\n").find("unknown preset 'huge'"), std::string::npos);
@@ -117,11 +122,11 @@ struct TinyModel {
 
   TinyModel(int64_t b, int64_t s, std::vector<std::string> overrides, DType dtype = DType::f64) {
     std::vector<std::string> ov = {"model.vocab_size=11",         "model.hidden_size=8",
-                                   "model.num_hidden_layers=2",    "model.num_attention_heads=3",
-                                   "model.num_key_value_heads=1",  "model.head_dim=4",
-                                   "moe.num_experts=3",            "moe.num_experts_per_tok=2",
-                                   "moe.moe_intermediate_size=5",  "moe.router_aux_loss_coef=0.1",
-                                   "moe.router_z_loss_coef=0.01",  "model.rope_theta=100"};
+                                   "model.num_hidden_layers=2",   "model.num_attention_heads=3",
+                                   "model.num_key_value_heads=1", "model.head_dim=4",
+                                   "moe.num_experts=3",           "moe.num_experts_per_tok=2",
+                                   "moe.moe_intermediate_size=5", "moe.router_aux_loss_coef=0.1",
+                                   "moe.router_z_loss_coef=0.01", "model.rope_theta=100"};
     ov.insert(ov.end(), overrides.begin(), overrides.end());
     cfg = load_config("tiny", ov);
     model = std::make_unique<Model>(cfg.model, cfg.moe, b, s);
@@ -162,8 +167,8 @@ TEST(Model, BackwardMatchesFiniteDifferences) {
     size_t i = 0;
     for (Param& p : t.mem->params()) {
       EXPECT_GT(testing::max_abs(analytic[i]), 0.0) << p.name << " has an all-zero gradient";
-      testing::check_gradient(cat(score, " ", p.name), p.value, analytic[i], [&] { return t.loss(lm_scale, moe_scale); },
-                              {.eps = 1e-6, .rtol = 1e-5, .atol = 1e-8});
+      testing::check_gradient(cat(score, " ", p.name), p.value, analytic[i],
+                              [&] { return t.loss(lm_scale, moe_scale); }, {.eps = 1e-6, .rtol = 1e-5, .atol = 1e-8});
       ++i;
     }
   }
@@ -188,12 +193,11 @@ TEST(Model, ParametersUseHuggingFaceNames) {
   for (const Param& p : t.mem->params())
     for (const NamedView& v : hf_views(p)) names.push_back(v.name);
   auto has = [&](const std::string& n) { return std::find(names.begin(), names.end(), n) != names.end(); };
-  for (const char* n :
-       {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.1.input_layernorm.weight",
-        "model.layers.1.post_attention_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.0.self_attn.k_norm.weight", "model.layers.0.mlp.gate.weight",
-        "model.layers.0.mlp.experts.2.gate_proj.weight", "model.layers.1.mlp.experts.0.up_proj.weight",
-        "model.layers.1.mlp.experts.1.down_proj.weight"})
+  for (const char* n : {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                        "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
+                        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_norm.weight",
+                        "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.2.gate_proj.weight",
+                        "model.layers.1.mlp.experts.0.up_proj.weight", "model.layers.1.mlp.experts.1.down_proj.weight"})
     EXPECT_TRUE(has(n)) << n;
   // 2 layers x (4 attn + 2 qk norms + 2 norms + gate + 3 experts x 3) + embed + norm + head
   EXPECT_EQ(names.size(), 2u * (4 + 2 + 2 + 1 + 9) + 3);

@@ -120,7 +120,7 @@ TEST(MoeConfig, CapacityAndMaxRows) {
   EXPECT_EQ(c.capacity(100), 25);  // ceil(1.0 * 100 * 2 / 8)
   EXPECT_EQ(c.max_rows(100), 200);
   c.capacity_factor = 1.1;
-  EXPECT_EQ(c.capacity(100), 28);  // ceil(27.5)
+  EXPECT_EQ(c.capacity(100), 28);   // ceil(27.5)
   EXPECT_EQ(c.max_rows(100), 200);  // min(T*K, E*cap) = min(200, 224)
   c.pad_to_capacity = true;
   EXPECT_EQ(c.max_rows(100), 224);
@@ -209,11 +209,10 @@ TEST(AuxLoss, BackwardMatchesFiniteDifferences) {
     Tensor dlogits = pool.zeros({t_n, e_n});
     aux_loss_backward(scores, f, counts, k_n, grad_scale, dlogits);
     EXPECT_GT(max_abs(dlogits), 0);
-    check_gradient(std::string("aux_loss ") + (f == ScoreFunc::softmax ? "softmax" : "sigmoid"), logits, dlogits,
-                   [&] {
-                     router_topk_forward(logits, {f, true, 1.0}, scores, idx, prob);
-                     return grad_scale * aux_loss_forward(scores, f, counts, k_n);
-                   });
+    check_gradient(std::string("aux_loss ") + (f == ScoreFunc::softmax ? "softmax" : "sigmoid"), logits, dlogits, [&] {
+      router_topk_forward(logits, {f, true, 1.0}, scores, idx, prob);
+      return grad_scale * aux_loss_forward(scores, f, counts, k_n);
+    });
   }
 }
 
@@ -511,7 +510,10 @@ struct LayerCase {
 
 TEST(MoeLayer, BackwardMatchesFiniteDifferences) {
   const int64_t h_n = 6, t_n = 7;  // T*K never divisible by E: unbalanced counts, so the aux gradient is non-zero
-  const MoeConfig base{.num_experts = 4, .num_experts_per_tok = 2, .moe_intermediate_size = 5, .aux_loss_coeff = 0.3,
+  const MoeConfig base{.num_experts = 4,
+                       .num_experts_per_tok = 2,
+                       .moe_intermediate_size = 5,
+                       .aux_loss_coeff = 0.3,
                        .z_loss_coeff = 0.05};
   std::vector<LayerCase> cases = {{"softmax norm", base}};
   cases.push_back({"softmax no-norm", base});
@@ -637,8 +639,7 @@ TEST(MoeLayer, ZeroTokenExperts) {
   const int64_t h_n = 4, f_n = 3, t_n = 5, e_n = 4;
   for (int64_t k_n : {1, 2}) {
     SCOPED_TRACE("k " + std::to_string(k_n));
-    MoeConfig cfg{.num_experts = e_n, .num_experts_per_tok = k_n, .moe_intermediate_size = f_n,
-                  .aux_loss_coeff = 0.2};
+    MoeConfig cfg{.num_experts = e_n, .num_experts_per_tok = k_n, .moe_intermediate_size = f_n, .aux_loss_coeff = 0.2};
     Pool pool;
     Rig rig(cfg, h_n, t_n, DType::f64);
     rig.fill(pool, 0.5);
@@ -723,8 +724,12 @@ TEST(MoeLayer, PaddingDoesNotChangeTheResult) {
 
 TEST(MoeLayer, Float32MatchesFloat64) {
   const int64_t h_n = 16, t_n = 12;
-  MoeConfig cfg{.num_experts = 6, .num_experts_per_tok = 2, .moe_intermediate_size = 8, .aux_loss_coeff = 0.1,
-                .z_loss_coeff = 0.01, .capacity_factor = 1.0};
+  MoeConfig cfg{.num_experts = 6,
+                .num_experts_per_tok = 2,
+                .moe_intermediate_size = 8,
+                .aux_loss_coeff = 0.1,
+                .z_loss_coeff = 0.01,
+                .capacity_factor = 1.0};
   Pool pool;
   Rig r64(cfg, h_n, t_n, DType::f64), r32(cfg, h_n, t_n, DType::f32);
   r64.fill(pool, 0.3);

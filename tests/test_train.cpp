@@ -43,20 +43,22 @@ fs::path temp_dir(const std::string& name) {
 std::string make_data(const fs::path& dir) {
   std::vector<uint32_t> toks(20000);
   for (size_t i = 0; i < toks.size(); ++i)
-    toks[i] = rng_uniform(9, 0, i) < 0.1 ? static_cast<uint32_t>(rng_below(9, 1, i, 32)) : static_cast<uint32_t>(i % 17);
+    toks[i] =
+        rng_uniform(9, 0, i) < 0.1 ? static_cast<uint32_t>(rng_below(9, 1, i, 32)) : static_cast<uint32_t>(i % 17);
   std::string p = (dir / "data.tokens").string();
   write_token_file(p, toks, 2);
   return p;
 }
 
 Config small_config(const std::string& data, std::vector<std::string> extra = {}) {
-  std::vector<std::string> ov = {"model.vocab_size=32",        "model.hidden_size=16",   "model.num_hidden_layers=2",
-                                 "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=8",
-                                 "moe.num_experts=4",           "moe.moe_intermediate_size=12", "train.seq_len=16",
-                                 "train.micro_batch_size=2",    "train.global_batch_size=4", "train.steps=12",
-                                 "train.warmup_steps=2",        "train.eval_interval=4",  "train.eval_batches=2",
-                                 "train.checkpoint_interval=5", "moe.router_z_loss_coef=0.001",
-                                 "data.valid_fraction=0.05",    cat("data.path=", data)};
+  std::vector<std::string> ov = {
+      "model.vocab_size=32",         "model.hidden_size=16",         "model.num_hidden_layers=2",
+      "model.num_attention_heads=2", "model.num_key_value_heads=1",  "model.head_dim=8",
+      "moe.num_experts=4",           "moe.moe_intermediate_size=12", "train.seq_len=16",
+      "train.micro_batch_size=2",    "train.global_batch_size=4",    "train.steps=12",
+      "train.warmup_steps=2",        "train.eval_interval=4",        "train.eval_batches=2",
+      "train.checkpoint_interval=5", "moe.router_z_loss_coef=0.001", "data.valid_fraction=0.05",
+      cat("data.path=", data)};
   ov.insert(ov.end(), extra.begin(), extra.end());
   return load_config("tiny", ov);
 }
@@ -232,11 +234,13 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {
   EXPECT_NE(load_err(cfg, bad).find("trainer.json: not valid JSON"), std::string::npos);
   EXPECT_NE(load_err(cfg, dir / "nothing").find("cannot open"), std::string::npos);
   // A run directory with checkpoints is never overwritten by a fresh run.
-  EXPECT_NE(error_of([&] { run_training(cfg, RunOptions{(dir / "run").string(), 2, false, true}); })
-                .find("already holds checkpoints"),
+  EXPECT_NE(error_of([&] {
+              run_training(cfg, RunOptions{(dir / "run").string(), 2, false, true});
+            }).find("already holds checkpoints"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { run_training(cfg, RunOptions{(dir / "empty").string(), 2, true, true}); })
-                .find("no checkpoint"),
+  EXPECT_NE(error_of([&] {
+              run_training(cfg, RunOptions{(dir / "empty").string(), 2, true, true});
+            }).find("no checkpoint"),
             std::string::npos);
   fs::remove_all(dir);
 }

@@ -1,4 +1,4 @@
-// The moefold command line: train, info, prepare. User mistakes end in one line on stderr
+// The moefold command line: train, info, config, prepare. User mistakes end in one line on stderr
 // ("moefold: error: ...") and exit code 1; usage mistakes get CLI11's message and non-zero code.
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -10,6 +10,7 @@
 #include "moefold/core/error.h"
 #include "moefold/data/prepare.h"
 #include "moefold/model/config.h"
+#include "moefold/ops/blas.h"
 #include "moefold/train/run.h"
 
 namespace {
@@ -56,6 +57,7 @@ void print_info(const Config& c) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  moefold::reexec_with_best_blas_core(argv);
   CLI::App app{"moefold: train Mixture-of-Experts transformers"};
   app.require_subcommand(1);
 
@@ -77,12 +79,14 @@ int main(int argc, char** argv) {
   CLI::App* info = app.add_subcommand("info", "print parameter counts and FLOPs of a config");
   add_config(info);
 
+  CLI::App* show = app.add_subcommand("config", "print the resolved config as TOML (every key)");
+  add_config(show);
+
   CLI::App* prep = app.add_subcommand("prepare", "tokenize text files or directories into a token file");
   std::vector<std::string> inputs;
   std::string output, format = "plain";
   prep->add_option("inputs", inputs, "text files or directories")->required();
-  prep->add_option("-o,--output", output, "output .tokens file, or Megatron prefix with --format megatron")
-      ->required();
+  prep->add_option("-o,--output", output, "output .tokens file, or Megatron prefix with --format megatron")->required();
   prep->add_option("--format", format, "plain (.tokens) or megatron (.bin/.idx)")
       ->check(CLI::IsMember({"plain", "megatron"}));
 
@@ -97,6 +101,8 @@ int main(int argc, char** argv) {
       run_training(cfg, run);
     } else if (*info) {
       print_info(load_config(config_spec, overrides));
+    } else if (*show) {
+      std::fputs(config_to_toml(load_config(config_spec, overrides)).c_str(), stdout);
     } else if (*prep) {
       PrepareStats s = prepare(inputs, output, format == "megatron" ? TokenFormat::megatron : TokenFormat::plain);
       std::printf("prepared %lld files, %lld bytes -> %lld tokens in %s\n", static_cast<long long>(s.files),

@@ -34,9 +34,10 @@ std::string cat(const A&... a) {
 }  // namespace moefold
 
 // Internal invariant: abort loudly. Optional extra arguments are concatenated into the message.
-#define MF_CHECK(cond, ...)                                                                  \
-  do {                                                                                       \
-    if (!(cond)) ::moefold::check_failed(#cond, __func__, __FILE__, __LINE__, ::moefold::cat("" __VA_OPT__(, ) __VA_ARGS__)); \
+#define MF_CHECK(cond, ...)                                                                                        \
+  do {                                                                                                             \
+    if (!(cond))                                                                                                   \
+      ::moefold::check_failed(#cond, __func__, __FILE__, __LINE__, ::moefold::cat("" __VA_OPT__(, ) __VA_ARGS__)); \
   } while (0)
 
 // User-facing failure: throws moefold::Error with a one-line message.

@@ -1,5 +1,7 @@
 #include "moefold/core/memory.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -36,6 +38,11 @@ Tensor Arena::take(DType dtype, Shape shape) {
 
 void Arena::zero() const {
   if (base_) std::memset(base_, 0, offset_);
+}
+
+size_t host_memory_bytes() {
+  long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
 }
 
 Tensor Memory::param(const std::string& name, Shape shape, Init init, double init_std, bool decay) {

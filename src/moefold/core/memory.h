@@ -52,6 +52,9 @@ struct Param {
   uint64_t id = 0;    // position in registration order; keys the init RNG stream
 };
 
+// Physical memory of this machine in bytes (0 when unknown).
+size_t host_memory_bytes();
+
 class Memory {
  public:
   explicit Memory(DType dtype) : dtype_(dtype) {}

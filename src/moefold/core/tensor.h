@@ -80,9 +80,12 @@ void check_same_dtype(const Tensor& a, const Tensor& b, const char* what);
 template <class F>
 decltype(auto) dispatch_float(DType t, F&& f) {
   switch (t) {
-    case DType::f32: return f.template operator()<float>();
-    case DType::f64: return f.template operator()<double>();
-    default: break;
+    case DType::f32:
+      return f.template operator()<float>();
+    case DType::f64:
+      return f.template operator()<double>();
+    default:
+      break;
   }
   check_failed("float dtype", "dispatch_float", __FILE__, __LINE__, std::string(dtype_name(t)));
 }

@@ -88,8 +88,8 @@ PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& 
     final_files = {out + ".bin", out + ".idx"};  // .idx last: its presence marks the dataset
   }
   try {
-    TokenWriter w = format == TokenFormat::plain ? TokenWriter::plain(tmp, 2)
-                                                 : TokenWriter::megatron(tmp, MegatronDType::uint16);
+    TokenWriter w =
+        format == TokenFormat::plain ? TokenWriter::plain(tmp, 2) : TokenWriter::megatron(tmp, MegatronDType::uint16);
     std::vector<uint32_t> doc;
     for (const auto& f : files) {
       std::string text = read_file(f);

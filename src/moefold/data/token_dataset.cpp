@@ -31,15 +31,24 @@ T read_as(const uint8_t* p) {
 
 const char* megatron_dtype_name(uint8_t code) {
   switch (code) {
-    case 1: return "uint8";
-    case 2: return "int8";
-    case 3: return "int16";
-    case 4: return "int32";
-    case 5: return "int64";
-    case 6: return "float64";
-    case 7: return "float32";
-    case 8: return "uint16";
-    default: return "unknown";
+    case 1:
+      return "uint8";
+    case 2:
+      return "int8";
+    case 3:
+      return "int16";
+    case 4:
+      return "int32";
+    case 5:
+      return "int64";
+    case 6:
+      return "float64";
+    case 7:
+      return "float32";
+    case 8:
+      return "uint16";
+    default:
+      return "unknown";
   }
 }
 
@@ -70,15 +79,29 @@ void append(std::vector<uint8_t>* out, T v) {
 }  // namespace
 
 // Calls f.template operator()<T>() with the C++ type stored for `e`.
-#define MF_DISPATCH_ELEM(e, f)                               \
-  switch (e) {                                               \
-    case Elem::u8: f.template operator()<uint8_t>(); break;  \
-    case Elem::i8: f.template operator()<int8_t>(); break;   \
-    case Elem::u16: f.template operator()<uint16_t>(); break; \
-    case Elem::i16: f.template operator()<int16_t>(); break; \
-    case Elem::u32: f.template operator()<uint32_t>(); break; \
-    case Elem::i32: f.template operator()<int32_t>(); break; \
-    case Elem::i64: f.template operator()<int64_t>(); break; \
+#define MF_DISPATCH_ELEM(e, f)           \
+  switch (e) {                           \
+    case Elem::u8:                       \
+      f.template operator()<uint8_t>();  \
+      break;                             \
+    case Elem::i8:                       \
+      f.template operator()<int8_t>();   \
+      break;                             \
+    case Elem::u16:                      \
+      f.template operator()<uint16_t>(); \
+      break;                             \
+    case Elem::i16:                      \
+      f.template operator()<int16_t>();  \
+      break;                             \
+    case Elem::u32:                      \
+      f.template operator()<uint32_t>(); \
+      break;                             \
+    case Elem::i32:                      \
+      f.template operator()<int32_t>();  \
+      break;                             \
+    case Elem::i64:                      \
+      f.template operator()<int64_t>();  \
+      break;                             \
   }
 
 TokenDataset TokenDataset::open_plain(const std::string& path) {
@@ -120,15 +143,29 @@ TokenDataset TokenDataset::open_megatron(const std::string& prefix) {
   if (version != kIdxVersion) MF_FAIL(ip, ": unsupported version ", version, ", expected ", kIdxVersion);
   uint8_t code = p[17];
   switch (code) {
-    case 1: ds.elem_ = Elem::u8; break;
-    case 2: ds.elem_ = Elem::i8; break;
-    case 3: ds.elem_ = Elem::i16; break;
-    case 4: ds.elem_ = Elem::i32; break;
-    case 5: ds.elem_ = Elem::i64; break;
-    case 8: ds.elem_ = Elem::u16; break;
+    case 1:
+      ds.elem_ = Elem::u8;
+      break;
+    case 2:
+      ds.elem_ = Elem::i8;
+      break;
+    case 3:
+      ds.elem_ = Elem::i16;
+      break;
+    case 4:
+      ds.elem_ = Elem::i32;
+      break;
+    case 5:
+      ds.elem_ = Elem::i64;
+      break;
+    case 8:
+      ds.elem_ = Elem::u16;
+      break;
     case 6:
-    case 7: MF_FAIL(ip, ": dtype ", megatron_dtype_name(code), " (code ", int(code), ") cannot hold token ids");
-    default: MF_FAIL(ip, ": unknown dtype code ", int(code), " (Megatron knows 1-8)");
+    case 7:
+      MF_FAIL(ip, ": dtype ", megatron_dtype_name(code), " (code ", int(code), ") cannot hold token ids");
+    default:
+      MF_FAIL(ip, ": unknown dtype code ", int(code), " (Megatron knows 1-8)");
   }
   constexpr int kSizes[] = {0, 1, 1, 2, 4, 8, 8, 4, 2};
   const uint64_t elem = kSizes[code];
@@ -234,13 +271,14 @@ TokenDataset open_token_dataset(const std::string& path) {
     return TokenDataset::open_plain(path);
   }
   if (fs::exists(path + ".idx", ec)) return TokenDataset::open_megatron(path);
-  if (ends_with(path, ".idx") || ends_with(path, ".bin")) return TokenDataset::open_megatron(path.substr(0, path.size() - 4));
+  if (ends_with(path, ".idx") || ends_with(path, ".bin"))
+    return TokenDataset::open_megatron(path.substr(0, path.size() - 4));
   if (fs::exists(path, ec)) {
     // A plain file under another name is still recognised by its magic.
     MappedFile f(path);
     if (f.size() >= 8 && std::memcmp(f.data(), kPlainMagic, 8) == 0) return TokenDataset::open_plain(path);
-    MF_FAIL("data.path = '", path, "': not a token dataset (expected a .tokens file or a Megatron prefix with ",
-            path, ".idx/.bin)");
+    MF_FAIL("data.path = '", path, "': not a token dataset (expected a .tokens file or a Megatron prefix with ", path,
+            ".idx/.bin)");
   }
   MF_FAIL("data.path = '", path, "': no such file, nor '", path, ".idx'/'", path, ".bin'");
 }
@@ -304,12 +342,24 @@ void TokenWriter::add_document(std::span<const uint32_t> tokens) {
   } else {
     type = megatron_dtype_name(static_cast<uint8_t>(dtype_));
     switch (dtype_) {
-      case MegatronDType::uint8: max = 0xff; break;
-      case MegatronDType::int8: max = 0x7f; break;
-      case MegatronDType::int16: max = 0x7fff; break;
-      case MegatronDType::uint16: max = 0xffff; break;
-      case MegatronDType::int32: max = 0x7fffffff; break;
-      default: max = 0xffffffffu; break;
+      case MegatronDType::uint8:
+        max = 0xff;
+        break;
+      case MegatronDType::int8:
+        max = 0x7f;
+        break;
+      case MegatronDType::int16:
+        max = 0x7fff;
+        break;
+      case MegatronDType::uint16:
+        max = 0xffff;
+        break;
+      case MegatronDType::int32:
+        max = 0x7fffffff;
+        break;
+      default:
+        max = 0xffffffffu;
+        break;
     }
     if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
       MF_FAIL(path_, ": document ", sizes_.size(), " has ", tokens.size(), " tokens, more than an int32 size holds");
@@ -317,8 +367,7 @@ void TokenWriter::add_document(std::span<const uint32_t> tokens) {
   buf_.resize(tokens.size() * static_cast<size_t>(elem_size_));
   for (size_t k = 0; k < tokens.size(); ++k) {
     uint32_t t = tokens[k];
-    if (t > max)
-      MF_FAIL(path_, ": token ", t, " (document ", sizes_.size(), ", position ", k, ") does not fit ", type);
+    if (t > max) MF_FAIL(path_, ": token ", t, " (document ", sizes_.size(), ", position ", k, ") does not fit ", type);
     uint64_t v = t;  // little-endian: the low bytes are the value for every width up to 8
     std::memcpy(buf_.data() + k * static_cast<size_t>(elem_size_), &v, static_cast<size_t>(elem_size_));
   }

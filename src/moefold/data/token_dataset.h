@@ -105,9 +105,9 @@ class TokenWriter {
   TokenWriter() = default;
   void write(const void* p, size_t n);
 
-  std::string path_;       // the plain file, or the .bin
-  std::string idx_path_;   // empty for plain
-  std::FILE* f_ = nullptr; // open until finish()
+  std::string path_;        // the plain file, or the .bin
+  std::string idx_path_;    // empty for plain
+  std::FILE* f_ = nullptr;  // open until finish()
   MegatronDType dtype_ = MegatronDType::uint16;
   int elem_size_ = 2;
   int64_t num_tokens_ = 0;

@@ -56,10 +56,17 @@ void store_one(uint8_t* p, double v) {
 template <class F>
 void dispatch_storage_float(DType t, F&& f) {
   switch (t) {
-    case DType::f32: f.template operator()<float>(); return;
-    case DType::f64: f.template operator()<double>(); return;
-    case DType::bf16: f.template operator()<uint16_t>(); return;
-    default: MF_CHECK(false, "not a float dtype: ", dtype_name(t));
+    case DType::f32:
+      f.template operator()<float>();
+      return;
+    case DType::f64:
+      f.template operator()<double>();
+      return;
+    case DType::bf16:
+      f.template operator()<uint16_t>();
+      return;
+    default:
+      MF_CHECK(false, "not a float dtype: ", dtype_name(t));
   }
 }
 
@@ -236,8 +243,7 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path) {
   const uint64_t data_size = size - data_start;
   uint64_t max_end = 0;
   for (const auto& r : ranges) max_end = std::max(max_end, r.end);
-  if (max_end > data_size)
-    MF_FAIL(path, ": truncated: header says ", max_end, " bytes of data, file has ", data_size);
+  if (max_end > data_size) MF_FAIL(path, ": truncated: header says ", max_end, " bytes of data, file has ", data_size);
 
   // The byte buffer must be fully indexed: sorted by offset, each tensor starts where the
   // previous one ends (no overlap, no hole), the last ends at the end of the file.

@@ -1,10 +1,12 @@
 #include "moefold/model/config.h"
 
+#include <toml++/toml.h>
+
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <functional>
 #include <sstream>
-#include <toml++/toml.h>
 #include <variant>
 
 #include "moefold/core/error.h"
@@ -19,52 +21,60 @@ struct Field {
   const char* section;
   const char* key;
   std::function<Ref(Config&)> ref;
+  const char* doc;  // one line, written next to the key by config_to_toml
 };
 
-#define MF_FIELD(sec, key, member) Field{#sec, key, [](Config& c) -> Ref { return &c.sec.member; }}
+#define MF_FIELD(sec, key, member, doc)                             \
+  Field {                                                           \
+#sec, key, [](Config & c) -> Ref { return &c.sec.member; }, doc \
+  }
 
 const std::vector<Field>& fields() {
   static const std::vector<Field> f = {
-      MF_FIELD(model, "architecture", architecture),
-      MF_FIELD(model, "vocab_size", vocab_size),
-      MF_FIELD(model, "hidden_size", hidden_size),
-      MF_FIELD(model, "num_hidden_layers", num_hidden_layers),
-      MF_FIELD(model, "num_attention_heads", num_attention_heads),
-      MF_FIELD(model, "num_key_value_heads", num_key_value_heads),
-      MF_FIELD(model, "head_dim", head_dim),
-      MF_FIELD(model, "max_position_embeddings", max_position_embeddings),
-      MF_FIELD(model, "rms_norm_eps", rms_norm_eps),
-      MF_FIELD(model, "rope_theta", rope_theta),
-      MF_FIELD(model, "initializer_range", initializer_range),
-      MF_FIELD(moe, "num_experts", num_experts),
-      MF_FIELD(moe, "num_experts_per_tok", num_experts_per_tok),
-      MF_FIELD(moe, "moe_intermediate_size", moe_intermediate_size),
-      MF_FIELD(moe, "scoring_func", scoring_func),
-      MF_FIELD(moe, "norm_topk_prob", norm_topk_prob),
-      MF_FIELD(moe, "routed_scaling_factor", routed_scaling_factor),
-      MF_FIELD(moe, "router_aux_loss_coef", aux_loss_coeff),
-      MF_FIELD(moe, "router_z_loss_coef", z_loss_coeff),
-      MF_FIELD(moe, "capacity_factor", capacity_factor),
-      MF_FIELD(moe, "pad_to_capacity", pad_to_capacity),
-      MF_FIELD(train, "seq_len", seq_len),
-      MF_FIELD(train, "micro_batch_size", micro_batch_size),
-      MF_FIELD(train, "global_batch_size", global_batch_size),
-      MF_FIELD(train, "steps", steps),
-      MF_FIELD(train, "lr", lr),
-      MF_FIELD(train, "min_lr", min_lr),
-      MF_FIELD(train, "warmup_steps", warmup_steps),
-      MF_FIELD(train, "weight_decay", weight_decay),
-      MF_FIELD(train, "adam_beta1", adam_beta1),
-      MF_FIELD(train, "adam_beta2", adam_beta2),
-      MF_FIELD(train, "adam_eps", adam_eps),
-      MF_FIELD(train, "grad_clip", grad_clip),
-      MF_FIELD(train, "eval_interval", eval_interval),
-      MF_FIELD(train, "eval_batches", eval_batches),
-      MF_FIELD(train, "checkpoint_interval", checkpoint_interval),
-      MF_FIELD(train, "seed", seed),
-      MF_FIELD(data, "path", path),
-      MF_FIELD(data, "valid_fraction", valid_fraction),
-      MF_FIELD(data, "default_corpus_dir", default_corpus_dir),
+      MF_FIELD(model, "architecture", architecture, "model family (qwen3_moe)"),
+      MF_FIELD(model, "vocab_size", vocab_size, "rows of the embedding and LM head (>= the tokenizer's vocabulary)"),
+      MF_FIELD(model, "hidden_size", hidden_size, "H, width of the residual stream"),
+      MF_FIELD(model, "num_hidden_layers", num_hidden_layers, "decoder layers, each attention + MoE"),
+      MF_FIELD(model, "num_attention_heads", num_attention_heads, "query heads"),
+      MF_FIELD(model, "num_key_value_heads", num_key_value_heads, "key/value heads (grouped-query attention)"),
+      MF_FIELD(model, "head_dim", head_dim, "D, width of one head"),
+      MF_FIELD(model, "max_position_embeddings", max_position_embeddings, "longest sequence allowed"),
+      MF_FIELD(model, "rms_norm_eps", rms_norm_eps, "epsilon of every RMSNorm"),
+      MF_FIELD(model, "rope_theta", rope_theta, "rotary embedding base"),
+      MF_FIELD(model, "initializer_range", initializer_range, "std of the normal init of every matrix"),
+      MF_FIELD(moe, "num_experts", num_experts, "E, routed experts per MoE layer"),
+      MF_FIELD(moe, "num_experts_per_tok", num_experts_per_tok, "K, experts each token is sent to"),
+      MF_FIELD(moe, "moe_intermediate_size", moe_intermediate_size, "F, FFN width of one expert"),
+      MF_FIELD(moe, "scoring_func", scoring_func, "router scores: \"softmax\" or \"sigmoid\""),
+      MF_FIELD(moe, "norm_topk_prob", norm_topk_prob, "renormalise the K selected probabilities to sum 1"),
+      MF_FIELD(moe, "routed_scaling_factor", routed_scaling_factor,
+               "multiplies the (renormalised) top-K probabilities"),
+      MF_FIELD(moe, "router_aux_loss_coef", aux_loss_coeff,
+               "load-balancing loss weight (Switch/GShard; 1.0 = uniform routing)"),
+      MF_FIELD(moe, "router_z_loss_coef", z_loss_coeff, "router z-loss weight (ST-MoE)"),
+      MF_FIELD(moe, "capacity_factor", capacity_factor,
+               "<= 0: dropless; else capacity = ceil(cf * T * K / E) rows per expert"),
+      MF_FIELD(moe, "pad_to_capacity", pad_to_capacity, "with a capacity: pad every expert to exactly its capacity"),
+      MF_FIELD(train, "seq_len", seq_len, "tokens per sequence"),
+      MF_FIELD(train, "micro_batch_size", micro_batch_size, "sequences per forward/backward"),
+      MF_FIELD(train, "global_batch_size", global_batch_size, "sequences per optimizer step (gradient accumulation)"),
+      MF_FIELD(train, "steps", steps, "optimizer steps; the LR schedule spans them (--steps N stops early)"),
+      MF_FIELD(train, "lr", lr, "peak learning rate"),
+      MF_FIELD(train, "min_lr", min_lr, "learning rate at the end of the cosine decay"),
+      MF_FIELD(train, "warmup_steps", warmup_steps, "linear warmup steps"),
+      MF_FIELD(train, "weight_decay", weight_decay, "AdamW decoupled weight decay (not on norms)"),
+      MF_FIELD(train, "adam_beta1", adam_beta1, "AdamW beta1"),
+      MF_FIELD(train, "adam_beta2", adam_beta2, "AdamW beta2"),
+      MF_FIELD(train, "adam_eps", adam_eps, "AdamW epsilon"),
+      MF_FIELD(train, "grad_clip", grad_clip, "global gradient-norm clipping threshold (<= 0: off)"),
+      MF_FIELD(train, "eval_interval", eval_interval, "evaluate every N steps (0: only at the end)"),
+      MF_FIELD(train, "eval_batches", eval_batches, "held-out micro-batches per evaluation"),
+      MF_FIELD(train, "checkpoint_interval", checkpoint_interval, "checkpoint every N steps (0: only at the end)"),
+      MF_FIELD(train, "seed", seed, "seed of the init and the data order"),
+      MF_FIELD(data, "path", path, ".tokens file or Megatron .bin/.idx prefix; empty: default corpus"),
+      MF_FIELD(data, "valid_fraction", valid_fraction, "tail of the token stream held out for evaluation"),
+      MF_FIELD(data, "default_corpus_dir", default_corpus_dir,
+               "directory the default corpus is read from (empty: built-in)"),
   };
   return f;
 }
@@ -146,8 +156,7 @@ void apply_override(Config& c, const std::string& ov) {
   std::string what = cat("--set ", ov);
   auto eq = ov.find('=');
   auto dot = ov.find('.');
-  if (eq == std::string::npos || dot == std::string::npos || dot > eq)
-    MF_FAIL(what, ": expected section.key=value");
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq) MF_FAIL(what, ": expected section.key=value");
   std::string section = ov.substr(0, dot), key = ov.substr(dot + 1, eq - dot - 1), value = ov.substr(eq + 1);
   const Field* f = find_field(section, key);
   if (!f) MF_FAIL(what, ": unknown key '", section, ".", key, "'");
@@ -158,6 +167,17 @@ void apply_override(Config& c, const std::string& ov) {
     t = toml::table{{"v", value}};  // a bare word: a string
   }
   assign(c, *f, *t.get("v"), what);
+}
+
+// Shortest text that reads back as the same double, always a TOML float.
+std::string format_double(double v) {
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  if (std::isnan(v)) return "nan";
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, v);
+  std::string s(buf, r.ptr);
+  if (s.find_first_of(".en") == std::string::npos) s += ".0";
+  return s;
 }
 
 }  // namespace
@@ -176,8 +196,8 @@ void ModelConfig::validate() const {
   positive("head_dim", head_dim);
   positive("max_position_embeddings", max_position_embeddings);
   if (num_attention_heads % num_key_value_heads != 0)
-    MF_FAIL("model.num_key_value_heads = ", num_key_value_heads, " does not divide model.num_attention_heads = ",
-            num_attention_heads);
+    MF_FAIL("model.num_key_value_heads = ", num_key_value_heads,
+            " does not divide model.num_attention_heads = ", num_attention_heads);
   if (head_dim % 2 != 0) MF_FAIL("model.head_dim = ", head_dim, " must be even (rotary embedding)");
   if (!(rms_norm_eps > 0)) MF_FAIL("model.rms_norm_eps = ", rms_norm_eps, " must be > 0");
   if (!(rope_theta > 0)) MF_FAIL("model.rope_theta = ", rope_theta, " must be > 0");
@@ -194,8 +214,8 @@ void TrainConfig::validate() const {
   positive("steps", steps);
   positive("eval_batches", eval_batches);
   if (global_batch_size % micro_batch_size != 0)
-    MF_FAIL("train.micro_batch_size = ", micro_batch_size, " does not divide train.global_batch_size = ",
-            global_batch_size);
+    MF_FAIL("train.micro_batch_size = ", micro_batch_size,
+            " does not divide train.global_batch_size = ", global_batch_size);
   if (!(lr > 0) || !std::isfinite(lr)) MF_FAIL("train.lr = ", lr, " must be > 0");
   if (!(min_lr >= 0) || min_lr > lr) MF_FAIL("train.min_lr = ", min_lr, " must be in [0, train.lr = ", lr, "]");
   if (warmup_steps < 0) MF_FAIL("train.warmup_steps = ", warmup_steps, " must be >= 0");
@@ -219,8 +239,8 @@ void Config::validate() const {
   train.validate();
   data.validate();
   if (train.seq_len > model.max_position_embeddings)
-    MF_FAIL("train.seq_len = ", train.seq_len, " exceeds model.max_position_embeddings = ",
-            model.max_position_embeddings);
+    MF_FAIL("train.seq_len = ", train.seq_len,
+            " exceeds model.max_position_embeddings = ", model.max_position_embeddings);
 }
 
 std::vector<std::string> preset_names() { return {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b"}; }
@@ -263,8 +283,8 @@ Config preset_config(const std::string& name) {
 
 Config load_config(const std::string& spec, const std::vector<std::string>& overrides) {
   Config c;
-  bool is_file = spec.ends_with(".toml") || spec.find('/') != std::string::npos ||
-                 std::filesystem::is_regular_file(spec);
+  bool is_file =
+      spec.ends_with(".toml") || spec.find('/') != std::string::npos || std::filesystem::is_regular_file(spec);
   if (spec.empty()) {
     c = preset_config("tiny");
   } else if (!is_file) {
@@ -323,12 +343,12 @@ std::string config_to_toml(const Config& cc) {
           else if constexpr (std::is_same_v<T, ScoreFunc>)
             os << (*p == ScoreFunc::softmax ? "\"softmax\"" : "\"sigmoid\"");
           else if constexpr (std::is_same_v<T, double>)
-            os << toml::value<double>(*p);
+            os << format_double(*p);
           else
             os << *p;
         },
         f.ref(c));
-    os << "\n";
+    os << "  # " << f.doc << "\n";
   }
   return os.str();
 }

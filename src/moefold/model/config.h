@@ -13,45 +13,45 @@ namespace moefold {
 
 struct ModelConfig {
   std::string architecture = "qwen3_moe";  // only Qwen3-MoE for now
-  int64_t vocab_size = 320;               // rows of the embedding and LM head (>= tokenizer vocab)
-  int64_t hidden_size = 128;              // H
-  int64_t num_hidden_layers = 4;          // decoder layers, each attention + MoE
-  int64_t num_attention_heads = 4;        // query heads
-  int64_t num_key_value_heads = 2;        // kv heads (grouped-query attention)
-  int64_t head_dim = 32;                  // D
-  int64_t max_position_embeddings = 4096; // longest sequence the RoPE table is built for
-  double rms_norm_eps = 1e-6;             // RMSNorm epsilon (layer norms and q/k norms)
-  double rope_theta = 1e6;                // RoPE base
-  double initializer_range = 0.02;        // std of the normal init of every matrix
+  int64_t vocab_size = 320;                // rows of the embedding and LM head (>= tokenizer vocab)
+  int64_t hidden_size = 128;               // H
+  int64_t num_hidden_layers = 4;           // decoder layers, each attention + MoE
+  int64_t num_attention_heads = 4;         // query heads
+  int64_t num_key_value_heads = 2;         // kv heads (grouped-query attention)
+  int64_t head_dim = 32;                   // D
+  int64_t max_position_embeddings = 4096;  // longest sequence the RoPE table is built for
+  double rms_norm_eps = 1e-6;              // RMSNorm epsilon (layer norms and q/k norms)
+  double rope_theta = 1e6;                 // RoPE base
+  double initializer_range = 0.02;         // std of the normal init of every matrix
 
   void validate() const;
 };
 
 struct TrainConfig {
-  int64_t seq_len = 128;            // tokens per sequence
-  int64_t micro_batch_size = 8;     // sequences per forward/backward
-  int64_t global_batch_size = 16;   // sequences per optimizer step (multiple of micro_batch_size)
-  int64_t steps = 600;              // default number of optimizer steps (--steps overrides)
-  double lr = 3e-3;                 // peak learning rate
-  double min_lr = 3e-4;             // cosine floor
-  int64_t warmup_steps = 30;        // linear warmup from 0
-  double weight_decay = 0.1;        // AdamW decoupled decay (not applied to norms)
+  int64_t seq_len = 128;           // tokens per sequence
+  int64_t micro_batch_size = 8;    // sequences per forward/backward
+  int64_t global_batch_size = 16;  // sequences per optimizer step (multiple of micro_batch_size)
+  int64_t steps = 600;             // default number of optimizer steps (--steps overrides)
+  double lr = 3e-3;                // peak learning rate
+  double min_lr = 3e-4;            // cosine floor
+  int64_t warmup_steps = 30;       // linear warmup from 0
+  double weight_decay = 0.1;       // AdamW decoupled decay (not applied to norms)
   double adam_beta1 = 0.9;
   double adam_beta2 = 0.95;
   double adam_eps = 1e-8;
-  double grad_clip = 1.0;           // global-norm clipping threshold (<= 0: off)
-  int64_t eval_interval = 100;      // evaluate every N steps (0: never, except at the end)
-  int64_t eval_batches = 4;         // held-out micro-batches per evaluation
-  int64_t checkpoint_interval = 200;// checkpoint every N steps (0: only at the end)
-  uint64_t seed = 1234;             // init, data order
+  double grad_clip = 1.0;             // global-norm clipping threshold (<= 0: off)
+  int64_t eval_interval = 100;        // evaluate every N steps (0: never, except at the end)
+  int64_t eval_batches = 4;           // held-out micro-batches per evaluation
+  int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)
+  uint64_t seed = 1234;               // init, data order
 
   void validate() const;
 };
 
 struct DataConfig {
-  std::string path;                 // .tokens file or Megatron .bin/.idx prefix; empty: default corpus
-  double valid_fraction = 0.01;     // tail of the token stream held out for evaluation
-  std::string default_corpus_dir;   // where the default corpus is read from (empty: built-in choice)
+  std::string path;                // .tokens file or Megatron .bin/.idx prefix; empty: default corpus
+  double valid_fraction = 0.01;    // tail of the token stream held out for evaluation
+  std::string default_corpus_dir;  // where the default corpus is read from (empty: built-in choice)
 
   void validate() const;
 };

@@ -107,9 +107,15 @@ void Model::bind(Memory& mem) {
 void Model::init_params(std::vector<Param>& params, uint64_t seed) {
   for (Param& p : params) {
     switch (p.init) {
-      case Init::zeros: fill_constant(p.value, 0.0); break;
-      case Init::ones: fill_constant(p.value, 1.0); break;
-      case Init::normal: fill_normal(p.value, seed, fnv1a(p.name), 0.0, p.init_std); break;
+      case Init::zeros:
+        fill_constant(p.value, 0.0);
+        break;
+      case Init::ones:
+        fill_constant(p.value, 1.0);
+        break;
+      case Init::normal:
+        fill_normal(p.value, seed, fnv1a(p.name), 0.0, p.init_std);
+        break;
     }
   }
 }

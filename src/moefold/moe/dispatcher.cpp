@@ -32,9 +32,8 @@ const DispatchPlan& LocalDispatcher::dispatch(const Tensor& x_TH, const Tensor& 
   p.counts_E = counts_E_;
   p.offsets_E1 = offsets_E1_;
   p.row_TK = row_TK_.slice(0, t_n);
-  p.num_rows =
-      moe_permute_plan(topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
-                       PermutePlanOut{p.counts_E, p.offsets_E1, p.row_TK, token_R_});
+  p.num_rows = moe_permute_plan(topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
+                                PermutePlanOut{p.counts_E, p.offsets_E1, p.row_TK, token_R_});
   p.token_R = token_R_.slice(0, p.num_rows);
   p.rows_RH = rows_RH_.slice(0, p.num_rows);
   p.topk_prob_TK = topk_prob_TK;

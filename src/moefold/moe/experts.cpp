@@ -21,8 +21,8 @@ Experts::Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_r
 }
 
 void Experts::bind(Memory& mem) {
-  gate_up_E2FH_ = mem.param(prefix_ + ".experts.gate_up_proj", {num_experts_, 2 * ffn_, hidden_}, Init::normal,
-                            init_std_, true);
+  gate_up_E2FH_ =
+      mem.param(prefix_ + ".experts.gate_up_proj", {num_experts_, 2 * ffn_, hidden_}, Init::normal, init_std_, true);
   down_EHF_ = mem.param(prefix_ + ".experts.down_proj", {num_experts_, hidden_, ffn_}, Init::normal, init_std_, true);
   if (!mem.measuring()) {
     dgate_up_E2FH_ = mem.find(prefix_ + ".experts.gate_up_proj")->grad;
@@ -43,8 +43,7 @@ void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Ten
   grouped_linear_forward(h, down_EHF_, offsets_E1, out_RH);
 }
 
-void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH,
-                       const Tensor& drows_RH) {
+void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH) {
   const int64_t r_n = rows_RH.size(0);
   MF_CHECK(r_n <= max_rows_, "Experts: ", r_n, " rows > max_rows ", max_rows_);
   const Tensor gu = gu_R2F_.slice(0, r_n), h = h_RF_.slice(0, r_n);

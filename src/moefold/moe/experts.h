@@ -34,8 +34,8 @@ class Experts {
   std::string prefix_;
   double init_std_;
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;
-  Tensor gu_R2F_, h_RF_;     // saved by forward (max_rows rows)
-  Tensor dh_RF_, dgu_R2F_;   // backward workspaces
+  Tensor gu_R2F_, h_RF_;    // saved by forward (max_rows rows)
+  Tensor dh_RF_, dgu_R2F_;  // backward workspaces
 };
 
 }  // namespace moefold

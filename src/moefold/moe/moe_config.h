@@ -10,16 +10,16 @@
 namespace moefold {
 
 struct MoeConfig {
-  int64_t num_experts = 8;             // E, routed experts per MoE layer
-  int64_t num_experts_per_tok = 2;     // K, experts each token is sent to
-  int64_t moe_intermediate_size = 128; // F, FFN width of one expert
+  int64_t num_experts = 8;                      // E, routed experts per MoE layer
+  int64_t num_experts_per_tok = 2;              // K, experts each token is sent to
+  int64_t moe_intermediate_size = 128;          // F, FFN width of one expert
   ScoreFunc scoring_func = ScoreFunc::softmax;  // router scores from logits
-  bool norm_topk_prob = true;          // renormalise the k selected probabilities to sum 1
-  double routed_scaling_factor = 1.0;  // multiplies the (renormalised) top-k probabilities
-  double aux_loss_coeff = 1e-2;        // Switch/GShard load-balancing loss weight (HF: router_aux_loss_coef)
-  double z_loss_coeff = 0.0;           // router z-loss weight (ST-MoE)
-  double capacity_factor = 0.0;        // <= 0: dropless; else capacity = ceil(cf * T * K / E) per expert
-  bool pad_to_capacity = false;        // with a capacity: every expert gets exactly `capacity` rows
+  bool norm_topk_prob = true;                   // renormalise the k selected probabilities to sum 1
+  double routed_scaling_factor = 1.0;           // multiplies the (renormalised) top-k probabilities
+  double aux_loss_coeff = 1e-2;                 // Switch/GShard load-balancing loss weight (HF: router_aux_loss_coef)
+  double z_loss_coeff = 0.0;                    // router z-loss weight (ST-MoE)
+  double capacity_factor = 0.0;                 // <= 0: dropless; else capacity = ceil(cf * T * K / E) per expert
+  bool pad_to_capacity = false;                 // with a capacity: every expert gets exactly `capacity` rows
 
   // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 must be <=
   // moe.num_experts = 8").

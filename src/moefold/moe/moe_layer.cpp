@@ -13,8 +13,8 @@ const MoeConfig& validated(const MoeConfig& cfg) {
 }  // namespace
 
 MoeLayer::MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix)
-    : MoeLayer(cfg, hidden, max_tokens, std::move(prefix),
-               std::make_unique<LocalDispatcher>(cfg, hidden, max_tokens)) {}
+    : MoeLayer(cfg, hidden, max_tokens, std::move(prefix), std::make_unique<LocalDispatcher>(cfg, hidden, max_tokens)) {
+}
 
 MoeLayer::MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix,
                    std::unique_ptr<Dispatcher> dispatcher)

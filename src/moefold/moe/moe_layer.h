@@ -58,7 +58,7 @@ class MoeLayer {
   std::unique_ptr<Dispatcher> dispatcher_;
   Router router_;
   Experts experts_;
-  Tensor x_TH_;                                  // saved input (max_tokens rows)
+  Tensor x_TH_;                                    // saved input (max_tokens rows)
   Tensor out_RH_, dout_RH_, drows_RH_, dprob_TK_;  // max_rows / max_tokens rows
   const DispatchPlan* plan_ = nullptr;
   int64_t num_tokens_ = 0;

@@ -32,11 +32,11 @@ class Router {
   // Views of the last forward (T rows).
   const Tensor& logits() const { return logits_; }
   const Tensor& scores() const { return scores_; }
-  const Tensor& topk_idx() const { return topk_idx_; }     // i32 [T, K]
-  const Tensor& topk_prob() const { return topk_prob_; }   // [T, K]
+  const Tensor& topk_idx() const { return topk_idx_; }           // i32 [T, K]
+  const Tensor& topk_prob() const { return topk_prob_; }         // [T, K]
   const Tensor& tokens_per_expert() const { return counts_E_; }  // i64 [E], before capacity dropping
-  double aux_loss() const { return aux_loss_; }  // aux_loss_coeff * aux
-  double z_loss() const { return z_loss_; }      // z_loss_coeff * z
+  double aux_loss() const { return aux_loss_; }                  // aux_loss_coeff * aux
+  double z_loss() const { return z_loss_; }                      // z_loss_coeff * z
 
  private:
   MoeConfig cfg_;

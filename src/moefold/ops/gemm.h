@@ -11,7 +11,7 @@ namespace moefold {
 // lda/ldb/ldc are row strides in elements. Zero-sized problems are no-ops (beta still applies
 // to C when K == 0).
 template <class T>
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
-          const T* b, int64_t ldb, T beta, T* c, int64_t ldc);
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc);
 
 }  // namespace moefold

@@ -66,7 +66,7 @@ void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dg
 double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N);
 // dlogits = grad_scale * (softmax(logits) - onehot(target)); grad_scale is d(loss)/d(row loss),
 // e.g. 1 / (tokens in the global batch).
-void cross_entropy_backward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N,
-                            double grad_scale, const Tensor& dlogits_NV);
+void cross_entropy_backward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
+                            const Tensor& dlogits_NV);
 
 }  // namespace moefold

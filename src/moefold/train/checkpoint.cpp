@@ -77,14 +77,14 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
   write_safetensors(model_path, weights, {{"format", "pt"}});
   write_safetensors(opt_path, moments, {{"optimizer", "adamw"}});
   write_text(tmp_dir + "/config.toml", config_toml);
-  nlohmann::json j = {{"format_version", kFormatVersion},
-                      {"step", state.step},
-                      {"data_position", state.data_position},
-                      {"seed", state.seed},
-                      {"optimizer_steps", opt.num_steps()},
-                      {"checksums",
-                       {{"model.safetensors", file_checksum(model_path)},
-                        {"optimizer.safetensors", file_checksum(opt_path)}}}};
+  nlohmann::json j = {
+      {"format_version", kFormatVersion},
+      {"step", state.step},
+      {"data_position", state.data_position},
+      {"seed", state.seed},
+      {"optimizer_steps", opt.num_steps()},
+      {"checksums",
+       {{"model.safetensors", file_checksum(model_path)}, {"optimizer.safetensors", file_checksum(opt_path)}}}};
   write_text(tmp_dir + "/trainer.json", j.dump(2) + "\n");
   for (const char* f : {"model.safetensors", "optimizer.safetensors", "config.toml", "trainer.json"})
     fsync_path(tmp_dir + "/" + f);

@@ -20,8 +20,8 @@ struct TrainerState {
 };
 
 // Writes checkpoint `step` under `checkpoints_dir` (created if needed); returns its path.
-std::string save_checkpoint(const std::string& checkpoints_dir, const std::vector<Param>& params,
-                            const AdamW& opt, const TrainerState& state, const std::string& config_toml);
+std::string save_checkpoint(const std::string& checkpoints_dir, const std::vector<Param>& params, const AdamW& opt,
+                            const TrainerState& state, const std::string& config_toml);
 
 // The complete checkpoint with the highest step under `checkpoints_dir`; "" when none.
 std::string latest_checkpoint(const std::string& checkpoints_dir);

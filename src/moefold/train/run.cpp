@@ -115,12 +115,12 @@ int64_t run_training(const Config& cfg, const RunOptions& opts) {
   const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
   if (!opts.quiet)
     std::fprintf(stderr,
-                 "moefold: training %s (%.2fM params, %.2fM active) on %lld tokens, %lld tokens/step, until step "
-                 "%lld; run dir %s\n",
+                 "moefold: training %s (%.2fM params, %.2fM active; %.1f MiB planned) on %lld tokens, %lld "
+                 "tokens/step, until step %lld; run dir %s\n",
                  cfg.preset.c_str(), size.total_params / 1e6, size.active_params / 1e6,
-                 static_cast<long long>(data.num_tokens()),
-                 static_cast<long long>(cfg.train.global_batch_size * cfg.train.seq_len),
-                 static_cast<long long>(stop), opts.run_dir.c_str());
+                 static_cast<double>(trainer.planned_bytes()) / (1 << 20), static_cast<long long>(data.num_tokens()),
+                 static_cast<long long>(cfg.train.global_batch_size * cfg.train.seq_len), static_cast<long long>(stop),
+                 opts.run_dir.c_str());
   std::ofstream metrics(metrics_path, std::ios::app);
   const bool tty = ::isatty(STDERR_FILENO);
   const int64_t print_every = tty ? 1 : std::max<int64_t>(1, (stop - trainer.step()) / 20);

@@ -18,6 +18,13 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data)
     targets_BS_ = mem_.act(bs, DType::i32);
   };
   bind_all();  // measure
+  // AdamW keeps two moments per parameter.
+  planned_bytes_ = 3 * mem_.param_bytes() + mem_.act_bytes() + mem_.grad_arena().used();
+  const size_t host = host_memory_bytes();
+  if (host > 0 && planned_bytes_ > host)
+    MF_FAIL("the ", cfg.preset, " config needs ", planned_bytes_ >> 20, " MiB of planned memory (parameters, ",
+            "gradients, AdamW state, activations) but this machine has ", host >> 20,
+            " MiB; choose a smaller model or micro-batch (train.micro_batch_size, model.num_hidden_layers)");
   mem_.allocate();
   bind_all();
   mem_.finish_binding();

@@ -19,15 +19,15 @@
 namespace moefold {
 
 struct StepMetrics {
-  int64_t step = 0;        // optimizer steps completed after this one
-  double loss = 0;         // lm_loss + aux_loss + z_loss
-  double lm_loss = 0;      // mean next-token cross-entropy over the global batch
-  double aux_loss = 0;     // load-balancing loss (times its coefficient), summed over layers
-  double z_loss = 0;       // router z-loss (times its coefficient), summed over layers
-  double grad_norm = 0;    // before clipping
+  int64_t step = 0;      // optimizer steps completed after this one
+  double loss = 0;       // lm_loss + aux_loss + z_loss
+  double lm_loss = 0;    // mean next-token cross-entropy over the global batch
+  double aux_loss = 0;   // load-balancing loss (times its coefficient), summed over layers
+  double z_loss = 0;     // router z-loss (times its coefficient), summed over layers
+  double grad_norm = 0;  // before clipping
   double lr = 0;
-  double seconds = 0;      // wall time of the step
-  int64_t tokens = 0;      // tokens in the global batch
+  double seconds = 0;                    // wall time of the step
+  int64_t tokens = 0;                    // tokens in the global batch
   std::vector<double> expert_load_max;   // per MoE layer: most tokens on one expert / step
   std::vector<double> expert_load_mean;  // per MoE layer: mean tokens per expert / step
 };
@@ -47,6 +47,8 @@ class Trainer {
   // Mean next-token loss over up to train.eval_batches held-out micro-batches (0 when none).
   double evaluate();
 
+  // Bytes reserved before step 0: parameters, gradients, activations, AdamW moments.
+  size_t planned_bytes() const { return planned_bytes_; }
   int64_t step() const { return step_; }
   const StepMetrics& metrics() const { return metrics_; }
   Memory& memory() { return mem_; }
@@ -63,6 +65,7 @@ class Trainer {
   std::vector<double> load_sum_;  // [layers * experts] accumulated over a step's micro-batches
   StepMetrics metrics_;
   int64_t step_ = 0;
+  size_t planned_bytes_ = 0;
 };
 
 }  // namespace moefold

@@ -35,9 +35,9 @@ void check_router(const Tensor& scores_TE, const Tensor& topk_idx_TK) {
   check_2d(scores_TE, "router scores");
   check_2d(topk_idx_TK, "router topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "router topk_idx");
-  MF_CHECK(topk_idx_TK.size(0) == scores_TE.size(0) && topk_idx_TK.size(1) >= 1 &&
-               topk_idx_TK.size(1) <= scores_TE.size(1),
-           "router: scores ", scores_TE.str(), ", topk_idx ", topk_idx_TK.str());
+  MF_CHECK(
+      topk_idx_TK.size(0) == scores_TE.size(0) && topk_idx_TK.size(1) >= 1 && topk_idx_TK.size(1) <= scores_TE.size(1),
+      "router: scores ", scores_TE.str(), ", topk_idx ", topk_idx_TK.str());
 }
 
 }  // namespace
@@ -338,8 +338,7 @@ void moe_permute(const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_R
   check_rows(rows_RH, x_TH, "moe_permute");
   check_dtype(token_R, DType::i64, "moe_permute token");
   const int64_t r_n = rows_RH.size(0), h_n = rows_RH.size(1), t_n = x_TH.size(0);
-  MF_CHECK(token_R.contiguous() && token_R.numel() >= r_n, "moe_permute: token ", token_R.str(), " for ", r_n,
-           " rows");
+  MF_CHECK(token_R.contiguous() && token_R.numel() >= r_n, "moe_permute: token ", token_R.str(), " for ", r_n, " rows");
   const int64_t* token = token_R.ptr<int64_t>();
   dispatch_float(x_TH.dtype(), [&]<class T>() {
     const T* x = x_TH.ptr<T>();
@@ -500,8 +499,8 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
       if (dx_RI.defined())
         gemm<T>(false, false, m, i_n, o_n, T(1), dy + off[e] * o_n, o_n, w + e * o_n * i_n, i_n, T(0),
                 dx_RI.ptr<T>() + off[e] * i_n, i_n);
-      gemm<T>(true, false, o_n, i_n, m, T(1), dy + off[e] * o_n, o_n, x + off[e] * i_n, i_n, T(1),
-              dw + e * o_n * i_n, i_n);
+      gemm<T>(true, false, o_n, i_n, m, T(1), dy + off[e] * o_n, o_n, x + off[e] * i_n, i_n, T(1), dw + e * o_n * i_n,
+              i_n);
     }
   });
 }

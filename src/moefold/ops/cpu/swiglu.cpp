@@ -8,8 +8,8 @@ namespace moefold {
 
 namespace {
 void check_swiglu(const Tensor& gu, const Tensor& h) {
-  MF_CHECK(gu.ndim() == 2 && h.ndim() == 2 && gu.size(0) == h.size(0) && gu.size(1) == 2 * h.size(1), "swiglu: ",
-           gu.str(), " -> ", h.str());
+  MF_CHECK(gu.ndim() == 2 && h.ndim() == 2 && gu.size(0) == h.size(0) && gu.size(1) == 2 * h.size(1),
+           "swiglu: ", gu.str(), " -> ", h.str());
   MF_CHECK(gu.contiguous() && h.contiguous() && gu.dtype() == h.dtype());
 }
 }  // namespace
