@@ -20,13 +20,6 @@ struct Result {
   std::string out, err;
 };
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / cat("moefold_test_cli_", ::getpid(), "_", name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
 Result run(const std::string& args, const fs::path& cwd = fs::temp_directory_path()) {
   fs::path errf = cwd / "stderr.txt", outf = cwd / "stdout.txt";
   std::string cmd = cat("cd '", cwd.string(), "' && OPENBLAS_NUM_THREADS=1 '", MOEFOLD_BINARY, "' ", args, " >'",
@@ -70,7 +63,8 @@ TEST(Cli, InfoPrintsSizes) {
 }
 
 TEST(Cli, BadConfigs) {
-  fs::path d = temp_dir("config");
+  testing::TempDir tmp("test_cli");
+  const fs::path& d = tmp.path();
   expect_one_line_error(run(cat("info --config ", write(d / "a.toml", "[model]\nhiden_size = 64\n"))),
                         {"a.toml:2", "model.hiden_size"});
   expect_one_line_error(run(cat("info --config ", write(d / "b.toml", "[moe]\nnum_experts = \"many\"\n"))),
@@ -86,11 +80,11 @@ TEST(Cli, BadConfigs) {
   // Usage errors get CLI11's own non-zero exit codes (109: extra arguments), not crashes.
   EXPECT_EQ(run("train --no-such-flag").code, 109);
   EXPECT_NE(run("").code, 0);
-  fs::remove_all(d);
 }
 
 TEST(Cli, BadData) {
-  fs::path d = temp_dir("data");
+  testing::TempDir tmp("test_cli");
+  const fs::path& d = tmp.path();
   expect_one_line_error(run(cat("train --run-dir r1 --steps 1 --set data.path=", (d / "missing").string()), d),
                         {"data.path", "missing"});
   // A truncated token file.
@@ -109,11 +103,11 @@ TEST(Cli, BadData) {
       run(cat("train --run-dir r3 --steps 1 --set model.vocab_size=100 --set data.path=", (d / "z.tokens").string()),
           d),
       {"z.tokens", "122"});
-  fs::remove_all(d);
 }
 
 TEST(Cli, PrepareTrainResumeAndBadCheckpoint) {
-  fs::path d = temp_dir("train");
+  testing::TempDir tmp("test_cli");
+  const fs::path& d = tmp.path();
   fs::create_directories(d / "corpus" / "sub");
   std::string text;
   for (int i = 0; i < 400; ++i) text += cat("line ", i % 13, ": the quick brown fox jumps over the lazy dog\n");
@@ -144,7 +138,6 @@ TEST(Cli, PrepareTrainResumeAndBadCheckpoint) {
                         {"step_00000005/model.safetensors"});
   expect_one_line_error(run(cat("train --run-dir empty --resume --set data.path=data.tokens ", kSmall), d),
                         {"no checkpoint"});
-  fs::remove_all(d);
 }
 
 }  // namespace

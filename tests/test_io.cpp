@@ -15,35 +15,9 @@ namespace moefold {
 namespace {
 
 namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    path_ =
-        fs::temp_directory_path() / ("moefold_test_io_" + std::to_string(::getpid()) + "_" +
-                                     std::to_string(testing::fresh_seed() % 100000) + "_" + std::to_string(counter_++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  static inline int counter_ = 0;
-  fs::path path_;
-};
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+using testing::read_bytes;
+using testing::TempDir;
+using testing::write_bytes;
 
 // A safetensors file by hand: u64 header length (or `len_override`), header text, data.
 std::string raw_file(const std::string& header, size_t data_bytes, int64_t len_override = -1) {

@@ -15,23 +15,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string write_file(const std::string& name, const std::string& text) {
-  fs::path dir = fs::temp_directory_path() / cat("moefold_test_model_", ::getpid());
-  fs::create_directories(dir);
-  std::string p = (dir / name).string();
-  std::ofstream(p) << text;
-  return p;
-}
+using testing::error_of;
 
-// The message of the moefold::Error thrown by f ("" when none).
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
+std::string write_file(const std::string& name, const std::string& text) {
+  static testing::TempDir dir("test_model");
+  testing::write_bytes(dir.file(name), text);
+  return dir.file(name);
 }
 
 TEST(Config, PresetsAreValid) {

@@ -32,12 +32,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / cat("moefold_test_train_", ::getpid(), "_", name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using testing::error_of;
 
 // A learnable token stream: a repeating pattern with some noise, vocabulary 32.
 std::string make_data(const fs::path& dir) {
@@ -130,7 +125,8 @@ TEST(Clip, ScalesToMaxNorm) {
 }
 
 TEST(Trainer, StepLoopDoesNotAllocateAndLearns) {
-  fs::path dir = temp_dir("noalloc");
+  testing::TempDir tmp("test_train");
+  const fs::path& dir = tmp.path();
   Config cfg = small_config(make_data(dir), {"train.lr=1e-2"});
   TokenDataset data = open_token_dataset(cfg.data.path);
   Trainer t(cfg, data);
@@ -144,11 +140,11 @@ TEST(Trainer, StepLoopDoesNotAllocateAndLearns) {
   EXPECT_EQ(g_allocs.load(), 0) << "heap allocations inside train_step";
   EXPECT_NEAR(first, std::log(32.0), 0.3);
   EXPECT_LT(last, first - 0.5);
-  fs::remove_all(dir);
 }
 
 TEST(Trainer, ResumeIsBitIdentical) {
-  fs::path dir = temp_dir("resume");
+  testing::TempDir tmp("test_train");
+  const fs::path& dir = tmp.path();
   Config cfg = small_config(make_data(dir));
   RunOptions full{(dir / "full").string(), 12, false, true};
   run_training(cfg, full);
@@ -184,20 +180,11 @@ TEST(Trainer, ResumeIsBitIdentical) {
   // No temporary directories are left behind.
   for (const auto& e : fs::directory_iterator(dir / "part" / "checkpoints"))
     EXPECT_TRUE(e.path().filename().string().starts_with("step_")) << e.path();
-  fs::remove_all(dir);
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {
-  fs::path dir = temp_dir("corrupt");
+  testing::TempDir tmp("test_train");
+  const fs::path& dir = tmp.path();
   Config cfg = small_config(make_data(dir), {"train.checkpoint_interval=0"});
   run_training(cfg, RunOptions{(dir / "run").string(), 2, false, true});
   fs::path ck = dir / "run" / "checkpoints" / "step_00000002";
@@ -242,7 +229,6 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {
               run_training(cfg, RunOptions{(dir / "empty").string(), 2, true, true});
             }).find("no checkpoint"),
             std::string::npos);
-  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -1,11 +1,16 @@
 #include "testing.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 
+#include "moefold/core/error.h"
 #include "moefold/core/rng.h"
 
 namespace moefold::testing {
@@ -105,6 +110,38 @@ void check_gradient(const std::string& what, const Tensor& x, const Tensor& anal
       ADD_FAILURE() << what << "[" << i << "]: finite difference " << fd << " vs analytic " << an;
     }
   }
+}
+
+TempDir::TempDir(const std::string& tag) {
+  static int counter = 0;
+  path_ = std::filesystem::temp_directory_path() /
+          cat("moefold_", tag, "_", ::getpid(), "_", fresh_seed() % 100000, "_", counter++);
+  std::filesystem::remove_all(path_);
+  std::filesystem::create_directories(path_);
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace moefold::testing

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -47,5 +48,25 @@ struct GradCheckOptions {
 // EXPECTs fd_i to match analytic_i. `x` is restored afterwards.
 void check_gradient(const std::string& what, const Tensor& x, const Tensor& analytic,
                     const std::function<double()>& loss, GradCheckOptions opts = {});
+
+// A fresh directory under the system temp dir, removed with everything in it on destruction.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag = "test");
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+std::string read_bytes(const std::string& path);
+void write_bytes(const std::string& path, const std::string& bytes);
+
+// The message of the moefold::Error that f throws ("" when it throws none).
+std::string error_of(const std::function<void()>& f);
 
 }  // namespace moefold::testing

@@ -85,4 +85,10 @@ const Param* Memory::find(const std::string& name) const {
   return nullptr;
 }
 
+Tensor Memory::grad(const std::string& name) const {
+  const Param* p = find(name);
+  MF_CHECK(p != nullptr, "no parameter named ", name);
+  return p->grad;
+}
+
 }  // namespace moefold

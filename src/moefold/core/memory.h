@@ -77,6 +77,8 @@ class Memory {
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
   const Param* find(const std::string& name) const;
+  // The gradient of registered parameter `name` (aborts when absent).
+  Tensor grad(const std::string& name) const;
   Arena& grad_arena() { return grads_; }
   size_t param_bytes() const { return params_arena_.used(); }
   size_t act_bytes() const { return acts_.used(); }

@@ -7,14 +7,6 @@
 
 namespace moefold {
 
-namespace {
-Tensor grad_of(Memory& mem, const std::string& name) {
-  const Param* p = mem.find(name);
-  MF_CHECK(p != nullptr, name);
-  return p->grad;
-}
-}  // namespace
-
 void AttentionScratch::bind(Memory& mem, const ModelConfig& m, int64_t tokens, int64_t seq_len) {
   const int64_t qd = m.num_attention_heads * m.head_dim, gd = m.num_key_value_heads * m.head_dim;
   dq_TQD = mem.act({tokens, qd});
@@ -39,12 +31,12 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   wo_ = mem.param(prefix_ + ".o_proj.weight", {h, q * d}, Init::normal, std, true);
   q_norm_ = mem.param(prefix_ + ".q_norm.weight", {d}, Init::ones, 0, false);
   k_norm_ = mem.param(prefix_ + ".k_norm.weight", {d}, Init::ones, 0, false);
-  dwq_ = grad_of(mem, prefix_ + ".q_proj.weight");
-  dwk_ = grad_of(mem, prefix_ + ".k_proj.weight");
-  dwv_ = grad_of(mem, prefix_ + ".v_proj.weight");
-  dwo_ = grad_of(mem, prefix_ + ".o_proj.weight");
-  dq_norm_ = grad_of(mem, prefix_ + ".q_norm.weight");
-  dk_norm_ = grad_of(mem, prefix_ + ".k_norm.weight");
+  dwq_ = mem.grad(prefix_ + ".q_proj.weight");
+  dwk_ = mem.grad(prefix_ + ".k_proj.weight");
+  dwv_ = mem.grad(prefix_ + ".v_proj.weight");
+  dwo_ = mem.grad(prefix_ + ".o_proj.weight");
+  dq_norm_ = mem.grad(prefix_ + ".q_norm.weight");
+  dk_norm_ = mem.grad(prefix_ + ".k_norm.weight");
   cos_ = cos_SD.slice(0, s_);
   sin_ = sin_SD.slice(0, s_);
   scratch_ = scratch;

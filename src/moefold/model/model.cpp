@@ -6,11 +6,6 @@
 namespace moefold {
 
 namespace {
-Tensor grad_of(Memory& mem, const std::string& name) {
-  const Param* p = mem.find(name);
-  MF_CHECK(p != nullptr, name);
-  return p->grad;
-}
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -32,10 +27,10 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
                         const Tensor& dn_TH, const Tensor& tmp_TH) {
   const int64_t h = m_.hidden_size;
   norm1_ = mem.param(prefix_ + ".input_layernorm.weight", {h}, Init::ones, 0, false);
-  dnorm1_ = grad_of(mem, prefix_ + ".input_layernorm.weight");
+  dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
   attn_.bind(mem, cos_SD, sin_SD, scratch);
   norm2_ = mem.param(prefix_ + ".post_attention_layernorm.weight", {h}, Init::ones, 0, false);
-  dnorm2_ = grad_of(mem, prefix_ + ".post_attention_layernorm.weight");
+  dnorm2_ = mem.grad(prefix_ + ".post_attention_layernorm.weight");
   moe_.bind(mem);
   dn_TH_ = dn_TH;
   tmp_TH_ = tmp_TH;
@@ -79,7 +74,7 @@ void Model::bind(Memory& mem) {
   const int64_t h = m_.hidden_size, v = m_.vocab_size;
   const double std = m_.initializer_range;
   embed_ = mem.param("model.embed_tokens.weight", {v, h}, Init::normal, std, true);
-  dembed_ = grad_of(mem, "model.embed_tokens.weight");
+  dembed_ = mem.grad("model.embed_tokens.weight");
   cos_SD_ = mem.act({s_, m_.head_dim});
   sin_SD_ = mem.act({s_, m_.head_dim});
   scratch_.bind(mem, m_, t_, s_);
@@ -89,9 +84,9 @@ void Model::bind(Memory& mem) {
   for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({t_, h}));
   for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, dn_TH_, tmp_TH_);
   norm_ = mem.param("model.norm.weight", {h}, Init::ones, 0, false);
-  dnorm_ = grad_of(mem, "model.norm.weight");
+  dnorm_ = mem.grad("model.norm.weight");
   lm_head_ = mem.param("lm_head.weight", {v, h}, Init::normal, std, true);
-  dlm_head_ = grad_of(mem, "lm_head.weight");
+  dlm_head_ = mem.grad("lm_head.weight");
   ids_ = Tensor();
   targets_ = Tensor();
   nf_TH_ = mem.act({t_, h});

@@ -24,10 +24,8 @@ void Experts::bind(Memory& mem) {
   gate_up_E2FH_ =
       mem.param(prefix_ + ".experts.gate_up_proj", {num_experts_, 2 * ffn_, hidden_}, Init::normal, init_std_, true);
   down_EHF_ = mem.param(prefix_ + ".experts.down_proj", {num_experts_, hidden_, ffn_}, Init::normal, init_std_, true);
-  if (!mem.measuring()) {
-    dgate_up_E2FH_ = mem.find(prefix_ + ".experts.gate_up_proj")->grad;
-    ddown_EHF_ = mem.find(prefix_ + ".experts.down_proj")->grad;
-  }
+  dgate_up_E2FH_ = mem.grad(prefix_ + ".experts.gate_up_proj");
+  ddown_EHF_ = mem.grad(prefix_ + ".experts.down_proj");
   gu_R2F_ = mem.act({max_rows_, 2 * ffn_});
   h_RF_ = mem.act({max_rows_, ffn_});
   dh_RF_ = mem.act({max_rows_, ffn_});

@@ -16,7 +16,7 @@ Router::Router(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::st
 void Router::bind(Memory& mem) {
   const int64_t e_n = cfg_.num_experts, k_n = cfg_.num_experts_per_tok;
   gate_EH_ = mem.param(prefix_ + ".gate.weight", {e_n, hidden_}, Init::normal, init_std_, true);
-  if (!mem.measuring()) dgate_EH_ = mem.find(prefix_ + ".gate.weight")->grad;
+  dgate_EH_ = mem.grad(prefix_ + ".gate.weight");
   logits_buf_ = mem.act({max_tokens_, e_n});
   scores_buf_ = mem.act({max_tokens_, e_n});
   idx_buf_ = mem.act({max_tokens_, k_n}, DType::i32);
