@@ -482,7 +482,7 @@ struct Rig {
   void fill(Pool& pool, double std) {
     for (Param& p : mem.params()) p.value.copy_from(pool.randn(p.value.shape(), p.value.dtype(), std));
   }
-  void zero_grads() { mem.grad_arena().zero(); }
+  void zero_grads() { mem.zero_grads(); }
 };
 
 const char* const kParams[] = {".gate.weight", ".experts.gate_up_proj", ".experts.down_proj"};

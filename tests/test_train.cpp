@@ -34,6 +34,18 @@ namespace fs = std::filesystem;
 
 using testing::error_of;
 
+// One rank, no MPI.
+struct OneRank {
+  std::unique_ptr<Communicator> world = make_self_communicator();
+  Mesh mesh;
+  explicit OneRank(const Config& cfg) : mesh(Mesh::build(*world, cfg.resolve_layout(1))) {}
+};
+
+int64_t run_training(const Config& cfg, const RunOptions& opts) {
+  auto world = make_self_communicator();
+  return moefold::run_training(cfg, opts, *world);
+}
+
 // A learnable token stream: a repeating pattern with some noise, vocabulary 32.
 std::string make_data(const fs::path& dir) {
   std::vector<uint32_t> toks(20000);
@@ -129,7 +141,8 @@ TEST(Trainer, StepLoopDoesNotAllocateAndLearns) {
   const fs::path& dir = tmp.path();
   Config cfg = small_config(make_data(dir), {"train.lr=1e-2"});
   TokenDataset data = open_token_dataset(cfg.data.path);
-  Trainer t(cfg, data);
+  OneRank one(cfg);
+  Trainer t(cfg, data, one.mesh);
   t.init_fresh();
   double first = t.train_step().lm_loss;  // warm-up (OpenBLAS buffers, first touches)
   g_allocs = 0;
@@ -191,7 +204,8 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {
   ASSERT_TRUE(fs::exists(ck / "model.safetensors"));
   TokenDataset data = open_token_dataset(cfg.data.path);
   auto load_err = [&](const Config& c, const fs::path& p) {
-    Trainer t(c, data);
+    OneRank one(c);
+    Trainer t(c, data, one.mesh);
     return error_of([&] { t.load(p.string()); });
   };
   EXPECT_EQ(load_err(cfg, ck), "");

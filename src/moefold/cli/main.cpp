@@ -1,12 +1,16 @@
 // The moefold command line: train, info, config, prepare. User mistakes end in one line on stderr
 // ("moefold: error: ...") and exit code 1; usage mistakes get CLI11's message and non-zero code.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "moefold/comm/communicator.h"
+#include "moefold/comm/mpi.h"
 #include "moefold/core/error.h"
 #include "moefold/data/prepare.h"
 #include "moefold/model/config.h"
@@ -92,13 +96,29 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
 
+  // Under mpirun/srun every rank runs this; user errors are agreed on by all ranks (run_training
+  // fails on every rank together), so each prints its line and finalizes MPI cleanly.
+  std::unique_ptr<Communicator> world;
+  int code = 0;
   try {
     if (*train) {
       Config cfg = load_config(config_spec, overrides);
-      if (run.run_dir.empty()) run.run_dir = run.resume ? newest_run_dir() : new_run_dir();
+      world = launched_by_mpi() ? make_mpi_world(cfg.parallel.timeout_s) : make_self_communicator();
+      if (run.run_dir.empty()) {
+        if (run.resume) {
+          run.run_dir = newest_run_dir();
+        } else {
+          // One timestamped name for every rank: rank 0's.
+          int64_t name[8] = {};
+          std::string mine = new_run_dir();
+          std::memcpy(name, mine.data(), std::min(mine.size(), sizeof name - 1));
+          if (world->size() > 1) world->broadcast(Tensor(name, DType::i64, {8}), 0);
+          run.run_dir = reinterpret_cast<const char*>(name);
+        }
+      }
       if (run.run_dir.empty()) MF_FAIL("--resume: no run directory given and none found under runs/");
       if (run.stop_step < -1 || run.stop_step == 0) MF_FAIL("--steps ", run.stop_step, ": must be >= 1");
-      run_training(cfg, run);
+      run_training(cfg, run, *world);
     } else if (*info) {
       print_info(load_config(config_spec, overrides));
     } else if (*show) {
@@ -108,12 +128,14 @@ int main(int argc, char** argv) {
       std::printf("prepared %lld files, %lld bytes -> %lld tokens in %s\n", static_cast<long long>(s.files),
                   static_cast<long long>(s.bytes), static_cast<long long>(s.tokens), output.c_str());
     }
-  } catch (const Error& e) {
-    std::fprintf(stderr, "moefold: error: %s\n", e.what());
-    return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "moefold: error: %s\n", e.what());
-    return 1;
+    if (world && world->size() > 1)
+      std::fprintf(stderr, "moefold: error: rank %d: %s\n", world->rank(), e.what());
+    else
+      std::fprintf(stderr, "moefold: error: %s\n", e.what());
+    code = 1;
   }
-  return 0;
+  world.reset();
+  mpi_finalize();
+  return code;
 }

@@ -45,12 +45,19 @@ size_t host_memory_bytes() {
   return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
 }
 
-Tensor Memory::param(const std::string& name, Shape shape, Init init, double init_std, bool decay) {
+Tensor Memory::param(const std::string& name, Shape shape, Init init, double init_std, bool decay, ParamGroup group,
+                     int64_t shard_offset, int64_t global_rows) {
   for (const Param& p : params_) MF_CHECK(p.name != name, "parameter registered twice: ", name);
+  const int g = static_cast<int>(group);
   Param p;
   p.name = name;
-  p.value = params_arena_.take(dtype_, shape);
-  p.grad = grads_.take(dtype_, shape);
+  p.value = params_arena_[g].take(dtype_, shape);
+  p.grad = grads_[g].take(dtype_, shape);
+  p.group = group;
+  p.shard_offset = shard_offset;
+  p.global_rows = global_rows > 0 ? global_rows : shape[0];
+  MF_CHECK(shard_offset >= 0 && shard_offset + shape[0] <= p.global_rows, name, ": shard [", shard_offset, ", ",
+           shard_offset + shape[0], ") of ", p.global_rows, " rows");
   p.init = init;
   p.init_std = init_std;
   p.decay = decay;
@@ -64,19 +71,31 @@ Tensor Memory::act(Shape shape, DType dtype) { return acts_.take(dtype, shape); 
 
 void Memory::allocate() {
   MF_CHECK(measuring(), "Memory::allocate called twice");
-  measured_[0] = params_arena_.used();
-  measured_[1] = grads_.used();
-  measured_[2] = acts_.used();
-  params_arena_.allocate();
-  grads_.allocate();
+  const Arena* arenas[5] = {&params_arena_[0], &params_arena_[1], &grads_[0], &grads_[1], &acts_};
+  for (int i = 0; i < 5; ++i) measured_[i] = arenas[i]->used();
+  for (int g = 0; g < kNumParamGroups; ++g) {
+    params_arena_[g].allocate();
+    grads_[g].allocate();
+  }
   acts_.allocate();
   params_.clear();
 }
 
 void Memory::finish_binding() const {
   MF_CHECK(!measuring(), "finish_binding before allocate");
-  MF_CHECK(params_arena_.used() == measured_[0] && grads_.used() == measured_[1] && acts_.used() == measured_[2],
-           "the real binding pass differs from the measuring pass");
+  const Arena* arenas[5] = {&params_arena_[0], &params_arena_[1], &grads_[0], &grads_[1], &acts_};
+  for (int i = 0; i < 5; ++i)
+    MF_CHECK(arenas[i]->used() == measured_[i], "the real binding pass differs from the measuring pass");
+}
+
+void Memory::zero_grads() const {
+  for (const Arena& a : grads_) a.zero();
+}
+
+Tensor Memory::grad_block(ParamGroup group) const {
+  const Arena& a = grads_[static_cast<int>(group)];
+  const int64_t n = static_cast<int64_t>(a.used() / dtype_size(dtype_));
+  return Tensor(a.base(), dtype_, {n});
 }
 
 const Param* Memory::find(const std::string& name) const {

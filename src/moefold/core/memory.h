@@ -27,6 +27,7 @@ class Arena {
   Tensor take(DType dtype, Shape shape);
   size_t used() const { return offset_; }
   size_t capacity() const { return capacity_; }
+  void* base() const { return base_; }
   // Zeroes the used part of the block.
   void zero() const;
 
@@ -42,6 +43,12 @@ class Arena {
 
 enum class Init : uint8_t { zeros, ones, normal };
 
+// Which data-parallel group reduces a parameter's gradient: dense parameters over DP x CP,
+// expert parameters over EDP (parallel folding). Each group has its own arenas, so one
+// collective reduces all gradients of a group.
+enum class ParamGroup : uint8_t { dense = 0, expert = 1 };
+inline constexpr int kNumParamGroups = 2;
+
 struct Param {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
   Tensor value;      // master weight (compute dtype on the CPU)
@@ -49,7 +56,10 @@ struct Param {
   Init init = Init::normal;
   double init_std = 0.02;
   bool decay = true;  // false for norms and biases
-  uint64_t id = 0;    // position in registration order; keys the init RNG stream
+  uint64_t id = 0;    // position in registration order
+  ParamGroup group = ParamGroup::dense;
+  int64_t shard_offset = 0;  // global index (dim 0) of this rank's first row (expert parallel)
+  int64_t global_rows = 0;   // size of dim 0 of the whole (unsharded) parameter
 };
 
 // Physical memory of this machine in bytes (0 when unknown).
@@ -62,8 +72,10 @@ class Memory {
   DType dtype() const { return dtype_; }
   bool measuring() const { return acts_.measuring(); }
 
-  // Registers a parameter (and its gradient) under `name`; returns its value view.
-  Tensor param(const std::string& name, Shape shape, Init init, double init_std, bool decay);
+  // Registers a parameter (and its gradient) under `name`; returns its value view. A sharded
+  // parameter holds rows [shard_offset, shard_offset + shape[0]) of global_rows (0: unsharded).
+  Tensor param(const std::string& name, Shape shape, Init init, double init_std, bool decay,
+               ParamGroup group = ParamGroup::dense, int64_t shard_offset = 0, int64_t global_rows = 0);
   // Activation or workspace tensor (compute dtype unless given).
   Tensor act(Shape shape);
   Tensor act(Shape shape, DType dtype);
@@ -79,14 +91,19 @@ class Memory {
   const Param* find(const std::string& name) const;
   // The gradient of registered parameter `name` (aborts when absent).
   Tensor grad(const std::string& name) const;
-  Arena& grad_arena() { return grads_; }
-  size_t param_bytes() const { return params_arena_.used(); }
+  // Sets every gradient to zero (one memset per group).
+  void zero_grads() const;
+  // All gradients of a group as one flat tensor (for one all-reduce); padding between
+  // parameters is zero and stays zero. Empty when the group has no parameters.
+  Tensor grad_block(ParamGroup group) const;
+  size_t param_bytes() const { return params_arena_[0].used() + params_arena_[1].used(); }
+  size_t grad_bytes() const { return grads_[0].used() + grads_[1].used(); }
   size_t act_bytes() const { return acts_.used(); }
 
  private:
   DType dtype_;
-  Arena params_arena_, grads_, acts_;
-  size_t measured_[3] = {0, 0, 0};
+  Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], acts_;
+  size_t measured_[5] = {0, 0, 0, 0, 0};
   std::vector<Param> params_;
 };
 

@@ -57,8 +57,8 @@ void fill(const Tensor& t, F&& value_of) {
 }
 }  // namespace
 
-void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std) {
-  fill(t, [&](uint64_t i) { return mean + std * rng_normal(seed, stream, i); });
+void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index) {
+  fill(t, [&](uint64_t i) { return mean + std * rng_normal(seed, stream, first_index + i); });
 }
 void fill_uniform(const Tensor& t, uint64_t seed, uint64_t stream, double lo, double hi) {
   fill(t, [&](uint64_t i) { return lo + (hi - lo) * rng_uniform(seed, stream, i); });

@@ -20,8 +20,10 @@ double rng_normal(uint64_t seed, uint64_t stream, uint64_t index);
 // Uniform integer in [0, n). REQUIRES: n > 0.
 uint64_t rng_below(uint64_t seed, uint64_t stream, uint64_t index, uint64_t n);
 
-// Fills a float tensor (f32/f64, cpu, contiguous): element i gets mean + std * normal(seed, stream, i).
-void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std);
+// Fills a float tensor (f32/f64, cpu, contiguous): element i gets
+// mean + std * normal(seed, stream, first_index + i). A shard of a larger tensor passes the
+// global index of its first element, so every layout draws the same values.
+void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index = 0);
 void fill_uniform(const Tensor& t, uint64_t seed, uint64_t stream, double lo, double hi);
 void fill_constant(const Tensor& t, double value);
 

@@ -71,6 +71,13 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "eval_batches", eval_batches, "held-out micro-batches per evaluation"),
       MF_FIELD(train, "checkpoint_interval", checkpoint_interval, "checkpoint every N steps (0: only at the end)"),
       MF_FIELD(train, "seed", seed, "seed of the init and the data order"),
+      MF_FIELD(parallel, "tp", tp, "tensor-parallel size (attention and dense layers)"),
+      MF_FIELD(parallel, "cp", cp, "context-parallel size (sequence split for attention)"),
+      MF_FIELD(parallel, "dp", dp, "data-parallel size; 0: world / (tp * cp)"),
+      MF_FIELD(parallel, "ep", ep, "expert-parallel size (experts split over ep ranks)"),
+      MF_FIELD(parallel, "etp", etp, "expert tensor-parallel size"),
+      MF_FIELD(parallel, "pp", pp, "pipeline-parallel size (1: not implemented yet)"),
+      MF_FIELD(parallel, "timeout_s", timeout_s, "a rank waiting longer on another fails, naming both"),
       MF_FIELD(data, "path", path, ".tokens file or Megatron .bin/.idx prefix; empty: default corpus"),
       MF_FIELD(data, "valid_fraction", valid_fraction, "tail of the token stream held out for evaluation"),
       MF_FIELD(data, "default_corpus_dir", default_corpus_dir,
@@ -134,16 +141,15 @@ void apply_table(Config& c, const toml::table& root, const std::string& origin) 
     if (k == "preset") continue;  // consumed by load_config
     const toml::table* sec = node.as_table();
     if (!sec) {
-      if (k == "model" || k == "moe" || k == "train" || k == "data")
+      if (k == "model" || k == "moe" || k == "train" || k == "data" || k == "parallel")
         MF_FAIL(where_of(origin, node), ": '", k, "' must be a [", k, "] section");
-      MF_FAIL(where_of(origin, node), ": unknown key '", k, "' (sections: [model], [moe], [train], [data])");
+      MF_FAIL(where_of(origin, node), ": unknown key '", k,
+              "' (sections: [model], [moe], [train], [data], [parallel])");
     }
-    if (k == "parallel")
-      MF_FAIL(where_of(origin, node), ": section [parallel] is not supported yet (single process only)");
     for (const auto& [sk, sn] : *sec) {
       const Field* f = find_field(k, sk.str());
       if (!f) {
-        if (k != "model" && k != "moe" && k != "train" && k != "data")
+        if (k != "model" && k != "moe" && k != "train" && k != "data" && k != "parallel")
           MF_FAIL(where_of(origin, node), ": unknown section [", k, "]");
         MF_FAIL(where_of(origin, sn), ": unknown key '", k, ".", sk.str(), "'");
       }
@@ -238,9 +244,36 @@ void Config::validate() const {
   moe.validate();
   train.validate();
   data.validate();
+  parallel.validate();
+  const ParallelConfig& p = parallel;
+  if (moe.num_experts % p.ep != 0)
+    MF_FAIL("moe.num_experts = ", moe.num_experts, " is not divisible by parallel.ep = ", p.ep);
+  if (moe.moe_intermediate_size % p.etp != 0)
+    MF_FAIL("moe.moe_intermediate_size = ", moe.moe_intermediate_size, " is not divisible by parallel.etp = ", p.etp);
+  if (model.num_attention_heads % p.tp != 0 || model.num_key_value_heads % p.tp != 0)
+    MF_FAIL("model.num_attention_heads = ", model.num_attention_heads,
+            " and model.num_key_value_heads = ", model.num_key_value_heads,
+            " must both be divisible by parallel.tp = ", p.tp);
+  if (p.cp > 1 && train.seq_len % (2 * p.cp) != 0)
+    MF_FAIL("train.seq_len = ", train.seq_len, " is not divisible by 2 x parallel.cp = ", 2 * p.cp,
+            " (causal load balancing gives each rank a front and a back chunk)");
+  if (model.vocab_size % p.tp != 0)
+    MF_FAIL("model.vocab_size = ", model.vocab_size, " is not divisible by parallel.tp = ", p.tp);
+  // Not implemented yet: refuse rather than train something else than asked.
+  if (p.tp != 1) MF_FAIL("parallel.tp = ", p.tp, ": tensor parallelism is not implemented yet (use 1)");
+  if (p.cp != 1) MF_FAIL("parallel.cp = ", p.cp, ": context parallelism is not implemented yet (use 1)");
+  if (p.etp != 1) MF_FAIL("parallel.etp = ", p.etp, ": expert tensor parallelism is not implemented yet (use 1)");
   if (train.seq_len > model.max_position_embeddings)
     MF_FAIL("train.seq_len = ", train.seq_len,
             " exceeds model.max_position_embeddings = ", model.max_position_embeddings);
+}
+
+ParallelConfig Config::resolve_layout(int64_t world) const {
+  ParallelConfig p = parallel.resolve(world);
+  if (train.global_batch_size % (train.micro_batch_size * p.dp) != 0)
+    MF_FAIL("train.global_batch_size = ", train.global_batch_size, " is not divisible by train.micro_batch_size x ",
+            "parallel.dp = ", train.micro_batch_size, " x ", p.dp, " = ", train.micro_batch_size * p.dp);
+  return p;
 }
 
 std::vector<std::string> preset_names() { return {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b"}; }

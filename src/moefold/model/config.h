@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "moefold/moe/moe_config.h"
+#include "moefold/parallel/parallel_config.h"
 
 namespace moefold {
 
@@ -61,10 +62,14 @@ struct Config {
   MoeConfig moe;
   TrainConfig train;
   DataConfig data;
+  ParallelConfig parallel;
   std::string preset = "tiny";  // the preset this config derives from
 
   // Cross-section checks (top-k <= experts is in MoeConfig; heads dividing, etc.).
   void validate() const;
+  // The layout for `world` ranks (parallel.dp derived when 0), with every constraint between the
+  // layout, the model and the batch checked. Throws Error naming the numbers that do not divide.
+  ParallelConfig resolve_layout(int64_t world) const;
 };
 
 // Names of the built-in presets: "tiny" (default), "qwen3-30b-a3b", "qwen3-235b-a22b".

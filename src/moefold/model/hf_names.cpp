@@ -10,22 +10,24 @@ bool strip_suffix(const std::string& s, const std::string& suffix, std::string* 
 }
 }  // namespace
 
-std::vector<NamedView> hf_views(const Param& p) {
+std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
+  MF_CHECK(of.shape() == p.value.shape(), p.name, ": ", of.str(), " vs ", p.value.str());
   std::string mlp;
   std::vector<NamedView> out;
   if (strip_suffix(p.name, ".experts.gate_up_proj", &mlp)) {
-    const int64_t e = p.value.size(0), f2 = p.value.size(1), h = p.value.size(2);
+    const int64_t e = of.size(0), f2 = of.size(1), h = of.size(2);
     for (int64_t i = 0; i < e; ++i) {
-      Tensor w = p.value.slice(i, i + 1).view({f2, h});
-      out.push_back({cat(mlp, ".experts.", i, ".gate_proj.weight"), w.slice(0, f2 / 2)});
-      out.push_back({cat(mlp, ".experts.", i, ".up_proj.weight"), w.slice(f2 / 2, f2)});
+      Tensor w = of.slice(i, i + 1).view({f2, h});
+      const int64_t g = p.shard_offset + i;  // global expert index
+      out.push_back({cat(mlp, ".experts.", g, ".gate_proj.weight"), w.slice(0, f2 / 2)});
+      out.push_back({cat(mlp, ".experts.", g, ".up_proj.weight"), w.slice(f2 / 2, f2)});
     }
   } else if (strip_suffix(p.name, ".experts.down_proj", &mlp)) {
-    const int64_t e = p.value.size(0), h = p.value.size(1), f = p.value.size(2);
+    const int64_t e = of.size(0), h = of.size(1), f = of.size(2);
     for (int64_t i = 0; i < e; ++i)
-      out.push_back({cat(mlp, ".experts.", i, ".down_proj.weight"), p.value.slice(i, i + 1).view({h, f})});
+      out.push_back({cat(mlp, ".experts.", p.shard_offset + i, ".down_proj.weight"), of.slice(i, i + 1).view({h, f})});
   } else {
-    out.push_back({p.name, p.value});
+    out.push_back({p.name, of});
   }
   return out;
 }

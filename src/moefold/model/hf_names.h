@@ -15,7 +15,10 @@ struct NamedView {
   Tensor value;  // a view into the parameter (or its gradient)
 };
 
-// The Hugging Face tensors that make up parameter `p` (one view, or 2E / E views for experts).
-std::vector<NamedView> hf_views(const Param& p);
+// The Hugging Face tensors that make up parameter `p` (one view, or 2E / E views for experts;
+// expert indices are global, from p.shard_offset). `of` is p.value, p.grad or any tensor shaped
+// like them (e.g. an optimizer moment), cut and named the same way.
+std::vector<NamedView> hf_views(const Param& p, const Tensor& of);
+inline std::vector<NamedView> hf_views(const Param& p) { return hf_views(p, p.value); }
 
 }  // namespace moefold

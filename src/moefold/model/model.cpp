@@ -1,5 +1,7 @@
 #include "moefold/model/model.h"
 
+#include <algorithm>
+
 #include "moefold/core/rng.h"
 #include "moefold/ops/ops.h"
 
@@ -14,12 +16,14 @@ uint64_t fnv1a(const std::string& s) {
 }
 }  // namespace
 
-DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t index)
+DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t index,
+                           std::unique_ptr<Dispatcher> dispatcher)
     : m_(m),
       t_(batch * seq_len),
       prefix_(cat("model.layers.", index)),
       attn_(m, batch, seq_len, prefix_ + ".self_attn"),
-      moe_(e, m.hidden_size, batch * seq_len, prefix_ + ".mlp") {
+      moe_(e, m.hidden_size, batch * seq_len, prefix_ + ".mlp",
+           dispatcher ? std::move(dispatcher) : std::make_unique<LocalDispatcher>(e, m.hidden_size, batch * seq_len)) {
   moe_.set_init_std(m.initializer_range);
 }
 
@@ -64,10 +68,12 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
   add_inplace(dres_TH, tmp_TH_);  // d(x)
 }
 
-Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len)
+Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
+             const DispatcherFactory& dispatchers)
     : m_(m), e_(e), b_(micro_batch), s_(seq_len), t_(micro_batch * seq_len) {
   for (int64_t l = 0; l < m.num_hidden_layers; ++l)
-    layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, seq_len, l));
+    layers_.push_back(
+        std::make_unique<DecoderLayer>(m, e, micro_batch, seq_len, l, dispatchers ? dispatchers(l) : nullptr));
 }
 
 void Model::bind(Memory& mem) {

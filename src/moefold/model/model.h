@@ -4,6 +4,7 @@
 // parameter gradients. The model knows nothing of parallelism (STYLE.md, item 4).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,9 +16,14 @@
 
 namespace moefold {
 
+// Makes the dispatcher of MoE layer `layer` (expert parallelism comes in from outside, STYLE.md
+// item 4); an empty function or a null result means the local dispatcher.
+using DispatcherFactory = std::function<std::unique_ptr<Dispatcher>(int64_t layer)>;
+
 class DecoderLayer {
  public:
-  DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t index);
+  DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t index,
+               std::unique_ptr<Dispatcher> dispatcher);
   void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch, const Tensor& dn_TH,
             const Tensor& tmp_TH);
   // x_TH -> out_TH (written); x_TH must stay unchanged until backward.
@@ -40,7 +46,8 @@ class DecoderLayer {
 class Model {
  public:
   // REQUIRES: valid configs (Config::validate).
-  Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len);
+  Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
+        const DispatcherFactory& dispatchers = {});
 
   void bind(Memory& mem);
   // Fills every parameter from its init rule: element i of parameter p gets

@@ -35,6 +35,8 @@ class Dispatcher {
   virtual void bind(Memory& mem) = 0;
   // Experts held here: the leading dimension of the expert weights fed by the rows.
   virtual int64_t num_local_experts() const = 0;
+  // Global index of the first local expert (expert parallelism: this rank's block of experts).
+  virtual int64_t first_local_expert() const { return 0; }
   // Most rows dispatch() can hand to the local experts (sizes the expert activations).
   virtual int64_t max_rows() const = 0;
 

@@ -9,8 +9,10 @@
 namespace moefold {
 
 Experts::Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_rows, std::string prefix,
-                 double init_std)
+                 double init_std, int64_t first_expert, int64_t total_experts)
     : num_experts_(num_experts),
+      first_expert_(first_expert),
+      total_experts_(total_experts > 0 ? total_experts : num_experts),
       hidden_(hidden),
       ffn_(ffn),
       max_rows_(max_rows),
@@ -21,9 +23,10 @@ Experts::Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_r
 }
 
 void Experts::bind(Memory& mem) {
-  gate_up_E2FH_ =
-      mem.param(prefix_ + ".experts.gate_up_proj", {num_experts_, 2 * ffn_, hidden_}, Init::normal, init_std_, true);
-  down_EHF_ = mem.param(prefix_ + ".experts.down_proj", {num_experts_, hidden_, ffn_}, Init::normal, init_std_, true);
+  gate_up_E2FH_ = mem.param(prefix_ + ".experts.gate_up_proj", {num_experts_, 2 * ffn_, hidden_}, Init::normal,
+                            init_std_, true, ParamGroup::expert, first_expert_, total_experts_);
+  down_EHF_ = mem.param(prefix_ + ".experts.down_proj", {num_experts_, hidden_, ffn_}, Init::normal, init_std_, true,
+                        ParamGroup::expert, first_expert_, total_experts_);
   dgate_up_E2FH_ = mem.grad(prefix_ + ".experts.gate_up_proj");
   ddown_EHF_ = mem.grad(prefix_ + ".experts.down_proj");
   gu_R2F_ = mem.act({max_rows_, 2 * ffn_});

@@ -13,8 +13,11 @@ namespace moefold {
 
 class Experts {
  public:
-  // prefix: e.g. "model.layers.3.mlp"; max_rows bounds R (Dispatcher::max_rows()).
-  Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_rows, std::string prefix, double init_std);
+  // prefix: e.g. "model.layers.3.mlp"; max_rows bounds R (Dispatcher::max_rows()). The
+  // num_experts held here are experts [first_expert, first_expert + num_experts) of
+  // total_experts (expert parallelism); their weights are ParamGroup::expert shards.
+  Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_rows, std::string prefix, double init_std,
+          int64_t first_expert = 0, int64_t total_experts = 0);
 
   // "<prefix>.experts.gate_up_proj" [E, 2F, H] (rows 0..F-1 of each expert: gate_proj, F..2F-1:
   // up_proj) and "<prefix>.experts.down_proj" [E, H, F]; plus the saved activations.
@@ -30,7 +33,7 @@ class Experts {
   const Tensor& down_proj() const { return down_EHF_; }
 
  private:
-  int64_t num_experts_, hidden_, ffn_, max_rows_;
+  int64_t num_experts_, first_expert_, total_experts_, hidden_, ffn_, max_rows_;
   std::string prefix_;
   double init_std_;
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;

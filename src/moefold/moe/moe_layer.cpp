@@ -25,7 +25,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std
       dispatcher_(std::move(dispatcher)),
       router_(cfg_, hidden, max_tokens, prefix_, init_std_),
       experts_(dispatcher_->num_local_experts(), hidden, cfg_.moe_intermediate_size, dispatcher_->max_rows(), prefix_,
-               init_std_) {
+               init_std_, dispatcher_->first_local_expert(), cfg_.num_experts) {
   MF_CHECK(hidden >= 1 && max_tokens >= 0, "MoeLayer: hidden ", hidden, ", max_tokens ", max_tokens);
 }
 
@@ -33,7 +33,7 @@ void MoeLayer::set_init_std(double std) {
   init_std_ = std;
   router_ = Router(cfg_, hidden_, max_tokens_, prefix_, init_std_);
   experts_ = Experts(dispatcher_->num_local_experts(), hidden_, cfg_.moe_intermediate_size, dispatcher_->max_rows(),
-                     prefix_, init_std_);
+                     prefix_, init_std_, dispatcher_->first_local_expert(), cfg_.num_experts);
 }
 
 void MoeLayer::bind(Memory& mem) {

@@ -3,12 +3,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 
+#include "moefold/comm/agree.h"
 #include "moefold/io/mapped_file.h"
 #include "moefold/io/safetensors.h"
 #include "moefold/model/hf_names.h"
@@ -25,6 +27,14 @@ constexpr const char* kStepPrefix = "step_";
 std::string step_name(int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%s%08lld", kStepPrefix, static_cast<long long>(step));
+  return buf;
+}
+
+// "model.safetensors" alone, or Hugging Face's "model-00002-of-00004.safetensors".
+std::string shard_file(const std::string& stem, int k, int n) {
+  if (n == 1) return stem + ".safetensors";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s-%05d-of-%05d.safetensors", stem.c_str(), k + 1, n);
   return buf;
 }
 
@@ -51,53 +61,123 @@ void write_text(const std::string& path, const std::string& text) {
   f << text;
   f.close();
   if (!f) MF_FAIL(path, ": cannot write");
+  fsync_path(path);
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) MF_FAIL(path, ": cannot open (not a moefold checkpoint?)");
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    MF_FAIL(path, ": not valid JSON (", e.what(), ")");
+  }
+}
+
+struct ShardedNames {
+  std::vector<SafetensorsEntry> weights, moments;
+};
+
+// What this rank writes: dense parameters on rank 0, expert shards on the first EDP replica.
+ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, const Mesh& mesh) {
+  ShardedNames out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    const bool mine = p.group == ParamGroup::expert ? mesh.edp_rank == 0 : mesh.world_rank == 0;
+    if (!mine) continue;
+    for (const NamedView& v : hf_views(p)) out.weights.push_back({v.name, v.value, DType::f32});
+    for (const NamedView& v : hf_views(p, opt.exp_avg(i)))
+      out.moments.push_back({v.name + ".exp_avg", v.value, DType::f32});
+    for (const NamedView& v : hf_views(p, opt.exp_avg_sq(i)))
+      out.moments.push_back({v.name + ".exp_avg_sq", v.value, DType::f32});
+  }
+  return out;
+}
+
+// Hugging Face's sharded-checkpoint index: {"metadata": {"total_size": N}, "weight_map": {...}}.
+nlohmann::json make_index(const std::string& dir, const std::string& stem, int n) {
+  nlohmann::json map = nlohmann::json::object();
+  int64_t total = 0;
+  for (int k = 0; k < n; ++k) {
+    const std::string file = shard_file(stem, k, n);
+    SafetensorsReader r(dir + "/" + file);
+    for (const SafetensorsTensor& t : r.tensors()) {
+      map[t.name] = file;
+      total += static_cast<int64_t>(t.nbytes);
+    }
+  }
+  return {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
 }
 
 }  // namespace
 
 std::string save_checkpoint(const std::string& checkpoints_dir, const std::vector<Param>& params, const AdamW& opt,
-                            const TrainerState& state, const std::string& config_toml) {
-  std::error_code ec;
-  fs::create_directories(checkpoints_dir, ec);
-  if (ec) MF_FAIL(checkpoints_dir, ": cannot create checkpoint directory: ", ec.message());
+                            const TrainerState& state, const std::string& config_toml, const Mesh& mesh) {
+  Communicator& world = *mesh.world;
   const std::string name = step_name(state.step);
   const std::string final_dir = (fs::path(checkpoints_dir) / name).string();
-  const std::string tmp_dir = (fs::path(checkpoints_dir) / cat(".tmp-", name, "-", ::getpid())).string();
-  fs::remove_all(tmp_dir, ec);
-  fs::create_directories(tmp_dir, ec);
-  if (ec) MF_FAIL(tmp_dir, ": cannot create: ", ec.message());
-
-  std::vector<SafetensorsEntry> weights, moments;
-  for (size_t i = 0; i < params.size(); ++i) {
-    for (const NamedView& v : hf_views(params[i])) weights.push_back({v.name, v.value, DType::f32});
-    moments.push_back({params[i].name + ".exp_avg", opt.exp_avg(i), DType::f32});
-    moments.push_back({params[i].name + ".exp_avg_sq", opt.exp_avg_sq(i), DType::f32});
-  }
-  const std::string model_path = tmp_dir + "/model.safetensors", opt_path = tmp_dir + "/optimizer.safetensors";
-  write_safetensors(model_path, weights, {{"format", "pt"}});
-  write_safetensors(opt_path, moments, {{"optimizer", "adamw"}});
-  write_text(tmp_dir + "/config.toml", config_toml);
-  nlohmann::json j = {
-      {"format_version", kFormatVersion},
-      {"step", state.step},
-      {"data_position", state.data_position},
-      {"seed", state.seed},
-      {"optimizer_steps", opt.num_steps()},
-      {"checksums",
-       {{"model.safetensors", file_checksum(model_path)}, {"optimizer.safetensors", file_checksum(opt_path)}}}};
-  write_text(tmp_dir + "/trainer.json", j.dump(2) + "\n");
-  for (const char* f : {"model.safetensors", "optimizer.safetensors", "config.toml", "trainer.json"})
-    fsync_path(tmp_dir + "/" + f);
-
-  // Replace an existing checkpoint of the same step only after the new one is complete.
-  const std::string old_dir = (fs::path(checkpoints_dir) / cat(".old-", name, "-", ::getpid())).string();
-  bool had_old = fs::exists(final_dir);
-  if (had_old) fs::rename(final_dir, old_dir, ec);
-  if (ec) MF_FAIL(final_dir, ": cannot move the previous checkpoint aside: ", ec.message());
-  fs::rename(tmp_dir, final_dir, ec);
-  if (ec) MF_FAIL(final_dir, ": cannot rename checkpoint into place: ", ec.message());
-  fsync_path(checkpoints_dir);
-  if (had_old) fs::remove_all(old_dir, ec);
+  const std::string tmp_dir = (fs::path(checkpoints_dir) / (".tmp-" + name)).string();
+  const int n = static_cast<int>(mesh.dims.ep);  // one shard per EP rank (ETP = TP = 1)
+  on_every_rank(world, "creating the checkpoint directory", [&] {
+    if (mesh.world_rank != 0) return;
+    std::error_code ec;
+    fs::create_directories(checkpoints_dir, ec);
+    if (ec) MF_FAIL(checkpoints_dir, ": cannot create checkpoint directory: ", ec.message());
+    fs::remove_all(tmp_dir, ec);
+    fs::create_directories(tmp_dir, ec);
+    if (ec) MF_FAIL(tmp_dir, ": cannot create: ", ec.message());
+  });
+  on_every_rank(world, "writing the checkpoint", [&] {
+    if (mesh.edp_rank != 0) return;
+    ShardedNames mine = entries_of(params, opt, mesh);
+    const std::string model = tmp_dir + "/" + shard_file("model", mesh.ep_rank, n);
+    const std::string moments = tmp_dir + "/" + shard_file("optimizer", mesh.ep_rank, n);
+    write_safetensors(model, mine.weights, {{"format", "pt"}});
+    write_safetensors(moments, mine.moments, {{"optimizer", "adamw"}});
+    fsync_path(model);
+    fsync_path(moments);
+  });
+  on_every_rank(world, "finishing the checkpoint", [&] {
+    if (mesh.world_rank != 0) return;
+    nlohmann::json sums = nlohmann::json::object();
+    for (const char* stem : {"model", "optimizer"}) {
+      for (int k = 0; k < n; ++k) {
+        const std::string file = shard_file(stem, k, n);
+        sums[file] = file_checksum(tmp_dir + "/" + file);
+      }
+      const std::string index = std::string(stem) + ".safetensors.index.json";
+      write_text(tmp_dir + "/" + index, make_index(tmp_dir, stem, n).dump(2) + "\n");
+      sums[index] = file_checksum(tmp_dir + "/" + index);
+    }
+    write_text(tmp_dir + "/config.toml", config_toml);
+    const nlohmann::json meta = {{"format_version", kFormatVersion},
+                                 {"step", state.step},
+                                 {"data_position", state.data_position},
+                                 {"seed", state.seed},
+                                 {"optimizer_steps", opt.num_steps()},
+                                 {"layout",
+                                  {{"world", mesh.dims.world()},
+                                   {"tp", mesh.dims.tp},
+                                   {"cp", mesh.dims.cp},
+                                   {"dp", mesh.dims.dp},
+                                   {"ep", mesh.dims.ep},
+                                   {"etp", mesh.dims.etp}}},
+                                 {"checksums", sums}};
+    write_text(tmp_dir + "/trainer.json", meta.dump(2) + "\n");  // last: marks the checkpoint complete
+    // Replace an existing checkpoint of the same step only after the new one is complete.
+    std::error_code ec;
+    const std::string old_dir = (fs::path(checkpoints_dir) / (".old-" + name)).string();
+    const bool had_old = fs::exists(final_dir);
+    if (had_old) {
+      fs::remove_all(old_dir, ec);
+      fs::rename(final_dir, old_dir, ec);
+      if (ec) MF_FAIL(final_dir, ": cannot move the previous checkpoint aside: ", ec.message());
+    }
+    fs::rename(tmp_dir, final_dir, ec);
+    if (ec) MF_FAIL(final_dir, ": cannot rename checkpoint into place: ", ec.message());
+    fsync_path(checkpoints_dir);
+    if (had_old) fs::remove_all(old_dir, ec);
+  });
   return final_dir;
 }
 
@@ -113,19 +193,64 @@ std::string latest_checkpoint(const std::string& checkpoints_dir) {
   return best;
 }
 
+namespace {
+
+// The tensors of one kind ("model" or "optimizer") of a checkpoint, found through its index.
+class ShardSet {
+ public:
+  ShardSet(const std::string& dir, const std::string& stem, const nlohmann::json& checksums)
+      : dir_(dir), checksums_(checksums) {
+    const std::string index = dir + "/" + stem + ".safetensors.index.json";
+    nlohmann::json j = read_json(index);
+    try {
+      for (const auto& [tensor, file] : j.at("weight_map").items()) map_[tensor] = file.get<std::string>();
+    } catch (const nlohmann::json::exception& e) {
+      MF_FAIL(index, ": malformed Hugging Face index (", e.what(), ")");
+    }
+    index_ = index;
+  }
+  size_t size() const { return map_.size(); }
+  void load_into(const std::string& tensor, const Tensor& dst) {
+    auto it = map_.find(tensor);
+    if (it == map_.end()) MF_FAIL(index_, ": no tensor '", tensor, "'");
+    reader(it->second).load_into(tensor, dst);
+  }
+
+ private:
+  SafetensorsReader& reader(const std::string& file) {
+    auto it = readers_.find(file);
+    if (it != readers_.end()) return *it->second;
+    const std::string path = dir_ + "/" + file;
+    if (!fs::exists(path)) MF_FAIL(path, ": missing (named by ", index_, ")");
+    if (!checksums_.contains(file) || file_checksum(path) != checksums_[file].get<std::string>())
+      MF_FAIL(path, ": checksum mismatch (file corrupt or modified after saving)");
+    return *readers_.emplace(file, std::make_unique<SafetensorsReader>(path)).first->second;
+  }
+
+  std::string dir_, index_;
+  const nlohmann::json& checksums_;
+  std::map<std::string, std::string> map_;
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
+};
+
+// Tensors the whole (unsharded) model has on disk.
+size_t global_tensor_count(const std::vector<Param>& params) {
+  size_t n = 0;
+  for (const Param& p : params) {
+    const size_t views = hf_views(p).size();
+    const int64_t rows = p.value.size(0);
+    n += p.group == ParamGroup::expert ? views / static_cast<size_t>(rows) * static_cast<size_t>(p.global_rows) : views;
+  }
+  return n;
+}
+
+}  // namespace
+
 TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params, AdamW* opt) {
   const std::string meta_path = dir + "/trainer.json";
-  std::ifstream f(meta_path);
-  if (!f) MF_FAIL(meta_path, ": cannot open (not a moefold checkpoint?)");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    MF_FAIL(meta_path, ": not valid JSON (", e.what(), ")");
-  }
+  nlohmann::json j = read_json(meta_path);
   TrainerState s;
   int64_t opt_steps = 0;
-  std::string sum_model, sum_opt;
   try {
     if (j.at("format_version").get<int>() != kFormatVersion)
       MF_FAIL(meta_path, ": format_version ", j.at("format_version").dump(), " is not ", kFormatVersion);
@@ -133,33 +258,30 @@ TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params,
     s.data_position = j.at("data_position").get<int64_t>();
     s.seed = j.at("seed").get<uint64_t>();
     opt_steps = j.at("optimizer_steps").get<int64_t>();
-    sum_model = j.at("checksums").at("model.safetensors").get<std::string>();
-    sum_opt = j.at("checksums").at("optimizer.safetensors").get<std::string>();
+    j.at("checksums").get<nlohmann::json::object_t>();
   } catch (const nlohmann::json::exception& e) {
     MF_FAIL(meta_path, ": missing or malformed field (", e.what(), ")");
   }
-  const std::string model_path = dir + "/model.safetensors", opt_path = dir + "/optimizer.safetensors";
-  if (!fs::exists(model_path)) MF_FAIL(model_path, ": missing");
-  if (file_checksum(model_path) != sum_model)
-    MF_FAIL(model_path, ": checksum mismatch (file corrupt or modified after saving)");
-  SafetensorsReader weights(model_path);
-  size_t expected = 0;
-  for (Param& p : params)
-    for (const NamedView& v : hf_views(p)) {
-      weights.load_into(v.name, v.value);
-      ++expected;
-    }
-  if (weights.tensors().size() != expected)
-    MF_FAIL(model_path, ": holds ", weights.tensors().size(), " tensors, the model has ", expected,
+  const nlohmann::json& sums = j["checksums"];
+  for (const char* index : {"model.safetensors.index.json", "optimizer.safetensors.index.json"}) {
+    const std::string path = dir + "/" + index;
+    if (!fs::exists(path)) MF_FAIL(path, ": missing");
+    if (!sums.contains(index) || file_checksum(path) != sums[index].get<std::string>())
+      MF_FAIL(path, ": checksum mismatch (file corrupt or modified after saving)");
+  }
+  ShardSet weights(dir, "model", sums);
+  const size_t expected = global_tensor_count(params);
+  if (weights.size() != expected)
+    MF_FAIL(dir, "/model.safetensors.index.json: holds ", weights.size(), " tensors, the model has ", expected,
             " (different architecture or layer count?)");
+  for (Param& p : params)
+    for (const NamedView& v : hf_views(p)) weights.load_into(v.name, v.value);
   if (opt) {
-    if (!fs::exists(opt_path)) MF_FAIL(opt_path, ": missing");
-    if (file_checksum(opt_path) != sum_opt)
-      MF_FAIL(opt_path, ": checksum mismatch (file corrupt or modified after saving)");
-    SafetensorsReader moments(opt_path);
+    ShardSet moments(dir, "optimizer", sums);
     for (size_t i = 0; i < params.size(); ++i) {
-      moments.load_into(params[i].name + ".exp_avg", opt->exp_avg(i));
-      moments.load_into(params[i].name + ".exp_avg_sq", opt->exp_avg_sq(i));
+      for (const NamedView& v : hf_views(params[i], opt->exp_avg(i))) moments.load_into(v.name + ".exp_avg", v.value);
+      for (const NamedView& v : hf_views(params[i], opt->exp_avg_sq(i)))
+        moments.load_into(v.name + ".exp_avg_sq", v.value);
     }
     opt->set_num_steps(opt_steps);
   }

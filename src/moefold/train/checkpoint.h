@@ -1,7 +1,10 @@
-// Checkpoints: DIR/step_NNNNNNNN/ holds model.safetensors (weights under Hugging Face names,
-// fp32), optimizer.safetensors (AdamW moments), trainer.json (step, data position, seed,
-// optimizer step, checksums of both tensor files) and config.toml. A checkpoint is written to
-// a temporary directory and renamed into place, so a crash never leaves a partial one.
+// Checkpoints: DIR/step_NNNNNNNN/ holds the weights under Hugging Face names in fp32 as one
+// model.safetensors, or (expert parallel) one shard per EP rank, model-0000k-of-0000n.safetensors,
+// with the Hugging Face index model.safetensors.index.json; the AdamW moments the same way
+// (optimizer*.safetensors, tensors named "<weight>.exp_avg" / ".exp_avg_sq"); trainer.json
+// (step, data position, seed, optimizer step, layout, checksums of every file) and config.toml.
+// Tensors are stored whole per expert, so any layout loads any checkpoint. A checkpoint is
+// written to a temporary directory and renamed into place: a crash never leaves a partial one.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +12,7 @@
 #include <vector>
 
 #include "moefold/core/memory.h"
+#include "moefold/parallel/mesh.h"
 #include "moefold/train/optimizer.h"
 
 namespace moefold {
@@ -20,14 +24,17 @@ struct TrainerState {
 };
 
 // Writes checkpoint `step` under `checkpoints_dir` (created if needed); returns its path.
+// Collective over mesh.world: every rank calls it; the first EDP replica of each EP rank writes
+// its shard, rank 0 the rest. A failure on any rank fails every rank.
 std::string save_checkpoint(const std::string& checkpoints_dir, const std::vector<Param>& params, const AdamW& opt,
-                            const TrainerState& state, const std::string& config_toml);
+                            const TrainerState& state, const std::string& config_toml, const Mesh& mesh);
 
 // The complete checkpoint with the highest step under `checkpoints_dir`; "" when none.
 std::string latest_checkpoint(const std::string& checkpoints_dir);
 
-// Loads weights (and optimizer state when `opt` is not null) from checkpoint directory `dir`
-// into `params`; verifies checksums, names and shapes. Returns the trainer state.
+// Loads this rank's weights (and optimizer state when `opt` is not null) from checkpoint
+// directory `dir` into `params`, whatever layout wrote it; verifies checksums, names and
+// shapes. Returns the trainer state.
 TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params, AdamW* opt);
 
 }  // namespace moefold

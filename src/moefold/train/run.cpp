@@ -7,11 +7,14 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
+#include "moefold/comm/agree.h"
 #include "moefold/data/byte_tokenizer.h"
 #include "moefold/data/prepare.h"
 #include "moefold/data/token_dataset.h"
+#include "moefold/parallel/mesh.h"
 #include "moefold/train/trainer.h"
 
 namespace moefold {
@@ -20,11 +23,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The dataset named by data.path, or the default corpus prepared once into the run directory.
-TokenDataset open_data(const Config& cfg, const std::string& run_dir, bool quiet) {
+// The dataset named by data.path, or the default corpus prepared once (by rank 0) into the run
+// directory.
+TokenDataset open_data(const Config& cfg, const std::string& run_dir, bool quiet, Communicator& world) {
   if (!cfg.data.path.empty()) return open_token_dataset(cfg.data.path);
   const std::string path = (fs::path(run_dir) / "default_corpus.tokens").string();
-  if (!fs::exists(path)) {
+  on_every_rank(world, "preparing the default corpus", [&] {
+    if (world.rank() != 0 || fs::exists(path)) return;
     std::vector<std::string> inputs;
     if (!cfg.data.default_corpus_dir.empty())
       inputs.push_back(cfg.data.default_corpus_dir);
@@ -35,7 +40,7 @@ TokenDataset open_data(const Config& cfg, const std::string& run_dir, bool quiet
       std::fprintf(stderr, "moefold: prepared the default corpus: %lld files, %lld tokens from %s -> %s\n",
                    static_cast<long long>(s.files), static_cast<long long>(s.tokens), inputs.front().c_str(),
                    path.c_str());
-  }
+  });
   return open_token_dataset(path);
 }
 
@@ -79,37 +84,56 @@ void truncate_metrics(const std::string& path, int64_t step) {
 
 }  // namespace
 
-int64_t run_training(const Config& cfg, const RunOptions& opts) {
-  std::error_code ec;
-  fs::create_directories(opts.run_dir, ec);
-  if (ec) MF_FAIL(opts.run_dir, ": cannot create run directory: ", ec.message());
+int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator& world) {
+  RunOptions opts = opts_in;
+  const bool lead = world.rank() == 0;
+  if (!lead) opts.quiet = true;
+  // Every setup step runs under on_every_rank: a user error on any rank fails every rank with a
+  // message instead of leaving the others waiting in their next collective.
+  ParallelConfig layout;
+  on_every_rank(world, "checking the layout", [&] { layout = cfg.resolve_layout(world.size()); });
+  Mesh mesh = Mesh::build(world, layout);
   const std::string ckpt_dir = (fs::path(opts.run_dir) / "checkpoints").string();
   const std::string metrics_path = (fs::path(opts.run_dir) / "metrics.jsonl").string();
   std::string resume_from;
-  if (opts.resume) {
-    resume_from = latest_checkpoint(ckpt_dir);
-    if (resume_from.empty()) MF_FAIL(opts.run_dir, ": --resume given but there is no checkpoint in ", ckpt_dir);
-  } else if (!latest_checkpoint(ckpt_dir).empty()) {
-    MF_FAIL(opts.run_dir, ": already holds checkpoints; pass --resume to continue it or choose another --run-dir");
-  }
-
-  TokenDataset data = open_data(cfg, opts.run_dir, opts.quiet);
-  data.check_vocab(cfg.model.vocab_size);
-  Trainer trainer(cfg, data);
+  on_every_rank(world, "opening the run directory", [&] {
+    std::error_code ec;
+    if (lead) fs::create_directories(opts.run_dir, ec);
+    if (ec) MF_FAIL(opts.run_dir, ": cannot create run directory: ", ec.message());
+    if (opts.resume) {
+      resume_from = latest_checkpoint(ckpt_dir);
+      if (resume_from.empty()) MF_FAIL(opts.run_dir, ": --resume given but there is no checkpoint in ", ckpt_dir);
+    } else if (!latest_checkpoint(ckpt_dir).empty()) {
+      MF_FAIL(opts.run_dir, ": already holds checkpoints; pass --resume to continue it or choose another --run-dir");
+    }
+  });
+  std::optional<TokenDataset> data;
+  std::unique_ptr<Trainer> trainer_ptr;
+  on_every_rank(world, "opening the data", [&] {
+    data.emplace(open_data(cfg, opts.run_dir, opts.quiet, world));
+    data->check_vocab(cfg.model.vocab_size);
+    trainer_ptr = std::make_unique<Trainer>(cfg, *data, mesh);
+  });
+  Trainer& trainer = *trainer_ptr;
   if (resume_from.empty()) {
     trainer.init_fresh();
-    std::ofstream(metrics_path, std::ios::trunc);
+    if (lead) std::ofstream(metrics_path, std::ios::trunc);
   } else {
-    trainer.load(resume_from);
-    truncate_metrics(metrics_path, trainer.step());
+    on_every_rank(world, "loading the checkpoint", [&] { trainer.load(resume_from); });
+    if (lead) truncate_metrics(metrics_path, trainer.step());
     if (!opts.quiet)
       std::fprintf(stderr, "moefold: resumed from %s (step %lld)\n", resume_from.c_str(),
                    static_cast<long long>(trainer.step()));
   }
-  {
+  if (lead) {
     std::ofstream f(fs::path(opts.run_dir) / "config.toml", std::ios::trunc);
     f << config_to_toml(cfg);
   }
+  if (!opts.quiet && world.size() > 1)
+    std::fprintf(stderr, "moefold: %d ranks; dense tp=%lld cp=%lld dp=%lld, MoE ep=%lld etp=%lld edp=%lld\n",
+                 world.size(), static_cast<long long>(layout.tp), static_cast<long long>(layout.cp),
+                 static_cast<long long>(layout.dp), static_cast<long long>(layout.ep),
+                 static_cast<long long>(layout.etp), static_cast<long long>(layout.edp()));
 
   const int64_t stop = opts.stop_step >= 0 ? opts.stop_step : cfg.train.steps;
   const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
@@ -118,10 +142,11 @@ int64_t run_training(const Config& cfg, const RunOptions& opts) {
                  "moefold: training %s (%.2fM params, %.2fM active; %.1f MiB planned) on %lld tokens, %lld "
                  "tokens/step, until step %lld; run dir %s\n",
                  cfg.preset.c_str(), size.total_params / 1e6, size.active_params / 1e6,
-                 static_cast<double>(trainer.planned_bytes()) / (1 << 20), static_cast<long long>(data.num_tokens()),
+                 static_cast<double>(trainer.planned_bytes()) / (1 << 20), static_cast<long long>(data->num_tokens()),
                  static_cast<long long>(cfg.train.global_batch_size * cfg.train.seq_len), static_cast<long long>(stop),
                  opts.run_dir.c_str());
-  std::ofstream metrics(metrics_path, std::ios::app);
+  std::ofstream metrics;
+  if (lead) metrics.open(metrics_path, std::ios::app);
   const bool tty = ::isatty(STDERR_FILENO);
   const int64_t print_every = tty ? 1 : std::max<int64_t>(1, (stop - trainer.step()) / 20);
   double elapsed = 0;
@@ -146,8 +171,10 @@ int64_t run_training(const Config& cfg, const RunOptions& opts) {
     const bool last = m.step == stop;
     if ((cfg.train.eval_interval > 0 && m.step % cfg.train.eval_interval == 0) || last)
       if (trainer.num_valid_batches() > 0) j["eval_loss"] = trainer.evaluate();
-    metrics << j.dump() << "\n";
-    metrics.flush();
+    if (lead) {
+      metrics << j.dump() << "\n";
+      metrics.flush();
+    }
     if (!opts.quiet && (m.step % print_every == 0 || last)) {
       double tok_s = static_cast<double>(m.tokens) * steps_done / elapsed;
       progress(m, stop, tok_s, elapsed / steps_done * static_cast<double>(stop - m.step), tty);

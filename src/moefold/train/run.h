@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "moefold/comm/communicator.h"
 #include "moefold/model/config.h"
 
 namespace moefold {
@@ -16,7 +17,8 @@ struct RunOptions {
   bool quiet = false;      // no progress output
 };
 
-// Runs training; returns the final step. Throws moefold::Error on bad input.
-int64_t run_training(const Config& cfg, const RunOptions& opts);
+// Runs training on the ranks of `world` (every rank calls it); returns the final step. Rank 0
+// writes the metrics, config and progress. Throws moefold::Error on bad input, on every rank.
+int64_t run_training(const Config& cfg, const RunOptions& opts, Communicator& world);
 
 }  // namespace moefold

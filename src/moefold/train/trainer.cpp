@@ -2,24 +2,42 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+
+#include "moefold/moe/all_to_all_dispatcher.h"
+#include "moefold/ops/ops.h"
 
 namespace moefold {
 
-Trainer::Trainer(const Config& cfg, const TokenDataset& data)
+namespace {
+DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
+  if (mesh.dims.ep == 1) return {};
+  const int64_t tokens = cfg.train.micro_batch_size * cfg.train.seq_len;
+  return [&cfg, &mesh, tokens](int64_t) -> std::unique_ptr<Dispatcher> {
+    return std::make_unique<AllToAllDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.ep);
+  };
+}
+}  // namespace
+
+Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh)
     : cfg_(cfg),
-      model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len),
+      mesh_(mesh),
+      model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len, dispatchers_for(cfg_, mesh)),
       mem_(DType::f32),
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
   const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
+  const int64_t layers = cfg.model.num_hidden_layers, experts = cfg.moe.num_experts;
   auto bind_all = [&] {
     model_.bind(mem_);
     ids_BS_ = mem_.act(bs, DType::i32);
     targets_BS_ = mem_.act(bs, DType::i32);
+    load_sum_LE_ = mem_.act({layers, experts}, DType::f64);
+    stats_ = mem_.act({3}, DType::f64);
   };
   bind_all();  // measure
   // AdamW keeps two moments per parameter.
-  planned_bytes_ = 3 * mem_.param_bytes() + mem_.act_bytes() + mem_.grad_arena().used();
+  planned_bytes_ = 3 * mem_.param_bytes() + mem_.act_bytes() + mem_.grad_bytes();
   const size_t host = host_memory_bytes();
   if (host > 0 && planned_bytes_ > host)
     MF_FAIL("the ", cfg.preset, " config needs ", planned_bytes_ >> 20, " MiB of planned memory (parameters, ",
@@ -29,10 +47,16 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data)
   bind_all();
   mem_.finish_binding();
   opt_.bind(mem_.params());
-  const int64_t layers = cfg.model.num_hidden_layers, experts = cfg.moe.num_experts;
-  load_sum_.assign(static_cast<size_t>(layers * experts), 0.0);
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
+}
+
+int64_t Trainer::local_micro_batches() const {
+  return cfg_.train.global_batch_size / (cfg_.train.micro_batch_size * mesh_.dims.dp);
+}
+
+void Trainer::reduce_dense(const Tensor& t) {
+  if (mesh_.dp_cp->size() > 1) mesh_.dp_cp->all_reduce(t, ReduceOp::sum);
 }
 
 void Trainer::init_fresh() {
@@ -49,35 +73,54 @@ void Trainer::load(const std::string& ckpt) {
 
 std::string Trainer::save(const std::string& checkpoints_dir) const {
   TrainerState s{step_, loader_.position(), cfg_.train.seed};
-  return save_checkpoint(checkpoints_dir, mem_.params(), opt_, s, config_to_toml(cfg_));
+  return save_checkpoint(checkpoints_dir, mem_.params(), opt_, s, config_to_toml(cfg_), mesh_);
 }
 
 const StepMetrics& Trainer::train_step() {
   auto t0 = std::chrono::steady_clock::now();
-  const int64_t micro = cfg_.train.global_batch_size / cfg_.train.micro_batch_size;
-  const int64_t tokens = cfg_.train.global_batch_size * cfg_.train.seq_len;
+  const int64_t m = cfg_.train.micro_batch_size, s = cfg_.train.seq_len, dp = mesh_.dims.dp;
+  const int64_t micro = local_micro_batches(), all_micro = micro * dp;
+  const int64_t tokens = cfg_.train.global_batch_size * s;
   const int64_t layers = model_.num_layers(), experts = cfg_.moe.num_experts;
-  mem_.grad_arena().zero();
-  std::fill(load_sum_.begin(), load_sum_.end(), 0.0);
-  double loss_sum = 0, aux = 0, z = 0;
-  for (int64_t m = 0; m < micro; ++m) {
-    loader_.next_train(ids_BS_.ptr<int32_t>(), targets_BS_.ptr<int32_t>());
-    loss_sum += model_.forward(ids_BS_, targets_BS_);
-    aux += model_.aux_loss();
-    z += model_.z_loss();
+  const int64_t position = loader_.position();
+  double* stats = stats_.ptr<double>();
+  double* load = load_sum_LE_.ptr<double>();
+  mem_.zero_grads();
+  load_sum_LE_.zero();
+  stats_.zero();
+  for (int64_t i = 0; i < micro; ++i) {
+    const int64_t first = position + (i * dp + mesh_.dp_rank) * m;  // global sample of this micro-batch
+    for (int64_t b = 0; b < m; ++b)
+      loader_.train_sample(first + b, ids_BS_.ptr<int32_t>() + b * s, targets_BS_.ptr<int32_t>() + b * s);
+    stats[0] += model_.forward(ids_BS_, targets_BS_);
+    stats[1] += model_.aux_loss();
+    stats[2] += model_.z_loss();
     for (int64_t l = 0; l < layers; ++l) {
       const int64_t* counts = model_.moe(l).expert_counts();
-      for (int64_t e = 0; e < experts; ++e) load_sum_[l * experts + e] += static_cast<double>(counts[e]);
+      for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
     }
-    // Loss = sum of token losses / tokens + mean over micro-batches of the router losses.
-    model_.backward(1.0 / static_cast<double>(tokens), 1.0 / static_cast<double>(micro));
+    // Loss = sum of token losses / global tokens + mean over all micro-batches of the router losses.
+    model_.backward(1.0 / static_cast<double>(tokens), 1.0 / static_cast<double>(all_micro));
   }
+  loader_.set_position(position + cfg_.train.global_batch_size);
+  // Gradients: dense parameters are replicas over DP x CP, experts over EDP.
+  reduce_dense(mem_.grad_block(ParamGroup::dense));
+  if (mesh_.edp->size() > 1) mesh_.edp->all_reduce(mem_.grad_block(ParamGroup::expert), ReduceOp::sum);
+  // Global norm: every element once. Dense gradients are identical on every rank after the
+  // reduction; expert shards are disjoint over EP (and identical over EDP).
+  double expert_sq = sum_squares(mem_.grad_block(ParamGroup::expert));
+  Tensor expert_sq_t(&expert_sq, DType::f64, {1});
+  if (mesh_.ep->size() > 1) mesh_.ep->all_reduce(expert_sq_t, ReduceOp::sum);
+  const double dense_sq = sum_squares(mem_.grad_block(ParamGroup::dense));
+  reduce_dense(stats_);
+  reduce_dense(load_sum_LE_);
+
   StepMetrics& out = metrics_;
-  out.lm_loss = loss_sum / static_cast<double>(tokens);
-  out.aux_loss = aux / static_cast<double>(micro);
-  out.z_loss = z / static_cast<double>(micro);
+  out.lm_loss = stats[0] / static_cast<double>(tokens);
+  out.aux_loss = stats[1] / static_cast<double>(all_micro);
+  out.z_loss = stats[2] / static_cast<double>(all_micro);
   out.loss = out.lm_loss + out.aux_loss + out.z_loss;
-  out.grad_norm = global_grad_norm(mem_.params());
+  out.grad_norm = std::sqrt(dense_sq + expert_sq);
   clip_grad_norm(mem_.params(), out.grad_norm, cfg_.train.grad_clip);
   out.lr = learning_rate(cfg_.train, step_);
   opt_.step(mem_.params(), out.lr);
@@ -85,7 +128,7 @@ const StepMetrics& Trainer::train_step() {
   out.step = step_;
   out.tokens = tokens;
   for (int64_t l = 0; l < layers; ++l) {
-    const double* c = &load_sum_[static_cast<size_t>(l * experts)];
+    const double* c = load + l * experts;
     double mx = 0, sum = 0;
     for (int64_t e = 0; e < experts; ++e) {
       mx = std::max(mx, c[e]);
@@ -99,14 +142,20 @@ const StepMetrics& Trainer::train_step() {
 }
 
 double Trainer::evaluate() {
-  const int64_t n = std::min(cfg_.train.eval_batches, loader_.num_valid_batches());
-  if (n == 0) return 0.0;
+  const int64_t dp = mesh_.dims.dp, nv = loader_.num_valid_batches();
+  if (nv == 0) return 0.0;
+  // Every rank runs the same number of forwards (expert parallelism exchanges tokens), so the
+  // evaluated batches are rounded down to a multiple of dp (at least dp).
+  const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);
   double sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    loader_.valid_batch(j, ids_BS_.ptr<int32_t>(), targets_BS_.ptr<int32_t>());
+  for (int64_t i = 0; i < per_rank; ++i) {
+    loader_.valid_batch((i * dp + mesh_.dp_rank) % nv, ids_BS_.ptr<int32_t>(), targets_BS_.ptr<int32_t>());
     sum += model_.forward(ids_BS_, targets_BS_);
   }
-  return sum / static_cast<double>(n * cfg_.train.micro_batch_size * cfg_.train.seq_len);
+  stats_.ptr<double>()[0] = sum;
+  reduce_dense(stats_.slice(0, 1));
+  return stats_.ptr<double>()[0] /
+         static_cast<double>(per_rank * dp * cfg_.train.micro_batch_size * cfg_.train.seq_len);
 }
 
 }  // namespace moefold

@@ -1,6 +1,11 @@
-// The training loop of one process: micro-batch gradient accumulation, global-norm clipping,
-// AdamW, warmup + cosine schedule, held-out evaluation, checkpoints and resume. train_step()
-// does not allocate: every buffer is planned when the Trainer is built.
+// The training loop of one rank: micro-batch gradient accumulation, data-parallel gradient
+// reduction (dense over DP x CP, experts over EDP), global-norm clipping, AdamW, warmup + cosine
+// schedule, held-out evaluation, checkpoints and resume. train_step() does not allocate: every
+// buffer is planned when the Trainer is built.
+//
+// Layout invariance: micro-batch j of a step (j = i * dp + dp_rank for local micro-step i) is
+// global samples [position + j * micro, +micro), so every layout sees the same micro-batches,
+// and losses are sums over the global batch divided once.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +18,7 @@
 #include "moefold/data/token_dataset.h"
 #include "moefold/model/config.h"
 #include "moefold/model/model.h"
+#include "moefold/parallel/mesh.h"
 #include "moefold/train/checkpoint.h"
 #include "moefold/train/optimizer.h"
 
@@ -34,8 +40,8 @@ struct StepMetrics {
 
 class Trainer {
  public:
-  // REQUIRES: cfg validated; `data` outlives the trainer and fits the vocabulary.
-  Trainer(const Config& cfg, const TokenDataset& data);
+  // REQUIRES: cfg validated; `data` and `mesh` outlive the trainer; data fits the vocabulary.
+  Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh);
 
   // Fresh parameters from cfg.train.seed, or the state of checkpoint directory `ckpt`.
   void init_fresh();
@@ -56,13 +62,19 @@ class Trainer {
   int64_t num_valid_batches() const { return loader_.num_valid_batches(); }
 
  private:
+  // Sum over the dense data-parallel group (DP x CP) in place.
+  void reduce_dense(const Tensor& t);
+  int64_t local_micro_batches() const;
+
   Config cfg_;
+  Mesh& mesh_;
   Model model_;
   Memory mem_;
   AdamW opt_;
   Loader loader_;
   Tensor ids_BS_, targets_BS_;
-  std::vector<double> load_sum_;  // [layers * experts] accumulated over a step's micro-batches
+  Tensor load_sum_LE_;  // f64 [layers, experts]: tokens per expert over a step's micro-batches
+  Tensor stats_;        // f64 [3]: loss sum, aux, z (reduced together)
   StepMetrics metrics_;
   int64_t step_ = 0;
   size_t planned_bytes_ = 0;

@@ -1,0 +1,58 @@
+// Communicator: collective and point-to-point communication within one group of ranks, behind
+// one interface (MPI for CPU tensors now; NCCL for GPU tensors drops in behind the same calls).
+// Groups are values passed explicitly to whoever needs them; there is no global group state.
+//
+// Every blocking call waits at most timeout_s(); past it the rank prints one line naming its
+// world rank, the group, the operation and the peer (where there is one), and the job aborts:
+// an MoE hang explains itself instead of hanging.
+//
+// Buffers are contiguous tensors; counts and displacements are in ROWS of dimension 0 (a row is
+// numel / size(0) elements), which is how tokens travel.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moefold/core/tensor.h"
+
+namespace moefold {
+
+enum class ReduceOp : uint8_t { sum, max };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;  // rank within this group
+  virtual int size() const = 0;
+  virtual int world_rank() const = 0;           // for messages
+  virtual const std::string& name() const = 0;  // "world", "dp", "ep", ... (for messages)
+  virtual double timeout_s() const = 0;
+
+  // In place; f32/f64/i32/i64.
+  virtual void all_reduce(const Tensor& buf, ReduceOp op) = 0;
+  // recv has size() * send.size(0) rows: rank i's send lands in rows [i*n, (i+1)*n).
+  virtual void all_gather(const Tensor& send, const Tensor& recv) = 0;
+  // send has size() * recv.size(0) rows; rank i gets the reduction of everyone's block i.
+  virtual void reduce_scatter(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  // Rows [sum(send_counts[0..p)), +send_counts[p]) of send go to peer p; rows from peer p land at
+  // rows [sum(recv_counts[0..p)), +recv_counts[p]) of recv. Both arrays have size() entries.
+  // REQUIRES: recv_counts match what the peers send (exchange counts first with all_to_all).
+  virtual void all_to_all_v(const Tensor& send, const int64_t* send_counts, const Tensor& recv,
+                            const int64_t* recv_counts) = 0;
+  // Equal blocks: send and recv both have size() * n rows; block p goes to / comes from peer p.
+  virtual void all_to_all(const Tensor& send, const Tensor& recv) = 0;
+  virtual void broadcast(const Tensor& buf, int root) = 0;
+  virtual void send(const Tensor& buf, int peer, int tag) = 0;
+  virtual void recv(const Tensor& buf, int peer, int tag) = 0;
+  virtual void barrier() = 0;
+
+  // Collective over this group: ranks with equal `color` form a new group, ordered by `key`.
+  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+};
+
+// A group of one rank (no MPI): every collective is a copy or a no-op.
+std::unique_ptr<Communicator> make_self_communicator(const std::string& name = "world");
+
+}  // namespace moefold

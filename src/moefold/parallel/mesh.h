@@ -1,0 +1,29 @@
+// The device mesh of parallel folding: the same world laid out twice, with every group built
+// once from the world communicator and handed explicitly to whoever needs it.
+//   dense view: world rank r = tp_rank + tp * (cp_rank + cp * dp_rank)
+//   MoE view:   world rank r = etp_rank + etp * (ep_rank + ep * edp_rank)
+// TP (and ETP) are neighbouring ranks, then CP / EP, so the busiest groups stay inside a node.
+#pragma once
+
+#include <memory>
+
+#include "moefold/comm/communicator.h"
+#include "moefold/parallel/parallel_config.h"
+
+namespace moefold {
+
+struct Mesh {
+  ParallelConfig dims;  // resolved (dp filled in)
+  int world_rank = 0;
+  int tp_rank = 0, cp_rank = 0, dp_rank = 0;    // dense view
+  int etp_rank = 0, ep_rank = 0, edp_rank = 0;  // MoE view
+
+  Communicator* world = nullptr;                    // not owned
+  std::unique_ptr<Communicator> tp, cp, dp, dp_cp;  // dense groups; dp_cp reduces dense gradients
+  std::unique_ptr<Communicator> etp, ep, edp;       // MoE groups; edp reduces expert gradients
+
+  // Collective over `world`. REQUIRES: dims resolved for world->size() ranks.
+  static Mesh build(Communicator& world, const ParallelConfig& dims);
+};
+
+}  // namespace moefold

@@ -1,0 +1,29 @@
+// The [parallel] config section: how the ranks are laid out twice (parallel folding).
+// Dense view (attention, embeddings, norms): world = PP x DP x CP x TP.
+// MoE view (experts):                        world = PP x EDP x EP x ETP, EDP derived.
+// validate() says which numbers do not divide what.
+#pragma once
+
+#include <cstdint>
+
+namespace moefold {
+
+struct ParallelConfig {
+  int64_t tp = 1;          // tensor parallel (attention, dense layers)
+  int64_t cp = 1;          // context parallel (sequence split for attention)
+  int64_t dp = 0;          // data parallel; 0: world / (pp * tp * cp)
+  int64_t ep = 1;          // expert parallel
+  int64_t etp = 1;         // expert tensor parallel
+  int64_t pp = 1;          // pipeline parallel (1 until pipeline parallelism exists)
+  double timeout_s = 300;  // longest wait for another rank in one communication call
+
+  // Static checks (positive sizes, pp == 1); world-dependent checks are in resolve().
+  void validate() const;
+  // dp filled in for `world` ranks, and every layout constraint checked (Error naming the
+  // numbers that do not divide): pp*dp*cp*tp == world; ep*etp divides dp*cp*tp.
+  ParallelConfig resolve(int64_t world) const;
+  int64_t world() const { return pp * dp * cp * tp; }
+  int64_t edp() const { return dp * cp * tp / (ep * etp); }
+};
+
+}  // namespace moefold

@@ -1,0 +1,300 @@
+// Expert parallelism, layout parity (run with 1, 2 and 4 ranks): a MoeLayer over an
+// AllToAllDispatcher on the world group against one-process LocalDispatcher references that every
+// rank computes itself from the shared seed (every rank can draw every rank's tokens).
+//
+// What the references equal: each rank routes, drops (capacity from its own T) and computes its
+// aux / z losses on its own tokens, so the exact reference is the LocalDispatcher layer run block
+// by block over the ranks' token blocks, its gradients accumulated over the blocks (the loss is
+// the sum over all tokens plus every rank's own aux / z terms). This rank's y, dx, aux and z must
+// equal its block's; its local experts' gradients the matching rows of the accumulated ones; the
+// router gradient summed over EP ranks (each router saw only its tokens) the accumulated one.
+// Dropless with no aux / z loss, the same holds against ONE layer over all tokens concatenated.
+// Shape letters: T tokens, H hidden, E experts, L local experts, K top-k.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moefold/comm/communicator.h"
+#include "moefold/core/memory.h"
+#include "moefold/core/rng.h"
+#include "moefold/moe/all_to_all_dispatcher.h"
+#include "moefold/moe/moe_layer.h"
+#include "mpi_testing.h"
+#include "testing.h"
+
+namespace moefold {
+namespace {
+
+using testing::max_abs;
+using testing::max_abs_diff;
+using testing::Pool;
+using testing::test_world;
+
+const std::string kPrefix = "model.layers.0.mlp";
+const char* const kExpertParams[] = {".experts.gate_up_proj", ".experts.down_proj"};
+constexpr int64_t kE = 8, kH = 6, kF = 5;
+// f64 throughout; the EP layer and the references add the same terms in different orders only.
+constexpr double kTol = 1e-10;
+
+// Fresh each run, equal on every rank (rank 0's seed, broadcast).
+uint64_t shared_seed(Communicator& comm) {
+  int64_t seed = static_cast<int64_t>(testing::fresh_seed());
+  comm.broadcast(Tensor(&seed, DType::i64, {1}), 0);
+  return static_cast<uint64_t>(seed);
+}
+
+// A MoeLayer bound to its own Memory (both passes); LocalDispatcher when d is null.
+struct Rig {
+  Memory mem{DType::f64};
+  MoeLayer layer;
+  Rig(const MoeConfig& cfg, int64_t max_t, std::unique_ptr<Dispatcher> d)
+      : layer(d ? MoeLayer(cfg, kH, max_t, kPrefix, std::move(d)) : MoeLayer(cfg, kH, max_t, kPrefix)) {
+    layer.bind(mem);
+    mem.allocate();
+    layer.bind(mem);
+    mem.finish_binding();
+  }
+  const Param& param(const std::string& suffix) const { return *mem.find(kPrefix + suffix); }
+};
+
+struct Case {
+  std::string name;
+  MoeConfig cfg;
+  std::vector<double> bias_E;  // added to every element of gate row e; empty: unbiased router
+};
+
+// The knobs the cases turn (everything else: E = 8 experts, F = 5, no aux / z loss).
+struct Knobs {
+  int64_t k = 2;         // num_experts_per_tok
+  bool sigmoid = false;  // sigmoid scores, routed_scaling_factor 2.5 (DeepSeek-V3 style)
+  bool norm = true;      // norm_topk_prob
+  bool aux = false;      // aux_loss_coeff 0.1, z_loss_coeff 0.01
+  double capacity = 0;   // capacity_factor
+  bool pad = false;      // pad_to_capacity
+};
+
+Case make(std::string name, Knobs o, std::vector<double> bias_E = {}) {
+  MoeConfig cfg{.num_experts = kE,
+                .num_experts_per_tok = o.k,
+                .moe_intermediate_size = kF,
+                .scoring_func = o.sigmoid ? ScoreFunc::sigmoid : ScoreFunc::softmax,
+                .norm_topk_prob = o.norm,
+                .routed_scaling_factor = o.sigmoid ? 2.5 : 1.0,
+                .aux_loss_coeff = o.aux ? 0.1 : 0.0,
+                .z_loss_coeff = o.aux ? 0.01 : 0.0,
+                .capacity_factor = o.capacity,
+                .pad_to_capacity = o.pad};
+  return {std::move(name), cfg, std::move(bias_E)};
+}
+
+std::vector<Case> all_cases() {
+  const std::vector<double> rank0 = {1.5, 1.5, 0, 0, 0, 0, 0, 0};  // experts 0, 1: rank 0 at any EP
+  // Experts 1 and 4-7 never chosen: rank EP-1 is idle at EP 2 and 4 (and rank 2 at EP 4); at EP 4
+  // rank 0 holds a busy and an idle expert.
+  const std::vector<double> idle = {0, -5, 0, 0, -5, -5, -5, -5};
+  const std::vector<double> one = {0, 0, 0, 0, 0, 0, 0, 5};  // every token to expert 7
+  const std::vector<double> two = {0, 0, 0, 0, 0, 0, 5, 5};  // every token to 6 and 7 (one rank)
+  // K = 1 with renormalisation gives every token probability 1 (no router gradient from the main
+  // loss): such cases either have the aux loss or run Switch-style without renormalisation.
+  return {
+      make("balanced_softmax_k2", {}),
+      make("balanced_softmax_k1", {.k = 1, .norm = false}),
+      make("balanced_sigmoid_k2_aux", {.sigmoid = true, .aux = true}),
+      make("balanced_sigmoid_k1_nonorm", {.k = 1, .sigmoid = true, .norm = false}),
+      make("imbalanced_softmax_k2", {}, rank0),
+      make("imbalanced_sigmoid_k1_aux", {.k = 1, .sigmoid = true, .aux = true}, rank0),
+      make("idle_rank_softmax_k2", {}, idle),
+      make("idle_rank_sigmoid_k1_aux", {.k = 1, .sigmoid = true, .aux = true}, idle),
+      make("one_expert_softmax_k1", {.k = 1, .norm = false}, one),
+      make("two_experts_one_rank_softmax_k2_aux", {.aux = true}, two),
+      make("capacity_softmax_k2_aux", {.aux = true, .capacity = 0.6}),
+      // Every probability is equal (sigmoid, K = 1, renormalised): capacity keeps the lowest tokens.
+      make("capacity_imbalanced_sigmoid_k1_aux", {.k = 1, .sigmoid = true, .aux = true, .capacity = 1.0}, rank0),
+      make("capacity_padded_softmax_k2", {.capacity = 0.75, .pad = true}),
+      make("capacity_padded_idle_rank_sigmoid_k1_aux",
+           {.k = 1, .sigmoid = true, .aux = true, .capacity = 1.5, .pad = true}, idle),
+  };
+}
+
+// Token block of rank b: its size differs per rank (so capacities differ too), its values are
+// drawn from (seed, b), so any rank can build any block.
+int64_t block_tokens(int b) { return 5 + 3 * b; }
+
+struct Block {
+  Tensor x, dy;
+};
+Block draw_block(Pool& pool, uint64_t seed, int b, bool biased, int64_t shift) {
+  const int64_t t_n = block_tokens(b) - shift;
+  Block blk{pool.zeros({t_n, kH}), pool.zeros({t_n, kH})};
+  // Biased routers need inputs of positive mean (logit_e moves by bias_e * sum_h x_h).
+  if (biased)
+    fill_uniform(blk.x, seed, 1000 + 10 * shift + b, 0.5, 1.5);
+  else
+    fill_normal(blk.x, seed, 1000 + 10 * shift + b, 0.0, 1.0);
+  fill_normal(blk.dy, seed, 2000 + 10 * shift + b, 0.0, 1.0);
+  return blk;
+}
+
+double rel_err(const Tensor& got, const Tensor& want) { return max_abs_diff(got, want) / std::max(1.0, max_abs(want)); }
+
+int64_t sum_all(Communicator& comm, int64_t v) {
+  comm.all_reduce(Tensor(&v, DType::i64, {1}), ReduceOp::sum);
+  return v;
+}
+
+class AllToAll : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AllToAll, MatchesOneRankReference) {
+  const Case& c = GetParam();
+  Communicator& world = test_world();
+  const int ep = world.size(), rank = world.rank();
+  if (kE % ep != 0) GTEST_SKIP() << kE << " experts over " << ep << " ranks";
+  const uint64_t seed = shared_seed(world);
+  SCOPED_TRACE("MOEFOLD_TEST_SEED=" + std::to_string(seed) + " rank " + std::to_string(rank) + " of " +
+               std::to_string(ep));
+  const MoeConfig& cfg = c.cfg;
+  const int64_t l_n = kE / ep, k_n = cfg.num_experts_per_tok, max_t = block_tokens(ep - 1);
+  const double loss_scale = 1.3;
+  const bool biased = !c.bias_E.empty();
+  Pool pool;
+
+  // The full layer, identical on every rank.
+  Rig ref(cfg, max_t, nullptr);
+  int64_t stream = 1;
+  for (Param& p : ref.mem.params()) fill_normal(p.value, seed, stream++, 0.0, 0.5);
+  if (biased) {
+    double* g = ref.param(".gate.weight").value.ptr<double>();
+    for (int64_t e = 0; e < kE; ++e)
+      for (int64_t i = 0; i < kH; ++i) g[e * kH + i] += c.bias_E[e];
+  }
+
+  // This rank's EP layer: the whole router, experts [rank*L, (rank+1)*L).
+  auto disp_owned = std::make_unique<AllToAllDispatcher>(cfg, kH, max_t, world);
+  const AllToAllDispatcher& disp = *disp_owned;
+  Rig mine(cfg, max_t, std::move(disp_owned));
+  ASSERT_EQ(disp.num_local_experts(), l_n);
+  ASSERT_EQ(disp.first_local_expert(), rank * l_n);
+  mine.param(".gate.weight").value.copy_from(ref.param(".gate.weight").value);
+  for (const char* name : kExpertParams)
+    mine.param(name).value.copy_from(ref.param(name).value.slice(rank * l_n, (rank + 1) * l_n));
+
+  // A throw-away step with other token counts first: the real step must not see its plan.
+  {
+    Block warm = draw_block(pool, seed, rank, biased, 2);
+    Tensor y = pool.zeros(warm.x.shape()), dx = pool.zeros(warm.x.shape());
+    mine.layer.forward(warm.x, y);
+    mine.layer.backward(warm.dy, dx, loss_scale);
+  }
+
+  // The EP step on this rank's block (outputs pre-filled with garbage: they must be written).
+  const Block own = draw_block(pool, seed, rank, biased, 0);
+  const int64_t t_n = own.x.size(0);
+  Tensor y = pool.randn({t_n, kH}), dx = pool.randn({t_n, kH});
+  mine.mem.zero_grads();
+  mine.layer.forward(own.x, y);
+  mine.layer.backward(own.dy, dx, loss_scale);
+  const AllToAllPlan& plan = disp.plan();
+  Tensor dgate = pool.clone(mine.param(".gate.weight").grad);
+  world.all_reduce(dgate, ReduceOp::sum);
+
+  // Reference 1 (always exact): the LocalDispatcher layer block by block, gradients accumulated.
+  ref.mem.zero_grads();
+  int64_t total_t = 0;
+  for (int b = 0; b < ep; ++b) {
+    const Block blk = draw_block(pool, seed, b, biased, 0);
+    total_t += blk.x.size(0);
+    Tensor yb = pool.zeros(blk.x.shape()), dxb = pool.zeros(blk.x.shape());
+    ref.layer.forward(blk.x, yb);
+    ref.layer.backward(blk.dy, dxb, loss_scale);
+    if (b != rank) continue;
+    EXPECT_LE(rel_err(y, yb), kTol) << "y";
+    EXPECT_LE(rel_err(dx, dxb), kTol) << "dx";
+    EXPECT_NEAR(mine.layer.aux_loss(), ref.layer.aux_loss(), kTol * std::max(1.0, ref.layer.aux_loss()));
+    EXPECT_NEAR(mine.layer.z_loss(), ref.layer.z_loss(), kTol * std::max(1.0, ref.layer.z_loss()));
+    EXPECT_EQ(plan.capacity, ref.layer.plan().capacity);
+    EXPECT_EQ(plan.num_home_rows, ref.layer.plan().num_rows);
+  }
+  EXPECT_LE(rel_err(dgate, ref.param(".gate.weight").grad), kTol) << "router gradient summed over EP";
+  EXPECT_GT(max_abs(dgate), 0);
+  for (const char* name : kExpertParams)
+    EXPECT_LE(rel_err(mine.param(name).grad, ref.param(name).grad.slice(rank * l_n, (rank + 1) * l_n)), kTol) << name;
+
+  // Reference 2 (dropless, no aux / z): one layer over all ranks' tokens concatenated.
+  const bool concat = !(cfg.capacity_factor > 0) && cfg.aux_loss_coeff == 0 && cfg.z_loss_coeff == 0;
+  if (concat) {
+    Rig cat(cfg, total_t, nullptr);
+    for (size_t i = 0; i < cat.mem.params().size(); ++i) cat.mem.params()[i].value.copy_from(ref.mem.params()[i].value);
+    Tensor x_all = pool.zeros({total_t, kH}), dy_all = pool.zeros({total_t, kH});
+    int64_t first = 0, mine_first = 0;
+    for (int b = 0; b < ep; ++b) {
+      const Block blk = draw_block(pool, seed, b, biased, 0);
+      const int64_t n = blk.x.size(0);
+      if (b == rank) mine_first = first;
+      x_all.slice(first, first + n).copy_from(blk.x);
+      dy_all.slice(first, first + n).copy_from(blk.dy);
+      first += n;
+    }
+    Tensor y_all = pool.zeros({total_t, kH}), dx_all = pool.zeros({total_t, kH});
+    cat.mem.zero_grads();
+    cat.layer.forward(x_all, y_all);
+    cat.layer.backward(dy_all, dx_all, loss_scale);
+    EXPECT_LE(rel_err(y, y_all.slice(mine_first, mine_first + t_n)), kTol) << "y vs concatenated";
+    EXPECT_LE(rel_err(dx, dx_all.slice(mine_first, mine_first + t_n)), kTol) << "dx vs concatenated";
+    EXPECT_LE(rel_err(dgate, cat.param(".gate.weight").grad), kTol) << "router gradient vs concatenated";
+    for (const char* name : kExpertParams)
+      EXPECT_LE(rel_err(mine.param(name).grad, cat.param(name).grad.slice(rank * l_n, (rank + 1) * l_n)), kTol)
+          << name << " vs concatenated";
+  }
+
+  // The regime each case is about actually happened.
+  const int64_t rows = plan.num_rows;
+  EXPECT_LE(rows, disp.max_rows());
+  int64_t dropped = 0;
+  for (int64_t i = 0; i < plan.row_TK.numel(); ++i) dropped += plan.row_TK.ptr<int64_t>()[i] < 0;
+  const int64_t all_dropped = sum_all(world, dropped), all_rows = sum_all(world, rows);
+  if (!(cfg.capacity_factor > 0)) {
+    EXPECT_EQ(all_dropped, 0);
+    EXPECT_EQ(all_rows, total_t * k_n);
+  } else if (!cfg.pad_to_capacity) {
+    EXPECT_GT(all_dropped, 0) << "no assignment dropped";
+  } else {
+    int64_t want = 0;
+    for (int b = 0; b < ep; ++b) want += l_n * cfg.capacity(block_tokens(b));
+    EXPECT_EQ(rows, want) << "padded rows received";
+  }
+  bool idle_rank = biased;
+  for (int64_t l = 0; l < l_n; ++l) {
+    const int64_t e = rank * l_n + l, n = plan.counts_E.ptr<int64_t>()[l];
+    const bool never = biased && c.bias_E[e] < 0, always = biased && c.bias_E[e] >= 5;
+    idle_rank = idle_rank && never;
+    if (never && !cfg.pad_to_capacity) {
+      EXPECT_EQ(n, 0) << "expert " << e;
+    }
+    if (always && !(cfg.capacity_factor > 0)) {
+      EXPECT_EQ(n, total_t) << "expert " << e;
+    }
+    if (never) {  // no real rows (padding rows carry no gradient)
+      EXPECT_EQ(max_abs(mine.param(".experts.gate_up_proj").grad.slice(l, l + 1)), 0.0) << "idle expert " << e;
+      EXPECT_EQ(max_abs(mine.param(".experts.down_proj").grad.slice(l, l + 1)), 0.0) << "idle expert " << e;
+    }
+  }
+  if (idle_rank && !cfg.pad_to_capacity) {
+    EXPECT_EQ(rows, 0) << "the idle rank received rows";
+  }
+  if (biased && c.bias_E[0] > 0 && !(cfg.capacity_factor > 0)) {  // imbalanced toward rank 0
+    int64_t most = rows;
+    world.all_reduce(Tensor(&most, DType::i64, {1}), ReduceOp::max);
+    if (rank == 0) {
+      EXPECT_EQ(rows, most) << "rank 0 should receive the most rows";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, AllToAll, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+}  // namespace
+}  // namespace moefold
