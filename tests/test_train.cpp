@@ -13,6 +13,7 @@
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
 #include "testing.h"
+#include "train_fixture.h"
 
 // GCC cannot see that these replace the global operators and flags new/free pairs.
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
@@ -46,28 +47,9 @@ int64_t run_training(const Config& cfg, const RunOptions& opts) {
   return moefold::run_training(cfg, opts, *world);
 }
 
-// A learnable token stream: a repeating pattern with some noise, vocabulary 32.
-std::string make_data(const fs::path& dir) {
-  std::vector<uint32_t> toks(20000);
-  for (size_t i = 0; i < toks.size(); ++i)
-    toks[i] =
-        rng_uniform(9, 0, i) < 0.1 ? static_cast<uint32_t>(rng_below(9, 1, i, 32)) : static_cast<uint32_t>(i % 17);
-  std::string p = (dir / "data.tokens").string();
-  write_token_file(p, toks, 2);
-  return p;
-}
-
+std::string make_data(const fs::path& dir) { return testing::make_train_data(dir); }
 Config small_config(const std::string& data, std::vector<std::string> extra = {}) {
-  std::vector<std::string> ov = {
-      "model.vocab_size=32",         "model.hidden_size=16",         "model.num_hidden_layers=2",
-      "model.num_attention_heads=2", "model.num_key_value_heads=1",  "model.head_dim=8",
-      "moe.num_experts=4",           "moe.moe_intermediate_size=12", "train.seq_len=16",
-      "train.micro_batch_size=2",    "train.global_batch_size=4",    "train.steps=12",
-      "train.warmup_steps=2",        "train.eval_interval=4",        "train.eval_batches=2",
-      "train.checkpoint_interval=5", "moe.router_z_loss_coef=0.001", "data.valid_fraction=0.05",
-      cat("data.path=", data)};
-  ov.insert(ov.end(), extra.begin(), extra.end());
-  return load_config("tiny", ov);
+  return testing::small_train_config(data, std::move(extra));
 }
 
 std::vector<nlohmann::json> read_metrics(const fs::path& run) {

@@ -76,8 +76,7 @@ std::string Trainer::save(const std::string& checkpoints_dir) const {
   return save_checkpoint(checkpoints_dir, mem_.params(), opt_, s, config_to_toml(cfg_), mesh_);
 }
 
-const StepMetrics& Trainer::train_step() {
-  auto t0 = std::chrono::steady_clock::now();
+void Trainer::accumulate_gradients() {
   const int64_t m = cfg_.train.micro_batch_size, s = cfg_.train.seq_len, dp = mesh_.dims.dp;
   const int64_t micro = local_micro_batches(), all_micro = micro * dp;
   const int64_t tokens = cfg_.train.global_batch_size * s;
@@ -121,11 +120,6 @@ const StepMetrics& Trainer::train_step() {
   out.z_loss = stats[2] / static_cast<double>(all_micro);
   out.loss = out.lm_loss + out.aux_loss + out.z_loss;
   out.grad_norm = std::sqrt(dense_sq + expert_sq);
-  clip_grad_norm(mem_.params(), out.grad_norm, cfg_.train.grad_clip);
-  out.lr = learning_rate(cfg_.train, step_);
-  opt_.step(mem_.params(), out.lr);
-  ++step_;
-  out.step = step_;
   out.tokens = tokens;
   for (int64_t l = 0; l < layers; ++l) {
     const double* c = load + l * experts;
@@ -137,6 +131,17 @@ const StepMetrics& Trainer::train_step() {
     out.expert_load_max[l] = mx;
     out.expert_load_mean[l] = sum / static_cast<double>(experts);
   }
+}
+
+const StepMetrics& Trainer::train_step() {
+  auto t0 = std::chrono::steady_clock::now();
+  accumulate_gradients();
+  StepMetrics& out = metrics_;
+  clip_grad_norm(mem_.params(), out.grad_norm, cfg_.train.grad_clip);
+  out.lr = learning_rate(cfg_.train, step_);
+  opt_.step(mem_.params(), out.lr);
+  ++step_;
+  out.step = step_;
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
 }

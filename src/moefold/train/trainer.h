@@ -48,6 +48,9 @@ class Trainer {
   void load(const std::string& ckpt);
   std::string save(const std::string& checkpoints_dir) const;
 
+  // Forward and backward over the global batch with the gradients reduced over the data-parallel
+  // groups (not clipped); fills the loss, norm and load fields of metrics(). Does not step.
+  void accumulate_gradients();
   // One optimizer step over global_batch_size sequences; fills and returns metrics().
   const StepMetrics& train_step();
   // Mean next-token loss over up to train.eval_batches held-out micro-batches (0 when none).
@@ -59,6 +62,7 @@ class Trainer {
   const StepMetrics& metrics() const { return metrics_; }
   Memory& memory() { return mem_; }
   const Model& model() const { return model_; }
+  std::vector<Param>& params() { return mem_.params(); }
   int64_t num_valid_batches() const { return loader_.num_valid_batches(); }
 
  private:
