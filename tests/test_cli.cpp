@@ -20,10 +20,17 @@ struct Result {
   std::string out, err;
 };
 
-Result run(const std::string& args, const fs::path& cwd = fs::temp_directory_path()) {
+// Runs the binary with `args` (on np ranks under mpiexec when np > 0; args then start with "-- ").
+Result run(const std::string& args, const fs::path& cwd = fs::temp_directory_path(), int np = 0) {
   fs::path errf = cwd / "stderr.txt", outf = cwd / "stdout.txt";
-  std::string cmd = cat("cd '", cwd.string(), "' && OPENBLAS_NUM_THREADS=1 '", MOEFOLD_BINARY, "' ", args, " >'",
-                        outf.string(), "' 2>'", errf.string(), "' </dev/null");
+  std::string launcher = np > 0 ? cat("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+                                      "OMPI_MCA_btl_vader_single_copy_mechanism=none "
+                                      "timeout 120 mpiexec --oversubscribe -np ",
+                                      np, " ")
+                                : std::string();
+  std::string rest = np > 0 ? args.substr(3) : args;
+  std::string cmd = cat("cd '", cwd.string(), "' && OPENBLAS_NUM_THREADS=1 ", launcher, "'", MOEFOLD_BINARY, "' ", rest,
+                        " >'", outf.string(), "' 2>'", errf.string(), "' </dev/null");
   int status = std::system(cmd.c_str());
   Result r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
@@ -34,6 +41,9 @@ Result run(const std::string& args, const fs::path& cwd = fs::temp_directory_pat
   r.err = se.str();
   return r;
 }
+
+// The binary on `np` ranks under mpiexec (as CI runs it: as root, oversubscribed).
+Result run_mpi(int np, const std::string& args, const fs::path& cwd) { return run(cat("-- ", args), cwd, np); }
 
 // Exit code 1 and a single stderr line "moefold: error: ..." containing every `needle`.
 void expect_one_line_error(const Result& r, std::initializer_list<std::string> needles) {
@@ -103,6 +113,38 @@ TEST(Cli, BadData) {
       run(cat("train --run-dir r3 --steps 1 --set model.vocab_size=100 --set data.path=", (d / "z.tokens").string()),
           d),
       {"z.tokens", "122"});
+}
+
+TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
+  testing::TempDir tmp("test_cli");
+  const fs::path& d = tmp.path();
+  ASSERT_EQ(run(cat("prepare ", write(d / "t.txt", std::string(20000, 'a')), " -o data.tokens"), d).code, 0);
+  auto expect_on_both = [&](const std::string& set, const std::string& needle) {
+    Result r = run_mpi(2, cat("train --run-dir r --steps 1 --set data.path=data.tokens ", kSmall, " ", set), d);
+    EXPECT_NE(r.code, 0) << set;
+    // One line per rank (config errors come before MPI starts, layout errors after: "rank R: ").
+    size_t lines = 0;
+    for (size_t at = r.err.find("moefold: error: "); at != std::string::npos;
+         at = r.err.find("moefold: error: ", at + 1))
+      ++lines;
+    EXPECT_EQ(lines, 2u) << set << ": " << r.err;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << set << ": " << r.err;
+    EXPECT_EQ(r.err.find("timeout"), std::string::npos) << r.err;
+  };
+  expect_on_both("--set parallel.ep=3", "moe.num_experts = 4 is not divisible by parallel.ep = 3");
+  expect_on_both("--set parallel.ep=4", "ep x etp = 4 x 1 = 4 does not divide dp x cp x tp = 2 x 1 x 1 = 2");
+  expect_on_both("--set parallel.dp=4", "but the world has 2 ranks");
+  expect_on_both("--set parallel.tp=2", "parallel.tp = 2");
+  expect_on_both("--set parallel.cp=2", "context parallelism is not implemented yet");
+  expect_on_both("--set train.global_batch_size=2",
+                 "train.global_batch_size = 2 is not divisible by train.micro_batch_size x parallel.dp = 2 x 2 = 4");
+  // And the good layout trains, writing one shard per EP rank.
+  Result ok = run_mpi(2,
+                      cat("train --run-dir good --steps 2 --set data.path=data.tokens ", kSmall,
+                          " --set train.global_batch_size=4 --set parallel.ep=2"),
+                      d);
+  EXPECT_EQ(ok.code, 0) << ok.err;
+  EXPECT_TRUE(fs::exists(d / "good" / "checkpoints" / "step_00000002" / "model-00002-of-00002.safetensors"));
 }
 
 TEST(Cli, PrepareTrainResumeAndBadCheckpoint) {

@@ -6,8 +6,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "moefold/comm/communicator.h"
+#include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
 #include "mpi_testing.h"
 #include "testing.h"
@@ -126,6 +130,72 @@ TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) {
     }
   }
   if (world.rank() == 0) std::printf("largest relative loss error over 20 steps: %.3g\n", worst);
+}
+
+std::vector<double> losses(const std::filesystem::path& run) {
+  std::vector<double> out;
+  std::ifstream f(run / "metrics.jsonl");
+  std::string line;
+  while (std::getline(f, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+// A directory every rank sees under the same name (rank 0's pid), removed at the end.
+std::filesystem::path shared_dir(Communicator& world, const std::string& tag) {
+  int64_t id = ::getpid();
+  world.broadcast(Tensor(&id, DType::i64, {1}), 0);
+  return std::filesystem::temp_directory_path() / cat("moefold_", tag, "_", id);
+}
+
+TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
+  namespace fs = std::filesystem;
+  Communicator& world = testing::test_world();
+  const fs::path dir = shared_dir(world, "reshard");
+  if (world.rank() == 0) fs::remove_all(dir);
+  world.barrier();
+  Config cfg = base_;
+  cfg.train.steps = 8;
+  cfg.train.checkpoint_interval = 4;
+  cfg.train.eval_interval = 0;
+  const int64_t max_ep = world.size() % 4 == 0 ? 4 : world.size() % 2 == 0 ? 2 : 1;
+  cfg.parallel.ep = max_ep;
+  // The uninterrupted run, saving at step 4 with the largest EP.
+  run_training(cfg, RunOptions{(dir / "full").string(), 8, false, true}, world);
+  const std::vector<double> want = losses(dir / "full");
+  ASSERT_EQ(want.size(), 8u);
+  // Resume from its step-4 checkpoint under every other EP on this world, and on one rank.
+  for (int64_t ep = 1; ep <= max_ep; ep *= 2) {
+    SCOPED_TRACE(cat("saved with ep=", max_ep, ", resumed with ep=", ep, " on ", world.size(), " ranks"));
+    const fs::path run = dir / cat("ep", ep);
+    if (world.rank() == 0) {
+      fs::create_directories(run / "checkpoints");
+      fs::copy(dir / "full" / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004",
+               fs::copy_options::recursive);
+    }
+    world.barrier();
+    Config c = cfg;
+    c.parallel.ep = ep;
+    run_training(c, RunOptions{run.string(), 8, true, true}, world);
+    const std::vector<double> got = losses(run);  // steps 5..8 (nothing before the checkpoint)
+    ASSERT_EQ(got.size(), 4u);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "step " << 5 + i;
+  }
+  if (world.rank() == 0) {
+    const fs::path run = dir / "one";
+    fs::create_directories(run / "checkpoints");
+    fs::copy(dir / "full" / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004",
+             fs::copy_options::recursive);
+    std::unique_ptr<Communicator> self = make_self_communicator();
+    Config c = cfg;
+    c.parallel.ep = 1;
+    run_training(c, RunOptions{run.string(), 8, true, true}, *self);
+    const std::vector<double> got = losses(run);
+    ASSERT_EQ(got.size(), 4u);
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "one rank, step " << 5 + i;
+  }
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
 }
 
 }  // namespace
