@@ -8,10 +8,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 
 #include "moefold/comm/agree.h"
-#include "moefold/data/byte_tokenizer.h"
 #include "moefold/data/prepare.h"
 #include "moefold/data/token_dataset.h"
 #include "moefold/parallel/mesh.h"
