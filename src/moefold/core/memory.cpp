@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "moefold/core/rng.h"
+
 namespace moefold {
 
 namespace {
@@ -46,7 +48,7 @@ size_t host_memory_bytes() {
 }
 
 Tensor Memory::param(const std::string& name, Shape shape, Init init, double init_std, bool decay, ParamGroup group,
-                     int64_t shard_offset, int64_t global_rows) {
+                     int64_t shard_offset, int64_t global_rows, const DimShard& dim_shard) {
   for (const Param& p : params_) MF_CHECK(p.name != name, "parameter registered twice: ", name);
   const int g = static_cast<int>(group);
   Param p;
@@ -58,12 +60,69 @@ Tensor Memory::param(const std::string& name, Shape shape, Init init, double ini
   p.global_rows = global_rows > 0 ? global_rows : shape[0];
   MF_CHECK(shard_offset >= 0 && shard_offset + shape[0] <= p.global_rows, name, ": shard [", shard_offset, ", ",
            shard_offset + shape[0], ") of ", p.global_rows, " rows");
+  if (dim_shard.dim >= 0) {
+    const int d = dim_shard.dim;
+    MF_CHECK(d >= 1 && d < shape.ndim && dim_shard.chunks >= 1 && shape[d] % dim_shard.chunks == 0, name,
+             ": dim shard of dimension ", d, " in ", dim_shard.chunks, " chunks for shape ", shape.str());
+    const int64_t n = shape[d] / dim_shard.chunks;
+    MF_CHECK(dim_shard.offset >= 0 && dim_shard.offset + n <= dim_shard.global_size, name, ": dim ", d, " shard [",
+             dim_shard.offset, ", ", dim_shard.offset + n, ") of ", dim_shard.global_size);
+    p.shard_dim = d;
+    p.shard_dim_offset = dim_shard.offset;
+    p.global_dim_size = dim_shard.global_size;
+    p.shard_dim_chunks = dim_shard.chunks;
+  }
   p.init = init;
   p.init_std = init_std;
   p.decay = decay;
   p.id = params_.size();
   params_.push_back(p);
   return p.value;
+}
+
+Shape Param::global_shape() const {
+  Shape g = value.shape();
+  if (g.ndim == 0) return g;
+  g.dims[0] = global_rows > 0 ? global_rows : g.dims[0];
+  if (shard_dim >= 1) g.dims[shard_dim] = shard_dim_chunks * global_dim_size;
+  return g;
+}
+
+int64_t Param::global_index(int64_t local) const {
+  const Shape& s = value.shape();
+  const Shape g = global_shape();
+  int64_t coord[kMaxDims] = {};
+  for (int d = s.ndim - 1; d >= 0; --d) {
+    coord[d] = local % s[d];
+    local /= s[d];
+  }
+  coord[0] += shard_offset;
+  if (shard_dim >= 1) {
+    const int64_t n = s[shard_dim] / shard_dim_chunks, c = coord[shard_dim];
+    coord[shard_dim] = c / n * global_dim_size + shard_dim_offset + c % n;
+  }
+  int64_t index = 0;
+  for (int d = 0; d < s.ndim; ++d) index = index * g[d] + coord[d];
+  return index;
+}
+
+void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std) {
+  const Tensor& v = p.value;
+  MF_CHECK(v.contiguous(), p.name, ": fill_normal_shard needs a contiguous value");
+  const int64_t numel = v.numel();
+  // A run of consecutive local elements that is consecutive in the whole tensor too: one chunk's
+  // slice of shard_dim with everything after it (dimensions after shard_dim are never sharded).
+  int64_t run = numel;
+  if (p.shard_dim >= 1) {
+    run = v.size(p.shard_dim) / p.shard_dim_chunks;
+    for (int d = p.shard_dim + 1; d < v.ndim(); ++d) run *= v.size(d);
+  }
+  if (numel == 0 || run == 0) return;
+  char* base = static_cast<char*>(v.data());
+  const size_t elem = dtype_size(v.dtype());
+  for (int64_t first = 0; first < numel; first += run)
+    fill_normal(Tensor(base + static_cast<size_t>(first) * elem, v.dtype(), {run}), seed, stream, mean, std,
+                static_cast<uint64_t>(p.global_index(first)));
 }
 
 Tensor Memory::act(Shape shape) { return acts_.take(dtype_, shape); }

@@ -49,6 +49,17 @@ enum class Init : uint8_t { zeros, ones, normal };
 enum class ParamGroup : uint8_t { dense = 0, expert = 1 };
 inline constexpr int kNumParamGroups = 2;
 
+// A shard along a dimension other than 0 (expert tensor parallelism splits the expert FFN F):
+// dimension `dim` of the whole tensor is `chunks` equal fused chunks of `global_size` each
+// (gate_up_proj [E, 2F, H]: gate then up, chunks 2; down_proj [E, H, F]: chunks 1). This rank
+// holds [offset, offset + n) of every chunk, n = local shape[dim] / chunks, chunk after chunk.
+struct DimShard {
+  int dim = -1;             // sharded dimension (>= 1); -1: none beyond dim 0
+  int64_t offset = 0;       // first index held, within each chunk
+  int64_t global_size = 0;  // size of one chunk in the whole tensor
+  int64_t chunks = 1;       // fused chunks along `dim`
+};
+
 struct Param {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
   Tensor value;      // master weight (compute dtype on the CPU)
@@ -58,9 +69,25 @@ struct Param {
   bool decay = true;  // false for norms and biases
   uint64_t id = 0;    // position in registration order
   ParamGroup group = ParamGroup::dense;
-  int64_t shard_offset = 0;  // global index (dim 0) of this rank's first row (expert parallel)
-  int64_t global_rows = 0;   // size of dim 0 of the whole (unsharded) parameter
+  int64_t shard_offset = 0;      // global index (dim 0) of this rank's first row (expert parallel)
+  int64_t global_rows = 0;       // size of dim 0 of the whole (unsharded) parameter
+  int shard_dim = -1;            // a second sharded dimension (DimShard::dim); -1: none
+  int64_t shard_dim_offset = 0;  // DimShard::offset: first index held within each chunk
+  int64_t global_dim_size = 0;   // DimShard::global_size: one chunk's size in the whole tensor
+  int64_t shard_dim_chunks = 1;  // DimShard::chunks: fused chunks along shard_dim
+
+  // Shape of the whole (unsharded) parameter.
+  Shape global_shape() const;
+  // Row-major flat index, in the whole parameter, of this shard's element `local` (row-major in
+  // value). Unsharded: local; dim-0 shard: shard_offset * row + local.
+  int64_t global_index(int64_t local) const;
 };
+
+// Initialises a shard as the whole tensor would be: element i of p.value gets
+// mean + std * normal(seed, stream, p.global_index(i)), one fill_normal per contiguous run. For
+// an unsharded or dim-0-sharded parameter this is exactly fill_normal(p.value, seed, stream,
+// mean, std, shard_offset * row).
+void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std);
 
 // Physical memory of this machine in bytes (0 when unknown).
 size_t host_memory_bytes();
@@ -73,9 +100,11 @@ class Memory {
   bool measuring() const { return acts_.measuring(); }
 
   // Registers a parameter (and its gradient) under `name`; returns its value view. A sharded
-  // parameter holds rows [shard_offset, shard_offset + shape[0]) of global_rows (0: unsharded).
+  // parameter holds rows [shard_offset, shard_offset + shape[0]) of global_rows (0: unsharded),
+  // and with dim_shard.dim >= 1 also a slice of that dimension (see DimShard).
   Tensor param(const std::string& name, Shape shape, Init init, double init_std, bool decay,
-               ParamGroup group = ParamGroup::dense, int64_t shard_offset = 0, int64_t global_rows = 0);
+               ParamGroup group = ParamGroup::dense, int64_t shard_offset = 0, int64_t global_rows = 0,
+               const DimShard& dim_shard = {});
   // Activation or workspace tensor (compute dtype unless given).
   Tensor act(Shape shape);
   Tensor act(Shape shape, DType dtype);

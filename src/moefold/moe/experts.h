@@ -1,5 +1,8 @@
 // Routed experts: E SwiGLU MLPs run as a grouped GEMM over expert-contiguous rows (CPU: one gemm
 // per expert), out = down(silu(gate(x)) * up(x)). Parameters use Hugging Face's fused layout.
+// Expert tensor parallelism (Megatron-Core ETP): with ffn < total_ffn this holds the F-slice
+// [ffn_first, ffn_first + ffn) of every expert and forward yields a PARTIAL output (the full one
+// is the sum over the ETP group, which the AllGatherDispatcher takes); drows is partial likewise.
 // Gradient rule: drows written; parameter grads accumulated. Experts with no rows are skipped.
 // Shape letters: R rows, H hidden, F expert FFN, E local experts.
 #pragma once
@@ -15,12 +18,15 @@ class Experts {
  public:
   // prefix: e.g. "model.layers.3.mlp"; max_rows bounds R (Dispatcher::max_rows()). The
   // num_experts held here are experts [first_expert, first_expert + num_experts) of
-  // total_experts (expert parallelism); their weights are ParamGroup::expert shards.
+  // total_experts (expert parallelism); their weights are ParamGroup::expert shards. ffn is the
+  // F held here: columns [ffn_first, ffn_first + ffn) of total_ffn (0: ffn, unsharded).
   Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_rows, std::string prefix, double init_std,
-          int64_t first_expert = 0, int64_t total_experts = 0);
+          int64_t first_expert = 0, int64_t total_experts = 0, int64_t ffn_first = 0, int64_t total_ffn = 0);
 
   // "<prefix>.experts.gate_up_proj" [E, 2F, H] (rows 0..F-1 of each expert: gate_proj, F..2F-1:
-  // up_proj) and "<prefix>.experts.down_proj" [E, H, F]; plus the saved activations.
+  // up_proj) and "<prefix>.experts.down_proj" [E, H, F]; plus the saved activations. F-sharded:
+  // gate_up holds gate rows [ffn_first, +F) then up rows [ffn_first, +F) (DimShard dim 1, 2
+  // chunks of total_ffn) and down_proj columns [ffn_first, +F) (DimShard dim 2, 1 chunk).
   void bind(Memory& mem);
 
   // out_RH = experts(rows_RH) with expert e on rows [offsets_E1[e], offsets_E1[e+1]). Saves the
@@ -31,9 +37,11 @@ class Experts {
 
   const Tensor& gate_up_proj() const { return gate_up_E2FH_; }
   const Tensor& down_proj() const { return down_EHF_; }
+  int64_t ffn() const { return ffn_; }              // F held here
+  int64_t ffn_first() const { return ffn_first_; }  // first of total_ffn held here
 
  private:
-  int64_t num_experts_, first_expert_, total_experts_, hidden_, ffn_, max_rows_;
+  int64_t num_experts_, first_expert_, total_experts_, hidden_, ffn_, ffn_first_, total_ffn_, max_rows_;
   std::string prefix_;
   double init_std_;
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;

@@ -3,12 +3,26 @@
 
 #include <utility>
 
+#include "moefold/moe/all_gather_dispatcher.h"
+
 namespace moefold {
 
 namespace {
 const MoeConfig& validated(const MoeConfig& cfg) {
   cfg.validate();
   return cfg;
+}
+
+// The experts fed by an ETP dispatcher hold its F-slice; any other dispatcher feeds whole experts.
+Experts make_experts(const MoeConfig& cfg, const Dispatcher& d, int64_t hidden, const std::string& prefix,
+                     double init_std) {
+  int64_t ffn = cfg.moe_intermediate_size, ffn_first = 0;
+  if (const auto* ag = dynamic_cast<const AllGatherDispatcher*>(&d)) {
+    ffn = ag->ffn_local();
+    ffn_first = ag->ffn_first();
+  }
+  return Experts(d.num_local_experts(), hidden, ffn, d.max_rows(), prefix, init_std, d.first_local_expert(),
+                 cfg.num_experts, ffn_first, cfg.moe_intermediate_size);
 }
 }  // namespace
 
@@ -24,16 +38,14 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std
       prefix_(std::move(prefix)),
       dispatcher_(std::move(dispatcher)),
       router_(cfg_, hidden, max_tokens, prefix_, init_std_),
-      experts_(dispatcher_->num_local_experts(), hidden, cfg_.moe_intermediate_size, dispatcher_->max_rows(), prefix_,
-               init_std_, dispatcher_->first_local_expert(), cfg_.num_experts) {
+      experts_(make_experts(cfg_, *dispatcher_, hidden, prefix_, init_std_)) {
   MF_CHECK(hidden >= 1 && max_tokens >= 0, "MoeLayer: hidden ", hidden, ", max_tokens ", max_tokens);
 }
 
 void MoeLayer::set_init_std(double std) {
   init_std_ = std;
   router_ = Router(cfg_, hidden_, max_tokens_, prefix_, init_std_);
-  experts_ = Experts(dispatcher_->num_local_experts(), hidden_, cfg_.moe_intermediate_size, dispatcher_->max_rows(),
-                     prefix_, init_std_, dispatcher_->first_local_expert(), cfg_.num_experts);
+  experts_ = make_experts(cfg_, *dispatcher_, hidden_, prefix_, init_std_);
 }
 
 void MoeLayer::bind(Memory& mem) {

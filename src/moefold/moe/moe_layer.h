@@ -21,7 +21,8 @@ class MoeLayer {
   // Validates cfg (throws moefold::Error). prefix: e.g. "model.layers.3.mlp" (HF Qwen3-MoE).
   MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix);
   // Same, with a dispatcher from outside (e.g. all-to-all over an EP group); experts are sized
-  // by dispatcher->num_local_experts().
+  // by dispatcher->num_local_experts(); an AllGatherDispatcher (expert tensor parallelism) also
+  // gives them its F-slice (ffn_local() columns from ffn_first()).
   MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix,
            std::unique_ptr<Dispatcher> dispatcher);
 
@@ -48,6 +49,7 @@ class MoeLayer {
   const MoeConfig& config() const { return cfg_; }
   const Router& router() const { return router_; }
   const Dispatcher& dispatcher() const { return *dispatcher_; }
+  const Experts& experts() const { return experts_; }
   const DispatchPlan& plan() const { return *plan_; }  // REQUIRES: after forward
 
  private:

@@ -5,7 +5,7 @@
 // Gradient rule for every backward below: gradients of activations (dx, dq, ...) are WRITTEN;
 // gradients of parameters (dw, dtable) are ACCUMULATED (+=), so micro-batches add up.
 // Shape letters: N rows (tokens), C channels, I/O linear in/out, V vocab, B batch, S sequence,
-// Q query heads, G kv heads, D head dim, F expert FFN.
+// Q query heads, G kv heads, D head dim, F expert FFN; Sq/Sk query/key sequence, P table positions.
 #pragma once
 
 #include "moefold/core/tensor.h"
@@ -45,6 +45,11 @@ void rope_table(double theta, const Tensor& cos_SD, const Tensor& sin_SD);
 void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD);
 // The transpose: d = d*cos - ... ; in place on the gradient.
 void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD);
+// Explicit positions (context parallelism: a rank's tokens are not 0..S-1): token s of x is at
+// global position positions_S[s] (i32) and reads row positions_S[s] of a table built for P
+// positions. REQUIRES: 0 <= positions_S[s] < P. Same in-place and WRITTEN rules as above.
+void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD);
+void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD);
 
 // ---- causal grouped-query attention ---------------------------------------------------------
 // q_BSQD, k_BSGD, v_BSGD with Q % G == 0 (query head h reads kv head h / (Q/G));
@@ -55,6 +60,18 @@ void attention_forward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor&
 void attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
                         const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
                         const Tensor& dk_BSGD, const Tensor& dv_BSGD, const Tensor& work_2SS);
+// Explicit positions: Sq queries at global positions q_pos_Sq, Sk keys at k_pos_Sk (both i32, any
+// order); query i attends key j iff k_pos[j] <= q_pos[i]. The plain ops above are these with
+// positions 0..S-1 (bit-identical). work_SqSk holds Sq*Sk elements (work_2SqSk: 2*Sq*Sk).
+// REQUIRES: every query sees at least one key (true for any causal chunking that includes each
+// query's own position among the keys). dq, dk, dv WRITTEN.
+void attention_forward_at(const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
+                          const Tensor& k_pos_Sk, double scale, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
+                          const Tensor& work_SqSk);
+void attention_backward_at(const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
+                           const Tensor& k_pos_Sk, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
+                           const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD, const Tensor& dk_BSkGD,
+                           const Tensor& dv_BSkGD, const Tensor& work_2SqSk);
 
 // ---- SwiGLU: h_NF = silu(gu[:, :F]) * gu[:, F:] on a fused gate|up input gu_N2F ------------
 void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF);

@@ -1,6 +1,7 @@
 // Rotary position embedding, Hugging Face "rotate_half" form (Qwen3/Llama): the pair
 // (x[j], x[j + D/2]) is rotated by angle s * theta^(-2j/D). Forward and backward are in place;
 // the backward applies the transpose (rotation by -angle) to the gradient, which is WRITTEN.
+// The _at variants read table row positions[s] for token s (context parallelism).
 #include <cmath>
 
 #include "moefold/ops/ops.h"
@@ -23,15 +24,31 @@ void check_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const cha
   MF_CHECK(x.dtype() == cos.dtype() && x.contiguous() && x.device() == Device::cpu, what, ": x ", x.str());
 }
 
+// Positions for the _at variants: i32[S], each in [0, P) for a table of P rows.
+void check_rope_at(const Tensor& x, const Tensor& positions, const Tensor& cos, const Tensor& sin, const char* what) {
+  check_table(cos, sin, what);
+  MF_CHECK(x.ndim() == 4 && x.size(3) == cos.size(1), what, ": x ", x.str(), ", table ", cos.str());
+  MF_CHECK(x.dtype() == cos.dtype() && x.contiguous() && x.device() == Device::cpu, what, ": x ", x.str());
+  check_shape(positions, {x.size(1)}, what);
+  MF_CHECK(positions.dtype() == DType::i32 && positions.contiguous() && positions.device() == Device::cpu, what,
+           ": positions ", positions.str(), " must be contiguous cpu i32");
+  const int32_t* pos = positions.ptr<int32_t>();
+  for (int64_t s = 0; s < x.size(1); ++s)
+    MF_CHECK(pos[s] >= 0 && pos[s] < cos.size(0), what, ": position ", pos[s], " of token ", s,
+             " outside the table of ", cos.size(0), " rows");
+}
+
 // Forward: (a, b) -> (a*cos[j] - b*sin[j], b*cos[j+D/2] + a*sin[j+D/2]); `transpose` applies
-// the exact transpose of that 2x2 map.
+// the exact transpose of that 2x2 map. Token si uses table row pos[si] (row si when pos is null).
 template <class T>
-void rope_apply(T* x, const T* cos, const T* sin, int64_t b, int64_t s, int64_t h, int64_t d, bool transpose) {
+void rope_apply(T* x, const T* cos, const T* sin, const int32_t* pos, int64_t b, int64_t s, int64_t h, int64_t d,
+                bool transpose) {
   const int64_t half = d / 2;
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t si = 0; si < s; ++si) {
-      const T* c = cos + si * d;
-      const T* sn = sin + si * d;
+      const int64_t row_idx = pos ? pos[si] : si;
+      const T* c = cos + row_idx * d;
+      const T* sn = sin + row_idx * d;
       for (int64_t hi = 0; hi < h; ++hi) {
         T* row = x + ((bi * s + si) * h + hi) * d;
         for (int64_t j = 0; j < half; ++j) {
@@ -70,16 +87,32 @@ void rope_table(double theta, const Tensor& cos_SD, const Tensor& sin_SD) {
 void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
   check_rope(x_BSHD, cos_SD, sin_SD, "rope_forward");
   dispatch_float(x_BSHD.dtype(), [&]<class T>() {
-    rope_apply<T>(x_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), x_BSHD.size(0), x_BSHD.size(1), x_BSHD.size(2),
-                  x_BSHD.size(3), false);
+    rope_apply<T>(x_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), nullptr, x_BSHD.size(0), x_BSHD.size(1),
+                  x_BSHD.size(2), x_BSHD.size(3), false);
   });
 }
 
 void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
   check_rope(dx_BSHD, cos_SD, sin_SD, "rope_backward");
   dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
-    rope_apply<T>(dx_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), dx_BSHD.size(0), dx_BSHD.size(1), dx_BSHD.size(2),
-                  dx_BSHD.size(3), true);
+    rope_apply<T>(dx_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), nullptr, dx_BSHD.size(0), dx_BSHD.size(1),
+                  dx_BSHD.size(2), dx_BSHD.size(3), true);
+  });
+}
+
+void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD) {
+  check_rope_at(x_BSHD, positions_S, cos_PD, sin_PD, "rope_forward_at");
+  dispatch_float(x_BSHD.dtype(), [&]<class T>() {
+    rope_apply<T>(x_BSHD.ptr<T>(), cos_PD.ptr<T>(), sin_PD.ptr<T>(), positions_S.ptr<int32_t>(), x_BSHD.size(0),
+                  x_BSHD.size(1), x_BSHD.size(2), x_BSHD.size(3), false);
+  });
+}
+
+void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD) {
+  check_rope_at(dx_BSHD, positions_S, cos_PD, sin_PD, "rope_backward_at");
+  dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
+    rope_apply<T>(dx_BSHD.ptr<T>(), cos_PD.ptr<T>(), sin_PD.ptr<T>(), positions_S.ptr<int32_t>(), dx_BSHD.size(0),
+                  dx_BSHD.size(1), dx_BSHD.size(2), dx_BSHD.size(3), true);
   });
 }
 
