@@ -135,7 +135,8 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
   expect_on_both("--set parallel.ep=4", "ep x etp = 4 x 1 = 4 does not divide dp x cp x tp = 2 x 1 x 1 = 2");
   expect_on_both("--set parallel.dp=4", "but the world has 2 ranks");
   expect_on_both("--set parallel.tp=2", "parallel.tp = 2");
-  expect_on_both("--set parallel.cp=2", "context parallelism is not implemented yet");
+  expect_on_both("--set parallel.cp=2 --set train.seq_len=18",
+                 "train.seq_len = 18 is not divisible by 2 x parallel.cp = 4");
   expect_on_both("--set train.global_batch_size=2",
                  "train.global_batch_size = 2 is not divisible by train.micro_batch_size x parallel.dp = 2 x 2 = 4");
   // And the good layout trains, writing one shard per EP rank.

@@ -120,7 +120,8 @@ std::vector<Case> all_cases() {
       make("zero_token_experts_sigmoid_k1_aux", {.k = 1, .sigmoid = true, .aux = true}, idle),
       make("one_expert_softmax_k1", {.k = 1, .norm = false}, one),
       make("capacity_softmax_k2_aux", {.aux = true, .capacity = 0.6}),
-      make("capacity_softmax_k1", {.k = 1, .norm = false, .capacity = 0.8}),
+      // Experts 0 and 1 take (nearly) every token, one row each: drops whatever the draw.
+      make("capacity_imbalanced_softmax_k1", {.k = 1, .norm = false, .capacity = 0.8}, rank0),
       make("capacity_imbalanced_sigmoid_k1_aux", {.k = 1, .sigmoid = true, .aux = true, .capacity = 1.0}, rank0),
       make("capacity_padded_softmax_k2", {.capacity = 0.75, .pad = true}),
       make("capacity_padded_idle_sigmoid_k1_aux", {.k = 1, .sigmoid = true, .aux = true, .capacity = 1.5, .pad = true},

@@ -21,15 +21,19 @@ namespace moefold {
 namespace {
 
 struct Layout {
-  int64_t dp, ep;
+  int64_t cp, ep;  // dp = world / cp; tp = etp = 1
 };
 
-// Layouts (tp = cp = etp = 1) for the world size: pure DP, and EP over the data-parallel ranks
-// (parallel folding: EP up to the whole world, independent of DP for attention).
+// Layouts for the world size: pure DP; context parallelism (cp = 2, or the whole world); and EP
+// over the data- and context-parallel ranks (parallel folding: EP up to the whole world,
+// independent of DP for attention), e.g. (tp, cp, dp, ep, etp) = (1, 2, 2, 4, 1) on 4 ranks.
 std::vector<Layout> layouts(int world) {
   std::vector<Layout> out;
-  for (int64_t ep = 1; ep <= world; ep *= 2)
-    if (world % ep == 0 && 4 % ep == 0) out.push_back({world, ep});
+  for (int64_t cp = 1; cp <= world; cp *= 2) {
+    if (world % cp != 0 || 16 % (2 * cp) != 0) continue;
+    for (int64_t ep = 1; ep <= world; ep *= 2)
+      if (world % ep == 0 && 4 % ep == 0) out.push_back({cp, ep});
+  }
   return out;
 }
 
@@ -79,8 +83,9 @@ TEST_F(Layouts, OneStepLossAndEveryGradientMatchOneRank) {
   const StepMetrics want = ref.trainer->metrics();
   double worst = 0;
   for (const Layout& l : layouts(world.size())) {
-    SCOPED_TRACE(cat("dp=", l.dp, " ep=", l.ep, " on ", world.size(), " ranks"));
+    SCOPED_TRACE(cat("cp=", l.cp, " dp=", world.size() / l.cp, " ep=", l.ep, " on ", world.size(), " ranks"));
     Config cfg = base_;
+    cfg.parallel.cp = l.cp;
     cfg.parallel.ep = l.ep;
     LayoutRun run(cfg, world);
     // The same initial values, whatever the sharding.
@@ -115,8 +120,10 @@ TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) {
   for (int i = 0; i < 20; ++i) want.push_back(ref.trainer->train_step().loss);
   double worst = 0;
   for (const Layout& l : layouts(world.size())) {
-    SCOPED_TRACE(cat("dp=", l.dp, " ep=", l.ep));
+    const int64_t dp = world.size() / l.cp;
+    SCOPED_TRACE(cat("cp=", l.cp, " dp=", dp, " ep=", l.ep));
     Config c = cfg;
+    c.parallel.cp = l.cp;
     c.parallel.ep = l.ep;
     LayoutRun run(c, world);
     for (int i = 0; i < 20; ++i) {
@@ -125,7 +132,7 @@ TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) {
       EXPECT_NEAR(got, want[i], 1e-4 * want[i]) << "step " << i + 1;
     }
     const double eval_want = ref.trainer->evaluate(), eval_got = run.trainer->evaluate();
-    if (2 % l.dp == 0) {  // eval_batches = 2 split evenly over the data-parallel ranks
+    if (2 % dp == 0) {  // eval_batches = 2 split evenly over the data-parallel ranks
       EXPECT_NEAR(eval_got, eval_want, 1e-4 * eval_want);
     }
   }

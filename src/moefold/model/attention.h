@@ -7,6 +7,7 @@
 
 #include "moefold/core/memory.h"
 #include "moefold/model/config.h"
+#include "moefold/parallel/context_parallel.h"
 
 namespace moefold {
 
@@ -18,10 +19,13 @@ struct AttentionScratch {
 
 class Attention {
  public:
+  // seq_len: tokens per sequence held here (S, or S/c under context parallelism).
   Attention(const ModelConfig& m, int64_t batch, int64_t seq_len, std::string prefix);
 
-  // `cos_SD`/`sin_SD`: the model's RoPE table; `scratch`: shared backward workspaces.
-  void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch);
+  // `cos_SD`/`sin_SD`: the model's RoPE table for the whole sequence; `scratch`: shared backward
+  // workspaces; `cp`: the model's context-parallel core (null: the whole sequence is here).
+  void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
+            ContextParallelAttention* cp);
   // x_TH -> y_TH (written). Keeps a view of x_TH: it must stay unchanged until backward.
   void forward(const Tensor& x_TH, const Tensor& y_TH);
   // dy_TH -> dx_TH (written).
@@ -35,6 +39,7 @@ class Attention {
   Tensor dwq_, dwk_, dwv_, dwo_, dq_norm_, dk_norm_;
   Tensor cos_, sin_;
   AttentionScratch* scratch_ = nullptr;
+  ContextParallelAttention* cp_ = nullptr;
   // saved for backward
   Tensor x_;
   Tensor q_raw_TQD_, k_raw_TGD_, v_TGD_, q_rstd_, k_rstd_, q_TQD_, k_TGD_, out_TQD_, lse_BQS_;

@@ -28,11 +28,11 @@ DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t bat
 }
 
 void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-                        const Tensor& dn_TH, const Tensor& tmp_TH) {
+                        ContextParallelAttention* cp, const Tensor& dn_TH, const Tensor& tmp_TH) {
   const int64_t h = m_.hidden_size;
   norm1_ = mem.param(prefix_ + ".input_layernorm.weight", {h}, Init::ones, 0, false);
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
-  attn_.bind(mem, cos_SD, sin_SD, scratch);
+  attn_.bind(mem, cos_SD, sin_SD, scratch, cp);
   norm2_ = mem.param(prefix_ + ".post_attention_layernorm.weight", {h}, Init::ones, 0, false);
   dnorm2_ = mem.grad(prefix_ + ".post_attention_layernorm.weight");
   moe_.bind(mem);
@@ -69,11 +69,20 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
 }
 
 Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
-             const DispatcherFactory& dispatchers)
-    : m_(m), e_(e), b_(micro_batch), s_(seq_len), t_(micro_batch * seq_len) {
-  for (int64_t l = 0; l < m.num_hidden_layers; ++l)
-    layers_.push_back(
-        std::make_unique<DecoderLayer>(m, e, micro_batch, seq_len, l, dispatchers ? dispatchers(l) : nullptr));
+             const ModelParallel& parallel)
+    : m_(m), e_(e), b_(micro_batch), s_(seq_len) {
+  const int64_t c = parallel.cp ? parallel.cp->size() : 1;
+  MF_CHECK(seq_len % (c > 1 ? 2 * c : 1) == 0, "seq_len ", seq_len, " over ", c, " context-parallel ranks");
+  l_ = seq_len / c;
+  t_ = micro_batch * l_;
+  if (c > 1)
+    cpa_ = std::make_unique<ContextParallelAttention>(
+        *parallel.cp, CpAttentionShape{micro_batch, seq_len, m.num_attention_heads, m.num_key_value_heads, m.head_dim});
+  for (int64_t l = 0; l < m.num_hidden_layers; ++l) {
+    layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, l_, l,
+                                                     parallel.dispatchers ? parallel.dispatchers(l) : nullptr));
+    layers_.back()->moe().set_token_group(parallel.cp);
+  }
 }
 
 void Model::bind(Memory& mem) {
@@ -83,12 +92,13 @@ void Model::bind(Memory& mem) {
   dembed_ = mem.grad("model.embed_tokens.weight");
   cos_SD_ = mem.act({s_, m_.head_dim});
   sin_SD_ = mem.act({s_, m_.head_dim});
-  scratch_.bind(mem, m_, t_, s_);
+  scratch_.bind(mem, m_, t_, l_);
+  if (cpa_) cpa_->bind(mem);
   dn_TH_ = mem.act({t_, h});
   tmp_TH_ = mem.act({t_, h});
   res_.clear();
   for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({t_, h}));
-  for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, dn_TH_, tmp_TH_);
+  for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), dn_TH_, tmp_TH_);
   norm_ = mem.param("model.norm.weight", {h}, Init::ones, 0, false);
   dnorm_ = mem.grad("model.norm.weight");
   lm_head_ = mem.param("lm_head.weight", {v, h}, Init::normal, std, true);
@@ -125,8 +135,8 @@ void Model::init_params(std::vector<Param>& params, uint64_t seed) {
 }
 
 double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS) {
-  check_shape(ids_BS, {b_, s_}, "model input ids");
-  check_shape(targets_BS, {b_, s_}, "model targets");
+  check_shape(ids_BS, {b_, l_}, "model input ids");
+  check_shape(targets_BS, {b_, l_}, "model targets");
   ids_ = ids_BS.view({t_});
   targets_ = targets_BS.view({t_});
   embedding_forward(ids_, embed_, res_[0]);

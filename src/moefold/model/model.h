@@ -20,17 +20,24 @@ namespace moefold {
 // item 4); an empty function or a null result means the local dispatcher.
 using DispatcherFactory = std::function<std::unique_ptr<Dispatcher>(int64_t layer)>;
 
+// What the model is handed from outside about parallelism (STYLE.md item 4).
+struct ModelParallel {
+  DispatcherFactory dispatchers;  // expert parallelism (empty: local experts)
+  Communicator* cp = nullptr;     // context-parallel group (null or size 1: whole sequences)
+};
+
 class DecoderLayer {
  public:
   DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t index,
                std::unique_ptr<Dispatcher> dispatcher);
-  void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch, const Tensor& dn_TH,
-            const Tensor& tmp_TH);
+  void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
+            ContextParallelAttention* cp, const Tensor& dn_TH, const Tensor& tmp_TH);
   // x_TH -> out_TH (written); x_TH must stay unchanged until backward.
   void forward(const Tensor& x_TH, const Tensor& out_TH);
   // On entry dres_TH = d(out); on exit d(x). moe_loss_scale weights the router losses.
   void backward(const Tensor& dres_TH, double moe_loss_scale);
   const MoeLayer& moe() const { return moe_; }
+  MoeLayer& moe() { return moe_; }
 
  private:
   ModelConfig m_;
@@ -45,16 +52,18 @@ class DecoderLayer {
 
 class Model {
  public:
-  // REQUIRES: valid configs (Config::validate).
+  // REQUIRES: valid configs (Config::validate). seq_len is the whole sequence; under context
+  // parallelism this rank holds local_seq_len() = seq_len / cp of its tokens.
   Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
-        const DispatcherFactory& dispatchers = {});
+        const ModelParallel& parallel = {});
 
   void bind(Memory& mem);
   // Fills every parameter from its init rule: element i of parameter p gets
   // normal(seed, stream = hash(p.name), i) * init_std (or ones / zeros).
   static void init_params(std::vector<Param>& params, uint64_t seed);
 
-  // One micro-batch: ids_BS/targets_BS are i32 [B, S]. Returns the SUM of the token losses.
+  // One micro-batch: ids/targets are i32 [B, local_seq_len()] (this rank's positions under
+  // context parallelism). Returns the SUM of the local token losses.
   double forward(const Tensor& ids_BS, const Tensor& targets_BS);
   // lm_grad_scale multiplies d(sum of token losses); moe_loss_scale multiplies the router losses
   // of this micro-batch (1 / micro-batches per step).
@@ -66,11 +75,15 @@ class Model {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   const MoeLayer& moe(int64_t layer) const { return layers_[layer]->moe(); }
   int64_t tokens() const { return t_; }
+  int64_t local_seq_len() const { return l_; }
+  // Global positions of the local tokens (i32 [local_seq_len()]); null without CP.
+  const Tensor* positions() const { return cpa_ ? &cpa_->positions() : nullptr; }
 
  private:
   ModelConfig m_;
   MoeConfig e_;
-  int64_t b_, s_, t_;
+  int64_t b_, s_, l_, t_;                          // batch, full sequence, local sequence, local tokens
+  std::unique_ptr<ContextParallelAttention> cpa_;  // shared by every layer (stateless between calls)
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   AttentionScratch scratch_;
   Tensor embed_, dembed_, norm_, dnorm_, lm_head_, dlm_head_;

@@ -186,7 +186,7 @@ void AllGatherDispatcher::rows_back(const Tensor& rows_RH, const Tensor& home_SH
   ep_->all_to_all_v(recv, p.recv_counts_P.ptr<int64_t>(), send, p.send_counts_P.ptr<int64_t>());
   // Unused rows of the G blocks become zero, so the sum below only adds real rows.
   moe_permute(send, p.unpack_GS, gathered_GSH_);
-  etp_.reduce_scatter(gathered_GSH_, home_SH, ReduceOp::max);
+  etp_.reduce_scatter(gathered_GSH_, home_SH, ReduceOp::sum);
 }
 
 void AllGatherDispatcher::check_plan(const DispatchPlan& plan, const char* op) const {

@@ -30,6 +30,8 @@ class MoeLayer {
   void set_init_std(double std);
   // Parameters and buffers; called in both binding passes of a Memory.
   void bind(Memory& mem);
+  // See Router::set_token_group (context parallelism splits each sequence over a group).
+  void set_token_group(Communicator* group) { router_.set_token_group(group); }
   // Hook for after parameter initialisation (nothing to derive on the CPU).
   void init_done() {}
 

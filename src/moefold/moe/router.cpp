@@ -24,6 +24,7 @@ void Router::bind(Memory& mem) {
   dlogits_buf_ = mem.act({max_tokens_, e_n});
   dextra_buf_ = mem.act({max_tokens_, e_n});
   counts_E_ = mem.act({e_n}, DType::i64);
+  group_counts_E_ = mem.act({e_n}, DType::i64);
 }
 
 void Router::forward(const Tensor& x_TH) {
@@ -41,8 +42,16 @@ void Router::forward(const Tensor& x_TH) {
   });
   router_topk_forward(logits_, cfg_.routing(), scores_, topk_idx_, topk_prob_);
   topk_expert_counts(topk_idx_, counts_E_);
-  aux_loss_ = cfg_.aux_loss_coeff * aux_loss_forward(scores_, cfg_.scoring_func, counts_E_, cfg_.num_experts_per_tok);
-  z_loss_ = cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff * z_loss_forward(logits_) : 0.0;
+  // Router losses over the whole micro-batch when its sequences are split over a token group.
+  group_counts_E_.copy_from(counts_E_);
+  total_tokens_ = t_n;
+  if (token_group_ && token_group_->size() > 1) {
+    token_group_->all_reduce(group_counts_E_, ReduceOp::sum);
+    total_tokens_ = t_n * token_group_->size();  // every rank of the group holds as many tokens
+  }
+  aux_loss_ = cfg_.aux_loss_coeff *
+              aux_loss_forward(scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok, total_tokens_);
+  z_loss_ = cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff * z_loss_forward(logits_, total_tokens_) : 0.0;
 }
 
 void Router::backward(const Tensor& x_TH, const Tensor& dprob_TK, double loss_scale, const Tensor& dx_TH) {
@@ -58,12 +67,12 @@ void Router::backward(const Tensor& x_TH, const Tensor& dprob_TK, double loss_sc
       for (int64_t i = 0; i < t_n * e_n; ++i) d[i] += extra[i];
     };
     if (cfg_.aux_loss_coeff > 0) {
-      aux_loss_backward(scores_, cfg_.scoring_func, counts_E_, cfg_.num_experts_per_tok,
-                        loss_scale * cfg_.aux_loss_coeff, dextra);
+      aux_loss_backward(scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok,
+                        loss_scale * cfg_.aux_loss_coeff, dextra, total_tokens_);
       add_extra();
     }
     if (cfg_.z_loss_coeff > 0) {
-      z_loss_backward(logits_, loss_scale * cfg_.z_loss_coeff, dextra);
+      z_loss_backward(logits_, loss_scale * cfg_.z_loss_coeff, dextra, total_tokens_);
       add_extra();
     }
     // dgate += dlogits^T @ x (E x T @ T x H); dx += dlogits @ gate (T x E @ E x H).

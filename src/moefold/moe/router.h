@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
 #include "moefold/moe/moe_config.h"
 
@@ -24,6 +25,11 @@ class Router {
 
   // Computes logits, scores, top-k, the per-expert counts and the two losses for x_TH.
   void forward(const Tensor& x_TH);
+  // The ranks that split each micro-batch's sequences with this one (context parallelism): the
+  // aux and z losses are then computed over the whole micro-batch, this rank returning its share
+  // (null or size 1: this rank's tokens are the micro-batch). REQUIRES: every rank of the group
+  // routes as many tokens. Not owned.
+  void set_token_group(Communicator* group) { token_group_ = group; }
   // dprob_TK: gradient of the main loss w.r.t. topk_prob. Adds loss_scale * (aux_loss_coeff *
   // d aux + z_loss_coeff * d z) to the logit gradient; dgate accumulated; dx_TH += dlogits @ gate.
   // REQUIRES: the same x_TH as forward.
@@ -45,6 +51,9 @@ class Router {
   double init_std_;
   Tensor gate_EH_, dgate_EH_;
   Tensor logits_buf_, scores_buf_, idx_buf_, prob_buf_, dlogits_buf_, dextra_buf_, counts_E_;
+  Tensor group_counts_E_;  // counts_E_ summed over the token group
+  Communicator* token_group_ = nullptr;
+  int64_t total_tokens_ = 0;  // tokens of the micro-batch over the token group
   Tensor logits_, scores_, topk_idx_, topk_prob_;
   double aux_loss_ = 0, z_loss_ = 0;
 };

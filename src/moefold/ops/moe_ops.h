@@ -42,15 +42,20 @@ void topk_expert_counts(const Tensor& topk_idx_TK, const Tensor& counts_E);
 // p is the full score distribution (softmax scores; sigmoid scores normalised per token to sum
 // 1). Exactly 1 for perfectly uniform routing. counts_E (i64) are the routed assignments before
 // capacity dropping and carry no gradient.
-double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k);
+// Split sequences (context parallelism): with counts_E summed over the ranks that share the
+// micro-batch and total_tokens = T of all of them, each rank returns its share (the sum over the
+// ranks is the aux loss of the whole micro-batch) and its tokens' gradient. 0: T of this call.
+double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
+                        int64_t total_tokens = 0);
 // dlogits_TE = grad_scale * d(aux)/d(logits) (written).
 void aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
-                       double grad_scale, const Tensor& dlogits_TE);
+                       double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens = 0);
 
 // ---- router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): z = mean_t (logsumexp_e logits_te)^2 ------
-double z_loss_forward(const Tensor& logits_TE);
+// The mean is over total_tokens (0: T of this call), as for the aux loss.
+double z_loss_forward(const Tensor& logits_TE, int64_t total_tokens = 0);
 // dlogits_TE = grad_scale * 2 * lse_t / T * softmax(logits)_te (written).
-void z_loss_backward(const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE);
+void z_loss_backward(const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens = 0);
 
 // ---- permutation plan: tokens -> expert-contiguous rows ------------------------------------------
 // Expert e's rows are [offsets_E1[e], offsets_E1[e+1]); within an expert, rows follow token

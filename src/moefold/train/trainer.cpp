@@ -6,6 +6,7 @@
 
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/ops/ops.h"
+#include "moefold/parallel/context_parallel.h"
 
 namespace moefold {
 
@@ -22,16 +23,20 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
 Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh)
     : cfg_(cfg),
       mesh_(mesh),
-      model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len, dispatchers_for(cfg_, mesh)),
+      model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
+             ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get()}),
       mem_(DType::f32),
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
   const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
+  const Shape bl{cfg.train.micro_batch_size, model_.local_seq_len()};
   const int64_t layers = cfg.model.num_hidden_layers, experts = cfg.moe.num_experts;
   auto bind_all = [&] {
     model_.bind(mem_);
-    ids_BS_ = mem_.act(bs, DType::i32);
-    targets_BS_ = mem_.act(bs, DType::i32);
+    full_ids_BS_ = mem_.act(bs, DType::i32);
+    full_targets_BS_ = mem_.act(bs, DType::i32);
+    ids_BL_ = mem_.act(bl, DType::i32);
+    targets_BL_ = mem_.act(bl, DType::i32);
     load_sum_LE_ = mem_.act({layers, experts}, DType::f64);
     stats_ = mem_.act({3}, DType::f64);
   };
@@ -49,6 +54,17 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh)
   opt_.bind(mem_.params());
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
+}
+
+void Trainer::shard_batch() {
+  const int c = static_cast<int>(mesh_.dims.cp);
+  if (c == 1) {
+    ids_BL_.copy_from(full_ids_BS_);
+    targets_BL_.copy_from(full_targets_BS_);
+    return;
+  }
+  cp_shard_sequence(full_ids_BS_, c, mesh_.cp_rank, ids_BL_);
+  cp_shard_sequence(full_targets_BS_, c, mesh_.cp_rank, targets_BL_);
 }
 
 int64_t Trainer::local_micro_batches() const {
@@ -90,8 +106,9 @@ void Trainer::accumulate_gradients() {
   for (int64_t i = 0; i < micro; ++i) {
     const int64_t first = position + (i * dp + mesh_.dp_rank) * m;  // global sample of this micro-batch
     for (int64_t b = 0; b < m; ++b)
-      loader_.train_sample(first + b, ids_BS_.ptr<int32_t>() + b * s, targets_BS_.ptr<int32_t>() + b * s);
-    stats[0] += model_.forward(ids_BS_, targets_BS_);
+      loader_.train_sample(first + b, full_ids_BS_.ptr<int32_t>() + b * s, full_targets_BS_.ptr<int32_t>() + b * s);
+    shard_batch();
+    stats[0] += model_.forward(ids_BL_, targets_BL_);
     stats[1] += model_.aux_loss();
     stats[2] += model_.z_loss();
     for (int64_t l = 0; l < layers; ++l) {
@@ -154,8 +171,9 @@ double Trainer::evaluate() {
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);
   double sum = 0;
   for (int64_t i = 0; i < per_rank; ++i) {
-    loader_.valid_batch((i * dp + mesh_.dp_rank) % nv, ids_BS_.ptr<int32_t>(), targets_BS_.ptr<int32_t>());
-    sum += model_.forward(ids_BS_, targets_BS_);
+    loader_.valid_batch((i * dp + mesh_.dp_rank) % nv, full_ids_BS_.ptr<int32_t>(), full_targets_BS_.ptr<int32_t>());
+    shard_batch();
+    sum += model_.forward(ids_BL_, targets_BL_);
   }
   stats_.ptr<double>()[0] = sum;
   reduce_dense(stats_.slice(0, 1));

@@ -69,6 +69,8 @@ class Trainer {
   // Sum over the dense data-parallel group (DP x CP) in place.
   void reduce_dense(const Tensor& t);
   int64_t local_micro_batches() const;
+  // ids_BL_/targets_BL_ = this context-parallel rank's positions of the full batch.
+  void shard_batch();
 
   Config cfg_;
   Mesh& mesh_;
@@ -76,9 +78,10 @@ class Trainer {
   Memory mem_;
   AdamW opt_;
   Loader loader_;
-  Tensor ids_BS_, targets_BS_;
-  Tensor load_sum_LE_;  // f64 [layers, experts]: tokens per expert over a step's micro-batches
-  Tensor stats_;        // f64 [3]: loss sum, aux, z (reduced together)
+  Tensor full_ids_BS_, full_targets_BS_;  // whole sequences (targets already shifted)
+  Tensor ids_BL_, targets_BL_;            // this rank's positions of them (all of them without CP)
+  Tensor load_sum_LE_;                    // f64 [layers, experts]: tokens per expert over a step's micro-batches
+  Tensor stats_;                          // f64 [3]: loss sum, aux, z (reduced together)
   StepMetrics metrics_;
   int64_t step_ = 0;
   size_t planned_bytes_ = 0;

@@ -156,10 +156,12 @@ void check_aux(const Tensor& scores_TE, const Tensor& counts_E, int64_t k) {
 }
 }  // namespace
 
-double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k) {
+double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
+                        int64_t total_tokens) {
   check_aux(scores_TE, counts_E, k);
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
   if (t_n == 0) return 0.0;
+  const int64_t t_all = total_tokens > 0 ? total_tokens : t_n;
   const int64_t* counts = counts_E.ptr<int64_t>();
   return dispatch_float(scores_TE.dtype(), [&]<class T>() {
     const T* scores = scores_TE.ptr<T>();
@@ -173,12 +175,12 @@ double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Ten
       }
       for (int64_t e = 0; e < e_n; ++e) total += static_cast<double>(s[e]) / norm * static_cast<double>(counts[e]);
     }
-    return total * static_cast<double>(e_n) / (static_cast<double>(t_n) * static_cast<double>(t_n) * k);
+    return total * static_cast<double>(e_n) / (static_cast<double>(t_all) * static_cast<double>(t_all) * k);
   });
 }
 
 void aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
-                       double grad_scale, const Tensor& dlogits_TE) {
+                       double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
   check_aux(scores_TE, counts_E, k);
   check_shape(dlogits_TE, scores_TE.shape(), "aux_loss_backward dlogits");
   check_same_dtype(scores_TE, dlogits_TE, "aux_loss_backward dlogits");
@@ -186,7 +188,8 @@ void aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tens
   if (t_n == 0) return;
   const int64_t* counts = counts_E.ptr<int64_t>();
   // d(aux)/d(p_te) = c_e = grad_scale * E / (T*T*K) * counts_e, the same for every token.
-  const double c0 = grad_scale * static_cast<double>(e_n) / (static_cast<double>(t_n) * static_cast<double>(t_n) * k);
+  const double t_all = static_cast<double>(total_tokens > 0 ? total_tokens : t_n);
+  const double c0 = grad_scale * static_cast<double>(e_n) / (t_all * t_all * static_cast<double>(k));
   dispatch_float(scores_TE.dtype(), [&]<class T>() {
     const T* scores = scores_TE.ptr<T>();
     T* dl = dlogits_TE.ptr<T>();
@@ -212,7 +215,7 @@ void aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tens
 
 // ---- router z-loss -----------------------------------------------------------------------------
 
-double z_loss_forward(const Tensor& logits_TE) {
+double z_loss_forward(const Tensor& logits_TE, int64_t total_tokens) {
   check_2d(logits_TE, "z_loss logits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
   if (t_n == 0) return 0.0;
@@ -223,11 +226,11 @@ double z_loss_forward(const Tensor& logits_TE) {
       double lse = static_cast<double>(softmax_row<T>(logits + t * e_n, e_n, nullptr));
       total += lse * lse;
     }
-    return total / static_cast<double>(t_n);
+    return total / static_cast<double>(total_tokens > 0 ? total_tokens : t_n);
   });
 }
 
-void z_loss_backward(const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE) {
+void z_loss_backward(const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
   check_2d(logits_TE, "z_loss logits");
   check_shape(dlogits_TE, logits_TE.shape(), "z_loss_backward dlogits");
   check_same_dtype(logits_TE, dlogits_TE, "z_loss_backward dlogits");
@@ -239,7 +242,7 @@ void z_loss_backward(const Tensor& logits_TE, double grad_scale, const Tensor& d
     for (int64_t t = 0; t < t_n; ++t) {
       T* d = dl + t * e_n;
       T lse = softmax_row<T>(logits + t * e_n, e_n, d);  // d = softmax
-      T c = static_cast<T>(grad_scale * 2.0 / static_cast<double>(t_n)) * lse;
+      T c = static_cast<T>(grad_scale * 2.0 / static_cast<double>(total_tokens > 0 ? total_tokens : t_n)) * lse;
       for (int64_t e = 0; e < e_n; ++e) d[e] *= c;
     }
   });
