@@ -21,7 +21,7 @@ namespace moefold {
 namespace {
 
 struct Layout {
-  int64_t cp, ep;  // dp = world / cp; tp = etp = 1
+  int64_t cp, ep, etp;  // dp = world / cp; tp = 1
 };
 
 // Layouts for the world size: pure DP; context parallelism (cp = 2, or the whole world); and EP
@@ -32,7 +32,8 @@ std::vector<Layout> layouts(int world) {
   for (int64_t cp = 1; cp <= world; cp *= 2) {
     if (world % cp != 0 || 16 % (2 * cp) != 0) continue;
     for (int64_t ep = 1; ep <= world; ep *= 2)
-      if (world % ep == 0 && 4 % ep == 0) out.push_back({cp, ep});
+      for (int64_t etp = 1; ep * etp <= world; etp *= 2)
+        if (world % (ep * etp) == 0 && 4 % ep == 0 && 12 % etp == 0) out.push_back({cp, ep, etp});
   }
   return out;
 }
@@ -55,11 +56,15 @@ const Param& find(std::vector<Param>& params, const std::string& name) {
   return params.front();
 }
 
-// max |a - b| / max |b|, with `a` a shard of `b` (rows [offset, offset + a.size(0))).
-double rel_err(const Tensor& a, const Tensor& b_full, int64_t offset) {
-  const Tensor b = b_full.slice(offset, offset + a.size(0));
-  double scale = std::max(testing::max_abs(b), 1e-30);
-  return testing::max_abs_diff(a, b) / scale;
+// max |a_i - b[p.global_index(i)]| / max |b| over the local elements of `a` (p's value or grad
+// shard), `b_full` the one-rank tensor: any sharding (EP rows, ETP columns) compares alike.
+double rel_err(const Param& p, const Tensor& a, const Tensor& b_full) {
+  const float* x = a.ptr<float>();
+  const float* y = b_full.ptr<float>();
+  double diff = 0;
+  for (int64_t i = 0; i < a.numel(); ++i)
+    diff = std::max(diff, std::abs(static_cast<double>(x[i]) - static_cast<double>(y[p.global_index(i)])));
+  return diff / std::max(testing::max_abs(b_full), 1e-30);
 }
 
 class Layouts : public ::testing::Test {
@@ -83,16 +88,18 @@ TEST_F(Layouts, OneStepLossAndEveryGradientMatchOneRank) {
   const StepMetrics want = ref.trainer->metrics();
   double worst = 0;
   for (const Layout& l : layouts(world.size())) {
-    SCOPED_TRACE(cat("cp=", l.cp, " dp=", world.size() / l.cp, " ep=", l.ep, " on ", world.size(), " ranks"));
+    SCOPED_TRACE(
+        cat("cp=", l.cp, " dp=", world.size() / l.cp, " ep=", l.ep, " etp=", l.etp, " on ", world.size(), " ranks"));
     Config cfg = base_;
     cfg.parallel.cp = l.cp;
     cfg.parallel.ep = l.ep;
+    cfg.parallel.etp = l.etp;
     LayoutRun run(cfg, world);
     // The same initial values, whatever the sharding.
     for (Param& p : run.trainer->params()) {
       const Param& r = find(ref.trainer->params(), p.name);
-      ASSERT_EQ(p.global_rows, r.value.size(0)) << p.name;
-      EXPECT_EQ(rel_err(p.value, r.value, p.shard_offset), 0.0) << p.name;
+      ASSERT_EQ(p.global_shape(), r.value.shape()) << p.name;
+      EXPECT_EQ(rel_err(p, p.value, r.value), 0.0) << p.name;
     }
     run.trainer->accumulate_gradients();
     const StepMetrics& got = run.trainer->metrics();
@@ -102,7 +109,7 @@ TEST_F(Layouts, OneStepLossAndEveryGradientMatchOneRank) {
     EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm);
     EXPECT_EQ(got.expert_load_max, want.expert_load_max);
     for (Param& p : run.trainer->params()) {
-      const double e = rel_err(p.grad, find(ref.trainer->params(), p.name).grad, p.shard_offset);
+      const double e = rel_err(p, p.grad, find(ref.trainer->params(), p.name).grad);
       worst = std::max(worst, e);
       EXPECT_LE(e, 1e-5) << p.name;
     }
@@ -121,10 +128,11 @@ TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) {
   double worst = 0;
   for (const Layout& l : layouts(world.size())) {
     const int64_t dp = world.size() / l.cp;
-    SCOPED_TRACE(cat("cp=", l.cp, " dp=", dp, " ep=", l.ep));
+    SCOPED_TRACE(cat("cp=", l.cp, " dp=", dp, " ep=", l.ep, " etp=", l.etp));
     Config c = cfg;
     c.parallel.cp = l.cp;
     c.parallel.ep = l.ep;
+    c.parallel.etp = l.etp;
     LayoutRun run(c, world);
     for (int i = 0; i < 20; ++i) {
       const double got = run.trainer->train_step().loss;
@@ -164,15 +172,19 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
   cfg.train.steps = 8;
   cfg.train.checkpoint_interval = 4;
   cfg.train.eval_interval = 0;
-  const int64_t max_ep = world.size() % 4 == 0 ? 4 : world.size() % 2 == 0 ? 2 : 1;
+  // Saved with the experts split both ways where the world allows (ep x etp = world), e.g.
+  // ep = 2, etp = 2 on 4 ranks; resumed with every EP and no ETP, and on one rank.
+  const int64_t save_etp = world.size() >= 2 ? 2 : 1, max_ep = world.size() / save_etp;
   cfg.parallel.ep = max_ep;
-  // The uninterrupted run, saving at step 4 with the largest EP.
+  cfg.parallel.etp = save_etp;
+  // The uninterrupted run, saving at step 4.
   run_training(cfg, RunOptions{(dir / "full").string(), 8, false, true}, world);
   const std::vector<double> want = losses(dir / "full");
   ASSERT_EQ(want.size(), 8u);
   // Resume from its step-4 checkpoint under every other EP on this world, and on one rank.
   for (int64_t ep = 1; ep <= max_ep; ep *= 2) {
-    SCOPED_TRACE(cat("saved with ep=", max_ep, ", resumed with ep=", ep, " on ", world.size(), " ranks"));
+    SCOPED_TRACE(
+        cat("saved with ep=", max_ep, " etp=", save_etp, ", resumed with ep=", ep, " on ", world.size(), " ranks"));
     const fs::path run = dir / cat("ep", ep);
     if (world.rank() == 0) {
       fs::create_directories(run / "checkpoints");
@@ -182,6 +194,7 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
     world.barrier();
     Config c = cfg;
     c.parallel.ep = ep;
+    c.parallel.etp = 1;
     run_training(c, RunOptions{run.string(), 8, true, true}, world);
     const std::vector<double> got = losses(run);  // steps 5..8 (nothing before the checkpoint)
     ASSERT_EQ(got.size(), 4u);
@@ -195,6 +208,7 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
     std::unique_ptr<Communicator> self = make_self_communicator();
     Config c = cfg;
     c.parallel.ep = 1;
+    c.parallel.etp = 1;
     run_training(c, RunOptions{run.string(), 8, true, true}, *self);
     const std::vector<double> got = losses(run);
     ASSERT_EQ(got.size(), 4u);

@@ -261,7 +261,6 @@ void Config::validate() const {
     MF_FAIL("model.vocab_size = ", model.vocab_size, " is not divisible by parallel.tp = ", p.tp);
   // Not implemented yet: refuse rather than train something else than asked.
   if (p.tp != 1) MF_FAIL("parallel.tp = ", p.tp, ": tensor parallelism is not implemented yet (use 1)");
-  if (p.etp != 1) MF_FAIL("parallel.etp = ", p.etp, ": expert tensor parallelism is not implemented yet (use 1)");
   if (train.seq_len > model.max_position_embeddings)
     MF_FAIL("train.seq_len = ", train.seq_len,
             " exceeds model.max_position_embeddings = ", model.max_position_embeddings);

@@ -18,14 +18,19 @@ std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
     const int64_t e = of.size(0), f2 = of.size(1), h = of.size(2);
     for (int64_t i = 0; i < e; ++i) {
       Tensor w = of.slice(i, i + 1).view({f2, h});
-      const int64_t g = p.shard_offset + i;  // global expert index
-      out.push_back({cat(mlp, ".experts.", g, ".gate_proj.weight"), w.slice(0, f2 / 2)});
-      out.push_back({cat(mlp, ".experts.", g, ".up_proj.weight"), w.slice(f2 / 2, f2)});
+      const int64_t g = p.shard_offset + i;   // global expert index
+      const bool sharded = p.shard_dim == 1;  // rows of gate and of up split over ETP
+      const int dim = sharded ? 0 : -1;
+      const int64_t offset = sharded ? p.shard_dim_offset : 0, whole = sharded ? p.global_dim_size : f2 / 2;
+      out.push_back({cat(mlp, ".experts.", g, ".gate_proj.weight"), w.slice(0, f2 / 2), dim, offset, whole});
+      out.push_back({cat(mlp, ".experts.", g, ".up_proj.weight"), w.slice(f2 / 2, f2), dim, offset, whole});
     }
   } else if (strip_suffix(p.name, ".experts.down_proj", &mlp)) {
     const int64_t e = of.size(0), h = of.size(1), f = of.size(2);
+    const bool sharded = p.shard_dim == 2;  // columns split over ETP
     for (int64_t i = 0; i < e; ++i)
-      out.push_back({cat(mlp, ".experts.", p.shard_offset + i, ".down_proj.weight"), of.slice(i, i + 1).view({h, f})});
+      out.push_back({cat(mlp, ".experts.", p.shard_offset + i, ".down_proj.weight"), of.slice(i, i + 1).view({h, f}),
+                     sharded ? 1 : -1, sharded ? p.shard_dim_offset : 0, sharded ? p.global_dim_size : f});
   } else {
     out.push_back({p.name, of});
   }

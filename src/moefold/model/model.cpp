@@ -124,12 +124,10 @@ void Model::init_params(std::vector<Param>& params, uint64_t seed) {
       case Init::ones:
         fill_constant(p.value, 1.0);
         break;
-      case Init::normal: {
-        // A shard draws the values of its rows of the whole tensor (same init for any layout).
-        const int64_t row = p.value.numel() / std::max<int64_t>(1, p.value.size(0));
-        fill_normal(p.value, seed, fnv1a(p.name), 0.0, p.init_std, static_cast<uint64_t>(p.shard_offset * row));
+      case Init::normal:
+        // A shard draws the values of its elements in the whole tensor (same init for any layout).
+        fill_normal_shard(p, seed, fnv1a(p.name), 0.0, p.init_std);
         break;
-      }
     }
   }
 }

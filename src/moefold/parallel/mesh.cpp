@@ -27,6 +27,7 @@ Mesh Mesh::build(Communicator& world, const ParallelConfig& d) {
   m.etp = world.split(m.edp_rank * ep + m.ep_rank, m.etp_rank, "etp");
   m.ep = world.split(m.edp_rank * etp + m.etp_rank, m.ep_rank, "ep");
   m.edp = world.split(m.ep_rank * etp + m.etp_rank, m.edp_rank, "edp");
+  m.ep_etp = world.split(m.edp_rank, m.ep_rank * etp + m.etp_rank, "ep_etp");
   return m;
 }
 

@@ -21,6 +21,7 @@ struct Mesh {
   Communicator* world = nullptr;                    // not owned
   std::unique_ptr<Communicator> tp, cp, dp, dp_cp;  // dense groups; dp_cp reduces dense gradients
   std::unique_ptr<Communicator> etp, ep, edp;       // MoE groups; edp reduces expert gradients
+  std::unique_ptr<Communicator> ep_etp;             // the ranks whose expert shards are disjoint
 
   // Collective over `world`. REQUIRES: dims resolved for world->size() ranks.
   static Mesh build(Communicator& world, const ParallelConfig& dims);

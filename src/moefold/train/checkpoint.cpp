@@ -76,20 +76,50 @@ nlohmann::json read_json(const std::string& path) {
 
 struct ShardedNames {
   std::vector<SafetensorsEntry> weights, moments;
+  std::vector<std::vector<float>> storage;  // whole tensors assembled from ETP slices
 };
 
-// What this rank writes: dense parameters on rank 0, expert shards on the first EDP replica.
+// The whole Hugging Face tensor of view `v`: the view itself, or (expert tensor parallelism) its
+// slices gathered over the ETP group, in offset order (ETP rank r holds offset r * size).
+// Collective over `etp` when v.dim >= 0.
+Tensor whole_tensor(const NamedView& v, Communicator& etp, std::vector<std::vector<float>>& storage) {
+  if (v.dim < 0) return v.value;
+  const int64_t g = etp.size(), rows = v.value.size(0), cols = v.value.size(1);
+  MF_CHECK(v.value.dtype() == DType::f32 && v.value.ndim() == 2 && v.global_size == g * v.value.size(v.dim), v.name);
+  std::vector<float> gathered(static_cast<size_t>(g * rows * cols));
+  etp.all_gather(v.value.view({1, rows * cols}), Tensor(gathered.data(), DType::f32, {g, rows * cols}));
+  if (v.dim == 0) {
+    storage.push_back(std::move(gathered));
+    return Tensor(storage.back().data(), DType::f32, {g * rows, cols});
+  }
+  std::vector<float> whole(gathered.size());  // [rows, g * cols] from g blocks of [rows, cols]
+  for (int64_t r = 0; r < g; ++r)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        whole[static_cast<size_t>(i * g * cols + r * cols + j)] =
+            gathered[static_cast<size_t>((r * rows + i) * cols + j)];
+  storage.push_back(std::move(whole));
+  return Tensor(storage.back().data(), DType::f32, {rows, g * cols});
+}
+
+// What this rank writes: dense parameters on rank 0, expert shards on the first EDP replica
+// (ETP rank 0, after gathering the FFN slices). Every rank calls it (the gathers are collective).
 ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, const Mesh& mesh) {
   ShardedNames out;
   for (size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
-    const bool mine = p.group == ParamGroup::expert ? mesh.edp_rank == 0 : mesh.world_rank == 0;
-    if (!mine) continue;
-    for (const NamedView& v : hf_views(p)) out.weights.push_back({v.name, v.value, DType::f32});
-    for (const NamedView& v : hf_views(p, opt.exp_avg(i)))
-      out.moments.push_back({v.name + ".exp_avg", v.value, DType::f32});
-    for (const NamedView& v : hf_views(p, opt.exp_avg_sq(i)))
-      out.moments.push_back({v.name + ".exp_avg_sq", v.value, DType::f32});
+    const bool expert = p.group == ParamGroup::expert;
+    const bool mine = expert ? mesh.edp_rank == 0 && mesh.etp_rank == 0 : mesh.world_rank == 0;
+    if (!mine && !(expert && p.shard_dim >= 0)) continue;
+    auto add = [&](const Tensor& of, const char* suffix, std::vector<SafetensorsEntry>& to) {
+      for (const NamedView& v : hf_views(p, of)) {
+        Tensor whole = whole_tensor(v, *mesh.etp, out.storage);
+        if (mine) to.push_back({v.name + suffix, whole, DType::f32});
+      }
+    };
+    add(p.value, "", out.weights);
+    add(opt.exp_avg(i), ".exp_avg", out.moments);
+    add(opt.exp_avg_sq(i), ".exp_avg_sq", out.moments);
   }
   return out;
 }
@@ -117,7 +147,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
   const std::string name = step_name(state.step);
   const std::string final_dir = (fs::path(checkpoints_dir) / name).string();
   const std::string tmp_dir = (fs::path(checkpoints_dir) / (".tmp-" + name)).string();
-  const int n = static_cast<int>(mesh.dims.ep);  // one shard per EP rank (ETP = TP = 1)
+  const int n = static_cast<int>(mesh.dims.ep);  // one file per EP rank (ETP slices are gathered)
   on_every_rank(world, "creating the checkpoint directory", [&] {
     if (mesh.world_rank != 0) return;
     std::error_code ec;
@@ -127,9 +157,9 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
     fs::create_directories(tmp_dir, ec);
     if (ec) MF_FAIL(tmp_dir, ": cannot create: ", ec.message());
   });
+  ShardedNames mine = entries_of(params, opt, mesh);
   on_every_rank(world, "writing the checkpoint", [&] {
-    if (mesh.edp_rank != 0) return;
-    ShardedNames mine = entries_of(params, opt, mesh);
+    if (mesh.edp_rank != 0 || mesh.etp_rank != 0) return;
     const std::string model = tmp_dir + "/" + shard_file("model", mesh.ep_rank, n);
     const std::string moments = tmp_dir + "/" + shard_file("optimizer", mesh.ep_rank, n);
     write_safetensors(model, mine.weights, {{"format", "pt"}});
@@ -215,6 +245,20 @@ class ShardSet {
     if (it == map_.end()) MF_FAIL(index_, ": no tensor '", tensor, "'");
     reader(it->second).load_into(tensor, dst);
   }
+  // View v's part of its tensor (the whole tensor, or an ETP slice of it).
+  void load_view(const NamedView& v, const std::string& suffix) {
+    if (v.dim < 0) return load_into(v.name + suffix, v.value);
+    const int64_t rows = v.value.size(0), cols = v.value.size(1);
+    const int64_t whole_rows = v.dim == 0 ? v.global_size : rows, whole_cols = v.dim == 1 ? v.global_size : cols;
+    std::vector<float> whole(static_cast<size_t>(whole_rows * whole_cols));
+    load_into(v.name + suffix, Tensor(whole.data(), DType::f32, {whole_rows, whole_cols}));
+    float* dst = v.value.ptr<float>();
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) {
+        const int64_t wi = v.dim == 0 ? v.offset + i : i, wj = v.dim == 1 ? v.offset + j : j;
+        dst[i * cols + j] = whole[static_cast<size_t>(wi * whole_cols + wj)];
+      }
+  }
 
  private:
   SafetensorsReader& reader(const std::string& file) {
@@ -275,13 +319,12 @@ TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params,
     MF_FAIL(dir, "/model.safetensors.index.json: holds ", weights.size(), " tensors, the model has ", expected,
             " (different architecture or layer count?)");
   for (Param& p : params)
-    for (const NamedView& v : hf_views(p)) weights.load_into(v.name, v.value);
+    for (const NamedView& v : hf_views(p)) weights.load_view(v, "");
   if (opt) {
     ShardSet moments(dir, "optimizer", sums);
     for (size_t i = 0; i < params.size(); ++i) {
-      for (const NamedView& v : hf_views(params[i], opt->exp_avg(i))) moments.load_into(v.name + ".exp_avg", v.value);
-      for (const NamedView& v : hf_views(params[i], opt->exp_avg_sq(i)))
-        moments.load_into(v.name + ".exp_avg_sq", v.value);
+      for (const NamedView& v : hf_views(params[i], opt->exp_avg(i))) moments.load_view(v, ".exp_avg");
+      for (const NamedView& v : hf_views(params[i], opt->exp_avg_sq(i))) moments.load_view(v, ".exp_avg_sq");
     }
     opt->set_num_steps(opt_steps);
   }

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "moefold/moe/all_gather_dispatcher.h"
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/ops/ops.h"
 #include "moefold/parallel/context_parallel.h"
@@ -12,9 +13,12 @@ namespace moefold {
 
 namespace {
 DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
-  if (mesh.dims.ep == 1) return {};
-  const int64_t tokens = cfg.train.micro_batch_size * cfg.train.seq_len;
+  if (mesh.dims.ep == 1 && mesh.dims.etp == 1) return {};
+  const int64_t tokens = cfg.train.micro_batch_size * cfg.train.seq_len / mesh.dims.cp;
   return [&cfg, &mesh, tokens](int64_t) -> std::unique_ptr<Dispatcher> {
+    if (mesh.dims.etp > 1)  // tokens all-gathered over ETP, then all-to-all over EP
+      return std::make_unique<AllGatherDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.etp,
+                                                   mesh.dims.ep > 1 ? mesh.ep.get() : nullptr);
     return std::make_unique<AllToAllDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.ep);
   };
 }
@@ -123,10 +127,10 @@ void Trainer::accumulate_gradients() {
   reduce_dense(mem_.grad_block(ParamGroup::dense));
   if (mesh_.edp->size() > 1) mesh_.edp->all_reduce(mem_.grad_block(ParamGroup::expert), ReduceOp::sum);
   // Global norm: every element once. Dense gradients are identical on every rank after the
-  // reduction; expert shards are disjoint over EP (and identical over EDP).
+  // reduction; expert shards are disjoint over EP x ETP (and identical over EDP).
   double expert_sq = sum_squares(mem_.grad_block(ParamGroup::expert));
   Tensor expert_sq_t(&expert_sq, DType::f64, {1});
-  if (mesh_.ep->size() > 1) mesh_.ep->all_reduce(expert_sq_t, ReduceOp::sum);
+  if (mesh_.ep_etp->size() > 1) mesh_.ep_etp->all_reduce(expert_sq_t, ReduceOp::sum);
   const double dense_sq = sum_squares(mem_.grad_block(ParamGroup::dense));
   reduce_dense(stats_);
   reduce_dense(load_sum_LE_);
