@@ -21,7 +21,7 @@ namespace moefold {
 namespace {
 
 struct Layout {
-  int64_t cp, ep, etp;  // dp = world / cp; tp = 1
+  int64_t tp, cp, ep, etp;  // dp = world / (tp * cp)
 };
 
 // Layouts for the world size: pure DP; context parallelism (cp = 2, or the whole world); and EP
@@ -29,13 +29,27 @@ struct Layout {
 // independent of DP for attention), e.g. (tp, cp, dp, ep, etp) = (1, 2, 2, 4, 1) on 4 ranks.
 std::vector<Layout> layouts(int world) {
   std::vector<Layout> out;
-  for (int64_t cp = 1; cp <= world; cp *= 2) {
-    if (world % cp != 0 || 16 % (2 * cp) != 0) continue;
-    for (int64_t ep = 1; ep <= world; ep *= 2)
-      for (int64_t etp = 1; ep * etp <= world; etp *= 2)
-        if (world % (ep * etp) == 0 && 4 % ep == 0 && 12 % etp == 0) out.push_back({cp, ep, etp});
-  }
+  for (int64_t tp = 1; tp <= world; tp *= 2)
+    for (int64_t cp = 1; tp * cp <= world; cp *= 2) {
+      if (world % (tp * cp) != 0 || 16 % (2 * cp) != 0) continue;
+      for (int64_t ep = 1; ep <= world; ep *= 2)
+        for (int64_t etp = 1; ep * etp <= world; etp *= 2)
+          if (world % (ep * etp) == 0 && 4 % ep == 0 && 12 % etp == 0) out.push_back({tp, cp, ep, etp});
+    }
   return out;
+}
+
+std::string name(const Layout& l, int world) {
+  return cat("(tp, cp, dp, ep, etp) = (", l.tp, ", ", l.cp, ", ", world / (l.tp * l.cp), ", ", l.ep, ", ", l.etp,
+             ") on ", world, " ranks");
+}
+
+Config with_layout(Config c, const Layout& l) {
+  c.parallel.tp = l.tp;
+  c.parallel.cp = l.cp;
+  c.parallel.ep = l.ep;
+  c.parallel.etp = l.etp;
+  return c;
 }
 
 struct LayoutRun {
@@ -73,8 +87,11 @@ class Layouts : public ::testing::Test {
     Communicator& w = testing::test_world();
     dir_ = std::make_unique<testing::TempDir>(cat("layouts_rank", w.rank()));
     // 4 sequences per step over up to 4 data-parallel ranks: micro-batch 1.
-    base_ = testing::small_train_config(testing::make_train_data(dir_->path()),
-                                        {"train.micro_batch_size=1", "moe.router_aux_loss_coef=0.05"});
+    // 8 query / 4 kv heads so that up to 4 TP ranks each hold a grouped-query slice.
+    base_ =
+        testing::small_train_config(testing::make_train_data(dir_->path()),
+                                    {"train.micro_batch_size=1", "moe.router_aux_loss_coef=0.05",
+                                     "model.num_attention_heads=8", "model.num_key_value_heads=4", "model.head_dim=4"});
   }
   std::unique_ptr<testing::TempDir> dir_;
   Config base_;
@@ -88,13 +105,8 @@ TEST_F(Layouts, OneStepLossAndEveryGradientMatchOneRank) {
   const StepMetrics want = ref.trainer->metrics();
   double worst = 0;
   for (const Layout& l : layouts(world.size())) {
-    SCOPED_TRACE(
-        cat("cp=", l.cp, " dp=", world.size() / l.cp, " ep=", l.ep, " etp=", l.etp, " on ", world.size(), " ranks"));
-    Config cfg = base_;
-    cfg.parallel.cp = l.cp;
-    cfg.parallel.ep = l.ep;
-    cfg.parallel.etp = l.etp;
-    LayoutRun run(cfg, world);
+    SCOPED_TRACE(name(l, world.size()));
+    LayoutRun run(with_layout(base_, l), world);
     // The same initial values, whatever the sharding.
     for (Param& p : run.trainer->params()) {
       const Param& r = find(ref.trainer->params(), p.name);
@@ -127,12 +139,9 @@ TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) {
   for (int i = 0; i < 20; ++i) want.push_back(ref.trainer->train_step().loss);
   double worst = 0;
   for (const Layout& l : layouts(world.size())) {
-    const int64_t dp = world.size() / l.cp;
-    SCOPED_TRACE(cat("cp=", l.cp, " dp=", dp, " ep=", l.ep, " etp=", l.etp));
-    Config c = cfg;
-    c.parallel.cp = l.cp;
-    c.parallel.ep = l.ep;
-    c.parallel.etp = l.etp;
+    const int64_t dp = world.size() / (l.tp * l.cp);
+    SCOPED_TRACE(name(l, world.size()));
+    Config c = with_layout(cfg, l);
     LayoutRun run(c, world);
     for (int i = 0; i < 20; ++i) {
       const double got = run.trainer->train_step().loss;
@@ -172,11 +181,13 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
   cfg.train.steps = 8;
   cfg.train.checkpoint_interval = 4;
   cfg.train.eval_interval = 0;
-  // Saved with the experts split both ways where the world allows (ep x etp = world), e.g.
-  // ep = 2, etp = 2 on 4 ranks; resumed with every EP and no ETP, and on one rank.
+  // Saved with the experts split both ways where the world allows (ep x etp = world) and TP = 2,
+  // e.g. (tp, ep, etp) = (2, 2, 2) on 4 ranks; resumed with every EP, no ETP, TP 2 or 1, and on
+  // one rank.
   const int64_t save_etp = world.size() >= 2 ? 2 : 1, max_ep = world.size() / save_etp;
   cfg.parallel.ep = max_ep;
   cfg.parallel.etp = save_etp;
+  cfg.parallel.tp = save_etp;  // and the attention heads over TP
   // The uninterrupted run, saving at step 4.
   run_training(cfg, RunOptions{(dir / "full").string(), 8, false, true}, world);
   const std::vector<double> want = losses(dir / "full");
@@ -195,6 +206,8 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
     Config c = cfg;
     c.parallel.ep = ep;
     c.parallel.etp = 1;
+    c.parallel.tp = world.size() >= 2 && ep <= world.size() / 2 ? 2 : 1;  // e.g. EP=2, TP=2 from EP=2 x ETP=2
+    SCOPED_TRACE(cat("tp=", c.parallel.tp));
     run_training(c, RunOptions{run.string(), 8, true, true}, world);
     const std::vector<double> got = losses(run);  // steps 5..8 (nothing before the checkpoint)
     ASSERT_EQ(got.size(), 4u);
@@ -209,6 +222,7 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
     Config c = cfg;
     c.parallel.ep = 1;
     c.parallel.etp = 1;
+    c.parallel.tp = 1;
     run_training(c, RunOptions{run.string(), 8, true, true}, *self);
     const std::vector<double> got = losses(run);
     ASSERT_EQ(got.size(), 4u);

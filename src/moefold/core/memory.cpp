@@ -130,8 +130,8 @@ Tensor Memory::act(Shape shape, DType dtype) { return acts_.take(dtype, shape); 
 
 void Memory::allocate() {
   MF_CHECK(measuring(), "Memory::allocate called twice");
-  const Arena* arenas[5] = {&params_arena_[0], &params_arena_[1], &grads_[0], &grads_[1], &acts_};
-  for (int i = 0; i < 5; ++i) measured_[i] = arenas[i]->used();
+  const std::vector<const Arena*> all = arenas();
+  for (size_t i = 0; i < all.size(); ++i) measured_[i] = all[i]->used();
   for (int g = 0; g < kNumParamGroups; ++g) {
     params_arena_[g].allocate();
     grads_[g].allocate();
@@ -142,9 +142,31 @@ void Memory::allocate() {
 
 void Memory::finish_binding() const {
   MF_CHECK(!measuring(), "finish_binding before allocate");
-  const Arena* arenas[5] = {&params_arena_[0], &params_arena_[1], &grads_[0], &grads_[1], &acts_};
-  for (int i = 0; i < 5; ++i)
-    MF_CHECK(arenas[i]->used() == measured_[i], "the real binding pass differs from the measuring pass");
+  const std::vector<const Arena*> all = arenas();
+  for (size_t i = 0; i < all.size(); ++i)
+    MF_CHECK(all[i]->used() == measured_[i], "the real binding pass differs from the measuring pass");
+}
+
+std::vector<const Arena*> Memory::arenas() const {
+  std::vector<const Arena*> all;
+  for (int g = 0; g < kNumParamGroups; ++g) {
+    all.push_back(&params_arena_[g]);
+    all.push_back(&grads_[g]);
+  }
+  all.push_back(&acts_);
+  return all;
+}
+
+size_t Memory::param_bytes() const {
+  size_t n = 0;
+  for (const Arena& a : params_arena_) n += a.used();
+  return n;
+}
+
+size_t Memory::grad_bytes() const {
+  size_t n = 0;
+  for (const Arena& a : grads_) n += a.used();
+  return n;
 }
 
 void Memory::zero_grads() const {

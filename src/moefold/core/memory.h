@@ -43,11 +43,13 @@ class Arena {
 
 enum class Init : uint8_t { zeros, ones, normal };
 
-// Which data-parallel group reduces a parameter's gradient: dense parameters over DP x CP,
-// expert parameters over EDP (parallel folding). Each group has its own arenas, so one
+// Which ranks reduce a parameter's gradient (parallel folding). dense: replicated on every rank
+// of the dense view (norms, the router), reduced over DP x CP x TP (with sequence parallelism
+// each TP rank sees other tokens); tensor_parallel: sharded over TP (projections, embedding, LM
+// head), reduced over DP x CP; expert: reduced over EDP. Each group has its own arenas, so one
 // collective reduces all gradients of a group.
-enum class ParamGroup : uint8_t { dense = 0, expert = 1 };
-inline constexpr int kNumParamGroups = 2;
+enum class ParamGroup : uint8_t { dense = 0, expert = 1, tensor_parallel = 2 };
+inline constexpr int kNumParamGroups = 3;
 
 // A shard along a dimension other than 0 (expert tensor parallelism splits the expert FFN F):
 // dimension `dim` of the whole tensor is `chunks` equal fused chunks of `global_size` each
@@ -125,14 +127,15 @@ class Memory {
   // All gradients of a group as one flat tensor (for one all-reduce); padding between
   // parameters is zero and stays zero. Empty when the group has no parameters.
   Tensor grad_block(ParamGroup group) const;
-  size_t param_bytes() const { return params_arena_[0].used() + params_arena_[1].used(); }
-  size_t grad_bytes() const { return grads_[0].used() + grads_[1].used(); }
+  size_t param_bytes() const;
+  size_t grad_bytes() const;
   size_t act_bytes() const { return acts_.used(); }
 
  private:
   DType dtype_;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], acts_;
-  size_t measured_[5] = {0, 0, 0, 0, 0};
+  size_t measured_[2 * kNumParamGroups + 1] = {};
+  std::vector<const Arena*> arenas() const;  // every arena, in a fixed order
   std::vector<Param> params_;
 };
 

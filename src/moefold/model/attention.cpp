@@ -7,29 +7,40 @@
 
 namespace moefold {
 
-void AttentionScratch::bind(Memory& mem, const ModelConfig& m, int64_t tokens, int64_t seq_len) {
-  const int64_t qd = m.num_attention_heads * m.head_dim, gd = m.num_key_value_heads * m.head_dim;
-  dq_TQD = mem.act({tokens, qd});
-  dk_TGD = mem.act({tokens, gd});
-  dv_TGD = mem.act({tokens, gd});
-  dout_TQD = mem.act({tokens, qd});
-  dq_raw_TQD = mem.act({tokens, qd});
-  dk_raw_TGD = mem.act({tokens, gd});
+void AttentionScratch::bind(Memory& mem, const ModelConfig& m, int64_t tokens, int64_t seq_len, int64_t q_dim,
+                            int64_t kv_dim) {
+  dq_TQD = mem.act({tokens, q_dim});
+  dk_TGD = mem.act({tokens, kv_dim});
+  dv_TGD = mem.act({tokens, kv_dim});
+  dout_TQD = mem.act({tokens, q_dim});
+  dq_raw_TQD = mem.act({tokens, q_dim});
+  dk_raw_TGD = mem.act({tokens, kv_dim});
   dx_TH = mem.act({tokens, m.hidden_size});
   work_2SS = mem.act({2 * seq_len * seq_len});
+  dy_full_TH = mem.act({tokens, m.hidden_size});
+  partial_TH = mem.act({tokens, m.hidden_size});
 }
 
 Attention::Attention(const ModelConfig& m, int64_t batch, int64_t seq_len, std::string prefix)
     : m_(m), b_(batch), s_(seq_len), t_(batch * seq_len), prefix_(std::move(prefix)) {}
 
 void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-                     ContextParallelAttention* cp) {
-  const int64_t h = m_.hidden_size, d = m_.head_dim, q = m_.num_attention_heads, g = m_.num_key_value_heads;
+                     ContextParallelAttention* cp, Communicator* tp) {
+  const int64_t h = m_.hidden_size, d = m_.head_dim;
+  const int64_t n = tp ? tp->size() : 1, r = tp ? tp->rank() : 0;
+  tp_ = n > 1 ? tp : nullptr;
+  q_heads_ = m_.num_attention_heads / n;
+  kv_heads_ = m_.num_key_value_heads / n;
+  const int64_t q = q_heads_, g = kv_heads_;
   const double std = m_.initializer_range;
-  wq_ = mem.param(prefix_ + ".q_proj.weight", {q * d, h}, Init::normal, std, true);
-  wk_ = mem.param(prefix_ + ".k_proj.weight", {g * d, h}, Init::normal, std, true);
-  wv_ = mem.param(prefix_ + ".v_proj.weight", {g * d, h}, Init::normal, std, true);
-  wo_ = mem.param(prefix_ + ".o_proj.weight", {h, q * d}, Init::normal, std, true);
+  const ParamGroup tpg = ParamGroup::tensor_parallel;
+  // Column-parallel: this rank's heads are rows [r * heads * D, ...) of each projection.
+  wq_ = mem.param(prefix_ + ".q_proj.weight", {q * d, h}, Init::normal, std, true, tpg, r * q * d, n * q * d);
+  wk_ = mem.param(prefix_ + ".k_proj.weight", {g * d, h}, Init::normal, std, true, tpg, r * g * d, n * g * d);
+  wv_ = mem.param(prefix_ + ".v_proj.weight", {g * d, h}, Init::normal, std, true, tpg, r * g * d, n * g * d);
+  // Row-parallel: this rank's heads are columns of the output projection.
+  wo_ = mem.param(prefix_ + ".o_proj.weight", {h, q * d}, Init::normal, std, true, tpg, 0, h,
+                  n > 1 ? DimShard{1, r * q * d, n * q * d, 1} : DimShard{});
   q_norm_ = mem.param(prefix_ + ".q_norm.weight", {d}, Init::ones, 0, false);
   k_norm_ = mem.param(prefix_ + ".k_norm.weight", {d}, Init::ones, 0, false);
   dwq_ = mem.grad(prefix_ + ".q_proj.weight");
@@ -51,14 +62,19 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   k_TGD_ = mem.act({t_, g * d});
   out_TQD_ = mem.act({t_, q * d});
   lse_BQS_ = mem.act({b_, q, s_});
+  x_gathered_TH_ = mem.act({tp_ ? t_ : 0, h});
 }
 
 void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
-  const int64_t d = m_.head_dim, q = m_.num_attention_heads, g = m_.num_key_value_heads;
-  x_ = x_TH;
-  linear_forward(x_TH, wq_, q_raw_TQD_);
-  linear_forward(x_TH, wk_, k_raw_TGD_);
-  linear_forward(x_TH, wv_, v_TGD_);
+  const int64_t d = m_.head_dim, q = q_heads_, g = kv_heads_;
+  x_full_ = x_TH;
+  if (tp_) {  // sequence parallel -> tensor parallel: every TP rank's rows
+    x_full_ = x_gathered_TH_;
+    tp_->all_gather(x_TH, x_full_);
+  }
+  linear_forward(x_full_, wq_, q_raw_TQD_);
+  linear_forward(x_full_, wk_, k_raw_TGD_);
+  linear_forward(x_full_, wv_, v_TGD_);
   // Per-head RMSNorm on q and k (Qwen3), then RoPE in place.
   rmsnorm_forward(q_raw_TQD_.view({t_ * q, d}), q_norm_, m_.rms_norm_eps, q_TQD_.view({t_ * q, d}), q_rstd_);
   rmsnorm_forward(k_raw_TGD_.view({t_ * g, d}), k_norm_, m_.rms_norm_eps, k_TGD_.view({t_ * g, d}), k_rstd_);
@@ -73,13 +89,23 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     rope_forward(k4, cos_, sin_);
     attention_forward(q4, k4, v4, scale, out_TQD_.view({b_, s_, q, d}), lse_BQS_, scratch_->work_2SS.slice(0, s_ * s_));
   }
-  linear_forward(out_TQD_, wo_, y_TH);
+  if (tp_) {  // row-parallel: partial sums over the heads, summed and split back into rows
+    linear_forward(out_TQD_, wo_, scratch_->partial_TH);
+    tp_->reduce_scatter(scratch_->partial_TH, y_TH, ReduceOp::sum);
+  } else {
+    linear_forward(out_TQD_, wo_, y_TH);
+  }
 }
 
 void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
-  const int64_t d = m_.head_dim, q = m_.num_attention_heads, g = m_.num_key_value_heads;
+  const int64_t d = m_.head_dim, q = q_heads_, g = kv_heads_;
   AttentionScratch& w = *scratch_;
-  linear_backward(out_TQD_, wo_, dy_TH, w.dout_TQD, dwo_);
+  Tensor dy = dy_TH;
+  if (tp_) {
+    dy = w.dy_full_TH;
+    tp_->all_gather(dy_TH, dy);
+  }
+  linear_backward(out_TQD_, wo_, dy, w.dout_TQD, dwo_);
   auto q4 = [&](const Tensor& t) { return t.view({b_, s_, q, d}); };
   auto g4 = [&](const Tensor& t) { return t.view({b_, s_, g, d}); };
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -98,11 +124,14 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
                    w.dq_raw_TQD.view({t_ * q, d}), dq_norm_);
   rmsnorm_backward(k_raw_TGD_.view({t_ * g, d}), k_norm_, k_rstd_, w.dk_TGD.view({t_ * g, d}),
                    w.dk_raw_TGD.view({t_ * g, d}), dk_norm_);
-  linear_backward(x_, wq_, w.dq_raw_TQD, dx_TH, dwq_);
-  linear_backward(x_, wk_, w.dk_raw_TGD, w.dx_TH, dwk_);
-  add_inplace(dx_TH, w.dx_TH);
-  linear_backward(x_, wv_, w.dv_TGD, w.dx_TH, dwv_);
-  add_inplace(dx_TH, w.dx_TH);
+  // d(x) over every row: this rank's heads' part, summed over TP and split back into rows.
+  const Tensor dx_full = tp_ ? w.partial_TH : dx_TH;
+  linear_backward(x_full_, wq_, w.dq_raw_TQD, dx_full, dwq_);
+  linear_backward(x_full_, wk_, w.dk_raw_TGD, w.dx_TH, dwk_);
+  add_inplace(dx_full, w.dx_TH);
+  linear_backward(x_full_, wv_, w.dv_TGD, w.dx_TH, dwv_);
+  add_inplace(dx_full, w.dx_TH);
+  if (tp_) tp_->reduce_scatter(dx_full, dx_TH, ReduceOp::sum);
 }
 
 }  // namespace moefold

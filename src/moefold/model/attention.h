@@ -1,20 +1,29 @@
 // Qwen3 causal self-attention: q/k/v projections, per-head RMSNorm on q and k, rotary
 // embedding, grouped-query causal attention, output projection. Gradient rule: dx written,
-// parameter grads accumulated. Shape letters: T = B*S tokens, H hidden, Q/G query/kv heads, D head dim.
+// parameter grads accumulated. Shape letters: T = B*S tokens of this rank's sequences (S = L under
+// context parallelism), H hidden, Q/G query/kv heads held here, D head dim.
+//
+// Tensor parallelism (Megatron's, with sequence parallelism): the heads are split over the TP
+// group (q/k/v projections column-parallel, the output projection row-parallel); the input and
+// output hold T/tp tokens (this TP rank's rows), all-gathered before the projections and
+// reduce-scattered after the output projection (and the reverse in backward).
 #pragma once
 
 #include <string>
 
+#include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
 #include "moefold/model/config.h"
 #include "moefold/parallel/context_parallel.h"
 
 namespace moefold {
 
-// Backward workspaces shared by every attention layer of a model (bound once).
+// Backward and tensor-parallel workspaces shared by every attention layer of a model.
 struct AttentionScratch {
   Tensor dq_TQD, dk_TGD, dv_TGD, dout_TQD, dq_raw_TQD, dk_raw_TGD, dx_TH, work_2SS;
-  void bind(Memory& mem, const ModelConfig& m, int64_t tokens, int64_t seq_len);
+  Tensor dy_full_TH, partial_TH;  // tensor parallelism: gathered rows of dy, partial sums
+  // q_dim / kv_dim: widths of the heads held here.
+  void bind(Memory& mem, const ModelConfig& m, int64_t tokens, int64_t seq_len, int64_t q_dim, int64_t kv_dim);
 };
 
 class Attention {
@@ -22,26 +31,30 @@ class Attention {
   // seq_len: tokens per sequence held here (S, or S/c under context parallelism).
   Attention(const ModelConfig& m, int64_t batch, int64_t seq_len, std::string prefix);
 
-  // `cos_SD`/`sin_SD`: the model's RoPE table for the whole sequence; `scratch`: shared backward
-  // workspaces; `cp`: the model's context-parallel core (null: the whole sequence is here).
+  // `cos_SD`/`sin_SD`: the model's RoPE table for the whole sequence; `scratch`: shared
+  // workspaces; `cp`: the model's context-parallel core (null: the whole sequence is here);
+  // `tp`: the tensor-parallel group (null or size 1: every head is here).
   void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-            ContextParallelAttention* cp);
-  // x_TH -> y_TH (written). Keeps a view of x_TH: it must stay unchanged until backward.
+            ContextParallelAttention* cp, Communicator* tp);
+  // x_TH -> y_TH (written); T/tp rows each. Keeps a view of x_TH: unchanged until backward.
   void forward(const Tensor& x_TH, const Tensor& y_TH);
   // dy_TH -> dx_TH (written).
   void backward(const Tensor& dy_TH, const Tensor& dx_TH);
 
  private:
   ModelConfig m_;
-  int64_t b_, s_, t_;
+  int64_t b_, s_, t_;                   // t_: tokens of the whole sequences here (all TP ranks' rows)
+  int64_t q_heads_ = 0, kv_heads_ = 0;  // held here
   std::string prefix_;
   Tensor wq_, wk_, wv_, wo_, q_norm_, k_norm_;
   Tensor dwq_, dwk_, dwv_, dwo_, dq_norm_, dk_norm_;
   Tensor cos_, sin_;
   AttentionScratch* scratch_ = nullptr;
   ContextParallelAttention* cp_ = nullptr;
+  Communicator* tp_ = nullptr;  // set when tp size > 1
   // saved for backward
-  Tensor x_;
+  Tensor x_full_;         // the input of every TP rank's rows (x itself without TP)
+  Tensor x_gathered_TH_;  // its buffer under tensor parallelism (this layer's own)
   Tensor q_raw_TQD_, k_raw_TGD_, v_TGD_, q_rstd_, k_rstd_, q_TQD_, k_TGD_, out_TQD_, lse_BQS_;
 };
 

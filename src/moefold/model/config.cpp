@@ -260,7 +260,9 @@ void Config::validate() const {
   if (model.vocab_size % p.tp != 0)
     MF_FAIL("model.vocab_size = ", model.vocab_size, " is not divisible by parallel.tp = ", p.tp);
   // Not implemented yet: refuse rather than train something else than asked.
-  if (p.tp != 1) MF_FAIL("parallel.tp = ", p.tp, ": tensor parallelism is not implemented yet (use 1)");
+  if (p.tp > 1 && train.micro_batch_size * train.seq_len / p.cp % p.tp != 0)
+    MF_FAIL("train.micro_batch_size x train.seq_len / parallel.cp = ", train.micro_batch_size * train.seq_len / p.cp,
+            " tokens are not divisible by parallel.tp = ", p.tp, " (sequence parallelism splits them)");
   if (train.seq_len > model.max_position_embeddings)
     MF_FAIL("train.seq_len = ", train.seq_len,
             " exceeds model.max_position_embeddings = ", model.max_position_embeddings);

@@ -31,6 +31,10 @@ std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
     for (int64_t i = 0; i < e; ++i)
       out.push_back({cat(mlp, ".experts.", p.shard_offset + i, ".down_proj.weight"), of.slice(i, i + 1).view({h, f}),
                      sharded ? 1 : -1, sharded ? p.shard_dim_offset : 0, sharded ? p.global_dim_size : f});
+  } else if (p.shard_dim == 1 && of.ndim() == 2) {  // tensor parallelism: columns (row-parallel)
+    out.push_back({p.name, of, 1, p.shard_dim_offset, p.global_dim_size});
+  } else if (p.global_rows != of.size(0)) {  // tensor parallelism: rows (column-parallel, vocabulary)
+    out.push_back({p.name, of, 0, p.shard_offset, p.global_rows});
   } else {
     out.push_back({p.name, of});
   }

@@ -4,6 +4,7 @@
 
 #include "moefold/core/rng.h"
 #include "moefold/ops/ops.h"
+#include "moefold/parallel/vocab_parallel.h"
 
 namespace moefold {
 
@@ -16,23 +17,23 @@ uint64_t fnv1a(const std::string& s) {
 }
 }  // namespace
 
-DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t index,
-                           std::unique_ptr<Dispatcher> dispatcher)
+DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows,
+                           int64_t index, std::unique_ptr<Dispatcher> dispatcher)
     : m_(m),
-      t_(batch * seq_len),
+      t_(rows),
       prefix_(cat("model.layers.", index)),
       attn_(m, batch, seq_len, prefix_ + ".self_attn"),
-      moe_(e, m.hidden_size, batch * seq_len, prefix_ + ".mlp",
-           dispatcher ? std::move(dispatcher) : std::make_unique<LocalDispatcher>(e, m.hidden_size, batch * seq_len)) {
+      moe_(e, m.hidden_size, rows, prefix_ + ".mlp",
+           dispatcher ? std::move(dispatcher) : std::make_unique<LocalDispatcher>(e, m.hidden_size, rows)) {
   moe_.set_init_std(m.initializer_range);
 }
 
 void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-                        ContextParallelAttention* cp, const Tensor& dn_TH, const Tensor& tmp_TH) {
+                        ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH) {
   const int64_t h = m_.hidden_size;
   norm1_ = mem.param(prefix_ + ".input_layernorm.weight", {h}, Init::ones, 0, false);
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
-  attn_.bind(mem, cos_SD, sin_SD, scratch, cp);
+  attn_.bind(mem, cos_SD, sin_SD, scratch, cp, tp);
   norm2_ = mem.param(prefix_ + ".post_attention_layernorm.weight", {h}, Init::ones, 0, false);
   dnorm2_ = mem.grad(prefix_ + ".post_attention_layernorm.weight");
   moe_.bind(mem);
@@ -71,47 +72,59 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
 Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
              const ModelParallel& parallel)
     : m_(m), e_(e), b_(micro_batch), s_(seq_len) {
-  const int64_t c = parallel.cp ? parallel.cp->size() : 1;
+  const int64_t c = parallel.cp ? parallel.cp->size() : 1, n = parallel.tp ? parallel.tp->size() : 1;
   MF_CHECK(seq_len % (c > 1 ? 2 * c : 1) == 0, "seq_len ", seq_len, " over ", c, " context-parallel ranks");
   l_ = seq_len / c;
-  t_ = micro_batch * l_;
+  n_ = micro_batch * l_;
+  MF_CHECK(n_ % n == 0 && m.vocab_size % n == 0 && m.num_attention_heads % n == 0 && m.num_key_value_heads % n == 0,
+           "tensor parallelism over ", n, " ranks: ", n_, " tokens, vocab ", m.vocab_size);
+  t_ = n_ / n;  // sequence parallelism: this TP rank's rows of the residual stream
+  tp_ = n > 1 ? parallel.tp : nullptr;
+  vocab_offset_ = tp_ ? tp_->rank() * (m.vocab_size / n) : 0;
   if (c > 1)
     cpa_ = std::make_unique<ContextParallelAttention>(
-        *parallel.cp, CpAttentionShape{micro_batch, seq_len, m.num_attention_heads, m.num_key_value_heads, m.head_dim});
+        *parallel.cp,
+        CpAttentionShape{micro_batch, seq_len, m.num_attention_heads / n, m.num_key_value_heads / n, m.head_dim});
   for (int64_t l = 0; l < m.num_hidden_layers; ++l) {
-    layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, l_, l,
+    layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, l_, t_, l,
                                                      parallel.dispatchers ? parallel.dispatchers(l) : nullptr));
-    layers_.back()->moe().set_token_group(parallel.cp);
+    layers_.back()->moe().set_token_group(parallel.tokens);
   }
 }
 
 void Model::bind(Memory& mem) {
-  const int64_t h = m_.hidden_size, v = m_.vocab_size;
+  const int64_t h = m_.hidden_size, n = tp_ ? tp_->size() : 1;
+  const int64_t v = m_.vocab_size / n;
   const double std = m_.initializer_range;
-  embed_ = mem.param("model.embed_tokens.weight", {v, h}, Init::normal, std, true);
+  const ParamGroup tpg = ParamGroup::tensor_parallel;
+  // Vocabulary-parallel embedding and LM head: rows [vocab_offset_, + V/tp) here.
+  embed_ = mem.param("model.embed_tokens.weight", {v, h}, Init::normal, std, true, tpg, vocab_offset_, m_.vocab_size);
   dembed_ = mem.grad("model.embed_tokens.weight");
   cos_SD_ = mem.act({s_, m_.head_dim});
   sin_SD_ = mem.act({s_, m_.head_dim});
-  scratch_.bind(mem, m_, t_, l_);
+  scratch_.bind(mem, m_, n_, l_, m_.num_attention_heads / n * m_.head_dim, m_.num_key_value_heads / n * m_.head_dim);
   if (cpa_) cpa_->bind(mem);
   dn_TH_ = mem.act({t_, h});
   tmp_TH_ = mem.act({t_, h});
   res_.clear();
   for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({t_, h}));
-  for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), dn_TH_, tmp_TH_);
+  for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
   norm_ = mem.param("model.norm.weight", {h}, Init::ones, 0, false);
   dnorm_ = mem.grad("model.norm.weight");
-  lm_head_ = mem.param("lm_head.weight", {v, h}, Init::normal, std, true);
+  lm_head_ = mem.param("lm_head.weight", {v, h}, Init::normal, std, true, tpg, vocab_offset_, m_.vocab_size);
   dlm_head_ = mem.grad("lm_head.weight");
   ids_ = Tensor();
   targets_ = Tensor();
   nf_TH_ = mem.act({t_, h});
   rstdf_T_ = mem.act({t_});
-  logits_TV_ = mem.act({t_, v});
-  lse_T_ = mem.act({t_});
-  dlogits_TV_ = mem.act({t_, v});
+  logits_TV_ = mem.act({n_, v});
+  lse_T_ = mem.act({n_});
+  dlogits_TV_ = mem.act({n_, v});
   dnf_TH_ = mem.act({t_, h});
   dres_TH_ = mem.act({t_, h});
+  full_NH_ = mem.act({tp_ ? n_ : 0, h});
+  partial_NH_ = mem.act({tp_ ? n_ : 0, h});
+  if (tp_) ce_scratch_.bind(mem, n_);
   if (!mem.measuring()) rope_table(m_.rope_theta, cos_SD_, sin_SD_);
 }
 
@@ -135,21 +148,42 @@ void Model::init_params(std::vector<Param>& params, uint64_t seed) {
 double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS) {
   check_shape(ids_BS, {b_, l_}, "model input ids");
   check_shape(targets_BS, {b_, l_}, "model targets");
-  ids_ = ids_BS.view({t_});
-  targets_ = targets_BS.view({t_});
-  embedding_forward(ids_, embed_, res_[0]);
+  ids_ = ids_BS.view({n_});
+  targets_ = targets_BS.view({n_});
+  if (tp_) {  // every token's partial embedding from this vocabulary shard; rows summed and split
+    vocab_parallel_embedding_forward(ids_, embed_, vocab_offset_, partial_NH_);
+    tp_->reduce_scatter(partial_NH_, res_[0], ReduceOp::sum);
+  } else {
+    embedding_forward(ids_, embed_, res_[0]);
+  }
   for (int64_t l = 0; l < num_layers(); ++l) layers_[l]->forward(res_[l], res_[l + 1]);
   rmsnorm_forward(res_.back(), norm_, m_.rms_norm_eps, nf_TH_, rstdf_T_);
-  linear_forward(nf_TH_, lm_head_, logits_TV_);
-  return cross_entropy_forward(logits_TV_, targets_, lse_T_);
+  if (!tp_) {
+    linear_forward(nf_TH_, lm_head_, logits_TV_);
+    return cross_entropy_forward(logits_TV_, targets_, lse_T_);
+  }
+  tp_->all_gather(nf_TH_, full_NH_);
+  linear_forward(full_NH_, lm_head_, logits_TV_);
+  return vocab_parallel_cross_entropy_forward(*tp_, logits_TV_, vocab_offset_, targets_, lse_T_, ce_scratch_);
 }
 
 void Model::backward(double lm_grad_scale, double moe_loss_scale) {
-  cross_entropy_backward(logits_TV_, targets_, lse_T_, lm_grad_scale, dlogits_TV_);
-  linear_backward(nf_TH_, lm_head_, dlogits_TV_, dnf_TH_, dlm_head_);
+  if (tp_) {
+    vocab_parallel_cross_entropy_backward(logits_TV_, vocab_offset_, targets_, lse_T_, lm_grad_scale, dlogits_TV_);
+    linear_backward(full_NH_, lm_head_, dlogits_TV_, partial_NH_, dlm_head_);
+    tp_->reduce_scatter(partial_NH_, dnf_TH_, ReduceOp::sum);
+  } else {
+    cross_entropy_backward(logits_TV_, targets_, lse_T_, lm_grad_scale, dlogits_TV_);
+    linear_backward(nf_TH_, lm_head_, dlogits_TV_, dnf_TH_, dlm_head_);
+  }
   rmsnorm_backward(res_.back(), norm_, rstdf_T_, dnf_TH_, dres_TH_, dnorm_);
   for (int64_t l = num_layers() - 1; l >= 0; --l) layers_[l]->backward(dres_TH_, moe_loss_scale);
-  embedding_backward(ids_, dres_TH_, dembed_);
+  if (tp_) {
+    tp_->all_gather(dres_TH_, full_NH_);
+    vocab_parallel_embedding_backward(ids_, full_NH_, vocab_offset_, dembed_);
+  } else {
+    embedding_backward(ids_, dres_TH_, dembed_);
+  }
 }
 
 double Model::aux_loss() const {

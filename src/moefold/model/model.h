@@ -13,6 +13,7 @@
 #include "moefold/model/attention.h"
 #include "moefold/model/config.h"
 #include "moefold/moe/moe_layer.h"
+#include "moefold/parallel/vocab_parallel.h"
 
 namespace moefold {
 
@@ -22,16 +23,19 @@ using DispatcherFactory = std::function<std::unique_ptr<Dispatcher>(int64_t laye
 
 // What the model is handed from outside about parallelism (STYLE.md item 4).
 struct ModelParallel {
-  DispatcherFactory dispatchers;  // expert parallelism (empty: local experts)
-  Communicator* cp = nullptr;     // context-parallel group (null or size 1: whole sequences)
+  DispatcherFactory dispatchers;   // expert parallelism (empty: local experts)
+  Communicator* cp = nullptr;      // context-parallel group (null or size 1: whole sequences)
+  Communicator* tp = nullptr;      // tensor-parallel group, with sequence parallelism
+  Communicator* tokens = nullptr;  // the ranks splitting a micro-batch's tokens (TP x CP)
 };
 
 class DecoderLayer {
  public:
-  DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t index,
+  // seq_len: tokens per sequence here (S/c); rows: tokens of the residual stream here (B*S/c/tp).
+  DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows, int64_t index,
                std::unique_ptr<Dispatcher> dispatcher);
   void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-            ContextParallelAttention* cp, const Tensor& dn_TH, const Tensor& tmp_TH);
+            ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH);
   // x_TH -> out_TH (written); x_TH must stay unchanged until backward.
   void forward(const Tensor& x_TH, const Tensor& out_TH);
   // On entry dres_TH = d(out); on exit d(x). moe_loss_scale weights the router losses.
@@ -82,7 +86,10 @@ class Model {
  private:
   ModelConfig m_;
   MoeConfig e_;
-  int64_t b_, s_, l_, t_;                          // batch, full sequence, local sequence, local tokens
+  int64_t b_, s_, l_, t_;                          // batch, full sequence, local sequence, residual rows here (B*l_/tp)
+  int64_t n_ = 0;                                  // tokens of the local sequences (B*l_): every TP rank's rows
+  Communicator* tp_ = nullptr;                     // size > 1 only
+  int64_t vocab_offset_ = 0;                       // first vocabulary row held here (tensor parallelism)
   std::unique_ptr<ContextParallelAttention> cpa_;  // shared by every layer (stateless between calls)
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   AttentionScratch scratch_;
@@ -90,6 +97,8 @@ class Model {
   Tensor cos_SD_, sin_SD_;
   std::vector<Tensor> res_;  // residual stream: res_[l] is the input of layer l, res_[L] the output
   Tensor ids_, targets_, nf_TH_, rstdf_T_, logits_TV_, lse_T_, dlogits_TV_, dnf_TH_, dres_TH_, dn_TH_, tmp_TH_;
+  Tensor full_NH_, partial_NH_;      // tensor parallelism: every TP rank's rows; partial sums
+  VocabParallelScratch ce_scratch_;  // vocabulary-parallel cross-entropy
 };
 
 }  // namespace moefold

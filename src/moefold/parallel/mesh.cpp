@@ -24,6 +24,8 @@ Mesh Mesh::build(Communicator& world, const ParallelConfig& d) {
   m.cp = world.split(m.dp_rank * tp + m.tp_rank, m.cp_rank, "cp");
   m.dp = world.split(m.cp_rank * tp + m.tp_rank, m.dp_rank, "dp");
   m.dp_cp = world.split(m.tp_rank, m.dp_rank * cp + m.cp_rank, "dp_cp");
+  m.tp_cp = world.split(m.dp_rank, m.cp_rank * tp + m.tp_rank, "tp_cp");
+  m.dense = world.split(0, r, "dense");
   m.etp = world.split(m.edp_rank * ep + m.ep_rank, m.etp_rank, "etp");
   m.ep = world.split(m.edp_rank * etp + m.etp_rank, m.ep_rank, "ep");
   m.edp = world.split(m.ep_rank * etp + m.etp_rank, m.edp_rank, "edp");

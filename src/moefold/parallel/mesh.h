@@ -19,7 +19,9 @@ struct Mesh {
   int etp_rank = 0, ep_rank = 0, edp_rank = 0;  // MoE view
 
   Communicator* world = nullptr;                    // not owned
-  std::unique_ptr<Communicator> tp, cp, dp, dp_cp;  // dense groups; dp_cp reduces dense gradients
+  std::unique_ptr<Communicator> tp, cp, dp, dp_cp;  // dense groups; dp_cp reduces TP-sharded gradients
+  std::unique_ptr<Communicator> tp_cp;              // the ranks splitting one micro-batch's tokens
+  std::unique_ptr<Communicator> dense;              // DP x CP x TP: reduces replicated gradients
   std::unique_ptr<Communicator> etp, ep, edp;       // MoE groups; edp reduces expert gradients
   std::unique_ptr<Communicator> ep_etp;             // the ranks whose expert shards are disjoint
 

@@ -79,15 +79,15 @@ struct ShardedNames {
   std::vector<std::vector<float>> storage;  // whole tensors assembled from ETP slices
 };
 
-// The whole Hugging Face tensor of view `v`: the view itself, or (expert tensor parallelism) its
-// slices gathered over the ETP group, in offset order (ETP rank r holds offset r * size).
-// Collective over `etp` when v.dim >= 0.
-Tensor whole_tensor(const NamedView& v, Communicator& etp, std::vector<std::vector<float>>& storage) {
+// The whole Hugging Face tensor of view `v`: the view itself, or (tensor or expert tensor
+// parallelism) its slices gathered over `group`, in offset order (rank r holds offset r * size).
+// Collective over `group` when v.dim >= 0.
+Tensor whole_tensor(const NamedView& v, Communicator& group, std::vector<std::vector<float>>& storage) {
   if (v.dim < 0) return v.value;
-  const int64_t g = etp.size(), rows = v.value.size(0), cols = v.value.size(1);
+  const int64_t g = group.size(), rows = v.value.size(0), cols = v.value.size(1);
   MF_CHECK(v.value.dtype() == DType::f32 && v.value.ndim() == 2 && v.global_size == g * v.value.size(v.dim), v.name);
   std::vector<float> gathered(static_cast<size_t>(g * rows * cols));
-  etp.all_gather(v.value.view({1, rows * cols}), Tensor(gathered.data(), DType::f32, {g, rows * cols}));
+  group.all_gather(v.value.view({1, rows * cols}), Tensor(gathered.data(), DType::f32, {g, rows * cols}));
   if (v.dim == 0) {
     storage.push_back(std::move(gathered));
     return Tensor(storage.back().data(), DType::f32, {g * rows, cols});
@@ -102,18 +102,21 @@ Tensor whole_tensor(const NamedView& v, Communicator& etp, std::vector<std::vect
   return Tensor(storage.back().data(), DType::f32, {rows, g * cols});
 }
 
-// What this rank writes: dense parameters on rank 0, expert shards on the first EDP replica
-// (ETP rank 0, after gathering the FFN slices). Every rank calls it (the gathers are collective).
+// What this rank writes: dense parameters on rank 0 (TP shards gathered first), expert shards on
+// the first EDP replica (ETP rank 0, after gathering the FFN slices). Every rank calls it (the
+// gathers are collective).
 ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, const Mesh& mesh) {
   ShardedNames out;
   for (size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
     const bool expert = p.group == ParamGroup::expert;
     const bool mine = expert ? mesh.edp_rank == 0 && mesh.etp_rank == 0 : mesh.world_rank == 0;
-    if (!mine && !(expert && p.shard_dim >= 0)) continue;
+    Communicator& group = expert ? *mesh.etp : *mesh.tp;  // the group its slices are split over
+    const bool sliced = group.size() > 1 && (expert ? p.shard_dim >= 0 : p.group == ParamGroup::tensor_parallel);
+    if (!mine && !sliced) continue;
     auto add = [&](const Tensor& of, const char* suffix, std::vector<SafetensorsEntry>& to) {
       for (const NamedView& v : hf_views(p, of)) {
-        Tensor whole = whole_tensor(v, *mesh.etp, out.storage);
+        Tensor whole = whole_tensor(v, group, out.storage);
         if (mine) to.push_back({v.name + suffix, whole, DType::f32});
       }
     };

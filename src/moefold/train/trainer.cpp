@@ -14,7 +14,8 @@ namespace moefold {
 namespace {
 DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
   if (mesh.dims.ep == 1 && mesh.dims.etp == 1) return {};
-  const int64_t tokens = cfg.train.micro_batch_size * cfg.train.seq_len / mesh.dims.cp;
+  // Rows of the residual stream per rank: sequences split over CP, then rows over TP.
+  const int64_t tokens = cfg.train.micro_batch_size * cfg.train.seq_len / (mesh.dims.cp * mesh.dims.tp);
   return [&cfg, &mesh, tokens](int64_t) -> std::unique_ptr<Dispatcher> {
     if (mesh.dims.etp > 1)  // tokens all-gathered over ETP, then all-to-all over EP
       return std::make_unique<AllGatherDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.etp,
@@ -28,7 +29,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh)
     : cfg_(cfg),
       mesh_(mesh),
       model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
-             ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get()}),
+             ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()}),
       mem_(DType::f32),
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
@@ -123,17 +124,26 @@ void Trainer::accumulate_gradients() {
     model_.backward(1.0 / static_cast<double>(tokens), 1.0 / static_cast<double>(all_micro));
   }
   loader_.set_position(position + cfg_.train.global_batch_size);
-  // Gradients: dense parameters are replicas over DP x CP, experts over EDP.
-  reduce_dense(mem_.grad_block(ParamGroup::dense));
+  // Gradients: replicated parameters over DP x CP x TP (sequence parallelism gives each TP rank
+  // other tokens), TP shards over DP x CP, experts over EDP.
+  if (mesh_.dense->size() > 1) mesh_.dense->all_reduce(mem_.grad_block(ParamGroup::dense), ReduceOp::sum);
+  reduce_dense(mem_.grad_block(ParamGroup::tensor_parallel));
   if (mesh_.edp->size() > 1) mesh_.edp->all_reduce(mem_.grad_block(ParamGroup::expert), ReduceOp::sum);
-  // Global norm: every element once. Dense gradients are identical on every rank after the
-  // reduction; expert shards are disjoint over EP x ETP (and identical over EDP).
-  double expert_sq = sum_squares(mem_.grad_block(ParamGroup::expert));
-  Tensor expert_sq_t(&expert_sq, DType::f64, {1});
-  if (mesh_.ep_etp->size() > 1) mesh_.ep_etp->all_reduce(expert_sq_t, ReduceOp::sum);
+  // Global norm: every element once. Replicated gradients are identical on every rank after the
+  // reduction; TP shards are disjoint over TP, expert shards over EP x ETP.
+  double sq[2] = {sum_squares(mem_.grad_block(ParamGroup::tensor_parallel)),
+                  sum_squares(mem_.grad_block(ParamGroup::expert))};
+  if (mesh_.tp->size() > 1) mesh_.tp->all_reduce(Tensor(&sq[0], DType::f64, {1}), ReduceOp::sum);
+  if (mesh_.ep_etp->size() > 1) mesh_.ep_etp->all_reduce(Tensor(&sq[1], DType::f64, {1}), ReduceOp::sum);
   const double dense_sq = sum_squares(mem_.grad_block(ParamGroup::dense));
+  const double expert_sq = sq[0] + sq[1];
+  // The LM loss is complete on every TP rank; router losses and expert loads are per TP rank.
   reduce_dense(stats_);
   reduce_dense(load_sum_LE_);
+  if (mesh_.tp->size() > 1) {
+    mesh_.tp->all_reduce(stats_.slice(1, 3), ReduceOp::sum);
+    mesh_.tp->all_reduce(load_sum_LE_, ReduceOp::sum);
+  }
 
   StepMetrics& out = metrics_;
   out.lm_loss = stats[0] / static_cast<double>(tokens);
