@@ -74,7 +74,10 @@ TEST(Config, BadInputNamesTheKey) {
   EXPECT_NE(err("[moe]\nscoring_func = \"relu\"\n").find("moe.scoring_func"), std::string::npos);
   EXPECT_NE(err("[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\n").find("does not divide"), std::string::npos);
   EXPECT_NE(err("[model]\nhidden_size = \n").find("TOML syntax error"), std::string::npos);
-  EXPECT_NE(err("[parallel]\ntp = 2\n").find("tensor parallelism is not implemented yet"), std::string::npos);
+  EXPECT_NE(err("[parallel]\ntp = 3\n").find("must both be divisible by parallel.tp = 3"), std::string::npos);
+  EXPECT_NE(err("[parallel]\npp = 2\n").find("pipeline parallelism is not implemented yet"), std::string::npos);
+  EXPECT_NE(err("[parallel]\ncp = 3\n").find("train.seq_len = 128 is not divisible by 2 x parallel.cp = 6"),
+            std::string::npos);
   EXPECT_NE(err("[parallel]\nep = 3\n").find("moe.num_experts = 8 is not divisible by parallel.ep = 3"),
             std::string::npos);
   EXPECT_NE(err("[parallel]\nepp = 3\n").find("unknown key 'parallel.epp'"), std::string::npos);

@@ -125,6 +125,7 @@ TEST_F(Layouts, OneStepLossAndEveryGradientMatchOneRank) {
       worst = std::max(worst, e);
       EXPECT_LE(e, 1e-5) << p.name;
     }
+    if (world.rank() == 0) std::printf("verified %s\n", name(l, world.size()).c_str());
   }
   if (world.rank() == 0) std::printf("largest relative gradient error: %.3g\n", worst);
 }
