@@ -19,26 +19,19 @@
 #include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
 #include "moefold/moe/dispatcher.h"
+#include "moefold/moe/ep_exchange.h"
 #include "moefold/moe/moe_config.h"
 
 namespace moefold {
 
-// The DispatchPlan of an ETP (x EP) dispatch. counts_E / offsets_E1 / num_rows / rows_RH describe
-// the L LOCAL experts' rows, expert-major, and within an expert by source (EP peer q, then ETP
-// rank g); row_TK / token_R are this rank's own permutation into its S home rows.
-struct AllGatherPlan : DispatchPlan {
-  int64_t num_home_rows = 0;  // S: this rank's home rows
+// The DispatchPlan of an ETP (x EP) dispatch: the fields of EpPlan, whose sources are the G ETP
+// ranks of each EP peer (within a local expert: EP peer q, then ETP rank g), and the ETP send plan.
+struct AllGatherPlan : EpPlan {
   int64_t num_send_rows = 0;  // X: rows sent over EP (every ETP source's rows, by EP peer)
-  Tensor home_counts_E;       // i64 [E]: this rank's home rows per global expert
-  Tensor home_offsets_E1;     // i64 [E+1]
   Tensor home_counts_GE;      // i64 [G, E]: home_counts_E of every ETP rank (all-gathered)
-  Tensor send_counts_P;       // i64 [P]: rows to EP peer p (its experts' rows from all G sources)
-  Tensor recv_counts_P;       // i64 [P]
   Tensor recv_counts_PGL;     // i64 [P, G, L]: rows from (EP peer p, its ETP source g) to local expert l
   Tensor pack_X;              // i64 [X]: send[i] = gathered[pack_X[i]] (gathered: [G * s_max] rows)
   Tensor unpack_GS;           // i64 [G * s_max]: gathered[j] = send[unpack_GS[j]] (-1: row unused, 0)
-  Tensor gather_R;            // i64 [R]: rows_RH[r] = received[gather_R[r]] (source-major -> expert-major)
-  Tensor scatter_R;           // i64 [R]: the inverse
 };
 
 class AllGatherDispatcher final : public Dispatcher {
@@ -52,17 +45,17 @@ class AllGatherDispatcher final : public Dispatcher {
                       Communicator* ep = nullptr);
 
   void bind(Memory& mem) override;
-  int64_t num_local_experts() const override { return num_local_; }
-  int64_t first_local_expert() const override { return ep_->rank() * num_local_; }
+  int64_t num_local_experts() const override { return ex_.num_local(); }
+  int64_t first_local_expert() const override { return ex_.ep().rank() * ex_.num_local(); }
   // G times AllToAllDispatcher's bound: G * P sources, each sending at most what one rank's
   // tokens can put on L experts.
-  int64_t max_rows() const override;
+  int64_t max_rows() const override { return ex_.max_rows(); }
   // The F-slice the experts fed by this dispatcher hold.
   int64_t ffn_local() const { return cfg_.moe_intermediate_size / etp_.size(); }
   int64_t ffn_first() const { return etp_.rank() * ffn_local(); }
   const AllGatherPlan& plan() const { return plan_; }  // REQUIRES: after dispatch
   Communicator& etp_group() const { return etp_; }
-  Communicator& ep_group() const { return *ep_; }
+  Communicator& ep_group() const { return ex_.ep(); }
 
   // Collective over ETP (all-gather), then over EP (counts, rows).
   const DispatchPlan& dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) override;
@@ -77,27 +70,23 @@ class AllGatherDispatcher final : public Dispatcher {
   void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) override;
 
  private:
-  void check_plan(const DispatchPlan& plan, const char* op) const;
   // home_SH rows of every ETP rank -> rows_RH (dispatch, combine_backward).
   void rows_out(const Tensor& home_SH, const Tensor& rows_RH);
   // rows_RH -> the sum over ETP of every ETP rank's rows, at their home (combine, dispatch_backward).
   void rows_back(const Tensor& rows_RH, const Tensor& home_SH);
 
   MoeConfig cfg_;
-  int64_t hidden_, max_tokens_, s_max_, num_local_;
+  int64_t hidden_;
   Communicator& etp_;
   std::unique_ptr<Communicator> self_ep_;  // the one-rank EP group when none is given
-  Communicator* ep_;
-  // Index buffers (max sizes); plan_ holds views of their used part.
-  Tensor home_counts_E_, home_offsets_E1_, row_TK_, home_token_S_, home_counts_GE_, send_counts_PGL_;
-  Tensor recv_counts_PGL_, send_counts_P_, recv_counts_P_, counts_L_, offsets_L1_, pack_X_, unpack_GS_;
-  Tensor gather_R_, scatter_R_;
-  // Row buffers: own_SH_ (x rows in dispatch, dhome in the backwards), home_SH_ (summed outputs,
-  // kept from combine to combine_backward), gathered_GSH_ (G blocks of s_max rows), send_XH_,
-  // recv_RH_ (EP staging), rows_RH_ (the experts' input, kept until their backward).
-  Tensor own_SH_, home_SH_, gathered_GSH_, send_XH_, recv_RH_, rows_RH_;
+  // The EP exchange of G sources per peer: home routing, own_SH (x rows in dispatch, dhome in the
+  // backwards), home_SH (summed outputs, kept from combine to combine_backward), EP staging, rows.
+  EpExchange ex_;
+  // The ETP side (max sizes; plan_ holds views of their used part): gathered_GSH_ (G blocks of
+  // s_max rows), send_XH_ (rows over EP, peer-major).
+  Tensor home_counts_GE_, send_counts_PGL_, pack_X_, unpack_GS_;
+  Tensor gathered_GSH_, send_XH_;
   AllGatherPlan plan_;
-  bool combined_ = false;
 };
 
 }  // namespace moefold

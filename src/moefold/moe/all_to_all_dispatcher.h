@@ -14,24 +14,14 @@
 #include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
 #include "moefold/moe/dispatcher.h"
+#include "moefold/moe/ep_exchange.h"
 #include "moefold/moe/moe_config.h"
 
 namespace moefold {
 
-// The DispatchPlan of an EP dispatch. The base fields mean what they mean for LocalDispatcher
-// with two differences: counts_E / offsets_E1 / num_rows / rows_RH describe the L LOCAL experts'
-// rows (received from every peer, expert-major: expert l's rows from peer 0, then peer 1, ...);
-// row_TK / token_R are this rank's own permutation into the S home rows (capacity and padding
-// applied locally, from this rank's T), not into rows_RH.
-struct AllToAllPlan : DispatchPlan {
-  int64_t num_home_rows = 0;  // S: rows this rank sends (its assignments, padding included)
-  Tensor home_counts_E;       // i64 [E]: home rows per GLOBAL expert (what peers learn as counts)
-  Tensor home_offsets_E1;     // i64 [E+1]: first home row of each global expert
-  Tensor send_counts_P;       // i64 [P]: home rows to peer p (the rows of p's experts, in order)
-  Tensor recv_counts_P;       // i64 [P]: rows received from peer p
-  Tensor recv_counts_PL;      // i64 [P, L]: rows peer p sent to local expert l (padding included)
-  Tensor gather_R;            // i64 [R]: rows_RH[r] = received[gather_R[r]] (peer-major -> expert-major)
-  Tensor scatter_R;           // i64 [R]: received[i] = rows_RH[scatter_R[i]] (the inverse)
+// The DispatchPlan of an EP dispatch (the fields of EpPlan, whose sources are the P peers).
+struct AllToAllPlan : EpPlan {
+  Tensor recv_counts_PL;  // i64 [P, L]: rows peer p sent to local expert l (padding included)
 };
 
 class AllToAllDispatcher final : public Dispatcher {
@@ -42,18 +32,19 @@ class AllToAllDispatcher final : public Dispatcher {
   // this dispatcher.
   AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep);
 
-  // Most rows one rank can receive: EP times what one peer can send to one rank's L experts,
-  // T * min(K, L) dropless (each token's K experts are distinct), L * capacity(T) padded, the
-  // smaller of the two with a capacity. Every peer sends all its rows here in the worst case.
-  static int64_t max_recv_rows(const MoeConfig& cfg, int64_t max_tokens, int ep_size);
+  // Most rows one rank can receive (ep_max_recv_rows): every peer sends all its rows here in the
+  // worst case.
+  static int64_t max_recv_rows(const MoeConfig& cfg, int64_t max_tokens, int ep_size) {
+    return ep_max_recv_rows(cfg, max_tokens, ep_size);
+  }
 
   void bind(Memory& mem) override;
-  int64_t num_local_experts() const override { return num_local_; }
-  int64_t first_local_expert() const override { return ep_.rank() * num_local_; }
-  int64_t max_rows() const override { return max_recv_rows(cfg_, max_tokens_, ep_.size()); }
+  int64_t num_local_experts() const override { return ex_.num_local(); }
+  int64_t first_local_expert() const override { return ex_.ep().rank() * ex_.num_local(); }
+  int64_t max_rows() const override { return ex_.max_rows(); }
   // The EP view of the last dispatch (REQUIRES: after dispatch).
   const AllToAllPlan& plan() const { return plan_; }
-  Communicator& group() const { return ep_; }
+  Communicator& group() const { return ex_.ep(); }
 
   // Collective over the EP group (count exchange, then rows): every EP rank calls it together.
   const DispatchPlan& dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) override;
@@ -67,20 +58,9 @@ class AllToAllDispatcher final : public Dispatcher {
   void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) override;
 
  private:
-  void check_plan(const DispatchPlan& plan, const char* op) const;
-
-  MoeConfig cfg_;
-  int64_t hidden_, max_tokens_, num_local_;
-  Communicator& ep_;
-  // Index buffers, sized for max_tokens; plan_ holds views of their used part.
-  Tensor home_counts_E_, home_offsets_E1_, row_TK_, home_token_S_;
-  Tensor recv_counts_PL_, send_counts_P_, recv_counts_P_, counts_L_, offsets_L1_, gather_R_, scatter_R_;
-  // Row buffers: send_SH_ (x rows out in dispatch; then dy / dx rows in the backwards), home_SH_
-  // (expert outputs back home, kept from combine to combine_backward), recv_RH_ (peer-major
-  // staging for every exchange), rows_RH_ (the experts' input, kept until their backward).
-  Tensor send_SH_, home_SH_, recv_RH_, rows_RH_;
+  // Buffers and steps; the home rows (own_SH) are this rank's send rows.
+  EpExchange ex_;
   AllToAllPlan plan_;
-  bool combined_ = false;
 };
 
 }  // namespace moefold
