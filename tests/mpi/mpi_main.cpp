@@ -9,6 +9,7 @@
 
 #include "moefold/comm/mpi.h"
 #include "mpi_testing.h"
+#include "testing.h"
 
 namespace moefold::testing {
 namespace {
@@ -41,6 +42,12 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 Communicator& test_world() {
   MF_CHECK(g_world != nullptr, "test_world() outside mpi_main");
   return *g_world;
+}
+
+uint64_t shared_seed(Communicator& comm) {
+  int64_t seed = static_cast<int64_t>(fresh_seed());
+  comm.broadcast(Tensor(&seed, DType::i64, {1}), 0);
+  return static_cast<uint64_t>(seed);
 }
 
 }  // namespace moefold::testing

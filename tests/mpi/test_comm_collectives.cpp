@@ -18,6 +18,7 @@
 namespace moefold {
 namespace {
 
+using moefold::testing::shared_seed;
 using moefold::testing::test_world;
 
 // Exact in every tested dtype (|v| < 2^24): a collective that moves or adds the wrong element
@@ -31,13 +32,6 @@ template <class T>
 Tensor view(std::vector<T>& v, int64_t rows, int64_t cols) {
   EXPECT_EQ(static_cast<int64_t>(v.size()), rows * cols);
   return Tensor(v.data(), dtype_of<T>(), {rows, cols});
-}
-
-// Fresh each run, equal on every rank (rank 0's seed, broadcast).
-uint64_t shared_seed(Communicator& comm) {
-  int64_t seed = static_cast<int64_t>(moefold::testing::fresh_seed());
-  comm.broadcast(Tensor(&seed, DType::i64, {1}), 0);
-  return static_cast<uint64_t>(seed);
 }
 
 template <class T>

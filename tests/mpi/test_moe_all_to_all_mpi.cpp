@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_rig.h"
 #include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
 #include "moefold/core/rng.h"
@@ -31,6 +32,7 @@ namespace {
 using testing::max_abs;
 using testing::max_abs_diff;
 using testing::Pool;
+using testing::shared_seed;
 using testing::test_world;
 
 const std::string kPrefix = "model.layers.0.mlp";
@@ -39,25 +41,10 @@ constexpr int64_t kE = 8, kH = 6, kF = 5;
 // f64 throughout; the EP layer and the references add the same terms in different orders only.
 constexpr double kTol = 1e-10;
 
-// Fresh each run, equal on every rank (rank 0's seed, broadcast).
-uint64_t shared_seed(Communicator& comm) {
-  int64_t seed = static_cast<int64_t>(testing::fresh_seed());
-  comm.broadcast(Tensor(&seed, DType::i64, {1}), 0);
-  return static_cast<uint64_t>(seed);
-}
-
-// A MoeLayer bound to its own Memory (both passes); LocalDispatcher when d is null.
-struct Rig {
-  Memory mem{DType::f64};
-  MoeLayer layer;
+// A MoeLayer (hidden kH, parameters under kPrefix) bound to its own Memory; LocalDispatcher when d is null.
+struct Rig : testing::MoeRig {
   Rig(const MoeConfig& cfg, int64_t max_t, std::unique_ptr<Dispatcher> d)
-      : layer(d ? MoeLayer(cfg, kH, max_t, kPrefix, std::move(d)) : MoeLayer(cfg, kH, max_t, kPrefix)) {
-    layer.bind(mem);
-    mem.allocate();
-    layer.bind(mem);
-    mem.finish_binding();
-  }
-  const Param& param(const std::string& suffix) const { return *mem.find(kPrefix + suffix); }
+      : MoeRig(cfg, kH, max_t, kPrefix, std::move(d)) {}
 };
 
 struct Case {

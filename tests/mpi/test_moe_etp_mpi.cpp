@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_rig.h"
 #include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
 #include "moefold/core/rng.h"
@@ -29,6 +30,7 @@ namespace {
 using testing::max_abs;
 using testing::max_abs_diff;
 using testing::Pool;
+using testing::shared_seed;
 using testing::test_world;
 
 const std::string kPrefix = "model.layers.0.mlp";
@@ -36,23 +38,10 @@ constexpr int64_t kE = 8, kH = 6, kF = 8;
 // f64 throughout; the ETP layer and the references add the same terms in different orders only.
 constexpr double kTol = 1e-10;
 
-uint64_t shared_seed(Communicator& comm) {
-  int64_t seed = static_cast<int64_t>(testing::fresh_seed());
-  comm.broadcast(Tensor(&seed, DType::i64, {1}), 0);
-  return static_cast<uint64_t>(seed);
-}
-
-struct Rig {
-  Memory mem{DType::f64};
-  MoeLayer layer;
+// A MoeLayer (hidden kH, parameters under kPrefix) bound to its own Memory; LocalDispatcher when d is null.
+struct Rig : testing::MoeRig {
   Rig(const MoeConfig& cfg, int64_t max_t, std::unique_ptr<Dispatcher> d)
-      : layer(d ? MoeLayer(cfg, kH, max_t, kPrefix, std::move(d)) : MoeLayer(cfg, kH, max_t, kPrefix)) {
-    layer.bind(mem);
-    mem.allocate();
-    layer.bind(mem);
-    mem.finish_binding();
-  }
-  const Param& param(const std::string& suffix) const { return *mem.find(kPrefix + suffix); }
+      : MoeRig(cfg, kH, max_t, kPrefix, std::move(d)) {}
 };
 
 // This rank's shard of the expert weights: experts [e0, e0 + l_n), F columns [f0, f0 + fl).

@@ -19,15 +19,10 @@ namespace {
 
 using moefold::testing::max_abs_diff;
 using moefold::testing::Pool;
+using moefold::testing::shared_seed;
 using moefold::testing::test_world;
 
 constexpr double kTol = 1e-10;  // float64; the CP sum over ranks reorders additions only
-
-uint64_t shared_seed(Communicator& comm) {
-  int64_t seed = static_cast<int64_t>(moefold::testing::fresh_seed());
-  comm.broadcast(Tensor(&seed, DType::i64, {1}), 0);
-  return static_cast<uint64_t>(seed);
-}
 
 // The same normal values on every rank.
 Tensor shared_randn(Pool& pool, Shape shape, std::mt19937_64& rng) {
