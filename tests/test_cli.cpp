@@ -8,6 +8,8 @@
 #include <sstream>
 
 #include "moefold/core/error.h"
+#include "moefold/data/npy.h"
+#include "moefold/data/token_dataset.h"
 #include "testing.h"
 
 namespace moefold {
@@ -181,6 +183,63 @@ TEST(Cli, PrepareTrainResumeAndBadCheckpoint) {
                         {"step_00000005/model.safetensors"});
   expect_one_line_error(run(cat("train --run-dir empty --resume --set data.path=data.tokens ", kSmall), d),
                         {"no checkpoint"});
+}
+
+TEST(Cli, EvalMatchesTheTrainersHeldOutLoss) {
+  testing::TempDir tmp("test_cli");
+  const fs::path& d = tmp.path();
+  std::string text;
+  for (int i = 0; i < 300; ++i) text += cat("line ", i % 11, ": the quick brown fox jumps over the lazy dog\n");
+  write(d / "a.txt", text);
+  ASSERT_EQ(run("prepare a.txt -o data.tokens", d).code, 0);
+  // eval_batches = 2 held-out micro-batches of 2 sequences: 4 windows of seq_len + 1 = 17 tokens.
+  Result t = run(cat("train --run-dir run --steps 3 --set data.path=data.tokens --set data.valid_fraction=0.1 ", kSmall,
+                     " --set train.eval_batches=2"),
+                 d);
+  ASSERT_EQ(t.code, 0) << t.err;
+  std::ifstream metrics(d / "run" / "metrics.jsonl");
+  std::string line, last;
+  while (std::getline(metrics, line)) last = line;
+  const size_t at = last.find("\"eval_loss\":");
+  ASSERT_NE(at, std::string::npos) << last;
+  const double want = std::stod(last.substr(at + 12));
+  // The same windows the trainer evaluated, as a 2-D int32 .npy (one sequence per row).
+  TokenDataset data = open_token_dataset((d / "data.tokens").string());
+  const int64_t n_valid = static_cast<int64_t>(0.1 * static_cast<double>(data.num_tokens()));
+  const int64_t first = data.num_tokens() - n_valid, rows = 4, cols = 17;
+  std::vector<int32_t> toks(static_cast<size_t>(rows * cols));
+  data.copy_tokens(first, rows * cols, toks.data());
+  write_npy_tokens((d / "valid.npy").string(), toks, rows, cols);
+  Result e = run("eval --checkpoint run/checkpoints/step_00000003 --tokens valid.npy", d);
+  ASSERT_EQ(e.code, 0) << e.err;
+  const size_t lat = e.out.find("\"loss\": ");
+  ASSERT_NE(lat, std::string::npos) << e.out;
+  const double got = std::stod(e.out.substr(lat + 8));
+  EXPECT_NEAR(got, want, 1e-5 * want) << e.out;
+  EXPECT_NE(e.out.find("\"tokens\": 64, \"sequences\": 4, \"step\": 3"), std::string::npos) << e.out;
+  // The token file with --seq-len reads consecutive sequences from the start.
+  Result f = run("eval --checkpoint run/checkpoints/step_00000003 --tokens data.tokens --seq-len 17", d);
+  EXPECT_EQ(f.code, 0) << f.err;
+  EXPECT_NE(f.out.find("\"sequences\": "), std::string::npos) << f.out;
+  // Bad input: one line naming the file.
+  std::string bytes = testing::read_bytes((d / "valid.npy").string());
+  testing::write_bytes((d / "cut.npy").string(), bytes.substr(0, bytes.size() - 5));
+  expect_one_line_error(run("eval --checkpoint run/checkpoints/step_00000003 --tokens cut.npy", d),
+                        {"cut.npy", "truncated"});
+  write_npy_tokens((d / "big.npy").string(), std::vector<int32_t>(6, 400), 2, 3);
+  expect_one_line_error(run("eval --checkpoint run/checkpoints/step_00000003 --tokens big.npy", d),
+                        {"big.npy", "token id 400", "outside the vocabulary"});
+  std::string flat = bytes;
+  flat.replace(flat.find("(4, 17)"), 7, "(68,)  ");
+  testing::write_bytes((d / "flat.npy").string(), flat);
+  expect_one_line_error(run("eval --checkpoint run/checkpoints/step_00000003 --tokens flat.npy", d),
+                        {"flat.npy", "2-D"});
+  std::string floats = bytes;
+  floats.replace(floats.find("<i4"), 3, "<f4");
+  testing::write_bytes((d / "f.npy").string(), floats);
+  expect_one_line_error(run("eval --checkpoint run/checkpoints/step_00000003 --tokens f.npy", d), {"f.npy", "<f4"});
+  expect_one_line_error(run("eval --checkpoint nowhere --tokens valid.npy", d), {"nowhere/config.toml"});
+  expect_one_line_error(run("eval --checkpoint run/checkpoints/step_00000003 --tokens data.tokens", d), {"--seq-len"});
 }
 
 }  // namespace

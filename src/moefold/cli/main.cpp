@@ -1,4 +1,4 @@
-// The moefold command line: train, info, config, prepare. User mistakes end in one line on stderr
+// The moefold command line: train, eval, info, config, prepare. User mistakes end in one line on stderr
 // ("moefold: error: ...") and exit code 1; usage mistakes get CLI11's message and non-zero code.
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -12,9 +12,12 @@
 #include "moefold/comm/communicator.h"
 #include "moefold/comm/mpi.h"
 #include "moefold/core/error.h"
+#include "moefold/data/npy.h"
 #include "moefold/data/prepare.h"
+#include "moefold/data/token_dataset.h"
 #include "moefold/model/config.h"
 #include "moefold/ops/blas.h"
+#include "moefold/train/evaluate.h"
 #include "moefold/train/run.h"
 
 namespace {
@@ -86,6 +89,13 @@ int main(int argc, char** argv) {
   CLI::App* show = app.add_subcommand("config", "print the resolved config as TOML (every key)");
   add_config(show);
 
+  CLI::App* eval = app.add_subcommand("eval", "mean next-token loss of sequences under a checkpoint (one JSON line)");
+  std::string eval_ckpt, eval_tokens;
+  int64_t eval_seq_len = 0;
+  eval->add_option("--checkpoint", eval_ckpt, "checkpoint directory (runs/.../checkpoints/step_NNNNNNNN)")->required();
+  eval->add_option("--tokens", eval_tokens, "2-D int32/int64 .npy (one sequence per row) or a token file")->required();
+  eval->add_option("--seq-len", eval_seq_len, "with a token file: consecutive sequences of this many tokens");
+
   CLI::App* prep = app.add_subcommand("prepare", "tokenize text files or directories into a token file");
   std::vector<std::string> inputs;
   std::string output, format = "plain";
@@ -121,6 +131,26 @@ int main(int argc, char** argv) {
       run_training(cfg, run, *world);
     } else if (*info) {
       print_info(load_config(config_spec, overrides));
+    } else if (*eval) {
+      std::vector<int32_t> tokens;
+      int64_t rows = 0, cols = 0;
+      if (eval_tokens.ends_with(".npy")) {
+        NpyTokens t = read_npy_tokens(eval_tokens);
+        tokens = std::move(t.tokens);
+        rows = t.rows;
+        cols = t.cols;
+      } else {
+        if (eval_seq_len < 2) MF_FAIL("--seq-len ", eval_seq_len, ": a token file needs --seq-len >= 2");
+        TokenDataset data = open_token_dataset(eval_tokens);
+        cols = eval_seq_len;
+        rows = data.num_tokens() / cols;
+        tokens.resize(static_cast<size_t>(rows * cols));
+        if (rows > 0) data.copy_tokens(0, rows * cols, tokens.data());
+      }
+      EvalResult r = evaluate_checkpoint(eval_ckpt, tokens, rows, cols, eval_tokens);
+      std::printf("{\"loss\": %.17g, \"tokens\": %lld, \"sequences\": %lld, \"step\": %lld}\n", r.loss,
+                  static_cast<long long>(r.tokens), static_cast<long long>(r.sequences),
+                  static_cast<long long>(r.step));
     } else if (*show) {
       std::fputs(config_to_toml(load_config(config_spec, overrides)).c_str(), stdout);
     } else if (*prep) {
