@@ -1,4 +1,4 @@
-// The moefold command line: train, eval, info, config, prepare. User mistakes end in one line on stderr
+// The moefold command line: train, eval, convert, info, config, prepare. User mistakes end in one line on stderr
 // ("moefold: error: ...") and exit code 1; usage mistakes get CLI11's message and non-zero code.
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -18,6 +18,7 @@
 #include "moefold/model/config.h"
 #include "moefold/ops/blas.h"
 #include "moefold/train/evaluate.h"
+#include "moefold/train/hf_import.h"
 #include "moefold/train/run.h"
 
 namespace {
@@ -96,6 +97,12 @@ int main(int argc, char** argv) {
   eval->add_option("--tokens", eval_tokens, "2-D int32/int64 .npy (one sequence per row) or a token file")->required();
   eval->add_option("--seq-len", eval_seq_len, "with a token file: consecutive sequences of this many tokens");
 
+  CLI::App* convert = app.add_subcommand("convert", "import a Hugging Face model directory into a run directory");
+  std::string from_hf, convert_to;
+  convert->add_option("--from-hf", from_hf, "Hugging Face model directory (config.json, *.safetensors)")->required();
+  convert->add_option("--to", convert_to, "run directory to create (config.toml, checkpoints/step_00000000)")
+      ->required();
+
   CLI::App* prep = app.add_subcommand("prepare", "tokenize text files or directories into a token file");
   std::vector<std::string> inputs;
   std::string output, format = "plain";
@@ -151,6 +158,12 @@ int main(int argc, char** argv) {
       std::printf("{\"loss\": %.17g, \"tokens\": %lld, \"sequences\": %lld, \"step\": %lld}\n", r.loss,
                   static_cast<long long>(r.tokens), static_cast<long long>(r.sequences),
                   static_cast<long long>(r.step));
+    } else if (*convert) {
+      if (std::filesystem::exists(convert_to + "/checkpoints"))
+        MF_FAIL(convert_to, ": already holds checkpoints; choose another --to");
+      const std::string ckpt = import_hf(from_hf, convert_to);
+      std::printf("imported %s into %s (continue with: moefold train --config %s/config.toml --run-dir %s --resume)\n",
+                  from_hf.c_str(), ckpt.c_str(), convert_to.c_str(), convert_to.c_str());
     } else if (*show) {
       std::fputs(config_to_toml(load_config(config_spec, overrides)).c_str(), stdout);
     } else if (*prep) {

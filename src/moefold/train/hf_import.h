@@ -1,0 +1,27 @@
+// Hugging Face interoperability (issue 6, first part): a model directory as `save_pretrained`
+// writes it (config.json, model.safetensors or shards with model.safetensors.index.json) into a
+// moefold run directory whose step-0 checkpoint `moefold train --resume` continues from.
+// Supported architectures: Qwen3MoeForCausalLM.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "moefold/core/memory.h"
+#include "moefold/model/config.h"
+
+namespace moefold {
+
+// The [model] and [moe] sections from HF_DIR/config.json (other sections: the tiny preset's);
+// Error naming the file and key for unsupported architectures or features.
+Config config_from_hf(const std::string& hf_dir);
+
+// Every parameter from the directory's safetensors (single file or sharded with its index), by
+// Hugging Face name; fails naming the file and tensor when one is missing, extra or misshapen.
+void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params);
+
+// `moefold convert --from-hf HF_DIR --to RUN_DIR`: RUN_DIR/config.toml and
+// RUN_DIR/checkpoints/step_00000000 (weights, zero optimizer state). Returns the checkpoint path.
+std::string import_hf(const std::string& hf_dir, const std::string& run_dir);
+
+}  // namespace moefold
