@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -10,6 +11,7 @@
 #include "moefold/core/error.h"
 #include "moefold/data/npy.h"
 #include "moefold/data/token_dataset.h"
+#include "moefold/io/safetensors.h"
 #include "testing.h"
 
 namespace moefold {
@@ -204,6 +206,22 @@ TEST(Cli, HuggingFaceQwen3MoeParity) {
     const std::string expected = testing::read_bytes((fixture / "expected.json").string());
     const double want = std::stod(expected.substr(expected.find("\"loss\": ") + 8));
     EXPECT_NEAR(got, want, 1e-4 * want) << "moefold " << got << " vs transformers " << want;
+    // export(import(x)) is x: every tensor's name, dtype, shape and bytes, and the config.
+    Result x = run(cat("convert --from ", name, "/checkpoints/step_00000000 --to-hf ", name, "_hf"), d);
+    ASSERT_EQ(x.code, 0) << x.err;
+    SafetensorsReader orig((fixture / "model.safetensors").string()),
+        back((d / cat(name, "_hf") / "model.safetensors").string());
+    ASSERT_EQ(orig.tensors().size(), back.tensors().size());
+    for (const SafetensorsTensor& t : orig.tensors()) {
+      const SafetensorsTensor& u = back.tensor(t.name);
+      EXPECT_EQ(u.dtype, t.dtype) << t.name;
+      EXPECT_EQ(u.shape, t.shape) << t.name;
+      ASSERT_EQ(u.nbytes, t.nbytes) << t.name;
+      EXPECT_EQ(std::memcmp(u.data, t.data, t.nbytes), 0) << t.name;
+    }
+    ASSERT_EQ(run(cat("convert --from-hf ", name, "_hf --to ", name, "_again"), d).code, 0);
+    EXPECT_EQ(testing::read_bytes((d / name / "config.toml").string()),
+              testing::read_bytes((d / cat(name, "_again") / "config.toml").string()));
     // Continued pre-training starts from the import (step 0) and goes on to step 2.
     std::vector<uint32_t> toks(4000);
     for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint32_t>(i * 7 % 13);

@@ -97,11 +97,18 @@ int main(int argc, char** argv) {
   eval->add_option("--tokens", eval_tokens, "2-D int32/int64 .npy (one sequence per row) or a token file")->required();
   eval->add_option("--seq-len", eval_seq_len, "with a token file: consecutive sequences of this many tokens");
 
-  CLI::App* convert = app.add_subcommand("convert", "import a Hugging Face model directory into a run directory");
-  std::string from_hf, convert_to;
-  convert->add_option("--from-hf", from_hf, "Hugging Face model directory (config.json, *.safetensors)")->required();
-  convert->add_option("--to", convert_to, "run directory to create (config.toml, checkpoints/step_00000000)")
-      ->required();
+  CLI::App* convert = app.add_subcommand("convert",
+                                         "Hugging Face model directory <-> moefold (--from-hf DIR --to RUN_DIR, or "
+                                         "--from CKPT_DIR --to-hf DIR)");
+  std::string from_hf, convert_to, convert_from, to_hf;
+  auto* o_from_hf =
+      convert->add_option("--from-hf", from_hf, "Hugging Face model directory (config.json, *.safetensors)");
+  auto* o_to =
+      convert->add_option("--to", convert_to, "run directory to create (config.toml, checkpoints/step_00000000)");
+  auto* o_from = convert->add_option("--from", convert_from, "moefold checkpoint directory");
+  auto* o_to_hf = convert->add_option("--to-hf", to_hf, "Hugging Face model directory to write");
+  o_from_hf->needs(o_to)->excludes(o_from);
+  o_from->needs(o_to_hf)->excludes(o_to);
 
   CLI::App* prep = app.add_subcommand("prepare", "tokenize text files or directories into a token file");
   std::vector<std::string> inputs;
@@ -159,11 +166,20 @@ int main(int argc, char** argv) {
                   static_cast<long long>(r.tokens), static_cast<long long>(r.sequences),
                   static_cast<long long>(r.step));
     } else if (*convert) {
-      if (std::filesystem::exists(convert_to + "/checkpoints"))
-        MF_FAIL(convert_to, ": already holds checkpoints; choose another --to");
-      const std::string ckpt = import_hf(from_hf, convert_to);
-      std::printf("imported %s into %s (continue with: moefold train --config %s/config.toml --run-dir %s --resume)\n",
-                  from_hf.c_str(), ckpt.c_str(), convert_to.c_str(), convert_to.c_str());
+      if (!convert_from.empty()) {
+        if (std::filesystem::exists(to_hf + "/model.safetensors"))
+          MF_FAIL(to_hf, ": already holds a model.safetensors; choose another --to-hf");
+        export_hf(convert_from, to_hf);
+        std::printf("exported %s to %s\n", convert_from.c_str(), to_hf.c_str());
+      } else {
+        if (from_hf.empty()) MF_FAIL("convert: give --from-hf DIR --to RUN_DIR, or --from CKPT_DIR --to-hf DIR");
+        if (std::filesystem::exists(convert_to + "/checkpoints"))
+          MF_FAIL(convert_to, ": already holds checkpoints; choose another --to");
+        const std::string ckpt = import_hf(from_hf, convert_to);
+        std::printf(
+            "imported %s into %s (continue with: moefold train --config %s/config.toml --run-dir %s --resume)\n",
+            from_hf.c_str(), ckpt.c_str(), convert_to.c_str(), convert_to.c_str());
+      }
     } else if (*show) {
       std::fputs(config_to_toml(load_config(config_spec, overrides)).c_str(), stdout);
     } else if (*prep) {

@@ -145,4 +145,57 @@ std::string import_hf(const std::string& hf_dir, const std::string& run_dir) {
                          TrainerState{0, 0, cfg.train.seed}, toml, mesh);
 }
 
+void export_hf(const std::string& ckpt_dir, const std::string& hf_dir) {
+  const std::string config_path = ckpt_dir + "/config.toml";
+  if (!fs::is_regular_file(config_path)) MF_FAIL(config_path, ": missing (not a moefold checkpoint?)");
+  const Config cfg = load_config(config_path, {});
+  Model model(cfg.model, cfg.moe, 1, 1);
+  Memory mem(DType::f32);
+  model.bind(mem);
+  mem.allocate();
+  model.bind(mem);
+  mem.finish_binding();
+  load_checkpoint(ckpt_dir, mem.params(), nullptr);
+  const ModelConfig& m = cfg.model;
+  const MoeConfig& e = cfg.moe;
+  if (e.scoring_func != ScoreFunc::softmax || e.routed_scaling_factor != 1.0)
+    MF_FAIL(config_path, ": Qwen3MoeForCausalLM needs softmax routing without a scaling factor");
+  const nlohmann::json j = {{"architectures", {"Qwen3MoeForCausalLM"}},
+                            {"model_type", "qwen3_moe"},
+                            {"vocab_size", m.vocab_size},
+                            {"hidden_size", m.hidden_size},
+                            {"num_hidden_layers", m.num_hidden_layers},
+                            {"num_attention_heads", m.num_attention_heads},
+                            {"num_key_value_heads", m.num_key_value_heads},
+                            {"head_dim", m.head_dim},
+                            {"max_position_embeddings", m.max_position_embeddings},
+                            {"rms_norm_eps", m.rms_norm_eps},
+                            {"rope_theta", m.rope_theta},
+                            {"initializer_range", m.initializer_range},
+                            {"num_experts", e.num_experts},
+                            {"num_experts_per_tok", e.num_experts_per_tok},
+                            {"moe_intermediate_size", e.moe_intermediate_size},
+                            {"norm_topk_prob", e.norm_topk_prob},
+                            {"router_aux_loss_coef", e.aux_loss_coeff},
+                            {"decoder_sparse_step", 1},
+                            {"mlp_only_layers", nlohmann::json::array()},
+                            {"hidden_act", "silu"},
+                            {"attention_bias", false},
+                            {"tie_word_embeddings", false},
+                            {"torch_dtype", "float32"}};
+  std::error_code ec;
+  fs::create_directories(hf_dir, ec);
+  if (ec) MF_FAIL(hf_dir, ": cannot create: ", ec.message());
+  std::vector<SafetensorsEntry> entries;
+  for (const Param& p : mem.params())
+    for (const NamedView& v : hf_views(p)) entries.push_back({v.name, v.value, DType::f32});
+  // Written under temporary names and renamed, so a failure leaves no half-written model.
+  const std::string tmp_model = hf_dir + "/.model.safetensors.tmp", tmp_config = hf_dir + "/.config.json.tmp";
+  write_safetensors(tmp_model, entries, {{"format", "pt"}});
+  std::ofstream(tmp_config, std::ios::trunc) << j.dump(2) << "\n";
+  fs::rename(tmp_model, hf_dir + "/model.safetensors", ec);
+  if (!ec) fs::rename(tmp_config, hf_dir + "/config.json", ec);
+  if (ec) MF_FAIL(hf_dir, ": cannot write: ", ec.message());
+}
+
 }  // namespace moefold

@@ -1,7 +1,7 @@
 // Hugging Face interoperability (issue 6, first part): a model directory as `save_pretrained`
 // writes it (config.json, model.safetensors or shards with model.safetensors.index.json) into a
 // moefold run directory whose step-0 checkpoint `moefold train --resume` continues from.
-// Supported architectures: Qwen3MoeForCausalLM.
+// And back: a checkpoint into such a directory. Supported architectures: Qwen3MoeForCausalLM.
 #pragma once
 
 #include <string>
@@ -23,5 +23,9 @@ void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params);
 // `moefold convert --from-hf HF_DIR --to RUN_DIR`: RUN_DIR/config.toml and
 // RUN_DIR/checkpoints/step_00000000 (weights, zero optimizer state). Returns the checkpoint path.
 std::string import_hf(const std::string& hf_dir, const std::string& run_dir);
+
+// `moefold convert --from CKPT_DIR --to-hf HF_DIR`: config.json (Qwen3MoeForCausalLM) and
+// model.safetensors with the checkpoint's weights in fp32 under their Hugging Face names.
+void export_hf(const std::string& ckpt_dir, const std::string& hf_dir);
 
 }  // namespace moefold
