@@ -3,6 +3,7 @@
 // MF_CHECK, which aborts loudly with the statement, function, file and line.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -42,3 +43,10 @@ std::string cat(const A&... a) {
 
 // User-facing failure: throws moefold::Error with a one-line message.
 #define MF_FAIL(...) throw ::moefold::Error(::moefold::cat(__VA_ARGS__))
+
+namespace moefold {
+// Config check: "SECTION.KEY = V must be >= 1" unless v >= 1.
+inline void require_positive(const char* section, const char* key, int64_t v) {
+  if (v < 1) MF_FAIL(section, ".", key, " = ", v, " must be >= 1");
+}
+}  // namespace moefold

@@ -191,9 +191,7 @@ std::string format_double(double v) {
 void ModelConfig::validate() const {
   if (architecture != "qwen3_moe")
     MF_FAIL("model.architecture = '", architecture, "' is not supported (supported: qwen3_moe)");
-  auto positive = [](const char* k, int64_t v) {
-    if (v < 1) MF_FAIL("model.", k, " = ", v, " must be >= 1");
-  };
+  auto positive = [](const char* k, int64_t v) { require_positive("model", k, v); };
   positive("vocab_size", vocab_size);
   positive("hidden_size", hidden_size);
   positive("num_hidden_layers", num_hidden_layers);
@@ -211,9 +209,7 @@ void ModelConfig::validate() const {
 }
 
 void TrainConfig::validate() const {
-  auto positive = [](const char* k, int64_t v) {
-    if (v < 1) MF_FAIL("train.", k, " = ", v, " must be >= 1");
-  };
+  auto positive = [](const char* k, int64_t v) { require_positive("train", k, v); };
   positive("seq_len", seq_len);
   positive("micro_batch_size", micro_batch_size);
   positive("global_batch_size", global_batch_size);

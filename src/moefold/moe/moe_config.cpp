@@ -9,11 +9,11 @@
 namespace moefold {
 
 void MoeConfig::validate() const {
-  if (num_experts < 1) MF_FAIL("moe.num_experts = ", num_experts, " must be >= 1");
-  if (num_experts_per_tok < 1) MF_FAIL("moe.num_experts_per_tok = ", num_experts_per_tok, " must be >= 1");
+  require_positive("moe", "num_experts", num_experts);
+  require_positive("moe", "num_experts_per_tok", num_experts_per_tok);
   if (num_experts_per_tok > num_experts)
     MF_FAIL("moe.num_experts_per_tok = ", num_experts_per_tok, " must be <= moe.num_experts = ", num_experts);
-  if (moe_intermediate_size < 1) MF_FAIL("moe.moe_intermediate_size = ", moe_intermediate_size, " must be >= 1");
+  require_positive("moe", "moe_intermediate_size", moe_intermediate_size);
   if (!std::isfinite(capacity_factor)) MF_FAIL("moe.capacity_factor = ", capacity_factor, " must be finite");
   if (!(routed_scaling_factor > 0) || !std::isfinite(routed_scaling_factor))
     MF_FAIL("moe.routed_scaling_factor = ", routed_scaling_factor, " must be finite and > 0");

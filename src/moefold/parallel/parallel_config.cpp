@@ -5,9 +5,7 @@
 namespace moefold {
 
 void ParallelConfig::validate() const {
-  auto positive = [](const char* k, int64_t v) {
-    if (v < 1) MF_FAIL("parallel.", k, " = ", v, " must be >= 1");
-  };
+  auto positive = [](const char* k, int64_t v) { require_positive("parallel", k, v); };
   positive("tp", tp);
   positive("cp", cp);
   positive("ep", ep);

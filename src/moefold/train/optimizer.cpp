@@ -46,12 +46,6 @@ void AdamW::step(std::vector<Param>& params, double lr) {
   }
 }
 
-double global_grad_norm(const std::vector<Param>& params) {
-  double s = 0;
-  for (const Param& p : params) s += sum_squares(p.grad);
-  return std::sqrt(s);
-}
-
 double clip_grad_norm(std::vector<Param>& params, double norm, double max_norm) {
   if (!(max_norm > 0)) return 1.0;
   double f = max_norm / (norm + 1e-6);

@@ -33,8 +33,6 @@ class AdamW {
   int64_t t_ = 0;
 };
 
-// sqrt(sum of squared gradients over every parameter).
-double global_grad_norm(const std::vector<Param>& params);
 // Scales every gradient by min(1, max_norm / (norm + 1e-6)) when max_norm > 0; returns the factor.
 double clip_grad_norm(std::vector<Param>& params, double norm, double max_norm);
 
