@@ -190,35 +190,58 @@ TEST(Cli, PrepareTrainResumeAndBadCheckpoint) {
 // End-to-end numerics against an independent implementation: tiny random Qwen3-MoE models built
 // and evaluated by Hugging Face transformers (scripts/make_hf_fixtures.py, committed fixtures),
 // imported with `moefold convert --from-hf` and evaluated with `moefold eval`.
-TEST(Cli, HuggingFaceQwen3MoeParity) {
+// export(import(x)) is x: every tensor's name, dtype, shape and bytes.
+void expect_same_safetensors(const fs::path& a, const fs::path& b) {
+  SafetensorsReader orig(a.string()), back(b.string());
+  ASSERT_EQ(orig.tensors().size(), back.tensors().size());
+  for (const SafetensorsTensor& t : orig.tensors()) {
+    const SafetensorsTensor& u = back.tensor(t.name);
+    EXPECT_EQ(u.dtype, t.dtype) << t.name;
+    EXPECT_EQ(u.shape, t.shape) << t.name;
+    ASSERT_EQ(u.nbytes, t.nbytes) << t.name;
+    EXPECT_EQ(std::memcmp(u.data, t.data, t.nbytes), 0) << t.name;
+  }
+}
+
+// The committed fixtures (scripts/make_hf_fixtures.py): moefold's logits and loss against
+// transformers', the bit-exact round trip, and continued pre-training from the import.
+TEST(Cli, HuggingFaceParityEveryFamily) {
   testing::TempDir tmp("test_cli");
   const fs::path& d = tmp.path();
-  for (const char* name : {"qwen3_moe_a", "qwen3_moe_b"}) {
+  const fs::path fixtures = fs::path(MOEFOLD_SOURCE_DIR) / "tests" / "fixtures" / "hf";
+  for (const char* name : {"qwen3_moe_a", "qwen3_moe_b", "qwen3_moe_dense", "mixtral_a", "mixtral_b", "olmoe_a",
+                           "olmoe_b", "deepseek_v3_a", "deepseek_v3_b"}) {
     SCOPED_TRACE(name);
-    const fs::path fixture = fs::path(MOEFOLD_SOURCE_DIR) / "tests" / "fixtures" / "hf" / name;
+    const fs::path fixture = fixtures / name;
     Result c = run(cat("convert --from-hf '", fixture.string(), "' --to ", name), d);
     ASSERT_EQ(c.code, 0) << c.err;
     Result e = run(cat("eval --checkpoint ", name, "/checkpoints/step_00000000 --tokens '",
-                       (fixture / "inputs.npy").string(), "'"),
+                       (fixture / "inputs.npy").string(), "' --logits ", name, ".logits.npy"),
                    d);
     ASSERT_EQ(e.code, 0) << e.err;
     const double got = std::stod(e.out.substr(e.out.find("\"loss\": ") + 8));
     const std::string expected = testing::read_bytes((fixture / "expected.json").string());
     const double want = std::stod(expected.substr(expected.find("\"loss\": ") + 8));
     EXPECT_NEAR(got, want, 1e-4 * want) << "moefold " << got << " vs transformers " << want;
-    // export(import(x)) is x: every tensor's name, dtype, shape and bytes, and the config.
+    // Logits: ours cover positions 0..cols-2 (the last token predicts nothing in a loss).
+    const NpyFloats ours = read_npy_f32((d / cat(name, ".logits.npy")).string());
+    const NpyFloats ref = read_npy_f32((fixture / "logits.npy").string());
+    ASSERT_EQ(ref.shape.size(), 3u);
+    const int64_t rows = ref.shape[0], cols = ref.shape[1], vocab = ref.shape[2];
+    ASSERT_EQ(ours.shape, (std::vector<int64_t>{rows, cols - 1, vocab}));
+    double scale = 0, err = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < (cols - 1) * vocab; ++i) {
+        const double a = ours.values[r * (cols - 1) * vocab + i], b = ref.values[r * cols * vocab + i];
+        scale = std::max(scale, std::abs(b));
+        err = std::max(err, std::abs(a - b));
+      }
+    EXPECT_LE(err, 1e-4 * scale) << "largest logit error " << err << " (largest logit " << scale << ")";
+    std::printf("%s: loss %.10f vs transformers %.10f (rel %.2e); largest logit error %.2e of %.3f (rel %.2e)\n", name,
+                got, want, std::abs(got - want) / want, err, scale, err / scale);
     Result x = run(cat("convert --from ", name, "/checkpoints/step_00000000 --to-hf ", name, "_hf"), d);
     ASSERT_EQ(x.code, 0) << x.err;
-    SafetensorsReader orig((fixture / "model.safetensors").string()),
-        back((d / cat(name, "_hf") / "model.safetensors").string());
-    ASSERT_EQ(orig.tensors().size(), back.tensors().size());
-    for (const SafetensorsTensor& t : orig.tensors()) {
-      const SafetensorsTensor& u = back.tensor(t.name);
-      EXPECT_EQ(u.dtype, t.dtype) << t.name;
-      EXPECT_EQ(u.shape, t.shape) << t.name;
-      ASSERT_EQ(u.nbytes, t.nbytes) << t.name;
-      EXPECT_EQ(std::memcmp(u.data, t.data, t.nbytes), 0) << t.name;
-    }
+    expect_same_safetensors(fixture / "model.safetensors", d / cat(name, "_hf") / "model.safetensors");
     ASSERT_EQ(run(cat("convert --from-hf ", name, "_hf --to ", name, "_again"), d).code, 0);
     EXPECT_EQ(testing::read_bytes((d / name / "config.toml").string()),
               testing::read_bytes((d / cat(name, "_again") / "config.toml").string()));
@@ -233,6 +256,19 @@ TEST(Cli, HuggingFaceQwen3MoeParity) {
     EXPECT_EQ(t.code, 0) << t.err;
     EXPECT_TRUE(fs::exists(d / name / "checkpoints" / "step_00000002" / "trainer.json"));
   }
+  // bfloat16 checkpoints come back bfloat16, bit for bit (the selection bias stays float32).
+  for (const char* name : {"mixtral_b_bf16", "deepseek_v3_b_bf16"}) {
+    SCOPED_TRACE(name);
+    ASSERT_EQ(run(cat("convert --from-hf '", (fixtures / name).string(), "' --to ", name), d).code, 0);
+    Result x = run(cat("convert --from ", name, "/checkpoints/step_00000000 --to-hf ", name, "_hf"), d);
+    ASSERT_EQ(x.code, 0) << x.err;
+    expect_same_safetensors(fixtures / name / "model.safetensors", d / cat(name, "_hf") / "model.safetensors");
+  }
+}
+
+TEST(Cli, HuggingFaceBadInput) {
+  testing::TempDir tmp("test_cli");
+  const fs::path& d = tmp.path();
   // Unsupported or broken Hugging Face directories: one line naming the file and key.
   const fs::path a = fs::path(MOEFOLD_SOURCE_DIR) / "tests" / "fixtures" / "hf" / "qwen3_moe_a";
   fs::copy(a, d / "mixtral", fs::copy_options::recursive);

@@ -96,6 +96,10 @@ int main(int argc, char** argv) {
   eval->add_option("--checkpoint", eval_ckpt, "checkpoint directory (runs/.../checkpoints/step_NNNNNNNN)")->required();
   eval->add_option("--tokens", eval_tokens, "2-D int32/int64 .npy (one sequence per row) or a token file")->required();
   eval->add_option("--seq-len", eval_seq_len, "with a token file: consecutive sequences of this many tokens");
+  std::string eval_logits;
+  eval->add_option("--logits", eval_logits,
+                   "also write the logits as float32 .npy [sequences, length - 1, vocab] (to compare with another "
+                   "implementation)");
 
   CLI::App* convert = app.add_subcommand("convert",
                                          "Hugging Face model directory <-> moefold (--from-hf DIR --to RUN_DIR, or "
@@ -117,6 +121,13 @@ int main(int argc, char** argv) {
   prep->add_option("-o,--output", output, "output .tokens file, or Megatron prefix with --format megatron")->required();
   prep->add_option("--format", format, "plain (.tokens) or megatron (.bin/.idx)")
       ->check(CLI::IsMember({"plain", "megatron"}));
+  PrepareOptions prep_opts;
+  auto* o_tokenizer = prep->add_option("--tokenizer", prep_opts.tokenizer,
+                                       "Hugging Face tokenizer.json (byte-level BPE, e.g. Qwen3's or DeepSeek-V3's); "
+                                       "default: bytes");
+  prep->add_option("--eos-token", prep_opts.eos_token,
+                   "token appended to each document (default: <|endoftext|>, <｜end▁of▁sentence｜> or </s>)")
+      ->needs(o_tokenizer);
 
   CLI11_PARSE(app, argc, argv);
 
@@ -161,7 +172,11 @@ int main(int argc, char** argv) {
         tokens.resize(static_cast<size_t>(rows * cols));
         if (rows > 0) data.copy_tokens(0, rows * cols, tokens.data());
       }
-      EvalResult r = evaluate_checkpoint(eval_ckpt, tokens, rows, cols, eval_tokens);
+      std::vector<float> logits;
+      EvalResult r =
+          evaluate_checkpoint(eval_ckpt, tokens, rows, cols, eval_tokens, eval_logits.empty() ? nullptr : &logits);
+      if (!eval_logits.empty())
+        write_npy_f32(eval_logits, logits, {rows, cols - 1, static_cast<int64_t>(logits.size()) / (rows * (cols - 1))});
       std::printf("{\"loss\": %.17g, \"tokens\": %lld, \"sequences\": %lld, \"step\": %lld}\n", r.loss,
                   static_cast<long long>(r.tokens), static_cast<long long>(r.sequences),
                   static_cast<long long>(r.step));
@@ -183,9 +198,15 @@ int main(int argc, char** argv) {
     } else if (*show) {
       std::fputs(config_to_toml(load_config(config_spec, overrides)).c_str(), stdout);
     } else if (*prep) {
-      PrepareStats s = prepare(inputs, output, format == "megatron" ? TokenFormat::megatron : TokenFormat::plain);
-      std::printf("prepared %lld files, %lld bytes -> %lld tokens in %s\n", static_cast<long long>(s.files),
+      PrepareStats s =
+          prepare(inputs, output, format == "megatron" ? TokenFormat::megatron : TokenFormat::plain, prep_opts);
+      std::printf("prepared %lld files, %lld bytes -> %lld tokens in %s", static_cast<long long>(s.files),
                   static_cast<long long>(s.bytes), static_cast<long long>(s.tokens), output.c_str());
+      if (!prep_opts.tokenizer.empty())
+        std::printf(" (tokenizer vocabulary: %lld ids, EOS %lld; model.vocab_size must be >= %lld)",
+                    static_cast<long long>(s.vocab_size), static_cast<long long>(s.eos_id),
+                    static_cast<long long>(s.vocab_size));
+      std::printf("\n");
     }
   } catch (const std::exception& e) {
     if (world && world->size() > 1)

@@ -21,10 +21,15 @@ std::string dict_value(const std::string& header, const std::string& key) {
 
 }  // namespace
 
-NpyTokens read_npy_tokens(const std::string& path) {
-  MappedFile f(path);
-  const uint8_t* p = f.data();
-  const size_t n = f.size();
+namespace {
+
+struct NpyHeader {
+  std::string descr, shape_text;
+  std::vector<int64_t> shape;
+  size_t data = 0;  // offset of the first element
+};
+
+NpyHeader read_header(const std::string& path, const uint8_t* p, size_t n) {
   if (n < 10 || std::memcmp(p, "\x93NUMPY", 6) != 0) MF_FAIL(path, ": not a .npy file (bad magic)");
   const int major = p[6];
   size_t header_len = 0, start = 0;
@@ -41,27 +46,60 @@ NpyTokens read_npy_tokens(const std::string& path) {
   }
   if (start + header_len > n) MF_FAIL(path, ": truncated .npy header");
   const std::string header(reinterpret_cast<const char*>(p + start), header_len);
-  const std::string descr = dict_value(header, "descr"), order = dict_value(header, "fortran_order"),
-                    shape = dict_value(header, "shape");
-  if (descr.empty() || order.empty() || shape.empty()) MF_FAIL(path, ": malformed .npy header: ", header);
+  NpyHeader h;
+  h.descr = dict_value(header, "descr");
+  h.shape_text = dict_value(header, "shape");
+  const std::string order = dict_value(header, "fortran_order");
+  if (h.descr.empty() || order.empty() || h.shape_text.empty()) MF_FAIL(path, ": malformed .npy header: ", header);
   if (order != "False") MF_FAIL(path, ": Fortran-ordered arrays are not supported (save with C order)");
+  const std::string dims = h.shape_text.substr(1, h.shape_text.size() - 2);
+  const std::regex number(R"(\d+)");
+  for (std::sregex_iterator it(dims.begin(), dims.end(), number), e; it != e; ++it)
+    h.shape.push_back(std::stoll(it->str()));
+  h.data = start + header_len;
+  return h;
+}
+
+void write_npy(const std::string& path, const char* descr, const std::vector<int64_t>& shape, const void* data,
+               size_t bytes) {
+  std::string dims;
+  for (int64_t d : shape) dims += cat(d, ", ");
+  std::string header = cat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (", dims, "), }");
+  const size_t total = 10 + header.size() + 1;
+  header.append((64 - total % 64) % 64, ' ');
+  header += '\n';
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write("\x93NUMPY\x01\x00", 8);
+  const uint16_t len = static_cast<uint16_t>(header.size());
+  const char le[2] = {static_cast<char>(len & 0xff), static_cast<char>(len >> 8)};
+  f.write(le, 2);
+  f.write(header.data(), static_cast<std::streamsize>(header.size()));
+  f.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+  if (!f) MF_FAIL(path, ": cannot write");
+}
+
+}  // namespace
+
+NpyTokens read_npy_tokens(const std::string& path) {
+  MappedFile f(path);
+  const uint8_t* p = f.data();
+  const size_t n = f.size();
+  const NpyHeader h = read_header(path, p, n);
   int elem = 0;
-  if (descr == "'<i4'")
+  if (h.descr == "'<i4'")
     elem = 4;
-  else if (descr == "'<i8'")
+  else if (h.descr == "'<i8'")
     elem = 8;
   else
-    MF_FAIL(path, ": dtype ", descr, " is not supported (expected int32 '<i4' or int64 '<i8')");
-  std::smatch m;
-  const std::string dims = shape.substr(1, shape.size() - 2);
-  if (!std::regex_match(dims, m, std::regex(R"(\s*(\d+)\s*,\s*(\d+)\s*,?\s*)")))
-    MF_FAIL(path, ": expected a 2-D array (one sequence per row), shape is ", shape);
+    MF_FAIL(path, ": dtype ", h.descr, " is not supported (expected int32 '<i4' or int64 '<i8')");
+  if (h.shape.size() != 2) MF_FAIL(path, ": expected a 2-D array (one sequence per row), shape is ", h.shape_text);
   NpyTokens out;
-  out.rows = std::stoll(m[1].str());
-  out.cols = std::stoll(m[2].str());
-  const size_t data = start + header_len, want = static_cast<size_t>(out.rows * out.cols) * static_cast<size_t>(elem);
+  out.rows = h.shape[0];
+  out.cols = h.shape[1];
+  const size_t data = h.data, want = static_cast<size_t>(out.rows * out.cols) * static_cast<size_t>(elem);
   if (n - data != want)
-    MF_FAIL(path, ": truncated or oversized: shape ", shape, " needs ", want, " data bytes, file has ", n - data);
+    MF_FAIL(path, ": truncated or oversized: shape ", h.shape_text, " needs ", want, " data bytes, file has ",
+            n - data);
   out.tokens.resize(static_cast<size_t>(out.rows * out.cols));
   for (size_t i = 0; i < out.tokens.size(); ++i) {
     if (elem == 4) {
@@ -77,20 +115,31 @@ NpyTokens read_npy_tokens(const std::string& path) {
   return out;
 }
 
+NpyFloats read_npy_f32(const std::string& path) {
+  MappedFile f(path);
+  const NpyHeader h = read_header(path, f.data(), f.size());
+  if (h.descr != "'<f4'") MF_FAIL(path, ": dtype ", h.descr, " is not supported (expected float32 '<f4')");
+  NpyFloats out;
+  out.shape = h.shape;
+  size_t count = 1;
+  for (int64_t d : h.shape) count *= static_cast<size_t>(d);
+  if (f.size() - h.data != 4 * count)
+    MF_FAIL(path, ": truncated or oversized: shape ", h.shape_text, " needs ", 4 * count, " data bytes");
+  out.values.resize(count);
+  std::memcpy(out.values.data(), f.data() + h.data, 4 * count);
+  return out;
+}
+
+void write_npy_f32(const std::string& path, const std::vector<float>& values, const std::vector<int64_t>& shape) {
+  size_t count = 1;
+  for (int64_t d : shape) count *= static_cast<size_t>(d);
+  MF_CHECK(values.size() == count, "npy: ", values.size(), " values for the shape");
+  write_npy(path, "<f4", shape, values.data(), 4 * count);
+}
+
 void write_npy_tokens(const std::string& path, const std::vector<int32_t>& tokens, int64_t rows, int64_t cols) {
   MF_CHECK(static_cast<int64_t>(tokens.size()) == rows * cols, "npy ", rows, " x ", cols);
-  std::string header = cat("{'descr': '<i4', 'fortran_order': False, 'shape': (", rows, ", ", cols, "), }");
-  const size_t total = 10 + header.size() + 1;
-  header.append((64 - total % 64) % 64, ' ');
-  header += '\n';
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f.write("\x93NUMPY\x01\x00", 8);
-  const uint16_t len = static_cast<uint16_t>(header.size());
-  const char le[2] = {static_cast<char>(len & 0xff), static_cast<char>(len >> 8)};
-  f.write(le, 2);
-  f.write(header.data(), static_cast<std::streamsize>(header.size()));
-  f.write(reinterpret_cast<const char*>(tokens.data()), static_cast<std::streamsize>(tokens.size() * 4));
-  if (!f) MF_FAIL(path, ": cannot write");
+  write_npy(path, "<i4", {rows, cols}, tokens.data(), tokens.size() * 4);
 }
 
 }  // namespace moefold

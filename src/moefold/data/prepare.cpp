@@ -7,8 +7,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
+#include <string_view>
 
 #include "moefold/core/error.h"
+#include "moefold/data/bpe_tokenizer.h"
 #include "moefold/data/byte_tokenizer.h"
 #include "moefold/data/token_dataset.h"
 
@@ -17,6 +20,25 @@ namespace moefold {
 namespace {
 
 namespace fs = std::filesystem;
+
+// Token ids above this need 4 bytes per token (int32 for Megatron).
+constexpr int64_t kMaxUint16Vocab = 65536;
+
+// The EOS tokens prepare looks for in a tokenizer's added tokens when --eos-token is not given:
+// GPT-2/Qwen, DeepSeek-V3, Llama-2/Mistral.
+constexpr std::string_view kEosCandidates[] = {"<|endoftext|>", "<｜end▁of▁sentence｜>", "</s>"};
+
+int32_t find_eos(const BpeTokenizer& tok, const std::string& eos_token) {
+  if (!eos_token.empty()) {
+    if (auto id = tok.token_id(eos_token)) return *id;
+    MF_FAIL("prepare: --eos-token '", eos_token, "' is not a token of ", tok.path());
+  }
+  for (std::string_view t : kEosCandidates)
+    if (auto id = tok.added_token_id(t)) return *id;
+  MF_FAIL(tok.path(),
+          ": none of <|endoftext|>, <｜end▁of▁sentence｜>, </s> is an added token; name the end-of-document token "
+          "with --eos-token");
+}
 
 // git's heuristic for "binary": a NUL byte among the first 8000 bytes; we look at 8 KiB.
 constexpr size_t kSniffBytes = 8192;
@@ -59,7 +81,8 @@ void rename_or_fail(const std::string& from, const std::string& to) {
 
 }  // namespace
 
-PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& output, TokenFormat format) {
+PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& output, TokenFormat format,
+                     const PrepareOptions& options) {
   PrepareStats stats;
   std::string out = output;
   if (format == TokenFormat::plain) {
@@ -71,6 +94,16 @@ PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& 
   }
   stats.output = out;
   if (inputs.empty()) MF_FAIL("prepare: no inputs");
+  if (options.tokenizer.empty() && !options.eos_token.empty()) MF_FAIL("prepare: --eos-token needs --tokenizer");
+  std::optional<BpeTokenizer> bpe;
+  stats.vocab_size = ByteTokenizer::kVocabSize;
+  stats.eos_id = ByteTokenizer::kEos;
+  if (!options.tokenizer.empty()) {
+    bpe.emplace(options.tokenizer);
+    stats.vocab_size = bpe->vocab_size();
+    stats.eos_id = find_eos(*bpe, options.eos_token);
+  }
+  const bool wide = stats.vocab_size > kMaxUint16Vocab;
 
   std::vector<fs::path> files;
   for (const auto& in : inputs) {
@@ -88,9 +121,11 @@ PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& 
     final_files = {out + ".bin", out + ".idx"};  // .idx last: its presence marks the dataset
   }
   try {
-    TokenWriter w =
-        format == TokenFormat::plain ? TokenWriter::plain(tmp, 2) : TokenWriter::megatron(tmp, MegatronDType::uint16);
+    TokenWriter w = format == TokenFormat::plain
+                        ? TokenWriter::plain(tmp, wide ? 4 : 2)
+                        : TokenWriter::megatron(tmp, wide ? MegatronDType::int32 : MegatronDType::uint16);
     std::vector<uint32_t> doc;
+    std::vector<int32_t> ids;
     for (const auto& f : files) {
       std::string text = read_file(f);
       if (text.empty() || std::memchr(text.data(), '\0', std::min(text.size(), kSniffBytes)) != nullptr) {
@@ -98,8 +133,14 @@ PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& 
         continue;
       }
       doc.clear();
-      ByteTokenizer::encode(text, &doc);
-      doc.push_back(ByteTokenizer::kEos);
+      if (bpe) {
+        ids.clear();
+        bpe->encode(text, &ids);
+        doc.assign(ids.begin(), ids.end());
+      } else {
+        ByteTokenizer::encode(text, &doc);
+      }
+      doc.push_back(static_cast<uint32_t>(stats.eos_id));
       w.add_document(doc);
       ++stats.files;
       stats.bytes += static_cast<int64_t>(text.size());

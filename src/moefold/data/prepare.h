@@ -1,5 +1,7 @@
-// prepare: turns text files into a token dataset with the byte tokenizer (one document per
-// file, followed by ByteTokenizer::kEos). Deterministic: the same inputs give the same bytes.
+// prepare: turns text files into a token dataset, one document per file followed by an EOS
+// token: with the byte tokenizer (EOS = ByteTokenizer::kEos), or with a Hugging Face byte-level
+// BPE tokenizer.json (EOS = a token of its choosing). Deterministic: the same inputs give the
+// same bytes.
 #pragma once
 
 #include <cstdint>
@@ -8,24 +10,33 @@
 
 namespace moefold {
 
+// Token width: 2 bytes (uint16) while the vocabulary has at most 65536 ids, else 4 (int32).
 enum class TokenFormat : uint8_t {
-  plain,     // one ".tokens" file, 2 bytes per token
-  megatron,  // PREFIX.bin + PREFIX.idx, dtype uint16, one sequence per document
+  plain,     // one ".tokens" file, 2 or 4 bytes per token
+  megatron,  // PREFIX.bin + PREFIX.idx, dtype uint16 or int32, one sequence per document
+};
+
+struct PrepareOptions {
+  std::string tokenizer;  // a Hugging Face tokenizer.json (byte-level BPE); empty: the byte tokenizer
+  std::string eos_token;  // with `tokenizer`: the token ending each document; empty: the first of
+                          // <|endoftext|>, <｜end▁of▁sentence｜>, </s> among its added tokens
 };
 
 struct PrepareStats {
-  int64_t files = 0;    // files tokenized (one document each)
-  int64_t skipped = 0;  // files skipped: empty, or a NUL byte in the first 8 KiB (binary)
-  int64_t bytes = 0;    // bytes of the tokenized files
-  int64_t tokens = 0;   // tokens written, EOS included
-  std::string output;   // what open_token_dataset() takes: the .tokens file or the prefix
+  int64_t files = 0;       // files tokenized (one document each)
+  int64_t skipped = 0;     // files skipped: empty, or a NUL byte in the first 8 KiB (binary)
+  int64_t bytes = 0;       // bytes of the tokenized files
+  int64_t tokens = 0;      // tokens written, EOS included
+  int64_t vocab_size = 0;  // the tokenizer's ids are < vocab_size (model.vocab_size must be >= it)
+  int64_t eos_id = 0;      // the token appended to each document
+  std::string output;      // what open_token_dataset() takes: the .tokens file or the prefix
 };
 
 // `inputs`: files and directories (walked recursively, files in sorted path order). `output`:
 // a path ending ".tokens" for plain; a prefix with no extension for megatron (a trailing
 // ".bin"/".idx" is stripped). Written under a temporary name, then renamed into place.
 PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& output,
-                     TokenFormat format = TokenFormat::plain);
+                     TokenFormat format = TokenFormat::plain, const PrepareOptions& options = {});
 
 // The corpus used when none is given: the directory baked in at build time
 // (MOEFOLD_DEFAULT_CORPUS, the compiler's C++ standard library headers), else /usr/include.

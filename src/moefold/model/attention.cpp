@@ -22,7 +22,14 @@ void AttentionScratch::bind(Memory& mem, const ModelConfig& m, int64_t tokens, i
 }
 
 Attention::Attention(const ModelConfig& m, int64_t batch, int64_t seq_len, std::string prefix)
-    : m_(m), b_(batch), s_(seq_len), t_(batch * seq_len), prefix_(std::move(prefix)) {}
+    : m_(m),
+      b_(batch),
+      s_(seq_len),
+      t_(batch * seq_len),
+      prefix_(std::move(prefix)),
+      qk_norm_(m.architecture == "mixtral" ? QkNorm::none
+               : m.architecture == "olmoe" ? QkNorm::whole
+                                           : QkNorm::per_head) {}
 
 void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
                      ContextParallelAttention* cp, Communicator* tp) {
@@ -41,14 +48,18 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   // Row-parallel: this rank's heads are columns of the output projection.
   wo_ = mem.param(prefix_ + ".o_proj.weight", {h, q * d}, Init::normal, std, true, tpg, 0, h,
                   n > 1 ? DimShard{1, r * q * d, n * q * d, 1} : DimShard{});
-  q_norm_ = mem.param(prefix_ + ".q_norm.weight", {d}, Init::ones, 0, false);
-  k_norm_ = mem.param(prefix_ + ".k_norm.weight", {d}, Init::ones, 0, false);
+  if (qk_norm_ != QkNorm::none) {  // OLMoE's whole-projection norms need every head here (no TP)
+    const bool whole = qk_norm_ == QkNorm::whole;
+    MF_CHECK(!whole || n == 1, prefix_, ": whole-projection q/k norms under tensor parallelism");
+    q_norm_ = mem.param(prefix_ + ".q_norm.weight", {whole ? q * d : d}, Init::ones, 0, false);
+    k_norm_ = mem.param(prefix_ + ".k_norm.weight", {whole ? g * d : d}, Init::ones, 0, false);
+    dq_norm_ = mem.grad(prefix_ + ".q_norm.weight");
+    dk_norm_ = mem.grad(prefix_ + ".k_norm.weight");
+  }
   dwq_ = mem.grad(prefix_ + ".q_proj.weight");
   dwk_ = mem.grad(prefix_ + ".k_proj.weight");
   dwv_ = mem.grad(prefix_ + ".v_proj.weight");
   dwo_ = mem.grad(prefix_ + ".o_proj.weight");
-  dq_norm_ = mem.grad(prefix_ + ".q_norm.weight");
-  dk_norm_ = mem.grad(prefix_ + ".k_norm.weight");
   cp_ = cp;
   cos_ = cp ? cos_SD : cos_SD.slice(0, s_);
   sin_ = cp ? sin_SD : sin_SD.slice(0, s_);
@@ -72,12 +83,21 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     x_full_ = x_gathered_TH_;
     tp_->all_gather(x_TH, x_full_);
   }
-  linear_forward(x_full_, wq_, q_raw_TQD_);
-  linear_forward(x_full_, wk_, k_raw_TGD_);
+  if (qk_norm_ == QkNorm::none) {
+    linear_forward(x_full_, wq_, q_TQD_);
+    linear_forward(x_full_, wk_, k_TGD_);
+  } else {
+    linear_forward(x_full_, wq_, q_raw_TQD_);
+    linear_forward(x_full_, wk_, k_raw_TGD_);
+    // RMSNorm on q and k: per head (Qwen3) or over the whole projection (OLMoE).
+    const int64_t qr = qk_norm_ == QkNorm::whole ? t_ : t_ * q, kr = qk_norm_ == QkNorm::whole ? t_ : t_ * g;
+    rmsnorm_forward(q_raw_TQD_.view({qr, t_ * q * d / qr}), q_norm_, m_.rms_norm_eps,
+                    q_TQD_.view({qr, t_ * q * d / qr}), q_rstd_.slice(0, qr));
+    rmsnorm_forward(k_raw_TGD_.view({kr, t_ * g * d / kr}), k_norm_, m_.rms_norm_eps,
+                    k_TGD_.view({kr, t_ * g * d / kr}), k_rstd_.slice(0, kr));
+  }
   linear_forward(x_full_, wv_, v_TGD_);
-  // Per-head RMSNorm on q and k (Qwen3), then RoPE in place.
-  rmsnorm_forward(q_raw_TQD_.view({t_ * q, d}), q_norm_, m_.rms_norm_eps, q_TQD_.view({t_ * q, d}), q_rstd_);
-  rmsnorm_forward(k_raw_TGD_.view({t_ * g, d}), k_norm_, m_.rms_norm_eps, k_TGD_.view({t_ * g, d}), k_rstd_);
+  // RoPE in place.
   Tensor q4 = q_TQD_.view({b_, s_, q, d}), k4 = k_TGD_.view({b_, s_, g, d}), v4 = v_TGD_.view({b_, s_, g, d});
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   if (cp_) {  // this rank's chunks of the sequence, against every key of the CP group
@@ -120,14 +140,21 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     rope_backward(q4(w.dq_TQD), cos_, sin_);
     rope_backward(g4(w.dk_TGD), cos_, sin_);
   }
-  rmsnorm_backward(q_raw_TQD_.view({t_ * q, d}), q_norm_, q_rstd_, w.dq_TQD.view({t_ * q, d}),
-                   w.dq_raw_TQD.view({t_ * q, d}), dq_norm_);
-  rmsnorm_backward(k_raw_TGD_.view({t_ * g, d}), k_norm_, k_rstd_, w.dk_TGD.view({t_ * g, d}),
-                   w.dk_raw_TGD.view({t_ * g, d}), dk_norm_);
+  Tensor dq_raw = w.dq_TQD, dk_raw = w.dk_TGD;  // without q/k norms: the projections' outputs
+  if (qk_norm_ != QkNorm::none) {
+    const int64_t qr = qk_norm_ == QkNorm::whole ? t_ : t_ * q, kr = qk_norm_ == QkNorm::whole ? t_ : t_ * g;
+    const int64_t qc = t_ * q * d / qr, kc = t_ * g * d / kr;
+    rmsnorm_backward(q_raw_TQD_.view({qr, qc}), q_norm_, q_rstd_.slice(0, qr), w.dq_TQD.view({qr, qc}),
+                     w.dq_raw_TQD.view({qr, qc}), dq_norm_);
+    rmsnorm_backward(k_raw_TGD_.view({kr, kc}), k_norm_, k_rstd_.slice(0, kr), w.dk_TGD.view({kr, kc}),
+                     w.dk_raw_TGD.view({kr, kc}), dk_norm_);
+    dq_raw = w.dq_raw_TQD;
+    dk_raw = w.dk_raw_TGD;
+  }
   // d(x) over every row: this rank's heads' part, summed over TP and split back into rows.
   const Tensor dx_full = tp_ ? w.partial_TH : dx_TH;
-  linear_backward(x_full_, wq_, w.dq_raw_TQD, dx_full, dwq_);
-  linear_backward(x_full_, wk_, w.dk_raw_TGD, w.dx_TH, dwk_);
+  linear_backward(x_full_, wq_, dq_raw, dx_full, dwq_);
+  linear_backward(x_full_, wk_, dk_raw, w.dx_TH, dwk_);
   add_inplace(dx_full, w.dx_TH);
   linear_backward(x_full_, wv_, w.dv_TGD, w.dx_TH, dwv_);
   add_inplace(dx_full, w.dx_TH);

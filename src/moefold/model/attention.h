@@ -1,4 +1,5 @@
-// Qwen3 causal self-attention: q/k/v projections, per-head RMSNorm on q and k, rotary
+// Causal self-attention of the Qwen3-MoE, Mixtral and OLMoE families: q/k/v projections, RMSNorm
+// on q and k (Qwen3: per head; OLMoE: over the whole projection; Mixtral: none), rotary
 // embedding, grouped-query causal attention, output projection. Gradient rule: dx written,
 // parameter grads accumulated. Shape letters: T = B*S tokens of this rank's sequences (S = L under
 // context parallelism), H hidden, Q/G query/kv heads held here, D head dim.
@@ -26,26 +27,39 @@ struct AttentionScratch {
   void bind(Memory& mem, const ModelConfig& m, int64_t tokens, int64_t seq_len, int64_t q_dim, int64_t kv_dim);
 };
 
-class Attention {
+// What a decoder layer needs of its attention (Attention here, MlaAttention in mla.h).
+class SelfAttention {
+ public:
+  virtual ~SelfAttention() = default;
+  // `cos_SD`/`sin_SD`: the model's RoPE table for the whole sequence; `scratch`: shared
+  // workspaces; `cp`: the model's context-parallel core (null: the whole sequence is here);
+  // `tp`: the tensor-parallel group (null or size 1: every head is here).
+  virtual void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
+                    ContextParallelAttention* cp, Communicator* tp) = 0;
+  // x_TH -> y_TH (written); T/tp rows each. Keeps a view of x_TH: unchanged until backward.
+  virtual void forward(const Tensor& x_TH, const Tensor& y_TH) = 0;
+  // dy_TH -> dx_TH (written).
+  virtual void backward(const Tensor& dy_TH, const Tensor& dx_TH) = 0;
+};
+
+enum class QkNorm : uint8_t { none, per_head, whole };
+
+class Attention : public SelfAttention {
  public:
   // seq_len: tokens per sequence held here (S, or S/c under context parallelism).
   Attention(const ModelConfig& m, int64_t batch, int64_t seq_len, std::string prefix);
 
-  // `cos_SD`/`sin_SD`: the model's RoPE table for the whole sequence; `scratch`: shared
-  // workspaces; `cp`: the model's context-parallel core (null: the whole sequence is here);
-  // `tp`: the tensor-parallel group (null or size 1: every head is here).
   void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-            ContextParallelAttention* cp, Communicator* tp);
-  // x_TH -> y_TH (written); T/tp rows each. Keeps a view of x_TH: unchanged until backward.
-  void forward(const Tensor& x_TH, const Tensor& y_TH);
-  // dy_TH -> dx_TH (written).
-  void backward(const Tensor& dy_TH, const Tensor& dx_TH);
+            ContextParallelAttention* cp, Communicator* tp) override;
+  void forward(const Tensor& x_TH, const Tensor& y_TH) override;
+  void backward(const Tensor& dy_TH, const Tensor& dx_TH) override;
 
  private:
   ModelConfig m_;
   int64_t b_, s_, t_;                   // t_: tokens of the whole sequences here (all TP ranks' rows)
   int64_t q_heads_ = 0, kv_heads_ = 0;  // held here
   std::string prefix_;
+  QkNorm qk_norm_ = QkNorm::per_head;
   Tensor wq_, wk_, wv_, wo_, q_norm_, k_norm_;
   Tensor dwq_, dwk_, dwv_, dwo_, dq_norm_, dk_norm_;
   Tensor cos_, sin_;

@@ -2,6 +2,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <filesystem>
@@ -15,7 +16,8 @@ namespace moefold {
 
 namespace {
 
-using Ref = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*, ScoreFunc*>;
+using Ref = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*, ScoreFunc*, std::vector<int64_t>*,
+                         std::vector<std::string>*>;
 
 struct Field {
   const char* section;
@@ -31,7 +33,7 @@ struct Field {
 
 const std::vector<Field>& fields() {
   static const std::vector<Field> f = {
-      MF_FIELD(model, "architecture", architecture, "model family (qwen3_moe)"),
+      MF_FIELD(model, "architecture", architecture, "model family: qwen3_moe, mixtral, olmoe or deepseek_v3"),
       MF_FIELD(model, "vocab_size", vocab_size, "rows of the embedding and LM head (>= the tokenizer's vocabulary)"),
       MF_FIELD(model, "hidden_size", hidden_size, "H, width of the residual stream"),
       MF_FIELD(model, "num_hidden_layers", num_hidden_layers, "decoder layers, each attention + MoE"),
@@ -42,6 +44,29 @@ const std::vector<Field>& fields() {
       MF_FIELD(model, "rms_norm_eps", rms_norm_eps, "epsilon of every RMSNorm"),
       MF_FIELD(model, "rope_theta", rope_theta, "rotary embedding base"),
       MF_FIELD(model, "initializer_range", initializer_range, "std of the normal init of every matrix"),
+      MF_FIELD(model, "intermediate_size", intermediate_size, "FFN width of the dense layers (0: none)"),
+      MF_FIELD(model, "first_k_dense_replace", first_k_dense_replace, "the first k layers are dense (DeepSeek)"),
+      MF_FIELD(model, "mlp_only_layers", mlp_only_layers, "indices of dense layers (Qwen3-MoE)"),
+      MF_FIELD(model, "q_lora_rank", q_lora_rank, "MLA: rank of the query compression (0: plain q_proj)"),
+      MF_FIELD(model, "kv_lora_rank", kv_lora_rank, "MLA: rank of the key/value latent"),
+      MF_FIELD(model, "qk_nope_head_dim", qk_nope_head_dim, "MLA: per-head query/key width without RoPE"),
+      MF_FIELD(model, "qk_rope_head_dim", qk_rope_head_dim, "MLA: per-head query/key width with RoPE"),
+      MF_FIELD(model, "v_head_dim", v_head_dim, "MLA: per-head value width"),
+      MF_FIELD(model, "rope_interleave", rope_interleave, "rotate interleaved pairs (DeepSeek) instead of halves"),
+      MF_FIELD(model, "rope_type", rope_type, "\"default\" or \"yarn\" (YaRN context extension)"),
+      MF_FIELD(model, "rope_factor", rope_factor, "YaRN: context extension factor"),
+      MF_FIELD(model, "rope_original_max_position_embeddings", rope_original_max_position_embeddings,
+               "YaRN: context length of pre-training"),
+      MF_FIELD(model, "rope_beta_fast", rope_beta_fast, "YaRN: extrapolation boundary (rotations)"),
+      MF_FIELD(model, "rope_beta_slow", rope_beta_slow, "YaRN: interpolation boundary (rotations)"),
+      MF_FIELD(model, "rope_mscale", rope_mscale, "YaRN: mscale (0: not given)"),
+      MF_FIELD(model, "rope_mscale_all_dim", rope_mscale_all_dim, "YaRN: mscale_all_dim (0: not given)"),
+      MF_FIELD(model, "num_nextn_predict_layers", num_nextn_predict_layers, "multi-token prediction depth (0: off)"),
+      MF_FIELD(model, "mtp_loss_scaling_factor", mtp_loss_scaling_factor,
+               "weight of the mean multi-token-prediction loss"),
+      MF_FIELD(model, "torch_dtype", torch_dtype, "dtype of exported Hugging Face weights: float32 or bfloat16"),
+      MF_FIELD(model, "float32_tensors", float32_tensors,
+               "with bfloat16: tensors exported in float32 (names without \"model.layers.N.\")"),
       MF_FIELD(moe, "num_experts", num_experts, "E, routed experts per MoE layer"),
       MF_FIELD(moe, "num_experts_per_tok", num_experts_per_tok, "K, experts each token is sent to"),
       MF_FIELD(moe, "moe_intermediate_size", moe_intermediate_size, "F, FFN width of one expert"),
@@ -55,6 +80,15 @@ const std::vector<Field>& fields() {
       MF_FIELD(moe, "capacity_factor", capacity_factor,
                "<= 0: dropless; else capacity = ceil(cf * T * K / E) rows per expert"),
       MF_FIELD(moe, "pad_to_capacity", pad_to_capacity, "with a capacity: pad every expert to exactly its capacity"),
+      MF_FIELD(moe, "n_shared_experts", n_shared_experts,
+               "shared experts every token passes (one MLP of n x moe_intermediate_size)"),
+      MF_FIELD(moe, "n_group", n_group, "group-limited routing: experts in n_group contiguous groups (1: off)"),
+      MF_FIELD(moe, "topk_group", topk_group, "groups a token may route into (best by sum of top-2 scores)"),
+      MF_FIELD(moe, "expert_bias", expert_bias,
+               "aux-loss-free balancing: a per-expert selection bias (gate.e_score_correction_bias)"),
+      MF_FIELD(moe, "expert_bias_update_rate", expert_bias_update_rate,
+               "bias += rate * sign(mean load - load) after every step"),
+      MF_FIELD(moe, "seq_aux_loss_coef", seq_aux_loss_coeff, "sequence-level load-balancing loss weight (DeepSeek-V3)"),
       MF_FIELD(train, "seq_len", seq_len, "tokens per sequence"),
       MF_FIELD(train, "micro_batch_size", micro_batch_size, "sequences per forward/backward"),
       MF_FIELD(train, "global_batch_size", global_batch_size, "sequences per optimizer step (gradient accumulation)"),
@@ -122,6 +156,24 @@ void assign(Config& c, const Field& f, const toml::node& n, const std::string& w
           auto v = n.value_exact<std::string>();
           if (!v) MF_FAIL(what, ": ", name, " must be a string");
           *p = *v;
+        } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+          const toml::array* a = n.as_array();
+          if (!a) MF_FAIL(what, ": ", name, " must be an array of integers");
+          p->clear();
+          for (const toml::node& e : *a) {
+            auto v = e.value_exact<int64_t>();
+            if (!v) MF_FAIL(what, ": ", name, " must be an array of integers");
+            p->push_back(*v);
+          }
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          const toml::array* a = n.as_array();
+          if (!a) MF_FAIL(what, ": ", name, " must be an array of strings");
+          p->clear();
+          for (const toml::node& e : *a) {
+            auto v = e.value_exact<std::string>();
+            if (!v) MF_FAIL(what, ": ", name, " must be an array of strings");
+            p->push_back(*v);
+          }
         } else if constexpr (std::is_same_v<T, ScoreFunc>) {
           auto v = n.value_exact<std::string>();
           if (v && *v == "softmax")
@@ -188,9 +240,16 @@ std::string format_double(double v) {
 
 }  // namespace
 
+bool ModelConfig::is_dense_layer(int64_t layer) const {
+  return layer < first_k_dense_replace ||
+         std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end();
+}
+
 void ModelConfig::validate() const {
-  if (architecture != "qwen3_moe")
-    MF_FAIL("model.architecture = '", architecture, "' is not supported (supported: qwen3_moe)");
+  if (architecture != "qwen3_moe" && architecture != "mixtral" && architecture != "olmoe" &&
+      architecture != "deepseek_v3")
+    MF_FAIL("model.architecture = '", architecture,
+            "' is not supported (supported: qwen3_moe, mixtral, olmoe, deepseek_v3)");
   auto positive = [](const char* k, int64_t v) { require_positive("model", k, v); };
   positive("vocab_size", vocab_size);
   positive("hidden_size", hidden_size);
@@ -206,6 +265,48 @@ void ModelConfig::validate() const {
   if (!(rms_norm_eps > 0)) MF_FAIL("model.rms_norm_eps = ", rms_norm_eps, " must be > 0");
   if (!(rope_theta > 0)) MF_FAIL("model.rope_theta = ", rope_theta, " must be > 0");
   if (!(initializer_range > 0)) MF_FAIL("model.initializer_range = ", initializer_range, " must be > 0");
+  if (first_k_dense_replace < 0 || first_k_dense_replace > num_hidden_layers)
+    MF_FAIL("model.first_k_dense_replace = ", first_k_dense_replace,
+            " must be in [0, model.num_hidden_layers = ", num_hidden_layers, "]");
+  for (int64_t l : mlp_only_layers)
+    if (l < 0 || l >= num_hidden_layers)
+      MF_FAIL("model.mlp_only_layers holds ", l, ", not a layer index (model.num_hidden_layers = ", num_hidden_layers,
+              ")");
+  bool any_dense = false;
+  for (int64_t l = 0; l < num_hidden_layers; ++l) any_dense = any_dense || is_dense_layer(l);
+  if (any_dense) require_positive("model", "intermediate_size", intermediate_size);
+  if (intermediate_size < 0) MF_FAIL("model.intermediate_size = ", intermediate_size, " must be >= 0");
+  if (is_mla()) {
+    require_positive("model", "kv_lora_rank", kv_lora_rank);
+    require_positive("model", "qk_nope_head_dim", qk_nope_head_dim);
+    require_positive("model", "qk_rope_head_dim", qk_rope_head_dim);
+    require_positive("model", "v_head_dim", v_head_dim);
+    if (q_lora_rank < 0) MF_FAIL("model.q_lora_rank = ", q_lora_rank, " must be >= 0 (0: no query compression)");
+    if (head_dim != qk_rope_head_dim)
+      MF_FAIL("model.head_dim = ", head_dim, " must equal model.qk_rope_head_dim = ", qk_rope_head_dim,
+              " for deepseek_v3 (the rotary table's width)");
+    if (num_key_value_heads != num_attention_heads)
+      MF_FAIL("model.num_key_value_heads = ", num_key_value_heads,
+              " must equal model.num_attention_heads = ", num_attention_heads,
+              " for deepseek_v3 (MLA expands the latent to every head)");
+  } else if (q_lora_rank != 0 || kv_lora_rank != 0) {
+    MF_FAIL("model.q_lora_rank / model.kv_lora_rank are for deepseek_v3 only (architecture '", architecture, "')");
+  }
+  if (rope_type == "yarn") {
+    if (!(rope_factor >= 1)) MF_FAIL("model.rope_factor = ", rope_factor, " must be >= 1 for YaRN");
+    require_positive("model", "rope_original_max_position_embeddings", rope_original_max_position_embeddings);
+    if (!(rope_beta_fast > 0 && rope_beta_slow > 0))
+      MF_FAIL("model.rope_beta_fast = ", rope_beta_fast, " and model.rope_beta_slow = ", rope_beta_slow,
+              " must be > 0");
+  } else if (rope_type != "default") {
+    MF_FAIL("model.rope_type = '", rope_type, "' is not supported (default, yarn)");
+  }
+  if (torch_dtype != "float32" && torch_dtype != "bfloat16")
+    MF_FAIL("model.torch_dtype = '", torch_dtype, "' is not supported (float32, bfloat16)");
+  if (num_nextn_predict_layers < 0)
+    MF_FAIL("model.num_nextn_predict_layers = ", num_nextn_predict_layers, " must be >= 0");
+  if (!(mtp_loss_scaling_factor >= 0) || !std::isfinite(mtp_loss_scaling_factor))
+    MF_FAIL("model.mtp_loss_scaling_factor = ", mtp_loss_scaling_factor, " must be finite and >= 0");
 }
 
 void TrainConfig::validate() const {
@@ -253,6 +354,15 @@ void Config::validate() const {
   if (p.cp > 1 && train.seq_len % (2 * p.cp) != 0)
     MF_FAIL("train.seq_len = ", train.seq_len, " is not divisible by 2 x parallel.cp = ", 2 * p.cp,
             " (causal load balancing gives each rank a front and a back chunk)");
+  if (moe.n_shared_experts < 0) MF_FAIL("moe.n_shared_experts = ", moe.n_shared_experts, " must be >= 0");
+  if (model.intermediate_size % p.tp != 0)
+    MF_FAIL("model.intermediate_size = ", model.intermediate_size, " is not divisible by parallel.tp = ", p.tp);
+  if (moe.n_shared_experts * moe.moe_intermediate_size % p.tp != 0)
+    MF_FAIL("moe.n_shared_experts x moe.moe_intermediate_size = ", moe.n_shared_experts * moe.moe_intermediate_size,
+            " is not divisible by parallel.tp = ", p.tp);
+  if (model.architecture == "olmoe" && p.tp > 1)
+    MF_FAIL("parallel.tp = ", p.tp,
+            ": olmoe's q/k norms span every head; tensor parallelism is not implemented for it");
   if (model.vocab_size % p.tp != 0)
     MF_FAIL("model.vocab_size = ", model.vocab_size, " is not divisible by parallel.tp = ", p.tp);
   // Not implemented yet: refuse rather than train something else than asked.
@@ -373,13 +483,60 @@ std::string config_to_toml(const Config& cc) {
             os << (*p == ScoreFunc::softmax ? "\"softmax\"" : "\"sigmoid\"");
           else if constexpr (std::is_same_v<T, double>)
             os << format_double(*p);
-          else
+          else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+            os << "[";
+            for (size_t i = 0; i < p->size(); ++i) os << (i ? ", " : "") << toml::value<std::string>((*p)[i]);
+            os << "]";
+          } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+            os << "[";
+            for (size_t i = 0; i < p->size(); ++i) os << (i ? ", " : "") << (*p)[i];
+            os << "]";
+          } else
             os << *p;
         },
         f.ref(c));
     os << "  # " << f.doc << "\n";
   }
   return os.str();
+}
+
+namespace {
+double yarn_mscale(double factor, double mscale) { return factor <= 1 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0; }
+}  // namespace
+
+std::vector<double> rope_inv_freq(const ModelConfig& m, double* attention_factor) {
+  const int64_t d = m.head_dim, half = d / 2;
+  const double base = m.rope_theta;
+  std::vector<double> inv(static_cast<size_t>(half));
+  for (int64_t j = 0; j < half; ++j) inv[j] = std::pow(base, -2.0 * static_cast<double>(j) / static_cast<double>(d));
+  *attention_factor = 1.0;
+  if (m.rope_type != "yarn") return inv;
+  const double factor = m.rope_factor;
+  *attention_factor = m.rope_mscale > 0 && m.rope_mscale_all_dim > 0
+                          ? yarn_mscale(factor, m.rope_mscale) / yarn_mscale(factor, m.rope_mscale_all_dim)
+                          : yarn_mscale(factor, 1.0);
+  const double orig = static_cast<double>(m.rope_original_max_position_embeddings), pi = std::acos(-1.0);
+  auto correction_dim = [&](double rotations) {
+    return static_cast<double>(d) * std::log(orig / (rotations * 2 * pi)) / (2 * std::log(base));
+  };
+  double low = std::max(std::floor(correction_dim(m.rope_beta_fast)), 0.0);
+  double high = std::min(std::ceil(correction_dim(m.rope_beta_slow)), static_cast<double>(d - 1));
+  if (low == high) high += 0.001;
+  for (int64_t j = 0; j < half; ++j) {
+    const double ramp = std::clamp((static_cast<double>(j) - low) / (high - low), 0.0, 1.0);
+    const double extrapolation = 1.0 - ramp;  // weight of the original frequency
+    inv[j] = inv[j] / factor * (1.0 - extrapolation) + inv[j] * extrapolation;
+  }
+  return inv;
+}
+
+double attention_softmax_scale(const ModelConfig& m) {
+  double scale = 1.0 / std::sqrt(static_cast<double>(m.qk_head_dim()));
+  if (m.is_mla() && m.rope_type != "default" && m.rope_mscale_all_dim > 0) {
+    const double ms = yarn_mscale(m.rope_factor, m.rope_mscale_all_dim);
+    scale *= ms * ms;
+  }
+  return scale;
 }
 
 ModelSize model_size(const ModelConfig& m, const MoeConfig& e, int64_t seq_len) {

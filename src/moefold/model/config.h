@@ -12,19 +12,61 @@
 
 namespace moefold {
 
+// Model families (model.architecture), as Hugging Face names their config.json model_type:
+//   qwen3_moe   - Qwen3-MoE: per-head RMSNorm on q and k; softmax routing.
+//   mixtral     - Mixtral: no q/k norm; experts under "block_sparse_moe" (w1 gate, w3 up, w2 down).
+//   olmoe       - OLMoE: RMSNorm over the whole q and k projections (not per head).
+//   deepseek_v3 - DeepSeek-V3: multi-head latent attention (MLA), shared experts, sigmoid routing
+//                 with a selection bias and group limits, multi-token prediction.
 struct ModelConfig {
-  std::string architecture = "qwen3_moe";  // only Qwen3-MoE for now
+  std::string architecture = "qwen3_moe";  // one of the families above
   int64_t vocab_size = 320;                // rows of the embedding and LM head (>= tokenizer vocab)
   int64_t hidden_size = 128;               // H
-  int64_t num_hidden_layers = 4;           // decoder layers, each attention + MoE
+  int64_t num_hidden_layers = 4;           // decoder layers, each attention + MoE (or dense MLP)
   int64_t num_attention_heads = 4;         // query heads
   int64_t num_key_value_heads = 2;         // kv heads (grouped-query attention)
-  int64_t head_dim = 32;                   // D
+  int64_t head_dim = 32;                   // D (deepseek_v3: the rotary part, qk_rope_head_dim)
   int64_t max_position_embeddings = 4096;  // longest sequence the RoPE table is built for
   double rms_norm_eps = 1e-6;              // RMSNorm epsilon (layer norms and q/k norms)
   double rope_theta = 1e6;                 // RoPE base
   double initializer_range = 0.02;         // std of the normal init of every matrix
+  // Dense layers: layer l has a dense SwiGLU MLP of intermediate_size instead of an MoE layer when
+  // l < first_k_dense_replace (DeepSeek) or l is listed in mlp_only_layers (Qwen3-MoE).
+  int64_t intermediate_size = 0;
+  int64_t first_k_dense_replace = 0;
+  std::vector<int64_t> mlp_only_layers;
+  // Multi-head latent attention (deepseek_v3): q = q_b(norm(q_a(x))) (q_proj(x) when q_lora_rank
+  // is 0), kv latent = norm(kv_a(x)[:kv_lora_rank]), k_rope = kv_a(x)[kv_lora_rank:] shared by
+  // every head; k_nope, v = kv_b(latent).
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  bool rope_interleave = false;  // rotary pairs (x0,x1),(x2,x3).. (DeepSeek) instead of (xj, xj+D/2)
+  // RoPE scaling: "default" or "yarn" (YaRN, as Hugging Face computes it for DeepSeek-V3).
+  std::string rope_type = "default";
+  double rope_factor = 1.0;
+  int64_t rope_original_max_position_embeddings = 0;
+  double rope_beta_fast = 32.0;
+  double rope_beta_slow = 1.0;
+  double rope_mscale = 0.0;          // 0: not given
+  double rope_mscale_all_dim = 0.0;  // 0: not given
+  // Multi-token prediction (DeepSeek-V3): modules predicting token i+1+k, k = 1..depth, whose mean
+  // cross-entropy is added to the loss times mtp_loss_scaling_factor.
+  int64_t num_nextn_predict_layers = 0;
+  double mtp_loss_scaling_factor = 0.1;
+  // The dtype of the Hugging Face checkpoint this model came from ("float32" or "bfloat16"):
+  // `convert --to-hf` writes the weights in it (training keeps fp32 master weights).
+  std::string torch_dtype = "float32";
+  // With torch_dtype bfloat16: the tensors the checkpoint kept in float32 (transformers keeps e.g.
+  // DeepSeek-V3's router in float32), by name without the "model.layers.N." prefix.
+  std::vector<std::string> float32_tensors;
 
+  bool is_mla() const { return architecture == "deepseek_v3"; }
+  bool is_dense_layer(int64_t layer) const;
+  // Query/key width of one head for the attention core (MLA: nope + rope).
+  int64_t qk_head_dim() const { return is_mla() ? qk_nope_head_dim + qk_rope_head_dim : head_dim; }
   void validate() const;
 };
 
@@ -84,6 +126,13 @@ Config load_config(const std::string& spec, const std::vector<std::string>& over
 
 // The config as TOML (every key), for run directories and checkpoints.
 std::string config_to_toml(const Config& c);
+
+// The rotary table's inverse frequencies (head_dim / 2 of them) and the factor its cos/sin are
+// multiplied by: theta^(-2j/D) and 1 by default; YaRN's blend of interpolated and extrapolated
+// frequencies and its attention factor (as Hugging Face's _compute_yarn_parameters, truncate on).
+std::vector<double> rope_inv_freq(const ModelConfig& m, double* attention_factor);
+// The attention softmax scale: qk_head_dim^-0.5 (MLA with YaRN: times mscale(factor, mscale_all_dim)^2).
+double attention_softmax_scale(const ModelConfig& m);
 
 // Parameter counts and model FLOPs (formulas in ../shared/BENCHMARKS.md).
 struct ModelSize {

@@ -14,6 +14,11 @@ std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
   MF_CHECK(of.shape() == p.value.shape(), p.name, ": ", of.str(), " vs ", p.value.str());
   std::string mlp;
   std::vector<NamedView> out;
+  // Mixtral's experts ("<layer>.block_sparse_moe.experts.{e}"): w1 gate, w3 up, w2 down.
+  const bool mixtral = p.name.find(".block_sparse_moe.") != std::string::npos;
+  const char* gate = mixtral ? ".w1.weight" : ".gate_proj.weight";
+  const char* up = mixtral ? ".w3.weight" : ".up_proj.weight";
+  const char* down = mixtral ? ".w2.weight" : ".down_proj.weight";
   if (strip_suffix(p.name, ".experts.gate_up_proj", &mlp)) {
     const int64_t e = of.size(0), f2 = of.size(1), h = of.size(2);
     for (int64_t i = 0; i < e; ++i) {
@@ -22,15 +27,15 @@ std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
       const bool sharded = p.shard_dim == 1;  // rows of gate and of up split over ETP
       const int dim = sharded ? 0 : -1;
       const int64_t offset = sharded ? p.shard_dim_offset : 0, whole = sharded ? p.global_dim_size : f2 / 2;
-      out.push_back({cat(mlp, ".experts.", g, ".gate_proj.weight"), w.slice(0, f2 / 2), dim, offset, whole});
-      out.push_back({cat(mlp, ".experts.", g, ".up_proj.weight"), w.slice(f2 / 2, f2), dim, offset, whole});
+      out.push_back({cat(mlp, ".experts.", g, gate), w.slice(0, f2 / 2), dim, offset, whole});
+      out.push_back({cat(mlp, ".experts.", g, up), w.slice(f2 / 2, f2), dim, offset, whole});
     }
   } else if (strip_suffix(p.name, ".experts.down_proj", &mlp)) {
     const int64_t e = of.size(0), h = of.size(1), f = of.size(2);
     const bool sharded = p.shard_dim == 2;  // columns split over ETP
     for (int64_t i = 0; i < e; ++i)
-      out.push_back({cat(mlp, ".experts.", p.shard_offset + i, ".down_proj.weight"), of.slice(i, i + 1).view({h, f}),
-                     sharded ? 1 : -1, sharded ? p.shard_dim_offset : 0, sharded ? p.global_dim_size : f});
+      out.push_back({cat(mlp, ".experts.", p.shard_offset + i, down), of.slice(i, i + 1).view({h, f}), sharded ? 1 : -1,
+                     sharded ? p.shard_dim_offset : 0, sharded ? p.global_dim_size : f});
   } else if (p.shard_dim == 1 && of.ndim() == 2) {  // tensor parallelism: columns (row-parallel)
     out.push_back({p.name, of, 1, p.shard_dim_offset, p.global_dim_size});
   } else if (p.global_rows != of.size(0)) {  // tensor parallelism: rows (column-parallel, vocabulary)

@@ -1,6 +1,7 @@
 // The parameter table under Hugging Face names. Experts are stored fused for the grouped GEMM
 // ("<mlp>.experts.gate_up_proj" [E, 2F, H], "<mlp>.experts.down_proj" [E, H, F]); on disk they
-// are the per-expert tensors of the Hub checkpoints ("<mlp>.experts.{e}.gate_proj.weight" ...).
+// are the per-expert tensors of the Hub checkpoints ("<mlp>.experts.{e}.gate_proj.weight" ...;
+// Mixtral: "<layer>.block_sparse_moe.experts.{e}.w1.weight" (gate), w3 (up), w2 (down)).
 #pragma once
 
 #include <string>

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "moefold/core/rng.h"
+#include "moefold/model/mla.h"
 #include "moefold/ops/ops.h"
 #include "moefold/parallel/vocab_parallel.h"
 
@@ -17,15 +18,31 @@ uint64_t fnv1a(const std::string& s) {
 }
 }  // namespace
 
+namespace {
+std::unique_ptr<SelfAttention> make_attention(const ModelConfig& m, int64_t batch, int64_t seq_len,
+                                              const std::string& prefix) {
+  if (m.is_mla()) return std::make_unique<MlaAttention>(m, batch, seq_len, prefix, attention_softmax_scale(m));
+  return std::make_unique<Attention>(m, batch, seq_len, prefix);
+}
+}  // namespace
+
 DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows,
-                           int64_t index, std::unique_ptr<Dispatcher> dispatcher)
-    : m_(m),
-      t_(rows),
-      prefix_(cat("model.layers.", index)),
-      attn_(m, batch, seq_len, prefix_ + ".self_attn"),
-      moe_(e, m.hidden_size, rows, prefix_ + ".mlp",
-           dispatcher ? std::move(dispatcher) : std::make_unique<LocalDispatcher>(e, m.hidden_size, rows)) {
-  moe_.set_init_std(m.initializer_range);
+                           int64_t tp, int64_t index, std::unique_ptr<Dispatcher> dispatcher)
+    : m_(m), t_(rows), prefix_(cat("model.layers.", index)) {
+  attn_ = make_attention(m, batch, seq_len, prefix_ + ".self_attn");
+  const int64_t h = m.hidden_size;
+  if (m.is_dense_layer(index)) {
+    mlp_ = std::make_unique<DenseMlp>(h, m.intermediate_size, rows, rows * tp, prefix_ + ".mlp", m.initializer_range);
+    return;
+  }
+  // Mixtral names its MoE block "block_sparse_moe" (see hf_names.h for its experts' names).
+  const std::string mlp = prefix_ + (m.architecture == "mixtral" ? ".block_sparse_moe" : ".mlp");
+  moe_ = std::make_unique<MoeLayer>(e, h, rows, mlp,
+                                    dispatcher ? std::move(dispatcher) : std::make_unique<LocalDispatcher>(e, h, rows));
+  moe_->set_init_std(m.initializer_range);
+  if (e.n_shared_experts > 0)
+    mlp_ = std::make_unique<DenseMlp>(h, e.n_shared_experts * e.moe_intermediate_size, rows, rows * tp,
+                                      mlp + ".shared_experts", m.initializer_range);
 }
 
 void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
@@ -33,10 +50,11 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   const int64_t h = m_.hidden_size;
   norm1_ = mem.param(prefix_ + ".input_layernorm.weight", {h}, Init::ones, 0, false);
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
-  attn_.bind(mem, cos_SD, sin_SD, scratch, cp, tp);
+  attn_->bind(mem, cos_SD, sin_SD, scratch, cp, tp);
   norm2_ = mem.param(prefix_ + ".post_attention_layernorm.weight", {h}, Init::ones, 0, false);
   dnorm2_ = mem.grad(prefix_ + ".post_attention_layernorm.weight");
-  moe_.bind(mem);
+  if (moe_) moe_->bind(mem);
+  if (mlp_) mlp_->bind(mem, tp);
   dn_TH_ = dn_TH;
   tmp_TH_ = tmp_TH;
   n1_TH_ = mem.act({t_, h});
@@ -46,25 +64,45 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   n2_TH_ = mem.act({t_, h});
   rstd2_T_ = mem.act({t_});
   m_TH_ = mem.act({t_, h});
+  const bool shared = moe_ && mlp_;
+  s_TH_ = mem.act({shared ? t_ : 0, h});
+  ds_TH_ = mem.act({shared ? t_ : 0, h});
 }
 
 void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
   x_ = x_TH;
   rmsnorm_forward(x_TH, norm1_, m_.rms_norm_eps, n1_TH_, rstd1_T_);
-  attn_.forward(n1_TH_, a_TH_);
+  attn_->forward(n1_TH_, a_TH_);
   h_TH_.copy_from(x_TH);
   add_inplace(h_TH_, a_TH_);
   rmsnorm_forward(h_TH_, norm2_, m_.rms_norm_eps, n2_TH_, rstd2_T_);
-  moe_.forward(n2_TH_, m_TH_);
   out_TH.copy_from(h_TH_);
-  add_inplace(out_TH, m_TH_);
+  if (moe_) {
+    moe_->forward(n2_TH_, m_TH_);
+    add_inplace(out_TH, m_TH_);
+    if (mlp_) {  // shared experts see every token
+      mlp_->forward(n2_TH_, s_TH_);
+      add_inplace(out_TH, s_TH_);
+    }
+  } else {
+    mlp_->forward(n2_TH_, m_TH_);
+    add_inplace(out_TH, m_TH_);
+  }
 }
 
 void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
-  moe_.backward(dres_TH, dn_TH_, moe_loss_scale);
+  if (moe_) {
+    moe_->backward(dres_TH, dn_TH_, moe_loss_scale);
+    if (mlp_) {
+      mlp_->backward(dres_TH, ds_TH_);
+      add_inplace(dn_TH_, ds_TH_);
+    }
+  } else {
+    mlp_->backward(dres_TH, dn_TH_);
+  }
   rmsnorm_backward(h_TH_, norm2_, rstd2_T_, dn_TH_, tmp_TH_, dnorm2_);
   add_inplace(dres_TH, tmp_TH_);  // d(h)
-  attn_.backward(dres_TH, dn_TH_);
+  attn_->backward(dres_TH, dn_TH_);
   rmsnorm_backward(x_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
   add_inplace(dres_TH, tmp_TH_);  // d(x)
 }
@@ -81,14 +119,20 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
   t_ = n_ / n;  // sequence parallelism: this TP rank's rows of the residual stream
   tp_ = n > 1 ? parallel.tp : nullptr;
   vocab_offset_ = tp_ ? tp_->rank() * (m.vocab_size / n) : 0;
-  if (c > 1)
+  if (c > 1) {  // MLA: every head has its own key and value in the core, at the padded width
+    const int64_t kv_heads = m.is_mla() ? m.num_attention_heads : m.num_key_value_heads;
+    const int64_t d = m.is_mla() ? MlaAttention::core_head_dim(m) : m.head_dim;
     cpa_ = std::make_unique<ContextParallelAttention>(
-        *parallel.cp,
-        CpAttentionShape{micro_batch, seq_len, m.num_attention_heads / n, m.num_key_value_heads / n, m.head_dim});
+        *parallel.cp, CpAttentionShape{micro_batch, seq_len, m.num_attention_heads / n, kv_heads / n, d});
+  }
   for (int64_t l = 0; l < m.num_hidden_layers; ++l) {
-    layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, l_, t_, l,
-                                                     parallel.dispatchers ? parallel.dispatchers(l) : nullptr));
-    layers_.back()->moe().set_token_group(parallel.tokens);
+    const bool dense = m.is_dense_layer(l);
+    layers_.push_back(std::make_unique<DecoderLayer>(
+        m, e, micro_batch, l_, t_, n, l, !dense && parallel.dispatchers ? parallel.dispatchers(l) : nullptr));
+    if (MoeLayer* moe = layers_.back()->moe()) {
+      moe->set_token_group(parallel.tokens);
+      moe_layers_.push_back(moe);
+    }
   }
 }
 
@@ -125,7 +169,11 @@ void Model::bind(Memory& mem) {
   full_NH_ = mem.act({tp_ ? n_ : 0, h});
   partial_NH_ = mem.act({tp_ ? n_ : 0, h});
   if (tp_) ce_scratch_.bind(mem, n_);
-  if (!mem.measuring()) rope_table(m_.rope_theta, cos_SD_, sin_SD_);
+  if (!mem.measuring()) {
+    double attention_factor = 1.0;
+    const std::vector<double> inv_freq = rope_inv_freq(m_, &attention_factor);
+    rope_table(inv_freq, attention_factor, cos_SD_, sin_SD_);
+  }
 }
 
 void Model::init_params(std::vector<Param>& params, uint64_t seed) {
@@ -188,13 +236,13 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale) {
 
 double Model::aux_loss() const {
   double s = 0;
-  for (const auto& l : layers_) s += l->moe().aux_loss();
+  for (const MoeLayer* l : moe_layers_) s += l->aux_loss();
   return s;
 }
 
 double Model::z_loss() const {
   double s = 0;
-  for (const auto& l : layers_) s += l->moe().z_loss();
+  for (const MoeLayer* l : moe_layers_) s += l->z_loss();
   return s;
 }
 

@@ -1,5 +1,6 @@
-// The decoder-only Qwen3-MoE model: embedding; N x [RMSNorm -> attention -> residual ->
-// RMSNorm -> MoE -> residual]; final RMSNorm; untied LM head; softmax cross-entropy.
+// The decoder-only MoE model of every supported family (config.h): embedding; N x [RMSNorm ->
+// attention (GQA or MLA) -> residual -> RMSNorm -> MoE (+ shared experts) or dense MLP ->
+// residual]; final RMSNorm; untied LM head; softmax cross-entropy.
 // forward() keeps every activation backward needs (one micro-batch); backward() accumulates
 // parameter gradients. The model knows nothing of parallelism (STYLE.md, item 4).
 #pragma once
@@ -12,6 +13,7 @@
 #include "moefold/core/memory.h"
 #include "moefold/model/attention.h"
 #include "moefold/model/config.h"
+#include "moefold/model/mlp.h"
 #include "moefold/moe/moe_layer.h"
 #include "moefold/parallel/vocab_parallel.h"
 
@@ -31,27 +33,30 @@ struct ModelParallel {
 
 class DecoderLayer {
  public:
-  // seq_len: tokens per sequence here (S/c); rows: tokens of the residual stream here (B*S/c/tp).
-  DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows, int64_t index,
-               std::unique_ptr<Dispatcher> dispatcher);
+  // seq_len: tokens per sequence here (S/c); rows: tokens of the residual stream here (B*S/c/tp);
+  // tp: tensor-parallel size. A dense layer (ModelConfig::is_dense_layer) ignores `dispatcher`.
+  DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows, int64_t tp,
+               int64_t index, std::unique_ptr<Dispatcher> dispatcher);
   void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
             ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH);
   // x_TH -> out_TH (written); x_TH must stay unchanged until backward.
   void forward(const Tensor& x_TH, const Tensor& out_TH);
   // On entry dres_TH = d(out); on exit d(x). moe_loss_scale weights the router losses.
   void backward(const Tensor& dres_TH, double moe_loss_scale);
-  const MoeLayer& moe() const { return moe_; }
-  MoeLayer& moe() { return moe_; }
+  // Null for a dense layer.
+  const MoeLayer* moe() const { return moe_.get(); }
+  MoeLayer* moe() { return moe_.get(); }
 
  private:
   ModelConfig m_;
   int64_t t_;
   std::string prefix_;
-  Attention attn_;
-  MoeLayer moe_;
+  std::unique_ptr<SelfAttention> attn_;
+  std::unique_ptr<MoeLayer> moe_;  // MoE layers
+  std::unique_ptr<DenseMlp> mlp_;  // the dense layer's MLP, or the MoE layer's shared experts
   Tensor norm1_, norm2_, dnorm1_, dnorm2_;
   Tensor dn_TH_, tmp_TH_;  // shared backward workspaces
-  Tensor x_, n1_TH_, rstd1_T_, a_TH_, h_TH_, n2_TH_, rstd2_T_, m_TH_;
+  Tensor x_, n1_TH_, rstd1_T_, a_TH_, h_TH_, n2_TH_, rstd2_T_, m_TH_, s_TH_, ds_TH_;
 };
 
 class Model {
@@ -77,8 +82,13 @@ class Model {
   double aux_loss() const;
   double z_loss() const;
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-  const MoeLayer& moe(int64_t layer) const { return layers_[layer]->moe(); }
+  // The MoE layers (dense layers skipped), in depth order.
+  int64_t num_moe_layers() const { return static_cast<int64_t>(moe_layers_.size()); }
+  const MoeLayer& moe(int64_t i) const { return *moe_layers_[i]; }
+  MoeLayer& moe(int64_t i) { return *moe_layers_[i]; }
   int64_t tokens() const { return t_; }
+  // Logits of the last forward: [B * local_seq_len(), V / tp] (this rank's vocabulary shard).
+  const Tensor& logits() const { return logits_TV_; }
   int64_t local_seq_len() const { return l_; }
   // Global positions of the local tokens (i32 [local_seq_len()]); null without CP.
   const Tensor* positions() const { return cpa_ ? &cpa_->positions() : nullptr; }
@@ -92,6 +102,7 @@ class Model {
   int64_t vocab_offset_ = 0;                       // first vocabulary row held here (tensor parallelism)
   std::unique_ptr<ContextParallelAttention> cpa_;  // shared by every layer (stateless between calls)
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
+  std::vector<MoeLayer*> moe_layers_;
   AttentionScratch scratch_;
   Tensor embed_, dembed_, norm_, dnorm_, lm_head_, dlm_head_;
   Tensor cos_SD_, sin_SD_;

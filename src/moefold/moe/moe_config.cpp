@@ -21,6 +21,22 @@ void MoeConfig::validate() const {
     MF_FAIL("moe.aux_loss_coeff = ", aux_loss_coeff, " must be finite and >= 0");
   if (!(z_loss_coeff >= 0) || !std::isfinite(z_loss_coeff))
     MF_FAIL("moe.z_loss_coeff = ", z_loss_coeff, " must be finite and >= 0");
+  require_positive("moe", "n_group", n_group);
+  require_positive("moe", "topk_group", topk_group);
+  if (num_experts % n_group != 0) MF_FAIL("moe.n_group = ", n_group, " must divide moe.num_experts = ", num_experts);
+  if (topk_group > n_group) MF_FAIL("moe.topk_group = ", topk_group, " must be <= moe.n_group = ", n_group);
+  if (num_experts_per_tok > topk_group * (num_experts / n_group))
+    MF_FAIL("moe.num_experts_per_tok = ", num_experts_per_tok,
+            " must be <= moe.topk_group * moe.num_experts / moe.n_group = ", topk_group * (num_experts / n_group),
+            " (the experts of the kept groups)");
+  // As Megatron-Core's TransformerConfig, which accepts the bias with sigmoid scores only
+  // (DeepSeek-V3 pairs them, section 2.1.2).
+  if (expert_bias && scoring_func != ScoreFunc::sigmoid)
+    MF_FAIL("moe.expert_bias = true requires moe.scoring_func = \"sigmoid\"");
+  if (!(expert_bias_update_rate >= 0) || !std::isfinite(expert_bias_update_rate))
+    MF_FAIL("moe.expert_bias_update_rate = ", expert_bias_update_rate, " must be finite and >= 0");
+  if (!(seq_aux_loss_coeff >= 0) || !std::isfinite(seq_aux_loss_coeff))
+    MF_FAIL("moe.seq_aux_loss_coeff = ", seq_aux_loss_coeff, " must be finite and >= 0");
   if (pad_to_capacity && !(capacity_factor > 0))
     MF_FAIL("moe.pad_to_capacity = true requires moe.capacity_factor > 0 (got ", capacity_factor, ")");
 }

@@ -20,6 +20,12 @@ struct MoeConfig {
   double z_loss_coeff = 0.0;                    // router z-loss weight (ST-MoE)
   double capacity_factor = 0.0;                 // <= 0: dropless; else capacity = ceil(cf * T * K / E) per expert
   bool pad_to_capacity = false;                 // with a capacity: every expert gets exactly `capacity` rows
+  int64_t n_group = 1;                          // DeepSeek-V3 group-limited routing: contiguous expert groups
+  int64_t topk_group = 1;                       // groups each token may route into (the best by top-2 sum)
+  bool expert_bias = false;                     // aux-loss-free balancing: selection bias gate.e_score_correction_bias
+  double expert_bias_update_rate = 1e-3;        // bias step per update (Megatron: moe_router_bias_update_rate)
+  double seq_aux_loss_coeff = 0.0;              // sequence-level load-balancing loss weight (DeepSeek-V3 eq. 17)
+  int64_t n_shared_experts = 0;  // DeepSeek-V3 shared experts: one dense MLP of n * moe_intermediate_size
 
   // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 must be <=
   // moe.num_experts = 8").
@@ -29,8 +35,10 @@ struct MoeConfig {
   // Upper bound on dispatched rows for T tokens: T*K dropless, else min(T*K, E*capacity) (or
   // E*capacity exactly with padding).
   int64_t max_rows(int64_t num_tokens) const;
-  // The router's score -> top-k probability settings.
-  TopkRouting routing() const { return {scoring_func, norm_topk_prob, routed_scaling_factor}; }
+  // The router's score -> top-k probability settings (no bias: the Router adds its parameter).
+  TopkRouting routing() const {
+    return {scoring_func, norm_topk_prob, routed_scaling_factor, n_group, topk_group, Tensor{}};
+  }
 };
 
 }  // namespace moefold

@@ -1,6 +1,7 @@
 // Router forward/backward: gemm for the logits, moe_ops for scores, top-k and the aux losses.
 #include "moefold/moe/router.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "moefold/ops/gemm.h"
@@ -17,6 +18,12 @@ void Router::bind(Memory& mem) {
   const int64_t e_n = cfg_.num_experts, k_n = cfg_.num_experts_per_tok;
   gate_EH_ = mem.param(prefix_ + ".gate.weight", {e_n, hidden_}, Init::normal, init_std_, true);
   dgate_EH_ = mem.grad(prefix_ + ".gate.weight");
+  if (cfg_.expert_bias) {
+    // Selection only (aux-loss-free balancing): nothing writes its gradient, so the gradient stays
+    // at the zero the step's memset leaves, AdamW (zero moments, no decay) leaves the value
+    // exactly as it is, and update_expert_bias is the one thing that moves it.
+    bias_E_ = mem.param(prefix_ + ".gate.e_score_correction_bias", {e_n}, Init::zeros, 0, /*decay=*/false);
+  }
   logits_buf_ = mem.act({max_tokens_, e_n});
   scores_buf_ = mem.act({max_tokens_, e_n});
   idx_buf_ = mem.act({max_tokens_, k_n}, DType::i32);
@@ -25,6 +32,24 @@ void Router::bind(Memory& mem) {
   dextra_buf_ = mem.act({max_tokens_, e_n});
   counts_E_ = mem.act({e_n}, DType::i64);
   group_counts_E_ = mem.act({e_n}, DType::i64);
+  if (cfg_.seq_aux_loss_coeff > 0) seq_counts_buf_ = mem.act({std::max<int64_t>(num_seqs_, 1), e_n}, DType::i64);
+  bound_ = true;
+}
+
+void Router::set_sequences(int64_t num_seqs, int64_t local_seq_len, int64_t row_offset, int64_t full_seq_len) {
+  MF_CHECK(!bound_, "Router::set_sequences after bind");
+  MF_CHECK(num_seqs >= 1 && local_seq_len >= 1 && row_offset >= 0 && full_seq_len >= local_seq_len,
+           "Router::set_sequences: ", num_seqs, " sequences of ", full_seq_len, " tokens, ", local_seq_len,
+           " local, from row ", row_offset);
+  num_seqs_ = num_seqs;
+  local_seq_len_ = local_seq_len;
+  row_offset_ = row_offset;
+  full_seq_len_ = full_seq_len;
+}
+
+void Router::update_expert_bias(const Tensor& counts_E, double rate) {
+  MF_CHECK(cfg_.expert_bias && bias_E_.data(), "Router::update_expert_bias without moe.expert_bias (or unbound)");
+  expert_bias_update(bias_E_, counts_E, rate);
 }
 
 void Router::forward(const Tensor& x_TH) {
@@ -40,17 +65,35 @@ void Router::forward(const Tensor& x_TH) {
     gemm<T>(false, true, t_n, e_n, hidden_, T(1), x_TH.ptr<T>(), hidden_, gate_EH_.ptr<T>(), hidden_, T(0),
             logits_.ptr<T>(), e_n);
   });
-  router_topk_forward(logits_, cfg_.routing(), scores_, topk_idx_, topk_prob_);
+  TopkRouting routing = cfg_.routing();
+  routing.bias_E = bias_E_;
+  router_topk_forward(logits_, routing, scores_, topk_idx_, topk_prob_);
   topk_expert_counts(topk_idx_, counts_E_);
   // Router losses over the whole micro-batch when its sequences are split over a token group.
+  const bool grouped = token_group_ && token_group_->size() > 1;
   group_counts_E_.copy_from(counts_E_);
   total_tokens_ = t_n;
-  if (token_group_ && token_group_->size() > 1) {
+  if (grouped) {
     token_group_->all_reduce(group_counts_E_, ReduceOp::sum);
     total_tokens_ = t_n * token_group_->size();  // every rank of the group holds as many tokens
   }
   aux_loss_ = cfg_.aux_loss_coeff *
               aux_loss_forward(scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok, total_tokens_);
+  seq_aux_loss_ = 0;
+  if (cfg_.seq_aux_loss_coeff > 0) {
+    int64_t b_n = num_seqs_;
+    if (num_seqs_ > 0) {
+      seq_layout_ = {local_seq_len_, row_offset_, full_seq_len_};
+    } else {  // one sequence: this forward's tokens (of every rank of the token group)
+      b_n = 1;
+      seq_layout_ = {std::max<int64_t>(t_n, 1), 0, std::max<int64_t>(total_tokens_, 1)};
+    }
+    seq_counts_BE_ = seq_counts_buf_.slice(0, b_n);
+    seq_expert_counts(topk_idx_, seq_layout_, seq_counts_BE_);
+    if (grouped) token_group_->all_reduce(seq_counts_BE_, ReduceOp::sum);
+    seq_aux_loss_ = cfg_.seq_aux_loss_coeff * seq_aux_loss_forward(scores_, cfg_.scoring_func, seq_counts_BE_,
+                                                                   cfg_.num_experts_per_tok, seq_layout_);
+  }
   z_loss_ = cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff * z_loss_forward(logits_, total_tokens_) : 0.0;
 }
 
@@ -69,6 +112,11 @@ void Router::backward(const Tensor& x_TH, const Tensor& dprob_TK, double loss_sc
     if (cfg_.aux_loss_coeff > 0) {
       aux_loss_backward(scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok,
                         loss_scale * cfg_.aux_loss_coeff, dextra, total_tokens_);
+      add_extra();
+    }
+    if (cfg_.seq_aux_loss_coeff > 0) {
+      seq_aux_loss_backward(scores_, cfg_.scoring_func, seq_counts_BE_, cfg_.num_experts_per_tok, seq_layout_,
+                            loss_scale * cfg_.seq_aux_loss_coeff, dextra);
       add_extra();
     }
     if (cfg_.z_loss_coeff > 0) {

@@ -1,8 +1,9 @@
-// Router: logits = x @ gate^T, scores and top-k (moe_ops.h), and the two auxiliary losses it
-// owns (load balancing and z-loss), already multiplied by their coefficients.
+// Router: logits = x @ gate^T, scores and top-k (moe_ops.h) with DeepSeek-V3's selection bias and
+// group-limited routing, and the auxiliary losses it owns (load balancing, sequence-level load
+// balancing, z-loss), already multiplied by their coefficients.
 // Gradient rule: dgate accumulated; dx ADDED to (the router is a branch off the layer input,
-// which the dispatcher's backward writes first).
-// Shape letters: T tokens, H hidden, E experts, K top-k.
+// which the dispatcher's backward writes first); the selection bias gets no gradient.
+// Shape letters: T tokens, H hidden, E experts, K top-k, B sequences.
 #pragma once
 
 #include <cstdint>
@@ -19,8 +20,10 @@ class Router {
   // REQUIRES: cfg.validate() passes. prefix: e.g. "model.layers.3.mlp".
   Router(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix, double init_std);
 
-  // "<prefix>.gate.weight" [E, H] (Qwen3-MoE's name) and the saved activations. Logits, scores
-  // and probabilities use the compute dtype: fp32 on the CPU (f64 in gradient checks).
+  // "<prefix>.gate.weight" [E, H] (Qwen3-MoE's name), with cfg.expert_bias also
+  // "<prefix>.gate.e_score_correction_bias" [E] (DeepSeek-V3's name), and the saved activations.
+  // Logits, scores and probabilities use the compute dtype: fp32 on the CPU (f64 in gradient
+  // checks).
   void bind(Memory& mem);
 
   // Computes logits, scores, top-k, the per-expert counts and the two losses for x_TH.
@@ -30,10 +33,21 @@ class Router {
   // (null or size 1: this rank's tokens are the micro-batch). REQUIRES: every rank of the group
   // routes as many tokens. Not owned.
   void set_token_group(Communicator* group) { token_group_ = group; }
+  // How this rank's rows split into sequences, for the sequence-level aux loss (moe_ops.h,
+  // SeqLayout): the micro-batch holds num_seqs sequences of full_seq_len tokens, local_seq_len of
+  // each on this rank's token group (full_seq_len / cp) laid out sequence after sequence; this
+  // rank's rows start at row_offset of that block (sequence parallelism). Never called: the tokens
+  // of a forward are one sequence (T, or T times the token group's size, every rank holding as
+  // many). REQUIRES: before bind (it sizes the [B, E] counts).
+  void set_sequences(int64_t num_seqs, int64_t local_seq_len, int64_t row_offset, int64_t full_seq_len);
   // dprob_TK: gradient of the main loss w.r.t. topk_prob. Adds loss_scale * (aux_loss_coeff *
-  // d aux + z_loss_coeff * d z) to the logit gradient; dgate accumulated; dx_TH += dlogits @ gate.
-  // REQUIRES: the same x_TH as forward.
+  // d aux + seq_aux_loss_coeff * d seq_aux + z_loss_coeff * d z) to the logit gradient; dgate
+  // accumulated; dx_TH += dlogits @ gate. REQUIRES: the same x_TH as forward.
   void backward(const Tensor& x_TH, const Tensor& dprob_TK, double loss_scale, const Tensor& dx_TH);
+  // Aux-loss-free balancing: bias_e += rate * sign(mean(counts_E) - counts_E[e]) (moe_ops.h,
+  // expert_bias_update). counts_E: i64 [E], selections summed over a step and every rank, so all
+  // ranks apply the same update. REQUIRES: cfg.expert_bias, bound.
+  void update_expert_bias(const Tensor& counts_E, double rate);
 
   // Views of the last forward (T rows).
   const Tensor& logits() const { return logits_; }
@@ -42,7 +56,9 @@ class Router {
   const Tensor& topk_prob() const { return topk_prob_; }         // [T, K]
   const Tensor& tokens_per_expert() const { return counts_E_; }  // i64 [E], before capacity dropping
   double aux_loss() const { return aux_loss_; }                  // aux_loss_coeff * aux
+  double seq_aux_loss() const { return seq_aux_loss_; }          // seq_aux_loss_coeff * seq aux (this rank's share)
   double z_loss() const { return z_loss_; }                      // z_loss_coeff * z
+  const Tensor& expert_bias() const { return bias_E_; }          // [E]; undefined without cfg.expert_bias
 
  private:
   MoeConfig cfg_;
@@ -50,12 +66,19 @@ class Router {
   std::string prefix_;
   double init_std_;
   Tensor gate_EH_, dgate_EH_;
+  Tensor bias_E_;  // selection bias (cfg.expert_bias); its gradient is never written
   Tensor logits_buf_, scores_buf_, idx_buf_, prob_buf_, dlogits_buf_, dextra_buf_, counts_E_;
   Tensor group_counts_E_;  // counts_E_ summed over the token group
   Communicator* token_group_ = nullptr;
   int64_t total_tokens_ = 0;  // tokens of the micro-batch over the token group
+  // Sequence-level aux loss (cfg.seq_aux_loss_coeff > 0): layout from set_sequences (num_seqs_ 0:
+  // never called), the layout of the last forward, and its counts summed over the token group.
+  int64_t num_seqs_ = 0, local_seq_len_ = 0, row_offset_ = 0, full_seq_len_ = 0;
+  bool bound_ = false;
+  SeqLayout seq_layout_;
+  Tensor seq_counts_buf_, seq_counts_BE_;
   Tensor logits_, scores_, topk_idx_, topk_prob_;
-  double aux_loss_ = 0, z_loss_ = 0;
+  double aux_loss_ = 0, seq_aux_loss_ = 0, z_loss_ = 0;
 };
 
 }  // namespace moefold

@@ -17,20 +17,32 @@ namespace moefold {
 enum class ScoreFunc : uint8_t { softmax, sigmoid };
 
 // How router logits become the k combine weights of each token (Qwen3-MoE: softmax + renorm;
-// DeepSeek-V3: sigmoid + renorm + scaling).
+// DeepSeek-V3: sigmoid + selection bias + group-limited top-k + renorm + scaling).
 struct TopkRouting {
   ScoreFunc score_func = ScoreFunc::softmax;  // scores_TE = softmax or sigmoid(logits_TE)
   bool norm_topk_prob = true;                 // divide the k selected scores by their sum
   double scaling = 1.0;                       // multiplies the (renormalised) k probabilities
+  int64_t n_group = 1;                        // experts form n_group contiguous groups of E / n_group (DeepSeek-V3)
+  int64_t topk_group = 1;                     // the top-k is taken among the experts of the topk_group best groups
+  Tensor bias_E{};                            // selection-only bias [E], f32 or the logits' dtype; undefined: none
 };
 
 // ---- router scores and top-k -------------------------------------------------------------------
-// scores_TE = score_func(logits_TE); topk_idx_TK = the K highest scores of each token in
-// descending order, ties to the lower expert index; topk_prob_TK = scaling * (renormalised)
-// selected scores. K = topk_idx_TK.size(1) <= E. logits, scores and probs share one float dtype.
+// scores_TE = score_func(logits_TE); choice_te = scores_te + bias_e (bias 0 when undefined).
+// Group-limited routing (DeepSeek-V3, Hugging Face's DeepseekV3MoE.route_tokens_to_experts): a
+// group's score is the sum of its top-min(2, E/n_group) choices; only the topk_group best groups
+// stay eligible. topk_idx_TK = the K highest choices among the eligible experts, in descending
+// order; ties go to the lower group / expert index everywhere. topk_prob_TK = scaling *
+// (renormalised) UNBIASED scores of the selected experts: the bias steers selection only.
+// Experts of dropped groups are excluded (choice -inf); Hugging Face sets them to 0 instead
+// (masked_fill(0.0)), which picks a different expert only when an eligible choice, scores + bias,
+// is <= 0. Renormalisation divides by the plain sum (Hugging Face adds 1e-20 to it).
+// K = topk_idx_TK.size(1). logits, scores and probs share one float dtype.
+// REQUIRES: n_group divides E, 1 <= topk_group <= n_group, 1 <= K <= topk_group * E / n_group.
 void router_topk_forward(const Tensor& logits_TE, const TopkRouting& routing, const Tensor& scores_TE,
                          const Tensor& topk_idx_TK, const Tensor& topk_prob_TK);
-// dlogits_TE = d(sum dprob_TK * topk_prob_TK)/dlogits through the fixed selection (written).
+// dlogits_TE = d(sum dprob_TK * topk_prob_TK)/dlogits through the fixed selection (written). The
+// bias and the groups only choose topk_idx_TK, so nothing flows to the bias.
 void router_topk_backward(const Tensor& scores_TE, const Tensor& topk_idx_TK, const TopkRouting& routing,
                           const Tensor& dprob_TK, const Tensor& dlogits_TE);
 
@@ -50,6 +62,41 @@ double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Ten
 // dlogits_TE = grad_scale * d(aux)/d(logits) (written).
 void aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
                        double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens = 0);
+
+// ---- sequence-level load-balancing loss (DeepSeek-V3, eq. 17-20; Megatron-Core's
+// sequence_load_balancing_loss_func) --------------------------------------------------------------
+// For each sequence b of S tokens: f_be = E / (K*S) * counts_BE[b, e] (selections of e in b),
+// P_be = (1/S) sum_{t in b} p_te with p the full score distribution (softmax scores; sigmoid
+// scores normalised per token to sum 1); loss = (1/B) sum_b sum_e f_be * P_be, exactly 1 for
+// perfectly uniform routing. The counts carry no gradient.
+//
+// A rank may hold part of each sequence: context parallelism gives it local_seq_len = S / cp
+// tokens of every sequence, laid out sequence after sequence ([B * local_seq_len] rows), and
+// sequence parallelism gives each TP rank a contiguous slice of those rows. Local row t belongs to
+// sequence (row_offset + t) / local_seq_len. With counts_BE summed over the ranks that share the
+// micro-batch, each rank returns its share (the shares sum to the whole loss) and the gradient of
+// its share, which is its tokens' gradient of the whole loss.
+struct SeqLayout {
+  int64_t local_seq_len = 0;  // tokens of each sequence held by this rank's group (S / cp)
+  int64_t row_offset = 0;     // rows of the [B * local_seq_len] block before this rank's first row
+  int64_t seq_len = 0;        // S, tokens of one whole sequence
+};
+// counts_BE[b, e] = selections of expert e by this rank's tokens of sequence b (i64, written;
+// B = counts_BE.size(0), E = counts_BE.size(1)). REQUIRES: every local row maps into [0, B).
+void seq_expert_counts(const Tensor& topk_idx_TK, const SeqLayout& layout, const Tensor& counts_BE);
+// This rank's share of the loss: E / (K * S^2 * B) * sum_t sum_e counts_BE[b(t), e] * p_te.
+double seq_aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
+                            const SeqLayout& layout);
+// dlogits_TE = grad_scale * d(share)/d(logits) (written).
+void seq_aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
+                           const SeqLayout& layout, double grad_scale, const Tensor& dlogits_TE);
+
+// ---- aux-loss-free balancing (DeepSeek-V3 section 2.1.2; Megatron-Core's
+// moe_router_bias_update_rate rule) ----------------------------------------------------------------
+// bias_E[e] += rate * sign(mean(counts_E) - counts_E[e]), sign(0) = 0: under-loaded experts become
+// more likely to be selected. counts_E (i64) are the selections of a whole step over every rank,
+// so every rank applies the same update. bias_E: f32 or f64.
+void expert_bias_update(const Tensor& bias_E, const Tensor& counts_E, double rate);
 
 // ---- router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): z = mean_t (logsumexp_e logits_te)^2 ------
 // The mean is over total_tokens (0: T of this call), as for the aux loss.

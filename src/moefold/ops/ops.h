@@ -8,6 +8,8 @@
 // Q query heads, G kv heads, D head dim, F expert FFN; Sq/Sk query/key sequence, P table positions.
 #pragma once
 
+#include <vector>
+
 #include "moefold/core/tensor.h"
 
 namespace moefold {
@@ -41,6 +43,10 @@ void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO
 // Table for positions 0..S-1: inv_freq_j = theta^(-2j/D), angle = s * inv_freq_j;
 // cos_SD/sin_SD hold each angle twice ([j] and [j + D/2]), as HF builds them.
 void rope_table(double theta, const Tensor& cos_SD, const Tensor& sin_SD);
+// The same with given inverse frequencies (D/2 of them; YaRN computes its own) and every cos/sin
+// multiplied by attention_factor (YaRN's "mscale" of the table).
+void rope_table(const std::vector<double>& inv_freq, double attention_factor, const Tensor& cos_SD,
+                const Tensor& sin_SD);
 // x_BSHD (H heads) rotated in place: x = x*cos + rotate_half(x)*sin at position s.
 void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD);
 // The transpose: d = d*cos - ... ; in place on the gradient.

@@ -10,7 +10,7 @@
 namespace moefold {
 
 EvalResult evaluate_checkpoint(const std::string& dir, const std::vector<int32_t>& tokens, int64_t rows, int64_t cols,
-                               const std::string& source) {
+                               const std::string& source, std::vector<float>* logits) {
   const std::string config_path = dir + "/config.toml";
   if (!std::filesystem::is_regular_file(config_path)) MF_FAIL(config_path, ": missing (not a moefold checkpoint?)");
   const Config cfg = load_config(config_path, {});
@@ -39,11 +39,16 @@ EvalResult evaluate_checkpoint(const std::string& dir, const std::vector<int32_t
   EvalResult r;
   r.step = load_checkpoint(dir, mem.params(), nullptr).step;
   double sum = 0;
+  if (logits) logits->clear();
   for (int64_t row = 0; row < rows; ++row) {
     const int32_t* seq = tokens.data() + row * cols;
     std::copy(seq, seq + s, ids.ptr<int32_t>());
     std::copy(seq + 1, seq + cols, targets.ptr<int32_t>());
     sum += model.forward(ids, targets);
+    if (logits) {
+      const float* l = model.logits().ptr<float>();
+      logits->insert(logits->end(), l, l + model.logits().numel());
+    }
   }
   r.sequences = rows;
   r.tokens = rows * s;

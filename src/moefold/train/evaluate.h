@@ -17,8 +17,9 @@ struct EvalResult {
 
 // Loads checkpoint directory `dir` (weights and its config.toml) on one process and runs every
 // row of `tokens` (rows x cols, row-major) as one sequence: row[:-1] predicts row[1:].
-// `source` names the tokens in error messages.
+// `source` names the tokens in error messages. With `logits` non-null it receives the logits,
+// float32 [rows, cols - 1, vocab] row-major.
 EvalResult evaluate_checkpoint(const std::string& dir, const std::vector<int32_t>& tokens, int64_t rows, int64_t cols,
-                               const std::string& source);
+                               const std::string& source, std::vector<float>* logits = nullptr);
 
 }  // namespace moefold

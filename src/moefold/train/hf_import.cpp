@@ -1,11 +1,14 @@
 #include "moefold/train/hf_import.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "moefold/comm/communicator.h"
 #include "moefold/io/safetensors.h"
@@ -32,65 +35,254 @@ nlohmann::json read_json_file(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+// Hugging Face architecture name <-> model.architecture.
+const std::vector<std::pair<std::string, std::string>>& families() {
+  static const std::vector<std::pair<std::string, std::string>> f = {{"Qwen3MoeForCausalLM", "qwen3_moe"},
+                                                                     {"MixtralForCausalLM", "mixtral"},
+                                                                     {"OlmoeForCausalLM", "olmoe"},
+                                                                     {"DeepseekV3ForCausalLM", "deepseek_v3"}};
+  return f;
+}
+
+// "model.layers.12.mlp.gate.weight" -> "mlp.gate.weight"; other names unchanged.
+std::string layer_free_name(const std::string& name) {
+  const std::string prefix = "model.layers.";
+  if (!name.starts_with(prefix)) return name;
+  const size_t dot = name.find('.', prefix.size());
+  return dot == std::string::npos ? name : name.substr(dot + 1);
+}
+
+}  // namespace
+
 Config config_from_hf(const std::string& hf_dir) {
   const std::string path = hf_dir + "/config.json";
   const nlohmann::json j = read_json_file(path);
   Config c = preset_config("tiny");
+  ModelConfig& m = c.model;
+  MoeConfig& e = c.moe;
   auto req = [&](const char* key) -> const nlohmann::json& {
-    if (!j.contains(key)) MF_FAIL(path, ": missing key '", key, "'");
+    if (!j.contains(key) || j[key].is_null()) MF_FAIL(path, ": missing key '", key, "'");
     return j.at(key);
+  };
+  auto int_or = [&](const char* key, int64_t dflt) {
+    return j.contains(key) && !j[key].is_null() ? j[key].get<int64_t>() : dflt;
+  };
+  auto refuse_if = [&](bool cond, const std::string& what) {
+    if (cond) MF_FAIL(path, ": ", what, " is not supported");
   };
   try {
     const std::string arch = j.contains("architectures") && !j["architectures"].empty()
                                  ? j["architectures"][0].get<std::string>()
                                  : std::string("(none)");
-    if (arch != "Qwen3MoeForCausalLM")
-      MF_FAIL(path, ": architecture '", arch, "' is not supported (supported: Qwen3MoeForCausalLM)");
-    c.model.vocab_size = req("vocab_size").get<int64_t>();
-    c.model.hidden_size = req("hidden_size").get<int64_t>();
-    c.model.num_hidden_layers = req("num_hidden_layers").get<int64_t>();
-    c.model.num_attention_heads = req("num_attention_heads").get<int64_t>();
-    c.model.num_key_value_heads = j.value("num_key_value_heads", c.model.num_attention_heads);
-    c.model.head_dim = j.value("head_dim", c.model.hidden_size / c.model.num_attention_heads);
-    c.model.max_position_embeddings = req("max_position_embeddings").get<int64_t>();
-    c.model.rms_norm_eps = req("rms_norm_eps").get<double>();
-    c.model.initializer_range = j.value("initializer_range", c.model.initializer_range);
-    if (j.contains("rope_parameters")) {  // transformers >= 5
-      const auto& rp = j["rope_parameters"];
-      if (rp.value("rope_type", std::string("default")) != "default")
-        MF_FAIL(path, ": rope_parameters.rope_type '", rp["rope_type"].get<std::string>(), "' is not supported");
-      c.model.rope_theta = rp.at("rope_theta").get<double>();
-    } else {
-      c.model.rope_theta = req("rope_theta").get<double>();
-      if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
-        MF_FAIL(path, ": rope_scaling is not supported yet");
+    std::string known;
+    for (const auto& [hf, ours] : families()) {
+      if (hf == arch) m.architecture = ours;
+      known += (known.empty() ? "" : ", ") + hf;
     }
-    c.moe.num_experts =
-        j.contains("num_experts") ? j["num_experts"].get<int64_t>() : req("num_local_experts").get<int64_t>();
-    c.moe.num_experts_per_tok = req("num_experts_per_tok").get<int64_t>();
-    c.moe.moe_intermediate_size = req("moe_intermediate_size").get<int64_t>();
-    c.moe.norm_topk_prob = j.value("norm_topk_prob", false);
-    c.moe.aux_loss_coeff = j.value("router_aux_loss_coef", c.moe.aux_loss_coeff);
-    c.moe.scoring_func = ScoreFunc::softmax;
-    if (j.value("decoder_sparse_step", 1) != 1 || (j.contains("mlp_only_layers") && !j["mlp_only_layers"].empty()))
-      MF_FAIL(path, ": dense MLP layers (decoder_sparse_step != 1 or mlp_only_layers) are not supported yet");
-    if (j.value("attention_bias", false)) MF_FAIL(path, ": attention_bias = true is not supported");
-    if (j.value("tie_word_embeddings", false)) MF_FAIL(path, ": tie_word_embeddings = true is not supported");
-    if (j.value("hidden_act", std::string("silu")) != "silu")
-      MF_FAIL(path, ": hidden_act '", j["hidden_act"].get<std::string>(), "' is not supported (silu)");
-  } catch (const nlohmann::json::exception& e) {
-    MF_FAIL(path, ": wrong value type (", e.what(), ")");
+    if (std::none_of(families().begin(), families().end(), [&](const auto& f) { return f.first == arch; }))
+      MF_FAIL(path, ": architecture '", arch, "' is not supported (supported: ", known, ")");
+    const std::string& a = m.architecture;
+    m.vocab_size = req("vocab_size").get<int64_t>();
+    m.hidden_size = req("hidden_size").get<int64_t>();
+    m.num_hidden_layers = req("num_hidden_layers").get<int64_t>();
+    m.num_attention_heads = req("num_attention_heads").get<int64_t>();
+    m.num_key_value_heads = int_or("num_key_value_heads", m.num_attention_heads);
+    m.head_dim = int_or("head_dim", m.hidden_size / std::max<int64_t>(1, m.num_attention_heads));
+    m.max_position_embeddings = req("max_position_embeddings").get<int64_t>();
+    m.rms_norm_eps = req("rms_norm_eps").get<double>();
+    m.initializer_range = j.value("initializer_range", m.initializer_range);
+    const std::string dtype = j.contains("dtype") && !j["dtype"].is_null() ? j["dtype"].get<std::string>()
+                              : j.contains("torch_dtype") && !j["torch_dtype"].is_null()
+                                  ? j["torch_dtype"].get<std::string>()
+                                  : std::string("float32");
+    refuse_if(dtype != "float32" && dtype != "bfloat16", cat("dtype '", dtype, "' (float32, bfloat16)"));
+    m.torch_dtype = dtype;
+    // RoPE: transformers >= 5 writes rope_parameters; older files rope_theta and rope_scaling.
+    nlohmann::json rope = j.contains("rope_parameters") && !j["rope_parameters"].is_null()
+                              ? j["rope_parameters"]
+                              : (j.contains("rope_scaling") && !j["rope_scaling"].is_null() ? j["rope_scaling"]
+                                                                                            : nlohmann::json::object());
+    m.rope_theta = rope.contains("rope_theta") ? rope["rope_theta"].get<double>() : req("rope_theta").get<double>();
+    const std::string rope_type = rope.value("rope_type", rope.value("type", std::string("default")));
+    if (rope_type == "yarn") {
+      m.rope_type = "yarn";
+      m.rope_factor = rope.at("factor").get<double>();
+      m.rope_original_max_position_embeddings = rope.at("original_max_position_embeddings").get<int64_t>();
+      auto num = [&](const char* k, double d) {
+        return rope.contains(k) && !rope[k].is_null() ? rope[k].get<double>() : d;
+      };
+      m.rope_beta_fast = num("beta_fast", 32.0);
+      m.rope_beta_slow = num("beta_slow", 1.0);
+      m.rope_mscale = num("mscale", 0.0);
+      m.rope_mscale_all_dim = num("mscale_all_dim", 0.0);
+      refuse_if(rope.contains("attention_factor") && !rope["attention_factor"].is_null(),
+                "rope_parameters.attention_factor");
+      refuse_if(!rope.value("truncate", true), "rope_parameters.truncate = false");
+    } else if (rope_type != "default") {
+      MF_FAIL(path, ": rope type '", rope_type, "' is not supported (default, yarn)");
+    }
+    refuse_if(j.value("attention_bias", false), "attention_bias = true");
+    refuse_if(j.value("tie_word_embeddings", false), "tie_word_embeddings = true");
+    refuse_if(j.value("hidden_act", std::string("silu")) != "silu",
+              cat("hidden_act '", j.value("hidden_act", std::string()), "' (silu)"));
+    refuse_if(j.value("use_sliding_window", false) ||
+                  (a == "mixtral" && j.contains("sliding_window") && !j["sliding_window"].is_null()),
+              "sliding-window attention");
+    m.num_nextn_predict_layers = 0;  // set by import_hf from the tensors present
+    e.num_experts_per_tok = req("num_experts_per_tok").get<int64_t>();
+    e.aux_loss_coeff = j.value("router_aux_loss_coef", 0.0);
+    e.scoring_func = ScoreFunc::softmax;
+    if (a == "qwen3_moe") {
+      e.num_experts =
+          j.contains("num_experts") ? j["num_experts"].get<int64_t>() : req("num_local_experts").get<int64_t>();
+      e.moe_intermediate_size = req("moe_intermediate_size").get<int64_t>();
+      e.norm_topk_prob = j.value("norm_topk_prob", false);
+      m.intermediate_size = int_or("intermediate_size", 0);
+      // HF: layer l is sparse iff l is not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0.
+      const int64_t step = int_or("decoder_sparse_step", 1);
+      refuse_if(step < 1, "decoder_sparse_step < 1");
+      std::vector<int64_t> only = j.value("mlp_only_layers", std::vector<int64_t>{});
+      for (int64_t l = 0; l < m.num_hidden_layers; ++l)
+        if ((l + 1) % step != 0 && std::find(only.begin(), only.end(), l) == only.end()) only.push_back(l);
+      std::sort(only.begin(), only.end());
+      m.mlp_only_layers = only;
+    } else if (a == "mixtral") {
+      e.num_experts = req("num_local_experts").get<int64_t>();
+      e.moe_intermediate_size = req("intermediate_size").get<int64_t>();  // Mixtral's experts' width
+      e.norm_topk_prob = true;  // softmax over the top-k logits = renormalised top-k of the softmax
+      refuse_if(j.value("router_jitter_noise", 0.0) != 0.0, "router_jitter_noise != 0");
+    } else if (a == "olmoe") {
+      e.num_experts = req("num_experts").get<int64_t>();
+      e.moe_intermediate_size = req("intermediate_size").get<int64_t>();
+      e.norm_topk_prob = j.value("norm_topk_prob", false);
+      refuse_if(j.contains("clip_qkv") && !j["clip_qkv"].is_null(), "clip_qkv");
+    } else {  // deepseek_v3
+      e.num_experts = req("n_routed_experts").get<int64_t>();
+      e.moe_intermediate_size = req("moe_intermediate_size").get<int64_t>();
+      e.norm_topk_prob = j.value("norm_topk_prob", true);
+      e.scoring_func = ScoreFunc::sigmoid;
+      refuse_if(j.value("scoring_func", std::string("sigmoid")) != "sigmoid", "scoring_func other than sigmoid");
+      refuse_if(j.value("topk_method", std::string("noaux_tc")) != "noaux_tc", "topk_method other than noaux_tc");
+      e.expert_bias = true;
+      e.routed_scaling_factor = j.value("routed_scaling_factor", 1.0);
+      e.n_group = int_or("n_group", 1);
+      e.topk_group = int_or("topk_group", 1);
+      e.n_shared_experts = int_or("n_shared_experts", 0);
+      e.aux_loss_coeff = 0.0;
+      e.seq_aux_loss_coeff = j.value("seq_aux", false) ? j.value("aux_loss_alpha", 0.0) : 0.0;
+      m.intermediate_size = req("intermediate_size").get<int64_t>();
+      m.first_k_dense_replace = int_or("first_k_dense_replace", 0);
+      m.q_lora_rank = int_or("q_lora_rank", 0);
+      m.kv_lora_rank = req("kv_lora_rank").get<int64_t>();
+      m.qk_nope_head_dim = req("qk_nope_head_dim").get<int64_t>();
+      m.qk_rope_head_dim = req("qk_rope_head_dim").get<int64_t>();
+      m.v_head_dim = req("v_head_dim").get<int64_t>();
+      m.head_dim = m.qk_rope_head_dim;
+      m.rope_interleave = j.value("rope_interleave", true);
+    }
+  } catch (const nlohmann::json::exception& ex) {
+    MF_FAIL(path, ": wrong value type (", ex.what(), ")");
   }
   c.train.seq_len = std::min<int64_t>(c.train.seq_len, c.model.max_position_embeddings);
   try {
     c.validate();
-  } catch (const Error& e) {
-    MF_FAIL(path, ": ", e.what());
+  } catch (const Error& ex) {
+    MF_FAIL(path, ": ", ex.what());
   }
   return c;
 }
 
-void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params) {
+nlohmann::json config_to_hf(const Config& cfg) {
+  const ModelConfig& m = cfg.model;
+  const MoeConfig& e = cfg.moe;
+  std::string arch;
+  for (const auto& [hf, ours] : families())
+    if (ours == m.architecture) arch = hf;
+  nlohmann::json rope = {{"rope_type", m.rope_type}, {"rope_theta", m.rope_theta}};
+  if (m.rope_type == "yarn") {
+    rope["factor"] = m.rope_factor;
+    rope["original_max_position_embeddings"] = m.rope_original_max_position_embeddings;
+    rope["beta_fast"] = m.rope_beta_fast;
+    rope["beta_slow"] = m.rope_beta_slow;
+    if (m.rope_mscale > 0) rope["mscale"] = m.rope_mscale;
+    if (m.rope_mscale_all_dim > 0) rope["mscale_all_dim"] = m.rope_mscale_all_dim;
+  }
+  nlohmann::json j = {{"architectures", {arch}},
+                      {"model_type", m.architecture},
+                      {"vocab_size", m.vocab_size},
+                      {"hidden_size", m.hidden_size},
+                      {"num_hidden_layers", m.num_hidden_layers},
+                      {"num_attention_heads", m.num_attention_heads},
+                      {"num_key_value_heads", m.num_key_value_heads},
+                      {"head_dim", m.head_dim},
+                      {"max_position_embeddings", m.max_position_embeddings},
+                      {"rms_norm_eps", m.rms_norm_eps},
+                      {"rope_parameters", rope},
+                      {"initializer_range", m.initializer_range},
+                      {"num_experts_per_tok", e.num_experts_per_tok},
+                      {"router_aux_loss_coef", e.aux_loss_coeff},
+                      {"hidden_act", "silu"},
+                      {"attention_bias", false},
+                      {"tie_word_embeddings", false},
+                      {"dtype", m.torch_dtype}};
+  const auto& a = m.architecture;
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) MF_FAIL(arch, " cannot express ", what);
+  };
+  need(e.n_group == 1 || a == "deepseek_v3", "group-limited routing (moe.n_group)");
+  need(!e.expert_bias || a == "deepseek_v3", "a selection bias (moe.expert_bias)");
+  need(e.n_shared_experts == 0 || a == "deepseek_v3", "shared experts (moe.n_shared_experts)");
+  need(m.first_k_dense_replace == 0 || a == "deepseek_v3", "model.first_k_dense_replace");
+  need(m.mlp_only_layers.empty() || a == "qwen3_moe", "model.mlp_only_layers");
+  need((e.scoring_func == ScoreFunc::sigmoid) == (a == "deepseek_v3"), "this moe.scoring_func");
+  need(e.routed_scaling_factor == 1.0 || a == "deepseek_v3", "moe.routed_scaling_factor != 1");
+  need(m.num_nextn_predict_layers == 0 || a == "deepseek_v3", "multi-token prediction");
+  if (a == "qwen3_moe") {
+    j["num_experts"] = e.num_experts;
+    j["moe_intermediate_size"] = e.moe_intermediate_size;
+    j["norm_topk_prob"] = e.norm_topk_prob;
+    j["decoder_sparse_step"] = 1;
+    j["mlp_only_layers"] = m.mlp_only_layers;
+    if (m.intermediate_size > 0) j["intermediate_size"] = m.intermediate_size;
+  } else if (a == "mixtral") {
+    need(e.norm_topk_prob, "top-k probabilities without renormalisation");
+    j["num_local_experts"] = e.num_experts;
+    j["intermediate_size"] = e.moe_intermediate_size;
+    j["sliding_window"] = nullptr;
+  } else if (a == "olmoe") {
+    j["num_experts"] = e.num_experts;
+    j["intermediate_size"] = e.moe_intermediate_size;
+    j["norm_topk_prob"] = e.norm_topk_prob;
+    j["clip_qkv"] = nullptr;
+  } else {
+    need(e.expert_bias, "routing without the selection bias");
+    j["n_routed_experts"] = e.num_experts;
+    j["moe_intermediate_size"] = e.moe_intermediate_size;
+    j["intermediate_size"] = m.intermediate_size;
+    j["norm_topk_prob"] = e.norm_topk_prob;
+    j["routed_scaling_factor"] = e.routed_scaling_factor;
+    j["n_group"] = e.n_group;
+    j["topk_group"] = e.topk_group;
+    j["n_shared_experts"] = e.n_shared_experts;
+    j["first_k_dense_replace"] = m.first_k_dense_replace;
+    j["q_lora_rank"] = m.q_lora_rank > 0 ? nlohmann::json(m.q_lora_rank) : nlohmann::json(nullptr);
+    j["kv_lora_rank"] = m.kv_lora_rank;
+    j["qk_nope_head_dim"] = m.qk_nope_head_dim;
+    j["qk_rope_head_dim"] = m.qk_rope_head_dim;
+    j["v_head_dim"] = m.v_head_dim;
+    j["rope_interleave"] = m.rope_interleave;
+    j["num_nextn_predict_layers"] = m.num_nextn_predict_layers;
+    j["scoring_func"] = "sigmoid";
+    j["topk_method"] = "noaux_tc";
+    j["seq_aux"] = e.seq_aux_loss_coeff > 0;
+    j["aux_loss_alpha"] = e.seq_aux_loss_coeff;
+  }
+  return j;
+}
+
+void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params, std::vector<std::string>* float32_names) {
   // tensor name -> file, from the index when sharded
   std::map<std::string, std::string> where;
   const std::string index = hf_dir + "/model.safetensors.index.json";
@@ -118,20 +310,29 @@ void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params) {
       if (!r) r = std::make_unique<SafetensorsReader>(hf_dir + "/" + it->second);
       r->load_into(v.name, v.value);
       used.insert(v.name);
+      const std::string short_name = layer_free_name(v.name);
+      if (float32_names && r->tensor(v.name).dtype == DType::f32 &&
+          std::find(float32_names->begin(), float32_names->end(), short_name) == float32_names->end())
+        float32_names->push_back(short_name);
     }
   for (const auto& [name, file] : where)
     if (!used.count(name)) MF_FAIL(hf_dir, "/", file, ": tensor '", name, "' has no place in the model");
 }
 
 std::string import_hf(const std::string& hf_dir, const std::string& run_dir) {
-  const Config cfg = config_from_hf(hf_dir);
+  Config cfg = config_from_hf(hf_dir);
   Model model(cfg.model, cfg.moe, 1, 1);
   Memory mem(DType::f32);
   model.bind(mem);
   mem.allocate();
   model.bind(mem);
   mem.finish_binding();
-  load_hf_weights(hf_dir, mem.params());
+  std::vector<std::string> float32_names;
+  load_hf_weights(hf_dir, mem.params(), &float32_names);
+  if (cfg.model.torch_dtype != "float32") {
+    std::sort(float32_names.begin(), float32_names.end());
+    cfg.model.float32_tensors = float32_names;
+  }
   AdamW opt(cfg.train);
   opt.bind(mem.params());
   std::unique_ptr<Communicator> self = make_self_communicator();
@@ -156,39 +357,18 @@ void export_hf(const std::string& ckpt_dir, const std::string& hf_dir) {
   model.bind(mem);
   mem.finish_binding();
   load_checkpoint(ckpt_dir, mem.params(), nullptr);
-  const ModelConfig& m = cfg.model;
-  const MoeConfig& e = cfg.moe;
-  if (e.scoring_func != ScoreFunc::softmax || e.routed_scaling_factor != 1.0)
-    MF_FAIL(config_path, ": Qwen3MoeForCausalLM needs softmax routing without a scaling factor");
-  const nlohmann::json j = {{"architectures", {"Qwen3MoeForCausalLM"}},
-                            {"model_type", "qwen3_moe"},
-                            {"vocab_size", m.vocab_size},
-                            {"hidden_size", m.hidden_size},
-                            {"num_hidden_layers", m.num_hidden_layers},
-                            {"num_attention_heads", m.num_attention_heads},
-                            {"num_key_value_heads", m.num_key_value_heads},
-                            {"head_dim", m.head_dim},
-                            {"max_position_embeddings", m.max_position_embeddings},
-                            {"rms_norm_eps", m.rms_norm_eps},
-                            {"rope_theta", m.rope_theta},
-                            {"initializer_range", m.initializer_range},
-                            {"num_experts", e.num_experts},
-                            {"num_experts_per_tok", e.num_experts_per_tok},
-                            {"moe_intermediate_size", e.moe_intermediate_size},
-                            {"norm_topk_prob", e.norm_topk_prob},
-                            {"router_aux_loss_coef", e.aux_loss_coeff},
-                            {"decoder_sparse_step", 1},
-                            {"mlp_only_layers", nlohmann::json::array()},
-                            {"hidden_act", "silu"},
-                            {"attention_bias", false},
-                            {"tie_word_embeddings", false},
-                            {"torch_dtype", "float32"}};
+  const nlohmann::json j = config_to_hf(cfg);
+  const DType dtype = cfg.model.torch_dtype == "bfloat16" ? DType::bf16 : DType::f32;
   std::error_code ec;
   fs::create_directories(hf_dir, ec);
   if (ec) MF_FAIL(hf_dir, ": cannot create: ", ec.message());
   std::vector<SafetensorsEntry> entries;
   for (const Param& p : mem.params())
-    for (const NamedView& v : hf_views(p)) entries.push_back({v.name, v.value, DType::f32});
+    for (const NamedView& v : hf_views(p)) {
+      const auto& keep = cfg.model.float32_tensors;
+      const bool f32 = std::find(keep.begin(), keep.end(), layer_free_name(v.name)) != keep.end();
+      entries.push_back({v.name, v.value, f32 ? DType::f32 : dtype});
+    }
   // Written under temporary names and renamed, so a failure leaves no half-written model.
   const std::string tmp_model = hf_dir + "/.model.safetensors.tmp", tmp_config = hf_dir + "/.config.json.tmp";
   write_safetensors(tmp_model, entries, {{"format", "pt"}});

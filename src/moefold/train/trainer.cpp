@@ -35,7 +35,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh)
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
   const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
   const Shape bl{cfg.train.micro_batch_size, model_.local_seq_len()};
-  const int64_t layers = cfg.model.num_hidden_layers, experts = cfg.moe.num_experts;
+  const int64_t layers = model_.num_moe_layers(), experts = cfg.moe.num_experts;
   auto bind_all = [&] {
     model_.bind(mem_);
     full_ids_BS_ = mem_.act(bs, DType::i32);
@@ -101,7 +101,7 @@ void Trainer::accumulate_gradients() {
   const int64_t m = cfg_.train.micro_batch_size, s = cfg_.train.seq_len, dp = mesh_.dims.dp;
   const int64_t micro = local_micro_batches(), all_micro = micro * dp;
   const int64_t tokens = cfg_.train.global_batch_size * s;
-  const int64_t layers = model_.num_layers(), experts = cfg_.moe.num_experts;
+  const int64_t layers = model_.num_moe_layers(), experts = cfg_.moe.num_experts;
   const int64_t position = loader_.position();
   double* stats = stats_.ptr<double>();
   double* load = load_sum_LE_.ptr<double>();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "moefold/ops/gemm.h"
 
@@ -44,6 +45,95 @@ void check_router(const Tensor& scores_TE, const Tensor& topk_idx_TK) {
 
 // ---- router scores and top-k -------------------------------------------------------------------
 
+namespace {
+
+// One token's expert choice under group-limited, bias-steered routing (see router_topk_forward).
+// Keeps no per-group storage, so the op allocates nothing: group scores are recomputed where
+// needed (O((topk_group + K) * E) per token, fine for a reference).
+template <class T>
+class TokenChoice {
+ public:
+  TokenChoice(const T* s, const T* bias, const float* bias32, int64_t e_n, int64_t n_group, int64_t topk_group)
+      : s_(s), bias_(bias), bias32_(bias32), g_size_(e_n / n_group), n_group_(n_group) {
+    if (topk_group < n_group) find_last_kept(topk_group);
+  }
+
+  T choice(int64_t e) const {
+    if (bias_) return s_[e] + bias_[e];
+    if (bias32_) return s_[e] + static_cast<T>(bias32_[e]);
+    return s_[e];
+  }
+
+  // Sum of the top-min(2, group size) choices of group g.
+  T group_score(int64_t g) const {
+    T first = -std::numeric_limits<T>::infinity(), second = first;
+    for (int64_t e = g * g_size_; e < (g + 1) * g_size_; ++e) {
+      const T c = choice(e);
+      if (c > first) {
+        second = first;
+        first = c;
+      } else if (c > second) {
+        second = c;
+      }
+    }
+    return g_size_ >= 2 ? first + second : first;
+  }
+
+  // Whether group g is among the topk_group best (score descending, ties to the lower index).
+  bool kept(int64_t g) const { return last_ < 0 || g == last_ || before(group_score(g), g, last_score_, last_); }
+
+  // The best eligible expert not in taken[0, n_taken) (ties to the lower index).
+  int64_t best(const int32_t* taken, int64_t n_taken) const {
+    int64_t best = -1;
+    T best_c = 0;
+    for (int64_t g = 0; g < n_group_; ++g) {
+      if (!kept(g)) continue;
+      for (int64_t e = g * g_size_; e < (g + 1) * g_size_; ++e) {
+        bool is_taken = false;
+        for (int64_t j = 0; j < n_taken; ++j) is_taken = is_taken || taken[j] == e;
+        if (is_taken) continue;
+        const T c = choice(e);
+        if (best < 0 || c > best_c) {
+          best = e;
+          best_c = c;
+        }
+      }
+    }
+    return best;
+  }
+
+ private:
+  static bool before(T a, int64_t ga, T b, int64_t gb) { return a > b || (a == b && ga < gb); }
+
+  // The topk_group-th group in (score descending, index ascending) order: each pass takes the
+  // best group strictly after the previous one in that order.
+  void find_last_kept(int64_t topk_group) {
+    for (int64_t j = 0; j < topk_group; ++j) {
+      int64_t best = -1;
+      T best_score = 0;
+      for (int64_t g = 0; g < n_group_; ++g) {
+        const T sg = group_score(g);
+        if (last_ >= 0 && !before(last_score_, last_, sg, g)) continue;
+        if (best < 0 || before(sg, g, best_score, best)) {
+          best = g;
+          best_score = sg;
+        }
+      }
+      last_ = best;
+      last_score_ = best_score;
+    }
+  }
+
+  const T* s_;
+  const T* bias_;
+  const float* bias32_;
+  int64_t g_size_, n_group_;
+  int64_t last_ = -1;  // the worst kept group; -1: every group is kept
+  T last_score_ = 0;
+};
+
+}  // namespace
+
 void router_topk_forward(const Tensor& logits_TE, const TopkRouting& routing, const Tensor& scores_TE,
                          const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) {
   check_router(logits_TE, topk_idx_TK);
@@ -52,11 +142,23 @@ void router_topk_forward(const Tensor& logits_TE, const TopkRouting& routing, co
   check_same_dtype(logits_TE, scores_TE, "router_topk_forward scores");
   check_same_dtype(logits_TE, topk_prob_TK, "router_topk_forward topk_prob");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1), k_n = topk_idx_TK.size(1);
+  const int64_t n_group = routing.n_group, topk_group = routing.topk_group;
+  MF_CHECK(n_group >= 1 && e_n % n_group == 0 && topk_group >= 1 && topk_group <= n_group &&
+               k_n <= topk_group * (e_n / n_group),
+           "router_topk_forward: E ", e_n, ", n_group ", n_group, ", topk_group ", topk_group, ", K ", k_n);
+  const Tensor& bias = routing.bias_E;
+  if (bias.defined()) {
+    MF_CHECK(bias.ndim() == 1 && bias.size(0) == e_n && bias.contiguous() && bias.device() == Device::cpu &&
+                 (bias.dtype() == logits_TE.dtype() || bias.dtype() == DType::f32),
+             "router_topk_forward bias: ", bias.str(), " for logits ", logits_TE.str());
+  }
   dispatch_float(logits_TE.dtype(), [&]<class T>() {
     const T* logits = logits_TE.ptr<T>();
     T* scores = scores_TE.ptr<T>();
     int32_t* idx = topk_idx_TK.ptr<int32_t>();
     T* prob = topk_prob_TK.ptr<T>();
+    const T* bias_t = bias.defined() && bias.dtype() == dtype_of<T>() ? bias.ptr<T>() : nullptr;
+    const float* bias32 = bias.defined() && !bias_t ? bias.ptr<float>() : nullptr;
     for (int64_t t = 0; t < t_n; ++t) {
       const T* l = logits + t * e_n;
       T* s = scores + t * e_n;
@@ -65,18 +167,14 @@ void router_topk_forward(const Tensor& logits_TE, const TopkRouting& routing, co
       } else {
         for (int64_t e = 0; e < e_n; ++e) s[e] = T(1) / (T(1) + std::exp(-l[e]));
       }
-      // Selection by repeated arg-max over the experts not yet taken: strict '>' keeps the
-      // lower expert index on ties. K is small (<= 8 in every preset), so O(E*K) is fine.
+      // Selection by repeated arg-max over the eligible experts not yet taken: strict '>' keeps
+      // the lower expert index on ties. K is small (<= 8 in every preset), so O(E*K) is fine.
+      const TokenChoice<T> choice(s, bias_t, bias32, e_n, n_group, topk_group);
       int32_t* ik = idx + t * k_n;
       T* pk = prob + t * k_n;
       T sum = 0;
       for (int64_t k = 0; k < k_n; ++k) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < e_n; ++e) {
-          bool taken = false;
-          for (int64_t j = 0; j < k; ++j) taken = taken || ik[j] == e;
-          if (!taken && (best < 0 || s[e] > s[best])) best = e;
-        }
+        const int64_t best = choice.best(ik, k);
         ik[k] = static_cast<int32_t>(best);
         pk[k] = s[best];
         sum += s[best];
@@ -145,7 +243,7 @@ void topk_expert_counts(const Tensor& topk_idx_TK, const Tensor& counts_E) {
   }
 }
 
-// ---- load-balancing loss -----------------------------------------------------------------------
+// ---- load-balancing losses ---------------------------------------------------------------------
 
 namespace {
 void check_aux(const Tensor& scores_TE, const Tensor& counts_E, int64_t k) {
@@ -153,6 +251,38 @@ void check_aux(const Tensor& scores_TE, const Tensor& counts_E, int64_t k) {
   check_dtype(counts_E, DType::i64, "aux_loss counts");
   MF_CHECK(counts_E.ndim() == 1 && counts_E.size(0) == scores_TE.size(1) && k >= 1, "aux_loss: scores ",
            scores_TE.str(), ", counts ", counts_E.str(), ", k ", k);
+}
+
+// sum_e counts[e] * p_e for one token, p = the full score distribution (softmax scores; sigmoid
+// scores normalised to sum 1). Both load-balancing losses are sums of this over tokens.
+template <class T>
+double weighted_prob_row(const T* s, int64_t e_n, ScoreFunc score_func, const int64_t* counts) {
+  double norm = 1;
+  if (score_func == ScoreFunc::sigmoid) {
+    norm = 0;
+    for (int64_t e = 0; e < e_n; ++e) norm += static_cast<double>(s[e]);
+  }
+  double total = 0;
+  for (int64_t e = 0; e < e_n; ++e) total += static_cast<double>(s[e]) / norm * static_cast<double>(counts[e]);
+  return total;
+}
+
+// d = d(c0 * weighted_prob_row)/d(logits) for one token (written): with c_e = c0 * counts[e],
+// softmax p = softmax(l): dl_e = p_e (c_e - sum_f c_f p_f); sigmoid p = s / S, s = sigmoid(l):
+// ds_e = (c_e - sum_f c_f p_f) / S, dl_e = ds_e s_e (1 - s_e).
+template <class T>
+void weighted_prob_row_backward(const T* s, int64_t e_n, ScoreFunc score_func, const int64_t* counts, double c0, T* d) {
+  auto c = [&](int64_t e) { return static_cast<T>(c0 * static_cast<double>(counts[e])); };
+  if (score_func == ScoreFunc::softmax) {
+    T dot = 0;
+    for (int64_t e = 0; e < e_n; ++e) dot += c(e) * s[e];
+    for (int64_t e = 0; e < e_n; ++e) d[e] = s[e] * (c(e) - dot);
+  } else {
+    T sum = 0, dot = 0;
+    for (int64_t e = 0; e < e_n; ++e) sum += s[e];
+    for (int64_t e = 0; e < e_n; ++e) dot += c(e) * s[e] / sum;
+    for (int64_t e = 0; e < e_n; ++e) d[e] = (c(e) - dot) / sum * s[e] * (T(1) - s[e]);
+  }
 }
 }  // namespace
 
@@ -166,15 +296,7 @@ double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Ten
   return dispatch_float(scores_TE.dtype(), [&]<class T>() {
     const T* scores = scores_TE.ptr<T>();
     double total = 0;
-    for (int64_t t = 0; t < t_n; ++t) {
-      const T* s = scores + t * e_n;
-      double norm = 1;
-      if (score_func == ScoreFunc::sigmoid) {
-        norm = 0;
-        for (int64_t e = 0; e < e_n; ++e) norm += static_cast<double>(s[e]);
-      }
-      for (int64_t e = 0; e < e_n; ++e) total += static_cast<double>(s[e]) / norm * static_cast<double>(counts[e]);
-    }
+    for (int64_t t = 0; t < t_n; ++t) total += weighted_prob_row(scores + t * e_n, e_n, score_func, counts);
     return total * static_cast<double>(e_n) / (static_cast<double>(t_all) * static_cast<double>(t_all) * k);
   });
 }
@@ -193,22 +315,107 @@ void aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tens
   dispatch_float(scores_TE.dtype(), [&]<class T>() {
     const T* scores = scores_TE.ptr<T>();
     T* dl = dlogits_TE.ptr<T>();
+    for (int64_t t = 0; t < t_n; ++t)
+      weighted_prob_row_backward(scores + t * e_n, e_n, score_func, counts, c0, dl + t * e_n);
+  });
+}
+
+namespace {
+// Checks a sequence layout against T local rows and B sequences.
+void check_seq_layout(const SeqLayout& layout, int64_t t_n, int64_t b_n, const char* what) {
+  MF_CHECK(layout.local_seq_len >= 1 && layout.seq_len >= layout.local_seq_len && layout.row_offset >= 0 &&
+               (t_n == 0 || (layout.row_offset + t_n - 1) / layout.local_seq_len < b_n),
+           what, ": ", t_n, " rows from row ", layout.row_offset, " in ", b_n, " sequences of ", layout.local_seq_len,
+           " local tokens (", layout.seq_len, " in all)");
+}
+void check_seq_aux(const Tensor& scores_TE, const Tensor& counts_BE, int64_t k, const SeqLayout& layout) {
+  check_2d(scores_TE, "seq_aux_loss scores");
+  check_2d(counts_BE, "seq_aux_loss counts");
+  check_dtype(counts_BE, DType::i64, "seq_aux_loss counts");
+  MF_CHECK(counts_BE.size(1) == scores_TE.size(1) && k >= 1, "seq_aux_loss: scores ", scores_TE.str(), ", counts ",
+           counts_BE.str(), ", k ", k);
+  check_seq_layout(layout, scores_TE.size(0), counts_BE.size(0), "seq_aux_loss");
+}
+}  // namespace
+
+void seq_expert_counts(const Tensor& topk_idx_TK, const SeqLayout& layout, const Tensor& counts_BE) {
+  check_2d(topk_idx_TK, "seq_expert_counts topk_idx");
+  check_dtype(topk_idx_TK, DType::i32, "seq_expert_counts topk_idx");
+  check_2d(counts_BE, "seq_expert_counts counts");
+  check_dtype(counts_BE, DType::i64, "seq_expert_counts counts");
+  const int64_t t_n = topk_idx_TK.size(0), k_n = topk_idx_TK.size(1), e_n = counts_BE.size(1);
+  check_seq_layout(layout, t_n, counts_BE.size(0), "seq_expert_counts");
+  const int32_t* idx = topk_idx_TK.ptr<int32_t>();
+  int64_t* counts = counts_BE.ptr<int64_t>();
+  counts_BE.zero();
+  for (int64_t t = 0; t < t_n; ++t) {
+    int64_t* cb = counts + (layout.row_offset + t) / layout.local_seq_len * e_n;
+    for (int64_t k = 0; k < k_n; ++k) {
+      const int32_t e = idx[t * k_n + k];
+      MF_CHECK(e >= 0 && e < e_n, "expert index ", e, " out of [0, ", e_n, ")");
+      ++cb[e];
+    }
+  }
+}
+
+double seq_aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
+                            const SeqLayout& layout) {
+  check_seq_aux(scores_TE, counts_BE, k, layout);
+  const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
+  if (t_n == 0) return 0.0;
+  const int64_t* counts = counts_BE.ptr<int64_t>();
+  return dispatch_float(scores_TE.dtype(), [&]<class T>() {
+    const T* scores = scores_TE.ptr<T>();
+    double total = 0;
     for (int64_t t = 0; t < t_n; ++t) {
-      const T* s = scores + t * e_n;
-      T* d = dl + t * e_n;
-      if (score_func == ScoreFunc::softmax) {
-        // p = softmax(l): dl_e = p_e (c_e - sum_f c_f p_f).
-        T dot = 0;
-        for (int64_t e = 0; e < e_n; ++e) dot += static_cast<T>(c0 * static_cast<double>(counts[e])) * s[e];
-        for (int64_t e = 0; e < e_n; ++e) d[e] = s[e] * (static_cast<T>(c0 * static_cast<double>(counts[e])) - dot);
-      } else {
-        // p = s / S, s = sigmoid(l): ds_e = (c_e - sum_f c_f p_f) / S, dl_e = ds_e s_e (1 - s_e).
-        T sum = 0, dot = 0;
-        for (int64_t e = 0; e < e_n; ++e) sum += s[e];
-        for (int64_t e = 0; e < e_n; ++e) dot += static_cast<T>(c0 * static_cast<double>(counts[e])) * s[e] / sum;
-        for (int64_t e = 0; e < e_n; ++e)
-          d[e] = (static_cast<T>(c0 * static_cast<double>(counts[e])) - dot) / sum * s[e] * (T(1) - s[e]);
-      }
+      const int64_t* cb = counts + (layout.row_offset + t) / layout.local_seq_len * e_n;
+      total += weighted_prob_row(scores + t * e_n, e_n, score_func, cb);
+    }
+    const double s_n = static_cast<double>(layout.seq_len);
+    return total * static_cast<double>(e_n) / (static_cast<double>(k) * s_n * s_n * static_cast<double>(b_n));
+  });
+}
+
+void seq_aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
+                           const SeqLayout& layout, double grad_scale, const Tensor& dlogits_TE) {
+  check_seq_aux(scores_TE, counts_BE, k, layout);
+  check_shape(dlogits_TE, scores_TE.shape(), "seq_aux_loss_backward dlogits");
+  check_same_dtype(scores_TE, dlogits_TE, "seq_aux_loss_backward dlogits");
+  const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
+  if (t_n == 0) return;
+  const int64_t* counts = counts_BE.ptr<int64_t>();
+  // d(loss)/d(p_te) = grad_scale * E / (K*S*S*B) * counts_BE[b(t), e].
+  const double s_n = static_cast<double>(layout.seq_len);
+  const double c0 =
+      grad_scale * static_cast<double>(e_n) / (static_cast<double>(k) * s_n * s_n * static_cast<double>(b_n));
+  dispatch_float(scores_TE.dtype(), [&]<class T>() {
+    const T* scores = scores_TE.ptr<T>();
+    T* dl = dlogits_TE.ptr<T>();
+    for (int64_t t = 0; t < t_n; ++t) {
+      const int64_t* cb = counts + (layout.row_offset + t) / layout.local_seq_len * e_n;
+      weighted_prob_row_backward(scores + t * e_n, e_n, score_func, cb, c0, dl + t * e_n);
+    }
+  });
+}
+
+// ---- aux-loss-free balancing -------------------------------------------------------------------
+
+void expert_bias_update(const Tensor& bias_E, const Tensor& counts_E, double rate) {
+  check_dtype(counts_E, DType::i64, "expert_bias_update counts");
+  MF_CHECK(bias_E.ndim() == 1 && bias_E.contiguous() && bias_E.device() == Device::cpu && counts_E.ndim() == 1 &&
+               counts_E.contiguous() && counts_E.size(0) == bias_E.size(0),
+           "expert_bias_update: bias ", bias_E.str(), ", counts ", counts_E.str());
+  const int64_t e_n = bias_E.size(0);
+  const int64_t* counts = counts_E.ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t e = 0; e < e_n; ++e) total += counts[e];
+  dispatch_float(bias_E.dtype(), [&]<class T>() {
+    T* bias = bias_E.ptr<T>();
+    for (int64_t e = 0; e < e_n; ++e) {
+      // sign(mean - counts_e) = sign(total - E * counts_e), exact in integers (no 0 lost to rounding).
+      const int64_t diff = total - e_n * counts[e];
+      const int sign = (diff > 0) - (diff < 0);
+      bias[e] += static_cast<T>(rate * sign);
     }
   });
 }

@@ -67,20 +67,28 @@ void rope_apply(T* x, const T* cos, const T* sin, const int32_t* pos, int64_t b,
 }  // namespace
 
 void rope_table(double theta, const Tensor& cos_SD, const Tensor& sin_SD) {
-  check_table(cos_SD, sin_SD, "rope_table");
   MF_CHECK(theta > 0, "rope_table: theta ", theta);
+  const int64_t d = cos_SD.ndim() == 2 ? cos_SD.size(1) : 0;
+  std::vector<double> inv_freq(static_cast<size_t>(d / 2));
+  for (int64_t j = 0; j < d / 2; ++j)
+    inv_freq[j] = std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(d));
+  rope_table(inv_freq, 1.0, cos_SD, sin_SD);
+}
+
+void rope_table(const std::vector<double>& inv_freq, double attention_factor, const Tensor& cos_SD,
+                const Tensor& sin_SD) {
+  check_table(cos_SD, sin_SD, "rope_table");
   const int64_t s = cos_SD.size(0), d = cos_SD.size(1), half = d / 2;
+  MF_CHECK(static_cast<int64_t>(inv_freq.size()) == half, "rope_table: ", inv_freq.size(), " frequencies for D=", d);
   dispatch_float(cos_SD.dtype(), [&]<class T>() {
     T* c = cos_SD.ptr<T>();
     T* sn = sin_SD.ptr<T>();
-    for (int64_t j = 0; j < half; ++j) {
-      const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(d));
+    for (int64_t j = 0; j < half; ++j)
       for (int64_t si = 0; si < s; ++si) {
-        const double angle = static_cast<double>(si) * inv_freq;
-        c[si * d + j] = c[si * d + j + half] = static_cast<T>(std::cos(angle));
-        sn[si * d + j] = sn[si * d + j + half] = static_cast<T>(std::sin(angle));
+        const double angle = static_cast<double>(si) * inv_freq[j];
+        c[si * d + j] = c[si * d + j + half] = static_cast<T>(std::cos(angle) * attention_factor);
+        sn[si * d + j] = sn[si * d + j + half] = static_cast<T>(std::sin(angle) * attention_factor);
       }
-    }
   });
 }
 

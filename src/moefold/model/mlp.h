@@ -1,0 +1,43 @@
+// Dense SwiGLU MLP: y = down(silu(gate(x)) * up(x)) — the FFN of dense layers (Qwen3-MoE's
+// mlp_only_layers, DeepSeek-V3's first_k_dense_replace) and of DeepSeek-V3's shared experts.
+// Gradient rule: dx written, parameter grads accumulated. Shape letters: T rows here, N rows of
+// every TP rank, H hidden, F intermediate (F/tp held here).
+//
+// Tensor parallelism (Megatron's, with sequence parallelism): gate and up are column-parallel
+// (rows of F split), down is row-parallel; the T input rows are all-gathered before and the
+// partial outputs reduce-scattered after (the reverse in backward), as in Attention.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "moefold/comm/communicator.h"
+#include "moefold/core/memory.h"
+
+namespace moefold {
+
+class DenseMlp {
+ public:
+  // rows: residual rows here (T); tokens: rows of every TP rank (N = T * tp). prefix: e.g.
+  // "model.layers.0.mlp" (parameters "<prefix>.gate_proj.weight", ".up_proj", ".down_proj").
+  DenseMlp(int64_t hidden, int64_t ffn, int64_t rows, int64_t tokens, std::string prefix, double init_std);
+
+  // tp: the tensor-parallel group (null or size 1: the whole F here).
+  void bind(Memory& mem, Communicator* tp);
+  // x_TH -> y_TH (written). Keeps what backward needs (x_TH itself must not change until then).
+  void forward(const Tensor& x_TH, const Tensor& y_TH);
+  // dy_TH -> dx_TH (written).
+  void backward(const Tensor& dy_TH, const Tensor& dx_TH);
+
+ private:
+  int64_t h_, ffn_, t_, n_;
+  int64_t f_ = 0;  // F held here
+  std::string prefix_;
+  double init_std_;
+  Communicator* tp_ = nullptr;
+  Tensor gate_FH_, up_FH_, down_HF_, dgate_FH_, dup_FH_, ddown_HF_;
+  Tensor x_full_, x_gathered_NH_, gu_N2F_, h_NF_;  // saved for backward
+  Tensor dy_full_NH_, dh_NF_, dgu_N2F_, partial_NH_;
+};
+
+}  // namespace moefold
