@@ -295,6 +295,56 @@ TEST(BpeTokenizer, ByteLevelMapCoversAllBytes) {
   EXPECT_EQ(t.encode("\xF0\x9F\x98"), cat_ids({fffd}));              // a truncated emoji
 }
 
+// Byte-level spelling of UTF-8 text.
+std::string spell(const std::string& text) {
+  std::string s;
+  for (char c : text) s += utf8(byte_level_code_point(static_cast<uint8_t>(c)));
+  return s;
+}
+
+// \s means Oniguruma's White_Space (what the library compiles), not PCRE2's (which adds U+180E).
+TEST(BpeTokenizer, RegexWhitespaceIsOniguruma) {
+  TempDir dir("bpe");
+  const std::string mvs = spell("\u180e"), nel = spell("\u0085");
+  std::vector<std::string> vocab = {"a", "b"};
+  for (const std::string& sp : {mvs, nel})
+    for (size_t i = 0; i < sp.size();) {  // the byte tokens of the separator
+      size_t n = static_cast<uint8_t>(sp[i]) < 0x80 ? 1 : 2;
+      vocab.push_back(sp.substr(i, n));
+      i += n;
+    }
+  // Merges that build "a" + U+180E + "b" and "a" + U+0085 + "b" into one token each.
+  std::vector<std::string> merges;
+  for (const std::string& sp : {mvs, nel}) {
+    std::string acc = "a";
+    for (size_t i = 0; i < sp.size();) {
+      size_t n = static_cast<uint8_t>(sp[i]) < 0x80 ? 1 : 2;
+      merges.push_back(acc + " " + sp.substr(i, n));
+      acc += sp.substr(i, n);
+      vocab.push_back(acc);
+      i += n;
+    }
+    merges.push_back(acc + " b");
+    vocab.push_back(acc + "b");
+  }
+  json j = tiny(vocab, merges);
+  BpeTokenizer whole(save(dir, j, "whole.json"));
+  const auto mvs_word = whole.token_id("a" + mvs + "b"), nel_word = whole.token_id("a" + nel + "b");
+  ASSERT_TRUE(mvs_word && nel_word);
+  EXPECT_EQ(whole.encode("a\u180eb"), std::vector<int32_t>{*mvs_word});
+  for (const char* re : {"\\s+", "[\\s]+", "\\S+", "[^\\S]+"}) {
+    SCOPED_TRACE(re);
+    j["pre_tokenizer"] = {
+        {"type", "Sequence"},
+        {"pretokenizers",
+         {{{"type", "Split"}, {"pattern", {{"Regex", re}}}, {"behavior", "Isolated"}, {"invert", false}},
+          byte_level()}}};
+    BpeTokenizer t(save(dir, j, "split.json"));
+    EXPECT_EQ(t.encode("a\u180eb"), std::vector<int32_t>{*mvs_word});  // U+180E: not a space, no split
+    EXPECT_EQ(t.encode("a\u0085b").size(), 4u);                        // U+0085: a space, split off
+  }
+}
+
 TEST(BpeTokenizer, UnknownBytesAreDroppedOrUnk) {
   TempDir dir("bpe");
   json j = tiny({"a", "<unk>"}, {});

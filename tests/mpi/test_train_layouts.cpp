@@ -95,12 +95,44 @@ class Layouts : public ::testing::Test {
         testing::make_train_data(dir_->path()),
         {"train.micro_batch_size=1", "moe.router_aux_loss_coef=0.05", "model.num_attention_heads=8",
          "model.num_key_value_heads=4", "model.head_dim=4", "moe.num_experts=8"});
+    // DeepSeek-V3's layers: MLA (q-LoRA, YaRN, interleaved RoPE, v wider than q/k) split by
+    // heads over TP and by chunks over CP, a dense first layer and shared experts (column/row
+    // parallel), sigmoid routing with groups, a selection bias updated every step from the loads
+    // of every rank, and the sequence-level aux loss over split sequences.
+    deepseek_ = testing::small_train_config(base_.data.path, {"train.micro_batch_size=1",
+                                                              "model.architecture=deepseek_v3",
+                                                              "model.num_attention_heads=8",
+                                                              "model.num_key_value_heads=8",
+                                                              "model.head_dim=4",
+                                                              "model.qk_rope_head_dim=4",
+                                                              "model.qk_nope_head_dim=2",
+                                                              "model.v_head_dim=8",
+                                                              "model.kv_lora_rank=8",
+                                                              "model.q_lora_rank=6",
+                                                              "model.rope_interleave=true",
+                                                              "model.rope_type=yarn",
+                                                              "model.rope_factor=2",
+                                                              "model.rope_original_max_position_embeddings=8",
+                                                              "model.rope_mscale=1",
+                                                              "model.rope_mscale_all_dim=1",
+                                                              "model.first_k_dense_replace=1",
+                                                              "model.intermediate_size=24",
+                                                              "moe.n_shared_experts=1",
+                                                              "moe.num_experts=8",
+                                                              "moe.scoring_func=sigmoid",
+                                                              "moe.n_group=4",
+                                                              "moe.topk_group=2",
+                                                              "moe.expert_bias=true",
+                                                              "moe.expert_bias_update_rate=0.01",
+                                                              "moe.seq_aux_loss_coef=0.05",
+                                                              "moe.router_aux_loss_coef=0",
+                                                              "moe.routed_scaling_factor=2.5"});
   }
   std::unique_ptr<testing::TempDir> dir_;
-  Config base_;
+  Config base_, deepseek_;
 };
 
-TEST_F(Layouts, OneStepLossAndEveryGradientMatchOneRank) {
+void one_step_matches_one_rank(const Config& base_) {
   Communicator& world = testing::test_world();
   std::unique_ptr<Communicator> self = make_self_communicator();
   LayoutRun ref(base_, *self);
@@ -133,7 +165,10 @@ TEST_F(Layouts, OneStepLossAndEveryGradientMatchOneRank) {
   if (world.rank() == 0) std::printf("largest relative gradient error: %.3g\n", worst);
 }
 
-TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) {
+TEST_F(Layouts, OneStepLossAndEveryGradientMatchOneRank) { one_step_matches_one_rank(base_); }
+TEST_F(Layouts, DeepSeekV3OneStepLossAndEveryGradientMatchOneRank) { one_step_matches_one_rank(deepseek_); }
+
+void twenty_steps_match_one_rank(const Config& base_) {
   Communicator& world = testing::test_world();
   Config cfg = base_;
   cfg.train.steps = 20;
@@ -159,6 +194,9 @@ TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) {
   }
   if (world.rank() == 0) std::printf("largest relative loss error over 20 steps: %.3g\n", worst);
 }
+
+TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) { twenty_steps_match_one_rank(base_); }
+TEST_F(Layouts, DeepSeekV3TwentyStepLossCurveMatchesOneRank) { twenty_steps_match_one_rank(deepseek_); }
 
 std::vector<double> losses(const std::filesystem::path& run) {
   std::vector<double> out;

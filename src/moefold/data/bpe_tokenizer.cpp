@@ -173,7 +173,7 @@ std::string onig_to_pcre2(std::string_view pattern, const std::string& path, con
     const char e = pattern[++i];
     switch (e) {
       case 's':
-        out += "\\s";
+        out += "\\p{White_Space}";
         break;
       case 'S':
         out += "\\P{White_Space}";

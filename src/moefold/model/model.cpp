@@ -131,6 +131,9 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
         m, e, micro_batch, l_, t_, n, l, !dense && parallel.dispatchers ? parallel.dispatchers(l) : nullptr));
     if (MoeLayer* moe = layers_.back()->moe()) {
       moe->set_token_group(parallel.tokens);
+      // Sequence-level aux loss: this rank's rows are rows [tp_rank * T, +T) of B sequences of
+      // l_ local tokens each (S over the CP group).
+      moe->set_sequences(micro_batch, l_, (n > 1 ? parallel.tp->rank() : 0) * t_, seq_len);
       moe_layers_.push_back(moe);
     }
   }
@@ -236,7 +239,7 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale) {
 
 double Model::aux_loss() const {
   double s = 0;
-  for (const MoeLayer* l : moe_layers_) s += l->aux_loss();
+  for (const MoeLayer* l : moe_layers_) s += l->aux_loss() + l->seq_aux_loss();
   return s;
 }
 

@@ -78,7 +78,8 @@ class Model {
   // of this micro-batch (1 / micro-batches per step).
   void backward(double lm_grad_scale, double moe_loss_scale);
 
-  // Router losses of the last forward, summed over layers (already times their coefficients).
+  // Router losses of the last forward, summed over layers (already times their coefficients);
+  // aux_loss holds both load-balancing losses (Switch and sequence-level).
   double aux_loss() const;
   double z_loss() const;
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

@@ -32,6 +32,13 @@ class MoeLayer {
   void bind(Memory& mem);
   // See Router::set_token_group (context parallelism splits each sequence over a group).
   void set_token_group(Communicator* group) { router_.set_token_group(group); }
+  // See Router::set_sequences (sequence-level aux loss). REQUIRES: before bind.
+  void set_sequences(int64_t num_seqs, int64_t local_seq_len, int64_t row_offset, int64_t full_seq_len) {
+    router_.set_sequences(num_seqs, local_seq_len, row_offset, full_seq_len);
+  }
+  // Aux-loss-free balancing: see Router::update_expert_bias (counts_E: i64 tokens per expert over
+  // a step, summed over every rank).
+  void update_expert_bias(const Tensor& counts_E, double rate) { router_.update_expert_bias(counts_E, rate); }
   // Hook for after parameter initialisation (nothing to derive on the CPU).
   void init_done() {}
 
@@ -44,6 +51,7 @@ class MoeLayer {
   // From the last forward, already multiplied by their coefficients.
   double aux_loss() const { return router_.aux_loss(); }
   double z_loss() const { return router_.z_loss(); }
+  double seq_aux_loss() const { return router_.seq_aux_loss(); }
   // Tokens routed to each expert by the last forward (before capacity dropping), E entries.
   const int64_t* expert_counts() const { return router_.tokens_per_expert().ptr<int64_t>(); }
   int64_t num_experts() const { return cfg_.num_experts; }

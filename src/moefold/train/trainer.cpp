@@ -44,6 +44,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh)
     targets_BL_ = mem_.act(bl, DType::i32);
     load_sum_LE_ = mem_.act({layers, experts}, DType::f64);
     stats_ = mem_.act({3}, DType::f64);
+    bias_counts_E_ = mem_.act({experts}, DType::i64);
   };
   bind_all();  // measure
   // AdamW keeps two moments per parameter.
@@ -171,6 +172,15 @@ const StepMetrics& Trainer::train_step() {
   clip_grad_norm(mem_.params(), out.grad_norm, cfg_.train.grad_clip);
   out.lr = learning_rate(cfg_.train, step_);
   opt_.step(mem_.params(), out.lr);
+  if (cfg_.moe.expert_bias) {  // aux-loss-free balancing from this step's loads (every rank's tokens)
+    const double* load = load_sum_LE_.ptr<double>();
+    const int64_t experts = cfg_.moe.num_experts;
+    for (int64_t l = 0; l < model_.num_moe_layers(); ++l) {
+      for (int64_t e = 0; e < experts; ++e)
+        bias_counts_E_.ptr<int64_t>()[e] = static_cast<int64_t>(load[l * experts + e]);
+      model_.moe(l).update_expert_bias(bias_counts_E_, cfg_.moe.expert_bias_update_rate);
+    }
+  }
   ++step_;
   out.step = step_;
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
