@@ -266,6 +266,58 @@ TEST(Cli, HuggingFaceParityEveryFamily) {
   }
 }
 
+// Multi-token prediction goes to and comes back from DeepSeek-V3's layout: layers L.. hold the
+// modules, with copies of the (shared) embedding and LM head, which must equal the main ones.
+TEST(Cli, MultiTokenPredictionRoundTrip) {
+  testing::TempDir tmp("test_cli");
+  const fs::path& d = tmp.path();
+  const fs::path fixture = fs::path(MOEFOLD_SOURCE_DIR) / "tests" / "fixtures" / "hf" / "deepseek_v3_b";
+  ASSERT_EQ(run(cat("convert --from-hf '", fixture.string(), "' --to base"), d).code, 0);
+  std::vector<uint32_t> toks(4000);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint32_t>(i * 7 % 13);
+  write_token_file((d / "t.tokens").string(), toks, 2);
+  Result t =
+      run("train --config base/config.toml --run-dir mtp --steps 1 --quiet --set train.seq_len=8 "
+          "--set train.micro_batch_size=1 --set train.global_batch_size=2 --set data.path=t.tokens "
+          "--set model.num_nextn_predict_layers=2",
+          d);
+  ASSERT_EQ(t.code, 0) << t.err;
+  const std::string metrics = testing::read_bytes((d / "mtp" / "metrics.jsonl").string());
+  const size_t at = metrics.find("\"mtp_loss\":");
+  ASSERT_NE(at, std::string::npos) << metrics;
+  EXPECT_GT(std::stod(metrics.substr(at + 11)), 0.1);
+  ASSERT_EQ(run("convert --from mtp/checkpoints/step_00000001 --to-hf mtp_hf", d).code, 0);
+  SafetensorsReader out((d / "mtp_hf" / "model.safetensors").string());
+  for (const char* name : {"model.layers.3.eh_proj.weight", "model.layers.3.enorm.weight",
+                           "model.layers.4.hnorm.weight", "model.layers.4.shared_head.norm.weight",
+                           "model.layers.3.shared_head.head.weight", "model.layers.4.embed_tokens.weight",
+                           "model.layers.4.mlp.gate.weight", "model.layers.3.self_attn.kv_b_proj.weight"})
+    EXPECT_NO_FATAL_FAILURE(out.tensor(name)) << name;
+  ASSERT_EQ(run("convert --from-hf mtp_hf --to again", d).code, 0);
+  EXPECT_NE(testing::read_bytes((d / "again" / "config.toml").string()).find("num_nextn_predict_layers = 2"),
+            std::string::npos);
+  ASSERT_EQ(run("convert --from again/checkpoints/step_00000000 --to-hf again_hf", d).code, 0);
+  expect_same_safetensors(d / "mtp_hf" / "model.safetensors", d / "again_hf" / "model.safetensors");
+  // A "copy" of the LM head that is not one cannot be shared: one line naming both tensors.
+  std::vector<SafetensorsEntry> entries;
+  std::vector<std::vector<uint8_t>> bytes;
+  for (const SafetensorsTensor& u : out.tensors()) bytes.emplace_back(u.data, u.data + u.nbytes);
+  size_t i = 0;
+  for (const SafetensorsTensor& u : out.tensors()) {
+    if (u.name == "model.layers.3.shared_head.head.weight") bytes[i][0] ^= 1;
+    Shape shape;  // every tensor here is 1-D or 2-D
+    shape.ndim = static_cast<int>(u.shape.size());
+    std::copy(u.shape.begin(), u.shape.end(), shape.dims.begin());
+    entries.push_back({u.name, Tensor(bytes[i].data(), u.dtype, shape), u.dtype});
+    ++i;
+  }
+  fs::create_directories(d / "bad_hf");
+  fs::copy_file(d / "mtp_hf" / "config.json", d / "bad_hf" / "config.json");
+  write_safetensors((d / "bad_hf" / "model.safetensors").string(), entries, {{"format", "pt"}});
+  expect_one_line_error(run("convert --from-hf bad_hf --to bad", d),
+                        {"model.layers.3.shared_head.head.weight", "differs from 'lm_head.weight'"});
+}
+
 TEST(Cli, HuggingFaceBadInput) {
   testing::TempDir tmp("test_cli");
   const fs::path& d = tmp.path();

@@ -145,7 +145,7 @@ struct TinyModel {
   // Total loss with lm_scale on the summed token loss and moe_scale on the router losses.
   double loss(double lm_scale, double moe_scale) {
     double l = model->forward(ids, targets) * lm_scale;
-    return l + moe_scale * (model->aux_loss() + model->z_loss());
+    return l + model->mtp_loss() * lm_scale + moe_scale * (model->aux_loss() + model->z_loss());
   }
 };
 
@@ -246,7 +246,8 @@ TEST(Model, EveryFamilyBackwardMatchesFiniteDifferences) {
        "moe.seq_aux_loss_coef=0.3"},
       {"model.architecture=deepseek_v3", "model.num_key_value_heads=3", "model.qk_rope_head_dim=4",
        "model.qk_nope_head_dim=2", "model.v_head_dim=9", "model.kv_lora_rank=5", "moe.n_shared_experts=2",
-       "moe.norm_topk_prob=false"},
+       "moe.norm_topk_prob=false", "moe.scoring_func=sigmoid", "moe.expert_bias=true",
+       "model.num_nextn_predict_layers=2", "model.mtp_loss_scaling_factor=0.7"},
   };
   for (const auto& ov : families) {
     TinyModel t(2, 5, ov);

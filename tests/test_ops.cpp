@@ -369,5 +369,29 @@ TEST(CrossEntropy, BackwardMatchesFiniteDifferences) {
   expect_f32_close("cross-entropy dlogits f32", d32, d);
 }
 
+// kIgnoreTarget rows add no loss and get a zero gradient row; the rest is the plain loss.
+TEST(CrossEntropy, IgnoredTargetsAddNothing) {
+  Pool pool;
+  const int64_t n = 6, v = 7;
+  Tensor logits = pool.randn({n, v}, DType::f64, 3.0), targets = pool.ints({n}, 0, v), lse = pool.zeros({n});
+  Tensor kept = pool.ints({3}, 0, v), kept_logits = pool.zeros({3, v}), kept_lse = pool.zeros({3});
+  for (int64_t i = 0, r = 0; i < n; ++i) {
+    if (i % 2 == 1) {
+      targets.ptr<int32_t>()[i] = kIgnoreTarget;
+      continue;
+    }
+    kept.ptr<int32_t>()[r] = targets.ptr<int32_t>()[i];
+    for (int64_t j = 0; j < v; ++j) set(kept_logits, r * v + j, get(logits, i * v + j));
+    ++r;
+  }
+  EXPECT_EQ(cross_entropy_forward(logits, targets, lse), cross_entropy_forward(kept_logits, kept, kept_lse));
+  Tensor d = pool.randn({n, v}, DType::f64, 100.0);  // garbage: dlogits is WRITTEN
+  cross_entropy_backward(logits, targets, lse, 0.5, d);
+  for (int64_t i = 1; i < n; i += 2)
+    for (int64_t j = 0; j < v; ++j) EXPECT_EQ(get(d, i * v + j), 0.0);
+  check_gradient("cross-entropy with ignored rows", logits, d,
+                 [&] { return 0.5 * cross_entropy_forward(logits, targets, lse); });
+}
+
 }  // namespace
 }  // namespace moefold

@@ -20,6 +20,7 @@
 #include "moefold/train/evaluate.h"
 #include "moefold/train/hf_import.h"
 #include "moefold/train/run.h"
+#include "moefold/train/upcycle.h"
 
 namespace {
 
@@ -103,16 +104,44 @@ int main(int argc, char** argv) {
 
   CLI::App* convert = app.add_subcommand("convert",
                                          "Hugging Face model directory <-> moefold (--from-hf DIR --to RUN_DIR, or "
-                                         "--from CKPT_DIR --to-hf DIR)");
+                                         "--from CKPT_DIR --to-hf DIR); dense checkpoint -> MoE run (--upcycle "
+                                         "--from CKPT_DIR --to RUN_DIR)");
   std::string from_hf, convert_to, convert_from, to_hf;
+  bool upcycle_dense = false;
+  int64_t granularity = 1;
   auto* o_from_hf =
       convert->add_option("--from-hf", from_hf, "Hugging Face model directory (config.json, *.safetensors)");
   auto* o_to =
       convert->add_option("--to", convert_to, "run directory to create (config.toml, checkpoints/step_00000000)");
   auto* o_from = convert->add_option("--from", convert_from, "moefold checkpoint directory");
   auto* o_to_hf = convert->add_option("--to-hf", to_hf, "Hugging Face model directory to write");
-  o_from_hf->needs(o_to)->excludes(o_from);
-  o_from->needs(o_to_hf)->excludes(o_to);
+  auto* o_upcycle = convert->add_flag("--upcycle", upcycle_dense,
+                                      "initialise an MoE run from the dense checkpoint --from: every expert a copy "
+                                      "of the dense MLP (or a 1/G slice of one), step-0 logits those of the dense "
+                                      "model");
+  auto* o_granularity =
+      convert
+          ->add_option("--granularity", granularity,
+                       "with --upcycle: G experts per copy of the dense MLP, each intermediate_size / G wide (default 1)")
+          ->check(CLI::PositiveNumber);
+  auto* o_convert_set = convert->add_option(
+      "--set", overrides, "with --upcycle: override a key of the upcycled config: section.key=value (repeatable)");
+  o_from_hf->needs(o_to)->excludes(o_from)->excludes(o_upcycle);
+  o_to_hf->needs(o_from)->excludes(o_to)->excludes(o_upcycle);
+  o_upcycle->needs(o_from)->needs(o_to);
+  o_granularity->needs(o_upcycle);
+  o_convert_set->needs(o_upcycle);
+  // --from and --to go together only under --upcycle, which needs/excludes cannot say.
+  convert->parse_complete_callback([&] {
+    if (!*o_upcycle && *o_from && !*o_to_hf)
+      throw CLI::RequiresError("--from", "--to-hf (export) or --upcycle --to RUN_DIR (upcycle)");
+    if (!*o_upcycle && *o_to && !*o_from_hf) throw CLI::RequiresError("--to", "--from-hf or --upcycle --from");
+    if (!*o_from && !*o_from_hf)
+      throw CLI::RequiredError(
+          "convert: give --from-hf DIR --to RUN_DIR, --from CKPT_DIR --to-hf DIR or --upcycle --from CKPT_DIR --to "
+          "RUN_DIR",
+          CLI::ExitCodes::RequiredError);
+  });
 
   CLI::App* prep = app.add_subcommand("prepare", "tokenize text files or directories into a token file");
   std::vector<std::string> inputs;
@@ -181,7 +210,12 @@ int main(int argc, char** argv) {
                   static_cast<long long>(r.tokens), static_cast<long long>(r.sequences),
                   static_cast<long long>(r.step));
     } else if (*convert) {
-      if (!convert_from.empty()) {
+      if (upcycle_dense) {
+        const std::string ckpt = upcycle(convert_from, convert_to, overrides, granularity);
+        std::printf(
+            "upcycled %s into %s (continue with: moefold train --config %s/config.toml --run-dir %s --resume)\n",
+            convert_from.c_str(), ckpt.c_str(), convert_to.c_str(), convert_to.c_str());
+      } else if (!convert_from.empty()) {
         if (std::filesystem::exists(to_hf + "/model.safetensors"))
           MF_FAIL(to_hf, ": already holds a model.safetensors; choose another --to-hf");
         export_hf(convert_from, to_hf);

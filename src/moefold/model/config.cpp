@@ -360,6 +360,12 @@ void Config::validate() const {
   if (moe.n_shared_experts * moe.moe_intermediate_size % p.tp != 0)
     MF_FAIL("moe.n_shared_experts x moe.moe_intermediate_size = ", moe.n_shared_experts * moe.moe_intermediate_size,
             " is not divisible by parallel.tp = ", p.tp);
+  if (model.num_nextn_predict_layers > 0 && p.cp > 1)
+    MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers, " with parallel.cp = ", p.cp,
+            ": multi-token prediction under context parallelism is not implemented");
+  if (model.num_nextn_predict_layers >= train.seq_len)
+    MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers,
+            " must be < train.seq_len = ", train.seq_len);
   if (model.architecture == "olmoe" && p.tp > 1)
     MF_FAIL("parallel.tp = ", p.tp,
             ": olmoe's q/k norms span every head; tensor parallelism is not implemented for it");

@@ -137,6 +137,16 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
       moe_layers_.push_back(moe);
     }
   }
+  for (int64_t k = 1; k <= m.num_nextn_predict_layers; ++k) {
+    MF_CHECK(c == 1, "multi-token prediction under context parallelism");
+    mtp_.push_back(
+        std::make_unique<MtpDepth>(m, e, micro_batch, l_, t_, n_, n, k,
+                                   parallel.dispatchers ? parallel.dispatchers(m.num_hidden_layers + k - 1) : nullptr));
+    MoeLayer* moe = mtp_.back()->layer().moe();
+    moe->set_token_group(parallel.tokens);
+    moe->set_sequences(micro_batch, l_, (n > 1 ? parallel.tp->rank() : 0) * t_, seq_len);
+    moe_layers_.push_back(moe);
+  }
 }
 
 void Model::bind(Memory& mem) {
@@ -156,6 +166,7 @@ void Model::bind(Memory& mem) {
   res_.clear();
   for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({t_, h}));
   for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
+  for (auto& d : mtp_) bind_mtp(mem, *d);
   norm_ = mem.param("model.norm.weight", {h}, Init::ones, 0, false);
   dnorm_ = mem.grad("model.norm.weight");
   lm_head_ = mem.param("lm_head.weight", {v, h}, Init::normal, std, true, tpg, vocab_offset_, m_.vocab_size);
@@ -201,46 +212,181 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS) {
   check_shape(targets_BS, {b_, l_}, "model targets");
   ids_ = ids_BS.view({n_});
   targets_ = targets_BS.view({n_});
-  if (tp_) {  // every token's partial embedding from this vocabulary shard; rows summed and split
-    vocab_parallel_embedding_forward(ids_, embed_, vocab_offset_, partial_NH_);
-    tp_->reduce_scatter(partial_NH_, res_[0], ReduceOp::sum);
-  } else {
-    embedding_forward(ids_, embed_, res_[0]);
-  }
+  embed(ids_, res_[0]);
   for (int64_t l = 0; l < num_layers(); ++l) layers_[l]->forward(res_[l], res_[l + 1]);
-  rmsnorm_forward(res_.back(), norm_, m_.rms_norm_eps, nf_TH_, rstdf_T_);
-  if (!tp_) {
-    linear_forward(nf_TH_, lm_head_, logits_TV_);
-    return cross_entropy_forward(logits_TV_, targets_, lse_T_);
+  const double loss = head_forward(res_.back(), norm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_);
+  const Tensor* prev = &res_.back();
+  for (auto& d : mtp_) {
+    mtp_forward(*d, *prev);
+    prev = &d->out_TH_;
   }
-  tp_->all_gather(nf_TH_, full_NH_);
-  linear_forward(full_NH_, lm_head_, logits_TV_);
-  return vocab_parallel_cross_entropy_forward(*tp_, logits_TV_, vocab_offset_, targets_, lse_T_, ce_scratch_);
+  return loss;
+}
+
+double Model::head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor& nf_TH, const Tensor& rstd_T,
+                           const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N,
+                           const Tensor& targets_N) {
+  rmsnorm_forward(h_TH, norm, m_.rms_norm_eps, nf_TH, rstd_T);
+  if (!tp_) {
+    linear_forward(nf_TH, lm_head_, logits_NV);
+    return cross_entropy_forward(logits_NV, targets_N, lse_N);
+  }
+  tp_->all_gather(nf_TH, nf_full_NH);
+  linear_forward(nf_full_NH, lm_head_, logits_NV);
+  return vocab_parallel_cross_entropy_forward(*tp_, logits_NV, vocab_offset_, targets_N, lse_N, ce_scratch_);
+}
+
+void Model::head_backward(const Tensor& h_TH, const Tensor& norm, const Tensor& dnorm, const Tensor& nf_TH,
+                          const Tensor& rstd_T, const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N,
+                          const Tensor& targets_N, double scale, const Tensor& dh_TH) {
+  if (tp_) {
+    vocab_parallel_cross_entropy_backward(logits_NV, vocab_offset_, targets_N, lse_N, scale, dlogits_TV_);
+    linear_backward(nf_full_NH, lm_head_, dlogits_TV_, partial_NH_, dlm_head_);
+    tp_->reduce_scatter(partial_NH_, dnf_TH_, ReduceOp::sum);
+  } else {
+    cross_entropy_backward(logits_NV, targets_N, lse_N, scale, dlogits_TV_);
+    linear_backward(nf_TH, lm_head_, dlogits_TV_, dnf_TH_, dlm_head_);
+  }
+  rmsnorm_backward(h_TH, norm, rstd_T, dnf_TH_, dh_TH, dnorm);
+}
+
+void Model::embed(const Tensor& ids_N, const Tensor& out_TH) {
+  if (tp_) {  // every token's partial embedding from this vocabulary shard; rows summed and split
+    vocab_parallel_embedding_forward(ids_N, embed_, vocab_offset_, partial_NH_);
+    tp_->reduce_scatter(partial_NH_, out_TH, ReduceOp::sum);
+  } else {
+    embedding_forward(ids_N, embed_, out_TH);
+  }
+}
+
+void Model::embed_backward(const Tensor& ids_N, const Tensor& dout_TH) {
+  if (tp_) {
+    tp_->all_gather(dout_TH, full_NH_);
+    vocab_parallel_embedding_backward(ids_N, full_NH_, vocab_offset_, dembed_);
+  } else {
+    embedding_backward(ids_N, dout_TH, dembed_);
+  }
 }
 
 void Model::backward(double lm_grad_scale, double moe_loss_scale) {
-  if (tp_) {
-    vocab_parallel_cross_entropy_backward(logits_TV_, vocab_offset_, targets_, lse_T_, lm_grad_scale, dlogits_TV_);
-    linear_backward(full_NH_, lm_head_, dlogits_TV_, partial_NH_, dlm_head_);
-    tp_->reduce_scatter(partial_NH_, dnf_TH_, ReduceOp::sum);
-  } else {
-    cross_entropy_backward(logits_TV_, targets_, lse_T_, lm_grad_scale, dlogits_TV_);
-    linear_backward(nf_TH_, lm_head_, dlogits_TV_, dnf_TH_, dlm_head_);
+  head_backward(res_.back(), norm_, dnorm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_, lm_grad_scale,
+                dres_TH_);
+  // Multi-token prediction, deepest first: each depth's d(h_prev) flows into the one before it,
+  // the first into the main model's output.
+  for (int64_t i = static_cast<int64_t>(mtp_.size()) - 1; i >= 0; --i) {
+    MtpDepth& d = *mtp_[i];
+    const double scale = lm_grad_scale * m_.mtp_loss_scaling_factor / static_cast<double>(mtp_.size()) *
+                         static_cast<double>(s_) / static_cast<double>(s_ - d.k_);
+    mtp_backward(d, scale, moe_loss_scale,
+                 i + 1 < static_cast<int64_t>(mtp_.size()) ? &mtp_[i + 1]->dprev_TH_ : nullptr);
   }
-  rmsnorm_backward(res_.back(), norm_, rstdf_T_, dnf_TH_, dres_TH_, dnorm_);
+  if (!mtp_.empty()) add_inplace(dres_TH_, mtp_.front()->dprev_TH_);
   for (int64_t l = num_layers() - 1; l >= 0; --l) layers_[l]->backward(dres_TH_, moe_loss_scale);
-  if (tp_) {
-    tp_->all_gather(dres_TH_, full_NH_);
-    vocab_parallel_embedding_backward(ids_, full_NH_, vocab_offset_, dembed_);
-  } else {
-    embedding_backward(ids_, dres_TH_, dembed_);
-  }
+  embed_backward(ids_, dres_TH_);
+}
+
+MtpDepth::MtpDepth(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows,
+                   int64_t tokens, int64_t tp, int64_t depth, std::unique_ptr<Dispatcher> dispatcher)
+    : m_(m),
+      b_(batch),
+      s_(seq_len),
+      t_(rows),
+      n_(tokens),
+      k_(depth),
+      prefix_(cat("model.layers.", m.num_hidden_layers + depth - 1)),
+      layer_(std::make_unique<DecoderLayer>(m, e, batch, seq_len, rows, tp, m.num_hidden_layers + depth - 1,
+                                            std::move(dispatcher))) {
+  MF_CHECK(depth < seq_len, "multi-token prediction depth ", depth, " needs sequences longer than ", seq_len);
+}
+
+void Model::bind_mtp(Memory& mem, MtpDepth& d) {
+  const int64_t h = m_.hidden_size, v = m_.vocab_size / (tp_ ? tp_->size() : 1);
+  const std::string& p = d.prefix_;
+  d.enorm_ = mem.param(p + ".enorm.weight", {h}, Init::ones, 0, false);
+  d.hnorm_ = mem.param(p + ".hnorm.weight", {h}, Init::ones, 0, false);
+  d.eh_proj_ = mem.param(p + ".eh_proj.weight", {h, 2 * h}, Init::normal, m_.initializer_range, true);
+  d.head_norm_ = mem.param(p + ".shared_head.norm.weight", {h}, Init::ones, 0, false);
+  d.denorm_ = mem.grad(p + ".enorm.weight");
+  d.dhnorm_ = mem.grad(p + ".hnorm.weight");
+  d.deh_proj_ = mem.grad(p + ".eh_proj.weight");
+  d.dhead_norm_ = mem.grad(p + ".shared_head.norm.weight");
+  d.layer_->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
+  d.ids_ = mem.act({n_}, DType::i32);
+  d.targets_ = mem.act({n_}, DType::i32);
+  for (Tensor* t : {&d.emb_TH_, &d.en_TH_, &d.hn_TH_, &d.hp_TH_, &d.out_TH_, &d.nf_TH_, &d.dprev_TH_})
+    *t = mem.act({t_, h});
+  for (Tensor* t : {&d.en_rstd_, &d.hn_rstd_, &d.nf_rstd_}) *t = mem.act({t_});
+  d.cat_T2H_ = mem.act({t_, 2 * h});
+  d.dcat_T2H_ = mem.act({t_, 2 * h});
+  d.nf_full_NH_ = mem.act({tp_ ? n_ : 0, h});
+  d.logits_NV_ = mem.act({n_, v});
+  d.lse_N_ = mem.act({n_});
+}
+
+void Model::mtp_forward(MtpDepth& d, const Tensor& prev_TH) {
+  const int64_t h = m_.hidden_size, k = d.k_;
+  // Tokens k ahead within each (whole, local) sequence; past the end: any id, no target.
+  const int32_t* ids = ids_.ptr<int32_t>();
+  const int32_t* targets = targets_.ptr<int32_t>();
+  int32_t* ik = d.ids_.ptr<int32_t>();
+  int32_t* tk = d.targets_.ptr<int32_t>();
+  for (int64_t b = 0; b < b_; ++b)
+    for (int64_t i = 0; i < l_; ++i) {
+      const bool inside = i + k < l_;
+      ik[b * l_ + i] = inside ? ids[b * l_ + i + k] : 0;
+      tk[b * l_ + i] = inside ? targets[b * l_ + i + k] : kIgnoreTarget;
+    }
+  d.prev_ = &prev_TH;
+  embed(d.ids_, d.emb_TH_);
+  rmsnorm_forward(d.emb_TH_, d.enorm_, m_.rms_norm_eps, d.en_TH_, d.en_rstd_);
+  rmsnorm_forward(prev_TH, d.hnorm_, m_.rms_norm_eps, d.hn_TH_, d.hn_rstd_);
+  dispatch_float(prev_TH.dtype(), [&]<class T>() {
+    const T* en = d.en_TH_.ptr<T>();
+    const T* hn = d.hn_TH_.ptr<T>();
+    T* cat2 = d.cat_T2H_.ptr<T>();
+    for (int64_t t = 0; t < t_; ++t) {
+      std::copy(en + t * h, en + (t + 1) * h, cat2 + t * 2 * h);
+      std::copy(hn + t * h, hn + (t + 1) * h, cat2 + t * 2 * h + h);
+    }
+  });
+  linear_forward(d.cat_T2H_, d.eh_proj_, d.hp_TH_);
+  d.layer_->forward(d.hp_TH_, d.out_TH_);
+  d.loss_sum_ =
+      head_forward(d.out_TH_, d.head_norm_, d.nf_TH_, d.nf_rstd_, d.nf_full_NH_, d.logits_NV_, d.lse_N_, d.targets_);
+}
+
+void Model::mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const Tensor* dnext_TH) {
+  const int64_t h = m_.hidden_size;
+  // d(out): this depth's head, plus the next depth's d(h_prev).
+  head_backward(d.out_TH_, d.head_norm_, d.dhead_norm_, d.nf_TH_, d.nf_rstd_, d.nf_full_NH_, d.logits_NV_, d.lse_N_,
+                d.targets_, scale, d.dprev_TH_);
+  if (dnext_TH) add_inplace(d.dprev_TH_, *dnext_TH);
+  d.layer_->backward(d.dprev_TH_, moe_loss_scale);  // now d(h')
+  linear_backward(d.cat_T2H_, d.eh_proj_, d.dprev_TH_, d.dcat_T2H_, d.deh_proj_);
+  dispatch_float(d.dcat_T2H_.dtype(), [&]<class T>() {
+    const T* dcat = d.dcat_T2H_.ptr<T>();
+    T* den = d.en_TH_.ptr<T>();  // the normed values are not needed any more: reuse for their gradients
+    T* dhn = d.hn_TH_.ptr<T>();
+    for (int64_t t = 0; t < t_; ++t) {
+      std::copy(dcat + t * 2 * h, dcat + t * 2 * h + h, den + t * h);
+      std::copy(dcat + t * 2 * h + h, dcat + (t + 1) * 2 * h, dhn + t * h);
+    }
+  });
+  rmsnorm_backward(d.emb_TH_, d.enorm_, d.en_rstd_, d.en_TH_, d.hp_TH_, d.denorm_);
+  embed_backward(d.ids_, d.hp_TH_);
+  rmsnorm_backward(*d.prev_, d.hnorm_, d.hn_rstd_, d.hn_TH_, d.dprev_TH_, d.dhnorm_);  // d(h_prev)
 }
 
 double Model::aux_loss() const {
   double s = 0;
   for (const MoeLayer* l : moe_layers_) s += l->aux_loss() + l->seq_aux_loss();
   return s;
+}
+
+double Model::mtp_loss() const {
+  double s = 0;
+  for (const auto& d : mtp_) s += d->loss_sum_ * static_cast<double>(s_) / static_cast<double>(s_ - d->k_);
+  return mtp_.empty() ? 0.0 : s * m_.mtp_loss_scaling_factor / static_cast<double>(mtp_.size());
 }
 
 double Model::z_loss() const {

@@ -59,6 +59,35 @@ class DecoderLayer {
   Tensor x_, n1_TH_, rstd1_T_, a_TH_, h_TH_, n2_TH_, rstd2_T_, m_TH_, s_TH_, ds_TH_;
 };
 
+// One multi-token-prediction depth k (DeepSeek-V3, sec. 2.2; Megatron-Core's MTP layer): from
+// the previous depth's hidden states h (the main model's pre-norm output for k = 1) and the
+// embeddings of the tokens k ahead, h' = eh_proj([enorm(emb(t_{i+k})); hnorm(h_i)]), a decoder
+// layer, shared_head.norm and the model's LM head predict t_{i+k+1}; the last k positions of each
+// sequence have no target (ignored). Parameters "model.layers.{L+k-1}.*" as in DeepSeek-V3's
+// checkpoints; the embedding and the head are the main model's (shared, as in training).
+class MtpDepth {
+ public:
+  MtpDepth(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows, int64_t tokens,
+           int64_t tp, int64_t depth, std::unique_ptr<Dispatcher> dispatcher);
+  DecoderLayer& layer() { return *layer_; }
+  int64_t depth() const { return k_; }
+
+ private:
+  friend class Model;
+  ModelConfig m_;
+  int64_t b_, s_, t_, n_, k_;
+  std::string prefix_;
+  std::unique_ptr<DecoderLayer> layer_;
+  Tensor enorm_, hnorm_, eh_proj_, head_norm_, denorm_, dhnorm_, deh_proj_, dhead_norm_;
+  Tensor ids_, targets_;  // i32 [n]: ids and targets k positions ahead (kIgnoreTarget past the end)
+  Tensor emb_TH_, en_TH_, en_rstd_, hn_TH_, hn_rstd_, cat_T2H_, hp_TH_, out_TH_, nf_TH_, nf_rstd_;
+  Tensor logits_NV_, lse_N_;
+  Tensor nf_full_NH_;             // tensor parallelism: every TP rank's rows of nf (saved for backward)
+  Tensor dcat_T2H_, dprev_TH_;    // backward: d[en; hn], d(previous depth's h) from this depth
+  const Tensor* prev_ = nullptr;  // the previous depth's h (forward)
+  double loss_sum_ = 0;
+};
+
 class Model {
  public:
   // REQUIRES: valid configs (Config::validate). seq_len is the whole sequence; under context
@@ -75,13 +104,18 @@ class Model {
   // context parallelism). Returns the SUM of the local token losses.
   double forward(const Tensor& ids_BS, const Tensor& targets_BS);
   // lm_grad_scale multiplies d(sum of token losses); moe_loss_scale multiplies the router losses
-  // of this micro-batch (1 / micro-batches per step).
+  // of this micro-batch (1 / micro-batches per step). Multi-token prediction: depth k's token
+  // losses get lm_grad_scale * mtp_loss_scaling_factor / depth * S / (S - k).
   void backward(double lm_grad_scale, double moe_loss_scale);
 
   // Router losses of the last forward, summed over layers (already times their coefficients);
   // aux_loss holds both load-balancing losses (Switch and sequence-level).
   double aux_loss() const;
   double z_loss() const;
+  // Multi-token prediction of the last forward: mtp_loss_scaling_factor / depth * sum over
+  // depths of (sum of token losses) * S / (S - k), so that dividing by the global tokens B*S gives
+  // the weighted mean of each depth's mean loss. 0 without MTP.
+  double mtp_loss() const;
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // The MoE layers (dense layers skipped), in depth order.
   int64_t num_moe_layers() const { return static_cast<int64_t>(moe_layers_.size()); }
@@ -95,6 +129,20 @@ class Model {
   const Tensor* positions() const { return cpa_ ? &cpa_->positions() : nullptr; }
 
  private:
+  // Final norm + LM head + cross-entropy of rows h_TH (this rank's); returns the token-loss sum.
+  double head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor& nf_TH, const Tensor& rstd_T,
+                      const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N, const Tensor& targets_N);
+  // dh_TH written; dnorm and the LM head's gradient accumulated.
+  void head_backward(const Tensor& h_TH, const Tensor& norm, const Tensor& dnorm, const Tensor& nf_TH,
+                     const Tensor& rstd_T, const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N,
+                     const Tensor& targets_N, double scale, const Tensor& dh_TH);
+  void embed(const Tensor& ids_N, const Tensor& out_TH);
+  void embed_backward(const Tensor& ids_N, const Tensor& dout_TH);
+  void bind_mtp(Memory& mem, MtpDepth& d);
+  void mtp_forward(MtpDepth& d, const Tensor& prev_TH);
+  // scale: of this depth's token losses; dnext_TH: the next depth's d(h_prev) (null for the last).
+  void mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const Tensor* dnext_TH);
+
   ModelConfig m_;
   MoeConfig e_;
   int64_t b_, s_, l_, t_;                          // batch, full sequence, local sequence, residual rows here (B*l_/tp)
@@ -104,6 +152,7 @@ class Model {
   std::unique_ptr<ContextParallelAttention> cpa_;  // shared by every layer (stateless between calls)
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<MoeLayer*> moe_layers_;
+  std::vector<std::unique_ptr<MtpDepth>> mtp_;
   AttentionScratch scratch_;
   Tensor embed_, dembed_, norm_, dnorm_, lm_head_, dlm_head_;
   Tensor cos_SD_, sin_SD_;

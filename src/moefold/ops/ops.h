@@ -85,7 +85,9 @@ void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dg
 
 // ---- softmax cross-entropy over the vocabulary ------------------------------------------------
 // Returns the SUM over rows of -log softmax(logits)[target] (double); lse_N saved for backward.
-// Targets are i32 in [0, V).
+// Targets are i32 in [0, V), or kIgnoreTarget: no loss and a zero gradient row (positions
+// without a target, e.g. the last k of multi-token prediction at depth k).
+inline constexpr int32_t kIgnoreTarget = -1;
 double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N);
 // dlogits = grad_scale * (softmax(logits) - onehot(target)); grad_scale is d(loss)/d(row loss),
 // e.g. 1 / (tokens in the global batch).

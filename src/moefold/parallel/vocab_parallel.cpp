@@ -2,9 +2,11 @@
 // the forward's two packed all-reduces. Gradient rules: dtable ACCUMULATED, dlogits WRITTEN.
 #include "moefold/parallel/vocab_parallel.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "moefold/core/error.h"
+#include "moefold/ops/ops.h"
 
 namespace moefold {
 
@@ -106,6 +108,12 @@ double vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logi
     int64_t hits = 0;
     for (int64_t i = 0; i < n; ++i) {
       const T* row = logits + i * vl;
+      if (targets[i] == kIgnoreTarget) {  // counted as a hit on rank 0 only, so the check below holds
+        sum_exp[i] = 1;
+        target_logit[i] = 0;
+        if (tp.rank() == 0) ++hits;
+        continue;
+      }
       MF_CHECK(targets[i] >= 0, what, ": target ", targets[i], " at ", i, " is negative");
       double s = 0;
       for (int64_t j = 0; j < vl; ++j) s += std::exp(static_cast<double>(row[j]) - row_max[i]);
@@ -126,6 +134,10 @@ double vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logi
     T* lse = lse_N.ptr<T>();
     double loss = 0;
     for (int64_t i = 0; i < n; ++i) {
+      if (targets[i] == kIgnoreTarget) {
+        lse[i] = T(0);
+        continue;
+      }
       const double l = row_max[i] + std::log(sum_exp[i]);
       lse[i] = static_cast<T>(l);
       loss += l - target_logit[i];
@@ -151,6 +163,10 @@ void vocab_parallel_cross_entropy_backward(const Tensor& logits_shard_NVl, int64
     T* dlogits = dlogits_shard_NVl.ptr<T>();
     const T gs = static_cast<T>(grad_scale);
     for (int64_t i = 0; i < n; ++i) {
+      if (targets[i] == kIgnoreTarget) {
+        std::fill(dlogits + i * vl, dlogits + (i + 1) * vl, T(0));
+        continue;
+      }
       MF_CHECK(targets[i] >= 0, what, ": target ", targets[i], " at ", i, " is negative");
       // Same expression as cross_entropy_backward, so TP = 1 agrees bit for bit.
       for (int64_t j = 0; j < vl; ++j) dlogits[i * vl + j] = gs * std::exp(logits[i * vl + j] - lse[i]);

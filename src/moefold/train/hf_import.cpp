@@ -1,6 +1,7 @@
 #include "moefold/train/hf_import.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -282,11 +283,12 @@ nlohmann::json config_to_hf(const Config& cfg) {
   return j;
 }
 
-void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params, std::vector<std::string>* float32_names) {
-  // tensor name -> file, from the index when sharded
+namespace {
+
+// Tensor name -> file, from the index when sharded.
+std::map<std::string, std::string> hf_tensor_files(const std::string& hf_dir) {
   std::map<std::string, std::string> where;
   const std::string index = hf_dir + "/model.safetensors.index.json";
-  std::vector<std::string> files;
   if (fs::exists(index)) {
     const nlohmann::json j = read_json_file(index);
     try {
@@ -300,6 +302,30 @@ void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params, std:
   } else {
     MF_FAIL(hf_dir, ": no model.safetensors nor model.safetensors.index.json");
   }
+  return where;
+}
+
+// DeepSeek-V3 stores, for each multi-token-prediction layer, copies of the embedding and the LM
+// head ("model.layers.{L+k-1}.embed_tokens.weight", ".shared_head.head.weight"); moefold shares
+// the main ones. The main tensor a copy's name stands for ("" when the name is not a copy).
+std::string shared_copy_of(const std::string& name) {
+  if (!name.starts_with("model.layers.")) return "";
+  if (name.ends_with(".embed_tokens.weight")) return "model.embed_tokens.weight";
+  if (name.ends_with(".shared_head.head.weight")) return "lm_head.weight";
+  return "";
+}
+
+}  // namespace
+
+int64_t hf_mtp_depth(const std::string& hf_dir, int64_t num_hidden_layers) {
+  const std::map<std::string, std::string> where = hf_tensor_files(hf_dir);
+  int64_t d = 0;
+  while (where.count(cat("model.layers.", num_hidden_layers + d, ".eh_proj.weight"))) ++d;
+  return d;
+}
+
+void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params, std::vector<std::string>* float32_names) {
+  const std::map<std::string, std::string> where = hf_tensor_files(hf_dir);
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;
   std::set<std::string> used;
   for (Param& p : params)
@@ -315,13 +341,28 @@ void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params, std:
           std::find(float32_names->begin(), float32_names->end(), short_name) == float32_names->end())
         float32_names->push_back(short_name);
     }
-  for (const auto& [name, file] : where)
-    if (!used.count(name)) MF_FAIL(hf_dir, "/", file, ": tensor '", name, "' has no place in the model");
+  for (const auto& [name, file] : where) {
+    if (used.count(name)) continue;
+    const std::string main = shared_copy_of(name);
+    const Param* p = nullptr;
+    for (const Param& q : params)
+      if (q.name == main) p = &q;
+    if (!p) MF_FAIL(hf_dir, "/", file, ": tensor '", name, "' has no place in the model");
+    auto& r = readers[file];
+    if (!r) r = std::make_unique<SafetensorsReader>(hf_dir + "/" + file);
+    std::vector<float> copy(static_cast<size_t>(p->value.numel()));
+    r->load_into(name, Tensor(copy.data(), DType::f32, p->value.shape()));
+    if (std::memcmp(copy.data(), p->value.data(), copy.size() * sizeof(float)) != 0)
+      MF_FAIL(hf_dir, "/", file, ": tensor '", name, "' differs from '", main,
+              "' (moefold shares the embedding and the LM head with the multi-token-prediction layers)");
+  }
 }
 
 std::string import_hf(const std::string& hf_dir, const std::string& run_dir) {
   Config cfg = config_from_hf(hf_dir);
-  Model model(cfg.model, cfg.moe, 1, 1);
+  cfg.model.num_nextn_predict_layers = hf_mtp_depth(hf_dir, cfg.model.num_hidden_layers);
+  cfg.validate();
+  Model model(cfg.model, cfg.moe, 1, cfg.model.num_nextn_predict_layers + 1);
   Memory mem(DType::f32);
   model.bind(mem);
   mem.allocate();
@@ -350,7 +391,7 @@ void export_hf(const std::string& ckpt_dir, const std::string& hf_dir) {
   const std::string config_path = ckpt_dir + "/config.toml";
   if (!fs::is_regular_file(config_path)) MF_FAIL(config_path, ": missing (not a moefold checkpoint?)");
   const Config cfg = load_config(config_path, {});
-  Model model(cfg.model, cfg.moe, 1, 1);
+  Model model(cfg.model, cfg.moe, 1, cfg.model.num_nextn_predict_layers + 1);
   Memory mem(DType::f32);
   model.bind(mem);
   mem.allocate();
@@ -363,6 +404,12 @@ void export_hf(const std::string& ckpt_dir, const std::string& hf_dir) {
   fs::create_directories(hf_dir, ec);
   if (ec) MF_FAIL(hf_dir, ": cannot create: ", ec.message());
   std::vector<SafetensorsEntry> entries;
+  for (int64_t k = 1; k <= cfg.model.num_nextn_predict_layers; ++k)  // DeepSeek-V3's copies of the shared tensors
+    for (const Param& p : mem.params())
+      if (p.name == "model.embed_tokens.weight" || p.name == "lm_head.weight")
+        entries.push_back({cat("model.layers.", cfg.model.num_hidden_layers + k - 1,
+                               p.name == "lm_head.weight" ? ".shared_head.head.weight" : ".embed_tokens.weight"),
+                           p.value, dtype});
   for (const Param& p : mem.params())
     for (const NamedView& v : hf_views(p)) {
       const auto& keep = cfg.model.float32_tensors;

@@ -25,6 +25,10 @@ Config config_from_hf(const std::string& hf_dir);
 void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params,
                      std::vector<std::string>* float32_names = nullptr);
 
+// Multi-token-prediction layers present in the directory's tensors (DeepSeek-V3 stores them as
+// layers num_hidden_layers, num_hidden_layers + 1, ...; transformers drops them).
+int64_t hf_mtp_depth(const std::string& hf_dir, int64_t num_hidden_layers);
+
 // `moefold convert --from-hf HF_DIR --to RUN_DIR`: RUN_DIR/config.toml and
 // RUN_DIR/checkpoints/step_00000000 (weights, zero optimizer state). Returns the checkpoint path.
 std::string import_hf(const std::string& hf_dir, const std::string& run_dir);

@@ -159,6 +159,7 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                         {"lm_loss", m.lm_loss},
                         {"aux_loss", m.aux_loss},
                         {"z_loss", m.z_loss},
+                        {"mtp_loss", m.mtp_loss},
                         {"grad_norm", m.grad_norm},
                         {"lr", m.lr},
                         {"tokens", m.tokens},

@@ -43,7 +43,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh)
     ids_BL_ = mem_.act(bl, DType::i32);
     targets_BL_ = mem_.act(bl, DType::i32);
     load_sum_LE_ = mem_.act({layers, experts}, DType::f64);
-    stats_ = mem_.act({3}, DType::f64);
+    stats_ = mem_.act({4}, DType::f64);
     bias_counts_E_ = mem_.act({experts}, DType::i64);
   };
   bind_all();  // measure
@@ -117,6 +117,7 @@ void Trainer::accumulate_gradients() {
     stats[0] += model_.forward(ids_BL_, targets_BL_);
     stats[1] += model_.aux_loss();
     stats[2] += model_.z_loss();
+    stats[3] += model_.mtp_loss();
     for (int64_t l = 0; l < layers; ++l) {
       const int64_t* counts = model_.moe(l).expert_counts();
       for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
@@ -150,7 +151,8 @@ void Trainer::accumulate_gradients() {
   out.lm_loss = stats[0] / static_cast<double>(tokens);
   out.aux_loss = stats[1] / static_cast<double>(all_micro);
   out.z_loss = stats[2] / static_cast<double>(all_micro);
-  out.loss = out.lm_loss + out.aux_loss + out.z_loss;
+  out.mtp_loss = stats[3] / static_cast<double>(tokens);  // complete on every TP rank, like the LM loss
+  out.loss = out.lm_loss + out.aux_loss + out.z_loss + out.mtp_loss;
   out.grad_norm = std::sqrt(dense_sq + expert_sq);
   out.tokens = tokens;
   for (int64_t l = 0; l < layers; ++l) {

@@ -26,10 +26,11 @@ namespace moefold {
 
 struct StepMetrics {
   int64_t step = 0;     // optimizer steps completed after this one
-  double loss = 0;      // lm_loss + aux_loss + z_loss
+  double loss = 0;      // lm_loss + aux_loss + z_loss + mtp_loss
   double lm_loss = 0;   // mean next-token cross-entropy over the global batch
   double aux_loss = 0;  // load-balancing losses (Switch + sequence-level, times their coefficients), summed over layers
   double z_loss = 0;    // router z-loss (times its coefficient), summed over layers
+  double mtp_loss = 0;  // multi-token prediction: scaling factor x mean over depths of each depth's mean loss
   double grad_norm = 0;  // before clipping
   double lr = 0;
   double seconds = 0;                    // wall time of the step
@@ -81,7 +82,7 @@ class Trainer {
   Tensor full_ids_BS_, full_targets_BS_;  // whole sequences (targets already shifted)
   Tensor ids_BL_, targets_BL_;            // this rank's positions of them (all of them without CP)
   Tensor load_sum_LE_;                    // f64 [layers, experts]: tokens per expert over a step's micro-batches
-  Tensor stats_;                          // f64 [3]: loss sum, aux, z (reduced together)
+  Tensor stats_;                          // f64 [4]: loss sum, aux, z, mtp (reduced together)
   Tensor bias_counts_E_;                  // i64 [experts]: one layer's step load, for the bias update
   StepMetrics metrics_;
   int64_t step_ = 0;

@@ -133,7 +133,8 @@ std::string upcycle(const std::string& dense_ckpt_dir, const std::string& run_di
     MF_FAIL("upcycle: --set moe.moe_intermediate_size=", value, ": upcycling sets it to model.intermediate_size / ",
             "granularity = ", f_dense, " / ", g, " = ", f_expert);
   target_overrides.push_back(cat("moe.moe_intermediate_size=", f_expert));
-  if (!find_override(overrides, "model.mlp_only_layers", &value)) target_overrides.push_back("model.mlp_only_layers=[]");
+  if (!find_override(overrides, "model.mlp_only_layers", &value))
+    target_overrides.push_back("model.mlp_only_layers=[]");
   if (!find_override(overrides, "model.first_k_dense_replace", &value))
     target_overrides.push_back("model.first_k_dense_replace=0");
   const Config tgt = load_config(config_path, target_overrides);
@@ -197,8 +198,8 @@ std::string upcycle(const std::string& dense_ckpt_dir, const std::string& run_di
     auto it = by_name.find(p.name);
     if (it != by_name.end()) {
       if (!(it->second->value.shape() == p.value.shape()))
-        MF_FAIL("upcycle: tensor '", p.name, "' is ", it->second->value.shape().str(), " in ", dense_ckpt_dir,
-                " but ", p.value.shape().str(), " in the upcycled model (the overrides changed a kept tensor)");
+        MF_FAIL("upcycle: tensor '", p.name, "' is ", it->second->value.shape().str(), " in ", dense_ckpt_dir, " but ",
+                p.value.shape().str(), " in the upcycled model (the overrides changed a kept tensor)");
       p.value.copy_from(it->second->value);
       used.insert(p.name);
       continue;

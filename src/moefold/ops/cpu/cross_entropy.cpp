@@ -1,6 +1,7 @@
 // Softmax cross-entropy over the vocabulary, numerically stable (max-shifted log-sum-exp, row
 // sums in double); the forward returns the SUM of row losses and saves lse_N.
 // Gradient rule: dlogits = grad_scale * (softmax - onehot(target)), WRITTEN.
+#include <algorithm>
 #include <cmath>
 
 #include "moefold/ops/ops.h"
@@ -30,6 +31,10 @@ double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, c
     double loss = 0;
     for (int64_t i = 0; i < n; ++i) {
       const T* row = logits + i * v;
+      if (targets[i] == kIgnoreTarget) {
+        lse[i] = T(0);
+        continue;
+      }
       MF_CHECK(targets[i] >= 0 && targets[i] < v, "cross_entropy_forward: target ", targets[i], " at ", i,
                " outside [0, ", v, ")");
       double m = row[0];
@@ -58,6 +63,10 @@ void cross_entropy_backward(const Tensor& logits_NV, const Tensor& targets_N, co
     T* dlogits = dlogits_NV.ptr<T>();
     const T gs = static_cast<T>(grad_scale);
     for (int64_t i = 0; i < n; ++i) {
+      if (targets[i] == kIgnoreTarget) {
+        std::fill(dlogits + i * v, dlogits + (i + 1) * v, T(0));
+        continue;
+      }
       MF_CHECK(targets[i] >= 0 && targets[i] < v, "cross_entropy_backward: target ", targets[i], " at ", i,
                " outside [0, ", v, ")");
       for (int64_t j = 0; j < v; ++j) dlogits[i * v + j] = gs * std::exp(logits[i * v + j] - lse[i]);
