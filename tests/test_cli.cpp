@@ -338,6 +338,51 @@ TEST(Cli, HuggingFaceBadInput) {
   fs::resize_file(d / "mixtral" / "model.safetensors", 4000);
   expect_one_line_error(run("convert --from-hf mixtral --to m3", d), {"mixtral/model.safetensors"});
   expect_one_line_error(run("convert --from-hf nowhere --to m4", d), {"nowhere/config.json"});
+  // Wrong shapes: the config promises wider experts than the tensors hold.
+  std::string wider = cfg;
+  wider.replace(wider.find("\"moe_intermediate_size\": 12"), 27, "\"moe_intermediate_size\": 16");
+  testing::write_bytes((d / "mixtral" / "config.json").string(), wider);
+  fs::copy_file(a / "model.safetensors", d / "mixtral" / "model.safetensors", fs::copy_options::overwrite_existing);
+  expect_one_line_error(run("convert --from-hf mixtral --to m5", d), {"mlp.experts.0.gate_proj.weight", "[12, 24]"});
+  // Wrong dtype: an integer tensor where a float weight belongs.
+  testing::write_bytes((d / "mixtral" / "config.json").string(), cfg);
+  {
+    SafetensorsReader in((a / "model.safetensors").string());
+    std::vector<SafetensorsEntry> entries;
+    std::vector<std::vector<uint8_t>> bytes;
+    for (const SafetensorsTensor& u : in.tensors()) bytes.emplace_back(u.data, u.data + u.nbytes);
+    size_t i = 0;
+    for (const SafetensorsTensor& u : in.tensors()) {
+      Shape shape;
+      shape.ndim = static_cast<int>(u.shape.size());
+      std::copy(u.shape.begin(), u.shape.end(), shape.dims.begin());
+      const DType dt = u.name == "model.norm.weight" ? DType::i32 : u.dtype;
+      entries.push_back({u.name, Tensor(bytes[i++].data(), dt, shape), dt});
+    }
+    write_safetensors((d / "mixtral" / "model.safetensors").string(), entries, {{"format", "pt"}});
+  }
+  expect_one_line_error(run("convert --from-hf mixtral --to m6", d), {"model.norm.weight"});
+  // Features of a family that moefold does not implement are refused by name, not ignored.
+  const fs::path fx = fs::path(MOEFOLD_SOURCE_DIR) / "tests" / "fixtures" / "hf";
+  struct Edit {
+    const char* fixture;
+    std::string from, to, error;
+  };
+  for (const Edit& e : std::vector<Edit>{
+           {"mixtral_a", "\"sliding_window\": null", "\"sliding_window\": 4096", "sliding-window attention"},
+           {"olmoe_a", "\"clip_qkv\": null", "\"clip_qkv\": 8.0", "clip_qkv"},
+           {"deepseek_v3_a", "\"rope_type\": \"yarn\"", "\"rope_type\": \"longrope\"", "rope type 'longrope'"},
+           {"deepseek_v3_b", "\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", "hidden_act 'gelu'"},
+           {"qwen3_moe_b", "\"tie_word_embeddings\": false", "\"tie_word_embeddings\": true", "tie_word_embeddings"}}) {
+    const fs::path dir = d / cat(e.fixture, "_edit");
+    fs::copy(fx / e.fixture, dir, fs::copy_options::recursive);
+    std::string c = testing::read_bytes((dir / "config.json").string());
+    ASSERT_NE(c.find(e.from), std::string::npos) << e.fixture << ": " << e.from;
+    c.replace(c.find(e.from), e.from.size(), e.to);
+    testing::write_bytes((dir / "config.json").string(), c);
+    expect_one_line_error(run(cat("convert --from-hf ", dir.filename().string(), " --to ", e.fixture, "_x"), d),
+                          {cat(e.fixture, "_edit/config.json"), e.error});
+  }
 }
 
 TEST(Cli, EvalMatchesTheTrainersHeldOutLoss) {
