@@ -108,6 +108,25 @@ TEST(ModelSize, MatchesPublishedQwen3Sizes) {
   EXPECT_NEAR(b.active_params / 1e9, 22.2, 0.1);
 }
 
+// Published sizes: DeepSeek-V3 671B (+ the MTP module; 37B active), Mixtral-8x7B 46.7B (12.9B
+// active), OLMoE-1B-7B 6.9B (1.3B active).
+TEST(ModelSize, MatchesPublishedSizesOfTheOtherFamilies) {
+  Config ds = preset_config("deepseek-v3");
+  ModelSize d = model_size(ds.model, ds.moe, 4096);
+  EXPECT_NEAR(d.total_params / 1e9, 671.0, 0.1);
+  EXPECT_NEAR(d.active_params / 1e9, 37.5, 0.6);
+  // 671B + MTP (a MoE layer, projections and the copies of embedding and head DeepSeek stores) = 685B.
+  EXPECT_NEAR((d.total_params + d.mtp_params + 2 * ds.model.vocab_size * ds.model.hidden_size) / 1e9, 685.0, 1.0);
+  Config mx = preset_config("mixtral-8x7b");
+  ModelSize x = model_size(mx.model, mx.moe, 4096);
+  EXPECT_NEAR(x.total_params / 1e9, 46.70, 0.01);
+  EXPECT_NEAR(x.active_params / 1e9, 12.88, 0.01);
+  Config ol = preset_config("olmoe-1b-7b");
+  ModelSize o = model_size(ol.model, ol.moe, 4096);
+  EXPECT_NEAR(o.total_params / 1e9, 6.92, 0.01);
+  EXPECT_NEAR(o.active_params / 1e9, 1.28, 0.01);
+}
+
 struct TinyModel {
   Config cfg;
   std::unique_ptr<Model> model;

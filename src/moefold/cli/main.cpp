@@ -59,6 +59,10 @@ void print_info(const Config& c) {
               c.moe.scoring_func == ScoreFunc::softmax ? "softmax" : "sigmoid");
   std::printf("total parameters    %lld (%.3f B)\n", static_cast<long long>(s.total_params), s.total_params / 1e9);
   std::printf("active parameters   %lld (%.3f B)\n", static_cast<long long>(s.active_params), s.active_params / 1e9);
+  if (s.mtp_params > 0)
+    std::printf("MTP parameters      %lld (%.3f B; %lld depth(s), embedding and head shared)\n",
+                static_cast<long long>(s.mtp_params), s.mtp_params / 1e9,
+                static_cast<long long>(c.model.num_nextn_predict_layers));
   std::printf("train FLOPs/token   %.4g (seq_len %lld; 3 x forward)\n", s.train_flops_per_token,
               static_cast<long long>(c.train.seq_len));
 }
@@ -121,8 +125,9 @@ int main(int argc, char** argv) {
                                       "model");
   auto* o_granularity =
       convert
-          ->add_option("--granularity", granularity,
-                       "with --upcycle: G experts per copy of the dense MLP, each intermediate_size / G wide (default 1)")
+          ->add_option(
+              "--granularity", granularity,
+              "with --upcycle: G experts per copy of the dense MLP, each intermediate_size / G wide (default 1)")
           ->check(CLI::PositiveNumber);
   auto* o_convert_set = convert->add_option(
       "--set", overrides, "with --upcycle: override a key of the upcycled config: section.key=value (repeatable)");

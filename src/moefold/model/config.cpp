@@ -388,7 +388,9 @@ ParallelConfig Config::resolve_layout(int64_t world) const {
   return p;
 }
 
-std::vector<std::string> preset_names() { return {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b"}; }
+std::vector<std::string> preset_names() {
+  return {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b", "olmoe-1b-7b"};
+}
 
 Config preset_config(const std::string& name) {
   Config c;  // the defaults are the tiny preset
@@ -410,6 +412,86 @@ Config preset_config(const std::string& name) {
     c.moe.moe_intermediate_size = big ? 1536 : 768;
     c.moe.norm_topk_prob = true;
     c.moe.aux_loss_coeff = 1e-3;
+    c.train.seq_len = 4096;
+    c.train.micro_batch_size = 1;
+    c.train.global_batch_size = 1024;
+    c.train.lr = 3e-4;
+    c.train.min_lr = 3e-5;
+    c.train.warmup_steps = 2000;
+    c.train.steps = 100000;
+    c.train.eval_interval = 1000;
+    c.train.checkpoint_interval = 1000;
+    return c;
+  }
+  if (name == "deepseek-v3" || name == "mixtral-8x7b" || name == "olmoe-1b-7b") {
+    // Shapes from the models' published config.json (see ../shared/BENCHMARKS.md).
+    ModelConfig& m = c.model;
+    MoeConfig& e = c.moe;
+    if (name == "deepseek-v3") {
+      m.architecture = "deepseek_v3";
+      m.vocab_size = 129280;
+      m.hidden_size = 7168;
+      m.num_hidden_layers = 61;
+      m.num_attention_heads = m.num_key_value_heads = 128;
+      m.head_dim = m.qk_rope_head_dim = 64;
+      m.qk_nope_head_dim = 128;
+      m.v_head_dim = 128;
+      m.q_lora_rank = 1536;
+      m.kv_lora_rank = 512;
+      m.rope_interleave = true;
+      m.rope_theta = 10000;
+      m.rope_type = "yarn";
+      m.rope_factor = 40;
+      m.rope_original_max_position_embeddings = 4096;
+      m.rope_mscale = m.rope_mscale_all_dim = 1.0;
+      m.max_position_embeddings = 163840;
+      m.intermediate_size = 18432;
+      m.first_k_dense_replace = 3;
+      m.num_nextn_predict_layers = 1;
+      m.mtp_loss_scaling_factor = 0.1;
+      e.num_experts = 256;
+      e.num_experts_per_tok = 8;
+      e.moe_intermediate_size = 2048;
+      e.n_shared_experts = 1;
+      e.scoring_func = ScoreFunc::sigmoid;
+      e.routed_scaling_factor = 2.5;
+      e.n_group = 8;
+      e.topk_group = 4;
+      e.expert_bias = true;
+      e.aux_loss_coeff = 0;
+      e.seq_aux_loss_coeff = 1e-4;
+    } else if (name == "mixtral-8x7b") {
+      m.architecture = "mixtral";
+      m.vocab_size = 32000;
+      m.hidden_size = 4096;
+      m.num_hidden_layers = 32;
+      m.num_attention_heads = 32;
+      m.num_key_value_heads = 8;
+      m.head_dim = 128;
+      m.rope_theta = 1e6;
+      m.max_position_embeddings = 32768;
+      m.rms_norm_eps = 1e-5;
+      e.num_experts = 8;
+      e.num_experts_per_tok = 2;
+      e.moe_intermediate_size = 14336;
+      e.aux_loss_coeff = 2e-2;
+    } else {
+      m.architecture = "olmoe";
+      m.vocab_size = 50304;
+      m.hidden_size = 2048;
+      m.num_hidden_layers = 16;
+      m.num_attention_heads = m.num_key_value_heads = 16;
+      m.head_dim = 128;
+      m.rope_theta = 10000;
+      m.max_position_embeddings = 4096;
+      m.rms_norm_eps = 1e-5;
+      e.num_experts = 64;
+      e.num_experts_per_tok = 8;
+      e.moe_intermediate_size = 1024;
+      e.norm_topk_prob = false;
+      e.aux_loss_coeff = 1e-2;
+      e.z_loss_coeff = 1e-3;
+    }
     c.train.seq_len = 4096;
     c.train.micro_batch_size = 1;
     c.train.global_batch_size = 1024;
@@ -546,19 +628,51 @@ double attention_softmax_scale(const ModelConfig& m) {
 }
 
 ModelSize model_size(const ModelConfig& m, const MoeConfig& e, int64_t seq_len) {
-  const int64_t h = m.hidden_size, q_dim = m.num_attention_heads * m.head_dim,
-                kv_dim = m.num_key_value_heads * m.head_dim;
-  const int64_t attn = h * (q_dim + 2 * kv_dim) + q_dim * h + 2 * m.head_dim;  // + q/k norms
-  const int64_t norms = 2 * h;
-  const int64_t router = e.num_experts * h;
-  const int64_t expert = 3 * h * e.moe_intermediate_size;
+  const int64_t h = m.hidden_size, q = m.num_attention_heads;
+  // Attention parameters and forward FLOPs per token (projections 2 x params; the causal core
+  // S * heads * (qk + v width), i.e. QK^T and PV each halved by the mask).
+  int64_t attn = 0;
+  double core = 0;
+  if (m.is_mla()) {
+    const int64_t dqk = m.qk_head_dim(), rq = m.q_lora_rank, rkv = m.kv_lora_rank;
+    attn = (rq > 0 ? h * rq + rq + rq * q * dqk : h * q * dqk) + h * (rkv + m.qk_rope_head_dim) + rkv +
+           rkv * q * (m.qk_nope_head_dim + m.v_head_dim) + q * m.v_head_dim * h;
+    core = static_cast<double>(seq_len) * q * (dqk + m.v_head_dim);
+  } else {
+    const int64_t q_dim = q * m.head_dim, kv_dim = m.num_key_value_heads * m.head_dim;
+    attn = h * (q_dim + 2 * kv_dim) + q_dim * h;
+    core = 2.0 * seq_len * q_dim;
+  }
+  const int64_t qk_norms = m.architecture == "qwen3_moe" ? 2 * m.head_dim
+                           : m.architecture == "olmoe"   ? (m.num_attention_heads + m.num_key_value_heads) * m.head_dim
+                                                         : 0;
+  const int64_t attn_params = attn + qk_norms, norms = 2 * h;
+  const int64_t router = e.num_experts * h + (e.expert_bias ? e.num_experts : 0);
+  const int64_t expert = 3 * h * e.moe_intermediate_size, shared = 3 * h * e.moe_intermediate_size * e.n_shared_experts;
+  const int64_t dense_mlp = 3 * h * m.intermediate_size;
   const int64_t embed = m.vocab_size * h, head = m.vocab_size * h;
   ModelSize s;
-  s.total_params = embed + head + h + m.num_hidden_layers * (attn + norms + router + e.num_experts * expert);
-  s.active_params = embed + head + h + m.num_hidden_layers * (attn + norms + router + e.num_experts_per_tok * expert);
-  const double attn_fwd = 2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h + 2.0 * seq_len * q_dim;
-  const double moe_fwd = 2.0 * h * e.num_experts + 6.0 * e.num_experts_per_tok * h * e.moe_intermediate_size;
-  s.train_flops_per_token = 3.0 * (m.num_hidden_layers * (attn_fwd + moe_fwd) + 2.0 * h * m.vocab_size);
+  s.total_params = s.active_params = embed + head + h;
+  const double attn_fwd = 2.0 * static_cast<double>(attn) + core;
+  const double moe_fwd =
+      2.0 * h * e.num_experts + 6.0 * static_cast<double>(e.num_experts_per_tok * expert / 3 + shared / 3);
+  double fwd = 2.0 * h * m.vocab_size;
+  auto add_layer = [&](bool dense, int64_t* total, int64_t* active, double* flops) {
+    *total += attn_params + norms + (dense ? dense_mlp : router + e.num_experts * expert + shared);
+    *active += attn_params + norms + (dense ? dense_mlp : router + e.num_experts_per_tok * expert + shared);
+    *flops += attn_fwd + (dense ? 6.0 * h * m.intermediate_size : moe_fwd);
+  };
+  for (int64_t l = 0; l < m.num_hidden_layers; ++l)
+    add_layer(m.is_dense_layer(l), &s.total_params, &s.active_params, &fwd);
+  // Multi-token prediction: a decoder layer, two norms, eh_proj and a head norm per depth, and
+  // the shared head once more (counted apart from the main model, as DeepSeek-V3 reports it).
+  for (int64_t k = 0; k < m.num_nextn_predict_layers; ++k) {
+    int64_t unused = 0;
+    add_layer(false, &s.mtp_params, &unused, &fwd);
+    s.mtp_params += 3 * h + 2 * h * h;
+    fwd += 2.0 * 2 * h * h + 2.0 * h * m.vocab_size;
+  }
+  s.train_flops_per_token = 3.0 * fwd;
   return s;
 }
 

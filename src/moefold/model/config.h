@@ -114,7 +114,8 @@ struct Config {
   ParallelConfig resolve_layout(int64_t world) const;
 };
 
-// Names of the built-in presets: "tiny" (default), "qwen3-30b-a3b", "qwen3-235b-a22b".
+// Names of the built-in presets: "tiny" (default), "qwen3-30b-a3b", "qwen3-235b-a22b",
+// "deepseek-v3", "mixtral-8x7b", "olmoe-1b-7b".
 std::vector<std::string> preset_names();
 // REQUIRES: a known name (else Error listing the known ones).
 Config preset_config(const std::string& name);
@@ -138,6 +139,7 @@ double attention_softmax_scale(const ModelConfig& m);
 struct ModelSize {
   int64_t total_params = 0;
   int64_t active_params = 0;           // with K of E experts
+  int64_t mtp_params = 0;              // multi-token-prediction modules (not in total_params)
   double train_flops_per_token = 0.0;  // 3 x forward, at the given sequence length
 };
 ModelSize model_size(const ModelConfig& m, const MoeConfig& e, int64_t seq_len);
