@@ -86,7 +86,7 @@ Out-of-vocabulary words: floccinaucinihilipilification, Pneumonoultramicroscopic
 Contractions: IT'S, we'LL, they'Re, you'VE, I'M, he'D.<|im_end|>
 <|im_start|>assistant
 <think>Counting: 1234567890 and 3.14159265 and 1,000,000.</think>
-Spaces:        eight, then tabs\t\t\tand a NBSP\u00a0here, ideographic\u3000space, NEL\u0085there, \u180e MVS.
+Spaces:        eight, then tabs\t\t\tand a NBSP\u00a0here, ideographic\u3000space, NEL\u0085there, MVS!\u180e! (U+180E is not \\s).
 
 
 Three newlines above, CRLF below\r\n\r\nand a lone CR\rhere.
@@ -106,7 +106,11 @@ Emoji 😀🎉 👨‍👩‍👧 🇯🇵 and OOV words: antidisestablishmentar
 <｜User｜>Another turn.<｜Assistant｜><think>reasoning</think>answer<｜end▁of▁sentence｜>
 """
 
+# Byte-level spellings of " floccinaucinihilipilification" and "xyzzy" (see main()).
+IGNORE_MERGES_WORDS = ["Ġfloccinaucinihilipilification", "xyzzy"]
+
 GPT2_TEXT = """\
+xyzzy and floccinaucinihilipilification are whole words in the vocabulary (ignore_merges).
 Hello world! It's GPT-2's regex: 's 't 're 've 'm 'll 'd but not 'S or 'LL.
 Numbers 12345 and 3.14, symbols ~!@#$%^&*()_+ and    spaces   at the end   
 Newlines\n\n\nand tabs\t\there. Café, naïve, 中文, 😀.<|endoftext|>Next document.<|endoftext|>
@@ -206,6 +210,11 @@ def main():
             with open(os.path.join(d, "tokenizer.json"), encoding="utf-8") as f:
                 saved = json.load(f)
             saved["model"]["merges"] = [f"{a} {b}" for a, b in saved["model"]["merges"]]
+            # Whole words in the vocabulary that no merge sequence reaches: only ignore_merges
+            # makes them one token (the text has them); the added token moves up behind them.
+            for word in IGNORE_MERGES_WORDS:
+                saved["model"]["vocab"][word] = len(saved["model"]["vocab"])
+            saved["added_tokens"][0]["id"] = len(saved["model"]["vocab"])
             with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
                 json.dump(saved, f, ensure_ascii=False, indent=2)
         # Reload: the ids must be those of the saved file, as moefold reads it.
