@@ -33,6 +33,10 @@ class Pool {
 // printed on failure through SCOPED_TRACE by the helpers that use it.
 uint64_t fresh_seed();
 
+// Element i of a host float tensor (f32, f64; bf16 decoded), as double; and its setter.
+double value_at(const Tensor& t, int64_t i);
+void set_value_at(const Tensor& t, int64_t i, double v);
+
 // sum_i a_i * b_i over float tensors of equal numel.
 double dot(const Tensor& a, const Tensor& b);
 double max_abs_diff(const Tensor& a, const Tensor& b);

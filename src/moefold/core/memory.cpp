@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "moefold/core/device.h"
 #include "moefold/core/rng.h"
 
 namespace moefold {
@@ -14,15 +15,26 @@ constexpr size_t kAlign = 64;
 size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
-void Arena::Free::operator()(void* p) const { std::free(p); }
+void Arena::Free::operator()(void* p) const {
+  if (device == Device::cuda)
+    device_free(p);
+  else
+    std::free(p);
+}
 
 void Arena::allocate() {
   MF_CHECK(measuring(), "arena allocated twice");
   capacity_ = offset_;
-  void* p = std::aligned_alloc(kAlign, capacity_ ? capacity_ : kAlign);
-  MF_CHECK(p != nullptr, "out of host memory allocating ", capacity_, " bytes");
-  std::memset(p, 0, capacity_);
-  storage_.reset(static_cast<char*>(p));
+  void* p = nullptr;
+  if (device_ == Device::cuda) {
+    p = device_malloc(capacity_ ? capacity_ : kAlign);
+    device_zero(p, capacity_);
+  } else {
+    p = std::aligned_alloc(kAlign, capacity_ ? capacity_ : kAlign);
+    MF_CHECK(p != nullptr, "out of host memory allocating ", capacity_, " bytes");
+    std::memset(p, 0, capacity_);
+  }
+  storage_ = std::unique_ptr<char, Free>(static_cast<char*>(p), Free{device_});
   base_ = storage_.get();
   offset_ = 0;
 }
@@ -35,11 +47,21 @@ Tensor Arena::take(DType dtype, Shape shape) {
     p = base_ + offset_;
   }
   offset_ += bytes;
-  return Tensor(p, dtype, shape);
+  return Tensor(p, dtype, shape, device_);
 }
 
 void Arena::zero() const {
-  if (base_) std::memset(base_, 0, offset_);
+  if (!base_) return;
+  if (device_ == Device::cuda)
+    device_zero(base_, offset_);
+  else
+    std::memset(base_, 0, offset_);
+}
+
+Memory::Memory(DType dtype, Device device) : dtype_(dtype), device_(device) {
+  for (Arena& a : params_arena_) a.set_device(device);
+  for (Arena& a : grads_) a.set_device(device);
+  acts_.set_device(device);
 }
 
 size_t host_memory_bytes() {
@@ -176,7 +198,7 @@ void Memory::zero_grads() const {
 Tensor Memory::grad_block(ParamGroup group) const {
   const Arena& a = grads_[static_cast<int>(group)];
   const int64_t n = static_cast<int64_t>(a.used() / dtype_size(dtype_));
-  return Tensor(a.base(), dtype_, {n});
+  return Tensor(a.base(), dtype_, {n}, device_);
 }
 
 const Param* Memory::find(const std::string& name) const {

@@ -16,6 +16,10 @@ namespace moefold {
 class Arena {
  public:
   Arena() = default;
+  // Where allocate() takes the block (host: aligned_alloc; cuda: cudaMalloc). REQUIRES: before
+  // allocate().
+  void set_device(Device device) { device_ = device; }
+  Device device() const { return device_; }
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
@@ -33,8 +37,10 @@ class Arena {
 
  private:
   struct Free {
+    Device device;  // value-initialised: cpu (no member initialiser: unique_ptr needs it default-constructible)
     void operator()(void* p) const;
   };
+  Device device_ = Device::cpu;
   std::unique_ptr<char, Free> storage_;
   char* base_ = nullptr;
   size_t capacity_ = 0;
@@ -96,9 +102,11 @@ size_t host_memory_bytes();
 
 class Memory {
  public:
-  explicit Memory(DType dtype) : dtype_(dtype) {}
+  // Every arena on `device` (parameters, gradients and activations on the GPU for cuda).
+  explicit Memory(DType dtype, Device device = Device::cpu);
 
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
   bool measuring() const { return acts_.measuring(); }
 
   // Registers a parameter (and its gradient) under `name`; returns its value view. A sharded
@@ -133,6 +141,7 @@ class Memory {
 
  private:
   DType dtype_;
+  Device device_ = Device::cpu;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], acts_;
   size_t measured_[2 * kNumParamGroups + 1] = {};
   std::vector<const Arena*> arenas() const;  // every arena, in a fixed order

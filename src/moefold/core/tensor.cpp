@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "moefold/core/device.h"
+
 namespace moefold {
 
 Shape::Shape(std::initializer_list<int64_t> d) {
@@ -62,15 +64,22 @@ Tensor Tensor::view(Shape shape) const {
 }
 
 void Tensor::zero() const {
-  MF_CHECK(contiguous() && device_ == Device::cpu, "zero ", str());
-  if (data_) std::memset(data_, 0, nbytes());
+  MF_CHECK(contiguous(), "zero ", str());
+  if (!data_) return;
+  if (device_ == Device::cuda)
+    device_zero(data_, nbytes());
+  else
+    std::memset(data_, 0, nbytes());
 }
 
 void Tensor::copy_from(const Tensor& src) const {
-  MF_CHECK(contiguous() && src.contiguous() && dtype_ == src.dtype_ && numel() == src.numel() &&
-               device_ == Device::cpu && src.device_ == Device::cpu,
-           "copy ", src.str(), " into ", str());
-  if (data_ && nbytes()) std::memmove(data_, src.data_, nbytes());
+  MF_CHECK(contiguous() && src.contiguous() && dtype_ == src.dtype_ && numel() == src.numel(), "copy ", src.str(),
+           " into ", str());
+  if (!data_ || !nbytes()) return;
+  if (device_ == Device::cpu && src.device_ == Device::cpu)
+    std::memmove(data_, src.data_, nbytes());
+  else
+    device_copy(data_, device_, src.data_, src.device_, nbytes());
 }
 
 std::string Tensor::str() const { return std::string(dtype_name(dtype_)) + shape_.str(); }

@@ -2,9 +2,16 @@
 // No gradients: these serve gradient accumulation, clipping and the optimizer.
 #include "moefold/ops/ops.h"
 
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/cuda_ops.h"
+#endif
+
 namespace moefold {
 
 void add_inplace(const Tensor& y, const Tensor& x) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (y.device() == Device::cuda) return cuda::add_inplace(y, x);
+#endif
   MF_CHECK(y.numel() == x.numel() && y.dtype() == x.dtype() && y.contiguous() && x.contiguous() &&
                y.device() == Device::cpu && x.device() == Device::cpu,
            "add_inplace: ", y.str(), " += ", x.str());
@@ -17,6 +24,9 @@ void add_inplace(const Tensor& y, const Tensor& x) {
 }
 
 double sum_squares(const Tensor& x) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (x.device() == Device::cuda) return cuda::sum_squares(x);
+#endif
   MF_CHECK(x.contiguous() && x.device() == Device::cpu, "sum_squares: ", x.str());
   const int64_t n = x.numel();
   return dispatch_float(x.dtype(), [&]<class T>() {
@@ -28,6 +38,9 @@ double sum_squares(const Tensor& x) {
 }
 
 void scale_inplace(const Tensor& x, double s) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (x.device() == Device::cuda) return cuda::scale_inplace(x, s);
+#endif
   MF_CHECK(x.contiguous() && x.device() == Device::cpu, "scale_inplace: ", x.str());
   const int64_t n = x.numel();
   dispatch_float(x.dtype(), [&]<class T>() {

@@ -1,0 +1,146 @@
+// core/device.h over the CUDA runtime, or the CPU-only stand-ins.
+#include "moefold/core/device.h"
+
+#include <atomic>
+#include <cstring>
+
+#include "moefold/core/error.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace moefold {
+
+namespace {
+std::atomic<size_t> g_in_use{0}, g_peak{0};
+}  // namespace
+
+size_t device_bytes_in_use() { return g_in_use.load(); }
+size_t device_bytes_peak() { return g_peak.load(); }
+void reset_device_bytes_peak() { g_peak.store(g_in_use.load()); }
+
+#ifdef MOEFOLD_WITH_CUDA
+
+#define MF_CUDA(expr)                                                                                \
+  do {                                                                                               \
+    const cudaError_t mf_err_ = (expr);                                                              \
+    if (mf_err_ != cudaSuccess) MF_FAIL("CUDA error in ", #expr, ": ", cudaGetErrorString(mf_err_)); \
+  } while (0)
+
+namespace {
+// Bytes of each live allocation, for the in-use count (device_free gets only the pointer).
+struct Sizes {
+  static constexpr int kMax = 4096;
+  void* ptr[kMax] = {};
+  size_t bytes[kMax] = {};
+};
+Sizes g_sizes;
+
+cudaStream_t stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t t = nullptr;
+    MF_CUDA(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking));
+    return t;
+  }();
+  return s;
+}
+}  // namespace
+
+bool cuda_built() { return true; }
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no GPU: not an error for a CPU run
+    return 0;
+  }
+  return n;
+}
+
+void cuda_set_device(int device) {
+  MF_CHECK(device >= 0 && device < cuda_device_count(), "cuda_set_device(", device, ") with ", cuda_device_count(),
+           " GPUs");
+  MF_CUDA(cudaSetDevice(device));
+}
+
+std::string cuda_device_name() {
+  if (cuda_device_count() == 0) return "none";
+  int dev = 0;
+  MF_CUDA(cudaGetDevice(&dev));
+  cudaDeviceProp p{};
+  MF_CUDA(cudaGetDeviceProperties(&p, dev));
+  return cat(p.name, " (sm_", p.major, p.minor, ", ", p.multiProcessorCount, " SMs, ", p.totalGlobalMem >> 30, " GiB)");
+}
+
+void* device_malloc(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, bytes ? bytes : 256);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    size_t free_b = 0, total = 0;
+    cudaMemGetInfo(&free_b, &total);
+    MF_FAIL("out of GPU memory: asked for ", bytes >> 20, " MiB with ", free_b >> 20, " MiB free of ", total >> 20,
+            " MiB (", cudaGetErrorString(err), ")");
+  }
+  for (int i = 0; i < Sizes::kMax; ++i)
+    if (!g_sizes.ptr[i]) {
+      g_sizes.ptr[i] = p;
+      g_sizes.bytes[i] = bytes;
+      break;
+    }
+  const size_t now = g_in_use += bytes;
+  size_t peak = g_peak.load();
+  while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
+  }
+  return p;
+}
+
+void device_free(void* p) {
+  if (!p) return;
+  for (int i = 0; i < Sizes::kMax; ++i)
+    if (g_sizes.ptr[i] == p) {
+      g_in_use -= g_sizes.bytes[i];
+      g_sizes.ptr[i] = nullptr;
+      break;
+    }
+  cudaFree(p);  // errors at exit (driver shutting down) are not actionable
+}
+
+void* compute_stream() { return stream(); }
+
+void device_synchronize() { MF_CUDA(cudaStreamSynchronize(stream())); }
+
+void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  if (bytes == 0) return;
+  if (dst_device == Device::cpu && src_device == Device::cpu) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  MF_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream()));
+  if (dst_device == Device::cpu) MF_CUDA(cudaStreamSynchronize(stream()));
+}
+
+void device_zero(void* p, size_t bytes) {
+  if (bytes) MF_CUDA(cudaMemsetAsync(p, 0, bytes, stream()));
+}
+
+#else  // CPU-only build
+
+bool cuda_built() { return false; }
+int cuda_device_count() { return 0; }
+void cuda_set_device(int) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
+std::string cuda_device_name() { return "none"; }
+void* device_malloc(size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
+void device_free(void*) {}
+void* compute_stream() { return nullptr; }
+void device_synchronize() {}
+void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  MF_CHECK(dst_device == Device::cpu && src_device == Device::cpu, "device_copy: built without CUDA");
+  if (bytes) std::memcpy(dst, src, bytes);
+}
+void device_zero(void*, size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
+
+#endif
+
+}  // namespace moefold

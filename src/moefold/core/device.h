@@ -1,0 +1,45 @@
+// The GPU runtime as the rest of moefold sees it: device count, device memory, copies, the
+// stream every CUDA op runs on, and peak-memory accounting. Built against the CUDA runtime when
+// nvcc was found (MOEFOLD_WITH_CUDA); otherwise every call that would need a GPU fails with one
+// clear line and cuda_device_count() is 0, so CPU-only builds run everything else unchanged.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moefold/core/tensor.h"
+
+namespace moefold {
+
+// Whether this build contains the CUDA backend.
+bool cuda_built();
+// GPUs visible to this process (0 without CUDA, without a driver or without a GPU).
+int cuda_device_count();
+// Selects the GPU of this process (REQUIRES: 0 <= device < cuda_device_count()).
+void cuda_set_device(int device);
+// "NVIDIA H200 (sm_90, 132 SMs, 141 GiB)" or "none".
+std::string cuda_device_name();
+
+// Device memory (cudaMalloc / cudaFree): used only when memory is planned (arenas), never in a
+// step loop. Fails with the bytes asked for and the bytes free.
+void* device_malloc(size_t bytes);
+void device_free(void* p);
+// Bytes obtained through device_malloc and not yet freed, and their peak since start (or the
+// last reset): the planned GPU memory.
+size_t device_bytes_in_use();
+size_t device_bytes_peak();
+void reset_device_bytes_peak();
+
+// The stream every moefold CUDA op and copy runs on (one per process for now; as a void* so
+// that this header needs no CUDA headers). Its work is ordered; the host waits only in
+// device_synchronize and in copies to the host.
+void* compute_stream();
+void device_synchronize();
+
+// Copies `bytes` between any two of host and device memory on the compute stream; a copy to
+// the host waits for it.
+void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+// Sets `bytes` of device memory to zero on the compute stream.
+void device_zero(void* p, size_t bytes);
+
+}  // namespace moefold

@@ -1,0 +1,72 @@
+// Shared by the CUDA ops (ops/cuda/*.cu): error checks, the compute stream, bf16/float access.
+// Every op runs on compute_stream() (core/device.h), checks its launch, and never synchronises
+// the host unless its header says so.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "moefold/core/device.h"
+#include "moefold/core/error.h"
+#include "moefold/core/tensor.h"
+
+namespace moefold {
+// bf16 device storage: Tensor::ptr<__nv_bfloat16>() checks the dtype like any other type.
+template <>
+constexpr DType dtype_of<__nv_bfloat16>() {
+  return DType::bf16;
+}
+}  // namespace moefold
+
+namespace moefold::cuda {
+
+#define MF_CUDA_CHECK(expr)                                                                          \
+  do {                                                                                               \
+    const cudaError_t mf_err_ = (expr);                                                              \
+    if (mf_err_ != cudaSuccess) MF_FAIL("CUDA error in ", #expr, ": ", cudaGetErrorString(mf_err_)); \
+  } while (0)
+
+// After a kernel launch: a launch error (bad configuration, no device code for this GPU) fails.
+#define MF_CUDA_LAUNCHED(what)                                                                       \
+  do {                                                                                               \
+    const cudaError_t mf_err_ = cudaGetLastError();                                                  \
+    if (mf_err_ != cudaSuccess) MF_FAIL("CUDA launch of ", what, ": ", cudaGetErrorString(mf_err_)); \
+  } while (0)
+
+inline cudaStream_t stream() { return static_cast<cudaStream_t>(compute_stream()); }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Loads and stores in float whatever the storage type (float or bf16).
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Calls f.template operator()<T>() with T = float or __nv_bfloat16 for the tensor's dtype.
+template <class F>
+decltype(auto) dispatch_cuda_float(DType t, F&& f) {
+  switch (t) {
+    case DType::f32:
+      return f.template operator()<float>();
+    case DType::bf16:
+      return f.template operator()<__nv_bfloat16>();
+    default:
+      break;
+  }
+  MF_FAIL("CUDA op: dtype ", dtype_name(t), " is not supported (f32, bf16)");
+}
+
+inline void check_cuda_tensor(const Tensor& t, const char* what) {
+  MF_CHECK(t.device() == Device::cuda && t.contiguous(), what, ": ", t.str(), " must be a contiguous CUDA tensor");
+}
+
+}  // namespace moefold::cuda

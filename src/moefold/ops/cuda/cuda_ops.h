@@ -1,0 +1,18 @@
+// The CUDA implementations of ops/ops.h and ops/moe_ops.h: the same functions, names and
+// contracts (shapes, WRITTEN/ACCUMULATED rules), in namespace moefold::cuda, for tensors on the
+// GPU. The ops in ops/cpu/*.cpp dispatch here when their tensors are CUDA tensors, so callers
+// never name a backend. Storage dtypes: float32 and bfloat16 (bf16 activations and weights with
+// float32 accumulation; router logits and scores, statistics such as rstd and lse in float32),
+// as each declaration below says. Only in the CUDA build (MOEFOLD_WITH_CUDA).
+#pragma once
+
+#include "moefold/core/tensor.h"
+
+namespace moefold::cuda {
+
+// ---- elementwise (elementwise.cu): f32 or bf16, accumulation in f32 -----------------------------
+void add_inplace(const Tensor& y, const Tensor& x);
+double sum_squares(const Tensor& x);  // waits for the GPU (returns a host value)
+void scale_inplace(const Tensor& x, double s);
+
+}  // namespace moefold::cuda

@@ -1,0 +1,93 @@
+// CUDA elementwise helpers (ops/ops.h): y += x, sum of squares, x *= s, over f32 or bf16.
+#include <algorithm>
+#include <vector>
+
+#include "moefold/ops/cuda/common.cuh"
+#include "moefold/ops/cuda/cuda_ops.h"
+
+namespace moefold::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+int blocks_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 65535 * 8)); }
+
+template <class T>
+__global__ void add_kernel(T* y, const T* x, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = from_float<T>(to_float(y[i]) + to_float(x[i]));
+}
+
+template <class T>
+__global__ void scale_kernel(T* x, float s, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] = from_float<T>(to_float(x[i]) * s);
+}
+
+// One partial sum (double) per block; the host adds the partials.
+template <class T>
+__global__ void sum_squares_kernel(const T* x, int64_t n, double* partial) {
+  __shared__ double sh[kThreads];
+  double s = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double v = to_float(x[i]);
+    s += v * v;
+  }
+  sh[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w /= 2) {
+    if (static_cast<int>(threadIdx.x) < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+}
+
+}  // namespace
+
+void add_inplace(const Tensor& y, const Tensor& x) {
+  check_cuda_tensor(y, "add_inplace y");
+  check_cuda_tensor(x, "add_inplace x");
+  MF_CHECK(y.numel() == x.numel() && y.dtype() == x.dtype(), "add_inplace: ", y.str(), " += ", x.str());
+  const int64_t n = y.numel();
+  if (n == 0) return;
+  dispatch_cuda_float(y.dtype(), [&]<class T>() {
+    add_kernel<T><<<blocks_for(n), kThreads, 0, stream()>>>(y.ptr<T>(), x.ptr<T>(), n);
+  });
+  MF_CUDA_LAUNCHED("add_inplace");
+}
+
+void scale_inplace(const Tensor& x, double s) {
+  check_cuda_tensor(x, "scale_inplace");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  dispatch_cuda_float(x.dtype(), [&]<class T>() {
+    scale_kernel<T><<<blocks_for(n), kThreads, 0, stream()>>>(x.ptr<T>(), static_cast<float>(s), n);
+  });
+  MF_CUDA_LAUNCHED("scale_inplace");
+}
+
+double sum_squares(const Tensor& x) {
+  check_cuda_tensor(x, "sum_squares");
+  const int64_t n = x.numel();
+  if (n == 0) return 0.0;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 1024));
+  // A small scratch per call: sum_squares serves clipping once per step, outside the hot path.
+  double* partial = nullptr;
+  MF_CUDA_CHECK(cudaMallocAsync(&partial, blocks * sizeof(double), stream()));
+  dispatch_cuda_float(
+      x.dtype(), [&]<class T>() { sum_squares_kernel<T><<<blocks, kThreads, 0, stream()>>>(x.ptr<T>(), n, partial); });
+  MF_CUDA_LAUNCHED("sum_squares");
+  std::vector<double> host(static_cast<size_t>(blocks));
+  MF_CUDA_CHECK(cudaMemcpyAsync(host.data(), partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream()));
+  MF_CUDA_CHECK(cudaFreeAsync(partial, stream()));
+  MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  double s = 0;
+  for (double v : host) s += v;
+  return s;
+}
+
+}  // namespace moefold::cuda
