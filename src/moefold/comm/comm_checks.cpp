@@ -9,13 +9,13 @@ int64_t row_elems(const Tensor& t) {
   return n;
 }
 
-void check_buffer(const Tensor& t, const char* op, const char* what) {
+void check_buffer(const Tensor& t, const char* op, const char* what, bool gpu) {
   MF_CHECK(t.defined(), op, ": ", what, " is undefined");
   MF_CHECK(t.contiguous(), op, ": ", what, " ", t.str(), " is not contiguous");
-  MF_CHECK(t.device() == Device::cpu, op, ": ", what, " ", t.str(), " is not on the cpu");
+  MF_CHECK(gpu || t.device() == Device::cpu, op, ": ", what, " ", t.str(), " is not on the cpu");
   const DType d = t.dtype();
-  MF_CHECK(d == DType::f32 || d == DType::f64 || d == DType::i32 || d == DType::i64, op, ": ", what, " ", t.str(),
-           " has an unsupported dtype (f32, f64, i32, i64)");
+  MF_CHECK(d == DType::f32 || d == DType::f64 || d == DType::i32 || d == DType::i64 || (gpu && d == DType::bf16), op,
+           ": ", what, " ", t.str(), " has an unsupported dtype (f32, f64, i32, i64", gpu ? ", bf16)" : ")");
 }
 
 static void check_rows_alike(const Tensor& a, const Tensor& b, const char* op) {
@@ -23,34 +23,34 @@ static void check_rows_alike(const Tensor& a, const Tensor& b, const char* op) {
   MF_CHECK(row_elems(a) == row_elems(b), op, ": send ", a.str(), " and recv ", b.str(), " differ in row size");
 }
 
-void check_all_gather(const Tensor& send, const Tensor& recv, int group_size) {
-  check_buffer(send, "all_gather", "send");
-  check_buffer(recv, "all_gather", "recv");
+void check_all_gather(const Tensor& send, const Tensor& recv, int group_size, bool gpu) {
+  check_buffer(send, "all_gather", "send", gpu);
+  check_buffer(recv, "all_gather", "recv", gpu);
   check_rows_alike(send, recv, "all_gather");
   MF_CHECK(recv.size(0) == group_size * send.size(0), "all_gather: recv ", recv.str(), " needs ", group_size,
            " x send ", send.str(), " rows");
 }
 
-void check_reduce_scatter(const Tensor& send, const Tensor& recv, int group_size) {
-  check_buffer(send, "reduce_scatter", "send");
-  check_buffer(recv, "reduce_scatter", "recv");
+void check_reduce_scatter(const Tensor& send, const Tensor& recv, int group_size, bool gpu) {
+  check_buffer(send, "reduce_scatter", "send", gpu);
+  check_buffer(recv, "reduce_scatter", "recv", gpu);
   check_rows_alike(send, recv, "reduce_scatter");
   MF_CHECK(send.size(0) == group_size * recv.size(0), "reduce_scatter: send ", send.str(), " needs ", group_size,
            " x recv ", recv.str(), " rows");
 }
 
-void check_all_to_all(const Tensor& send, const Tensor& recv, int group_size) {
-  check_buffer(send, "all_to_all", "send");
-  check_buffer(recv, "all_to_all", "recv");
+void check_all_to_all(const Tensor& send, const Tensor& recv, int group_size, bool gpu) {
+  check_buffer(send, "all_to_all", "send", gpu);
+  check_buffer(recv, "all_to_all", "recv", gpu);
   check_rows_alike(send, recv, "all_to_all");
   MF_CHECK(send.size(0) == recv.size(0) && send.size(0) % group_size == 0, "all_to_all: send ", send.str(),
            " and recv ", recv.str(), " need equal rows, a multiple of the group size ", group_size);
 }
 
 void check_all_to_all_v(const Tensor& send, const int64_t* send_counts, const Tensor& recv, const int64_t* recv_counts,
-                        int group_size) {
-  check_buffer(send, "all_to_all_v", "send");
-  check_buffer(recv, "all_to_all_v", "recv");
+                        int group_size, bool gpu) {
+  check_buffer(send, "all_to_all_v", "send", gpu);
+  check_buffer(recv, "all_to_all_v", "recv", gpu);
   check_rows_alike(send, recv, "all_to_all_v");
   MF_CHECK(send_counts != nullptr && recv_counts != nullptr, "all_to_all_v: null counts");
   int64_t send_rows = 0, recv_rows = 0;
