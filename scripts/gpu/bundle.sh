@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds the GPU test binaries here (Release, sm_90a) and bundles them with the shared libraries
+# the GPU machine lacks into .gpu/ (ignored by git, carried by the device tool; < 64 MiB):
+#   .gpu/bin: test_*cuda* and test_comm_nccl binaries (stripped) and moefold
+#   .gpu/lib: Debian libraries they need (not glibc, not CUDA's: run.sh finds those there);
+#             netlib's reference BLAS stands in for OpenBLAS, with blas_shim.c preloaded.
+# Then on the GPU machine: scripts/gpu/run.sh (see there).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+build="${MOEFOLD_GPU_BUILD:-$root/build-gpu}"
+out="$root/.gpu"
+grep -qx '/.gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$root/.git/info/exclude"
+grep -qx '/build-gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/build-gpu/' >> "$root/.git/info/exclude"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOEFOLD_WERROR=ON -DMOEFOLD_CUDA_ARCHS=90a > /dev/null
+targets=$(cd "$root/tests" && ls test_*cuda*.cpp mpi/test_comm_nccl.cpp 2>/dev/null | xargs -n1 basename | sed 's/\.cpp$//')
+cmake --build "$build" -j"$(nproc)" --target moefold $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}
+rm -rf "$out" && mkdir -p "$out/bin" "$out/lib"
+for t in moefold $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}; do
+  strip -o "$out/bin/$t" "$build/$t"
+done
+# Shared libraries: everything ldd finds outside glibc, the toolchain runtime and CUDA.
+for b in "$out"/bin/*; do ldd "$b"; done | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
+  case "$(basename "$lib")" in
+    libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*) ;;
+    libcuda.so*|libcudart.so*|libcublas*|libnccl.so*|libcudnn*) ;;
+    libopenblas.so*) ;;
+    *) cp -L "$lib" "$out/lib/" ;;
+  esac
+done
+cp -L /usr/lib/x86_64-linux-gnu/blas/libblas.so.3 "$out/lib/libopenblas.so.0"
+for l in libgfortran.so.5 libquadmath.so.0; do cp -L "/lib/x86_64-linux-gnu/$l" "$out/lib/"; done
+gcc -shared -fPIC -O2 -o "$out/lib/libmoefold_blas_shim.so" "$root/scripts/gpu/blas_shim.c"
+du -sh "$out" | sed 's/^/bundle: /'

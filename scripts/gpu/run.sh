@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On the GPU machine, in the repository root with .gpu/ carried (scripts/gpu/bundle.sh made it):
+# finds CUDA's libraries there (cuBLASLt, NCCL: the toolkit's or PyTorch's wheels), then runs
+# the GPU parity tests and, with two GPUs, the NCCL tests under mpirun. Logs go to $OUT.
+#   scripts/gpu/run.sh [gtest filter]
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+out="${OUT:-/tmp}"
+libdirs="$root/.gpu/lib"
+for name in libcublasLt.so.13 libnccl.so.2; do
+  found=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/x86_64-linux/lib /opt /usr/lib -name "$name" 2>/dev/null | head -1)
+  if [ -n "$found" ]; then libdirs="$libdirs:$(dirname "$found")"; else echo "run.sh: $name not found"; fi
+done
+export LD_LIBRARY_PATH="$libdirs:${LD_LIBRARY_PATH:-}"
+export LD_PRELOAD="$root/.gpu/lib/libmoefold_blas_shim.so"
+export MOEFOLD_SOURCE_DIR="$root"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+status=0
+for t in "$root"/.gpu/bin/test_*; do
+  name=$(basename "$t")
+  [ "$name" = test_comm_nccl ] && continue
+  echo "== $name"
+  "$t" --gtest_brief=1 ${1:+--gtest_filter=$1} 2>&1 | tee "$out/$name.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+if [ -x "$root/.gpu/bin/test_comm_nccl" ]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  mpirun=$(command -v mpirun || command -v mpiexec || true)
+  if [ -n "$mpirun" ] && [ "$gpus" -ge 2 ]; then
+    echo "== test_comm_nccl on 2 ranks"
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "$mpirun" -np 2 -x LD_LIBRARY_PATH -x LD_PRELOAD \
+      "$root/.gpu/bin/test_comm_nccl" 2>&1 | tee "$out/test_comm_nccl.log" | tail -30
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  else
+    echo "== test_comm_nccl skipped: ${gpus} GPU(s), mpirun: ${mpirun:-none}"
+  fi
+fi
+exit $status
