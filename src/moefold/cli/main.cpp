@@ -123,12 +123,9 @@ int main(int argc, char** argv) {
                                       "initialise an MoE run from the dense checkpoint --from: every expert a copy "
                                       "of the dense MLP (or a 1/G slice of one), step-0 logits those of the dense "
                                       "model");
-  auto* o_granularity =
-      convert
-          ->add_option(
-              "--granularity", granularity,
-              "with --upcycle: G experts per copy of the dense MLP, each intermediate_size / G wide (default 1)")
-          ->check(CLI::PositiveNumber);
+  auto* o_granularity = convert->add_option(
+      "--granularity", granularity,
+      "with --upcycle: G experts per copy of the dense MLP, each intermediate_size / G wide (default 1)");
   auto* o_convert_set = convert->add_option(
       "--set", overrides, "with --upcycle: override a key of the upcycled config: section.key=value (repeatable)");
   o_from_hf->needs(o_to)->excludes(o_from)->excludes(o_upcycle);

@@ -2,6 +2,7 @@
 #include "moefold/moe/router.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "moefold/ops/gemm.h"
@@ -64,6 +65,20 @@ void Router::forward(const Tensor& x_TH) {
   dispatch_float(x_TH.dtype(), [&]<class T>() {
     gemm<T>(false, true, t_n, e_n, hidden_, T(1), x_TH.ptr<T>(), hidden_, gate_EH_.ptr<T>(), hidden_, T(0),
             logits_.ptr<T>(), e_n);
+    // Equal gate rows give equal logits, exactly: an expert whose row is bitwise equal to an
+    // earlier expert's takes that expert's logits. A GEMM computes its edge tiles in another order
+    // than its full tiles, so equal rows can get logits an ulp apart (OpenBLAS 0.3.21: 17-49% of
+    // probed shapes, on every core type), while an upcycled router (train/upcycle.h) has G equal
+    // rows per copy of the dense MLP and needs exact ties for the top-K to select whole copies.
+    // At most E^2 / 2 row compares, each stopping at the first differing byte.
+    const T* w = gate_EH_.ptr<T>();
+    T* logits = logits_.ptr<T>();
+    for (int64_t e = 1; e < e_n; ++e)
+      for (int64_t d = 0; d < e; ++d)
+        if (std::memcmp(w + e * hidden_, w + d * hidden_, static_cast<size_t>(hidden_) * sizeof(T)) == 0) {
+          for (int64_t t = 0; t < t_n; ++t) logits[t * e_n + e] = logits[t * e_n + d];
+          break;
+        }
   });
   TopkRouting routing = cfg_.routing();
   routing.bias_E = bias_E_;

@@ -11,6 +11,8 @@
 // scores; with K a multiple of G, ties to the lower index and renormalised top-K probabilities,
 // the K selected experts are K / G whole copies c with weights p_c / (G * sum p), and
 // sum_c p_c / (G sum p) * sum_j G * chunk_j(x) = MLP(x). Every other tensor is copied.
+// The ties must be exact: a GEMM computes its edge tiles in another order than its full tiles, so
+// Router::forward gives bitwise-equal gate rows the same logits explicitly (moe/router.cpp).
 #pragma once
 
 #include <cstdint>
