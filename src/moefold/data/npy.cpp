@@ -62,8 +62,9 @@ NpyHeader read_header(const std::string& path, const uint8_t* p, size_t n) {
 
 void write_npy(const std::string& path, const char* descr, const std::vector<int64_t>& shape, const void* data,
                size_t bytes) {
-  std::string dims;
-  for (int64_t d : shape) dims += cat(d, ", ");
+  std::string dims;  // numpy's own spelling: (4, 17) and (4,)
+  for (size_t i = 0; i < shape.size(); ++i) dims += cat(i ? ", " : "", shape[i]);
+  if (shape.size() == 1) dims += ",";
   std::string header = cat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (", dims, "), }");
   const size_t total = 10 + header.size() + 1;
   header.append((64 - total % 64) % 64, ' ');
