@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the GPU test binaries here (Release, sm_90a) and bundles them with the shared libraries
 # the GPU machine lacks into .gpu/ (ignored by git, carried by the device tool; < 64 MiB):
-#   .gpu/bin: test_*cuda* and test_comm_nccl binaries (stripped) and moefold
-#   .gpu/lib: Debian libraries they need (not glibc, not CUDA's: run.sh finds those there);
+#   .gpu/bin: test_*cuda* and test_comm_nccl binaries (stripped), and MOEFOLD_GPU_EXTRA_TARGETS
+#   .gpu/lib: Debian libraries they need (not glibc, not CUDA's nor Open MPI's: the GPU machine
+#             (Ubuntu 24.04) has CUDA 13.0 and Open MPI 4.1; run.sh finds them there);
 #             netlib's reference BLAS stands in for OpenBLAS, with blas_shim.c preloaded.
 # Then on the GPU machine: scripts/gpu/run.sh (see there).
 set -euo pipefail
@@ -13,9 +14,10 @@ grep -qx '/.gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$ro
 grep -qx '/build-gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/build-gpu/' >> "$root/.git/info/exclude"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOEFOLD_WERROR=ON -DMOEFOLD_CUDA_ARCHS=90a > /dev/null
 targets=$(cd "$root/tests" && ls test_*cuda*.cpp mpi/test_comm_nccl.cpp 2>/dev/null | xargs -n1 basename | sed 's/\.cpp$//')
-cmake --build "$build" -j"$(nproc)" --target moefold $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}
+# MOEFOLD_GPU_EXTRA_TARGETS: more targets to bundle (e.g. "moefold test_train").
+cmake --build "$build" -j"$(nproc)" --target $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}
 rm -rf "$out" && mkdir -p "$out/bin" "$out/lib"
-for t in moefold $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}; do
+for t in $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}; do
   strip -o "$out/bin/$t" "$build/$t"
 done
 # Shared libraries: everything ldd finds outside glibc, the toolchain runtime and CUDA.
@@ -24,6 +26,7 @@ for b in "$out"/bin/*; do ldd "$b"; done | awk '/=>/ {print $3}' | sort -u | whi
     libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*) ;;
     libcuda.so*|libcudart.so*|libcublas*|libnccl.so*|libcudnn*) ;;
     libopenblas.so*) ;;
+    libmpi.so*|libopen-rte.so*|libopen-pal.so*|libhwloc.so*|libevent*) ;;  # the GPU machine has Open MPI 4.1
     *) cp -L "$lib" "$out/lib/" ;;
   esac
 done
