@@ -156,22 +156,15 @@ void assign(Config& c, const Field& f, const toml::node& n, const std::string& w
           auto v = n.value_exact<std::string>();
           if (!v) MF_FAIL(what, ": ", name, " must be a string");
           *p = *v;
-        } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+        } else if constexpr (std::is_same_v<T, std::vector<int64_t>> || std::is_same_v<T, std::vector<std::string>>) {
+          using E = typename T::value_type;
+          const char* kind = std::is_same_v<E, int64_t> ? "integers" : "strings";
           const toml::array* a = n.as_array();
-          if (!a) MF_FAIL(what, ": ", name, " must be an array of integers");
+          if (!a) MF_FAIL(what, ": ", name, " must be an array of ", kind);
           p->clear();
           for (const toml::node& e : *a) {
-            auto v = e.value_exact<int64_t>();
-            if (!v) MF_FAIL(what, ": ", name, " must be an array of integers");
-            p->push_back(*v);
-          }
-        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-          const toml::array* a = n.as_array();
-          if (!a) MF_FAIL(what, ": ", name, " must be an array of strings");
-          p->clear();
-          for (const toml::node& e : *a) {
-            auto v = e.value_exact<std::string>();
-            if (!v) MF_FAIL(what, ": ", name, " must be an array of strings");
+            auto v = e.value_exact<E>();
+            if (!v) MF_FAIL(what, ": ", name, " must be an array of ", kind);
             p->push_back(*v);
           }
         } else if constexpr (std::is_same_v<T, ScoreFunc>) {
@@ -571,13 +564,10 @@ std::string config_to_toml(const Config& cc) {
             os << (*p == ScoreFunc::softmax ? "\"softmax\"" : "\"sigmoid\"");
           else if constexpr (std::is_same_v<T, double>)
             os << format_double(*p);
-          else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          else if constexpr (std::is_same_v<T, std::vector<int64_t>> || std::is_same_v<T, std::vector<std::string>>) {
             os << "[";
-            for (size_t i = 0; i < p->size(); ++i) os << (i ? ", " : "") << toml::value<std::string>((*p)[i]);
-            os << "]";
-          } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
-            os << "[";
-            for (size_t i = 0; i < p->size(); ++i) os << (i ? ", " : "") << (*p)[i];
+            for (size_t i = 0; i < p->size(); ++i)
+              os << (i ? ", " : "") << toml::value<typename T::value_type>((*p)[i]);
             os << "]";
           } else
             os << *p;
