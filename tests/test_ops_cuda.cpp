@@ -3,6 +3,8 @@
 // bf16 outputs are one bf16 rounding of an f32 result (relative 2^-9 = 2e-3 each, 4e-3 bound).
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "cuda_testing.h"
 #include "moefold/ops/ops.h"
 
@@ -31,6 +33,27 @@ TEST(CudaElementwise, AddScaleSumSquaresMatchCpu) {
     const double want = sum_squares(xr), got = sum_squares(xd);
     EXPECT_NEAR(got, want, 1e-9 * want);  // the same inputs, summed in double either way
   }
+}
+
+// AdamW: f32 master weights and moments, the same float arithmetic as the CPU op (which runs in
+// f32 here too); sqrt and division may differ in the last ulp, so 1e-6 relative. The bf16
+// compute copy is the updated weight rounded once.
+TEST(CudaAdamW, MatchesCpuAndWritesTheComputeCopy) {
+  MF_REQUIRE_GPU();
+  Pool pool;
+  DevicePool dev;
+  const int64_t n = 70001;
+  Tensor w = pool.randn({n}, DType::f32), g = pool.randn({n}, DType::f32, 0.1), m = pool.randn({n}, DType::f32, 0.01),
+         v = pool.uniform({n}, 0.0, 0.01, DType::f32);
+  Tensor wd = dev.upload(w, DType::f32), gd = dev.upload(g, DType::f32), md = dev.upload(m, DType::f32),
+         vd = dev.upload(v, DType::f32), wc = dev.poisoned({n}, DType::bf16);
+  const AdamWStep s{3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - std::pow(0.9, 7), 1 - std::pow(0.95, 7)};
+  adamw_update(w, g, m, v, s);
+  adamw_update(wd, gd, md, vd, s, wc);
+  EXPECT_LE(testing::rel_error(testing::download(wd), w), 1e-6);
+  EXPECT_LE(testing::rel_error(testing::download(md), m), 1e-6);
+  EXPECT_LE(testing::rel_error(testing::download(vd), v), 1e-6);
+  EXPECT_LE(testing::rel_error(testing::download(wc), w), 4e-3);
 }
 
 }  // namespace

@@ -22,6 +22,19 @@ double sum_squares(const Tensor& x);
 // x *= s.
 void scale_inplace(const Tensor& x, double s);
 
+// ---- AdamW (decoupled weight decay), one parameter tensor ----------------------------------------
+// m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// w = w (1 - lr wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), bc = 1 - beta^t.
+// w, g, m, v: the same dtype and shape (f32 on the GPU: fp32 master weights and moments).
+// w_compute (optional, GPU): also written with the updated weight in its own dtype (bf16), so the
+// compute copy costs no extra pass.
+struct AdamWStep {
+  double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  double bias_correction1 = 1, bias_correction2 = 1;
+};
+void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
+                  const Tensor& w_compute = Tensor());
+
 // ---- embedding: out_NC[n] = table_VC[ids_N[n]] ---------------------------------------------
 // ids are i32; REQUIRES: 0 <= id < V (the data loader validates token ids).
 void embedding_forward(const Tensor& ids_N, const Tensor& table_VC, const Tensor& out_NC);
@@ -38,6 +51,32 @@ void rmsnorm_backward(const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_
 void linear_forward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
 void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
                      const Tensor& dw_OI);
+
+// ---- matmul on matrix views: c = alpha * op(a) @ op(b) + beta * c -------------------------------
+// A row-major rows x cols matrix inside a tensor's memory: element (i, j) is element
+// offset + i * ld + j of `storage` (contiguous, any shape); dtype and device come from storage.
+// It names a whole 2-D tensor, a block of columns of a wider one (the gate and up halves of a
+// fused gu_N2F: ld = 2F), or one expert's weight inside w_EOI (offset e*O*I).
+// REQUIRES: rows, cols >= 0, ld >= max(1, cols), offset >= 0, the last element inside storage.
+struct MatrixView {
+  Tensor storage;      // the memory (contiguous)
+  int64_t rows = 0;    // rows of the stored (untransposed) matrix
+  int64_t cols = 0;    // columns of the stored matrix
+  int64_t ld = 0;      // elements between the starts of consecutive rows (>= cols)
+  int64_t offset = 0;  // elements before element (0, 0)
+};
+// The whole of a contiguous 2-D tensor t_RC.
+MatrixView as_matrix(const Tensor& t_RC);
+// Columns [begin, end) of a contiguous 2-D tensor t_RC (ld = C, offset = begin).
+MatrixView column_block(const Tensor& t_RC, int64_t begin, int64_t end);
+// op(x) = x^T when trans_x, else x. op(a) is M x K, op(b) K x N, c M x N. beta == 0 never reads c
+// (NaN in c does not propagate); K == 0 gives c = beta * c. Elements of c's storage outside the
+// view are untouched. REQUIRES: c overlaps neither a nor b; all views on one device.
+// Dtypes: CPU: a, b, c all f32 or all f64. CUDA (cuBLASLt, f32 accumulation): a and b both bf16
+// with c bf16 or f32 (bf16 operands into an f32 result: parameter gradients, router logits), or
+// all f32 (full fp32, no TF32).
+void matmul(const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
+            double beta);
 
 // ---- rotary position embedding (HF "rotate_half" form, non-interleaved) --------------------
 // Table for positions 0..S-1: inv_freq_j = theta^(-2j/D), angle = s * inv_freq_j;

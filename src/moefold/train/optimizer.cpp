@@ -7,6 +7,7 @@
 namespace moefold {
 
 void AdamW::bind(const std::vector<Param>& params) {
+  if (!params.empty()) arena_.set_device(params.front().value.device());  // moments beside the weights
   auto take_all = [&] {
     m_.clear();
     v_.clear();
@@ -28,21 +29,8 @@ void AdamW::step(std::vector<Param>& params, double lr) {
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t_));
   for (size_t i = 0; i < params.size(); ++i) {
     Param& p = params[i];
-    const double decay = p.decay ? cfg_.weight_decay : 0.0;
-    dispatch_float(p.value.dtype(), [&]<class T>() {
-      T* w = p.value.ptr<T>();
-      const T* g = p.grad.ptr<T>();
-      T* m = m_[i].ptr<T>();
-      T* v = v_[i].ptr<T>();
-      const T tb1 = static_cast<T>(b1), tb2 = static_cast<T>(b2);
-      const T step_size = static_cast<T>(lr / bc1), inv_sqrt_bc2 = static_cast<T>(1.0 / std::sqrt(bc2));
-      const T wd = static_cast<T>(1.0 - lr * decay), teps = static_cast<T>(eps);
-      for (int64_t j = 0; j < p.value.numel(); ++j) {
-        m[j] = tb1 * m[j] + (T(1) - tb1) * g[j];
-        v[j] = tb2 * v[j] + (T(1) - tb2) * g[j] * g[j];
-        w[j] = w[j] * wd - step_size * m[j] / (std::sqrt(v[j]) * inv_sqrt_bc2 + teps);
-      }
-    });
+    const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2};
+    adamw_update(p.value, p.grad, m_[i], v_[i], s);
   }
 }
 

@@ -1,5 +1,7 @@
 // Elementwise helpers on whole contiguous float tensors: y += x, sum of squares, x *= s.
 // No gradients: these serve gradient accumulation, clipping and the optimizer.
+#include <cmath>
+
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -47,6 +49,33 @@ void scale_inplace(const Tensor& x, double s) {
     T* xp = x.ptr<T>();
     const T st = static_cast<T>(s);
     for (int64_t i = 0; i < n; ++i) xp[i] *= st;
+  });
+}
+
+void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
+                  const Tensor& w_compute) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (w.device() == Device::cuda) return cuda::adamw_update(w, g, m, v, s, w_compute);
+#endif
+  for (const Tensor* t : {&g, &m, &v})
+    MF_CHECK(t->shape() == w.shape() && t->dtype() == w.dtype() && t->contiguous() && t->device() == Device::cpu,
+             "adamw_update: ", t->str(), " vs w ", w.str());
+  MF_CHECK(!w_compute.defined(), "adamw_update: a compute copy is a GPU feature");
+  const int64_t n = w.numel();
+  dispatch_float(w.dtype(), [&]<class T>() {
+    T* wp = w.ptr<T>();
+    const T* gp = g.ptr<T>();
+    T* mp = m.ptr<T>();
+    T* vp = v.ptr<T>();
+    const T tb1 = static_cast<T>(s.beta1), tb2 = static_cast<T>(s.beta2);
+    const T step_size = static_cast<T>(s.lr / s.bias_correction1);
+    const T inv_sqrt_bc2 = static_cast<T>(1.0 / std::sqrt(s.bias_correction2));
+    const T wd = static_cast<T>(1.0 - s.lr * s.weight_decay), teps = static_cast<T>(s.eps);
+    for (int64_t j = 0; j < n; ++j) {
+      mp[j] = tb1 * mp[j] + (T(1) - tb1) * gp[j];
+      vp[j] = tb2 * vp[j] + (T(1) - tb2) * gp[j] * gp[j];
+      wp[j] = wp[j] * wd - step_size * mp[j] / (std::sqrt(vp[j]) * inv_sqrt_bc2 + teps);
+    }
   });
 }
 

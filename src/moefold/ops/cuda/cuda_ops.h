@@ -7,6 +7,7 @@
 #pragma once
 
 #include "moefold/core/tensor.h"
+#include "moefold/ops/ops.h"
 
 namespace moefold::cuda {
 
@@ -14,5 +15,9 @@ namespace moefold::cuda {
 void add_inplace(const Tensor& y, const Tensor& x);
 double sum_squares(const Tensor& x);  // waits for the GPU (returns a host value)
 void scale_inplace(const Tensor& x, double s);
+
+// ---- AdamW (optimizer.cu): w, g, m, v f32; w_compute (optional) bf16 or f32 ---------------------
+void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
+                  const Tensor& w_compute);
 
 }  // namespace moefold::cuda
