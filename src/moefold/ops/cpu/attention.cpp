@@ -5,11 +5,16 @@
 // Gradient rule: dq, dk, dv are activation gradients, WRITTEN (dk/dv zeroed, then summed over
 // the query heads of each group). The _at variants take each query's and key's global position
 // (context parallelism: local queries against gathered keys); the plain ops are them with 0..S-1.
+// CUDA tensors go to ops/cuda/attention.cu (flash-attention kernels, no work_* scratch used).
 #include <cmath>
 #include <limits>
 
 #include "moefold/ops/gemm.h"
 #include "moefold/ops/ops.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/attention_ops.h"
+#endif
 
 namespace moefold {
 
@@ -158,6 +163,9 @@ void check_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
 
 void attention_forward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
                        const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& work_SS) {
+#ifdef MOEFOLD_WITH_CUDA  // the GPU kernels are flash-attention style: they need no work_SS
+  if (q_BSQD.device() == Device::cuda) return cuda::attention_forward(q_BSQD, k_BSGD, v_BSGD, scale, out_BSQD, lse_BQS);
+#endif
   const char* what = "attention_forward";
   const Dims dm = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, work_SS, 1, what);
   MF_CHECK(dm.sq == dm.sk, what, ": q ", q_BSQD.str(), " and k ", k_BSGD.str(), " differ in S");
@@ -167,6 +175,11 @@ void attention_forward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor&
 void attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
                         const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
                         const Tensor& dk_BSGD, const Tensor& dv_BSGD, const Tensor& work_2SS) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (q_BSQD.device() == Device::cuda)
+    return cuda::attention_backward(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD, dk_BSGD,
+                                    dv_BSGD);
+#endif
   const char* what = "attention_backward";
   const Dims dm = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, work_2SS, 2, what);
   MF_CHECK(dm.sq == dm.sk, what, ": q ", q_BSQD.str(), " and k ", k_BSGD.str(), " differ in S");
@@ -178,6 +191,10 @@ void attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor
 void attention_forward_at(const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
                           const Tensor& k_pos_Sk, double scale, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
                           const Tensor& work_SqSk) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (q_BSqQD.device() == Device::cuda)
+    return cuda::attention_forward_at(q_BSqQD, k_BSkGD, v_BSkGD, q_pos_Sq, k_pos_Sk, scale, out_BSqQD, lse_BQSq);
+#endif
   const char* what = "attention_forward_at";
   const Dims dm = check_attention(q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, work_SqSk, 1, what);
   check_positions(q_pos_Sq, k_pos_Sk, dm, what);
@@ -189,6 +206,11 @@ void attention_backward_at(const Tensor& q_BSqQD, const Tensor& k_BSkGD, const T
                            const Tensor& k_pos_Sk, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
                            const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD, const Tensor& dk_BSkGD,
                            const Tensor& dv_BSkGD, const Tensor& work_2SqSk) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (q_BSqQD.device() == Device::cuda)
+    return cuda::attention_backward_at(q_BSqQD, k_BSkGD, v_BSkGD, q_pos_Sq, k_pos_Sk, out_BSqQD, lse_BQSq, dout_BSqQD,
+                                       scale, dq_BSqQD, dk_BSkGD, dv_BSkGD);
+#endif
   const char* what = "attention_backward_at";
   const Dims dm = check_attention(q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, work_2SqSk, 2, what);
   check_positions(q_pos_Sq, k_pos_Sk, dm, what);
