@@ -393,5 +393,60 @@ TEST(CrossEntropy, IgnoredTargetsAddNothing) {
                  [&] { return 0.5 * cross_entropy_forward(logits, targets, lse); });
 }
 
+// ---- matmul on matrix views -------------------------------------------------------------------
+
+// c = alpha * op(a) @ op(b) + beta * c on views with leading dimensions and offsets (the gate|up
+// halves of a fused [N, 2F] buffer), against a triple loop; elements outside c's view untouched;
+// beta = 0 ignores NaN in c; K = 0 scales c; float32 against float64.
+TEST(Matmul, ViewsMatchTripleLoop) {
+  const int64_t m = 5, n = 4, k = 3;
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb)
+      for (double beta : {0.0, 0.75}) {
+        SCOPED_TRACE(::testing::Message() << "trans_a " << ta << " trans_b " << tb << " beta " << beta);
+        Pool pool;
+        // a: stored (ta ? k x m : m x k) inside [.., 9] at offset 2; b: (tb ? n x k : k x n) whole;
+        // c: columns [3, 3 + n) of an [m, 11] tensor.
+        const int64_t a_rows = ta ? k : m, a_cols = ta ? m : k, b_rows = tb ? n : k, b_cols = tb ? k : n;
+        Tensor a_st = pool.randn({a_rows + 1, 9}), b = pool.randn({b_rows, b_cols}), c_st = pool.randn({m, 11});
+        if (beta == 0.0)
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) set(c_st, i * 11 + 3 + j, std::nan(""));
+        const Tensor c0 = pool.clone(c_st);
+        const MatrixView a{a_st, a_rows, a_cols, 9, 2};
+        const double alpha = -1.5;
+        matmul(a, ta, as_matrix(b), tb, column_block(c_st, 3, 3 + n), alpha, beta);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < 11; ++j) {
+            const double got = get(c_st, i * 11 + j);
+            if (j < 3 || j >= 3 + n) {
+              EXPECT_EQ(got, get(c0, i * 11 + j)) << "outside the view at " << i << ", " << j;
+              continue;
+            }
+            double s = 0;
+            for (int64_t l = 0; l < k; ++l) {
+              const double av = ta ? get(a_st, 2 + l * 9 + i) : get(a_st, 2 + i * 9 + l);
+              const double bv = tb ? get(b, (j - 3) * k + l) : get(b, l * n + j - 3);
+              s += av * bv;
+            }
+            const double want = alpha * s + (beta == 0.0 ? 0.0 : beta * get(c0, i * 11 + j));
+            EXPECT_NEAR(got, want, kF64Tol) << i << ", " << j;
+          }
+      }
+
+  // float32 against float64 on the same views.
+  Pool pool;
+  Tensor a = pool.randn({m, k}), b = pool.randn({n, k}), c = pool.randn({m, 2 * n});
+  Tensor a32 = cast(pool, a, DType::f32), b32 = cast(pool, b, DType::f32), c32 = cast(pool, c, DType::f32);
+  matmul(as_matrix(a), false, as_matrix(b), true, column_block(c, n, 2 * n), 0.5, 1.0);
+  matmul(as_matrix(a32), false, as_matrix(b32), true, column_block(c32, n, 2 * n), 0.5, 1.0);
+  expect_f32_close("matmul f32", c32, c);
+
+  // K = 0: c = beta * c.
+  Tensor e = pool.zeros({m, 0}), f = pool.zeros({0, n}), g = pool.randn({m, n}), g0 = pool.clone(g);
+  matmul(as_matrix(e), false, as_matrix(f), false, as_matrix(g), 1.0, -2.0);
+  for (int64_t i = 0; i < m * n; ++i) EXPECT_EQ(get(g, i), -2.0 * get(g0, i));
+}
+
 }  // namespace
 }  // namespace moefold

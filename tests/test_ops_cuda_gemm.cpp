@@ -1,0 +1,375 @@
+// GPU parity, GEMMs through cuBLASLt (ops/cuda/gemm.cu): the row-major wrapper (through matmul on
+// views and directly), linear and grouped linear forward and backward, against the CPU ops run in
+// float64 on exactly the GPU's inputs (rounded through the GPU's storage dtype).
+//
+// Tolerances (Frobenius relative error, tests/cuda_testing.h):
+// - f32 x f32 -> f32, full fp32 (no TF32): 1e-6 * sqrt(K). A K-long fp32 dot product is off by
+//   about 2^-24 * sqrt(K) relative (rounding errors of the partial sums add like a random walk);
+//   the bound leaves a 15x margin, while TF32 (10-bit mantissa, ~5e-4) fails it by far.
+// - bf16 x bf16 -> f32: 1e-5 (1e-6 * sqrt(K) past K = 100). The bf16 products are exact in fp32,
+//   so only the fp32 accumulation errs, as in the f32 case.
+// - bf16 x bf16 -> bf16: 4e-3. One rounding of the fp32 result to bf16: 2^-9 relative per element
+//   at worst, ~1.7e-3 relative in practice. Partial sums rounded through bf16 (a split-K reduction
+//   in the output type) would add a rounding per split; the long-K case checks that they do not.
+// Measured on an H200: f32 5e-8..5e-7, bf16 -> f32 3e-8..1.3e-6, bf16 -> bf16 1.6e-3..2.4e-3. With
+// TF32 forced (CUBLAS_COMPUTE_32F_FAST_TF32), 7 of the 10 tests fail on their f32 checks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cuda_testing.h"
+#include "moefold/ops/moe_ops.h"
+#include "moefold/ops/ops.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/gemm_ops.h"
+#endif
+
+namespace moefold {
+namespace {
+
+using testing::DevicePool;
+using testing::Pool;
+
+// ||got - want|| / ||want|| over two equally long lists; any non-finite value gives +inf.
+double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// The tolerance for an output of dtype `out` from operands of dtype `in` summed over k terms (the
+// header's table; bf16 operands into f32 get the f32 bound where it is looser, for very long K).
+double tolerance(DType in, DType out, int64_t k) {
+  if (out == DType::bf16) return 4e-3;
+  const double fp32 = 1e-6 * std::sqrt(static_cast<double>(std::max<int64_t>(k, 1)));
+  return in == DType::bf16 ? std::max(1e-5, fp32) : fp32;
+}
+
+// One stored matrix (rows x cols, row stride ld, `offset` elements in) on the host in f64 (the
+// reference's copy, rounded through the GPU dtype) and on the device.
+struct Operand {
+  Tensor ref;  // f64 host storage, rounded
+  Tensor dev;  // device storage in the GPU dtype
+  MatrixView ref_view() const { return MatrixView{ref, rows, cols, ld, offset}; }
+  MatrixView dev_view() const { return MatrixView{dev, rows, cols, ld, offset}; }
+  int64_t rows = 0, cols = 0, ld = 0, offset = 0;
+};
+
+// poison: the device copy holds NaN bytes everywhere (an output that must be WRITTEN).
+Operand make_operand(Pool& pool, DevicePool& dev, DType dt, int64_t rows, int64_t cols, int64_t pad, int64_t offset,
+                     bool poison) {
+  Operand o;
+  o.rows = rows;
+  o.cols = cols;
+  o.ld = std::max<int64_t>(1, cols + pad);
+  o.offset = offset;
+  const Tensor host = pool.randn({offset + rows * o.ld + 1});
+  o.ref = testing::rounded(pool, host, dt);
+  o.dev = poison ? dev.poisoned(host.shape(), dt) : dev.upload(host, dt);
+  return o;
+}
+
+struct GemmCase {
+  int64_t m, n, k;
+  bool trans_a, trans_b;
+  DType ab, c;
+  int64_t pad, offset;  // extra leading dimension and starting offset of every operand
+  double alpha, beta;   // beta == 0: c starts as NaN bytes
+};
+
+// Runs one case through matmul (or the raw wrapper) and checks c's view against the f64 reference
+// and every element outside the view for being untouched.
+void check_case(const GemmCase& g, bool through_wrapper = false) {
+  SCOPED_TRACE(::testing::Message() << "m " << g.m << " n " << g.n << " k " << g.k << " trans " << g.trans_a
+                                    << g.trans_b << " " << dtype_name(g.ab) << " -> " << dtype_name(g.c) << " pad "
+                                    << g.pad << " offset " << g.offset << " alpha " << g.alpha << " beta " << g.beta);
+  Pool pool;
+  DevicePool dev;
+  const bool poison = g.beta == 0.0;
+  Operand a = make_operand(pool, dev, g.ab, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.pad, g.offset, false);
+  Operand b = make_operand(pool, dev, g.ab, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.pad, g.offset, false);
+  Operand c = make_operand(pool, dev, g.c, g.m, g.n, g.pad, g.offset, poison);
+  const Tensor c_before = pool.clone(c.ref);
+  if (through_wrapper) {
+#ifdef MOEFOLD_WITH_CUDA
+    const auto raw = [](const Operand& o) {
+      return cuda::DeviceMatrix{
+          static_cast<char*>(o.dev.data()) + o.offset * static_cast<int64_t>(dtype_size(o.dev.dtype())), o.dev.dtype(),
+          o.rows, o.cols, o.ld};
+    };
+    cuda::gemm(raw(a), g.trans_a, raw(b), g.trans_b, raw(c), g.alpha, g.beta);
+#endif
+  } else {
+    matmul(a.dev_view(), g.trans_a, b.dev_view(), g.trans_b, c.dev_view(), g.alpha, g.beta);
+  }
+  matmul(a.ref_view(), g.trans_a, b.ref_view(), g.trans_b, c.ref_view(), g.alpha, g.beta);
+  const std::vector<double> got = testing::download(c.dev);
+  std::vector<double> got_view, want_view;
+  int64_t outside_changed = 0;
+  for (int64_t i = 0; i < c.ref.numel(); ++i) {
+    const int64_t rel = i - c.offset, row = rel / c.ld, col = rel % c.ld;
+    const bool inside = rel >= 0 && row < c.rows && col < c.cols;
+    const double v = got[static_cast<size_t>(i)];
+    if (inside) {
+      got_view.push_back(v);
+      want_view.push_back(testing::value_at(c.ref, i));
+    } else if (poison ? !std::isnan(v) : v != testing::value_at(c_before, i)) {
+      ++outside_changed;
+    }
+  }
+  EXPECT_EQ(outside_changed, 0) << "elements outside c's view were written";
+  EXPECT_LE(rel_err(got_view, want_view), tolerance(g.ab, g.c, g.k));
+}
+
+struct DtypeCombo {
+  DType ab, c;
+};
+constexpr DtypeCombo kCombos[] = {{DType::f32, DType::f32}, {DType::bf16, DType::bf16}, {DType::bf16, DType::f32}};
+
+TEST(CudaGemm, OddShapesEveryTransposeDtypeAndLayout) {
+  MF_REQUIRE_GPU();
+  struct Layout {
+    int64_t pad, offset;
+    double alpha, beta;
+  };
+  // Plain; misaligned leading dimension and start (2-byte bf16 / 4-byte f32 alignment only);
+  // 16-byte-aligned padding (the tensor-core path) accumulating into c.
+  const Layout layouts[] = {{0, 0, 1.0, 0.0}, {3, 1, -1.25, 0.75}, {8, 8, 0.5, 1.0}};
+  for (const DtypeCombo& dc : kCombos)
+    for (int t = 0; t < 4; ++t)
+      for (const Layout& l : layouts)
+        check_case({127, 65, 33, (t & 1) != 0, (t & 2) != 0, dc.ab, dc.c, l.pad, l.offset, l.alpha, l.beta});
+}
+
+TEST(CudaGemm, TinyAndDegenerateShapes) {
+  MF_REQUIRE_GPU();
+  for (const DtypeCombo& dc : kCombos) {
+    check_case({1, 1, 1, false, false, dc.ab, dc.c, 0, 0, 1.0, 0.0});
+    check_case({3, 1, 200, true, false, dc.ab, dc.c, 1, 0, 2.0, 0.0});
+    check_case({1, 300, 7, false, true, dc.ab, dc.c, 0, 3, 1.0, -1.0});
+    check_case({5, 7, 0, false, false, dc.ab, dc.c, 2, 1, 1.0, 0.5});  // K = 0: c = beta * c
+    check_case({5, 7, 0, true, true, dc.ab, dc.c, 0, 0, 1.0, 0.0});    // K = 0, beta = 0: zeros over NaN
+    check_case({0, 7, 9, false, false, dc.ab, dc.c, 0, 0, 1.0, 0.5});  // M = 0: nothing happens
+    check_case({6, 0, 9, false, true, dc.ab, dc.c, 0, 0, 1.0, 0.5});   // N = 0
+  }
+}
+
+TEST(CudaGemm, RawWrapperMatchesCpu) {
+  MF_REQUIRE_GPU();
+  for (const DtypeCombo& dc : kCombos) {
+    check_case({127, 65, 33, true, false, dc.ab, dc.c, 5, 3, 0.75, 0.0}, true);
+    check_case({64, 96, 80, false, true, dc.ab, dc.c, 0, 0, 1.0, 1.0}, true);
+  }
+}
+
+// A long reduction with a small output: cuBLASLt's heuristic picks split-K here. Partial sums must
+// be reduced in fp32 (a bf16 result rounded once) and in a fixed order (bit-identical repeats).
+TEST(CudaGemm, LongReductionIsAccurateAndDeterministic) {
+  MF_REQUIRE_GPU();
+  for (const DtypeCombo& dc : kCombos) {
+    check_case({64, 48, 40000, true, false, dc.ab, dc.c, 0, 0, 1.0, 0.0});
+    check_case({64, 48, 40000, false, true, dc.ab, dc.c, 0, 0, 1.0, 1.0});
+    Pool pool;
+    DevicePool dev;
+    Tensor a = dev.upload(pool.randn({64, 40000}), dc.ab), b = dev.upload(pool.randn({48, 40000}), dc.ab);
+    Tensor c1 = dev.poisoned({64, 48}, dc.c), c2 = dev.poisoned({64, 48}, dc.c);
+    matmul(as_matrix(a), false, as_matrix(b), true, as_matrix(c1), 1.0, 0.0);
+    matmul(as_matrix(a), false, as_matrix(b), true, as_matrix(c2), 1.0, 0.0);
+    EXPECT_EQ(testing::download(c1), testing::download(c2)) << dtype_name(dc.ab) << " -> " << dtype_name(dc.c);
+  }
+}
+
+TEST(CudaGemm, LargeShape) {
+  MF_REQUIRE_GPU();
+  // 4096 x 2048 x 768: tensor-core tiles, many waves. y = x @ w^T layout and the dw = dy^T @ x one.
+  check_case({4096, 2048, 768, false, true, DType::bf16, DType::bf16, 0, 0, 1.0, 0.0});
+  check_case({4096, 2048, 768, true, false, DType::bf16, DType::f32, 0, 0, 1.0, 1.0});
+  check_case({4096, 2048, 768, false, false, DType::f32, DType::f32, 0, 0, 1.0, 0.0});
+}
+
+// ---- linear -------------------------------------------------------------------------------------
+
+// The GPU linear forward and backward against the CPU ops in f64 on the rounded inputs; dw starts
+// random and ACCUMULATES (in the operands' dtype or in f32); dx and y are WRITTEN (NaN before).
+void check_linear(DType dt, DType dw_dt, int64_t n, int64_t in, int64_t out) {
+  SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " dw " << dtype_name(dw_dt) << " n " << n << " in " << in
+                                    << " out " << out);
+  Pool pool;
+  DevicePool dev;
+  const Tensor x = pool.randn({n, in}), w = pool.randn({out, in}), dy = pool.randn({n, out}),
+               dw0 = pool.randn({out, in});
+  Tensor xr = testing::rounded(pool, x, dt), wr = testing::rounded(pool, w, dt), dyr = testing::rounded(pool, dy, dt),
+         dwr = testing::rounded(pool, dw0, dw_dt);
+  Tensor yr = pool.zeros({n, out}), dxr = pool.zeros({n, in});
+  Tensor xd = dev.upload(x, dt), wd = dev.upload(w, dt), dyd = dev.upload(dy, dt), dwd = dev.upload(dw0, dw_dt);
+  Tensor yd = dev.poisoned({n, out}, dt), dxd = dev.poisoned({n, in}, dt);
+  linear_forward(xd, wd, yd);
+  linear_backward(xd, wd, dyd, dxd, dwd);
+  linear_forward(xr, wr, yr);
+  linear_backward(xr, wr, dyr, dxr, dwr);
+  EXPECT_LE(testing::rel_error(testing::download(yd), yr), tolerance(dt, dt, in)) << "y";
+  EXPECT_LE(testing::rel_error(testing::download(dxd), dxr), tolerance(dt, dt, out)) << "dx";
+  EXPECT_LE(testing::rel_error(testing::download(dwd), dwr), tolerance(dt, dw_dt, n)) << "dw";
+
+  // Undefined dx: only dw accumulates, a second time.
+  linear_backward(xd, wd, dyd, Tensor{}, dwd);
+  linear_backward(xr, wr, dyr, Tensor{}, dwr);
+  EXPECT_LE(testing::rel_error(testing::download(dwd), dwr), 2 * tolerance(dt, dw_dt, n)) << "dw twice";
+}
+
+TEST(CudaLinear, ForwardBackwardMatchCpu) {
+  MF_REQUIRE_GPU();
+  check_linear(DType::f32, DType::f32, 257, 96, 80);
+  check_linear(DType::bf16, DType::bf16, 257, 96, 80);
+  check_linear(DType::bf16, DType::f32, 257, 96, 80);
+  check_linear(DType::bf16, DType::f32, 1000, 513, 385);  // odd in/out: unaligned rows
+  check_linear(DType::f32, DType::f32, 3, 1, 5);
+}
+
+TEST(CudaLinear, BackwardIsDeterministic) {
+  MF_REQUIRE_GPU();
+  Pool pool;
+  DevicePool dev;
+  const int64_t n = 2048, in = 1024, out = 768;
+  Tensor x = dev.upload(pool.randn({n, in}), DType::bf16), w = dev.upload(pool.randn({out, in}), DType::bf16);
+  Tensor dy = dev.upload(pool.randn({n, out}), DType::bf16), dw0 = pool.randn({out, in});
+  Tensor dw1 = dev.upload(dw0, DType::f32), dw2 = dev.upload(dw0, DType::f32);
+  Tensor dx1 = dev.poisoned({n, in}, DType::bf16), dx2 = dev.poisoned({n, in}, DType::bf16);
+  linear_backward(x, w, dy, dx1, dw1);
+  linear_backward(x, w, dy, dx2, dw2);
+  EXPECT_EQ(testing::download(dw1), testing::download(dw2));
+  EXPECT_EQ(testing::download(dx1), testing::download(dx2));
+}
+
+// ---- grouped linear -------------------------------------------------------------------------------
+
+// Expert e owns counts[e] consecutive rows; empty experts (first, middle, last) keep dw untouched.
+void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, int64_t in, int64_t out) {
+  SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " dw " << dtype_name(dw_dt) << " experts " << counts.size());
+  Pool pool;
+  DevicePool dev;
+  const int64_t e_n = static_cast<int64_t>(counts.size());
+  std::vector<int64_t> off(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + counts[e];
+  const int64_t r = off.back();
+  Tensor offsets = pool.zeros({e_n + 1}, DType::i64);
+  std::memcpy(offsets.data(), off.data(), off.size() * sizeof(int64_t));
+  const Tensor x = pool.randn({r, in}), w = pool.randn({e_n, out, in}), dy = pool.randn({r, out}),
+               dw0 = pool.randn({e_n, out, in});
+  Tensor xr = testing::rounded(pool, x, dt), wr = testing::rounded(pool, w, dt), dyr = testing::rounded(pool, dy, dt),
+         dwr = testing::rounded(pool, dw0, dw_dt);
+  const Tensor dw_before = pool.clone(dwr);
+  Tensor yr = pool.zeros({r, out}), dxr = pool.zeros({r, in});
+  Tensor xd = dev.upload(x, dt), wd = dev.upload(w, dt), dyd = dev.upload(dy, dt), dwd = dev.upload(dw0, dw_dt);
+  Tensor offd = dev.upload(offsets, DType::i64);
+  Tensor yd = dev.poisoned({r, out}, dt), dxd = dev.poisoned({r, in}, dt);
+  grouped_linear_forward(xd, wd, offd, yd);
+  grouped_linear_backward(xd, wd, offd, dyd, dxd, dwd);
+  grouped_linear_forward(xr, wr, offsets, yr);
+  grouped_linear_backward(xr, wr, offsets, dyr, dxr, dwr);
+  int64_t k_max = 1;
+  for (int64_t c : counts) k_max = std::max(k_max, c);
+  EXPECT_LE(testing::rel_error(testing::download(yd), yr), tolerance(dt, dt, in)) << "y";
+  EXPECT_LE(testing::rel_error(testing::download(dxd), dxr), tolerance(dt, dt, out)) << "dx";
+  const std::vector<double> dw_got = testing::download(dwd);
+  EXPECT_LE(testing::rel_error(dw_got, dwr), tolerance(dt, dw_dt, k_max)) << "dw";
+  // Per expert: each non-empty expert's dw matches on its own; an empty expert's is bit-identical.
+  const int64_t per = out * in;
+  for (int64_t e = 0; e < e_n; ++e) {
+    std::vector<double> got(dw_got.begin() + e * per, dw_got.begin() + (e + 1) * per), want, before;
+    for (int64_t i = 0; i < per; ++i) {
+      want.push_back(testing::value_at(dwr, e * per + i));
+      before.push_back(testing::value_at(dw_before, e * per + i));
+    }
+    if (counts[static_cast<size_t>(e)] == 0)
+      EXPECT_EQ(got, before) << "dw of empty expert " << e << " changed";
+    else
+      EXPECT_LE(rel_err(got, want), tolerance(dt, dw_dt, counts[static_cast<size_t>(e)])) << "dw of expert " << e;
+  }
+  // Undefined dx: dw accumulates again.
+  grouped_linear_backward(xd, wd, offd, dyd, Tensor{}, dwd);
+  grouped_linear_backward(xr, wr, offsets, dyr, Tensor{}, dwr);
+  EXPECT_LE(testing::rel_error(testing::download(dwd), dwr), 2 * tolerance(dt, dw_dt, k_max)) << "dw twice";
+}
+
+TEST(CudaGroupedLinear, UnevenAndEmptyExpertsMatchCpu) {
+  MF_REQUIRE_GPU();
+  const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
+  check_grouped(DType::f32, DType::f32, counts, 48, 40);
+  check_grouped(DType::bf16, DType::bf16, counts, 48, 40);
+  check_grouped(DType::bf16, DType::f32, counts, 48, 40);
+  check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: unaligned experts
+  check_grouped(DType::f32, DType::f32, {0, 0, 0}, 16, 8);                  // no rows at all
+}
+
+// ---- matmul: the call patterns of model/mlp.cpp and moe/router.cpp --------------------------------
+
+// MLP: gate and up written into the halves of gu_N2F (ldc = 2F, F odd so the up half starts
+// unaligned); backward reads the halves of dgu (lda = 2F) for dgate, dup (accumulated) and dx
+// (written by the gate product, accumulated by the up product).
+TEST(CudaMatmul, FusedGateUpHalves) {
+  MF_REQUIRE_GPU();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Pool pool;
+    DevicePool dev;
+    const int64_t n = 133, h = 64, f = 45;
+    const Tensor x = pool.randn({n, h}), gate = pool.randn({f, h}), up = pool.randn({f, h}),
+                 dgu = pool.randn({n, 2 * f}), dg0 = pool.randn({f, h}), du0 = pool.randn({f, h});
+    const DType grad = DType::f32;  // fp32 parameter gradients
+    Tensor xr = testing::rounded(pool, x, dt), gr = testing::rounded(pool, gate, dt),
+           ur = testing::rounded(pool, up, dt), dgur = testing::rounded(pool, dgu, dt),
+           dgr = testing::rounded(pool, dg0, grad), dur = testing::rounded(pool, du0, grad);
+    Tensor gur = pool.zeros({n, 2 * f}), dxr = pool.zeros({n, h});
+    Tensor xd = dev.upload(x, dt), gd = dev.upload(gate, dt), ud = dev.upload(up, dt), dgud = dev.upload(dgu, dt),
+           dgd = dev.upload(dg0, grad), dud = dev.upload(du0, grad);
+    Tensor gud = dev.poisoned({n, 2 * f}, dt), dxd = dev.poisoned({n, h}, dt);
+    for (int side = 0; side < 2; ++side) {
+      const bool gpu = side == 0;
+      const Tensor& xs = gpu ? xd : xr;
+      const Tensor& gs = gpu ? gd : gr;
+      const Tensor& us = gpu ? ud : ur;
+      const Tensor& gus = gpu ? gud : gur;
+      const Tensor& dgus = gpu ? dgud : dgur;
+      const Tensor& dgs = gpu ? dgd : dgr;
+      const Tensor& dus = gpu ? dud : dur;
+      const Tensor& dxs = gpu ? dxd : dxr;
+      matmul(as_matrix(xs), false, as_matrix(gs), true, column_block(gus, 0, f), 1.0, 0.0);
+      matmul(as_matrix(xs), false, as_matrix(us), true, column_block(gus, f, 2 * f), 1.0, 0.0);
+      matmul(column_block(dgus, 0, f), true, as_matrix(xs), false, as_matrix(dgs), 1.0, 1.0);
+      matmul(column_block(dgus, f, 2 * f), true, as_matrix(xs), false, as_matrix(dus), 1.0, 1.0);
+      matmul(column_block(dgus, 0, f), false, as_matrix(gs), false, as_matrix(dxs), 1.0, 0.0);
+      matmul(column_block(dgus, f, 2 * f), false, as_matrix(us), false, as_matrix(dxs), 1.0, 1.0);
+    }
+    EXPECT_LE(testing::rel_error(testing::download(gud), gur), tolerance(dt, dt, h)) << "gu";
+    EXPECT_LE(testing::rel_error(testing::download(dgd), dgr), tolerance(dt, grad, n)) << "dgate";
+    EXPECT_LE(testing::rel_error(testing::download(dud), dur), tolerance(dt, grad, n)) << "dup";
+    // dx is rounded after the gate product and read back by the up product: two roundings in bf16.
+    EXPECT_LE(testing::rel_error(testing::download(dxd), dxr), 2 * tolerance(dt, dt, f)) << "dx";
+  }
+}
+
+// Router: bf16 activations and gate weight into fp32 logits.
+TEST(CudaMatmul, RouterLogitsInF32) {
+  MF_REQUIRE_GPU();
+  Pool pool;
+  DevicePool dev;
+  const int64_t t = 301, h = 96, e = 24;
+  const Tensor x = pool.randn({t, h}), gate = pool.randn({e, h});
+  Tensor xr = testing::rounded(pool, x, DType::bf16), gr = testing::rounded(pool, gate, DType::bf16);
+  Tensor lr = pool.zeros({t, e});
+  Tensor xd = dev.upload(x, DType::bf16), gd = dev.upload(gate, DType::bf16), ld = dev.poisoned({t, e}, DType::f32);
+  matmul(as_matrix(xd), false, as_matrix(gd), true, as_matrix(ld), 1.0, 0.0);
+  matmul(as_matrix(xr), false, as_matrix(gr), true, as_matrix(lr), 1.0, 0.0);
+  EXPECT_LE(testing::rel_error(testing::download(ld), lr), tolerance(DType::bf16, DType::f32, h));
+}
+
+}  // namespace
+}  // namespace moefold
