@@ -1,8 +1,8 @@
 // DenseMlp forward/backward: two GEMMs write gate and up side by side into one [N, 2F] buffer
-// (leading dimension 2F), so the fused SwiGLU op runs on it unchanged.
+// (column blocks of leading dimension 2F), so the fused SwiGLU op runs on it unchanged. Every
+// step is an op, so the layer runs wherever its tensors are (CPU or GPU).
 #include "moefold/model/mlp.h"
 
-#include "moefold/ops/gemm.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -43,15 +43,10 @@ void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
     x_full_ = x_gathered_NH_;
     tp_->all_gather(x_TH, x_full_);
   }
-  const int64_t n = n_, f = f_, h = h_;
   const Tensor y = tp_ ? partial_NH_ : y_TH;
-  dispatch_float(x_TH.dtype(), [&]<class T>() {
-    T* gu = gu_N2F_.ptr<T>();
-    const T* x = x_full_.ptr<T>();
-    // gu[:, :F] = x @ gate^T, gu[:, F:] = x @ up^T
-    gemm<T>(false, true, n, f, h, T(1), x, h, gate_FH_.ptr<T>(), h, T(0), gu, 2 * f);
-    gemm<T>(false, true, n, f, h, T(1), x, h, up_FH_.ptr<T>(), h, T(0), gu + f, 2 * f);
-  });
+  // gu[:, :F] = x @ gate^T, gu[:, F:] = x @ up^T
+  matmul(as_matrix(x_full_), false, as_matrix(gate_FH_), true, column_block(gu_N2F_, 0, f_), 1, 0);
+  matmul(as_matrix(x_full_), false, as_matrix(up_FH_), true, column_block(gu_N2F_, f_, 2 * f_), 1, 0);
   swiglu_forward(gu_N2F_, h_NF_);
   linear_forward(h_NF_, down_HF_, y);
   if (tp_) tp_->reduce_scatter(partial_NH_, y_TH, ReduceOp::sum);
@@ -68,16 +63,12 @@ void DenseMlp::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   linear_backward(h_NF_, down_HF_, dy, dh_NF_, ddown_HF_);
   swiglu_backward(gu_N2F_, dh_NF_, dgu_N2F_);
   const Tensor dx = tp_ ? partial_NH_ : dx_TH;
-  const int64_t n = n_, f = f_, h = h_;
-  dispatch_float(dy_TH.dtype(), [&]<class T>() {
-    const T* dgu = dgu_N2F_.ptr<T>();
-    const T* x = x_full_.ptr<T>();
-    // dgate += dgu[:, :F]^T x; dup += dgu[:, F:]^T x; dx = dgu[:, :F] gate + dgu[:, F:] up
-    gemm<T>(true, false, f, h, n, T(1), dgu, 2 * f, x, h, T(1), dgate_FH_.ptr<T>(), h);
-    gemm<T>(true, false, f, h, n, T(1), dgu + f, 2 * f, x, h, T(1), dup_FH_.ptr<T>(), h);
-    gemm<T>(false, false, n, h, f, T(1), dgu, 2 * f, gate_FH_.ptr<T>(), h, T(0), dx.ptr<T>(), h);
-    gemm<T>(false, false, n, h, f, T(1), dgu + f, 2 * f, up_FH_.ptr<T>(), h, T(1), dx.ptr<T>(), h);
-  });
+  // dgate += dgu[:, :F]^T x; dup += dgu[:, F:]^T x; dx = dgu[:, :F] gate + dgu[:, F:] up
+  const MatrixView dg = column_block(dgu_N2F_, 0, f_), du = column_block(dgu_N2F_, f_, 2 * f_);
+  matmul(dg, true, as_matrix(x_full_), false, as_matrix(dgate_FH_), 1, 1);
+  matmul(du, true, as_matrix(x_full_), false, as_matrix(dup_FH_), 1, 1);
+  matmul(dg, false, as_matrix(gate_FH_), false, as_matrix(dx), 1, 0);
+  matmul(du, false, as_matrix(up_FH_), false, as_matrix(dx), 1, 1);
   if (tp_) tp_->reduce_scatter(partial_NH_, dx_TH, ReduceOp::sum);
 }
 

@@ -1,10 +1,15 @@
 // Softmax cross-entropy over the vocabulary, numerically stable (max-shifted log-sum-exp, row
 // sums in double); the forward returns the SUM of row losses and saves lse_N.
 // Gradient rule: dlogits = grad_scale * (softmax - onehot(target)), WRITTEN.
+// CUDA tensors go to ops/cuda/cross_entropy.cu.
 #include <algorithm>
 #include <cmath>
 
 #include "moefold/ops/ops.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/norm_ops.h"
+#endif
 
 namespace moefold {
 
@@ -21,6 +26,9 @@ void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, co
 }  // namespace
 
 double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (logits_NV.device() == Device::cuda) return cuda::cross_entropy_forward(logits_NV, targets_N, lse_N);
+#endif
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_forward");
   const int64_t n = logits_NV.size(0), v = logits_NV.size(1);
   MF_CHECK(v > 0, "cross_entropy_forward: empty vocabulary");
@@ -51,6 +59,10 @@ double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, c
 
 void cross_entropy_backward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
                             const Tensor& dlogits_NV) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (logits_NV.device() == Device::cuda)
+    return cuda::cross_entropy_backward(logits_NV, targets_N, lse_N, grad_scale, dlogits_NV);
+#endif
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_backward");
   check_shape(dlogits_NV, logits_NV.shape(), "cross_entropy_backward dlogits");
   MF_CHECK(dlogits_NV.dtype() == logits_NV.dtype() && dlogits_NV.contiguous() && dlogits_NV.device() == Device::cpu,

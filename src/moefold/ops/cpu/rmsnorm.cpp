@@ -1,9 +1,14 @@
 // RMSNorm over the last dim (Qwen3/Llama): y = w * x * r with r = 1/sqrt(mean(x^2) + eps).
 // Backward: dx = r * (w*dy) - x * r^3 / C * sum_c(w*dy*x) (WRITTEN); dw += sum_n dy * x * r
 // (ACCUMULATED). Row sums are accumulated in double.
+// CUDA tensors go to ops/cuda/rmsnorm.cu.
 #include <cmath>
 
 #include "moefold/ops/ops.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/norm_ops.h"
+#endif
 
 namespace moefold {
 
@@ -23,6 +28,9 @@ void check_like(const Tensor& t, const Tensor& ref, const char* what) {
 }  // namespace
 
 void rmsnorm_forward(const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC, const Tensor& rstd_N) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (x_NC.device() == Device::cuda) return cuda::rmsnorm_forward(x_NC, w_C, eps, y_NC, rstd_N);
+#endif
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_forward");
   check_like(y_NC, x_NC, "rmsnorm_forward y");
   const int64_t n = x_NC.size(0), c = x_NC.size(1);
@@ -44,6 +52,9 @@ void rmsnorm_forward(const Tensor& x_NC, const Tensor& w_C, double eps, const Te
 
 void rmsnorm_backward(const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N, const Tensor& dy_NC,
                       const Tensor& dx_NC, const Tensor& dw_C) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (x_NC.device() == Device::cuda) return cuda::rmsnorm_backward(x_NC, w_C, rstd_N, dy_NC, dx_NC, dw_C);
+#endif
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_backward");
   check_like(dy_NC, x_NC, "rmsnorm_backward dy");
   check_like(dx_NC, x_NC, "rmsnorm_backward dx");

@@ -2,9 +2,14 @@
 // (x[j], x[j + D/2]) is rotated by angle s * theta^(-2j/D). Forward and backward are in place;
 // the backward applies the transpose (rotation by -angle) to the gradient, which is WRITTEN.
 // The _at variants read table row positions[s] for token s (context parallelism).
+// CUDA tensors go to ops/cuda/rope.cu.
 #include <cmath>
 
 #include "moefold/ops/ops.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/norm_ops.h"
+#endif
 
 namespace moefold {
 
@@ -93,6 +98,9 @@ void rope_table(const std::vector<double>& inv_freq, double attention_factor, co
 }
 
 void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (x_BSHD.device() == Device::cuda) return cuda::rope_forward(x_BSHD, cos_SD, sin_SD);
+#endif
   check_rope(x_BSHD, cos_SD, sin_SD, "rope_forward");
   dispatch_float(x_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(x_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), nullptr, x_BSHD.size(0), x_BSHD.size(1),
@@ -101,6 +109,9 @@ void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_
 }
 
 void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (dx_BSHD.device() == Device::cuda) return cuda::rope_backward(dx_BSHD, cos_SD, sin_SD);
+#endif
   check_rope(dx_BSHD, cos_SD, sin_SD, "rope_backward");
   dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(dx_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), nullptr, dx_BSHD.size(0), dx_BSHD.size(1),
@@ -109,6 +120,9 @@ void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& si
 }
 
 void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (x_BSHD.device() == Device::cuda) return cuda::rope_forward_at(x_BSHD, positions_S, cos_PD, sin_PD);
+#endif
   check_rope_at(x_BSHD, positions_S, cos_PD, sin_PD, "rope_forward_at");
   dispatch_float(x_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(x_BSHD.ptr<T>(), cos_PD.ptr<T>(), sin_PD.ptr<T>(), positions_S.ptr<int32_t>(), x_BSHD.size(0),
@@ -117,6 +131,9 @@ void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tens
 }
 
 void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (dx_BSHD.device() == Device::cuda) return cuda::rope_backward_at(dx_BSHD, positions_S, cos_PD, sin_PD);
+#endif
   check_rope_at(dx_BSHD, positions_S, cos_PD, sin_PD, "rope_backward_at");
   dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(dx_BSHD.ptr<T>(), cos_PD.ptr<T>(), sin_PD.ptr<T>(), positions_S.ptr<int32_t>(), dx_BSHD.size(0),

@@ -1,8 +1,13 @@
 // SwiGLU on a fused gate|up input: h = silu(g) * u with silu(g) = g * sigmoid(g).
 // Backward: dg = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))), du = dh * silu(g).
+// CUDA tensors go to ops/cuda/swiglu.cu.
 #include <cmath>
 
 #include "moefold/ops/ops.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/norm_ops.h"
+#endif
 
 namespace moefold {
 
@@ -10,11 +15,16 @@ namespace {
 void check_swiglu(const Tensor& gu, const Tensor& h) {
   MF_CHECK(gu.ndim() == 2 && h.ndim() == 2 && gu.size(0) == h.size(0) && gu.size(1) == 2 * h.size(1),
            "swiglu: ", gu.str(), " -> ", h.str());
-  MF_CHECK(gu.contiguous() && h.contiguous() && gu.dtype() == h.dtype());
+  MF_CHECK(gu.contiguous() && h.contiguous() && gu.dtype() == h.dtype() && gu.device() == Device::cpu &&
+               h.device() == Device::cpu,
+           "swiglu: ", gu.str(), " -> ", h.str(), " (contiguous cpu tensors of one dtype)");
 }
 }  // namespace
 
 void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (gu_N2F.device() == Device::cuda) return cuda::swiglu_forward(gu_N2F, h_NF);
+#endif
   check_swiglu(gu_N2F, h_NF);
   const int64_t n = h_NF.size(0), f = h_NF.size(1);
   dispatch_float(h_NF.dtype(), [&]<class T>() {
@@ -29,8 +39,13 @@ void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF) {
 }
 
 void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (gu_N2F.device() == Device::cuda) return cuda::swiglu_backward(gu_N2F, dh_NF, dgu_N2F);
+#endif
   check_swiglu(gu_N2F, dh_NF);
   check_shape(dgu_N2F, gu_N2F.shape(), "swiglu_backward dgu");
+  MF_CHECK(dgu_N2F.contiguous() && dgu_N2F.dtype() == gu_N2F.dtype() && dgu_N2F.device() == Device::cpu,
+           "swiglu_backward: dgu ", dgu_N2F.str());
   const int64_t n = dh_NF.size(0), f = dh_NF.size(1);
   dispatch_float(dh_NF.dtype(), [&]<class T>() {
     const T* gu = gu_N2F.ptr<T>();
