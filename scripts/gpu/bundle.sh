@@ -13,7 +13,8 @@ out="$root/.gpu"
 grep -qx '/.gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$root/.git/info/exclude"
 grep -qx '/build-gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/build-gpu/' >> "$root/.git/info/exclude"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOEFOLD_WERROR=ON -DMOEFOLD_CUDA_ARCHS=90a > /dev/null
-targets=$(cd "$root/tests" && ls test_*cuda*.cpp mpi/test_comm_nccl.cpp 2>/dev/null | xargs -n1 basename | sed 's/\.cpp$//')
+# MOEFOLD_GPU_TARGETS: the test binaries (default: every tests/test_*cuda*.cpp and test_comm_nccl).
+targets=${MOEFOLD_GPU_TARGETS:-$(cd "$root/tests" && ls test_*cuda*.cpp mpi/test_comm_nccl.cpp 2>/dev/null | xargs -n1 basename | sed 's/\.cpp$//')}
 # MOEFOLD_GPU_EXTRA_TARGETS: more targets to bundle (e.g. "moefold test_train").
 cmake --build "$build" -j"$(nproc)" --target $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}
 rm -rf "$out" && mkdir -p "$out/bin" "$out/lib"
