@@ -130,4 +130,30 @@ TEST(Rng, DeterministicAndWellDistributed) {
 }
 
 }  // namespace
+// Mixed precision: bf16 compute copies beside f32 master weights and gradients; activations in
+// the compute dtype; without bf16 the compute view is the master weight itself.
+TEST(Memory, MixedPrecisionKeepsF32MastersAndBf16ComputeCopies) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Memory mem(dt);
+    auto bind = [&] {
+      Tensor w = mem.param("w", {3, 4}, Init::normal, 0.02, true);
+      Tensor a = mem.act({5});
+      EXPECT_EQ(w.dtype(), dt);
+      EXPECT_EQ(a.dtype(), dt);
+    };
+    bind();
+    mem.allocate();
+    bind();
+    mem.finish_binding();
+    const Param& p = mem.params().front();
+    EXPECT_EQ(p.value.dtype(), DType::f32);
+    EXPECT_EQ(p.grad.dtype(), DType::f32);
+    EXPECT_EQ(p.compute.dtype(), dt);
+    EXPECT_EQ(p.compute.data() == p.value.data(), dt == DType::f32);
+    EXPECT_EQ(mem.mixed_precision(), dt == DType::bf16);
+    EXPECT_EQ(mem.grad_block(ParamGroup::dense).dtype(), DType::f32);
+    EXPECT_EQ(mem.param_bytes(), static_cast<size_t>(dt == DType::bf16 ? 64 + 64 : 64));  // 64-byte aligned blocks
+  }
+}
+
 }  // namespace moefold

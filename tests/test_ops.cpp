@@ -449,4 +449,21 @@ TEST(Matmul, ViewsMatchTripleLoop) {
 }
 
 }  // namespace
+// cast: f64 -> f32 -> bf16 -> f32 round to nearest even, exactly as f32_to_bf16 does.
+TEST(Cast, RoundsToNearestEvenAndBack) {
+  Pool pool;
+  const int64_t n = 1000;
+  Tensor x = pool.randn({n}, DType::f64, 3.0), f = pool.zeros({n}, DType::f32), b = pool.zeros({n}, DType::bf16),
+         back = pool.zeros({n}, DType::f32);
+  cast(x, f);
+  cast(f, b);
+  cast(b, back);
+  for (int64_t i = 0; i < n; ++i) {
+    const float fi = static_cast<float>(x.ptr<double>()[i]);
+    ASSERT_EQ(f.ptr<float>()[i], fi);
+    ASSERT_EQ(static_cast<uint16_t*>(b.data())[i], f32_to_bf16(fi));
+    ASSERT_EQ(back.ptr<float>()[i], bf16_to_f32(f32_to_bf16(fi)));
+  }
+}
+
 }  // namespace moefold

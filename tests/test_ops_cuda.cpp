@@ -57,4 +57,22 @@ TEST(CudaAdamW, MatchesCpuAndWritesTheComputeCopy) {
 }
 
 }  // namespace
+// cast on the GPU: the same bits as the CPU cast (one rounding to nearest even).
+TEST(CudaCast, MatchesCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  Pool pool;
+  DevicePool dev;
+  const int64_t n = 65537;
+  Tensor x = pool.randn({n}, DType::f32, 3.0), b = pool.zeros({n}, DType::bf16);
+  cast(x, b);
+  Tensor xd = dev.upload(x, DType::f32), bd = dev.poisoned({n}, DType::bf16), back = dev.poisoned({n}, DType::f32);
+  cast(xd, bd);
+  cast(bd, back);
+  const std::vector<double> got = testing::download(bd), round = testing::download(back);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(got[i], bf16_to_f32(static_cast<uint16_t*>(b.data())[i])) << i;
+    ASSERT_EQ(round[i], got[i]) << i;
+  }
+}
+
 }  // namespace moefold

@@ -145,13 +145,13 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 double value_at(const Tensor& t, int64_t i) {
-  if (t.dtype() == DType::bf16) return bf16_to_f32(t.ptr<uint16_t>()[i]);
+  if (t.dtype() == DType::bf16) return bf16_to_f32(static_cast<uint16_t*>(t.data())[i]);
   return dispatch_float(t.dtype(), [&]<class T>() { return static_cast<double>(t.ptr<T>()[i]); });
 }
 
 void set_value_at(const Tensor& t, int64_t i, double v) {
   if (t.dtype() == DType::bf16) {
-    t.ptr<uint16_t>()[i] = f32_to_bf16(static_cast<float>(v));
+    static_cast<uint16_t*>(t.data())[i] = f32_to_bf16(static_cast<float>(v));
     return;
   }
   dispatch_float(t.dtype(), [&]<class T>() { t.ptr<T>()[i] = static_cast<T>(v); });

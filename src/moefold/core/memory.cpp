@@ -61,6 +61,7 @@ void Arena::zero() const {
 Memory::Memory(DType dtype, Device device) : dtype_(dtype), device_(device) {
   for (Arena& a : params_arena_) a.set_device(device);
   for (Arena& a : grads_) a.set_device(device);
+  for (Arena& a : compute_) a.set_device(device);
   acts_.set_device(device);
 }
 
@@ -75,8 +76,9 @@ Tensor Memory::param(const std::string& name, Shape shape, Init init, double ini
   const int g = static_cast<int>(group);
   Param p;
   p.name = name;
-  p.value = params_arena_[g].take(dtype_, shape);
-  p.grad = grads_[g].take(dtype_, shape);
+  p.value = params_arena_[g].take(master_dtype(), shape);
+  p.grad = grads_[g].take(master_dtype(), shape);
+  p.compute = mixed_precision() ? compute_[g].take(dtype_, shape) : p.value;
   p.group = group;
   p.shard_offset = shard_offset;
   p.global_rows = global_rows > 0 ? global_rows : shape[0];
@@ -99,7 +101,7 @@ Tensor Memory::param(const std::string& name, Shape shape, Init init, double ini
   p.decay = decay;
   p.id = params_.size();
   params_.push_back(p);
-  return p.value;
+  return p.compute;
 }
 
 Shape Param::global_shape() const {
@@ -157,6 +159,7 @@ void Memory::allocate() {
   for (int g = 0; g < kNumParamGroups; ++g) {
     params_arena_[g].allocate();
     grads_[g].allocate();
+    compute_[g].allocate();
   }
   acts_.allocate();
   params_.clear();
@@ -174,6 +177,7 @@ std::vector<const Arena*> Memory::arenas() const {
   for (int g = 0; g < kNumParamGroups; ++g) {
     all.push_back(&params_arena_[g]);
     all.push_back(&grads_[g]);
+    all.push_back(&compute_[g]);
   }
   all.push_back(&acts_);
   return all;
@@ -182,6 +186,7 @@ std::vector<const Arena*> Memory::arenas() const {
 size_t Memory::param_bytes() const {
   size_t n = 0;
   for (const Arena& a : params_arena_) n += a.used();
+  for (const Arena& a : compute_) n += a.used();
   return n;
 }
 
@@ -197,8 +202,8 @@ void Memory::zero_grads() const {
 
 Tensor Memory::grad_block(ParamGroup group) const {
   const Arena& a = grads_[static_cast<int>(group)];
-  const int64_t n = static_cast<int64_t>(a.used() / dtype_size(dtype_));
-  return Tensor(a.base(), dtype_, {n}, device_);
+  const int64_t n = static_cast<int64_t>(a.used() / dtype_size(master_dtype()));
+  return Tensor(a.base(), master_dtype(), {n}, device_);
 }
 
 const Param* Memory::find(const std::string& name) const {

@@ -70,8 +70,11 @@ struct DimShard {
 
 struct Param {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
-  Tensor value;      // master weight (compute dtype on the CPU)
-  Tensor grad;       // same shape; accumulated by backward
+  Tensor value;      // master weight (the master dtype: f32, or f64 in gradient checks)
+  Tensor grad;       // same shape and dtype; accumulated by backward
+  // The weight the forward reads: `value` itself, or with mixed precision (compute dtype bf16)
+  // a bf16 copy that whoever changes `value` refreshes (the optimizer does it in its pass).
+  Tensor compute;
   Init init = Init::normal;
   double init_std = 0.02;
   bool decay = true;  // false for norms and biases
@@ -103,13 +106,19 @@ size_t host_memory_bytes();
 class Memory {
  public:
   // Every arena on `device` (parameters, gradients and activations on the GPU for cuda).
+  // `dtype` is the compute dtype of activations and of the weights the forward reads; master
+  // weights and gradients are f32 when it is bf16 (mixed precision), else the same dtype.
   explicit Memory(DType dtype, Device device = Device::cpu);
 
   DType dtype() const { return dtype_; }
+  DType master_dtype() const { return dtype_ == DType::bf16 ? DType::f32 : dtype_; }
+  // Whether compute copies differ from the master weights (Param::compute != Param::value).
+  bool mixed_precision() const { return master_dtype() != dtype_; }
   Device device() const { return device_; }
   bool measuring() const { return acts_.measuring(); }
 
-  // Registers a parameter (and its gradient) under `name`; returns its value view. A sharded
+  // Registers a parameter (and its gradient) under `name`; returns the view the forward reads
+  // (Param::compute: the master weight itself, or its bf16 copy). A sharded
   // parameter holds rows [shard_offset, shard_offset + shape[0]) of global_rows (0: unsharded),
   // and with dim_shard.dim >= 1 also a slice of that dimension (see DimShard).
   Tensor param(const std::string& name, Shape shape, Init init, double init_std, bool decay,
@@ -142,8 +151,8 @@ class Memory {
  private:
   DType dtype_;
   Device device_ = Device::cpu;
-  Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], acts_;
-  size_t measured_[2 * kNumParamGroups + 1] = {};
+  Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
+  size_t measured_[3 * kNumParamGroups + 1] = {};
   std::vector<const Arena*> arenas() const;  // every arena, in a fixed order
   std::vector<Param> params_;
 };

@@ -22,6 +22,10 @@ double sum_squares(const Tensor& x);
 // x *= s.
 void scale_inplace(const Tensor& x, double s);
 
+// dst = src converted to dst's dtype (f32, f64, bf16: round to nearest even). Same numel,
+// contiguous, one device. Refreshes bf16 compute copies of master weights.
+void cast(const Tensor& src, const Tensor& dst);
+
 // ---- AdamW (decoupled weight decay), one parameter tensor ----------------------------------------
 // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 // w = w (1 - lr wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), bc = 1 - beta^t.

@@ -30,7 +30,8 @@ void AdamW::step(std::vector<Param>& params, double lr) {
   for (size_t i = 0; i < params.size(); ++i) {
     Param& p = params[i];
     const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2};
-    adamw_update(p.value, p.grad, m_[i], v_[i], s);
+    // With mixed precision the pass also refreshes the bf16 compute copy.
+    adamw_update(p.value, p.grad, m_[i], v_[i], s, p.compute.data() != p.value.data() ? p.compute : Tensor());
   }
 }
 

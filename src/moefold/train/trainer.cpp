@@ -47,8 +47,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh)
     bias_counts_E_ = mem_.act({experts}, DType::i64);
   };
   bind_all();  // measure
-  // AdamW keeps two moments per parameter.
-  planned_bytes_ = 3 * mem_.param_bytes() + mem_.act_bytes() + mem_.grad_bytes();
+  // Master weights (and compute copies), gradients, two AdamW moments of the gradients' size, activations.
+  planned_bytes_ = mem_.param_bytes() + 3 * mem_.grad_bytes() + mem_.act_bytes();
   const size_t host = host_memory_bytes();
   if (host > 0 && planned_bytes_ > host)
     MF_FAIL("the ", cfg.preset, " config needs ", planned_bytes_ >> 20, " MiB of planned memory (parameters, ",
@@ -81,14 +81,21 @@ void Trainer::reduce_dense(const Tensor& t) {
   if (mesh_.dp_cp->size() > 1) mesh_.dp_cp->all_reduce(t, ReduceOp::sum);
 }
 
+void Trainer::refresh_compute_weights() {
+  for (const Param& p : mem_.params())
+    if (p.compute.data() != p.value.data()) cast(p.value, p.compute);
+}
+
 void Trainer::init_fresh() {
   Model::init_params(mem_.params(), cfg_.train.seed);
+  refresh_compute_weights();
   step_ = 0;
   loader_.set_position(0);
 }
 
 void Trainer::load(const std::string& ckpt) {
   TrainerState s = load_checkpoint(ckpt, mem_.params(), &opt_);
+  refresh_compute_weights();
   step_ = s.step;
   loader_.set_position(s.data_position);
 }

@@ -67,6 +67,8 @@ class Trainer {
   int64_t num_valid_batches() const { return loader_.num_valid_batches(); }
 
  private:
+  // Mixed precision: the bf16 compute copies from the master weights (after init and load).
+  void refresh_compute_weights();
   // Sum over the dense data-parallel group (DP x CP) in place.
   void reduce_dense(const Tensor& t);
   int64_t local_micro_batches() const;

@@ -79,4 +79,25 @@ void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tenso
   });
 }
 
+void cast(const Tensor& src, const Tensor& dst) {
+  MF_CHECK(src.numel() == dst.numel() && src.contiguous() && dst.contiguous() && src.device() == dst.device(),
+           "cast: ", src.str(), " -> ", dst.str());
+#ifdef MOEFOLD_WITH_CUDA
+  if (src.device() == Device::cuda) return cuda::cast(src, dst);
+#endif
+  MF_CHECK(src.device() == Device::cpu, "cast: ", src.str());
+  const int64_t n = src.numel();
+  auto load = [&](int64_t i) -> double {
+    if (src.dtype() == DType::bf16) return bf16_to_f32(static_cast<const uint16_t*>(src.data())[i]);
+    return dispatch_float(src.dtype(), [&]<class T>() { return static_cast<double>(src.ptr<T>()[i]); });
+  };
+  if (dst.dtype() == DType::bf16) {
+    for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst.data())[i] = f32_to_bf16(static_cast<float>(load(i)));
+    return;
+  }
+  dispatch_float(dst.dtype(), [&]<class T>() {
+    for (int64_t i = 0; i < n; ++i) dst.ptr<T>()[i] = static_cast<T>(load(i));
+  });
+}
+
 }  // namespace moefold

@@ -13,7 +13,8 @@ namespace moefold::cuda {
 
 // ---- elementwise (elementwise.cu): f32 or bf16, accumulation in f32 -----------------------------
 void add_inplace(const Tensor& y, const Tensor& x);
-double sum_squares(const Tensor& x);  // waits for the GPU (returns a host value)
+double sum_squares(const Tensor& x);              // waits for the GPU (returns a host value)
+void cast(const Tensor& src, const Tensor& dst);  // f32 <-> bf16 (or equal dtypes: a copy)
 void scale_inplace(const Tensor& x, double s);
 
 // ---- AdamW (optimizer.cu): w, g, m, v f32; w_compute (optional) bf16 or f32 ---------------------

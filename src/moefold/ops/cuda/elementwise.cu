@@ -46,7 +46,28 @@ __global__ void sum_squares_kernel(const T* x, int64_t n, double* partial) {
   if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
 }
 
+template <class S, class D>
+__global__ void cast_kernel(const S* src, D* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = from_float<D>(to_float(src[i]));
+}
+
 }  // namespace
+
+void cast(const Tensor& src, const Tensor& dst) {
+  check_cuda_tensor(src, "cast src");
+  check_cuda_tensor(dst, "cast dst");
+  MF_CHECK(src.numel() == dst.numel(), "cast: ", src.str(), " -> ", dst.str());
+  const int64_t n = src.numel();
+  if (n == 0) return;
+  dispatch_cuda_float(src.dtype(), [&]<class S>() {
+    dispatch_cuda_float(dst.dtype(), [&]<class D>() {
+      cast_kernel<S, D><<<blocks_for(n), kThreads, 0, stream()>>>(src.ptr<S>(), dst.ptr<D>(), n);
+    });
+  });
+  MF_CUDA_LAUNCHED("cast");
+}
 
 void add_inplace(const Tensor& y, const Tensor& x) {
   check_cuda_tensor(y, "add_inplace y");
