@@ -24,6 +24,9 @@ EvalResult evaluate_checkpoint(const std::string& dir, const std::vector<int32_t
       MF_FAIL(source, ": token id ", tokens[i], " at index ", i, " is outside the vocabulary [0, ",
               cfg.model.vocab_size, ")");
   const int64_t s = cols - 1;
+  if (s <= cfg.model.num_nextn_predict_layers)
+    MF_FAIL(source, ": sequences of ", cols, " tokens are too short for the checkpoint's multi-token prediction ",
+            "(model.num_nextn_predict_layers = ", cfg.model.num_nextn_predict_layers, ")");
   Model model(cfg.model, cfg.moe, 1, s);
   Memory mem(DType::f32);
   Tensor ids, targets;
