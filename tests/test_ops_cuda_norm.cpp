@@ -229,27 +229,29 @@ TEST(CudaNorm, RopeMatchesCpu) {
         pos.ptr<int32_t>()[0] = static_cast<int32_t>(p - 1);
         Tensor pos_d = dev.upload(pos, DType::i32);
 
-        for (int variant = 0; variant < 4; ++variant) {  // forward, backward, forward_at, backward_at
+        // forward, backward, forward_at, backward_at; pairs split in halves or interleaved
+        for (int variant = 0; variant < 8; ++variant) {
           SCOPED_TRACE(variant);
+          const bool il = variant >= 4;
           Tensor x = pool.randn(shape);
           Tensor ref = rounded(pool, x, dt);
           Tensor xd = dev.upload(x, dt);
-          switch (variant) {
+          switch (variant % 4) {
             case 0:
-              rope_forward(ref, cr, sr);
-              rope_forward(xd, cd, sd);
+              rope_forward(ref, cr, sr, il);
+              rope_forward(xd, cd, sd, il);
               break;
             case 1:
-              rope_backward(ref, cr, sr);
-              rope_backward(xd, cd, sd);
+              rope_backward(ref, cr, sr, il);
+              rope_backward(xd, cd, sd, il);
               break;
             case 2:
-              rope_forward_at(ref, pos, cpr, spr);
-              rope_forward_at(xd, pos_d, cpd, spd);
+              rope_forward_at(ref, pos, cpr, spr, il);
+              rope_forward_at(xd, pos_d, cpd, spd, il);
               break;
             default:
-              rope_backward_at(ref, pos, cpr, spr);
-              rope_backward_at(xd, pos_d, cpd, spd);
+              rope_backward_at(ref, pos, cpr, spr, il);
+              rope_backward_at(xd, pos_d, cpd, spd, il);
               break;
           }
           expect_close(download(xd), ref, tol, "rope");

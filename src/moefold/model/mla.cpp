@@ -30,9 +30,6 @@ MlaAttention::MlaAttention(const ModelConfig& m, int64_t batch, int64_t seq_len,
       rq_(m.q_lora_rank),
       rkv_(m.kv_lora_rank) {
   MF_CHECK(dr_ % 2 == 0, prefix_, ": qk_rope_head_dim ", dr_, " must be even");
-  rot_src_.resize(static_cast<size_t>(dr_));
-  for (int64_t j = 0; j < dr_; ++j)  // half-split column j <- interleaved column (2j, or 2(j - Dr/2) + 1)
-    rot_src_[j] = !m.rope_interleave ? j : (j < dr_ / 2 ? 2 * j : 2 * (j - dr_ / 2) + 1);
 }
 
 void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
@@ -129,19 +126,20 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     T* qpe = q_pe_.ptr<T>();
     for (int64_t t = 0; t < nt; ++t) {
       std::copy(kva + t * kvw, kva + t * kvw + rkv_, craw + t * rkv_);
-      for (int64_t j = 0; j < dr_; ++j) kpe[t * dr_ + j] = kva[t * kvw + rkv_ + rot_src_[j]];
+      std::copy(kva + t * kvw + rkv_, kva + (t + 1) * kvw, kpe + t * dr_);
       for (int64_t hd = 0; hd < q; ++hd)
-        for (int64_t j = 0; j < dr_; ++j) qpe[(t * q + hd) * dr_ + j] = qr[(t * q + hd) * dqk_ + dn_ + rot_src_[j]];
+        std::copy(qr + (t * q + hd) * dqk_ + dn_, qr + (t * q + hd + 1) * dqk_, qpe + (t * q + hd) * dr_);
     }
   });
   rmsnorm_forward(ckv_raw_, kv_a_norm_, m_.rms_norm_eps, ckv_, ckv_rstd_);
   linear_forward(ckv_, wkv_b_, kvb_);
+  const bool il = m_.rope_interleave;
   if (cp_) {
-    rope_forward_at(q_pe_, cp_->positions(), cos_, sin_);
-    rope_forward_at(k_pe_, cp_->positions(), cos_, sin_);
+    rope_forward_at(q_pe_, cp_->positions(), cos_, sin_, il);
+    rope_forward_at(k_pe_, cp_->positions(), cos_, sin_, il);
   } else {
-    rope_forward(q_pe_, cos_, sin_);
-    rope_forward(k_pe_, cos_, sin_);
+    rope_forward(q_pe_, cos_, sin_, il);
+    rope_forward(k_pe_, cos_, sin_, il);
   }
   dispatch_float(x_TH.dtype(), [&]<class T>() {
     const T* qr = q_raw_.ptr<T>();
@@ -225,12 +223,13 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
       }
     }
   });
+  const bool il = m_.rope_interleave;
   if (cp_) {
-    rope_backward_at(q_pe_, cp_->positions(), cos_, sin_);
-    rope_backward_at(k_pe_, cp_->positions(), cos_, sin_);
+    rope_backward_at(q_pe_, cp_->positions(), cos_, sin_, il);
+    rope_backward_at(k_pe_, cp_->positions(), cos_, sin_, il);
   } else {
-    rope_backward(q_pe_, cos_, sin_);
-    rope_backward(k_pe_, cos_, sin_);
+    rope_backward(q_pe_, cos_, sin_, il);
+    rope_backward(k_pe_, cos_, sin_, il);
   }
   linear_backward(ckv_, wkv_b_, dkvb_, dckv_, dwkv_b_);
   rmsnorm_backward(ckv_raw_, kv_a_norm_, ckv_rstd_, dckv_, dckv_raw_, dkv_a_norm_);
@@ -242,9 +241,9 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     T* dkva = dkv_a_.ptr<T>();
     for (int64_t t = 0; t < nt; ++t) {
       std::copy(dcraw + t * rkv_, dcraw + (t + 1) * rkv_, dkva + t * kvw);
-      for (int64_t j = 0; j < dr_; ++j) dkva[t * kvw + rkv_ + rot_src_[j]] = dkpe[t * dr_ + j];
+      std::copy(dkpe + t * dr_, dkpe + (t + 1) * dr_, dkva + t * kvw + rkv_);
       for (int64_t hd = 0; hd < q; ++hd)
-        for (int64_t j = 0; j < dr_; ++j) dqr[(t * q + hd) * dqk_ + dn_ + rot_src_[j]] = dqpe[(t * q + hd) * dr_ + j];
+        std::copy(dqpe + (t * q + hd) * dr_, dqpe + (t * q + hd + 1) * dr_, dqr + (t * q + hd) * dqk_ + dn_);
     }
   });
   const Tensor dx_full = tp_ ? partial_ : dx_TH;

@@ -6,7 +6,8 @@
 //   q = [q_nope, rope(q_rot)], k = [k_nope, k_rot]; causal attention with scale
 //   (Dn + Dr)^-0.5 (times YaRN's mscale^2); y = o_proj(out) [T, H].
 // With rope_interleave the rotary dims pair (x0, x1), (x2, x3), ... (DeepSeek's checkpoint
-// layout): they are de-interleaved before the half-split rotation, as HF does, for q and k alike.
+// layout): the RoPE ops rotate those pairs in place (HF de-interleaves first; the same
+// permutation of q's and k's columns leaves every q.k, hence the attention, unchanged).
 // The attention core takes one head width for q, k and v: q and k are padded with zeros to
 // max(Dn + Dr, Dv), v likewise (exact: zeros add nothing to q.k and give zero output columns).
 //
@@ -46,7 +47,6 @@ class MlaAttention : public SelfAttention {
   Communicator* tp_ = nullptr;
   ContextParallelAttention* cp_ = nullptr;
   Tensor cos_, sin_;
-  std::vector<int64_t> rot_src_;  // rotary column j of the half-split layout reads source column rot_src_[j]
   // parameters and gradients (q_a/q_a_norm/q_b with q-LoRA, else q_proj in wq_b_)
   Tensor wq_a_, q_a_norm_, wq_b_, wkv_a_, kv_a_norm_, wkv_b_, wo_;
   Tensor dwq_a_, dq_a_norm_, dwq_b_, dwkv_a_, dkv_a_norm_, dwkv_b_, dwo_;

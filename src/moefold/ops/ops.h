@@ -91,14 +91,18 @@ void rope_table(double theta, const Tensor& cos_SD, const Tensor& sin_SD);
 void rope_table(const std::vector<double>& inv_freq, double attention_factor, const Tensor& cos_SD,
                 const Tensor& sin_SD);
 // x_BSHD (H heads) rotated in place: x = x*cos + rotate_half(x)*sin at position s.
-void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD);
+// interleaved: the rotated pairs are (x[2j], x[2j+1]) (DeepSeek's checkpoints) instead of
+// (x[j], x[j + D/2]); applied to q and k alike it gives the same q.k as HF's de-interleaving.
+void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved = false);
 // The transpose: d = d*cos - ... ; in place on the gradient.
-void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD);
+void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved = false);
 // Explicit positions (context parallelism: a rank's tokens are not 0..S-1): token s of x is at
 // global position positions_S[s] (i32) and reads row positions_S[s] of a table built for P
 // positions. REQUIRES: 0 <= positions_S[s] < P. Same in-place and WRITTEN rules as above.
-void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD);
-void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD);
+void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+                     bool interleaved = false);
+void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+                      bool interleaved = false);
 
 // ---- causal grouped-query attention ---------------------------------------------------------
 // q_BSQD, k_BSGD, v_BSGD with Q % G == 0 (query head h reads kv head h / (Q/G));

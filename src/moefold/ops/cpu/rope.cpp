@@ -47,7 +47,7 @@ void check_rope_at(const Tensor& x, const Tensor& positions, const Tensor& cos, 
 // the exact transpose of that 2x2 map. Token si uses table row pos[si] (row si when pos is null).
 template <class T>
 void rope_apply(T* x, const T* cos, const T* sin, const int32_t* pos, int64_t b, int64_t s, int64_t h, int64_t d,
-                bool transpose) {
+                bool transpose, bool interleaved) {
   const int64_t half = d / 2;
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t si = 0; si < s; ++si) {
@@ -57,13 +57,14 @@ void rope_apply(T* x, const T* cos, const T* sin, const int32_t* pos, int64_t b,
       for (int64_t hi = 0; hi < h; ++hi) {
         T* row = x + ((bi * s + si) * h + hi) * d;
         for (int64_t j = 0; j < half; ++j) {
-          const T a = row[j], bb = row[j + half];
+          const int64_t i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + half;
+          const T a = row[i0], bb = row[i1];
           if (!transpose) {
-            row[j] = a * c[j] - bb * sn[j];
-            row[j + half] = bb * c[j + half] + a * sn[j + half];
+            row[i0] = a * c[j] - bb * sn[j];
+            row[i1] = bb * c[j + half] + a * sn[j + half];
           } else {
-            row[j] = a * c[j] + bb * sn[j + half];
-            row[j + half] = bb * c[j + half] - a * sn[j];
+            row[i0] = a * c[j] + bb * sn[j + half];
+            row[i1] = bb * c[j + half] - a * sn[j];
           }
         }
       }
@@ -97,47 +98,50 @@ void rope_table(const std::vector<double>& inv_freq, double attention_factor, co
   });
 }
 
-void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
+void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
 #ifdef MOEFOLD_WITH_CUDA
-  if (x_BSHD.device() == Device::cuda) return cuda::rope_forward(x_BSHD, cos_SD, sin_SD);
+  if (x_BSHD.device() == Device::cuda) return cuda::rope_forward(x_BSHD, cos_SD, sin_SD, interleaved);
 #endif
   check_rope(x_BSHD, cos_SD, sin_SD, "rope_forward");
   dispatch_float(x_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(x_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), nullptr, x_BSHD.size(0), x_BSHD.size(1),
-                  x_BSHD.size(2), x_BSHD.size(3), false);
+                  x_BSHD.size(2), x_BSHD.size(3), false, interleaved);
   });
 }
 
-void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
+void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
 #ifdef MOEFOLD_WITH_CUDA
-  if (dx_BSHD.device() == Device::cuda) return cuda::rope_backward(dx_BSHD, cos_SD, sin_SD);
+  if (dx_BSHD.device() == Device::cuda) return cuda::rope_backward(dx_BSHD, cos_SD, sin_SD, interleaved);
 #endif
   check_rope(dx_BSHD, cos_SD, sin_SD, "rope_backward");
   dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(dx_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), nullptr, dx_BSHD.size(0), dx_BSHD.size(1),
-                  dx_BSHD.size(2), dx_BSHD.size(3), true);
+                  dx_BSHD.size(2), dx_BSHD.size(3), true, interleaved);
   });
 }
 
-void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD) {
+void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+                     bool interleaved) {
 #ifdef MOEFOLD_WITH_CUDA
-  if (x_BSHD.device() == Device::cuda) return cuda::rope_forward_at(x_BSHD, positions_S, cos_PD, sin_PD);
+  if (x_BSHD.device() == Device::cuda) return cuda::rope_forward_at(x_BSHD, positions_S, cos_PD, sin_PD, interleaved);
 #endif
   check_rope_at(x_BSHD, positions_S, cos_PD, sin_PD, "rope_forward_at");
   dispatch_float(x_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(x_BSHD.ptr<T>(), cos_PD.ptr<T>(), sin_PD.ptr<T>(), positions_S.ptr<int32_t>(), x_BSHD.size(0),
-                  x_BSHD.size(1), x_BSHD.size(2), x_BSHD.size(3), false);
+                  x_BSHD.size(1), x_BSHD.size(2), x_BSHD.size(3), false, interleaved);
   });
 }
 
-void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD) {
+void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+                      bool interleaved) {
 #ifdef MOEFOLD_WITH_CUDA
-  if (dx_BSHD.device() == Device::cuda) return cuda::rope_backward_at(dx_BSHD, positions_S, cos_PD, sin_PD);
+  if (dx_BSHD.device() == Device::cuda)
+    return cuda::rope_backward_at(dx_BSHD, positions_S, cos_PD, sin_PD, interleaved);
 #endif
   check_rope_at(dx_BSHD, positions_S, cos_PD, sin_PD, "rope_backward_at");
   dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(dx_BSHD.ptr<T>(), cos_PD.ptr<T>(), sin_PD.ptr<T>(), positions_S.ptr<int32_t>(), dx_BSHD.size(0),
-                  dx_BSHD.size(1), dx_BSHD.size(2), dx_BSHD.size(3), true);
+                  dx_BSHD.size(1), dx_BSHD.size(2), dx_BSHD.size(3), true, interleaved);
   });
 }
 

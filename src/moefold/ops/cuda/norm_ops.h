@@ -42,10 +42,12 @@ void rmsnorm_backward(const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_
 
 // ---- RoPE (rope.cu) --------------------------------------------------------------------------
 // x (or dx) f32 or bf16, rotated in place; cos/sin of x's dtype or f32; positions i32.
-void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD);
-void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD);
-void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD);
-void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD);
+void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved);
+void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved);
+void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+                     bool interleaved);
+void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+                      bool interleaved);
 
 // ---- SwiGLU (swiglu.cu) ----------------------------------------------------------------------
 // gu, h, dh, dgu of one dtype (f32 or bf16).

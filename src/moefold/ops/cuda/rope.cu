@@ -14,11 +14,11 @@ constexpr int kThreads = 256;
 
 int blocks_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 65535 * 8)); }
 
-// One thread per pair (j, j + D/2) of one (b, s, h) row of x_BSHD. Token s reads table row
-// pos[s] (row s when pos is null); the table has p rows.
+// One thread per pair (j, j + D/2), or (2j, 2j + 1) interleaved, of one (b, s, h) row of x_BSHD. Token s reads table
+// row pos[s] (row s when pos is null); the table has p rows.
 template <bool kTranspose, class T, class TT>
 __global__ void rope_kernel(T* x, const TT* cos, const TT* sin, const int32_t* pos, int64_t p, int64_t s, int64_t h,
-                            int64_t d, int64_t pairs) {
+                            int64_t d, int64_t pairs, bool interleaved) {
   const int64_t half = d / 2;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < pairs;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -32,13 +32,14 @@ __global__ void rope_kernel(T* x, const TT* cos, const TT* sin, const int32_t* p
     const TT* c = cos + table_row * d;
     const TT* sn = sin + table_row * d;
     T* xr = x + row * d;
-    const float a = to_float(xr[j]), b = to_float(xr[j + half]);
+    const int64_t i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + half;
+    const float a = to_float(xr[i0]), b = to_float(xr[i1]);
     if constexpr (!kTranspose) {
-      xr[j] = from_float<T>(a * to_float(c[j]) - b * to_float(sn[j]));
-      xr[j + half] = from_float<T>(b * to_float(c[j + half]) + a * to_float(sn[j + half]));
+      xr[i0] = from_float<T>(a * to_float(c[j]) - b * to_float(sn[j]));
+      xr[i1] = from_float<T>(b * to_float(c[j + half]) + a * to_float(sn[j + half]));
     } else {
-      xr[j] = from_float<T>(a * to_float(c[j]) + b * to_float(sn[j + half]));
-      xr[j + half] = from_float<T>(b * to_float(c[j + half]) - a * to_float(sn[j]));
+      xr[i0] = from_float<T>(a * to_float(c[j]) + b * to_float(sn[j + half]));
+      xr[i1] = from_float<T>(b * to_float(c[j + half]) - a * to_float(sn[j]));
     }
   }
 }
@@ -56,14 +57,15 @@ void check_table(const Tensor& x, const Tensor& cos, const Tensor& sin, const ch
 }
 
 template <bool kTranspose>
-void rope_launch(const Tensor& x, const Tensor& cos, const Tensor& sin, const int32_t* pos, const char* what) {
+void rope_launch(const Tensor& x, const Tensor& cos, const Tensor& sin, const int32_t* pos, bool interleaved,
+                 const char* what) {
   const int64_t s = x.size(1), h = x.size(2), d = x.size(3);
   const int64_t pairs = x.size(0) * s * h * (d / 2);
   if (pairs == 0) return;
   dispatch_cuda_float(x.dtype(), [&]<class T>() {
     auto launch = [&]<class TT>() {
       rope_kernel<kTranspose, T, TT><<<blocks_for(pairs), kThreads, 0, stream()>>>(
-          x.ptr<T>(), cos.ptr<TT>(), sin.ptr<TT>(), pos, cos.size(0), s, h, d, pairs);
+          x.ptr<T>(), cos.ptr<TT>(), sin.ptr<TT>(), pos, cos.size(0), s, h, d, pairs, interleaved);
     };
     if (cos.dtype() == x.dtype())
       launch.template operator()<T>();
@@ -87,26 +89,28 @@ void check_positions(const Tensor& x, const Tensor& positions, const char* what)
 
 }  // namespace
 
-void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
+void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
   check_rope(x_BSHD, cos_SD, sin_SD, "rope_forward");
-  rope_launch<false>(x_BSHD, cos_SD, sin_SD, nullptr, "rope_forward");
+  rope_launch<false>(x_BSHD, cos_SD, sin_SD, nullptr, interleaved, "rope_forward");
 }
 
-void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD) {
+void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
   check_rope(dx_BSHD, cos_SD, sin_SD, "rope_backward");
-  rope_launch<true>(dx_BSHD, cos_SD, sin_SD, nullptr, "rope_backward");
+  rope_launch<true>(dx_BSHD, cos_SD, sin_SD, nullptr, interleaved, "rope_backward");
 }
 
-void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD) {
+void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+                     bool interleaved) {
   check_table(x_BSHD, cos_PD, sin_PD, "rope_forward_at");
   check_positions(x_BSHD, positions_S, "rope_forward_at");
-  rope_launch<false>(x_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), "rope_forward_at");
+  rope_launch<false>(x_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), interleaved, "rope_forward_at");
 }
 
-void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD) {
+void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+                      bool interleaved) {
   check_table(dx_BSHD, cos_PD, sin_PD, "rope_backward_at");
   check_positions(dx_BSHD, positions_S, "rope_backward_at");
-  rope_launch<true>(dx_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), "rope_backward_at");
+  rope_launch<true>(dx_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), interleaved, "rope_backward_at");
 }
 
 }  // namespace moefold::cuda
