@@ -466,4 +466,31 @@ TEST(Cast, RoundsToNearestEvenAndBack) {
   }
 }
 
+// copy/add/fill on matrix views touch exactly the view's elements.
+TEST(MatrixViews, CopyAddFillTouchOnlyTheView) {
+  Pool pool;
+  Tensor src = pool.randn({5, 7}), dst = pool.randn({6, 9}), before = pool.clone(dst);
+  const MatrixView s{src, 4, 3, 7, 2}, d{dst, 4, 3, 9, 13};  // rows 0-3 cols 2-4 -> rows 1-4 cols 4-6
+  copy_matrix(s, d);
+  for (int64_t i = 0; i < 6 * 9; ++i) {
+    const int64_t r = i / 9, c = i % 9;
+    const bool inside = r >= 1 && r <= 4 && c >= 4 && c <= 6;
+    EXPECT_EQ(dst.ptr<double>()[i], inside ? src.ptr<double>()[(r - 1) * 7 + c - 2] : before.ptr<double>()[i]);
+  }
+  add_matrix(s, d);
+  fill_matrix(MatrixView{dst, 1, 2, 9, 0}, -3.5);
+  for (int64_t i = 0; i < 6 * 9; ++i) {
+    const int64_t r = i / 9, c = i % 9;
+    const bool inside = r >= 1 && r <= 4 && c >= 4 && c <= 6;
+    const double want = r == 0 && c < 2 ? -3.5
+                        : inside        ? 2 * src.ptr<double>()[(r - 1) * 7 + c - 2]
+                                        : before.ptr<double>()[i];
+    EXPECT_EQ(dst.ptr<double>()[i], want) << r << " " << c;
+  }
+  Tensor ids = pool.ints({2, 5}, 0, 9);
+  fill_matrix(MatrixView{ids, 2, 2, 5, 3}, kIgnoreTarget);
+  EXPECT_EQ(ids.ptr<int32_t>()[3], kIgnoreTarget);
+  EXPECT_EQ(ids.ptr<int32_t>()[9], kIgnoreTarget);
+}
+
 }  // namespace moefold

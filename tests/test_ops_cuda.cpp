@@ -75,4 +75,25 @@ TEST(CudaCast, MatchesCpuBitForBit) {
   }
 }
 
+// Matrix-view copy (2-D memcpy), add and fill on the GPU: exactly the CPU's elements.
+TEST(CudaMatrixViews, CopyAddFillMatchCpu) {
+  MF_REQUIRE_GPU();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Pool pool;
+    DevicePool dev;
+    Tensor src = pool.randn({50, 70}), dst = pool.randn({60, 90});
+    Tensor sr = testing::rounded(pool, src, dt), dr = testing::rounded(pool, dst, dt);
+    Tensor sd = dev.upload(src, dt), dd = dev.upload(dst, dt);
+    const MatrixView s{sr, 40, 33, 70, 21}, d{dr, 40, 33, 90, 95}, sdv{sd, 40, 33, 70, 21}, ddv{dd, 40, 33, 90, 95};
+    copy_matrix(s, d);
+    copy_matrix(sdv, ddv);
+    add_matrix(s, d);
+    add_matrix(sdv, ddv);
+    fill_matrix(MatrixView{dr, 3, 5, 90, 7}, 0.25);
+    fill_matrix(MatrixView{dd, 3, 5, 90, 7}, 0.25);
+    // one bf16 rounding of x + x is exact (a doubling): equality holds in both dtypes
+    EXPECT_EQ(testing::rel_error(testing::download(dd), dr), 0.0) << dtype_name(dt);
+  }
+}
+
 }  // namespace moefold

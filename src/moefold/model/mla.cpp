@@ -1,6 +1,6 @@
 // MlaAttention forward/backward in terms of ops/ops.h; see mla.h. The head-wise assembly of q, k
-// and v (split, de-interleave, pad) is plain index arithmetic here: it moves no more bytes than
-// the projections' outputs.
+// and v (split, pad) is strided copies of matrix views (ops, so it runs on either device; one
+// fused kernel would save launches on the GPU).
 #include "moefold/model/mla.h"
 
 #include <algorithm>
@@ -9,6 +9,13 @@
 #include "moefold/ops/ops.h"
 
 namespace moefold {
+
+namespace {
+// rows x cols of `t`'s memory with row stride ld, from element `offset`.
+MatrixView view(const Tensor& t, int64_t rows, int64_t cols, int64_t ld, int64_t offset) {
+  return MatrixView{t, rows, cols, ld, offset};
+}
+}  // namespace
 
 int64_t MlaAttention::core_head_dim(const ModelConfig& m) {
   return std::max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim);
@@ -118,19 +125,10 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     linear_forward(x_full_, wq_b_, q_raw_);
   }
   linear_forward(x_full_, wkv_a_, kv_a_);
-  dispatch_float(x_TH.dtype(), [&]<class T>() {
-    const T* kva = kv_a_.ptr<T>();
-    T* craw = ckv_raw_.ptr<T>();
-    T* kpe = k_pe_.ptr<T>();
-    const T* qr = q_raw_.ptr<T>();
-    T* qpe = q_pe_.ptr<T>();
-    for (int64_t t = 0; t < nt; ++t) {
-      std::copy(kva + t * kvw, kva + t * kvw + rkv_, craw + t * rkv_);
-      std::copy(kva + t * kvw + rkv_, kva + (t + 1) * kvw, kpe + t * dr_);
-      for (int64_t hd = 0; hd < q; ++hd)
-        std::copy(qr + (t * q + hd) * dqk_ + dn_, qr + (t * q + hd + 1) * dqk_, qpe + (t * q + hd) * dr_);
-    }
-  });
+  // Split kv_a into the latent and the rotary key; take the rotary part of every query head.
+  copy_matrix(view(kv_a_, nt, rkv_, kvw, 0), view(ckv_raw_, nt, rkv_, rkv_, 0));
+  copy_matrix(view(kv_a_, nt, dr_, kvw, rkv_), view(k_pe_, nt, dr_, dr_, 0));
+  copy_matrix(view(q_raw_, nt * q, dr_, dqk_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));
   rmsnorm_forward(ckv_raw_, kv_a_norm_, m_.rms_norm_eps, ckv_, ckv_rstd_);
   linear_forward(ckv_, wkv_b_, kvb_);
   const bool il = m_.rope_interleave;
@@ -141,38 +139,19 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     rope_forward(q_pe_, cos_, sin_, il);
     rope_forward(k_pe_, cos_, sin_, il);
   }
-  dispatch_float(x_TH.dtype(), [&]<class T>() {
-    const T* qr = q_raw_.ptr<T>();
-    const T* qpe = q_pe_.ptr<T>();
-    const T* kpe = k_pe_.ptr<T>();
-    const T* kvb = kvb_.ptr<T>();
-    T* q4 = q4_.ptr<T>();
-    T* k4 = k4_.ptr<T>();
-    T* v4 = v4_.ptr<T>();
-    for (int64_t t = 0; t < nt; ++t)
-      for (int64_t hd = 0; hd < q; ++hd) {
-        const int64_t row = (t * q + hd) * dp_;
-        const T* qsrc = qr + (t * q + hd) * dqk_;
-        const T* kvsrc = kvb + (t * q + hd) * kvbw;
-        std::fill(q4 + row, q4 + row + dp_, T(0));
-        std::fill(k4 + row, k4 + row + dp_, T(0));
-        std::fill(v4 + row, v4 + row + dp_, T(0));
-        std::copy(qsrc, qsrc + dn_, q4 + row);
-        std::copy(qpe + (t * q + hd) * dr_, qpe + (t * q + hd + 1) * dr_, q4 + row + dn_);
-        std::copy(kvsrc, kvsrc + dn_, k4 + row);
-        std::copy(kpe + t * dr_, kpe + (t + 1) * dr_, k4 + row + dn_);
-        std::copy(kvsrc + dn_, kvsrc + kvbw, v4 + row);
-      }
-  });
+  // Heads for the core: q = [q_nope, q_rot], k = [k_nope, k_rot (shared)], v; the padding
+  // columns up to dp_ are never written, so they keep the zeros of the arena's allocation.
+  copy_matrix(view(q_raw_, nt * q, dn_, dqk_, 0), view(q4_, nt * q, dn_, dp_, 0));
+  copy_matrix(view(q_pe_, nt * q, dr_, dr_, 0), view(q4_, nt * q, dr_, dp_, dn_));
+  copy_matrix(view(kvb_, nt * q, dn_, kvbw, 0), view(k4_, nt * q, dn_, dp_, 0));
+  for (int64_t hd = 0; hd < q; ++hd)
+    copy_matrix(view(k_pe_, nt, dr_, dr_, 0), view(k4_, nt, dr_, q * dp_, hd * dp_ + dn_));
+  copy_matrix(view(kvb_, nt * q, dv_, kvbw, dn_), view(v4_, nt * q, dv_, dp_, 0));
   if (cp_)
     cp_->forward(q4_, k4_, v4_, scale_, out4_, lse_);
   else
     attention_forward(q4_, k4_, v4_, scale_, out4_, lse_, work_.slice(0, s_ * s_));
-  dispatch_float(x_TH.dtype(), [&]<class T>() {
-    const T* out = out4_.ptr<T>();
-    T* o = o_in_.ptr<T>();
-    for (int64_t th = 0; th < nt * q; ++th) std::copy(out + th * dp_, out + th * dp_ + dv_, o + th * dv_);
-  });
+  copy_matrix(view(out4_, nt * q, dv_, dp_, 0), view(o_in_, nt * q, dv_, dv_, 0));
   if (tp_) {
     linear_forward(o_in_, wo_, partial_);
     tp_->reduce_scatter(partial_, y_TH, ReduceOp::sum);
@@ -189,40 +168,20 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     tp_->all_gather(dy_TH, dy);
   }
   linear_backward(o_in_, wo_, dy, do_in_, dwo_);
-  dispatch_float(dy_TH.dtype(), [&]<class T>() {
-    const T* d = do_in_.ptr<T>();
-    T* dout = dout4_.ptr<T>();
-    for (int64_t th = 0; th < nt * q; ++th) {
-      std::copy(d + th * dv_, d + (th + 1) * dv_, dout + th * dp_);
-      std::fill(dout + th * dp_ + dv_, dout + (th + 1) * dp_, T(0));
-    }
-  });
+  copy_matrix(view(do_in_, nt * q, dv_, dv_, 0), view(dout4_, nt * q, dv_, dp_, 0));  // padding stays 0
   if (cp_)
     cp_->backward(q4_, k4_, v4_, out4_, lse_, dout4_, scale_, dq4_, dk4_, dv4_);
   else
     attention_backward(q4_, k4_, v4_, out4_, lse_, dout4_, scale_, dq4_, dk4_, dv4_, work_);
   // Split the core's gradients back: q_nope and q_rot (per head), k_nope and v (into kv_b's
   // output), k_rot summed over the heads (one shared rotary key).
-  dispatch_float(dy_TH.dtype(), [&]<class T>() {
-    const T* dq4 = dq4_.ptr<T>();
-    const T* dk4 = dk4_.ptr<T>();
-    const T* dv4 = dv4_.ptr<T>();
-    T* dqr = dq_raw_.ptr<T>();
-    T* dqpe = q_pe_.ptr<T>();  // q_pe's values are not needed any more: reuse it for the gradient
-    T* dkpe = k_pe_.ptr<T>();
-    T* dkvb = dkvb_.ptr<T>();
-    for (int64_t t = 0; t < nt; ++t) {
-      std::fill(dkpe + t * dr_, dkpe + (t + 1) * dr_, T(0));
-      for (int64_t hd = 0; hd < q; ++hd) {
-        const int64_t row = (t * q + hd) * dp_;
-        std::copy(dq4 + row, dq4 + row + dn_, dqr + (t * q + hd) * dqk_);
-        std::copy(dq4 + row + dn_, dq4 + row + dqk_, dqpe + (t * q + hd) * dr_);
-        std::copy(dk4 + row, dk4 + row + dn_, dkvb + (t * q + hd) * kvbw);
-        std::copy(dv4 + row, dv4 + row + dv_, dkvb + (t * q + hd) * kvbw + dn_);
-        for (int64_t j = 0; j < dr_; ++j) dkpe[t * dr_ + j] += dk4[row + dn_ + j];
-      }
-    }
-  });
+  copy_matrix(view(dq4_, nt * q, dn_, dp_, 0), view(dq_raw_, nt * q, dn_, dqk_, 0));
+  copy_matrix(view(dq4_, nt * q, dr_, dp_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));  // q_pe_ now holds d(q_rot)
+  copy_matrix(view(dk4_, nt * q, dn_, dp_, 0), view(dkvb_, nt * q, dn_, kvbw, 0));
+  copy_matrix(view(dv4_, nt * q, dv_, dp_, 0), view(dkvb_, nt * q, dv_, kvbw, dn_));
+  copy_matrix(view(dk4_, nt, dr_, q * dp_, dn_), view(k_pe_, nt, dr_, dr_, 0));  // k_pe_ now holds d(k_rot)
+  for (int64_t hd = 1; hd < q; ++hd)
+    add_matrix(view(dk4_, nt, dr_, q * dp_, hd * dp_ + dn_), view(k_pe_, nt, dr_, dr_, 0));
   const bool il = m_.rope_interleave;
   if (cp_) {
     rope_backward_at(q_pe_, cp_->positions(), cos_, sin_, il);
@@ -233,19 +192,9 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   }
   linear_backward(ckv_, wkv_b_, dkvb_, dckv_, dwkv_b_);
   rmsnorm_backward(ckv_raw_, kv_a_norm_, ckv_rstd_, dckv_, dckv_raw_, dkv_a_norm_);
-  dispatch_float(dy_TH.dtype(), [&]<class T>() {
-    const T* dqpe = q_pe_.ptr<T>();
-    const T* dkpe = k_pe_.ptr<T>();
-    const T* dcraw = dckv_raw_.ptr<T>();
-    T* dqr = dq_raw_.ptr<T>();
-    T* dkva = dkv_a_.ptr<T>();
-    for (int64_t t = 0; t < nt; ++t) {
-      std::copy(dcraw + t * rkv_, dcraw + (t + 1) * rkv_, dkva + t * kvw);
-      std::copy(dkpe + t * dr_, dkpe + (t + 1) * dr_, dkva + t * kvw + rkv_);
-      for (int64_t hd = 0; hd < q; ++hd)
-        std::copy(dqpe + (t * q + hd) * dr_, dqpe + (t * q + hd + 1) * dr_, dqr + (t * q + hd) * dqk_ + dn_);
-    }
-  });
+  copy_matrix(view(dckv_raw_, nt, rkv_, rkv_, 0), view(dkv_a_, nt, rkv_, kvw, 0));
+  copy_matrix(view(k_pe_, nt, dr_, dr_, 0), view(dkv_a_, nt, dr_, kvw, rkv_));
+  copy_matrix(view(q_pe_, nt * q, dr_, dr_, 0), view(dq_raw_, nt * q, dr_, dqk_, dn_));
   const Tensor dx_full = tp_ ? partial_ : dx_TH;
   if (rq_ > 0) {
     linear_backward(cq_, wq_b_, dq_raw_, dcq_, dwq_b_);

@@ -325,30 +325,18 @@ void Model::bind_mtp(Memory& mem, MtpDepth& d) {
 
 void Model::mtp_forward(MtpDepth& d, const Tensor& prev_TH) {
   const int64_t h = m_.hidden_size, k = d.k_;
-  // Tokens k ahead within each (whole, local) sequence; past the end: any id, no target.
-  const int32_t* ids = ids_.ptr<int32_t>();
-  const int32_t* targets = targets_.ptr<int32_t>();
-  int32_t* ik = d.ids_.ptr<int32_t>();
-  int32_t* tk = d.targets_.ptr<int32_t>();
-  for (int64_t b = 0; b < b_; ++b)
-    for (int64_t i = 0; i < l_; ++i) {
-      const bool inside = i + k < l_;
-      ik[b * l_ + i] = inside ? ids[b * l_ + i + k] : 0;
-      tk[b * l_ + i] = inside ? targets[b * l_ + i + k] : kIgnoreTarget;
-    }
+  // Tokens k ahead within each (whole, local) sequence; past the end: id 0, no target.
+  const MatrixView ahead_ids{ids_, b_, l_ - k, l_, k}, ahead_targets{targets_, b_, l_ - k, l_, k};
+  copy_matrix(ahead_ids, MatrixView{d.ids_, b_, l_ - k, l_, 0});
+  copy_matrix(ahead_targets, MatrixView{d.targets_, b_, l_ - k, l_, 0});
+  fill_matrix(MatrixView{d.ids_, b_, k, l_, l_ - k}, 0);
+  fill_matrix(MatrixView{d.targets_, b_, k, l_, l_ - k}, kIgnoreTarget);
   d.prev_ = &prev_TH;
   embed(d.ids_, d.emb_TH_);
   rmsnorm_forward(d.emb_TH_, d.enorm_, m_.rms_norm_eps, d.en_TH_, d.en_rstd_);
   rmsnorm_forward(prev_TH, d.hnorm_, m_.rms_norm_eps, d.hn_TH_, d.hn_rstd_);
-  dispatch_float(prev_TH.dtype(), [&]<class T>() {
-    const T* en = d.en_TH_.ptr<T>();
-    const T* hn = d.hn_TH_.ptr<T>();
-    T* cat2 = d.cat_T2H_.ptr<T>();
-    for (int64_t t = 0; t < t_; ++t) {
-      std::copy(en + t * h, en + (t + 1) * h, cat2 + t * 2 * h);
-      std::copy(hn + t * h, hn + (t + 1) * h, cat2 + t * 2 * h + h);
-    }
-  });
+  copy_matrix(as_matrix(d.en_TH_), column_block(d.cat_T2H_, 0, h));
+  copy_matrix(as_matrix(d.hn_TH_), column_block(d.cat_T2H_, h, 2 * h));
   linear_forward(d.cat_T2H_, d.eh_proj_, d.hp_TH_);
   d.layer_->forward(d.hp_TH_, d.out_TH_);
   d.loss_sum_ =
@@ -363,15 +351,9 @@ void Model::mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const
   if (dnext_TH) add_inplace(d.dprev_TH_, *dnext_TH);
   d.layer_->backward(d.dprev_TH_, moe_loss_scale);  // now d(h')
   linear_backward(d.cat_T2H_, d.eh_proj_, d.dprev_TH_, d.dcat_T2H_, d.deh_proj_);
-  dispatch_float(d.dcat_T2H_.dtype(), [&]<class T>() {
-    const T* dcat = d.dcat_T2H_.ptr<T>();
-    T* den = d.en_TH_.ptr<T>();  // the normed values are not needed any more: reuse for their gradients
-    T* dhn = d.hn_TH_.ptr<T>();
-    for (int64_t t = 0; t < t_; ++t) {
-      std::copy(dcat + t * 2 * h, dcat + t * 2 * h + h, den + t * h);
-      std::copy(dcat + t * 2 * h + h, dcat + (t + 1) * 2 * h, dhn + t * h);
-    }
-  });
+  // The normed values are not needed any more: en_TH_ and hn_TH_ take their gradients.
+  copy_matrix(column_block(d.dcat_T2H_, 0, h), as_matrix(d.en_TH_));
+  copy_matrix(column_block(d.dcat_T2H_, h, 2 * h), as_matrix(d.hn_TH_));
   rmsnorm_backward(d.emb_TH_, d.enorm_, d.en_rstd_, d.en_TH_, d.hp_TH_, d.denorm_);
   embed_backward(d.ids_, d.hp_TH_);
   rmsnorm_backward(*d.prev_, d.hnorm_, d.hn_rstd_, d.hn_TH_, d.dprev_TH_, d.dhnorm_);  // d(h_prev)

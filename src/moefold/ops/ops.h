@@ -79,6 +79,13 @@ MatrixView column_block(const Tensor& t_RC, int64_t begin, int64_t end);
 // Dtypes: CPU: a, b, c all f32 or all f64. CUDA (cuBLASLt, f32 accumulation): a and b both bf16
 // with c bf16 or f32 (bf16 operands into an f32 result: parameter gradients, router logits), or
 // all f32 (full fp32, no TF32).
+// dst = src, element (i, j) of two views of equal rows x cols and one dtype (any: a byte copy per
+// row; the GPU does it with one 2-D memcpy). REQUIRES: one device; the views do not overlap.
+void copy_matrix(const MatrixView& src, const MatrixView& dst);
+// dst += src (float dtypes, equal; accumulation in the dtype, f32 for bf16 on the GPU).
+void add_matrix(const MatrixView& src, const MatrixView& dst);
+// Every element of the view = value (float dtypes, i32, i64).
+void fill_matrix(const MatrixView& dst, double value);
 void matmul(const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
             double beta);
 

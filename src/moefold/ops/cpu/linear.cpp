@@ -1,13 +1,16 @@
 // Linear layer without bias, PyTorch weight layout: y_NO = x_NI @ w_OI^T, all through gemm; and
-// matmul on matrix views. CUDA tensors go to ops/cuda/gemm.cu (cuBLASLt).
+// matmul, copies and fills on matrix views. CUDA tensors go to ops/cuda/gemm.cu (cuBLASLt) and
+// ops/cuda/matrix.cu.
 // Gradient rule: dx = dy @ w (WRITTEN, skipped when dx is undefined); dw += dy^T @ x (ACCUMULATED).
 #include <algorithm>
+#include <cstring>
 
 #include "moefold/ops/gemm.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
 #include "moefold/ops/cuda/gemm_ops.h"
+#include "moefold/ops/cuda/matrix_ops.h"
 #endif
 
 namespace moefold {
@@ -89,6 +92,59 @@ bool may_overlap(const MatrixView& x, const MatrixView& y) {
   return cx < cy + y.cols && cy < cx + x.cols;                // the address ranges meet, so the rows do
 }
 }  // namespace
+
+void copy_matrix(const MatrixView& src, const MatrixView& dst) {
+  check_view(src, "copy_matrix src");
+  check_view(dst, "copy_matrix dst");
+  MF_CHECK(src.rows == dst.rows && src.cols == dst.cols && src.storage.dtype() == dst.storage.dtype() &&
+               src.storage.device() == dst.storage.device() && !may_overlap(src, dst),
+           "copy_matrix: ", src.rows, " x ", src.cols, " ", src.storage.str(), " -> ", dst.rows, " x ", dst.cols, " ",
+           dst.storage.str());
+#ifdef MOEFOLD_WITH_CUDA
+  if (dst.storage.device() == Device::cuda) return cuda::copy_matrix(src, dst);
+#endif
+  const size_t e = dtype_size(src.storage.dtype());
+  const auto* s = static_cast<const char*>(src.storage.data());
+  auto* d = static_cast<char*>(dst.storage.data());
+  for (int64_t i = 0; i < src.rows; ++i)
+    std::memcpy(d + (dst.offset + i * dst.ld) * e, s + (src.offset + i * src.ld) * e, src.cols * e);
+}
+
+void add_matrix(const MatrixView& src, const MatrixView& dst) {
+  check_view(src, "add_matrix src");
+  check_view(dst, "add_matrix dst");
+  MF_CHECK(src.rows == dst.rows && src.cols == dst.cols && src.storage.dtype() == dst.storage.dtype() &&
+               src.storage.device() == dst.storage.device() && !may_overlap(src, dst),
+           "add_matrix: ", src.rows, " x ", src.cols, " ", src.storage.str(), " -> ", dst.rows, " x ", dst.cols, " ",
+           dst.storage.str());
+#ifdef MOEFOLD_WITH_CUDA
+  if (dst.storage.device() == Device::cuda) return cuda::add_matrix(src, dst);
+#endif
+  dispatch_float(src.storage.dtype(), [&]<class T>() {
+    const T* s = src.storage.ptr<T>() + src.offset;
+    T* d = dst.storage.ptr<T>() + dst.offset;
+    for (int64_t i = 0; i < src.rows; ++i)
+      for (int64_t j = 0; j < src.cols; ++j) d[i * dst.ld + j] += s[i * src.ld + j];
+  });
+}
+
+void fill_matrix(const MatrixView& dst, double value) {
+  check_view(dst, "fill_matrix");
+#ifdef MOEFOLD_WITH_CUDA
+  if (dst.storage.device() == Device::cuda) return cuda::fill_matrix(dst, value);
+#endif
+  auto fill = [&]<class T>() {
+    T* d = dst.storage.ptr<T>() + dst.offset;
+    for (int64_t i = 0; i < dst.rows; ++i)
+      for (int64_t j = 0; j < dst.cols; ++j) d[i * dst.ld + j] = static_cast<T>(value);
+  };
+  if (dst.storage.dtype() == DType::i32)
+    fill.template operator()<int32_t>();
+  else if (dst.storage.dtype() == DType::i64)
+    fill.template operator()<int64_t>();
+  else
+    dispatch_float(dst.storage.dtype(), fill);
+}
 
 void matmul(const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
             double beta) {
