@@ -57,7 +57,7 @@ void MoeLayer::bind(Memory& mem) {
   out_RH_ = mem.act({r_max, hidden_});
   dout_RH_ = mem.act({r_max, hidden_});
   drows_RH_ = mem.act({r_max, hidden_});
-  dprob_TK_ = mem.act({max_tokens_, cfg_.num_experts_per_tok});
+  dprob_TK_ = mem.act({max_tokens_, cfg_.num_experts_per_tok}, mem.master_dtype());  // the router's dtype
   plan_ = nullptr;
 }
 

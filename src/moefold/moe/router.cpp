@@ -1,12 +1,15 @@
-// Router forward/backward: gemm for the logits, moe_ops for scores, top-k and the aux losses.
+// Router forward/backward: matmul for the logits, moe_ops for scores, top-k and the aux losses.
+// Every step is an op, so the router runs on either device. Under mixed precision (bf16 compute)
+// it runs in f32, as Megatron-Core's moe_router_dtype=fp32: its input is cast to f32, it reads
+// the f32 master gate (and bias), and its d(x) comes back through an f32 buffer.
 #include "moefold/moe/router.h"
 
 #include <algorithm>
 #include <cstring>
 #include <utility>
 
-#include "moefold/ops/gemm.h"
 #include "moefold/ops/moe_ops.h"
+#include "moefold/ops/ops.h"
 
 namespace moefold {
 
@@ -17,20 +20,27 @@ Router::Router(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::st
 
 void Router::bind(Memory& mem) {
   const int64_t e_n = cfg_.num_experts, k_n = cfg_.num_experts_per_tok;
-  gate_EH_ = mem.param(prefix_ + ".gate.weight", {e_n, hidden_}, Init::normal, init_std_, true);
+  mem.param(prefix_ + ".gate.weight", {e_n, hidden_}, Init::normal, init_std_, true);
+  gate_EH_ = mem.params().back().value;  // the master weight: f32 routing under mixed precision
   dgate_EH_ = mem.grad(prefix_ + ".gate.weight");
   if (cfg_.expert_bias) {
     // Selection only (aux-loss-free balancing): nothing writes its gradient, so the gradient stays
     // at the zero the step's memset leaves, AdamW (zero moments, no decay) leaves the value
     // exactly as it is, and update_expert_bias is the one thing that moves it.
-    bias_E_ = mem.param(prefix_ + ".gate.e_score_correction_bias", {e_n}, Init::zeros, 0, /*decay=*/false);
+    mem.param(prefix_ + ".gate.e_score_correction_bias", {e_n}, Init::zeros, 0, /*decay=*/false);
+    bias_E_ = mem.params().back().value;
   }
-  logits_buf_ = mem.act({max_tokens_, e_n});
-  scores_buf_ = mem.act({max_tokens_, e_n});
+  const DType rd = mem.master_dtype();  // the router's dtype: f32 (f64 in gradient checks)
+  mixed_ = mem.mixed_precision();
+  x_buf_ = mem.act({mixed_ ? max_tokens_ : 0, hidden_}, rd);
+  dx_buf_ = mem.act({mixed_ ? max_tokens_ : 0, hidden_}, rd);
+  dx_cast_buf_ = mem.act({mixed_ ? max_tokens_ : 0, hidden_});
+  logits_buf_ = mem.act({max_tokens_, e_n}, rd);
+  scores_buf_ = mem.act({max_tokens_, e_n}, rd);
   idx_buf_ = mem.act({max_tokens_, k_n}, DType::i32);
-  prob_buf_ = mem.act({max_tokens_, k_n});
-  dlogits_buf_ = mem.act({max_tokens_, e_n});
-  dextra_buf_ = mem.act({max_tokens_, e_n});
+  prob_buf_ = mem.act({max_tokens_, k_n}, rd);
+  dlogits_buf_ = mem.act({max_tokens_, e_n}, rd);
+  dextra_buf_ = mem.act({max_tokens_, e_n}, rd);
   counts_E_ = mem.act({e_n}, DType::i64);
   group_counts_E_ = mem.act({e_n}, DType::i64);
   if (cfg_.seq_aux_loss_coeff > 0) seq_counts_buf_ = mem.act({std::max<int64_t>(num_seqs_, 1), e_n}, DType::i64);
@@ -54,32 +64,16 @@ void Router::update_expert_bias(const Tensor& counts_E, double rate) {
 }
 
 void Router::forward(const Tensor& x_TH) {
-  const int64_t t_n = x_TH.size(0), e_n = cfg_.num_experts;
+  const int64_t t_n = x_TH.size(0);
   MF_CHECK(x_TH.ndim() == 2 && x_TH.size(1) == hidden_ && t_n <= max_tokens_ && x_TH.contiguous(), "Router: x ",
            x_TH.str(), " for hidden ", hidden_, ", max_tokens ", max_tokens_);
-  check_same_dtype(x_TH, gate_EH_, "Router x");
   logits_ = logits_buf_.slice(0, t_n);
   scores_ = scores_buf_.slice(0, t_n);
   topk_idx_ = idx_buf_.slice(0, t_n);
   topk_prob_ = prob_buf_.slice(0, t_n);
-  dispatch_float(x_TH.dtype(), [&]<class T>() {
-    gemm<T>(false, true, t_n, e_n, hidden_, T(1), x_TH.ptr<T>(), hidden_, gate_EH_.ptr<T>(), hidden_, T(0),
-            logits_.ptr<T>(), e_n);
-    // Equal gate rows give equal logits, exactly: an expert whose row is bitwise equal to an
-    // earlier expert's takes that expert's logits. A GEMM computes its edge tiles in another order
-    // than its full tiles, so equal rows can get logits an ulp apart (OpenBLAS 0.3.21: 17-49% of
-    // probed shapes, on every core type), while an upcycled router (train/upcycle.h) has G equal
-    // rows per copy of the dense MLP and needs exact ties for the top-K to select whole copies.
-    // At most E^2 / 2 row compares, each stopping at the first differing byte.
-    const T* w = gate_EH_.ptr<T>();
-    T* logits = logits_.ptr<T>();
-    for (int64_t e = 1; e < e_n; ++e)
-      for (int64_t d = 0; d < e; ++d)
-        if (std::memcmp(w + e * hidden_, w + d * hidden_, static_cast<size_t>(hidden_) * sizeof(T)) == 0) {
-          for (int64_t t = 0; t < t_n; ++t) logits[t * e_n + e] = logits[t * e_n + d];
-          break;
-        }
-  });
+  const Tensor x = router_input(x_TH);
+  matmul(as_matrix(x), false, as_matrix(gate_EH_), true, as_matrix(logits_), 1, 0);
+  if (gate_EH_.device() == Device::cpu) tie_equal_rows();
   TopkRouting routing = cfg_.routing();
   routing.bias_E = bias_E_;
   router_topk_forward(logits_, routing, scores_, topk_idx_, topk_prob_);
@@ -112,36 +106,69 @@ void Router::forward(const Tensor& x_TH) {
   z_loss_ = cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff * z_loss_forward(logits_, total_tokens_) : 0.0;
 }
 
+Tensor Router::router_input(const Tensor& x_TH) {
+  if (!mixed_) {
+    check_same_dtype(x_TH, gate_EH_, "Router x");
+    return x_TH;
+  }
+  const Tensor x = x_buf_.slice(0, x_TH.size(0));
+  cast(x_TH, x);
+  return x;
+}
+
+void Router::tie_equal_rows() {
+  // Equal gate rows give equal logits, exactly: an expert whose row is bitwise equal to an
+  // earlier expert's takes that expert's logits. A GEMM computes its edge tiles in another order
+  // than its full tiles, so equal rows can get logits an ulp apart (OpenBLAS 0.3.21: 17-49% of
+  // probed shapes, on every core type), while an upcycled router (train/upcycle.h) has G equal
+  // rows per copy of the dense MLP and needs exact ties for the top-K to select whole copies.
+  // At most E^2 / 2 row compares, each stopping at the first differing byte. (CPU only: the GPU
+  // path needs a device-side version before upcycled routers train there.)
+  const int64_t t_n = logits_.size(0), e_n = cfg_.num_experts;
+  dispatch_float(gate_EH_.dtype(), [&]<class T>() {
+    const T* w = gate_EH_.ptr<T>();
+    T* logits = logits_.ptr<T>();
+    for (int64_t e = 1; e < e_n; ++e)
+      for (int64_t d = 0; d < e; ++d)
+        if (std::memcmp(w + e * hidden_, w + d * hidden_, static_cast<size_t>(hidden_) * sizeof(T)) == 0) {
+          for (int64_t t = 0; t < t_n; ++t) logits[t * e_n + e] = logits[t * e_n + d];
+          break;
+        }
+  });
+}
+
 void Router::backward(const Tensor& x_TH, const Tensor& dprob_TK, double loss_scale, const Tensor& dx_TH) {
-  const int64_t t_n = x_TH.size(0), e_n = cfg_.num_experts;
+  const int64_t t_n = x_TH.size(0);
   MF_CHECK(t_n == logits_.size(0), "Router::backward: ", t_n, " tokens, forward had ", logits_.size(0));
   check_shape(dx_TH, x_TH.shape(), "Router::backward dx");
   const Tensor dlogits = dlogits_buf_.slice(0, t_n), dextra = dextra_buf_.slice(0, t_n);
   router_topk_backward(scores_, topk_idx_, cfg_.routing(), dprob_TK, dlogits);
-  dispatch_float(x_TH.dtype(), [&]<class T>() {
-    T* d = dlogits.ptr<T>();
-    const T* extra = dextra.ptr<T>();
-    auto add_extra = [&] {
-      for (int64_t i = 0; i < t_n * e_n; ++i) d[i] += extra[i];
-    };
-    if (cfg_.aux_loss_coeff > 0) {
-      aux_loss_backward(scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok,
-                        loss_scale * cfg_.aux_loss_coeff, dextra, total_tokens_);
-      add_extra();
-    }
-    if (cfg_.seq_aux_loss_coeff > 0) {
-      seq_aux_loss_backward(scores_, cfg_.scoring_func, seq_counts_BE_, cfg_.num_experts_per_tok, seq_layout_,
-                            loss_scale * cfg_.seq_aux_loss_coeff, dextra);
-      add_extra();
-    }
-    if (cfg_.z_loss_coeff > 0) {
-      z_loss_backward(logits_, loss_scale * cfg_.z_loss_coeff, dextra, total_tokens_);
-      add_extra();
-    }
-    // dgate += dlogits^T @ x (E x T @ T x H); dx += dlogits @ gate (T x E @ E x H).
-    gemm<T>(true, false, e_n, hidden_, t_n, T(1), d, e_n, x_TH.ptr<T>(), hidden_, T(1), dgate_EH_.ptr<T>(), hidden_);
-    gemm<T>(false, false, t_n, hidden_, e_n, T(1), d, e_n, gate_EH_.ptr<T>(), hidden_, T(1), dx_TH.ptr<T>(), hidden_);
-  });
+  if (cfg_.aux_loss_coeff > 0) {
+    aux_loss_backward(scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok,
+                      loss_scale * cfg_.aux_loss_coeff, dextra, total_tokens_);
+    add_inplace(dlogits, dextra);
+  }
+  if (cfg_.seq_aux_loss_coeff > 0) {
+    seq_aux_loss_backward(scores_, cfg_.scoring_func, seq_counts_BE_, cfg_.num_experts_per_tok, seq_layout_,
+                          loss_scale * cfg_.seq_aux_loss_coeff, dextra);
+    add_inplace(dlogits, dextra);
+  }
+  if (cfg_.z_loss_coeff > 0) {
+    z_loss_backward(logits_, loss_scale * cfg_.z_loss_coeff, dextra, total_tokens_);
+    add_inplace(dlogits, dextra);
+  }
+  // dgate += dlogits^T @ x (E x T @ T x H); dx += dlogits @ gate (T x E @ E x H), in the router's
+  // dtype (through an f32 buffer under mixed precision).
+  const Tensor x = mixed_ ? x_buf_.slice(0, t_n) : x_TH;
+  matmul(as_matrix(dlogits), true, as_matrix(x), false, as_matrix(dgate_EH_), 1, 1);
+  if (!mixed_) {
+    matmul(as_matrix(dlogits), false, as_matrix(gate_EH_), false, as_matrix(dx_TH), 1, 1);
+    return;
+  }
+  const Tensor dx = dx_buf_.slice(0, t_n), dx_cast = dx_cast_buf_.slice(0, t_n);
+  matmul(as_matrix(dlogits), false, as_matrix(gate_EH_), false, as_matrix(dx), 1, 0);
+  cast(dx, dx_cast);
+  add_inplace(dx_TH, dx_cast);
 }
 
 }  // namespace moefold

@@ -22,8 +22,8 @@ class Router {
 
   // "<prefix>.gate.weight" [E, H] (Qwen3-MoE's name), with cfg.expert_bias also
   // "<prefix>.gate.e_score_correction_bias" [E] (DeepSeek-V3's name), and the saved activations.
-  // Logits, scores and probabilities use the compute dtype: fp32 on the CPU (f64 in gradient
-  // checks).
+  // Logits, scores and probabilities use the master dtype: fp32 (f64 in gradient checks), also
+  // under mixed precision (an fp32 router).
   void bind(Memory& mem);
 
   // Computes logits, scores, top-k, the per-expert counts and the two losses for x_TH.
@@ -61,12 +61,19 @@ class Router {
   const Tensor& expert_bias() const { return bias_E_; }          // [E]; undefined without cfg.expert_bias
 
  private:
+  // The router's f32 input: x itself, or its cast under mixed precision.
+  Tensor router_input(const Tensor& x_TH);
+  // CPU: experts with bitwise-equal gate rows get bitwise-equal logits (upcycled routers).
+  void tie_equal_rows();
+
   MoeConfig cfg_;
   int64_t hidden_, max_tokens_;
   std::string prefix_;
   double init_std_;
   Tensor gate_EH_, dgate_EH_;
-  Tensor bias_E_;  // selection bias (cfg.expert_bias); its gradient is never written
+  Tensor bias_E_;                        // selection bias (cfg.expert_bias); its gradient is never written
+  bool mixed_ = false;                   // bf16 compute: the router runs in f32 (its own copies)
+  Tensor x_buf_, dx_buf_, dx_cast_buf_;  // mixed precision: f32 input, f32 d(x), d(x) in the compute dtype
   Tensor logits_buf_, scores_buf_, idx_buf_, prob_buf_, dlogits_buf_, dextra_buf_, counts_E_;
   Tensor group_counts_E_;  // counts_E_ summed over the token group
   Communicator* token_group_ = nullptr;
