@@ -191,7 +191,12 @@ void Model::bind(Memory& mem) {
 }
 
 void Model::init_params(std::vector<Param>& params, uint64_t seed) {
-  for (Param& p : params) {
+  for (Param& param : params) {
+    // GPU parameters are drawn on the host (the same values) and copied over.
+    std::vector<char> staging(param.value.device() == Device::cpu ? 0 : static_cast<size_t>(param.value.nbytes()));
+    Param host = param;
+    if (!staging.empty()) host.value = Tensor(staging.data(), param.value.dtype(), param.value.shape());
+    Param& p = host;
     switch (p.init) {
       case Init::zeros:
         fill_constant(p.value, 0.0);
@@ -204,6 +209,7 @@ void Model::init_params(std::vector<Param>& params, uint64_t seed) {
         fill_normal_shard(p, seed, fnv1a(p.name), 0.0, p.init_std);
         break;
     }
+    if (!staging.empty()) param.value.copy_from(host.value);
   }
 }
 
