@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "moefold/core/device.h"
 #include "moefold/core/error.h"
 #include "moefold/data/npy.h"
 #include "moefold/data/token_dataset.h"
@@ -91,6 +92,8 @@ TEST(Cli, BadConfigs) {
   expect_one_line_error(run("info --config nosuchpreset"), {"unknown preset 'nosuchpreset'"});
   expect_one_line_error(run("info --config /no/such/file.toml"), {"/no/such/file.toml"});
   expect_one_line_error(run("info --set train.seq_len=9999"), {"train.seq_len = 9999", "max_position_embeddings"});
+  // --device cuda without a GPU (or without CUDA in the build): one line, nothing trained.
+  if (cuda_device_count() == 0) expect_one_line_error(run("train --device cuda --steps 1", d), {"--device cuda"});
   // Usage errors get CLI11's own non-zero exit codes (109: extra arguments), not crashes.
   EXPECT_EQ(run("train --no-such-flag").code, 109);
   EXPECT_NE(run("").code, 0);

@@ -11,6 +11,8 @@
 
 #include "moefold/comm/communicator.h"
 #include "moefold/comm/mpi.h"
+#include "moefold/comm/nccl.h"
+#include "moefold/core/device.h"
 #include "moefold/core/error.h"
 #include "moefold/data/npy.h"
 #include "moefold/data/prepare.h"
@@ -88,6 +90,9 @@ int main(int argc, char** argv) {
   train->add_option("--run-dir", run.run_dir, "run directory (default: runs/run-DATE-TIME)");
   train->add_flag("--resume", run.resume, "continue from the latest checkpoint in the run directory");
   train->add_flag("--quiet", run.quiet, "no progress output");
+  std::string device_name = "cpu";
+  train->add_option("--device", device_name, "cpu, or cuda: this process's GPU in bf16 mixed precision (one rank)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
 
   CLI::App* info = app.add_subcommand("info", "print parameter counts and FLOPs of a config");
   add_config(info);
@@ -184,6 +189,12 @@ int main(int argc, char** argv) {
       }
       if (run.run_dir.empty()) MF_FAIL("--resume: no run directory given and none found under runs/");
       if (run.stop_step < -1 || run.stop_step == 0) MF_FAIL("--steps ", run.stop_step, ": must be >= 1");
+      if (device_name == "cuda") {
+        if (!cuda_built()) MF_FAIL("--device cuda: this moefold was built without CUDA (no nvcc at build time)");
+        if (cuda_device_count() == 0) MF_FAIL("--device cuda: no GPU is visible to this process");
+        cuda_set_device(local_rank_from_env() % cuda_device_count());
+        run.device = Device::cuda;
+      }
       run_training(cfg, run, *world);
     } else if (*info) {
       print_info(load_config(config_spec, overrides));

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "moefold/comm/agree.h"
+#include "moefold/core/device.h"
 #include "moefold/data/prepare.h"
 #include "moefold/data/token_dataset.h"
 #include "moefold/parallel/mesh.h"
@@ -110,7 +111,7 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
   on_every_rank(world, "opening the data", [&] {
     data.emplace(open_data(cfg, opts.run_dir, opts.quiet, world));
     data->check_vocab(cfg.model.vocab_size);
-    trainer_ptr = std::make_unique<Trainer>(cfg, *data, mesh);
+    trainer_ptr = std::make_unique<Trainer>(cfg, *data, mesh, opts.device);
   });
   Trainer& trainer = *trainer_ptr;
   if (resume_from.empty()) {
@@ -167,6 +168,8 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                         {"step_time_s", m.seconds},
                         {"expert_load_max", m.expert_load_max},
                         {"expert_load_mean", m.expert_load_mean}};
+    if (opts.device == Device::cuda)  // planned GPU memory (arenas), the peak so far
+      j["gpu_memory_peak_mib"] = static_cast<double>(device_bytes_peak()) / (1 << 20);
     const bool last = m.step == stop;
     if ((cfg.train.eval_interval > 0 && m.step % cfg.train.eval_interval == 0) || last)
       if (trainer.num_valid_batches() > 0) j["eval_loss"] = trainer.evaluate();

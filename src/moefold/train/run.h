@@ -11,10 +11,11 @@
 namespace moefold {
 
 struct RunOptions {
-  std::string run_dir;     // where config.toml, metrics.jsonl and checkpoints/ go
-  int64_t stop_step = -1;  // train until this step (-1: train.steps)
-  bool resume = false;     // continue from the latest checkpoint in run_dir
-  bool quiet = false;      // no progress output
+  std::string run_dir;          // where config.toml, metrics.jsonl and checkpoints/ go
+  int64_t stop_step = -1;       // train until this step (-1: train.steps)
+  bool resume = false;          // continue from the latest checkpoint in run_dir
+  bool quiet = false;           // no progress output
+  Device device = Device::cpu;  // cuda: this process's GPU, bf16 mixed precision (one rank for now)
 };
 
 // Runs training on the ranks of `world` (every rank calls it); returns the final step. Rank 0

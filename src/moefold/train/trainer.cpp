@@ -25,38 +25,47 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
 }
 }  // namespace
 
-Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh)
+Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device device)
     : cfg_(cfg),
       mesh_(mesh),
       model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
              ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()}),
-      mem_(DType::f32),
+      mem_(device == Device::cuda ? DType::bf16 : DType::f32, device),  // GPU: bf16 compute, f32 masters
+      host_(DType::f32),
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
   const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
   const Shape bl{cfg.train.micro_batch_size, model_.local_seq_len()};
   const int64_t layers = model_.num_moe_layers(), experts = cfg.moe.num_experts;
+  MF_CHECK(device == Device::cpu || mesh.world->size() == 1,
+           "training on GPUs with more than one rank (NCCL layouts) is not implemented yet");
   auto bind_all = [&] {
     model_.bind(mem_);
-    full_ids_BS_ = mem_.act(bs, DType::i32);
-    full_targets_BS_ = mem_.act(bs, DType::i32);
     ids_BL_ = mem_.act(bl, DType::i32);
     targets_BL_ = mem_.act(bl, DType::i32);
-    load_sum_LE_ = mem_.act({layers, experts}, DType::f64);
-    stats_ = mem_.act({4}, DType::f64);
     bias_counts_E_ = mem_.act({experts}, DType::i64);
+    // Host side whatever the device: token windows, statistics, loads.
+    full_ids_BS_ = host_.act(bs, DType::i32);
+    full_targets_BS_ = host_.act(bs, DType::i32);
+    host_ids_BL_ = host_.act(bl, DType::i32);
+    host_targets_BL_ = host_.act(bl, DType::i32);
+    load_sum_LE_ = host_.act({layers, experts}, DType::f64);
+    stats_ = host_.act({4}, DType::f64);
+    counts_E_ = host_.act({experts}, DType::i64);
   };
   bind_all();  // measure
   // Master weights (and compute copies), gradients, two AdamW moments of the gradients' size, activations.
   planned_bytes_ = mem_.param_bytes() + 3 * mem_.grad_bytes() + mem_.act_bytes();
-  const size_t host = host_memory_bytes();
+  const size_t host = device == Device::cpu ? host_memory_bytes() : 0;  // a GPU fails its cudaMalloc by itself
   if (host > 0 && planned_bytes_ > host)
     MF_FAIL("the ", cfg.preset, " config needs ", planned_bytes_ >> 20, " MiB of planned memory (parameters, ",
             "gradients, AdamW state, activations) but this machine has ", host >> 20,
             " MiB; choose a smaller model or micro-batch (train.micro_batch_size, model.num_hidden_layers)");
   mem_.allocate();
+  host_.allocate();
   bind_all();
   mem_.finish_binding();
+  host_.finish_binding();
   opt_.bind(mem_.params());
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
@@ -69,8 +78,10 @@ void Trainer::shard_batch() {
     targets_BL_.copy_from(full_targets_BS_);
     return;
   }
-  cp_shard_sequence(full_ids_BS_, c, mesh_.cp_rank, ids_BL_);
-  cp_shard_sequence(full_targets_BS_, c, mesh_.cp_rank, targets_BL_);
+  cp_shard_sequence(full_ids_BS_, c, mesh_.cp_rank, host_ids_BL_);
+  cp_shard_sequence(full_targets_BS_, c, mesh_.cp_rank, host_targets_BL_);
+  ids_BL_.copy_from(host_ids_BL_);
+  targets_BL_.copy_from(host_targets_BL_);
 }
 
 int64_t Trainer::local_micro_batches() const {
@@ -126,7 +137,8 @@ void Trainer::accumulate_gradients() {
     stats[2] += model_.z_loss();
     stats[3] += model_.mtp_loss();
     for (int64_t l = 0; l < layers; ++l) {
-      const int64_t* counts = model_.moe(l).expert_counts();
+      counts_E_.copy_from(model_.moe(l).router().tokens_per_expert());  // from the GPU: waits
+      const int64_t* counts = counts_E_.ptr<int64_t>();
       for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
     }
     // Loss = sum of token losses / global tokens + mean over all micro-batches of the router losses.
@@ -185,8 +197,8 @@ const StepMetrics& Trainer::train_step() {
     const double* load = load_sum_LE_.ptr<double>();
     const int64_t experts = cfg_.moe.num_experts;
     for (int64_t l = 0; l < model_.num_moe_layers(); ++l) {
-      for (int64_t e = 0; e < experts; ++e)
-        bias_counts_E_.ptr<int64_t>()[e] = static_cast<int64_t>(load[l * experts + e]);
+      for (int64_t e = 0; e < experts; ++e) counts_E_.ptr<int64_t>()[e] = static_cast<int64_t>(load[l * experts + e]);
+      bias_counts_E_.copy_from(counts_E_);
       model_.moe(l).update_expert_bias(bias_counts_E_, cfg_.moe.expert_bias_update_rate);
     }
   }
