@@ -67,12 +67,12 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   q_raw_TQD_ = mem.act({t_, q * d});
   k_raw_TGD_ = mem.act({t_, g * d});
   v_TGD_ = mem.act({t_, g * d});
-  q_rstd_ = mem.act({t_ * q});
-  k_rstd_ = mem.act({t_ * g});
+  q_rstd_ = mem.act({t_ * q}, mem.master_dtype());
+  k_rstd_ = mem.act({t_ * g}, mem.master_dtype());
   q_TQD_ = mem.act({t_, q * d});
   k_TGD_ = mem.act({t_, g * d});
   out_TQD_ = mem.act({t_, q * d});
-  lse_BQS_ = mem.act({b_, q, s_});
+  lse_BQS_ = mem.act({b_, q, s_}, mem.master_dtype());
   x_gathered_TH_ = mem.act({tp_ ? t_ : 0, h});
 }
 

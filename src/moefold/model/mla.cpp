@@ -78,12 +78,12 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   x_gathered_TH_ = mem.act({tp_ ? nt : 0, h});
   cq_raw_ = mem.act({nt, rq_});
   cq_ = mem.act({nt, rq_});
-  cq_rstd_ = mem.act({rq_ > 0 ? nt : 0});
+  cq_rstd_ = mem.act({rq_ > 0 ? nt : 0}, mem.master_dtype());
   q_raw_ = mem.act({nt, q * dqk_});
   kv_a_ = mem.act({nt, rkv_ + dr_});
   ckv_raw_ = mem.act({nt, rkv_});
   ckv_ = mem.act({nt, rkv_});
-  ckv_rstd_ = mem.act({nt});
+  ckv_rstd_ = mem.act({nt}, mem.master_dtype());
   kvb_ = mem.act({nt, q * (dn_ + dv_)});
   q_pe_ = mem.act({b_, s_, q, dr_});
   k_pe_ = mem.act({b_, s_, 1, dr_});
@@ -91,7 +91,7 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   k4_ = mem.act({b_, s_, q, dp_});
   v4_ = mem.act({b_, s_, q, dp_});
   out4_ = mem.act({b_, s_, q, dp_});
-  lse_ = mem.act({b_, q, s_});
+  lse_ = mem.act({b_, q, s_}, mem.master_dtype());
   o_in_ = mem.act({nt, q * dv_});
   dy_full_ = mem.act({tp_ ? nt : 0, h});
   do_in_ = mem.act({nt, q * dv_});

@@ -58,11 +58,11 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   dn_TH_ = dn_TH;
   tmp_TH_ = tmp_TH;
   n1_TH_ = mem.act({t_, h});
-  rstd1_T_ = mem.act({t_});
+  rstd1_T_ = mem.act({t_}, mem.master_dtype());
   a_TH_ = mem.act({t_, h});
   h_TH_ = mem.act({t_, h});
   n2_TH_ = mem.act({t_, h});
-  rstd2_T_ = mem.act({t_});
+  rstd2_T_ = mem.act({t_}, mem.master_dtype());
   m_TH_ = mem.act({t_, h});
   const bool shared = moe_ && mlp_;
   s_TH_ = mem.act({shared ? t_ : 0, h});
@@ -157,8 +157,8 @@ void Model::bind(Memory& mem) {
   // Vocabulary-parallel embedding and LM head: rows [vocab_offset_, + V/tp) here.
   embed_ = mem.param("model.embed_tokens.weight", {v, h}, Init::normal, std, true, tpg, vocab_offset_, m_.vocab_size);
   dembed_ = mem.grad("model.embed_tokens.weight");
-  cos_SD_ = mem.act({s_, m_.head_dim});
-  sin_SD_ = mem.act({s_, m_.head_dim});
+  cos_SD_ = mem.act({s_, m_.head_dim}, mem.master_dtype());  // f32 tables (f64 in gradient checks)
+  sin_SD_ = mem.act({s_, m_.head_dim}, mem.master_dtype());
   scratch_.bind(mem, m_, n_, l_, m_.num_attention_heads / n * m_.head_dim, m_.num_key_value_heads / n * m_.head_dim);
   if (cpa_) cpa_->bind(mem);
   dn_TH_ = mem.act({t_, h});
@@ -174,9 +174,9 @@ void Model::bind(Memory& mem) {
   ids_ = Tensor();
   targets_ = Tensor();
   nf_TH_ = mem.act({t_, h});
-  rstdf_T_ = mem.act({t_});
+  rstdf_T_ = mem.act({t_}, mem.master_dtype());
   logits_TV_ = mem.act({n_, v});
-  lse_T_ = mem.act({n_});
+  lse_T_ = mem.act({n_}, mem.master_dtype());
   dlogits_TV_ = mem.act({n_, v});
   dnf_TH_ = mem.act({t_, h});
   dres_TH_ = mem.act({t_, h});
@@ -186,7 +186,15 @@ void Model::bind(Memory& mem) {
   if (!mem.measuring()) {
     double attention_factor = 1.0;
     const std::vector<double> inv_freq = rope_inv_freq(m_, &attention_factor);
-    rope_table(inv_freq, attention_factor, cos_SD_, sin_SD_);
+    if (cos_SD_.device() == Device::cpu) {
+      rope_table(inv_freq, attention_factor, cos_SD_, sin_SD_);
+    } else {  // built on the host, copied once (binding time, not the step loop)
+      std::vector<float> c(static_cast<size_t>(cos_SD_.numel())), sn(c.size());
+      const Tensor hc(c.data(), DType::f32, cos_SD_.shape()), hs(sn.data(), DType::f32, sin_SD_.shape());
+      rope_table(inv_freq, attention_factor, hc, hs);
+      cos_SD_.copy_from(hc);
+      sin_SD_.copy_from(hs);
+    }
   }
 }
 
@@ -321,12 +329,12 @@ void Model::bind_mtp(Memory& mem, MtpDepth& d) {
   d.targets_ = mem.act({n_}, DType::i32);
   for (Tensor* t : {&d.emb_TH_, &d.en_TH_, &d.hn_TH_, &d.hp_TH_, &d.out_TH_, &d.nf_TH_, &d.dprev_TH_})
     *t = mem.act({t_, h});
-  for (Tensor* t : {&d.en_rstd_, &d.hn_rstd_, &d.nf_rstd_}) *t = mem.act({t_});
+  for (Tensor* t : {&d.en_rstd_, &d.hn_rstd_, &d.nf_rstd_}) *t = mem.act({t_}, mem.master_dtype());
   d.cat_T2H_ = mem.act({t_, 2 * h});
   d.dcat_T2H_ = mem.act({t_, 2 * h});
   d.nf_full_NH_ = mem.act({tp_ ? n_ : 0, h});
   d.logits_NV_ = mem.act({n_, v});
-  d.lse_N_ = mem.act({n_});
+  d.lse_N_ = mem.act({n_}, mem.master_dtype());
 }
 
 void Model::mtp_forward(MtpDepth& d, const Tensor& prev_TH) {
