@@ -93,13 +93,20 @@ bool may_overlap(const MatrixView& x, const MatrixView& y) {
 }
 }  // namespace
 
-void copy_matrix(const MatrixView& src, const MatrixView& dst) {
-  check_view(src, "copy_matrix src");
-  check_view(dst, "copy_matrix dst");
+namespace {
+// Two views of one shape, dtype and device that do not overlap (copy_matrix, add_matrix).
+void check_pair(const MatrixView& src, const MatrixView& dst, const char* what) {
+  check_view(src, what);
+  check_view(dst, what);
   MF_CHECK(src.rows == dst.rows && src.cols == dst.cols && src.storage.dtype() == dst.storage.dtype() &&
                src.storage.device() == dst.storage.device() && !may_overlap(src, dst),
-           "copy_matrix: ", src.rows, " x ", src.cols, " ", src.storage.str(), " -> ", dst.rows, " x ", dst.cols, " ",
+           what, ": ", src.rows, " x ", src.cols, " ", src.storage.str(), " -> ", dst.rows, " x ", dst.cols, " ",
            dst.storage.str());
+}
+}  // namespace
+
+void copy_matrix(const MatrixView& src, const MatrixView& dst) {
+  check_pair(src, dst, "copy_matrix");
 #ifdef MOEFOLD_WITH_CUDA
   if (dst.storage.device() == Device::cuda) return cuda::copy_matrix(src, dst);
 #endif
@@ -111,12 +118,7 @@ void copy_matrix(const MatrixView& src, const MatrixView& dst) {
 }
 
 void add_matrix(const MatrixView& src, const MatrixView& dst) {
-  check_view(src, "add_matrix src");
-  check_view(dst, "add_matrix dst");
-  MF_CHECK(src.rows == dst.rows && src.cols == dst.cols && src.storage.dtype() == dst.storage.dtype() &&
-               src.storage.device() == dst.storage.device() && !may_overlap(src, dst),
-           "add_matrix: ", src.rows, " x ", src.cols, " ", src.storage.str(), " -> ", dst.rows, " x ", dst.cols, " ",
-           dst.storage.str());
+  check_pair(src, dst, "add_matrix");
 #ifdef MOEFOLD_WITH_CUDA
   if (dst.storage.device() == Device::cuda) return cuda::add_matrix(src, dst);
 #endif
