@@ -23,22 +23,10 @@ using testing::Pool;
 
 const std::string kPrefix = "model.layers.0.mlp";
 
-double get(const Tensor& t, int64_t i) {
-  if (t.dtype() == DType::i32) return t.ptr<int32_t>()[i];
-  if (t.dtype() == DType::i64) return static_cast<double>(t.ptr<int64_t>()[i]);
-  return dispatch_float(t.dtype(), [&]<class T>() { return static_cast<double>(t.ptr<T>()[i]); });
-}
-void set(const Tensor& t, int64_t i, double v) {
-  if (t.dtype() == DType::i32) {
-    t.ptr<int32_t>()[i] = static_cast<int32_t>(v);
-    return;
-  }
-  dispatch_float(t.dtype(), [&]<class T>() { t.ptr<T>()[i] = static_cast<T>(v); });
-}
 // Copies with dtype conversion (f32 <-> f64).
 void convert(const Tensor& dst, const Tensor& src) {
   ASSERT_EQ(dst.numel(), src.numel());
-  for (int64_t i = 0; i < src.numel(); ++i) set(dst, i, get(src, i));
+  for (int64_t i = 0; i < src.numel(); ++i) testing::set_value_at(dst, i, testing::value_at(src, i));
 }
 
 // Smallest gap between the K-th and (K+1)-th score of any token: finite differences with
@@ -48,7 +36,7 @@ double topk_gap(const Tensor& scores_TE, int64_t k) {
   double gap = 1e30;
   for (int64_t t = 0; t < t_n && k < e_n; ++t) {
     std::vector<double> s(e_n);
-    for (int64_t e = 0; e < e_n; ++e) s[e] = get(scores_TE, t * e_n + e);
+    for (int64_t e = 0; e < e_n; ++e) s[e] = testing::value_at(scores_TE, t * e_n + e);
     std::sort(s.rbegin(), s.rend());
     gap = std::min(gap, s[k - 1] - s[k]);
   }
@@ -60,7 +48,8 @@ double capacity_gap(const Tensor& idx_TK, const Tensor& prob_TK) {
   double gap = 1e30;
   for (int64_t a = 0; a < idx_TK.numel(); ++a)
     for (int64_t b = a + 1; b < idx_TK.numel(); ++b)
-      if (get(idx_TK, a) == get(idx_TK, b)) gap = std::min(gap, std::abs(get(prob_TK, a) - get(prob_TK, b)));
+      if (testing::value_at(idx_TK, a) == testing::value_at(idx_TK, b))
+        gap = std::min(gap, std::abs(testing::value_at(prob_TK, a) - testing::value_at(prob_TK, b)));
   return gap;
 }
 
@@ -137,24 +126,26 @@ TEST(RouterTopk, SelectsLargestTiesToLowerExpert) {
   Tensor logits = pool.zeros({2, 4});
   const double l[] = {0.5, 2.0, 2.0, -1.0,  // tie between experts 1 and 2
                       0.0, 0.0, 0.0, 0.0};  // all tied
-  for (int i = 0; i < 8; ++i) set(logits, i, l[i]);
+  for (int i = 0; i < 8; ++i) testing::set_value_at(logits, i, l[i]);
   Tensor scores = pool.zeros({2, 4}), idx = pool.ints({2, 3}, 0, 1), prob = pool.zeros({2, 3});
   router_topk_forward(logits, {ScoreFunc::softmax, true, 2.0}, scores, idx, prob);
-  EXPECT_EQ(get(idx, 0), 1);
-  EXPECT_EQ(get(idx, 1), 2);
-  EXPECT_EQ(get(idx, 2), 0);
-  EXPECT_EQ(get(idx, 3), 0);
-  EXPECT_EQ(get(idx, 4), 1);
-  EXPECT_EQ(get(idx, 5), 2);
+  EXPECT_EQ(testing::value_at(idx, 0), 1);
+  EXPECT_EQ(testing::value_at(idx, 1), 2);
+  EXPECT_EQ(testing::value_at(idx, 2), 0);
+  EXPECT_EQ(testing::value_at(idx, 3), 0);
+  EXPECT_EQ(testing::value_at(idx, 4), 1);
+  EXPECT_EQ(testing::value_at(idx, 5), 2);
   for (int t = 0; t < 2; ++t)  // renormalised then scaled: sums to the scaling factor
-    EXPECT_NEAR(get(prob, t * 3) + get(prob, t * 3 + 1) + get(prob, t * 3 + 2), 2.0, 1e-12);
-  EXPECT_NEAR(get(prob, 3), 2.0 / 3, 1e-12);
+    EXPECT_NEAR(
+        testing::value_at(prob, t * 3) + testing::value_at(prob, t * 3 + 1) + testing::value_at(prob, t * 3 + 2), 2.0,
+        1e-12);
+  EXPECT_NEAR(testing::value_at(prob, 3), 2.0 / 3, 1e-12);
   double se = 0;
   for (int e = 0; e < 4; ++e) se += std::exp(l[e]);
   router_topk_forward(logits, {ScoreFunc::softmax, false, 1.0}, scores, idx, prob);
-  EXPECT_NEAR(get(prob, 0), std::exp(2.0) / se, 1e-12);
+  EXPECT_NEAR(testing::value_at(prob, 0), std::exp(2.0) / se, 1e-12);
   router_topk_forward(logits, {ScoreFunc::sigmoid, false, 1.5}, scores, idx, prob);
-  EXPECT_NEAR(get(prob, 2), 1.5 / (1 + std::exp(-0.5)), 1e-12);
+  EXPECT_NEAR(testing::value_at(prob, 2), 1.5 / (1 + std::exp(-0.5)), 1e-12);
 }
 
 TEST(RouterTopk, BackwardMatchesFiniteDifferences) {
@@ -221,7 +212,7 @@ TEST(AuxLoss, ExactlyOneForUniformRouting) {
   const int64_t e_n = 4, k_n = 2;
   // Uniform scores (zero logits) with uniform counts.
   Tensor scores = pool.zeros({8, e_n}), counts = pool.zeros({e_n}, DType::i64);
-  for (int64_t i = 0; i < scores.numel(); ++i) set(scores, i, 1.0 / e_n);
+  for (int64_t i = 0; i < scores.numel(); ++i) testing::set_value_at(scores, i, 1.0 / e_n);
   for (int64_t e = 0; e < e_n; ++e) counts.ptr<int64_t>()[e] = 8 * k_n / e_n;
   EXPECT_NEAR(aux_loss_forward(scores, ScoreFunc::softmax, counts, k_n), 1.0, 1e-14);
   // Through the router: each token's logits are a cyclic shift of one vector, so every expert
@@ -231,7 +222,7 @@ TEST(AuxLoss, ExactlyOneForUniformRouting) {
     Tensor v = pool.randn({e_n}), logits = pool.zeros({t_n, e_n}), s = pool.zeros({t_n, e_n});
     Tensor idx = pool.ints({t_n, k_n}, 0, 1), prob = pool.zeros({t_n, k_n});
     for (int64_t t = 0; t < t_n; ++t)
-      for (int64_t e = 0; e < e_n; ++e) set(logits, t * e_n + e, get(v, (e + t) % e_n));
+      for (int64_t e = 0; e < e_n; ++e) testing::set_value_at(logits, t * e_n + e, testing::value_at(v, (e + t) % e_n));
     router_topk_forward(logits, {f, true, 1.0}, s, idx, prob);
     topk_expert_counts(idx, counts);
     for (int64_t e = 0; e < e_n; ++e) EXPECT_EQ(counts.ptr<int64_t>()[e], t_n * k_n / e_n);
@@ -239,7 +230,7 @@ TEST(AuxLoss, ExactlyOneForUniformRouting) {
   }
   // Everything on one expert with confident scores: the loss approaches E.
   Tensor s1 = pool.zeros({4, e_n}), c1 = pool.zeros({e_n}, DType::i64);
-  for (int64_t t = 0; t < 4; ++t) set(s1, t * e_n, 1.0);
+  for (int64_t t = 0; t < 4; ++t) testing::set_value_at(s1, t * e_n, 1.0);
   c1.ptr<int64_t>()[0] = 4;
   EXPECT_NEAR(aux_loss_forward(s1, ScoreFunc::softmax, c1, 1), static_cast<double>(e_n), 1e-12);
 }
@@ -261,8 +252,9 @@ Tensor random_topk(Pool& pool, int64_t t_n, int64_t e_n, int64_t k_n) {
   for (int64_t t = 0; t < t_n; ++t) {
     std::vector<int> order(e_n);
     for (int e = 0; e < e_n; ++e) order[e] = e;
-    std::sort(order.begin(), order.end(), [&](int a, int b) { return get(r, t * e_n + a) > get(r, t * e_n + b); });
-    for (int64_t k = 0; k < k_n; ++k) set(idx, t * k_n + k, order[k]);
+    std::sort(order.begin(), order.end(),
+              [&](int a, int b) { return testing::value_at(r, t * e_n + a) > testing::value_at(r, t * e_n + b); });
+    for (int64_t k = 0; k < k_n; ++k) testing::set_value_at(idx, t * k_n + k, order[k]);
   }
   return idx;
 }
@@ -294,7 +286,7 @@ TEST(Permute, PlanIsExpertContiguousAndStable) {
       const int64_t t = p.at(p.token, r);
       bool routed = false;
       for (int64_t k = 0; k < k_n; ++k)
-        if (get(idx, t * k_n + k) == e) {
+        if (testing::value_at(idx, t * k_n + k) == e) {
           routed = true;
           EXPECT_EQ(p.at(p.row, t * k_n + k), r);
         }
@@ -311,16 +303,18 @@ TEST(Permute, ThenCombineWithProbabilityOneIsIdentity) {
   const int64_t t_n = 11, e_n = 4, h_n = 7, kGuard = 2;
   for (int64_t k_n : {1, 3}) {
     Tensor x = pool.randn({t_n, h_n}), idx = random_topk(pool, t_n, e_n, k_n), prob = pool.zeros({t_n, k_n});
-    for (int64_t i = 0; i < prob.numel(); ++i) set(prob, i, 1.0);
+    for (int64_t i = 0; i < prob.numel(); ++i) testing::set_value_at(prob, i, 1.0);
     Plan p(pool, idx, prob, e_n, 0, false, t_n * k_n);
     // Guard rows after the permute output (ggml-style sentinels) catch overruns.
     Tensor buf = pool.zeros({p.num_rows + kGuard, h_n});
-    for (int64_t i = 0; i < buf.numel(); ++i) set(buf, i, 12345.0);
+    for (int64_t i = 0; i < buf.numel(); ++i) testing::set_value_at(buf, i, 12345.0);
     Tensor rows = buf.slice(0, p.num_rows), y = pool.zeros({t_n, h_n});
     moe_permute(x, p.token.slice(0, p.num_rows), rows);
-    for (int64_t i = p.num_rows * h_n; i < buf.numel(); ++i) ASSERT_EQ(get(buf, i), 12345.0) << "guard overwritten";
+    for (int64_t i = p.num_rows * h_n; i < buf.numel(); ++i)
+      ASSERT_EQ(testing::value_at(buf, i), 12345.0) << "guard overwritten";
     moe_combine(rows, p.row, prob, y);
-    for (int64_t i = 0; i < x.numel(); ++i) EXPECT_EQ(get(y, i), static_cast<double>(k_n) * get(x, i));
+    for (int64_t i = 0; i < x.numel(); ++i)
+      EXPECT_EQ(testing::value_at(y, i), static_cast<double>(k_n) * testing::value_at(x, i));
   }
 }
 
@@ -361,7 +355,7 @@ TEST(Permute, BackwardsMatchFiniteDifferences) {
       check_gradient("combine dprob " + what, prob, dprob, loss);
       for (int64_t r = 0; r < r_n; ++r)
         if (p.at(token, r) < 0) {
-          for (int64_t h = 0; h < h_n; ++h) EXPECT_EQ(get(dout, r * h_n + h), 0.0) << "padding row " << r;
+          for (int64_t h = 0; h < h_n; ++h) EXPECT_EQ(testing::value_at(dout, r * h_n + h), 0.0) << "padding row " << r;
         }
     }
 }
@@ -384,11 +378,11 @@ TEST(Capacity, KeepsHighestProbabilitiesAndDropsTheRest) {
     // Every kept probability of e is >= every dropped one of e.
     double min_kept = 2, max_dropped = -1;
     for (int64_t a = 0; a < t_n * k_n; ++a) {
-      if (get(idx, a) != e) continue;
+      if (testing::value_at(idx, a) != e) continue;
       if (p.at(p.row, a) >= 0)
-        min_kept = std::min(min_kept, get(prob, a));
+        min_kept = std::min(min_kept, testing::value_at(prob, a));
       else
-        max_dropped = std::max(max_dropped, get(prob, a));
+        max_dropped = std::max(max_dropped, testing::value_at(prob, a));
     }
     EXPECT_GE(min_kept, max_dropped) << "expert " << e;
   }
@@ -404,7 +398,7 @@ TEST(Capacity, TiesDropTheHigherToken) {
   // keeps token 3 and then token 0 (lower index wins the tie); rows stay in token order.
   const int64_t t_n = 5;
   Tensor idx = pool.ints({t_n, 1}, 1, 2), prob = pool.zeros({t_n, 1});
-  for (int64_t t = 0; t < t_n; ++t) set(prob, t, t == 3 ? 0.9 : 0.5);
+  for (int64_t t = 0; t < t_n; ++t) testing::set_value_at(prob, t, t == 3 ? 0.9 : 0.5);
   Plan p(pool, idx, prob, 2, 2, false, 4);
   ASSERT_EQ(p.num_rows, 2);
   EXPECT_EQ(p.at(p.counts, 0), 0);
@@ -423,8 +417,8 @@ TEST(Capacity, PadGivesExactlyCapacityRowsPerExpert) {
   // Skewed routing: half the experts get almost nothing, so both padding and dropping happen.
   Tensor idx = pool.ints({t_n, k_n}, 0, 1), prob = pool.uniform({t_n, k_n}, 0.0, 1.0);
   for (int64_t t = 0; t < t_n; ++t) {
-    set(idx, t * k_n, t < 8 ? 0 : 2);
-    set(idx, t * k_n + 1, t < 8 ? 1 : 3);
+    testing::set_value_at(idx, t * k_n, t < 8 ? 0 : 2);
+    testing::set_value_at(idx, t * k_n + 1, t < 8 ? 1 : 3);
   }
   Plan p(pool, idx, prob, e_n, cap, true, cfg.max_rows(t_n));
   ASSERT_EQ(p.num_rows, e_n * cap);
@@ -441,7 +435,7 @@ TEST(Capacity, PadGivesExactlyCapacityRowsPerExpert) {
   for (int64_t r = 0; r < p.num_rows; ++r)
     for (int64_t h = 0; h < h_n; ++h)
       if (p.at(p.token, r) < 0) {
-        EXPECT_EQ(get(rows, r * h_n + h), 0.0) << "padding row " << r;
+        EXPECT_EQ(testing::value_at(rows, r * h_n + h), 0.0) << "padding row " << r;
       }
 }
 
@@ -461,9 +455,10 @@ TEST(GroupedLinear, BackwardMatchesFiniteDifferences) {
   };
   check_gradient("grouped_linear dx", x, dx, loss);
   check_gradient("grouped_linear dw", w, dw_once, loss);
-  for (int64_t i = 0; i < o_n * i_n; ++i) EXPECT_EQ(get(dw, o_n * i_n + i), 0.0) << "idle expert";
+  for (int64_t i = 0; i < o_n * i_n; ++i) EXPECT_EQ(testing::value_at(dw, o_n * i_n + i), 0.0) << "idle expert";
   grouped_linear_backward(x, w, offsets, g, Tensor{}, dw);  // accumulates
-  for (int64_t i = 0; i < dw.numel(); ++i) EXPECT_NEAR(get(dw, i), 2 * get(dw_once, i), 1e-12);
+  for (int64_t i = 0; i < dw.numel(); ++i)
+    EXPECT_NEAR(testing::value_at(dw, i), 2 * testing::value_at(dw_once, i), 1e-12);
 }
 
 // ---- the whole layer ---------------------------------------------------------------------------
@@ -573,15 +568,15 @@ TEST(MoeLayer, SingleExpertEqualsDenseSwiGLU) {
     for (int64_t j = 0; j < f_n; ++j) {
       double g = 0, u = 0;
       for (int64_t i = 0; i < h_n; ++i) {
-        g += w1[j * h_n + i] * get(x, t * h_n + i);
-        u += w1[(f_n + j) * h_n + i] * get(x, t * h_n + i);
+        g += w1[j * h_n + i] * testing::value_at(x, t * h_n + i);
+        u += w1[(f_n + j) * h_n + i] * testing::value_at(x, t * h_n + i);
       }
       h[j] = g / (1 + std::exp(-g)) * u;
     }
     for (int64_t o = 0; o < h_n; ++o) {
       double want = 0;
       for (int64_t j = 0; j < f_n; ++j) want += w2[o * f_n + j] * h[j];
-      EXPECT_NEAR(get(y, t * h_n + o), want, 1e-12) << "token " << t << " channel " << o;
+      EXPECT_NEAR(testing::value_at(y, t * h_n + o), want, 1e-12) << "token " << t << " channel " << o;
     }
   }
   EXPECT_NEAR(rig.layer.aux_loss(), cfg.aux_loss_coeff * 1.0, 1e-15);  // one expert: perfectly balanced
@@ -597,10 +592,10 @@ TEST(MoeLayer, AuxLossIsOneForUniformRouting) {
   Rig rig(cfg, e_n, t_n, DType::f64);
   rig.fill(pool, 0.5);
   const Tensor& gate = rig.param(".gate.weight").value;
-  for (int64_t i = 0; i < e_n * e_n; ++i) set(gate, i, i / e_n == i % e_n ? 1.0 : 0.0);
+  for (int64_t i = 0; i < e_n * e_n; ++i) testing::set_value_at(gate, i, i / e_n == i % e_n ? 1.0 : 0.0);
   Tensor v = pool.randn({e_n}), x = pool.zeros({t_n, e_n}), y = pool.zeros({t_n, e_n});
   for (int64_t t = 0; t < t_n; ++t)
-    for (int64_t e = 0; e < e_n; ++e) set(x, t * e_n + e, get(v, (e + t) % e_n));
+    for (int64_t e = 0; e < e_n; ++e) testing::set_value_at(x, t * e_n + e, testing::value_at(v, (e + t) % e_n));
   rig.layer.forward(x, y);
   EXPECT_NEAR(rig.layer.aux_loss() / cfg.aux_loss_coeff, 1.0, 1e-12);
   for (int64_t e = 0; e < e_n; ++e) EXPECT_EQ(rig.layer.expert_counts()[e], t_n * 2 / e_n);
@@ -645,7 +640,7 @@ TEST(MoeLayer, ZeroTokenExperts) {
     rig.fill(pool, 0.5);
     const Tensor& gate = rig.param(".gate.weight").value;
     for (int64_t e = 0; e < e_n; ++e)
-      for (int64_t i = 0; i < h_n; ++i) set(gate, e * h_n + i, e == 0 ? 1.0 : e == 1 ? 0.5 : -1.0);
+      for (int64_t i = 0; i < h_n; ++i) testing::set_value_at(gate, e * h_n + i, e == 0 ? 1.0 : e == 1 ? 0.5 : -1.0);
     Tensor x = pool.uniform({t_n, h_n}, 0.5, 1.5), y = pool.zeros({t_n, h_n}), g = pool.randn({t_n, h_n});
     Tensor dx = pool.zeros({t_n, h_n});
     rig.layer.forward(x, y);
@@ -666,14 +661,14 @@ TEST(MoeLayer, ZeroTokenExperts) {
           for (int64_t j = 0; j < f_n; ++j) {
             double gg = 0, uu = 0;
             for (int64_t i = 0; i < h_n; ++i) {
-              gg += a[j * h_n + i] * get(x, t * h_n + i);
-              uu += a[(f_n + j) * h_n + i] * get(x, t * h_n + i);
+              gg += a[j * h_n + i] * testing::value_at(x, t * h_n + i);
+              uu += a[(f_n + j) * h_n + i] * testing::value_at(x, t * h_n + i);
             }
             acc += b[o * f_n + j] * gg / (1 + std::exp(-gg)) * uu;
           }
-          want += get(prob, t * k_n + k) * acc;
+          want += testing::value_at(prob, t * k_n + k) * acc;
         }
-        EXPECT_NEAR(get(y, t * h_n + o), want, 1e-12);
+        EXPECT_NEAR(testing::value_at(y, t * h_n + o), want, 1e-12);
       }
     rig.zero_grads();
     rig.layer.backward(g, dx, 1.0);
@@ -744,7 +739,8 @@ TEST(MoeLayer, Float32MatchesFloat64) {
   r64.layer.forward(x64, y64);
   r32.layer.forward(x32, y32);
   for (int64_t i = 0; i < t_n * 2; ++i)
-    ASSERT_EQ(get(r64.layer.router().topk_idx(), i), get(r32.layer.router().topk_idx(), i)) << "selection differs";
+    ASSERT_EQ(testing::value_at(r64.layer.router().topk_idx(), i), testing::value_at(r32.layer.router().topk_idx(), i))
+        << "selection differs";
   r64.layer.backward(g64, dx64, 1.0);
   r32.layer.backward(g32, dx32, 1.0);
   // fp32 rounding (~6e-8) accumulated over sums of <= 16 terms: 1e-5 relative to the largest.

@@ -30,22 +30,6 @@ const std::string kPrefix = "model.layers.0.mlp";
 const std::string kBiasName = kPrefix + ".gate.e_score_correction_bias";
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-double get(const Tensor& t, int64_t i) {
-  if (t.dtype() == DType::i32) return t.ptr<int32_t>()[i];
-  if (t.dtype() == DType::i64) return static_cast<double>(t.ptr<int64_t>()[i]);
-  return dispatch_float(t.dtype(), [&]<class T>() { return static_cast<double>(t.ptr<T>()[i]); });
-}
-void set(const Tensor& t, int64_t i, double v) {
-  if (t.dtype() == DType::i32) {
-    t.ptr<int32_t>()[i] = static_cast<int32_t>(v);
-    return;
-  }
-  if (t.dtype() == DType::i64) {
-    t.ptr<int64_t>()[i] = static_cast<int64_t>(v);
-    return;
-  }
-  dispatch_float(t.dtype(), [&]<class T>() { t.ptr<T>()[i] = static_cast<T>(v); });
-}
 std::string name_of(ScoreFunc f) { return f == ScoreFunc::softmax ? "softmax" : "sigmoid"; }
 
 // ---- brute-force reference of group-limited, bias-steered top-k ---------------------------------
@@ -67,12 +51,12 @@ RefRoute reference_route(const Tensor& logits_TE, const TopkRouting& r, int64_t 
   for (int64_t t = 0; t < t_n; ++t) {
     std::vector<double> s(e_n), choice(e_n);
     double mx = -kInf, z = 0;
-    for (int64_t e = 0; e < e_n; ++e) mx = std::max(mx, get(logits_TE, t * e_n + e));
-    for (int64_t e = 0; e < e_n; ++e) z += std::exp(get(logits_TE, t * e_n + e) - mx);
+    for (int64_t e = 0; e < e_n; ++e) mx = std::max(mx, testing::value_at(logits_TE, t * e_n + e));
+    for (int64_t e = 0; e < e_n; ++e) z += std::exp(testing::value_at(logits_TE, t * e_n + e) - mx);
     for (int64_t e = 0; e < e_n; ++e) {
-      const double l = get(logits_TE, t * e_n + e);
+      const double l = testing::value_at(logits_TE, t * e_n + e);
       s[e] = r.score_func == ScoreFunc::softmax ? std::exp(l - mx) / z : 1 / (1 + std::exp(-l));
-      choice[e] = s[e] + (r.bias_E.defined() ? get(r.bias_E, e) : 0.0);
+      choice[e] = s[e] + (r.bias_E.defined() ? testing::value_at(r.bias_E, e) : 0.0);
     }
     // Group scores: sum of the top two (or one) choices; keep the topk_group best.
     std::vector<double> gscore(r.n_group);
@@ -135,18 +119,18 @@ TEST(RoutingSelection, MatchesBruteForceReference) {
         router_topk_forward(logits, r, scores, idx, prob);
         const RefRoute ref = reference_route(logits, r, c.k_n);
         for (int64_t i = 0; i < t_n * c.k_n; ++i) {
-          ASSERT_EQ(get(idx, i), ref.idx[i]) << what << ", token " << i / c.k_n << " slot " << i % c.k_n;
-          EXPECT_NEAR(get(prob, i), ref.prob[i], 1e-13) << what;
+          ASSERT_EQ(testing::value_at(idx, i), ref.idx[i]) << what << ", token " << i / c.k_n << " slot " << i % c.k_n;
+          EXPECT_NEAR(testing::value_at(prob, i), ref.prob[i], 1e-13) << what;
         }
         // fp32 logits with an fp32 bias (and fp64 logits with that fp32 bias) pick the same experts
         // for every token whose reference margin is far above fp32 rounding.
         Tensor l32 = pool.zeros({t_n, c.e_n}, DType::f32), s32 = pool.zeros({t_n, c.e_n}, DType::f32);
         Tensor p32 = pool.zeros({t_n, c.k_n}, DType::f32), i32 = pool.ints({t_n, c.k_n}, 0, 1);
-        for (int64_t i = 0; i < logits.numel(); ++i) set(l32, i, get(logits, i));
+        for (int64_t i = 0; i < logits.numel(); ++i) testing::set_value_at(l32, i, testing::value_at(logits, i));
         TopkRouting r32 = r;
         if (bias) {
           r32.bias_E = pool.zeros({c.e_n}, DType::f32);
-          for (int64_t e = 0; e < c.e_n; ++e) set(r32.bias_E, e, get(r.bias_E, e));
+          for (int64_t e = 0; e < c.e_n; ++e) testing::set_value_at(r32.bias_E, e, testing::value_at(r.bias_E, e));
         }
         router_topk_forward(l32, r32, s32, i32, p32);
         router_topk_forward(logits, r32, scores, idx, prob);  // f64 logits, f32 bias
@@ -155,9 +139,9 @@ TEST(RoutingSelection, MatchesBruteForceReference) {
           if (ref.token_margin[t] < 1e-4) continue;
           ++compared;
           for (int64_t i = t * c.k_n; i < (t + 1) * c.k_n; ++i) {
-            ASSERT_EQ(get(i32, i), ref.idx[i]) << what << " f32, token " << t;
-            EXPECT_NEAR(get(p32, i), ref.prob[i], 1e-6) << what << " f32";
-            ASSERT_EQ(get(idx, i), ref.idx[i]) << what << " f32 bias, token " << t;
+            ASSERT_EQ(testing::value_at(i32, i), ref.idx[i]) << what << " f32, token " << t;
+            EXPECT_NEAR(testing::value_at(p32, i), ref.prob[i], 1e-6) << what << " f32";
+            ASSERT_EQ(testing::value_at(idx, i), ref.idx[i]) << what << " f32 bias, token " << t;
           }
         }
         EXPECT_GT(compared, t_n / 2) << what;
@@ -174,17 +158,17 @@ struct OneToken {
     scores = pool.zeros({1, e_n});
     idx = pool.ints({1, k_n}, 0, 1);
     prob = pool.zeros({1, k_n});
-    for (int64_t e = 0; e < e_n; ++e) set(logits, e, std::log(s[e] / (1 - s[e])));
+    for (int64_t e = 0; e < e_n; ++e) testing::set_value_at(logits, e, std::log(s[e] / (1 - s[e])));
   }
   std::vector<int> route(const TopkRouting& r) {
     router_topk_forward(logits, r, scores, idx, prob);
     std::vector<int> out;
-    for (int64_t k = 0; k < idx.numel(); ++k) out.push_back(static_cast<int>(get(idx, k)));
+    for (int64_t k = 0; k < idx.numel(); ++k) out.push_back(static_cast<int>(testing::value_at(idx, k)));
     return out;
   }
   Tensor bias(const std::vector<double>& b) {
     Tensor t = pool.zeros({static_cast<int64_t>(b.size())});
-    for (size_t e = 0; e < b.size(); ++e) set(t, static_cast<int64_t>(e), b[e]);
+    for (size_t e = 0; e < b.size(); ++e) testing::set_value_at(t, static_cast<int64_t>(e), b[e]);
     return t;
   }
 };
@@ -196,11 +180,11 @@ TEST(RoutingSelection, BiasChangesTheChoiceButNotTheWeights) {
   r.bias_E = tok.bias({0.0, 0.0, 0.7, 0.0});  // choices 0.9, 0.8, 1.0, 0.2
   EXPECT_EQ(tok.route(r), (std::vector<int>{2, 0}));
   // Weights from the unbiased scores 0.3 and 0.9, renormalised, scaled.
-  EXPECT_NEAR(get(tok.prob, 0), 2.5 * 0.3 / 1.2, 1e-12);
-  EXPECT_NEAR(get(tok.prob, 1), 2.5 * 0.9 / 1.2, 1e-12);
+  EXPECT_NEAR(testing::value_at(tok.prob, 0), 2.5 * 0.3 / 1.2, 1e-12);
+  EXPECT_NEAR(testing::value_at(tok.prob, 1), 2.5 * 0.9 / 1.2, 1e-12);
   r.norm_topk_prob = false;
   tok.route(r);
-  EXPECT_NEAR(get(tok.prob, 0), 2.5 * 0.3, 1e-12);
+  EXPECT_NEAR(testing::value_at(tok.prob, 0), 2.5 * 0.3, 1e-12);
   // A tie between biased choices goes to the lower expert (zero logits: scores exactly 0.5).
   OneToken tie({0.5, 0.5, 0.5, 0.5}, 1);
   TopkRouting rt{ScoreFunc::sigmoid, true, 1.0, 1, 1, tie.bias({0.25, 0.5, 0.5, 0.25})};
@@ -215,14 +199,14 @@ TEST(RoutingSelection, GroupLimitChangesTheChoice) {
   r.n_group = 2;
   r.topk_group = 1;
   EXPECT_EQ(tok.route(r), (std::vector<int>{2, 3}));
-  EXPECT_NEAR(get(tok.prob, 0), 0.5, 1e-12);
+  EXPECT_NEAR(testing::value_at(tok.prob, 0), 0.5, 1e-12);
   r.topk_group = 2;  // every group kept: plain top-k
   EXPECT_EQ(tok.route(r), (std::vector<int>{0, 2}));
   // The bias counts in the group score: +0.3 on expert 1 makes group 0's sum 1.3.
   r.topk_group = 1;
   r.bias_E = tok.bias({0.0, 0.3, 0.0, 0.0});
   EXPECT_EQ(tok.route(r), (std::vector<int>{0, 1}));
-  EXPECT_NEAR(get(tok.prob, 0), 0.95, 1e-12);  // unbiased 0.95 / (0.95 + 0.05)
+  EXPECT_NEAR(testing::value_at(tok.prob, 0), 0.95, 1e-12);  // unbiased 0.95 / (0.95 + 0.05)
   // Equal group scores: the lower group is kept.
   OneToken tie({0.5, 0.25, 0.25, 0.5}, 2);
   TopkRouting rt{ScoreFunc::sigmoid, true, 1.0, 2, 1, Tensor{}};
@@ -292,13 +276,14 @@ TEST(SeqAuxLoss, ExactlyOneForUniformRouting) {
     for (int64_t b = 0; b < b_n; ++b) {
       Tensor v = pool.randn({e_n});
       for (int64_t t = 0; t < s_n; ++t)
-        for (int64_t e = 0; e < e_n; ++e) set(logits, (b * s_n + t) * e_n + e, get(v, (e + t) % e_n));
+        for (int64_t e = 0; e < e_n; ++e)
+          testing::set_value_at(logits, (b * s_n + t) * e_n + e, testing::value_at(v, (e + t) % e_n));
     }
     Routed r = route(pool, logits, f, k_n);
     const SeqLayout whole{s_n, 0, s_n};
     Tensor counts = pool.zeros({b_n, e_n}, DType::i64);
     seq_expert_counts(r.idx, whole, counts);
-    for (int64_t i = 0; i < b_n * e_n; ++i) EXPECT_EQ(get(counts, i), s_n * k_n / e_n);
+    for (int64_t i = 0; i < b_n * e_n; ++i) EXPECT_EQ(testing::value_at(counts, i), s_n * k_n / e_n);
     EXPECT_NEAR(seq_aux_loss_forward(r.scores, f, counts, k_n, whole), 1.0, 1e-12) << name_of(f);
   }
   // One sequence (B = 1): the same number as the micro-batch loss.
@@ -311,10 +296,10 @@ TEST(SeqAuxLoss, ExactlyOneForUniformRouting) {
               aux_loss_forward(r.scores, ScoreFunc::sigmoid, cE, k_n), 1e-14);
   // Sequence 0 all on expert 0 with confident scores, sequence 1 uniform: (E + 1) / 2.
   Tensor s2 = pool.zeros({2 * e_n, e_n}), c2 = pool.zeros({2, e_n}, DType::i64);
-  for (int64_t t = 0; t < e_n; ++t) set(s2, t * e_n, 1.0);
-  for (int64_t i = e_n * e_n; i < 2 * e_n * e_n; ++i) set(s2, i, 1.0 / e_n);
-  set(c2, 0, e_n);
-  for (int64_t e = 0; e < e_n; ++e) set(c2, e_n + e, 1);
+  for (int64_t t = 0; t < e_n; ++t) testing::set_value_at(s2, t * e_n, 1.0);
+  for (int64_t i = e_n * e_n; i < 2 * e_n * e_n; ++i) testing::set_value_at(s2, i, 1.0 / e_n);
+  testing::set_value_at(c2, 0, e_n);
+  for (int64_t e = 0; e < e_n; ++e) testing::set_value_at(c2, e_n + e, 1);
   EXPECT_NEAR(seq_aux_loss_forward(s2, ScoreFunc::softmax, c2, 1, {e_n, 0, e_n}), (e_n + 1) / 2.0, 1e-12);
 }
 
@@ -389,13 +374,16 @@ TEST(SeqAuxLoss, SharesOfSplitSequencesSumToTheWhole) {
         const int64_t t_n = static_cast<int64_t>(rank.rows.size());
         Tensor logits = pool.zeros({t_n, e_n});
         for (int64_t t = 0; t < t_n; ++t)
-          for (int64_t e = 0; e < e_n; ++e) set(logits, t * e_n + e, get(whole.logits, rank.rows[t] * e_n + e));
+          for (int64_t e = 0; e < e_n; ++e)
+            testing::set_value_at(logits, t * e_n + e, testing::value_at(whole.logits, rank.rows[t] * e_n + e));
         local.push_back(route(pool, logits, f, k_n));
         Tensor c = pool.zeros({b_n, e_n}, DType::i64);
         seq_expert_counts(local.back().idx, rank.layout, c);
-        for (int64_t i = 0; i < b_n * e_n; ++i) set(summed, i, get(summed, i) + get(c, i));
+        for (int64_t i = 0; i < b_n * e_n; ++i)
+          testing::set_value_at(summed, i, testing::value_at(summed, i) + testing::value_at(c, i));
       }
-      for (int64_t i = 0; i < b_n * e_n; ++i) ASSERT_EQ(get(summed, i), get(counts, i)) << what;
+      for (int64_t i = 0; i < b_n * e_n; ++i)
+        ASSERT_EQ(testing::value_at(summed, i), testing::value_at(counts, i)) << what;
       double shares = 0;
       for (size_t i = 0; i < ranks.size(); ++i) {
         const int64_t t_n = static_cast<int64_t>(ranks[i].rows.size());
@@ -404,7 +392,7 @@ TEST(SeqAuxLoss, SharesOfSplitSequencesSumToTheWhole) {
         seq_aux_loss_backward(local[i].scores, f, summed, k_n, ranks[i].layout, 1.3, d);
         for (int64_t t = 0; t < t_n; ++t)
           for (int64_t e = 0; e < e_n; ++e)
-            EXPECT_NEAR(get(d, t * e_n + e), get(dwhole, ranks[i].rows[t] * e_n + e), 1e-15)
+            EXPECT_NEAR(testing::value_at(d, t * e_n + e), testing::value_at(dwhole, ranks[i].rows[t] * e_n + e), 1e-15)
                 << what << ", rank " << i << ", row " << ranks[i].rows[t];
       }
       EXPECT_NEAR(shares, loss, 1e-13) << what;
@@ -421,25 +409,25 @@ TEST(ExpertBias, UpdateFollowsTheSignOfTheLoadGap) {
     const double start[] = {0.5, -0.25, 0.0, 1.0};
     const int64_t c[] = {5, 3, 4, 0};  // mean 3: over, exactly at, over, under
     for (int e = 0; e < 4; ++e) {
-      set(bias, e, start[e]);
-      set(counts, e, static_cast<double>(c[e]));
+      testing::set_value_at(bias, e, start[e]);
+      testing::set_value_at(counts, e, static_cast<double>(c[e]));
     }
     expert_bias_update(bias, counts, 0.125);
     const double want[] = {0.375, -0.25, -0.125, 1.125};
-    for (int e = 0; e < 4; ++e) EXPECT_EQ(get(bias, e), want[e]) << "expert " << e;
+    for (int e = 0; e < 4; ++e) EXPECT_EQ(testing::value_at(bias, e), want[e]) << "expert " << e;
     // A mean that is not an integer (5 / 3): no expert sits at it.
     Tensor b3 = pool.zeros({3}, dtype), c3 = pool.zeros({3}, DType::i64);
-    set(c3, 0, 1);
-    set(c3, 1, 2);
-    set(c3, 2, 2);
+    testing::set_value_at(c3, 0, 1);
+    testing::set_value_at(c3, 1, 2);
+    testing::set_value_at(c3, 2, 2);
     expert_bias_update(b3, c3, 0.5);
-    EXPECT_EQ(get(b3, 0), 0.5);
-    EXPECT_EQ(get(b3, 1), -0.5);
-    EXPECT_EQ(get(b3, 2), -0.5);
+    EXPECT_EQ(testing::value_at(b3, 0), 0.5);
+    EXPECT_EQ(testing::value_at(b3, 1), -0.5);
+    EXPECT_EQ(testing::value_at(b3, 2), -0.5);
     // Perfect balance: nothing moves.
-    for (int e = 0; e < 3; ++e) set(c3, e, 7);
+    for (int e = 0; e < 3; ++e) testing::set_value_at(c3, e, 7);
     expert_bias_update(b3, c3, 0.5);
-    EXPECT_EQ(get(b3, 0), 0.5);
+    EXPECT_EQ(testing::value_at(b3, 0), 0.5);
   }
 }
 
@@ -524,7 +512,7 @@ struct RouterRig {
 
 std::vector<int> indices(const Tensor& idx) {
   std::vector<int> v;
-  for (int64_t i = 0; i < idx.numel(); ++i) v.push_back(static_cast<int>(get(idx, i)));
+  for (int64_t i = 0; i < idx.numel(); ++i) v.push_back(static_cast<int>(testing::value_at(idx, i)));
   return v;
 }
 
@@ -562,19 +550,20 @@ TEST(Router, ExpertBiasIsAParameterWithoutGradientThatSteersSelection) {
   // than any gap between sigmoid scores, so token 0 must now pick other experts.
   Tensor counts = pool.zeros({e_n}, DType::i64);
   const std::vector<int> first = {before[0], before[1]};
-  for (int e : first) set(counts, e, 10);
+  for (int e : first) testing::set_value_at(counts, e, 10);
   rig.router.update_expert_bias(counts, 0.5);
   for (int64_t e = 0; e < e_n; ++e)
-    EXPECT_EQ(get(p->value, e), e == first[0] || e == first[1] ? -0.5 : 0.5) << "expert " << e;
+    EXPECT_EQ(testing::value_at(p->value, e), e == first[0] || e == first[1] ? -0.5 : 0.5) << "expert " << e;
   rig.router.forward(x);
   for (int64_t k = 0; k < 2; ++k)
-    EXPECT_TRUE(get(rig.router.topk_idx(), k) != first[0] && get(rig.router.topk_idx(), k) != first[1]);
+    EXPECT_TRUE(testing::value_at(rig.router.topk_idx(), k) != first[0] &&
+                testing::value_at(rig.router.topk_idx(), k) != first[1]);
   // The Router passes its bias and groups to the op, and the weights are unbiased scores.
   TopkRouting r = cfg.routing();
   r.bias_E = p->value;
   const RefRoute ref = reference_route(rig.router.logits(), r, 2);
   EXPECT_EQ(indices(rig.router.topk_idx()), ref.idx);
-  for (int64_t i = 0; i < t_n * 2; ++i) EXPECT_NEAR(get(rig.router.topk_prob(), i), ref.prob[i], 1e-13);
+  for (int64_t i = 0; i < t_n * 2; ++i) EXPECT_NEAR(testing::value_at(rig.router.topk_prob(), i), ref.prob[i], 1e-13);
   rig.router.backward(x, dprob, 1.0, dx);
   EXPECT_EQ(max_abs(p->grad), 0.0);
 
@@ -616,7 +605,8 @@ TEST(Router, SequenceAuxLossGradientMatchesFiniteDifferences) {
     EXPECT_GT(rig.router.seq_aux_loss(), 0);
     EXPECT_EQ(rig.router.aux_loss(), 0);
     rig.router.backward(x, g, loss_scale, dx);
-    for (int64_t i = 0; i < dx.numel(); ++i) set(dx, i, get(dx, i) - get(dx0, i));  // backward adds into dx
+    for (int64_t i = 0; i < dx.numel(); ++i)
+      testing::set_value_at(dx, i, testing::value_at(dx, i) - testing::value_at(dx0, i));  // backward adds into dx
     auto loss = [&] {
       rig.router.forward(x);
       return dot(g, rig.router.topk_prob()) + loss_scale * rig.router.seq_aux_loss();
@@ -717,8 +707,10 @@ TEST(Router, SplitSequencesGiveSharesOfTheWholeLossAndGradient) {
       xs.push_back(pool.zeros({t_n, h_n}));
       gs.push_back(pool.zeros({t_n, k_n}));
       for (int64_t t = 0; t < t_n; ++t) {
-        for (int64_t i = 0; i < h_n; ++i) set(xs[r], t * h_n + i, get(x, rank.rows[t] * h_n + i));
-        for (int64_t k = 0; k < k_n; ++k) set(gs[r], t * k_n + k, get(g, rank.rows[t] * k_n + k));
+        for (int64_t i = 0; i < h_n; ++i)
+          testing::set_value_at(xs[r], t * h_n + i, testing::value_at(x, rank.rows[t] * h_n + i));
+        for (int64_t k = 0; k < k_n; ++k)
+          testing::set_value_at(gs[r], t * k_n + k, testing::value_at(g, rank.rows[t] * k_n + k));
       }
       ReplayGroup record(r, n, &log, false);
       rigs[r]->router.set_token_group(&record);
@@ -741,10 +733,11 @@ TEST(Router, SplitSequencesGiveSharesOfTheWholeLossAndGradient) {
       router.backward(xs[r], gs[r], 1.5, dxr);
       for (int64_t t = 0; t < t_n; ++t)
         for (int64_t i = 0; i < h_n; ++i)
-          EXPECT_NEAR(get(dxr, t * h_n + i), get(dx, ranks[r].rows[t] * h_n + i), 1e-13)
+          EXPECT_NEAR(testing::value_at(dxr, t * h_n + i), testing::value_at(dx, ranks[r].rows[t] * h_n + i), 1e-13)
               << "rank " << r << ", row " << ranks[r].rows[t];
       const Tensor& dg = rigs[r]->mem.find(kPrefix + ".gate.weight")->grad;
-      for (int64_t i = 0; i < dgate.numel(); ++i) set(dgate, i, get(dgate, i) + get(dg, i));
+      for (int64_t i = 0; i < dgate.numel(); ++i)
+        testing::set_value_at(dgate, i, testing::value_at(dgate, i) + testing::value_at(dg, i));
     }
     EXPECT_GT(whole.router.seq_aux_loss(), 0);
     EXPECT_NEAR(seq_aux, whole.router.seq_aux_loss(), 1e-13);

@@ -22,15 +22,9 @@ using testing::Pool;
 constexpr double kF64Tol = 1e-12;
 constexpr double kF32Rel = 1e-5;
 
-double get(const Tensor& t, int64_t i) {
-  return dispatch_float(t.dtype(), [&]<class T>() { return static_cast<double>(t.ptr<T>()[i]); });
-}
-void set(const Tensor& t, int64_t i, double v) {
-  dispatch_float(t.dtype(), [&]<class T>() { t.ptr<T>()[i] = static_cast<T>(v); });
-}
 Tensor cast(Pool& pool, const Tensor& t, DType dtype) {
   Tensor c = pool.zeros(t.shape(), dtype);
-  for (int64_t i = 0; i < t.numel(); ++i) set(c, i, get(t, i));
+  for (int64_t i = 0; i < t.numel(); ++i) testing::set_value_at(c, i, testing::value_at(t, i));
   return c;
 }
 // float32 result against the float64 one, relative to the float64 magnitude.
@@ -40,7 +34,8 @@ void expect_f32_close(const char* what, const Tensor& got32, const Tensor& want6
 // a + k * b, elementwise, into a new f64 tensor.
 Tensor axpy(Pool& pool, const Tensor& a, double k, const Tensor& b) {
   Tensor c = pool.zeros(a.shape());
-  for (int64_t i = 0; i < a.numel(); ++i) set(c, i, get(a, i) + k * get(b, i));
+  for (int64_t i = 0; i < a.numel(); ++i)
+    testing::set_value_at(c, i, testing::value_at(a, i) + k * testing::value_at(b, i));
   return c;
 }
 
@@ -53,10 +48,10 @@ TEST(Elementwise, AddInplace) {
     Tensor y0 = pool.clone(y);
     add_inplace(y, x);
     for (int64_t i = 0; i < y.numel(); ++i) {
-      const double want = dt == DType::f32
-                              ? static_cast<double>(static_cast<float>(get(y0, i)) + static_cast<float>(get(x, i)))
-                              : get(y0, i) + get(x, i);
-      ASSERT_EQ(get(y, i), want) << i;
+      const double want = dt == DType::f32 ? static_cast<double>(static_cast<float>(testing::value_at(y0, i)) +
+                                                                 static_cast<float>(testing::value_at(x, i)))
+                                           : testing::value_at(y0, i) + testing::value_at(x, i);
+      ASSERT_EQ(testing::value_at(y, i), want) << i;
     }
   }
 }
@@ -66,11 +61,12 @@ TEST(Elementwise, SumSquaresAndScale) {
   for (DType dt : {DType::f64, DType::f32}) {
     Tensor x = pool.randn({5, 7}, dt);
     double want = 0;
-    for (int64_t i = 0; i < x.numel(); ++i) want += get(x, i) * get(x, i);
+    for (int64_t i = 0; i < x.numel(); ++i) want += testing::value_at(x, i) * testing::value_at(x, i);
     EXPECT_NEAR(sum_squares(x), want, 1e-12 * want);
     Tensor x0 = pool.clone(x);
     scale_inplace(x, -0.37);
-    for (int64_t i = 0; i < x.numel(); ++i) EXPECT_NEAR(get(x, i), -0.37 * get(x0, i), 1e-6 * std::abs(get(x0, i)));
+    for (int64_t i = 0; i < x.numel(); ++i)
+      EXPECT_NEAR(testing::value_at(x, i), -0.37 * testing::value_at(x0, i), 1e-6 * std::abs(testing::value_at(x0, i)));
   }
 }
 
@@ -84,7 +80,8 @@ TEST(Embedding, ForwardGathersRows) {
     Tensor table = pool.randn({v, c}, dt), out = pool.randn({n, c}, dt);
     embedding_forward(ids, table, out);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < c; ++j) ASSERT_EQ(get(out, i * c + j), get(table, ids.ptr<int32_t>()[i] * c + j));
+      for (int64_t j = 0; j < c; ++j)
+        ASSERT_EQ(testing::value_at(out, i * c + j), testing::value_at(table, ids.ptr<int32_t>()[i] * c + j));
   }
 }
 
@@ -120,10 +117,11 @@ TEST(RMSNorm, ForwardMatchesFormula) {
   rmsnorm_forward(x, w, eps, y, rstd);
   for (int64_t i = 0; i < n; ++i) {
     double ms = 0;
-    for (int64_t j = 0; j < c; ++j) ms += get(x, i * c + j) * get(x, i * c + j) / c;
-    EXPECT_NEAR(get(rstd, i), 1 / std::sqrt(ms + eps), kF64Tol);
+    for (int64_t j = 0; j < c; ++j) ms += testing::value_at(x, i * c + j) * testing::value_at(x, i * c + j) / c;
+    EXPECT_NEAR(testing::value_at(rstd, i), 1 / std::sqrt(ms + eps), kF64Tol);
     for (int64_t j = 0; j < c; ++j)
-      EXPECT_NEAR(get(y, i * c + j), get(w, j) * get(x, i * c + j) / std::sqrt(ms + eps), kF64Tol);
+      EXPECT_NEAR(testing::value_at(y, i * c + j),
+                  testing::value_at(w, j) * testing::value_at(x, i * c + j) / std::sqrt(ms + eps), kF64Tol);
   }
   Tensor y32 = pool.zeros({n, c}, DType::f32), rstd32 = pool.zeros({n}, DType::f32);
   rmsnorm_forward(cast(pool, x, DType::f32), cast(pool, w, DType::f32), eps, y32, rstd32);
@@ -176,8 +174,8 @@ TEST(Linear, ForwardMatchesTripleLoop) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t o = 0; o < out; ++o) {
       double s = 0;
-      for (int64_t k = 0; k < in; ++k) s += get(x, i * in + k) * get(w, o * in + k);
-      EXPECT_NEAR(get(y, i * out + o), s, kF64Tol);
+      for (int64_t k = 0; k < in; ++k) s += testing::value_at(x, i * in + k) * testing::value_at(w, o * in + k);
+      EXPECT_NEAR(testing::value_at(y, i * out + o), s, kF64Tol);
     }
   Tensor y32 = pool.zeros({n, out}, DType::f32);
   linear_forward(cast(pool, x, DType::f32), cast(pool, w, DType::f32), y32);
@@ -227,12 +225,12 @@ TEST(RoPE, TableMatchesFormula) {
     for (int64_t j = 0; j < d / 2; ++j) {
       const double a = rope_angle(theta, si, j, d);
       for (int64_t jj : {j, j + d / 2}) {
-        EXPECT_NEAR(get(cos, si * d + jj), std::cos(a), kF64Tol);
-        EXPECT_NEAR(get(sin, si * d + jj), std::sin(a), kF64Tol);
+        EXPECT_NEAR(testing::value_at(cos, si * d + jj), std::cos(a), kF64Tol);
+        EXPECT_NEAR(testing::value_at(sin, si * d + jj), std::sin(a), kF64Tol);
       }
     }
-  EXPECT_EQ(get(cos, 0), 1.0);
-  EXPECT_EQ(get(sin, d - 1), 0.0);
+  EXPECT_EQ(testing::value_at(cos, 0), 1.0);
+  EXPECT_EQ(testing::value_at(sin, d - 1), 0.0);
 }
 
 TEST(RoPE, ForwardIsComplexRotation) {
@@ -249,10 +247,11 @@ TEST(RoPE, ForwardIsComplexRotation) {
         for (int64_t j = 0; j < half; ++j) {
           const int64_t base = ((bi * s + si) * h + hi) * d;
           // HF rotate_half pairs x[j] with x[j + D/2]: z = x[j] + i x[j + D/2], z *= e^{i angle}.
-          const std::complex<double> z = std::complex<double>(get(x0, base + j), get(x0, base + j + half)) *
-                                         std::polar(1.0, rope_angle(theta, si, j, d));
-          EXPECT_NEAR(get(x, base + j), z.real(), kF64Tol);
-          EXPECT_NEAR(get(x, base + j + half), z.imag(), kF64Tol);
+          const std::complex<double> z =
+              std::complex<double>(testing::value_at(x0, base + j), testing::value_at(x0, base + j + half)) *
+              std::polar(1.0, rope_angle(theta, si, j, d));
+          EXPECT_NEAR(testing::value_at(x, base + j), z.real(), kF64Tol);
+          EXPECT_NEAR(testing::value_at(x, base + j + half), z.imag(), kF64Tol);
         }
   Tensor cos32 = cast(pool, cos, DType::f32), sin32 = cast(pool, sin, DType::f32);
   Tensor x32 = cast(pool, x0, DType::f32);
@@ -290,8 +289,8 @@ TEST(SwiGLU, ForwardAndBackward) {
   swiglu_forward(gu, h);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < f; ++j) {
-      const double g = get(gu, i * 2 * f + j), u = get(gu, i * 2 * f + f + j);
-      EXPECT_NEAR(get(h, i * f + j), g / (1 + std::exp(-g)) * u, kF64Tol);
+      const double g = testing::value_at(gu, i * 2 * f + j), u = testing::value_at(gu, i * 2 * f + f + j);
+      EXPECT_NEAR(testing::value_at(h, i * f + j), g / (1 + std::exp(-g)) * u, kF64Tol);
     }
   Tensor dgu = pool.randn({n, 2 * f}, DType::f64, 100.0);
   swiglu_backward(gu, dh, dgu);
@@ -318,9 +317,9 @@ TEST(CrossEntropy, ForwardMatchesNaiveSoftmax) {
   double want = 0;
   for (int64_t i = 0; i < n; ++i) {
     double z = 0;
-    for (int64_t j = 0; j < v; ++j) z += std::exp(get(logits, i * v + j));
-    EXPECT_NEAR(get(lse, i), std::log(z), kF64Tol);
-    want += -std::log(std::exp(get(logits, i * v + targets.ptr<int32_t>()[i])) / z);
+    for (int64_t j = 0; j < v; ++j) z += std::exp(testing::value_at(logits, i * v + j));
+    EXPECT_NEAR(testing::value_at(lse, i), std::log(z), kF64Tol);
+    want += -std::log(std::exp(testing::value_at(logits, i * v + targets.ptr<int32_t>()[i])) / z);
   }
   EXPECT_NEAR(loss, want, kF64Tol * n);
 
@@ -339,14 +338,14 @@ TEST(CrossEntropy, StableForLargeLogits) {
     Tensor shifted = cast(pool, logits, dt);
     // Row r shifted by 1000 (r + 1): exp overflows in both dtypes unless the max is taken out.
     for (int64_t i = 0; i < shifted.numel(); ++i)
-      set(shifted, i, get(shifted, i) + 1000.0 * static_cast<double>(i / v + 1));
+      testing::set_value_at(shifted, i, testing::value_at(shifted, i) + 1000.0 * static_cast<double>(i / v + 1));
     Tensor lse_s = pool.zeros({n}, dt), d = pool.zeros({n, v}, dt);
     const double loss_s = cross_entropy_forward(shifted, targets, lse_s);
     ASSERT_TRUE(std::isfinite(loss_s));
     // f32 logits near 5000 carry up to 2.5e-4 rounding each.
     EXPECT_NEAR(loss_s, loss, dt == DType::f32 ? 1e-3 * n : 1e-9) << dtype_name(dt);
     cross_entropy_backward(shifted, targets, lse_s, 1.0, d);
-    for (int64_t i = 0; i < d.numel(); ++i) ASSERT_TRUE(std::isfinite(get(d, i)));
+    for (int64_t i = 0; i < d.numel(); ++i) ASSERT_TRUE(std::isfinite(testing::value_at(d, i)));
   }
 }
 
@@ -381,14 +380,14 @@ TEST(CrossEntropy, IgnoredTargetsAddNothing) {
       continue;
     }
     kept.ptr<int32_t>()[r] = targets.ptr<int32_t>()[i];
-    for (int64_t j = 0; j < v; ++j) set(kept_logits, r * v + j, get(logits, i * v + j));
+    for (int64_t j = 0; j < v; ++j) testing::set_value_at(kept_logits, r * v + j, testing::value_at(logits, i * v + j));
     ++r;
   }
   EXPECT_EQ(cross_entropy_forward(logits, targets, lse), cross_entropy_forward(kept_logits, kept, kept_lse));
   Tensor d = pool.randn({n, v}, DType::f64, 100.0);  // garbage: dlogits is WRITTEN
   cross_entropy_backward(logits, targets, lse, 0.5, d);
   for (int64_t i = 1; i < n; i += 2)
-    for (int64_t j = 0; j < v; ++j) EXPECT_EQ(get(d, i * v + j), 0.0);
+    for (int64_t j = 0; j < v; ++j) EXPECT_EQ(testing::value_at(d, i * v + j), 0.0);
   check_gradient("cross-entropy with ignored rows", logits, d,
                  [&] { return 0.5 * cross_entropy_forward(logits, targets, lse); });
 }
@@ -411,25 +410,25 @@ TEST(Matmul, ViewsMatchTripleLoop) {
         Tensor a_st = pool.randn({a_rows + 1, 9}), b = pool.randn({b_rows, b_cols}), c_st = pool.randn({m, 11});
         if (beta == 0.0)
           for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j) set(c_st, i * 11 + 3 + j, std::nan(""));
+            for (int64_t j = 0; j < n; ++j) testing::set_value_at(c_st, i * 11 + 3 + j, std::nan(""));
         const Tensor c0 = pool.clone(c_st);
         const MatrixView a{a_st, a_rows, a_cols, 9, 2};
         const double alpha = -1.5;
         matmul(a, ta, as_matrix(b), tb, column_block(c_st, 3, 3 + n), alpha, beta);
         for (int64_t i = 0; i < m; ++i)
           for (int64_t j = 0; j < 11; ++j) {
-            const double got = get(c_st, i * 11 + j);
+            const double got = testing::value_at(c_st, i * 11 + j);
             if (j < 3 || j >= 3 + n) {
-              EXPECT_EQ(got, get(c0, i * 11 + j)) << "outside the view at " << i << ", " << j;
+              EXPECT_EQ(got, testing::value_at(c0, i * 11 + j)) << "outside the view at " << i << ", " << j;
               continue;
             }
             double s = 0;
             for (int64_t l = 0; l < k; ++l) {
-              const double av = ta ? get(a_st, 2 + l * 9 + i) : get(a_st, 2 + i * 9 + l);
-              const double bv = tb ? get(b, (j - 3) * k + l) : get(b, l * n + j - 3);
+              const double av = ta ? testing::value_at(a_st, 2 + l * 9 + i) : testing::value_at(a_st, 2 + i * 9 + l);
+              const double bv = tb ? testing::value_at(b, (j - 3) * k + l) : testing::value_at(b, l * n + j - 3);
               s += av * bv;
             }
-            const double want = alpha * s + (beta == 0.0 ? 0.0 : beta * get(c0, i * 11 + j));
+            const double want = alpha * s + (beta == 0.0 ? 0.0 : beta * testing::value_at(c0, i * 11 + j));
             EXPECT_NEAR(got, want, kF64Tol) << i << ", " << j;
           }
       }
@@ -445,7 +444,7 @@ TEST(Matmul, ViewsMatchTripleLoop) {
   // K = 0: c = beta * c.
   Tensor e = pool.zeros({m, 0}), f = pool.zeros({0, n}), g = pool.randn({m, n}), g0 = pool.clone(g);
   matmul(as_matrix(e), false, as_matrix(f), false, as_matrix(g), 1.0, -2.0);
-  for (int64_t i = 0; i < m * n; ++i) EXPECT_EQ(get(g, i), -2.0 * get(g0, i));
+  for (int64_t i = 0; i < m * n; ++i) EXPECT_EQ(testing::value_at(g, i), -2.0 * testing::value_at(g0, i));
 }
 
 }  // namespace

@@ -31,13 +31,10 @@ std::string name(const Case& c) {
          " G=" + std::to_string(c.g) + " D=" + std::to_string(c.d);
 }
 
-double get(const Tensor& t, int64_t i) {
-  return dispatch_float(t.dtype(), [&]<class T>() { return static_cast<double>(t.ptr<T>()[i]); });
-}
 Tensor cast(Pool& pool, const Tensor& t, DType dtype) {
   Tensor c = pool.zeros(t.shape(), dtype);
   for (int64_t i = 0; i < t.numel(); ++i)
-    dispatch_float(dtype, [&]<class T>() { c.ptr<T>()[i] = static_cast<T>(get(t, i)); });
+    dispatch_float(dtype, [&]<class T>() { c.ptr<T>()[i] = static_cast<T>(testing::value_at(t, i)); });
   return c;
 }
 void expect_f32_close(const char* what, const Tensor& got32, const Tensor& want64) {
@@ -73,18 +70,19 @@ TEST(Attention, ForwardMatchesMaskedTripleLoop) {
           for (int64_t j = 0; j < c.s; ++j) {
             double sc = 0;
             for (int64_t e = 0; e < c.d; ++e)
-              sc += get(in.q, ((b * c.s + i) * c.q + h) * c.d + e) * get(in.k, ((b * c.s + j) * c.g + g) * c.d + e);
+              sc += testing::value_at(in.q, ((b * c.s + i) * c.q + h) * c.d + e) *
+                    testing::value_at(in.k, ((b * c.s + j) * c.g + g) * c.d + e);
             p[j] = j <= i ? sc * in.scale : -inf;  // causal mask
             m = std::max(m, p[j]);
           }
           double z = 0;
           for (int64_t j = 0; j < c.s; ++j) z += std::exp(p[j] - m);
-          EXPECT_NEAR(get(lse, (b * c.q + h) * c.s + i), m + std::log(z), kF64Tol);
+          EXPECT_NEAR(testing::value_at(lse, (b * c.q + h) * c.s + i), m + std::log(z), kF64Tol);
           for (int64_t e = 0; e < c.d; ++e) {
             double o = 0;
             for (int64_t j = 0; j < c.s; ++j)
-              o += std::exp(p[j] - m) / z * get(in.v, ((b * c.s + j) * c.g + g) * c.d + e);
-            EXPECT_NEAR(get(out, ((b * c.s + i) * c.q + h) * c.d + e), o, kF64Tol);
+              o += std::exp(p[j] - m) / z * testing::value_at(in.v, ((b * c.s + j) * c.g + g) * c.d + e);
+            EXPECT_NEAR(testing::value_at(out, ((b * c.s + i) * c.q + h) * c.d + e), o, kF64Tol);
           }
         }
       }

@@ -145,11 +145,21 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 double value_at(const Tensor& t, int64_t i) {
+  if (t.dtype() == DType::i32) return t.ptr<int32_t>()[i];
+  if (t.dtype() == DType::i64) return static_cast<double>(t.ptr<int64_t>()[i]);
   if (t.dtype() == DType::bf16) return bf16_to_f32(static_cast<uint16_t*>(t.data())[i]);
   return dispatch_float(t.dtype(), [&]<class T>() { return static_cast<double>(t.ptr<T>()[i]); });
 }
 
 void set_value_at(const Tensor& t, int64_t i, double v) {
+  if (t.dtype() == DType::i32) {
+    t.ptr<int32_t>()[i] = static_cast<int32_t>(v);
+    return;
+  }
+  if (t.dtype() == DType::i64) {
+    t.ptr<int64_t>()[i] = static_cast<int64_t>(v);
+    return;
+  }
   if (t.dtype() == DType::bf16) {
     static_cast<uint16_t*>(t.data())[i] = f32_to_bf16(static_cast<float>(v));
     return;

@@ -33,7 +33,7 @@ class Pool {
 // printed on failure through SCOPED_TRACE by the helpers that use it.
 uint64_t fresh_seed();
 
-// Element i of a host float tensor (f32, f64; bf16 decoded), as double; and its setter.
+// Element i of a host tensor (f32, f64, i32, i64; bf16 decoded), as double; and its setter.
 double value_at(const Tensor& t, int64_t i);
 void set_value_at(const Tensor& t, int64_t i, double v);
 
