@@ -1,11 +1,16 @@
-// A MoE layer bound to its own planned Memory (both binding passes), for the multi-rank MoE tests.
+// A MoE layer bound to its own planned Memory (both binding passes), and the token blocks and
+// comparisons the multi-rank MoE tests share.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
+#include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
+#include "moefold/core/rng.h"
 #include "moefold/moe/moe_layer.h"
+#include "testing.h"
 
 namespace moefold::testing {
 
@@ -26,5 +31,33 @@ struct MoeRig {
  private:
   std::string prefix_;
 };
+
+// Token block of rank b: its size differs per rank (so capacities differ too), its values are
+// drawn from (seed, b), so any rank can build any block.
+inline int64_t block_tokens(int b) { return 5 + 3 * b; }
+
+struct Block {
+  Tensor x, dy;
+};
+inline Block draw_block(Pool& pool, uint64_t seed, int b, int64_t hidden, bool biased, int64_t shift) {
+  const int64_t t_n = block_tokens(b) - shift;
+  Block blk{pool.zeros({t_n, hidden}), pool.zeros({t_n, hidden})};
+  // Biased routers need inputs of positive mean (logit_e moves by bias_e * sum_h x_h).
+  if (biased)
+    fill_uniform(blk.x, seed, 1000 + 10 * shift + b, 0.5, 1.5);
+  else
+    fill_normal(blk.x, seed, 1000 + 10 * shift + b, 0.0, 1.0);
+  fill_normal(blk.dy, seed, 2000 + 10 * shift + b, 0.0, 1.0);
+  return blk;
+}
+
+inline double rel_err(const Tensor& got, const Tensor& want) {
+  return max_abs_diff(got, want) / std::max(1.0, max_abs(want));
+}
+
+inline int64_t sum_all(Communicator& comm, int64_t v) {
+  comm.all_reduce(Tensor(&v, DType::i64, {1}), ReduceOp::sum);
+  return v;
+}
 
 }  // namespace moefold::testing

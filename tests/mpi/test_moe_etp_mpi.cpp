@@ -118,29 +118,11 @@ std::vector<Case> all_cases() {
   };
 }
 
-// Token block of world rank b: sizes differ per rank (so capacities differ too).
-int64_t block_tokens(int b) { return 5 + 3 * b; }
-
-struct Block {
-  Tensor x, dy;
-};
-Block draw_block(Pool& pool, uint64_t seed, int b, bool biased, int64_t shift) {
-  const int64_t t_n = block_tokens(b) - shift;
-  Block blk{pool.zeros({t_n, kH}), pool.zeros({t_n, kH})};
-  if (biased)
-    fill_uniform(blk.x, seed, 1000 + 10 * shift + b, 0.5, 1.5);
-  else
-    fill_normal(blk.x, seed, 1000 + 10 * shift + b, 0.0, 1.0);
-  fill_normal(blk.dy, seed, 2000 + 10 * shift + b, 0.0, 1.0);
-  return blk;
-}
-
-double rel_err(const Tensor& got, const Tensor& want) { return max_abs_diff(got, want) / std::max(1.0, max_abs(want)); }
-
-int64_t sum_all(Communicator& comm, int64_t v) {
-  comm.all_reduce(Tensor(&v, DType::i64, {1}), ReduceOp::sum);
-  return v;
-}
+using testing::Block;
+using testing::block_tokens;
+using testing::draw_block;
+using testing::rel_err;
+using testing::sum_all;
 
 // The MoE layouts of `world` ranks tried here: (etp, ep) with etp * ep = world.
 std::vector<std::pair<int, int>> layouts(int world) {
@@ -212,13 +194,13 @@ void run_case(const Case& c, int etp_n, int ep_n) {
 
   // A throw-away step with other token counts first: the real step must not see its plan.
   {
-    Block warm = draw_block(pool, seed, rank, biased, 2);
+    Block warm = draw_block(pool, seed, rank, kH, biased, 2);
     Tensor y = pool.zeros(warm.x.shape()), dx = pool.zeros(warm.x.shape());
     mine.layer.forward(warm.x, y);
     mine.layer.backward(warm.dy, dx, loss_scale);
   }
 
-  const Block own = draw_block(pool, seed, rank, biased, 0);
+  const Block own = draw_block(pool, seed, rank, kH, biased, 0);
   const int64_t t_n = own.x.size(0);
   Tensor y = pool.randn({t_n, kH}), dx = pool.randn({t_n, kH});
   mine.mem.zero_grads();
@@ -230,7 +212,7 @@ void run_case(const Case& c, int etp_n, int ep_n) {
 
   ref.mem.zero_grads();
   for (int b = 0; b < w_n; ++b) {
-    const Block blk = draw_block(pool, seed, b, biased, 0);
+    const Block blk = draw_block(pool, seed, b, kH, biased, 0);
     Tensor yb = pool.zeros(blk.x.shape()), dxb = pool.zeros(blk.x.shape());
     ref.layer.forward(blk.x, yb);
     ref.layer.backward(blk.dy, dxb, loss_scale);
