@@ -20,8 +20,9 @@
 #include "moefold/core/device.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include <cuda_runtime.h>
 #include <nccl.h>
+
+#include "moefold/core/cuda_check.h"
 #endif
 
 namespace moefold {
@@ -64,12 +65,6 @@ using Clock = std::chrono::steady_clock;
     if (mf_rc_ != ncclSuccess) MF_FAIL("NCCL error in ", #expr, ": ", ncclGetErrorString(mf_rc_)); \
   } while (0)
 
-#define MF_CUDART(expr)                                                                              \
-  do {                                                                                               \
-    const cudaError_t mf_err_ = (expr);                                                              \
-    if (mf_err_ != cudaSuccess) MF_FAIL("CUDA error in ", #expr, ": ", cudaGetErrorString(mf_err_)); \
-  } while (0)
-
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
     case DType::f32:
@@ -100,9 +95,9 @@ class NcclCommunicator final : public Communicator {
       : comm_(comm), name_(std::move(name)), timeout_s_(timeout_s), world_rank_(world_rank) {
     MF_NCCL(ncclCommUserRank(comm_, &rank_));
     MF_NCCL(ncclCommCount(comm_, &size_));
-    MF_CUDART(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    MF_CUDART(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
-    MF_CUDART(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+    MF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    MF_CUDA_CHECK(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
+    MF_CUDA_CHECK(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
     staging_ = device_malloc(kStagingBytes);
   }
   ~NcclCommunicator() override {
@@ -230,11 +225,11 @@ class NcclCommunicator final : public Communicator {
       dev.push_back(d);
       used += bytes;
     }
-    MF_CUDART(cudaEventRecord(before_, compute()));
-    MF_CUDART(cudaStreamWaitEvent(stream_, before_, 0));
+    MF_CUDA_CHECK(cudaEventRecord(before_, compute()));
+    MF_CUDA_CHECK(cudaStreamWaitEvent(stream_, before_, 0));
     op(dev);
-    MF_CUDART(cudaEventRecord(after_, stream_));
-    MF_CUDART(cudaStreamWaitEvent(compute(), after_, 0));
+    MF_CUDA_CHECK(cudaEventRecord(after_, stream_));
+    MF_CUDA_CHECK(cudaStreamWaitEvent(compute(), after_, 0));
     if (!host) return;
     wait_or_abort(what);
     size_t i = 0;

@@ -7,7 +7,7 @@
 #include "moefold/core/error.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include <cuda_runtime.h>
+#include "moefold/core/cuda_check.h"
 #endif
 
 namespace moefold {
@@ -22,12 +22,6 @@ void reset_device_bytes_peak() { g_peak.store(g_in_use.load()); }
 
 #ifdef MOEFOLD_WITH_CUDA
 
-#define MF_CUDA(expr)                                                                                \
-  do {                                                                                               \
-    const cudaError_t mf_err_ = (expr);                                                              \
-    if (mf_err_ != cudaSuccess) MF_FAIL("CUDA error in ", #expr, ": ", cudaGetErrorString(mf_err_)); \
-  } while (0)
-
 namespace {
 // Bytes of each live allocation, for the in-use count (device_free gets only the pointer).
 struct Sizes {
@@ -40,7 +34,7 @@ Sizes g_sizes;
 cudaStream_t stream() {
   static cudaStream_t s = [] {
     cudaStream_t t = nullptr;
-    MF_CUDA(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking));
+    MF_CUDA_CHECK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking));
     return t;
   }();
   return s;
@@ -61,15 +55,15 @@ int cuda_device_count() {
 void cuda_set_device(int device) {
   MF_CHECK(device >= 0 && device < cuda_device_count(), "cuda_set_device(", device, ") with ", cuda_device_count(),
            " GPUs");
-  MF_CUDA(cudaSetDevice(device));
+  MF_CUDA_CHECK(cudaSetDevice(device));
 }
 
 std::string cuda_device_name() {
   if (cuda_device_count() == 0) return "none";
   int dev = 0;
-  MF_CUDA(cudaGetDevice(&dev));
+  MF_CUDA_CHECK(cudaGetDevice(&dev));
   cudaDeviceProp p{};
-  MF_CUDA(cudaGetDeviceProperties(&p, dev));
+  MF_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
   return cat(p.name, " (sm_", p.major, p.minor, ", ", p.multiProcessorCount, " SMs, ", p.totalGlobalMem >> 30, " GiB)");
 }
 
@@ -109,7 +103,7 @@ void device_free(void* p) {
 
 void* compute_stream() { return stream(); }
 
-void device_synchronize() { MF_CUDA(cudaStreamSynchronize(stream())); }
+void device_synchronize() { MF_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   if (bytes == 0) return;
@@ -117,12 +111,12 @@ void device_copy(void* dst, Device dst_device, const void* src, Device src_devic
     std::memcpy(dst, src, bytes);
     return;
   }
-  MF_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream()));
-  if (dst_device == Device::cpu) MF_CUDA(cudaStreamSynchronize(stream()));
+  MF_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream()));
+  if (dst_device == Device::cpu) MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
 }
 
 void device_zero(void* p, size_t bytes) {
-  if (bytes) MF_CUDA(cudaMemsetAsync(p, 0, bytes, stream()));
+  if (bytes) MF_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
 }
 
 #else  // CPU-only build

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
+#include "moefold/core/cuda_check.h"
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
 #include "moefold/core/tensor.h"
@@ -19,12 +19,6 @@ constexpr DType dtype_of<__nv_bfloat16>() {
 }  // namespace moefold
 
 namespace moefold::cuda {
-
-#define MF_CUDA_CHECK(expr)                                                                          \
-  do {                                                                                               \
-    const cudaError_t mf_err_ = (expr);                                                              \
-    if (mf_err_ != cudaSuccess) MF_FAIL("CUDA error in ", #expr, ": ", cudaGetErrorString(mf_err_)); \
-  } while (0)
 
 // After a kernel launch: a launch error (bad configuration, no device code for this GPU) fails.
 #define MF_CUDA_LAUNCHED(what)                                                                       \
