@@ -10,6 +10,7 @@
 #include "moefold/core/rng.h"
 #include "moefold/data/token_dataset.h"
 #include "moefold/model/model.h"
+#include "moefold/train/bound_model.h"
 #include "moefold/train/checkpoint.h"
 #include "moefold/train/evaluate.h"
 #include "moefold/train/run.h"
@@ -101,19 +102,10 @@ int64_t check_whole_copies(const std::string& ckpt, int64_t granularity, const s
                            int64_t rows, int64_t cols, int64_t copied = -1) {
   const Config cfg = load_config(ckpt + "/config.toml", {});
   const int64_t s = cols - 1, e_n = cfg.moe.num_experts, k_n = cfg.moe.num_experts_per_tok;
-  Model model(cfg.model, cfg.moe, 1, s);
-  Memory mem(DType::f32);
-  Tensor ids, targets;
-  auto bind = [&] {
-    model.bind(mem);
-    ids = mem.act({1, s}, DType::i32);
-    targets = mem.act({1, s}, DType::i32);
-  };
-  bind();
-  mem.allocate();
-  bind();
-  mem.finish_binding();
-  load_checkpoint(ckpt, mem.params(), nullptr);
+  BoundModel bound(cfg, s);
+  Model& model = bound.model;
+  const Tensor &ids = bound.ids, &targets = bound.targets;
+  load_checkpoint(ckpt, bound.mem.params(), nullptr);
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t* seq = tokens.data() + r * cols;
     std::copy(seq, seq + s, ids.ptr<int32_t>());

@@ -5,6 +5,7 @@
 #include "moefold/core/memory.h"
 #include "moefold/model/config.h"
 #include "moefold/model/model.h"
+#include "moefold/train/bound_model.h"
 #include "moefold/train/checkpoint.h"
 
 namespace moefold {
@@ -27,18 +28,10 @@ EvalResult evaluate_checkpoint(const std::string& dir, const std::vector<int32_t
   if (s <= cfg.model.num_nextn_predict_layers)
     MF_FAIL(source, ": sequences of ", cols, " tokens are too short for the checkpoint's multi-token prediction ",
             "(model.num_nextn_predict_layers = ", cfg.model.num_nextn_predict_layers, ")");
-  Model model(cfg.model, cfg.moe, 1, s);
-  Memory mem(DType::f32);
-  Tensor ids, targets;
-  auto bind = [&] {
-    model.bind(mem);
-    ids = mem.act({1, s}, DType::i32);
-    targets = mem.act({1, s}, DType::i32);
-  };
-  bind();
-  mem.allocate();
-  bind();
-  mem.finish_binding();
+  BoundModel bound(cfg, s);
+  Model& model = bound.model;
+  Memory& mem = bound.mem;
+  const Tensor &ids = bound.ids, &targets = bound.targets;
   EvalResult r;
   r.step = load_checkpoint(dir, mem.params(), nullptr).step;
   double sum = 0;

@@ -15,6 +15,7 @@
 #include "moefold/io/safetensors.h"
 #include "moefold/model/hf_names.h"
 #include "moefold/model/model.h"
+#include "moefold/train/bound_model.h"
 #include "moefold/train/checkpoint.h"
 #include "moefold/train/optimizer.h"
 
@@ -362,12 +363,8 @@ std::string import_hf(const std::string& hf_dir, const std::string& run_dir) {
   Config cfg = config_from_hf(hf_dir);
   cfg.model.num_nextn_predict_layers = hf_mtp_depth(hf_dir, cfg.model.num_hidden_layers);
   cfg.validate();
-  Model model(cfg.model, cfg.moe, 1, cfg.model.num_nextn_predict_layers + 1);
-  Memory mem(DType::f32);
-  model.bind(mem);
-  mem.allocate();
-  model.bind(mem);
-  mem.finish_binding();
+  BoundModel bound(cfg);
+  Memory& mem = bound.mem;
   std::vector<std::string> float32_names;
   load_hf_weights(hf_dir, mem.params(), &float32_names);
   if (cfg.model.torch_dtype != "float32") {
@@ -391,12 +388,8 @@ void export_hf(const std::string& ckpt_dir, const std::string& hf_dir) {
   const std::string config_path = ckpt_dir + "/config.toml";
   if (!fs::is_regular_file(config_path)) MF_FAIL(config_path, ": missing (not a moefold checkpoint?)");
   const Config cfg = load_config(config_path, {});
-  Model model(cfg.model, cfg.moe, 1, cfg.model.num_nextn_predict_layers + 1);
-  Memory mem(DType::f32);
-  model.bind(mem);
-  mem.allocate();
-  model.bind(mem);
-  mem.finish_binding();
+  BoundModel bound(cfg);
+  Memory& mem = bound.mem;
   load_checkpoint(ckpt_dir, mem.params(), nullptr);
   const nlohmann::json j = config_to_hf(cfg);
   const DType dtype = cfg.model.torch_dtype == "bfloat16" ? DType::bf16 : DType::f32;

@@ -16,6 +16,7 @@
 #include "moefold/model/config.h"
 #include "moefold/model/model.h"
 #include "moefold/parallel/mesh.h"
+#include "moefold/train/bound_model.h"
 #include "moefold/train/checkpoint.h"
 #include "moefold/train/optimizer.h"
 
@@ -44,18 +45,6 @@ bool find_override(const std::vector<std::string>& overrides, const std::string&
     }
   return found;
 }
-
-// A model of `cfg` on one rank with its parameters allocated (activations for one token).
-struct BoundModel {
-  Model model;
-  Memory mem{DType::f32};
-  explicit BoundModel(const Config& cfg) : model(cfg.model, cfg.moe, 1, 1) {
-    model.bind(mem);
-    mem.allocate();
-    model.bind(mem);
-    mem.finish_binding();
-  }
-};
 
 // The three MoE tensors of an upcycled layer, and the dense MLP they come from.
 struct UpcycledLayer {
