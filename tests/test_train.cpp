@@ -138,6 +138,38 @@ TEST(Trainer, StepLoopDoesNotAllocateAndLearns) {
   EXPECT_LT(last, first - 0.5);
 }
 
+// Aux-loss-free balancing: each step moves every router's selection bias by exactly +-rate or 0
+// per expert, against that step's loads (never all 0: the loads are not uniform); nothing else
+// moves it.
+TEST(Trainer, ExpertBiasFollowsTheStepLoads) {
+  testing::TempDir tmp("test_train");
+  Config cfg = small_config(make_data(tmp.path()),
+                            {"moe.scoring_func=sigmoid", "moe.expert_bias=true", "moe.expert_bias_update_rate=0.125"});
+  TokenDataset data = open_token_dataset(cfg.data.path);
+  OneRank one(cfg);
+  Trainer t(cfg, data, one.mesh);
+  t.init_fresh();
+  std::vector<const Param*> biases;
+  for (const Param& p : t.params())
+    if (p.name.ends_with("e_score_correction_bias")) biases.push_back(&p);
+  ASSERT_EQ(biases.size(), 2u);  // one per MoE layer
+  std::vector<std::vector<float>> before(biases.size(), std::vector<float>(4, 0.0f));
+  for (int step = 1; step <= 3; ++step) {
+    t.train_step();
+    for (size_t i = 0; i < biases.size(); ++i) {
+      int moved = 0;
+      for (int64_t e = 0; e < 4; ++e) {
+        const float now = biases[i]->value.ptr<float>()[e];
+        const double delta = (now - before[i][e]) / 0.125;
+        EXPECT_TRUE(delta == 0 || delta == 1 || delta == -1) << biases[i]->name << " expert " << e << ": " << delta;
+        moved += delta != 0;
+        before[i][e] = now;
+      }
+      EXPECT_GT(moved, 0) << biases[i]->name << ": the bias did not move at step " << step;
+    }
+  }
+}
+
 TEST(Trainer, ResumeIsBitIdentical) {
   testing::TempDir tmp("test_train");
   const fs::path& dir = tmp.path();
