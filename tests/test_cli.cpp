@@ -1,6 +1,7 @@
 // The moefold binary: every bad input ends in exactly one line "moefold: error: ..." naming the
 // file/key/value and a non-zero exit; the good paths (info, prepare, train, --resume) work.
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -27,7 +28,11 @@ struct Result {
 
 // Runs the binary with `args` (on np ranks under mpiexec when np > 0; args then start with "-- ").
 Result run(const std::string& args, const fs::path& cwd = fs::temp_directory_path(), int np = 0) {
-  fs::path errf = cwd / "stderr.txt", outf = cwd / "stdout.txt";
+  // Output files unique to this process and call: CTest runs test processes side by side, and
+  // the default cwd (/tmp) is shared by them.
+  static int calls = 0;
+  const std::string tag = cat(::getpid(), "_", ++calls);
+  const fs::path errf = cwd / cat("moefold_stderr_", tag, ".txt"), outf = cwd / cat("moefold_stdout_", tag, ".txt");
   std::string launcher = np > 0 ? cat("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
                                       "OMPI_MCA_btl_vader_single_copy_mechanism=none "
                                       "timeout 120 mpiexec --oversubscribe -np ",
@@ -44,6 +49,9 @@ Result run(const std::string& args, const fs::path& cwd = fs::temp_directory_pat
   se << std::ifstream(errf).rdbuf();
   r.out = so.str();
   r.err = se.str();
+  std::error_code ec;
+  fs::remove(outf, ec);
+  fs::remove(errf, ec);
   return r;
 }
 
