@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "cuda_testing.h"
+#include "moefold/core/device.h"
 #include "moefold/train/trainer.h"
 #include "testing.h"
 #include "train_fixture.h"
@@ -66,6 +67,28 @@ TEST(TrainCuda, DeepSeekV3CurveMatchesCpu) {
        "model.kv_lora_rank=8", "model.q_lora_rank=8", "model.rope_interleave=true", "model.first_k_dense_replace=1",
        "model.intermediate_size=32", "moe.n_shared_experts=1", "moe.scoring_func=sigmoid", "moe.n_group=2",
        "moe.topk_group=1", "moe.expert_bias=true", "moe.seq_aux_loss_coef=0.01", "model.num_nextn_predict_layers=1"});
+}
+
+// Requirement of the CUDA backend: no device allocation in the step loop. The first step sizes
+// the ops' grow-only scratch (core/device.h, device_scratch); from then on training steps and
+// evaluations call device_malloc no more and hold no more device memory.
+TEST(TrainCuda, StepLoopAllocatesNoDeviceMemory) {
+  MF_REQUIRE_GPU();
+  testing::TempDir dir("train_cuda_alloc");
+  const Config cfg = testing::small_train_config(testing::make_train_data(dir.path()),
+                                                 {"moe.capacity_factor=1.5", "model.num_hidden_layers=3"});
+  const TokenDataset data = open_token_dataset(cfg.data.path);
+  OneRank a(cfg);
+  Trainer gpu(cfg, data, a.mesh, Device::cuda);
+  gpu.init_fresh();
+  gpu.train_step();
+  gpu.evaluate();
+  const int64_t mallocs = device_malloc_count();
+  const size_t in_use = device_bytes_in_use();
+  for (int i = 0; i < 4; ++i) gpu.train_step();
+  gpu.evaluate();
+  EXPECT_EQ(device_malloc_count(), mallocs);
+  EXPECT_EQ(device_bytes_in_use(), in_use);
 }
 
 }  // namespace

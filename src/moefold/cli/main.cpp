@@ -90,9 +90,13 @@ int main(int argc, char** argv) {
   train->add_option("--run-dir", run.run_dir, "run directory (default: runs/run-DATE-TIME)");
   train->add_flag("--resume", run.resume, "continue from the latest checkpoint in the run directory");
   train->add_flag("--quiet", run.quiet, "no progress output");
-  std::string device_name = "cpu";
-  train->add_option("--device", device_name, "cpu, or cuda: this process's GPU in bf16 mixed precision (one rank)")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+  std::string device_name = "auto";
+  train
+      ->add_option("--device", device_name,
+                   "cuda: this process's GPU (LOCAL_RANK or the MPI local rank picks it) in bf16 mixed precision, "
+                   "ranks joined by NCCL; cpu: fp32 on the CPU, ranks joined by MPI; auto (default): cuda when "
+                   "a GPU is visible")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 
   CLI::App* info = app.add_subcommand("info", "print parameter counts and FLOPs of a config");
   add_config(info);
@@ -169,12 +173,31 @@ int main(int argc, char** argv) {
 
   // Under mpirun/srun every rank runs this; user errors are agreed on by all ranks (run_training
   // fails on every rank together), so each prints its line and finalizes MPI cleanly.
+  std::unique_ptr<Communicator> bootstrap;  // MPI under mpirun, kept alive under an NCCL world
   std::unique_ptr<Communicator> world;
   int code = 0;
   try {
     if (*train) {
       Config cfg = load_config(config_spec, overrides);
-      world = launched_by_mpi() ? make_mpi_world(cfg.parallel.timeout_s) : make_self_communicator();
+      if (device_name == "auto") device_name = cuda_built() && cuda_device_count() > 0 ? "cuda" : "cpu";
+      if (device_name == "cuda") {
+        if (!cuda_built()) MF_FAIL("--device cuda: this moefold was built without CUDA (no nvcc at build time)");
+        if (cuda_device_count() == 0) MF_FAIL("--device cuda: no GPU is visible to this process");
+        run.device = Device::cuda;
+      }
+      // CPU ranks talk over MPI; GPU ranks over NCCL, bootstrapped by MPI under mpirun/srun or by
+      // the torchrun / Slurm environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+      if (launched_by_mpi()) {
+        bootstrap = make_mpi_world(cfg.parallel.timeout_s);
+        if (run.device == Device::cuda) world = make_nccl_world(bootstrap.get(), cfg.parallel.timeout_s);
+      } else if (launched_by_torchrun()) {
+        if (run.device != Device::cuda)
+          MF_FAIL("launched by torchrun (RANK/WORLD_SIZE set): CPU ranks need mpirun; use --device cuda on GPUs");
+        world = make_nccl_world(nullptr, cfg.parallel.timeout_s);
+      }
+      if (!world) world = bootstrap ? std::move(bootstrap) : make_self_communicator();
+      if (run.device == Device::cuda && world->size() == 1)
+        cuda_set_device(local_rank_from_env() % cuda_device_count());
       if (run.run_dir.empty()) {
         if (run.resume) {
           run.run_dir = newest_run_dir();
@@ -189,12 +212,6 @@ int main(int argc, char** argv) {
       }
       if (run.run_dir.empty()) MF_FAIL("--resume: no run directory given and none found under runs/");
       if (run.stop_step < -1 || run.stop_step == 0) MF_FAIL("--steps ", run.stop_step, ": must be >= 1");
-      if (device_name == "cuda") {
-        if (!cuda_built()) MF_FAIL("--device cuda: this moefold was built without CUDA (no nvcc at build time)");
-        if (cuda_device_count() == 0) MF_FAIL("--device cuda: no GPU is visible to this process");
-        cuda_set_device(local_rank_from_env() % cuda_device_count());
-        run.device = Device::cuda;
-      }
       run_training(cfg, run, *world);
     } else if (*info) {
       print_info(load_config(config_spec, overrides));
@@ -263,6 +280,7 @@ int main(int argc, char** argv) {
     code = 1;
   }
   world.reset();
+  bootstrap.reset();
   mpi_finalize();
   return code;
 }

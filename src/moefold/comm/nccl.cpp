@@ -87,7 +87,7 @@ ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::sum ? ncclSum : ncclMa
 
 cudaStream_t compute() { return static_cast<cudaStream_t>(compute_stream()); }
 
-constexpr size_t kStagingBytes = 8 << 20;  // host tensors through NCCL: losses, loads, flags
+constexpr size_t kStagingBytes = 8 << 20;  // host tensors through NCCL: losses, loads, flags, counts
 
 class NcclCommunicator final : public Communicator {
  public:
@@ -204,33 +204,45 @@ class NcclCommunicator final : public Communicator {
  private:
   // Runs `op` on device tensors: host tensors among `in` are staged into the staging buffer
   // (in order), the communicator stream waits for the compute stream, and the compute stream
-  // for it; host tensors among `out` are copied back, waiting at most timeout_s().
+  // for it; host tensors among `out` are copied back, waiting at most timeout_s(). Host tensors
+  // larger than the staging buffer (checkpoint gathers, outside the step loop) get a temporary
+  // device buffer for the call.
   template <class Op>
   void with_device(std::initializer_list<const Tensor*> in, std::initializer_list<const Tensor*> out, const char* what,
                    Op&& op) {
+    auto staged_bytes = [](const Tensor& t) { return (static_cast<size_t>(t.nbytes()) + 255) / 256 * 256; };
+    size_t need = 0;
+    for (const Tensor* t : in)
+      if (t->device() != Device::cuda) need += staged_bytes(*t);
+    struct Temp {
+      void* p = nullptr;
+      ~Temp() {
+        if (p) {
+          cudaStreamSynchronize(static_cast<cudaStream_t>(compute_stream()));
+          device_free(p);
+        }
+      }
+    } temp;
+    char* base = static_cast<char*>(staging_);
+    if (need > kStagingBytes) base = static_cast<char*>(temp.p = device_malloc(need));
     std::vector<Tensor> dev;
     size_t used = 0;
-    bool host = false;
     for (const Tensor* t : in) {
       if (t->device() == Device::cuda) {
         dev.push_back(*t);
         continue;
       }
-      host = true;
-      const size_t bytes = (static_cast<size_t>(t->nbytes()) + 255) / 256 * 256;
-      MF_CHECK(used + bytes <= kStagingBytes, what, " on group '", name_, "': host tensors of ", used + bytes,
-               " bytes exceed the ", kStagingBytes, "-byte staging buffer (use GPU tensors)");
-      Tensor d(static_cast<char*>(staging_) + used, t->dtype(), t->shape(), Device::cuda);
+      Tensor d(base + used, t->dtype(), t->shape(), Device::cuda);
       d.copy_from(*t);  // on the compute stream
       dev.push_back(d);
-      used += bytes;
+      used += staged_bytes(*t);
     }
     MF_CUDA_CHECK(cudaEventRecord(before_, compute()));
     MF_CUDA_CHECK(cudaStreamWaitEvent(stream_, before_, 0));
     op(dev);
     MF_CUDA_CHECK(cudaEventRecord(after_, stream_));
     MF_CUDA_CHECK(cudaStreamWaitEvent(compute(), after_, 0));
-    if (!host) return;
+    if (need == 0) return;
     wait_or_abort(what);
     size_t i = 0;
     for (const Tensor* t : in) {

@@ -1,6 +1,7 @@
 // core/device.h over the CUDA runtime, or the CPU-only stand-ins.
 #include "moefold/core/device.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -14,7 +15,10 @@ namespace moefold {
 
 namespace {
 std::atomic<size_t> g_in_use{0}, g_peak{0};
+std::atomic<int64_t> g_mallocs{0};
 }  // namespace
+
+int64_t device_malloc_count() { return g_mallocs.load(); }
 
 size_t device_bytes_in_use() { return g_in_use.load(); }
 size_t device_bytes_peak() { return g_peak.load(); }
@@ -68,6 +72,7 @@ std::string cuda_device_name() {
 }
 
 void* device_malloc(size_t bytes) {
+  ++g_mallocs;
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, bytes ? bytes : 256);
   if (err != cudaSuccess) {
@@ -103,6 +108,24 @@ void device_free(void* p) {
 
 void* compute_stream() { return stream(); }
 
+void* device_scratch(ScratchSlot slot, size_t bytes) {
+  struct Buffer {
+    void* p = nullptr;
+    size_t bytes = 0;
+  };
+  static Buffer buffers[static_cast<int>(ScratchSlot::count)];  // live for the process (as cuBLAS's handles)
+  Buffer& b = buffers[static_cast<int>(slot)];
+  if (bytes > b.bytes) {
+    if (b.p) {
+      MF_CUDA_CHECK(cudaStreamSynchronize(stream()));  // queued work may still read the old one
+      device_free(b.p);
+    }
+    b.bytes = std::max(bytes, 2 * b.bytes);
+    b.p = device_malloc(b.bytes);
+  }
+  return b.p;
+}
+
 void device_synchronize() { MF_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
@@ -128,6 +151,7 @@ std::string cuda_device_name() { return "none"; }
 void* device_malloc(size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
 void device_free(void*) {}
 void* compute_stream() { return nullptr; }
+void* device_scratch(ScratchSlot, size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
 void device_synchronize() {}
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   MF_CHECK(dst_device == Device::cpu && src_device == Device::cpu, "device_copy: built without CUDA");

@@ -24,6 +24,14 @@ std::string cuda_device_name();
 // step loop. Fails with the bytes asked for and the bytes free.
 void* device_malloc(size_t bytes);
 void device_free(void* p);
+// Calls of device_malloc so far (a step loop that allocates shows up here).
+int64_t device_malloc_count();
+// Grow-only device scratch for CUDA ops that take no workspace (partial sums of a reduction, the
+// temporaries of a plan): one buffer per slot, reused by every call that needs no more bytes,
+// so once the first step has sized them the step loop allocates nothing. Only work on
+// compute_stream() may use it; a slot's buffer is valid until the next call for that slot.
+enum class ScratchSlot : int { sum_squares, cross_entropy, router_loss, permute_plan, vocab_parallel, count };
+void* device_scratch(ScratchSlot slot, size_t bytes);
 // Bytes obtained through device_malloc and not yet freed, and their peak since start (or the
 // last reset): the planned GPU memory.
 size_t device_bytes_in_use();

@@ -151,6 +151,27 @@ void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double me
 
 Tensor Memory::act(Shape shape) { return acts_.take(dtype_, shape); }
 Tensor Memory::act(Shape shape, DType dtype) { return acts_.take(dtype, shape); }
+Tensor Memory::host_act(Shape shape, DType dtype) {
+  return device_ == Device::cpu ? acts_.take(dtype, shape) : host_acts_.take(dtype, shape);
+}
+Mirrored Memory::mirrored(Shape shape, DType dtype) {
+  if (device_ == Device::cpu) {
+    const Tensor t = act(shape, dtype);
+    return {t, t};
+  }
+  return {host_act(shape, dtype), act(shape, dtype)};
+}
+
+namespace {
+Tensor first_rows(const Tensor& t, int64_t n) { return n < 0 || t.ndim() == 0 ? t : t.slice(0, n); }
+}  // namespace
+
+void Mirrored::to_device(int64_t n) const {
+  if (host.data() != dev.data() || host.device() != dev.device()) first_rows(dev, n).copy_from(first_rows(host, n));
+}
+void Mirrored::to_host(int64_t n) const {
+  if (host.data() != dev.data() || host.device() != dev.device()) first_rows(host, n).copy_from(first_rows(dev, n));
+}
 
 void Memory::allocate() {
   MF_CHECK(measuring(), "Memory::allocate called twice");
@@ -162,6 +183,7 @@ void Memory::allocate() {
     compute_[g].allocate();
   }
   acts_.allocate();
+  host_acts_.allocate();
   params_.clear();
 }
 
@@ -180,6 +202,7 @@ std::vector<const Arena*> Memory::arenas() const {
     all.push_back(&compute_[g]);
   }
   all.push_back(&acts_);
+  all.push_back(&host_acts_);
   return all;
 }
 

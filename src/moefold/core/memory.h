@@ -100,6 +100,16 @@ struct Param {
 // mean, std, shard_offset * row).
 void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std);
 
+// A buffer the host computes and the device reads, or the reverse (dispatch plans built from
+// exchanged counts): one tensor on a CPU run (host == dev), a host and a device copy on a GPU run.
+struct Mirrored {
+  Tensor host, dev;
+  // Copies the first n elements of dim 0 (all when n < 0) host -> device / device -> host; no-op
+  // when both are one tensor. to_host waits for the device.
+  void to_device(int64_t n = -1) const;
+  void to_host(int64_t n = -1) const;
+};
+
 // Physical memory of this machine in bytes (0 when unknown).
 size_t host_memory_bytes();
 
@@ -127,6 +137,11 @@ class Memory {
   // Activation or workspace tensor (compute dtype unless given).
   Tensor act(Shape shape);
   Tensor act(Shape shape, DType dtype);
+  // Workspace the host reads or writes (plans from exchanged counts): in host memory whatever
+  // the device (on a CPU run the same as act()).
+  Tensor host_act(Shape shape, DType dtype);
+  // A host_act and an act of one shape (one tensor on a CPU run).
+  Mirrored mirrored(Shape shape, DType dtype);
 
   // Ends the measuring pass: allocates every arena and clears the registrations; the caller
   // binds again. REQUIRES: measuring().
@@ -147,12 +162,14 @@ class Memory {
   size_t param_bytes() const;
   size_t grad_bytes() const;
   size_t act_bytes() const { return acts_.used(); }
+  size_t host_act_bytes() const { return host_acts_.used(); }
 
  private:
   DType dtype_;
   Device device_ = Device::cpu;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
-  size_t measured_[3 * kNumParamGroups + 1] = {};
+  Arena host_acts_;  // always host memory; empty on a CPU run
+  size_t measured_[3 * kNumParamGroups + 2] = {};
   std::vector<const Arena*> arenas() const;  // every arena, in a fixed order
   std::vector<Param> params_;
 };

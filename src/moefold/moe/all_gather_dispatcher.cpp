@@ -22,10 +22,10 @@ void AllGatherDispatcher::bind(Memory& mem) {
   ex_.bind(mem);
   const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local(), p_n = ex_.ep().size(), g_n = etp_.size();
   const int64_t gs_max = g_n * ex_.s_max();
-  home_counts_GE_ = mem.act({g_n * e_n}, DType::i64);
-  send_counts_PGL_ = mem.act({p_n * g_n * l_n}, DType::i64);
-  pack_X_ = mem.act({gs_max}, DType::i64);
-  unpack_GS_ = mem.act({gs_max}, DType::i64);
+  home_counts_GE_ = mem.host_act({g_n * e_n}, DType::i64);
+  send_counts_PGL_ = mem.host_act({p_n * g_n * l_n}, DType::i64);
+  pack_X_ = mem.mirrored({gs_max}, DType::i64);
+  unpack_GS_ = mem.mirrored({gs_max}, DType::i64);
   gathered_GSH_ = mem.act({gs_max, hidden_});
   send_XH_ = mem.act({gs_max, hidden_});
   plan_ = AllGatherPlan{};
@@ -41,12 +41,12 @@ const DispatchPlan& AllGatherDispatcher::dispatch(const Tensor& x_TH, const Tens
 
   // 2. Every ETP rank's home counts; from them the EP send plan of all G sources: to peer q go, for
   //    each source g, g's home rows of q's experts (contiguous in g's block of s_max rows).
-  etp_.all_gather(p.home_counts_E, home_counts_GE_);
+  etp_.all_gather(ex_.home_counts_host(), home_counts_GE_);
   p.home_counts_GE = home_counts_GE_.view({g_n, e_n});
   const int64_t* counts_ge = home_counts_GE_.ptr<int64_t>();
   int64_t* send_pgl = send_counts_PGL_.ptr<int64_t>();
-  int64_t* pack = pack_X_.ptr<int64_t>();
-  int64_t* unpack = unpack_GS_.ptr<int64_t>();
+  int64_t* pack = pack_X_.host.ptr<int64_t>();
+  int64_t* unpack = unpack_GS_.host.ptr<int64_t>();
   std::fill(unpack, unpack + g_n * s_max, int64_t{-1});
   int64_t x_n = 0;
   for (int64_t q = 0; q < p_n; ++q)
@@ -70,8 +70,10 @@ const DispatchPlan& AllGatherDispatcher::dispatch(const Tensor& x_TH, const Tens
       x_n += n;
     }
   p.num_send_rows = x_n;
-  p.pack_X = pack_X_.slice(0, x_n);
-  p.unpack_GS = unpack_GS_;
+  pack_X_.to_device(x_n);
+  unpack_GS_.to_device();
+  p.pack_X = pack_X_.dev.slice(0, x_n);
+  p.unpack_GS = unpack_GS_.dev;
 
   // 3. Counts over EP: block q of send_counts_PGL is what peer q's experts get from each source.
   ex_.exchange_counts(send_counts_PGL_, p);

@@ -28,7 +28,7 @@ namespace moefold {
 // ranks of each EP peer (within a local expert: EP peer q, then ETP rank g), and the ETP send plan.
 struct AllGatherPlan : EpPlan {
   int64_t num_send_rows = 0;  // X: rows sent over EP (every ETP source's rows, by EP peer)
-  Tensor home_counts_GE;      // i64 [G, E]: home_counts_E of every ETP rank (all-gathered)
+  Tensor home_counts_GE;      // i64 [G, E], host: home_counts_E of every ETP rank (all-gathered)
   Tensor recv_counts_PGL;     // i64 [P, G, L]: rows from (EP peer p, its ETP source g) to local expert l
   Tensor pack_X;              // i64 [X]: send[i] = gathered[pack_X[i]] (gathered: [G * s_max] rows)
   Tensor unpack_GS;           // i64 [G * s_max]: gathered[j] = send[unpack_GS[j]] (-1: row unused, 0)
@@ -84,7 +84,8 @@ class AllGatherDispatcher final : public Dispatcher {
   EpExchange ex_;
   // The ETP side (max sizes; plan_ holds views of their used part): gathered_GSH_ (G blocks of
   // s_max rows), send_XH_ (rows over EP, peer-major).
-  Tensor home_counts_GE_, send_counts_PGL_, pack_X_, unpack_GS_;
+  Tensor home_counts_GE_, send_counts_PGL_;  // host
+  Mirrored pack_X_, unpack_GS_;
   Tensor gathered_GSH_, send_XH_;
   AllGatherPlan plan_;
 };

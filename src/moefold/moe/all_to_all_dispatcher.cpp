@@ -20,7 +20,7 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   ex_.route_home(x_TH, topk_idx_TK, topk_prob_TK, p);
   // 2. Counts first: peer p's block of home_counts_E is the rows for p's L experts, so one
   //    equal-block all_to_all tells every rank how many rows each peer sends to each local expert.
-  ex_.exchange_counts(p.home_counts_E, p);
+  ex_.exchange_counts(ex_.home_counts_host(), p);
   p.recv_counts_PL = ex_.recv_counts().view({ex_.ep().size(), ex_.num_local()});
   // 3. Rows, received peer-major and reordered expert-major.
   ex_.to_experts(ex_.own_SH().slice(0, p.num_home_rows), p, p.rows_RH);

@@ -42,17 +42,19 @@ EpExchange::EpExchange(const char* who, const MoeConfig& cfg, int64_t hidden, in
 
 void EpExchange::bind(Memory& mem) {
   const int64_t e_n = cfg_.num_experts, l_n = num_local_, p_n = ep_.size(), r_max = max_rows();
-  home_counts_E_ = mem.act({e_n}, DType::i64);
+  // Counts and the plans built from them are host arrays (the host plans the exchange and the
+  // communicator reads counts on the host); the device gets what its kernels read.
+  home_counts_E_ = mem.mirrored({e_n}, DType::i64);
   home_offsets_E1_ = mem.act({e_n + 1}, DType::i64);
   row_TK_ = mem.act({max_tokens_, cfg_.num_experts_per_tok}, DType::i64);
   home_token_S_ = mem.act({s_max_}, DType::i64);
-  recv_counts_PBL_ = mem.act({p_n * sources_ * l_n}, DType::i64);
-  send_counts_P_ = mem.act({p_n}, DType::i64);
-  recv_counts_P_ = mem.act({p_n}, DType::i64);
-  counts_L_ = mem.act({l_n}, DType::i64);
-  offsets_L1_ = mem.act({l_n + 1}, DType::i64);
-  gather_R_ = mem.act({r_max}, DType::i64);
-  scatter_R_ = mem.act({r_max}, DType::i64);
+  recv_counts_PBL_ = mem.host_act({p_n * sources_ * l_n}, DType::i64);
+  send_counts_P_ = mem.host_act({p_n}, DType::i64);
+  recv_counts_P_ = mem.host_act({p_n}, DType::i64);
+  counts_L_ = mem.mirrored({l_n}, DType::i64);
+  offsets_L1_ = mem.mirrored({l_n + 1}, DType::i64);
+  gather_R_ = mem.mirrored({r_max}, DType::i64);
+  scatter_R_ = mem.mirrored({r_max}, DType::i64);
   own_SH_ = mem.act({s_max_, hidden_});
   home_SH_ = mem.act({s_max_, hidden_});
   recv_RH_ = mem.act({r_max, hidden_});
@@ -69,10 +71,11 @@ void EpExchange::route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const
   p.num_tokens = t_n;
   p.capacity = cfg_.capacity(t_n);
   p.row_TK = row_TK_.slice(0, t_n);
-  p.home_counts_E = home_counts_E_;
+  p.home_counts_E = home_counts_E_.dev;
   p.home_offsets_E1 = home_offsets_E1_;
   p.num_home_rows = moe_permute_plan(topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
-                                     PermutePlanOut{home_counts_E_, home_offsets_E1_, p.row_TK, home_token_S_});
+                                     PermutePlanOut{home_counts_E_.dev, home_offsets_E1_, p.row_TK, home_token_S_});
+  home_counts_E_.to_host();
   p.token_R = home_token_S_.slice(0, p.num_home_rows);
   p.topk_prob_TK = topk_prob_TK;
   moe_permute(x_TH, p.token_R, own_SH_.slice(0, p.num_home_rows));
@@ -81,12 +84,14 @@ void EpExchange::route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const
 void EpExchange::exchange_counts(const Tensor& send_counts_PBL, EpPlan& p) {
   const int64_t l_n = num_local_, p_n = ep_.size(), bl_n = sources_ * l_n;
   ep_.all_to_all(send_counts_PBL, recv_counts_PBL_);
+  MF_CHECK(send_counts_PBL.device() == Device::cpu, "exchange_counts: send counts ", send_counts_PBL.str(),
+           " must be host memory");
   const int64_t* send_pbl = send_counts_PBL.ptr<int64_t>();
   const int64_t* recv_pbl = recv_counts_PBL_.ptr<int64_t>();
   int64_t* send_p = send_counts_P_.ptr<int64_t>();
   int64_t* recv_p = recv_counts_P_.ptr<int64_t>();
-  int64_t* counts = counts_L_.ptr<int64_t>();
-  int64_t* offsets = offsets_L1_.ptr<int64_t>();
+  int64_t* counts = counts_L_.host.ptr<int64_t>();
+  int64_t* offsets = offsets_L1_.host.ptr<int64_t>();
   std::fill(counts, counts + l_n, int64_t{0});
   for (int64_t q = 0; q < p_n; ++q) {
     send_p[q] = 0;
@@ -107,14 +112,16 @@ void EpExchange::exchange_counts(const Tensor& send_counts_PBL, EpPlan& p) {
   MF_CHECK(r_n <= max_rows(), "dispatch: ", r_n, " rows received on rank ", ep_.rank(), " of group '", ep_.name(),
            "', buffers hold ", max_rows(), " (peers disagree on config or max_tokens?)");
   p.num_rows = r_n;
-  p.counts_E = counts_L_;
-  p.offsets_E1 = offsets_L1_;
+  counts_L_.to_device();
+  offsets_L1_.to_device();
+  p.counts_E = counts_L_.dev;
+  p.offsets_E1 = offsets_L1_.dev;
   p.send_counts_P = send_counts_P_;
   p.recv_counts_P = recv_counts_P_;
 
   // Received source-major ((q, b, l) blocks); expert l's rows from earlier sources come first.
-  int64_t* gather = gather_R_.ptr<int64_t>();
-  int64_t* scatter = scatter_R_.ptr<int64_t>();
+  int64_t* gather = gather_R_.host.ptr<int64_t>();
+  int64_t* scatter = scatter_R_.host.ptr<int64_t>();
   int64_t src = 0;  // first received row of block (b, l)
   for (int64_t b = 0; b < p_n * sources_; ++b)
     for (int64_t l = 0; l < l_n; ++l) {
@@ -126,8 +133,10 @@ void EpExchange::exchange_counts(const Tensor& send_counts_PBL, EpPlan& p) {
       }
       src += recv_pbl[b * l_n + l];
     }
-  p.gather_R = gather_R_.slice(0, r_n);
-  p.scatter_R = scatter_R_.slice(0, r_n);
+  gather_R_.to_device(r_n);
+  scatter_R_.to_device(r_n);
+  p.gather_R = gather_R_.dev.slice(0, r_n);
+  p.scatter_R = scatter_R_.dev.slice(0, r_n);
   p.rows_RH = rows_RH_.slice(0, r_n);
 }
 

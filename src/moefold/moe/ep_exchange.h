@@ -60,15 +60,17 @@ class EpExchange {
   const Tensor& own_SH() const { return own_SH_; }
   // [S max, H]: the (summed) expert outputs at home, kept from combine to combine_backward.
   const Tensor& home_SH() const { return home_SH_; }
-  // i64 [P * B * L]: rows from (peer p, source b) to local expert l (after exchange_counts).
+  // i64 [P * B * L], host: rows from (peer p, source b) to local expert l (after exchange_counts).
   const Tensor& recv_counts() const { return recv_counts_PBL_; }
+  // i64 [E], host: home_counts_E of the last route_home.
+  const Tensor& home_counts_host() const { return home_counts_E_.host; }
 
   // 1. Checks x_TH / topk_idx_TK, routes this rank's tokens into home rows sorted by global
   //    expert (LocalDispatcher's plan: capacity from this rank's T, drops and padding decided
   //    before any exchange) and permutes x into own_SH. Fills num_tokens, capacity, row_TK,
   //    token_R, topk_prob_TK, num_home_rows, home_counts_E, home_offsets_E1.
   void route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, EpPlan& p);
-  // 2. Collective over EP: block q of send_counts_PBL (i64 [P * B * L]) is what peer q's experts
+  // 2. Collective over EP: block q of send_counts_PBL (i64 [P * B * L], host) is what peer q's experts
   //    get from each source. Fills num_rows, counts_E, offsets_E1, send_counts_P, recv_counts_P,
   //    gather_R, scatter_R, rows_RH (received source-major, (q, b, l) blocks; expert l's rows from
   //    earlier sources come first).
@@ -93,9 +95,12 @@ class EpExchange {
   MoeConfig cfg_;
   int64_t hidden_, max_tokens_, num_local_, sources_, s_max_;
   Communicator& ep_;
-  // Index buffers, sized for max_tokens; plans hold views of their used part.
-  Tensor home_counts_E_, home_offsets_E1_, row_TK_, home_token_S_, recv_counts_PBL_, send_counts_P_, recv_counts_P_;
-  Tensor counts_L_, offsets_L1_, gather_R_, scatter_R_;
+  // Index buffers, sized for max_tokens; plans hold views of their used part. Counts and the
+  // plans computed from them live on the host (Mirrored: also on the device where kernels read
+  // them), so on a GPU every dispatch waits for its counts (as Megatron's all-to-all dispatcher does).
+  Mirrored home_counts_E_;
+  Tensor home_offsets_E1_, row_TK_, home_token_S_, recv_counts_PBL_, send_counts_P_, recv_counts_P_;
+  Mirrored counts_L_, offsets_L1_, gather_R_, scatter_R_;
   // Row buffers: own_SH_ (x rows in dispatch; then dy / dx rows in the backwards), home_SH_
   // (expert outputs back home), recv_RH_ (source-major staging for every exchange), rows_RH_
   // (the experts' input, kept until their backward).

@@ -88,8 +88,8 @@ ContextParallelAttention::ContextParallelAttention(Communicator& cp, const CpAtt
 
 void ContextParallelAttention::bind(Memory& mem) {
   const int64_t b = shape_.batch, s = shape_.seq_len, g = shape_.num_kv_heads, d = shape_.head_dim;
-  q_pos_L_ = mem.act({local_len_}, DType::i32);
-  k_pos_S_ = mem.act({s}, DType::i32);
+  q_pos_L_ = mem.mirrored({local_len_}, DType::i32);
+  k_pos_S_ = mem.mirrored({s}, DType::i32);
   k_all_BSGD_ = mem.act({b, s, g, d});
   v_all_BSGD_ = mem.act({b, s, g, d});
   dk_all_BSGD_ = mem.act({b, s, g, d});
@@ -97,8 +97,19 @@ void ContextParallelAttention::bind(Memory& mem) {
   exchange_cBLGD_ = mem.act({cp_size_, b, local_len_, g, d});
   work_2LS_ = mem.act({2, local_len_, s});
   if (mem.measuring()) return;
-  cp_positions(s, cp_size_, cp_rank_, q_pos_L_.ptr<int32_t>());
-  for (int r = 0; r < cp_size_; ++r) cp_positions(s, cp_size_, r, k_pos_S_.ptr<int32_t>() + r * local_len_);
+  cp_positions(s, cp_size_, cp_rank_, q_pos_L_.host.ptr<int32_t>());
+  for (int r = 0; r < cp_size_; ++r) cp_positions(s, cp_size_, r, k_pos_S_.host.ptr<int32_t>() + r * local_len_);
+  q_pos_L_.to_device();
+  k_pos_S_.to_device();
+}
+
+// Rank r's block of the exchange buffer ([B, L, G, D] of rank r) and its place in [B, S, G, D]:
+// one B-row matrix each, so a copy between them is one strided copy on either device.
+std::pair<MatrixView, MatrixView> ContextParallelAttention::blocks(const Tensor& all_BSGD, int r) const {
+  const int64_t nb = shape_.batch, len = local_len_, s = shape_.seq_len;
+  const int64_t per_key = shape_.num_kv_heads * shape_.head_dim, block = len * per_key;
+  return {MatrixView{exchange_cBLGD_, nb, block, block, r * nb * block},
+          MatrixView{all_BSGD, nb, block, s * per_key, r * len * per_key}};
 }
 
 void ContextParallelAttention::check_local(const Tensor& t, int64_t heads, const char* what) const {
@@ -108,25 +119,21 @@ void ContextParallelAttention::check_local(const Tensor& t, int64_t heads, const
 }
 
 void ContextParallelAttention::gather(const Tensor& local_BLGD, const Tensor& all_BSGD) {
-  const int64_t n = local_BLGD.numel(), nb = shape_.batch, len = local_len_, s = shape_.seq_len;
+  const int64_t n = local_BLGD.numel();
   cp_.all_gather(local_BLGD.view({1, n}), exchange_cBLGD_.view({cp_size_, n}));
   // [c, B, L, G, D] -> [B, c*L, G, D]: rank r's block of each batch row lands at keys [r*L, (r+1)*L).
-  const size_t block = static_cast<size_t>(n / nb) * dtype_size(all_BSGD.dtype());
-  const size_t per_key = block / static_cast<size_t>(len);
-  const char* src = static_cast<const char*>(exchange_cBLGD_.data());
-  char* dst = static_cast<char*>(all_BSGD.data());
-  for (int r = 0; r < cp_size_; ++r)
-    for (int64_t b = 0; b < nb; ++b) std::memcpy(dst + (b * s + r * len) * per_key, src + (r * nb + b) * block, block);
+  for (int r = 0; r < cp_size_; ++r) {
+    const auto [exchange, all] = blocks(all_BSGD, r);
+    copy_matrix(exchange, all);
+  }
 }
 
 void ContextParallelAttention::reduce_scatter(const Tensor& all_BSGD, const Tensor& local_BLGD) {
-  const int64_t n = local_BLGD.numel(), nb = shape_.batch, len = local_len_, s = shape_.seq_len;
-  const size_t block = static_cast<size_t>(n / nb) * dtype_size(all_BSGD.dtype());
-  const size_t per_key = block / static_cast<size_t>(len);
-  const char* src = static_cast<const char*>(all_BSGD.data());
-  char* dst = static_cast<char*>(exchange_cBLGD_.data());
-  for (int r = 0; r < cp_size_; ++r)
-    for (int64_t b = 0; b < nb; ++b) std::memcpy(dst + (r * nb + b) * block, src + (b * s + r * len) * per_key, block);
+  const int64_t n = local_BLGD.numel();
+  for (int r = 0; r < cp_size_; ++r) {
+    const auto [exchange, all] = blocks(all_BSGD, r);
+    copy_matrix(all, exchange);
+  }
   cp_.reduce_scatter(exchange_cBLGD_.view({cp_size_, n}), local_BLGD.view({1, n}), ReduceOp::sum);
 }
 
@@ -138,7 +145,8 @@ void ContextParallelAttention::forward(const Tensor& q_BLQD, const Tensor& k_BLG
   check_local(v_BLGD, shape_.num_kv_heads, what);
   gather(k_BLGD, k_all_BSGD_);
   gather(v_BLGD, v_all_BSGD_);
-  attention_forward_at(q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_, k_pos_S_, scale, out_BLQD, lse_BQL, work_2LS_);
+  attention_forward_at(q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_.dev, k_pos_S_.dev, scale, out_BLQD, lse_BQL,
+                       work_2LS_);
 }
 
 void ContextParallelAttention::backward(const Tensor& q_BLQD, const Tensor& k_BLGD, const Tensor& v_BLGD,
@@ -153,8 +161,8 @@ void ContextParallelAttention::backward(const Tensor& q_BLQD, const Tensor& k_BL
   check_local(dv_BLGD, shape_.num_kv_heads, what);
   gather(k_BLGD, k_all_BSGD_);  // again: the workspace may have served other layers since forward
   gather(v_BLGD, v_all_BSGD_);
-  attention_backward_at(q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_, k_pos_S_, out_BLQD, lse_BQL, dout_BLQD, scale,
-                        dq_BLQD, dk_all_BSGD_, dv_all_BSGD_, work_2LS_);
+  attention_backward_at(q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_.dev, k_pos_S_.dev, out_BLQD, lse_BQL, dout_BLQD,
+                        scale, dq_BLQD, dk_all_BSGD_, dv_all_BSGD_, work_2LS_);
   reduce_scatter(dk_all_BSGD_, dk_BLGD);
   reduce_scatter(dv_all_BSGD_, dv_BLGD);
 }

@@ -8,9 +8,11 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
+#include "moefold/ops/ops.h"
 
 namespace moefold {
 
@@ -57,7 +59,7 @@ class ContextParallelAttention {
                 const Tensor& dk_BLGD, const Tensor& dv_BLGD);
 
   // This rank's L global positions (i32), valid after the real bind.
-  const Tensor& positions() const { return q_pos_L_; }
+  const Tensor& positions() const { return q_pos_L_.dev; }
   int64_t local_len() const { return local_len_; }
 
  private:
@@ -66,12 +68,14 @@ class ContextParallelAttention {
   // The sum over ranks of the rows of all_BSGD that this rank owns, into local_BLGD.
   void reduce_scatter(const Tensor& all_BSGD, const Tensor& local_BLGD);
   void check_local(const Tensor& t, int64_t heads, const char* what) const;
+  // Rank r's [B, L*G*D] block of the exchange buffer and the matching block of all_BSGD.
+  std::pair<MatrixView, MatrixView> blocks(const Tensor& all_BSGD, int r) const;
 
   Communicator& cp_;
   CpAttentionShape shape_;
   int cp_size_, cp_rank_;
   int64_t local_len_;
-  Tensor q_pos_L_, k_pos_S_;          // i32; key positions in gathered (rank-major) order
+  Mirrored q_pos_L_, k_pos_S_;        // i32; key positions in gathered (rank-major) order
   Tensor k_all_BSGD_, v_all_BSGD_;    // gathered keys and values
   Tensor dk_all_BSGD_, dv_all_BSGD_;  // their gradients, before the reduce-scatter
   Tensor exchange_cBLGD_;             // all_gather receive / reduce_scatter send buffer

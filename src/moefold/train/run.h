@@ -15,7 +15,7 @@ struct RunOptions {
   int64_t stop_step = -1;       // train until this step (-1: train.steps)
   bool resume = false;          // continue from the latest checkpoint in run_dir
   bool quiet = false;           // no progress output
-  Device device = Device::cpu;  // cuda: this process's GPU, bf16 mixed precision (one rank for now)
+  Device device = Device::cpu;  // cuda: this process's GPU, bf16 mixed precision (world: NCCL)
 };
 
 // Runs training on the ranks of `world` (every rank calls it); returns the final step. Rank 0

@@ -37,8 +37,6 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
   const Shape bl{cfg.train.micro_batch_size, model_.local_seq_len()};
   const int64_t layers = model_.num_moe_layers(), experts = cfg.moe.num_experts;
-  MF_CHECK(device == Device::cpu || mesh.world->size() == 1,
-           "training on GPUs with more than one rank (NCCL layouts) is not implemented yet");
   auto bind_all = [&] {
     model_.bind(mem_);
     ids_BL_ = mem_.act(bl, DType::i32);

@@ -42,7 +42,8 @@ struct StepMetrics {
 class Trainer {
  public:
   // REQUIRES: cfg validated; `data` and `mesh` outlive the trainer; data fits the vocabulary.
-  // device cuda: the model in bf16 mixed precision on this process's GPU (one rank for now).
+  // device cuda: the model in bf16 mixed precision on this process's GPU; the mesh's groups are
+  // then NCCL communicators (make_nccl_world).
   Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device device = Device::cpu);
 
   // Fresh parameters from cfg.train.seed, or the state of checkpoint directory `ckpt`.

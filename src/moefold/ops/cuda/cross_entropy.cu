@@ -206,10 +206,9 @@ double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, c
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_forward");
   const int64_t n = logits_NV.size(0), v = logits_NV.size(1);
   if (n == 0) return 0.0;
-  // Row losses then their sum (the last element): a stream-ordered scratch, allowed because this
-  // op returns a host value and waits anyway.
-  double* scratch = nullptr;
-  MF_CUDA_CHECK(cudaMallocAsync(&scratch, static_cast<size_t>(n + 1) * sizeof(double), stream()));
+  // Row losses then their sum (the last element).
+  auto* scratch =
+      static_cast<double*>(device_scratch(ScratchSlot::cross_entropy, static_cast<size_t>(n + 1) * sizeof(double)));
   dispatch_cuda_float(logits_NV.dtype(), [&]<class T>() {
     auto* kernel = packed_rows<T>(v, logits_NV.data(), logits_NV.data()) ? &ce_forward_kernel<T, true>
                                                                          : &ce_forward_kernel<T, false>;
@@ -221,7 +220,6 @@ double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, c
   MF_CUDA_LAUNCHED("cross_entropy_forward sum");
   double loss = 0;
   MF_CUDA_CHECK(cudaMemcpyAsync(&loss, scratch + n, sizeof(double), cudaMemcpyDeviceToHost, stream()));
-  MF_CUDA_CHECK(cudaFreeAsync(scratch, stream()));
   MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
   return loss;
 }

@@ -96,18 +96,15 @@ double sum_squares(const Tensor& x) {
   const int64_t n = x.numel();
   if (n == 0) return 0.0;
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 1024));
-  // A small scratch per call: sum_squares serves clipping once per step, outside the hot path.
-  double* partial = nullptr;
-  MF_CUDA_CHECK(cudaMallocAsync(&partial, blocks * sizeof(double), stream()));
+  auto* partial = static_cast<double*>(device_scratch(ScratchSlot::sum_squares, blocks * sizeof(double)));
   dispatch_cuda_float(
       x.dtype(), [&]<class T>() { sum_squares_kernel<T><<<blocks, kThreads, 0, stream()>>>(x.ptr<T>(), n, partial); });
   MF_CUDA_LAUNCHED("sum_squares");
-  std::vector<double> host(static_cast<size_t>(blocks));
-  MF_CUDA_CHECK(cudaMemcpyAsync(host.data(), partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream()));
-  MF_CUDA_CHECK(cudaFreeAsync(partial, stream()));
+  double host[1024];  // blocks <= 1024
+  MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream()));
   MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
   double s = 0;
-  for (double v : host) s += v;
+  for (int i = 0; i < blocks; ++i) s += host[i];
   return s;
 }
 

@@ -373,17 +373,15 @@ template <int kKind>
 double row_loss_sum(const float* x, int64_t t_n, int e_n, bool softmax, const int64_t* counts, int64_t row_offset,
                     int64_t local_seq_len, const char* what) {
   const int blocks = std::min(blocks_for(t_n, kLossWarps), kLossMaxBlocks);
-  double* partial = nullptr;
-  MF_CUDA_CHECK(cudaMallocAsync(&partial, blocks * sizeof(double), stream()));
+  auto* partial = static_cast<double*>(device_scratch(ScratchSlot::router_loss, blocks * sizeof(double)));
   row_loss_kernel<kKind>
       <<<blocks, kLossWarps * kWarp, 0, stream()>>>(x, t_n, e_n, softmax, counts, row_offset, local_seq_len, partial);
   MF_CUDA_LAUNCHED(what);
-  std::vector<double> host(static_cast<size_t>(blocks));
-  MF_CUDA_CHECK(cudaMemcpyAsync(host.data(), partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream()));
-  MF_CUDA_CHECK(cudaFreeAsync(partial, stream()));
+  double host[kLossMaxBlocks];
+  MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream()));
   MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
   double total = 0;
-  for (double v : host) total += v;
+  for (int i = 0; i < blocks; ++i) total += host[i];
   return total;
 }
 
@@ -1099,13 +1097,12 @@ int64_t moe_permute_plan(const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, 
   const int e = static_cast<int>(e_n), k = static_cast<int>(k_n);
   const int64_t num_tiles = ceil_div(a_n, kPlanTile);
 
-  // Scratch, one stream-ordered allocation: info | n_assign[E] | assign_off[E] | tile_base | grouped.
+  // Scratch (grow-only): info | n_assign[E] | assign_off[E] | tile_base | grouped.
   const size_t info_bytes = kNumPlanInfo * sizeof(unsigned long long);
   const size_t base_bytes = static_cast<size_t>(num_tiles * e_n) * sizeof(int);
   const size_t grouped_bytes = dropless ? 0 : static_cast<size_t>(a_n) * sizeof(int);
   const size_t bytes = info_bytes + 2 * static_cast<size_t>(e_n) * sizeof(int64_t) + base_bytes + grouped_bytes;
-  char* scratch = nullptr;
-  MF_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch), bytes, stream()));
+  auto* scratch = static_cast<char*>(device_scratch(ScratchSlot::permute_plan, bytes));
   auto* info = reinterpret_cast<unsigned long long*>(scratch);
   auto* n_assign = reinterpret_cast<int64_t*>(scratch + info_bytes);
   int64_t* assign_off = n_assign + e_n;
@@ -1141,7 +1138,6 @@ int64_t moe_permute_plan(const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, 
   }
   unsigned long long host[kNumPlanInfo];
   MF_CUDA_CHECK(cudaMemcpyAsync(host, info, info_bytes, cudaMemcpyDeviceToHost, stream()));
-  MF_CUDA_CHECK(cudaFreeAsync(scratch, stream()));
   MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
   if (host[kBadIndex] != kNoAssignment) {
     // The index itself, for the CPU op's message (one more small copy: this is the failure path).

@@ -1,0 +1,253 @@
+// Parallel layouts on GPUs: one GPU per rank, ranks joined by NCCL (bootstrapped over MPI), bf16
+// mixed precision. For every two-rank layout (DP, TP with sequence parallelism, CP, EP, ETP,
+// TP x EP) the loss and every gradient of one step, and a 20-step loss curve, match a one-GPU run
+// that each rank computes itself on its own GPU. A checkpoint saved under TP = EP = 2 resumes
+// under DP = 2. Skipped unless every rank has a GPU of its own.
+//
+// Tolerances (bf16: 8 significant bits, a rounding error of up to 2^-9 = 2.0e-3 per op): a layout
+// changes which bf16 roundings happen (TP rounds partial row-parallel sums before the reduction,
+// EP/ETP reorder rows, CP splits the softmax), so results agree to a few bf16 roundings, not bit
+// for bit. Losses (f32 sums over the batch): 2e-3 relative after one step, 1e-2 over 20 steps
+// (the same bound as GPU vs CPU in test_train_cuda.cpp, where the CPU is fp32). Gradients:
+// max |difference| / max |one-GPU gradient| per tensor <= 5e-2 (a wrong shard, a missing or
+// doubled reduction is off by O(1)).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "moefold/comm/nccl.h"
+#include "moefold/core/device.h"
+#include "moefold/train/run.h"
+#include "moefold/train/trainer.h"
+#include "mpi_testing.h"
+#include "testing.h"
+#include "train_fixture.h"
+
+namespace moefold {
+namespace {
+
+struct Layout {
+  int64_t tp, cp, ep, etp;  // dp = world / (tp * cp)
+};
+
+std::string name(const Layout& l, int world) {
+  return cat("(tp, cp, dp, ep, etp) = (", l.tp, ", ", l.cp, ", ", world / (l.tp * l.cp), ", ", l.ep, ", ", l.etp,
+             ") on ", world, " GPUs");
+}
+
+// Every layout of two ranks: DP, TP (+ SP), CP, EP, ETP, and attention TP with experts over EP.
+std::vector<Layout> layouts() {
+  return {{1, 1, 1, 1}, {2, 1, 1, 1}, {1, 2, 1, 1}, {1, 1, 2, 1}, {1, 1, 1, 2}, {2, 1, 2, 1}};
+}
+
+Config with_layout(Config c, const Layout& l) {
+  c.parallel.tp = l.tp;
+  c.parallel.cp = l.cp;
+  c.parallel.ep = l.ep;
+  c.parallel.etp = l.etp;
+  return c;
+}
+
+struct GpuRun {
+  Mesh mesh;
+  TokenDataset data;
+  std::unique_ptr<Trainer> trainer;
+  GpuRun(const Config& cfg, Communicator& world)
+      : mesh(Mesh::build(world, cfg.resolve_layout(world.size()))), data(open_token_dataset(cfg.data.path)) {
+    trainer = std::make_unique<Trainer>(cfg, data, mesh, Device::cuda);
+    trainer->init_fresh();
+  }
+};
+
+std::vector<float> to_host(const Tensor& t) {
+  EXPECT_EQ(t.dtype(), DType::f32);
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  device_copy(v.data(), Device::cpu, t.data(), t.device(), v.size() * sizeof(float));
+  return v;
+}
+
+const Param& find(std::vector<Param>& params, const std::string& name) {
+  for (const Param& p : params)
+    if (p.name == name) return p;
+  ADD_FAILURE() << "no parameter " << name;
+  return params.front();
+}
+
+// max |a_i - b[p.global_index(i)]| / max |b| over the local elements of shard `a` of p.
+double rel_err(const Param& p, const std::vector<float>& a, const std::vector<float>& b_full) {
+  double diff = 0, scale = 0;
+  for (float y : b_full) scale = std::max(scale, std::abs(static_cast<double>(y)));
+  for (size_t i = 0; i < a.size(); ++i)
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) -
+                                   b_full[static_cast<size_t>(p.global_index(static_cast<int64_t>(i)))]));
+  return diff / std::max(scale, 1e-30);
+}
+
+class CudaLayouts : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Communicator& w = testing::test_world();
+    // Every rank must agree to skip (a lone skipper would leave the others in a collective).
+    int64_t gpus = cuda_device_count(), fewest = gpus;
+    w.all_reduce(Tensor(&gpus, DType::i64, {1}), ReduceOp::max);
+    fewest = -fewest;
+    w.all_reduce(Tensor(&fewest, DType::i64, {1}), ReduceOp::max);
+    if (-fewest < 1 || gpus < w.size() || w.size() != 2)
+      GTEST_SKIP() << "needs 2 ranks with one GPU each (" << gpus << " GPUs, " << w.size() << " ranks)";
+    nccl_ = make_nccl_world(&w, testing::kMpiTestTimeoutS);
+    dir_ = std::make_unique<testing::TempDir>(cat("cuda_layouts_rank", w.rank()));
+    // As test_train_layouts.cpp: 4 sequences per step, heads and experts divisible by 2; widths
+    // whose halves stay multiples of 8 bf16 elements (16-byte aligned GEMM operands).
+    base_ = testing::small_train_config(
+        testing::make_train_data(dir_->path()),
+        {"train.micro_batch_size=1", "moe.router_aux_loss_coef=0.05", "model.num_attention_heads=8",
+         "model.num_key_value_heads=4", "model.head_dim=8", "moe.num_experts=8", "moe.moe_intermediate_size=16"});
+    deepseek_ = testing::small_train_config(base_.data.path, {"train.micro_batch_size=1",
+                                                              "model.architecture=deepseek_v3",
+                                                              "model.num_attention_heads=8",
+                                                              "model.num_key_value_heads=8",
+                                                              "model.head_dim=8",
+                                                              "model.qk_rope_head_dim=8",
+                                                              "model.qk_nope_head_dim=8",
+                                                              "model.v_head_dim=16",
+                                                              "model.kv_lora_rank=16",
+                                                              "model.q_lora_rank=12",
+                                                              "model.rope_interleave=true",
+                                                              "model.rope_type=yarn",
+                                                              "model.rope_factor=2",
+                                                              "model.rope_original_max_position_embeddings=8",
+                                                              "model.rope_mscale=1",
+                                                              "model.rope_mscale_all_dim=1",
+                                                              "model.first_k_dense_replace=1",
+                                                              "model.intermediate_size=48",
+                                                              "moe.n_shared_experts=1",
+                                                              "moe.num_experts=8",
+                                                              "moe.scoring_func=sigmoid",
+                                                              "moe.moe_intermediate_size=16",
+                                                              "moe.n_group=4",
+                                                              "moe.topk_group=2",
+                                                              "moe.expert_bias=true",
+                                                              "moe.expert_bias_update_rate=0.01",
+                                                              "moe.seq_aux_loss_coef=0.05",
+                                                              "moe.router_aux_loss_coef=0",
+                                                              "moe.routed_scaling_factor=2.5"});
+  }
+  std::unique_ptr<Communicator> nccl_;
+  std::unique_ptr<testing::TempDir> dir_;
+  Config base_, deepseek_;
+};
+
+void one_step_matches_one_gpu(const Config& cfg, Communicator& world) {
+  std::unique_ptr<Communicator> self = make_self_communicator();
+  GpuRun ref(cfg, *self);
+  ref.trainer->accumulate_gradients();
+  const StepMetrics want = ref.trainer->metrics();
+  double worst_grad = 0, worst_loss = 0;
+  for (const Layout& l : layouts()) {
+    SCOPED_TRACE(name(l, world.size()));
+    GpuRun run(with_layout(cfg, l), world);
+    for (Param& p : run.trainer->params()) {  // the same initial values, whatever the sharding
+      const Param& r = find(ref.trainer->params(), p.name);
+      ASSERT_EQ(p.global_shape(), r.value.shape()) << p.name;
+      EXPECT_EQ(rel_err(p, to_host(p.value), to_host(r.value)), 0.0) << p.name;
+    }
+    run.trainer->accumulate_gradients();
+    const StepMetrics& got = run.trainer->metrics();
+    EXPECT_NEAR(got.lm_loss, want.lm_loss, 2e-3 * want.lm_loss);
+    EXPECT_NEAR(got.aux_loss, want.aux_loss, 2e-3 * want.aux_loss);
+    EXPECT_NEAR(got.grad_norm, want.grad_norm, 2e-2 * want.grad_norm);
+    worst_loss = std::max(worst_loss, std::abs(got.loss - want.loss) / want.loss);
+    for (Param& p : run.trainer->params()) {
+      const double e = rel_err(p, to_host(p.grad), to_host(find(ref.trainer->params(), p.name).grad));
+      worst_grad = std::max(worst_grad, e);
+      EXPECT_LE(e, 5e-2) << p.name;
+    }
+    if (world.rank() == 0) std::printf("verified one step, %s\n", name(l, world.size()).c_str());
+  }
+  if (world.rank() == 0)
+    std::printf("largest relative loss error %.3g, largest relative gradient error %.3g\n", worst_loss, worst_grad);
+}
+
+TEST_F(CudaLayouts, OneStepLossAndEveryGradientMatchOneGpu) { one_step_matches_one_gpu(base_, *nccl_); }
+TEST_F(CudaLayouts, DeepSeekV3OneStepLossAndEveryGradientMatchOneGpu) { one_step_matches_one_gpu(deepseek_, *nccl_); }
+
+void twenty_steps_match_one_gpu(Config cfg, Communicator& world) {
+  cfg.train.steps = 20;
+  std::unique_ptr<Communicator> self = make_self_communicator();
+  GpuRun ref(cfg, *self);
+  std::vector<double> want;
+  for (int i = 0; i < 20; ++i) want.push_back(ref.trainer->train_step().loss);
+  const double eval_want = ref.trainer->evaluate();
+  double worst = 0;
+  for (const Layout& l : layouts()) {
+    SCOPED_TRACE(name(l, world.size()));
+    GpuRun run(with_layout(cfg, l), world);
+    for (int i = 0; i < 20; ++i) {
+      const double got = run.trainer->train_step().loss;
+      worst = std::max(worst, std::abs(got - want[i]) / want[i]);
+      EXPECT_NEAR(got, want[i], 1e-2 * want[i]) << "step " << i + 1;
+    }
+    EXPECT_NEAR(run.trainer->evaluate(), eval_want, 1e-2 * eval_want);
+    if (world.rank() == 0) std::printf("verified 20 steps, %s\n", name(l, world.size()).c_str());
+  }
+  if (world.rank() == 0) std::printf("largest relative loss error over 20 steps: %.3g\n", worst);
+}
+
+TEST_F(CudaLayouts, TwentyStepLossCurveMatchesOneGpu) { twenty_steps_match_one_gpu(base_, *nccl_); }
+TEST_F(CudaLayouts, DeepSeekV3TwentyStepLossCurveMatchesOneGpu) { twenty_steps_match_one_gpu(deepseek_, *nccl_); }
+
+std::vector<double> losses(const std::filesystem::path& run) {
+  std::vector<double> out;
+  std::ifstream f(run / "metrics.jsonl");
+  std::string line;
+  while (std::getline(f, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+// Saved under TP = EP = 2 (sharded weights gathered through the host for the checkpoint),
+// resumed under DP = 2: the resumed steps follow the uninterrupted run.
+TEST_F(CudaLayouts, CheckpointSavedUnderTpEpResumesUnderDp) {
+  namespace fs = std::filesystem;
+  Communicator& world = *nccl_;
+  int64_t id = ::getpid();
+  world.broadcast(Tensor(&id, DType::i64, {1}), 0);
+  const fs::path dir = fs::temp_directory_path() / cat("moefold_cuda_reshard_", id);
+  if (world.rank() == 0) fs::remove_all(dir);
+  world.barrier();
+  Config cfg = base_;
+  cfg.train.steps = 8;
+  cfg.train.checkpoint_interval = 4;
+  cfg.train.eval_interval = 0;
+  cfg.parallel.tp = 2;
+  cfg.parallel.ep = 2;
+  RunOptions opts{(dir / "full").string(), 8, false, true};
+  opts.device = Device::cuda;
+  run_training(cfg, opts, world);
+  const std::vector<double> want = losses(dir / "full");
+  ASSERT_EQ(want.size(), 8u);
+  if (world.rank() == 0) {
+    fs::create_directories(dir / "dp" / "checkpoints");
+    fs::copy(dir / "full" / "checkpoints" / "step_00000004", dir / "dp" / "checkpoints" / "step_00000004",
+             fs::copy_options::recursive);
+  }
+  world.barrier();
+  Config c = cfg;
+  c.parallel.tp = 1;
+  c.parallel.ep = 1;
+  RunOptions resume{(dir / "dp").string(), 8, true, true};
+  resume.device = Device::cuda;
+  EXPECT_EQ(run_training(c, resume, world), 8);
+  const std::vector<double> got = losses(dir / "dp");
+  ASSERT_EQ(got.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(got[i], want[i], 1e-2 * want[i]) << "step " << i + 1;
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace moefold
