@@ -228,6 +228,7 @@ TEST_F(CudaLayouts, CheckpointSavedUnderTpEpResumesUnderDp) {
   RunOptions opts{(dir / "full").string(), 8, false, true};
   opts.device = Device::cuda;
   run_training(cfg, opts, world);
+  world.barrier();  // rank 0 writes the metrics after the last step: read them once it is done
   const std::vector<double> want = losses(dir / "full");
   ASSERT_EQ(want.size(), 8u);
   if (world.rank() == 0) {
@@ -242,6 +243,7 @@ TEST_F(CudaLayouts, CheckpointSavedUnderTpEpResumesUnderDp) {
   RunOptions resume{(dir / "dp").string(), 8, true, true};
   resume.device = Device::cuda;
   EXPECT_EQ(run_training(c, resume, world), 8);
+  world.barrier();
   const std::vector<double> got = losses(dir / "dp");
   ASSERT_EQ(got.size(), 8u);
   for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(got[i], want[i], 1e-2 * want[i]) << "step " << i + 1;

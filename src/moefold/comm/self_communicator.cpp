@@ -1,4 +1,4 @@
-// The one-rank Communicator: collectives are copies or no-ops; point-to-point to oneself is a
+// The one-rank Communicator: collectives are copies or no-ops, on host or GPU tensors; point-to-point to oneself is a
 // programming error (a one-rank layout has no peers).
 #include <limits>
 
@@ -9,6 +9,8 @@ namespace moefold {
 namespace {
 
 using comm_detail::check_buffer;
+// Copies work between any devices (Tensor::copy_from), so GPU tensors (bf16 too) are welcome.
+constexpr bool kAnyDevice = true;
 
 class SelfCommunicator final : public Communicator {
  public:
@@ -21,28 +23,28 @@ class SelfCommunicator final : public Communicator {
   // Nothing ever waits on another rank.
   double timeout_s() const override { return std::numeric_limits<double>::infinity(); }
 
-  void all_reduce(const Tensor& buf, ReduceOp) override { check_buffer(buf, "all_reduce", "buf"); }
+  void all_reduce(const Tensor& buf, ReduceOp) override { check_buffer(buf, "all_reduce", "buf", kAnyDevice); }
   void all_gather(const Tensor& send, const Tensor& recv) override {
-    comm_detail::check_all_gather(send, recv, 1);
+    comm_detail::check_all_gather(send, recv, 1, kAnyDevice);
     recv.copy_from(send);
   }
   void reduce_scatter(const Tensor& send, const Tensor& recv, ReduceOp) override {
-    comm_detail::check_reduce_scatter(send, recv, 1);
+    comm_detail::check_reduce_scatter(send, recv, 1, kAnyDevice);
     recv.copy_from(send);
   }
   void all_to_all_v(const Tensor& send, const int64_t* send_counts, const Tensor& recv,
                     const int64_t* recv_counts) override {
-    comm_detail::check_all_to_all_v(send, send_counts, recv, recv_counts, 1);
+    comm_detail::check_all_to_all_v(send, send_counts, recv, recv_counts, 1, kAnyDevice);
     MF_CHECK(send_counts[0] == recv_counts[0], "all_to_all_v on group '", name_, "': sends ", send_counts[0],
              " rows to itself but expects ", recv_counts[0]);
     recv.slice(0, recv_counts[0]).copy_from(send.slice(0, send_counts[0]));
   }
   void all_to_all(const Tensor& send, const Tensor& recv) override {
-    comm_detail::check_all_to_all(send, recv, 1);
+    comm_detail::check_all_to_all(send, recv, 1, kAnyDevice);
     recv.copy_from(send);
   }
   void broadcast(const Tensor& buf, int root) override {
-    check_buffer(buf, "broadcast", "buf");
+    check_buffer(buf, "broadcast", "buf", kAnyDevice);
     MF_CHECK(root == 0, "broadcast on group '", name_, "' of 1 rank from root ", root);
   }
   void send(const Tensor&, int peer, int) override {

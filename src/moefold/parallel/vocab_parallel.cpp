@@ -1,5 +1,6 @@
 // Vocabulary-parallel embedding and cross-entropy (see vocab_parallel.h): shard-local kernels, plus
 // the forward's two packed all-reduces. Gradient rules: dtable ACCUMULATED, dlogits WRITTEN.
+// The checks are device-agnostic; CUDA tensors then go to vocab_parallel.cu.
 #include "moefold/parallel/vocab_parallel.h"
 
 #include <algorithm>
@@ -11,32 +12,69 @@
 namespace moefold {
 
 namespace {
-void check_embedding(const Tensor& ids, const Tensor& table, const Tensor& rows, int64_t vocab_offset,
+// Whether the tensors of a call are CUDA tensors (the checks have put them all on one device).
+bool on_gpu(const Tensor& t) {
+#ifdef MOEFOLD_WITH_CUDA
+  return t.device() == Device::cuda;
+#else
+  MF_CHECK(t.device() == Device::cpu, "vocab_parallel: ", t.str(), " on a GPU in a build without CUDA");
+  return false;
+#endif
+}
+
+bool cuda_float(DType d) { return d == DType::f32 || d == DType::bf16; }
+
+// rows: out_partial (forward) or dout (backward); table: the table or dtable shard.
+void check_embedding(const Tensor& ids, const Tensor& table, const Tensor& rows, int64_t vocab_offset, bool backward,
                      const char* what) {
   MF_CHECK(ids.ndim() == 1 && ids.dtype() == DType::i32 && ids.contiguous(), what, ": ids ", ids.str());
   MF_CHECK(table.ndim() == 2 && table.contiguous(), what, ": table shard ", table.str());
   check_shape(rows, {ids.size(0), table.size(1)}, what);
-  MF_CHECK(rows.contiguous() && rows.dtype() == table.dtype(), what, ": ", rows.str(), " vs table shard ", table.str());
-  MF_CHECK(ids.device() == Device::cpu && table.device() == Device::cpu && rows.device() == Device::cpu, what);
+  MF_CHECK(rows.contiguous(), what, ": ", rows.str(), " is not contiguous");
+  MF_CHECK(ids.device() == table.device() && rows.device() == table.device(), what, ": ids ", ids.str(), ", table ",
+           table.str(), " and rows ", rows.str(), " on different devices");
+  if (on_gpu(table)) {
+    // Mixed precision: the backward adds bf16 rows into the f32 master gradient.
+    const bool ok =
+        cuda_float(rows.dtype()) && (rows.dtype() == table.dtype() || (backward && table.dtype() == DType::f32));
+    MF_CHECK(ok, what, ": ", rows.str(), " vs table shard ", table.str(),
+             backward ? " (CUDA: dout f32 or bf16, dtable of its dtype or f32)" : " (CUDA: one dtype, f32 or bf16)");
+  } else {
+    MF_CHECK(rows.dtype() == table.dtype(), what, ": ", rows.str(), " vs table shard ", table.str());
+  }
   MF_CHECK(vocab_offset >= 0, what, ": vocab_offset ", vocab_offset);
 }
 
 void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t vocab_offset, const char* what) {
-  MF_CHECK(logits.ndim() == 2 && logits.contiguous() && logits.device() == Device::cpu, what, ": logits shard ",
-           logits.str());
+  MF_CHECK(logits.ndim() == 2 && logits.contiguous(), what, ": logits shard ", logits.str());
   MF_CHECK(logits.size(1) > 0, what, ": empty vocabulary shard ", logits.str());
   check_shape(targets, {logits.size(0)}, what);
   check_shape(lse, {logits.size(0)}, what);
-  MF_CHECK(targets.dtype() == DType::i32 && targets.contiguous() && targets.device() == Device::cpu, what, ": targets ",
-           targets.str());
-  MF_CHECK(lse.dtype() == logits.dtype() && lse.contiguous() && lse.device() == Device::cpu, what, ": lse ", lse.str());
+  MF_CHECK(targets.dtype() == DType::i32 && targets.contiguous() && targets.device() == logits.device(), what,
+           ": targets ", targets.str(), " vs logits shard ", logits.str());
+  MF_CHECK(lse.contiguous() && lse.device() == logits.device(), what, ": lse ", lse.str());
+  if (on_gpu(logits)) {
+    MF_CHECK(cuda_float(logits.dtype()), what, ": logits shard ", logits.str(), " (CUDA: f32 or bf16)");
+    MF_CHECK(lse.dtype() == DType::f32, what, ": lse ", lse.str(), " (CUDA: f32)");
+  } else {
+    MF_CHECK(lse.dtype() == logits.dtype(), what, ": lse ", lse.str(), " vs logits shard ", logits.str());
+  }
   MF_CHECK(vocab_offset >= 0, what, ": vocab_offset ", vocab_offset);
+}
+
+void check_found(Communicator& tp, double found, int64_t n, const char* what) {
+  MF_CHECK(found == static_cast<double>(n), what, ": rank ", tp.rank(), " of group '", tp.name(), "': ", found, " of ",
+           n, " targets fell inside a vocabulary shard (a target outside [0, V), or shards that overlap)");
 }
 }  // namespace
 
 void vocab_parallel_embedding_forward(const Tensor& ids_N, const Tensor& table_shard_VlC, int64_t vocab_offset,
                                       const Tensor& out_partial_NC) {
-  check_embedding(ids_N, table_shard_VlC, out_partial_NC, vocab_offset, "vocab_parallel_embedding_forward");
+  check_embedding(ids_N, table_shard_VlC, out_partial_NC, vocab_offset, false, "vocab_parallel_embedding_forward");
+#ifdef MOEFOLD_WITH_CUDA
+  if (on_gpu(ids_N))
+    return cuda::vocab_parallel_embedding_forward(ids_N, table_shard_VlC, vocab_offset, out_partial_NC);
+#endif
   const int64_t n = ids_N.size(0), vl = table_shard_VlC.size(0), c = table_shard_VlC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();
   dispatch_float(table_shard_VlC.dtype(), [&]<class T>() {
@@ -58,7 +96,10 @@ void vocab_parallel_embedding_forward(const Tensor& ids_N, const Tensor& table_s
 
 void vocab_parallel_embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
                                        const Tensor& dtable_shard_VlC) {
-  check_embedding(ids_N, dtable_shard_VlC, dout_NC, vocab_offset, "vocab_parallel_embedding_backward");
+  check_embedding(ids_N, dtable_shard_VlC, dout_NC, vocab_offset, true, "vocab_parallel_embedding_backward");
+#ifdef MOEFOLD_WITH_CUDA
+  if (on_gpu(ids_N)) return cuda::vocab_parallel_embedding_backward(ids_N, dout_NC, vocab_offset, dtable_shard_VlC);
+#endif
   const int64_t n = ids_N.size(0), vl = dtable_shard_VlC.size(0), c = dtable_shard_VlC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();
   dispatch_float(dtable_shard_VlC.dtype(), [&]<class T>() {
@@ -79,6 +120,7 @@ void VocabParallelScratch::bind(Memory& mem, int64_t rows) {
   max_rows = rows;
   max_N = mem.act({rows}, DType::f64);
   sums_2N1 = mem.act({2 * rows + 1}, DType::f64);
+  result_2 = mem.act({2}, DType::f64);
 }
 
 double vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logits_shard_NVl, int64_t vocab_offset,
@@ -87,9 +129,21 @@ double vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logi
   const char* what = "vocab_parallel_cross_entropy_forward";
   check_ce(logits_shard_NVl, targets_N, lse_N, vocab_offset, what);
   const int64_t n = logits_shard_NVl.size(0), vl = logits_shard_NVl.size(1);
-  MF_CHECK(n <= scratch.max_rows && scratch.max_N.numel() >= n && scratch.sums_2N1.numel() >= 2 * n + 1, what, ": ", n,
-           " rows, scratch bound for ", scratch.max_rows);
+  MF_CHECK(n <= scratch.max_rows && scratch.max_N.numel() >= n && scratch.sums_2N1.numel() >= 2 * n + 1 &&
+               scratch.result_2.numel() >= 2,
+           what, ": ", n, " rows, scratch bound for ", scratch.max_rows);
+  for (const Tensor* t : {&scratch.max_N, &scratch.sums_2N1, &scratch.result_2})
+    MF_CHECK(t->dtype() == DType::f64 && t->contiguous() && t->device() == logits_shard_NVl.device(), what,
+             ": scratch ", t->str(), " vs logits shard ", logits_shard_NVl.str());
   if (n == 0) return 0.0;
+#ifdef MOEFOLD_WITH_CUDA
+  if (on_gpu(logits_shard_NVl)) {
+    const cuda::VocabParallelSums r =
+        cuda::vocab_parallel_cross_entropy_forward(tp, logits_shard_NVl, vocab_offset, targets_N, lse_N, scratch);
+    check_found(tp, r.found, n, what);
+    return r.loss;
+  }
+#endif
   const Tensor max_n = scratch.max_N.slice(0, n);
   const Tensor sums = scratch.sums_2N1.slice(0, 2 * n + 1);
   double* row_max = max_n.ptr<double>();
@@ -128,9 +182,7 @@ double vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logi
     }
     sum_exp[2 * n] = static_cast<double>(hits);
     tp.all_reduce(sums, ReduceOp::sum);
-    MF_CHECK(sum_exp[2 * n] == static_cast<double>(n), what, ": rank ", tp.rank(), " of group '", tp.name(),
-             "': ", sum_exp[2 * n], " of ", n,
-             " targets fell inside a vocabulary shard (a target outside [0, V), or shards that overlap)");
+    check_found(tp, sum_exp[2 * n], n, what);
     T* lse = lse_N.ptr<T>();
     double loss = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -153,8 +205,13 @@ void vocab_parallel_cross_entropy_backward(const Tensor& logits_shard_NVl, int64
   check_ce(logits_shard_NVl, targets_N, lse_N, vocab_offset, what);
   check_shape(dlogits_shard_NVl, logits_shard_NVl.shape(), what);
   MF_CHECK(dlogits_shard_NVl.dtype() == logits_shard_NVl.dtype() && dlogits_shard_NVl.contiguous() &&
-               dlogits_shard_NVl.device() == Device::cpu,
-           what, ": dlogits shard ", dlogits_shard_NVl.str());
+               dlogits_shard_NVl.device() == logits_shard_NVl.device(),
+           what, ": dlogits shard ", dlogits_shard_NVl.str(), " vs logits shard ", logits_shard_NVl.str());
+#ifdef MOEFOLD_WITH_CUDA
+  if (on_gpu(logits_shard_NVl))
+    return cuda::vocab_parallel_cross_entropy_backward(logits_shard_NVl, vocab_offset, targets_N, lse_N, grad_scale,
+                                                       dlogits_shard_NVl);
+#endif
   const int64_t n = logits_shard_NVl.size(0), vl = logits_shard_NVl.size(1);
   const int32_t* targets = targets_N.ptr<int32_t>();
   dispatch_float(logits_shard_NVl.dtype(), [&]<class T>() {
