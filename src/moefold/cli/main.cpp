@@ -1,4 +1,4 @@
-// The moefold command line: train, eval, convert, info, config, prepare. User mistakes end in one line on stderr
+// The moefold command line: train, eval, convert, info, config, prepare, bench. User mistakes end in one line on stderr
 // ("moefold: error: ...") and exit code 1; usage mistakes get CLI11's message and non-zero code.
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moefold/bench/moe_layer_bench.h"
 #include "moefold/comm/communicator.h"
 #include "moefold/comm/mpi.h"
 #include "moefold/comm/nccl.h"
@@ -169,6 +170,24 @@ int main(int argc, char** argv) {
                    "token appended to each document (default: <|endoftext|>, <｜end▁of▁sentence｜> or </s>)")
       ->needs(o_tokenizer);
 
+  CLI::App* bench = app.add_subcommand("bench", "benchmarks (medians of timed repetitions; see docs/benchmarks.md)");
+  bench->require_subcommand(1);
+  CLI::App* bench_moe = bench->add_subcommand(
+      "moe-layer", "one MoE layer forward+backward at BENCHMARKS.md's shapes, with its stage and GEMM breakdown");
+  MoeBenchOptions moe_bench;
+  std::string bench_device = "auto";
+  bench_moe->add_option("--shape", moe_bench.shapes,
+                        "preset whose MoE shape to run (repeatable; default: qwen3-30b-a3b, qwen3-235b-a22b, "
+                        "deepseek-v3, mixtral-8x7b)");
+  bench_moe->add_option("--routing", moe_bench.routings, "balanced and/or real (repeatable; default both)")
+      ->check(CLI::IsMember({"balanced", "real"}));
+  bench_moe->add_option("--tokens", moe_bench.tokens, "tokens per call (default: BENCHMARKS.md's for the shape)");
+  bench_moe->add_option("--reps", moe_bench.reps, "timed repetitions (median reported)");
+  bench_moe->add_option("--warmup", moe_bench.warmup, "untimed repetitions first");
+  bench_moe->add_option("--set", moe_bench.overrides, "override a config key of every shape: section.key=value");
+  bench_moe->add_option("--device", bench_device, "cuda (bf16), cpu (fp32) or auto")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+
   CLI11_PARSE(app, argc, argv);
 
   // Under mpirun/srun every rank runs this; user errors are agreed on by all ranks (run_training
@@ -213,6 +232,17 @@ int main(int argc, char** argv) {
       if (run.run_dir.empty()) MF_FAIL("--resume: no run directory given and none found under runs/");
       if (run.stop_step < -1 || run.stop_step == 0) MF_FAIL("--steps ", run.stop_step, ": must be >= 1");
       run_training(cfg, run, *world);
+    } else if (*bench_moe) {
+      if (bench_device == "auto") bench_device = cuda_built() && cuda_device_count() > 0 ? "cuda" : "cpu";
+      moe_bench.device = bench_device == "cuda" ? Device::cuda : Device::cpu;
+      if (moe_bench.device == Device::cuda && cuda_device_count() == 0)
+        MF_FAIL("bench --device cuda: no GPU is visible to this process");
+      const std::string where = moe_bench.device == Device::cuda ? cuda_device_name() : "CPU (fp32)";
+      const std::vector<MoeBenchResult> r = bench_moe_layer(moe_bench);
+      std::fputs(format_moe_bench(r, cat("MoE layer forward+backward on ", where, ", median of ", moe_bench.reps,
+                                         " after ", moe_bench.warmup, " warm-up"))
+                     .c_str(),
+                 stdout);
     } else if (*info) {
       print_info(load_config(config_spec, overrides));
     } else if (*eval) {

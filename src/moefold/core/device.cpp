@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 
 #include "moefold/core/error.h"
@@ -14,6 +15,9 @@
 namespace moefold {
 
 namespace {
+double host_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 std::atomic<size_t> g_in_use{0}, g_peak{0};
 std::atomic<int64_t> g_mallocs{0};
 }  // namespace
@@ -128,6 +132,35 @@ void* device_scratch(ScratchSlot slot, size_t bytes) {
 
 void device_synchronize() { MF_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
+StreamTimer::StreamTimer() = default;  // events made on first GPU use: a CPU run needs no GPU
+StreamTimer::~StreamTimer() {
+  for (void* e : events_)
+    if (e) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+}
+void StreamTimer::start(Device device) {
+  device_ = device;
+  if (device_ != Device::cuda) {
+    host_start_ = host_ms();
+    return;
+  }
+  for (void*& e : events_)
+    if (!e) MF_CUDA_CHECK(cudaEventCreate(reinterpret_cast<cudaEvent_t*>(&e)));
+  MF_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[0]), stream()));
+}
+void StreamTimer::stop() {
+  if (device_ == Device::cuda)
+    MF_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[1]), stream()));
+  else
+    host_stop_ = host_ms();
+}
+double StreamTimer::elapsed_ms() const {
+  if (device_ != Device::cuda) return host_stop_ - host_start_;
+  MF_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[1])));
+  float ms = 0;
+  MF_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[0]), static_cast<cudaEvent_t>(events_[1])));
+  return ms;
+}
+
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   if (bytes == 0) return;
   if (dst_device == Device::cpu && src_device == Device::cpu) {
@@ -158,6 +191,15 @@ void device_copy(void* dst, Device dst_device, const void* src, Device src_devic
   if (bytes) std::memcpy(dst, src, bytes);
 }
 void device_zero(void*, size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
+StreamTimer::StreamTimer() = default;
+StreamTimer::~StreamTimer() = default;
+void StreamTimer::start(Device device) {
+  MF_CHECK(device == Device::cpu, "StreamTimer: built without CUDA");
+  device_ = device;
+  host_start_ = host_ms();
+}
+void StreamTimer::stop() { host_stop_ = host_ms(); }
+double StreamTimer::elapsed_ms() const { return host_stop_ - host_start_; }
 
 #endif
 

@@ -44,6 +44,26 @@ void reset_device_bytes_peak();
 void* compute_stream();
 void device_synchronize();
 
+// Elapsed time of the work queued on the compute stream between two marks (CUDA events; on a
+// CPU-only build or for CPU work, host wall time): benchmarks, never the step loop.
+class StreamTimer {
+ public:
+  StreamTimer();
+  ~StreamTimer();
+  StreamTimer(const StreamTimer&) = delete;
+  StreamTimer& operator=(const StreamTimer&) = delete;
+  // Marks the start / the end on the compute stream (host clock when `device` is cpu).
+  void start(Device device);
+  void stop();
+  // Milliseconds between start and stop (waits for the stop mark).
+  double elapsed_ms() const;
+
+ private:
+  Device device_ = Device::cpu;
+  void* events_[2] = {nullptr, nullptr};
+  double host_start_ = 0, host_stop_ = 0;
+};
+
 // Copies `bytes` between any two of host and device memory on the compute stream; a copy to
 // the host waits for it.
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);

@@ -1,0 +1,309 @@
+#include "moefold/bench/moe_layer_bench.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <map>
+
+#include "moefold/core/device.h"
+#include "moefold/core/error.h"
+#include "moefold/core/memory.h"
+#include "moefold/core/rng.h"
+#include "moefold/model/config.h"
+#include "moefold/moe/dispatcher.h"
+#include "moefold/moe/experts.h"
+#include "moefold/moe/router.h"
+#include "moefold/ops/moe_ops.h"
+#include "moefold/ops/ops.h"
+
+namespace moefold {
+
+namespace {
+
+// ../shared/BENCHMARKS.md, measured on one H200 (2026-11-30): tokens per GPU of the MoE-layer
+// benchmark, the grouped-GEMM ceilings (fc1 forward, fc2 forward, fc1 forward+backward; TFLOP/s)
+// and the PyTorch bar (forward+backward TFLOP/s, balanced and real routing; the upper end of a
+// range, so a ratio never flatters).
+struct ShapeFacts {
+  int64_t tokens;
+  double fc1, fc2, fc1_fwd_bwd;
+  double bar_balanced, bar_real;
+};
+const std::map<std::string, ShapeFacts>& shape_facts() {
+  static const std::map<std::string, ShapeFacts> facts = {
+      {"qwen3-30b-a3b", {16384, 708, 543, 604, 274, 264}},
+      {"qwen3-235b-a22b", {8192, 647, 562, 0, 376, 347}},
+      {"deepseek-v3", {8192, 618, 576, 0, 374, 391}},
+      {"mixtral-8x7b", {8192, 705, 667, 0, 549, 574}},
+  };
+  return facts;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Fills float tensors (any device, f32/bf16) with normal(0, std) values cut from one host block
+// of random numbers: random data without drawing billions of normals on the host.
+class RandomFill {
+ public:
+  RandomFill(Memory& mem, int64_t block) : block_(block), host_(static_cast<size_t>(block)) {
+    staging_ = mem.act({block}, DType::f32);
+    if (!mem.measuring()) fill_normal(Tensor(host_.data(), DType::f32, {block}), 2026, 11, 0.0, 1.0);
+  }
+  void operator()(const Tensor& t, double std, int64_t salt) {
+    const Tensor flat = t.view({t.numel()});
+    std::vector<float> scaled(host_.size());
+    for (size_t i = 0; i < host_.size(); ++i) scaled[i] = static_cast<float>(std * host_[i]);
+    const Tensor src(scaled.data(), DType::f32, {block_});
+    for (int64_t off = 0; off < flat.numel(); off += block_) {
+      const int64_t n = std::min(block_, flat.numel() - off);
+      // A different start in the block per chunk and tensor, so chunks do not repeat exactly.
+      const int64_t shift = (off / block_ * 7919 + salt * 104729) % (block_ - n + 1);
+      const Tensor dst = flat.slice(off, off + n);
+      if (dst.device() == Device::cpu && dst.dtype() == DType::f32) {
+        dst.copy_from(src.slice(shift, shift + n));
+      } else {
+        staging_.slice(0, n).copy_from(src.slice(shift, shift + n));
+        cast(staging_.slice(0, n), dst);
+      }
+    }
+  }
+
+ private:
+  int64_t block_;
+  std::vector<float> host_;
+  Tensor staging_;
+};
+
+struct Layer {
+  Router router;
+  LocalDispatcher dispatcher;
+  Experts experts;
+  Tensor x, y, dy, dx, out, dout, drows, dprob;  // the layer's own tensors (as MoeLayer's)
+  Tensor balanced_idx, balanced_prob;            // [T, K]: balanced routing
+  Tensor gu, h, dgu, dh, drows2;                 // the grouped GEMMs alone
+  Tensor dgate_up;
+  Layer(const Config& c, int64_t t)
+      : router(c.moe, c.model.hidden_size, t, "bench", c.model.initializer_range),
+        dispatcher(c.moe, c.model.hidden_size, t),
+        experts(c.moe.num_experts, c.model.hidden_size, c.moe.moe_intermediate_size, dispatcher.max_rows(), "bench",
+                c.model.initializer_range) {}
+  void bind(Memory& mem, const Config& c, int64_t t) {
+    const int64_t h_n = c.model.hidden_size, k = c.moe.num_experts_per_tok, f = c.moe.moe_intermediate_size;
+    const int64_t r = dispatcher.max_rows();
+    router.bind(mem);
+    dispatcher.bind(mem);
+    experts.bind(mem);
+    x = mem.act({t, h_n});
+    y = mem.act({t, h_n});
+    dy = mem.act({t, h_n});
+    dx = mem.act({t, h_n});
+    out = mem.act({r, h_n});
+    dout = mem.act({r, h_n});
+    drows = mem.act({r, h_n});
+    dprob = mem.act({t, k}, mem.master_dtype());
+    balanced_idx = mem.act({t, k}, DType::i32);
+    balanced_prob = mem.act({t, k}, mem.master_dtype());
+    gu = mem.act({r, 2 * f});
+    h = mem.act({r, f});
+    dgu = mem.act({r, 2 * f});
+    dh = mem.act({r, f});
+    drows2 = mem.act({r, h_n});
+    dgate_up = mem.grad("bench.experts.gate_up_proj");
+  }
+};
+
+// Times `fn` reps times after warmup; returns the median in ms.
+double time_median(Device device, int warmup, int reps, const std::function<void()>& fn) {
+  StreamTimer timer;
+  std::vector<double> ms;
+  for (int i = 0; i < warmup + reps; ++i) {
+    timer.start(device);
+    fn();
+    timer.stop();
+    if (i >= warmup) ms.push_back(timer.elapsed_ms());
+  }
+  return median(ms);
+}
+
+MoeBenchResult run_one(const std::string& shape, const std::string& routing, const MoeBenchOptions& opts) {
+  const Config c = load_config(shape, opts.overrides);
+  const auto facts_it = shape_facts().find(shape);
+  const ShapeFacts* facts = facts_it == shape_facts().end() ? nullptr : &facts_it->second;
+  const int64_t t = opts.tokens > 0 ? opts.tokens : facts ? facts->tokens : 4096;
+  const int64_t h_n = c.model.hidden_size, e_n = c.moe.num_experts, k = c.moe.num_experts_per_tok;
+  const int64_t f = c.moe.moe_intermediate_size;
+  const bool balanced = routing == "balanced";
+  if (!balanced && routing != "real") MF_FAIL("bench moe-layer: --routing ", routing, " (balanced or real)");
+
+  Memory mem(opts.device == Device::cuda ? DType::bf16 : DType::f32, opts.device);
+  Layer layer(c, t);
+  const int64_t block = std::min<int64_t>(int64_t{1} << 24, std::max<int64_t>(t * h_n, 1 << 16));
+  auto bind = [&] {
+    layer.bind(mem, c, t);
+    return RandomFill(mem, block);
+  };
+  bind();
+  mem.allocate();
+  RandomFill fill = bind();
+  mem.finish_binding();
+
+  // Random weights (the compute copies too), inputs and output gradients.
+  int64_t salt = 0;
+  for (const Param& p : mem.params()) {
+    fill(p.value, p.init == Init::normal ? p.init_std : 0.0, ++salt);
+    if (p.compute.data() != p.value.data()) cast(p.value, p.compute);
+  }
+  fill(layer.x, 1.0, ++salt);
+  fill(layer.dy, 1.0 / static_cast<double>(t), ++salt);
+  {
+    std::vector<int32_t> idx(static_cast<size_t>(t * k));
+    for (int64_t i = 0; i < t * k; ++i) idx[static_cast<size_t>(i)] = static_cast<int32_t>(i % e_n);
+    layer.balanced_idx.copy_from(Tensor(idx.data(), DType::i32, {t, k}));
+    fill_matrix(as_matrix(layer.balanced_prob), 1.0 / static_cast<double>(k));
+  }
+
+  MoeBenchResult res;
+  res.shape = shape;
+  res.routing = routing;
+  res.tokens = t;
+  const double router_fwd = 2.0 * t * h_n * e_n, experts_fwd = 6.0 * k * t * h_n * f;
+  res.flops = 3 * (router_fwd + experts_fwd);
+
+  // The layer, stage by stage, as MoeLayer::forward / backward run it.
+  const DispatchPlan* plan = nullptr;
+  const std::vector<std::string> names = {
+      "router",           "dispatch",         "experts",           "combine",
+      "combine backward", "experts backward", "dispatch backward", "router backward"};
+  const std::vector<std::function<void()>> stages = {
+      [&] { layer.router.forward(layer.x); },
+      [&] {
+        plan = &layer.dispatcher.dispatch(layer.x, balanced ? layer.balanced_idx : layer.router.topk_idx(),
+                                          balanced ? layer.balanced_prob : layer.router.topk_prob());
+      },
+      [&] { layer.experts.forward(plan->rows_RH, plan->offsets_E1, layer.out.slice(0, plan->num_rows)); },
+      [&] { layer.dispatcher.combine(layer.out.slice(0, plan->num_rows), *plan, layer.y); },
+      [&] {
+        layer.dispatcher.combine_backward(layer.dy, layer.out.slice(0, plan->num_rows), *plan,
+                                          layer.dout.slice(0, plan->num_rows), layer.dprob);
+      },
+      [&] {
+        layer.experts.backward(plan->rows_RH, plan->offsets_E1, layer.dout.slice(0, plan->num_rows),
+                               layer.drows.slice(0, plan->num_rows));
+      },
+      [&] { layer.dispatcher.dispatch_backward(layer.drows.slice(0, plan->num_rows), *plan, layer.dx); },
+      [&] { layer.router.backward(layer.x, layer.dprob, 1.0, layer.dx); },
+  };
+  std::vector<StreamTimer> timers(stages.size() + 1);
+  std::vector<std::vector<double>> ms(stages.size() + 1);
+  for (int i = 0; i < opts.warmup + opts.reps; ++i) {
+    timers.back().start(opts.device);
+    for (size_t s = 0; s < stages.size(); ++s) {
+      timers[s].start(opts.device);
+      stages[s]();
+      timers[s].stop();
+    }
+    timers.back().stop();
+    if (i < opts.warmup) continue;
+    for (size_t s = 0; s < timers.size(); ++s) ms[s].push_back(timers[s].elapsed_ms());
+  }
+  res.rows = plan->num_rows;
+  res.total = {"layer forward+backward", median(ms.back()), 0, 0};
+  res.total.tflops = res.flops / (res.total.ms * 1e9);
+  if (facts) res.bar = balanced ? facts->bar_balanced : facts->bar_real;
+  const double stage_flops[] = {router_fwd, 0, experts_fwd, 0, 0, 2 * experts_fwd, 0, 2 * router_fwd};
+  for (size_t s = 0; s < stages.size(); ++s) {
+    BenchTime b{names[s], median(ms[s]), 0, 0};
+    if (stage_flops[s] > 0) b.tflops = stage_flops[s] / (b.ms * 1e9);
+    res.stages.push_back(b);
+  }
+  {
+    std::vector<int64_t> counts(static_cast<size_t>(e_n));
+    device_copy(counts.data(), Device::cpu, layer.router.tokens_per_expert().data(), opts.device,
+                counts.size() * sizeof(int64_t));
+    if (balanced) std::fill(counts.begin(), counts.end(), t * k / e_n);
+    double sum = 0;
+    for (int64_t n : counts) {
+      res.load_max = std::max(res.load_max, static_cast<double>(n));
+      sum += static_cast<double>(n);
+    }
+    res.load_mean = sum / static_cast<double>(e_n);
+  }
+
+  // The expert GEMMs alone, on the last plan's rows and offsets.
+  const int64_t r = plan->num_rows;
+  const Tensor rows = plan->rows_RH, off = plan->offsets_E1;
+  const Tensor gu = layer.gu.slice(0, r), h = layer.h.slice(0, r), dgu = layer.dgu.slice(0, r);
+  const Tensor out = layer.out.slice(0, r), drows2 = layer.drows2.slice(0, r);
+  fill(gu, 1.0, ++salt);
+  fill(h, 1.0, ++salt);
+  fill(dgu, 1e-3, ++salt);
+  const double fc1 = 4.0 * r * h_n * f, fc2 = 2.0 * r * h_n * f;
+  auto gemm = [&](const char* name, double flops, double ceiling, const std::function<void()>& fn) {
+    BenchTime b{name, time_median(opts.device, opts.warmup, opts.reps, fn), 0, ceiling};
+    b.tflops = flops / (b.ms * 1e9);
+    res.gemms.push_back(b);
+  };
+  gemm("fc1 forward (grouped, H -> 2F)", fc1, facts ? facts->fc1 : 0,
+       [&] { grouped_linear_forward(rows, layer.experts.gate_up_proj(), off, gu); });
+  gemm("fc2 forward (grouped, F -> H)", fc2, facts ? facts->fc2 : 0,
+       [&] { grouped_linear_forward(h, layer.experts.down_proj(), off, out); });
+  gemm("fc1 backward (dx + dw)", 2 * fc1, 0,
+       [&] { grouped_linear_backward(rows, layer.experts.gate_up_proj(), off, dgu, drows2, layer.dgate_up); });
+  gemm("fc1 forward+backward", 3 * fc1, facts ? facts->fc1_fwd_bwd : 0, [&] {
+    grouped_linear_forward(rows, layer.experts.gate_up_proj(), off, gu);
+    grouped_linear_backward(rows, layer.experts.gate_up_proj(), off, dgu, drows2, layer.dgate_up);
+  });
+  return res;
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+}  // namespace
+
+std::vector<MoeBenchResult> bench_moe_layer(const MoeBenchOptions& opts) {
+  if (opts.reps < 1 || opts.warmup < 0)
+    MF_FAIL("bench moe-layer: --reps ", opts.reps, ", --warmup ", opts.warmup, " (need reps >= 1, warmup >= 0)");
+  std::vector<std::string> shapes = opts.shapes;
+  if (shapes.empty())
+    for (const auto& [name, facts] : shape_facts()) shapes.push_back(name);
+  std::vector<std::string> routings = opts.routings;
+  if (routings.empty()) routings = {"balanced", "real"};
+  std::vector<MoeBenchResult> out;
+  for (const std::string& s : shapes)
+    for (const std::string& r : routings) out.push_back(run_one(s, r, opts));
+  return out;
+}
+
+std::string format_moe_bench(const std::vector<MoeBenchResult>& results, const std::string& header) {
+  std::string s = header + "\n\n";
+  s += "| shape | routing | tokens | rows | fwd+bwd ms | TFLOP/s | PyTorch bar | ratio | max/mean expert load |\n";
+  s += "|---|---|---|---|---|---|---|---|---|\n";
+  for (const MoeBenchResult& r : results)
+    s += cat("| ", r.shape, " | ", r.routing, " | ", r.tokens, " | ", r.rows, " | ", fmt("%.3f", r.total.ms), " | ",
+             fmt("%.1f", r.total.tflops), " | ", r.bar > 0 ? fmt("%.0f", r.bar) : "-", " | ",
+             r.bar > 0 ? fmt("%.2f", r.total.tflops / r.bar) : "-", " | ",
+             fmt("%.2f", r.load_mean > 0 ? r.load_max / r.load_mean : 0), " |\n");
+  for (const MoeBenchResult& r : results) {
+    s += cat("\n", r.shape, ", ", r.routing, " routing, ", r.tokens, " tokens:\n\n");
+    s += "| part | median ms | share of the layer | TFLOP/s | ceiling | ratio |\n|---|---|---|---|---|---|\n";
+    auto row = [&](const BenchTime& b, bool share) {
+      s += cat("| ", b.name, " | ", fmt("%.3f", b.ms), " | ", share ? fmt("%.1f%%", 100 * b.ms / r.total.ms) : "-",
+               " | ", b.tflops > 0 ? fmt("%.1f", b.tflops) : "-", " | ", b.ceiling > 0 ? fmt("%.0f", b.ceiling) : "-",
+               " | ", b.ceiling > 0 ? fmt("%.2f", b.tflops / b.ceiling) : "-", " |\n");
+    };
+    for (const BenchTime& b : r.stages) row(b, true);
+    for (const BenchTime& b : r.gemms) row(b, false);
+  }
+  return s;
+}
+
+}  // namespace moefold

@@ -1,0 +1,61 @@
+// `moefold bench moe-layer` on the CPU at a small shape: every (shape, routing) runs, the FLOP
+// count follows BENCHMARKS.md's formula, balanced routing is balanced, stages and GEMMs are all
+// timed, and the report names them. (Speed itself is never asserted: benchmarks measure it.)
+#include <gtest/gtest.h>
+
+#include "moefold/bench/moe_layer_bench.h"
+#include "moefold/core/error.h"
+
+namespace moefold {
+namespace {
+
+TEST(BenchMoeLayer, RunsEveryRoutingAndCountsFlops) {
+  MoeBenchOptions o;
+  o.shapes = {"tiny"};
+  o.tokens = 96;
+  o.reps = 2;
+  o.warmup = 1;
+  o.device = Device::cpu;
+  o.overrides = {"moe.num_experts=6", "moe.num_experts_per_tok=3", "moe.moe_intermediate_size=40"};
+  const std::vector<MoeBenchResult> r = bench_moe_layer(o);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].routing, "balanced");
+  EXPECT_EQ(r[1].routing, "real");
+  const double h = 128, e = 6, k = 3, f = 40, t = 96;  // tiny's hidden size is 128
+  for (const MoeBenchResult& x : r) {
+    SCOPED_TRACE(x.routing);
+    EXPECT_EQ(x.tokens, 96);
+    EXPECT_EQ(x.rows, 96 * 3);  // dropless: every assignment is a row
+    EXPECT_DOUBLE_EQ(x.flops, 3 * (2 * t * h * e + 6 * k * t * h * f));
+    EXPECT_GT(x.total.ms, 0);
+    EXPECT_NEAR(x.total.tflops, x.flops / (x.total.ms * 1e9), 1e-12 * x.total.tflops);
+    ASSERT_EQ(x.stages.size(), 8u);
+    ASSERT_EQ(x.gemms.size(), 4u);
+    for (const BenchTime& b : x.stages) EXPECT_GE(b.ms, 0) << b.name;
+    for (const BenchTime& b : x.gemms) EXPECT_GT(b.tflops, 0) << b.name;
+    EXPECT_GE(x.load_max, x.load_mean);
+    EXPECT_DOUBLE_EQ(x.load_mean, t * k / e);
+  }
+  EXPECT_DOUBLE_EQ(r[0].load_max, r[0].load_mean);  // balanced: 48 rows on every expert
+  const std::string report = format_moe_bench(r, "header");
+  EXPECT_NE(report.find("| tiny | balanced | 96 | 288 |"), std::string::npos) << report;
+  EXPECT_NE(report.find("| experts backward |"), std::string::npos) << report;
+  EXPECT_NE(report.find("| fc1 forward+backward |"), std::string::npos) << report;
+}
+
+TEST(BenchMoeLayer, BadOptionsFailWithOneLine) {
+  MoeBenchOptions o;
+  o.device = Device::cpu;
+  o.shapes = {"tiny"};
+  o.routings = {"skewed"};
+  EXPECT_THROW(bench_moe_layer(o), Error);
+  o.routings = {"real"};
+  o.shapes = {"no-such-model"};
+  EXPECT_THROW(bench_moe_layer(o), Error);
+  o.shapes = {"tiny"};
+  o.reps = 0;
+  EXPECT_THROW(bench_moe_layer(o), Error);
+}
+
+}  // namespace
+}  // namespace moefold
