@@ -7,14 +7,7 @@
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
-libdirs="$root/.gpu/lib"
-for name in libcublasLt.so.13 libnccl.so.2; do
-  found=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/x86_64-linux/lib /opt /usr/lib -name "$name" 2>/dev/null | head -1)
-  if [ -n "$found" ]; then libdirs="$libdirs:$(dirname "$found")"; else echo "run.sh: $name not found"; fi
-done
-export LD_LIBRARY_PATH="$libdirs:${LD_LIBRARY_PATH:-}"
-export LD_PRELOAD="$root/.gpu/lib/libmoefold_blas_shim.so"
-export MOEFOLD_SOURCE_DIR="$root"
+source "$root/scripts/gpu/env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 status=0
 mpi_tests="test_comm_nccl test_train_layouts_cuda"  # built with tests/mpi/mpi_main.cpp: run on 2 ranks

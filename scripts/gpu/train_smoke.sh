@@ -6,13 +6,7 @@
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
-libdirs="$root/.gpu/lib"
-for name in libcublasLt.so.13 libnccl.so.2; do
-  found=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/x86_64-linux/lib /opt /usr/lib -name "$name" 2>/dev/null | head -1)
-  [ -n "$found" ] && libdirs="$libdirs:$(dirname "$found")"
-done
-export LD_LIBRARY_PATH="$libdirs:${LD_LIBRARY_PATH:-}"
-export LD_PRELOAD="$root/.gpu/lib/libmoefold_blas_shim.so"
+source "$root/scripts/gpu/env.sh"
 bin="$root/.gpu/bin/moefold"
 status=0
 run() {  # name, args...
