@@ -2,7 +2,8 @@
 # Installs the Debian packages moefold builds with, when missing (README: "Dependencies").
 set -euo pipefail
 packages=(build-essential cmake pkg-config clang-format libopenblas-dev nlohmann-json3-dev libtomlplusplus-dev
-          libcli11-dev libgtest-dev libopenmpi-dev openmpi-bin libpcre2-dev libutf8proc-dev)
+          libcli11-dev libgtest-dev libopenmpi-dev openmpi-bin libpcre2-dev libutf8proc-dev
+          python3-pip)  # pip: CMake fetches cuDNN's header-only C++ frontend from PyPI (CUDA builds)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

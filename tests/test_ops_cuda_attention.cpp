@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <string>
@@ -35,6 +36,10 @@ using testing::rounded;
 constexpr double kF32Tol = 1e-5;
 constexpr double kBf16Tol = 5e-3;
 constexpr double kLseTol = 1e-5;
+
+// These are the own kernels' tests: the plain causal ops would go to cuDNN's fused attention when
+// the build has it (ops/cuda/attention_cudnn.h; tested in test_ops_cuda_attention_cudnn.cpp).
+[[maybe_unused]] const bool kOwnKernel = setenv("MOEFOLD_ATTENTION", "own", 1) == 0;
 
 double tol(DType dt) { return dt == DType::f32 ? kF32Tol : kBf16Tol; }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the GPU test binaries here (Release, sm_90a) and bundles them with the shared libraries
 # the GPU machine lacks into .gpu/ (ignored by git, carried by the device tool; < 64 MiB):
-#   .gpu/bin: test_*cuda* and test_comm_nccl binaries (stripped), and MOEFOLD_GPU_EXTRA_TARGETS
+#   .gpu/bin: the GPU test binaries (stripped), and MOEFOLD_GPU_EXTRA_TARGETS
 #   .gpu/lib: Debian libraries they need (not glibc, not CUDA's nor Open MPI's: the GPU machine
 #             (Ubuntu 24.04) has CUDA 13.0 and Open MPI 4.1; run.sh finds them there);
 #             netlib's reference BLAS stands in for OpenBLAS, with blas_shim.c preloaded.
@@ -13,8 +13,9 @@ out="$root/.gpu"
 grep -qx '/.gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$root/.git/info/exclude"
 grep -qx '/build-gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/build-gpu/' >> "$root/.git/info/exclude"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOEFOLD_WERROR=ON -DMOEFOLD_CUDA_ARCHS=90a > /dev/null
-# MOEFOLD_GPU_TARGETS: the test binaries (default: every tests/test_*cuda*.cpp and test_comm_nccl).
-targets=${MOEFOLD_GPU_TARGETS:-$(cd "$root/tests" && ls test_*cuda*.cpp mpi/test_comm_nccl.cpp 2>/dev/null | xargs -n1 basename | sed 's/\.cpp$//')}
+# MOEFOLD_GPU_TARGETS: the test binaries (default: every tests/test_*cuda*.cpp, tests/mpi/test_*cuda*.cpp
+# and test_comm_nccl).
+targets=${MOEFOLD_GPU_TARGETS:-$(cd "$root/tests" && ls test_*cuda*.cpp mpi/test_*cuda*.cpp mpi/test_comm_nccl.cpp 2>/dev/null | xargs -n1 basename | sed 's/\.cpp$//')}
 # MOEFOLD_GPU_EXTRA_TARGETS: more targets to bundle (e.g. "moefold test_train").
 cmake --build "$build" -j"$(nproc)" --target $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}
 rm -rf "$out" && mkdir -p "$out/bin" "$out/lib"

@@ -4,9 +4,12 @@
 #   source scripts/gpu/env.sh
 moefold_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 moefold_libdirs="$moefold_root/.gpu/lib"
+# Python's site-packages too (PyTorch in a virtualenv or a user install: nvidia/cudnn/lib).
+moefold_pydirs=$(python3 -c 'import site; print(" ".join(site.getsitepackages() + [site.getusersitepackages()]))' \
+  2>/dev/null)
 for name in libcublasLt.so.13 libnccl.so.2 libcudnn.so.9; do
   found=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/x86_64-linux/lib /opt /usr/lib /usr/local/lib \
-    -name "$name" 2>/dev/null | head -1)
+    $moefold_pydirs -name "$name" 2>/dev/null | head -1)
   if [ -n "$found" ]; then
     moefold_libdirs="$moefold_libdirs:$(dirname "$found")"
   else

@@ -30,7 +30,15 @@ int64_t device_malloc_count();
 // temporaries of a plan): one buffer per slot, reused by every call that needs no more bytes,
 // so once the first step has sized them the step loop allocates nothing. Only work on
 // compute_stream() may use it; a slot's buffer is valid until the next call for that slot.
-enum class ScratchSlot : int { sum_squares, cross_entropy, router_loss, permute_plan, vocab_parallel, count };
+enum class ScratchSlot : int {
+  sum_squares,
+  cross_entropy,
+  router_loss,
+  permute_plan,
+  vocab_parallel,
+  attention,
+  count
+};
 void* device_scratch(ScratchSlot slot, size_t bytes);
 // Bytes obtained through device_malloc and not yet freed, and their peak since start (or the
 // last reset): the planned GPU memory.

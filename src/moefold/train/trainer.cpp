@@ -25,12 +25,12 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
 }
 }  // namespace
 
-Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device device)
+Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device device, std::optional<DType> compute)
     : cfg_(cfg),
       mesh_(mesh),
       model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
              ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()}),
-      mem_(device == Device::cuda ? DType::bf16 : DType::f32, device),  // GPU: bf16 compute, f32 masters
+      mem_(compute.value_or(device == Device::cuda ? DType::bf16 : DType::f32), device),  // GPU: bf16, f32 masters
       host_(DType::f32),
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,7 +45,10 @@ class Trainer {
   // REQUIRES: cfg validated; `data` and `mesh` outlive the trainer; data fits the vocabulary.
   // device cuda: the model in bf16 mixed precision on this process's GPU; the mesh's groups are
   // then NCCL communicators (make_nccl_world).
-  Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device device = Device::cpu);
+  // compute: the dtype of activations and compute weights; default f32 on the CPU, bf16 (mixed
+  // precision) on the GPU. f32 on the GPU gives fp32 training there (exact layout comparisons).
+  Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device device = Device::cpu,
+          std::optional<DType> compute = std::nullopt);
 
   // Fresh parameters from cfg.train.seed, or the state of checkpoint directory `ckpt`.
   void init_fresh();

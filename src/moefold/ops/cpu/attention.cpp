@@ -5,7 +5,8 @@
 // Gradient rule: dq, dk, dv are activation gradients, WRITTEN (dk/dv zeroed, then summed over
 // the query heads of each group). The _at variants take each query's and key's global position
 // (context parallelism: local queries against gathered keys); the plain ops are them with 0..S-1.
-// CUDA tensors go to ops/cuda/attention.cu (flash-attention kernels, no work_* scratch used).
+// CUDA tensors go to ops/cuda/attention.cu (flash-attention kernels, no work_* scratch used); the
+// plain ops through ops/cuda/attention_cudnn.h, which picks cuDNN's fused attention or that kernel.
 #include <cmath>
 #include <limits>
 
@@ -13,6 +14,7 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/attention_cudnn.h"
 #include "moefold/ops/cuda/attention_ops.h"
 #endif
 
@@ -164,7 +166,8 @@ void check_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
 void attention_forward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
                        const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& work_SS) {
 #ifdef MOEFOLD_WITH_CUDA  // the GPU kernels are flash-attention style: they need no work_SS
-  if (q_BSQD.device() == Device::cuda) return cuda::attention_forward(q_BSQD, k_BSGD, v_BSGD, scale, out_BSQD, lse_BQS);
+  if (q_BSQD.device() == Device::cuda)
+    return cuda::attention_forward_dispatch(q_BSQD, k_BSGD, v_BSGD, scale, out_BSQD, lse_BQS);
 #endif
   const char* what = "attention_forward";
   const Dims dm = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, work_SS, 1, what);
@@ -177,8 +180,8 @@ void attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor
                         const Tensor& dk_BSGD, const Tensor& dv_BSGD, const Tensor& work_2SS) {
 #ifdef MOEFOLD_WITH_CUDA
   if (q_BSQD.device() == Device::cuda)
-    return cuda::attention_backward(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD, dk_BSGD,
-                                    dv_BSGD);
+    return cuda::attention_backward_dispatch(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD,
+                                             dk_BSGD, dv_BSGD);
 #endif
   const char* what = "attention_backward";
   const Dims dm = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, work_2SS, 2, what);
