@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "layout_testing.h"
 #include "moefold/comm/communicator.h"
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
@@ -20,9 +21,12 @@
 namespace moefold {
 namespace {
 
-struct Layout {
-  int64_t tp, cp, ep, etp;  // dp = world / (tp * cp)
-};
+using testing::find_param;
+using testing::Layout;
+using testing::layout_name;
+using testing::LayoutRun;
+using testing::metric_losses;
+using testing::with_layout;
 
 // Layouts for the world size: pure DP; context parallelism (cp = 2, or the whole world); and EP
 // over the data- and context-parallel ranks (parallel folding: EP up to the whole world,
@@ -40,37 +44,6 @@ std::vector<Layout> layouts(int world) {
           if (world % (ep * etp) == 0 && 8 % ep == 0 && 12 % etp == 0) out.push_back({tp, cp, ep, etp});
     }
   return out;
-}
-
-std::string name(const Layout& l, int world) {
-  return cat("(tp, cp, dp, ep, etp) = (", l.tp, ", ", l.cp, ", ", world / (l.tp * l.cp), ", ", l.ep, ", ", l.etp,
-             ") on ", world, " ranks");
-}
-
-Config with_layout(Config c, const Layout& l) {
-  c.parallel.tp = l.tp;
-  c.parallel.cp = l.cp;
-  c.parallel.ep = l.ep;
-  c.parallel.etp = l.etp;
-  return c;
-}
-
-struct LayoutRun {
-  Mesh mesh;
-  TokenDataset data;
-  std::unique_ptr<Trainer> trainer;
-  LayoutRun(const Config& cfg, Communicator& world)
-      : mesh(Mesh::build(world, cfg.resolve_layout(world.size()))), data(open_token_dataset(cfg.data.path)) {
-    trainer = std::make_unique<Trainer>(cfg, data, mesh);
-    trainer->init_fresh();
-  }
-};
-
-const Param& find(std::vector<Param>& params, const std::string& name) {
-  for (const Param& p : params)
-    if (p.name == name) return p;
-  ADD_FAILURE() << "no parameter " << name;
-  return params.front();
 }
 
 // max |a_i - b[p.global_index(i)]| / max |b| over the local elements of `a` (p's value or grad
@@ -142,11 +115,11 @@ void one_step_matches_one_rank(const Config& base_, bool cp_too = true) {
   double worst = 0;
   for (const Layout& l : layouts(world.size())) {
     if (l.cp > 1 && !cp_too) continue;
-    SCOPED_TRACE(name(l, world.size()));
+    SCOPED_TRACE(layout_name(l, world.size()));
     LayoutRun run(with_layout(base_, l), world);
     // The same initial values, whatever the sharding.
     for (Param& p : run.trainer->params()) {
-      const Param& r = find(ref.trainer->params(), p.name);
+      const Param& r = find_param(ref.trainer->params(), p.name);
       ASSERT_EQ(p.global_shape(), r.value.shape()) << p.name;
       EXPECT_EQ(rel_err(p, p.value, r.value), 0.0) << p.name;
     }
@@ -159,11 +132,11 @@ void one_step_matches_one_rank(const Config& base_, bool cp_too = true) {
     EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm);
     EXPECT_EQ(got.expert_load_max, want.expert_load_max);
     for (Param& p : run.trainer->params()) {
-      const double e = rel_err(p, p.grad, find(ref.trainer->params(), p.name).grad);
+      const double e = rel_err(p, p.grad, find_param(ref.trainer->params(), p.name).grad);
       worst = std::max(worst, e);
       EXPECT_LE(e, 1e-5) << p.name;
     }
-    if (world.rank() == 0) std::printf("verified %s\n", name(l, world.size()).c_str());
+    if (world.rank() == 0) std::printf("verified %s\n", layout_name(l, world.size()).c_str());
   }
   if (world.rank() == 0) std::printf("largest relative gradient error: %.3g\n", worst);
 }
@@ -187,7 +160,7 @@ void twenty_steps_match_one_rank(const Config& base_) {
   double worst = 0;
   for (const Layout& l : layouts(world.size())) {
     const int64_t dp = world.size() / (l.tp * l.cp);
-    SCOPED_TRACE(name(l, world.size()));
+    SCOPED_TRACE(layout_name(l, world.size()));
     Config c = with_layout(cfg, l);
     LayoutRun run(c, world);
     for (int i = 0; i < 20; ++i) {
@@ -205,14 +178,6 @@ void twenty_steps_match_one_rank(const Config& base_) {
 
 TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) { twenty_steps_match_one_rank(base_); }
 TEST_F(Layouts, DeepSeekV3TwentyStepLossCurveMatchesOneRank) { twenty_steps_match_one_rank(deepseek_); }
-
-std::vector<double> losses(const std::filesystem::path& run) {
-  std::vector<double> out;
-  std::ifstream f(run / "metrics.jsonl");
-  std::string line;
-  while (std::getline(f, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
 
 // A directory every rank sees under the same name (rank 0's pid), removed at the end.
 std::filesystem::path shared_dir(Communicator& world, const std::string& tag) {
@@ -240,7 +205,7 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
   cfg.parallel.tp = save_etp;  // and the attention heads over TP
   // The uninterrupted run, saving at step 4.
   run_training(cfg, RunOptions{(dir / "full").string(), 8, false, true}, world);
-  const std::vector<double> want = losses(dir / "full");
+  const std::vector<double> want = metric_losses(dir / "full");
   ASSERT_EQ(want.size(), 8u);
   // Resume from its step-4 checkpoint under every other EP on this world, and on one rank.
   for (int64_t ep = 1; ep <= max_ep; ep *= 2) {
@@ -260,7 +225,7 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
     c.parallel.tp = world.size() >= 2 && (ep <= world.size() / 2 || world.size() == 8) ? 2 : 1;
     SCOPED_TRACE(cat("tp=", c.parallel.tp));
     run_training(c, RunOptions{run.string(), 8, true, true}, world);
-    const std::vector<double> got = losses(run);  // steps 5..8 (nothing before the checkpoint)
+    const std::vector<double> got = metric_losses(run);  // steps 5..8 (nothing before the checkpoint)
     ASSERT_EQ(got.size(), 4u);
     for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "step " << 5 + i;
   }
@@ -275,7 +240,7 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
     c.parallel.etp = 1;
     c.parallel.tp = 1;
     run_training(c, RunOptions{run.string(), 8, true, true}, *self);
-    const std::vector<double> got = losses(run);
+    const std::vector<double> got = metric_losses(run);
     ASSERT_EQ(got.size(), 4u);
     for (size_t i = 0; i < got.size(); ++i)
       EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "one rank, step " << 5 + i;

@@ -20,6 +20,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "layout_testing.h"
 #include "moefold/comm/nccl.h"
 #include "moefold/core/device.h"
 #include "moefold/train/run.h"
@@ -31,52 +32,23 @@
 namespace moefold {
 namespace {
 
-struct Layout {
-  int64_t tp, cp, ep, etp;  // dp = world / (tp * cp)
-};
-
-std::string name(const Layout& l, int world) {
-  return cat("(tp, cp, dp, ep, etp) = (", l.tp, ", ", l.cp, ", ", world / (l.tp * l.cp), ", ", l.ep, ", ", l.etp,
-             ") on ", world, " GPUs");
-}
+using testing::find_param;
+using testing::Layout;
+using testing::layout_name;
+using testing::LayoutRun;
+using testing::metric_losses;
+using testing::with_layout;
 
 // Every layout of two ranks: DP, TP (+ SP), CP, EP, ETP, and attention TP with experts over EP.
 std::vector<Layout> layouts() {
   return {{1, 1, 1, 1}, {2, 1, 1, 1}, {1, 2, 1, 1}, {1, 1, 2, 1}, {1, 1, 1, 2}, {2, 1, 2, 1}};
 }
 
-Config with_layout(Config c, const Layout& l) {
-  c.parallel.tp = l.tp;
-  c.parallel.cp = l.cp;
-  c.parallel.ep = l.ep;
-  c.parallel.etp = l.etp;
-  return c;
-}
-
-struct GpuRun {
-  Mesh mesh;
-  TokenDataset data;
-  std::unique_ptr<Trainer> trainer;
-  // compute: bf16 (mixed precision, the default) or f32 (fp32 training on the GPU).
-  GpuRun(const Config& cfg, Communicator& world, DType compute = DType::bf16)
-      : mesh(Mesh::build(world, cfg.resolve_layout(world.size()))), data(open_token_dataset(cfg.data.path)) {
-    trainer = std::make_unique<Trainer>(cfg, data, mesh, Device::cuda, compute);
-    trainer->init_fresh();
-  }
-};
-
 std::vector<float> to_host(const Tensor& t) {
   EXPECT_EQ(t.dtype(), DType::f32);
   std::vector<float> v(static_cast<size_t>(t.numel()));
   device_copy(v.data(), Device::cpu, t.data(), t.device(), v.size() * sizeof(float));
   return v;
-}
-
-const Param& find(std::vector<Param>& params, const std::string& name) {
-  for (const Param& p : params)
-    if (p.name == name) return p;
-  ADD_FAILURE() << "no parameter " << name;
-  return params.front();
 }
 
 // max |a_i - b[p.global_index(i)]| / max |b| over the local elements of shard `a` of p.
@@ -149,15 +121,15 @@ class CudaLayouts : public ::testing::Test {
 // fp32 GEMMs (no TF32) and reductions in another order agree to ~1e-6; bound 1e-4.
 void one_step_matches_one_gpu(const Config& cfg, Communicator& world) {
   std::unique_ptr<Communicator> self = make_self_communicator();
-  GpuRun ref(cfg, *self, DType::f32);
+  LayoutRun ref(cfg, *self, Device::cuda, DType::f32);
   ref.trainer->accumulate_gradients();
   const StepMetrics want = ref.trainer->metrics();
   double worst_grad = 0, worst_loss = 0;
   for (const Layout& l : layouts()) {
-    SCOPED_TRACE(name(l, world.size()));
-    GpuRun run(with_layout(cfg, l), world, DType::f32);
+    SCOPED_TRACE(layout_name(l, world.size(), "GPUs"));
+    LayoutRun run(with_layout(cfg, l), world, Device::cuda, DType::f32);
     for (Param& p : run.trainer->params()) {  // the same initial values, whatever the sharding
-      const Param& r = find(ref.trainer->params(), p.name);
+      const Param& r = find_param(ref.trainer->params(), p.name);
       ASSERT_EQ(p.global_shape(), r.value.shape()) << p.name;
       EXPECT_EQ(rel_err(p, to_host(p.value), to_host(r.value)), 0.0) << p.name;
     }
@@ -170,11 +142,11 @@ void one_step_matches_one_gpu(const Config& cfg, Communicator& world) {
     EXPECT_EQ(got.expert_load_max, want.expert_load_max);
     worst_loss = std::max(worst_loss, std::abs(got.loss - want.loss) / want.loss);
     for (Param& p : run.trainer->params()) {
-      const double e = rel_err(p, to_host(p.grad), to_host(find(ref.trainer->params(), p.name).grad));
+      const double e = rel_err(p, to_host(p.grad), to_host(find_param(ref.trainer->params(), p.name).grad));
       worst_grad = std::max(worst_grad, e);
       EXPECT_LE(e, 1e-4) << p.name;
     }
-    if (world.rank() == 0) std::printf("verified one fp32 step, %s\n", name(l, world.size()).c_str());
+    if (world.rank() == 0) std::printf("verified one fp32 step, %s\n", layout_name(l, world.size(), "GPUs").c_str());
   }
   if (world.rank() == 0)
     std::printf("fp32 one step: largest relative loss error %.3g, largest relative gradient error %.3g\n", worst_loss,
@@ -187,35 +159,27 @@ TEST_F(CudaLayouts, DeepSeekV3OneStepLossAndEveryGradientMatchOneGpu) { one_step
 void twenty_steps_match_one_gpu(Config cfg, Communicator& world) {
   cfg.train.steps = 20;
   std::unique_ptr<Communicator> self = make_self_communicator();
-  GpuRun ref(cfg, *self);
+  LayoutRun ref(cfg, *self, Device::cuda);
   std::vector<double> want;
   for (int i = 0; i < 20; ++i) want.push_back(ref.trainer->train_step().loss);
   const double eval_want = ref.trainer->evaluate();
   double worst = 0;
   for (const Layout& l : layouts()) {
-    SCOPED_TRACE(name(l, world.size()));
-    GpuRun run(with_layout(cfg, l), world);
+    SCOPED_TRACE(layout_name(l, world.size(), "GPUs"));
+    LayoutRun run(with_layout(cfg, l), world, Device::cuda);
     for (int i = 0; i < 20; ++i) {
       const double got = run.trainer->train_step().loss;
       worst = std::max(worst, std::abs(got - want[i]) / want[i]);
       EXPECT_NEAR(got, want[i], 1e-2 * want[i]) << "step " << i + 1;
     }
     EXPECT_NEAR(run.trainer->evaluate(), eval_want, 1e-2 * eval_want);
-    if (world.rank() == 0) std::printf("verified 20 steps, %s\n", name(l, world.size()).c_str());
+    if (world.rank() == 0) std::printf("verified 20 steps, %s\n", layout_name(l, world.size(), "GPUs").c_str());
   }
   if (world.rank() == 0) std::printf("largest relative loss error over 20 steps: %.3g\n", worst);
 }
 
 TEST_F(CudaLayouts, TwentyStepLossCurveMatchesOneGpu) { twenty_steps_match_one_gpu(base_, *nccl_); }
 TEST_F(CudaLayouts, DeepSeekV3TwentyStepLossCurveMatchesOneGpu) { twenty_steps_match_one_gpu(deepseek_, *nccl_); }
-
-std::vector<double> losses(const std::filesystem::path& run) {
-  std::vector<double> out;
-  std::ifstream f(run / "metrics.jsonl");
-  std::string line;
-  while (std::getline(f, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
 
 // Saved under TP = EP = 2 (sharded weights gathered through the host for the checkpoint),
 // resumed under DP = 2: the resumed steps follow the uninterrupted run.
@@ -237,7 +201,7 @@ TEST_F(CudaLayouts, CheckpointSavedUnderTpEpResumesUnderDp) {
   opts.device = Device::cuda;
   run_training(cfg, opts, world);
   world.barrier();  // rank 0 writes the metrics after the last step: read them once it is done
-  const std::vector<double> want = losses(dir / "full");
+  const std::vector<double> want = metric_losses(dir / "full");
   ASSERT_EQ(want.size(), 8u);
   if (world.rank() == 0) {
     fs::create_directories(dir / "dp" / "checkpoints");
@@ -252,7 +216,7 @@ TEST_F(CudaLayouts, CheckpointSavedUnderTpEpResumesUnderDp) {
   resume.device = Device::cuda;
   EXPECT_EQ(run_training(c, resume, world), 8);
   world.barrier();
-  const std::vector<double> got = losses(dir / "dp");  // steps 5..8 (the metrics were not copied)
+  const std::vector<double> got = metric_losses(dir / "dp");  // steps 5..8 (the metrics were not copied)
   ASSERT_EQ(got.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(got[i], want[i + 4], 1e-2 * want[i + 4]) << "step " << i + 5;
   world.barrier();

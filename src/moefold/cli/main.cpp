@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moefold/bench/moe_layer_bench.h"
+#include "moefold/bench/train_bench.h"
 #include "moefold/comm/communicator.h"
 #include "moefold/comm/mpi.h"
 #include "moefold/comm/nccl.h"
@@ -68,6 +69,34 @@ void print_info(const Config& c) {
                 static_cast<long long>(c.model.num_nextn_predict_layers));
   std::printf("train FLOPs/token   %.4g (seq_len %lld; 3 x forward)\n", s.train_flops_per_token,
               static_cast<long long>(c.train.seq_len));
+}
+
+// --device auto|cpu|cuda: auto is the GPU when one is visible.
+Device pick_device(const std::string& name) {
+  std::string n = name;
+  if (n == "auto") n = cuda_built() && cuda_device_count() > 0 ? "cuda" : "cpu";
+  if (n == "cpu") return Device::cpu;
+  if (!cuda_built()) MF_FAIL("--device cuda: this moefold was built without CUDA (no nvcc at build time)");
+  if (cuda_device_count() == 0) MF_FAIL("--device cuda: no GPU is visible to this process");
+  return Device::cuda;
+}
+
+// The world of this process: CPU ranks talk over MPI; GPU ranks over NCCL, bootstrapped by MPI
+// under mpirun/srun (kept alive in `bootstrap`) or by the torchrun / Slurm environment (RANK,
+// WORLD_SIZE, MASTER_ADDR, MASTER_PORT); one rank alone otherwise. Selects this rank's GPU.
+std::unique_ptr<Communicator> make_world(Device device, double timeout_s, std::unique_ptr<Communicator>& bootstrap) {
+  std::unique_ptr<Communicator> world;
+  if (launched_by_mpi()) {
+    bootstrap = make_mpi_world(timeout_s);
+    if (device == Device::cuda) world = make_nccl_world(bootstrap.get(), timeout_s);
+  } else if (launched_by_torchrun()) {
+    if (device != Device::cuda)
+      MF_FAIL("launched by torchrun (RANK/WORLD_SIZE set): CPU ranks need mpirun; use --device cuda on GPUs");
+    world = make_nccl_world(nullptr, timeout_s);
+  }
+  if (!world) world = bootstrap ? std::move(bootstrap) : make_self_communicator();
+  if (device == Device::cuda && world->size() == 1) cuda_set_device(local_rank_from_env() % cuda_device_count());
+  return world;
 }
 
 }  // namespace
@@ -188,6 +217,16 @@ int main(int argc, char** argv) {
   bench_moe->add_option("--device", bench_device, "cuda (bf16), cpu (fp32) or auto")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 
+  CLI::App* bench_train_cmd = bench->add_subcommand(
+      "train", "full training steps on random tokens: tokens/s, model TFLOP/s per GPU, MFU, peak memory");
+  add_config(bench_train_cmd);
+  TrainBenchOptions train_bench;
+  std::string bench_train_device = "auto";
+  bench_train_cmd->add_option("--steps", train_bench.steps, "timed steps (median reported)");
+  bench_train_cmd->add_option("--warmup", train_bench.warmup, "untimed steps first");
+  bench_train_cmd->add_option("--device", bench_train_device, "cuda (bf16), cpu (fp32) or auto")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+
   CLI11_PARSE(app, argc, argv);
 
   // Under mpirun/srun every rank runs this; user errors are agreed on by all ranks (run_training
@@ -198,25 +237,8 @@ int main(int argc, char** argv) {
   try {
     if (*train) {
       Config cfg = load_config(config_spec, overrides);
-      if (device_name == "auto") device_name = cuda_built() && cuda_device_count() > 0 ? "cuda" : "cpu";
-      if (device_name == "cuda") {
-        if (!cuda_built()) MF_FAIL("--device cuda: this moefold was built without CUDA (no nvcc at build time)");
-        if (cuda_device_count() == 0) MF_FAIL("--device cuda: no GPU is visible to this process");
-        run.device = Device::cuda;
-      }
-      // CPU ranks talk over MPI; GPU ranks over NCCL, bootstrapped by MPI under mpirun/srun or by
-      // the torchrun / Slurm environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
-      if (launched_by_mpi()) {
-        bootstrap = make_mpi_world(cfg.parallel.timeout_s);
-        if (run.device == Device::cuda) world = make_nccl_world(bootstrap.get(), cfg.parallel.timeout_s);
-      } else if (launched_by_torchrun()) {
-        if (run.device != Device::cuda)
-          MF_FAIL("launched by torchrun (RANK/WORLD_SIZE set): CPU ranks need mpirun; use --device cuda on GPUs");
-        world = make_nccl_world(nullptr, cfg.parallel.timeout_s);
-      }
-      if (!world) world = bootstrap ? std::move(bootstrap) : make_self_communicator();
-      if (run.device == Device::cuda && world->size() == 1)
-        cuda_set_device(local_rank_from_env() % cuda_device_count());
+      run.device = pick_device(device_name);
+      world = make_world(run.device, cfg.parallel.timeout_s, bootstrap);
       if (run.run_dir.empty()) {
         if (run.resume) {
           run.run_dir = newest_run_dir();
@@ -232,11 +254,22 @@ int main(int argc, char** argv) {
       if (run.run_dir.empty()) MF_FAIL("--resume: no run directory given and none found under runs/");
       if (run.stop_step < -1 || run.stop_step == 0) MF_FAIL("--steps ", run.stop_step, ": must be >= 1");
       run_training(cfg, run, *world);
+    } else if (*bench_train_cmd) {
+      const Config cfg = load_config(config_spec, overrides);
+      train_bench.device = pick_device(bench_train_device);
+      world = make_world(train_bench.device, cfg.parallel.timeout_s, bootstrap);
+      const TrainBenchResult r = bench_train(cfg, *world, train_bench);
+      if (world->rank() == 0)
+        std::fputs(
+            format_train_bench(
+                cfg, r,
+                cat("Training steps on ", train_bench.device == Device::cuda ? cuda_device_name() : "the CPU (fp32)",
+                    ", random tokens, median of ", train_bench.steps, " after ", train_bench.warmup, " warm-up"))
+                .c_str(),
+            stdout);
     } else if (*bench_moe) {
-      if (bench_device == "auto") bench_device = cuda_built() && cuda_device_count() > 0 ? "cuda" : "cpu";
-      moe_bench.device = bench_device == "cuda" ? Device::cuda : Device::cpu;
-      if (moe_bench.device == Device::cuda && cuda_device_count() == 0)
-        MF_FAIL("bench --device cuda: no GPU is visible to this process");
+      moe_bench.device = pick_device(bench_device);
+      if (moe_bench.device == Device::cuda) cuda_set_device(local_rank_from_env() % cuda_device_count());
       const std::string where = moe_bench.device == Device::cuda ? cuda_device_name() : "CPU (fp32)";
       const std::vector<MoeBenchResult> r = bench_moe_layer(moe_bench);
       std::fputs(format_moe_bench(r, cat("MoE layer forward+backward on ", where, ", median of ", moe_bench.reps,

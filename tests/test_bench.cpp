@@ -1,9 +1,12 @@
-// `moefold bench moe-layer` on the CPU at a small shape: every (shape, routing) runs, the FLOP
+// The benchmarks on the CPU at small shapes. `moefold bench moe-layer`: every (shape, routing) runs, the FLOP
 // count follows BENCHMARKS.md's formula, balanced routing is balanced, stages and GEMMs are all
 // timed, and the report names them. (Speed itself is never asserted: benchmarks measure it.)
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "moefold/bench/moe_layer_bench.h"
+#include "moefold/bench/train_bench.h"
 #include "moefold/core/error.h"
 
 namespace moefold {
@@ -55,6 +58,38 @@ TEST(BenchMoeLayer, BadOptionsFailWithOneLine) {
   o.shapes = {"tiny"};
   o.reps = 0;
   EXPECT_THROW(bench_moe_layer(o), Error);
+}
+
+}  // namespace
+}  // namespace moefold
+
+namespace moefold {
+namespace {
+
+// `moefold bench train` on the CPU: the step's numbers follow from its median and the model's
+// FLOPs per token; random tokens start near ln(vocab).
+TEST(BenchTrain, ReportsThroughputOfFullSteps) {
+  const Config cfg = load_config("tiny", {"model.num_hidden_layers=2", "train.global_batch_size=4",
+                                          "train.micro_batch_size=2", "train.seq_len=32"});
+  std::unique_ptr<Communicator> world = make_self_communicator();
+  TrainBenchOptions o;
+  o.steps = 3;
+  o.warmup = 1;
+  o.device = Device::cpu;
+  const TrainBenchResult r = bench_train(cfg, *world, o);
+  EXPECT_EQ(r.ranks, 1);
+  EXPECT_EQ(r.tokens_per_step, 4 * 32);
+  EXPECT_GT(r.step_ms, 0);
+  EXPECT_NEAR(r.tokens_per_s, 128 / (r.step_ms * 1e-3), 1e-9 * r.tokens_per_s);
+  EXPECT_DOUBLE_EQ(r.flops_per_token, model_size(cfg.model, cfg.moe, 32).train_flops_per_token);
+  EXPECT_NEAR(r.tflops_per_gpu, r.tokens_per_s * r.flops_per_token / 1e12, 1e-12);
+  EXPECT_NEAR(r.first_loss, std::log(320.0), 0.3);  // uniform random tokens over tiny's 320
+  EXPECT_TRUE(std::isfinite(r.last_loss));
+  EXPECT_EQ(r.peak_memory_mib, 0);  // the CPU reports none
+  const std::string report = format_train_bench(cfg, r, "header");
+  EXPECT_NE(report.find("| tiny | 2 | 128 | 1 |"), std::string::npos) << report;
+  o.steps = 0;
+  EXPECT_THROW(bench_train(cfg, *world, o), Error);
 }
 
 }  // namespace

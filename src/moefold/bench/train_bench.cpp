@@ -1,0 +1,95 @@
+#include "moefold/bench/train_bench.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <vector>
+
+#include "moefold/core/device.h"
+#include "moefold/core/error.h"
+#include "moefold/core/rng.h"
+#include "moefold/data/token_dataset.h"
+#include "moefold/parallel/mesh.h"
+#include "moefold/train/trainer.h"
+
+namespace moefold {
+
+namespace fs = std::filesystem;
+
+namespace {
+constexpr double kPeakTflops = 989;  // H100/H200 SXM dense bf16 (datasheet), as BENCHMARKS.md quotes MFU
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+}  // namespace
+
+TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const TrainBenchOptions& opts) {
+  if (opts.steps < 1 || opts.warmup < 0)
+    MF_FAIL("bench train: --steps ", opts.steps, ", --warmup ", opts.warmup, " (need steps >= 1, warmup >= 0)");
+  Config cfg = cfg_in;
+  const int64_t total = opts.warmup + opts.steps;
+  cfg.train.steps = total;  // the LR schedule spans the benchmark
+  cfg.train.eval_interval = 0;
+  cfg.train.checkpoint_interval = 0;
+  cfg.data.valid_fraction = 0;
+  // Random tokens (uniform over the vocabulary), one window per sequence of every step, written
+  // by rank 0 into a directory every rank sees under rank 0's name.
+  int64_t id = ::getpid();
+  world.broadcast(Tensor(&id, DType::i64, {1}), 0);
+  const fs::path dir = opts.scratch_dir.empty() ? fs::temp_directory_path() / cat("moefold_bench_train_", id)
+                                                : fs::path(opts.scratch_dir);
+  const std::string path = (dir / "random.tokens").string();
+  const int64_t tokens = cfg.train.global_batch_size * cfg.train.seq_len * (total + 1) + 1;
+  if (world.rank() == 0) {
+    fs::create_directories(dir);
+    std::vector<uint32_t> t(static_cast<size_t>(tokens));
+    for (int64_t i = 0; i < tokens; ++i)
+      t[static_cast<size_t>(i)] = static_cast<uint32_t>(
+          rng_below(2026, 1, static_cast<uint64_t>(i), static_cast<uint64_t>(cfg.model.vocab_size)));
+    write_token_file(path, t, cfg.model.vocab_size <= 65536 ? 2 : 4);
+  }
+  world.barrier();
+  cfg.data.path = path;
+  const ParallelConfig layout = cfg.resolve_layout(world.size());
+  Mesh mesh = Mesh::build(world, layout);
+  const TokenDataset data = open_token_dataset(path);
+  Trainer trainer(cfg, data, mesh, opts.device);
+  trainer.init_fresh();
+  std::vector<double> ms;
+  TrainBenchResult r;
+  for (int64_t i = 0; i < total; ++i) {
+    const StepMetrics& m = trainer.train_step();  // returns after the step's loss came back: timed whole
+    if (i == 0) r.first_loss = m.loss;
+    r.last_loss = m.loss;
+    if (i >= opts.warmup) ms.push_back(m.seconds * 1e3);
+  }
+  world.barrier();
+  if (world.rank() == 0 && opts.scratch_dir.empty()) fs::remove_all(dir);
+  std::sort(ms.begin(), ms.end());
+  r.ranks = world.size();
+  r.step_ms = ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
+  r.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len;
+  r.tokens_per_s = static_cast<double>(r.tokens_per_step) / (r.step_ms * 1e-3);
+  r.flops_per_token = model_size(cfg.model, cfg.moe, cfg.train.seq_len).train_flops_per_token;
+  r.tflops_per_gpu = r.tokens_per_s * r.flops_per_token / r.ranks / 1e12;
+  r.mfu = r.tflops_per_gpu / kPeakTflops;
+  if (opts.device == Device::cuda) r.peak_memory_mib = static_cast<double>(device_bytes_peak()) / (1 << 20);
+  return r;
+}
+
+std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, const std::string& header) {
+  std::string s = header + "\n\n";
+  s += "| config | layers | tokens/step | ranks | median step ms | tokens/s | model TFLOP/s per GPU | MFU | peak "
+       "memory MiB | loss first -> last |\n|---|---|---|---|---|---|---|---|---|---|\n";
+  s += cat("| ", cfg.preset, " | ", cfg.model.num_hidden_layers, " | ", r.tokens_per_step, " | ", r.ranks, " | ",
+           fmt("%.1f", r.step_ms), " | ", fmt("%.0f", r.tokens_per_s), " | ", fmt("%.1f", r.tflops_per_gpu), " | ",
+           fmt("%.3f", r.mfu), " | ", fmt("%.0f", r.peak_memory_mib), " | ", fmt("%.4f", r.first_loss), " -> ",
+           fmt("%.4f", r.last_loss), " |\n");
+  return s;
+}
+
+}  // namespace moefold

@@ -1,0 +1,38 @@
+// `moefold bench train`: full training steps (forward, backward, gradient reduction, clipping,
+// AdamW) of a config on random tokens, on this process's device (or every rank of `world`):
+// median step time, tokens/s, model TFLOP/s per GPU and MFU, peak planned device memory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "moefold/comm/communicator.h"
+#include "moefold/model/config.h"
+
+namespace moefold {
+
+struct TrainBenchOptions {
+  int steps = 10;  // timed optimizer steps (median reported)
+  int warmup = 2;  // untimed steps first (they size the ops' scratch, build cuDNN graphs, ...)
+  Device device = Device::cuda;
+  std::string scratch_dir;  // where the random token file goes (a fresh temporary directory if empty)
+};
+
+struct TrainBenchResult {
+  int64_t tokens_per_step = 0;  // global batch x sequence length
+  double step_ms = 0;           // median
+  double tokens_per_s = 0;      // all ranks together
+  double flops_per_token = 0;   // model FLOPs of a training step per token (moefold info)
+  double tflops_per_gpu = 0;    // model TFLOP/s per rank
+  double mfu = 0;               // against 989 TFLOP/s (H100/H200 SXM dense bf16, BENCHMARKS.md)
+  double peak_memory_mib = 0;   // planned device memory (0 on the CPU)
+  double first_loss = 0, last_loss = 0;
+  int ranks = 1;
+};
+
+// Collective over `world` (every rank calls it). Throws moefold::Error on bad options.
+TrainBenchResult bench_train(const Config& cfg, Communicator& world, const TrainBenchOptions& opts);
+// A Markdown report of one run.
+std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, const std::string& header);
+
+}  // namespace moefold
