@@ -10,6 +10,7 @@
 #include "moefold/core/memory.h"
 #include "moefold/core/rng.h"
 #include "moefold/model/config.h"
+#include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/moe/dispatcher.h"
 #include "moefold/moe/experts.h"
 #include "moefold/moe/router.h"
@@ -79,19 +80,27 @@ class RandomFill {
   Tensor staging_;
 };
 
+// The dispatcher of the benchmark: all experts here, or EP over `ep` (all-to-all).
+std::unique_ptr<Dispatcher> make_dispatcher(const Config& c, int64_t t, Communicator* ep) {
+  if (ep != nullptr && ep->size() > 1) return std::make_unique<AllToAllDispatcher>(c.moe, c.model.hidden_size, t, *ep);
+  return std::make_unique<LocalDispatcher>(c.moe, c.model.hidden_size, t);
+}
+
 struct Layer {
   Router router;
-  LocalDispatcher dispatcher;
+  std::unique_ptr<Dispatcher> dispatcher_ptr;
+  Dispatcher& dispatcher;
   Experts experts;
   Tensor x, y, dy, dx, out, dout, drows, dprob;  // the layer's own tensors (as MoeLayer's)
   Tensor balanced_idx, balanced_prob;            // [T, K]: balanced routing
   Tensor gu, h, dgu, dh, drows2;                 // the grouped GEMMs alone
   Tensor dgate_up;
-  Layer(const Config& c, int64_t t)
+  Layer(const Config& c, int64_t t, Communicator* ep)
       : router(c.moe, c.model.hidden_size, t, "bench", c.model.initializer_range),
-        dispatcher(c.moe, c.model.hidden_size, t),
-        experts(c.moe.num_experts, c.model.hidden_size, c.moe.moe_intermediate_size, dispatcher.max_rows(), "bench",
-                c.model.initializer_range) {}
+        dispatcher_ptr(make_dispatcher(c, t, ep)),
+        dispatcher(*dispatcher_ptr),
+        experts(dispatcher.num_local_experts(), c.model.hidden_size, c.moe.moe_intermediate_size, dispatcher.max_rows(),
+                "bench", c.model.initializer_range, dispatcher.first_local_expert(), c.moe.num_experts) {}
   void bind(Memory& mem, const Config& c, int64_t t) {
     const int64_t h_n = c.model.hidden_size, k = c.moe.num_experts_per_tok, f = c.moe.moe_intermediate_size;
     const int64_t r = dispatcher.max_rows();
@@ -141,7 +150,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   if (!balanced && routing != "real") MF_FAIL("bench moe-layer: --routing ", routing, " (balanced or real)");
 
   Memory mem(opts.device == Device::cuda ? DType::bf16 : DType::f32, opts.device);
-  Layer layer(c, t);
+  Layer layer(c, t, opts.ep);
   const int64_t block = std::min<int64_t>(int64_t{1} << 24, std::max<int64_t>(t * h_n, 1 << 16));
   auto bind = [&] {
     layer.bind(mem, c, t);

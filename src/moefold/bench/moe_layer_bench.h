@@ -3,13 +3,15 @@
 // (token t's k-th expert is (t*K + k) mod E) or the routing of the (random) router itself.
 // Times are medians of `reps` timed repetitions after `warmup` (CUDA events on the compute
 // stream; host clock on the CPU), per stage and in total, plus the expert grouped GEMMs alone
-// against their measured ceilings.
+// against their measured ceilings. With `ep` (mpirun -np N / torchrun) the experts are split over
+// the ranks and every rank times its own layer (TFLOP/s per GPU: the same per-token work).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "moefold/comm/communicator.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold {
@@ -21,6 +23,9 @@ struct MoeBenchOptions {
   int reps = 20, warmup = 3;
   Device device = Device::cuda;        // cuda: bf16 mixed precision; cpu: fp32 (small shapes)
   std::vector<std::string> overrides;  // section.key=value applied to every shape's config
+  // Expert parallelism over these ranks (every rank runs the benchmark with its own `tokens`;
+  // the experts are split, tokens travel all-to-all); null or one rank: all experts here.
+  Communicator* ep = nullptr;
 };
 
 struct BenchTime {

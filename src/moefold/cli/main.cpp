@@ -269,13 +269,16 @@ int main(int argc, char** argv) {
             stdout);
     } else if (*bench_moe) {
       moe_bench.device = pick_device(bench_device);
-      if (moe_bench.device == Device::cuda) cuda_set_device(local_rank_from_env() % cuda_device_count());
+      world = make_world(moe_bench.device, Config{}.parallel.timeout_s, bootstrap);
+      if (world->size() > 1) moe_bench.ep = world.get();  // under mpirun / torchrun: EP over every rank
       const std::string where = moe_bench.device == Device::cuda ? cuda_device_name() : "CPU (fp32)";
       const std::vector<MoeBenchResult> r = bench_moe_layer(moe_bench);
-      std::fputs(format_moe_bench(r, cat("MoE layer forward+backward on ", where, ", median of ", moe_bench.reps,
-                                         " after ", moe_bench.warmup, " warm-up"))
-                     .c_str(),
-                 stdout);
+      if (world->rank() == 0)
+        std::fputs(format_moe_bench(r, cat("MoE layer forward+backward on ", where,
+                                           world->size() > 1 ? cat(", EP = ", world->size(), " (rank 0's times)") : "",
+                                           ", median of ", moe_bench.reps, " after ", moe_bench.warmup, " warm-up"))
+                       .c_str(),
+                   stdout);
     } else if (*info) {
       print_info(load_config(config_spec, overrides));
     } else if (*eval) {
