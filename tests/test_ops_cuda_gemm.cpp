@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -25,6 +26,7 @@
 
 #ifdef MOEFOLD_WITH_CUDA
 #include "moefold/ops/cuda/gemm_ops.h"
+#include "moefold/ops/cuda/grouped_gemm_cutlass.h"
 #endif
 
 namespace moefold {
@@ -307,6 +309,38 @@ TEST(CudaGroupedLinear, UnevenAndEmptyExpertsMatchCpu) {
   check_grouped(DType::bf16, DType::f32, counts, 48, 40);
   check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: unaligned experts
   check_grouped(DType::f32, DType::f32, {0, 0, 0}, 16, 8);                  // no rows at all
+}
+
+// The CUTLASS grouped GEMM (MOEFOLD_GROUPED_GEMM=cutlass): the same checks and tolerances through
+// it, where it serves (bf16 operands, f32 dw, widths multiple of 8: asserted to run), and the
+// cuBLASLt fallback where it does not (odd widths, bf16 dw).
+TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
+  MF_REQUIRE_GPU();
+#ifdef MOEFOLD_WITH_CUDA
+  if (!cuda::cutlass_grouped_gemm_built()) GTEST_SKIP() << "built without CUTLASS's headers (MOEFOLD_WITH_CUTLASS)";
+  ::setenv("MOEFOLD_GROUPED_GEMM", "cutlass", 1);
+  {
+    DevicePool dev;
+    Pool pool;
+    Tensor offsets = pool.zeros({3}, DType::i64);
+    const int64_t off[3] = {0, 5, 16};
+    std::memcpy(offsets.data(), off, sizeof off);
+    const Tensor x = dev.upload(pool.randn({16, 64}), DType::bf16),
+                 w = dev.upload(pool.randn({2, 32, 64}), DType::bf16);
+    const Tensor y = dev.poisoned({16, 32}, DType::bf16);
+    EXPECT_TRUE(cuda::cutlass_grouped_linear_forward(x, w, dev.upload(offsets, DType::i64), y)) << "CUTLASS declined";
+    EXPECT_FALSE(cuda::cutlass_grouped_linear_forward(x.view({16, 64}), w, dev.upload(offsets, DType::i64),
+                                                      dev.poisoned({16, 32}, DType::f32)))
+        << "an f32 output is not CUTLASS's";
+  }
+  const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
+  check_grouped(DType::bf16, DType::f32, counts, 48, 40);
+  check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3, 64}, 256, 128);
+  check_grouped(DType::bf16, DType::f32, {0, 0, 0}, 16, 8);                 // no rows at all
+  check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: cuBLASLt
+  check_grouped(DType::bf16, DType::bf16, counts, 48, 40);                  // bf16 dw: cuBLASLt
+  ::unsetenv("MOEFOLD_GROUPED_GEMM");
+#endif
 }
 
 // ---- matmul: the call patterns of model/mlp.cpp and moe/router.cpp --------------------------------

@@ -37,6 +37,8 @@ enum class ScratchSlot : int {
   permute_plan,
   vocab_parallel,
   attention,
+  grouped_gemm_args,
+  grouped_gemm_workspace,
   count
 };
 void* device_scratch(ScratchSlot slot, size_t bytes);

@@ -3,6 +3,7 @@
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, so cuBLASLt receives B as its
 // first operand and A as its second, each described by its stored (cols, rows, ld).
 #include "moefold/ops/cuda/common.cuh"
+#include "moefold/ops/cuda/grouped_gemm_cutlass.h"
 // common.cuh first: it specialises dtype_of<__nv_bfloat16>.
 #include <cublasLt.h>
 
@@ -332,6 +333,7 @@ void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO
 
 void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO) {
   check_grouped(x_RI, w_EOI, offsets_E1, y_RO, "grouped_linear_forward");
+  if (cutlass_grouped_gemm_requested() && cutlass_grouped_linear_forward(x_RI, w_EOI, offsets_E1, y_RO)) return;
   std::vector<int64_t>& off = offsets_buffer();
   download_offsets(offsets_E1, x_RI.size(0), off);
   for (int64_t e = 0; e < w_EOI.size(0); ++e) {
@@ -352,6 +354,9 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
     check_shape(dx_RI, x_RI.shape(), "grouped_linear_backward dx");
     check_same_dtype(dx_RI, x_RI, "grouped_linear_backward dx");
   }
+  if (cutlass_grouped_gemm_requested() &&
+      cutlass_grouped_linear_backward(x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI))
+    return;
   std::vector<int64_t>& off = offsets_buffer();
   download_offsets(offsets_E1, x_RI.size(0), off);
   for (int64_t e = 0; e < w_EOI.size(0); ++e) {

@@ -1,0 +1,263 @@
+// Grouped GEMMs of the expert layers through CUTLASS's Hopper grouped GEMM (TMA + warp-specialised
+// wgmma, one persistent launch for all experts, group sizes read on the device), built when
+// CMake found CUTLASS's headers (MOEFOLD_WITH_CUTLASS). See grouped_gemm_cutlass.h.
+//
+// Per expert e with rows [off[e], off[e+1]) (m_e of them), as CUTLASS sees each group (M, N, K):
+//   forward  y_e  = x_e @ w_e^T      (m_e, O, I): A = x_e row-major, B = w_e "column-major" (K = I
+//                                                 contiguous), D = y_e row-major, bf16;
+//   dgrad    dx_e = dy_e @ w_e       (m_e, I, O): A = dy_e row-major, B = w_e row-major, D bf16;
+//   wgrad    dw_e += dy_e^T @ x_e    (O, I, m_e): A = dy_e^T column-major, B = x_e row-major,
+//                                                 C = D = dw_e f32, beta = 1.
+// An empty expert becomes an (0, N, K) group: no tiles, so dw_e keeps its value (ACCUMULATED) and
+// y / dx have no rows of it. The per-group arguments are written by one small kernel from the
+// device offsets, so nothing here waits for the GPU.
+#include <cstdlib>
+#include <cstring>
+
+#include "moefold/ops/cuda/common.cuh"
+#include "moefold/ops/cuda/grouped_gemm_cutlass.h"
+
+#ifdef MOEFOLD_WITH_CUTLASS
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#endif
+
+namespace moefold::cuda {
+
+bool cutlass_grouped_gemm_requested() {
+  const char* v = std::getenv("MOEFOLD_GROUPED_GEMM");
+  return v != nullptr && std::strcmp(v, "cutlass") == 0;
+}
+
+#ifdef MOEFOLD_WITH_CUTLASS
+
+bool cutlass_grouped_gemm_built() { return true; }
+
+namespace {
+
+using namespace cute;
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+using Problem = ProblemShape::UnderlyingProblemShape;
+
+// One grouped GEMM configuration: bf16 operands, f32 accumulation, output ElementOut.
+template <class LayoutA, class LayoutB, class ElementOut>
+struct Grouped {
+  using ElementIn = cutlass::bfloat16_t;
+  using Out = ElementOut;
+  using Acc = float;
+  static constexpr int kAlignIn = 8;  // 16 bytes of bf16
+  static constexpr int kAlignOut = 16 / static_cast<int>(sizeof(ElementOut));
+  using TileShape = cute::Shape<_128, _128, _64>;
+  using ClusterShape = cute::Shape<_1, _1, _1>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc, ElementOut, cutlass::layout::RowMajor*, kAlignOut,
+      ElementOut, cutlass::layout::RowMajor*, kAlignOut, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementOut, Acc>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn, ElementIn, LayoutB*, kAlignIn,
+      Acc, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+using Forward = Grouped<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t>;
+using Dgrad = Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t>;
+using Wgrad = Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float>;
+
+enum class Kind : int { forward, dgrad, wgrad };
+
+// The per-group argument arrays of one call, carved from one scratch block.
+template <class G>
+struct Arrays {
+  using In = cutlass::bfloat16_t;
+  using Out = typename G::Out;
+  Problem* problems;
+  const In** a;
+  const In** b;
+  const Out** c;
+  Out** d;
+  typename G::StrideA* sa;
+  typename G::StrideB* sb;
+  typename G::StrideC* sc;
+  typename G::StrideD* sd;
+
+  static size_t bytes(int64_t e_n) {
+    const size_t n = static_cast<size_t>(e_n);
+    return n * (sizeof(Problem) + 4 * sizeof(void*) + sizeof(typename G::StrideA) + sizeof(typename G::StrideB) +
+                sizeof(typename G::StrideC) + sizeof(typename G::StrideD)) +
+           16 * 9;  // alignment slack
+  }
+  static Arrays carve(void* base, int64_t e_n) {
+    char* p = static_cast<char*>(base);
+    auto take = [&](size_t size) {
+      p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t{15});
+      char* r = p;
+      p += size * static_cast<size_t>(e_n);
+      return r;
+    };
+    Arrays a;
+    a.problems = reinterpret_cast<Problem*>(take(sizeof(Problem)));
+    a.a = reinterpret_cast<const In**>(take(sizeof(void*)));
+    a.b = reinterpret_cast<const In**>(take(sizeof(void*)));
+    a.c = reinterpret_cast<const Out**>(take(sizeof(void*)));
+    a.d = reinterpret_cast<Out**>(take(sizeof(void*)));
+    a.sa = reinterpret_cast<typename G::StrideA*>(take(sizeof(typename G::StrideA)));
+    a.sb = reinterpret_cast<typename G::StrideB*>(take(sizeof(typename G::StrideB)));
+    a.sc = reinterpret_cast<typename G::StrideC*>(take(sizeof(typename G::StrideC)));
+    a.sd = reinterpret_cast<typename G::StrideD*>(take(sizeof(typename G::StrideD)));
+    return a;
+  }
+};
+
+// One thread per expert: its group's shape, pointers and (packed) strides. i_n / o_n: the
+// weight's I and O; `first` / `second`: the row-indexed operands (x and y for forward; dy and dx
+// for dgrad; dy and x for wgrad); w: the weights (or dw for wgrad, as C and D).
+template <class G, Kind kKind>
+__global__ void build_group_args(Arrays<G> arr, const int64_t* __restrict__ off, int e_n, int i_n, int o_n,
+                                 const cutlass::bfloat16_t* first, const cutlass::bfloat16_t* second_in,
+                                 void* second_out, const cutlass::bfloat16_t* w, void* dw) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= e_n) return;
+  const int64_t begin = off[e];
+  const int m = static_cast<int>(off[e + 1] - begin);
+  using Out = typename Arrays<G>::Out;
+  const size_t wo = static_cast<size_t>(e) * static_cast<size_t>(o_n) * static_cast<size_t>(i_n);
+  if constexpr (kKind == Kind::forward) {  // (m, O, I): x_e, w_e -> y_e
+    arr.problems[e] = Problem(m, o_n, i_n);
+    arr.a[e] = first + begin * i_n;
+    arr.b[e] = w + wo;
+    Out* y = static_cast<Out*>(second_out) + begin * o_n;
+    arr.c[e] = y;
+    arr.d[e] = y;
+    arr.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(m, i_n, 1));
+    arr.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(o_n, i_n, 1));
+    arr.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(m, o_n, 1));
+    arr.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(m, o_n, 1));
+  } else if constexpr (kKind == Kind::dgrad) {  // (m, I, O): dy_e, w_e -> dx_e
+    arr.problems[e] = Problem(m, i_n, o_n);
+    arr.a[e] = first + begin * o_n;
+    arr.b[e] = w + wo;
+    Out* dx = static_cast<Out*>(second_out) + begin * i_n;
+    arr.c[e] = dx;
+    arr.d[e] = dx;
+    arr.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(m, o_n, 1));
+    arr.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(i_n, o_n, 1));
+    arr.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(m, i_n, 1));
+    arr.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(m, i_n, 1));
+  } else {  // (O, I, m): dy_e^T, x_e -> dw_e += (an empty expert: no tiles, dw_e unchanged)
+    arr.problems[e] = Problem(m == 0 ? 0 : o_n, i_n, m);
+    arr.a[e] = first + begin * o_n;
+    arr.b[e] = second_in + begin * i_n;
+    Out* g = static_cast<Out*>(dw) + wo;
+    arr.c[e] = g;
+    arr.d[e] = g;
+    arr.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(o_n, m, 1));
+    arr.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(i_n, m, 1));
+    arr.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(o_n, i_n, 1));
+    arr.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(o_n, i_n, 1));
+  }
+}
+
+cutlass::KernelHardwareInfo hardware_info() {
+  static thread_local cutlass::KernelHardwareInfo info = [] {
+    cutlass::KernelHardwareInfo h;
+    MF_CUDA_CHECK(cudaGetDevice(&h.device_id));
+    h.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(h.device_id);
+    return h;
+  }();
+  return info;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Builds the group arguments on the device and runs one grouped GEMM of kind kKind.
+template <class G, Kind kKind>
+void run_grouped(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& first,
+                 const Tensor& second_in, void* second_out, const Tensor& w, void* dw, float beta, const char* what) {
+  const size_t arg_bytes = Arrays<G>::bytes(e_n);
+  void* arg_block = device_scratch(ScratchSlot::grouped_gemm_args, arg_bytes);
+  Arrays<G> arr = Arrays<G>::carve(arg_block, e_n);
+  constexpr int kThreads = 128;
+  build_group_args<G, kKind><<<static_cast<unsigned>(ceil_div(e_n, kThreads)), kThreads, 0, stream()>>>(
+      arr, offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(i_n), static_cast<int>(o_n),
+      static_cast<const cutlass::bfloat16_t*>(first.data()),
+      second_in.defined() ? static_cast<const cutlass::bfloat16_t*>(second_in.data()) : nullptr, second_out,
+      static_cast<const cutlass::bfloat16_t*>(w.data()), dw);
+  MF_CUDA_LAUNCHED(what);
+  typename G::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                   {static_cast<int>(e_n), arr.problems, nullptr},
+                                   {arr.a, arr.sa, arr.b, arr.sb},
+                                   {{}, arr.c, arr.sc, arr.d, arr.sd},
+                                   hardware_info()};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = beta;
+  typename G::Gemm gemm;
+  const cutlass::Status ok = gemm.can_implement(args);
+  MF_CHECK(ok == cutlass::Status::kSuccess, what, ": CUTLASS cannot run this grouped GEMM (",
+           cutlassGetStatusString(ok), ")");
+  const size_t ws_bytes = G::Gemm::get_workspace_size(args);
+  void* ws = device_scratch(ScratchSlot::grouped_gemm_workspace, ws_bytes);
+  const cutlass::Status init = gemm.initialize(args, ws, stream());
+  MF_CHECK(init == cutlass::Status::kSuccess, what, ": CUTLASS initialize: ", cutlassGetStatusString(init));
+  const cutlass::Status run = gemm.run(stream());
+  MF_CHECK(run == cutlass::Status::kSuccess, what, ": CUTLASS run: ", cutlassGetStatusString(run));
+  MF_CUDA_LAUNCHED(what);
+}
+
+}  // namespace
+
+bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                                    const Tensor& y_RO) {
+  const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
+  if (x_RI.dtype() != DType::bf16 || y_RO.dtype() != DType::bf16 || i_n % 8 != 0 || o_n % 8 != 0) return false;
+  if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(y_RO.data())) return false;
+  if (x_RI.size(0) == 0 || e_n == 0) return true;
+  run_grouped<Forward, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), y_RO.data(), w_EOI, nullptr, 0.0f,
+                                      "grouped_linear_forward (CUTLASS)");
+  return true;
+}
+
+bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                                     const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI) {
+  const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
+  if (x_RI.dtype() != DType::bf16 || dy_RO.dtype() != DType::bf16 || dw_EOI.dtype() != DType::f32 || i_n % 8 != 0 ||
+      o_n % 8 != 0)
+    return false;
+  if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(dy_RO.data()) || !aligned16(dw_EOI.data()) ||
+      (dx_RI.defined() && (dx_RI.dtype() != DType::bf16 || !aligned16(dx_RI.data()))))
+    return false;
+  if (x_RI.size(0) == 0 || e_n == 0) return true;
+  if (dx_RI.defined())
+    run_grouped<Dgrad, Kind::dgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), dx_RI.data(), w_EOI, nullptr, 0.0f,
+                                    "grouped_linear_backward dx (CUTLASS)");
+  run_grouped<Wgrad, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, nullptr, w_EOI, dw_EOI.data(), 1.0f,
+                                  "grouped_linear_backward dw (CUTLASS)");
+  return true;
+}
+
+#else  // built without CUTLASS's headers
+
+bool cutlass_grouped_gemm_built() { return false; }
+bool cutlass_grouped_linear_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&) { return false; }
+bool cutlass_grouped_linear_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&) {
+  return false;
+}
+
+#endif
+
+}  // namespace moefold::cuda

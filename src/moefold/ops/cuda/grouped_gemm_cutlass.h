@@ -1,0 +1,25 @@
+// The expert grouped GEMMs (ops/moe_ops.h grouped_linear_forward / _backward) through CUTLASS's
+// Hopper grouped GEMM: one launch for every expert, the group sizes read on the device (no host
+// read of the offsets). Opt-in while it is being measured: MOEFOLD_GROUPED_GEMM=cutlass; the
+// default is cuBLASLt, one GEMM per expert (gemm.cu). Same contracts as the ops (y, dx WRITTEN,
+// dw ACCUMULATED); the offsets are trusted (they come from the permutation plan).
+#pragma once
+
+#include "moefold/core/tensor.h"
+
+namespace moefold::cuda {
+
+// Whether this build has CUTLASS's headers (CMake: MOEFOLD_WITH_CUTLASS), and whether the
+// environment asks for this path (MOEFOLD_GROUPED_GEMM=cutlass).
+bool cutlass_grouped_gemm_built();
+bool cutlass_grouped_gemm_requested();
+
+// Run the op and return true, or return false having launched nothing when this path cannot
+// serve the call (not built; not bf16 operands with a bf16 output / an f32 weight gradient; I or
+// O not a multiple of 8; a pointer not 16-byte aligned). REQUIRES: the callers' checks passed.
+bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                                    const Tensor& y_RO);
+bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                                     const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI);
+
+}  // namespace moefold::cuda
