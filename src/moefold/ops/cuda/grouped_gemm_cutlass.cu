@@ -123,53 +123,40 @@ struct Arrays {
   }
 };
 
-// One thread per expert: its group's shape, pointers and (packed) strides. i_n / o_n: the
-// weight's I and O; `first` / `second`: the row-indexed operands (x and y for forward; dy and dx
-// for dgrad; dy and x for wgrad); w: the weights (or dw for wgrad, as C and D).
+// Group e's (M, N, K), operands and packed strides (A is M x K, B is N x K in CUTLASS's view, C
+// and D are M x N). `skip`: no tiles (an empty expert's weight gradient stays as it is).
+template <class G>
+__device__ void set_group(const Arrays<G>& arr, int e, int m, int n, int k, const cutlass::bfloat16_t* a,
+                          const cutlass::bfloat16_t* b, typename G::Out* cd, bool skip) {
+  arr.problems[e] = Problem(skip ? 0 : m, n, k);
+  arr.a[e] = a;
+  arr.b[e] = b;
+  arr.c[e] = cd;
+  arr.d[e] = cd;
+  arr.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(m, k, 1));
+  arr.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(n, k, 1));
+  arr.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(m, n, 1));
+  arr.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(m, n, 1));
+}
+
+// One thread per expert. i_n / o_n: the weight's I and O; `rows` / `rows2`: the row-indexed
+// operands (x for forward; dy for dgrad; dy and x for wgrad); `out`: y, dx, or dw (C and D).
 template <class G, Kind kKind>
 __global__ void build_group_args(Arrays<G> arr, const int64_t* __restrict__ off, int e_n, int i_n, int o_n,
-                                 const cutlass::bfloat16_t* first, const cutlass::bfloat16_t* second_in,
-                                 void* second_out, const cutlass::bfloat16_t* w, void* dw) {
+                                 const cutlass::bfloat16_t* rows, const cutlass::bfloat16_t* rows2,
+                                 const cutlass::bfloat16_t* w, void* out) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= e_n) return;
   const int64_t begin = off[e];
   const int m = static_cast<int>(off[e + 1] - begin);
-  using Out = typename Arrays<G>::Out;
-  const size_t wo = static_cast<size_t>(e) * static_cast<size_t>(o_n) * static_cast<size_t>(i_n);
-  if constexpr (kKind == Kind::forward) {  // (m, O, I): x_e, w_e -> y_e
-    arr.problems[e] = Problem(m, o_n, i_n);
-    arr.a[e] = first + begin * i_n;
-    arr.b[e] = w + wo;
-    Out* y = static_cast<Out*>(second_out) + begin * o_n;
-    arr.c[e] = y;
-    arr.d[e] = y;
-    arr.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(m, i_n, 1));
-    arr.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(o_n, i_n, 1));
-    arr.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(m, o_n, 1));
-    arr.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(m, o_n, 1));
-  } else if constexpr (kKind == Kind::dgrad) {  // (m, I, O): dy_e, w_e -> dx_e
-    arr.problems[e] = Problem(m, i_n, o_n);
-    arr.a[e] = first + begin * o_n;
-    arr.b[e] = w + wo;
-    Out* dx = static_cast<Out*>(second_out) + begin * i_n;
-    arr.c[e] = dx;
-    arr.d[e] = dx;
-    arr.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(m, o_n, 1));
-    arr.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(i_n, o_n, 1));
-    arr.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(m, i_n, 1));
-    arr.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(m, i_n, 1));
-  } else {  // (O, I, m): dy_e^T, x_e -> dw_e += (an empty expert: no tiles, dw_e unchanged)
-    arr.problems[e] = Problem(m == 0 ? 0 : o_n, i_n, m);
-    arr.a[e] = first + begin * o_n;
-    arr.b[e] = second_in + begin * i_n;
-    Out* g = static_cast<Out*>(dw) + wo;
-    arr.c[e] = g;
-    arr.d[e] = g;
-    arr.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(o_n, m, 1));
-    arr.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(i_n, m, 1));
-    arr.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(o_n, i_n, 1));
-    arr.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(o_n, i_n, 1));
-  }
+  auto* o = static_cast<typename G::Out*>(out);
+  const size_t we = static_cast<size_t>(e) * static_cast<size_t>(o_n) * static_cast<size_t>(i_n);
+  if constexpr (kKind == Kind::forward)  // y_e = x_e @ w_e^T: (m, O, I)
+    set_group<G>(arr, e, m, o_n, i_n, rows + begin * i_n, w + we, o + begin * o_n, false);
+  else if constexpr (kKind == Kind::dgrad)  // dx_e = dy_e @ w_e: (m, I, O)
+    set_group<G>(arr, e, m, i_n, o_n, rows + begin * o_n, w + we, o + begin * i_n, false);
+  else  // dw_e += dy_e^T @ x_e: (O, I, m)
+    set_group<G>(arr, e, o_n, i_n, m, rows + begin * o_n, rows2 + begin * i_n, o + we, m == 0);
 }
 
 cutlass::KernelHardwareInfo hardware_info() {
@@ -186,17 +173,17 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // Builds the group arguments on the device and runs one grouped GEMM of kind kKind.
 template <class G, Kind kKind>
-void run_grouped(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& first,
-                 const Tensor& second_in, void* second_out, const Tensor& w, void* dw, float beta, const char* what) {
+void run_grouped(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& rows,
+                 const Tensor& rows2, const Tensor& w, void* out, float beta, const char* what) {
   const size_t arg_bytes = Arrays<G>::bytes(e_n);
   void* arg_block = device_scratch(ScratchSlot::grouped_gemm_args, arg_bytes);
   Arrays<G> arr = Arrays<G>::carve(arg_block, e_n);
   constexpr int kThreads = 128;
   build_group_args<G, kKind><<<static_cast<unsigned>(ceil_div(e_n, kThreads)), kThreads, 0, stream()>>>(
       arr, offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(i_n), static_cast<int>(o_n),
-      static_cast<const cutlass::bfloat16_t*>(first.data()),
-      second_in.defined() ? static_cast<const cutlass::bfloat16_t*>(second_in.data()) : nullptr, second_out,
-      static_cast<const cutlass::bfloat16_t*>(w.data()), dw);
+      static_cast<const cutlass::bfloat16_t*>(rows.data()),
+      rows2.defined() ? static_cast<const cutlass::bfloat16_t*>(rows2.data()) : nullptr,
+      static_cast<const cutlass::bfloat16_t*>(w.data()), out);
   MF_CUDA_LAUNCHED(what);
   typename G::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                    {static_cast<int>(e_n), arr.problems, nullptr},
@@ -226,7 +213,7 @@ bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, con
   if (x_RI.dtype() != DType::bf16 || y_RO.dtype() != DType::bf16 || i_n % 8 != 0 || o_n % 8 != 0) return false;
   if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(y_RO.data())) return false;
   if (x_RI.size(0) == 0 || e_n == 0) return true;
-  run_grouped<Forward, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), y_RO.data(), w_EOI, nullptr, 0.0f,
+  run_grouped<Forward, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(), 0.0f,
                                       "grouped_linear_forward (CUTLASS)");
   return true;
 }
@@ -242,9 +229,9 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
     return false;
   if (x_RI.size(0) == 0 || e_n == 0) return true;
   if (dx_RI.defined())
-    run_grouped<Dgrad, Kind::dgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), dx_RI.data(), w_EOI, nullptr, 0.0f,
+    run_grouped<Dgrad, Kind::dgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.data(), 0.0f,
                                     "grouped_linear_backward dx (CUTLASS)");
-  run_grouped<Wgrad, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, nullptr, w_EOI, dw_EOI.data(), 1.0f,
+  run_grouped<Wgrad, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(), 1.0f,
                                   "grouped_linear_backward dw (CUTLASS)");
   return true;
 }
