@@ -46,6 +46,28 @@ TEST(BenchMoeLayer, RunsEveryRoutingAndCountsFlops) {
   EXPECT_NE(report.find("| fc1 forward+backward |"), std::string::npos) << report;
 }
 
+// DeepSeek-V3's shared experts run beside the routed ones: two more stages, their FLOPs counted
+// (BENCHMARKS.md: + 6*T*H*F_shared).
+TEST(BenchMoeLayer, SharedExpertsAreTimedAndCounted) {
+  MoeBenchOptions o;
+  o.shapes = {"tiny"};
+  o.routings = {"real"};
+  o.tokens = 32;
+  o.reps = 1;
+  o.warmup = 0;
+  o.device = Device::cpu;
+  o.overrides = {"moe.num_experts=4", "moe.num_experts_per_tok=2", "moe.moe_intermediate_size=16",
+                 "moe.n_shared_experts=2"};
+  const std::vector<MoeBenchResult> r = bench_moe_layer(o);
+  ASSERT_EQ(r.size(), 1u);
+  const double h = 128, e = 4, k = 2, f = 16, t = 32;
+  EXPECT_DOUBLE_EQ(r[0].flops, 3 * (2 * t * h * e + 6 * k * t * h * f + 6 * t * h * 2 * f));
+  ASSERT_EQ(r[0].stages.size(), 10u);
+  EXPECT_EQ(r[0].stages[4].name, "shared expert");
+  EXPECT_EQ(r[0].stages[9].name, "shared expert backward");
+  EXPECT_GT(r[0].stages[4].tflops, 0);
+}
+
 TEST(BenchMoeLayer, BadOptionsFailWithOneLine) {
   MoeBenchOptions o;
   o.device = Device::cpu;

@@ -4,12 +4,14 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <optional>
 
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
 #include "moefold/core/memory.h"
 #include "moefold/core/rng.h"
 #include "moefold/model/config.h"
+#include "moefold/model/mlp.h"
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/moe/dispatcher.h"
 #include "moefold/moe/experts.h"
@@ -91,22 +93,31 @@ struct Layer {
   std::unique_ptr<Dispatcher> dispatcher_ptr;
   Dispatcher& dispatcher;
   Experts experts;
+  std::optional<DenseMlp> shared;                // DeepSeek-V3's shared experts (one MLP of n x F)
   Tensor x, y, dy, dx, out, dout, drows, dprob;  // the layer's own tensors (as MoeLayer's)
-  Tensor balanced_idx, balanced_prob;            // [T, K]: balanced routing
-  Tensor gu, h, dgu, dh, drows2;                 // the grouped GEMMs alone
+  Tensor y_shared, dx_shared;
+  Tensor balanced_idx, balanced_prob;  // [T, K]: balanced routing
+  Tensor gu, h, dgu, dh, drows2;       // the grouped GEMMs alone
   Tensor dgate_up;
   Layer(const Config& c, int64_t t, Communicator* ep)
       : router(c.moe, c.model.hidden_size, t, "bench", c.model.initializer_range),
         dispatcher_ptr(make_dispatcher(c, t, ep)),
         dispatcher(*dispatcher_ptr),
         experts(dispatcher.num_local_experts(), c.model.hidden_size, c.moe.moe_intermediate_size, dispatcher.max_rows(),
-                "bench", c.model.initializer_range, dispatcher.first_local_expert(), c.moe.num_experts) {}
+                "bench", c.model.initializer_range, dispatcher.first_local_expert(), c.moe.num_experts) {
+    if (c.moe.n_shared_experts > 0)
+      shared.emplace(c.model.hidden_size, c.moe.n_shared_experts * c.moe.moe_intermediate_size, t, t, "bench.shared",
+                     c.model.initializer_range);
+  }
   void bind(Memory& mem, const Config& c, int64_t t) {
     const int64_t h_n = c.model.hidden_size, k = c.moe.num_experts_per_tok, f = c.moe.moe_intermediate_size;
     const int64_t r = dispatcher.max_rows();
     router.bind(mem);
     dispatcher.bind(mem);
     experts.bind(mem);
+    if (shared) shared->bind(mem, nullptr);
+    y_shared = mem.act({shared ? t : 0, h_n});
+    dx_shared = mem.act({shared ? t : 0, h_n});
     x = mem.act({t, h_n});
     y = mem.act({t, h_n});
     dy = mem.act({t, h_n});
@@ -181,14 +192,15 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   res.routing = routing;
   res.tokens = t;
   const double router_fwd = 2.0 * t * h_n * e_n, experts_fwd = 6.0 * k * t * h_n * f;
-  res.flops = 3 * (router_fwd + experts_fwd);
+  const double shared_fwd = 6.0 * t * h_n * f * static_cast<double>(c.moe.n_shared_experts);
+  res.flops = 3 * (router_fwd + experts_fwd + shared_fwd);
 
   // The layer, stage by stage, as MoeLayer::forward / backward run it.
   const DispatchPlan* plan = nullptr;
-  const std::vector<std::string> names = {
-      "router",           "dispatch",         "experts",           "combine",
-      "combine backward", "experts backward", "dispatch backward", "router backward"};
-  const std::vector<std::function<void()>> stages = {
+  std::vector<std::string> names = {"router",           "dispatch",         "experts",           "combine",
+                                    "combine backward", "experts backward", "dispatch backward", "router backward"};
+  std::vector<double> stage_flops = {router_fwd, 0, experts_fwd, 0, 0, 2 * experts_fwd, 0, 2 * router_fwd};
+  std::vector<std::function<void()>> stages = {
       [&] { layer.router.forward(layer.x); },
       [&] {
         plan = &layer.dispatcher.dispatch(layer.x, balanced ? layer.balanced_idx : layer.router.topk_idx(),
@@ -207,6 +219,20 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
       [&] { layer.dispatcher.dispatch_backward(layer.drows.slice(0, plan->num_rows), *plan, layer.dx); },
       [&] { layer.router.backward(layer.x, layer.dprob, 1.0, layer.dx); },
   };
+  if (layer.shared) {  // as DecoderLayer runs it: beside the routed experts, outputs and gradients added
+    names.insert(names.begin() + 4, "shared expert");
+    stage_flops.insert(stage_flops.begin() + 4, shared_fwd);
+    stages.insert(stages.begin() + 4, [&] {
+      layer.shared->forward(layer.x, layer.y_shared);
+      add_inplace(layer.y, layer.y_shared);
+    });
+    names.push_back("shared expert backward");
+    stage_flops.push_back(2 * shared_fwd);
+    stages.push_back([&] {
+      layer.shared->backward(layer.dy, layer.dx_shared);
+      add_inplace(layer.dx, layer.dx_shared);
+    });
+  }
   std::vector<StreamTimer> timers(stages.size() + 1);
   std::vector<std::vector<double>> ms(stages.size() + 1);
   for (int i = 0; i < opts.warmup + opts.reps; ++i) {
@@ -224,7 +250,6 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   res.total = {"layer forward+backward", median(ms.back()), 0, 0};
   res.total.tflops = res.flops / (res.total.ms * 1e9);
   if (facts) res.bar = balanced ? facts->bar_balanced : facts->bar_real;
-  const double stage_flops[] = {router_fwd, 0, experts_fwd, 0, 0, 2 * experts_fwd, 0, 2 * router_fwd};
   for (size_t s = 0; s < stages.size(); ++s) {
     BenchTime b{names[s], median(ms[s]), 0, 0};
     if (stage_flops[s] > 0) b.tflops = stage_flops[s] / (b.ms * 1e9);
