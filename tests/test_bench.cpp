@@ -29,6 +29,7 @@ TEST(BenchMoeLayer, RunsEveryRoutingAndCountsFlops) {
     SCOPED_TRACE(x.routing);
     EXPECT_EQ(x.tokens, 96);
     EXPECT_EQ(x.rows, 96 * 3);  // dropless: every assignment is a row
+    EXPECT_EQ(x.local_experts, 6);
     EXPECT_DOUBLE_EQ(x.flops, 3 * (2 * t * h * e + 6 * k * t * h * f));
     EXPECT_GT(x.total.ms, 0);
     EXPECT_NEAR(x.total.tflops, x.flops / (x.total.ms * 1e9), 1e-12 * x.total.tflops);

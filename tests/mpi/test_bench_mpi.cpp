@@ -26,6 +26,7 @@ TEST(BenchMoeLayerEp, RowsOfAllRanksAreEveryAssignment) {
     int64_t rows = x.rows;
     world.all_reduce(Tensor(&rows, DType::i64, {1}), ReduceOp::sum);
     EXPECT_EQ(rows, 64 * 2 * world.size());
+    EXPECT_EQ(x.local_experts, 8 / world.size());  // the experts are split, not replicated
     if (x.routing == "balanced") {
       EXPECT_EQ(x.rows, 64 * 2);  // every rank's tokens spread evenly over the experts
     }

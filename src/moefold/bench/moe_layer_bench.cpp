@@ -247,6 +247,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     for (size_t s = 0; s < timers.size(); ++s) ms[s].push_back(timers[s].elapsed_ms());
   }
   res.rows = plan->num_rows;
+  res.local_experts = layer.dispatcher.num_local_experts();
   res.total = {"layer forward+backward", median(ms.back()), 0, 0};
   res.total.tflops = res.flops / (res.total.ms * 1e9);
   if (facts) res.bar = balanced ? facts->bar_balanced : facts->bar_real;

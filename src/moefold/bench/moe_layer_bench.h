@@ -38,6 +38,7 @@ struct BenchTime {
 struct MoeBenchResult {
   std::string shape, routing;
   int64_t tokens = 0, rows = 0;        // T; R rows handed to the experts
+  int64_t local_experts = 0;           // experts on this rank (E / EP)
   double flops = 0;                    // forward + backward model FLOPs (3 x forward)
   BenchTime total;                     // forward + backward of the layer
   double bar = 0;                      // the PyTorch bar of BENCHMARKS.md (TFLOP/s; 0: none)

@@ -31,7 +31,6 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
       model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
              ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()}),
       mem_(compute.value_or(device == Device::cuda ? DType::bf16 : DType::f32), device),  // GPU: bf16, f32 masters
-      host_(DType::f32),
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
   const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
@@ -39,17 +38,14 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   const int64_t layers = model_.num_moe_layers(), experts = cfg.moe.num_experts;
   auto bind_all = [&] {
     model_.bind(mem_);
-    ids_BL_ = mem_.act(bl, DType::i32);
-    targets_BL_ = mem_.act(bl, DType::i32);
-    bias_counts_E_ = mem_.act({experts}, DType::i64);
+    ids_BL_ = mem_.mirrored(bl, DType::i32);
+    targets_BL_ = mem_.mirrored(bl, DType::i32);
     // Host side whatever the device: token windows, statistics, loads.
-    full_ids_BS_ = host_.act(bs, DType::i32);
-    full_targets_BS_ = host_.act(bs, DType::i32);
-    host_ids_BL_ = host_.act(bl, DType::i32);
-    host_targets_BL_ = host_.act(bl, DType::i32);
-    load_sum_LE_ = host_.act({layers, experts}, DType::f64);
-    stats_ = host_.act({4}, DType::f64);
-    counts_E_ = host_.act({experts}, DType::i64);
+    full_ids_BS_ = mem_.host_act(bs, DType::i32);
+    full_targets_BS_ = mem_.host_act(bs, DType::i32);
+    load_sum_LE_ = mem_.host_act({layers, experts}, DType::f64);
+    stats_ = mem_.host_act({4}, DType::f64);
+    counts_E_ = mem_.mirrored({experts}, DType::i64);
   };
   bind_all();  // measure
   // Master weights (and compute copies), gradients, two AdamW moments of the gradients' size, activations.
@@ -60,10 +56,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
             "gradients, AdamW state, activations) but this machine has ", host >> 20,
             " MiB; choose a smaller model or micro-batch (train.micro_batch_size, model.num_hidden_layers)");
   mem_.allocate();
-  host_.allocate();
   bind_all();
   mem_.finish_binding();
-  host_.finish_binding();
   opt_.bind(mem_.params());
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
@@ -72,14 +66,14 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
 void Trainer::shard_batch() {
   const int c = static_cast<int>(mesh_.dims.cp);
   if (c == 1) {
-    ids_BL_.copy_from(full_ids_BS_);
-    targets_BL_.copy_from(full_targets_BS_);
+    ids_BL_.dev.copy_from(full_ids_BS_);
+    targets_BL_.dev.copy_from(full_targets_BS_);
     return;
   }
-  cp_shard_sequence(full_ids_BS_, c, mesh_.cp_rank, host_ids_BL_);
-  cp_shard_sequence(full_targets_BS_, c, mesh_.cp_rank, host_targets_BL_);
-  ids_BL_.copy_from(host_ids_BL_);
-  targets_BL_.copy_from(host_targets_BL_);
+  cp_shard_sequence(full_ids_BS_, c, mesh_.cp_rank, ids_BL_.host);
+  cp_shard_sequence(full_targets_BS_, c, mesh_.cp_rank, targets_BL_.host);
+  ids_BL_.to_device();
+  targets_BL_.to_device();
 }
 
 int64_t Trainer::local_micro_batches() const {
@@ -130,13 +124,13 @@ void Trainer::accumulate_gradients() {
     for (int64_t b = 0; b < m; ++b)
       loader_.train_sample(first + b, full_ids_BS_.ptr<int32_t>() + b * s, full_targets_BS_.ptr<int32_t>() + b * s);
     shard_batch();
-    stats[0] += model_.forward(ids_BL_, targets_BL_);
+    stats[0] += model_.forward(ids_BL_.dev, targets_BL_.dev);
     stats[1] += model_.aux_loss();
     stats[2] += model_.z_loss();
     stats[3] += model_.mtp_loss();
     for (int64_t l = 0; l < layers; ++l) {
-      counts_E_.copy_from(model_.moe(l).router().tokens_per_expert());  // from the GPU: waits
-      const int64_t* counts = counts_E_.ptr<int64_t>();
+      counts_E_.host.copy_from(model_.moe(l).router().tokens_per_expert());  // from the GPU: waits
+      const int64_t* counts = counts_E_.host.ptr<int64_t>();
       for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
     }
     // Loss = sum of token losses / global tokens + mean over all micro-batches of the router losses.
@@ -195,9 +189,10 @@ const StepMetrics& Trainer::train_step() {
     const double* load = load_sum_LE_.ptr<double>();
     const int64_t experts = cfg_.moe.num_experts;
     for (int64_t l = 0; l < model_.num_moe_layers(); ++l) {
-      for (int64_t e = 0; e < experts; ++e) counts_E_.ptr<int64_t>()[e] = static_cast<int64_t>(load[l * experts + e]);
-      bias_counts_E_.copy_from(counts_E_);
-      model_.moe(l).update_expert_bias(bias_counts_E_, cfg_.moe.expert_bias_update_rate);
+      int64_t* counts = counts_E_.host.ptr<int64_t>();
+      for (int64_t e = 0; e < experts; ++e) counts[e] = static_cast<int64_t>(load[l * experts + e]);
+      counts_E_.to_device();
+      model_.moe(l).update_expert_bias(counts_E_.dev, cfg_.moe.expert_bias_update_rate);
     }
   }
   ++step_;
@@ -216,7 +211,7 @@ double Trainer::evaluate() {
   for (int64_t i = 0; i < per_rank; ++i) {
     loader_.valid_batch((i * dp + mesh_.dp_rank) % nv, full_ids_BS_.ptr<int32_t>(), full_targets_BS_.ptr<int32_t>());
     shard_batch();
-    sum += model_.forward(ids_BL_, targets_BL_);
+    sum += model_.forward(ids_BL_.dev, targets_BL_.dev);
   }
   stats_.ptr<double>()[0] = sum;
   reduce_dense(stats_.slice(0, 1));

@@ -85,16 +85,13 @@ class Trainer {
   Mesh& mesh_;
   Model model_;
   Memory mem_;
-  Memory host_;  // host-side buffers whatever the device (planned too: the step loop allocates nothing)
   AdamW opt_;
   Loader loader_;
   Tensor full_ids_BS_, full_targets_BS_;  // whole sequences (targets already shifted)
-  Tensor ids_BL_, targets_BL_;            // this rank's positions of them (all of them without CP), on the device
-  Tensor host_ids_BL_, host_targets_BL_;  // the same on the host (context-parallel sharding)
-  Tensor counts_E_;                       // i64 [experts], host: one layer's routed tokens
+  Mirrored ids_BL_, targets_BL_;          // this rank's positions of them (all of them without CP)
+  Mirrored counts_E_;                     // i64 [experts]: one layer's routed tokens, or its step load (bias update)
   Tensor load_sum_LE_;                    // f64 [layers, experts]: tokens per expert over a step's micro-batches
   Tensor stats_;                          // f64 [4]: loss sum, aux, z, mtp (reduced together)
-  Tensor bias_counts_E_;                  // i64 [experts] on the device: one layer's step load, for the bias update
   StepMetrics metrics_;
   int64_t step_ = 0;
   size_t planned_bytes_ = 0;
