@@ -8,7 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
+#include <string>
+#include <vector>
 
 #include "cuda_testing.h"
 #include "moefold/core/device.h"
@@ -54,6 +57,26 @@ void expect_gpu_curve_matches_cpu(const std::vector<std::string>& extra) {
   EXPECT_NEAR(on_cpu, on_gpu, 2e-2 * on_gpu);
 }
 
+const std::vector<std::string> kDeepSeek = {"model.architecture=deepseek_v3",
+                                            "model.num_attention_heads=4",
+                                            "model.num_key_value_heads=4",
+                                            "model.head_dim=4",
+                                            "model.qk_rope_head_dim=4",
+                                            "model.qk_nope_head_dim=4",
+                                            "model.v_head_dim=8",
+                                            "model.kv_lora_rank=8",
+                                            "model.q_lora_rank=8",
+                                            "model.rope_interleave=true",
+                                            "model.first_k_dense_replace=1",
+                                            "model.intermediate_size=32",
+                                            "moe.n_shared_experts=1",
+                                            "moe.scoring_func=sigmoid",
+                                            "moe.n_group=2",
+                                            "moe.topk_group=1",
+                                            "moe.expert_bias=true",
+                                            "moe.seq_aux_loss_coef=0.01",
+                                            "model.num_nextn_predict_layers=1"};
+
 TEST(TrainCuda, Qwen3MoeCurveMatchesCpu) {
   MF_REQUIRE_GPU();
   expect_gpu_curve_matches_cpu({});
@@ -61,12 +84,64 @@ TEST(TrainCuda, Qwen3MoeCurveMatchesCpu) {
 
 TEST(TrainCuda, DeepSeekV3CurveMatchesCpu) {
   MF_REQUIRE_GPU();
-  expect_gpu_curve_matches_cpu(
-      {"model.architecture=deepseek_v3", "model.num_attention_heads=4", "model.num_key_value_heads=4",
-       "model.head_dim=4", "model.qk_rope_head_dim=4", "model.qk_nope_head_dim=4", "model.v_head_dim=8",
-       "model.kv_lora_rank=8", "model.q_lora_rank=8", "model.rope_interleave=true", "model.first_k_dense_replace=1",
-       "model.intermediate_size=32", "moe.n_shared_experts=1", "moe.scoring_func=sigmoid", "moe.n_group=2",
-       "moe.topk_group=1", "moe.expert_bias=true", "moe.seq_aux_loss_coef=0.01", "model.num_nextn_predict_layers=1"});
+  expect_gpu_curve_matches_cpu(kDeepSeek);
+}
+
+std::vector<float> to_host(const Tensor& t) {
+  EXPECT_EQ(t.dtype(), DType::f32);
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  device_copy(v.data(), Device::cpu, t.data(), t.device(), v.size() * sizeof(float));
+  return v;
+}
+
+// The GPU computing in fp32 (Trainer's `compute` dtype: cuBLASLt in fp32 without TF32, the own
+// attention kernel in fp32) against the CPU: one step's losses and every gradient. Without bf16's
+// roundings the two differ only in the order of fp32 sums (~1e-6 relative); bound 1e-4 of each
+// tensor's largest gradient (a wrong kernel is off by O(1)). The multi-GPU layout test
+// (tests/mpi/test_train_layouts_cuda.cpp) compares its layouts against this fp32 GPU path.
+void expect_gpu_fp32_step_matches_cpu(const std::vector<std::string>& extra) {
+  testing::TempDir dir("train_cuda_fp32");
+  const Config cfg = testing::small_train_config(testing::make_train_data(dir.path()), extra);
+  const TokenDataset data = open_token_dataset(cfg.data.path);
+  OneRank a(cfg), b(cfg);
+  Trainer cpu(cfg, data, a.mesh, Device::cpu), gpu(cfg, data, b.mesh, Device::cuda, DType::f32);
+  cpu.init_fresh();
+  gpu.init_fresh();
+  cpu.accumulate_gradients();
+  gpu.accumulate_gradients();
+  const StepMetrics &want = cpu.metrics(), &got = gpu.metrics();
+  EXPECT_NEAR(got.lm_loss, want.lm_loss, 1e-5 * want.lm_loss);
+  EXPECT_NEAR(got.aux_loss, want.aux_loss, 1e-5 * std::abs(want.aux_loss) + 1e-12);
+  EXPECT_NEAR(got.mtp_loss, want.mtp_loss, 1e-5 * std::abs(want.mtp_loss) + 1e-12);
+  EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-4 * want.grad_norm);
+  EXPECT_EQ(got.expert_load_max, want.expert_load_max);
+  ASSERT_EQ(gpu.params().size(), cpu.params().size());
+  double worst = 0;
+  for (size_t i = 0; i < gpu.params().size(); ++i) {
+    const Param &g = gpu.params()[i], &c = cpu.params()[i];
+    ASSERT_EQ(g.name, c.name);
+    const std::vector<float> x = to_host(g.grad), y = to_host(c.grad);
+    ASSERT_EQ(x.size(), y.size()) << g.name;
+    double diff = 0, scale = 0;
+    for (size_t j = 0; j < x.size(); ++j) {
+      diff = std::max(diff, std::abs(static_cast<double>(x[j]) - y[j]));
+      scale = std::max(scale, std::abs(static_cast<double>(y[j])));
+    }
+    const double e = diff / std::max(scale, 1e-30);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, 1e-4) << g.name;
+  }
+  std::printf("fp32 one step GPU vs CPU: largest relative gradient error %.3g\n", worst);
+}
+
+TEST(TrainCuda, Qwen3MoeFp32StepMatchesCpu) {
+  MF_REQUIRE_GPU();
+  expect_gpu_fp32_step_matches_cpu({});
+}
+
+TEST(TrainCuda, DeepSeekV3Fp32StepMatchesCpu) {
+  MF_REQUIRE_GPU();
+  expect_gpu_fp32_step_matches_cpu(kDeepSeek);
 }
 
 // Requirement of the CUDA backend: no device allocation in the step loop. The first step sizes
