@@ -8,6 +8,7 @@
 #include "moefold/bench/moe_layer_bench.h"
 #include "moefold/bench/train_bench.h"
 #include "moefold/core/error.h"
+#include "moefold/core/profile.h"
 
 namespace moefold {
 namespace {
@@ -113,6 +114,72 @@ TEST(BenchTrain, ReportsThroughputOfFullSteps) {
   EXPECT_NE(report.find("| tiny | 2 | 128 | 1 |"), std::string::npos) << report;
   o.steps = 0;
   EXPECT_THROW(bench_train(cfg, *world, o), Error);
+}
+
+const StepPhase* find_phase(const TrainBenchResult& r, const std::string& name) {
+  for (const StepPhase& p : r.phases)
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+// The breakdown: the timed steps' phases, whose top-level ones fit in the mean step (on the
+// CPU every scope runs inside the step's own clock), cover the LM head, attention, the MoE
+// layer's parts and the optimizer, with the calls a step makes: 2 micro-batches (global 4 /
+// micro 2) through 2 MoE layers.
+TEST(BenchTrain, BreaksTheStepIntoPhases) {
+  const Config cfg = load_config("tiny", {"model.num_hidden_layers=2", "train.global_batch_size=4",
+                                          "train.micro_batch_size=2", "train.seq_len=32"});
+  std::unique_ptr<Communicator> world = make_self_communicator();
+  TrainBenchOptions o;
+  o.steps = 3;
+  o.warmup = 1;
+  o.device = Device::cpu;
+  const TrainBenchResult r = bench_train(cfg, *world, o);
+  EXPECT_FALSE(profile_enabled());  // on for the benchmark only
+  ASSERT_FALSE(r.phases.empty());
+  EXPECT_GT(r.mean_step_ms, 0);
+  double top = 0;
+  for (const StepPhase& p : r.phases) {
+    SCOPED_TRACE(p.name);
+    EXPECT_GT(p.calls, 0);
+    EXPECT_GE(p.self_ms, -1e-9);
+    EXPECT_LE(p.self_ms, p.ms + 1e-9);
+    EXPECT_LE(p.top_level_ms, p.ms + 1e-9);
+    top += p.top_level_ms;
+  }
+  EXPECT_LE(top, r.mean_step_ms * (1 + 1e-12));
+  EXPECT_GE(top, 0.5 * r.mean_step_ms);  // the scopes cover the work of a step
+  EXPECT_NEAR(r.untimed_ms, r.mean_step_ms - top, 1e-9 * r.mean_step_ms);
+  struct Expect {
+    const char* name;
+    int depth;
+    double calls;
+  };
+  for (const Expect& e :
+       {Expect{"model forward", 0, 2}, Expect{"model backward", 0, 2}, Expect{"optimizer step", 0, 1},
+        Expect{"embedding forward", 1, 2}, Expect{"lm head + loss forward", 1, 2},
+        Expect{"lm head + loss backward", 1, 2}, Expect{"decoder layer forward", 1, 4},
+        Expect{"attention forward", 2, 4}, Expect{"attention backward", 2, 4}, Expect{"moe forward", 2, 4},
+        Expect{"moe backward", 2, 4}, Expect{"moe router forward", 3, 4}, Expect{"moe dispatch forward", 3, 4},
+        Expect{"moe experts forward", 3, 4}, Expect{"moe combine forward", 3, 4}, Expect{"moe experts backward", 3, 4},
+        Expect{"moe router backward", 3, 4}, Expect{"rmsnorm forward", 2, 8}}) {
+    const StepPhase* p = find_phase(r, e.name);
+    ASSERT_NE(p, nullptr) << e.name;
+    EXPECT_EQ(p->depth, e.depth) << e.name;
+    EXPECT_DOUBLE_EQ(p->calls, e.calls) << e.name;
+  }
+  // Order first seen: the forward's parts before the backward's.
+  EXPECT_LT(find_phase(r, "moe experts forward"), find_phase(r, "moe experts backward"));
+  const std::string report = format_train_bench(cfg, r, "header");
+  EXPECT_NE(report.find("| phase | ms per step | share of step | calls per step |"), std::string::npos) << report;
+  EXPECT_NE(report.find("moe experts forward | "), std::string::npos) << report;
+  EXPECT_NE(report.find("| untimed (outside every top-level scope) | "), std::string::npos) << report;
+
+  o.breakdown = false;  // and without: no phases, no second table
+  o.steps = 1;
+  const TrainBenchResult plain = bench_train(cfg, *world, o);
+  EXPECT_TRUE(plain.phases.empty());
+  EXPECT_EQ(format_train_bench(cfg, plain, "header").find("| phase |"), std::string::npos);
 }
 
 }  // namespace

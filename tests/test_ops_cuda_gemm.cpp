@@ -301,24 +301,28 @@ void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, in
   EXPECT_LE(testing::rel_error(testing::download(dwd), dwr), 2 * tolerance(dt, dw_dt, k_max)) << "dw twice";
 }
 
+// The cuBLASLt path (one GEMM per expert), which MOEFOLD_GROUPED_GEMM=cublaslt selects.
 TEST(CudaGroupedLinear, UnevenAndEmptyExpertsMatchCpu) {
   MF_REQUIRE_GPU();
+  ::setenv("MOEFOLD_GROUPED_GEMM", "cublaslt", 1);
   const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
   check_grouped(DType::f32, DType::f32, counts, 48, 40);
   check_grouped(DType::bf16, DType::bf16, counts, 48, 40);
   check_grouped(DType::bf16, DType::f32, counts, 48, 40);
   check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: unaligned experts
   check_grouped(DType::f32, DType::f32, {0, 0, 0}, 16, 8);                  // no rows at all
+  ::unsetenv("MOEFOLD_GROUPED_GEMM");
 }
 
-// The CUTLASS grouped GEMM (MOEFOLD_GROUPED_GEMM=cutlass): the same checks and tolerances through
-// it, where it serves (bf16 operands, f32 dw, widths multiple of 8: asserted to run), and the
-// cuBLASLt fallback where it does not (odd widths, bf16 dw).
+// The CUTLASS grouped GEMM (the default): the same checks and tolerances through it, where it
+// serves (bf16 operands, f32 dw, widths multiple of 8: asserted to run), in both tile
+// configurations and a mix of them, and the cuBLASLt fallback where it does not (odd widths, bf16
+// dw).
 TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
   MF_REQUIRE_GPU();
 #ifdef MOEFOLD_WITH_CUDA
   if (!cuda::cutlass_grouped_gemm_built()) GTEST_SKIP() << "built without CUTLASS's headers (MOEFOLD_WITH_CUTLASS)";
-  ::setenv("MOEFOLD_GROUPED_GEMM", "cutlass", 1);
+  ::unsetenv("MOEFOLD_GROUPED_GEMM");
   {
     DevicePool dev;
     Pool pool;
@@ -334,12 +338,16 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
         << "an f32 output is not CUTLASS's";
   }
   const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
-  check_grouped(DType::bf16, DType::f32, counts, 48, 40);
-  check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3, 64}, 256, 128);
-  check_grouped(DType::bf16, DType::f32, {0, 0, 0}, 16, 8);                 // no rows at all
+  for (const char* tile : {"large", "small", "forward=small,dgrad=large,wgrad=small"}) {
+    SCOPED_TRACE(tile);
+    ::setenv("MOEFOLD_CUTLASS_TILE", tile, 1);
+    check_grouped(DType::bf16, DType::f32, counts, 48, 40);
+    check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3, 64}, 256, 128);
+    check_grouped(DType::bf16, DType::f32, {0, 0, 0}, 16, 8);  // no rows at all
+  }
+  ::unsetenv("MOEFOLD_CUTLASS_TILE");
   check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: cuBLASLt
   check_grouped(DType::bf16, DType::bf16, counts, 48, 40);                  // bf16 dw: cuBLASLt
-  ::unsetenv("MOEFOLD_GROUPED_GEMM");
 #endif
 }
 

@@ -268,7 +268,7 @@ TEST(CudaNorm, SwiGluMatchesCpu) {
   struct Case {
     int64_t n, f;
   };
-  for (const Case cs : {Case{37, 131}, Case{2, 4097}, Case{1, 1}}) {
+  for (const Case cs : {Case{37, 131}, Case{2, 4097}, Case{1, 1}, Case{33, 768}}) {  // 768: 16-byte vectors
     for (DType dt : {DType::f32, DType::bf16}) {
       SCOPED_TRACE(::testing::Message() << "N=" << cs.n << " F=" << cs.f << " " << name(dt));
       Pool pool;

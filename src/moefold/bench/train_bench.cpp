@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 #include <vector>
 
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
+#include "moefold/core/profile.h"
 #include "moefold/core/rng.h"
 #include "moefold/data/token_dataset.h"
 #include "moefold/parallel/mesh.h"
@@ -25,6 +27,11 @@ std::string fmt(const char* f, double v) {
   std::snprintf(buf, sizeof buf, f, v);
   return buf;
 }
+
+// Profiling is process-wide: off again however the benchmark ends.
+struct ProfileOff {
+  ~ProfileOff() { profile_disable(); }
+};
 }  // namespace
 
 TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const TrainBenchOptions& opts) {
@@ -45,6 +52,7 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
   const std::string path = (dir / "random.tokens").string();
   const int64_t tokens = cfg.train.global_batch_size * cfg.train.seq_len * (total + 1) + 1;
   if (world.rank() == 0) {
+    ProfileScope scope("bench train: random tokens");
     fs::create_directories(dir);
     std::vector<uint32_t> t(static_cast<size_t>(tokens));
     for (int64_t i = 0; i < tokens; ++i)
@@ -57,15 +65,43 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
   const ParallelConfig layout = cfg.resolve_layout(world.size());
   Mesh mesh = Mesh::build(world, layout);
   const TokenDataset data = open_token_dataset(path);
-  Trainer trainer(cfg, data, mesh, opts.device);
-  trainer.init_fresh();
+  std::optional<Trainer> trainer_slot;
+  {
+    ProfileScope scope("bench train: trainer construction");
+    trainer_slot.emplace(cfg, data, mesh, opts.device);
+  }
+  Trainer& trainer = *trainer_slot;
+  {
+    ProfileScope scope("bench train: init");
+    trainer.init_fresh();
+  }
   std::vector<double> ms;
   TrainBenchResult r;
+  ProfileOff profile_off;
   for (int64_t i = 0; i < total; ++i) {
+    // The breakdown: the last warm-up step is profiled only to count the scopes of a step, so
+    // that room for every timed step's is made before them (recording then creates no events).
+    if (opts.breakdown && i == std::max(opts.warmup - 1, 0)) profile_enable(opts.device);
+    if (opts.breakdown && i == opts.warmup) {
+      int64_t scopes = 0;
+      for (const PhaseTime& p : profile_collect()) scopes += p.calls;
+      profile_reserve(scopes * opts.steps);
+    }
     const StepMetrics& m = trainer.train_step();  // returns after the step's loss came back: timed whole
     if (i == 0) r.first_loss = m.loss;
     r.last_loss = m.loss;
     if (i >= opts.warmup) ms.push_back(m.seconds * 1e3);
+  }
+  if (opts.breakdown) {
+    const double steps = opts.steps;
+    for (const double x : ms) r.mean_step_ms += x / steps;
+    r.untimed_ms = r.mean_step_ms;
+    for (const PhaseTime& p : profile_collect()) {
+      r.phases.push_back(StepPhase{p.name, p.depth, p.ms / steps, p.self_ms / steps, p.top_level_ms / steps,
+                                   static_cast<double>(p.calls) / steps});
+      r.untimed_ms -= p.top_level_ms / steps;
+    }
+    profile_disable();
   }
   world.barrier();
   if (world.rank() == 0 && opts.scratch_dir.empty()) fs::remove_all(dir);
@@ -89,6 +125,20 @@ std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, con
            fmt("%.1f", r.step_ms), " | ", fmt("%.0f", r.tokens_per_s), " | ", fmt("%.1f", r.tflops_per_gpu), " | ",
            fmt("%.3f", r.mfu), " | ", fmt("%.0f", r.peak_memory_mib), " | ", fmt("%.4f", r.first_loss), " -> ",
            fmt("%.4f", r.last_loss), " |\n");
+  if (r.phases.empty()) return s;
+  s += cat("\nWhere a step's time goes (means over the timed steps: ", fmt("%.1f", r.mean_step_ms),
+           " ms per step; on a GPU, CUDA events on the compute stream, so a phase includes the stream's idle time "
+           "inside it; a nested phase has a dot per level):\n\n");
+  s += "| phase | ms per step | share of step | calls per step | self ms per step |\n|---|---|---|---|---|\n";
+  auto share = [&](double ms) { return fmt("%.1f%%", r.mean_step_ms > 0 ? 100 * ms / r.mean_step_ms : 0); };
+  for (const StepPhase& p : r.phases) {
+    std::string name;
+    for (int d = 0; d < p.depth; ++d) name += ". ";
+    s += cat("| ", name, p.name, " | ", fmt("%.3f", p.ms), " | ", share(p.ms), " | ", fmt("%g", p.calls), " | ",
+             fmt("%.3f", p.self_ms), " |\n");
+  }
+  s += cat("| untimed (outside every top-level scope) | ", fmt("%.3f", r.untimed_ms), " | ", share(r.untimed_ms),
+           " | - | - |\n");
   return s;
 }
 

@@ -1,10 +1,12 @@
 // `moefold bench train`: full training steps (forward, backward, gradient reduction, clipping,
 // AdamW) of a config on random tokens, on this process's device (or every rank of `world`):
-// median step time, tokens/s, model TFLOP/s per GPU and MFU, peak planned device memory.
+// median step time, tokens/s, model TFLOP/s per GPU and MFU, peak planned device memory; and
+// where a step's time goes: the phases of core/profile.h timed over the same steps.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "moefold/comm/communicator.h"
 #include "moefold/model/config.h"
@@ -16,6 +18,17 @@ struct TrainBenchOptions {
   int warmup = 2;  // untimed steps first (they size the ops' scratch, build cuDNN graphs, ...)
   Device device = Device::cuda;
   std::string scratch_dir;  // where the random token file goes (a fresh temporary directory if empty)
+  bool breakdown = true;    // time the phases of the timed steps (CUDA events; host clock on the CPU)
+};
+
+// One phase of the step breakdown: means per timed step.
+struct StepPhase {
+  std::string name;
+  int depth = 0;            // phases open around its first call (0: top level)
+  double ms = 0;            // phases nested inside it included
+  double self_ms = 0;       // ms minus the phases nested directly inside it
+  double top_level_ms = 0;  // the part of ms from calls made outside every other phase
+  double calls = 0;
 };
 
 struct TrainBenchResult {
@@ -28,6 +41,11 @@ struct TrainBenchResult {
   double peak_memory_mib = 0;   // planned device memory (0 on the CPU)
   double first_loss = 0, last_loss = 0;
   int ranks = 1;
+  // Where the time goes (this rank's phases; empty without opts.breakdown). The
+  // phases are means over the timed steps, so they are set against the mean step time.
+  std::vector<StepPhase> phases;  // in the order first seen
+  double mean_step_ms = 0;        // mean of the timed steps
+  double untimed_ms = 0;          // mean_step_ms minus every phase's top_level_ms
 };
 
 // Collective over `world` (every rank calls it). Throws moefold::Error on bad options.

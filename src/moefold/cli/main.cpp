@@ -218,7 +218,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 
   CLI::App* bench_train_cmd = bench->add_subcommand(
-      "train", "full training steps on random tokens: tokens/s, model TFLOP/s per GPU, MFU, peak memory");
+      "train",
+      "full training steps on random tokens: tokens/s, model TFLOP/s per GPU, MFU, peak memory, and where a step's "
+      "time goes (per-phase breakdown)");
   add_config(bench_train_cmd);
   TrainBenchOptions train_bench;
   std::string bench_train_device = "auto";
@@ -226,6 +228,9 @@ int main(int argc, char** argv) {
   bench_train_cmd->add_option("--warmup", train_bench.warmup, "untimed steps first");
   bench_train_cmd->add_option("--device", bench_train_device, "cuda (bf16), cpu (fp32) or auto")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  bool no_breakdown = false;
+  bench_train_cmd->add_flag("--no-breakdown", no_breakdown,
+                            "time the steps only (no phase scopes: CUDA events cost a few microseconds each)");
 
   CLI11_PARSE(app, argc, argv);
 
@@ -257,6 +262,7 @@ int main(int argc, char** argv) {
     } else if (*bench_train_cmd) {
       const Config cfg = load_config(config_spec, overrides);
       train_bench.device = pick_device(bench_train_device);
+      train_bench.breakdown = !no_breakdown;
       world = make_world(train_bench.device, cfg.parallel.timeout_s, bootstrap);
       const TrainBenchResult r = bench_train(cfg, *world, train_bench);
       if (world->rank() == 0)

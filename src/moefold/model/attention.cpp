@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "moefold/core/profile.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -103,10 +104,12 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
   if (cp_) {  // this rank's chunks of the sequence, against every key of the CP group
     rope_forward_at(q4, cp_->positions(), cos_, sin_);
     rope_forward_at(k4, cp_->positions(), cos_, sin_);
+    ProfileScope scope("attention core forward");
     cp_->forward(q4, k4, v4, scale, out_TQD_.view({b_, s_, q, d}), lse_BQS_);
   } else {
     rope_forward(q4, cos_, sin_);
     rope_forward(k4, cos_, sin_);
+    ProfileScope scope("attention core forward");
     attention_forward(q4, k4, v4, scale, out_TQD_.view({b_, s_, q, d}), lse_BQS_, scratch_->work_2SS.slice(0, s_ * s_));
   }
   if (tp_) {  // row-parallel: partial sums over the heads, summed and split back into rows
@@ -130,13 +133,19 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   auto g4 = [&](const Tensor& t) { return t.view({b_, s_, g, d}); };
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   if (cp_) {
-    cp_->backward(q4(q_TQD_), g4(k_TGD_), g4(v_TGD_), q4(out_TQD_), lse_BQS_, q4(w.dout_TQD), scale, q4(w.dq_TQD),
-                  g4(w.dk_TGD), g4(w.dv_TGD));
+    {
+      ProfileScope scope("attention core backward");
+      cp_->backward(q4(q_TQD_), g4(k_TGD_), g4(v_TGD_), q4(out_TQD_), lse_BQS_, q4(w.dout_TQD), scale, q4(w.dq_TQD),
+                    g4(w.dk_TGD), g4(w.dv_TGD));
+    }
     rope_backward_at(q4(w.dq_TQD), cp_->positions(), cos_, sin_);
     rope_backward_at(g4(w.dk_TGD), cp_->positions(), cos_, sin_);
   } else {
-    attention_backward(q4(q_TQD_), g4(k_TGD_), g4(v_TGD_), q4(out_TQD_), lse_BQS_, q4(w.dout_TQD), scale, q4(w.dq_TQD),
-                       g4(w.dk_TGD), g4(w.dv_TGD), w.work_2SS);
+    {
+      ProfileScope scope("attention core backward");
+      attention_backward(q4(q_TQD_), g4(k_TGD_), g4(v_TGD_), q4(out_TQD_), lse_BQS_, q4(w.dout_TQD), scale,
+                         q4(w.dq_TQD), g4(w.dk_TGD), g4(w.dv_TGD), w.work_2SS);
+    }
     rope_backward(q4(w.dq_TQD), cos_, sin_);
     rope_backward(g4(w.dk_TGD), cos_, sin_);
   }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "moefold/core/profile.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -147,10 +148,13 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
   for (int64_t hd = 0; hd < q; ++hd)
     copy_matrix(view(k_pe_, nt, dr_, dr_, 0), view(k4_, nt, dr_, q * dp_, hd * dp_ + dn_));
   copy_matrix(view(kvb_, nt * q, dv_, kvbw, dn_), view(v4_, nt * q, dv_, dp_, 0));
-  if (cp_)
-    cp_->forward(q4_, k4_, v4_, scale_, out4_, lse_);
-  else
-    attention_forward(q4_, k4_, v4_, scale_, out4_, lse_, work_.slice(0, s_ * s_));
+  {
+    ProfileScope scope("attention core forward");
+    if (cp_)
+      cp_->forward(q4_, k4_, v4_, scale_, out4_, lse_);
+    else
+      attention_forward(q4_, k4_, v4_, scale_, out4_, lse_, work_.slice(0, s_ * s_));
+  }
   copy_matrix(view(out4_, nt * q, dv_, dp_, 0), view(o_in_, nt * q, dv_, dv_, 0));
   if (tp_) {
     linear_forward(o_in_, wo_, partial_);
@@ -169,10 +173,13 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   }
   linear_backward(o_in_, wo_, dy, do_in_, dwo_);
   copy_matrix(view(do_in_, nt * q, dv_, dv_, 0), view(dout4_, nt * q, dv_, dp_, 0));  // padding stays 0
-  if (cp_)
-    cp_->backward(q4_, k4_, v4_, out4_, lse_, dout4_, scale_, dq4_, dk4_, dv4_);
-  else
-    attention_backward(q4_, k4_, v4_, out4_, lse_, dout4_, scale_, dq4_, dk4_, dv4_, work_);
+  {
+    ProfileScope scope("attention core backward");
+    if (cp_)
+      cp_->backward(q4_, k4_, v4_, out4_, lse_, dout4_, scale_, dq4_, dk4_, dv4_);
+    else
+      attention_backward(q4_, k4_, v4_, out4_, lse_, dout4_, scale_, dq4_, dk4_, dv4_, work_);
+  }
   // Split the core's gradients back: q_nope and q_rot (per head), k_nope and v (into kv_b's
   // output), k_rot summed over the heads (one shared rotary key).
   copy_matrix(view(dq4_, nt * q, dn_, dp_, 0), view(dq_raw_, nt * q, dn_, dqk_, 0));

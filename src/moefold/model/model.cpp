@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "moefold/core/profile.h"
 #include "moefold/core/rng.h"
 #include "moefold/model/mla.h"
 #include "moefold/ops/ops.h"
@@ -69,41 +70,79 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   ds_TH_ = mem.act({shared ? t_ : 0, h});
 }
 
+// Profile scopes: one name per part for every layer; the layer's own (self) time is its
+// residual copies and adds.
 void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
+  ProfileScope layer("decoder layer forward");
   x_ = x_TH;
-  rmsnorm_forward(x_TH, norm1_, m_.rms_norm_eps, n1_TH_, rstd1_T_);
-  attn_->forward(n1_TH_, a_TH_);
+  {
+    ProfileScope scope("rmsnorm forward");
+    rmsnorm_forward(x_TH, norm1_, m_.rms_norm_eps, n1_TH_, rstd1_T_);
+  }
+  {
+    ProfileScope scope("attention forward");
+    attn_->forward(n1_TH_, a_TH_);
+  }
   h_TH_.copy_from(x_TH);
   add_inplace(h_TH_, a_TH_);
-  rmsnorm_forward(h_TH_, norm2_, m_.rms_norm_eps, n2_TH_, rstd2_T_);
+  {
+    ProfileScope scope("rmsnorm forward");
+    rmsnorm_forward(h_TH_, norm2_, m_.rms_norm_eps, n2_TH_, rstd2_T_);
+  }
   out_TH.copy_from(h_TH_);
   if (moe_) {
-    moe_->forward(n2_TH_, m_TH_);
+    {
+      ProfileScope scope("moe forward");
+      moe_->forward(n2_TH_, m_TH_);
+    }
     add_inplace(out_TH, m_TH_);
     if (mlp_) {  // shared experts see every token
-      mlp_->forward(n2_TH_, s_TH_);
+      {
+        ProfileScope scope("shared experts forward");
+        mlp_->forward(n2_TH_, s_TH_);
+      }
       add_inplace(out_TH, s_TH_);
     }
   } else {
-    mlp_->forward(n2_TH_, m_TH_);
+    {
+      ProfileScope scope("dense mlp forward");
+      mlp_->forward(n2_TH_, m_TH_);
+    }
     add_inplace(out_TH, m_TH_);
   }
 }
 
 void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
+  ProfileScope layer("decoder layer backward");
   if (moe_) {
-    moe_->backward(dres_TH, dn_TH_, moe_loss_scale);
+    {
+      ProfileScope scope("moe backward");
+      moe_->backward(dres_TH, dn_TH_, moe_loss_scale);
+    }
     if (mlp_) {
-      mlp_->backward(dres_TH, ds_TH_);
+      {
+        ProfileScope scope("shared experts backward");
+        mlp_->backward(dres_TH, ds_TH_);
+      }
       add_inplace(dn_TH_, ds_TH_);
     }
   } else {
+    ProfileScope scope("dense mlp backward");
     mlp_->backward(dres_TH, dn_TH_);
   }
-  rmsnorm_backward(h_TH_, norm2_, rstd2_T_, dn_TH_, tmp_TH_, dnorm2_);
+  {
+    ProfileScope scope("rmsnorm backward");
+    rmsnorm_backward(h_TH_, norm2_, rstd2_T_, dn_TH_, tmp_TH_, dnorm2_);
+  }
   add_inplace(dres_TH, tmp_TH_);  // d(h)
-  attn_->backward(dres_TH, dn_TH_);
-  rmsnorm_backward(x_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
+  {
+    ProfileScope scope("attention backward");
+    attn_->backward(dres_TH, dn_TH_);
+  }
+  {
+    ProfileScope scope("rmsnorm backward");
+    rmsnorm_backward(x_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
+  }
   add_inplace(dres_TH, tmp_TH_);  // d(x)
 }
 
@@ -231,6 +270,7 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS) {
   const double loss = head_forward(res_.back(), norm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_);
   const Tensor* prev = &res_.back();
   for (auto& d : mtp_) {
+    ProfileScope scope("mtp forward");
     mtp_forward(*d, *prev);
     prev = &d->out_TH_;
   }
@@ -240,31 +280,44 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS) {
 double Model::head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor& nf_TH, const Tensor& rstd_T,
                            const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N,
                            const Tensor& targets_N) {
-  rmsnorm_forward(h_TH, norm, m_.rms_norm_eps, nf_TH, rstd_T);
-  if (!tp_) {
-    linear_forward(nf_TH, lm_head_, logits_NV);
-    return cross_entropy_forward(logits_NV, targets_N, lse_N);
+  ProfileScope head("lm head + loss forward");
+  {
+    ProfileScope scope("final rmsnorm forward");
+    rmsnorm_forward(h_TH, norm, m_.rms_norm_eps, nf_TH, rstd_T);
   }
-  tp_->all_gather(nf_TH, nf_full_NH);
-  linear_forward(nf_full_NH, lm_head_, logits_NV);
+  if (tp_) tp_->all_gather(nf_TH, nf_full_NH);
+  {
+    ProfileScope scope("lm head gemm forward");
+    linear_forward(tp_ ? nf_full_NH : nf_TH, lm_head_, logits_NV);
+  }
+  // The loss comes back to the host here: the host waits for the stream.
+  ProfileScope scope("cross entropy forward + loss read-back");
+  if (!tp_) return cross_entropy_forward(logits_NV, targets_N, lse_N);
   return vocab_parallel_cross_entropy_forward(*tp_, logits_NV, vocab_offset_, targets_N, lse_N, ce_scratch_);
 }
 
 void Model::head_backward(const Tensor& h_TH, const Tensor& norm, const Tensor& dnorm, const Tensor& nf_TH,
                           const Tensor& rstd_T, const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N,
                           const Tensor& targets_N, double scale, const Tensor& dh_TH) {
-  if (tp_) {
-    vocab_parallel_cross_entropy_backward(logits_NV, vocab_offset_, targets_N, lse_N, scale, dlogits_TV_);
-    linear_backward(nf_full_NH, lm_head_, dlogits_TV_, partial_NH_, dlm_head_);
-    tp_->reduce_scatter(partial_NH_, dnf_TH_, ReduceOp::sum);
-  } else {
-    cross_entropy_backward(logits_NV, targets_N, lse_N, scale, dlogits_TV_);
-    linear_backward(nf_TH, lm_head_, dlogits_TV_, dnf_TH_, dlm_head_);
+  ProfileScope head("lm head + loss backward");
+  {
+    ProfileScope scope("cross entropy backward");
+    if (tp_)
+      vocab_parallel_cross_entropy_backward(logits_NV, vocab_offset_, targets_N, lse_N, scale, dlogits_TV_);
+    else
+      cross_entropy_backward(logits_NV, targets_N, lse_N, scale, dlogits_TV_);
   }
+  {
+    ProfileScope scope("lm head gemm backward");
+    linear_backward(tp_ ? nf_full_NH : nf_TH, lm_head_, dlogits_TV_, tp_ ? partial_NH_ : dnf_TH_, dlm_head_);
+  }
+  if (tp_) tp_->reduce_scatter(partial_NH_, dnf_TH_, ReduceOp::sum);
+  ProfileScope scope("final rmsnorm backward");
   rmsnorm_backward(h_TH, norm, rstd_T, dnf_TH_, dh_TH, dnorm);
 }
 
 void Model::embed(const Tensor& ids_N, const Tensor& out_TH) {
+  ProfileScope scope("embedding forward");
   if (tp_) {  // every token's partial embedding from this vocabulary shard; rows summed and split
     vocab_parallel_embedding_forward(ids_N, embed_, vocab_offset_, partial_NH_);
     tp_->reduce_scatter(partial_NH_, out_TH, ReduceOp::sum);
@@ -274,6 +327,7 @@ void Model::embed(const Tensor& ids_N, const Tensor& out_TH) {
 }
 
 void Model::embed_backward(const Tensor& ids_N, const Tensor& dout_TH) {
+  ProfileScope scope("embedding backward");
   if (tp_) {
     tp_->all_gather(dout_TH, full_NH_);
     vocab_parallel_embedding_backward(ids_N, full_NH_, vocab_offset_, dembed_);
@@ -291,6 +345,7 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale) {
     MtpDepth& d = *mtp_[i];
     const double scale = lm_grad_scale * m_.mtp_loss_scaling_factor / static_cast<double>(mtp_.size()) *
                          static_cast<double>(s_) / static_cast<double>(s_ - d.k_);
+    ProfileScope scope("mtp backward");
     mtp_backward(d, scale, moe_loss_scale,
                  i + 1 < static_cast<int64_t>(mtp_.size()) ? &mtp_[i + 1]->dprev_TH_ : nullptr);
   }

@@ -26,6 +26,11 @@ struct MoeConfig {
   double expert_bias_update_rate = 1e-3;        // bias step per update (Megatron: moe_router_bias_update_rate)
   double seq_aux_loss_coeff = 0.0;              // sequence-level load-balancing loss weight (DeepSeek-V3 eq. 17)
   int64_t n_shared_experts = 0;  // DeepSeek-V3 shared experts: one dense MLP of n * moe_intermediate_size
+  // Under mixed precision, the router's logits GEMM: false multiplies the bf16 input by the bf16
+  // copy of the gate with fp32 accumulation into fp32 logits (tensor cores); true multiplies fp32
+  // copies of both (Megatron-Core's moe_router_dtype=fp32; ~10x slower on an H200). Scores, top-k,
+  // losses and the gate's gradient are fp32 either way.
+  bool router_fp32_gemm = false;
 
   // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 must be <=
   // moe.num_experts = 8").

@@ -3,6 +3,7 @@
 
 #include <utility>
 
+#include "moefold/core/profile.h"
 #include "moefold/moe/all_gather_dispatcher.h"
 
 namespace moefold {
@@ -69,10 +70,20 @@ void MoeLayer::forward(const Tensor& x_TH, const Tensor& y_TH) {
   num_tokens_ = t_n;
   const Tensor x = x_TH_.slice(0, t_n);
   x.copy_from(x_TH);
-  router_.forward(x);
-  plan_ = &dispatcher_->dispatch(x, router_.topk_idx(), router_.topk_prob());
+  {  // the router's losses come back to the host here
+    ProfileScope scope("moe router forward");
+    router_.forward(x);
+  }
+  {
+    ProfileScope scope("moe dispatch forward");
+    plan_ = &dispatcher_->dispatch(x, router_.topk_idx(), router_.topk_prob());
+  }
   const Tensor out = out_RH_.slice(0, plan_->num_rows);
-  experts_.forward(plan_->rows_RH, plan_->offsets_E1, out);
+  {
+    ProfileScope scope("moe experts forward");
+    experts_.forward(plan_->rows_RH, plan_->offsets_E1, out);
+  }
+  ProfileScope scope("moe combine forward");
   dispatcher_->combine(out, *plan_, y_TH);
 }
 
@@ -83,9 +94,19 @@ void MoeLayer::backward(const Tensor& dy_TH, const Tensor& dx_TH, double loss_sc
   check_shape(dx_TH, {t_n, hidden_}, "MoeLayer dx");
   const Tensor x = x_TH_.slice(0, t_n), out = out_RH_.slice(0, r_n), dout = dout_RH_.slice(0, r_n),
                drows = drows_RH_.slice(0, r_n), dprob = dprob_TK_.slice(0, t_n);
-  dispatcher_->combine_backward(dy_TH, out, *plan_, dout, dprob);
-  experts_.backward(plan_->rows_RH, plan_->offsets_E1, dout, drows);
-  dispatcher_->dispatch_backward(drows, *plan_, dx_TH);
+  {
+    ProfileScope scope("moe combine backward");
+    dispatcher_->combine_backward(dy_TH, out, *plan_, dout, dprob);
+  }
+  {
+    ProfileScope scope("moe experts backward");
+    experts_.backward(plan_->rows_RH, plan_->offsets_E1, dout, drows);
+  }
+  {
+    ProfileScope scope("moe dispatch backward");
+    dispatcher_->dispatch_backward(drows, *plan_, dx_TH);
+  }
+  ProfileScope scope("moe router backward");
   router_.backward(x, dprob, loss_scale, dx_TH);  // adds the router branch to dx
 }
 

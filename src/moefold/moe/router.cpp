@@ -1,7 +1,10 @@
 // Router forward/backward: matmul for the logits, moe_ops for scores, top-k and the aux losses.
 // Every step is an op, so the router runs on either device. Under mixed precision (bf16 compute)
-// it runs in f32, as Megatron-Core's moe_router_dtype=fp32: its input is cast to f32, it reads
-// the f32 master gate (and bias), and its d(x) comes back through an f32 buffer.
+// logits, scores, top-k, losses and the gate's gradient are f32. The logits GEMM multiplies the
+// bf16 input by the gate's bf16 copy with f32 accumulation into f32 logits, and its backward
+// GEMMs take d(logits) rounded to bf16 (tensor cores: the GEMMs cost ~1% of the experts'); with
+// moe.router_fp32_gemm it multiplies f32 copies of the input and the master gate instead, as
+// Megatron-Core's moe_router_dtype=fp32, and d(x) comes back through an f32 buffer.
 #include "moefold/moe/router.h"
 
 #include <algorithm>
@@ -20,8 +23,8 @@ Router::Router(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::st
 
 void Router::bind(Memory& mem) {
   const int64_t e_n = cfg_.num_experts, k_n = cfg_.num_experts_per_tok;
-  mem.param(prefix_ + ".gate.weight", {e_n, hidden_}, Init::normal, init_std_, true);
-  gate_EH_ = mem.params().back().value;  // the master weight: f32 routing under mixed precision
+  gate_compute_EH_ = mem.param(prefix_ + ".gate.weight", {e_n, hidden_}, Init::normal, init_std_, true);
+  gate_EH_ = mem.params().back().value;  // the master weight
   dgate_EH_ = mem.grad(prefix_ + ".gate.weight");
   if (cfg_.expert_bias) {
     // Selection only (aux-loss-free balancing): nothing writes its gradient, so the gradient stays
@@ -32,9 +35,12 @@ void Router::bind(Memory& mem) {
   }
   const DType rd = mem.master_dtype();  // the router's dtype: f32 (f64 in gradient checks)
   mixed_ = mem.mixed_precision();
-  x_buf_ = mem.act({mixed_ ? max_tokens_ : 0, hidden_}, rd);
-  dx_buf_ = mem.act({mixed_ ? max_tokens_ : 0, hidden_}, rd);
-  dx_cast_buf_ = mem.act({mixed_ ? max_tokens_ : 0, hidden_});
+  fp32_gemm_ = mixed_ && cfg_.router_fp32_gemm;
+  if (fp32_gemm_) gate_compute_EH_ = gate_EH_;
+  x_buf_ = mem.act({fp32_gemm_ ? max_tokens_ : 0, hidden_}, rd);
+  dx_buf_ = mem.act({fp32_gemm_ ? max_tokens_ : 0, hidden_}, rd);
+  dx_cast_buf_ = mem.act({fp32_gemm_ ? max_tokens_ : 0, hidden_});
+  dlogits_cast_buf_ = mem.act({mixed_ && !fp32_gemm_ ? max_tokens_ : 0, e_n});
   logits_buf_ = mem.act({max_tokens_, e_n}, rd);
   scores_buf_ = mem.act({max_tokens_, e_n}, rd);
   idx_buf_ = mem.act({max_tokens_, k_n}, DType::i32);
@@ -72,7 +78,7 @@ void Router::forward(const Tensor& x_TH) {
   topk_idx_ = idx_buf_.slice(0, t_n);
   topk_prob_ = prob_buf_.slice(0, t_n);
   const Tensor x = router_input(x_TH);
-  matmul(as_matrix(x), false, as_matrix(gate_EH_), true, as_matrix(logits_), 1, 0);
+  matmul(as_matrix(x), false, as_matrix(gate_compute_EH_), true, as_matrix(logits_), 1, 0);
   if (gate_EH_.device() == Device::cpu) tie_equal_rows();
   TopkRouting routing = cfg_.routing();
   routing.bias_E = bias_E_;
@@ -107,8 +113,8 @@ void Router::forward(const Tensor& x_TH) {
 }
 
 Tensor Router::router_input(const Tensor& x_TH) {
-  if (!mixed_) {
-    check_same_dtype(x_TH, gate_EH_, "Router x");
+  if (!fp32_gemm_) {
+    check_same_dtype(x_TH, gate_compute_EH_, "Router x");
     return x_TH;
   }
   const Tensor x = x_buf_.slice(0, x_TH.size(0));
@@ -157,11 +163,19 @@ void Router::backward(const Tensor& x_TH, const Tensor& dprob_TK, double loss_sc
     z_loss_backward(logits_, loss_scale * cfg_.z_loss_coeff, dextra, total_tokens_);
     add_inplace(dlogits, dextra);
   }
-  // dgate += dlogits^T @ x (E x T @ T x H); dx += dlogits @ gate (T x E @ E x H), in the router's
-  // dtype (through an f32 buffer under mixed precision).
-  const Tensor x = mixed_ ? x_buf_.slice(0, t_n) : x_TH;
+  // dgate += dlogits^T @ x (E x T @ T x H); dx += dlogits @ gate (T x E @ E x H): in the master
+  // dtype without mixed precision; with it from bf16 d(logits) into the f32 dgate and straight
+  // into dx, or in f32 through an f32 buffer for d(x) (router_fp32_gemm).
+  if (mixed_ && !fp32_gemm_) {
+    const Tensor dl = dlogits_cast_buf_.slice(0, t_n);
+    cast(dlogits, dl);
+    matmul(as_matrix(dl), true, as_matrix(x_TH), false, as_matrix(dgate_EH_), 1, 1);
+    matmul(as_matrix(dl), false, as_matrix(gate_compute_EH_), false, as_matrix(dx_TH), 1, 1);
+    return;
+  }
+  const Tensor x = fp32_gemm_ ? x_buf_.slice(0, t_n) : x_TH;
   matmul(as_matrix(dlogits), true, as_matrix(x), false, as_matrix(dgate_EH_), 1, 1);
-  if (!mixed_) {
+  if (!fp32_gemm_) {
     matmul(as_matrix(dlogits), false, as_matrix(gate_EH_), false, as_matrix(dx_TH), 1, 1);
     return;
   }

@@ -23,7 +23,8 @@ class Router {
   // "<prefix>.gate.weight" [E, H] (Qwen3-MoE's name), with cfg.expert_bias also
   // "<prefix>.gate.e_score_correction_bias" [E] (DeepSeek-V3's name), and the saved activations.
   // Logits, scores and probabilities use the master dtype: fp32 (f64 in gradient checks), also
-  // under mixed precision (an fp32 router).
+  // under mixed precision, where the logits GEMM takes bf16 operands with fp32 accumulation unless
+  // cfg.router_fp32_gemm (then fp32 copies of the input and the master gate).
   void bind(Memory& mem);
 
   // Computes logits, scores, top-k, the per-expert counts and the two losses for x_TH.
@@ -61,7 +62,7 @@ class Router {
   const Tensor& expert_bias() const { return bias_E_; }          // [E]; undefined without cfg.expert_bias
 
  private:
-  // The router's f32 input: x itself, or its cast under mixed precision.
+  // The logits GEMM's input: x itself, or its f32 cast for an fp32 GEMM under mixed precision.
   Tensor router_input(const Tensor& x_TH);
   // CPU: experts with bitwise-equal gate rows get bitwise-equal logits (upcycled routers).
   void tie_equal_rows();
@@ -71,9 +72,12 @@ class Router {
   std::string prefix_;
   double init_std_;
   Tensor gate_EH_, dgate_EH_;
-  Tensor bias_E_;                        // selection bias (cfg.expert_bias); its gradient is never written
-  bool mixed_ = false;                   // bf16 compute: the router runs in f32 (its own copies)
-  Tensor x_buf_, dx_buf_, dx_cast_buf_;  // mixed precision: f32 input, f32 d(x), d(x) in the compute dtype
+  Tensor gate_compute_EH_;  // the gate the logits GEMM reads: gate_EH_, or its bf16 copy (mixed, no fp32 GEMM)
+  Tensor bias_E_;           // selection bias (cfg.expert_bias); its gradient is never written
+  bool mixed_ = false;      // bf16 compute: scores, top-k and losses in f32
+  bool fp32_gemm_ = false;  // mixed precision with cfg.router_fp32_gemm
+  Tensor x_buf_, dx_buf_, dx_cast_buf_;  // fp32 GEMM: f32 input, f32 d(x), d(x) in the compute dtype
+  Tensor dlogits_cast_buf_;              // bf16 GEMM: d(logits) in bf16
   Tensor logits_buf_, scores_buf_, idx_buf_, prob_buf_, dlogits_buf_, dextra_buf_, counts_E_;
   Tensor group_counts_E_;  // counts_E_ summed over the token group
   Communicator* token_group_ = nullptr;

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "moefold/core/profile.h"
 #include "moefold/moe/all_gather_dispatcher.h"
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/ops/ops.h"
@@ -116,46 +117,69 @@ void Trainer::accumulate_gradients() {
   const int64_t position = loader_.position();
   double* stats = stats_.ptr<double>();
   double* load = load_sum_LE_.ptr<double>();
-  mem_.zero_grads();
-  load_sum_LE_.zero();
-  stats_.zero();
+  {
+    ProfileScope scope("zero grads");
+    mem_.zero_grads();
+    load_sum_LE_.zero();
+    stats_.zero();
+  }
   for (int64_t i = 0; i < micro; ++i) {
-    const int64_t first = position + (i * dp + mesh_.dp_rank) * m;  // global sample of this micro-batch
-    for (int64_t b = 0; b < m; ++b)
-      loader_.train_sample(first + b, full_ids_BS_.ptr<int32_t>() + b * s, full_targets_BS_.ptr<int32_t>() + b * s);
-    shard_batch();
-    stats[0] += model_.forward(ids_BL_.dev, targets_BL_.dev);
-    stats[1] += model_.aux_loss();
-    stats[2] += model_.z_loss();
-    stats[3] += model_.mtp_loss();
-    for (int64_t l = 0; l < layers; ++l) {
-      counts_E_.host.copy_from(model_.moe(l).router().tokens_per_expert());  // from the GPU: waits
-      const int64_t* counts = counts_E_.host.ptr<int64_t>();
-      for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
+    {
+      ProfileScope scope("batch load");
+      const int64_t first = position + (i * dp + mesh_.dp_rank) * m;  // global sample of this micro-batch
+      for (int64_t b = 0; b < m; ++b)
+        loader_.train_sample(first + b, full_ids_BS_.ptr<int32_t>() + b * s, full_targets_BS_.ptr<int32_t>() + b * s);
+      shard_batch();
+    }
+    {
+      ProfileScope scope("model forward");
+      stats[0] += model_.forward(ids_BL_.dev, targets_BL_.dev);
+      stats[1] += model_.aux_loss();
+      stats[2] += model_.z_loss();
+      stats[3] += model_.mtp_loss();
+    }
+    {
+      ProfileScope scope("expert loads read-back");
+      for (int64_t l = 0; l < layers; ++l) {
+        counts_E_.host.copy_from(model_.moe(l).router().tokens_per_expert());  // from the GPU: waits
+        const int64_t* counts = counts_E_.host.ptr<int64_t>();
+        for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
+      }
     }
     // Loss = sum of token losses / global tokens + mean over all micro-batches of the router losses.
+    ProfileScope scope("model backward");
     model_.backward(1.0 / static_cast<double>(tokens), 1.0 / static_cast<double>(all_micro));
   }
   loader_.set_position(position + cfg_.train.global_batch_size);
-  // Gradients: replicated parameters over DP x CP x TP (sequence parallelism gives each TP rank
-  // other tokens), TP shards over DP x CP, experts over EDP.
-  if (mesh_.dense->size() > 1) mesh_.dense->all_reduce(mem_.grad_block(ParamGroup::dense), ReduceOp::sum);
-  reduce_dense(mem_.grad_block(ParamGroup::tensor_parallel));
-  if (mesh_.edp->size() > 1) mesh_.edp->all_reduce(mem_.grad_block(ParamGroup::expert), ReduceOp::sum);
+  {
+    // Gradients: replicated parameters over DP x CP x TP (sequence parallelism gives each TP rank
+    // other tokens), TP shards over DP x CP, experts over EDP.
+    ProfileScope scope("gradient all-reduce");
+    if (mesh_.dense->size() > 1) mesh_.dense->all_reduce(mem_.grad_block(ParamGroup::dense), ReduceOp::sum);
+    reduce_dense(mem_.grad_block(ParamGroup::tensor_parallel));
+    if (mesh_.edp->size() > 1) mesh_.edp->all_reduce(mem_.grad_block(ParamGroup::expert), ReduceOp::sum);
+  }
   // Global norm: every element once. Replicated gradients are identical on every rank after the
   // reduction; TP shards are disjoint over TP, expert shards over EP x ETP.
-  double sq[2] = {sum_squares(mem_.grad_block(ParamGroup::tensor_parallel)),
-                  sum_squares(mem_.grad_block(ParamGroup::expert))};
-  if (mesh_.tp->size() > 1) mesh_.tp->all_reduce(Tensor(&sq[0], DType::f64, {1}), ReduceOp::sum);
-  if (mesh_.ep_etp->size() > 1) mesh_.ep_etp->all_reduce(Tensor(&sq[1], DType::f64, {1}), ReduceOp::sum);
-  const double dense_sq = sum_squares(mem_.grad_block(ParamGroup::dense));
-  const double expert_sq = sq[0] + sq[1];
-  // The LM loss is complete on every TP rank; router losses and expert loads are per TP rank.
-  reduce_dense(stats_);
-  reduce_dense(load_sum_LE_);
-  if (mesh_.tp->size() > 1) {
-    mesh_.tp->all_reduce(stats_.slice(1, 3), ReduceOp::sum);
-    mesh_.tp->all_reduce(load_sum_LE_, ReduceOp::sum);
+  double dense_sq = 0, expert_sq = 0;
+  {
+    ProfileScope scope("grad norm");  // sum_squares returns to the host: waits for the stream
+    double sq[2] = {sum_squares(mem_.grad_block(ParamGroup::tensor_parallel)),
+                    sum_squares(mem_.grad_block(ParamGroup::expert))};
+    if (mesh_.tp->size() > 1) mesh_.tp->all_reduce(Tensor(&sq[0], DType::f64, {1}), ReduceOp::sum);
+    if (mesh_.ep_etp->size() > 1) mesh_.ep_etp->all_reduce(Tensor(&sq[1], DType::f64, {1}), ReduceOp::sum);
+    dense_sq = sum_squares(mem_.grad_block(ParamGroup::dense));
+    expert_sq = sq[0] + sq[1];
+  }
+  {
+    // The LM loss is complete on every TP rank; router losses and expert loads are per TP rank.
+    ProfileScope scope("stats all-reduce");
+    reduce_dense(stats_);
+    reduce_dense(load_sum_LE_);
+    if (mesh_.tp->size() > 1) {
+      mesh_.tp->all_reduce(stats_.slice(1, 3), ReduceOp::sum);
+      mesh_.tp->all_reduce(load_sum_LE_, ReduceOp::sum);
+    }
   }
 
   StepMetrics& out = metrics_;
@@ -182,10 +206,17 @@ const StepMetrics& Trainer::train_step() {
   auto t0 = std::chrono::steady_clock::now();
   accumulate_gradients();
   StepMetrics& out = metrics_;
-  clip_grad_norm(mem_.params(), out.grad_norm, cfg_.train.grad_clip);
+  {
+    ProfileScope scope("grad clipping");
+    clip_grad_norm(mem_.params(), out.grad_norm, cfg_.train.grad_clip);
+  }
   out.lr = learning_rate(cfg_.train, step_);
-  opt_.step(mem_.params(), out.lr);
+  {
+    ProfileScope scope("optimizer step");
+    opt_.step(mem_.params(), out.lr);
+  }
   if (cfg_.moe.expert_bias) {  // aux-loss-free balancing from this step's loads (every rank's tokens)
+    ProfileScope scope("expert bias update");
     const double* load = load_sum_LE_.ptr<double>();
     const int64_t experts = cfg_.moe.num_experts;
     for (int64_t l = 0; l < model_.num_moe_layers(); ++l) {

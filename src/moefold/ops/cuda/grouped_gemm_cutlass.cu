@@ -13,6 +13,7 @@
 // device offsets, so nothing here waits for the GPU.
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/grouped_gemm_cutlass.h"
@@ -33,7 +34,7 @@ namespace moefold::cuda {
 
 bool cutlass_grouped_gemm_requested() {
   const char* v = std::getenv("MOEFOLD_GROUPED_GEMM");
-  return v != nullptr && std::strcmp(v, "cutlass") == 0;
+  return v == nullptr || std::strcmp(v, "cublaslt") != 0;
 }
 
 #ifdef MOEFOLD_WITH_CUTLASS
@@ -46,16 +47,18 @@ using namespace cute;
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 using Problem = ProblemShape::UnderlyingProblemShape;
 
-// One grouped GEMM configuration: bf16 operands, f32 accumulation, output ElementOut.
-template <class LayoutA, class LayoutB, class ElementOut>
+// One grouped GEMM configuration: bf16 operands, f32 accumulation, output ElementOut, CTA tile
+// TileShape, thread-block cluster ClusterShape (a 2 x 1 cluster shares B's tile loads between the
+// two CTAs of adjacent M tiles through TMA multicast).
+template <class LayoutA, class LayoutB, class ElementOut, class TileShape_, class ClusterShape_>
 struct Grouped {
   using ElementIn = cutlass::bfloat16_t;
   using Out = ElementOut;
   using Acc = float;
   static constexpr int kAlignIn = 8;  // 16 bytes of bf16
   static constexpr int kAlignOut = 16 / static_cast<int>(sizeof(ElementOut));
-  using TileShape = cute::Shape<_128, _128, _64>;
-  using ClusterShape = cute::Shape<_1, _1, _1>;
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc, ElementOut, cutlass::layout::RowMajor*, kAlignOut,
@@ -74,11 +77,34 @@ struct Grouped {
   using StrideD = typename Kernel::InternalStrideD;
 };
 
-using Forward = Grouped<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t>;
-using Dgrad = Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t>;
-using Wgrad = Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float>;
-
 enum class Kind : int { forward, dgrad, wgrad };
+
+// The two tile configurations: 128 x 128 x 64 in 1 x 1 clusters, and 128 x 256 x 64 in 2 x 1
+// clusters (PyTorch's choice for large Hopper grouped GEMMs, which BENCHMARKS.md's ceilings used).
+using Small = cute::Shape<_128, _128, _64>;
+using Large = cute::Shape<_128, _256, _64>;
+using One = cute::Shape<_1, _1, _1>;
+using Pair = cute::Shape<_2, _1, _1>;
+template <class Tile, class Cluster>
+using Forward = Grouped<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t, Tile, Cluster>;
+template <class Tile, class Cluster>
+using Dgrad = Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, Tile, Cluster>;
+template <class Tile, class Cluster>
+using Wgrad = Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, Tile, Cluster>;
+
+// Which configuration each kind uses: MOEFOLD_CUTLASS_TILE = "large" or "small" (every kind), or
+// per kind, e.g. "forward=large,dgrad=small,wgrad=large"; unset (or a kind not named): large.
+// Read at every call (a getenv), so a benchmark or test can switch between calls.
+bool large_tile(Kind kind) {
+  const char* v = std::getenv("MOEFOLD_CUTLASS_TILE");
+  if (v == nullptr) return true;
+  const std::string s(v);
+  if (s == "large" || s == "small") return s == "large";
+  const char* names[3] = {"forward=", "dgrad=", "wgrad="};
+  const char* name = names[static_cast<int>(kind)];
+  const size_t at = s.find(name);
+  return at == std::string::npos || s.compare(at + std::strlen(name), 5, "small") != 0;
+}
 
 // The per-group argument arrays of one call, carved from one scratch block.
 template <class G>
@@ -213,8 +239,14 @@ bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, con
   if (x_RI.dtype() != DType::bf16 || y_RO.dtype() != DType::bf16 || i_n % 8 != 0 || o_n % 8 != 0) return false;
   if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(y_RO.data())) return false;
   if (x_RI.size(0) == 0 || e_n == 0) return true;
-  run_grouped<Forward, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(), 0.0f,
-                                      "grouped_linear_forward (CUTLASS)");
+  const auto run = [&]<class G>() {
+    run_grouped<G, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(), 0.0f,
+                                  "grouped_linear_forward (CUTLASS)");
+  };
+  if (large_tile(Kind::forward))
+    run.operator()<Forward<Large, Pair>>();
+  else
+    run.operator()<Forward<Small, One>>();
   return true;
 }
 
@@ -228,11 +260,24 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
       (dx_RI.defined() && (dx_RI.dtype() != DType::bf16 || !aligned16(dx_RI.data()))))
     return false;
   if (x_RI.size(0) == 0 || e_n == 0) return true;
-  if (dx_RI.defined())
-    run_grouped<Dgrad, Kind::dgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.data(), 0.0f,
-                                    "grouped_linear_backward dx (CUTLASS)");
-  run_grouped<Wgrad, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(), 1.0f,
-                                  "grouped_linear_backward dw (CUTLASS)");
+  const auto dgrad = [&]<class G>() {
+    run_grouped<G, Kind::dgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.data(), 0.0f,
+                                "grouped_linear_backward dx (CUTLASS)");
+  };
+  const auto wgrad = [&]<class G>() {
+    run_grouped<G, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(), 1.0f,
+                                "grouped_linear_backward dw (CUTLASS)");
+  };
+  if (dx_RI.defined()) {
+    if (large_tile(Kind::dgrad))
+      dgrad.operator()<Dgrad<Large, Pair>>();
+    else
+      dgrad.operator()<Dgrad<Small, One>>();
+  }
+  if (large_tile(Kind::wgrad))
+    wgrad.operator()<Wgrad<Large, Pair>>();
+  else
+    wgrad.operator()<Wgrad<Small, One>>();
   return true;
 }
 

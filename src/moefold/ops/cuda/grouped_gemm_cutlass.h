@@ -1,7 +1,9 @@
 // The expert grouped GEMMs (ops/moe_ops.h grouped_linear_forward / _backward) through CUTLASS's
 // Hopper grouped GEMM: one launch for every expert, the group sizes read on the device (no host
-// read of the offsets). Opt-in while it is being measured: MOEFOLD_GROUPED_GEMM=cutlass; the
-// default is cuBLASLt, one GEMM per expert (gemm.cu). Same contracts as the ops (y, dx WRITTEN,
+// read of the offsets). The default wherever it serves (docs/benchmarks.md: faster than cuBLASLt
+// per expert at every benchmark shape); MOEFOLD_GROUPED_GEMM=cublaslt selects cuBLASLt, one GEMM
+// per expert after a host read of the offsets (gemm.cu). MOEFOLD_CUTLASS_TILE picks the tile
+// configuration per kind (grouped_gemm_cutlass.cu). Same contracts as the ops (y, dx WRITTEN,
 // dw ACCUMULATED); the offsets are trusted (they come from the permutation plan).
 #pragma once
 
@@ -10,7 +12,7 @@
 namespace moefold::cuda {
 
 // Whether this build has CUTLASS's headers (CMake: MOEFOLD_WITH_CUTLASS), and whether the
-// environment asks for this path (MOEFOLD_GROUPED_GEMM=cutlass).
+// environment leaves this path on (MOEFOLD_GROUPED_GEMM unset or anything but "cublaslt").
 bool cutlass_grouped_gemm_built();
 bool cutlass_grouped_gemm_requested();
 

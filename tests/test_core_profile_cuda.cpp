@@ -1,0 +1,70 @@
+// core/profile.h on the GPU: scopes are CUDA events on the compute stream that time the stream's
+// work, not the host's launches; recording never waits for the stream; after the first collect
+// the event pool is reused (no event created, no device memory allocated). Skipped without a GPU.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <vector>
+
+#include "cuda_testing.h"
+#include "moefold/core/device.h"
+#include "moefold/core/profile.h"
+
+namespace moefold {
+namespace {
+
+TEST(ProfileCuda, EventsTimeTheStreamWithoutWaiting) {
+  MF_REQUIRE_GPU();
+  // 60 memsets of 256 MiB: 15 GiB written, at least 3 ms at the H200's 4.8 TB/s; their
+  // launches take a few microseconds each on the host.
+  const size_t bytes = size_t{256} << 20;
+  void* buf = device_malloc(bytes);
+  device_zero(buf, bytes);
+  device_synchronize();
+  auto work = [&] {
+    ProfileScope outer("outer");
+    for (int j = 0; j < 2; ++j) {
+      ProfileScope inner("inner");
+      for (int k = 0; k < 30; ++k) device_zero(buf, bytes);
+    }
+  };
+  profile_enable(Device::cuda);
+  work();  // sizes the pool: three scopes, two events each
+  ASSERT_EQ(profile_collect().size(), 2u);
+  const int64_t events = profile_pool_events(), mallocs = device_malloc_count();
+  EXPECT_EQ(events, 6);
+
+  StreamTimer stream;  // brackets the scopes on the same stream
+  stream.start(Device::cuda);
+  const auto t0 = std::chrono::steady_clock::now();
+  work();
+  const double host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  stream.stop();
+  const std::vector<PhaseTime> t = profile_collect();
+  profile_disable();
+  const double stream_ms = stream.elapsed_ms();
+  device_free(buf);
+
+  EXPECT_EQ(profile_pool_events(), events);  // steady state: the pool is reused
+  EXPECT_EQ(device_malloc_count(), mallocs);
+  ASSERT_EQ(t.size(), 2u);
+  const PhaseTime &outer = t[0], &inner = t[1];
+  EXPECT_EQ(outer.name, "outer");
+  EXPECT_EQ(inner.name, "inner");
+  EXPECT_EQ(outer.calls, 1);
+  EXPECT_EQ(inner.calls, 2);
+  EXPECT_EQ(inner.depth, 1);
+  // The scopes timed the stream's work: within the bracketing timer, and far longer than the
+  // host took to queue it (a scope that waited for the stream would make host_ms as long).
+  EXPECT_LE(outer.ms, stream_ms + 1e-3);
+  EXPECT_LE(inner.ms, outer.ms + 1e-3);
+  EXPECT_GE(inner.ms, 0.9 * outer.ms);  // all the work is inside the inner scopes
+  EXPECT_GT(outer.ms, 2.0);
+  EXPECT_LT(host_ms, 0.5 * outer.ms) << "host " << host_ms << " ms, stream " << outer.ms << " ms";
+  EXPECT_NEAR(outer.self_ms, outer.ms - inner.ms, 1e-6);
+  EXPECT_DOUBLE_EQ(outer.top_level_ms, outer.ms);
+  EXPECT_DOUBLE_EQ(inner.top_level_ms, 0);
+}
+
+}  // namespace
+}  // namespace moefold
