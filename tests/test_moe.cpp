@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "moefold/core/memory.h"
+#include "moefold/core/rng.h"
+#include "moefold/moe/experts.h"
 #include "moefold/moe/moe_layer.h"
 #include "moefold/ops/moe_ops.h"
 #include "testing.h"
@@ -459,6 +461,57 @@ TEST(GroupedLinear, BackwardMatchesFiniteDifferences) {
   grouped_linear_backward(x, w, offsets, g, Tensor{}, dw);  // accumulates
   for (int64_t i = 0; i < dw.numel(); ++i)
     EXPECT_NEAR(testing::value_at(dw, i), 2 * testing::value_at(dw_once, i), 1e-12);
+  // Written (accumulate = false): whatever dw held is gone, the idle expert's included.
+  fill_constant(dw, 7.0);
+  grouped_linear_backward(x, w, offsets, g, Tensor{}, dw, /*accumulate=*/false);
+  for (int64_t i = 0; i < dw.numel(); ++i) EXPECT_EQ(testing::value_at(dw, i), testing::value_at(dw_once, i)) << i;
+}
+
+// The expert weights' gradients are written by the first backward after zero_grads (which skips
+// them) and accumulated by the next: two micro-batches of one step give the sum, and a new step
+// starts afresh although zero_grads left the old values in place.
+TEST(Experts, FirstBackwardOfAStepWritesTheWeightGradients) {
+  Pool pool;
+  const int64_t e_n = 3, h_n = 8, f_n = 4, r_n = 7;
+  Experts experts(e_n, h_n, f_n, r_n, "t", 0.5);
+  Memory mem(DType::f64);
+  experts.bind(mem);
+  mem.allocate();
+  experts.bind(mem);
+  mem.finish_binding();
+  for (const Param& p : mem.params()) {
+    fill_normal(p.value, 1, p.id, 0.0, 0.5);
+    EXPECT_TRUE(p.grad_written_by_backward) << p.name;
+  }
+  Tensor offsets = pool.zeros({e_n + 1}, DType::i64);
+  const int64_t off[] = {0, 3, 3, 7};
+  for (int i = 0; i <= e_n; ++i) offsets.ptr<int64_t>()[i] = off[i];
+  Tensor x = pool.randn({r_n, h_n}), out = pool.zeros({r_n, h_n}), dout = pool.randn({r_n, h_n});
+  Tensor dx = pool.zeros({r_n, h_n});
+  std::vector<std::vector<double>> once;
+  auto grads = [&] {
+    std::vector<std::vector<double>> g;
+    for (const Param& p : mem.params()) {
+      g.emplace_back();
+      for (int64_t i = 0; i < p.grad.numel(); ++i) g.back().push_back(testing::value_at(p.grad, i));
+    }
+    return g;
+  };
+  mem.zero_grads();
+  for (const Param& p : mem.params()) fill_constant(p.grad, 3.0);  // stale values zero_grads left alone
+  experts.forward(x, offsets, out);
+  experts.backward(x, offsets, dout, dx);
+  once = grads();
+  for (double v : once[0]) EXPECT_NE(v, 3.0);
+  experts.forward(x, offsets, out);
+  experts.backward(x, offsets, dout, dx);  // the step's second micro-batch: accumulates
+  const std::vector<std::vector<double>> twice = grads();
+  for (size_t p = 0; p < once.size(); ++p)
+    for (size_t i = 0; i < once[p].size(); ++i) EXPECT_NEAR(twice[p][i], 2 * once[p][i], 1e-12);
+  mem.zero_grads();  // a new step: written again
+  experts.forward(x, offsets, out);
+  experts.backward(x, offsets, dout, dx);
+  EXPECT_EQ(grads(), once);
 }
 
 // ---- the whole layer ---------------------------------------------------------------------------

@@ -75,6 +75,30 @@ TEST(CudaCast, MatchesCpuBitForBit) {
   }
 }
 
+// Parameter init on the GPU: the CPU's values (the same Philox bits and double Box-Muller; CUDA's
+// log/cos can differ from the host's in a double's last bit, which moves at most a rare f32 by
+// one ulp), including from a global offset (a shard's first element).
+TEST(CudaFillNormal, MatchesCpu) {
+  MF_REQUIRE_GPU();
+  Pool pool;
+  DevicePool dev;
+  const int64_t n = 100003;
+  for (const uint64_t first : {uint64_t{0}, uint64_t{5} << 33}) {
+    Tensor want = pool.zeros({n}, DType::f32);
+    fill_normal_any(want, 2026, 17, 0.5, 0.02, first);
+    Tensor got = dev.poisoned({n}, DType::f32);
+    fill_normal_any(got, 2026, 17, 0.5, 0.02, first);
+    const std::vector<double> g = testing::download(got);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double w = want.ptr<float>()[i];
+      ASSERT_NEAR(g[static_cast<size_t>(i)], w, 1e-7 * std::abs(w)) << i;
+      differ += g[static_cast<size_t>(i)] != w;
+    }
+    EXPECT_LE(differ, n / 1000) << "elements off by an ulp";
+  }
+}
+
 // Matrix-view copy (2-D memcpy), add and fill on the GPU: exactly the CPU's elements.
 TEST(CudaMatrixViews, CopyAddFillMatchCpu) {
   MF_REQUIRE_GPU();

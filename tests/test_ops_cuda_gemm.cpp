@@ -295,6 +295,19 @@ void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, in
     else
       EXPECT_LE(rel_err(got, want), tolerance(dt, dw_dt, counts[static_cast<size_t>(e)])) << "dw of expert " << e;
   }
+  // Written (accumulate = false): the first micro-batch's dw, whatever the buffer held; experts
+  // without rows get zeros.
+  {
+    Tensor dw_fresh = pool.zeros({e_n, out, in}), dw_w = dev.upload(dw0, dw_dt);
+    grouped_linear_backward(xr, wr, offsets, dyr, Tensor{}, dw_fresh);
+    grouped_linear_backward(xd, wd, offd, dyd, Tensor{}, dw_w, /*accumulate=*/false);
+    const std::vector<double> got_w = testing::download(dw_w);
+    EXPECT_LE(testing::rel_error(got_w, dw_fresh), tolerance(dt, dw_dt, k_max)) << "dw written";
+    for (int64_t e = 0; e < e_n; ++e) {
+      if (counts[static_cast<size_t>(e)] != 0) continue;
+      for (int64_t i = 0; i < per; ++i) ASSERT_EQ(got_w[static_cast<size_t>(e * per + i)], 0.0) << "expert " << e;
+    }
+  }
   // Undefined dx: dw accumulates again.
   grouped_linear_backward(xd, wd, offd, dyd, Tensor{}, dwd);
   grouped_linear_backward(xr, wr, offsets, dyr, Tensor{}, dwr);

@@ -236,6 +236,9 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   std::vector<StreamTimer> timers(stages.size() + 1);
   std::vector<std::vector<double>> ms(stages.size() + 1);
   for (int i = 0; i < opts.warmup + opts.reps; ++i) {
+    // A new step's gradients (untimed): the experts' backward writes its weight gradients, as in
+    // the first micro-batch of a training step (Memory::grad_written_by_backward).
+    mem.zero_grads();
     timers.back().start(opts.device);
     for (size_t s = 0; s < stages.size(); ++s) {
       timers[s].start(opts.device);

@@ -282,7 +282,9 @@ int main(int argc, char** argv) {
       if (world->rank() == 0)
         std::fputs(format_moe_bench(r, cat("MoE layer forward+backward on ", where,
                                            world->size() > 1 ? cat(", EP = ", world->size(), " (rank 0's times)") : "",
-                                           ", median of ", moe_bench.reps, " after ", moe_bench.warmup, " warm-up"))
+                                           ", median of ", moe_bench.reps, " after ", moe_bench.warmup,
+                                           " warm-up; each repetition is a step's first micro-batch (expert weight "
+                                           "gradients written in fp32, the router's accumulated)"))
                        .c_str(),
                    stdout);
     } else if (*info) {

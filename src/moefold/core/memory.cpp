@@ -130,7 +130,7 @@ int64_t Param::global_index(int64_t local) const {
   return index;
 }
 
-void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std) {
+void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std, FillNormal fill) {
   const Tensor& v = p.value;
   MF_CHECK(v.contiguous(), p.name, ": fill_normal_shard needs a contiguous value");
   const int64_t numel = v.numel();
@@ -145,8 +145,8 @@ void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double me
   char* base = static_cast<char*>(v.data());
   const size_t elem = dtype_size(v.dtype());
   for (int64_t first = 0; first < numel; first += run)
-    fill_normal(Tensor(base + static_cast<size_t>(first) * elem, v.dtype(), {run}), seed, stream, mean, std,
-                static_cast<uint64_t>(p.global_index(first)));
+    fill(Tensor(base + static_cast<size_t>(first) * elem, v.dtype(), {run}, v.device()), seed, stream, mean, std,
+         static_cast<uint64_t>(p.global_index(first)));
 }
 
 Tensor Memory::act(Shape shape) { return acts_.take(dtype_, shape); }
@@ -220,8 +220,32 @@ size_t Memory::grad_bytes() const {
   return n;
 }
 
-void Memory::zero_grads() const {
-  for (const Arena& a : grads_) a.zero();
+void Memory::zero_grads() {
+  ++grad_generation_;
+  for (int g = 0; g < kNumParamGroups; ++g) {
+    bool any_marked = false;
+    for (const Param& p : params_) any_marked |= static_cast<int>(p.group) == g && p.grad_written_by_backward;
+    if (!any_marked) {
+      grads_[g].zero();  // one memset (padding between parameters included: it stays zero)
+      continue;
+    }
+    for (const Param& p : params_)
+      if (static_cast<int>(p.group) == g && !p.grad_written_by_backward) {
+        if (device_ == Device::cuda)
+          device_zero(p.grad.data(), p.grad.nbytes());
+        else
+          std::memset(p.grad.data(), 0, p.grad.nbytes());
+      }
+  }
+}
+
+void Memory::grad_written_by_backward(const std::string& name) {
+  for (Param& p : params_)
+    if (p.name == name) {
+      p.grad_written_by_backward = true;
+      return;
+    }
+  MF_FAIL("grad_written_by_backward: no parameter ", name);
 }
 
 Tensor Memory::grad_block(ParamGroup group) const {

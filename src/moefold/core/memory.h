@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "moefold/core/rng.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold {
@@ -86,6 +87,9 @@ struct Param {
   int64_t shard_dim_offset = 0;  // DimShard::offset: first index held within each chunk
   int64_t global_dim_size = 0;   // DimShard::global_size: one chunk's size in the whole tensor
   int64_t shard_dim_chunks = 1;  // DimShard::chunks: fused chunks along shard_dim
+  // Its backward writes the gradient at the step's first call instead of adding to zeros
+  // (Memory::grad_written_by_backward): zero_grads leaves it alone.
+  bool grad_written_by_backward = false;
 
   // Shape of the whole (unsharded) parameter.
   Shape global_shape() const;
@@ -98,7 +102,12 @@ struct Param {
 // mean + std * normal(seed, stream, p.global_index(i)), one fill_normal per contiguous run. For
 // an unsharded or dim-0-sharded parameter this is exactly fill_normal(p.value, seed, stream,
 // mean, std, shard_offset * row).
-void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std);
+// `fill` fills one run (a contiguous tensor and the global index of its first element): core's
+// fill_normal on the host, or ops' fill_normal_any for a tensor on either device.
+using FillNormal = void (*)(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std,
+                            uint64_t first_index);
+void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std,
+                       FillNormal fill = fill_normal);
 
 // A buffer the host computes and the device reads, or the reverse (dispatch plans built from
 // exchanged counts): one tensor on a CPU run (host == dev), a host and a device copy on a GPU run.
@@ -154,8 +163,16 @@ class Memory {
   const Param* find(const std::string& name) const;
   // The gradient of registered parameter `name` (aborts when absent).
   Tensor grad(const std::string& name) const;
-  // Sets every gradient to zero (one memset per group).
-  void zero_grads() const;
+  // Sets every gradient to zero (one memset per group), except those of parameters marked
+  // grad_written_by_backward, and starts a new gradient generation.
+  void zero_grads();
+  // Marks registered parameter `name`: from now on zero_grads skips its gradient, and its
+  // backward must WRITE the gradient on its first call of each generation (when its last write
+  // was in an older generation) and ACCUMULATE after that. Saves a memset and a read of the
+  // whole gradient per step (the expert weights' f32 gradients: most of a MoE model's).
+  void grad_written_by_backward(const std::string& name);
+  // Incremented by every zero_grads(): a backward compares it with the generation it last wrote.
+  int64_t grad_generation() const { return grad_generation_; }
   // All gradients of a group as one flat tensor (for one all-reduce); padding between
   // parameters is zero and stays zero. Empty when the group has no parameters.
   Tensor grad_block(ParamGroup group) const;
@@ -167,6 +184,7 @@ class Memory {
  private:
   DType dtype_;
   Device device_ = Device::cpu;
+  int64_t grad_generation_ = 0;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
   Arena host_acts_;  // always host memory; empty on a CPU run
   size_t measured_[3 * kNumParamGroups + 2] = {};

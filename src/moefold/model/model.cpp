@@ -238,25 +238,18 @@ void Model::bind(Memory& mem) {
 }
 
 void Model::init_params(std::vector<Param>& params, uint64_t seed) {
-  for (Param& param : params) {
-    // GPU parameters are drawn on the host (the same values) and copied over.
-    std::vector<char> staging(param.value.device() == Device::cpu ? 0 : static_cast<size_t>(param.value.nbytes()));
-    Param host = param;
-    if (!staging.empty()) host.value = Tensor(staging.data(), param.value.dtype(), param.value.shape());
-    Param& p = host;
-    switch (p.init) {
-      case Init::zeros:
-        fill_constant(p.value, 0.0);
-        break;
-      case Init::ones:
-        fill_constant(p.value, 1.0);
-        break;
-      case Init::normal:
-        // A shard draws the values of its elements in the whole tensor (same init for any layout).
-        fill_normal_shard(p, seed, fnv1a(p.name), 0.0, p.init_std);
-        break;
+  for (Param& p : params) {
+    if (p.init == Init::normal) {
+      // A shard draws the values of its elements in the whole tensor (same init for any layout);
+      // GPU parameters are drawn on the GPU (the same values, ops.h fill_normal_any).
+      fill_normal_shard(p, seed, fnv1a(p.name), 0.0, p.init_std, fill_normal_any);
+      continue;
     }
-    if (!staging.empty()) param.value.copy_from(host.value);
+    // Constants: through a host copy for GPU parameters (norm weights and biases: small).
+    std::vector<char> staging(p.value.device() == Device::cpu ? 0 : static_cast<size_t>(p.value.nbytes()));
+    const Tensor host = staging.empty() ? p.value : Tensor(staging.data(), p.value.dtype(), p.value.shape());
+    fill_constant(host, p.init == Init::ones ? 1.0 : 0.0);
+    if (!staging.empty()) p.value.copy_from(host);
   }
 }
 

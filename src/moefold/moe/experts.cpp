@@ -36,6 +36,10 @@ void Experts::bind(Memory& mem) {
                         ParamGroup::expert, first_expert_, total_experts_, down_shard);
   dgate_up_E2FH_ = mem.grad(prefix_ + ".experts.gate_up_proj");
   ddown_EHF_ = mem.grad(prefix_ + ".experts.down_proj");
+  mem.grad_written_by_backward(prefix_ + ".experts.gate_up_proj");
+  mem.grad_written_by_backward(prefix_ + ".experts.down_proj");
+  mem_ = &mem;
+  written_generation_ = -1;
   gu_R2F_ = mem.act({max_rows_, 2 * ffn_});
   h_RF_ = mem.act({max_rows_, ffn_});
   dh_RF_ = mem.act({max_rows_, ffn_});
@@ -56,9 +60,12 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   MF_CHECK(r_n <= max_rows_, "Experts: ", r_n, " rows > max_rows ", max_rows_);
   const Tensor gu = gu_R2F_.slice(0, r_n), h = h_RF_.slice(0, r_n);
   const Tensor dh = dh_RF_.slice(0, r_n), dgu = dgu_R2F_.slice(0, r_n);
-  grouped_linear_backward(h, down_EHF_, offsets_E1, dout_RH, dh, ddown_EHF_);
+  MF_CHECK(mem_ != nullptr, "Experts::backward before bind");
+  const bool accumulate = mem_->grad_generation() == written_generation_;
+  written_generation_ = mem_->grad_generation();
+  grouped_linear_backward(h, down_EHF_, offsets_E1, dout_RH, dh, ddown_EHF_, accumulate);
   swiglu_backward(gu, dh, dgu);
-  grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_);
+  grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_, accumulate);
 }
 
 }  // namespace moefold

@@ -32,7 +32,9 @@ class Experts {
   // out_RH = experts(rows_RH) with expert e on rows [offsets_E1[e], offsets_E1[e+1]). Saves the
   // gate|up and SwiGLU activations; REQUIRES: rows_RH unchanged until backward.
   void forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH);
-  // drows_RH written; expert weight grads accumulated. Same rows and offsets as forward.
+  // drows_RH written; expert weight grads written by the first backward of each gradient
+  // generation (Memory::grad_written_by_backward: zero_grads does not zero them), accumulated by
+  // the later ones. Same rows and offsets as forward.
   void backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH);
 
   const Tensor& gate_up_proj() const { return gate_up_E2FH_; }
@@ -45,8 +47,10 @@ class Experts {
   std::string prefix_;
   double init_std_;
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;
-  Tensor gu_R2F_, h_RF_;    // saved by forward (max_rows rows)
-  Tensor dh_RF_, dgu_R2F_;  // backward workspaces
+  Tensor gu_R2F_, h_RF_;             // saved by forward (max_rows rows)
+  Tensor dh_RF_, dgu_R2F_;           // backward workspaces
+  const Memory* mem_ = nullptr;      // for its gradient generation
+  int64_t written_generation_ = -1;  // the generation whose gradients this backward last wrote
 };
 
 }  // namespace moefold

@@ -25,6 +25,11 @@ void scale_inplace(const Tensor& x, double s);
 // dst = src converted to dst's dtype (f32, f64, bf16: round to nearest even). Same numel,
 // contiguous, one device. Refreshes bf16 compute copies of master weights.
 void cast(const Tensor& src, const Tensor& dst);
+// core's fill_normal for a contiguous float tensor on either device: element i gets
+// mean + std * normal(seed, stream, first_index + i). The GPU draws the same Philox bits and runs
+// the same double-precision Box-Muller (CUDA's log/cos may differ from the host's in the last bit
+// of a double, so rarely in the last bit of an f32). Initialises GPU parameters in place.
+void fill_normal_any(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index);
 
 // ---- AdamW (decoupled weight decay), one parameter tensor ----------------------------------------
 // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;

@@ -2,6 +2,7 @@
 // No gradients: these serve gradient accumulation, clipping and the optimizer.
 #include <cmath>
 
+#include "moefold/core/rng.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -77,6 +78,13 @@ void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tenso
       wp[j] = wp[j] * wd - step_size * mp[j] / (std::sqrt(vp[j]) * inv_sqrt_bc2 + teps);
     }
   });
+}
+
+void fill_normal_any(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (t.device() == Device::cuda) return cuda::fill_normal(t, seed, stream, mean, std, first_index);
+#endif
+  fill_normal(t, seed, stream, mean, std, first_index);
 }
 
 void cast(const Tensor& src, const Tensor& dst) {

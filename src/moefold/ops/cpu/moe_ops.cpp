@@ -751,10 +751,10 @@ void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tenso
 }
 
 void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
-                             const Tensor& dx_RI, const Tensor& dw_EOI) {
+                             const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
 #ifdef MOEFOLD_WITH_CUDA
   if (x_RI.device() == Device::cuda)
-    return cuda::grouped_linear_backward(x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI);
+    return cuda::grouped_linear_backward(x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate);
 #endif
   check_grouped(x_RI, w_EOI, offsets_E1, dy_RO);
   check_shape(dw_EOI, w_EOI.shape(), "grouped_linear_backward dw");
@@ -770,6 +770,7 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
     const T* w = w_EOI.ptr<T>();
     const T* dy = dy_RO.ptr<T>();
     T* dw = dw_EOI.ptr<T>();
+    if (!accumulate) std::fill(dw, dw + dw_EOI.numel(), T(0));
     for (int64_t e = 0; e < e_n; ++e) {
       const int64_t m = off[e + 1] - off[e];
       if (m == 0) continue;

@@ -13,8 +13,11 @@ namespace moefold::cuda {
 
 // ---- elementwise (elementwise.cu): f32 or bf16, accumulation in f32 -----------------------------
 void add_inplace(const Tensor& y, const Tensor& x);
-double sum_squares(const Tensor& x);              // waits for the GPU (returns a host value)
-void cast(const Tensor& src, const Tensor& dst);  // f32 <-> bf16 (or equal dtypes: a copy)
+double sum_squares(const Tensor& x);  // waits for the GPU (returns a host value)
+void cast(const Tensor& src, const Tensor& dst);
+// ops.h fill_normal_any on the GPU (f32 or bf16, contiguous).
+void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std,
+                 uint64_t first_index);  // f32 <-> bf16 (or equal dtypes: a copy)
 void scale_inplace(const Tensor& x, double s);
 
 // ---- AdamW (optimizer.cu): w, g, m, v f32; w_compute (optional) bf16 or f32 ---------------------

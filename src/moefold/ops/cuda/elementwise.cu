@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "moefold/core/philox.h"
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/cuda_ops.h"
 
@@ -18,6 +19,19 @@ __global__ void add_kernel(T* y, const T* x, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     y[i] = from_float<T>(to_float(y[i]) + to_float(x[i]));
+}
+
+// Element i: mean + std * normal(seed, stream, first + i), as core/rng.cpp's rng_normal on the host.
+template <class T>
+__global__ void fill_normal_kernel(T* p, int64_t n, uint64_t seed, uint64_t stream, double mean, double std,
+                                   uint64_t first) {
+  constexpr double kPi = 3.14159265358979323846;  // M_PI
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const philox::Block r = philox::draw(seed, stream, first + static_cast<uint64_t>(i));
+    const double u1 = philox::to_unit(r.v[0]), u2 = philox::to_unit(r.v[1]);
+    p[i] = from_float<T>(static_cast<float>(mean + std * (::sqrt(-2.0 * ::log(u1)) * ::cos(2.0 * kPi * u2))));
+  }
 }
 
 template <class T>
@@ -67,6 +81,18 @@ void cast(const Tensor& src, const Tensor& dst) {
     });
   });
   MF_CUDA_LAUNCHED("cast");
+}
+
+void fill_normal(const Tensor& t, uint64_t seed, uint64_t rng_stream, double mean, double std, uint64_t first_index) {
+  check_cuda_tensor(t, "fill_normal");
+  MF_CHECK(t.contiguous(), "fill_normal: ", t.str(), " is not contiguous");
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  dispatch_cuda_float(t.dtype(), [&]<class T>() {
+    fill_normal_kernel<T>
+        <<<blocks_for(n), kThreads, 0, stream()>>>(t.ptr<T>(), n, seed, rng_stream, mean, std, first_index);
+  });
+  MF_CUDA_LAUNCHED("fill_normal");
 }
 
 void add_inplace(const Tensor& y, const Tensor& x) {

@@ -344,7 +344,7 @@ void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tenso
 }
 
 void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
-                             const Tensor& dx_RI, const Tensor& dw_EOI) {
+                             const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
   check_grouped(x_RI, w_EOI, offsets_E1, dy_RO, "grouped_linear_backward");
   check_cuda_tensor(dw_EOI, "grouped_linear_backward dw");
   check_shape(dw_EOI, w_EOI.shape(), "grouped_linear_backward dw");
@@ -355,17 +355,19 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
     check_same_dtype(dx_RI, x_RI, "grouped_linear_backward dx");
   }
   if (cutlass_grouped_gemm_requested() &&
-      cutlass_grouped_linear_backward(x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI))
+      cutlass_grouped_linear_backward(x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate))
     return;
   std::vector<int64_t>& off = offsets_buffer();
   download_offsets(offsets_E1, x_RI.size(0), off);
   for (int64_t e = 0; e < w_EOI.size(0); ++e) {
     const int64_t begin = off[e], end = off[e + 1];
-    if (begin == end) continue;
+    // An expert without rows: dw stays, or is zeroed (K = 0: gemm writes beta * dw = 0).
+    if (begin == end && accumulate) continue;
     // dx = dy @ w (m x O @ O x I); dw += dy^T @ x (O x m @ m x I).
-    if (dx_RI.defined())
+    if (dx_RI.defined() && begin != end)
       gemm(row_block(dy_RO, begin, end), false, expert_matrix(w_EOI, e), false, row_block(dx_RI, begin, end), 1.0, 0.0);
-    gemm(row_block(dy_RO, begin, end), true, row_block(x_RI, begin, end), false, expert_matrix(dw_EOI, e), 1.0, 1.0);
+    gemm(row_block(dy_RO, begin, end), true, row_block(x_RI, begin, end), false, expert_matrix(dw_EOI, e), 1.0,
+         accumulate ? 1.0 : 0.0);
   }
 }
 

@@ -58,8 +58,8 @@ void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO
 
 // ---- grouped linear (moe_ops.h): expert e owns rows [offsets_E1[e], offsets_E1[e+1]) ------------
 // y[rows of e] = x[rows of e] @ w_EOI[e]^T; dx written (skipped when undefined); dw_EOI[e] +=
-// dy[rows of e]^T @ x[rows of e], left untouched for experts without rows. Dtypes as for linear;
-// offsets_E1 is i64 on the GPU.
+// dy[rows of e]^T @ x[rows of e], left untouched for experts without rows (accumulate == false:
+// dw_EOI[e] = ..., zero without rows). Dtypes as for linear; offsets_E1 is i64 on the GPU.
 // KNOWN COST: each call copies the E+1 offsets to the host, which waits for the GPU (one small
 // synchronising copy per call), then issues one cuBLASLt GEMM per non-empty expert (two in
 // backward: dx and dw). Expert row counts change every step, so new shapes also pay the heuristic
@@ -67,7 +67,7 @@ void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO
 // that reads the offsets on the GPU: no host wait, one launch for all experts.
 void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO);
 void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
-                             const Tensor& dx_RI, const Tensor& dw_EOI);
+                             const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate);
 
 // ---- matmul on matrix views (ops.h) --------------------------------------------------------------
 // The views' shapes, bounds and overlap are checked by moefold::matmul; dtypes as for gemm.

@@ -197,6 +197,16 @@ cutlass::KernelHardwareInfo hardware_info() {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// dw_e = 0 for every expert e without rows (blockIdx.y = e; the other experts' blocks exit).
+__global__ void zero_empty_experts(float* dw, const int64_t* __restrict__ off, int64_t per) {
+  const int64_t e = blockIdx.y;
+  if (off[e + 1] != off[e]) return;
+  float* d = dw + e * per;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < per;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    d[i] = 0.0f;
+}
+
 // Builds the group arguments on the device and runs one grouped GEMM of kind kKind.
 template <class G, Kind kKind>
 void run_grouped(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& rows,
@@ -251,7 +261,7 @@ bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, con
 }
 
 bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
-                                     const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI) {
+                                     const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   if (x_RI.dtype() != DType::bf16 || dy_RO.dtype() != DType::bf16 || dw_EOI.dtype() != DType::f32 || i_n % 8 != 0 ||
       o_n % 8 != 0)
@@ -259,15 +269,27 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
   if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(dy_RO.data()) || !aligned16(dw_EOI.data()) ||
       (dx_RI.defined() && (dx_RI.dtype() != DType::bf16 || !aligned16(dx_RI.data()))))
     return false;
-  if (x_RI.size(0) == 0 || e_n == 0) return true;
+  if (e_n == 0) return true;
+  if (x_RI.size(0) == 0) {
+    if (!accumulate) device_zero(dw_EOI.data(), dw_EOI.nbytes());
+    return true;
+  }
   const auto dgrad = [&]<class G>() {
     run_grouped<G, Kind::dgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.data(), 0.0f,
                                 "grouped_linear_backward dx (CUTLASS)");
   };
   const auto wgrad = [&]<class G>() {
-    run_grouped<G, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(), 1.0f,
+    run_grouped<G, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(), accumulate ? 1.0f : 0.0f,
                                 "grouped_linear_backward dw (CUTLASS)");
   };
+  // Written, not accumulated (beta = 0: the epilogue does not read dw): an expert without rows
+  // gets no tiles, so its dw is zeroed here (the offsets are read on the device).
+  if (!accumulate) {
+    const int64_t per = o_n * i_n;
+    zero_empty_experts<<<dim3(64, static_cast<unsigned>(e_n)), 256, 0, stream()>>>(dw_EOI.ptr<float>(),
+                                                                                   offsets_E1.ptr<int64_t>(), per);
+    MF_CUDA_LAUNCHED("grouped_linear_backward dw (zero empty experts)");
+  }
   if (dx_RI.defined()) {
     if (large_tile(Kind::dgrad))
       dgrad.operator()<Dgrad<Large, Pair>>();
@@ -286,7 +308,7 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
 bool cutlass_grouped_gemm_built() { return false; }
 bool cutlass_grouped_linear_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&) { return false; }
 bool cutlass_grouped_linear_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                     const Tensor&) {
+                                     const Tensor&, bool) {
   return false;
 }
 

@@ -22,6 +22,6 @@ bool cutlass_grouped_gemm_requested();
 bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
                                     const Tensor& y_RO);
 bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
-                                     const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI);
+                                     const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate);
 
 }  // namespace moefold::cuda
