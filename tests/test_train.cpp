@@ -119,6 +119,33 @@ TEST(Clip, ScalesToMaxNorm) {
   EXPECT_NEAR(norm(), n / 4, 1e-5 * n);
 }
 
+// Clipping fused into the optimizer (what the Trainer does): the same update as clipping the
+// gradients first, and the gradients are left as they were.
+TEST(Clip, FusedIntoAdamWMatchesClippingFirst) {
+  testing::Pool pool;
+  TrainConfig c;
+  c.weight_decay = 0.1;
+  std::vector<Param> fused(1), first(1);
+  fused[0].name = first[0].name = "p";
+  fused[0].value = pool.randn({9});
+  fused[0].grad = pool.randn({9});
+  first[0].value = pool.clone(fused[0].value);
+  first[0].grad = pool.clone(fused[0].grad);
+  const Tensor g0 = pool.clone(fused[0].grad);
+  const double n = std::sqrt(testing::dot(g0, g0)), f = clip_factor(n, n / 3);
+  EXPECT_NEAR(f, 1.0 / 3, 1e-6);
+  EXPECT_DOUBLE_EQ(clip_factor(n, 0), 1.0);
+  EXPECT_DOUBLE_EQ(clip_factor(n, 2 * n), 1.0);
+  AdamW a(c), b(c);
+  a.bind(fused);
+  b.bind(first);
+  a.step(fused, 1e-2, f);
+  clip_grad_norm(first, n, n / 3);
+  b.step(first, 1e-2);
+  EXPECT_LT(testing::max_abs_diff(fused[0].value, first[0].value), 1e-15);
+  EXPECT_EQ(testing::max_abs_diff(fused[0].grad, g0), 0.0);
+}
+
 TEST(Trainer, StepLoopDoesNotAllocateAndLearns) {
   testing::TempDir tmp("test_train");
   const fs::path& dir = tmp.path();

@@ -40,6 +40,7 @@ void fill_normal_any(const Tensor& t, uint64_t seed, uint64_t stream, double mea
 struct AdamWStep {
   double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
   double bias_correction1 = 1, bias_correction2 = 1;
+  double grad_scale = 1;  // the update uses g * grad_scale (global-norm clipping fused into the pass)
 };
 void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
                   const Tensor& w_compute = Tensor());

@@ -1,5 +1,6 @@
 #include "moefold/train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "moefold/ops/ops.h"
@@ -21,7 +22,7 @@ void AdamW::bind(const std::vector<Param>& params) {
   take_all();
 }
 
-void AdamW::step(std::vector<Param>& params, double lr) {
+void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
   MF_CHECK(params.size() == m_.size(), "optimizer bound to ", m_.size(), " parameters, stepping ", params.size());
   ++t_;
   const double b1 = cfg_.adam_beta1, b2 = cfg_.adam_beta2, eps = cfg_.adam_eps;
@@ -29,17 +30,21 @@ void AdamW::step(std::vector<Param>& params, double lr) {
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t_));
   for (size_t i = 0; i < params.size(); ++i) {
     Param& p = params[i];
-    const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2};
+    const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2, grad_scale};
     // With mixed precision the pass also refreshes the bf16 compute copy.
     adamw_update(p.value, p.grad, m_[i], v_[i], s, p.compute.data() != p.value.data() ? p.compute : Tensor());
   }
 }
 
-double clip_grad_norm(std::vector<Param>& params, double norm, double max_norm) {
+double clip_factor(double norm, double max_norm) {
   if (!(max_norm > 0)) return 1.0;
-  double f = max_norm / (norm + 1e-6);
-  if (f >= 1.0) return 1.0;
-  for (Param& p : params) scale_inplace(p.grad, f);
+  return std::min(1.0, max_norm / (norm + 1e-6));
+}
+
+double clip_grad_norm(std::vector<Param>& params, double norm, double max_norm) {
+  const double f = clip_factor(norm, max_norm);
+  if (f < 1.0)
+    for (Param& p : params) scale_inplace(p.grad, f);
   return f;
 }
 

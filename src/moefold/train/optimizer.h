@@ -17,8 +17,9 @@ class AdamW {
 
   // Reserves first and second moments for every parameter (zero-initialised).
   void bind(const std::vector<Param>& params);
-  // One update with learning rate `lr`; increments step().
-  void step(std::vector<Param>& params, double lr);
+  // One update with learning rate `lr` from the gradients times grad_scale (clip_factor: global-
+  // norm clipping in the same pass, the gradients themselves left as they are); increments step().
+  void step(std::vector<Param>& params, double lr, double grad_scale = 1.0);
 
   int64_t num_steps() const { return t_; }
   void set_num_steps(int64_t t) { t_ = t; }
@@ -33,7 +34,9 @@ class AdamW {
   int64_t t_ = 0;
 };
 
-// Scales every gradient by min(1, max_norm / (norm + 1e-6)) when max_norm > 0; returns the factor.
+// The global-norm clipping factor: min(1, max_norm / (norm + 1e-6)) when max_norm > 0, else 1.
+double clip_factor(double norm, double max_norm);
+// Scales every gradient by clip_factor(norm, max_norm); returns the factor.
 double clip_grad_norm(std::vector<Param>& params, double norm, double max_norm);
 
 // Learning rate for optimizer step `step` (0-based): linear warmup to cfg.lr over

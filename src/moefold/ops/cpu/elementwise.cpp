@@ -72,9 +72,11 @@ void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tenso
     const T step_size = static_cast<T>(s.lr / s.bias_correction1);
     const T inv_sqrt_bc2 = static_cast<T>(1.0 / std::sqrt(s.bias_correction2));
     const T wd = static_cast<T>(1.0 - s.lr * s.weight_decay), teps = static_cast<T>(s.eps);
+    const T gs = static_cast<T>(s.grad_scale);
     for (int64_t j = 0; j < n; ++j) {
-      mp[j] = tb1 * mp[j] + (T(1) - tb1) * gp[j];
-      vp[j] = tb2 * vp[j] + (T(1) - tb2) * gp[j] * gp[j];
+      const T gj = gp[j] * gs;
+      mp[j] = tb1 * mp[j] + (T(1) - tb1) * gj;
+      vp[j] = tb2 * vp[j] + (T(1) - tb2) * gj * gj;
       wp[j] = wp[j] * wd - step_size * mp[j] / (std::sqrt(vp[j]) * inv_sqrt_bc2 + teps);
     }
   });

@@ -1,5 +1,6 @@
 // AdamW on the GPU (ops/ops.h adamw_update): one pass over w, g, m, v in f32 (the same
-// arithmetic as the CPU op, in float), optionally writing the bf16 compute copy of the weight.
+// arithmetic as the CPU op, in float), the gradient scaled on the fly (clipping), optionally
+// writing the bf16 compute copy of the weight.
 #include <algorithm>
 #include <cmath>
 
@@ -12,10 +13,10 @@ namespace {
 
 template <class C>
 __global__ void adamw_kernel(float* w, const float* g, float* m, float* v, C* wc, int64_t n, float b1, float b2,
-                             float step_size, float inv_sqrt_bc2, float wd, float eps) {
+                             float step_size, float inv_sqrt_bc2, float wd, float eps, float gs) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gi = g[i];
+    const float gi = g[i] * gs;
     const float mi = b1 * m[i] + (1.0f - b1) * gi;
     const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
     const float wi = w[i] * wd - step_size * mi / (sqrtf(vi) * inv_sqrt_bc2 + eps);
@@ -42,17 +43,18 @@ void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tenso
   const float step_size = static_cast<float>(s.lr / s.bias_correction1);
   const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(s.bias_correction2));
   const float wd = static_cast<float>(1.0 - s.lr * s.weight_decay), eps = static_cast<float>(s.eps);
+  const float gs = static_cast<float>(s.grad_scale);
   if (!w_compute.defined()) {
     adamw_kernel<float><<<blocks, threads, 0, stream()>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(),
                                                           v.ptr<float>(), nullptr, n, b1, b2, step_size, inv_sqrt_bc2,
-                                                          wd, eps);
+                                                          wd, eps, gs);
   } else {
     check_cuda_tensor(w_compute, "adamw_update w_compute");
     MF_CHECK(w_compute.numel() == n, "adamw_update: compute copy ", w_compute.str(), " vs w ", w.str());
     dispatch_cuda_float(w_compute.dtype(), [&]<class C>() {
       adamw_kernel<C><<<blocks, threads, 0, stream()>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(), v.ptr<float>(),
-                                                        w_compute.ptr<C>(), n, b1, b2, step_size, inv_sqrt_bc2, wd,
-                                                        eps);
+                                                        w_compute.ptr<C>(), n, b1, b2, step_size, inv_sqrt_bc2, wd, eps,
+                                                        gs);
     });
   }
   MF_CUDA_LAUNCHED("adamw_update");
