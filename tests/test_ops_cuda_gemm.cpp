@@ -328,8 +328,8 @@ TEST(CudaGroupedLinear, UnevenAndEmptyExpertsMatchCpu) {
 }
 
 // The CUTLASS grouped GEMM (the default): the same checks and tolerances through it, where it
-// serves (bf16 operands, f32 dw, widths multiple of 8: asserted to run), in both tile
-// configurations and a mix of them, and the cuBLASLt fallback where it does not (odd widths, bf16
+// serves (bf16 operands, f32 dw, widths multiple of 8: asserted to run), in every tile
+// configuration and a mix of them, and the cuBLASLt fallback where it does not (odd widths, bf16
 // dw).
 TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
   MF_REQUIRE_GPU();
@@ -351,7 +351,7 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
         << "an f32 output is not CUTLASS's";
   }
   const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
-  for (const char* tile : {"large", "small", "forward=small,dgrad=large,wgrad=small"}) {
+  for (const char* tile : {"large", "small", "pingpong", "forward=small,dgrad=pingpong,wgrad=small"}) {
     SCOPED_TRACE(tile);
     ::setenv("MOEFOLD_CUTLASS_TILE", tile, 1);
     check_grouped(DType::bf16, DType::f32, counts, 48, 40);

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/grouped_gemm_cutlass.h"
@@ -47,10 +48,22 @@ using namespace cute;
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 using Problem = ProblemShape::UnderlyingProblemShape;
 
+// Kernel schedules: cooperative (two consumer warp groups share one CTA tile) or ping-pong (each
+// consumer warp group owns a tile of 64 rows; one's epilogue overlaps the other's mainloop).
+struct Cooperative {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct PingPong {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
 // One grouped GEMM configuration: bf16 operands, f32 accumulation, output ElementOut, CTA tile
 // TileShape, thread-block cluster ClusterShape (a 2 x 1 cluster shares B's tile loads between the
-// two CTAs of adjacent M tiles through TMA multicast).
-template <class LayoutA, class LayoutB, class ElementOut, class TileShape_, class ClusterShape_>
+// two CTAs of adjacent M tiles through TMA multicast), schedule Schedule.
+template <class LayoutA, class LayoutB, class ElementOut, class TileShape_, class ClusterShape_,
+          class Schedule = Cooperative>
 struct Grouped {
   using ElementIn = cutlass::bfloat16_t;
   using Out = ElementOut;
@@ -62,13 +75,13 @@ struct Grouped {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc, ElementOut, cutlass::layout::RowMajor*, kAlignOut,
-      ElementOut, cutlass::layout::RowMajor*, kAlignOut, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      ElementOut, cutlass::layout::RowMajor*, kAlignOut, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, Acc>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn, ElementIn, LayoutB*, kAlignIn,
       Acc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -79,31 +92,48 @@ struct Grouped {
 
 enum class Kind : int { forward, dgrad, wgrad };
 
-// The two tile configurations: 128 x 128 x 64 in 1 x 1 clusters, and 128 x 256 x 64 in 2 x 1
-// clusters (PyTorch's choice for large Hopper grouped GEMMs, which BENCHMARKS.md's ceilings used).
-using Small = cute::Shape<_128, _128, _64>;
-using Large = cute::Shape<_128, _256, _64>;
+// The tile configurations: "small" 128 x 128 x 64 in 1 x 1 clusters; "large" 128 x 256 x 64 in
+// 2 x 1 clusters (PyTorch's choice for large Hopper grouped GEMMs, which BENCHMARKS.md's ceilings
+// used; measured best at every shape, the default); "pingpong" 64 x 256 x 64 tiles per consumer
+// warp group in 2 x 1 clusters (half the row padding when experts get few rows, e.g. real
+// routing at DeepSeek-V3's 256 rows per expert; the wgrad epilogue's f32 stores hidden behind
+// the other warp group's mainloop). Not yet measured (session 4 ran out of device time).
+using SmallTile = cute::Shape<_128, _128, _64>;
+using LargeTile = cute::Shape<_128, _256, _64>;
+using PongTile = cute::Shape<_64, _256, _64>;
 using One = cute::Shape<_1, _1, _1>;
 using Pair = cute::Shape<_2, _1, _1>;
-template <class Tile, class Cluster>
-using Forward = Grouped<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t, Tile, Cluster>;
-template <class Tile, class Cluster>
-using Dgrad = Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, Tile, Cluster>;
-template <class Tile, class Cluster>
-using Wgrad = Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, Tile, Cluster>;
+template <class Tile, class Cluster, class Schedule = Cooperative>
+using Forward =
+    Grouped<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t, Tile, Cluster, Schedule>;
+template <class Tile, class Cluster, class Schedule = Cooperative>
+using Dgrad =
+    Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, Tile, Cluster, Schedule>;
+template <class Tile, class Cluster, class Schedule = Cooperative>
+using Wgrad = Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, Tile, Cluster, Schedule>;
 
-// Which configuration each kind uses: MOEFOLD_CUTLASS_TILE = "large" or "small" (every kind), or
-// per kind, e.g. "forward=large,dgrad=small,wgrad=large"; unset (or a kind not named): large.
-// Read at every call (a getenv), so a benchmark or test can switch between calls.
-bool large_tile(Kind kind) {
+enum class Tiles : int { small, large, pingpong };
+
+Tiles parse_tiles(const std::string& s, size_t at) {
+  for (const auto& [name, t] :
+       {std::pair{"small", Tiles::small}, std::pair{"large", Tiles::large}, std::pair{"pingpong", Tiles::pingpong}})
+    if (s.compare(at, std::strlen(name), name) == 0) return t;
+  MF_FAIL("MOEFOLD_CUTLASS_TILE = \"", s, "\": expected small, large or pingpong, for all kinds or as ",
+          "forward=...,dgrad=...,wgrad=...");
+}
+
+// Which configuration each kind uses: MOEFOLD_CUTLASS_TILE = "small", "large" or "pingpong" (every
+// kind), or per kind, e.g. "forward=large,dgrad=small,wgrad=pingpong"; unset (or a kind not
+// named): large. Read at every call (a getenv), so a benchmark or test can switch between calls.
+Tiles tiles_for(Kind kind) {
   const char* v = std::getenv("MOEFOLD_CUTLASS_TILE");
-  if (v == nullptr) return true;
+  if (v == nullptr || v[0] == '\0') return Tiles::large;
   const std::string s(v);
-  if (s == "large" || s == "small") return s == "large";
+  if (s.find('=') == std::string::npos) return parse_tiles(s, 0);
   const char* names[3] = {"forward=", "dgrad=", "wgrad="};
   const char* name = names[static_cast<int>(kind)];
   const size_t at = s.find(name);
-  return at == std::string::npos || s.compare(at + std::strlen(name), 5, "small") != 0;
+  return at == std::string::npos ? Tiles::large : parse_tiles(s, at + std::strlen(name));
 }
 
 // The per-group argument arrays of one call, carved from one scratch block.
@@ -253,10 +283,17 @@ bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, con
     run_grouped<G, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(), 0.0f,
                                   "grouped_linear_forward (CUTLASS)");
   };
-  if (large_tile(Kind::forward))
-    run.operator()<Forward<Large, Pair>>();
-  else
-    run.operator()<Forward<Small, One>>();
+  switch (tiles_for(Kind::forward)) {
+    case Tiles::large:
+      run.operator()<Forward<LargeTile, Pair>>();
+      break;
+    case Tiles::small:
+      run.operator()<Forward<SmallTile, One>>();
+      break;
+    case Tiles::pingpong:
+      run.operator()<Forward<PongTile, Pair, PingPong>>();
+      break;
+  }
   return true;
 }
 
@@ -291,15 +328,29 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
     MF_CUDA_LAUNCHED("grouped_linear_backward dw (zero empty experts)");
   }
   if (dx_RI.defined()) {
-    if (large_tile(Kind::dgrad))
-      dgrad.operator()<Dgrad<Large, Pair>>();
-    else
-      dgrad.operator()<Dgrad<Small, One>>();
+    switch (tiles_for(Kind::dgrad)) {
+      case Tiles::large:
+        dgrad.operator()<Dgrad<LargeTile, Pair>>();
+        break;
+      case Tiles::small:
+        dgrad.operator()<Dgrad<SmallTile, One>>();
+        break;
+      case Tiles::pingpong:
+        dgrad.operator()<Dgrad<PongTile, Pair, PingPong>>();
+        break;
+    }
   }
-  if (large_tile(Kind::wgrad))
-    wgrad.operator()<Wgrad<Large, Pair>>();
-  else
-    wgrad.operator()<Wgrad<Small, One>>();
+  switch (tiles_for(Kind::wgrad)) {
+    case Tiles::large:
+      wgrad.operator()<Wgrad<LargeTile, Pair>>();
+      break;
+    case Tiles::small:
+      wgrad.operator()<Wgrad<SmallTile, One>>();
+      break;
+    case Tiles::pingpong:
+      wgrad.operator()<Wgrad<PongTile, Pair, PingPong>>();
+      break;
+  }
   return true;
 }
 
