@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <vector>
 
 #include "cuda_testing.h"
 #include "moefold/ops/ops.h"
@@ -40,20 +41,26 @@ TEST(CudaElementwise, AddScaleSumSquaresMatchCpu) {
 // compute copy is the updated weight rounded once.
 TEST(CudaAdamW, MatchesCpuAndWritesTheComputeCopy) {
   MF_REQUIRE_GPU();
-  Pool pool;
-  DevicePool dev;
-  const int64_t n = 70001;
-  Tensor w = pool.randn({n}, DType::f32), g = pool.randn({n}, DType::f32, 0.1), m = pool.randn({n}, DType::f32, 0.01),
-         v = pool.uniform({n}, 0.0, 0.01, DType::f32);
-  Tensor wd = dev.upload(w, DType::f32), gd = dev.upload(g, DType::f32), md = dev.upload(m, DType::f32),
-         vd = dev.upload(v, DType::f32), wc = dev.poisoned({n}, DType::bf16);
-  const AdamWStep s{3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - std::pow(0.9, 7), 1 - std::pow(0.95, 7)};
-  adamw_update(w, g, m, v, s);
-  adamw_update(wd, gd, md, vd, s, wc);
-  EXPECT_LE(testing::rel_error(testing::download(wd), w), 1e-6);
-  EXPECT_LE(testing::rel_error(testing::download(md), m), 1e-6);
-  EXPECT_LE(testing::rel_error(testing::download(vd), v), 1e-6);
-  EXPECT_LE(testing::rel_error(testing::download(wc), w), 4e-3);
+  // 70001: the one-element kernel; 70000: the four-element (16-byte) kernel. A clip factor too.
+  for (const int64_t n : {int64_t{70001}, int64_t{70000}}) {
+    SCOPED_TRACE(n);
+    Pool pool;
+    DevicePool dev;
+    Tensor w = pool.randn({n}, DType::f32), g = pool.randn({n}, DType::f32, 0.1), m = pool.randn({n}, DType::f32, 0.01),
+           v = pool.uniform({n}, 0.0, 0.01, DType::f32);
+    Tensor wd = dev.upload(w, DType::f32), gd = dev.upload(g, DType::f32), md = dev.upload(m, DType::f32),
+           vd = dev.upload(v, DType::f32), wc = dev.poisoned({n}, DType::bf16);
+    const AdamWStep s{3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - std::pow(0.9, 7), 1 - std::pow(0.95, 7), 0.25};
+    adamw_update(w, g, m, v, s);
+    adamw_update(wd, gd, md, vd, s, wc);
+    EXPECT_LE(testing::rel_error(testing::download(wd), w), 1e-6);
+    EXPECT_LE(testing::rel_error(testing::download(md), m), 1e-6);
+    EXPECT_LE(testing::rel_error(testing::download(vd), v), 1e-6);
+    EXPECT_LE(testing::rel_error(testing::download(wc), w), 4e-3);
+    const std::vector<double> g_after = testing::download(gd);
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(g_after[static_cast<size_t>(i)], testing::value_at(g, i)) << "the gradient is read, not scaled";
+  }
 }
 
 }  // namespace
