@@ -70,6 +70,25 @@ TEST(BenchMoeLayer, SharedExpertsAreTimedAndCounted) {
   EXPECT_GT(r[0].stages[4].tflops, 0);
 }
 
+// Every repetition is a step's first micro-batch (the experts' weight gradients written), or with
+// accumulate_grads a later one (added to): with balanced routing every repetition computes the
+// same gradient, so after 3 repetitions the accumulated one is 3x the written one (9x its squares).
+TEST(BenchMoeLayer, WritesOrAccumulatesTheExpertGradients) {
+  MoeBenchOptions o;
+  o.shapes = {"tiny"};
+  o.routings = {"balanced"};
+  o.tokens = 32;
+  o.reps = 2;
+  o.warmup = 1;
+  o.device = Device::cpu;
+  o.overrides = {"moe.num_experts=4", "moe.num_experts_per_tok=2", "moe.moe_intermediate_size=16"};
+  const double written = bench_moe_layer(o).at(0).expert_grad_sq;
+  o.accumulate_grads = true;
+  const double added = bench_moe_layer(o).at(0).expert_grad_sq;
+  EXPECT_GT(written, 0);
+  EXPECT_NEAR(added, 9 * written, 1e-6 * added);  // fp32 sums in another order
+}
+
 TEST(BenchMoeLayer, BadOptionsFailWithOneLine) {
   MoeBenchOptions o;
   o.device = Device::cpu;

@@ -18,6 +18,9 @@ fi
 echo "== moe-layer, every shape"
 timeout 200 "$B" bench moe-layer --reps 10 --warmup 2 > "$out/moe_layer.md" 2>&1
 strip_table < "$out/moe_layer.md" | sed -n 1,12p
+echo "== moe-layer, later micro-batches (expert gradients accumulated)"
+timeout 90 "$B" bench moe-layer --shape qwen3-30b-a3b --shape deepseek-v3 --accumulate-grads --reps 10 --warmup 2 \
+  2>&1 | strip_table | sed -n 2,6p
 train() {  # layers, sequences per step, sequences per micro-batch
   echo "== train: $1 layers, $2 sequences per step, micro-batch $3"
   timeout 120 "$B" bench train --config qwen3-30b-a3b --set model.num_hidden_layers="$1" \

@@ -237,8 +237,9 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   std::vector<std::vector<double>> ms(stages.size() + 1);
   for (int i = 0; i < opts.warmup + opts.reps; ++i) {
     // A new step's gradients (untimed): the experts' backward writes its weight gradients, as in
-    // the first micro-batch of a training step (Memory::grad_written_by_backward).
-    mem.zero_grads();
+    // the first micro-batch of a training step (Memory::grad_written_by_backward). With
+    // accumulate_grads only before the first repetition: the others add to the gradients.
+    if (!opts.accumulate_grads || i == 0) mem.zero_grads();
     timers.back().start(opts.device);
     for (size_t s = 0; s < stages.size(); ++s) {
       timers[s].start(opts.device);
@@ -251,6 +252,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   }
   res.rows = plan->num_rows;
   res.local_experts = layer.dispatcher.num_local_experts();
+  res.expert_grad_sq = sum_squares(layer.dgate_up);
   res.total = {"layer forward+backward", median(ms.back()), 0, 0};
   res.total.tflops = res.flops / (res.total.ms * 1e9);
   if (facts) res.bar = balanced ? facts->bar_balanced : facts->bar_real;

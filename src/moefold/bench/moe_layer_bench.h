@@ -23,6 +23,9 @@ struct MoeBenchOptions {
   int reps = 20, warmup = 3;
   Device device = Device::cuda;        // cuda: bf16 mixed precision; cpu: fp32 (small shapes)
   std::vector<std::string> overrides;  // section.key=value applied to every shape's config
+  // false: every repetition is a step's first micro-batch (expert weight gradients written);
+  // true: a later one (added to the gradients of the repetitions before it).
+  bool accumulate_grads = false;
   // Expert parallelism over these ranks (every rank runs the benchmark with its own `tokens`;
   // the experts are split, tokens travel all-to-all); null or one rank: all experts here.
   Communicator* ep = nullptr;
@@ -45,6 +48,9 @@ struct MoeBenchResult {
   std::vector<BenchTime> stages;       // router, dispatch, experts, combine and their backwards
   std::vector<BenchTime> gemms;        // the grouped GEMMs alone (same rows and offsets)
   double load_max = 0, load_mean = 0;  // tokens per expert (router's view, before capacity)
+  // Sum of squares of the experts' gate_up gradient after the timed repetitions: one
+  // repetition's (written every time), or all of them added (accumulate_grads).
+  double expert_grad_sq = 0;
 };
 
 // Runs every (shape, routing) of `opts`. Fails (moefold::Error) on a bad shape or option.
