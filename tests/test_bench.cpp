@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "moefold/bench/moe_layer_bench.h"
 #include "moefold/bench/train_bench.h"
@@ -13,14 +16,21 @@
 namespace moefold {
 namespace {
 
-TEST(BenchMoeLayer, RunsEveryRoutingAndCountsFlops) {
+// The tiny preset's MoE layer on the CPU with these tokens, repetitions and overrides.
+MoeBenchOptions tiny_bench(int64_t tokens, int reps, int warmup, std::vector<std::string> overrides) {
   MoeBenchOptions o;
   o.shapes = {"tiny"};
-  o.tokens = 96;
-  o.reps = 2;
-  o.warmup = 1;
+  o.tokens = tokens;
+  o.reps = reps;
+  o.warmup = warmup;
   o.device = Device::cpu;
-  o.overrides = {"moe.num_experts=6", "moe.num_experts_per_tok=3", "moe.moe_intermediate_size=40"};
+  o.overrides = std::move(overrides);
+  return o;
+}
+
+TEST(BenchMoeLayer, RunsEveryRoutingAndCountsFlops) {
+  const MoeBenchOptions o =
+      tiny_bench(96, 2, 1, {"moe.num_experts=6", "moe.num_experts_per_tok=3", "moe.moe_intermediate_size=40"});
   const std::vector<MoeBenchResult> r = bench_moe_layer(o);
   ASSERT_EQ(r.size(), 2u);
   EXPECT_EQ(r[0].routing, "balanced");
@@ -51,15 +61,10 @@ TEST(BenchMoeLayer, RunsEveryRoutingAndCountsFlops) {
 // DeepSeek-V3's shared experts run beside the routed ones: two more stages, their FLOPs counted
 // (BENCHMARKS.md: + 6*T*H*F_shared).
 TEST(BenchMoeLayer, SharedExpertsAreTimedAndCounted) {
-  MoeBenchOptions o;
-  o.shapes = {"tiny"};
+  MoeBenchOptions o = tiny_bench(
+      32, 1, 0,
+      {"moe.num_experts=4", "moe.num_experts_per_tok=2", "moe.moe_intermediate_size=16", "moe.n_shared_experts=2"});
   o.routings = {"real"};
-  o.tokens = 32;
-  o.reps = 1;
-  o.warmup = 0;
-  o.device = Device::cpu;
-  o.overrides = {"moe.num_experts=4", "moe.num_experts_per_tok=2", "moe.moe_intermediate_size=16",
-                 "moe.n_shared_experts=2"};
   const std::vector<MoeBenchResult> r = bench_moe_layer(o);
   ASSERT_EQ(r.size(), 1u);
   const double h = 128, e = 4, k = 2, f = 16, t = 32;
@@ -74,14 +79,9 @@ TEST(BenchMoeLayer, SharedExpertsAreTimedAndCounted) {
 // accumulate_grads a later one (added to): with balanced routing every repetition computes the
 // same gradient, so after 3 repetitions the accumulated one is 3x the written one (9x its squares).
 TEST(BenchMoeLayer, WritesOrAccumulatesTheExpertGradients) {
-  MoeBenchOptions o;
-  o.shapes = {"tiny"};
+  MoeBenchOptions o =
+      tiny_bench(32, 2, 1, {"moe.num_experts=4", "moe.num_experts_per_tok=2", "moe.moe_intermediate_size=16"});
   o.routings = {"balanced"};
-  o.tokens = 32;
-  o.reps = 2;
-  o.warmup = 1;
-  o.device = Device::cpu;
-  o.overrides = {"moe.num_experts=4", "moe.num_experts_per_tok=2", "moe.moe_intermediate_size=16"};
   const double written = bench_moe_layer(o).at(0).expert_grad_sq;
   o.accumulate_grads = true;
   const double added = bench_moe_layer(o).at(0).expert_grad_sq;
