@@ -497,8 +497,9 @@ TEST(Experts, FirstBackwardOfAStepWritesTheWeightGradients) {
     }
     return g;
   };
+  for (const Param& p : mem.params()) fill_constant(p.grad, 3.0);  // a previous step's values
   mem.zero_grads();
-  for (const Param& p : mem.params()) fill_constant(p.grad, 3.0);  // stale values zero_grads left alone
+  for (const Param& p : mem.params()) EXPECT_EQ(testing::value_at(p.grad, 0), 3.0) << p.name << ": zero_grads skips it";
   experts.forward(x, offsets, out);
   experts.backward(x, offsets, dout, dx);
   once = grads();
