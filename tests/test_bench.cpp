@@ -109,16 +109,26 @@ TEST(BenchMoeLayer, BadOptionsFailWithOneLine) {
 namespace moefold {
 namespace {
 
-// `moefold bench train` on the CPU: the step's numbers follow from its median and the model's
-// FLOPs per token; random tokens start near ln(vocab).
-TEST(BenchTrain, ReportsThroughputOfFullSteps) {
-  const Config cfg = load_config("tiny", {"model.num_hidden_layers=2", "train.global_batch_size=4",
-                                          "train.micro_batch_size=2", "train.seq_len=32"});
-  std::unique_ptr<Communicator> world = make_self_communicator();
+// The tiny preset cut to 2 layers, 4 sequences of 32 tokens per step in micro-batches of 2, and
+// 3 timed steps after 1 warm-up on the CPU.
+Config small_train() {
+  return load_config("tiny", {"model.num_hidden_layers=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+                              "train.seq_len=32"});
+}
+TrainBenchOptions cpu_bench() {
   TrainBenchOptions o;
   o.steps = 3;
   o.warmup = 1;
   o.device = Device::cpu;
+  return o;
+}
+
+// `moefold bench train` on the CPU: the step's numbers follow from its median and the model's
+// FLOPs per token; random tokens start near ln(vocab).
+TEST(BenchTrain, ReportsThroughputOfFullSteps) {
+  const Config cfg = small_train();
+  std::unique_ptr<Communicator> world = make_self_communicator();
+  TrainBenchOptions o = cpu_bench();
   const TrainBenchResult r = bench_train(cfg, *world, o);
   EXPECT_EQ(r.ranks, 1);
   EXPECT_EQ(r.tokens_per_step, 4 * 32);
@@ -146,13 +156,9 @@ const StepPhase* find_phase(const TrainBenchResult& r, const std::string& name) 
 // layer's parts and the optimizer, with the calls a step makes: 2 micro-batches (global 4 /
 // micro 2) through 2 MoE layers.
 TEST(BenchTrain, BreaksTheStepIntoPhases) {
-  const Config cfg = load_config("tiny", {"model.num_hidden_layers=2", "train.global_batch_size=4",
-                                          "train.micro_batch_size=2", "train.seq_len=32"});
+  const Config cfg = small_train();
   std::unique_ptr<Communicator> world = make_self_communicator();
-  TrainBenchOptions o;
-  o.steps = 3;
-  o.warmup = 1;
-  o.device = Device::cpu;
+  TrainBenchOptions o = cpu_bench();
   const TrainBenchResult r = bench_train(cfg, *world, o);
   EXPECT_FALSE(profile_enabled());  // on for the benchmark only
   ASSERT_FALSE(r.phases.empty());

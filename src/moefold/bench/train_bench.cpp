@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <optional>
 #include <vector>
 
 #include "moefold/core/device.h"
@@ -66,12 +65,7 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
   const ParallelConfig layout = cfg.resolve_layout(world.size());
   Mesh mesh = Mesh::build(world, layout);
   const TokenDataset data = open_token_dataset(path);
-  std::optional<Trainer> trainer_slot;
-  {
-    ProfileScope scope("bench train: trainer construction");
-    trainer_slot.emplace(cfg, data, mesh, opts.device);
-  }
-  Trainer& trainer = *trainer_slot;
+  Trainer trainer(cfg, data, mesh, opts.device);
   {
     ProfileScope scope("bench train: init");
     trainer.init_fresh();

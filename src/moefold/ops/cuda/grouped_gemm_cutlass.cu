@@ -136,6 +136,23 @@ Tiles tiles_for(Kind kind) {
   return at == std::string::npos ? Tiles::large : parse_tiles(s, at + std::strlen(name));
 }
 
+// Calls run.template operator()<G>() with G the configuration of `kind` (Forward, Dgrad or Wgrad)
+// that tiles_for picks.
+template <template <class, class, class> class Config, class Run>
+void with_tiles(Kind kind, const Run& run) {
+  switch (tiles_for(kind)) {
+    case Tiles::large:
+      run.template operator()<Config<LargeTile, Pair, Cooperative>>();
+      break;
+    case Tiles::small:
+      run.template operator()<Config<SmallTile, One, Cooperative>>();
+      break;
+    case Tiles::pingpong:
+      run.template operator()<Config<PongTile, Pair, PingPong>>();
+      break;
+  }
+}
+
 // The per-group argument arrays of one call, carved from one scratch block.
 template <class G>
 struct Arrays {
@@ -283,17 +300,7 @@ bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, con
     run_grouped<G, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(), 0.0f,
                                   "grouped_linear_forward (CUTLASS)");
   };
-  switch (tiles_for(Kind::forward)) {
-    case Tiles::large:
-      run.operator()<Forward<LargeTile, Pair>>();
-      break;
-    case Tiles::small:
-      run.operator()<Forward<SmallTile, One>>();
-      break;
-    case Tiles::pingpong:
-      run.operator()<Forward<PongTile, Pair, PingPong>>();
-      break;
-  }
+  with_tiles<Forward>(Kind::forward, run);
   return true;
 }
 
@@ -327,30 +334,8 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
                                                                                    offsets_E1.ptr<int64_t>(), per);
     MF_CUDA_LAUNCHED("grouped_linear_backward dw (zero empty experts)");
   }
-  if (dx_RI.defined()) {
-    switch (tiles_for(Kind::dgrad)) {
-      case Tiles::large:
-        dgrad.operator()<Dgrad<LargeTile, Pair>>();
-        break;
-      case Tiles::small:
-        dgrad.operator()<Dgrad<SmallTile, One>>();
-        break;
-      case Tiles::pingpong:
-        dgrad.operator()<Dgrad<PongTile, Pair, PingPong>>();
-        break;
-    }
-  }
-  switch (tiles_for(Kind::wgrad)) {
-    case Tiles::large:
-      wgrad.operator()<Wgrad<LargeTile, Pair>>();
-      break;
-    case Tiles::small:
-      wgrad.operator()<Wgrad<SmallTile, One>>();
-      break;
-    case Tiles::pingpong:
-      wgrad.operator()<Wgrad<PongTile, Pair, PingPong>>();
-      break;
-  }
+  if (dx_RI.defined()) with_tiles<Dgrad>(Kind::dgrad, dgrad);
+  with_tiles<Wgrad>(Kind::wgrad, wgrad);
   return true;
 }
 
