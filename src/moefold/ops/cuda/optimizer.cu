@@ -11,15 +11,23 @@ namespace moefold::cuda {
 
 namespace {
 
+// The step's constants and one element's update (g already scaled by the clip factor).
+struct AdamWArgs {
+  float b1, b2, step_size, inv_sqrt_bc2, wd, eps, gs;
+};
+
+__device__ __forceinline__ void adamw_element(const AdamWArgs& a, float g, float& w, float& m, float& v) {
+  m = a.b1 * m + (1.0f - a.b1) * g;
+  v = a.b2 * v + (1.0f - a.b2) * g * g;
+  w = w * a.wd - a.step_size * m / (sqrtf(v) * a.inv_sqrt_bc2 + a.eps);
+}
+
 template <class C>
-__global__ void adamw_kernel(float* w, const float* g, float* m, float* v, C* wc, int64_t n, float b1, float b2,
-                             float step_size, float inv_sqrt_bc2, float wd, float eps, float gs) {
+__global__ void adamw_kernel(float* w, const float* g, float* m, float* v, C* wc, int64_t n, AdamWArgs a) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gi = g[i] * gs;
-    const float mi = b1 * m[i] + (1.0f - b1) * gi;
-    const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-    const float wi = w[i] * wd - step_size * mi / (sqrtf(vi) * inv_sqrt_bc2 + eps);
+    float wi = w[i], mi = m[i], vi = v[i];
+    adamw_element(a, g[i] * a.gs, wi, mi, vi);
     m[i] = mi;
     v[i] = vi;
     w[i] = wi;
@@ -33,22 +41,20 @@ struct alignas(8) Bf16x4 {
   __nv_bfloat16 v[4];
 };
 
-__global__ void adamw_vec_kernel(float4* w, const float4* g, float4* m, float4* v, Bf16x4* wc, int64_t n4, float b1,
-                                 float b2, float step_size, float inv_sqrt_bc2, float wd, float eps, float gs) {
+__global__ void adamw_vec_kernel(float4* w, const float4* g, float4* m, float4* v, Bf16x4* wc, int64_t n4,
+                                 AdamWArgs a) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n4;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float4 gv = g[i];
     float4 mv = m[i], vv = v[i], wv = w[i];
-    const float gi[4] = {gv.x * gs, gv.y * gs, gv.z * gs, gv.w * gs};
+    const float* gp = &gv.x;
     float* mp = &mv.x;
     float* vp = &vv.x;
     float* wp = &wv.x;
     Bf16x4 c;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      mp[k] = b1 * mp[k] + (1.0f - b1) * gi[k];
-      vp[k] = b2 * vp[k] + (1.0f - b2) * gi[k] * gi[k];
-      wp[k] = wp[k] * wd - step_size * mp[k] / (sqrtf(vp[k]) * inv_sqrt_bc2 + eps);
+      adamw_element(a, gp[k] * a.gs, wp[k], mp[k], vp[k]);
       c.v[k] = __float2bfloat16(wp[k]);
     }
     m[i] = mv;
@@ -72,35 +78,33 @@ void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tenso
   const int64_t n = w.numel();
   if (n == 0) return;
   const int threads = 256, blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), 65535 * 4));
-  const float b1 = static_cast<float>(s.beta1), b2 = static_cast<float>(s.beta2);
-  const float step_size = static_cast<float>(s.lr / s.bias_correction1);
-  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(s.bias_correction2));
-  const float wd = static_cast<float>(1.0 - s.lr * s.weight_decay), eps = static_cast<float>(s.eps);
-  const float gs = static_cast<float>(s.grad_scale);
+  const AdamWArgs a{static_cast<float>(s.beta1),
+                    static_cast<float>(s.beta2),
+                    static_cast<float>(s.lr / s.bias_correction1),
+                    static_cast<float>(1.0 / std::sqrt(s.bias_correction2)),
+                    static_cast<float>(1.0 - s.lr * s.weight_decay),
+                    static_cast<float>(s.eps),
+                    static_cast<float>(s.grad_scale)};
+  if (w_compute.defined()) {
+    check_cuda_tensor(w_compute, "adamw_update w_compute");
+    MF_CHECK(w_compute.numel() == n, "adamw_update: compute copy ", w_compute.str(), " vs w ", w.str());
+  }
   const bool vec = n % 4 == 0 && aligned(w.data(), 16) && aligned(g.data(), 16) && aligned(m.data(), 16) &&
                    aligned(v.data(), 16) &&
                    (!w_compute.defined() || (w_compute.dtype() == DType::bf16 && aligned(w_compute.data(), 8)));
   if (vec) {
     const int vblocks = static_cast<int>(std::min<int64_t>(ceil_div(n / 4, threads), 65535 * 4));
-    if (w_compute.defined()) {
-      check_cuda_tensor(w_compute, "adamw_update w_compute");
-      MF_CHECK(w_compute.numel() == n, "adamw_update: compute copy ", w_compute.str(), " vs w ", w.str());
-    }
     adamw_vec_kernel<<<vblocks, threads, 0, stream()>>>(
         static_cast<float4*>(w.data()), static_cast<const float4*>(g.data()), static_cast<float4*>(m.data()),
         static_cast<float4*>(v.data()), w_compute.defined() ? static_cast<Bf16x4*>(w_compute.data()) : nullptr, n / 4,
-        b1, b2, step_size, inv_sqrt_bc2, wd, eps, gs);
+        a);
   } else if (!w_compute.defined()) {
     adamw_kernel<float><<<blocks, threads, 0, stream()>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(),
-                                                          v.ptr<float>(), nullptr, n, b1, b2, step_size, inv_sqrt_bc2,
-                                                          wd, eps, gs);
+                                                          v.ptr<float>(), nullptr, n, a);
   } else {
-    check_cuda_tensor(w_compute, "adamw_update w_compute");
-    MF_CHECK(w_compute.numel() == n, "adamw_update: compute copy ", w_compute.str(), " vs w ", w.str());
     dispatch_cuda_float(w_compute.dtype(), [&]<class C>() {
       adamw_kernel<C><<<blocks, threads, 0, stream()>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(), v.ptr<float>(),
-                                                        w_compute.ptr<C>(), n, b1, b2, step_size, inv_sqrt_bc2, wd, eps,
-                                                        gs);
+                                                        w_compute.ptr<C>(), n, a);
     });
   }
   MF_CUDA_LAUNCHED("adamw_update");
