@@ -160,6 +160,50 @@ TYPED_TEST(CommTyped, AllToAllVRandomCounts) {
   }
 }
 
+// start_exchange: random counts to a random subset of the peers (itself included), every peer
+// with buffers of its own, given in a shuffled order; guard rows stay untouched.
+TYPED_TEST(CommTyped, StartExchangeRandomPeers) {
+  using T = TypeParam;
+  Communicator& w = test_world();
+  const int n = w.size(), r = w.rank();
+  const uint64_t seed = shared_seed(w);
+  SCOPED_TRACE(::testing::Message() << "MOEFOLD_TEST_SEED=" << seed);
+  for (int trial = 0; trial < 4; ++trial) {
+    std::mt19937_64 gen(seed + 100 + trial);
+    std::vector<int64_t> counts(n * n);  // counts[src * n + dst] rows; -1: no transfer
+    for (int s = 0; s < n; ++s)
+      for (int d = s; d < n; ++d) {  // a pair exchanges both ways or not at all
+        const int64_t there = gen() % 3 == 0 ? -1 : static_cast<int64_t>(gen() % 5);
+        const int64_t back = there < 0 ? -1 : static_cast<int64_t>(gen() % 5);
+        counts[s * n + d] = there;
+        counts[d * n + s] = s == d ? there : back;
+      }
+    const int64_t kGuard = 1;
+    const T sentinel = T(-99);
+    std::vector<std::vector<T>> out(n), in(n);
+    std::vector<Transfer> transfers;
+    for (int p = 0; p < n; ++p) {
+      const int64_t sn = counts[r * n + p], rn = counts[p * n + r];
+      if (sn < 0) continue;
+      out[p].assign((sn + kGuard) * kCols, T(-5));
+      in[p].assign((rn + kGuard) * kCols, sentinel);
+      for (int64_t i = 0; i < sn * kCols; ++i) out[p][i] = val<T>(r, p * 100 + i / kCols, i % kCols);
+      transfers.push_back(
+          Transfer{p, view(out[p], sn + kGuard, kCols).slice(0, sn), view(in[p], rn + kGuard, kCols).slice(0, rn)});
+    }
+    std::shuffle(transfers.begin(), transfers.end(), gen);
+    w.wait(w.start_exchange(transfers));
+    for (int p = 0; p < n; ++p) {
+      const int64_t rn = counts[p * n + r];
+      if (rn < 0) continue;
+      for (int64_t i = 0; i < rn * kCols; ++i)
+        ASSERT_EQ(in[p][i], val<T>(p, r * 100 + i / kCols, i % kCols)) << "trial " << trial << " from " << p;
+      for (int64_t i = rn * kCols; i < static_cast<int64_t>(in[p].size()); ++i)
+        ASSERT_EQ(in[p][i], sentinel) << "guard element " << i << " from " << p << " overwritten, trial " << trial;
+    }
+  }
+}
+
 TYPED_TEST(CommTyped, BroadcastFromLastRank) {
   using T = TypeParam;
   Communicator& w = test_world();

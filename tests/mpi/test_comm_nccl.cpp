@@ -118,6 +118,39 @@ TEST_F(Nccl, AllToAllVUnevenAndEmptyBlocks) {
       for (int j = 0; j < 3; ++j) ASSERT_EQ(got[row * 3 + j], p * 100 + r * 10 + k + 0.5 * j) << p << " " << k;
 }
 
+// start_exchange on the communicator's stream: two rounds started back to back (the second one
+// from the buffers the first one filled, after a wait), every peer and itself, bf16 rows; the
+// compute stream reads them after wait.
+TEST_F(Nccl, StartExchangeRoundsAndWait) {
+  const int r = nccl_->rank(), n = nccl_->size();
+  testing::Pool pool;
+  DevicePool dev;
+  const int64_t cols = 8;
+  std::vector<Tensor> out, mid, back;
+  std::vector<Transfer> first, second;
+  for (int p = 0; p < n; ++p) {
+    const int64_t rows_to = 1 + (r + 2 * p) % 3, rows_from = 1 + (p + 2 * r) % 3;
+    Tensor h = pool.zeros({rows_to, cols});
+    for (int64_t i = 0; i < rows_to * cols; ++i) testing::set_value_at(h, i, r * 64 + p * 8 + (i % 8) + 0.5);
+    out.push_back(dev.upload(h, DType::bf16));
+    mid.push_back(dev.poisoned({rows_from, cols}, DType::bf16));
+    back.push_back(dev.poisoned({rows_to, cols}, DType::bf16));
+    first.push_back(Transfer{p, out.back(), mid.back()});
+  }
+  const int64_t t1 = nccl_->start_exchange(first);
+  nccl_->wait(t1);
+  for (int p = 0; p < n; ++p) second.push_back(Transfer{p, mid[p], back[p]});  // every row goes home again
+  nccl_->wait(nccl_->start_exchange(second));
+  for (int p = 0; p < n; ++p) {
+    const std::vector<double> got_mid = testing::download(mid[p]), got_back = testing::download(back[p]);
+    for (size_t i = 0; i < got_mid.size(); ++i)
+      ASSERT_EQ(got_mid[i], p * 64 + r * 8 + static_cast<double>(i % 8) + 0.5) << "from " << p << " element " << i;
+    for (size_t i = 0; i < got_back.size(); ++i)
+      ASSERT_EQ(got_back[i], r * 64 + p * 8 + static_cast<double>(i % 8) + 0.5)
+          << "back from " << p << " element " << i;
+  }
+}
+
 // Host tensors go through the staging buffer; groups from split reduce within themselves.
 TEST_F(Nccl, HostTensorsAndSplitGroups) {
   const int r = nccl_->rank(), n = nccl_->size();

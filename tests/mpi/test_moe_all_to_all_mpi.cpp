@@ -61,6 +61,7 @@ struct Knobs {
   bool aux = false;      // aux_loss_coeff 0.1, z_loss_coeff 0.01
   double capacity = 0;   // capacity_factor
   bool pad = false;      // pad_to_capacity
+  int64_t chunks = 2;    // ep_overlap_chunks: the rounds each peer's rows travel in
 };
 
 Case make(std::string name, Knobs o, std::vector<double> bias_E = {}) {
@@ -73,7 +74,8 @@ Case make(std::string name, Knobs o, std::vector<double> bias_E = {}) {
                 .aux_loss_coeff = o.aux ? 0.1 : 0.0,
                 .z_loss_coeff = o.aux ? 0.01 : 0.0,
                 .capacity_factor = o.capacity,
-                .pad_to_capacity = o.pad};
+                .pad_to_capacity = o.pad,
+                .ep_overlap_chunks = o.chunks};
   return {std::move(name), cfg, std::move(bias_E)};
 }
 
@@ -103,6 +105,12 @@ std::vector<Case> all_cases() {
       make("capacity_padded_softmax_k2", {.capacity = 0.75, .pad = true}),
       make("capacity_padded_idle_rank_sigmoid_k1_aux",
            {.k = 1, .sigmoid = true, .aux = true, .capacity = 1.5, .pad = true}, idle),
+      // The rounds: one per peer (no pipelining), three, and more rounds than some peers have
+      // rows (empty pieces).
+      make("one_round_softmax_k2", {.chunks = 1}),
+      make("three_rounds_imbalanced_softmax_k2_aux", {.aux = true, .chunks = 3}, rank0),
+      make("seven_rounds_capacity_padded_softmax_k2", {.capacity = 0.75, .pad = true, .chunks = 7}),
+      make("seven_rounds_idle_rank_sigmoid_k1", {.k = 1, .sigmoid = true, .norm = false, .chunks = 7}, idle),
   };
 }
 

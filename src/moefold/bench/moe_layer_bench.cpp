@@ -15,6 +15,7 @@
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/moe/dispatcher.h"
 #include "moefold/moe/experts.h"
+#include "moefold/moe/moe_layer.h"
 #include "moefold/moe/router.h"
 #include "moefold/ops/moe_ops.h"
 #include "moefold/ops/ops.h"
@@ -206,15 +207,15 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
         plan = &layer.dispatcher.dispatch(layer.x, balanced ? layer.balanced_idx : layer.router.topk_idx(),
                                           balanced ? layer.balanced_prob : layer.router.topk_prob());
       },
-      [&] { layer.experts.forward(plan->rows_RH, plan->offsets_E1, layer.out.slice(0, plan->num_rows)); },
+      [&] { run_experts_forward(layer.dispatcher, *plan, layer.experts, layer.out.slice(0, plan->num_rows)); },
       [&] { layer.dispatcher.combine(layer.out.slice(0, plan->num_rows), *plan, layer.y); },
       [&] {
         layer.dispatcher.combine_backward(layer.dy, layer.out.slice(0, plan->num_rows), *plan,
                                           layer.dout.slice(0, plan->num_rows), layer.dprob);
       },
       [&] {
-        layer.experts.backward(plan->rows_RH, plan->offsets_E1, layer.dout.slice(0, plan->num_rows),
-                               layer.drows.slice(0, plan->num_rows));
+        run_experts_backward(layer.dispatcher, *plan, layer.experts, layer.dout.slice(0, plan->num_rows),
+                             layer.drows.slice(0, plan->num_rows));
       },
       [&] { layer.dispatcher.dispatch_backward(layer.drows.slice(0, plan->num_rows), *plan, layer.dx); },
       [&] { layer.router.backward(layer.x, layer.dprob, 1.0, layer.dx); },
@@ -274,29 +275,38 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     res.load_mean = sum / static_cast<double>(e_n);
   }
 
-  // The expert GEMMs alone, on the last plan's rows and offsets.
+  // The expert GEMMs alone, on the last plan's rows, piece by piece as the experts ran them.
   const int64_t r = plan->num_rows;
-  const Tensor rows = plan->rows_RH, off = plan->offsets_E1;
+  const Tensor rows = plan->rows_RH;
   const Tensor gu = layer.gu.slice(0, r), h = layer.h.slice(0, r), dgu = layer.dgu.slice(0, r);
   const Tensor out = layer.out.slice(0, r), drows2 = layer.drows2.slice(0, r);
   fill(gu, 1.0, ++salt);
   fill(h, 1.0, ++salt);
   fill(dgu, 1e-3, ++salt);
   const double fc1 = 4.0 * r * h_n * f, fc2 = 2.0 * r * h_n * f;
-  auto gemm = [&](const char* name, double flops, double ceiling, const std::function<void()>& fn) {
-    BenchTime b{name, time_median(opts.device, opts.warmup, opts.reps, fn), 0, ceiling};
+  auto gemm = [&](const char* name, double flops, double ceiling,
+                  const std::function<void(const Tensor& off, int64_t begin, int64_t end)>& fn) {
+    const auto pieces = [&] {
+      for (const RowPiece& pc : plan->pieces) fn(pc.offsets_E1, pc.begin, pc.end);
+    };
+    BenchTime b{name, time_median(opts.device, opts.warmup, opts.reps, pieces), 0, ceiling};
     b.tflops = flops / (b.ms * 1e9);
     res.gemms.push_back(b);
   };
-  gemm("fc1 forward (grouped, H -> 2F)", fc1, facts ? facts->fc1 : 0,
-       [&] { grouped_linear_forward(rows, layer.experts.gate_up_proj(), off, gu); });
-  gemm("fc2 forward (grouped, F -> H)", fc2, facts ? facts->fc2 : 0,
-       [&] { grouped_linear_forward(h, layer.experts.down_proj(), off, out); });
-  gemm("fc1 backward (dx + dw)", 2 * fc1, 0,
-       [&] { grouped_linear_backward(rows, layer.experts.gate_up_proj(), off, dgu, drows2, layer.dgate_up); });
-  gemm("fc1 forward+backward", 3 * fc1, facts ? facts->fc1_fwd_bwd : 0, [&] {
-    grouped_linear_forward(rows, layer.experts.gate_up_proj(), off, gu);
-    grouped_linear_backward(rows, layer.experts.gate_up_proj(), off, dgu, drows2, layer.dgate_up);
+  const Tensor& w1 = layer.experts.gate_up_proj();
+  gemm("fc1 forward (grouped, H -> 2F)", fc1, facts ? facts->fc1 : 0, [&](const Tensor& off, int64_t a, int64_t b) {
+    grouped_linear_forward(rows.slice(a, b), w1, off, gu.slice(a, b));
+  });
+  gemm("fc2 forward (grouped, F -> H)", fc2, facts ? facts->fc2 : 0, [&](const Tensor& off, int64_t a, int64_t b) {
+    grouped_linear_forward(h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b));
+  });
+  const auto fc1_backward = [&](const Tensor& off, int64_t a, int64_t b) {
+    grouped_linear_backward(rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up);
+  };
+  gemm("fc1 backward (dx + dw)", 2 * fc1, 0, fc1_backward);
+  gemm("fc1 forward+backward", 3 * fc1, facts ? facts->fc1_fwd_bwd : 0, [&](const Tensor& off, int64_t a, int64_t b) {
+    grouped_linear_forward(rows.slice(a, b), w1, off, gu.slice(a, b));
+    fc1_backward(off, a, b);
   });
   return res;
 }

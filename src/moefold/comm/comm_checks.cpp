@@ -63,4 +63,17 @@ void check_all_to_all_v(const Tensor& send, const int64_t* send_counts, const Te
   MF_CHECK(recv_rows <= recv.size(0), "all_to_all_v: recv counts total ", recv_rows, " rows > recv ", recv.str());
 }
 
+void check_exchange(const std::vector<Transfer>& transfers, int group_size, bool gpu) {
+  std::vector<bool> seen(static_cast<size_t>(group_size), false);
+  for (const Transfer& t : transfers) {
+    MF_CHECK(t.peer >= 0 && t.peer < group_size, "start_exchange: peer ", t.peer, " of ", group_size);
+    MF_CHECK(!seen[static_cast<size_t>(t.peer)], "start_exchange: peer ", t.peer, " given twice");
+    seen[static_cast<size_t>(t.peer)] = true;
+    check_buffer(t.send, "start_exchange", "send", gpu);
+    check_buffer(t.recv, "start_exchange", "recv", gpu);
+    check_rows_alike(t.send, t.recv, "start_exchange");
+    check_rows_alike(t.send, transfers.front().send, "start_exchange");
+  }
+}
+
 }  // namespace moefold::comm_detail

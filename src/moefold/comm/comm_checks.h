@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
+#include "moefold/comm/communicator.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold::comm_detail {
@@ -22,5 +24,8 @@ void check_all_to_all(const Tensor& send, const Tensor& recv, int group_size, bo
 // Same dtype and row size; counts non-negative and summing to at most each buffer's rows.
 void check_all_to_all_v(const Tensor& send, const int64_t* send_counts, const Tensor& recv, const int64_t* recv_counts,
                         int group_size, bool gpu = false);
+// Peers in [0, group_size), each at most once; send and recv checked buffers of one dtype and row
+// size (every transfer alike).
+void check_exchange(const std::vector<Transfer>& transfers, int group_size, bool gpu = false);
 
 }  // namespace moefold::comm_detail

@@ -13,12 +13,20 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "moefold/core/tensor.h"
 
 namespace moefold {
 
 enum class ReduceOp : uint8_t { sum, max };
+
+// One peer's part of an exchange: the rows of `send` go to `peer`, the rows `peer` sends here land
+// in `recv` (either may have 0 rows; both are defined, contiguous, of one dtype and row size).
+struct Transfer {
+  int peer = 0;
+  Tensor send, recv;
+};
 
 class Communicator {
  public:
@@ -47,6 +55,16 @@ class Communicator {
   virtual void send(const Tensor& buf, int peer, int tag) = 0;
   virtual void recv(const Tensor& buf, int peer, int tag) = 0;
   virtual void barrier() = 0;
+
+  // Collective: every rank calls it together, with at most one Transfer per peer (itself
+  // included); a rank's recv rows from q must equal q's send rows to it. Starts the exchange after
+  // the work queued so far on the compute stream and returns a ticket; on a GPU backend the
+  // exchange runs on the communicator's own stream, so the compute stream goes on with other
+  // work. wait(ticket) orders the compute-stream work queued after it behind the exchange; until
+  // then neither the send nor the recv rows may be touched. Host backends (MPI, one rank) finish
+  // the exchange before returning (this default does, through all_to_all_v).
+  virtual int64_t start_exchange(const std::vector<Transfer>& transfers);
+  virtual void wait(int64_t ticket) { (void)ticket; }
 
   // Collective over this group: ranks with equal `color` form a new group, ordered by `key`.
   virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;

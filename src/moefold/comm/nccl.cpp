@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -95,9 +96,14 @@ class NcclCommunicator final : public Communicator {
       : comm_(comm), name_(std::move(name)), timeout_s_(timeout_s), world_rank_(world_rank) {
     MF_NCCL(ncclCommUserRank(comm_, &rank_));
     MF_NCCL(ncclCommCount(comm_, &size_));
-    MF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    // The highest priority: a transfer started beside the compute stream's kernels gets its
+    // blocks scheduled as soon as SMs free up, not after the queued compute.
+    int least = 0, greatest = 0;
+    MF_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    MF_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
     MF_CUDA_CHECK(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
     MF_CUDA_CHECK(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+    for (cudaEvent_t& e : started_) MF_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     staging_ = device_malloc(kStagingBytes);
   }
   ~NcclCommunicator() override {
@@ -105,6 +111,7 @@ class NcclCommunicator final : public Communicator {
     ncclCommDestroy(comm_);
     cudaEventDestroy(before_);
     cudaEventDestroy(after_);
+    for (cudaEvent_t e : started_) cudaEventDestroy(e);
     cudaStreamDestroy(stream_);
     device_free(staging_);
   }
@@ -162,6 +169,31 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  int64_t start_exchange(const std::vector<Transfer>& transfers) override {
+    comm_detail::check_exchange(transfers, size_, true);
+    for (const Transfer& t : transfers)
+      MF_CHECK(t.send.device() == Device::cuda && t.recv.device() == Device::cuda, "start_exchange on group '", name_,
+               "': send ", t.send.str(), " and recv ", t.recv.str(), " must be GPU tensors");
+    MF_CUDA_CHECK(cudaEventRecord(before_, compute()));
+    MF_CUDA_CHECK(cudaStreamWaitEvent(stream_, before_, 0));
+    MF_NCCL(ncclGroupStart());
+    for (const Transfer& t : transfers) {
+      const int64_t row = row_elems(t.send);
+      if (t.send.size(0) > 0)
+        MF_NCCL(ncclSend(t.send.data(), t.send.size(0) * row, nccl_type(t.send.dtype()), t.peer, comm_, stream_));
+      if (t.recv.size(0) > 0)
+        MF_NCCL(ncclRecv(t.recv.data(), t.recv.size(0) * row, nccl_type(t.recv.dtype()), t.peer, comm_, stream_));
+    }
+    MF_NCCL(ncclGroupEnd());
+    const int64_t ticket = next_ticket_++;
+    MF_CUDA_CHECK(cudaEventRecord(started_[static_cast<size_t>(ticket % kStarted)], stream_));
+    return ticket;
+  }
+  void wait(int64_t ticket) override {
+    MF_CHECK(ticket >= 0 && ticket < next_ticket_ && ticket >= next_ticket_ - kStarted, "wait on group '", name_,
+             "': ticket ", ticket, " is not one of the last ", kStarted, " exchanges (", next_ticket_, " started)");
+    MF_CUDA_CHECK(cudaStreamWaitEvent(compute(), started_[static_cast<size_t>(ticket % kStarted)], 0));
+  }
   void all_to_all(const Tensor& send, const Tensor& recv) override {
     comm_detail::check_all_to_all(send, recv, size_, true);
     std::vector<int64_t> counts(static_cast<size_t>(size_), send.size(0) / size_);
@@ -280,6 +312,10 @@ class NcclCommunicator final : public Communicator {
   int world_rank_ = 0, rank_ = 0, size_ = 1;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t before_ = nullptr, after_ = nullptr;
+  // Completion events of the last kStarted start_exchange calls, by ticket.
+  static constexpr int64_t kStarted = 64;
+  std::array<cudaEvent_t, kStarted> started_{};
+  int64_t next_ticket_ = 0;
   void* staging_ = nullptr;
 };
 

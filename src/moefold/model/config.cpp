@@ -79,6 +79,8 @@ const std::vector<Field>& fields() {
       MF_FIELD(moe, "router_z_loss_coef", z_loss_coeff, "router z-loss weight (ST-MoE)"),
       MF_FIELD(moe, "router_fp32_gemm", router_fp32_gemm,
                "mixed precision: router logits from fp32 operands (else bf16 operands, fp32 accumulation)"),
+      MF_FIELD(moe, "ep_overlap_chunks", ep_overlap_chunks,
+               "expert parallelism: pieces each EP peer's rows travel in, so the all-to-all overlaps the experts"),
       MF_FIELD(moe, "capacity_factor", capacity_factor,
                "<= 0: dropless; else capacity = ceil(cf * T * K / E) rows per expert"),
       MF_FIELD(moe, "pad_to_capacity", pad_to_capacity, "with a capacity: pad every expert to exactly its capacity"),

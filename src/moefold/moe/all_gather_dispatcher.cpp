@@ -77,6 +77,8 @@ const DispatchPlan& AllGatherDispatcher::dispatch(const Tensor& x_TH, const Tens
 
   // 3. Counts over EP: block q of send_counts_PGL is what peer q's experts get from each source.
   ex_.exchange_counts(send_counts_PGL_, p);
+  ex_.plan_reorder(p);
+  set_single_piece(p);
   p.recv_counts_PGL = ex_.recv_counts().view({p_n, g_n, l_n});
   // 4. Rows: all-gathered over ETP, sent over EP, reordered expert-major.
   rows_out(ex_.own_SH(), p.rows_RH);

@@ -1,38 +1,180 @@
-// AllToAllDispatcher: EpExchange with one source per EP peer. Local permute, counts-first
-// all-to-all-v over the EP group, and a peer-major -> expert-major reorder; every backward runs the
-// same path in reverse.
+// AllToAllDispatcher: EpExchange with one source per EP peer. Local permute, counts-first, then
+// the rows in rounds of point-to-point exchanges that run beside the experts (see the header);
+// every backward runs the same path in reverse.
 #include "moefold/moe/all_to_all_dispatcher.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "moefold/ops/moe_ops.h"
 
 namespace moefold {
 
 AllToAllDispatcher::AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep)
-    : ex_("AllToAllDispatcher", cfg, hidden, max_tokens, ep) {}
+    : cfg_(cfg), ex_("AllToAllDispatcher", cfg, hidden, max_tokens, ep) {}
 
 void AllToAllDispatcher::bind(Memory& mem) {
   ex_.bind(mem);
+  const int64_t p_n = ex_.ep().size(), rounds = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
+  piece_offsets_ = mem.mirrored({2 + (p_n - 1) * rounds, ex_.num_local() + 1}, DType::i64);
+  home_offsets_.assign(static_cast<size_t>(cfg_.num_experts + 1), 0);
   plan_ = AllToAllPlan{};
+  outputs_left_ = drows_left_ = 0;
+}
+
+std::pair<int64_t, int64_t> AllToAllDispatcher::home_part(int q, int64_t j) const {
+  const int64_t l_n = ex_.num_local(), c_n = cfg_.ep_overlap_chunks;
+  const int64_t h0 = home_offsets_[static_cast<size_t>(q * l_n)];
+  const int64_t n = home_offsets_[static_cast<size_t>((q + 1) * l_n)] - h0;
+  return {h0 + n * j / c_n, h0 + n * (j + 1) / c_n};
+}
+
+int64_t AllToAllDispatcher::start_round(int64_t j, const Tensor& home_SH, const Tensor& rows_RH, bool to_experts) {
+  std::vector<Transfer>& transfers = transfers_;
+  transfers.clear();
+  for (const size_t i : round_pieces_[static_cast<size_t>(j)]) {
+    const int q = sources_[i].peer;
+    const auto [a, b] = home_part(q, j);
+    const RowPiece& piece = plan_.pieces[i];
+    const Tensor home = home_SH.slice(a, b), rows = rows_RH.slice(piece.begin, piece.end);
+    transfers.push_back(to_experts ? Transfer{q, home, rows} : Transfer{q, rows, home});
+  }
+  return ex_.ep().start_exchange(transfers);
+}
+
+void AllToAllDispatcher::check_piece(size_t piece) const {
+  MF_CHECK(piece < plan_.pieces.size(), "AllToAllDispatcher: piece ", piece, " of a plan of ", plan_.pieces.size());
 }
 
 const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK,
                                                  const Tensor& topk_prob_TK) {
   AllToAllPlan& p = plan_;
-  // 1. This rank's tokens into home rows sorted by global expert, before any exchange.
-  ex_.route_home(x_TH, topk_idx_TK, topk_prob_TK, p);
+  const int me = ex_.ep().rank(), p_n = ex_.ep().size();
+  const int64_t l_n = ex_.num_local(), e_n = cfg_.num_experts, c_n = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
+  // 1. This rank's tokens into home rows sorted by global expert, before any exchange (x is
+  //    permuted below, straight into the rows that stay here).
+  ex_.route_home(x_TH, topk_idx_TK, topk_prob_TK, p, false);
   // 2. Counts first: peer p's block of home_counts_E is the rows for p's L experts, so one
   //    equal-block all_to_all tells every rank how many rows each peer sends to each local expert.
   ex_.exchange_counts(ex_.home_counts_host(), p);
-  p.recv_counts_PL = ex_.recv_counts().view({ex_.ep().size(), ex_.num_local()});
-  // 3. Rows, received peer-major and reordered expert-major.
-  ex_.to_experts(ex_.own_SH().slice(0, p.num_home_rows), p, p.rows_RH);
+  p.recv_counts_PL = ex_.recv_counts().view({p_n, l_n});
+  p.offsets_E1 = Tensor();  // the rows are grouped by source: only the pieces describe them
+  const int64_t* home_counts = ex_.home_counts_host().ptr<int64_t>();
+  for (int64_t e = 0; e < e_n; ++e)
+    home_offsets_[static_cast<size_t>(e + 1)] = home_offsets_[static_cast<size_t>(e)] + home_counts[e];
+
+  // 3. The pieces, laid out [own rows | round 0: the peers from me + 1 on | round 1 | ...] and
+  //    run with the second half of the own rows last. A piece is part [a, b) of a block of rows
+  //    that is expert-major with counts_L; its offsets are the counts clipped to the part.
+  const int64_t* recv_pl = ex_.recv_counts().ptr<int64_t>();
+  int64_t* offsets = piece_offsets_.host.ptr<int64_t>();
+  std::vector<RowPiece>& layout = layout_;
+  std::vector<Source>& layout_src = layout_sources_;
+  layout.clear();
+  layout_src.clear();
+  int64_t row = 0;
+  const auto add = [&](const Source& src, const int64_t* counts_L, int64_t a, int64_t b) {
+    int64_t* o = offsets + static_cast<int64_t>(layout.size()) * (l_n + 1);
+    o[0] = 0;
+    for (int64_t l = 0, start = 0; l < l_n; start += counts_L[l], ++l)
+      o[l + 1] = o[l] + std::max<int64_t>(0, std::min(start + counts_L[l], b) - std::max(start, a));
+    MF_CHECK(o[l_n] == b - a, "dispatch: piece offsets sum to ", o[l_n], ", the piece has ", b - a, " rows");
+    layout.push_back(RowPiece{row, row + (b - a), Tensor()});
+    layout_src.push_back(src);
+    row += b - a;
+  };
+  const int64_t hs0 = home_offsets_[static_cast<size_t>(me * l_n)];
+  const int64_t n_self = home_offsets_[static_cast<size_t>((me + 1) * l_n)] - hs0;
+  // One rank: the own rows in one piece (exactly LocalDispatcher's GEMMs); else in two halves.
+  const int64_t self_cut = p_n > 1 ? n_self / 2 : n_self;
+  add(Source{me, -1, hs0}, home_counts + me * l_n, 0, self_cut);
+  if (p_n > 1) add(Source{me, -1, hs0 + self_cut}, home_counts + me * l_n, self_cut, n_self);
+  for (int64_t j = 0; j < c_n; ++j)
+    for (int k = 1; k < p_n; ++k) {
+      const int q = (me + k) % p_n;
+      const int64_t n = p.recv_counts_P.ptr<int64_t>()[q];
+      add(Source{q, j, 0}, recv_pl + q * l_n, n * j / c_n, n * (j + 1) / c_n);
+    }
+  MF_CHECK(row == p.num_rows, "dispatch: pieces hold ", row, " rows of ", p.num_rows);
+  piece_offsets_.to_device(static_cast<int64_t>(layout.size()));
+  for (size_t i = 0; i < layout.size(); ++i)
+    layout[i].offsets_E1 =
+        piece_offsets_.dev.slice(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1).view({l_n + 1});
+  // Forward order: own half, the rounds, own half; backward: both own halves, then the rounds
+  // (layout indices 0, 2, 3, ..., 1 and 0, 1, 2, ...).
+  const size_t n_pieces = layout.size();
+  p.pieces.clear();
+  sources_.clear();
+  p.backward_order.clear();
+  for (size_t k = 0; k < n_pieces; ++k) {
+    const size_t i = p_n == 1 ? k : k == 0 ? 0 : k + 1 < n_pieces ? k + 1 : 1;
+    p.pieces.push_back(layout[i]);
+    sources_.push_back(layout_src[i]);
+    p.backward_order.push_back(p_n == 1 ? k : k == 0 ? 0 : k == 1 ? n_pieces - 1 : k - 1);
+  }
+  round_pieces_.resize(static_cast<size_t>(c_n));
+  for (std::vector<size_t>& r : round_pieces_) r.clear();
+  for (size_t i = 0; i < n_pieces; ++i)
+    if (sources_[i].round >= 0) round_pieces_[static_cast<size_t>(sources_[i].round)].push_back(i);
+  const Round fresh{-1, p_n - 1, false};
+  rows_.assign(static_cast<size_t>(c_n), fresh);
+  outputs_.assign(static_cast<size_t>(c_n), fresh);
+  douts_.assign(static_cast<size_t>(c_n), fresh);
+  drows_.assign(static_cast<size_t>(c_n), fresh);
+  outputs_left_ = static_cast<int64_t>(n_pieces);
+  drows_left_ = 0;
+
+  // 4. x into the rows: the own block straight into the experts' rows, the others' blocks into the
+  //    home rows that travel; then every round is started.
+  p.rows_RH = ex_.rows_RH().slice(0, p.num_rows);
+  const Tensor own = ex_.own_SH();
+  const int64_t hs1 = hs0 + n_self, s_n = p.num_home_rows;
+  if (hs0 > 0) moe_permute(x_TH, p.token_R.slice(0, hs0), own.slice(0, hs0));
+  if (s_n > hs1) moe_permute(x_TH, p.token_R.slice(hs1, s_n), own.slice(hs1, s_n));
+  moe_permute(x_TH, p.token_R.slice(hs0, hs1), p.rows_RH.slice(0, n_self));
+  for (int64_t j = 0; j < c_n; ++j) rows_[static_cast<size_t>(j)].ticket = start_round(j, own, p.rows_RH, true);
   return p;
+}
+
+void AllToAllDispatcher::wait_round(size_t piece, std::vector<Round>& rounds) {
+  check_piece(piece);
+  const int64_t j = sources_[piece].round;
+  if (j < 0) return;  // own rows: put in place on the compute stream
+  Round& r = rounds[static_cast<size_t>(j)];
+  if (!r.waited) ex_.ep().wait(r.ticket);
+  r.waited = true;
+}
+
+void AllToAllDispatcher::piece_done(size_t piece, const Tensor& rows_RH, const Tensor& home_SH,
+                                    std::vector<Round>& rounds, int64_t& left, const char* what) {
+  check_piece(piece);
+  ex_.check_rows(rows_RH, plan_, what);
+  const RowPiece& pc = plan_.pieces[piece];
+  const Source& src = sources_[piece];
+  --left;
+  if (src.round < 0) {  // own rows: home by a copy
+    home_SH.slice(src.home, src.home + (pc.end - pc.begin)).copy_from(rows_RH.slice(pc.begin, pc.end));
+    return;
+  }
+  Round& r = rounds[static_cast<size_t>(src.round)];
+  MF_CHECK(r.pending > 0, what, ": piece ", piece, " reported twice");
+  if (--r.pending == 0) r.ticket = start_round(src.round, home_SH, rows_RH, false);
+}
+
+void AllToAllDispatcher::rows_arrived(size_t piece) { wait_round(piece, rows_); }
+
+void AllToAllDispatcher::outputs_done(size_t piece, const Tensor& out_RH) {
+  piece_done(piece, out_RH, ex_.home_SH(), outputs_, outputs_left_, "outputs_done");
 }
 
 void AllToAllDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan, const Tensor& y_TH) {
   ep_check_plan(plan, plan_, "combine");
   const AllToAllPlan& p = plan_;
   ex_.check_rows(out_RH, p, "combine out");
-  // reorder^T, then the exchange in reverse: every output row returns to its token's home rank.
-  ex_.from_experts(out_RH, p, ex_.home_SH().slice(0, p.num_home_rows));
+  MF_CHECK(outputs_left_ == 0, "combine: ", outputs_left_,
+           " pieces' outputs were not reported by outputs_done (run the experts with run_experts_forward)");
+  // Every output row is home: the own ones copied, the others brought by the rounds.
+  for (const Round& r : outputs_) ex_.ep().wait(r.ticket);
   ex_.combine_home(p, y_TH);
 }
 
@@ -40,16 +182,37 @@ void AllToAllDispatcher::combine_backward(const Tensor& dy_TH, const Tensor& out
                                           const Tensor& dout_RH, const Tensor& dprob_TK) {
   ep_check_plan(plan, plan_, "combine_backward");
   const AllToAllPlan& p = plan_;
-  // d(home rows) and dprob at home (dprob needs the outputs combine brought back), then forward.
+  // d(home rows) into own_SH and dprob at home (dprob needs the outputs combine brought back),
+  // then the own block to the experts' rows and every round of the others' blocks started.
   ex_.combine_backward_home(p, dy_TH, out_RH, dout_RH, dprob_TK);
-  ex_.to_experts(ex_.own_SH().slice(0, p.num_home_rows), p, dout_RH);
+  const Round fresh{-1, ex_.ep().size() - 1, false};
+  douts_.assign(douts_.size(), fresh);
+  drows_.assign(drows_.size(), fresh);
+  const int me = ex_.ep().rank();
+  const int64_t l_n = ex_.num_local();
+  const int64_t hs0 = home_offsets_[static_cast<size_t>(me * l_n)];
+  const int64_t hs1 = home_offsets_[static_cast<size_t>((me + 1) * l_n)];
+  dout_RH.slice(0, hs1 - hs0).copy_from(ex_.own_SH().slice(hs0, hs1));
+  for (size_t j = 0; j < douts_.size(); ++j)
+    douts_[j].ticket = start_round(static_cast<int64_t>(j), ex_.own_SH(), dout_RH, true);
+  drows_left_ = static_cast<int64_t>(p.pieces.size());
+}
+
+void AllToAllDispatcher::output_grads_arrived(size_t piece) { wait_round(piece, douts_); }
+
+// own_SH's home gradients are dead once sent (the rounds of dout left before these, in order on
+// the communicator's stream) or copied (combine_backward): it takes the drows back.
+void AllToAllDispatcher::input_grads_done(size_t piece, const Tensor& drows_RH) {
+  piece_done(piece, drows_RH, ex_.own_SH(), drows_, drows_left_, "input_grads_done");
 }
 
 void AllToAllDispatcher::dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) {
   ep_check_plan(plan, plan_, "dispatch_backward");
   const AllToAllPlan& p = plan_;
   ex_.check_rows(drows_RH, p, "dispatch_backward drows");
-  ex_.from_experts(drows_RH, p, ex_.own_SH().slice(0, p.num_home_rows));
+  MF_CHECK(drows_left_ == 0, "dispatch_backward: ", drows_left_,
+           " pieces' drows were not reported by input_grads_done (run the experts with run_experts_backward)");
+  for (const Round& r : drows_) ex_.ep().wait(r.ticket);
   ex_.dispatch_backward_home(p, dx_TH);
 }
 

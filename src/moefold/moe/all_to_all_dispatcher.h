@@ -1,15 +1,23 @@
 // Expert-parallel dispatch (Megatron-Core's all-to-all token dispatcher, parallel folding's MoE
 // side): the E experts are split over the EP group in contiguous blocks, each rank routes its own
-// tokens exactly as LocalDispatcher does, then exchanges counts (all_to_all) and rows
-// (all_to_all_v) so that every rank's experts see their rows from all EP ranks, expert-major.
+// tokens exactly as LocalDispatcher does, then exchanges counts (all_to_all) and rows so that every
+// rank's experts see their rows from all EP ranks.
+//
+// Pipelined: the rows from each peer travel in moe.ep_overlap_chunks pieces (rounds), on the
+// communicator's stream, while the experts run the pieces that are already here (first half of
+// this rank's own rows, which never travel; then each round as it arrives; last the other half of
+// its own rows, under the last round's way back; on one rank the own rows are one piece). The outputs of a round go
+// home as soon as the experts finish it; the backward mirrors this. Only the grouped GEMMs' row order differs from an
+// unpipelined dispatch: the experts' rows are grouped by source, each piece expert-major.
 // Gradient rule: every backward WRITES its activation gradients (no parameters); each data
-// backward is the transpose of its forward path (reorder^T, all_to_all_v back, un-permute).
+// backward is the transpose of its forward path.
 // Shape letters: T tokens (this rank), H hidden, K top-k, E global experts, L = E / EP local
-// experts, P EP peers, S home rows (this rank's tokens sorted by global expert, padding included),
-// R rows handed to the local experts (received from all peers).
+// experts, P EP peers, C pieces per peer (rounds), S home rows (this rank's tokens sorted by
+// global expert, padding included), R rows handed to the local experts (received from all peers).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
@@ -19,7 +27,8 @@
 
 namespace moefold {
 
-// The DispatchPlan of an EP dispatch (the fields of EpPlan, whose sources are the P peers).
+// The DispatchPlan of an EP dispatch (the fields of EpPlan, whose sources are the P peers;
+// gather_R / scatter_R stay undefined: the rows are never reordered expert-major).
 struct AllToAllPlan : EpPlan {
   Tensor recv_counts_PL;  // i64 [P, L]: rows peer p sent to local expert l (padding included)
 };
@@ -46,21 +55,65 @@ class AllToAllDispatcher final : public Dispatcher {
   const AllToAllPlan& plan() const { return plan_; }
   Communicator& group() const { return ex_.ep(); }
 
-  // Collective over the EP group (count exchange, then rows): every EP rank calls it together.
+  // Collective over the EP group (count exchange, then the rounds of rows are started): every EP
+  // rank calls it together. Returns before the rows of other ranks have arrived (rows_arrived).
   const DispatchPlan& dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) override;
-  // Collective. Sends the expert outputs home and keeps them there for combine_backward.
+  // Collective. Waits for the outputs started home by outputs_done and keeps them at home for
+  // combine_backward.
   void combine(const Tensor& out_RH, const DispatchPlan& plan, const Tensor& y_TH) override;
   // Collective. dprob is computed at home from the outputs combine brought back (out_RH is only
-  // shape-checked). REQUIRES: combine() ran on this plan.
+  // shape-checked); the dout rows of other ranks' tokens are started (output_grads_arrived).
   void combine_backward(const Tensor& dy_TH, const Tensor& out_RH, const DispatchPlan& plan, const Tensor& dout_RH,
                         const Tensor& dprob_TK) override;
-  // Collective.
+  // Collective. Waits for the drows started home by input_grads_done.
   void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) override;
 
+  void rows_arrived(size_t piece) override;
+  void outputs_done(size_t piece, const Tensor& out_RH) override;
+  void output_grads_arrived(size_t piece) override;
+  void input_grads_done(size_t piece, const Tensor& drows_RH) override;
+
  private:
-  // Buffers and steps; the home rows (own_SH) are this rank's send rows.
+  // Where a piece's rows come from: this rank (round -1; its rows are home rows [home, home + n))
+  // or a peer in a round.
+  struct Source {
+    int peer = 0;
+    int64_t round = -1;
+    int64_t home = 0;
+  };
+  // One direction of one round in flight: the exchange's ticket, and the pieces still to finish
+  // before it starts (outputs / drows) or whether the compute stream waited for it (rows / dout).
+  struct Round {
+    int64_t ticket = -1;
+    int64_t pending = 0;
+    bool waited = false;
+  };
+  // Home rows [begin, end) of this rank sent to peer q in round j (part j of q's block).
+  std::pair<int64_t, int64_t> home_part(int q, int64_t j) const;
+  // Starts round j between this rank's home rows `home_SH` (part j of every peer's block) and the
+  // round's pieces of `rows_RH`: home -> rows (to_experts) or rows -> home.
+  int64_t start_round(int64_t j, const Tensor& home_SH, const Tensor& rows_RH, bool to_experts);
+  void check_piece(size_t piece) const;
+  // rows_arrived / output_grads_arrived: the compute stream waits for the piece's round once.
+  void wait_round(size_t piece, std::vector<Round>& rounds);
+  // outputs_done / input_grads_done: the piece's rows of rows_RH go home into home_SH, by a copy
+  // (own rows) or with the last piece of their round (that round started).
+  void piece_done(size_t piece, const Tensor& rows_RH, const Tensor& home_SH, std::vector<Round>& rounds, int64_t& left,
+                  const char* what);
+
+  MoeConfig cfg_;
   EpExchange ex_;
   AllToAllPlan plan_;
+  Mirrored piece_offsets_;                             // i64 [pieces, L + 1]: every piece's expert offsets
+  std::vector<int64_t> home_offsets_;                  // host [E + 1]: first home row of each global expert
+  std::vector<Source> sources_;                        // by piece
+  std::vector<std::vector<size_t>> round_pieces_;      // by round: its pieces, one per peer
+  std::vector<Round> rows_, outputs_, douts_, drows_;  // by round
+  // Scratch kept between dispatches (no allocation in a step once they have grown).
+  std::vector<RowPiece> layout_;
+  std::vector<Source> layout_sources_;
+  std::vector<Transfer> transfers_;
+  int64_t outputs_left_ = 0, drows_left_ = 0;  // pieces not yet done this pass
 };
 
 }  // namespace moefold

@@ -5,6 +5,11 @@
 
 namespace moefold {
 
+void set_single_piece(DispatchPlan& plan) {
+  plan.pieces.assign(1, RowPiece{0, plan.num_rows, plan.offsets_E1});
+  plan.backward_order.assign(1, 0);
+}
+
 LocalDispatcher::LocalDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens)
     : cfg_(cfg), hidden_(hidden), max_tokens_(max_tokens) {
   MF_CHECK(hidden >= 1 && max_tokens >= 0, "LocalDispatcher: hidden ", hidden, ", max_tokens ", max_tokens);
@@ -38,6 +43,7 @@ const DispatchPlan& LocalDispatcher::dispatch(const Tensor& x_TH, const Tensor& 
   p.rows_RH = rows_RH_.slice(0, p.num_rows);
   p.topk_prob_TK = topk_prob_TK;
   moe_permute(x_TH, p.token_R, p.rows_RH);
+  set_single_piece(p);
   return p;
 }
 

@@ -7,11 +7,19 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "moefold/core/memory.h"
 #include "moefold/moe/moe_config.h"
 
 namespace moefold {
+
+// Rows [begin, end) of a plan's rows that the experts can run on their own: expert e's rows of the
+// piece are [begin + offsets_E1[e], begin + offsets_E1[e+1]).
+struct RowPiece {
+  int64_t begin = 0, end = 0;
+  Tensor offsets_E1;  // i64 [E+1], relative to begin, on the rows' device
+};
 
 // Who goes where, computed once in forward and reused by combine and by backward. Views are
 // sized to the last dispatch (T tokens, R rows) and live in the dispatcher's bound buffers.
@@ -20,11 +28,18 @@ struct DispatchPlan {
   int64_t num_rows = 0;    // R: rows handed to the local experts, padding included
   int64_t capacity = 0;    // rows kept per expert (0: dropless)
   Tensor counts_E;         // i64 [E]: rows per local expert (padding included)
-  Tensor offsets_E1;       // i64 [E+1]: first row of each local expert; offsets_E1[E] = R
-  Tensor row_TK;           // i64 [T, K]: row of assignment (t, k); -1 when dropped by capacity
-  Tensor token_R;          // i64 [R]: source token of each row; -1 for a padding row
-  Tensor rows_RH;          // [R, H]: the dispatched rows (padding rows are zero)
-  Tensor topk_prob_TK;     // the combine weights given to dispatch() (a view of the caller's)
+  // i64 [E+1]: first row of each local expert, offsets_E1[E] = R, when the rows are expert-major
+  // (LocalDispatcher, AllGatherDispatcher); undefined when they are not (AllToAllDispatcher: its
+  // rows are grouped by source, and only its pieces describe them).
+  Tensor offsets_E1;
+  // The rows as pieces that tile [0, R), in the order the experts run them forward (and, by
+  // index, in backward_order backward); one piece when the dispatcher does not pipeline.
+  std::vector<RowPiece> pieces;
+  std::vector<size_t> backward_order;
+  Tensor row_TK;        // i64 [T, K]: row of assignment (t, k); -1 when dropped by capacity
+  Tensor token_R;       // i64 [R]: source token of each row; -1 for a padding row
+  Tensor rows_RH;       // [R, H]: the dispatched rows (padding rows are zero)
+  Tensor topk_prob_TK;  // the combine weights given to dispatch() (a view of the caller's)
 };
 
 class Dispatcher {
@@ -53,7 +68,22 @@ class Dispatcher {
                                 const Tensor& dout_RH, const Tensor& dprob_TK) = 0;
   // dx_TH[t] = sum_k drows_RH[row(t, k)]; dx written.
   virtual void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) = 0;
+
+  // Pipelining (expert parallelism: the all-to-all runs beside the experts). dispatch() and
+  // combine_backward() may return before every piece's rows have arrived; whoever runs the
+  // experts (run_experts_forward / run_experts_backward) calls, for piece i of the last plan:
+  // forward, rows_arrived(i) before reading its rows and outputs_done(i, out_RH) once its outputs
+  // are written; backward, output_grads_arrived(i) before reading its dout rows and
+  // input_grads_done(i, drows_RH) once its drows are written. combine() and dispatch_backward()
+  // REQUIRE every piece's outputs_done / input_grads_done. The defaults do nothing.
+  virtual void rows_arrived(size_t piece) { (void)piece; }
+  virtual void outputs_done(size_t piece, const Tensor& out_RH) { (void)piece, (void)out_RH; }
+  virtual void output_grads_arrived(size_t piece) { (void)piece; }
+  virtual void input_grads_done(size_t piece, const Tensor& drows_RH) { (void)piece, (void)drows_RH; }
 };
+
+// The plan's rows as one expert-major piece (dispatchers that do not pipeline).
+void set_single_piece(DispatchPlan& plan);
 
 // All experts on this process: the permutation is the whole dispatch.
 class LocalDispatcher final : public Dispatcher {

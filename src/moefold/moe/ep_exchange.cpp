@@ -26,7 +26,14 @@ void ep_check_plan(const DispatchPlan& plan, const EpPlan& mine, const char* op)
 
 EpExchange::EpExchange(const char* who, const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep,
                        const Communicator* etp)
-    : cfg_(cfg), hidden_(hidden), max_tokens_(max_tokens), num_local_(0), sources_(1), s_max_(0), ep_(ep) {
+    : cfg_(cfg),
+      hidden_(hidden),
+      max_tokens_(max_tokens),
+      num_local_(0),
+      sources_(1),
+      s_max_(0),
+      ep_(ep),
+      reorders_(etp != nullptr) {
   MF_CHECK(hidden >= 1 && max_tokens >= 0, who, ": hidden ", hidden, ", max_tokens ", max_tokens);
   if (etp != nullptr) {
     MF_CHECK(etp->size() >= 1 && cfg.moe_intermediate_size % etp->size() == 0, who,
@@ -53,16 +60,19 @@ void EpExchange::bind(Memory& mem) {
   recv_counts_P_ = mem.host_act({p_n}, DType::i64);
   counts_L_ = mem.mirrored({l_n}, DType::i64);
   offsets_L1_ = mem.mirrored({l_n + 1}, DType::i64);
-  gather_R_ = mem.mirrored({r_max}, DType::i64);
-  scatter_R_ = mem.mirrored({r_max}, DType::i64);
+  // The reorder's buffers only where it runs (the ETP dispatcher's; see plan_reorder).
+  const int64_t r_reorder = reorders_ ? r_max : 0;
+  gather_R_ = mem.mirrored({r_reorder}, DType::i64);
+  scatter_R_ = mem.mirrored({r_reorder}, DType::i64);
   own_SH_ = mem.act({s_max_, hidden_});
   home_SH_ = mem.act({s_max_, hidden_});
-  recv_RH_ = mem.act({r_max, hidden_});
+  recv_RH_ = mem.act({r_reorder, hidden_});
   rows_RH_ = mem.act({r_max, hidden_});
   combined_ = false;
 }
 
-void EpExchange::route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, EpPlan& p) {
+void EpExchange::route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, EpPlan& p,
+                            bool permute_x) {
   const int64_t t_n = x_TH.size(0);
   MF_CHECK(x_TH.ndim() == 2 && x_TH.size(1) == hidden_ && t_n <= max_tokens_, "dispatch: x ", x_TH.str(),
            " for hidden ", hidden_, ", max_tokens ", max_tokens_);
@@ -78,7 +88,7 @@ void EpExchange::route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const
   home_counts_E_.to_host();
   p.token_R = home_token_S_.slice(0, p.num_home_rows);
   p.topk_prob_TK = topk_prob_TK;
-  moe_permute(x_TH, p.token_R, own_SH_.slice(0, p.num_home_rows));
+  if (permute_x) moe_permute(x_TH, p.token_R, own_SH_.slice(0, p.num_home_rows));
 }
 
 void EpExchange::exchange_counts(const Tensor& send_counts_PBL, EpPlan& p) {
@@ -118,7 +128,13 @@ void EpExchange::exchange_counts(const Tensor& send_counts_PBL, EpPlan& p) {
   p.offsets_E1 = offsets_L1_.dev;
   p.send_counts_P = send_counts_P_;
   p.recv_counts_P = recv_counts_P_;
+}
 
+void EpExchange::plan_reorder(EpPlan& p) {
+  MF_CHECK(reorders_, "plan_reorder: this EpExchange was built without an ETP group (no reorder buffers)");
+  const int64_t l_n = num_local_, p_n = ep_.size(), r_n = p.num_rows;
+  const int64_t* recv_pbl = recv_counts_PBL_.ptr<int64_t>();
+  const int64_t* offsets = offsets_L1_.host.ptr<int64_t>();
   // Received source-major ((q, b, l) blocks); expert l's rows from earlier sources come first.
   int64_t* gather = gather_R_.host.ptr<int64_t>();
   int64_t* scatter = scatter_R_.host.ptr<int64_t>();

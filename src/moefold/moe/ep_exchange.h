@@ -44,7 +44,8 @@ void ep_check_plan(const DispatchPlan& plan, const EpPlan& mine, const char* op)
 class EpExchange {
  public:
   // who: the owning dispatcher, for errors. etp: the ETP group whose G ranks are the sources of
-  // each EP peer (F % G == 0 is checked), null for one source. REQUIRES: cfg.validate() passes;
+  // each EP peer (F % G == 0 is checked), null for one source; with it the exchange also keeps
+  // the buffers of the expert-major reorder (plan_reorder, to_experts, from_experts). REQUIRES: cfg.validate() passes;
   // E % EP == 0 (MF_CHECK); the groups outlive this object.
   EpExchange(const char* who, const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep,
              const Communicator* etp = nullptr);
@@ -60,6 +61,8 @@ class EpExchange {
   const Tensor& own_SH() const { return own_SH_; }
   // [S max, H]: the (summed) expert outputs at home, kept from combine to combine_backward.
   const Tensor& home_SH() const { return home_SH_; }
+  // [max_rows, H]: the rows handed to the experts (kept until their backward).
+  const Tensor& rows_RH() const { return rows_RH_; }
   // i64 [P * B * L], host: rows from (peer p, source b) to local expert l (after exchange_counts).
   const Tensor& recv_counts() const { return recv_counts_PBL_; }
   // i64 [E], host: home_counts_E of the last route_home.
@@ -67,14 +70,18 @@ class EpExchange {
 
   // 1. Checks x_TH / topk_idx_TK, routes this rank's tokens into home rows sorted by global
   //    expert (LocalDispatcher's plan: capacity from this rank's T, drops and padding decided
-  //    before any exchange) and permutes x into own_SH. Fills num_tokens, capacity, row_TK,
-  //    token_R, topk_prob_TK, num_home_rows, home_counts_E, home_offsets_E1.
-  void route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, EpPlan& p);
+  //    before any exchange) and, with permute_x, permutes x into own_SH. Fills num_tokens,
+  //    capacity, row_TK, token_R, topk_prob_TK, num_home_rows, home_counts_E, home_offsets_E1.
+  void route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, EpPlan& p,
+                  bool permute_x = true);
   // 2. Collective over EP: block q of send_counts_PBL (i64 [P * B * L], host) is what peer q's experts
-  //    get from each source. Fills num_rows, counts_E, offsets_E1, send_counts_P, recv_counts_P,
-  //    gather_R, scatter_R, rows_RH (received source-major, (q, b, l) blocks; expert l's rows from
-  //    earlier sources come first).
+  //    get from each source. Fills num_rows, counts_E, offsets_E1 (as if expert-major),
+  //    send_counts_P, recv_counts_P.
   void exchange_counts(const Tensor& send_counts_PBL, EpPlan& p);
+  // 2b. The source-major -> expert-major reorder of to_experts / from_experts: fills gather_R,
+  //    scatter_R, rows_RH (received source-major, (q, b, l) blocks; expert l's rows from earlier
+  //    sources come first).
+  void plan_reorder(EpPlan& p);
   // 3. Collective: send_XH (peer-major, send_counts_P) -> rows_RH, expert-major.
   void to_experts(const Tensor& send_XH, const EpPlan& p, const Tensor& rows_RH);
   // The transpose of to_experts: rows_RH -> send_XH.
@@ -105,6 +112,7 @@ class EpExchange {
   // (expert outputs back home), recv_RH_ (source-major staging for every exchange), rows_RH_
   // (the experts' input, kept until their backward).
   Tensor own_SH_, home_SH_, recv_RH_, rows_RH_;
+  bool reorders_ = false;
   bool combined_ = false;
 };
 

@@ -46,26 +46,34 @@ void Experts::bind(Memory& mem) {
   dgu_R2F_ = mem.act({max_rows_, 2 * ffn_});
 }
 
-void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH) {
+void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH, int64_t first_row) {
   const int64_t r_n = rows_RH.size(0);
-  MF_CHECK(r_n <= max_rows_, "Experts: ", r_n, " rows > max_rows ", max_rows_);
-  const Tensor gu = gu_R2F_.slice(0, r_n), h = h_RF_.slice(0, r_n);
+  MF_CHECK(first_row >= 0 && first_row + r_n <= max_rows_, "Experts: rows [", first_row, ", ", first_row + r_n,
+           ") past max_rows ", max_rows_);
+  const Tensor gu = gu_R2F_.slice(first_row, first_row + r_n), h = h_RF_.slice(first_row, first_row + r_n);
   grouped_linear_forward(rows_RH, gate_up_E2FH_, offsets_E1, gu);
   swiglu_forward(gu, h);
   grouped_linear_forward(h, down_EHF_, offsets_E1, out_RH);
 }
 
-void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH) {
-  const int64_t r_n = rows_RH.size(0);
-  MF_CHECK(r_n <= max_rows_, "Experts: ", r_n, " rows > max_rows ", max_rows_);
-  const Tensor gu = gu_R2F_.slice(0, r_n), h = h_RF_.slice(0, r_n);
-  const Tensor dh = dh_RF_.slice(0, r_n), dgu = dgu_R2F_.slice(0, r_n);
+void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH,
+                       int64_t first_row, const std::function<void()>& input_grads_done) {
+  const int64_t r_n = rows_RH.size(0), r0 = first_row, r1 = first_row + r_n;
+  MF_CHECK(r0 >= 0 && r1 <= max_rows_, "Experts: rows [", r0, ", ", r1, ") past max_rows ", max_rows_);
+  const Tensor gu = gu_R2F_.slice(r0, r1), h = h_RF_.slice(r0, r1);
+  const Tensor dh = dh_RF_.slice(r0, r1), dgu = dgu_R2F_.slice(r0, r1);
   MF_CHECK(mem_ != nullptr, "Experts::backward before bind");
   const bool accumulate = mem_->grad_generation() == written_generation_;
   written_generation_ = mem_->grad_generation();
   grouped_linear_backward(h, down_EHF_, offsets_E1, dout_RH, dh, ddown_EHF_, accumulate);
   swiglu_backward(gu, dh, dgu);
-  grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_, accumulate);
+  if (!input_grads_done) {
+    grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_, accumulate);
+    return;
+  }
+  grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, Tensor(), accumulate);
+  input_grads_done();
+  grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, Tensor(), dgate_up_E2FH_, accumulate);
 }
 
 }  // namespace moefold

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "moefold/core/memory.h"
@@ -30,12 +31,17 @@ class Experts {
   void bind(Memory& mem);
 
   // out_RH = experts(rows_RH) with expert e on rows [offsets_E1[e], offsets_E1[e+1]). Saves the
-  // gate|up and SwiGLU activations; REQUIRES: rows_RH unchanged until backward.
-  void forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH);
+  // gate|up and SwiGLU activations as rows [first_row, first_row + R) of its saved buffers: a
+  // layer's rows may run in pieces (DispatchPlan::pieces), each with its own first_row.
+  // REQUIRES: rows_RH unchanged until backward; first_row + R <= max_rows.
+  void forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH, int64_t first_row = 0);
   // drows_RH written; expert weight grads written by the first backward of each gradient
   // generation (Memory::grad_written_by_backward: zero_grads does not zero them), accumulated by
-  // the later ones. Same rows and offsets as forward.
-  void backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH);
+  // the later ones (so pieces add up). Same rows, offsets and first_row as forward.
+  // input_grads_done, if given, runs once drows_RH is written, before the weight gradient of the
+  // first linear layer (a pipelined dispatcher starts sending drows meanwhile).
+  void backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH,
+                int64_t first_row = 0, const std::function<void()>& input_grads_done = {});
 
   const Tensor& gate_up_proj() const { return gate_up_E2FH_; }
   const Tensor& down_proj() const { return down_EHF_; }

@@ -31,6 +31,9 @@ struct MoeConfig {
   // copies of both (Megatron-Core's moe_router_dtype=fp32; ~10x slower on an H200). Scores, top-k,
   // losses and the gate's gradient are fp32 either way.
   bool router_fp32_gemm = false;
+  // Expert parallelism (AllToAllDispatcher): each EP peer's rows travel in this many pieces, so
+  // that the all-to-all of one piece runs while the experts compute another (1: one per peer).
+  int64_t ep_overlap_chunks = 2;
 
   // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 must be <=
   // moe.num_experts = 8").

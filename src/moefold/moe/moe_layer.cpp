@@ -27,6 +27,39 @@ Experts make_experts(const MoeConfig& cfg, const Dispatcher& d, int64_t hidden, 
 }
 }  // namespace
 
+void run_experts_forward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& out_RH) {
+  check_shape(out_RH, {plan.num_rows, out_RH.size(1)}, "run_experts_forward out");
+  for (size_t i = 0; i < plan.pieces.size(); ++i) {
+    const RowPiece& piece = plan.pieces[i];
+    d.rows_arrived(i);
+    experts.forward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, out_RH.slice(piece.begin, piece.end),
+                    piece.begin);
+    d.outputs_done(i, out_RH);
+  }
+}
+
+void run_experts_backward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH,
+                          const Tensor& drows_RH) {
+  check_shape(dout_RH, {plan.num_rows, dout_RH.size(1)}, "run_experts_backward dout");
+  check_shape(drows_RH, plan.rows_RH.shape(), "run_experts_backward drows");
+  MF_CHECK(plan.backward_order.size() == plan.pieces.size(), "run_experts_backward: ", plan.backward_order.size(),
+           " pieces in backward order, ", plan.pieces.size(), " in the plan");
+  // The callback captures one pointer, so std::function keeps it without a heap allocation.
+  struct Done {
+    Dispatcher& d;
+    const Tensor& drows;
+    size_t piece;
+  } done{d, drows_RH, 0};
+  for (const size_t i : plan.backward_order) {
+    const RowPiece& piece = plan.pieces.at(i);
+    d.output_grads_arrived(i);
+    done.piece = i;
+    experts.backward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1,
+                     dout_RH.slice(piece.begin, piece.end), drows_RH.slice(piece.begin, piece.end), piece.begin,
+                     [&done] { done.d.input_grads_done(done.piece, done.drows); });
+  }
+}
+
 MoeLayer::MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix)
     : MoeLayer(cfg, hidden, max_tokens, std::move(prefix), std::make_unique<LocalDispatcher>(cfg, hidden, max_tokens)) {
 }
@@ -81,7 +114,7 @@ void MoeLayer::forward(const Tensor& x_TH, const Tensor& y_TH) {
   const Tensor out = out_RH_.slice(0, plan_->num_rows);
   {
     ProfileScope scope("moe experts forward");
-    experts_.forward(plan_->rows_RH, plan_->offsets_E1, out);
+    run_experts_forward(*dispatcher_, *plan_, experts_, out);
   }
   ProfileScope scope("moe combine forward");
   dispatcher_->combine(out, *plan_, y_TH);
@@ -100,7 +133,7 @@ void MoeLayer::backward(const Tensor& dy_TH, const Tensor& dx_TH, double loss_sc
   }
   {
     ProfileScope scope("moe experts backward");
-    experts_.backward(plan_->rows_RH, plan_->offsets_E1, dout, drows);
+    run_experts_backward(*dispatcher_, *plan_, experts_, dout, drows);
   }
   {
     ProfileScope scope("moe dispatch backward");

@@ -16,6 +16,14 @@
 
 namespace moefold {
 
+// The experts over the pieces of `plan` (the last dispatch of `d`), with the dispatcher's
+// pipelining calls around each piece: out_RH (R rows) written. MoeLayer and the benchmark run
+// the experts through these.
+void run_experts_forward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& out_RH);
+// Backward, pieces in plan.backward_order: drows_RH written, expert gradients as Experts::backward.
+void run_experts_backward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH,
+                          const Tensor& drows_RH);
+
 class MoeLayer {
  public:
   // Validates cfg (throws moefold::Error). prefix: e.g. "model.layers.3.mlp" (HF Qwen3-MoE).

@@ -137,7 +137,7 @@ void moe_combine_backward(const Tensor& out_RH, const Tensor& row_TK, const Tens
 // offsets_E1 (i64, [E+1]) delimit each expert's rows; offsets_E1[E] = R = x_RI.size(0). Experts
 // with no rows are skipped (their dw is left untouched).
 void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO);
-// dx_RI written (skipped when undefined); dw_EOI accumulated, or with accumulate == false
+// dx_RI written (skipped when undefined); dw_EOI (skipped when undefined) accumulated, or with accumulate == false
 // written: dw_e = dy_e^T x_e for every expert, zero for experts without rows (the first
 // backward of a step writes the expert gradients instead of adding to zeros: Memory's
 // grad_written_by_backward).

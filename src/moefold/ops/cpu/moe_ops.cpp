@@ -757,8 +757,10 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
     return cuda::grouped_linear_backward(x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate);
 #endif
   check_grouped(x_RI, w_EOI, offsets_E1, dy_RO);
-  check_shape(dw_EOI, w_EOI.shape(), "grouped_linear_backward dw");
-  check_same_dtype(dw_EOI, w_EOI, "grouped_linear_backward dw");
+  if (dw_EOI.defined()) {
+    check_shape(dw_EOI, w_EOI.shape(), "grouped_linear_backward dw");
+    check_same_dtype(dw_EOI, w_EOI, "grouped_linear_backward dw");
+  }
   if (dx_RI.defined()) {
     check_shape(dx_RI, x_RI.shape(), "grouped_linear_backward dx");
     check_same_dtype(dx_RI, x_RI, "grouped_linear_backward dx");
@@ -769,8 +771,8 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
     const T* x = x_RI.ptr<T>();
     const T* w = w_EOI.ptr<T>();
     const T* dy = dy_RO.ptr<T>();
-    T* dw = dw_EOI.ptr<T>();
-    if (!accumulate) std::fill(dw, dw + dw_EOI.numel(), T(0));
+    T* dw = dw_EOI.defined() ? dw_EOI.ptr<T>() : nullptr;
+    if (dw != nullptr && !accumulate) std::fill(dw, dw + dw_EOI.numel(), T(0));
     for (int64_t e = 0; e < e_n; ++e) {
       const int64_t m = off[e + 1] - off[e];
       if (m == 0) continue;
@@ -778,8 +780,9 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
       if (dx_RI.defined())
         gemm<T>(false, false, m, i_n, o_n, T(1), dy + off[e] * o_n, o_n, w + e * o_n * i_n, i_n, T(0),
                 dx_RI.ptr<T>() + off[e] * i_n, i_n);
-      gemm<T>(true, false, o_n, i_n, m, T(1), dy + off[e] * o_n, o_n, x + off[e] * i_n, i_n, T(1), dw + e * o_n * i_n,
-              i_n);
+      if (dw != nullptr)
+        gemm<T>(true, false, o_n, i_n, m, T(1), dy + off[e] * o_n, o_n, x + off[e] * i_n, i_n, T(1), dw + e * o_n * i_n,
+                i_n);
     }
   });
 }

@@ -346,9 +346,11 @@ void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tenso
 void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
                              const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
   check_grouped(x_RI, w_EOI, offsets_E1, dy_RO, "grouped_linear_backward");
-  check_cuda_tensor(dw_EOI, "grouped_linear_backward dw");
-  check_shape(dw_EOI, w_EOI.shape(), "grouped_linear_backward dw");
-  check_grad_dtype(dw_EOI, w_EOI, "grouped_linear_backward dw");
+  if (dw_EOI.defined()) {
+    check_cuda_tensor(dw_EOI, "grouped_linear_backward dw");
+    check_shape(dw_EOI, w_EOI.shape(), "grouped_linear_backward dw");
+    check_grad_dtype(dw_EOI, w_EOI, "grouped_linear_backward dw");
+  }
   if (dx_RI.defined()) {
     check_cuda_tensor(dx_RI, "grouped_linear_backward dx");
     check_shape(dx_RI, x_RI.shape(), "grouped_linear_backward dx");
@@ -362,12 +364,13 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
   for (int64_t e = 0; e < w_EOI.size(0); ++e) {
     const int64_t begin = off[e], end = off[e + 1];
     // An expert without rows: dw stays, or is zeroed (K = 0: gemm writes beta * dw = 0).
-    if (begin == end && accumulate) continue;
+    if (begin == end && (accumulate || !dw_EOI.defined())) continue;
     // dx = dy @ w (m x O @ O x I); dw += dy^T @ x (O x m @ m x I).
     if (dx_RI.defined() && begin != end)
       gemm(row_block(dy_RO, begin, end), false, expert_matrix(w_EOI, e), false, row_block(dx_RI, begin, end), 1.0, 0.0);
-    gemm(row_block(dy_RO, begin, end), true, row_block(x_RI, begin, end), false, expert_matrix(dw_EOI, e), 1.0,
-         accumulate ? 1.0 : 0.0);
+    if (dw_EOI.defined())
+      gemm(row_block(dy_RO, begin, end), true, row_block(x_RI, begin, end), false, expert_matrix(dw_EOI, e), 1.0,
+           accumulate ? 1.0 : 0.0);
   }
 }
 

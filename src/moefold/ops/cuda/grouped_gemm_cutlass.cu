@@ -232,11 +232,19 @@ __global__ void build_group_args(Arrays<G> arr, const int64_t* __restrict__ off,
     set_group<G>(arr, e, o_n, i_n, m, rows + begin * o_n, rows2 + begin * i_n, o + we, m == 0);
 }
 
+// The SMs the persistent grouped GEMMs spread over: all of them, or MOEFOLD_GEMM_SMS (read once)
+// to leave some to a transfer running beside them (expert parallelism: NCCL's blocks take SMs, and
+// a persistent kernel whose blocks wait for them finishes late).
 cutlass::KernelHardwareInfo hardware_info() {
   static thread_local cutlass::KernelHardwareInfo info = [] {
     cutlass::KernelHardwareInfo h;
     MF_CUDA_CHECK(cudaGetDevice(&h.device_id));
     h.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(h.device_id);
+    if (const char* v = std::getenv("MOEFOLD_GEMM_SMS"); v != nullptr && *v != '\0') {
+      const int n = std::atoi(v);
+      MF_CHECK(n >= 1 && n <= h.sm_count, "MOEFOLD_GEMM_SMS=", v, ": must be in [1, ", h.sm_count, "]");
+      h.sm_count = n;
+    }
     return h;
   }();
   return info;
@@ -307,15 +315,17 @@ bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, con
 bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
                                      const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
-  if (x_RI.dtype() != DType::bf16 || dy_RO.dtype() != DType::bf16 || dw_EOI.dtype() != DType::f32 || i_n % 8 != 0 ||
-      o_n % 8 != 0)
+  const bool want_dw = dw_EOI.defined();
+  if (x_RI.dtype() != DType::bf16 || dy_RO.dtype() != DType::bf16 || (want_dw && dw_EOI.dtype() != DType::f32) ||
+      i_n % 8 != 0 || o_n % 8 != 0)
     return false;
-  if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(dy_RO.data()) || !aligned16(dw_EOI.data()) ||
+  if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(dy_RO.data()) ||
+      (want_dw && !aligned16(dw_EOI.data())) ||
       (dx_RI.defined() && (dx_RI.dtype() != DType::bf16 || !aligned16(dx_RI.data()))))
     return false;
   if (e_n == 0) return true;
   if (x_RI.size(0) == 0) {
-    if (!accumulate) device_zero(dw_EOI.data(), dw_EOI.nbytes());
+    if (want_dw && !accumulate) device_zero(dw_EOI.data(), dw_EOI.nbytes());
     return true;
   }
   const auto dgrad = [&]<class G>() {
@@ -328,13 +338,14 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
   };
   // Written, not accumulated (beta = 0: the epilogue does not read dw): an expert without rows
   // gets no tiles, so its dw is zeroed here (the offsets are read on the device).
+  if (dx_RI.defined()) with_tiles<Dgrad>(Kind::dgrad, dgrad);
+  if (!want_dw) return true;
   if (!accumulate) {
     const int64_t per = o_n * i_n;
     zero_empty_experts<<<dim3(64, static_cast<unsigned>(e_n)), 256, 0, stream()>>>(dw_EOI.ptr<float>(),
                                                                                    offsets_E1.ptr<int64_t>(), per);
     MF_CUDA_LAUNCHED("grouped_linear_backward dw (zero empty experts)");
   }
-  if (dx_RI.defined()) with_tiles<Dgrad>(Kind::dgrad, dgrad);
   with_tiles<Wgrad>(Kind::wgrad, wgrad);
   return true;
 }

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the 2-GPU machine after scripts/gpu/bundle.sh with MOEFOLD_GPU_EXTRA_TARGETS=moefold: expert
+# parallelism over NCCL (issue 5's EP = 2 target) in one call (~5 min): the 2-rank GPU tests of the
+# exchange and of the EP layouts, then `bench moe-layer` at qwen3-30b-a3b on one GPU and with
+# EP = 2 for several moe.ep_overlap_chunks and GEMM SM budgets. Full outputs land in $OUT.
+#   scripts/gpu/ep.sh [routing]   # balanced (default) or real
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+out="${OUT:-/tmp}"
+source "$root/scripts/gpu/env.sh"
+B="$root/.gpu/bin/moefold"
+routing="${1:-balanced}"
+one() { timeout 150 "$@"; }
+mpi() {  # 2 ranks; MOEFOLD_GEMM_SMS and NCCL_MAX_CTAS passed on where set
+  local xs=(-x LD_LIBRARY_PATH -x LD_PRELOAD)
+  [ -n "${MOEFOLD_GEMM_SMS:-}" ] && xs+=(-x MOEFOLD_GEMM_SMS)
+  [ -n "${NCCL_MAX_CTAS:-}" ] && xs+=(-x NCCL_MAX_CTAS)
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 150 mpirun -np 2 "${xs[@]}" "$@"
+}
+bench() {  # name, launcher (one or mpi), then options of bench moe-layer
+  local name="$1" launcher="$2"
+  shift 2
+  echo "== $name"
+  "$launcher" "$B" bench moe-layer --shape qwen3-30b-a3b --routing "$routing" --reps 10 --warmup 3 "$@" \
+    > "$out/ep_$name.md" 2>&1
+  grep "^| qwen3\|^| experts\|^| dispatch\|^| combine\|error\|moefold:" "$out/ep_$name.md" | head -12
+}
+echo "== tests on 2 ranks"
+mpi "$root/.gpu/bin/test_comm_nccl" --gtest_brief=1 2>&1 | tail -3
+mpi "$root/.gpu/bin/test_train_layouts_cuda" --gtest_brief=1 --gtest_filter='*OneStep*' 2>&1 | tail -4
+bench one_gpu one
+bench ep2_c1 mpi --set moe.ep_overlap_chunks=1
+bench ep2_c2 mpi --set moe.ep_overlap_chunks=2
+bench ep2_c4 mpi --set moe.ep_overlap_chunks=4
+MOEFOLD_GEMM_SMS=116 bench ep2_c2_sms116 mpi
+MOEFOLD_GEMM_SMS=124 NCCL_MAX_CTAS=8 bench ep2_c2_sms124_ctas8 mpi
