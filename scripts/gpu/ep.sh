@@ -2,8 +2,10 @@
 # On the 2-GPU machine after scripts/gpu/bundle.sh with MOEFOLD_GPU_EXTRA_TARGETS=moefold: expert
 # parallelism over NCCL (issue 5's EP = 2 target) in one call (~5 min): the 2-rank GPU tests of the
 # exchange and of the EP layouts, then `bench moe-layer` at qwen3-30b-a3b on one GPU and with
-# EP = 2 for several moe.ep_overlap_chunks and GEMM SM budgets. Full outputs land in $OUT.
+# EP = 2 for several moe.ep_overlap_chunks (direct copies where the GPUs map each other), and over
+# NCCL (MOEFOLD_EP_TRANSPORT=nccl) with fewer SMs for the GEMMs. Full outputs land in $OUT.
 #   scripts/gpu/ep.sh [routing]   # balanced (default) or real
+#   EP_SWEEP="2:116:16 1:0:0" scripts/gpu/ep.sh   # only EP = 2 runs: chunks:GEMM SMs:NCCL CTAs (0: default)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
@@ -15,6 +17,7 @@ mpi() {  # 2 ranks; MOEFOLD_GEMM_SMS and NCCL_MAX_CTAS passed on where set
   local xs=(-x LD_LIBRARY_PATH -x LD_PRELOAD)
   [ -n "${MOEFOLD_GEMM_SMS:-}" ] && xs+=(-x MOEFOLD_GEMM_SMS)
   [ -n "${NCCL_MAX_CTAS:-}" ] && xs+=(-x NCCL_MAX_CTAS)
+  [ -n "${MOEFOLD_EP_TRANSPORT:-}" ] && xs+=(-x MOEFOLD_EP_TRANSPORT)
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 150 mpirun -np 2 "${xs[@]}" "$@"
 }
 bench() {  # name, launcher (one or mpi), then options of bench moe-layer
@@ -25,6 +28,15 @@ bench() {  # name, launcher (one or mpi), then options of bench moe-layer
     > "$out/ep_$name.md" 2>&1
   grep "^| qwen3\|^| experts\|^| dispatch\|^| combine\|error\|moefold:" "$out/ep_$name.md" | head -12
 }
+if [ -n "${EP_SWEEP:-}" ]; then  # EP_SWEEP="chunks:gemm_sms:nccl_max_ctas ..." (0: default; MOEFOLD_EP_TRANSPORT as set)
+  for cfg in $EP_SWEEP; do
+    IFS=: read -r c sms ctas <<< "$cfg"
+    ( [ "$sms" != 0 ] && export MOEFOLD_GEMM_SMS="$sms"
+      [ "$ctas" != 0 ] && export NCCL_MAX_CTAS="$ctas"
+      bench "ep2_${routing}_c${c}_sms${sms}_ctas${ctas}" mpi --set moe.ep_overlap_chunks="$c" )
+  done
+  exit 0
+fi
 echo "== tests on 2 ranks"
 mpi "$root/.gpu/bin/test_comm_nccl" --gtest_brief=1 2>&1 | tail -3
 mpi "$root/.gpu/bin/test_train_layouts_cuda" --gtest_brief=1 --gtest_filter='*OneStep*' 2>&1 | tail -4
@@ -32,5 +44,4 @@ bench one_gpu one
 bench ep2_c1 mpi --set moe.ep_overlap_chunks=1
 bench ep2_c2 mpi --set moe.ep_overlap_chunks=2
 bench ep2_c4 mpi --set moe.ep_overlap_chunks=4
-MOEFOLD_GEMM_SMS=116 bench ep2_c2_sms116 mpi
-MOEFOLD_GEMM_SMS=124 NCCL_MAX_CTAS=8 bench ep2_c2_sms124_ctas8 mpi
+MOEFOLD_EP_TRANSPORT=nccl MOEFOLD_GEMM_SMS=116 bench ep2_nccl_c2_sms116 mpi

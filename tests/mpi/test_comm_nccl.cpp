@@ -10,6 +10,7 @@
 
 #include "cuda_testing.h"
 #include "moefold/comm/nccl.h"
+#include "moefold/comm/peer_memory.h"
 #include "mpi_testing.h"
 
 namespace moefold {
@@ -148,6 +149,53 @@ TEST_F(Nccl, StartExchangeRoundsAndWait) {
     for (size_t i = 0; i < got_back.size(); ++i)
       ASSERT_EQ(got_back[i], r * 64 + p * 8 + static_cast<double>(i % 8) + 0.5)
           << "back from " << p << " element " << i;
+  }
+}
+
+// PeerMemory (GPUs of one host; the test skips where the group cannot map): each rank pushes
+// rows into every peer's block at an offset that names the pair, pulls rows from every peer's
+// block, twice in a row (sequence numbers move on), and reads them after wait.
+TEST_F(Nccl, PeerMemoryPushAndPull) {
+  const int r = nccl_->rank(), n = nccl_->size();
+  testing::Pool pool;
+  DevicePool dev;
+  const int64_t cols = 8, rows = 3;  // per pair
+  const int64_t block_rows = 2 * n * rows;  // [pushed from p | this rank's rows for p to pull]
+  Tensor block = dev.poisoned({block_rows, cols}, DType::f32);
+  std::unique_ptr<PeerMemory> pm = nccl_->map_peer_memory(block.data(), block.nbytes());
+  if (pm == nullptr) GTEST_SKIP() << "the ranks' GPUs cannot map each other's memory";
+  const size_t row_bytes = cols * sizeof(float);
+  for (int round = 0; round < 2; ++round) {
+    // This rank's rows for p to pull, at block rows [(n + p) * rows, +rows).
+    for (int p = 0; p < n; ++p) {
+      Tensor h = pool.zeros({rows, cols});
+      for (int64_t i = 0; i < rows * cols; ++i) testing::set_value_at(h, i, 1000 * round + 100 * r + 10 * p + i);
+      block.slice((n + p) * rows, (n + p + 1) * rows).copy_from(dev.upload(h, DType::f32));
+    }
+    std::vector<Tensor> out;
+    std::vector<PeerMemory::Push> pushes;
+    std::vector<PeerMemory::Pull> pulls;
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      Tensor h = pool.zeros({rows, cols});
+      for (int64_t i = 0; i < rows * cols; ++i) testing::set_value_at(h, i, 1000 * round + 100 * r + 10 * p + i + 0.5);
+      out.push_back(dev.upload(h, DType::f32));
+      pushes.push_back({p, out.back(), static_cast<size_t>(r * rows) * row_bytes});  // into p's rows from r
+      pulls.push_back({p, static_cast<size_t>((n + r) * rows) * row_bytes, dev.poisoned({rows, cols}, DType::f32)});
+    }
+    const int64_t pushed = pm->push(pushes), pulled = pm->pull(pulls);
+    pm->wait(pushed);
+    pm->wait(pulled);
+    for (int p = 0, k = 0; p < n; ++p) {
+      if (p == r) continue;
+      const std::vector<double> got = testing::download(block.slice(p * rows, (p + 1) * rows));
+      const std::vector<double> took = testing::download(pulls[static_cast<size_t>(k++)].dst);
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        ASSERT_EQ(got[i], 1000 * round + 100 * p + 10 * r + i + 0.5) << "pushed by " << p << " round " << round;
+        ASSERT_EQ(took[i], 1000 * round + 100 * p + 10 * r + i) << "pulled from " << p << " round " << round;
+      }
+    }
+    nccl_->barrier();  // nobody rewrites its rows before every peer has pulled them
   }
 }
 

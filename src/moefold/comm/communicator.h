@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "moefold/comm/peer_memory.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold {
@@ -65,6 +66,13 @@ class Communicator {
   // the exchange before returning (this default does, through all_to_all_v).
   virtual int64_t start_exchange(const std::vector<Transfer>& transfers);
   virtual void wait(int64_t ticket) { (void)ticket; }
+  // Collective: maps every rank's peer-visible block (Memory::peer_block, `bytes` long on every
+  // rank) into the others' address spaces, for direct copies (see PeerMemory). Null on every rank
+  // where the group cannot (host backends; GPUs on other hosts or without peer access).
+  virtual std::unique_ptr<PeerMemory> map_peer_memory(void* block, size_t bytes) {
+    (void)block, (void)bytes;
+    return nullptr;
+  }
 
   // Collective over this group: ranks with equal `color` form a new group, ordered by `key`.
   virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "moefold/comm/comm_checks.h"
+#include "moefold/comm/peer_memory.h"
 #include "moefold/core/device.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -193,6 +194,9 @@ class NcclCommunicator final : public Communicator {
     MF_CHECK(ticket >= 0 && ticket < next_ticket_ && ticket >= next_ticket_ - kStarted, "wait on group '", name_,
              "': ticket ", ticket, " is not one of the last ", kStarted, " exchanges (", next_ticket_, " started)");
     MF_CUDA_CHECK(cudaStreamWaitEvent(compute(), started_[static_cast<size_t>(ticket % kStarted)], 0));
+  }
+  std::unique_ptr<PeerMemory> map_peer_memory(void* block, size_t bytes) override {
+    return make_cuda_peer_memory(*this, block, bytes);
   }
   void all_to_all(const Tensor& send, const Tensor& recv) override {
     comm_detail::check_all_to_all(send, recv, size_, true);

@@ -63,6 +63,7 @@ Memory::Memory(DType dtype, Device device) : dtype_(dtype), device_(device) {
   for (Arena& a : grads_) a.set_device(device);
   for (Arena& a : compute_) a.set_device(device);
   acts_.set_device(device);
+  peer_acts_.set_device(device);
 }
 
 size_t host_memory_bytes() {
@@ -154,6 +155,7 @@ Tensor Memory::act(Shape shape, DType dtype) { return acts_.take(dtype, shape); 
 Tensor Memory::host_act(Shape shape, DType dtype) {
   return device_ == Device::cpu ? acts_.take(dtype, shape) : host_acts_.take(dtype, shape);
 }
+Tensor Memory::peer_act(Shape shape, DType dtype) { return peer_acts_.take(dtype, shape); }
 Mirrored Memory::mirrored(Shape shape, DType dtype) {
   if (device_ == Device::cpu) {
     const Tensor t = act(shape, dtype);
@@ -185,6 +187,7 @@ void Memory::allocate() {
   }
   acts_.allocate();
   host_acts_.allocate();
+  peer_acts_.allocate();
   params_.clear();
 }
 
@@ -204,6 +207,7 @@ std::vector<const Arena*> Memory::arenas() const {
   }
   all.push_back(&acts_);
   all.push_back(&host_acts_);
+  all.push_back(&peer_acts_);
   return all;
 }
 

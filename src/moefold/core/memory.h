@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moefold/core/rng.h"
@@ -151,6 +152,14 @@ class Memory {
   Tensor host_act(Shape shape, DType dtype);
   // A host_act and an act of one shape (one tensor on a CPU run).
   Mirrored mirrored(Shape shape, DType dtype);
+  // An act in the peer-visible block: a block of its own, which GPUs of one host map into each
+  // other's address space (Communicator::map_peer_memory), so a peer can copy straight into it.
+  // Ranks that bind the same modules in the same order get every peer_act at the same offset.
+  Tensor peer_act(Shape shape, DType dtype);
+  Tensor peer_act(Shape shape) { return peer_act(std::move(shape), dtype_); }
+  // The peer-visible block (null while measuring) and its size in bytes.
+  void* peer_block() const { return peer_acts_.base(); }
+  size_t peer_block_bytes() const { return peer_acts_.capacity(); }
 
   // Ends the measuring pass: allocates every arena and clears the registrations; the caller
   // binds again. REQUIRES: measuring().
@@ -178,7 +187,7 @@ class Memory {
   Tensor grad_block(ParamGroup group) const;
   size_t param_bytes() const;
   size_t grad_bytes() const;
-  size_t act_bytes() const { return acts_.used(); }
+  size_t act_bytes() const { return acts_.used() + peer_acts_.used(); }
   size_t host_act_bytes() const { return host_acts_.used(); }
 
  private:
@@ -187,7 +196,8 @@ class Memory {
   int64_t grad_generation_ = 0;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
   Arena host_acts_;  // always host memory; empty on a CPU run
-  size_t measured_[3 * kNumParamGroups + 2] = {};
+  Arena peer_acts_;  // the peer-visible activations (peer_act)
+  size_t measured_[3 * kNumParamGroups + 3] = {};
   std::vector<const Arena*> arenas() const;  // every arena, in a fixed order
   std::vector<Param> params_;
 };

@@ -4,6 +4,8 @@
 #include "moefold/moe/all_to_all_dispatcher.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "moefold/ops/moe_ops.h"
@@ -16,30 +18,121 @@ AllToAllDispatcher::AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int
 void AllToAllDispatcher::bind(Memory& mem) {
   ex_.bind(mem);
   const int64_t p_n = ex_.ep().size(), rounds = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
+  all_counts_PE_ = mem.host_act({p_n, cfg_.num_experts}, DType::i64);
   piece_offsets_ = mem.mirrored({2 + (p_n - 1) * rounds, ex_.num_local() + 1}, DType::i64);
   home_offsets_.assign(static_cast<size_t>(cfg_.num_experts + 1), 0);
   plan_ = AllToAllPlan{};
   outputs_left_ = drows_left_ = 0;
+  mem_ = &mem;
+  peer_.reset();  // the block may be new: mapped again by the next dispatch
+  transport_chosen_ = false;
 }
 
-std::pair<int64_t, int64_t> AllToAllDispatcher::home_part(int q, int64_t j) const {
-  const int64_t l_n = ex_.num_local(), c_n = cfg_.ep_overlap_chunks;
-  const int64_t h0 = home_offsets_[static_cast<size_t>(q * l_n)];
-  const int64_t n = home_offsets_[static_cast<size_t>((q + 1) * l_n)] - h0;
-  return {h0 + n * j / c_n, h0 + n * (j + 1) / c_n};
+void AllToAllDispatcher::choose_transport() {
+  transport_chosen_ = true;
+  Communicator& ep = ex_.ep();
+  const char* env = std::getenv("MOEFOLD_EP_TRANSPORT");
+  const std::string want = env != nullptr && *env != '\0' ? env : "auto";
+  if (want != "auto" && want != "nccl" && want != "ipc")
+    MF_FAIL("MOEFOLD_EP_TRANSPORT=", want, ": must be auto, nccl or ipc");
+  // Collective: every rank maps, or none does.
+  int32_t try_ipc = want != "nccl" && ep.size() > 1 && mem_->device() == Device::cuda ? 1 : 0;
+  ep.all_reduce(Tensor(&try_ipc, DType::i32, {1}), ReduceOp::sum);
+  if (try_ipc == ep.size()) peer_ = ep.map_peer_memory(mem_->peer_block(), mem_->peer_block_bytes());
+  if (want == "ipc" && peer_ == nullptr && ep.size() > 1)
+    MF_FAIL("MOEFOLD_EP_TRANSPORT=ipc: the GPUs of EP group '", ep.name(),
+            "' cannot map each other's memory (not one host, or no peer access)");
 }
 
-int64_t AllToAllDispatcher::start_round(int64_t j, const Tensor& home_SH, const Tensor& rows_RH, bool to_experts) {
-  std::vector<Transfer>& transfers = transfers_;
-  transfers.clear();
+int64_t AllToAllDispatcher::sent(int from, int to) const {
+  const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local();
+  const int64_t* c = all_counts_PE_.ptr<int64_t>() + from * e_n + to * l_n;
+  int64_t n = 0;
+  for (int64_t l = 0; l < l_n; ++l) n += c[l];
+  return n;
+}
+
+std::pair<int64_t, int64_t> AllToAllDispatcher::part(int64_t n, int64_t j) const {
+  const int64_t c_n = cfg_.ep_overlap_chunks;
+  return {n * j / c_n, n * (j + 1) / c_n};
+}
+
+std::pair<int64_t, int64_t> AllToAllDispatcher::home_part(int r, int m, int64_t j) const {
+  const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local();
+  const int64_t* c = all_counts_PE_.ptr<int64_t>() + r * e_n;
+  int64_t h0 = 0;  // rank r's first home row of rank m's experts
+  for (int64_t e = 0; e < m * l_n; ++e) h0 += c[e];
+  const auto [a, b] = part(sent(r, m), j);
+  return {h0 + a, h0 + b};
+}
+
+int64_t AllToAllDispatcher::piece_row(int r, int s, int64_t j) const {
+  const int p_n = ex_.ep().size();
+  int64_t row = sent(r, r);  // the own rows come first
+  for (int64_t j2 = 0; j2 <= j; ++j2)
+    for (int k = 1; k < p_n; ++k) {
+      const int s2 = (r + k) % p_n;
+      if (j2 == j && s2 == s) return row;
+      const auto [a, b] = part(sent(s2, r), j2);
+      row += b - a;
+    }
+  MF_CHECK(false, "piece_row: no piece from rank ", s, " in round ", j, " at rank ", r);
+  return row;
+}
+
+int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_RH) {
+  const int me = ex_.ep().rank();
+  const bool to_experts = leg == Leg::dispatch || leg == Leg::dout;
+  // The home side: x rows out (own_SH), outputs in (home_SH), dout rows out and drows in (own_SH).
+  const Tensor& home_SH = leg == Leg::combine ? ex_.home_SH() : ex_.own_SH();
+  if (peer_ == nullptr) {
+    std::vector<Transfer>& transfers = transfers_;
+    transfers.clear();
+    for (const size_t i : round_pieces_[static_cast<size_t>(j)]) {
+      const int q = sources_[i].peer;
+      const auto [a, b] = home_part(me, q, j);
+      const RowPiece& piece = plan_.pieces[i];
+      const Tensor home = home_SH.slice(a, b), rows = rows_RH.slice(piece.begin, piece.end);
+      transfers.push_back(to_experts ? Transfer{q, home, rows} : Transfer{q, rows, home});
+    }
+    return ex_.ep().start_exchange(transfers);
+  }
+  // Direct copies: the receiving side's rows are at offsets every rank computes from the counts.
+  // Pushes, except dout: its destination is the caller's buffer, so the expert rank pulls it.
+  const size_t row_bytes = static_cast<size_t>(home_SH.size(1)) * dtype_size(home_SH.dtype());
+  pushes_.clear();
+  pulls_.clear();
   for (const size_t i : round_pieces_[static_cast<size_t>(j)]) {
     const int q = sources_[i].peer;
-    const auto [a, b] = home_part(q, j);
     const RowPiece& piece = plan_.pieces[i];
-    const Tensor home = home_SH.slice(a, b), rows = rows_RH.slice(piece.begin, piece.end);
-    transfers.push_back(to_experts ? Transfer{q, home, rows} : Transfer{q, rows, home});
+    const Tensor rows = rows_RH.slice(piece.begin, piece.end);
+    const size_t at_q = row_bytes * static_cast<size_t>(home_part(q, me, j).first);  // q's home rows for me
+    switch (leg) {
+      case Leg::dispatch: {
+        const auto [a, b] = home_part(me, q, j);
+        pushes_.push_back({q, ex_.own_SH().slice(a, b),
+                           peer_->offset_of(ex_.rows_RH()) + row_bytes * static_cast<size_t>(piece_row(q, me, j))});
+        break;
+      }
+      case Leg::combine:
+        pushes_.push_back({q, rows, peer_->offset_of(ex_.home_SH()) + at_q});
+        break;
+      case Leg::dout:
+        pulls_.push_back({q, peer_->offset_of(ex_.own_SH()) + at_q, rows});
+        break;
+      case Leg::drows:
+        pushes_.push_back({q, rows, peer_->offset_of(ex_.own_SH()) + at_q});
+        break;
+    }
   }
-  return ex_.ep().start_exchange(transfers);
+  return leg == Leg::dout ? peer_->pull(pulls_) : peer_->push(pushes_);
+}
+
+void AllToAllDispatcher::wait_ticket(int64_t ticket) {
+  if (peer_ != nullptr)
+    peer_->wait(ticket);
+  else
+    ex_.ep().wait(ticket);
 }
 
 void AllToAllDispatcher::check_piece(size_t piece) const {
@@ -54,9 +147,10 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   // 1. This rank's tokens into home rows sorted by global expert, before any exchange (x is
   //    permuted below, straight into the rows that stay here).
   ex_.route_home(x_TH, topk_idx_TK, topk_prob_TK, p, false);
-  // 2. Counts first: peer p's block of home_counts_E is the rows for p's L experts, so one
-  //    equal-block all_to_all tells every rank how many rows each peer sends to each local expert.
-  ex_.exchange_counts(ex_.home_counts_host(), p);
+  if (!transport_chosen_) choose_transport();
+  // 2. Counts first: every rank's home counts to every rank (an all_gather): how many rows each
+  //    peer sends to each local expert, and where every rank puts the rows it receives.
+  ex_.gather_counts(all_counts_PE_, p);
   p.recv_counts_PL = ex_.recv_counts().view({p_n, l_n});
   p.offsets_E1 = Tensor();  // the rows are grouped by source: only the pieces describe them
   const int64_t* home_counts = ex_.home_counts_host().ptr<int64_t>();
@@ -93,6 +187,8 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
     for (int k = 1; k < p_n; ++k) {
       const int q = (me + k) % p_n;
       const int64_t n = p.recv_counts_P.ptr<int64_t>()[q];
+      MF_CHECK(row == piece_row(me, q, j), "dispatch: piece from rank ", q, " in round ", j, " at row ", row,
+               ", the peers place it at ", piece_row(me, q, j));
       add(Source{q, j, 0}, recv_pl + q * l_n, n * j / c_n, n * (j + 1) / c_n);
     }
   MF_CHECK(row == p.num_rows, "dispatch: pieces hold ", row, " rows of ", p.num_rows);
@@ -132,7 +228,7 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   if (hs0 > 0) moe_permute(x_TH, p.token_R.slice(0, hs0), own.slice(0, hs0));
   if (s_n > hs1) moe_permute(x_TH, p.token_R.slice(hs1, s_n), own.slice(hs1, s_n));
   moe_permute(x_TH, p.token_R.slice(hs0, hs1), p.rows_RH.slice(0, n_self));
-  for (int64_t j = 0; j < c_n; ++j) rows_[static_cast<size_t>(j)].ticket = start_round(j, own, p.rows_RH, true);
+  for (int64_t j = 0; j < c_n; ++j) rows_[static_cast<size_t>(j)].ticket = start_round(j, Leg::dispatch, p.rows_RH);
   return p;
 }
 
@@ -141,11 +237,11 @@ void AllToAllDispatcher::wait_round(size_t piece, std::vector<Round>& rounds) {
   const int64_t j = sources_[piece].round;
   if (j < 0) return;  // own rows: put in place on the compute stream
   Round& r = rounds[static_cast<size_t>(j)];
-  if (!r.waited) ex_.ep().wait(r.ticket);
+  if (!r.waited) wait_ticket(r.ticket);
   r.waited = true;
 }
 
-void AllToAllDispatcher::piece_done(size_t piece, const Tensor& rows_RH, const Tensor& home_SH,
+void AllToAllDispatcher::piece_done(size_t piece, const Tensor& rows_RH, const Tensor& home_SH, Leg leg,
                                     std::vector<Round>& rounds, int64_t& left, const char* what) {
   check_piece(piece);
   ex_.check_rows(rows_RH, plan_, what);
@@ -158,13 +254,13 @@ void AllToAllDispatcher::piece_done(size_t piece, const Tensor& rows_RH, const T
   }
   Round& r = rounds[static_cast<size_t>(src.round)];
   MF_CHECK(r.pending > 0, what, ": piece ", piece, " reported twice");
-  if (--r.pending == 0) r.ticket = start_round(src.round, home_SH, rows_RH, false);
+  if (--r.pending == 0) r.ticket = start_round(src.round, leg, rows_RH);
 }
 
 void AllToAllDispatcher::rows_arrived(size_t piece) { wait_round(piece, rows_); }
 
 void AllToAllDispatcher::outputs_done(size_t piece, const Tensor& out_RH) {
-  piece_done(piece, out_RH, ex_.home_SH(), outputs_, outputs_left_, "outputs_done");
+  piece_done(piece, out_RH, ex_.home_SH(), Leg::combine, outputs_, outputs_left_, "outputs_done");
 }
 
 void AllToAllDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan, const Tensor& y_TH) {
@@ -174,7 +270,7 @@ void AllToAllDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan,
   MF_CHECK(outputs_left_ == 0, "combine: ", outputs_left_,
            " pieces' outputs were not reported by outputs_done (run the experts with run_experts_forward)");
   // Every output row is home: the own ones copied, the others brought by the rounds.
-  for (const Round& r : outputs_) ex_.ep().wait(r.ticket);
+  for (const Round& r : outputs_) wait_ticket(r.ticket);
   ex_.combine_home(p, y_TH);
 }
 
@@ -194,7 +290,7 @@ void AllToAllDispatcher::combine_backward(const Tensor& dy_TH, const Tensor& out
   const int64_t hs1 = home_offsets_[static_cast<size_t>((me + 1) * l_n)];
   dout_RH.slice(0, hs1 - hs0).copy_from(ex_.own_SH().slice(hs0, hs1));
   for (size_t j = 0; j < douts_.size(); ++j)
-    douts_[j].ticket = start_round(static_cast<int64_t>(j), ex_.own_SH(), dout_RH, true);
+    douts_[j].ticket = start_round(static_cast<int64_t>(j), Leg::dout, dout_RH);
   drows_left_ = static_cast<int64_t>(p.pieces.size());
 }
 
@@ -203,7 +299,7 @@ void AllToAllDispatcher::output_grads_arrived(size_t piece) { wait_round(piece, 
 // own_SH's home gradients are dead once sent (the rounds of dout left before these, in order on
 // the communicator's stream) or copied (combine_backward): it takes the drows back.
 void AllToAllDispatcher::input_grads_done(size_t piece, const Tensor& drows_RH) {
-  piece_done(piece, drows_RH, ex_.own_SH(), drows_, drows_left_, "input_grads_done");
+  piece_done(piece, drows_RH, ex_.own_SH(), Leg::drows, drows_, drows_left_, "input_grads_done");
 }
 
 void AllToAllDispatcher::dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) {
@@ -212,7 +308,7 @@ void AllToAllDispatcher::dispatch_backward(const Tensor& drows_RH, const Dispatc
   ex_.check_rows(drows_RH, p, "dispatch_backward drows");
   MF_CHECK(drows_left_ == 0, "dispatch_backward: ", drows_left_,
            " pieces' drows were not reported by input_grads_done (run the experts with run_experts_backward)");
-  for (const Round& r : drows_) ex_.ep().wait(r.ticket);
+  for (const Round& r : drows_) wait_ticket(r.ticket);
   ex_.dispatch_backward_home(p, dx_TH);
 }
 

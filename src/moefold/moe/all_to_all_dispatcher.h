@@ -9,6 +9,10 @@
 // its own rows, under the last round's way back; on one rank the own rows are one piece). The outputs of a round go
 // home as soon as the experts finish it; the backward mirrors this. Only the grouped GEMMs' row order differs from an
 // unpipelined dispatch: the experts' rows are grouped by source, each piece expert-major.
+// Transport: where the EP group's GPUs share a host and can map each other's memory, rounds are
+// direct copies into the peer's rows (PeerMemory: copy engines, no SMs taken from the experts'
+// GEMMs), else the communicator's start_exchange (NCCL send/recv). MOEFOLD_EP_TRANSPORT = nccl
+// or ipc forces one (ipc fails where it cannot be had); the default takes ipc where it can.
 // Gradient rule: every backward WRITES its activation gradients (no parameters); each data
 // backward is the transpose of its forward path.
 // Shape letters: T tokens (this rank), H hidden, K top-k, E global experts, L = E / EP local
@@ -17,9 +21,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "moefold/comm/communicator.h"
+#include "moefold/comm/peer_memory.h"
 #include "moefold/core/memory.h"
 #include "moefold/moe/dispatcher.h"
 #include "moefold/moe/ep_exchange.h"
@@ -88,22 +95,36 @@ class AllToAllDispatcher final : public Dispatcher {
     int64_t pending = 0;
     bool waited = false;
   };
-  // Home rows [begin, end) of this rank sent to peer q in round j (part j of q's block).
-  std::pair<int64_t, int64_t> home_part(int q, int64_t j) const;
-  // Starts round j between this rank's home rows `home_SH` (part j of every peer's block) and the
-  // round's pieces of `rows_RH`: home -> rows (to_experts) or rows -> home.
-  int64_t start_round(int64_t j, const Tensor& home_SH, const Tensor& rows_RH, bool to_experts);
+  // The four legs of a layer: x rows out, outputs back, output gradients out, input gradients back.
+  enum class Leg : uint8_t { dispatch, combine, dout, drows };
+  // From every rank's home counts (all_counts_PE_): rows rank `from` sends to rank `to`'s
+  // experts; part j of n rows; rank r's home rows of part j of its block for rank m's experts;
+  // the first row, at rank r, of the piece from source s in round j.
+  int64_t sent(int from, int to) const;
+  std::pair<int64_t, int64_t> part(int64_t n, int64_t j) const;
+  std::pair<int64_t, int64_t> home_part(int r, int m, int64_t j) const;
+  int64_t piece_row(int r, int s, int64_t j) const;
+  // Starts round j of `leg` between the home rows (own_SH / home_SH) and the round's pieces of
+  // `rows_RH` (the experts' rows, outputs, output gradients or input gradients).
+  int64_t start_round(int64_t j, Leg leg, const Tensor& rows_RH);
+  // Picks the transport (collective; first dispatch after bind).
+  void choose_transport();
   void check_piece(size_t piece) const;
   // rows_arrived / output_grads_arrived: the compute stream waits for the piece's round once.
+  void wait_ticket(int64_t ticket);
   void wait_round(size_t piece, std::vector<Round>& rounds);
   // outputs_done / input_grads_done: the piece's rows of rows_RH go home into home_SH, by a copy
   // (own rows) or with the last piece of their round (that round started).
-  void piece_done(size_t piece, const Tensor& rows_RH, const Tensor& home_SH, std::vector<Round>& rounds, int64_t& left,
-                  const char* what);
+  void piece_done(size_t piece, const Tensor& rows_RH, const Tensor& home_SH, Leg leg, std::vector<Round>& rounds,
+                  int64_t& left, const char* what);
 
   MoeConfig cfg_;
   EpExchange ex_;
   AllToAllPlan plan_;
+  const Memory* mem_ = nullptr;
+  std::unique_ptr<PeerMemory> peer_;  // the direct transport; null: start_exchange
+  bool transport_chosen_ = false;
+  Tensor all_counts_PE_;                               // i64 [P, E], host: every rank's home counts (last dispatch)
   Mirrored piece_offsets_;                             // i64 [pieces, L + 1]: every piece's expert offsets
   std::vector<int64_t> home_offsets_;                  // host [E + 1]: first home row of each global expert
   std::vector<Source> sources_;                        // by piece
@@ -113,6 +134,8 @@ class AllToAllDispatcher final : public Dispatcher {
   std::vector<RowPiece> layout_;
   std::vector<Source> layout_sources_;
   std::vector<Transfer> transfers_;
+  std::vector<PeerMemory::Push> pushes_;
+  std::vector<PeerMemory::Pull> pulls_;
   int64_t outputs_left_ = 0, drows_left_ = 0;  // pieces not yet done this pass
 };
 

@@ -64,10 +64,11 @@ void EpExchange::bind(Memory& mem) {
   const int64_t r_reorder = reorders_ ? r_max : 0;
   gather_R_ = mem.mirrored({r_reorder}, DType::i64);
   scatter_R_ = mem.mirrored({r_reorder}, DType::i64);
-  own_SH_ = mem.act({s_max_, hidden_});
-  home_SH_ = mem.act({s_max_, hidden_});
+  // Peer-visible: other GPUs of the host copy rows straight into them (see AllToAllDispatcher).
+  own_SH_ = mem.peer_act({s_max_, hidden_});
+  home_SH_ = mem.peer_act({s_max_, hidden_});
   recv_RH_ = mem.act({r_reorder, hidden_});
-  rows_RH_ = mem.act({r_max, hidden_});
+  rows_RH_ = mem.peer_act({r_max, hidden_});
   combined_ = false;
 }
 
@@ -92,8 +93,24 @@ void EpExchange::route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const
 }
 
 void EpExchange::exchange_counts(const Tensor& send_counts_PBL, EpPlan& p) {
-  const int64_t l_n = num_local_, p_n = ep_.size(), bl_n = sources_ * l_n;
   ep_.all_to_all(send_counts_PBL, recv_counts_PBL_);
+  plan_counts(send_counts_PBL, p);
+}
+
+void EpExchange::gather_counts(const Tensor& all_counts_PE, EpPlan& p) {
+  const int64_t e_n = cfg_.num_experts, l_n = num_local_, p_n = ep_.size(), me = ep_.rank();
+  MF_CHECK(sources_ == 1, "gather_counts: one source per EP peer only");
+  check_shape(all_counts_PE, {p_n, e_n}, "gather_counts all_counts");
+  ep_.all_gather(home_counts_E_.host.view({1, e_n}), all_counts_PE);
+  const int64_t* all = all_counts_PE.ptr<int64_t>();
+  int64_t* recv = recv_counts_PBL_.ptr<int64_t>();
+  for (int64_t q = 0; q < p_n; ++q)
+    for (int64_t l = 0; l < l_n; ++l) recv[q * l_n + l] = all[q * e_n + me * l_n + l];
+  plan_counts(home_counts_E_.host, p);
+}
+
+void EpExchange::plan_counts(const Tensor& send_counts_PBL, EpPlan& p) {
+  const int64_t l_n = num_local_, p_n = ep_.size(), bl_n = sources_ * l_n;
   MF_CHECK(send_counts_PBL.device() == Device::cpu, "exchange_counts: send counts ", send_counts_PBL.str(),
            " must be host memory");
   const int64_t* send_pbl = send_counts_PBL.ptr<int64_t>();

@@ -59,6 +59,7 @@ class EpExchange {
   Communicator& ep() const { return ep_; }
   // [S max, H]: this rank's x rows after route_home, its home gradient in the backwards.
   const Tensor& own_SH() const { return own_SH_; }
+  // own_SH, home_SH and rows_RH are peer-visible (Memory::peer_act).
   // [S max, H]: the (summed) expert outputs at home, kept from combine to combine_backward.
   const Tensor& home_SH() const { return home_SH_; }
   // [max_rows, H]: the rows handed to the experts (kept until their backward).
@@ -78,6 +79,9 @@ class EpExchange {
   //    get from each source. Fills num_rows, counts_E, offsets_E1 (as if expert-major),
   //    send_counts_P, recv_counts_P.
   void exchange_counts(const Tensor& send_counts_PBL, EpPlan& p);
+  // 2, one source per peer: the same plan from an all_gather of every rank's home counts into
+  //    all_counts_PE (i64 [P, E], host), which also tells each rank every other rank's layout.
+  void gather_counts(const Tensor& all_counts_PE, EpPlan& p);
   // 2b. The source-major -> expert-major reorder of to_experts / from_experts: fills gather_R,
   //    scatter_R, rows_RH (received source-major, (q, b, l) blocks; expert l's rows from earlier
   //    sources come first).
@@ -112,6 +116,8 @@ class EpExchange {
   // (expert outputs back home), recv_RH_ (source-major staging for every exchange), rows_RH_
   // (the experts' input, kept until their backward).
   Tensor own_SH_, home_SH_, recv_RH_, rows_RH_;
+  // Step 2's plan from send_counts_PBL and the received recv_counts_PBL_.
+  void plan_counts(const Tensor& send_counts_PBL, EpPlan& p);
   bool reorders_ = false;
   bool combined_ = false;
 };
