@@ -139,7 +139,6 @@ TEST(AllToAllDispatcher, OneRankEqualsLocalDispatcherExactly) {
       ASSERT_EQ(p1.pieces.size(), 1u);
       EXPECT_EQ(p1.pieces[0].begin, 0);
       EXPECT_EQ(p1.pieces[0].end, p0.num_rows);
-      EXPECT_EQ(p1.backward_order, (std::vector<size_t>{0}));
       expect_identical(p1.pieces[0].offsets_E1, p0.offsets_E1, "piece offsets_E1");
       expect_identical(p1.row_TK, p0.row_TK, "row_TK");
       expect_identical(p1.token_R, p0.token_R, "token_R");

@@ -159,7 +159,7 @@ TEST_F(Nccl, PeerMemoryPushAndPull) {
   const int r = nccl_->rank(), n = nccl_->size();
   testing::Pool pool;
   DevicePool dev;
-  const int64_t cols = 8, rows = 3;  // per pair
+  const int64_t cols = 8, rows = 3;         // per pair
   const int64_t block_rows = 2 * n * rows;  // [pushed from p | this rank's rows for p to pull]
   Tensor block = dev.poisoned({block_rows, cols}, DType::f32);
   std::unique_ptr<PeerMemory> pm = nccl_->map_peer_memory(block.data(), block.nbytes());

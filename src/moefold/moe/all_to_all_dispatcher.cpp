@@ -196,17 +196,16 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   for (size_t i = 0; i < layout.size(); ++i)
     layout[i].offsets_E1 =
         piece_offsets_.dev.slice(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1).view({l_n + 1});
-  // Forward order: own half, the rounds, own half; backward: both own halves, then the rounds
-  // (layout indices 0, 2, 3, ..., 1 and 0, 1, 2, ...).
+  // Forward and backward order: own half, the rounds, own half (layout indices 0, 2, 3, ..., 1):
+  // the first own half runs while round 0 travels to the experts (x rows forward, dout rows
+  // backward), the last one while the last round travels home (outputs, drows).
   const size_t n_pieces = layout.size();
   p.pieces.clear();
   sources_.clear();
-  p.backward_order.clear();
   for (size_t k = 0; k < n_pieces; ++k) {
     const size_t i = p_n == 1 ? k : k == 0 ? 0 : k + 1 < n_pieces ? k + 1 : 1;
     p.pieces.push_back(layout[i]);
     sources_.push_back(layout_src[i]);
-    p.backward_order.push_back(p_n == 1 ? k : k == 0 ? 0 : k == 1 ? n_pieces - 1 : k - 1);
   }
   round_pieces_.resize(static_cast<size_t>(c_n));
   for (std::vector<size_t>& r : round_pieces_) r.clear();
@@ -241,26 +240,42 @@ void AllToAllDispatcher::wait_round(size_t piece, std::vector<Round>& rounds) {
   r.waited = true;
 }
 
-void AllToAllDispatcher::piece_done(size_t piece, const Tensor& rows_RH, const Tensor& home_SH, Leg leg,
-                                    std::vector<Round>& rounds, int64_t& left, const char* what) {
+void AllToAllDispatcher::piece_done(size_t piece, const Tensor& rows_RH, Leg leg, std::vector<Round>& rounds,
+                                    int64_t& left, const char* what) {
   check_piece(piece);
   ex_.check_rows(rows_RH, plan_, what);
-  const RowPiece& pc = plan_.pieces[piece];
   const Source& src = sources_[piece];
   --left;
-  if (src.round < 0) {  // own rows: home by a copy
-    home_SH.slice(src.home, src.home + (pc.end - pc.begin)).copy_from(rows_RH.slice(pc.begin, pc.end));
-    return;
-  }
+  if (src.round < 0) return;  // own rows: written at home
   Round& r = rounds[static_cast<size_t>(src.round)];
   MF_CHECK(r.pending > 0, what, ": piece ", piece, " reported twice");
   if (--r.pending == 0) r.ticket = start_round(src.round, leg, rows_RH);
 }
 
+Tensor AllToAllDispatcher::piece_rows(const DispatchPlan& plan, size_t piece, const Tensor& rows_RH,
+                                      const Tensor& home_SH) const {
+  ep_check_plan(plan, plan_, "piece_rows");
+  check_piece(piece);
+  const RowPiece& pc = plan_.pieces[piece];
+  const Source& src = sources_[piece];
+  if (src.round < 0) return home_SH.slice(src.home, src.home + (pc.end - pc.begin));
+  return rows_RH.slice(pc.begin, pc.end);
+}
+
+Tensor AllToAllDispatcher::output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const {
+  return piece_rows(plan, piece, out_RH, ex_.home_SH());
+}
+Tensor AllToAllDispatcher::output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const {
+  return piece_rows(plan, piece, dout_RH, ex_.own_SH());
+}
+Tensor AllToAllDispatcher::input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const {
+  return piece_rows(plan, piece, drows_RH, ex_.own_SH());
+}
+
 void AllToAllDispatcher::rows_arrived(size_t piece) { wait_round(piece, rows_); }
 
 void AllToAllDispatcher::outputs_done(size_t piece, const Tensor& out_RH) {
-  piece_done(piece, out_RH, ex_.home_SH(), Leg::combine, outputs_, outputs_left_, "outputs_done");
+  piece_done(piece, out_RH, Leg::combine, outputs_, outputs_left_, "outputs_done");
 }
 
 void AllToAllDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan, const Tensor& y_TH) {
@@ -269,7 +284,8 @@ void AllToAllDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan,
   ex_.check_rows(out_RH, p, "combine out");
   MF_CHECK(outputs_left_ == 0, "combine: ", outputs_left_,
            " pieces' outputs were not reported by outputs_done (run the experts with run_experts_forward)");
-  // Every output row is home: the own ones copied, the others brought by the rounds.
+  // Every output row is home: the own ones written there by the experts, the others brought by
+  // the rounds.
   for (const Round& r : outputs_) wait_ticket(r.ticket);
   ex_.combine_home(p, y_TH);
 }
@@ -279,16 +295,11 @@ void AllToAllDispatcher::combine_backward(const Tensor& dy_TH, const Tensor& out
   ep_check_plan(plan, plan_, "combine_backward");
   const AllToAllPlan& p = plan_;
   // d(home rows) into own_SH and dprob at home (dprob needs the outputs combine brought back),
-  // then the own block to the experts' rows and every round of the others' blocks started.
+  // then every round of the others' blocks started (the own rows' dout is read at home).
   ex_.combine_backward_home(p, dy_TH, out_RH, dout_RH, dprob_TK);
   const Round fresh{-1, ex_.ep().size() - 1, false};
   douts_.assign(douts_.size(), fresh);
   drows_.assign(drows_.size(), fresh);
-  const int me = ex_.ep().rank();
-  const int64_t l_n = ex_.num_local();
-  const int64_t hs0 = home_offsets_[static_cast<size_t>(me * l_n)];
-  const int64_t hs1 = home_offsets_[static_cast<size_t>((me + 1) * l_n)];
-  dout_RH.slice(0, hs1 - hs0).copy_from(ex_.own_SH().slice(hs0, hs1));
   for (size_t j = 0; j < douts_.size(); ++j)
     douts_[j].ticket = start_round(static_cast<int64_t>(j), Leg::dout, dout_RH);
   drows_left_ = static_cast<int64_t>(p.pieces.size());
@@ -296,10 +307,11 @@ void AllToAllDispatcher::combine_backward(const Tensor& dy_TH, const Tensor& out
 
 void AllToAllDispatcher::output_grads_arrived(size_t piece) { wait_round(piece, douts_); }
 
-// own_SH's home gradients are dead once sent (the rounds of dout left before these, in order on
-// the communicator's stream) or copied (combine_backward): it takes the drows back.
+// own_SH's home gradients of other ranks' experts are dead once sent (the rounds of dout left
+// before these, in order on the communicator's stream or pulled before the peer pushes back): it
+// takes their drows back.
 void AllToAllDispatcher::input_grads_done(size_t piece, const Tensor& drows_RH) {
-  piece_done(piece, drows_RH, ex_.own_SH(), Leg::drows, drows_, drows_left_, "input_grads_done");
+  piece_done(piece, drows_RH, Leg::drows, drows_, drows_left_, "input_grads_done");
 }
 
 void AllToAllDispatcher::dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) {

@@ -6,7 +6,9 @@
 // Pipelined: the rows from each peer travel in moe.ep_overlap_chunks pieces (rounds), on the
 // communicator's stream, while the experts run the pieces that are already here (first half of
 // this rank's own rows, which never travel; then each round as it arrives; last the other half of
-// its own rows, under the last round's way back; on one rank the own rows are one piece). The outputs of a round go
+// its own rows, under the last round's way back; on one rank the own rows are one piece). The
+// backward runs the pieces in the same order. The own rows' outputs and gradients never leave
+// home: the experts write and read them there. The outputs of a round go
 // home as soon as the experts finish it; the backward mirrors this. Only the grouped GEMMs' row order differs from an
 // unpipelined dispatch: the experts' rows are grouped by source, each piece expert-major.
 // Transport: where the EP group's GPUs share a host and can map each other's memory, rounds are
@@ -75,6 +77,12 @@ class AllToAllDispatcher final : public Dispatcher {
   // Collective. Waits for the drows started home by input_grads_done.
   void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) override;
 
+  // The own pieces' outputs go straight home (home_SH), their output gradients are read and
+  // their input gradients written at home (own_SH: each row's dout is dead once the experts'
+  // second linear layer has its gradients, before the first one writes drows).
+  Tensor output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const override;
+  Tensor output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const override;
+  Tensor input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const override;
   void rows_arrived(size_t piece) override;
   void outputs_done(size_t piece, const Tensor& out_RH) override;
   void output_grads_arrived(size_t piece) override;
@@ -113,10 +121,12 @@ class AllToAllDispatcher final : public Dispatcher {
   // rows_arrived / output_grads_arrived: the compute stream waits for the piece's round once.
   void wait_ticket(int64_t ticket);
   void wait_round(size_t piece, std::vector<Round>& rounds);
-  // outputs_done / input_grads_done: the piece's rows of rows_RH go home into home_SH, by a copy
-  // (own rows) or with the last piece of their round (that round started).
-  void piece_done(size_t piece, const Tensor& rows_RH, const Tensor& home_SH, Leg leg, std::vector<Round>& rounds,
-                  int64_t& left, const char* what);
+  // outputs_done / input_grads_done: the piece's rows of rows_RH go home with the last piece of
+  // their round (that round started); the own pieces' are home already.
+  void piece_done(size_t piece, const Tensor& rows_RH, Leg leg, std::vector<Round>& rounds, int64_t& left,
+                  const char* what);
+  // The own piece's home rows of `home_SH`, or the piece's rows of `rows_RH`.
+  Tensor piece_rows(const DispatchPlan& plan, size_t piece, const Tensor& rows_RH, const Tensor& home_SH) const;
 
   MoeConfig cfg_;
   EpExchange ex_;

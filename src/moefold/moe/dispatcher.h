@@ -32,10 +32,9 @@ struct DispatchPlan {
   // (LocalDispatcher, AllGatherDispatcher); undefined when they are not (AllToAllDispatcher: its
   // rows are grouped by source, and only its pieces describe them).
   Tensor offsets_E1;
-  // The rows as pieces that tile [0, R), in the order the experts run them forward (and, by
-  // index, in backward_order backward); one piece when the dispatcher does not pipeline.
+  // The rows as pieces that tile [0, R), in the order the experts run them (forward and
+  // backward); one piece when the dispatcher does not pipeline.
   std::vector<RowPiece> pieces;
-  std::vector<size_t> backward_order;
   Tensor row_TK;        // i64 [T, K]: row of assignment (t, k); -1 when dropped by capacity
   Tensor token_R;       // i64 [R]: source token of each row; -1 for a padding row
   Tensor rows_RH;       // [R, H]: the dispatched rows (padding rows are zero)
@@ -76,6 +75,13 @@ class Dispatcher {
   // are written; backward, output_grads_arrived(i) before reading its dout rows and
   // input_grads_done(i, drows_RH) once its drows are written. combine() and dispatch_backward()
   // REQUIRE every piece's outputs_done / input_grads_done. The defaults do nothing.
+  // Where the experts write piece i's outputs and input gradients and read its output gradients:
+  // the piece's rows of the caller's tensor, unless the dispatcher keeps them where they are
+  // needed next (AllToAllDispatcher: the rows of this rank's own tokens stay at home).
+  // `plan` is the last dispatch's.
+  virtual Tensor output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const;
+  virtual Tensor output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const;
+  virtual Tensor input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const;
   virtual void rows_arrived(size_t piece) { (void)piece; }
   virtual void outputs_done(size_t piece, const Tensor& out_RH) { (void)piece, (void)out_RH; }
   virtual void output_grads_arrived(size_t piece) { (void)piece; }

@@ -32,7 +32,7 @@ void run_experts_forward(Dispatcher& d, const DispatchPlan& plan, Experts& exper
   for (size_t i = 0; i < plan.pieces.size(); ++i) {
     const RowPiece& piece = plan.pieces[i];
     d.rows_arrived(i);
-    experts.forward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, out_RH.slice(piece.begin, piece.end),
+    experts.forward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, d.output_rows(plan, i, out_RH),
                     piece.begin);
     d.outputs_done(i, out_RH);
   }
@@ -42,20 +42,18 @@ void run_experts_backward(Dispatcher& d, const DispatchPlan& plan, Experts& expe
                           const Tensor& drows_RH) {
   check_shape(dout_RH, {plan.num_rows, dout_RH.size(1)}, "run_experts_backward dout");
   check_shape(drows_RH, plan.rows_RH.shape(), "run_experts_backward drows");
-  MF_CHECK(plan.backward_order.size() == plan.pieces.size(), "run_experts_backward: ", plan.backward_order.size(),
-           " pieces in backward order, ", plan.pieces.size(), " in the plan");
   // The callback captures one pointer, so std::function keeps it without a heap allocation.
   struct Done {
     Dispatcher& d;
     const Tensor& drows;
     size_t piece;
   } done{d, drows_RH, 0};
-  for (const size_t i : plan.backward_order) {
-    const RowPiece& piece = plan.pieces.at(i);
+  for (size_t i = 0; i < plan.pieces.size(); ++i) {
+    const RowPiece& piece = plan.pieces[i];
     d.output_grads_arrived(i);
     done.piece = i;
-    experts.backward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1,
-                     dout_RH.slice(piece.begin, piece.end), drows_RH.slice(piece.begin, piece.end), piece.begin,
+    experts.backward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, d.output_grad_rows(plan, i, dout_RH),
+                     d.input_grad_rows(plan, i, drows_RH), piece.begin,
                      [&done] { done.d.input_grads_done(done.piece, done.drows); });
   }
 }
