@@ -19,7 +19,8 @@ void AllToAllDispatcher::bind(Memory& mem) {
   ex_.bind(mem);
   const int64_t p_n = ex_.ep().size(), rounds = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
   all_counts_PE_ = mem.host_act({p_n, cfg_.num_experts}, DType::i64);
-  piece_offsets_ = mem.mirrored({2 + (p_n - 1) * rounds, ex_.num_local() + 1}, DType::i64);
+  // Own halves and all own rows (one own piece on one rank), then a piece per peer and round.
+  piece_offsets_ = mem.mirrored({(p_n > 1 ? 3 : 1) + (p_n - 1) * rounds, ex_.num_local() + 1}, DType::i64);
   home_offsets_.assign(static_cast<size_t>(cfg_.num_experts + 1), 0);
   plan_ = AllToAllPlan{};
   outputs_left_ = drows_left_ = 0;
@@ -83,15 +84,16 @@ int64_t AllToAllDispatcher::piece_row(int r, int s, int64_t j) const {
 int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_RH) {
   const int me = ex_.ep().rank();
   const bool to_experts = leg == Leg::dispatch || leg == Leg::dout;
+  const Schedule& sch = schedule(leg);
   // The home side: x rows out (own_SH), outputs in (home_SH), dout rows out and drows in (own_SH).
   const Tensor& home_SH = leg == Leg::combine ? ex_.home_SH() : ex_.own_SH();
   if (peer_ == nullptr) {
     std::vector<Transfer>& transfers = transfers_;
     transfers.clear();
-    for (const size_t i : round_pieces_[static_cast<size_t>(j)]) {
-      const int q = sources_[i].peer;
+    for (const size_t i : sch.rounds[static_cast<size_t>(j)]) {
+      const int q = sch.sources[i].peer;
       const auto [a, b] = home_part(me, q, j);
-      const RowPiece& piece = plan_.pieces[i];
+      const RowPiece& piece = (*sch.pieces)[i];
       const Tensor home = home_SH.slice(a, b), rows = rows_RH.slice(piece.begin, piece.end);
       transfers.push_back(to_experts ? Transfer{q, home, rows} : Transfer{q, rows, home});
     }
@@ -102,9 +104,9 @@ int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_R
   const size_t row_bytes = static_cast<size_t>(home_SH.size(1)) * dtype_size(home_SH.dtype());
   pushes_.clear();
   pulls_.clear();
-  for (const size_t i : round_pieces_[static_cast<size_t>(j)]) {
-    const int q = sources_[i].peer;
-    const RowPiece& piece = plan_.pieces[i];
+  for (const size_t i : sch.rounds[static_cast<size_t>(j)]) {
+    const int q = sch.sources[i].peer;
+    const RowPiece& piece = (*sch.pieces)[i];
     const Tensor rows = rows_RH.slice(piece.begin, piece.end);
     const size_t at_q = row_bytes * static_cast<size_t>(home_part(q, me, j).first);  // q's home rows for me
     switch (leg) {
@@ -135,8 +137,23 @@ void AllToAllDispatcher::wait_ticket(int64_t ticket) {
     ex_.ep().wait(ticket);
 }
 
-void AllToAllDispatcher::check_piece(size_t piece) const {
-  MF_CHECK(piece < plan_.pieces.size(), "AllToAllDispatcher: piece ", piece, " of a plan of ", plan_.pieces.size());
+void AllToAllDispatcher::check_piece(const Schedule& s, size_t piece) const {
+  MF_CHECK(piece < s.pieces->size(), "AllToAllDispatcher: piece ", piece, " of ", s.pieces->size());
+}
+
+void AllToAllDispatcher::set_schedule(Schedule& s, std::vector<RowPiece>& pieces, const std::vector<size_t>& order) {
+  const int64_t c_n = ex_.ep().size() > 1 ? cfg_.ep_overlap_chunks : 0;
+  s.pieces = &pieces;
+  pieces.clear();
+  s.sources.clear();
+  for (const size_t i : order) {
+    pieces.push_back(layout_[i]);
+    s.sources.push_back(layout_sources_[i]);
+  }
+  s.rounds.resize(static_cast<size_t>(c_n));
+  for (std::vector<size_t>& r : s.rounds) r.clear();
+  for (size_t i = 0; i < pieces.size(); ++i)
+    if (s.sources[i].round >= 0) s.rounds[static_cast<size_t>(s.sources[i].round)].push_back(i);
 }
 
 const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK,
@@ -182,7 +199,11 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   // One rank: the own rows in one piece (exactly LocalDispatcher's GEMMs); else in two halves.
   const int64_t self_cut = p_n > 1 ? n_self / 2 : n_self;
   add(Source{me, -1, hs0}, home_counts + me * l_n, 0, self_cut);
-  if (p_n > 1) add(Source{me, -1, hs0 + self_cut}, home_counts + me * l_n, self_cut, n_self);
+  if (p_n > 1) {
+    add(Source{me, -1, hs0 + self_cut}, home_counts + me * l_n, self_cut, n_self);
+    row = 0;  // layout 2: all own rows again (the backward's own piece)
+    add(Source{me, -1, hs0}, home_counts + me * l_n, 0, n_self);
+  }
   for (int64_t j = 0; j < c_n; ++j)
     for (int k = 1; k < p_n; ++k) {
       const int q = (me + k) % p_n;
@@ -196,27 +217,32 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   for (size_t i = 0; i < layout.size(); ++i)
     layout[i].offsets_E1 =
         piece_offsets_.dev.slice(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1).view({l_n + 1});
-  // Forward and backward order: own half, the rounds, own half (layout indices 0, 2, 3, ..., 1):
-  // the first own half runs while round 0 travels to the experts (x rows forward, dout rows
-  // backward), the last one while the last round travels home (outputs, drows).
-  const size_t n_pieces = layout.size();
-  p.pieces.clear();
-  sources_.clear();
-  for (size_t k = 0; k < n_pieces; ++k) {
-    const size_t i = p_n == 1 ? k : k == 0 ? 0 : k + 1 < n_pieces ? k + 1 : 1;
-    p.pieces.push_back(layout[i]);
-    sources_.push_back(layout_src[i]);
+  // Forward: own half, the rounds, own half (layout 0, 3, 4, ..., 1): the first own half runs
+  // while round 0 travels to the experts, the last one while the last round's outputs travel
+  // home. Backward: all own rows as one piece (layout 2: fewer passes over the expert weight
+  // gradients), then the rounds: dout of round 0 travels under the own rows, each round's drows
+  // under its own weight gradient and the next round. One rank: the own rows, one piece.
+  const size_t n_layout = layout.size();
+  order_.clear();
+  if (p_n == 1) {
+    order_.push_back(0);
+  } else {
+    order_.push_back(0);
+    for (size_t i = 3; i < n_layout; ++i) order_.push_back(i);
+    order_.push_back(1);
   }
-  round_pieces_.resize(static_cast<size_t>(c_n));
-  for (std::vector<size_t>& r : round_pieces_) r.clear();
-  for (size_t i = 0; i < n_pieces; ++i)
-    if (sources_[i].round >= 0) round_pieces_[static_cast<size_t>(sources_[i].round)].push_back(i);
+  set_schedule(fwd_, p.pieces, order_);
+  if (p_n > 1) {
+    order_.pop_back();  // the last own half
+    order_[0] = 2;      // all own rows for the first
+  }
+  set_schedule(bwd_, p.backward_pieces, order_);
   const Round fresh{-1, p_n - 1, false};
   rows_.assign(static_cast<size_t>(c_n), fresh);
   outputs_.assign(static_cast<size_t>(c_n), fresh);
   douts_.assign(static_cast<size_t>(c_n), fresh);
   drows_.assign(static_cast<size_t>(c_n), fresh);
-  outputs_left_ = static_cast<int64_t>(n_pieces);
+  outputs_left_ = static_cast<int64_t>(p.pieces.size());
   drows_left_ = 0;
 
   // 4. x into the rows: the own block straight into the experts' rows, the others' blocks into the
@@ -231,20 +257,20 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   return p;
 }
 
-void AllToAllDispatcher::wait_round(size_t piece, std::vector<Round>& rounds) {
-  check_piece(piece);
-  const int64_t j = sources_[piece].round;
-  if (j < 0) return;  // own rows: put in place on the compute stream
+void AllToAllDispatcher::wait_round(const Schedule& s, size_t piece, std::vector<Round>& rounds) {
+  check_piece(s, piece);
+  const int64_t j = s.sources[piece].round;
+  if (j < 0) return;  // own rows: in place already
   Round& r = rounds[static_cast<size_t>(j)];
   if (!r.waited) wait_ticket(r.ticket);
   r.waited = true;
 }
 
-void AllToAllDispatcher::piece_done(size_t piece, const Tensor& rows_RH, Leg leg, std::vector<Round>& rounds,
-                                    int64_t& left, const char* what) {
-  check_piece(piece);
+void AllToAllDispatcher::piece_done(const Schedule& s, size_t piece, const Tensor& rows_RH, Leg leg,
+                                    std::vector<Round>& rounds, int64_t& left, const char* what) {
+  check_piece(s, piece);
   ex_.check_rows(rows_RH, plan_, what);
-  const Source& src = sources_[piece];
+  const Source& src = s.sources[piece];
   --left;
   if (src.round < 0) return;  // own rows: written at home
   Round& r = rounds[static_cast<size_t>(src.round)];
@@ -252,30 +278,30 @@ void AllToAllDispatcher::piece_done(size_t piece, const Tensor& rows_RH, Leg leg
   if (--r.pending == 0) r.ticket = start_round(src.round, leg, rows_RH);
 }
 
-Tensor AllToAllDispatcher::piece_rows(const DispatchPlan& plan, size_t piece, const Tensor& rows_RH,
+Tensor AllToAllDispatcher::piece_rows(const Schedule& s, const DispatchPlan& plan, size_t piece, const Tensor& rows_RH,
                                       const Tensor& home_SH) const {
   ep_check_plan(plan, plan_, "piece_rows");
-  check_piece(piece);
-  const RowPiece& pc = plan_.pieces[piece];
-  const Source& src = sources_[piece];
+  check_piece(s, piece);
+  const RowPiece& pc = (*s.pieces)[piece];
+  const Source& src = s.sources[piece];
   if (src.round < 0) return home_SH.slice(src.home, src.home + (pc.end - pc.begin));
   return rows_RH.slice(pc.begin, pc.end);
 }
 
 Tensor AllToAllDispatcher::output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const {
-  return piece_rows(plan, piece, out_RH, ex_.home_SH());
+  return piece_rows(fwd_, plan, piece, out_RH, ex_.home_SH());
 }
 Tensor AllToAllDispatcher::output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const {
-  return piece_rows(plan, piece, dout_RH, ex_.own_SH());
+  return piece_rows(bwd_, plan, piece, dout_RH, ex_.own_SH());
 }
 Tensor AllToAllDispatcher::input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const {
-  return piece_rows(plan, piece, drows_RH, ex_.own_SH());
+  return piece_rows(bwd_, plan, piece, drows_RH, ex_.own_SH());
 }
 
-void AllToAllDispatcher::rows_arrived(size_t piece) { wait_round(piece, rows_); }
+void AllToAllDispatcher::rows_arrived(size_t piece) { wait_round(fwd_, piece, rows_); }
 
 void AllToAllDispatcher::outputs_done(size_t piece, const Tensor& out_RH) {
-  piece_done(piece, out_RH, Leg::combine, outputs_, outputs_left_, "outputs_done");
+  piece_done(fwd_, piece, out_RH, Leg::combine, outputs_, outputs_left_, "outputs_done");
 }
 
 void AllToAllDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan, const Tensor& y_TH) {
@@ -302,16 +328,16 @@ void AllToAllDispatcher::combine_backward(const Tensor& dy_TH, const Tensor& out
   drows_.assign(drows_.size(), fresh);
   for (size_t j = 0; j < douts_.size(); ++j)
     douts_[j].ticket = start_round(static_cast<int64_t>(j), Leg::dout, dout_RH);
-  drows_left_ = static_cast<int64_t>(p.pieces.size());
+  drows_left_ = static_cast<int64_t>(p.backward_pieces.size());
 }
 
-void AllToAllDispatcher::output_grads_arrived(size_t piece) { wait_round(piece, douts_); }
+void AllToAllDispatcher::output_grads_arrived(size_t piece) { wait_round(bwd_, piece, douts_); }
 
 // own_SH's home gradients of other ranks' experts are dead once sent (the rounds of dout left
 // before these, in order on the communicator's stream or pulled before the peer pushes back): it
 // takes their drows back.
 void AllToAllDispatcher::input_grads_done(size_t piece, const Tensor& drows_RH) {
-  piece_done(piece, drows_RH, Leg::drows, drows_, drows_left_, "input_grads_done");
+  piece_done(bwd_, piece, drows_RH, Leg::drows, drows_, drows_left_, "input_grads_done");
 }
 
 void AllToAllDispatcher::dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) {

@@ -1,15 +1,16 @@
 // Expert-parallel dispatch (Megatron-Core's all-to-all token dispatcher, parallel folding's MoE
 // side): the E experts are split over the EP group in contiguous blocks, each rank routes its own
-// tokens exactly as LocalDispatcher does, then exchanges counts (all_to_all) and rows so that every
-// rank's experts see their rows from all EP ranks.
+// tokens exactly as LocalDispatcher does, then exchanges counts (all_gather) and rows so that
+// every rank's experts see their rows from all EP ranks.
 //
-// Pipelined: the rows from each peer travel in moe.ep_overlap_chunks pieces (rounds), on the
-// communicator's stream, while the experts run the pieces that are already here (first half of
-// this rank's own rows, which never travel; then each round as it arrives; last the other half of
-// its own rows, under the last round's way back; on one rank the own rows are one piece). The
-// backward runs the pieces in the same order. The own rows' outputs and gradients never leave
-// home: the experts write and read them there. The outputs of a round go
-// home as soon as the experts finish it; the backward mirrors this. Only the grouped GEMMs' row order differs from an
+// Pipelined: the rows from each peer travel in moe.ep_overlap_chunks rounds while the experts run
+// the pieces that are already here: first half of this rank's own rows (which never travel), then
+// each round as it lands, last the other own half while the last round's outputs travel home
+// (each round's outputs leave as soon as the experts finish it). The backward runs all own rows
+// as one piece (each piece adds a pass over the f32 expert weight gradients) while round 0's dout
+// arrives, then the rounds, each round's drows leaving as soon as its input gradients are done.
+// On one rank the own rows are one piece. The own rows' outputs and gradients never leave home:
+// the experts write and read them there. Only the grouped GEMMs' row order differs from an
 // unpipelined dispatch: the experts' rows are grouped by source, each piece expert-major.
 // Transport: where the EP group's GPUs share a host and can map each other's memory, rounds are
 // direct copies into the peer's rows (PeerMemory: copy engines, no SMs taken from the experts'
@@ -115,18 +116,29 @@ class AllToAllDispatcher final : public Dispatcher {
   // Starts round j of `leg` between the home rows (own_SH / home_SH) and the round's pieces of
   // `rows_RH` (the experts' rows, outputs, output gradients or input gradients).
   int64_t start_round(int64_t j, Leg leg, const Tensor& rows_RH);
+  // The pieces of a direction, their sources and each round's pieces: forward (dispatch and
+  // combine) runs plan_.pieces, backward (dout and drows) plan_.backward_pieces.
+  struct Schedule {
+    std::vector<RowPiece>* pieces = nullptr;
+    std::vector<Source> sources;              // by piece
+    std::vector<std::vector<size_t>> rounds;  // by round: its pieces, one per peer
+  };
+  const Schedule& schedule(Leg leg) const { return leg == Leg::dispatch || leg == Leg::combine ? fwd_ : bwd_; }
+  // Fills `s` with the layout pieces `order` (indices into layout_ / layout_sources_).
+  void set_schedule(Schedule& s, std::vector<RowPiece>& pieces, const std::vector<size_t>& order);
   // Picks the transport (collective; first dispatch after bind).
   void choose_transport();
-  void check_piece(size_t piece) const;
+  void check_piece(const Schedule& s, size_t piece) const;
   // rows_arrived / output_grads_arrived: the compute stream waits for the piece's round once.
   void wait_ticket(int64_t ticket);
-  void wait_round(size_t piece, std::vector<Round>& rounds);
+  void wait_round(const Schedule& s, size_t piece, std::vector<Round>& rounds);
   // outputs_done / input_grads_done: the piece's rows of rows_RH go home with the last piece of
   // their round (that round started); the own pieces' are home already.
-  void piece_done(size_t piece, const Tensor& rows_RH, Leg leg, std::vector<Round>& rounds, int64_t& left,
-                  const char* what);
+  void piece_done(const Schedule& s, size_t piece, const Tensor& rows_RH, Leg leg, std::vector<Round>& rounds,
+                  int64_t& left, const char* what);
   // The own piece's home rows of `home_SH`, or the piece's rows of `rows_RH`.
-  Tensor piece_rows(const DispatchPlan& plan, size_t piece, const Tensor& rows_RH, const Tensor& home_SH) const;
+  Tensor piece_rows(const Schedule& s, const DispatchPlan& plan, size_t piece, const Tensor& rows_RH,
+                    const Tensor& home_SH) const;
 
   MoeConfig cfg_;
   EpExchange ex_;
@@ -134,15 +146,15 @@ class AllToAllDispatcher final : public Dispatcher {
   const Memory* mem_ = nullptr;
   std::unique_ptr<PeerMemory> peer_;  // the direct transport; null: start_exchange
   bool transport_chosen_ = false;
-  Tensor all_counts_PE_;                               // i64 [P, E], host: every rank's home counts (last dispatch)
-  Mirrored piece_offsets_;                             // i64 [pieces, L + 1]: every piece's expert offsets
-  std::vector<int64_t> home_offsets_;                  // host [E + 1]: first home row of each global expert
-  std::vector<Source> sources_;                        // by piece
-  std::vector<std::vector<size_t>> round_pieces_;      // by round: its pieces, one per peer
+  Tensor all_counts_PE_;               // i64 [P, E], host: every rank's home counts (last dispatch)
+  Mirrored piece_offsets_;             // i64 [pieces, L + 1]: every piece's expert offsets
+  std::vector<int64_t> home_offsets_;  // host [E + 1]: first home row of each global expert
+  Schedule fwd_, bwd_;
   std::vector<Round> rows_, outputs_, douts_, drows_;  // by round
   // Scratch kept between dispatches (no allocation in a step once they have grown).
   std::vector<RowPiece> layout_;
   std::vector<Source> layout_sources_;
+  std::vector<size_t> order_;
   std::vector<Transfer> transfers_;
   std::vector<PeerMemory::Push> pushes_;
   std::vector<PeerMemory::Pull> pulls_;

@@ -6,23 +6,26 @@
 namespace moefold {
 
 namespace {
-Tensor piece_of(const DispatchPlan& plan, size_t piece, const Tensor& t_RH) {
-  const RowPiece& p = plan.pieces.at(piece);
+Tensor piece_of(const std::vector<RowPiece>& pieces, size_t piece, const Tensor& t_RH) {
+  const RowPiece& p = pieces.at(piece);
   return t_RH.slice(p.begin, p.end);
 }
 }  // namespace
 
 Tensor Dispatcher::output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const {
-  return piece_of(plan, piece, out_RH);
+  return piece_of(plan.pieces, piece, out_RH);
 }
 Tensor Dispatcher::output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const {
-  return piece_of(plan, piece, dout_RH);
+  return piece_of(plan.backward_pieces, piece, dout_RH);
 }
 Tensor Dispatcher::input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const {
-  return piece_of(plan, piece, drows_RH);
+  return piece_of(plan.backward_pieces, piece, drows_RH);
 }
 
-void set_single_piece(DispatchPlan& plan) { plan.pieces.assign(1, RowPiece{0, plan.num_rows, plan.offsets_E1}); }
+void set_single_piece(DispatchPlan& plan) {
+  plan.pieces.assign(1, RowPiece{0, plan.num_rows, plan.offsets_E1});
+  plan.backward_pieces = plan.pieces;
+}
 
 LocalDispatcher::LocalDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens)
     : cfg_(cfg), hidden_(hidden), max_tokens_(max_tokens) {

@@ -32,9 +32,10 @@ struct DispatchPlan {
   // (LocalDispatcher, AllGatherDispatcher); undefined when they are not (AllToAllDispatcher: its
   // rows are grouped by source, and only its pieces describe them).
   Tensor offsets_E1;
-  // The rows as pieces that tile [0, R), in the order the experts run them (forward and
-  // backward); one piece when the dispatcher does not pipeline.
-  std::vector<RowPiece> pieces;
+  // The rows as pieces that tile [0, R), in the order the experts run them forward; one piece
+  // when the dispatcher does not pipeline. backward_pieces tile them too, in the backward's order
+  // (each piece after the first adds a pass over the expert weight gradients: fewer, larger ones).
+  std::vector<RowPiece> pieces, backward_pieces;
   Tensor row_TK;        // i64 [T, K]: row of assignment (t, k); -1 when dropped by capacity
   Tensor token_R;       // i64 [R]: source token of each row; -1 for a padding row
   Tensor rows_RH;       // [R, H]: the dispatched rows (padding rows are zero)
@@ -71,9 +72,9 @@ class Dispatcher {
   // Pipelining (expert parallelism: the all-to-all runs beside the experts). dispatch() and
   // combine_backward() may return before every piece's rows have arrived; whoever runs the
   // experts (run_experts_forward / run_experts_backward) calls, for piece i of the last plan:
-  // forward, rows_arrived(i) before reading its rows and outputs_done(i, out_RH) once its outputs
-  // are written; backward, output_grads_arrived(i) before reading its dout rows and
-  // input_grads_done(i, drows_RH) once its drows are written. combine() and dispatch_backward()
+  // forward (pieces), rows_arrived(i) before reading its rows and outputs_done(i, out_RH) once
+  // its outputs are written; backward (backward_pieces), output_grads_arrived(i) before reading
+  // its dout rows and input_grads_done(i, drows_RH) once its drows are written. combine() and dispatch_backward()
   // REQUIRE every piece's outputs_done / input_grads_done. The defaults do nothing.
   // Where the experts write piece i's outputs and input gradients and read its output gradients:
   // the piece's rows of the caller's tensor, unless the dispatcher keeps them where they are

@@ -48,8 +48,8 @@ void run_experts_backward(Dispatcher& d, const DispatchPlan& plan, Experts& expe
     const Tensor& drows;
     size_t piece;
   } done{d, drows_RH, 0};
-  for (size_t i = 0; i < plan.pieces.size(); ++i) {
-    const RowPiece& piece = plan.pieces[i];
+  for (size_t i = 0; i < plan.backward_pieces.size(); ++i) {
+    const RowPiece& piece = plan.backward_pieces[i];
     d.output_grads_arrived(i);
     done.piece = i;
     experts.backward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, d.output_grad_rows(plan, i, dout_RH),

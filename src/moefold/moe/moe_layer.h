@@ -20,7 +20,7 @@ namespace moefold {
 // pipelining calls around each piece: out_RH (R rows) written. MoeLayer and the benchmark run
 // the experts through these.
 void run_experts_forward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& out_RH);
-// Backward, the pieces in the same order: drows_RH written, expert gradients as Experts::backward.
+// Backward, over plan.backward_pieces: drows_RH written, expert gradients as Experts::backward.
 void run_experts_backward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH,
                           const Tensor& drows_RH);
 
