@@ -291,6 +291,7 @@ class NcclCommunicator final : public Communicator {
   // Polls the communicator's last operation; past the deadline names itself and aborts.
   void wait_or_abort(const char* what) {
     const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
+    const auto spin_until = Clock::now() + std::chrono::milliseconds(2);
     while (true) {
       const cudaError_t q = cudaEventQuery(after_);
       if (q == cudaSuccess) return;
@@ -306,7 +307,12 @@ class NcclCommunicator final : public Communicator {
         ncclCommAbort(comm_);
         std::_Exit(3);
       }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      // The first milliseconds spin (the counts of every EP dispatch wait here, and the GPU idles
+      // until the host goes on); a long wait sleeps between polls.
+      if (Clock::now() < spin_until)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
 
