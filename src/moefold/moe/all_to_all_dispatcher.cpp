@@ -174,9 +174,10 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   for (int64_t e = 0; e < e_n; ++e)
     home_offsets_[static_cast<size_t>(e + 1)] = home_offsets_[static_cast<size_t>(e)] + home_counts[e];
 
-  // 3. The pieces, laid out [own rows | round 0: the peers from me + 1 on | round 1 | ...] and
-  //    run with the second half of the own rows last. A piece is part [a, b) of a block of rows
-  //    that is expert-major with counts_L; its offsets are the counts clipped to the part.
+  // 3. The pieces: rows laid out [own rows | round 0: the peers from me + 1 on | round 1 | ...];
+  //    the layout list names the own rows three times (first half, second half: forward; all:
+  //    backward). A piece is part [a, b) of a block of rows that is expert-major with counts_L;
+  //    its offsets are the counts clipped to the part.
   const int64_t* recv_pl = ex_.recv_counts().ptr<int64_t>();
   int64_t* offsets = piece_offsets_.host.ptr<int64_t>();
   std::vector<RowPiece>& layout = layout_;
