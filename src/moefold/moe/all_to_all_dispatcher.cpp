@@ -19,9 +19,8 @@ void AllToAllDispatcher::bind(Memory& mem) {
   ex_.bind(mem);
   const int64_t p_n = ex_.ep().size(), rounds = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
   all_counts_PE_ = mem.host_act({p_n, cfg_.num_experts}, DType::i64);
-  // Own halves and all own rows (one own piece on one rank), a piece per peer and round, and a
-  // whole-block piece per peer.
-  piece_offsets_ = mem.mirrored({(p_n > 1 ? 3 : 1) + (p_n - 1) * (rounds + 1), ex_.num_local() + 1}, DType::i64);
+  // Own halves and all own rows (one own piece on one rank), then a piece per peer and round.
+  piece_offsets_ = mem.mirrored({(p_n > 1 ? 3 : 1) + (p_n - 1) * rounds, ex_.num_local() + 1}, DType::i64);
   home_offsets_.assign(static_cast<size_t>(cfg_.num_experts + 1), 0);
   plan_ = AllToAllPlan{};
   outputs_left_ = drows_left_ = 0;
@@ -54,28 +53,31 @@ int64_t AllToAllDispatcher::sent(int from, int to) const {
   return n;
 }
 
-std::pair<int64_t, int64_t> AllToAllDispatcher::part(int64_t n, int64_t j, int64_t c_n) {
+std::pair<int64_t, int64_t> AllToAllDispatcher::part(int64_t n, int64_t j) const {
+  const int64_t c_n = cfg_.ep_overlap_chunks;
   return {n * j / c_n, n * (j + 1) / c_n};
 }
 
-std::pair<int64_t, int64_t> AllToAllDispatcher::home_part(int r, int m, int64_t j, int64_t c_n) const {
+std::pair<int64_t, int64_t> AllToAllDispatcher::home_part(int r, int m, int64_t j) const {
   const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local();
   const int64_t* c = all_counts_PE_.ptr<int64_t>() + r * e_n;
   int64_t h0 = 0;  // rank r's first home row of rank m's experts
   for (int64_t e = 0; e < m * l_n; ++e) h0 += c[e];
-  const auto [a, b] = part(sent(r, m), j, c_n);
+  const auto [a, b] = part(sent(r, m), j);
   return {h0 + a, h0 + b};
 }
 
 int64_t AllToAllDispatcher::piece_row(int r, int s, int64_t j) const {
   const int p_n = ex_.ep().size();
-  int64_t row = sent(r, r);  // the own rows come first, then each peer's block from r + 1 on
-  for (int k = 1; k < p_n; ++k) {
-    const int s2 = (r + k) % p_n;
-    if (s2 == s) return row + part(sent(s, r), j, cfg_.ep_overlap_chunks).first;
-    row += sent(s2, r);
-  }
-  MF_CHECK(false, "piece_row: no piece from rank ", s, " at rank ", r);
+  int64_t row = sent(r, r);  // the own rows come first
+  for (int64_t j2 = 0; j2 <= j; ++j2)
+    for (int k = 1; k < p_n; ++k) {
+      const int s2 = (r + k) % p_n;
+      if (j2 == j && s2 == s) return row;
+      const auto [a, b] = part(sent(s2, r), j2);
+      row += b - a;
+    }
+  MF_CHECK(false, "piece_row: no piece from rank ", s, " in round ", j, " at rank ", r);
   return row;
 }
 
@@ -83,8 +85,6 @@ int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_R
   const int me = ex_.ep().rank();
   const bool to_experts = leg == Leg::dispatch || leg == Leg::dout;
   const Schedule& sch = schedule(leg);
-  // Forward legs travel in the rounds' parts; backward legs in one round of whole blocks.
-  const int64_t c_n = leg == Leg::dispatch || leg == Leg::combine ? cfg_.ep_overlap_chunks : 1;
   // The home side: x rows out (own_SH), outputs in (home_SH), dout rows out and drows in (own_SH).
   const Tensor& home_SH = leg == Leg::combine ? ex_.home_SH() : ex_.own_SH();
   if (peer_ == nullptr) {
@@ -92,7 +92,7 @@ int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_R
     transfers.clear();
     for (const size_t i : sch.rounds[static_cast<size_t>(j)]) {
       const int q = sch.sources[i].peer;
-      const auto [a, b] = home_part(me, q, j, c_n);
+      const auto [a, b] = home_part(me, q, j);
       const RowPiece& piece = (*sch.pieces)[i];
       const Tensor home = home_SH.slice(a, b), rows = rows_RH.slice(piece.begin, piece.end);
       transfers.push_back(to_experts ? Transfer{q, home, rows} : Transfer{q, rows, home});
@@ -108,10 +108,10 @@ int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_R
     const int q = sch.sources[i].peer;
     const RowPiece& piece = (*sch.pieces)[i];
     const Tensor rows = rows_RH.slice(piece.begin, piece.end);
-    const size_t at_q = row_bytes * static_cast<size_t>(home_part(q, me, j, c_n).first);  // q's home rows for me
+    const size_t at_q = row_bytes * static_cast<size_t>(home_part(q, me, j).first);  // q's home rows for me
     switch (leg) {
       case Leg::dispatch: {
-        const auto [a, b] = home_part(me, q, j, c_n);
+        const auto [a, b] = home_part(me, q, j);
         pushes_.push_back({q, ex_.own_SH().slice(a, b),
                            peer_->offset_of(ex_.rows_RH()) + row_bytes * static_cast<size_t>(piece_row(q, me, j))});
         break;
@@ -141,9 +141,8 @@ void AllToAllDispatcher::check_piece(const Schedule& s, size_t piece) const {
   MF_CHECK(piece < s.pieces->size(), "AllToAllDispatcher: piece ", piece, " of ", s.pieces->size());
 }
 
-void AllToAllDispatcher::set_schedule(Schedule& s, std::vector<RowPiece>& pieces, const std::vector<size_t>& order,
-                                      int64_t rounds) {
-  const int64_t c_n = rounds;
+void AllToAllDispatcher::set_schedule(Schedule& s, std::vector<RowPiece>& pieces, const std::vector<size_t>& order) {
+  const int64_t c_n = ex_.ep().size() > 1 ? cfg_.ep_overlap_chunks : 0;
   s.pieces = &pieces;
   pieces.clear();
   s.sources.clear();
@@ -175,11 +174,10 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   for (int64_t e = 0; e < e_n; ++e)
     home_offsets_[static_cast<size_t>(e + 1)] = home_offsets_[static_cast<size_t>(e)] + home_counts[e];
 
-  // 3. The pieces: rows laid out [own rows | the block from peer me + 1 | from me + 2 | ...],
-  //    each block in C parts (rounds). The layout list names the own rows three times (first
-  //    half, second half: forward; all: backward) and each peer's block as its parts (forward)
-  //    and whole (backward). A piece is part [a, b) of a block of rows that is expert-major with
-  //    counts_L; its offsets are the counts clipped to the part.
+  // 3. The pieces: rows laid out [own rows | round 0: the peers from me + 1 on | round 1 | ...];
+  //    the layout list names the own rows three times (first half, second half: forward; all:
+  //    backward). A piece is part [a, b) of a block of rows that is expert-major with counts_L;
+  //    its offsets are the counts clipped to the part.
   const int64_t* recv_pl = ex_.recv_counts().ptr<int64_t>();
   int64_t* offsets = piece_offsets_.host.ptr<int64_t>();
   std::vector<RowPiece>& layout = layout_;
@@ -207,50 +205,44 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
     row = 0;  // layout 2: all own rows again (the backward's own piece)
     add(Source{me, -1, hs0}, home_counts + me * l_n, 0, n_self);
   }
-  // Layout 3 + (k - 1) * C + j: part j of the block from peer me + k (peer-major rows).
-  for (int k = 1; k < p_n; ++k) {
-    const int q = (me + k) % p_n;
-    const int64_t n = p.recv_counts_P.ptr<int64_t>()[q];
-    for (int64_t j = 0; j < c_n; ++j) {
+  for (int64_t j = 0; j < c_n; ++j)
+    for (int k = 1; k < p_n; ++k) {
+      const int q = (me + k) % p_n;
+      const int64_t n = p.recv_counts_P.ptr<int64_t>()[q];
       MF_CHECK(row == piece_row(me, q, j), "dispatch: piece from rank ", q, " in round ", j, " at row ", row,
                ", the peers place it at ", piece_row(me, q, j));
-      const auto [a, b] = part(n, j, c_n);
-      add(Source{q, j, 0}, recv_pl + q * l_n, a, b);
+      add(Source{q, j, 0}, recv_pl + q * l_n, n * j / c_n, n * (j + 1) / c_n);
     }
-  }
   MF_CHECK(row == p.num_rows, "dispatch: pieces hold ", row, " rows of ", p.num_rows);
-  // Layout 3 + (P - 1) * C + k - 1: the whole block from peer me + k (the backward's pieces: one
-  // round of whole blocks).
-  for (int k = 1; k < p_n; ++k) {
-    const int q = (me + k) % p_n;
-    row = piece_row(me, q, 0);
-    add(Source{q, 0, 0}, recv_pl + q * l_n, 0, p.recv_counts_P.ptr<int64_t>()[q]);
-  }
   piece_offsets_.to_device(static_cast<int64_t>(layout.size()));
   for (size_t i = 0; i < layout.size(); ++i)
     layout[i].offsets_E1 =
         piece_offsets_.dev.slice(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1).view({l_n + 1});
-  // Forward: own half, the rounds (round-major: the order they land), own half: the first own
-  // half runs while round 0 travels to the experts, the last one while the last round's outputs
-  // travel home. Backward: all own rows as one piece while every dout block arrives, then each
-  // peer's whole block, whose drows leave beside its weight gradient (each piece after the first
-  // re-reads the f32 expert gradients: one piece per source, whatever the rounds).
-  // One rank: the own rows, one piece.
-  order_.assign(1, 0);
-  for (int64_t j = 0; j < c_n; ++j)
-    for (int k = 1; k < p_n; ++k) order_.push_back(static_cast<size_t>(3 + (k - 1) * c_n + j));
-  if (p_n > 1) order_.push_back(1);
-  set_schedule(fwd_, p.pieces, order_, c_n);
-  if (p_n > 1) {
-    order_.assign(1, 2);
-    for (int k = 1; k < p_n; ++k) order_.push_back(static_cast<size_t>(3 + (p_n - 1) * c_n + k - 1));
+  // Forward: own half, the rounds, own half (layout 0, 3, 4, ..., 1): the first own half runs
+  // while round 0 travels to the experts, the last one while the last round's outputs travel
+  // home. Backward: all own rows as one piece (layout 2: fewer passes over the expert weight
+  // gradients), then the rounds: dout of round 0 travels under the own rows, each round's drows
+  // under its own weight gradient and the next round. One rank: the own rows, one piece.
+  const size_t n_layout = layout.size();
+  order_.clear();
+  if (p_n == 1) {
+    order_.push_back(0);
+  } else {
+    order_.push_back(0);
+    for (size_t i = 3; i < n_layout; ++i) order_.push_back(i);
+    order_.push_back(1);
   }
-  set_schedule(bwd_, p.backward_pieces, order_, p_n > 1 ? 1 : 0);
+  set_schedule(fwd_, p.pieces, order_);
+  if (p_n > 1) {
+    order_.pop_back();  // the last own half
+    order_[0] = 2;      // all own rows for the first
+  }
+  set_schedule(bwd_, p.backward_pieces, order_);
   const Round fresh{-1, p_n - 1, false};
   rows_.assign(static_cast<size_t>(c_n), fresh);
   outputs_.assign(static_cast<size_t>(c_n), fresh);
-  douts_.assign(p_n > 1 ? 1 : 0, fresh);
-  drows_.assign(p_n > 1 ? 1 : 0, fresh);
+  douts_.assign(static_cast<size_t>(c_n), fresh);
+  drows_.assign(static_cast<size_t>(c_n), fresh);
   outputs_left_ = static_cast<int64_t>(p.pieces.size());
   drows_left_ = 0;
 

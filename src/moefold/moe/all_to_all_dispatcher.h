@@ -7,9 +7,8 @@
 // the pieces that are already here: first half of this rank's own rows (which never travel), then
 // each round as it lands, last the other own half while the last round's outputs travel home
 // (each round's outputs leave as soon as the experts finish it). The backward runs all own rows
-// as one piece while every peer's dout arrives, then each peer's whole block (each piece adds a
-// pass over the f32 expert weight gradients, so one per source), whose drows leave as soon as its
-// input gradients are done, beside its weight gradients.
+// as one piece (each piece adds a pass over the f32 expert weight gradients) while round 0's dout
+// arrives, then the rounds, each round's drows leaving as soon as its input gradients are done.
 // On one rank the own rows are one piece. The own rows' outputs and gradients never leave home:
 // the experts write and read them there. Only the grouped GEMMs' row order differs from an
 // unpipelined dispatch: the experts' rows are grouped by source, each piece expert-major.
@@ -108,11 +107,11 @@ class AllToAllDispatcher final : public Dispatcher {
   // The four legs of a layer: x rows out, outputs back, output gradients out, input gradients back.
   enum class Leg : uint8_t { dispatch, combine, dout, drows };
   // From every rank's home counts (all_counts_PE_): rows rank `from` sends to rank `to`'s
-  // experts; part j of c_n of n rows; rank r's home rows of that part of its block for rank m's
-  // experts; the first row, at rank r, of the forward piece from source s in round j.
+  // experts; part j of n rows; rank r's home rows of part j of its block for rank m's experts;
+  // the first row, at rank r, of the piece from source s in round j.
   int64_t sent(int from, int to) const;
-  static std::pair<int64_t, int64_t> part(int64_t n, int64_t j, int64_t c_n);
-  std::pair<int64_t, int64_t> home_part(int r, int m, int64_t j, int64_t c_n) const;
+  std::pair<int64_t, int64_t> part(int64_t n, int64_t j) const;
+  std::pair<int64_t, int64_t> home_part(int r, int m, int64_t j) const;
   int64_t piece_row(int r, int s, int64_t j) const;
   // Starts round j of `leg` between the home rows (own_SH / home_SH) and the round's pieces of
   // `rows_RH` (the experts' rows, outputs, output gradients or input gradients).
@@ -126,7 +125,7 @@ class AllToAllDispatcher final : public Dispatcher {
   };
   const Schedule& schedule(Leg leg) const { return leg == Leg::dispatch || leg == Leg::combine ? fwd_ : bwd_; }
   // Fills `s` with the layout pieces `order` (indices into layout_ / layout_sources_).
-  void set_schedule(Schedule& s, std::vector<RowPiece>& pieces, const std::vector<size_t>& order, int64_t rounds);
+  void set_schedule(Schedule& s, std::vector<RowPiece>& pieces, const std::vector<size_t>& order);
   // Picks the transport (collective; first dispatch after bind).
   void choose_transport();
   void check_piece(const Schedule& s, size_t piece) const;
