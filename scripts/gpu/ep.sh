@@ -26,7 +26,7 @@ bench() {  # name, launcher (one or mpi), then options of bench moe-layer
   echo "== $name"
   "$launcher" "$B" bench moe-layer --shape qwen3-30b-a3b --routing "$routing" --reps 10 --warmup 3 "$@" \
     > "$out/ep_$name.md" 2>&1
-  grep "^| qwen3\|^| experts\|^| dispatch\|^| combine\|error\|moefold:" "$out/ep_$name.md" | head -12
+  grep "^| qwen3\|^| experts\|^| dispatch\|^| combine\|^| (within)\|error\|moefold:" "$out/ep_$name.md" | head -20
 }
 if [ -n "${EP_SWEEP:-}" ]; then  # EP_SWEEP="chunks:gemm_sms:nccl_max_ctas ..." (0: default; MOEFOLD_EP_TRANSPORT as set)
   for cfg in $EP_SWEEP; do

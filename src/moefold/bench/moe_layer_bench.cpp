@@ -9,6 +9,7 @@
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
 #include "moefold/core/memory.h"
+#include "moefold/core/profile.h"
 #include "moefold/core/rng.h"
 #include "moefold/model/config.h"
 #include "moefold/model/mlp.h"
@@ -236,7 +237,12 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   }
   std::vector<StreamTimer> timers(stages.size() + 1);
   std::vector<std::vector<double>> ms(stages.size() + 1);
+  struct ProfileOff {
+    ~ProfileOff() { profile_disable(); }
+  } profile_off;
   for (int i = 0; i < opts.warmup + opts.reps; ++i) {
+    // The layer's own phases (expert pieces, EP waits) over the timed repetitions.
+    if (i == opts.warmup) profile_enable(opts.device);
     // A new step's gradients (untimed): the experts' backward writes its weight gradients, as in
     // the first micro-batch of a training step (Memory::grad_written_by_backward). With
     // accumulate_grads only before the first repetition: the others add to the gradients.
@@ -251,6 +257,8 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     if (i < opts.warmup) continue;
     for (size_t s = 0; s < timers.size(); ++s) ms[s].push_back(timers[s].elapsed_ms());
   }
+  for (const PhaseTime& p : profile_collect()) res.phases.push_back({p.name, p.ms / opts.reps, 0, 0});
+  profile_disable();
   res.rows = plan->num_rows;
   res.local_experts = layer.dispatcher.num_local_experts();
   res.expert_grad_sq = sum_squares(layer.dgate_up);
@@ -351,6 +359,7 @@ std::string format_moe_bench(const std::vector<MoeBenchResult>& results, const s
                " | ", b.ceiling > 0 ? fmt("%.2f", b.tflops / b.ceiling) : "-", " |\n");
     };
     for (const BenchTime& b : r.stages) row(b, true);
+    for (const BenchTime& b : r.phases) row({"(within) " + b.name + ", mean", b.ms, 0, 0}, true);
     for (const BenchTime& b : r.gemms) row(b, false);
   }
   return s;

@@ -40,13 +40,16 @@ struct BenchTime {
 
 struct MoeBenchResult {
   std::string shape, routing;
-  int64_t tokens = 0, rows = 0;        // T; R rows handed to the experts
-  int64_t local_experts = 0;           // experts on this rank (E / EP)
-  double flops = 0;                    // forward + backward model FLOPs (3 x forward)
-  BenchTime total;                     // forward + backward of the layer
-  double bar = 0;                      // the PyTorch bar of BENCHMARKS.md (TFLOP/s; 0: none)
-  std::vector<BenchTime> stages;       // router, dispatch, experts, combine and their backwards
-  std::vector<BenchTime> gemms;        // the grouped GEMMs alone (same rows and offsets)
+  int64_t tokens = 0, rows = 0;   // T; R rows handed to the experts
+  int64_t local_experts = 0;      // experts on this rank (E / EP)
+  double flops = 0;               // forward + backward model FLOPs (3 x forward)
+  BenchTime total;                // forward + backward of the layer
+  double bar = 0;                 // the PyTorch bar of BENCHMARKS.md (TFLOP/s; 0: none)
+  std::vector<BenchTime> stages;  // router, dispatch, experts, combine and their backwards
+  std::vector<BenchTime> gemms;   // the grouped GEMMs alone (same rows and offsets)
+  // Phases inside the stages (ProfileScope names: the experts' pieces, expert parallelism's
+  // waits and counts exchange), means per timed repetition.
+  std::vector<BenchTime> phases;
   double load_max = 0, load_mean = 0;  // tokens per expert (router's view, before capacity)
   // Sum of squares of the experts' gate_up gradient after the timed repetitions: one
   // repetition's (written every time), or all of them added (accumulate_grads).

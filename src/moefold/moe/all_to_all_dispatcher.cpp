@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "moefold/core/profile.h"
 #include "moefold/ops/moe_ops.h"
 
 namespace moefold {
@@ -167,7 +168,10 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   if (!transport_chosen_) choose_transport();
   // 2. Counts first: every rank's home counts to every rank (an all_gather): how many rows each
   //    peer sends to each local expert, and where every rank puts the rows it receives.
-  ex_.gather_counts(all_counts_PE_, p);
+  {
+    ProfileScope scope("moe ep counts");  // a host round trip: the GPU idles in it
+    ex_.gather_counts(all_counts_PE_, p);
+  }
   p.recv_counts_PL = ex_.recv_counts().view({p_n, l_n});
   p.offsets_E1 = Tensor();  // the rows are grouped by source: only the pieces describe them
   const int64_t* home_counts = ex_.home_counts_host().ptr<int64_t>();
@@ -258,12 +262,15 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   return p;
 }
 
-void AllToAllDispatcher::wait_round(const Schedule& s, size_t piece, std::vector<Round>& rounds) {
+void AllToAllDispatcher::wait_round(const Schedule& s, size_t piece, std::vector<Round>& rounds, const char* what) {
   check_piece(s, piece);
   const int64_t j = s.sources[piece].round;
   if (j < 0) return;  // own rows: in place already
   Round& r = rounds[static_cast<size_t>(j)];
-  if (!r.waited) wait_ticket(r.ticket);
+  if (!r.waited) {
+    ProfileScope scope(what);  // how long the compute stream waits: the exposed transfer
+    wait_ticket(r.ticket);
+  }
   r.waited = true;
 }
 
@@ -299,7 +306,7 @@ Tensor AllToAllDispatcher::input_grad_rows(const DispatchPlan& plan, size_t piec
   return piece_rows(bwd_, plan, piece, drows_RH, ex_.own_SH());
 }
 
-void AllToAllDispatcher::rows_arrived(size_t piece) { wait_round(fwd_, piece, rows_); }
+void AllToAllDispatcher::rows_arrived(size_t piece) { wait_round(fwd_, piece, rows_, "moe ep wait rows"); }
 
 void AllToAllDispatcher::outputs_done(size_t piece, const Tensor& out_RH) {
   piece_done(fwd_, piece, out_RH, Leg::combine, outputs_, outputs_left_, "outputs_done");
@@ -313,7 +320,10 @@ void AllToAllDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan,
            " pieces' outputs were not reported by outputs_done (run the experts with run_experts_forward)");
   // Every output row is home: the own ones written there by the experts, the others brought by
   // the rounds.
-  for (const Round& r : outputs_) wait_ticket(r.ticket);
+  {
+    ProfileScope scope("moe ep wait outputs");
+    for (const Round& r : outputs_) wait_ticket(r.ticket);
+  }
   ex_.combine_home(p, y_TH);
 }
 
@@ -332,7 +342,7 @@ void AllToAllDispatcher::combine_backward(const Tensor& dy_TH, const Tensor& out
   drows_left_ = static_cast<int64_t>(p.backward_pieces.size());
 }
 
-void AllToAllDispatcher::output_grads_arrived(size_t piece) { wait_round(bwd_, piece, douts_); }
+void AllToAllDispatcher::output_grads_arrived(size_t piece) { wait_round(bwd_, piece, douts_, "moe ep wait dout"); }
 
 // own_SH's home gradients of other ranks' experts are dead once sent (the rounds of dout left
 // before these, in order on the communicator's stream or pulled before the peer pushes back): it
@@ -347,7 +357,10 @@ void AllToAllDispatcher::dispatch_backward(const Tensor& drows_RH, const Dispatc
   ex_.check_rows(drows_RH, p, "dispatch_backward drows");
   MF_CHECK(drows_left_ == 0, "dispatch_backward: ", drows_left_,
            " pieces' drows were not reported by input_grads_done (run the experts with run_experts_backward)");
-  for (const Round& r : drows_) wait_ticket(r.ticket);
+  {
+    ProfileScope scope("moe ep wait drows");
+    for (const Round& r : drows_) wait_ticket(r.ticket);
+  }
   ex_.dispatch_backward_home(p, dx_TH);
 }
 

@@ -131,7 +131,7 @@ class AllToAllDispatcher final : public Dispatcher {
   void check_piece(const Schedule& s, size_t piece) const;
   // rows_arrived / output_grads_arrived: the compute stream waits for the piece's round once.
   void wait_ticket(int64_t ticket);
-  void wait_round(const Schedule& s, size_t piece, std::vector<Round>& rounds);
+  void wait_round(const Schedule& s, size_t piece, std::vector<Round>& rounds, const char* what);
   // outputs_done / input_grads_done: the piece's rows of rows_RH go home with the last piece of
   // their round (that round started); the own pieces' are home already.
   void piece_done(const Schedule& s, size_t piece, const Tensor& rows_RH, Leg leg, std::vector<Round>& rounds,

@@ -32,6 +32,7 @@ void run_experts_forward(Dispatcher& d, const DispatchPlan& plan, Experts& exper
   for (size_t i = 0; i < plan.pieces.size(); ++i) {
     const RowPiece& piece = plan.pieces[i];
     d.rows_arrived(i);
+    ProfileScope scope("moe experts piece forward");
     experts.forward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, d.output_rows(plan, i, out_RH),
                     piece.begin);
     d.outputs_done(i, out_RH);
@@ -51,6 +52,7 @@ void run_experts_backward(Dispatcher& d, const DispatchPlan& plan, Experts& expe
   for (size_t i = 0; i < plan.backward_pieces.size(); ++i) {
     const RowPiece& piece = plan.backward_pieces[i];
     d.output_grads_arrived(i);
+    ProfileScope scope("moe experts piece backward");
     done.piece = i;
     experts.backward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, d.output_grad_rows(plan, i, dout_RH),
                      d.input_grad_rows(plan, i, drows_RH), piece.begin,
