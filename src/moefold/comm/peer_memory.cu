@@ -75,7 +75,7 @@ std::array<int64_t, 8> as_words(const T& v) {
 
 class CudaPeerMemory final : public PeerMemory {
  public:
-  CudaPeerMemory(Communicator& group, int device, void* block, size_t bytes)
+  CudaPeerMemory(Communicator& group, void* block, size_t bytes)
       : rank_(group.rank()), size_(group.size()), timeout_s_(group.timeout_s()), block_(block), bytes_(bytes) {
     const size_t p_n = static_cast<size_t>(size_);
     flags_ = static_cast<unsigned long long*>(device_malloc(2 * p_n * sizeof(unsigned long long)));
@@ -107,7 +107,6 @@ class CudaPeerMemory final : public PeerMemory {
       peer_block_[static_cast<size_t>(q)] = static_cast<char*>(pb);
       peer_flags_[static_cast<size_t>(q)] = static_cast<unsigned long long*>(pf);
     }
-    (void)device;
     int least = 0, greatest = 0;
     MF_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     MF_CUDA_CHECK(cudaStreamCreateWithPriority(&copy_, cudaStreamNonBlocking, greatest));
@@ -263,7 +262,7 @@ std::unique_ptr<PeerMemory> make_cuda_peer_memory(Communicator& group, void* blo
   MF_CHECK(sizes[0] == -sizes[1], "map_peer_memory: the ranks of group '", group.name(),
            "' have peer-visible blocks of different sizes (", -sizes[1], " to ", sizes[0],
            " bytes): they must bind the same modules");
-  return std::make_unique<CudaPeerMemory>(group, device, block, bytes);
+  return std::make_unique<CudaPeerMemory>(group, block, bytes);
 }
 
 }  // namespace moefold
