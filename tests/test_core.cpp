@@ -105,6 +105,37 @@ TEST(Memory, RealPassMustMatchMeasuredPass) {
   EXPECT_DEATH(mem.finish_binding(), "differs from the measuring pass");
 }
 
+// peer_act: a block of its own, where two Memories that bind the same calls in the same order
+// (two ranks) put every peer_act at the same offset, whatever else they bind around them.
+TEST(Memory, PeerActsShareOffsetsAcrossMemories) {
+  Memory a(DType::f32), b(DType::bf16);
+  auto bind = [](Memory& m, int64_t other_rows) {
+    m.act({other_rows});  // the ranks' other activations may differ
+    Tensor p = m.peer_act({5, 3});
+    m.act({2});
+    Tensor q = m.peer_act({4}, DType::i64);
+    return std::pair{p, q};
+  };
+  bind(a, 10);
+  bind(b, 99);
+  EXPECT_EQ(a.peer_block(), nullptr);  // measuring
+  a.allocate();
+  b.allocate();
+  const auto [pa, qa] = bind(a, 10);
+  const auto [pb, qb] = bind(b, 99);
+  a.finish_binding();
+  b.finish_binding();
+  const auto offset = [](const Memory& m, const Tensor& t) {
+    return static_cast<const char*>(t.data()) - static_cast<const char*>(m.peer_block());
+  };
+  EXPECT_EQ(offset(a, pa), 0);
+  EXPECT_EQ(offset(a, qa), offset(b, qb));
+  EXPECT_EQ(a.peer_block_bytes(), b.peer_block_bytes());
+  EXPECT_GE(a.peer_block_bytes(), static_cast<size_t>(offset(a, qa)) + qa.nbytes());
+  EXPECT_EQ(pb.dtype(), DType::bf16);                       // the compute dtype unless given
+  EXPECT_GE(a.act_bytes(), a.peer_block_bytes() + 12 * 4);  // activations count the peer block too
+}
+
 TEST(Rng, DeterministicAndWellDistributed) {
   EXPECT_EQ(rng_normal(1, 2, 3), rng_normal(1, 2, 3));
   EXPECT_NE(rng_normal(1, 2, 3), rng_normal(1, 2, 4));
