@@ -4,7 +4,7 @@
 # exchange and of the EP layouts, then `bench moe-layer` at qwen3-30b-a3b on one GPU and with
 # EP = 2 for several moe.ep_overlap_chunks (direct copies where the GPUs map each other), and over
 # NCCL (MOEFOLD_EP_TRANSPORT=nccl) with fewer SMs for the GEMMs. Full outputs land in $OUT.
-#   scripts/gpu/ep.sh [routing]   # balanced (default) or real
+#   scripts/gpu/ep.sh [routing]   # balanced (default) or real; EP_FULL=1: all layout tests
 #   EP_SWEEP="2:116:16 1:0:0" scripts/gpu/ep.sh   # only EP = 2 runs: chunks:GEMM SMs:NCCL CTAs (0: default)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -39,7 +39,10 @@ if [ -n "${EP_SWEEP:-}" ]; then  # EP_SWEEP="chunks:gemm_sms:nccl_max_ctas ..." 
 fi
 echo "== tests on 2 ranks"
 mpi "$root/.gpu/bin/test_comm_nccl" --gtest_brief=1 2>&1 | tail -3
-mpi "$root/.gpu/bin/test_train_layouts_cuda" --gtest_brief=1 --gtest_filter='*OneStep*' 2>&1 | tail -4
+# EP_FULL=1: every layout test (the 20-step bf16 curves too, several minutes), else one fp32 step.
+layouts_filter='*OneStep*'
+[ "${EP_FULL:-0}" = 1 ] && layouts_filter='*'
+mpi "$root/.gpu/bin/test_train_layouts_cuda" --gtest_brief=1 --gtest_filter="$layouts_filter" 2>&1 | tail -4
 bench one_gpu one
 bench ep2_c1 mpi --set moe.ep_overlap_chunks=1
 bench ep2_c2 mpi --set moe.ep_overlap_chunks=2
