@@ -137,15 +137,7 @@ class CudaPeerMemory final : public PeerMemory {
   int64_t push(const std::vector<Push>& pushes) override {
     const int64_t seq = ++push_seq_;
     copy_after_compute();
-    for (const Push& p : pushes) {
-      check_peer(p.peer, "push");
-      check_local(p.src, "push src");
-      MF_CHECK(p.dst_offset + p.src.nbytes() <= bytes_, "PeerMemory push: ", p.src.nbytes(), " bytes at ", p.dst_offset,
-               " past the ", bytes_, "-byte block");
-      if (p.src.nbytes() > 0)
-        MF_CUDA_CHECK(cudaMemcpyAsync(peer_block_[static_cast<size_t>(p.peer)] + p.dst_offset, p.src.data(),
-                                      p.src.nbytes(), cudaMemcpyDeviceToDevice, copy_));
-    }
+    for (const Push& p : pushes) copy(p.peer, p.src, p.dst_offset, true);
     signal(kLanded, seq, copy_);
     return 2 * seq;
   }
@@ -155,15 +147,7 @@ class CudaPeerMemory final : public PeerMemory {
     signal(kReady, seq, compute());
     copy_after_compute();
     wait_flags(kReady, seq, copy_);
-    for (const Pull& p : pulls) {
-      check_peer(p.peer, "pull");
-      check_local(p.dst, "pull dst");
-      MF_CHECK(p.src_offset + p.dst.nbytes() <= bytes_, "PeerMemory pull: ", p.dst.nbytes(), " bytes at ", p.src_offset,
-               " past the ", bytes_, "-byte block");
-      if (p.dst.nbytes() > 0)
-        MF_CUDA_CHECK(cudaMemcpyAsync(p.dst.data(), peer_block_[static_cast<size_t>(p.peer)] + p.src_offset,
-                                      p.dst.nbytes(), cudaMemcpyDeviceToDevice, copy_));
-    }
+    for (const Pull& p : pulls) copy(p.peer, p.dst, p.src_offset, false);
     MF_CUDA_CHECK(cudaEventRecord(pulled_[static_cast<size_t>(seq % kPulled)], copy_));
     return 2 * seq + 1;
   }
@@ -181,13 +165,22 @@ class CudaPeerMemory final : public PeerMemory {
   }
 
  private:
-  void check_peer(int peer, const char* what) const {
+  // On the copy stream: the rows of `local` to peer `peer`'s block at `offset` (push), or from there
+  // into `local` (pull).
+  void copy(int peer, const Tensor& local, size_t offset, bool push) {
+    const char* what = push ? "push" : "pull";
     MF_CHECK(peer >= 0 && peer < size_ && peer != rank_, "PeerMemory ", what, ": peer ", peer, " of ", size_, " (rank ",
              rank_, ")");
-  }
-  static void check_local(const Tensor& t, const char* what) {
-    MF_CHECK(t.device() == Device::cuda && t.contiguous(), "PeerMemory ", what, ": ", t.str(),
+    MF_CHECK(local.device() == Device::cuda && local.contiguous(), "PeerMemory ", what, ": ", local.str(),
              " must be a contiguous GPU tensor");
+    const size_t n = local.nbytes();
+    MF_CHECK(offset + n <= bytes_, "PeerMemory ", what, ": ", n, " bytes at ", offset, " past the ", bytes_,
+             "-byte block");
+    if (n == 0) return;
+    char* remote = peer_block_[static_cast<size_t>(peer)] + offset;
+    MF_CUDA_CHECK(cudaMemcpyAsync(push ? static_cast<void*>(remote) : local.data(),
+                                  push ? local.data() : static_cast<const void*>(remote), n, cudaMemcpyDeviceToDevice,
+                                  copy_));
   }
   void copy_after_compute() {
     MF_CUDA_CHECK(cudaEventRecord(start_, compute()));

@@ -22,7 +22,6 @@ void AllToAllDispatcher::bind(Memory& mem) {
   all_counts_PE_ = mem.host_act({p_n, cfg_.num_experts}, DType::i64);
   // Own halves and all own rows (one own piece on one rank), then a piece per peer and round.
   piece_offsets_ = mem.mirrored({(p_n > 1 ? 3 : 1) + (p_n - 1) * rounds, ex_.num_local() + 1}, DType::i64);
-  home_offsets_.assign(static_cast<size_t>(cfg_.num_experts + 1), 0);
   plan_ = AllToAllPlan{};
   outputs_left_ = drows_left_ = 0;
   mem_ = &mem;
@@ -59,11 +58,16 @@ std::pair<int64_t, int64_t> AllToAllDispatcher::part(int64_t n, int64_t j) const
   return {n * j / c_n, n * (j + 1) / c_n};
 }
 
-std::pair<int64_t, int64_t> AllToAllDispatcher::home_part(int r, int m, int64_t j) const {
+std::pair<int64_t, int64_t> AllToAllDispatcher::home_block(int r, int m) const {
   const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local();
   const int64_t* c = all_counts_PE_.ptr<int64_t>() + r * e_n;
-  int64_t h0 = 0;  // rank r's first home row of rank m's experts
+  int64_t h0 = 0;
   for (int64_t e = 0; e < m * l_n; ++e) h0 += c[e];
+  return {h0, h0 + sent(r, m)};
+}
+
+std::pair<int64_t, int64_t> AllToAllDispatcher::home_part(int r, int m, int64_t j) const {
+  const int64_t h0 = home_block(r, m).first;
   const auto [a, b] = part(sent(r, m), j);
   return {h0 + a, h0 + b};
 }
@@ -161,7 +165,7 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
                                                  const Tensor& topk_prob_TK) {
   AllToAllPlan& p = plan_;
   const int me = ex_.ep().rank(), p_n = ex_.ep().size();
-  const int64_t l_n = ex_.num_local(), e_n = cfg_.num_experts, c_n = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
+  const int64_t l_n = ex_.num_local(), c_n = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
   // 1. This rank's tokens into home rows sorted by global expert, before any exchange (x is
   //    permuted below, straight into the rows that stay here).
   ex_.route_home(x_TH, topk_idx_TK, topk_prob_TK, p, false);
@@ -172,11 +176,8 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
     ProfileScope scope("moe ep counts");  // a host round trip: the GPU idles in it
     ex_.gather_counts(all_counts_PE_, p);
   }
-  p.recv_counts_PL = ex_.recv_counts().view({p_n, l_n});
-  p.offsets_E1 = Tensor();  // the rows are grouped by source: only the pieces describe them
+  p.recv_counts_PL = ex_.recv_counts().view({p_n, l_n});  // offsets_E1 stays undefined: see the pieces
   const int64_t* home_counts = ex_.home_counts_host().ptr<int64_t>();
-  for (int64_t e = 0; e < e_n; ++e)
-    home_offsets_[static_cast<size_t>(e + 1)] = home_offsets_[static_cast<size_t>(e)] + home_counts[e];
 
   // 3. The pieces: rows laid out [own rows | round 0: the peers from me + 1 on | round 1 | ...];
   //    the layout list names the own rows three times (first half, second half: forward; all:
@@ -199,8 +200,8 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
     layout_src.push_back(src);
     row += b - a;
   };
-  const int64_t hs0 = home_offsets_[static_cast<size_t>(me * l_n)];
-  const int64_t n_self = home_offsets_[static_cast<size_t>((me + 1) * l_n)] - hs0;
+  const auto [hs0, hs1] = home_block(me, me);
+  const int64_t n_self = hs1 - hs0;
   // One rank: the own rows in one piece (exactly LocalDispatcher's GEMMs); else in two halves.
   const int64_t self_cut = p_n > 1 ? n_self / 2 : n_self;
   add(Source{me, -1, hs0}, home_counts + me * l_n, 0, self_cut);
@@ -254,7 +255,7 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   //    home rows that travel; then every round is started.
   p.rows_RH = ex_.rows_RH().slice(0, p.num_rows);
   const Tensor own = ex_.own_SH();
-  const int64_t hs1 = hs0 + n_self, s_n = p.num_home_rows;
+  const int64_t s_n = p.num_home_rows;
   if (hs0 > 0) moe_permute(x_TH, p.token_R.slice(0, hs0), own.slice(0, hs0));
   if (s_n > hs1) moe_permute(x_TH, p.token_R.slice(hs1, s_n), own.slice(hs1, s_n));
   moe_permute(x_TH, p.token_R.slice(hs0, hs1), p.rows_RH.slice(0, n_self));

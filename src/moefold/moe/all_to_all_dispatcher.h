@@ -112,6 +112,7 @@ class AllToAllDispatcher final : public Dispatcher {
   int64_t sent(int from, int to) const;
   std::pair<int64_t, int64_t> part(int64_t n, int64_t j) const;
   std::pair<int64_t, int64_t> home_part(int r, int m, int64_t j) const;
+  std::pair<int64_t, int64_t> home_block(int r, int m) const;  // all of rank r's home rows for m's experts
   int64_t piece_row(int r, int s, int64_t j) const;
   // Starts round j of `leg` between the home rows (own_SH / home_SH) and the round's pieces of
   // `rows_RH` (the experts' rows, outputs, output gradients or input gradients).
@@ -146,9 +147,8 @@ class AllToAllDispatcher final : public Dispatcher {
   const Memory* mem_ = nullptr;
   std::unique_ptr<PeerMemory> peer_;  // the direct transport; null: start_exchange
   bool transport_chosen_ = false;
-  Tensor all_counts_PE_;               // i64 [P, E], host: every rank's home counts (last dispatch)
-  Mirrored piece_offsets_;             // i64 [pieces, L + 1]: every piece's expert offsets
-  std::vector<int64_t> home_offsets_;  // host [E + 1]: first home row of each global expert
+  Tensor all_counts_PE_;    // i64 [P, E], host: every rank's home counts (last dispatch)
+  Mirrored piece_offsets_;  // i64 [pieces, L + 1]: every piece's expert offsets
   Schedule fwd_, bwd_;
   std::vector<Round> rows_, outputs_, douts_, drows_;  // by round
   // Scratch kept between dispatches (no allocation in a step once they have grown).

@@ -74,19 +74,19 @@ class Dispatcher {
   // experts (run_experts_forward / run_experts_backward) calls, for piece i of the last plan:
   // forward (pieces), rows_arrived(i) before reading its rows and outputs_done(i, out_RH) once
   // its outputs are written; backward (backward_pieces), output_grads_arrived(i) before reading
-  // its dout rows and input_grads_done(i, drows_RH) once its drows are written. combine() and dispatch_backward()
-  // REQUIRE every piece's outputs_done / input_grads_done. The defaults do nothing.
-  // Where the experts write piece i's outputs and input gradients and read its output gradients:
-  // the piece's rows of the caller's tensor, unless the dispatcher keeps them where they are
-  // needed next (AllToAllDispatcher: the rows of this rank's own tokens stay at home).
-  // `plan` is the last dispatch's.
-  virtual Tensor output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const;
-  virtual Tensor output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const;
-  virtual Tensor input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const;
+  // its dout rows and input_grads_done(i, drows_RH) once its drows are written. combine() and
+  // dispatch_backward() REQUIRE every piece's outputs_done / input_grads_done. The defaults do
+  // nothing.
   virtual void rows_arrived(size_t piece) { (void)piece; }
   virtual void outputs_done(size_t piece, const Tensor& out_RH) { (void)piece, (void)out_RH; }
   virtual void output_grads_arrived(size_t piece) { (void)piece; }
   virtual void input_grads_done(size_t piece, const Tensor& drows_RH) { (void)piece, (void)drows_RH; }
+  // Where the experts write piece i's outputs and input gradients and read its output gradients
+  // (`plan`: the last dispatch's): the piece's rows of the caller's tensor, unless the dispatcher
+  // keeps them where they are needed next (AllToAllDispatcher: its own tokens' rows stay home).
+  virtual Tensor output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const;
+  virtual Tensor output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const;
+  virtual Tensor input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const;
 };
 
 // The plan's rows as one expert-major piece (dispatchers that do not pipeline).

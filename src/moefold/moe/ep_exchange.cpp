@@ -140,9 +140,7 @@ void EpExchange::plan_counts(const Tensor& send_counts_PBL, EpPlan& p) {
            "', buffers hold ", max_rows(), " (peers disagree on config or max_tokens?)");
   p.num_rows = r_n;
   counts_L_.to_device();
-  offsets_L1_.to_device();
   p.counts_E = counts_L_.dev;
-  p.offsets_E1 = offsets_L1_.dev;
   p.send_counts_P = send_counts_P_;
   p.recv_counts_P = recv_counts_P_;
 }
@@ -166,6 +164,8 @@ void EpExchange::plan_reorder(EpPlan& p) {
       }
       src += recv_pbl[b * l_n + l];
     }
+  offsets_L1_.to_device();
+  p.offsets_E1 = offsets_L1_.dev;
   gather_R_.to_device(r_n);
   scatter_R_.to_device(r_n);
   p.gather_R = gather_R_.dev.slice(0, r_n);

@@ -45,8 +45,8 @@ class EpExchange {
  public:
   // who: the owning dispatcher, for errors. etp: the ETP group whose G ranks are the sources of
   // each EP peer (F % G == 0 is checked), null for one source; with it the exchange also keeps
-  // the buffers of the expert-major reorder (plan_reorder, to_experts, from_experts). REQUIRES: cfg.validate() passes;
-  // E % EP == 0 (MF_CHECK); the groups outlive this object.
+  // the buffers of the expert-major reorder (plan_reorder, to_experts, from_experts).
+  // REQUIRES: cfg.validate() passes; E % EP == 0 (MF_CHECK); the groups outlive this object.
   EpExchange(const char* who, const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep,
              const Communicator* etp = nullptr);
 
@@ -57,9 +57,9 @@ class EpExchange {
   // B * ep_max_recv_rows: every source of every peer sends all its rows here in the worst case.
   int64_t max_rows() const { return sources_ * ep_max_recv_rows(cfg_, max_tokens_, ep_.size()); }
   Communicator& ep() const { return ep_; }
+  // own_SH, home_SH and rows_RH are peer-visible (Memory::peer_act).
   // [S max, H]: this rank's x rows after route_home, its home gradient in the backwards.
   const Tensor& own_SH() const { return own_SH_; }
-  // own_SH, home_SH and rows_RH are peer-visible (Memory::peer_act).
   // [S max, H]: the (summed) expert outputs at home, kept from combine to combine_backward.
   const Tensor& home_SH() const { return home_SH_; }
   // [max_rows, H]: the rows handed to the experts (kept until their backward).
@@ -76,15 +76,14 @@ class EpExchange {
   void route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, EpPlan& p,
                   bool permute_x = true);
   // 2. Collective over EP: block q of send_counts_PBL (i64 [P * B * L], host) is what peer q's experts
-  //    get from each source. Fills num_rows, counts_E, offsets_E1 (as if expert-major),
-  //    send_counts_P, recv_counts_P.
+  //    get from each source. Fills num_rows, counts_E, send_counts_P, recv_counts_P.
   void exchange_counts(const Tensor& send_counts_PBL, EpPlan& p);
   // 2, one source per peer: the same plan from an all_gather of every rank's home counts into
   //    all_counts_PE (i64 [P, E], host), which also tells each rank every other rank's layout.
   void gather_counts(const Tensor& all_counts_PE, EpPlan& p);
-  // 2b. The source-major -> expert-major reorder of to_experts / from_experts: fills gather_R,
-  //    scatter_R, rows_RH (received source-major, (q, b, l) blocks; expert l's rows from earlier
-  //    sources come first).
+  // 2b. The source-major -> expert-major reorder of to_experts / from_experts: fills offsets_E1,
+  //    gather_R, scatter_R, rows_RH (received source-major, (q, b, l) blocks; expert l's rows from
+  //    earlier sources come first).
   void plan_reorder(EpPlan& p);
   // 3. Collective: send_XH (peer-major, send_counts_P) -> rows_RH, expert-major.
   void to_experts(const Tensor& send_XH, const EpPlan& p, const Tensor& rows_RH);
@@ -113,7 +112,7 @@ class EpExchange {
   Tensor home_offsets_E1_, row_TK_, home_token_S_, recv_counts_PBL_, send_counts_P_, recv_counts_P_;
   Mirrored counts_L_, offsets_L1_, gather_R_, scatter_R_;
   // Row buffers: own_SH_ (x rows in dispatch; then dy / dx rows in the backwards), home_SH_
-  // (expert outputs back home), recv_RH_ (source-major staging for every exchange), rows_RH_
+  // (expert outputs back home), recv_RH_ (source-major staging of the reorder), rows_RH_
   // (the experts' input, kept until their backward).
   Tensor own_SH_, home_SH_, recv_RH_, rows_RH_;
   // Step 2's plan from send_counts_PBL and the received recv_counts_PBL_.

@@ -17,8 +17,9 @@
 namespace moefold {
 
 // The experts over the pieces of `plan` (the last dispatch of `d`), with the dispatcher's
-// pipelining calls around each piece: out_RH (R rows) written. MoeLayer and the benchmark run
-// the experts through these.
+// pipelining calls around each piece: the outputs written where d.output_rows puts them (the
+// rows of out_RH, R rows, unless the dispatcher keeps some elsewhere). MoeLayer and the benchmark
+// run the experts through these.
 void run_experts_forward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& out_RH);
 // Backward, over plan.backward_pieces: drows_RH written, expert gradients as Experts::backward.
 void run_experts_backward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH,
