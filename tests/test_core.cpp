@@ -70,6 +70,64 @@ TEST(Tensor, ViewsSliceAndReshape) {
   EXPECT_DEATH(t.view({5, 5}), "view");
 }
 
+TEST(Tensor, StepRowsAndRowStridedCopies) {
+  std::vector<float> buf(18);
+  for (int i = 0; i < 18; ++i) buf[i] = static_cast<float>(i);
+  Tensor t(buf.data(), DType::f32, {6, 3});
+  Tensor odd = t.step_rows(1, 2);  // rows 1, 3, 5
+  EXPECT_EQ(odd.shape(), Shape({3, 3}));
+  EXPECT_EQ(odd.stride(0), 6);
+  EXPECT_FALSE(odd.contiguous());
+  EXPECT_EQ(t.slice(0, 5).step_rows(1, 2).size(0), 2);
+  EXPECT_EQ(t.slice(0, 5).step_rows(0, 2).size(0), 3);
+  std::vector<float> out(9);
+  Tensor(out.data(), DType::f32, {9}).copy_from(odd);  // strided -> contiguous, any shape of that numel
+  EXPECT_EQ(out, std::vector<float>({3, 4, 5, 9, 10, 11, 15, 16, 17}));
+  std::vector<float> in = {100, 101, 102, 103, 104, 105, 106, 107, 108};
+  t.step_rows(0, 2).copy_from(Tensor(in.data(), DType::f32, {3, 3}));  // contiguous -> strided
+  EXPECT_EQ(buf, std::vector<float>({100, 101, 102, 3, 4, 5, 103, 104, 105, 9, 10, 11, 106, 107, 108, 15, 16, 17}));
+  std::vector<float> other(18, -1.0f);  // strided -> strided, rows alike
+  Tensor(other.data(), DType::f32, {6, 3}).step_rows(1, 2).copy_from(odd);
+  EXPECT_EQ(other, std::vector<float>({-1, -1, -1, 3, 4, 5, -1, -1, -1, 9, 10, 11, -1, -1, -1, 15, 16, 17}));
+  // Higher dims: every other [3, 2] block of a [4, 3, 2] tensor is rows of 6 contiguous floats.
+  std::vector<float> blocks(24), picked(12);
+  for (int i = 0; i < 24; ++i) blocks[i] = static_cast<float>(i);
+  Tensor(picked.data(), DType::f32, {2, 6}).copy_from(Tensor(blocks.data(), DType::f32, {4, 3, 2}).step_rows(1, 2));
+  EXPECT_EQ(picked, std::vector<float>({6, 7, 8, 9, 10, 11, 18, 19, 20, 21, 22, 23}));
+  std::vector<float> wide(24), tall(24);  // 12 elements each: 3 rows of 4 vs 4 rows of 3
+  EXPECT_DEATH(Tensor(wide.data(), DType::f32, {6, 4})
+                   .step_rows(0, 2)
+                   .copy_from(Tensor(tall.data(), DType::f32, {8, 3}).step_rows(0, 2)),
+               "rows of 3 vs 4");
+  EXPECT_DEATH(t.step_rows(0, 0), "rows");
+}
+
+// DimShard chunks interleave row by row: a rank holding rows [offset, offset + n) of each of 2
+// chunks holds the contiguous range [2 offset, 2 (offset + n)) of the whole dimension, and
+// fill_normal_shard gives it exactly those elements of the whole tensor's initialisation.
+TEST(Memory, DimShardOfInterleavedChunksIsAContiguousRange) {
+  // Experts 1..2 of 3; rows 1..2 of each of the 2 chunks of 5 along dimension 1.
+  Memory mem(DType::f32);
+  const auto bind = [&] {
+    mem.param("w", {2, 4, 3}, Init::normal, 1.0, true, ParamGroup::expert, 1, 3, DimShard{1, 1, 5, 2});
+  };
+  bind();
+  mem.allocate();
+  bind();
+  mem.finish_binding();
+  const Param& p = mem.params().front();
+  std::vector<float> whole(3 * 10 * 3);
+  EXPECT_EQ(p.global_shape(), Shape({3, 10, 3}));
+  for (int64_t e = 0; e < 2; ++e)
+    for (int64_t c = 0; c < 4; ++c)
+      for (int64_t k = 0; k < 3; ++k)
+        EXPECT_EQ(p.global_index((e * 4 + c) * 3 + k), ((e + 1) * 10 + 2 + c) * 3 + k) << e << " " << c << " " << k;
+  fill_normal_shard(p, 5, 6, 0.0, 1.0);
+  fill_normal(Tensor(whole.data(), DType::f32, {3, 10, 3}), 5, 6, 0.0, 1.0);
+  for (int64_t i = 0; i < p.value.numel(); ++i)
+    ASSERT_EQ(p.value.ptr<float>()[i], whole[static_cast<size_t>(p.global_index(i))]) << i;
+}
+
 TEST(Memory, MeasureThenAllocateGivesTheSameLayout) {
   Memory mem(DType::f32);
   auto bind = [&] {

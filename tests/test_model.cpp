@@ -215,14 +215,20 @@ TEST(Model, ParametersUseHuggingFaceNames) {
     EXPECT_TRUE(has(n)) << n;
   // 2 layers x (4 attn + 2 qk norms + 2 norms + gate + 3 experts x 3) + embed + norm + head
   EXPECT_EQ(names.size(), 2u * (4 + 2 + 2 + 1 + 9) + 3);
-  // The per-expert views are the right slices of the fused tensor.
+  // The per-expert views are the right rows of the fused tensor: gate row j at 2j, up at 2j + 1.
   const Param* gu = t.mem->find("model.layers.0.mlp.experts.gate_up_proj");
   ASSERT_NE(gu, nullptr);
-  for (const NamedView& v : hf_views(*gu))
-    if (v.name == "model.layers.0.mlp.experts.1.up_proj.weight") {
-      EXPECT_EQ(v.value.shape(), Shape({5, 8}));
-      EXPECT_EQ(v.value.data(), gu->value.ptr<double>() + (1 * 10 + 5) * 8);
-    }
+  int found = 0;
+  for (const NamedView& v : hf_views(*gu)) {
+    const bool up = v.name == "model.layers.0.mlp.experts.1.up_proj.weight";
+    if (!up && v.name != "model.layers.0.mlp.experts.1.gate_proj.weight") continue;
+    ++found;
+    EXPECT_EQ(v.value.shape(), Shape({5, 8}));
+    EXPECT_EQ(v.value.stride(0), 2 * 8);
+    EXPECT_EQ(v.value.stride(1), 1);
+    EXPECT_EQ(v.value.data(), gu->value.ptr<double>() + (1 * 10 + (up ? 1 : 0)) * 8);
+  }
+  EXPECT_EQ(found, 2);
 }
 
 TEST(Model, InitIsDeterministicPerName) {

@@ -615,15 +615,15 @@ TEST(MoeLayer, SingleExpertEqualsDenseSwiGLU) {
   rig.fill(pool, 0.5);
   Tensor x = pool.randn({t_n, h_n}), y = pool.zeros({t_n, h_n});
   rig.layer.forward(x, y);
-  const double* w1 = rig.param(".experts.gate_up_proj").value.ptr<double>();  // [2F, H]
+  const double* w1 = rig.param(".experts.gate_up_proj").value.ptr<double>();  // [2F, H]: gate j at 2j, up at 2j + 1
   const double* w2 = rig.param(".experts.down_proj").value.ptr<double>();     // [H, F]
   for (int64_t t = 0; t < t_n; ++t) {
     std::vector<double> h(f_n);
     for (int64_t j = 0; j < f_n; ++j) {
       double g = 0, u = 0;
       for (int64_t i = 0; i < h_n; ++i) {
-        g += w1[j * h_n + i] * testing::value_at(x, t * h_n + i);
-        u += w1[(f_n + j) * h_n + i] * testing::value_at(x, t * h_n + i);
+        g += w1[2 * j * h_n + i] * testing::value_at(x, t * h_n + i);
+        u += w1[(2 * j + 1) * h_n + i] * testing::value_at(x, t * h_n + i);
       }
       h[j] = g / (1 + std::exp(-g)) * u;
     }
@@ -702,7 +702,7 @@ TEST(MoeLayer, ZeroTokenExperts) {
     const DispatchPlan& plan = rig.layer.plan();
     EXPECT_EQ(plan.num_rows, t_n * k_n);
     // y_t = sum_k prob_tk * expert_k(x_t), each expert written out with loops.
-    const double* w1 = rig.param(".experts.gate_up_proj").value.ptr<double>();
+    const double* w1 = rig.param(".experts.gate_up_proj").value.ptr<double>();  // gate j at row 2j, up at 2j + 1
     const double* w2 = rig.param(".experts.down_proj").value.ptr<double>();
     const Tensor& prob = rig.layer.router().topk_prob();
     for (int64_t t = 0; t < t_n; ++t)
@@ -715,8 +715,8 @@ TEST(MoeLayer, ZeroTokenExperts) {
           for (int64_t j = 0; j < f_n; ++j) {
             double gg = 0, uu = 0;
             for (int64_t i = 0; i < h_n; ++i) {
-              gg += a[j * h_n + i] * testing::value_at(x, t * h_n + i);
-              uu += a[(f_n + j) * h_n + i] * testing::value_at(x, t * h_n + i);
+              gg += a[2 * j * h_n + i] * testing::value_at(x, t * h_n + i);
+              uu += a[(2 * j + 1) * h_n + i] * testing::value_at(x, t * h_n + i);
             }
             acc += b[o * f_n + j] * gg / (1 + std::exp(-gg)) * uu;
           }

@@ -282,29 +282,68 @@ TEST(RoPE, BackwardMatchesFiniteDifferences) {
 
 // ---- SwiGLU ----------------------------------------------------------------------------------
 
+// Column of g_j (u: false) or u_j (u: true) in a gu row of width 2F under `layout`.
+int64_t gate_up_column(GateUp layout, int64_t f, int64_t j, bool u) {
+  return layout == GateUp::pairs ? 2 * j + (u ? 1 : 0) : j + (u ? f : 0);
+}
+
 TEST(SwiGLU, ForwardAndBackward) {
+  for (GateUp layout : {GateUp::halves, GateUp::pairs}) {
+    SCOPED_TRACE(layout == GateUp::pairs ? "pairs" : "halves");
+    Pool pool;
+    const int64_t n = 5, f = 7;
+    Tensor gu = pool.randn({n, 2 * f}), h = pool.zeros({n, f}), dh = pool.randn({n, f});
+    swiglu_forward(gu, h, layout);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < f; ++j) {
+        const double g = testing::value_at(gu, i * 2 * f + gate_up_column(layout, f, j, false)),
+                     u = testing::value_at(gu, i * 2 * f + gate_up_column(layout, f, j, true));
+        EXPECT_NEAR(testing::value_at(h, i * f + j), g / (1 + std::exp(-g)) * u, kF64Tol);
+      }
+    Tensor dgu = pool.randn({n, 2 * f}, DType::f64, 100.0);
+    swiglu_backward(gu, dh, dgu, layout);
+    check_gradient("swiglu dgu", gu, dgu, [&] {
+      swiglu_forward(gu, h, layout);
+      return dot(h, dh);
+    });
+    Tensor gu32 = cast(pool, gu, DType::f32), h32 = pool.zeros({n, f}, DType::f32);
+    Tensor dgu32 = pool.zeros({n, 2 * f}, DType::f32);
+    swiglu_forward(gu32, h32, layout);
+    swiglu_backward(gu32, cast(pool, dh, DType::f32), dgu32, layout);
+    swiglu_forward(gu, h, layout);
+    expect_f32_close("swiglu h f32", h32, h);
+    expect_f32_close("swiglu dgu f32", dgu32, dgu);
+  }
+}
+
+// pairs is halves with gu's columns permuted (halves column j -> pairs 2j, F + j -> 2j + 1):
+// the same h, and dgu permuted alike, to the bit (same formula on the same values).
+TEST(SwiGLU, PairsAreHalvesWithColumnsInterleaved) {
   Pool pool;
-  const int64_t n = 5, f = 7;
-  Tensor gu = pool.randn({n, 2 * f}), h = pool.zeros({n, f}), dh = pool.randn({n, f});
-  swiglu_forward(gu, h);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < f; ++j) {
-      const double g = testing::value_at(gu, i * 2 * f + j), u = testing::value_at(gu, i * 2 * f + f + j);
-      EXPECT_NEAR(testing::value_at(h, i * f + j), g / (1 + std::exp(-g)) * u, kF64Tol);
-    }
-  Tensor dgu = pool.randn({n, 2 * f}, DType::f64, 100.0);
-  swiglu_backward(gu, dh, dgu);
-  check_gradient("swiglu dgu", gu, dgu, [&] {
-    swiglu_forward(gu, h);
-    return dot(h, dh);
-  });
-  Tensor gu32 = cast(pool, gu, DType::f32), h32 = pool.zeros({n, f}, DType::f32);
-  Tensor dgu32 = pool.zeros({n, 2 * f}, DType::f32);
-  swiglu_forward(gu32, h32);
-  swiglu_backward(gu32, cast(pool, dh, DType::f32), dgu32);
-  swiglu_forward(gu, h);
-  expect_f32_close("swiglu h f32", h32, h);
-  expect_f32_close("swiglu dgu f32", dgu32, dgu);
+  for (DType dt : {DType::f64, DType::f32}) {
+    const int64_t n = 6, f = 9;
+    Tensor gu_halves = pool.randn({n, 2 * f}, dt, 3.0), gu_pairs = pool.zeros({n, 2 * f}, dt);
+    Tensor dh = pool.randn({n, f}, dt);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < f; ++j)
+        for (bool u : {false, true})
+          testing::set_value_at(gu_pairs, i * 2 * f + gate_up_column(GateUp::pairs, f, j, u),
+                                testing::value_at(gu_halves, i * 2 * f + gate_up_column(GateUp::halves, f, j, u)));
+    Tensor h_halves = pool.zeros({n, f}, dt), h_pairs = pool.zeros({n, f}, dt);
+    Tensor dgu_halves = pool.zeros({n, 2 * f}, dt), dgu_pairs = pool.zeros({n, 2 * f}, dt);
+    swiglu_forward(gu_halves, h_halves, GateUp::halves);
+    swiglu_forward(gu_pairs, h_pairs, GateUp::pairs);
+    swiglu_backward(gu_halves, dh, dgu_halves, GateUp::halves);
+    swiglu_backward(gu_pairs, dh, dgu_pairs, GateUp::pairs);
+    EXPECT_EQ(max_abs_diff(h_pairs, h_halves), 0.0);
+    EXPECT_GT(max_abs(h_pairs), 0.0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < f; ++j)
+        for (bool u : {false, true})
+          ASSERT_EQ(testing::value_at(dgu_pairs, i * 2 * f + gate_up_column(GateUp::pairs, f, j, u)),
+                    testing::value_at(dgu_halves, i * 2 * f + gate_up_column(GateUp::halves, f, j, u)))
+              << i << ", " << j << (u ? " u" : " g");
+  }
 }
 
 // ---- cross-entropy ---------------------------------------------------------------------------

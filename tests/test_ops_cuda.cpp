@@ -127,4 +127,41 @@ TEST(CudaMatrixViews, CopyAddFillMatchCpu) {
   }
 }
 
+// Tensor::copy_from between host and device with row-strided views on either side
+// (cudaMemcpy2DAsync; the experts' gate and up weights are every other row of gate_up_proj):
+// exactly the rows named, nothing else touched.
+TEST(CudaTensor, RowStridedCopiesMatchCpu) {
+  MF_REQUIRE_GPU();
+  Pool pool;
+  DevicePool dev;
+  const int64_t rows = 6, cols = 5;
+  Tensor a = pool.randn({rows, cols}, DType::f32), b = pool.randn({2 * rows, cols}, DType::f32);
+  // b with its rows parity, parity + 2, ... replaced by a's rows.
+  const auto b_with_a_at = [&](int64_t parity) {
+    std::vector<double> v(static_cast<size_t>(2 * rows * cols));
+    for (int64_t i = 0; i < 2 * rows * cols; ++i) {
+      const int64_t r = i / cols;
+      v[static_cast<size_t>(i)] =
+          testing::value_at(r % 2 == parity ? a : b, r % 2 == parity ? r / 2 * cols + i % cols : i);
+    }
+    return v;
+  };
+  Tensor d = dev.upload(b, DType::f32);
+  d.step_rows(1, 2).copy_from(a);  // host contiguous -> device strided
+  EXPECT_EQ(testing::download(d), b_with_a_at(1));
+  Tensor back = pool.zeros({rows * cols}, DType::f32);
+  back.copy_from(d.step_rows(1, 2));  // device strided -> host contiguous
+  EXPECT_EQ(testing::max_abs_diff(back.view({rows, cols}), a), 0.0);
+  Tensor e = dev.upload(b, DType::f32);
+  e.step_rows(0, 2).copy_from(d.step_rows(1, 2));  // device strided -> device strided
+  EXPECT_EQ(testing::download(e), b_with_a_at(0));
+  Tensor f = dev.upload(pool.zeros({rows, cols}, DType::f32), DType::f32);
+  f.copy_from(d.step_rows(1, 2));  // device strided -> device contiguous
+  EXPECT_EQ(testing::download(f), testing::download(a));
+  Tensor host = pool.zeros({2 * rows, cols}, DType::f32);
+  host.copy_from(b);
+  host.step_rows(1, 2).copy_from(d.step_rows(1, 2));  // device strided -> host strided
+  EXPECT_EQ(testing::download(host), b_with_a_at(1));
+}
+
 }  // namespace moefold

@@ -252,17 +252,22 @@ TEST(CudaLinear, BackwardIsDeterministic) {
 
 // ---- grouped linear -------------------------------------------------------------------------------
 
+// The i64 offsets [E + 1] of experts owning counts[e] consecutive rows each.
+Tensor offsets_of(Pool& pool, const std::vector<int64_t>& counts) {
+  Tensor offsets = pool.zeros({static_cast<int64_t>(counts.size()) + 1}, DType::i64);
+  int64_t* off = offsets.ptr<int64_t>();
+  for (size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + counts[e];
+  return offsets;
+}
+
 // Expert e owns counts[e] consecutive rows; empty experts (first, middle, last) keep dw untouched.
 void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, int64_t in, int64_t out) {
   SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " dw " << dtype_name(dw_dt) << " experts " << counts.size());
   Pool pool;
   DevicePool dev;
   const int64_t e_n = static_cast<int64_t>(counts.size());
-  std::vector<int64_t> off(counts.size() + 1, 0);
-  for (size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + counts[e];
-  const int64_t r = off.back();
-  Tensor offsets = pool.zeros({e_n + 1}, DType::i64);
-  std::memcpy(offsets.data(), off.data(), off.size() * sizeof(int64_t));
+  const Tensor offsets = offsets_of(pool, counts);
+  const int64_t r = offsets.ptr<int64_t>()[e_n];
   const Tensor x = pool.randn({r, in}), w = pool.randn({e_n, out, in}), dy = pool.randn({r, out}),
                dw0 = pool.randn({e_n, out, in});
   Tensor xr = testing::rounded(pool, x, dt), wr = testing::rounded(pool, w, dt), dyr = testing::rounded(pool, dy, dt),
@@ -361,6 +366,93 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
   ::unsetenv("MOEFOLD_CUTLASS_TILE");
   check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: cuBLASLt
   check_grouped(DType::bf16, DType::bf16, counts, 48, 40);                  // bf16 dw: cuBLASLt
+#endif
+}
+
+// ---- grouped linear fused with SwiGLU (gate and up interleaved: GateUp::pairs) -------------------
+
+// The routed experts' first layer with SwiGLU (grouped_linear_swiglu_forward) and the second
+// layer's input gradient through SwiGLU (grouped_linear_swiglu_backward_data) against the CPU ops
+// in float64 on the GPU's inputs; gu is the plain grouped GEMM's output (bf16: 4e-3), h and dgu
+// come from the rounded gu / dh and are rounded once more (8e-3). `cutlass`: CUTLASS must serve
+// the call (its fused epilogues; asserted), else the unfused ops must.
+void check_grouped_swiglu(const std::vector<int64_t>& counts, int64_t h_n, int64_t f_n, bool cutlass) {
+  SCOPED_TRACE(::testing::Message() << "experts " << counts.size() << " H " << h_n << " F " << f_n);
+  Pool pool;
+  DevicePool dev;
+  const int64_t e_n = static_cast<int64_t>(counts.size());
+  const Tensor offsets = offsets_of(pool, counts);
+  const int64_t r = offsets.ptr<int64_t>()[e_n];
+  const Tensor offd = dev.upload(offsets, DType::i64);
+  const DType bf = DType::bf16;
+  // Forward: x [R, H] through gate_up [E, 2F, H].
+  const Tensor x = pool.randn({r, h_n}), w1 = pool.randn({e_n, 2 * f_n, h_n});
+  const Tensor xd = dev.upload(x, bf), w1d = dev.upload(w1, bf);
+  const Tensor gud = dev.poisoned({r, 2 * f_n}, bf), hd = dev.poisoned({r, f_n}, bf);
+#ifdef MOEFOLD_WITH_CUDA
+  if (cutlass) {
+    EXPECT_TRUE(cuda::cutlass_grouped_linear_swiglu_forward(xd, w1d, offd, gud, hd)) << "CUTLASS declined";
+  } else {
+    grouped_linear_swiglu_forward(xd, w1d, offd, gud, hd);
+  }
+#endif
+  const Tensor gu_ref = pool.zeros({r, 2 * f_n}), h_ref = pool.zeros({r, f_n});
+  grouped_linear_forward(testing::rounded(pool, x, bf), testing::rounded(pool, w1, bf), offsets, gu_ref);
+  const std::vector<double> gu_got = testing::download(gud);
+  EXPECT_LE(testing::rel_error(gu_got, gu_ref), 4e-3) << "gu";
+  // h from the GPU's own gu: the swiglu of the stored pairs.
+  Tensor gu_gpu = pool.zeros({r, 2 * f_n});
+  for (int64_t i = 0; i < gu_gpu.numel(); ++i) testing::set_value_at(gu_gpu, i, gu_got[static_cast<size_t>(i)]);
+  swiglu_forward(gu_gpu, h_ref, GateUp::pairs);
+  EXPECT_LE(testing::rel_error(testing::download(hd), h_ref), 8e-3) << "h";
+  // Backward data: dy [R, H] through down [E, H, F], with saved gu [R, 2F].
+  const Tensor dy = pool.randn({r, h_n}), w2 = pool.randn({e_n, h_n, f_n}), gu = pool.randn({r, 2 * f_n});
+  const Tensor dyd = dev.upload(dy, bf), w2d = dev.upload(w2, bf), gu2d = dev.upload(gu, bf);
+  const Tensor dhd = dev.poisoned({r, f_n}, bf), dgud = dev.poisoned({r, 2 * f_n}, bf);
+#ifdef MOEFOLD_WITH_CUDA
+  if (cutlass) {
+    EXPECT_TRUE(cuda::cutlass_grouped_linear_swiglu_backward_data(dyd, w2d, offd, gu2d, dgud)) << "CUTLASS declined";
+  } else {
+    grouped_linear_swiglu_backward_data(dyd, w2d, offd, gu2d, dhd, dgud);
+  }
+#endif
+  const Tensor dh_ref = pool.zeros({r, f_n}), dgu_ref = pool.zeros({r, 2 * f_n});
+  grouped_linear_backward(dh_ref, testing::rounded(pool, w2, bf), offsets, testing::rounded(pool, dy, bf), dh_ref,
+                          Tensor());
+  swiglu_backward(testing::rounded(pool, gu, bf), testing::rounded(pool, dh_ref, bf), dgu_ref, GateUp::pairs);
+  EXPECT_LE(testing::rel_error(testing::download(dgud), dgu_ref), 8e-3) << "dgu";
+}
+
+TEST(CudaGroupedLinear, SwigluFusedMatchesCpu) {
+  MF_REQUIRE_GPU();
+#ifdef MOEFOLD_WITH_CUDA
+  ::unsetenv("MOEFOLD_GROUPED_GEMM");
+  const bool built = cuda::cutlass_grouped_gemm_built();
+  // "" (unset): the defaults (ping-pong forward, large backward); "swiglu_forward=large" the other
+  // pairing through the per-kind syntax.
+  for (const char* tile : {"", "large", "pingpong", "swiglu_forward=large,swiglu_dgrad=pingpong", "small"}) {
+    SCOPED_TRACE(tile);
+    ::setenv("MOEFOLD_CUTLASS_TILE", tile, 1);
+    const bool fused = built && std::strcmp(tile, "small") != 0;  // small: the unfused ops
+    check_grouped_swiglu({0, 37, 1, 0, 91, 5, 0}, 64, 40, fused);
+    check_grouped_swiglu({300, 0, 129, 1000, 3, 64}, 256, 128, fused);
+    check_grouped_swiglu({0, 0, 0}, 16, 8, fused);  // no rows at all
+    if (built && !fused) {  // the small tiles have no fused kernels: CUTLASS declines, runs nothing
+      DevicePool dev;
+      Pool pool;
+      Tensor off = pool.zeros({2}, DType::i64);
+      off.ptr<int64_t>()[1] = 16;
+      const Tensor offd = dev.upload(off, DType::i64), x = dev.poisoned({16, 16}, DType::bf16),
+                   w = dev.poisoned({1, 16, 16}, DType::bf16), gu = dev.poisoned({16, 16}, DType::bf16);
+      EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_forward(x, w, offd, gu, dev.poisoned({16, 8}, DType::bf16)));
+      EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_backward_data(x, dev.poisoned({1, 16, 8}, DType::bf16), offd, gu,
+                                                                     dev.poisoned({16, 16}, DType::bf16)));
+    }
+  }
+  ::unsetenv("MOEFOLD_CUTLASS_TILE");
+  ::setenv("MOEFOLD_GROUPED_GEMM", "cublaslt", 1);  // the unfused ops on cuBLASLt
+  check_grouped_swiglu({0, 37, 1, 0, 91, 5, 0}, 64, 40, false);
+  ::unsetenv("MOEFOLD_GROUPED_GEMM");
 #endif
 }
 

@@ -267,25 +267,33 @@ TEST(CudaNorm, SwiGluMatchesCpu) {
   MF_REQUIRE_GPU();
   struct Case {
     int64_t n, f;
+    size_t h_offset;  // bytes past a 256-byte boundary where h and dh start
   };
-  for (const Case cs : {Case{37, 131}, Case{2, 4097}, Case{1, 1}, Case{33, 768}}) {  // 768: 16-byte vectors
-    for (DType dt : {DType::f32, DType::bf16}) {
-      SCOPED_TRACE(::testing::Message() << "N=" << cs.n << " F=" << cs.f << " " << name(dt));
-      Pool pool;
-      DevicePool dev;
-      Tensor gu = pool.randn({cs.n, 2 * cs.f}, DType::f64, 3.0), dh = pool.randn({cs.n, cs.f});
-      Tensor gur = rounded(pool, gu, dt);
-      Tensor h_ref = pool.zeros({cs.n, cs.f}), dgu_ref = pool.zeros({cs.n, 2 * cs.f});
-      swiglu_forward(gur, h_ref);
-      swiglu_backward(gur, rounded(pool, dh, dt), dgu_ref);
-      Tensor gud = dev.upload(gu, dt);
-      Guarded h = guarded(dev, {cs.n, cs.f}, dt), dgu = guarded(dev, {cs.n, 2 * cs.f}, dt);
-      swiglu_forward(gud, h.t);
-      swiglu_backward(gud, dev.upload(dh, dt), dgu.t);
-      expect_close(download(h.t), h_ref, elem_tol(dt), "swiglu h");
-      expect_close(download(dgu.t), dgu_ref, elem_tol(dt), "swiglu dgu");
-      expect_guard_intact(h, "swiglu h");
-      expect_guard_intact(dgu, "swiglu dgu");
+  // 16-byte vectors: halves for F % 8 == 0 with every buffer 16-byte aligned ({33, 768, 0});
+  // pairs for N * F % 4 == 0 with h 8-byte aligned ({33, 768, *}, {6, 130, 0}); the rest scalar.
+  for (const Case cs :
+       {Case{37, 131, 0}, Case{2, 4097, 0}, Case{1, 1, 0}, Case{33, 768, 0}, Case{33, 768, 8}, Case{6, 130, 0}}) {
+    for (GateUp layout : {GateUp::halves, GateUp::pairs}) {
+      for (DType dt : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE(::testing::Message() << "N=" << cs.n << " F=" << cs.f << " h at +" << cs.h_offset << " "
+                                          << (layout == GateUp::pairs ? "pairs " : "halves ") << name(dt));
+        Pool pool;
+        DevicePool dev;
+        Tensor gu = pool.randn({cs.n, 2 * cs.f}, DType::f64, 3.0), dh = pool.randn({cs.n, cs.f});
+        Tensor gur = rounded(pool, gu, dt);
+        Tensor h_ref = pool.zeros({cs.n, cs.f}), dgu_ref = pool.zeros({cs.n, 2 * cs.f});
+        swiglu_forward(gur, h_ref, layout);
+        swiglu_backward(gur, rounded(pool, dh, dt), dgu_ref, layout);
+        Tensor gud = dev.upload(gu, dt);
+        Guarded h = guarded(dev, {cs.n, cs.f}, dt, nullptr, cs.h_offset), dgu = guarded(dev, {cs.n, 2 * cs.f}, dt);
+        Guarded dhd = guarded(dev, {cs.n, cs.f}, dt, &dh, cs.h_offset);
+        swiglu_forward(gud, h.t, layout);
+        swiglu_backward(gud, dhd.t, dgu.t, layout);
+        expect_close(download(h.t), h_ref, elem_tol(dt), "swiglu h");
+        expect_close(download(dgu.t), dgu_ref, elem_tol(dt), "swiglu dgu");
+        expect_guard_intact(h, "swiglu h");
+        expect_guard_intact(dgu, "swiglu dgu");
+      }
     }
   }
 }

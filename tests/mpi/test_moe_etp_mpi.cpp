@@ -44,16 +44,16 @@ struct Rig : testing::MoeRig {
       : MoeRig(cfg, kH, max_t, kPrefix, std::move(d)) {}
 };
 
-// This rank's shard of the expert weights: experts [e0, e0 + l_n), F columns [f0, f0 + fl).
+// This rank's shard of the expert weights: experts [e0, e0 + l_n), F columns [f0, f0 + fl). Gate
+// and up rows interleave (gate j at 2j, up j at 2j + 1), so the shard of gate_up is each expert's
+// contiguous rows [2 f0, 2 (f0 + fl)).
 Tensor cut_gate_up(Pool& pool, const Tensor& full_E2FH, int64_t e0, int64_t l_n, int64_t f0, int64_t fl) {
   Tensor out = pool.zeros({l_n, 2 * fl, kH});
   const double* src = full_E2FH.ptr<double>();
   double* dst = out.ptr<double>();
   for (int64_t l = 0; l < l_n; ++l)
-    for (int64_t half = 0; half < 2; ++half)  // gate rows, then up rows
-      for (int64_t f = 0; f < fl; ++f)
-        for (int64_t h = 0; h < kH; ++h)
-          dst[(l * 2 * fl + half * fl + f) * kH + h] = src[((e0 + l) * 2 * kF + half * kF + f0 + f) * kH + h];
+    for (int64_t r = 0; r < 2 * fl; ++r)
+      for (int64_t h = 0; h < kH; ++h) dst[(l * 2 * fl + r) * kH + h] = src[((e0 + l) * 2 * kF + 2 * f0 + r) * kH + h];
   return out;
 }
 Tensor cut_down(Pool& pool, const Tensor& full_EHF, int64_t e0, int64_t l_n, int64_t f0, int64_t fl) {

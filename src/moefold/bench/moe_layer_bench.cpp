@@ -308,6 +308,19 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   gemm("fc2 forward (grouped, F -> H)", fc2, facts ? facts->fc2 : 0, [&](const Tensor& off, int64_t a, int64_t b) {
     grouped_linear_forward(h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b));
   });
+  // The SwiGLU-fused pair as the experts run it, against the plain GEMMs around them (the
+  // epilogues' cost: fc1 forward vs fc1 forward + SwiGLU; fc2 dgrad vs fc2 dgrad + SwiGLU backward).
+  gemm("fc1 forward + SwiGLU (one grouped GEMM)", fc1, facts ? facts->fc1 : 0,
+       [&](const Tensor& off, int64_t a, int64_t b) {
+         grouped_linear_swiglu_forward(rows.slice(a, b), w1, off, gu.slice(a, b), h.slice(a, b));
+       });
+  gemm("fc2 dgrad (grouped, H -> F)", fc2, 0, [&](const Tensor& off, int64_t a, int64_t b) {
+    grouped_linear_backward(h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b), h.slice(a, b), Tensor());
+  });
+  gemm("fc2 dgrad + SwiGLU backward (one grouped GEMM)", fc2, 0, [&](const Tensor& off, int64_t a, int64_t b) {
+    grouped_linear_swiglu_backward_data(out.slice(a, b), layer.experts.down_proj(), off, gu.slice(a, b), h.slice(a, b),
+                                        dgu.slice(a, b));
+  });
   const auto fc1_backward = [&](const Tensor& off, int64_t a, int64_t b) {
     grouped_linear_backward(rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up);
   };

@@ -164,12 +164,21 @@ double StreamTimer::elapsed_ms() const {
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   if (bytes == 0) return;
   if (dst_device == Device::cpu && src_device == Device::cpu) {
-    std::memcpy(dst, src, bytes);
+    std::memmove(dst, src, bytes);
     return;
   }
   MF_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream()));
   if (dst_device == Device::cpu) MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
 }
+
+namespace {
+// device_copy_2d's rows to or from device memory.
+void pitched_device_copy(void* dst, size_t dst_pitch, Device dst_device, const void* src, size_t src_pitch,
+                         size_t row_bytes, size_t rows) {
+  MF_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream()));
+  if (dst_device == Device::cpu) MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+}  // namespace
 
 void device_zero(void* p, size_t bytes) {
   if (bytes) MF_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
@@ -188,8 +197,13 @@ void* device_scratch(ScratchSlot, size_t) { MF_FAIL("this moefold was built with
 void device_synchronize() {}
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   MF_CHECK(dst_device == Device::cpu && src_device == Device::cpu, "device_copy: built without CUDA");
-  if (bytes) std::memcpy(dst, src, bytes);
+  if (bytes) std::memmove(dst, src, bytes);
 }
+namespace {
+void pitched_device_copy(void*, size_t, Device, const void*, size_t, size_t, size_t) {
+  MF_FAIL("device_copy_2d: built without CUDA");
+}
+}  // namespace
 void device_zero(void*, size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
 StreamTimer::StreamTimer() = default;
 StreamTimer::~StreamTimer() = default;
@@ -202,5 +216,19 @@ void StreamTimer::stop() { host_stop_ = host_ms(); }
 double StreamTimer::elapsed_ms() const { return host_stop_ - host_start_; }
 
 #endif
+
+void device_copy_2d(void* dst, size_t dst_pitch, Device dst_device, const void* src, size_t src_pitch,
+                    Device src_device, size_t row_bytes, size_t rows) {
+  MF_CHECK(dst_pitch >= row_bytes && src_pitch >= row_bytes, "device_copy_2d: rows of ", row_bytes, " bytes, pitches ",
+           dst_pitch, " and ", src_pitch);
+  if (rows <= 1 || (dst_pitch == row_bytes && src_pitch == row_bytes))  // one block
+    return device_copy(dst, dst_device, src, src_device, row_bytes * rows);
+  if (dst_device == Device::cpu && src_device == Device::cpu) {
+    for (size_t r = 0; r < rows; ++r)
+      std::memcpy(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, row_bytes);
+    return;
+  }
+  pitched_device_copy(dst, dst_pitch, dst_device, src, src_pitch, row_bytes, rows);
+}
 
 }  // namespace moefold

@@ -77,6 +77,12 @@ class StreamTimer {
 // Copies `bytes` between any two of host and device memory on the compute stream; a copy to
 // the host waits for it.
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+// The same for `rows` rows of `row_bytes` each, `src_pitch` bytes apart in src and `dst_pitch`
+// bytes apart in dst (cudaMemcpy2DAsync; on the host one memcpy per row). REQUIRES: pitches
+// >= row_bytes; the rows of dst and src overlap only when both are contiguous (pitch ==
+// row_bytes).
+void device_copy_2d(void* dst, size_t dst_pitch, Device dst_device, const void* src, size_t src_pitch,
+                    Device src_device, size_t row_bytes, size_t rows);
 // Sets `bytes` of device memory to zero on the compute stream.
 void device_zero(void* p, size_t bytes);
 

@@ -122,10 +122,7 @@ int64_t Param::global_index(int64_t local) const {
     local /= s[d];
   }
   coord[0] += shard_offset;
-  if (shard_dim >= 1) {
-    const int64_t n = s[shard_dim] / shard_dim_chunks, c = coord[shard_dim];
-    coord[shard_dim] = c / n * global_dim_size + shard_dim_offset + c % n;
-  }
+  if (shard_dim >= 1) coord[shard_dim] += shard_dim_chunks * shard_dim_offset;  // a contiguous range
   int64_t index = 0;
   for (int d = 0; d < s.ndim; ++d) index = index * g[d] + coord[d];
   return index;
@@ -135,11 +132,12 @@ void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double me
   const Tensor& v = p.value;
   MF_CHECK(v.contiguous(), p.name, ": fill_normal_shard needs a contiguous value");
   const int64_t numel = v.numel();
-  // A run of consecutive local elements that is consecutive in the whole tensor too: one chunk's
-  // slice of shard_dim with everything after it (dimensions after shard_dim are never sharded).
+  // A run of consecutive local elements that is consecutive in the whole tensor too: the local
+  // slice of shard_dim (a contiguous range of the whole dimension, see DimShard) with everything
+  // after it (dimensions after shard_dim are never sharded).
   int64_t run = numel;
   if (p.shard_dim >= 1) {
-    run = v.size(p.shard_dim) / p.shard_dim_chunks;
+    run = v.size(p.shard_dim);
     for (int d = p.shard_dim + 1; d < v.ndim(); ++d) run *= v.size(d);
   }
   if (numel == 0 || run == 0) return;

@@ -60,14 +60,16 @@ enum class ParamGroup : uint8_t { dense = 0, expert = 1, tensor_parallel = 2 };
 inline constexpr int kNumParamGroups = 3;
 
 // A shard along a dimension other than 0 (expert tensor parallelism splits the expert FFN F):
-// dimension `dim` of the whole tensor is `chunks` equal fused chunks of `global_size` each
-// (gate_up_proj [E, 2F, H]: gate then up, chunks 2; down_proj [E, H, F]: chunks 1). This rank
-// holds [offset, offset + n) of every chunk, n = local shape[dim] / chunks, chunk after chunk.
+// dimension `dim` of the whole tensor is `chunks` equal chunks of `global_size` each,
+// interleaved row by row: whole index chunks * i + c is row i of chunk c (gate_up_proj
+// [E, 2F, H]: gate row j at 2j, up row j at 2j + 1, chunks 2; down_proj [E, H, F]: chunks 1).
+// This rank holds rows [offset, offset + n) of every chunk, n = local shape[dim] / chunks: the
+// contiguous range [chunks * offset, chunks * (offset + n)) of the whole dimension.
 struct DimShard {
   int dim = -1;             // sharded dimension (>= 1); -1: none beyond dim 0
-  int64_t offset = 0;       // first index held, within each chunk
+  int64_t offset = 0;       // first row held, within each chunk
   int64_t global_size = 0;  // size of one chunk in the whole tensor
-  int64_t chunks = 1;       // fused chunks along `dim`
+  int64_t chunks = 1;       // chunks interleaved along `dim`
 };
 
 struct Param {
@@ -85,9 +87,9 @@ struct Param {
   int64_t shard_offset = 0;      // global index (dim 0) of this rank's first row (expert parallel)
   int64_t global_rows = 0;       // size of dim 0 of the whole (unsharded) parameter
   int shard_dim = -1;            // a second sharded dimension (DimShard::dim); -1: none
-  int64_t shard_dim_offset = 0;  // DimShard::offset: first index held within each chunk
+  int64_t shard_dim_offset = 0;  // DimShard::offset: first row held within each chunk
   int64_t global_dim_size = 0;   // DimShard::global_size: one chunk's size in the whole tensor
-  int64_t shard_dim_chunks = 1;  // DimShard::chunks: fused chunks along shard_dim
+  int64_t shard_dim_chunks = 1;  // DimShard::chunks: chunks interleaved along shard_dim
   // Its backward writes the gradient at the step's first call instead of adding to zeros
   // (Memory::grad_written_by_backward): zero_grads leaves it alone.
   bool grad_written_by_backward = false;
@@ -95,7 +97,8 @@ struct Param {
   // Shape of the whole (unsharded) parameter.
   Shape global_shape() const;
   // Row-major flat index, in the whole parameter, of this shard's element `local` (row-major in
-  // value). Unsharded: local; dim-0 shard: shard_offset * row + local.
+  // value). Unsharded: local; dim-0 shard: shard_offset * row + local; along shard_dim, local
+  // index c is whole index shard_dim_chunks * shard_dim_offset + c (see DimShard).
   int64_t global_index(int64_t local) const;
 };
 

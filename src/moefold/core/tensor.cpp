@@ -58,6 +58,15 @@ Tensor Tensor::slice(int64_t begin, int64_t end) const {
   return t;
 }
 
+Tensor Tensor::step_rows(int64_t first, int64_t step) const {
+  MF_CHECK(shape_.ndim >= 1 && step >= 1 && 0 <= first && first <= shape_.dims[0], "rows ", first, "::", step, " of ",
+           str());
+  Tensor t = slice(first, shape_.dims[0]);
+  t.shape_.dims[0] = (t.shape_.dims[0] + step - 1) / step;
+  t.strides_[0] *= step;
+  return t;
+}
+
 Tensor Tensor::view(Shape shape) const {
   MF_CHECK(contiguous() && shape.numel() == numel(), "view ", str(), " as ", shape.str());
   return Tensor(data_, dtype_, shape, device_);
@@ -72,14 +81,37 @@ void Tensor::zero() const {
     std::memset(data_, 0, nbytes());
 }
 
+namespace {
+// A tensor as `rows` rows of `width` contiguous elements, `pitch` elements apart: its innermost
+// contiguous block, then the leading dimensions, which must step by one uniform pitch. A
+// contiguous tensor is one row of every element.
+struct Rows {
+  int64_t rows, width, pitch;
+};
+Rows rows_of(const Tensor& t) {
+  int d = t.ndim() - 1;
+  int64_t width = 1;
+  for (; d >= 0 && (t.size(d) == 1 || t.stride(d) == width); --d) width *= t.size(d);
+  if (d < 0) return {1, width, width};
+  const int64_t pitch = t.stride(d);
+  int64_t rows = 1;
+  for (; d >= 0; rows *= t.size(d--))
+    MF_CHECK(t.size(d) == 1 || t.stride(d) == pitch * rows, "copy: ", t.str(), " is not rows of contiguous elements");
+  return {rows, width, pitch};
+}
+}  // namespace
+
 void Tensor::copy_from(const Tensor& src) const {
-  MF_CHECK(contiguous() && src.contiguous() && dtype_ == src.dtype_ && numel() == src.numel(), "copy ", src.str(),
-           " into ", str());
+  MF_CHECK(dtype_ == src.dtype_ && numel() == src.numel(), "copy ", src.str(), " into ", str());
   if (!data_ || !nbytes()) return;
-  if (device_ == Device::cpu && src.device_ == Device::cpu)
-    std::memmove(data_, src.data_, nbytes());
-  else
-    device_copy(data_, device_, src.data_, src.device_, nbytes());
+  const Rows d = rows_of(*this), s = rows_of(src);
+  // A contiguous side takes the other side's rows; two row-strided sides must have rows alike.
+  const int64_t width = d.rows == 1 ? s.width : d.width;
+  MF_CHECK(s.rows == 1 || s.width == width, "copy ", src.str(), " into ", str(), ": rows of ", s.width, " vs ", width,
+           " elements");
+  const auto bytes = [&](int64_t elements) { return static_cast<size_t>(elements) * dtype_size(dtype_); };
+  device_copy_2d(data_, bytes(d.rows == 1 ? width : d.pitch), device_, src.data_, bytes(s.rows == 1 ? width : s.pitch),
+                 src.device_, bytes(width), static_cast<size_t>(numel() / width));
 }
 
 std::string Tensor::str() const { return std::string(dtype_name(dtype_)) + shape_.str(); }

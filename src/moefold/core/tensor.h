@@ -55,11 +55,17 @@ class Tensor {
 
   // Rows [begin, end) along dimension 0; stays contiguous when this view is.
   Tensor slice(int64_t begin, int64_t end) const;
+  // Rows first, first + step, first + 2 * step, ... along dimension 0 (Python's t[first::step]):
+  // a row-strided view for step > 1, each row laid out as before. REQUIRES: step >= 1.
+  Tensor step_rows(int64_t first, int64_t step) const;
   // Same memory, new shape; REQUIRES: contiguous and equal numel.
   Tensor view(Shape shape) const;
   // Sets every element to zero. REQUIRES: contiguous, cpu.
   void zero() const;
-  // Copies elements from `src` (same dtype and numel, both contiguous, cpu).
+  // Copies elements from `src` (same dtype and numel), in row-major order, between any two of
+  // host and device memory (device_copy_2d). Each side is contiguous or "rows of contiguous
+  // elements": a contiguous innermost block (the row) whose leading dimensions step by one
+  // uniform row pitch, e.g. a step_rows view; two such sides need rows of one width.
   void copy_from(const Tensor& src) const;
 
   std::string str() const;  // "f32[2, 3]"

@@ -8,6 +8,13 @@ bool strip_suffix(const std::string& s, const std::string& suffix, std::string* 
   *prefix = s.substr(0, s.size() - suffix.size());
   return true;
 }
+
+bool on_host_contiguous(const Tensor& t) { return t.device() == Device::cpu && t.contiguous(); }
+
+// A contiguous host tensor of t's dtype and shape in a new element of `storage`.
+Tensor host_buffer(const Tensor& t, std::vector<std::vector<float>>& storage) {
+  return Tensor(storage.emplace_back((t.nbytes() + sizeof(float) - 1) / sizeof(float)).data(), t.dtype(), t.shape());
+}
 }  // namespace
 
 std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
@@ -27,8 +34,8 @@ std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
       const bool sharded = p.shard_dim == 1;  // rows of gate and of up split over ETP
       const int dim = sharded ? 0 : -1;
       const int64_t offset = sharded ? p.shard_dim_offset : 0, whole = sharded ? p.global_dim_size : f2 / 2;
-      out.push_back({cat(mlp, ".experts.", g, gate), w.slice(0, f2 / 2), dim, offset, whole});
-      out.push_back({cat(mlp, ".experts.", g, up), w.slice(f2 / 2, f2), dim, offset, whole});
+      out.push_back({cat(mlp, ".experts.", g, gate), w.step_rows(0, 2), dim, offset, whole});  // rows 2j
+      out.push_back({cat(mlp, ".experts.", g, up), w.step_rows(1, 2), dim, offset, whole});    // rows 2j + 1
     }
   } else if (strip_suffix(p.name, ".experts.down_proj", &mlp)) {
     const int64_t e = of.size(0), h = of.size(1), f = of.size(2);
@@ -44,6 +51,21 @@ std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
     out.push_back({p.name, of});
   }
   return out;
+}
+
+Tensor contiguous_host(const Tensor& t, std::vector<std::vector<float>>& storage) {
+  if (on_host_contiguous(t)) return t;
+  const Tensor copy = host_buffer(t, storage);
+  copy.copy_from(t);
+  return copy;
+}
+
+void write_through_host(const Tensor& dst, const std::function<void(const Tensor& host)>& write) {
+  if (on_host_contiguous(dst)) return write(dst);
+  std::vector<std::vector<float>> storage;
+  const Tensor host = host_buffer(dst, storage);
+  write(host);
+  dst.copy_from(host);
 }
 
 }  // namespace moefold

@@ -1,4 +1,5 @@
-// Routed SwiGLU experts over expert-contiguous rows: grouped_linear -> swiglu -> grouped_linear.
+// Routed SwiGLU experts over expert-contiguous rows: grouped_linear + swiglu (one fused op) ->
+// grouped_linear.
 #include "moefold/moe/experts.h"
 
 #include <utility>
@@ -51,8 +52,7 @@ void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Ten
   MF_CHECK(first_row >= 0 && first_row + r_n <= max_rows_, "Experts: rows [", first_row, ", ", first_row + r_n,
            ") past max_rows ", max_rows_);
   const Tensor gu = gu_R2F_.slice(first_row, first_row + r_n), h = h_RF_.slice(first_row, first_row + r_n);
-  grouped_linear_forward(rows_RH, gate_up_E2FH_, offsets_E1, gu);
-  swiglu_forward(gu, h);
+  grouped_linear_swiglu_forward(rows_RH, gate_up_E2FH_, offsets_E1, gu, h);
   grouped_linear_forward(h, down_EHF_, offsets_E1, out_RH);
 }
 
@@ -65,8 +65,8 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   MF_CHECK(mem_ != nullptr, "Experts::backward before bind");
   const bool accumulate = mem_->grad_generation() == written_generation_;
   written_generation_ = mem_->grad_generation();
-  grouped_linear_backward(h, down_EHF_, offsets_E1, dout_RH, dh, ddown_EHF_, accumulate);
-  swiglu_backward(gu, dh, dgu);
+  grouped_linear_swiglu_backward_data(dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
+  grouped_linear_backward(h, down_EHF_, offsets_E1, dout_RH, Tensor(), ddown_EHF_, accumulate);
   if (!input_grads_done) {
     grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_, accumulate);
     return;

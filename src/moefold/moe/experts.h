@@ -1,5 +1,6 @@
 // Routed experts: E SwiGLU MLPs run as a grouped GEMM over expert-contiguous rows (CPU: one gemm
-// per expert), out = down(silu(gate(x)) * up(x)). Parameters use Hugging Face's fused layout.
+// per expert), out = down(silu(gate(x)) * up(x)). Parameters are fused as Hugging Face's
+// (gate_up_proj, down_proj), except that gate and up rows interleave (see bind).
 // Expert tensor parallelism (Megatron-Core ETP): with ffn < total_ffn this holds the F-slice
 // [ffn_first, ffn_first + ffn) of every expert and forward yields a PARTIAL output (the full one
 // is the sum over the ETP group, which the AllGatherDispatcher takes); drows is partial likewise.
@@ -24,10 +25,13 @@ class Experts {
   Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_rows, std::string prefix, double init_std,
           int64_t first_expert = 0, int64_t total_experts = 0, int64_t ffn_first = 0, int64_t total_ffn = 0);
 
-  // "<prefix>.experts.gate_up_proj" [E, 2F, H] (rows 0..F-1 of each expert: gate_proj, F..2F-1:
-  // up_proj) and "<prefix>.experts.down_proj" [E, H, F]; plus the saved activations. F-sharded:
-  // gate_up holds gate rows [ffn_first, +F) then up rows [ffn_first, +F) (DimShard dim 1, 2
-  // chunks of total_ffn) and down_proj columns [ffn_first, +F) (DimShard dim 2, 1 chunk).
+  // "<prefix>.experts.gate_up_proj" [E, 2F, H] (row 2j of each expert: gate_proj row j, row
+  // 2j + 1: up_proj row j, so gu's columns pair up alike, GateUp::pairs in ops.h, and one thread
+  // of a GEMM epilogue holds both inputs of a SwiGLU unit; files keep Hugging Face's separate
+  // gate_proj and up_proj, hf_names.h) and "<prefix>.experts.down_proj" [E, H, F]; plus the
+  // saved activations. F-sharded: gate_up holds the gate and up rows [ffn_first, +F),
+  // interleaved, i.e. rows [2 ffn_first, 2 (ffn_first + F)) of the whole (DimShard dim 1, 2
+  // chunks of total_ffn), and down_proj columns [ffn_first, +F) (DimShard dim 2, 1 chunk).
   void bind(Memory& mem);
 
   // out_RH = experts(rows_RH) with expert e on rows [offsets_E1[e], offsets_E1[e+1]). Saves the

@@ -144,4 +144,19 @@ void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tenso
 void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
                              const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate = true);
 
+// ---- grouped linear fused with SwiGLU (the routed experts' first layer and its gradient) -------
+// The experts' gate_up weight interleaves gate and up rows (GateUp::pairs, ops.h), so its output
+// gu has (g_j, u_j) in columns (2j, 2j + 1) and one GEMM epilogue can apply SwiGLU (CUDA with
+// CUTLASS; elsewhere the same result from grouped_linear + swiglu). Both write all their outputs.
+// gu_R2F = grouped_linear(x_RI, w_E2FI); h_RF = swiglu(gu) (pairs; h is computed from the stored
+// (rounded) gu, so it equals swiglu_forward on gu).
+void grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
+                                   const Tensor& gu_R2F, const Tensor& h_RF);
+// The input gradient of the second layer, through SwiGLU: dh = dy_RO @ w_EOF per expert (the dx of
+// grouped_linear_backward with input h), dgu_R2F = swiglu_backward(gu_R2F, dh) (pairs, dh rounded
+// to the activation dtype first). dh_RF is a workspace (the fused path never writes it; its
+// contents are unspecified afterwards).
+void grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
+                                         const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F);
+
 }  // namespace moefold

@@ -139,9 +139,14 @@ void attention_backward_at(const Tensor& q_BSqQD, const Tensor& k_BSkGD, const T
                            const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD, const Tensor& dk_BSkGD,
                            const Tensor& dv_BSkGD, const Tensor& work_2SqSk);
 
-// ---- SwiGLU: h_NF = silu(gu[:, :F]) * gu[:, F:] on a fused gate|up input gu_N2F ------------
-void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF);
-void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F);
+// ---- SwiGLU: h_NF = silu(g) * u on a fused gate|up input gu_N2F ------------------------------
+// How gate and up share gu's 2F columns: halves: g_j = gu[:, j], u_j = gu[:, F + j] (the dense
+// MLP); pairs: g_j = gu[:, 2j], u_j = gu[:, 2j + 1] (the routed experts, whose gate_up weight
+// rows interleave the same way, so one thread of a GEMM epilogue holds both; see experts.h).
+// dgu has gu's layout.
+enum class GateUp : uint8_t { halves, pairs };
+void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout = GateUp::halves);
+void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout = GateUp::halves);
 
 // ---- softmax cross-entropy over the vocabulary ------------------------------------------------
 // Returns the SUM over rows of -log softmax(logits)[target] (double); lse_N saved for backward.

@@ -79,26 +79,16 @@ struct ShardedNames {
   std::vector<std::vector<float>> storage;  // whole tensors assembled from ETP slices
 };
 
-// The whole Hugging Face tensor of view `v`: the view itself, or (tensor or expert tensor
-// parallelism) its slices gathered over `group`, in offset order (rank r holds offset r * size).
-// Collective over `group` when v.dim >= 0.
-// A host copy of f32 tensor t (kept in `storage`), or t itself when it is on the host already:
-// GPU weights and moments are written through host memory.
-Tensor on_host(const Tensor& t, std::vector<std::vector<float>>& storage) {
-  if (t.device() == Device::cpu) return t;
-  MF_CHECK(t.dtype() == DType::f32, "checkpoint: ", t.str(), " (f32 master weights and moments)");
-  storage.emplace_back(static_cast<size_t>(t.numel()));
-  Tensor host(storage.back().data(), DType::f32, t.shape());
-  host.copy_from(t);
-  return host;
-}
-
+// The whole Hugging Face tensor of view `v` as a contiguous host tensor (kept in `storage` when
+// copied: GPU weights and moments and row-strided views are written through host memory): the
+// view itself, or (tensor or expert tensor parallelism) its slices gathered over `group`, in
+// offset order (rank r holds offset r * size). Collective over `group` when v.dim >= 0.
 Tensor whole_tensor(const NamedView& v, Communicator& group, std::vector<std::vector<float>>& storage) {
-  if (v.dim < 0) return on_host(v.value, storage);
+  if (v.dim < 0) return contiguous_host(v.value, storage);
   const int64_t g = group.size(), rows = v.value.size(0), cols = v.value.size(1);
   MF_CHECK(v.value.dtype() == DType::f32 && v.value.ndim() == 2 && v.global_size == g * v.value.size(v.dim), v.name);
   std::vector<float> gathered(static_cast<size_t>(g * rows * cols));
-  group.all_gather(on_host(v.value, storage).view({1, rows * cols}),
+  group.all_gather(contiguous_host(v.value, storage).view({1, rows * cols}),
                    Tensor(gathered.data(), DType::f32, {g, rows * cols}));
   if (v.dim == 0) {
     storage.push_back(std::move(gathered));
@@ -255,14 +245,11 @@ class ShardSet {
     index_ = index;
   }
   size_t size() const { return map_.size(); }
+  // Into a host or GPU tensor, contiguous or row-strided (through host memory when needed).
   void load_into(const std::string& tensor, const Tensor& dst) {
     auto it = map_.find(tensor);
     if (it == map_.end()) MF_FAIL(index_, ": no tensor '", tensor, "'");
-    if (dst.device() == Device::cpu) return reader(it->second).load_into(tensor, dst);
-    std::vector<float> host(static_cast<size_t>(dst.numel()));  // GPU: through host memory
-    const Tensor h(host.data(), DType::f32, dst.shape());
-    reader(it->second).load_into(tensor, h);
-    dst.copy_from(h);
+    write_through_host(dst, [&](const Tensor& host) { reader(it->second).load_into(tensor, host); });
   }
   // View v's part of its tensor (the whole tensor, or an ETP slice of it).
   void load_view(const NamedView& v, const std::string& suffix) {
@@ -271,14 +258,14 @@ class ShardSet {
     const int64_t whole_rows = v.dim == 0 ? v.global_size : rows, whole_cols = v.dim == 1 ? v.global_size : cols;
     std::vector<float> whole(static_cast<size_t>(whole_rows * whole_cols));
     load_into(v.name + suffix, Tensor(whole.data(), DType::f32, {whole_rows, whole_cols}));
-    std::vector<float> slice(v.value.device() == Device::cpu ? 0 : static_cast<size_t>(rows * cols));
-    float* dst = slice.empty() ? v.value.ptr<float>() : slice.data();
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j) {
-        const int64_t wi = v.dim == 0 ? v.offset + i : i, wj = v.dim == 1 ? v.offset + j : j;
-        dst[i * cols + j] = whole[static_cast<size_t>(wi * whole_cols + wj)];
-      }
-    if (!slice.empty()) v.value.copy_from(Tensor(slice.data(), DType::f32, v.value.shape()));
+    write_through_host(v.value, [&](const Tensor& host) {
+      float* dst = host.ptr<float>();
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) {
+          const int64_t wi = v.dim == 0 ? v.offset + i : i, wj = v.dim == 1 ? v.offset + j : j;
+          dst[i * cols + j] = whole[static_cast<size_t>(wi * whole_cols + wj)];
+        }
+    });
   }
 
  private:

@@ -335,7 +335,7 @@ void load_hf_weights(const std::string& hf_dir, std::vector<Param>& params, std:
       if (it == where.end()) MF_FAIL(hf_dir, ": tensor '", v.name, "' is missing");
       auto& r = readers[it->second];
       if (!r) r = std::make_unique<SafetensorsReader>(hf_dir + "/" + it->second);
-      r->load_into(v.name, v.value);
+      write_through_host(v.value, [&](const Tensor& host) { r->load_into(v.name, host); });  // v may be row-strided
       used.insert(v.name);
       const std::string short_name = layer_free_name(v.name);
       if (float32_names && r->tensor(v.name).dtype == DType::f32 &&
@@ -397,6 +397,7 @@ void export_hf(const std::string& ckpt_dir, const std::string& hf_dir) {
   fs::create_directories(hf_dir, ec);
   if (ec) MF_FAIL(hf_dir, ": cannot create: ", ec.message());
   std::vector<SafetensorsEntry> entries;
+  std::vector<std::vector<float>> storage;                           // contiguous copies of row-strided views
   for (int64_t k = 1; k <= cfg.model.num_nextn_predict_layers; ++k)  // DeepSeek-V3's copies of the shared tensors
     for (const Param& p : mem.params())
       if (p.name == "model.embed_tokens.weight" || p.name == "lm_head.weight")
@@ -407,7 +408,7 @@ void export_hf(const std::string& ckpt_dir, const std::string& hf_dir) {
     for (const NamedView& v : hf_views(p)) {
       const auto& keep = cfg.model.float32_tensors;
       const bool f32 = std::find(keep.begin(), keep.end(), layer_free_name(v.name)) != keep.end();
-      entries.push_back({v.name, v.value, f32 ? DType::f32 : dtype});
+      entries.push_back({v.name, contiguous_host(v.value, storage), f32 ? DType::f32 : dtype});
     }
   // Written under temporary names and renamed, so a failure leaves no half-written model.
   const std::string tmp_model = hf_dir + "/.model.safetensors.tmp", tmp_config = hf_dir + "/.config.json.tmp";

@@ -53,7 +53,8 @@ struct UpcycledLayer {
 };
 
 // Expert e = c * G + j holds chunk j (rows [j f, (j + 1) f) of gate and up, the same columns of
-// down, the latter times down_scale) of the dense MLP.
+// down, the latter times down_scale) of the dense MLP; gate_up interleaves its gate and up rows
+// (gate row i at 2i, up row i at 2i + 1: experts.h).
 void split_mlp(const Tensor& gate_FH, const Tensor& up_FH, const Tensor& down_HF, int64_t granularity,
                double down_scale, const Tensor& gate_up_E2fH, const Tensor& down_EHf) {
   const int64_t f_n = gate_FH.size(0), h_n = gate_FH.size(1), e_n = gate_up_E2fH.size(0), f = f_n / granularity;
@@ -68,8 +69,10 @@ void split_mlp(const Tensor& gate_FH, const Tensor& up_FH, const Tensor& down_HF
   for (int64_t e = 0; e < e_n; ++e) {
     const int64_t j = e % granularity;
     float* gu = gate_up_E2fH.ptr<float>() + e * 2 * f * h_n;
-    std::copy(gate + j * f * h_n, gate + (j + 1) * f * h_n, gu);
-    std::copy(up + j * f * h_n, up + (j + 1) * f * h_n, gu + f * h_n);
+    for (int64_t i = 0; i < f; ++i) {
+      std::copy_n(gate + (j * f + i) * h_n, h_n, gu + 2 * i * h_n);
+      std::copy_n(up + (j * f + i) * h_n, h_n, gu + (2 * i + 1) * h_n);
+    }
     float* d = down_EHf.ptr<float>() + e * h_n * f;
     for (int64_t h = 0; h < h_n; ++h)
       for (int64_t i = 0; i < f; ++i)

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "moefold/ops/gemm.h"
+#include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
 #include "moefold/ops/cuda/gemm_ops.h"
@@ -785,6 +786,26 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
                 i_n);
     }
   });
+}
+
+void grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
+                                   const Tensor& gu_R2F, const Tensor& h_RF) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (x_RI.device() == Device::cuda) return cuda::grouped_linear_swiglu_forward(x_RI, w_E2FI, offsets_E1, gu_R2F, h_RF);
+#endif
+  grouped_linear_forward(x_RI, w_E2FI, offsets_E1, gu_R2F);
+  swiglu_forward(gu_R2F, h_RF, GateUp::pairs);
+}
+
+void grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
+                                         const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F) {
+#ifdef MOEFOLD_WITH_CUDA
+  if (dy_RO.device() == Device::cuda)
+    return cuda::grouped_linear_swiglu_backward_data(dy_RO, w_EOF, offsets_E1, gu_R2F, dh_RF, dgu_R2F);
+#endif
+  // dh as the layer input too: without a weight gradient the backward reads only its shape.
+  grouped_linear_backward(dh_RF, w_EOF, offsets_E1, dy_RO, dh_RF, Tensor());
+  swiglu_backward(gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
 }
 
 }  // namespace moefold

@@ -1,6 +1,7 @@
 // SwiGLU on a fused gate|up input: h = silu(g) * u with silu(g) = g * sigmoid(g).
 // Backward: dg = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))), du = dh * silu(g).
-// CUDA tensors go to ops/cuda/swiglu.cu.
+// Layouts (GateUp, ops.h): halves g_j = gu[:, j], u_j = gu[:, F + j]; pairs g_j = gu[:, 2j],
+// u_j = gu[:, 2j + 1]. CUDA tensors go to ops/cuda/swiglu.cu.
 #include <cmath>
 
 #include "moefold/ops/ops.h"
@@ -19,44 +20,54 @@ void check_swiglu(const Tensor& gu, const Tensor& h) {
                h.device() == Device::cpu,
            "swiglu: ", gu.str(), " -> ", h.str(), " (contiguous cpu tensors of one dtype)");
 }
+
+// Where unit j of a gu row (2F wide) keeps its inputs: g at step * j, u at step * j + up.
+struct Columns {
+  int64_t step, up;
+};
+Columns columns(GateUp layout, int64_t f) { return layout == GateUp::pairs ? Columns{2, 1} : Columns{1, f}; }
 }  // namespace
 
-void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF) {
+void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
 #ifdef MOEFOLD_WITH_CUDA
-  if (gu_N2F.device() == Device::cuda) return cuda::swiglu_forward(gu_N2F, h_NF);
+  if (gu_N2F.device() == Device::cuda) return cuda::swiglu_forward(gu_N2F, h_NF, layout);
 #endif
   check_swiglu(gu_N2F, h_NF);
   const int64_t n = h_NF.size(0), f = h_NF.size(1);
+  const Columns col = columns(layout, f);
   dispatch_float(h_NF.dtype(), [&]<class T>() {
     const T* gu = gu_N2F.ptr<T>();
     T* h = h_NF.ptr<T>();
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < f; ++j) {
-        T g = gu[i * 2 * f + j], u = gu[i * 2 * f + f + j];
+        const int64_t at = i * 2 * f + col.step * j;  // g at `at`, u at `at + col.up`
+        T g = gu[at], u = gu[at + col.up];
         h[i * f + j] = g / (T(1) + std::exp(-g)) * u;
       }
   });
 }
 
-void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F) {
+void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout) {
 #ifdef MOEFOLD_WITH_CUDA
-  if (gu_N2F.device() == Device::cuda) return cuda::swiglu_backward(gu_N2F, dh_NF, dgu_N2F);
+  if (gu_N2F.device() == Device::cuda) return cuda::swiglu_backward(gu_N2F, dh_NF, dgu_N2F, layout);
 #endif
   check_swiglu(gu_N2F, dh_NF);
   check_shape(dgu_N2F, gu_N2F.shape(), "swiglu_backward dgu");
   MF_CHECK(dgu_N2F.contiguous() && dgu_N2F.dtype() == gu_N2F.dtype() && dgu_N2F.device() == Device::cpu,
            "swiglu_backward: dgu ", dgu_N2F.str());
   const int64_t n = dh_NF.size(0), f = dh_NF.size(1);
+  const Columns col = columns(layout, f);
   dispatch_float(dh_NF.dtype(), [&]<class T>() {
     const T* gu = gu_N2F.ptr<T>();
     const T* dh = dh_NF.ptr<T>();
     T* dgu = dgu_N2F.ptr<T>();
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < f; ++j) {
-        T g = gu[i * 2 * f + j], u = gu[i * 2 * f + f + j], d = dh[i * f + j];
+        const int64_t at = i * 2 * f + col.step * j;  // g at `at`, u at `at + col.up`
+        T g = gu[at], u = gu[at + col.up], d = dh[i * f + j];
         T sig = T(1) / (T(1) + std::exp(-g));
-        dgu[i * 2 * f + j] = d * u * sig * (T(1) + g * (T(1) - sig));
-        dgu[i * 2 * f + f + j] = d * g * sig;
+        dgu[at] = d * u * sig * (T(1) + g * (T(1) - sig));
+        dgu[at + col.up] = d * g * sig;
       }
   });
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "moefold/ops/cuda/gemm_ops.h"
+#include "moefold/ops/cuda/norm_ops.h"
 
 namespace moefold::cuda {
 
@@ -372,6 +373,34 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
       gemm(row_block(dy_RO, begin, end), true, row_block(x_RI, begin, end), false, expert_matrix(dw_EOI, e), 1.0,
            accumulate ? 1.0 : 0.0);
   }
+}
+
+void grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
+                                   const Tensor& gu_R2F, const Tensor& h_RF) {
+  check_grouped(x_RI, w_E2FI, offsets_E1, gu_R2F, "grouped_linear_swiglu_forward");
+  check_cuda_tensor(h_RF, "grouped_linear_swiglu_forward h");
+  check_shape(h_RF, {gu_R2F.size(0), gu_R2F.size(1) / 2}, "grouped_linear_swiglu_forward h");
+  check_same_dtype(h_RF, gu_R2F, "grouped_linear_swiglu_forward h");
+  if (cutlass_grouped_gemm_requested() && cutlass_grouped_linear_swiglu_forward(x_RI, w_E2FI, offsets_E1, gu_R2F, h_RF))
+    return;
+  grouped_linear_forward(x_RI, w_E2FI, offsets_E1, gu_R2F);
+  cuda::swiglu_forward(gu_R2F, h_RF, GateUp::pairs);  // qualified: ADL also finds moefold::swiglu_forward
+}
+
+void grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
+                                         const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F) {
+  check_grouped(dh_RF, w_EOF, offsets_E1, dy_RO, "grouped_linear_swiglu_backward_data");
+  for (const Tensor* t : {&gu_R2F, &dgu_R2F}) {
+    check_cuda_tensor(*t, "grouped_linear_swiglu_backward_data gu / dgu");
+    check_shape(*t, {dh_RF.size(0), 2 * dh_RF.size(1)}, "grouped_linear_swiglu_backward_data gu / dgu");
+    check_same_dtype(*t, dh_RF, "grouped_linear_swiglu_backward_data gu / dgu");
+  }
+  if (cutlass_grouped_gemm_requested() &&
+      cutlass_grouped_linear_swiglu_backward_data(dy_RO, w_EOF, offsets_E1, gu_R2F, dgu_R2F))
+    return;
+  // dh as the layer input too: without a weight gradient the backward reads only its shape.
+  grouped_linear_backward(dh_RF, w_EOF, offsets_E1, dy_RO, dh_RF, Tensor(), true);
+  cuda::swiglu_backward(gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
 }
 
 void matmul(const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,

@@ -68,6 +68,12 @@ void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO
 void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO);
 void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
                              const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate);
+// The SwiGLU-fused pair (moe_ops.h): CUTLASS epilogues where they serve (bf16, grouped_gemm_cutlass.h),
+// else grouped_linear + swiglu (pairs).
+void grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
+                                   const Tensor& gu_R2F, const Tensor& h_RF);
+void grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
+                                         const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F);
 
 // ---- matmul on matrix views (ops.h) --------------------------------------------------------------
 // The views' shapes, bounds and overlap are checked by moefold::matmul; dtypes as for gemm.

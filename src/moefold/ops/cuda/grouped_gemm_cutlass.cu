@@ -11,13 +11,16 @@
 // An empty expert becomes an (0, N, K) group: no tiles, so dw_e keeps its value (ACCUMULATED) and
 // y / dx have no rows of it. The per-group arguments are written by one small kernel from the
 // device offsets, so nothing here waits for the GPU.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <utility>
 
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/grouped_gemm_cutlass.h"
+#include "moefold/ops/cuda/swiglu.cuh"
 
 #ifdef MOEFOLD_WITH_CUTLASS
 #include "cute/tensor.hpp"
@@ -62,11 +65,13 @@ struct PingPong {
 // One grouped GEMM configuration: bf16 operands, f32 accumulation, output ElementOut, CTA tile
 // TileShape, thread-block cluster ClusterShape (a 2 x 1 cluster shares B's tile loads between the
 // two CTAs of adjacent M tiles through TMA multicast), schedule Schedule.
+// Fusion: the epilogue's operation (default D = alpha * acc + beta * C; the SwiGLU kinds below
+// bring their own visitor trees).
 template <class LayoutA, class LayoutB, class ElementOut, class TileShape_, class ClusterShape_,
-          class Schedule = Cooperative>
+          class Schedule = Cooperative, class Fusion = cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>
 struct Grouped {
   using ElementIn = cutlass::bfloat16_t;
-  using Out = ElementOut;
+  using Out = ElementOut;  // C and D
   using Acc = float;
   static constexpr int kAlignIn = 8;  // 16 bytes of bf16
   static constexpr int kAlignOut = 16 / static_cast<int>(sizeof(ElementOut));
@@ -75,8 +80,7 @@ struct Grouped {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc, ElementOut, cutlass::layout::RowMajor*, kAlignOut,
-      ElementOut, cutlass::layout::RowMajor*, kAlignOut, typename Schedule::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<ElementOut, Acc>>::CollectiveOp;
+      ElementOut, cutlass::layout::RowMajor*, kAlignOut, typename Schedule::Epilogue, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn, ElementIn, LayoutB*, kAlignIn,
       Acc, TileShape, ClusterShape,
@@ -88,9 +92,129 @@ struct Grouped {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
+  using Thread = decltype(std::declval<typename Gemm::Arguments>().epilogue.thread);  // the fusion's arguments
 };
 
-enum class Kind : int { forward, dgrad, wgrad };
+// ---- SwiGLU in the epilogue (GateUp::pairs: gate and up interleaved by column) ---------------
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// Forward: a visitor-tree node that stores h_j = silu(g_j) * u_j to global memory straight from
+// the accumulator, whose fragment holds each (g_j, u_j) pair as two adjacent elements (a wgmma
+// accumulator gives every thread pairs of adjacent columns; checked by the tests against the
+// unfused ops). h is half as wide as the tile, so it cannot ride D's TMA store; the node passes
+// its input through (D = gu). g and u are rounded to bf16 first, as the unfused swiglu reads them.
+struct SwigluPairsStore {
+  struct SharedStorage {};
+  struct Arguments {
+    cutlass::bfloat16_t* h = nullptr;  // [R, F]: rows of group e start at offsets[e]
+    int64_t ld = 0;                    // F
+    const int64_t* offsets = nullptr;  // [E + 1] on the device
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.h != nullptr && args.offsets != nullptr;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE SwigluPairsStore() {}
+  CUTLASS_HOST_DEVICE SwigluPairsStore(Params const& params, SharedStorage const&) : params(params) {}
+  Params params;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class CoordTensor, class Residue>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue r, int m0, int n0, cutlass::bfloat16_t* h, int64_t ld)
+        : tCcD(c), residue(r), m0(m0), n0(n0), h(h), ld(ld) {}
+    CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> (m, n) relative to this thread's first element
+    Residue residue;   // (M, N) minus this thread's first element: the in-bounds limit of tCcD
+    int m0, n0;        // this thread's first element in the group's (M, N)
+    cutlass::bfloat16_t* h;
+    int64_t ld;
+
+    template <class ElementAcc, class ElementIn, int kFrag>
+    CUTLASS_DEVICE cutlass::Array<ElementIn, kFrag> visit(cutlass::Array<ElementAcc, kFrag> const&, int epi_v,
+                                                          int epi_m, int epi_n,
+                                                          cutlass::Array<ElementIn, kFrag> const& in) {
+      static_assert(kFrag % 2 == 0, "the fragment must hold whole (g, u) pairs");
+      auto c = tCcD(_, _, _, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kFrag; i += 2) {
+        const auto mn = c(epi_v * kFrag + i);
+        if (elem_less(mn, residue)) {
+          const float g = round_bf16(static_cast<float>(in[i])), u = round_bf16(static_cast<float>(in[i + 1]));
+          h[static_cast<int64_t>(m0 + get<0>(mn)) * ld + (n0 + get<1>(mn)) / 2] =
+              cutlass::bfloat16_t(swiglu<true>(g, u));
+        }
+      }
+      return in;
+    }
+  };
+
+  template <bool kReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    const int m0 = static_cast<int>(M) - static_cast<int>(get<0>(args.residue_tCcD));
+    const int n0 = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
+    cutlass::bfloat16_t* h = params.h + params.offsets[l] * params.ld;
+    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(args.tCcD, args.residue_tCcD, m0,
+                                                                                    n0, h, params.ld);
+  }
+};
+
+// Backward: (dh, gu pair) -> dgu pair, elementwise over the F columns of dh = dy @ w; gu arrives as
+// the epilogue's source C and dgu leaves as D, each (bf16 g, bf16 u) pair viewed as one 32-bit
+// float lane (moved bit for bit: the epilogue's float-to-float conversions are copies).
+template <class T>
+struct SwigluPairsBackward {};
+template <int kFrag>
+struct SwigluPairsBackward<cutlass::Array<float, kFrag>> {
+  CUTLASS_DEVICE cutlass::Array<float, kFrag> operator()(cutlass::Array<float, kFrag> const& dh,
+                                                         cutlass::Array<float, kFrag> const& gu) const {
+    cutlass::Array<float, kFrag> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kFrag; ++i) {
+      // A bf16 is the high half of the float it widens to; g is the pair's low (first) half.
+      const uint32_t pair = __float_as_uint(gu[i]);
+      const float g = __uint_as_float(pair << 16), u = __uint_as_float(pair & 0xffff0000u);
+      float dg, du;
+      swiglu_grad<true>(g, u, round_bf16(dh[i]), dg, du);
+      out[i] = __uint_as_float(static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16(dg))) |
+                               static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16(du))) << 16);
+    }
+    return out;
+  }
+};
+
+namespace fusion = cutlass::epilogue::fusion;
+using SwigluForwardTree = fusion::Sm90EVT<SwigluPairsStore, fusion::Sm90AccFetch>;
+using SwigluBackwardTree =
+    fusion::Sm90EVT<fusion::Sm90Compute<SwigluPairsBackward, float, float, cutlass::FloatRoundStyle::round_to_nearest>,
+                    fusion::Sm90AccFetch, fusion::Sm90SrcFetch<float>>;
+
+enum class Kind : int { forward, dgrad, wgrad, swiglu_forward, swiglu_dgrad };
 
 // The tile configurations: "small" 128 x 128 x 64 in 1 x 1 clusters; "large" 128 x 256 x 64 in
 // 2 x 1 clusters (PyTorch's choice for large Hopper grouped GEMMs, which BENCHMARKS.md's ceilings
@@ -111,46 +235,72 @@ using Dgrad =
     Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, Tile, Cluster, Schedule>;
 template <class Tile, class Cluster, class Schedule = Cooperative>
 using Wgrad = Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, Tile, Cluster, Schedule>;
+// The SwiGLU kinds: forward as Forward (D = gu, bf16) plus h; backward data as Dgrad with C = gu
+// and D = dgu viewed as F float lanes per row.
+template <class Tile, class Cluster, class Schedule = Cooperative>
+using SwigluForward = Grouped<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t, Tile,
+                              Cluster, Schedule, SwigluForwardTree>;
+template <class Tile, class Cluster, class Schedule = Cooperative>
+using SwigluDgrad =
+    Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, float, Tile, Cluster, Schedule, SwigluBackwardTree>;
 
 enum class Tiles : int { small, large, pingpong };
 
-Tiles parse_tiles(const std::string& s, size_t at) {
+Tiles parse_tiles(const std::string& value, const std::string& whole) {
   for (const auto& [name, t] :
        {std::pair{"small", Tiles::small}, std::pair{"large", Tiles::large}, std::pair{"pingpong", Tiles::pingpong}})
-    if (s.compare(at, std::strlen(name), name) == 0) return t;
-  MF_FAIL("MOEFOLD_CUTLASS_TILE = \"", s, "\": expected small, large or pingpong, for all kinds or as ",
-          "forward=...,dgrad=...,wgrad=...");
+    if (value == name) return t;
+  MF_FAIL("MOEFOLD_CUTLASS_TILE = \"", whole, "\": expected small, large or pingpong, for all kinds or as ",
+          "forward=...,dgrad=...,wgrad=...,swiglu_forward=...,swiglu_dgrad=...");
 }
 
 // Which configuration each kind uses: MOEFOLD_CUTLASS_TILE = "small", "large" or "pingpong" (every
-// kind), or per kind, e.g. "forward=large,dgrad=small,wgrad=pingpong"; unset (or a kind not
-// named): large. Read at every call (a getenv), so a benchmark or test can switch between calls.
+// kind), or per kind, e.g. "forward=large,dgrad=small,swiglu_forward=large"; a kind not named
+// (or the variable unset) takes its default: ping-pong for swiglu_forward (its epilogue's SwiGLU
+// and h stores then overlap the other warp group's math: measured 1.30 ms vs 1.55 ms with large
+// tiles for qwen3-30b-a3b, where the plain fc1 takes 1.18-1.20 either way), large for the rest.
+// Read at every call (a getenv), so a benchmark or test can switch between calls.
 Tiles tiles_for(Kind kind) {
+  const Tiles fallback = kind == Kind::swiglu_forward ? Tiles::pingpong : Tiles::large;
   const char* v = std::getenv("MOEFOLD_CUTLASS_TILE");
-  if (v == nullptr || v[0] == '\0') return Tiles::large;
+  if (v == nullptr || v[0] == '\0') return fallback;
   const std::string s(v);
-  if (s.find('=') == std::string::npos) return parse_tiles(s, 0);
-  const char* names[3] = {"forward=", "dgrad=", "wgrad="};
-  const char* name = names[static_cast<int>(kind)];
-  const size_t at = s.find(name);
-  return at == std::string::npos ? Tiles::large : parse_tiles(s, at + std::strlen(name));
+  if (s.find('=') == std::string::npos) return parse_tiles(s, s);
+  const char* names[5] = {"forward", "dgrad", "wgrad", "swiglu_forward", "swiglu_dgrad"};
+  Tiles chosen = fallback;
+  for (size_t begin = 0; begin <= s.size();) {
+    const size_t end = std::min(s.find(',', begin), s.size()), eq = s.find('=', begin);
+    if (eq >= end) MF_FAIL("MOEFOLD_CUTLASS_TILE = \"", s, "\": expected kind=tiles items separated by commas");
+    const std::string key = s.substr(begin, eq - begin), value = s.substr(eq + 1, end - eq - 1);
+    const Tiles t = parse_tiles(value, s);
+    if (std::find(std::begin(names), std::end(names), key) == std::end(names))
+      MF_FAIL("MOEFOLD_CUTLASS_TILE = \"", s, "\": unknown kind \"", key, "\"");
+    if (key == names[static_cast<int>(kind)]) chosen = t;
+    begin = end + 1;
+  }
+  return chosen;
 }
 
 // Calls run.template operator()<G>() with G the configuration of `kind` (Forward, Dgrad or Wgrad)
-// that tiles_for picks.
-template <template <class, class, class> class Config, class Run>
-void with_tiles(Kind kind, const Run& run) {
+// that tiles_for picks and returns true; false (nothing run) for "small" when kSmall is false (the
+// SwiGLU kinds are not built with small tiles, to bound the compile time).
+template <template <class, class, class> class Config, bool kSmall = true, class Run>
+bool with_tiles(Kind kind, const Run& run) {
   switch (tiles_for(kind)) {
     case Tiles::large:
       run.template operator()<Config<LargeTile, Pair, Cooperative>>();
-      break;
+      return true;
     case Tiles::small:
-      run.template operator()<Config<SmallTile, One, Cooperative>>();
-      break;
+      if constexpr (kSmall) {
+        run.template operator()<Config<SmallTile, One, Cooperative>>();
+        return true;
+      }
+      return false;
     case Tiles::pingpong:
       run.template operator()<Config<PongTile, Pair, PingPong>>();
-      break;
+      return true;
   }
+  return false;
 }
 
 // The per-group argument arrays of one call, carved from one scratch block.
@@ -197,15 +347,17 @@ struct Arrays {
 };
 
 // Group e's (M, N, K), operands and packed strides (A is M x K, B is N x K in CUTLASS's view, C
-// and D are M x N). `skip`: no tiles (an empty expert's weight gradient stays as it is).
+// and D are M x N; C is D unless given). `skip`: no tiles (an empty expert's weight gradient
+// stays as it is).
 template <class G>
 __device__ void set_group(const Arrays<G>& arr, int e, int m, int n, int k, const cutlass::bfloat16_t* a,
-                          const cutlass::bfloat16_t* b, typename G::Out* cd, bool skip) {
+                          const cutlass::bfloat16_t* b, typename G::Out* d, bool skip,
+                          const typename G::Out* c = nullptr) {
   arr.problems[e] = Problem(skip ? 0 : m, n, k);
   arr.a[e] = a;
   arr.b[e] = b;
-  arr.c[e] = cd;
-  arr.d[e] = cd;
+  arr.c[e] = c != nullptr ? c : d;
+  arr.d[e] = d;
   arr.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(m, k, 1));
   arr.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(n, k, 1));
   arr.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(m, n, 1));
@@ -213,21 +365,25 @@ __device__ void set_group(const Arrays<G>& arr, int e, int m, int n, int k, cons
 }
 
 // One thread per expert. i_n / o_n: the weight's I and O; `rows` / `rows2`: the row-indexed
-// operands (x for forward; dy for dgrad; dy and x for wgrad); `out`: y, dx, or dw (C and D).
+// operands (x for forward; dy for dgrad; dy and x for wgrad); `out`: y, dx, or dw (C and D);
+// `src`: C where it is not D (swiglu_dgrad: gu as I float lanes per row).
 template <class G, Kind kKind>
 __global__ void build_group_args(Arrays<G> arr, const int64_t* __restrict__ off, int e_n, int i_n, int o_n,
                                  const cutlass::bfloat16_t* rows, const cutlass::bfloat16_t* rows2,
-                                 const cutlass::bfloat16_t* w, void* out) {
+                                 const cutlass::bfloat16_t* w, void* out, const void* src) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= e_n) return;
   const int64_t begin = off[e];
   const int m = static_cast<int>(off[e + 1] - begin);
   auto* o = static_cast<typename G::Out*>(out);
   const size_t we = static_cast<size_t>(e) * static_cast<size_t>(o_n) * static_cast<size_t>(i_n);
-  if constexpr (kKind == Kind::forward)  // y_e = x_e @ w_e^T: (m, O, I)
+  if constexpr (kKind == Kind::forward || kKind == Kind::swiglu_forward)  // y_e = x_e @ w_e^T: (m, O, I)
     set_group<G>(arr, e, m, o_n, i_n, rows + begin * i_n, w + we, o + begin * o_n, false);
   else if constexpr (kKind == Kind::dgrad)  // dx_e = dy_e @ w_e: (m, I, O)
     set_group<G>(arr, e, m, i_n, o_n, rows + begin * o_n, w + we, o + begin * i_n, false);
+  else if constexpr (kKind == Kind::swiglu_dgrad)  // dgu_e from dh_e = dy_e @ w_e and gu_e: (m, I, O)
+    set_group<G>(arr, e, m, i_n, o_n, rows + begin * o_n, w + we, o + begin * i_n, false,
+                 static_cast<const typename G::Out*>(src) + begin * i_n);
   else  // dw_e += dy_e^T @ x_e: (O, I, m)
     set_group<G>(arr, e, o_n, i_n, m, rows + begin * o_n, rows2 + begin * i_n, o + we, m == 0);
 }
@@ -262,10 +418,20 @@ __global__ void zero_empty_experts(float* dw, const int64_t* __restrict__ off, i
     d[i] = 0.0f;
 }
 
+// The epilogue arguments of the default fusion: D = acc + beta * C.
+template <class G>
+typename G::Thread linear_combination(float beta) {
+  typename G::Thread t;
+  t.alpha = 1.0f;
+  t.beta = beta;
+  return t;
+}
+
 // Builds the group arguments on the device and runs one grouped GEMM of kind kKind.
 template <class G, Kind kKind>
 void run_grouped(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& rows,
-                 const Tensor& rows2, const Tensor& w, void* out, float beta, const char* what) {
+                 const Tensor& rows2, const Tensor& w, void* out, const typename G::Thread& thread, const char* what,
+                 const void* src = nullptr) {
   const size_t arg_bytes = Arrays<G>::bytes(e_n);
   void* arg_block = device_scratch(ScratchSlot::grouped_gemm_args, arg_bytes);
   Arrays<G> arr = Arrays<G>::carve(arg_block, e_n);
@@ -274,15 +440,13 @@ void run_grouped(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1
       arr, offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(i_n), static_cast<int>(o_n),
       static_cast<const cutlass::bfloat16_t*>(rows.data()),
       rows2.defined() ? static_cast<const cutlass::bfloat16_t*>(rows2.data()) : nullptr,
-      static_cast<const cutlass::bfloat16_t*>(w.data()), out);
+      static_cast<const cutlass::bfloat16_t*>(w.data()), out, src);
   MF_CUDA_LAUNCHED(what);
   typename G::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                    {static_cast<int>(e_n), arr.problems, nullptr},
                                    {arr.a, arr.sa, arr.b, arr.sb},
-                                   {{}, arr.c, arr.sc, arr.d, arr.sd},
+                                   {thread, arr.c, arr.sc, arr.d, arr.sd},
                                    hardware_info()};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = beta;
   typename G::Gemm gemm;
   const cutlass::Status ok = gemm.can_implement(args);
   MF_CHECK(ok == cutlass::Status::kSuccess, what, ": CUTLASS cannot run this grouped GEMM (",
@@ -305,8 +469,8 @@ bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, con
   if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(y_RO.data())) return false;
   if (x_RI.size(0) == 0 || e_n == 0) return true;
   const auto run = [&]<class G>() {
-    run_grouped<G, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(), 0.0f,
-                                  "grouped_linear_forward (CUTLASS)");
+    run_grouped<G, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(),
+                                  linear_combination<G>(0.0f), "grouped_linear_forward (CUTLASS)");
   };
   with_tiles<Forward>(Kind::forward, run);
   return true;
@@ -329,11 +493,12 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
     return true;
   }
   const auto dgrad = [&]<class G>() {
-    run_grouped<G, Kind::dgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.data(), 0.0f,
-                                "grouped_linear_backward dx (CUTLASS)");
+    run_grouped<G, Kind::dgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.data(),
+                                linear_combination<G>(0.0f), "grouped_linear_backward dx (CUTLASS)");
   };
   const auto wgrad = [&]<class G>() {
-    run_grouped<G, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(), accumulate ? 1.0f : 0.0f,
+    run_grouped<G, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(),
+                                linear_combination<G>(accumulate ? 1.0f : 0.0f),
                                 "grouped_linear_backward dw (CUTLASS)");
   };
   // Written, not accumulated (beta = 0: the epilogue does not read dw): an expert without rows
@@ -350,12 +515,66 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
   return true;
 }
 
+namespace {
+// MOEFOLD_FUSED_SWIGLU=0 declines the SwiGLU kinds (the unfused ops run instead): a measurement
+// knob, read at every call.
+bool swiglu_fusion_off() {
+  const char* v = std::getenv("MOEFOLD_FUSED_SWIGLU");
+  return v != nullptr && std::strcmp(v, "0") == 0;
+}
+}  // namespace
+
+bool cutlass_grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
+                                           const Tensor& gu_R2F, const Tensor& h_RF) {
+  if (swiglu_fusion_off()) return false;
+  const int64_t e_n = w_E2FI.size(0), o_n = w_E2FI.size(1), i_n = w_E2FI.size(2);
+  if (x_RI.dtype() != DType::bf16 || gu_R2F.dtype() != DType::bf16 || h_RF.dtype() != DType::bf16 || i_n % 8 != 0 ||
+      o_n % 16 != 0)
+    return false;
+  if (!aligned16(x_RI.data()) || !aligned16(w_E2FI.data()) || !aligned16(gu_R2F.data()) || !aligned16(h_RF.data()))
+    return false;
+  if (x_RI.size(0) == 0 || e_n == 0) return true;
+  const auto run = [&]<class G>() {
+    typename G::Thread thread;
+    thread.op_1 = {static_cast<cutlass::bfloat16_t*>(h_RF.data()), o_n / 2, offsets_E1.ptr<int64_t>()};
+    run_grouped<G, Kind::swiglu_forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_E2FI, gu_R2F.data(), thread,
+                                         "grouped_linear_swiglu_forward (CUTLASS)");
+  };
+  return with_tiles<SwigluForward, false>(Kind::swiglu_forward, run);
+}
+
+bool cutlass_grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
+                                                 const Tensor& gu_R2F, const Tensor& dgu_R2F) {
+  if (swiglu_fusion_off()) return false;
+  const int64_t e_n = w_EOF.size(0), o_n = w_EOF.size(1), f_n = w_EOF.size(2);
+  if (dy_RO.dtype() != DType::bf16 || w_EOF.dtype() != DType::bf16 || gu_R2F.dtype() != DType::bf16 ||
+      dgu_R2F.dtype() != DType::bf16 || f_n % 8 != 0 || o_n % 8 != 0)
+    return false;
+  if (!aligned16(dy_RO.data()) || !aligned16(w_EOF.data()) || !aligned16(gu_R2F.data()) || !aligned16(dgu_R2F.data()))
+    return false;
+  if (dy_RO.size(0) == 0 || e_n == 0) return true;
+  // gu and dgu as [R, F] float lanes, one (g, u) pair each.
+  const auto run = [&]<class G>() {
+    run_grouped<G, Kind::swiglu_dgrad>(e_n, f_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOF, dgu_R2F.data(),
+                                       typename G::Thread{}, "grouped_linear_swiglu_backward_data (CUTLASS)",
+                                       gu_R2F.data());
+  };
+  return with_tiles<SwigluDgrad, false>(Kind::swiglu_dgrad, run);
+}
+
 #else  // built without CUTLASS's headers
 
 bool cutlass_grouped_gemm_built() { return false; }
 bool cutlass_grouped_linear_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&) { return false; }
 bool cutlass_grouped_linear_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                      const Tensor&, bool) {
+  return false;
+}
+bool cutlass_grouped_linear_swiglu_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  return false;
+}
+bool cutlass_grouped_linear_swiglu_backward_data(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                 const Tensor&) {
   return false;
 }
 

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "moefold/core/tensor.h"
+#include "moefold/ops/ops.h"  // GateUp
 
 namespace moefold::cuda {
 
@@ -50,9 +51,10 @@ void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Te
                       bool interleaved);
 
 // ---- SwiGLU (swiglu.cu) ----------------------------------------------------------------------
-// gu, h, dh, dgu of one dtype (f32 or bf16).
-void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF);
-void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F);
+// gu, h, dh, dgu of one dtype (f32 or bf16); layout as in ops.h (GateUp). bf16 runs 16-byte
+// vectors when widths and alignment allow (halves: F % 8 == 0; pairs: N * F % 4 == 0).
+void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout);
+void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout);
 
 // ---- softmax cross-entropy (cross_entropy.cu) ------------------------------------------------
 // logits f32 or bf16 [N, V]; targets i32 (kIgnoreTarget: no loss, lse 0); lse f32. One block per
