@@ -143,6 +143,13 @@ struct SwigluPairsStore {
     return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
   }
 
+  // Where an epilogue subtile gives each thread 4 fragments of 4 accumulators, fragment v holding
+  // (row r, columns 2q and 2q + 1) and (row r + 8, the same columns) of the subtile's v-th group of
+  // 8 columns (q = lane % 4; the wgmma accumulator layout, checked at run time), the 4 lanes of a
+  // quad together hold h columns [4v, 4v + 4) of rows r and r + 8: a 4 x 4 transpose by
+  // shuffles gives each lane 4 adjacent h values per row, stored as 8 bytes (a quad writes one
+  // 32-byte sector per row) instead of 2-byte stores that each touch their own sector. Other
+  // layouts store one h value at a time.
   template <class CoordTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue r, int m0, int n0, cutlass::bfloat16_t* h, int64_t ld)
@@ -152,6 +159,13 @@ struct SwigluPairsStore {
     int m0, n0;        // this thread's first element in the group's (M, N)
     cutlass::bfloat16_t* h;
     int64_t ld;
+    // The subtile's h values (quad layout): fragment v's (row r, row r + 8) pair as bf16x2.
+    uint32_t packed[4] = {};
+    bool col_in[4] = {};
+    int row_a = 0, row_b = 0, h_col = 0;  // rows r and r + 8; fragment 0's h column
+    bool row_a_in = false, row_b_in = false;
+
+    static constexpr int kQuadElements = 16;  // 4 fragments of 4 per subtile
 
     template <class ElementAcc, class ElementIn, int kFrag>
     CUTLASS_DEVICE cutlass::Array<ElementIn, kFrag> visit(cutlass::Array<ElementAcc, kFrag> const&, int epi_v,
@@ -159,16 +173,61 @@ struct SwigluPairsStore {
                                                           cutlass::Array<ElementIn, kFrag> const& in) {
       static_assert(kFrag % 2 == 0, "the fragment must hold whole (g, u) pairs");
       auto c = tCcD(_, _, _, epi_m, epi_n);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kFrag; i += 2) {
-        const auto mn = c(epi_v * kFrag + i);
-        if (elem_less(mn, residue)) {
-          const float g = round_bf16(static_cast<float>(in[i])), u = round_bf16(static_cast<float>(in[i + 1]));
-          h[static_cast<int64_t>(m0 + get<0>(mn)) * ld + (n0 + get<1>(mn)) / 2] =
-              cutlass::bfloat16_t(swiglu<true>(g, u));
+      const auto h_of = [&](int i) {
+        return swiglu<true>(round_bf16(static_cast<float>(in[i])), round_bf16(static_cast<float>(in[i + 1])));
+      };
+      if constexpr (kFrag == 4 && decltype(size(c))::value == kQuadElements) {
+        const auto a = c(epi_v * 4), b = c(epi_v * 4 + 2), first = c(0);
+        const int q = static_cast<int>(threadIdx.x % 4);
+        if (get<0>(b) != get<0>(a) + 8 || get<1>(b) != get<1>(a) || get<0>(a) != get<0>(first) ||
+            get<1>(a) != get<1>(first) + 8 * epi_v || get<1>(c(epi_v * 4 + 1)) != get<1>(a) + 1 ||
+            (n0 + get<1>(first)) % 8 != 2 * q)
+          __trap();  // not the accumulator layout the quad stores assume
+        packed[epi_v] = static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16(h_of(0)))) |
+                        static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16(h_of(2)))) << 16;
+        col_in[epi_v] = get<1>(a) < get<1>(residue);
+        if (epi_v == 0) {
+          row_a = m0 + get<0>(a);
+          row_b = m0 + get<0>(b);
+          row_a_in = get<0>(a) < get<0>(residue);
+          row_b_in = get<0>(b) < get<0>(residue);
+          h_col = (n0 + get<1>(a)) / 2;
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kFrag; i += 2) {
+          const auto mn = c(epi_v * kFrag + i);
+          if (elem_less(mn, residue))
+            h[static_cast<int64_t>(m0 + get<0>(mn)) * ld + (n0 + get<1>(mn)) / 2] = cutlass::bfloat16_t(h_of(i));
         }
       }
       return in;
+    }
+
+    CUTLASS_DEVICE void end_loop(int epi_m, int epi_n) {
+      if constexpr (decltype(size(tCcD(_, _, _, 0, 0)))::value == kQuadElements) {
+        const int q = static_cast<int>(threadIdx.x % 4);
+        const auto pick = [&](int i) {
+          return i == 0 ? packed[0] : i == 1 ? packed[1] : i == 2 ? packed[2] : packed[3];
+        };
+        // y[j]: h columns 4q + j (relative to fragment 0's first) of rows r and r + 8, from lane j's fragment q.
+        uint32_t y[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, pick(q ^ k), k);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < 4; ++j)
+            if (j == (q ^ k)) y[j] = got;
+        }
+        const bool in_cols = q == 0 ? col_in[0] : q == 1 ? col_in[1] : q == 2 ? col_in[2] : col_in[3];
+        const int64_t col = h_col - q + 4 * q;  // fragment 0's first h column of the quad, plus 4q
+        if (in_cols && row_a_in)
+          *reinterpret_cast<uint2*>(h + row_a * ld + col) =
+              make_uint2(__byte_perm(y[0], y[1], 0x5410), __byte_perm(y[2], y[3], 0x5410));
+        if (in_cols && row_b_in)
+          *reinterpret_cast<uint2*>(h + row_b * ld + col) =
+              make_uint2(__byte_perm(y[0], y[1], 0x7632), __byte_perm(y[2], y[3], 0x7632));
+      }
     }
   };
 
