@@ -450,6 +450,22 @@ TEST(CudaGroupedLinear, SwigluFusedMatchesCpu) {
     }
   }
   ::unsetenv("MOEFOLD_CUTLASS_TILE");
+  if (built) {
+    // Inputs wider than 2048 columns: the forward declines unless forced (MOEFOLD_FUSED_SWIGLU=1).
+    DevicePool dev;
+    Pool pool;
+    Tensor off = pool.zeros({2}, DType::i64);
+    off.ptr<int64_t>()[1] = 16;
+    const Tensor offd = dev.upload(off, DType::i64), x = dev.poisoned({16, 2056}, DType::bf16),
+                 w = dev.poisoned({1, 16, 2056}, DType::bf16);
+    EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_forward(x, w, offd, dev.poisoned({16, 16}, DType::bf16),
+                                                             dev.poisoned({16, 8}, DType::bf16)));
+    ::setenv("MOEFOLD_FUSED_SWIGLU", "1", 1);
+    check_grouped_swiglu({3, 0, 17}, 2056, 16, true);
+    ::setenv("MOEFOLD_FUSED_SWIGLU", "0", 1);  // off: the unfused ops
+    check_grouped_swiglu({3, 0, 17}, 64, 16, false);
+    ::unsetenv("MOEFOLD_FUSED_SWIGLU");
+  }
   ::setenv("MOEFOLD_GROUPED_GEMM", "cublaslt", 1);  // the unfused ops on cuBLASLt
   check_grouped_swiglu({0, 37, 1, 0, 91, 5, 0}, 64, 40, false);
   ::unsetenv("MOEFOLD_GROUPED_GEMM");

@@ -110,6 +110,7 @@ struct SwigluPairsStore {
     cutlass::bfloat16_t* h = nullptr;  // [R, F]: rows of group e start at offsets[e]
     int64_t ld = 0;                    // F
     const int64_t* offsets = nullptr;  // [E + 1] on the device
+    bool store = true;                 // false: h computed, not stored (a measurement knob)
   };
   using Params = Arguments;
 
@@ -152,13 +153,15 @@ struct SwigluPairsStore {
   // layouts store one h value at a time.
   template <class CoordTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue r, int m0, int n0, cutlass::bfloat16_t* h, int64_t ld)
-        : tCcD(c), residue(r), m0(m0), n0(n0), h(h), ld(ld) {}
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue r, int m0, int n0, cutlass::bfloat16_t* h, int64_t ld,
+                                          bool store)
+        : tCcD(c), residue(r), m0(m0), n0(n0), h(h), ld(ld), store(store) {}
     CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> (m, n) relative to this thread's first element
     Residue residue;   // (M, N) minus this thread's first element: the in-bounds limit of tCcD
     int m0, n0;        // this thread's first element in the group's (M, N)
     cutlass::bfloat16_t* h;
     int64_t ld;
+    bool store;
     // The subtile's h values (quad layout): fragment v's (row r, row r + 8) pair as bf16x2.
     uint32_t packed[4] = {};
     bool col_in[4] = {};
@@ -197,7 +200,7 @@ struct SwigluPairsStore {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kFrag; i += 2) {
           const auto mn = c(epi_v * kFrag + i);
-          if (elem_less(mn, residue))
+          if (store && elem_less(mn, residue))
             h[static_cast<int64_t>(m0 + get<0>(mn)) * ld + (n0 + get<1>(mn)) / 2] = cutlass::bfloat16_t(h_of(i));
         }
       }
@@ -221,6 +224,7 @@ struct SwigluPairsStore {
         }
         const bool in_cols = q == 0 ? col_in[0] : q == 1 ? col_in[1] : q == 2 ? col_in[2] : col_in[3];
         const int64_t col = h_col - q + 4 * q;  // fragment 0's first h column of the quad, plus 4q
+        if (!store) return;
         if (in_cols && row_a_in)
           *reinterpret_cast<uint2*>(h + row_a * ld + col) =
               make_uint2(__byte_perm(y[0], y[1], 0x5410), __byte_perm(y[2], y[3], 0x5410));
@@ -239,7 +243,7 @@ struct SwigluPairsStore {
     const int n0 = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
     cutlass::bfloat16_t* h = params.h + params.offsets[l] * params.ld;
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(args.tCcD, args.residue_tCcD, m0,
-                                                                                    n0, h, params.ld);
+                                                                                    n0, h, params.ld, params.store);
   }
 };
 
@@ -575,18 +579,30 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
 }
 
 namespace {
-// MOEFOLD_FUSED_SWIGLU=0 declines the SwiGLU kinds (the unfused ops run instead): a measurement
-// knob, read at every call.
-bool swiglu_fusion_off() {
+// MOEFOLD_FUSED_SWIGLU: unset or "auto": the backward kind always, the forward kind where it was
+// measured faster than the GEMM and the pairs kernel apart (docs/benchmarks.md, session 6: fc1 of
+// qwen3-30b-a3b, H = 2048: 1.27-1.34 ms fused vs 1.32-1.42 apart; H = 4096 (qwen3-235b-a22b) and
+// 7168 (DeepSeek-V3): 0.1 and 0.6-1.0 ms slower fused, the epilogue's cost growing with the tiles'
+// K for reasons not yet understood), i.e. for inputs of at most 2048 columns; "1": both kinds
+// everywhere; "0": neither (the unfused ops); "nostore": both, but the forward does not store h
+// (wrong results: measures the stores' share). Read at every call.
+enum class Fusion : int { automatic, on, off, no_store };
+Fusion swiglu_fusion() {
   const char* v = std::getenv("MOEFOLD_FUSED_SWIGLU");
-  return v != nullptr && std::strcmp(v, "0") == 0;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Fusion::automatic;
+  if (std::strcmp(v, "1") == 0) return Fusion::on;
+  if (std::strcmp(v, "0") == 0) return Fusion::off;
+  if (std::strcmp(v, "nostore") == 0) return Fusion::no_store;
+  MF_FAIL("MOEFOLD_FUSED_SWIGLU=", v, ": expected auto, 1, 0 or nostore");
 }
+constexpr int64_t kFusedForwardMaxInputs = 2048;
 }  // namespace
 
 bool cutlass_grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
                                            const Tensor& gu_R2F, const Tensor& h_RF) {
-  if (swiglu_fusion_off()) return false;
+  const Fusion fusion = swiglu_fusion();
   const int64_t e_n = w_E2FI.size(0), o_n = w_E2FI.size(1), i_n = w_E2FI.size(2);
+  if (fusion == Fusion::off || (fusion == Fusion::automatic && i_n > kFusedForwardMaxInputs)) return false;
   if (x_RI.dtype() != DType::bf16 || gu_R2F.dtype() != DType::bf16 || h_RF.dtype() != DType::bf16 || i_n % 8 != 0 ||
       o_n % 16 != 0)
     return false;
@@ -595,7 +611,8 @@ bool cutlass_grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E
   if (x_RI.size(0) == 0 || e_n == 0) return true;
   const auto run = [&]<class G>() {
     typename G::Thread thread;
-    thread.op_1 = {static_cast<cutlass::bfloat16_t*>(h_RF.data()), o_n / 2, offsets_E1.ptr<int64_t>()};
+    thread.op_1 = {static_cast<cutlass::bfloat16_t*>(h_RF.data()), o_n / 2, offsets_E1.ptr<int64_t>(),
+                   fusion != Fusion::no_store};
     run_grouped<G, Kind::swiglu_forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_E2FI, gu_R2F.data(), thread,
                                          "grouped_linear_swiglu_forward (CUTLASS)");
   };
@@ -604,7 +621,7 @@ bool cutlass_grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E
 
 bool cutlass_grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
                                                  const Tensor& gu_R2F, const Tensor& dgu_R2F) {
-  if (swiglu_fusion_off()) return false;
+  if (swiglu_fusion() == Fusion::off) return false;
   const int64_t e_n = w_EOF.size(0), o_n = w_EOF.size(1), f_n = w_EOF.size(2);
   if (dy_RO.dtype() != DType::bf16 || w_EOF.dtype() != DType::bf16 || gu_R2F.dtype() != DType::bf16 ||
       dgu_R2F.dtype() != DType::bf16 || f_n % 8 != 0 || o_n % 8 != 0)

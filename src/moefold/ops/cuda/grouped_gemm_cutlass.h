@@ -29,8 +29,10 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
 // accumulator's (g, u) column pairs; backward data: dgu from dh = dy @ w in the epilogue, with gu
 // loaded as the epilogue's source C and dgu stored as D, both viewed as F columns of 32-bit
 // (bf16 g, bf16 u) pairs (dh is never stored). Tiles "large" or "pingpong" (MOEFOLD_CUTLASS_TILE
-// kinds swiglu_forward, default pingpong, and swiglu_dgrad, default large); "small" returns false (the unfused path),
-// as does MOEFOLD_FUSED_SWIGLU=0 (a measurement knob). Same conditions as above otherwise (F a multiple of 8).
+// kinds swiglu_forward, default pingpong, and swiglu_dgrad, default large); "small" returns false
+// (the unfused path), as does the forward for inputs wider than 2048 columns (measured slower
+// fused) and MOEFOLD_FUSED_SWIGLU=0 (measurement knobs: see the .cu). Same conditions as above
+// otherwise (F a multiple of 8).
 bool cutlass_grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
                                            const Tensor& gu_R2F, const Tensor& h_RF);
 bool cutlass_grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
