@@ -320,8 +320,8 @@ Tiles parse_tiles(const std::string& value, const std::string& whole) {
 // Which configuration each kind uses: MOEFOLD_CUTLASS_TILE = "small", "large" or "pingpong" (every
 // kind), or per kind, e.g. "forward=large,dgrad=small,swiglu_forward=large"; a kind not named
 // (or the variable unset) takes its default: ping-pong for swiglu_forward (its epilogue's SwiGLU
-// and h stores then overlap the other warp group's math: measured 1.30 ms vs 1.55 ms with large
-// tiles for qwen3-30b-a3b, where the plain fc1 takes 1.18-1.20 either way), large for the rest.
+// and h stores then overlap the other warp group's math: measured 1.27 ms vs 1.40 ms with large
+// tiles for qwen3-30b-a3b, where the plain fc1 takes 1.15 ms), large for the rest.
 // Read at every call (a getenv), so a benchmark or test can switch between calls.
 Tiles tiles_for(Kind kind) {
   const Tiles fallback = kind == Kind::swiglu_forward ? Tiles::pingpong : Tiles::large;
