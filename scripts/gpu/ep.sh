@@ -18,6 +18,8 @@ mpi() {  # 2 ranks; MOEFOLD_GEMM_SMS and NCCL_MAX_CTAS passed on where set
   [ -n "${MOEFOLD_GEMM_SMS:-}" ] && xs+=(-x MOEFOLD_GEMM_SMS)
   [ -n "${NCCL_MAX_CTAS:-}" ] && xs+=(-x NCCL_MAX_CTAS)
   [ -n "${MOEFOLD_EP_TRANSPORT:-}" ] && xs+=(-x MOEFOLD_EP_TRANSPORT)
+  [ -n "${MOEFOLD_FUSED_SWIGLU:-}" ] && xs+=(-x MOEFOLD_FUSED_SWIGLU)
+  [ -n "${MOEFOLD_CUTLASS_TILE:-}" ] && xs+=(-x MOEFOLD_CUTLASS_TILE)
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 150 mpirun -np 2 "${xs[@]}" "$@"
 }
 bench() {  # name, launcher (one or mpi), then options of bench moe-layer
