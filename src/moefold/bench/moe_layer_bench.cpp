@@ -241,8 +241,16 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     ~ProfileOff() { profile_disable(); }
   } profile_off;
   for (int i = 0; i < opts.warmup + opts.reps; ++i) {
-    // The layer's own phases (expert pieces, EP waits) over the timed repetitions.
-    if (i == opts.warmup) profile_enable(opts.device);
+    // The layer's own phases (expert pieces, EP waits) over the timed repetitions. Recording
+    // starts with the warm-up, whose phases are dropped at the first timed repetition (outside
+    // the timers), so the timed ones find their CUDA events made (profile_reserve): creating
+    // events inside the timed region would add host time to the layer.
+    if (i == 0) profile_enable(opts.device);
+    if (i == opts.warmup) {
+      int64_t calls = 0;
+      for (const PhaseTime& p : profile_collect()) calls += p.calls;
+      profile_reserve(opts.warmup > 0 ? calls / opts.warmup * opts.reps + 64 : 1024);
+    }
     // A new step's gradients (untimed): the experts' backward writes its weight gradients, as in
     // the first micro-batch of a training step (Memory::grad_written_by_backward). With
     // accumulate_grads only before the first repetition: the others add to the gradients.
