@@ -50,7 +50,16 @@ TEST(BenchMoeLayer, RunsEveryRoutingAndCountsFlops) {
     for (const BenchTime& b : x.gemms) EXPECT_GT(b.tflops, 0) << b.name;
     EXPECT_GE(x.load_max, x.load_mean);
     EXPECT_DOUBLE_EQ(x.load_mean, t * k / e);
+    // The experts' pieces, timed in the untimed profiled repetitions: one piece each way here.
+    int pieces = 0;
+    for (const BenchTime& b : x.phases)
+      if (b.name == "moe experts piece forward" || b.name == "moe experts piece backward") {
+        EXPECT_GT(b.ms, 0) << b.name;
+        ++pieces;
+      }
+    EXPECT_EQ(pieces, 2);
   }
+  EXPECT_FALSE(profile_enabled());                  // the bench leaves the profiler off
   EXPECT_DOUBLE_EQ(r[0].load_max, r[0].load_mean);  // balanced: 48 rows on every expert
   const std::string report = format_moe_bench(r, "header");
   EXPECT_NE(report.find("| tiny | balanced | 96 | 288 |"), std::string::npos) << report;

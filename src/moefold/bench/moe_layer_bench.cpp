@@ -240,17 +240,11 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   struct ProfileOff {
     ~ProfileOff() { profile_disable(); }
   } profile_off;
-  for (int i = 0; i < opts.warmup + opts.reps; ++i) {
-    // The layer's own phases (expert pieces, EP waits) over the timed repetitions. Recording
-    // starts with the warm-up, whose phases are dropped at the first timed repetition (outside
-    // the timers), so the timed ones find their CUDA events made (profile_reserve): creating
-    // events inside the timed region would add host time to the layer.
-    if (i == 0) profile_enable(opts.device);
-    if (i == opts.warmup) {
-      int64_t calls = 0;
-      for (const PhaseTime& p : profile_collect()) calls += p.calls;
-      profile_reserve(opts.warmup > 0 ? calls / opts.warmup * opts.reps + 64 : 1024);
-    }
+  // The timed repetitions run with the profiler off; then, untimed, `phase_reps` more with it on
+  // give the layer's own phases (expert pieces, EP waits: the "(within)" rows). Recording CUDA
+  // events inside the timed region, around the EP waits above all, could move the times measured.
+  const int phase_reps = std::max(1, opts.reps / 2);
+  const auto repetition = [&](int i, bool timed) {
     // A new step's gradients (untimed): the experts' backward writes its weight gradients, as in
     // the first micro-batch of a training step (Memory::grad_written_by_backward). With
     // accumulate_grads only before the first repetition: the others add to the gradients.
@@ -262,14 +256,17 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
       timers[s].stop();
     }
     timers.back().stop();
-    if (i < opts.warmup) continue;
-    for (size_t s = 0; s < timers.size(); ++s) ms[s].push_back(timers[s].elapsed_ms());
-  }
-  for (const PhaseTime& p : profile_collect()) res.phases.push_back({p.name, p.ms / opts.reps, 0, 0});
+    if (timed)
+      for (size_t s = 0; s < timers.size(); ++s) ms[s].push_back(timers[s].elapsed_ms());
+  };
+  for (int i = 0; i < opts.warmup + opts.reps; ++i) repetition(i, i >= opts.warmup);
+  res.expert_grad_sq = sum_squares(layer.dgate_up);  // the timed repetitions' (before the phase ones)
+  profile_enable(opts.device);
+  for (int i = 0; i < phase_reps; ++i) repetition(opts.warmup + opts.reps + i, false);
+  for (const PhaseTime& p : profile_collect()) res.phases.push_back({p.name, p.ms / phase_reps, 0, 0});
   profile_disable();
   res.rows = plan->num_rows;
   res.local_experts = layer.dispatcher.num_local_experts();
-  res.expert_grad_sq = sum_squares(layer.dgate_up);
   res.total = {"layer forward+backward", median(ms.back()), 0, 0};
   res.total.tflops = res.flops / (res.total.ms * 1e9);
   if (facts) res.bar = balanced ? facts->bar_balanced : facts->bar_real;

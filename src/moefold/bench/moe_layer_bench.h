@@ -48,7 +48,8 @@ struct MoeBenchResult {
   std::vector<BenchTime> stages;  // router, dispatch, experts, combine and their backwards
   std::vector<BenchTime> gemms;   // the grouped GEMMs alone (same rows and offsets)
   // Phases inside the stages (ProfileScope names: the experts' pieces, expert parallelism's
-  // waits and counts exchange), means per timed repetition.
+  // waits and counts exchange), means per repetition over extra, untimed repetitions that run
+  // with the profiler on (the timed ones run with it off).
   std::vector<BenchTime> phases;
   double load_max = 0, load_mean = 0;  // tokens per expert (router's view, before capacity)
   // Sum of squares of the experts' gate_up gradient after the timed repetitions: one
