@@ -145,6 +145,14 @@ void attention_backward_at(const Tensor& q_BSqQD, const Tensor& k_BSkGD, const T
 // rows interleave the same way, so one thread of a GEMM epilogue holds both; see experts.h).
 // dgu has gu's layout.
 enum class GateUp : uint8_t { halves, pairs };
+// Where unit j of a gu row keeps its inputs: g at column step * j, u at step * j + up (halves:
+// step 1, up F; pairs: step 2, up 1). For the CPU and CUDA kernels alike.
+struct GateUpColumns {
+  int64_t step, up;
+};
+inline GateUpColumns gate_up_columns(GateUp layout, int64_t f) {
+  return layout == GateUp::pairs ? GateUpColumns{2, 1} : GateUpColumns{1, f};
+}
 void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout = GateUp::halves);
 void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout = GateUp::halves);
 

@@ -21,11 +21,6 @@ void check_swiglu(const Tensor& gu, const Tensor& h) {
            "swiglu: ", gu.str(), " -> ", h.str(), " (contiguous cpu tensors of one dtype)");
 }
 
-// Where unit j of a gu row (2F wide) keeps its inputs: g at step * j, u at step * j + up.
-struct Columns {
-  int64_t step, up;
-};
-Columns columns(GateUp layout, int64_t f) { return layout == GateUp::pairs ? Columns{2, 1} : Columns{1, f}; }
 }  // namespace
 
 void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
@@ -34,7 +29,7 @@ void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
 #endif
   check_swiglu(gu_N2F, h_NF);
   const int64_t n = h_NF.size(0), f = h_NF.size(1);
-  const Columns col = columns(layout, f);
+  const GateUpColumns col = gate_up_columns(layout, f);
   dispatch_float(h_NF.dtype(), [&]<class T>() {
     const T* gu = gu_N2F.ptr<T>();
     T* h = h_NF.ptr<T>();
@@ -56,7 +51,7 @@ void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dg
   MF_CHECK(dgu_N2F.contiguous() && dgu_N2F.dtype() == gu_N2F.dtype() && dgu_N2F.device() == Device::cpu,
            "swiglu_backward: dgu ", dgu_N2F.str());
   const int64_t n = dh_NF.size(0), f = dh_NF.size(1);
-  const Columns col = columns(layout, f);
+  const GateUpColumns col = gate_up_columns(layout, f);
   dispatch_float(dh_NF.dtype(), [&]<class T>() {
     const T* gu = gu_N2F.ptr<T>();
     const T* dh = dh_NF.ptr<T>();

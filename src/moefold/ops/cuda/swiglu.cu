@@ -18,16 +18,9 @@ constexpr int kThreads = 256;
 
 int blocks_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 65535 * 8)); }
 
-// Where unit j of a gu row (2F wide) keeps its inputs: g at step * j, u at step * j + up
-// (halves: step 1, up F; pairs: step 2, up 1).
-struct Columns {
-  int64_t step, up;
-};
-Columns columns(GateUp layout, int64_t f) { return layout == GateUp::pairs ? Columns{2, 1} : Columns{1, f}; }
-
 // One thread per (n, f), either layout.
 template <class T>
-__global__ void swiglu_forward_kernel(const T* gu, T* h, int64_t f, Columns col, int64_t total) {
+__global__ void swiglu_forward_kernel(const T* gu, T* h, int64_t f, GateUpColumns col, int64_t total) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / f, g = row * 2 * f + col.step * (i - row * f);
@@ -36,7 +29,7 @@ __global__ void swiglu_forward_kernel(const T* gu, T* h, int64_t f, Columns col,
 }
 
 template <class T>
-__global__ void swiglu_backward_kernel(const T* gu, const T* dh, T* dgu, int64_t f, Columns col, int64_t total) {
+__global__ void swiglu_backward_kernel(const T* gu, const T* dh, T* dgu, int64_t f, GateUpColumns col, int64_t total) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / f, g = row * 2 * f + col.step * (i - row * f);
@@ -158,8 +151,8 @@ void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
     return;
   }
   dispatch_cuda_float(h_NF.dtype(), [&]<class T>() {
-    swiglu_forward_kernel<T>
-        <<<blocks_for(total), kThreads, 0, stream()>>>(gu_N2F.ptr<T>(), h_NF.ptr<T>(), f, columns(layout, f), total);
+    swiglu_forward_kernel<T><<<blocks_for(total), kThreads, 0, stream()>>>(gu_N2F.ptr<T>(), h_NF.ptr<T>(), f,
+                                                                           gate_up_columns(layout, f), total);
   });
   MF_CUDA_LAUNCHED("swiglu_forward");
 }
@@ -186,7 +179,7 @@ void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dg
   }
   dispatch_cuda_float(dh_NF.dtype(), [&]<class T>() {
     swiglu_backward_kernel<T><<<blocks_for(total), kThreads, 0, stream()>>>(
-        gu_N2F.ptr<T>(), dh_NF.ptr<T>(), dgu_N2F.ptr<T>(), f, columns(layout, f), total);
+        gu_N2F.ptr<T>(), dh_NF.ptr<T>(), dgu_N2F.ptr<T>(), f, gate_up_columns(layout, f), total);
   });
   MF_CUDA_LAUNCHED("swiglu_backward");
 }
