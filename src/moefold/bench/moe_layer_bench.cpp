@@ -329,6 +329,12 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   const auto fc1_backward = [&](const Tensor& off, int64_t a, int64_t b) {
     grouped_linear_backward(rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up);
   };
+  // The weight gradient alone (f32, written as in a step's first micro-batch): with few rows per
+  // expert it is bound by writing the f32 gradient (4 bytes per 2 x rows-per-expert FLOPs).
+  gemm("fc1 wgrad (grouped, f32 gradient written)", fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
+    grouped_linear_backward(rows.slice(a, b), w1, off, dgu.slice(a, b), Tensor(), layer.dgate_up,
+                            /*accumulate=*/false);
+  });
   gemm("fc1 backward (dx + dw)", 2 * fc1, 0, fc1_backward);
   gemm("fc1 forward+backward", 3 * fc1, facts ? facts->fc1_fwd_bwd : 0, [&](const Tensor& off, int64_t a, int64_t b) {
     grouped_linear_forward(rows.slice(a, b), w1, off, gu.slice(a, b));

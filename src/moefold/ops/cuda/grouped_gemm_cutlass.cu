@@ -284,7 +284,10 @@ enum class Kind : int { forward, dgrad, wgrad, swiglu_forward, swiglu_dgrad };
 // used; measured best at every shape, the default); "pingpong" 64 x 256 x 64 tiles per consumer
 // warp group in 2 x 1 clusters (half the row padding when experts get few rows, e.g. real
 // routing at DeepSeek-V3's 256 rows per expert; the wgrad epilogue's f32 stores hidden behind
-// the other warp group's mainloop). Not yet measured (session 4 ran out of device time).
+// the other warp group's mainloop, in theory). Measured (docs/benchmarks.md, sessions 5 and 7):
+// ping-pong is the fused SwiGLU forward's default; for the weight gradient it did not hide the f32
+// stores at DeepSeek-V3 (13.2 vs 13.0 ms), and neither did 4 or 8 epilogue buffers with as many
+// TMA stores in flight (12.6 / 14.4 ms; 4 slowed the accumulating form, 8 starves the mainloop).
 using SmallTile = cute::Shape<_128, _128, _64>;
 using LargeTile = cute::Shape<_128, _256, _64>;
 using PongTile = cute::Shape<_64, _256, _64>;
