@@ -197,6 +197,134 @@ TEST(Trainer, ExpertBiasFollowsTheStepLoads) {
   }
 }
 
+TEST(GradReducer, LayerOfAParameterName) {
+  EXPECT_EQ(grad_bucket_layer("model.layers.0.self_attn.q_proj.weight", 2), 0);
+  EXPECT_EQ(grad_bucket_layer("model.layers.1.mlp.experts.gate_up_proj", 2), 1);
+  EXPECT_EQ(grad_bucket_layer("model.layers.12.input_layernorm.weight", 20), 12);
+  // The top: multi-token prediction (named after the last layers), the final norm, the head.
+  EXPECT_EQ(grad_bucket_layer("model.layers.2.eh_proj.weight", 2), 2);
+  EXPECT_EQ(grad_bucket_layer("model.layers.3.mlp.gate.weight", 2), 2);
+  EXPECT_EQ(grad_bucket_layer("model.norm.weight", 2), 2);
+  EXPECT_EQ(grad_bucket_layer("lm_head.weight", 2), 2);
+  // The rest, when backward returns.
+  EXPECT_EQ(grad_bucket_layer("model.embed_tokens.weight", 2), -1);
+  EXPECT_EQ(grad_bucket_layer("model.layers.x.weight", 2), -1);
+  EXPECT_EQ(grad_bucket_layer("model.layers.1", 2), -1);
+  EXPECT_EQ(grad_bucket_layer("model.normal.weight", 2), -1);
+}
+
+// A two-rank group that records which elements each reduction covers (and sums nothing).
+class RecordingGroup final : public Communicator {
+ public:
+  struct Call {
+    const void* data;
+    int64_t numel;
+  };
+  std::vector<Call> calls;
+  std::vector<int64_t> waited;
+  int64_t tickets = 0;
+
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  int world_rank() const override { return 0; }
+  const std::string& name() const override { return name_; }
+  double timeout_s() const override { return 1; }
+  void all_reduce(const Tensor& buf, ReduceOp) override { calls.push_back({buf.data(), buf.numel()}); }
+  int64_t start_all_reduce(const Tensor& buf, ReduceOp op) override {
+    all_reduce(buf, op);
+    return tickets++;
+  }
+  void wait(int64_t ticket) override { waited.push_back(ticket); }
+  void all_gather(const Tensor&, const Tensor&) override { MF_FAIL("unused"); }
+  void reduce_scatter(const Tensor&, const Tensor&, ReduceOp) override { MF_FAIL("unused"); }
+  void all_to_all_v(const Tensor&, const int64_t*, const Tensor&, const int64_t*) override { MF_FAIL("unused"); }
+  void all_to_all(const Tensor&, const Tensor&) override { MF_FAIL("unused"); }
+  void broadcast(const Tensor&, int) override { MF_FAIL("unused"); }
+  void send(const Tensor&, int, int) override { MF_FAIL("unused"); }
+  void recv(const Tensor&, int, int) override { MF_FAIL("unused"); }
+  void barrier() override {}
+  std::unique_ptr<Communicator> split(int, int, const std::string&) override { MF_FAIL("unused"); }
+
+ private:
+  std::string name_ = "recording";
+};
+
+// The buckets of every gradient group tile its block exactly; each parameter lies in a bucket of
+// its ready point; a point's buckets are reduced when it is done (the top, then each layer from
+// the last), the rest (the embedding) at finish(), then the compute stream waits for the last;
+// without overlap one reduction per block.
+TEST(GradReducer, BucketsTileTheBlocksAndStartWithTheirLayers) {
+  testing::TempDir tmp("test_train");
+  Config cfg = small_config(make_data(tmp.path()), {"model.num_hidden_layers=3", "model.num_nextn_predict_layers=1"});
+  TokenDataset data = open_token_dataset(cfg.data.path);
+  OneRank one(cfg);
+  Trainer t(cfg, data, one.mesh);
+  Memory& mem = t.memory();
+  RecordingGroup dense, tp, expert;
+  GradReducer r(mem, 3,
+                {{ParamGroup::dense, &dense}, {ParamGroup::tensor_parallel, &tp}, {ParamGroup::expert, &expert}});
+  const size_t esize = dtype_size(mem.master_dtype());
+  for (ParamGroup g : {ParamGroup::dense, ParamGroup::tensor_parallel, ParamGroup::expert}) {
+    const Tensor block = mem.grad_block(g);
+    std::vector<GradReducer::Bucket> b = r.buckets(g);
+    ASSERT_FALSE(b.empty());
+    std::sort(b.begin(), b.end(), [](const auto& x, const auto& y) { return x.begin < y.begin; });
+    int64_t at = 0;
+    for (const auto& x : b) {
+      EXPECT_EQ(x.begin, at);
+      EXPECT_LT(x.begin, x.end);
+      at = x.end;
+    }
+    EXPECT_EQ(at, block.numel());
+    for (const Param& p : mem.params()) {
+      if (p.group != g) continue;
+      const int64_t begin = (static_cast<const char*>(p.grad.data()) - static_cast<const char*>(block.data())) /
+                            static_cast<int64_t>(esize);
+      const auto in =
+          std::find_if(b.begin(), b.end(), [&](const auto& x) { return begin >= x.begin && begin < x.end; });
+      ASSERT_NE(in, b.end()) << p.name;
+      EXPECT_LE(begin + p.grad.numel(), in->end) << p.name;
+      EXPECT_EQ(in->layer, grad_bucket_layer(p.name, 3)) << p.name;
+    }
+  }
+  for (int64_t l = 3; l >= 0; --l) {  // the top (3), then the layers
+    dense.calls.clear();
+    tp.calls.clear();
+    r.layer_done(l);
+    for (RecordingGroup* g : {&dense, &tp}) {
+      const ParamGroup group = g == &dense ? ParamGroup::dense : ParamGroup::tensor_parallel;
+      const std::vector<GradReducer::Bucket> all = r.buckets(group);
+      const size_t want =
+          static_cast<size_t>(std::count_if(all.begin(), all.end(), [&](const auto& x) { return x.layer == l; }));
+      EXPECT_GE(want, 1u) << "point " << l;  // every layer has norms (dense) and projections (tp)
+      ASSERT_EQ(g->calls.size(), want) << "point " << l;
+      for (size_t i = 0; i < want; ++i) {
+        const auto it = std::find_if(all.begin(), all.end(), [&](const auto& x) {
+          return x.layer == l && static_cast<const char*>(mem.grad_block(group).data()) + x.begin * esize ==
+                                     static_cast<const char*>(g->calls[i].data);
+        });
+        EXPECT_NE(it, all.end()) << "point " << l << ": a reduction that is not one of its buckets";
+      }
+    }
+  }
+  EXPECT_TRUE(dense.waited.empty());
+  tp.calls.clear();
+  r.finish();
+  ASSERT_EQ(dense.waited.size(), 1u);
+  EXPECT_EQ(dense.waited[0], dense.tickets - 1);
+  ASSERT_EQ(tp.calls.size(), 1u);  // the embedding
+  EXPECT_EQ(tp.calls[0].data, mem.grad("model.embed_tokens.weight").data());
+  int64_t covered = 0;
+  for (const auto& x : r.buckets(ParamGroup::dense)) covered += x.end - x.begin;
+  EXPECT_EQ(covered, mem.grad_block(ParamGroup::dense).numel());  // every element once
+  ASSERT_EQ(expert.waited.size(), 1u);
+  tp.calls.clear();
+  r.reduce_all();
+  ASSERT_EQ(tp.calls.size(), 1u);
+  EXPECT_EQ(tp.calls[0].data, mem.grad_block(ParamGroup::tensor_parallel).data());
+  EXPECT_EQ(tp.calls[0].numel, mem.grad_block(ParamGroup::tensor_parallel).numel());
+}
+
 TEST(Trainer, ResumeIsBitIdentical) {
   testing::TempDir tmp("test_train");
   const fs::path& dir = tmp.path();

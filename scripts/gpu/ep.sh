@@ -52,11 +52,18 @@ bench ep2_c4 mpi --set moe.ep_overlap_chunks=4
 MOEFOLD_EP_TRANSPORT=nccl MOEFOLD_GEMM_SMS=116 bench ep2_nccl_c2_sms116 mpi
 # A training step at EP = 2 (data parallel over the 2 ranks for the dense layers) against one GPU
 # with the same tokens per GPU: 4 layers of qwen3-30b-a3b, micro-batches of 4 sequences.
-train() {  # name, launcher, sequences per step
-  echo "== train $1"
+train() {  # name, launcher, sequences per step; every run's report appended to $OUT/train.md
+  echo "== train $1" | tee -a "$out/train.md"
   "$2" "$B" bench train --config qwen3-30b-a3b --set model.num_hidden_layers=4 --set train.global_batch_size="$3" \
-    --set train.micro_batch_size=4 "${@:4}" --steps 4 --warmup 2 > "$out/train_$1.md" 2>&1
-  grep "^| qwen3\|error\|moefold:" "$out/train_$1.md" | head -4
+    --set train.micro_batch_size=4 "${@:4}" --steps 4 --warmup 2 > "$out/train_run.md" 2>&1
+  cat "$out/train_run.md" >> "$out/train.md"
+  grep "^| qwen3\|^| gradient all-reduce\|^| model backward\|error\|moefold:" "$out/train_run.md" | head -4
+  rm -f "$out/train_run.md"
 }
 train one_gpu one 4
 train ep2 mpi 8 --set parallel.ep=2
+# The data-parallel gradient all-reduce overlapped with backward (the default) against after it,
+# at EP = 2 and at DP = 2 (experts replicated: their gradients travel too).
+train ep2_no_overlap mpi 8 --set parallel.ep=2 --set parallel.overlap_grad_reduce=false
+train dp2 mpi 8
+train dp2_no_overlap mpi 8 --set parallel.overlap_grad_reduce=false

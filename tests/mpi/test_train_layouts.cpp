@@ -149,6 +149,29 @@ TEST_F(Layouts, DeepSeekV3WithMultiTokenPredictionMatchesOneRank) {
   one_step_matches_one_rank(c, false);
 }
 
+// The gradient reduction overlapped with backward (per-layer buckets started in the last
+// micro-batch, parallel.overlap_grad_reduce, the default) sums what one reduction per group after
+// backward sums: same losses, every gradient within fp32 reassociation (2 micro-batches per
+// data-parallel rank, so only the last one's layers start buckets).
+TEST_F(Layouts, OverlappedGradientReductionMatchesOneReductionAfterBackward) {
+  Communicator& world = testing::test_world();
+  for (const Layout& l : layouts(world.size())) {
+    SCOPED_TRACE(layout_name(l, world.size()));
+    Config on = with_layout(base_, l), off = on;
+    ASSERT_TRUE(on.parallel.overlap_grad_reduce);
+    off.parallel.overlap_grad_reduce = false;
+    LayoutRun a(on, world), b(off, world);
+    a.trainer->accumulate_gradients();
+    b.trainer->accumulate_gradients();
+    EXPECT_EQ(a.trainer->metrics().lm_loss, b.trainer->metrics().lm_loss);
+    EXPECT_NEAR(a.trainer->metrics().grad_norm, b.trainer->metrics().grad_norm, 1e-6 * b.trainer->metrics().grad_norm);
+    for (Param& p : a.trainer->params()) {
+      const Tensor& want = find_param(b.trainer->params(), p.name).grad;
+      EXPECT_LE(testing::max_abs_diff(p.grad, want), 1e-6 * std::max(testing::max_abs(want), 1e-30)) << p.name;
+    }
+  }
+}
+
 void twenty_steps_match_one_rank(const Config& base_) {
   Communicator& world = testing::test_world();
   Config cfg = base_;

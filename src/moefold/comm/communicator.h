@@ -65,6 +65,14 @@ class Communicator {
   // then neither the send nor the recv rows may be touched. Host backends (MPI, one rank) finish
   // the exchange before returning (this default does, through all_to_all_v).
   virtual int64_t start_exchange(const std::vector<Transfer>& transfers);
+  // Collective: all_reduce(buf, op) started like start_exchange (after the compute stream's work
+  // so far; on a GPU backend on the communicator's stream, the compute stream going on) with a
+  // ticket for wait(); `buf` must not be touched until then. Host backends finish it before
+  // returning (this default). Backward overlaps the data-parallel gradient reduction with it.
+  virtual int64_t start_all_reduce(const Tensor& buf, ReduceOp op) {
+    all_reduce(buf, op);
+    return 0;
+  }
   virtual void wait(int64_t ticket) { (void)ticket; }
   // Collective: maps every rank's peer-visible block (Memory::peer_block, `bytes` long on every
   // rank) into the others' address spaces, for direct copies (see PeerMemory). Null on every rank

@@ -186,9 +186,16 @@ class NcclCommunicator final : public Communicator {
         MF_NCCL(ncclRecv(t.recv.data(), t.recv.size(0) * row, nccl_type(t.recv.dtype()), t.peer, comm_, stream_));
     }
     MF_NCCL(ncclGroupEnd());
-    const int64_t ticket = next_ticket_++;
-    MF_CUDA_CHECK(cudaEventRecord(started_[static_cast<size_t>(ticket % kStarted)], stream_));
-    return ticket;
+    return ticket_after();
+  }
+  int64_t start_all_reduce(const Tensor& buf, ReduceOp op) override {
+    comm_detail::check_buffer(buf, "start_all_reduce", "buf", true);
+    MF_CHECK(buf.device() == Device::cuda, "start_all_reduce on group '", name_, "': ", buf.str(),
+             " must be a GPU tensor");
+    MF_CUDA_CHECK(cudaEventRecord(before_, compute()));
+    MF_CUDA_CHECK(cudaStreamWaitEvent(stream_, before_, 0));
+    MF_NCCL(ncclAllReduce(buf.data(), buf.data(), buf.numel(), nccl_type(buf.dtype()), nccl_op(op), comm_, stream_));
+    return ticket_after();
   }
   void wait(int64_t ticket) override {
     MF_CHECK(ticket >= 0 && ticket < next_ticket_ && ticket >= next_ticket_ - kStarted, "wait on group '", name_,
@@ -288,6 +295,14 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  // A ticket for the work queued so far on the communicator's stream (start_exchange,
+  // start_all_reduce): its completion event, one of the last kStarted.
+  int64_t ticket_after() {
+    const int64_t ticket = next_ticket_++;
+    MF_CUDA_CHECK(cudaEventRecord(started_[static_cast<size_t>(ticket % kStarted)], stream_));
+    return ticket;
+  }
+
   // Polls the communicator's last operation; past the deadline names itself and aborts.
   void wait_or_abort(const char* what) {
     const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s_);
@@ -322,7 +337,7 @@ class NcclCommunicator final : public Communicator {
   int world_rank_ = 0, rank_ = 0, size_ = 1;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t before_ = nullptr, after_ = nullptr;
-  // Completion events of the last kStarted start_exchange calls, by ticket.
+  // Completion events of the last kStarted start_exchange / start_all_reduce calls, by ticket.
   static constexpr int64_t kStarted = 64;
   std::array<cudaEvent_t, kStarted> started_{};
   int64_t next_ticket_ = 0;

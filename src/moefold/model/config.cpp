@@ -116,6 +116,8 @@ const std::vector<Field>& fields() {
       MF_FIELD(parallel, "etp", etp, "expert tensor-parallel size"),
       MF_FIELD(parallel, "pp", pp, "pipeline-parallel size (1: not implemented yet)"),
       MF_FIELD(parallel, "timeout_s", timeout_s, "a rank waiting longer on another fails, naming both"),
+      MF_FIELD(parallel, "overlap_grad_reduce", overlap_grad_reduce,
+               "start each layer's data-parallel gradient all-reduce as its backward ends"),
       MF_FIELD(data, "path", path, ".tokens file or Megatron .bin/.idx prefix; empty: default corpus"),
       MF_FIELD(data, "valid_fraction", valid_fraction, "tail of the token stream held out for evaluation"),
       MF_FIELD(data, "default_corpus_dir", default_corpus_dir,

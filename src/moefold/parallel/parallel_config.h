@@ -16,6 +16,10 @@ struct ParallelConfig {
   int64_t etp = 1;         // expert tensor parallel
   int64_t pp = 1;          // pipeline parallel (1 until pipeline parallelism exists)
   double timeout_s = 300;  // longest wait for another rank in one communication call
+  // Data-parallel gradient reduction overlapped with backward (each layer's gradients start their
+  // all-reduce as its backward ends, in the step's last micro-batch); false: one all-reduce per
+  // parameter group after backward.
+  bool overlap_grad_reduce = true;
 
   // Static checks (positive sizes, pp == 1); world-dependent checks are in resolve().
   void validate() const;

@@ -60,6 +60,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   bind_all();
   mem_.finish_binding();
   opt_.bind(mem_.params());
+  grads_reducer_.emplace(mem_, model_.num_layers(), grad_groups());
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
 }
@@ -83,6 +84,14 @@ int64_t Trainer::local_micro_batches() const {
 
 void Trainer::reduce_dense(const Tensor& t) {
   if (mesh_.dp_cp->size() > 1) mesh_.dp_cp->all_reduce(t, ReduceOp::sum);
+}
+
+std::vector<GradReducer::Group> Trainer::grad_groups() const {
+  // Replicated parameters over DP x CP x TP (sequence parallelism gives each TP rank other
+  // tokens), TP shards over DP x CP, experts over EDP.
+  return {{ParamGroup::dense, mesh_.dense.get()},
+          {ParamGroup::tensor_parallel, mesh_.dp_cp.get()},
+          {ParamGroup::expert, mesh_.edp.get()}};
 }
 
 void Trainer::refresh_compute_weights() {
@@ -147,17 +156,19 @@ void Trainer::accumulate_gradients() {
       }
     }
     // Loss = sum of token losses / global tokens + mean over all micro-batches of the router losses.
+    // The last micro-batch starts each layer's gradient reduction as its backward ends.
     ProfileScope scope("model backward");
-    model_.backward(1.0 / static_cast<double>(tokens), 1.0 / static_cast<double>(all_micro));
+    const bool overlap = cfg_.parallel.overlap_grad_reduce && i + 1 == micro;
+    model_.backward(1.0 / static_cast<double>(tokens), 1.0 / static_cast<double>(all_micro),
+                    overlap ? [this](int64_t l) { grads_reducer_->layer_done(l); } : std::function<void(int64_t)>());
   }
   loader_.set_position(position + cfg_.train.global_batch_size);
   {
-    // Gradients: replicated parameters over DP x CP x TP (sequence parallelism gives each TP rank
-    // other tokens), TP shards over DP x CP, experts over EDP.
-    ProfileScope scope("gradient all-reduce");
-    if (mesh_.dense->size() > 1) mesh_.dense->all_reduce(mem_.grad_block(ParamGroup::dense), ReduceOp::sum);
-    reduce_dense(mem_.grad_block(ParamGroup::tensor_parallel));
-    if (mesh_.edp->size() > 1) mesh_.edp->all_reduce(mem_.grad_block(ParamGroup::expert), ReduceOp::sum);
+    ProfileScope scope("gradient all-reduce");  // with overlap: the rest, and the wait for all
+    if (cfg_.parallel.overlap_grad_reduce)
+      grads_reducer_->finish();
+    else
+      grads_reducer_->reduce_all();
   }
   // Global norm: every element once. Replicated gradients are identical on every rank after the
   // reduction; TP shards are disjoint over TP, expert shards over EP x ETP.

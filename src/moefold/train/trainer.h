@@ -21,6 +21,7 @@
 #include "moefold/model/model.h"
 #include "moefold/parallel/mesh.h"
 #include "moefold/train/checkpoint.h"
+#include "moefold/train/grad_reduce.h"
 #include "moefold/train/optimizer.h"
 
 namespace moefold {
@@ -77,6 +78,8 @@ class Trainer {
   void refresh_compute_weights();
   // Sum over the dense data-parallel group (DP x CP) in place.
   void reduce_dense(const Tensor& t);
+  // The gradient groups and the ranks that sum each (see GradReducer).
+  std::vector<GradReducer::Group> grad_groups() const;
   int64_t local_micro_batches() const;
   // ids_BL_/targets_BL_ = this context-parallel rank's positions of the full batch.
   void shard_batch();
@@ -86,6 +89,7 @@ class Trainer {
   Model model_;
   Memory mem_;
   AdamW opt_;
+  std::optional<GradReducer> grads_reducer_;  // built once the gradients have their places
   Loader loader_;
   Tensor full_ids_BS_, full_targets_BS_;  // whole sequences (targets already shifted)
   Mirrored ids_BL_, targets_BL_;          // this rank's positions of them (all of them without CP)

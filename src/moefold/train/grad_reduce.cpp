@@ -1,0 +1,90 @@
+#include "moefold/train/grad_reduce.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+
+#include "moefold/core/error.h"
+
+namespace moefold {
+
+int64_t grad_bucket_layer(const std::string& param_name, int64_t num_layers) {
+  const auto starts = [&](const char* prefix) { return param_name.rfind(prefix, 0) == 0; };
+  if (starts("model.norm.") || starts("lm_head.")) return num_layers;
+  static const std::string layers = "model.layers.";
+  if (!starts(layers.c_str())) return -1;
+  size_t i = layers.size();
+  int64_t n = 0;
+  const size_t first = i;
+  while (i < param_name.size() && std::isdigit(static_cast<unsigned char>(param_name[i])))
+    n = n * 10 + (param_name[i++] - '0');
+  if (i == first || i >= param_name.size() || param_name[i] != '.') return -1;
+  return std::min(n, num_layers);  // the multi-token-prediction modules: num_layers + depth - 1
+}
+
+GradReducer::GradReducer(const Memory& mem, int64_t num_layers, const std::vector<Group>& groups) {
+  for (const Group& g : groups) {
+    if (g.comm == nullptr || g.comm->size() == 1) continue;
+    Plan plan{g.group, g.comm, mem.grad_block(g.group), {}};
+    const int64_t n = plan.block.defined() ? plan.block.numel() : 0;
+    if (n == 0) continue;
+    const int64_t esize = static_cast<int64_t>(dtype_size(plan.block.dtype()));
+    const char* base = static_cast<const char*>(plan.block.data());
+    std::vector<Bucket> params;  // one per parameter: its ready point and elements
+    for (const Param& p : mem.params()) {
+      if (p.group != g.group || p.grad.numel() == 0) continue;
+      const int64_t begin = (static_cast<const char*>(p.grad.data()) - base) / esize, end = begin + p.grad.numel();
+      MF_CHECK(begin >= 0 && end <= n, "GradReducer: the gradient of ", p.name, " lies outside its group's block");
+      params.push_back({grad_bucket_layer(p.name, num_layers), begin, end});
+    }
+    // Runs of parameters with one ready point, in block order; the padding between two parameters
+    // (zero) goes with the run before it, the block's head and tail with the first and last run.
+    std::sort(params.begin(), params.end(), [](const Bucket& a, const Bucket& b) { return a.begin < b.begin; });
+    for (const Bucket& q : params) {
+      if (!plan.buckets.empty() && plan.buckets.back().layer == q.layer) {
+        plan.buckets.back().end = q.end;
+        continue;
+      }
+      if (!plan.buckets.empty()) plan.buckets.back().end = q.begin;
+      plan.buckets.push_back({q.layer, plan.buckets.empty() ? 0 : q.begin, q.end});
+    }
+    if (plan.buckets.empty()) plan.buckets.push_back({-1, 0, n});
+    plan.buckets.back().end = n;
+    plans_.push_back(std::move(plan));
+  }
+}
+
+void GradReducer::start(const Plan& p, const Bucket& b) {
+  const int64_t ticket = p.comm->start_all_reduce(p.block.slice(b.begin, b.end), ReduceOp::sum);
+  for (auto& [comm, t] : last_ticket_)
+    if (comm == p.comm) {
+      t = ticket;
+      return;
+    }
+  last_ticket_.emplace_back(p.comm, ticket);
+}
+
+void GradReducer::layer_done(int64_t layer) {
+  for (const Plan& p : plans_)
+    for (const Bucket& b : p.buckets)
+      if (b.layer == layer) start(p, b);
+}
+
+void GradReducer::finish() {
+  layer_done(-1);
+  // Each communicator runs its buckets in order on its stream: waiting for its last one waits for all.
+  for (const auto& [comm, ticket] : last_ticket_) comm->wait(ticket);
+  last_ticket_.clear();
+}
+
+void GradReducer::reduce_all() {
+  for (const Plan& p : plans_) p.comm->all_reduce(p.block, ReduceOp::sum);
+}
+
+std::vector<GradReducer::Bucket> GradReducer::buckets(ParamGroup group) const {
+  for (const Plan& p : plans_)
+    if (p.group == group) return p.buckets;
+  return {};
+}
+
+}  // namespace moefold
