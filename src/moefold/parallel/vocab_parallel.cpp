@@ -1,6 +1,7 @@
 // Vocabulary-parallel embedding and cross-entropy (see vocab_parallel.h): shard-local kernels, plus
 // the forward's two packed all-reduces. Gradient rules: dtable ACCUMULATED, dlogits WRITTEN.
-// The checks are device-agnostic; CUDA tensors then go to vocab_parallel.cu.
+// The checks are device-agnostic; CUDA tensors then go to vocab_parallel.cu (cross-entropy) and
+// ops/cuda/embedding.cu (the embedding's shard kernels).
 #include "moefold/parallel/vocab_parallel.h"
 
 #include <algorithm>
@@ -8,6 +9,9 @@
 
 #include "moefold/core/error.h"
 #include "moefold/ops/ops.h"
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/norm_ops.h"
+#endif
 
 namespace moefold {
 
@@ -72,8 +76,7 @@ void vocab_parallel_embedding_forward(const Tensor& ids_N, const Tensor& table_s
                                       const Tensor& out_partial_NC) {
   check_embedding(ids_N, table_shard_VlC, out_partial_NC, vocab_offset, false, "vocab_parallel_embedding_forward");
 #ifdef MOEFOLD_WITH_CUDA
-  if (on_gpu(ids_N))
-    return cuda::vocab_parallel_embedding_forward(ids_N, table_shard_VlC, vocab_offset, out_partial_NC);
+  if (on_gpu(ids_N)) return cuda::embedding_shard_forward(ids_N, table_shard_VlC, vocab_offset, out_partial_NC);
 #endif
   const int64_t n = ids_N.size(0), vl = table_shard_VlC.size(0), c = table_shard_VlC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();
@@ -98,7 +101,7 @@ void vocab_parallel_embedding_backward(const Tensor& ids_N, const Tensor& dout_N
                                        const Tensor& dtable_shard_VlC) {
   check_embedding(ids_N, dtable_shard_VlC, dout_NC, vocab_offset, true, "vocab_parallel_embedding_backward");
 #ifdef MOEFOLD_WITH_CUDA
-  if (on_gpu(ids_N)) return cuda::vocab_parallel_embedding_backward(ids_N, dout_NC, vocab_offset, dtable_shard_VlC);
+  if (on_gpu(ids_N)) return cuda::embedding_shard_backward(ids_N, dout_NC, vocab_offset, dtable_shard_VlC);
 #endif
   const int64_t n = ids_N.size(0), vl = dtable_shard_VlC.size(0), c = dtable_shard_VlC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();

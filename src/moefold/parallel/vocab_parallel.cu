@@ -1,6 +1,6 @@
-// CUDA path of the vocabulary-parallel embedding and cross-entropy (vocab_parallel.h), reached
-// from vocab_parallel.cpp after its checks; the forward's two all-reduces stay on the device.
-// Gradient rules: dtable ACCUMULATED (deterministic, without atomics), dlogits WRITTEN.
+// CUDA path of the vocabulary-parallel cross-entropy (vocab_parallel.h), reached from
+// vocab_parallel.cpp after its checks; the forward's two all-reduces stay on the device.
+// Gradient rule: dlogits WRITTEN. (The embedding's shard kernels are ops/cuda/embedding.cu's.)
 // Shape letters: N rows (tokens), C channels, Vl vocabulary entries held by this rank.
 #include <algorithm>
 #include <climits>
@@ -18,14 +18,6 @@ namespace {
 
 constexpr int kRowThreads = 512;      // per logits row (as ops/cuda/cross_entropy.cu)
 constexpr int kFinishThreads = 1024;  // the one block that finishes the rows and sums the losses
-constexpr int kEmbThreads = 256;      // embedding: the forward's grid-stride blocks, one backward block per token
-// Embedding backward: ids compared per thread per block-wide vote (earlier duplicates) and per
-// pass (later matches), and dtable columns per thread per column pass.
-constexpr int kIdsPerVote = kEmbThreads * 16;
-constexpr int kIdsPerThread = 8;
-constexpr int kIdsPerPass = kEmbThreads * kIdsPerThread;  // 2048 ids: 64 match words per pass
-constexpr int kWordsPerPass = kIdsPerPass / 32;
-constexpr int kColsPerThread = 4;
 
 // 16-byte packs of a row (8 bf16 or 4 f32).
 template <class T>
@@ -190,115 +182,7 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// ---- embedding ----------------------------------------------------------------------------------
-
-template <class T>
-__global__ void embedding_forward_kernel(const int32_t* ids, const T* table, T* out, int64_t n, int64_t c, int64_t vl,
-                                         int64_t vocab_offset) {
-  const int64_t total = n * c;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / c, col = i - row * c;
-    const int32_t id = ids[row];
-    if (id < 0) __trap();  // REQUIRES: ids >= 0
-    const int64_t local = id - vocab_offset;
-    out[i] = local >= 0 && local < vl ? table[local * c + col] : from_float<T>(0.0f);
-  }
-}
-
-// One block per token `owner`. Outside the shard, or when an earlier token has the same id, the
-// block exits; otherwise it owns row id - vocab_offset of dtable and adds the dout rows of every
-// token at or after `owner` with that id, in token order, per column in a float that starts from
-// the old value (so an f32 dtable gets exactly the CPU's sums). Exactly one block writes each
-// touched row. The later matches are found again for each column pass (ids stay in L2), which
-// keeps shared memory fixed whatever N.
-template <class T, class G>
-__global__ void __launch_bounds__(kEmbThreads)
-    embedding_backward_kernel(const int32_t* ids, const T* dout, G* dtable, int64_t n, int64_t c, int64_t vl,
-                              int64_t vocab_offset) {
-  __shared__ uint32_t match_bits[kWordsPerPass];
-  const int64_t owner = blockIdx.x;
-  const int32_t id = ids[owner];
-  if (id < 0) __trap();  // REQUIRES: ids >= 0
-  const int64_t local = id - vocab_offset;
-  if (local < 0 || local >= vl) return;  // block-uniform
-  for (int64_t base = 0; base < owner; base += kIdsPerVote) {
-    // Loads at clamped (valid) indices without branches, so that all of them are in flight.
-    bool dup = false;
-#pragma unroll
-    for (int k = 0; k < kIdsPerVote / kEmbThreads; ++k) {
-      const int64_t m = base + k * kEmbThreads + threadIdx.x;
-      dup |= (m < owner) & (ids[m < owner ? m : 0] == id);
-    }
-    if (__syncthreads_or(dup)) return;  // block-uniform
-  }
-
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  G* row = dtable + local * c;
-  for (int64_t c0 = 0; c0 < c; c0 += kEmbThreads * kColsPerThread) {
-    int64_t col[kColsPerThread];
-    float acc[kColsPerThread];
-#pragma unroll
-    for (int k = 0; k < kColsPerThread; ++k) {
-      col[k] = c0 + k * kEmbThreads + threadIdx.x;
-      acc[k] = col[k] < c ? to_float(row[col[k]]) : 0.0f;
-    }
-    for (int64_t base = owner; base < n; base += kIdsPerPass) {
-      // Bit b of match_bits[w]: ids[base + 32 w + b] == id.
-#pragma unroll
-      for (int k = 0; k < kIdsPerThread; ++k) {
-        const int64_t m = base + k * kEmbThreads + threadIdx.x;
-        const unsigned bits = __ballot_sync(0xffffffffu, (m < n) & (ids[m < n ? m : 0] == id));
-        if (lane == 0) match_bits[k * (kEmbThreads / 32) + warp] = bits;
-      }
-      __syncthreads();
-      for (int w = 0; w < kWordsPerPass; ++w) {  // block-uniform walk, in token order
-        for (uint32_t bits = match_bits[w]; bits != 0; bits &= bits - 1) {
-          const T* src = dout + (base + w * 32 + (__ffs(static_cast<int>(bits)) - 1)) * c;
-#pragma unroll
-          for (int k = 0; k < kColsPerThread; ++k)
-            if (col[k] < c) acc[k] += to_float(src[col[k]]);
-        }
-      }
-      __syncthreads();  // before the next pass overwrites match_bits
-    }
-#pragma unroll
-    for (int k = 0; k < kColsPerThread; ++k)
-      if (col[k] < c) row[col[k]] = from_float<G>(acc[k]);
-  }
-}
-
 }  // namespace
-
-void vocab_parallel_embedding_forward(const Tensor& ids_N, const Tensor& table_shard_VlC, int64_t vocab_offset,
-                                      const Tensor& out_partial_NC) {
-  const int64_t n = ids_N.size(0), vl = table_shard_VlC.size(0), c = table_shard_VlC.size(1);
-  if (n * c == 0) return;
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n * c, kEmbThreads), 65535 * 8));
-  dispatch_cuda_float(table_shard_VlC.dtype(), [&]<class T>() {
-    embedding_forward_kernel<T><<<blocks, kEmbThreads, 0, stream()>>>(ids_N.ptr<int32_t>(), table_shard_VlC.ptr<T>(),
-                                                                      out_partial_NC.ptr<T>(), n, c, vl, vocab_offset);
-  });
-  MF_CUDA_LAUNCHED("vocab_parallel_embedding_forward");
-}
-
-void vocab_parallel_embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
-                                       const Tensor& dtable_shard_VlC) {
-  const int64_t n = ids_N.size(0), vl = dtable_shard_VlC.size(0), c = dtable_shard_VlC.size(1);
-  if (n * c == 0 || vl == 0) return;
-  const unsigned grid = rows_grid(n, "vocab_parallel_embedding_backward");
-  dispatch_cuda_float(dout_NC.dtype(), [&]<class T>() {
-    auto launch = [&]<class G>() {
-      embedding_backward_kernel<T, G><<<grid, kEmbThreads, 0, stream()>>>(
-          ids_N.ptr<int32_t>(), dout_NC.ptr<T>(), dtable_shard_VlC.ptr<G>(), n, c, vl, vocab_offset);
-    };
-    if (dtable_shard_VlC.dtype() == dout_NC.dtype())
-      launch.template operator()<T>();
-    else
-      launch.template operator()<float>();  // the f32 master gradient of bf16 rows
-  });
-  MF_CUDA_LAUNCHED("vocab_parallel_embedding_backward");
-}
 
 VocabParallelSums vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logits_shard_NVl,
                                                        int64_t vocab_offset, const Tensor& targets_N,

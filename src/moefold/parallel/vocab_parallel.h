@@ -33,8 +33,8 @@ void vocab_parallel_embedding_forward(const Tensor& ids_N, const Tensor& table_s
 // all_reduce / reduce_scatter, i.e. identical on every TP rank). Only rows whose id falls inside
 // the shard are accumulated into dtable_shard_VlC. Repeated ids are added in token order on both
 // devices (CUDA: without atomics, the first token of an id owns its row, as in
-// ops/cuda/embedding.cu), so the result is deterministic; with an f32 dtable the CUDA result is
-// the CPU's bit for bit. CUDA cost: O(N^2) id compares per shard, no shared-memory limit on N.
+// ops/cuda/embedding.cu, whose shard kernels serve both), so the result is deterministic; with an
+// f32 dtable the CUDA result is the CPU's bit for bit. CUDA cost: O(N^2) id compares per shard.
 void vocab_parallel_embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
                                        const Tensor& dtable_shard_VlC);
 
@@ -80,10 +80,6 @@ struct VocabParallelSums {
   double loss;   // sum over rows of lse - logit[target]
   double found;  // rows whose target some rank owned (must be N)
 };
-void vocab_parallel_embedding_forward(const Tensor& ids_N, const Tensor& table_shard_VlC, int64_t vocab_offset,
-                                      const Tensor& out_partial_NC);
-void vocab_parallel_embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
-                                       const Tensor& dtable_shard_VlC);
 VocabParallelSums vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logits_shard_NVl,
                                                        int64_t vocab_offset, const Tensor& targets_N,
                                                        const Tensor& lse_N, const VocabParallelScratch& scratch);

@@ -1,4 +1,5 @@
-// CUDA token embedding (ops/ops.h): out_NC[n] = table_VC[ids_N[n]], and its backward.
+// CUDA token embedding (ops/ops.h): out_NC[n] = table_VC[ids_N[n]], and its backward; also for a
+// shard of the table's rows (vocabulary parallelism, parallel/vocab_parallel.cpp).
 // Gradient rule: dtable ACCUMULATED (+=). Repeated ids are summed without atomics: the first
 // token carrying an id owns that row of dtable and adds every occurrence in token order, so the
 // result is deterministic (sort-free per-row ownership; the price is O(N^2) id compares). On an
@@ -37,15 +38,19 @@ size_t backward_smem_bytes(int64_t n) {
   return static_cast<size_t>(words + words / 32) * sizeof(uint32_t);
 }
 
+// The table holds rows [offset, offset + v) of the vocabulary. shard: ids outside give zero rows;
+// else (the whole table, offset 0) they trap.
 template <class T>
-__global__ void embedding_forward_kernel(const int32_t* ids, const T* table, T* out, int64_t n, int64_t c, int64_t v) {
+__global__ void embedding_forward_kernel(const int32_t* ids, const T* table, T* out, int64_t n, int64_t c, int64_t v,
+                                         int64_t offset, bool shard) {
   const int64_t total = n * c;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / c, col = i - row * c;
     const int32_t id = ids[row];
-    if (id < 0 || id >= v) __trap();  // REQUIRES: 0 <= id < V
-    out[i] = table[id * c + col];
+    const int64_t local = id - offset;
+    if (id < 0 || (!shard && local >= v)) __trap();  // REQUIRES: 0 <= id (< V for the whole table)
+    out[i] = local >= 0 && local < v ? table[local * c + col] : from_float<T>(0.0f);
   }
 }
 
@@ -77,16 +82,22 @@ struct MatchWalker {
   }
 };
 
-// One block per token `owner`. If an earlier token has the same id the block exits; otherwise it
+// One block per token `owner`. If its id is outside the table's rows [offset, offset + v) (shard
+// only; the whole table traps) or an earlier token has the same id, the block exits; otherwise it
 // records which tokens at or after `owner` share the id (one bit each, in shared memory) and adds
-// their dout rows, in token order, to dtable[id]. Exactly one block writes each touched row.
+// their dout rows, in token order, to the id's row of dtable, in a float that starts from the
+// old value (so an f32 dtable gets the CPU's sums bit for bit). Exactly one block writes each
+// touched row.
 template <class T, class G, bool kVec>
 __global__ void __launch_bounds__(kThreads)
-    embedding_backward_kernel(const int32_t* ids, const T* dout, G* dtable, int64_t n, int64_t c, int64_t v) {
+    embedding_backward_kernel(const int32_t* ids, const T* dout, G* dtable, int64_t n, int64_t c, int64_t v,
+                              int64_t offset, bool shard) {
   extern __shared__ uint32_t smem[];
   const int64_t owner = blockIdx.x;
   const int32_t id = ids[owner];
-  if (id < 0 || id >= v) __trap();  // REQUIRES: 0 <= id < V
+  const int64_t local = id - offset;
+  if (id < 0 || (!shard && local >= v)) __trap();  // REQUIRES: 0 <= id (< V for the whole table)
+  if (local < 0 || local >= v) return;             // another shard's row: block-uniform
   for (int64_t base = 0; base < owner; base += kIdsPerVote) {
     // Loads at clamped (valid) indices without branches, so that all of them are in flight.
     bool dup = false;
@@ -128,15 +139,14 @@ __global__ void __launch_bounds__(kThreads)
   // Column passes. kVec: each thread owns kPack consecutive columns, read in one 16-byte load
   // per row; otherwise kColsPerThread columns kThreads apart.
   constexpr int kCols = kVec ? kPack<T> : kColsPerThread;
-  G* row = dtable + id * c;
+  G* row = dtable + local * c;
   for (int64_t c0 = 0; c0 < c; c0 += kThreads * kCols) {
     int64_t col[kCols];
-    float old[kCols], acc[kCols];
+    float acc[kCols];
 #pragma unroll
     for (int k = 0; k < kCols; ++k) {
       col[k] = kVec ? c0 + threadIdx.x * kCols + k : c0 + k * kThreads + threadIdx.x;
-      old[k] = to_float(row[col[k] < c ? col[k] : 0]);
-      acc[k] = 0.0f;
+      acc[k] = to_float(row[col[k] < c ? col[k] : 0]);
     }
     MatchWalker walk{match_bits, summary, words_used / 32};
     bool more = true;
@@ -172,7 +182,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int k = 0; k < kCols; ++k)
-      if (col[k] < c) row[col[k]] = from_float<G>(old[k] + acc[k]);
+      if (col[k] < c) row[col[k]] = from_float<G>(acc[k]);
   }
 }
 
@@ -183,38 +193,44 @@ void check_ids(const Tensor& ids, const char* what) {
 
 }  // namespace
 
-void embedding_forward(const Tensor& ids_N, const Tensor& table_VC, const Tensor& out_NC) {
-  check_ids(ids_N, "embedding_forward");
-  check_cuda_tensor(table_VC, "embedding_forward table");
-  check_cuda_tensor(out_NC, "embedding_forward out");
-  MF_CHECK(table_VC.ndim() == 2, "embedding_forward: table ", table_VC.str());
+namespace {
+
+// ids i32 [N], a 2-D table (or its gradient) and rows [N, C] (out or dout), all on the GPU.
+void check_call(const Tensor& ids_N, const Tensor& table_VC, const Tensor& rows_NC, int64_t offset, const char* what) {
+  check_ids(ids_N, what);
+  check_cuda_tensor(table_VC, what);
+  check_cuda_tensor(rows_NC, what);
+  MF_CHECK(table_VC.ndim() == 2, what, ": table ", table_VC.str());
+  check_shape(rows_NC, {ids_N.size(0), table_VC.size(1)}, what);
+  MF_CHECK(offset >= 0, what, ": vocab_offset ", offset);
+}
+
+void forward(const Tensor& ids_N, const Tensor& table_VC, int64_t offset, bool shard, const Tensor& out_NC,
+             const char* what) {
+  check_call(ids_N, table_VC, out_NC, offset, what);
   const int64_t n = ids_N.size(0), v = table_VC.size(0), c = table_VC.size(1);
-  check_shape(out_NC, {n, c}, "embedding_forward out");
-  MF_CHECK(out_NC.dtype() == table_VC.dtype(), "embedding_forward: out ", out_NC.str(), " vs table ", table_VC.str());
+  MF_CHECK(out_NC.dtype() == table_VC.dtype(), what, ": out ", out_NC.str(), " vs table ", table_VC.str());
   if (n * c == 0) return;
   dispatch_cuda_float(table_VC.dtype(), [&]<class T>() {
     embedding_forward_kernel<T><<<blocks_for(n * c), kThreads, 0, stream()>>>(ids_N.ptr<int32_t>(), table_VC.ptr<T>(),
-                                                                              out_NC.ptr<T>(), n, c, v);
+                                                                              out_NC.ptr<T>(), n, c, v, offset, shard);
   });
-  MF_CUDA_LAUNCHED("embedding_forward");
+  MF_CUDA_LAUNCHED(what);
 }
 
-void embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, const Tensor& dtable_VC) {
-  check_ids(ids_N, "embedding_backward");
-  check_cuda_tensor(dout_NC, "embedding_backward dout");
-  check_cuda_tensor(dtable_VC, "embedding_backward dtable");
-  MF_CHECK(dtable_VC.ndim() == 2, "embedding_backward: dtable ", dtable_VC.str());
+void backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t offset, bool shard, const Tensor& dtable_VC,
+              const char* what) {
+  check_call(ids_N, dtable_VC, dout_NC, offset, what);
   const int64_t n = ids_N.size(0), v = dtable_VC.size(0), c = dtable_VC.size(1);
-  check_shape(dout_NC, {n, c}, "embedding_backward dout");
-  MF_CHECK(dtable_VC.dtype() == dout_NC.dtype() || dtable_VC.dtype() == DType::f32, "embedding_backward: dtable ",
-           dtable_VC.str(), " must have dout's dtype or f32 (dout ", dout_NC.str(), ")");
-  if (n * c == 0) return;
-  MF_CHECK(n <= INT_MAX, "embedding_backward: ", n, " tokens (one block each)");
+  MF_CHECK(dtable_VC.dtype() == dout_NC.dtype() || dtable_VC.dtype() == DType::f32, what, ": dtable ", dtable_VC.str(),
+           " must have dout's dtype or f32 (dout ", dout_NC.str(), ")");
+  if (n * c == 0 || v == 0) return;
+  MF_CHECK(n <= INT_MAX, what, ": ", n, " tokens (one block each)");
   const size_t smem = backward_smem_bytes(n);
   int device = 0, smem_optin = 0;
   MF_CUDA_CHECK(cudaGetDevice(&device));
   MF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  MF_CHECK(smem <= static_cast<size_t>(smem_optin), "embedding_backward: ", n, " tokens need ", smem,
+  MF_CHECK(smem <= static_cast<size_t>(smem_optin), what, ": ", n, " tokens need ", smem,
            " bytes of shared memory per block, the device allows ", smem_optin);
   auto launch = [&]<class T, class G>() {
     const bool vec = c % kPack<T> == 0 && reinterpret_cast<uintptr_t>(dout_NC.data()) % 16 == 0;
@@ -222,7 +238,7 @@ void embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, const Tensor
     if (smem > 48 * 1024)
       MF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     kernel<<<static_cast<unsigned>(n), kThreads, smem, stream()>>>(ids_N.ptr<int32_t>(), dout_NC.ptr<T>(),
-                                                                   dtable_VC.ptr<G>(), n, c, v);
+                                                                   dtable_VC.ptr<G>(), n, c, v, offset, shard);
   };
   dispatch_cuda_float(dout_NC.dtype(), [&]<class T>() {
     if (dtable_VC.dtype() == dout_NC.dtype())
@@ -230,7 +246,26 @@ void embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, const Tensor
     else
       launch.template operator()<T, float>();
   });
-  MF_CUDA_LAUNCHED("embedding_backward");
+  MF_CUDA_LAUNCHED(what);
+}
+
+}  // namespace
+
+void embedding_forward(const Tensor& ids_N, const Tensor& table_VC, const Tensor& out_NC) {
+  forward(ids_N, table_VC, 0, false, out_NC, "embedding_forward");
+}
+
+void embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, const Tensor& dtable_VC) {
+  backward(ids_N, dout_NC, 0, false, dtable_VC, "embedding_backward");
+}
+
+void embedding_shard_forward(const Tensor& ids_N, const Tensor& table_VlC, int64_t vocab_offset, const Tensor& out_NC) {
+  forward(ids_N, table_VlC, vocab_offset, true, out_NC, "embedding_shard_forward");
+}
+
+void embedding_shard_backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
+                              const Tensor& dtable_VlC) {
+  backward(ids_N, dout_NC, vocab_offset, true, dtable_VlC, "embedding_shard_backward");
 }
 
 }  // namespace moefold::cuda

@@ -27,6 +27,13 @@ void embedding_forward(const Tensor& ids_N, const Tensor& table_VC, const Tensor
 // the device's opt-in shared memory per block (N up to 1.8M tokens on H100/H200). A very
 // frequent id is summed by one block, so heavy skew (one id in most tokens) is slow.
 void embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, const Tensor& dtable_VC);
+// The same for a shard of the table: rows [vocab_offset, vocab_offset + Vl) of the vocabulary
+// (vocabulary parallelism). ids are global, >= 0; an id outside the shard gives a zero row
+// (forward) and no gradient (backward). With an f32 dtable both backwards equal the CPU's
+// token-order sums bit for bit.
+void embedding_shard_forward(const Tensor& ids_N, const Tensor& table_VlC, int64_t vocab_offset, const Tensor& out_NC);
+void embedding_shard_backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
+                              const Tensor& dtable_VlC);
 
 // ---- RMSNorm (rmsnorm.cu) --------------------------------------------------------------------
 // x and y of one dtype (f32 or bf16); w of x's dtype or f32; rstd f32. One warp per row for
