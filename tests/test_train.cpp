@@ -198,19 +198,19 @@ TEST(Trainer, ExpertBiasFollowsTheStepLoads) {
 }
 
 TEST(GradReducer, LayerOfAParameterName) {
-  EXPECT_EQ(grad_bucket_layer("model.layers.0.self_attn.q_proj.weight", 2), 0);
-  EXPECT_EQ(grad_bucket_layer("model.layers.1.mlp.experts.gate_up_proj", 2), 1);
-  EXPECT_EQ(grad_bucket_layer("model.layers.12.input_layernorm.weight", 20), 12);
+  EXPECT_EQ(grad_ready_point("model.layers.0.self_attn.q_proj.weight", 2), 0);
+  EXPECT_EQ(grad_ready_point("model.layers.1.mlp.experts.gate_up_proj", 2), 1);
+  EXPECT_EQ(grad_ready_point("model.layers.12.input_layernorm.weight", 20), 12);
   // The top: multi-token prediction (named after the last layers), the final norm, the head.
-  EXPECT_EQ(grad_bucket_layer("model.layers.2.eh_proj.weight", 2), 2);
-  EXPECT_EQ(grad_bucket_layer("model.layers.3.mlp.gate.weight", 2), 2);
-  EXPECT_EQ(grad_bucket_layer("model.norm.weight", 2), 2);
-  EXPECT_EQ(grad_bucket_layer("lm_head.weight", 2), 2);
+  EXPECT_EQ(grad_ready_point("model.layers.2.eh_proj.weight", 2), 2);
+  EXPECT_EQ(grad_ready_point("model.layers.3.mlp.gate.weight", 2), 2);
+  EXPECT_EQ(grad_ready_point("model.norm.weight", 2), 2);
+  EXPECT_EQ(grad_ready_point("lm_head.weight", 2), 2);
   // The rest, when backward returns.
-  EXPECT_EQ(grad_bucket_layer("model.embed_tokens.weight", 2), -1);
-  EXPECT_EQ(grad_bucket_layer("model.layers.x.weight", 2), -1);
-  EXPECT_EQ(grad_bucket_layer("model.layers.1", 2), -1);
-  EXPECT_EQ(grad_bucket_layer("model.normal.weight", 2), -1);
+  EXPECT_EQ(grad_ready_point("model.embed_tokens.weight", 2), -1);
+  EXPECT_EQ(grad_ready_point("model.layers.x.weight", 2), -1);
+  EXPECT_EQ(grad_ready_point("model.layers.1", 2), -1);
+  EXPECT_EQ(grad_ready_point("model.normal.weight", 2), -1);
 }
 
 // A two-rank group that records which elements each reduction covers (and sums nothing).
@@ -284,23 +284,23 @@ TEST(GradReducer, BucketsTileTheBlocksAndStartWithTheirLayers) {
           std::find_if(b.begin(), b.end(), [&](const auto& x) { return begin >= x.begin && begin < x.end; });
       ASSERT_NE(in, b.end()) << p.name;
       EXPECT_LE(begin + p.grad.numel(), in->end) << p.name;
-      EXPECT_EQ(in->layer, grad_bucket_layer(p.name, 3)) << p.name;
+      EXPECT_EQ(in->point, grad_ready_point(p.name, 3)) << p.name;
     }
   }
   for (int64_t l = 3; l >= 0; --l) {  // the top (3), then the layers
     dense.calls.clear();
     tp.calls.clear();
-    r.layer_done(l);
+    r.ready(l);
     for (RecordingGroup* g : {&dense, &tp}) {
       const ParamGroup group = g == &dense ? ParamGroup::dense : ParamGroup::tensor_parallel;
       const std::vector<GradReducer::Bucket> all = r.buckets(group);
       const size_t want =
-          static_cast<size_t>(std::count_if(all.begin(), all.end(), [&](const auto& x) { return x.layer == l; }));
+          static_cast<size_t>(std::count_if(all.begin(), all.end(), [&](const auto& x) { return x.point == l; }));
       EXPECT_GE(want, 1u) << "point " << l;  // every layer has norms (dense) and projections (tp)
       ASSERT_EQ(g->calls.size(), want) << "point " << l;
       for (size_t i = 0; i < want; ++i) {
         const auto it = std::find_if(all.begin(), all.end(), [&](const auto& x) {
-          return x.layer == l && static_cast<const char*>(mem.grad_block(group).data()) + x.begin * esize ==
+          return x.point == l && static_cast<const char*>(mem.grad_block(group).data()) + x.begin * esize ==
                                      static_cast<const char*>(g->calls[i].data);
         });
         EXPECT_NE(it, all.end()) << "point " << l << ": a reduction that is not one of its buckets";

@@ -329,7 +329,7 @@ void Model::embed_backward(const Tensor& ids_N, const Tensor& dout_TH) {
   }
 }
 
-void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::function<void(int64_t)>& layer_done) {
+void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::function<void(int64_t)>& grads_ready) {
   head_backward(res_.back(), norm_, dnorm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_, lm_grad_scale,
                 dres_TH_);
   // Multi-token prediction, deepest first: each depth's d(h_prev) flows into the one before it,
@@ -343,10 +343,10 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
                  i + 1 < static_cast<int64_t>(mtp_.size()) ? &mtp_[i + 1]->dprev_TH_ : nullptr);
   }
   if (!mtp_.empty()) add_inplace(dres_TH_, mtp_.front()->dprev_TH_);
-  if (layer_done) layer_done(num_layers());
+  if (grads_ready) grads_ready(num_layers());
   for (int64_t l = num_layers() - 1; l >= 0; --l) {
     layers_[l]->backward(dres_TH_, moe_loss_scale);
-    if (layer_done) layer_done(l);
+    if (grads_ready) grads_ready(l);
   }
   embed_backward(ids_, dres_TH_);
 }

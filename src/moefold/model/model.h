@@ -106,12 +106,12 @@ class Model {
   // lm_grad_scale multiplies d(sum of token losses); moe_loss_scale multiplies the router losses
   // of this micro-batch (1 / micro-batches per step). Multi-token prediction: depth k's token
   // losses get lm_grad_scale * mtp_loss_scaling_factor / depth * S / (S - k).
-  // layer_done, when given, is called as parts of backward are queued, with the gradients of
-  // their parameters then final for this micro-batch: layer_done(num_layers()) after the head,
-  // the final norm and the multi-token-prediction modules, then layer_done(l) after decoder layer
-  // l (last layer first); the embedding's is final when backward returns.
+  // grads_ready, when given, is called as parts of backward are queued, with the gradients of
+  // their parameters then final for this micro-batch: grads_ready(num_layers()) after the head,
+  // the final norm and the multi-token-prediction modules, then grads_ready(l) after decoder
+  // layer l (last layer first); the embedding's are final when backward returns.
   void backward(double lm_grad_scale, double moe_loss_scale,
-                const std::function<void(int64_t layer)>& layer_done = nullptr);
+                const std::function<void(int64_t point)>& grads_ready = nullptr);
 
   // Router losses of the last forward, summed over layers (already times their coefficients);
   // aux_loss holds both load-balancing losses (Switch and sequence-level).

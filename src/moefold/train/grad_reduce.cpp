@@ -2,13 +2,13 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstdlib>
+#include <utility>
 
 #include "moefold/core/error.h"
 
 namespace moefold {
 
-int64_t grad_bucket_layer(const std::string& param_name, int64_t num_layers) {
+int64_t grad_ready_point(const std::string& param_name, int64_t num_layers) {
   const auto starts = [&](const char* prefix) { return param_name.rfind(prefix, 0) == 0; };
   if (starts("model.norm.") || starts("lm_head.")) return num_layers;
   static const std::string layers = "model.layers.";
@@ -35,18 +35,18 @@ GradReducer::GradReducer(const Memory& mem, int64_t num_layers, const std::vecto
       if (p.group != g.group || p.grad.numel() == 0) continue;
       const int64_t begin = (static_cast<const char*>(p.grad.data()) - base) / esize, end = begin + p.grad.numel();
       MF_CHECK(begin >= 0 && end <= n, "GradReducer: the gradient of ", p.name, " lies outside its group's block");
-      params.push_back({grad_bucket_layer(p.name, num_layers), begin, end});
+      params.push_back({grad_ready_point(p.name, num_layers), begin, end});
     }
     // Runs of parameters with one ready point, in block order; the padding between two parameters
     // (zero) goes with the run before it, the block's head and tail with the first and last run.
     std::sort(params.begin(), params.end(), [](const Bucket& a, const Bucket& b) { return a.begin < b.begin; });
     for (const Bucket& q : params) {
-      if (!plan.buckets.empty() && plan.buckets.back().layer == q.layer) {
+      if (!plan.buckets.empty() && plan.buckets.back().point == q.point) {
         plan.buckets.back().end = q.end;
         continue;
       }
       if (!plan.buckets.empty()) plan.buckets.back().end = q.begin;
-      plan.buckets.push_back({q.layer, plan.buckets.empty() ? 0 : q.begin, q.end});
+      plan.buckets.push_back({q.point, plan.buckets.empty() ? 0 : q.begin, q.end});
     }
     if (plan.buckets.empty()) plan.buckets.push_back({-1, 0, n});
     plan.buckets.back().end = n;
@@ -64,14 +64,14 @@ void GradReducer::start(const Plan& p, const Bucket& b) {
   last_ticket_.emplace_back(p.comm, ticket);
 }
 
-void GradReducer::layer_done(int64_t layer) {
+void GradReducer::ready(int64_t point) {
   for (const Plan& p : plans_)
     for (const Bucket& b : p.buckets)
-      if (b.layer == layer) start(p, b);
+      if (b.point == point) start(p, b);
 }
 
 void GradReducer::finish() {
-  layer_done(-1);
+  ready(-1);
   // Each communicator runs its buckets in order on its stream: waiting for its last one waits for all.
   for (const auto& [comm, ticket] : last_ticket_) comm->wait(ticket);
   last_ticket_.clear();

@@ -11,6 +11,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moefold/comm/communicator.h"
@@ -22,7 +23,7 @@ namespace moefold {
 // num_layers); num_layers for the top, done before any layer (the final norm, the head, and the
 // multi-token-prediction modules, named "model.layers.M." with M >= num_layers); -1 for the rest,
 // done when backward returns (the embedding, and anything not named above).
-int64_t grad_bucket_layer(const std::string& param_name, int64_t num_layers);
+int64_t grad_ready_point(const std::string& param_name, int64_t num_layers);
 
 class GradReducer {
  public:
@@ -31,16 +32,16 @@ class GradReducer {
     ParamGroup group;
     Communicator* comm;
   };
-  // Elements [begin, end) of a group's block, final when grad_bucket_layer's point `layer` is done.
+  // Elements [begin, end) of a group's block, final at ready point `point` (grad_ready_point).
   struct Bucket {
-    int64_t layer, begin, end;
+    int64_t point, begin, end;
   };
   // REQUIRES: mem allocated and bound (the gradients' places are final).
   GradReducer(const Memory& mem, int64_t num_layers, const std::vector<Group>& groups);
 
-  // Starts the buckets of ready point `layer` (Model::backward's layer_done: num_layers for the
+  // Starts the buckets of ready point `point` (Model::backward's grads_ready: num_layers for the
   // top, then each decoder layer from the last).
-  void layer_done(int64_t layer);
+  void ready(int64_t point);
   // Starts the remaining buckets; the compute stream's later work waits for every bucket.
   void finish();
   // Without overlap: each group's block in one all-reduce.

@@ -160,7 +160,7 @@ void Trainer::accumulate_gradients() {
     ProfileScope scope("model backward");
     const bool overlap = cfg_.parallel.overlap_grad_reduce && i + 1 == micro;
     model_.backward(1.0 / static_cast<double>(tokens), 1.0 / static_cast<double>(all_micro),
-                    overlap ? [this](int64_t l) { grads_reducer_->layer_done(l); } : std::function<void(int64_t)>());
+                    overlap ? [this](int64_t point) { grads_reducer_->ready(point); } : std::function<void(int64_t)>());
   }
   loader_.set_position(position + cfg_.train.global_batch_size);
   {
