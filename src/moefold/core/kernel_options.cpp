@@ -1,0 +1,91 @@
+// core/kernel_options.h: the config text of each kernel switch.
+#include "moefold/core/kernel_options.h"
+
+#include <utility>
+
+#include "moefold/core/error.h"
+
+namespace moefold {
+
+namespace {
+// The value of `names` that `value` names, or an Error listing them.
+template <class T, size_t N>
+T parse_one(const std::string& value, const std::string& key, const std::pair<const char*, T> (&names)[N]) {
+  std::string known;
+  for (const auto& [name, v] : names) {
+    if (value == name) return v;
+    known += known.empty() ? name : cat(", ", name);
+  }
+  MF_FAIL(key, " = \"", value, "\": expected one of ", known);
+}
+template <class T, size_t N>
+const char* name_of(T v, const std::pair<const char*, T> (&names)[N]) {
+  for (const auto& [name, x] : names)
+    if (x == v) return name;
+  return "?";
+}
+constexpr std::pair<const char*, GroupedGemmImpl> kGroupedGemm[] = {{"cutlass", GroupedGemmImpl::cutlass},
+                                                                    {"cublaslt", GroupedGemmImpl::cublaslt}};
+constexpr std::pair<const char*, SwigluFusion> kSwiglu[] = {
+    {"auto", SwigluFusion::automatic}, {"on", SwigluFusion::on}, {"off", SwigluFusion::off}};
+constexpr std::pair<const char*, AttentionKernel> kAttention[] = {
+    {"auto", AttentionKernel::automatic}, {"own", AttentionKernel::own}, {"cudnn", AttentionKernel::cudnn}};
+constexpr std::pair<const char*, GemmTiles> kTiles[] = {
+    {"small", GemmTiles::small}, {"large", GemmTiles::large}, {"pingpong", GemmTiles::pingpong}};
+// The kinds of CutlassTiles, in the order of its members.
+constexpr const char* kKinds[] = {"forward", "dgrad", "wgrad", "swiglu_forward", "swiglu_dgrad"};
+GemmTiles* kind_member(CutlassTiles& t, size_t i) {
+  GemmTiles* members[] = {&t.forward, &t.dgrad, &t.wgrad, &t.swiglu_forward, &t.swiglu_dgrad};
+  return members[i];
+}
+}  // namespace
+
+GroupedGemmImpl parse_grouped_gemm(const std::string& value, const std::string& key) {
+  return parse_one(value, key, kGroupedGemm);
+}
+SwigluFusion parse_swiglu_fusion(const std::string& value, const std::string& key) {
+  return parse_one(value, key, kSwiglu);
+}
+AttentionKernel parse_attention_kernel(const std::string& value, const std::string& key) {
+  return parse_one(value, key, kAttention);
+}
+const char* grouped_gemm_name(GroupedGemmImpl v) { return name_of(v, kGroupedGemm); }
+const char* swiglu_fusion_name(SwigluFusion v) { return name_of(v, kSwiglu); }
+const char* attention_kernel_name(AttentionKernel v) { return name_of(v, kAttention); }
+const char* gemm_tiles_name(GemmTiles v) { return name_of(v, kTiles); }
+
+CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& key) {
+  CutlassTiles t;
+  if (value.empty()) return t;
+  if (value.find('=') == std::string::npos) {
+    const GemmTiles all = parse_one(value, key, kTiles);
+    for (size_t i = 0; i < std::size(kKinds); ++i) *kind_member(t, i) = all;
+    return t;
+  }
+  for (size_t begin = 0; begin <= value.size();) {
+    const size_t end = std::min(value.find(',', begin), value.size()), eq = value.find('=', begin);
+    if (eq >= end) MF_FAIL(key, " = \"", value, "\": expected kind=tiles items separated by commas");
+    const std::string kind = value.substr(begin, eq - begin);
+    size_t i = 0;
+    while (i < std::size(kKinds) && kind != kKinds[i]) ++i;
+    if (i == std::size(kKinds))
+      MF_FAIL(key, " = \"", value, "\": unknown kind \"", kind,
+              "\" (forward, dgrad, wgrad, swiglu_forward, swiglu_dgrad)");
+    *kind_member(t, i) = parse_one(value.substr(eq + 1, end - eq - 1), key, kTiles);
+    begin = end + 1;
+  }
+  return t;
+}
+
+std::string cutlass_tiles_text(const CutlassTiles& t) {
+  CutlassTiles copy = t, defaults;
+  std::string text;
+  bool all_default = true;
+  for (size_t i = 0; i < std::size(kKinds); ++i) {
+    all_default = all_default && *kind_member(copy, i) == *kind_member(defaults, i);
+    text += cat(i ? "," : "", kKinds[i], "=", gemm_tiles_name(*kind_member(copy, i)));
+  }
+  return all_default ? std::string() : text;
+}
+
+}  // namespace moefold

@@ -1,0 +1,68 @@
+// Which kernels compute a run's ops: the `[kernels]` section of a run's config.toml, read once at
+// start-up and carried by the execution context (core/exec.h) into every op. Each switch here
+// can change the bits a run produces (another GEMM or attention kernel sums in another order), so
+// they are configuration, recorded with the run, not environment variables.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace moefold {
+
+// The experts' grouped GEMMs: CUTLASS's Hopper grouped GEMM (one launch for every expert; group
+// sizes read on the device), or cuBLASLt one GEMM per expert (any GPU; the host reads the sizes).
+enum class GroupedGemmImpl : uint8_t { cutlass, cublaslt };
+
+// CUTLASS tile configurations of the grouped GEMMs: 128x128 cooperative (small), 128x256
+// cooperative (large), 64x256 ping-pong (pingpong; one warp group's epilogue overlaps the other's
+// math). The fused SwiGLU kinds are built with large and pingpong only (compile time): small
+// there runs the GEMM and SwiGLU apart.
+enum class GemmTiles : uint8_t { small, large, pingpong };
+
+// One tile configuration per GEMM kind. Defaults: measured (docs/benchmarks.md): ping-pong for the
+// fused SwiGLU forward (1.27 ms vs 1.40 ms with large tiles, qwen3-30b-a3b fc1), large otherwise.
+struct CutlassTiles {
+  GemmTiles forward = GemmTiles::large;         // y = x w^T
+  GemmTiles dgrad = GemmTiles::large;           // dx = dy w
+  GemmTiles wgrad = GemmTiles::large;           // dw += dy^T x (f32)
+  GemmTiles swiglu_forward = GemmTiles::pingpong;  // fc1 with SwiGLU in the epilogue
+  GemmTiles swiglu_dgrad = GemmTiles::large;       // fc2's dgrad with SwiGLU's backward in the epilogue
+};
+
+// SwiGLU fused into the experts' grouped GEMM epilogues: automatic (the backward always, the
+// forward for inputs of at most 2048 columns, where it was measured faster), on (both
+// everywhere), off (separate SwiGLU kernels).
+enum class SwigluFusion : uint8_t { automatic, on, off };
+
+// The causal attention kernel: automatic (cuDNN's fused attention where this build has it and it
+// serves the problem, else moefold's own), own, cudnn (a problem cuDNN cannot serve fails).
+enum class AttentionKernel : uint8_t { automatic, own, cudnn };
+
+struct KernelOptions {
+  GroupedGemmImpl grouped_gemm = GroupedGemmImpl::cutlass;
+  CutlassTiles cutlass_tiles;  // config text: see parse_cutlass_tiles
+  int gemm_sms = 0;            // SMs the persistent grouped GEMMs spread over (0: all of them)
+  SwigluFusion fused_swiglu = SwigluFusion::automatic;
+  AttentionKernel attention = AttentionKernel::automatic;
+  // cuDNN's attention backward with its deterministic engine (bit-identical reruns); false allows
+  // its faster one with atomic dQ accumulation.
+  bool deterministic_attention = true;
+};
+
+// Config text of each switch, and back (parse_* throw moefold::Error naming `key` and the
+// accepted values).
+GroupedGemmImpl parse_grouped_gemm(const std::string& value, const std::string& key);
+SwigluFusion parse_swiglu_fusion(const std::string& value, const std::string& key);
+AttentionKernel parse_attention_kernel(const std::string& value, const std::string& key);
+// "" (every default), "small" | "large" | "pingpong" (every kind), or per kind
+// "forward=large,dgrad=small,wgrad=...,swiglu_forward=pingpong,swiglu_dgrad=large" (kinds not
+// named keep their defaults).
+CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& key);
+const char* grouped_gemm_name(GroupedGemmImpl v);
+const char* swiglu_fusion_name(SwigluFusion v);
+const char* attention_kernel_name(AttentionKernel v);
+const char* gemm_tiles_name(GemmTiles v);
+// The canonical text of a tile choice: "" when every kind has its default, else every kind named.
+std::string cutlass_tiles_text(const CutlassTiles& t);
+
+}  // namespace moefold
