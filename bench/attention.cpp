@@ -144,18 +144,19 @@ void bench_shape(const Shape4& sh, const Options& opt) {
   fill_random(*k, 2);
   fill_random(*v, 3);
   fill_random(*dout, 4);
+  const ExecContext& ctx = ExecContext::standard(Device::cuda);
 
-  report(sh, "own", "forward", time_ms(opt, [&] { cuda::attention_forward(*q, *k, *v, scale, *out, *lse); }),
+  report(sh, "own", "forward", time_ms(opt, [&] { cuda::attention_forward(ctx, *q, *k, *v, scale, *out, *lse); }),
          fwd_flops);
   report(sh, "own", "backward",
-         time_ms(opt, [&] { cuda::attention_backward(*q, *k, *v, *out, *lse, *dout, scale, *dq, *dk, *dv); }),
+         time_ms(opt, [&] { cuda::attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq, *dk, *dv); }),
          bwd_flops);
 
   std::string why;
-  const bool fwd_ok = cuda::cudnn_attention_forward(*q, *k, *v, scale, *out2, *lse2, {}, &why);
+  const bool fwd_ok = cuda::cudnn_attention_forward(ctx, *q, *k, *v, scale, *out2, *lse2, {}, &why);
   if (fwd_ok) {
     report(sh, "cudnn", "forward",
-           time_ms(opt, [&] { cuda::cudnn_attention_forward(*q, *k, *v, scale, *out2, *lse2); }), fwd_flops);
+           time_ms(opt, [&] { cuda::cudnn_attention_forward(ctx, *q, *k, *v, scale, *out2, *lse2); }), fwd_flops);
     std::printf("%-24s cudnn vs own (forward): out %.2e lse %.2e\n", sh.name, rel_diff(*out2, *out),
                 rel_diff(*lse2, *lse));
   } else {
@@ -165,13 +166,13 @@ void bench_shape(const Shape4& sh, const Options& opt) {
     const cuda::CudnnAttentionOptions o{deterministic};
     const char* name = deterministic ? "cudnn" : "cudnn-nondet";
     why.clear();
-    if (!cuda::cudnn_attention_backward(*q, *k, *v, *out, *lse, *dout, scale, *dq2, *dk2, *dv2, o, &why)) {
+    if (!cuda::cudnn_attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq2, *dk2, *dv2, o, &why)) {
       skip(sh, name, "backward", why);
       continue;
     }
     report(sh, name, "backward",
            time_ms(opt,
-                   [&] { cuda::cudnn_attention_backward(*q, *k, *v, *out, *lse, *dout, scale, *dq2, *dk2, *dv2, o); }),
+                   [&] { cuda::cudnn_attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq2, *dk2, *dv2, o); }),
            bwd_flops);
     std::printf("%-24s %s vs own (backward): dq %.2e dk %.2e dv %.2e\n", sh.name, name, rel_diff(*dq2, *dq),
                 rel_diff(*dk2, *dk), rel_diff(*dv2, *dv));

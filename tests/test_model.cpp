@@ -154,7 +154,7 @@ struct TinyModel {
     mem->allocate();
     model->bind(*mem);
     mem->finish_binding();
-    Model::init_params(mem->params(), 42);
+    Model::init_params(testing::exec(), mem->params(), 42);
     // Larger weights than the 0.02 init so every term of the gradient matters.
     for (Param& p : mem->params())
       if (p.init == Init::normal) scale_by(p.value, 20.0);

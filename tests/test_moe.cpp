@@ -130,7 +130,7 @@ TEST(RouterTopk, SelectsLargestTiesToLowerExpert) {
                       0.0, 0.0, 0.0, 0.0};  // all tied
   for (int i = 0; i < 8; ++i) testing::set_value_at(logits, i, l[i]);
   Tensor scores = pool.zeros({2, 4}), idx = pool.ints({2, 3}, 0, 1), prob = pool.zeros({2, 3});
-  router_topk_forward(logits, {ScoreFunc::softmax, true, 2.0}, scores, idx, prob);
+  router_topk_forward(testing::exec(), logits, {ScoreFunc::softmax, true, 2.0}, scores, idx, prob);
   EXPECT_EQ(testing::value_at(idx, 0), 1);
   EXPECT_EQ(testing::value_at(idx, 1), 2);
   EXPECT_EQ(testing::value_at(idx, 2), 0);
@@ -144,9 +144,9 @@ TEST(RouterTopk, SelectsLargestTiesToLowerExpert) {
   EXPECT_NEAR(testing::value_at(prob, 3), 2.0 / 3, 1e-12);
   double se = 0;
   for (int e = 0; e < 4; ++e) se += std::exp(l[e]);
-  router_topk_forward(logits, {ScoreFunc::softmax, false, 1.0}, scores, idx, prob);
+  router_topk_forward(testing::exec(), logits, {ScoreFunc::softmax, false, 1.0}, scores, idx, prob);
   EXPECT_NEAR(testing::value_at(prob, 0), std::exp(2.0) / se, 1e-12);
-  router_topk_forward(logits, {ScoreFunc::sigmoid, false, 1.5}, scores, idx, prob);
+  router_topk_forward(testing::exec(), logits, {ScoreFunc::sigmoid, false, 1.5}, scores, idx, prob);
   EXPECT_NEAR(testing::value_at(prob, 2), 1.5 / (1 + std::exp(-0.5)), 1e-12);
 }
 
@@ -165,19 +165,19 @@ TEST(RouterTopk, BackwardMatchesFiniteDifferences) {
           Tensor logits;
           for (int tries = 0; tries < 50; ++tries) {
             logits = pool.randn({t_n, e_n});
-            router_topk_forward(logits, routing, scores, idx, prob);
+            router_topk_forward(testing::exec(), logits, routing, scores, idx, prob);
             if (topk_gap(scores, k_n) > 1e-3) break;
           }
           ASSERT_GT(topk_gap(scores, k_n), 1e-3) << what;
           Tensor g = pool.randn({t_n, k_n}), dlogits = pool.zeros({t_n, e_n});
-          router_topk_backward(scores, idx, routing, g, dlogits);
+          router_topk_backward(testing::exec(), scores, idx, routing, g, dlogits);
           if (norm && k_n == 1) {
             EXPECT_LE(max_abs(dlogits), 1e-14) << what;  // the single probability is the constant `scaling`
           } else {
             EXPECT_GT(max_abs(dlogits), 0) << what;
           }
           check_gradient("router_topk " + what, logits, dlogits, [&] {
-            router_topk_forward(logits, routing, scores, idx, prob);
+            router_topk_forward(testing::exec(), logits, routing, scores, idx, prob);
             return dot(g, prob);
           });
         }
@@ -192,19 +192,19 @@ TEST(AuxLoss, BackwardMatchesFiniteDifferences) {
     Tensor logits = pool.randn({t_n, e_n}), scores = pool.zeros({t_n, e_n});
     Tensor idx = pool.ints({t_n, k_n}, 0, 1), prob = pool.zeros({t_n, k_n});
     Tensor counts = pool.zeros({e_n}, DType::i64);
-    router_topk_forward(logits, {f, true, 1.0}, scores, idx, prob);
-    topk_expert_counts(idx, counts);
+    router_topk_forward(testing::exec(), logits, {f, true, 1.0}, scores, idx, prob);
+    topk_expert_counts(testing::exec(), idx, counts);
     int64_t total = 0;
     for (int64_t e = 0; e < e_n; ++e) total += counts.ptr<int64_t>()[e];
     EXPECT_EQ(total, t_n * k_n);
     // The counts are constants of the loss (no gradient through the selection).
     const double grad_scale = 0.7;
     Tensor dlogits = pool.zeros({t_n, e_n});
-    aux_loss_backward(scores, f, counts, k_n, grad_scale, dlogits);
+    aux_loss_backward(testing::exec(), scores, f, counts, k_n, grad_scale, dlogits);
     EXPECT_GT(max_abs(dlogits), 0);
     check_gradient(std::string("aux_loss ") + (f == ScoreFunc::softmax ? "softmax" : "sigmoid"), logits, dlogits, [&] {
-      router_topk_forward(logits, {f, true, 1.0}, scores, idx, prob);
-      return grad_scale * aux_loss_forward(scores, f, counts, k_n);
+      router_topk_forward(testing::exec(), logits, {f, true, 1.0}, scores, idx, prob);
+      return grad_scale * aux_loss_forward(testing::exec(), scores, f, counts, k_n);
     });
   }
 }
@@ -216,7 +216,7 @@ TEST(AuxLoss, ExactlyOneForUniformRouting) {
   Tensor scores = pool.zeros({8, e_n}), counts = pool.zeros({e_n}, DType::i64);
   for (int64_t i = 0; i < scores.numel(); ++i) testing::set_value_at(scores, i, 1.0 / e_n);
   for (int64_t e = 0; e < e_n; ++e) counts.ptr<int64_t>()[e] = 8 * k_n / e_n;
-  EXPECT_NEAR(aux_loss_forward(scores, ScoreFunc::softmax, counts, k_n), 1.0, 1e-14);
+  EXPECT_NEAR(aux_loss_forward(testing::exec(), scores, ScoreFunc::softmax, counts, k_n), 1.0, 1e-14);
   // Through the router: each token's logits are a cyclic shift of one vector, so every expert
   // gets the same count and the same total probability.
   for (ScoreFunc f : {ScoreFunc::softmax, ScoreFunc::sigmoid}) {
@@ -225,25 +225,25 @@ TEST(AuxLoss, ExactlyOneForUniformRouting) {
     Tensor idx = pool.ints({t_n, k_n}, 0, 1), prob = pool.zeros({t_n, k_n});
     for (int64_t t = 0; t < t_n; ++t)
       for (int64_t e = 0; e < e_n; ++e) testing::set_value_at(logits, t * e_n + e, testing::value_at(v, (e + t) % e_n));
-    router_topk_forward(logits, {f, true, 1.0}, s, idx, prob);
-    topk_expert_counts(idx, counts);
+    router_topk_forward(testing::exec(), logits, {f, true, 1.0}, s, idx, prob);
+    topk_expert_counts(testing::exec(), idx, counts);
     for (int64_t e = 0; e < e_n; ++e) EXPECT_EQ(counts.ptr<int64_t>()[e], t_n * k_n / e_n);
-    EXPECT_NEAR(aux_loss_forward(s, f, counts, k_n), 1.0, 1e-12);
+    EXPECT_NEAR(aux_loss_forward(testing::exec(), s, f, counts, k_n), 1.0, 1e-12);
   }
   // Everything on one expert with confident scores: the loss approaches E.
   Tensor s1 = pool.zeros({4, e_n}), c1 = pool.zeros({e_n}, DType::i64);
   for (int64_t t = 0; t < 4; ++t) testing::set_value_at(s1, t * e_n, 1.0);
   c1.ptr<int64_t>()[0] = 4;
-  EXPECT_NEAR(aux_loss_forward(s1, ScoreFunc::softmax, c1, 1), static_cast<double>(e_n), 1e-12);
+  EXPECT_NEAR(aux_loss_forward(testing::exec(), s1, ScoreFunc::softmax, c1, 1), static_cast<double>(e_n), 1e-12);
 }
 
 TEST(ZLoss, ForwardAndBackward) {
   Pool pool;
   Tensor zeros = pool.zeros({3, 4});
-  EXPECT_NEAR(z_loss_forward(zeros), std::log(4.0) * std::log(4.0), 1e-12);
+  EXPECT_NEAR(z_loss_forward(testing::exec(), zeros), std::log(4.0) * std::log(4.0), 1e-12);
   Tensor logits = pool.randn({6, 5}, DType::f64, 2.0), dlogits = pool.zeros({6, 5});
-  z_loss_backward(logits, 1.3, dlogits);
-  check_gradient("z_loss", logits, dlogits, [&] { return 1.3 * z_loss_forward(logits); });
+  z_loss_backward(testing::exec(), logits, 1.3, dlogits);
+  check_gradient("z_loss", logits, dlogits, [&] { return 1.3 * z_loss_forward(testing::exec(), logits); });
 }
 
 // ---- permutation, combine, capacity ---------------------------------------------------------------
@@ -269,7 +269,7 @@ struct Plan {
     offsets = pool.zeros({e_n + 1}, DType::i64);
     row = pool.zeros(idx.shape(), DType::i64);
     token = pool.zeros({max_rows}, DType::i64);
-    num_rows = moe_permute_plan(idx, prob, capacity, pad, {counts, offsets, row, token});
+    num_rows = moe_permute_plan(testing::exec(), idx, prob, capacity, pad, {counts, offsets, row, token});
   }
   int64_t at(const Tensor& t, int64_t i) const { return t.ptr<int64_t>()[i]; }
 };
@@ -311,10 +311,10 @@ TEST(Permute, ThenCombineWithProbabilityOneIsIdentity) {
     Tensor buf = pool.zeros({p.num_rows + kGuard, h_n});
     for (int64_t i = 0; i < buf.numel(); ++i) testing::set_value_at(buf, i, 12345.0);
     Tensor rows = buf.slice(0, p.num_rows), y = pool.zeros({t_n, h_n});
-    moe_permute(x, p.token.slice(0, p.num_rows), rows);
+    moe_permute(testing::exec(), x, p.token.slice(0, p.num_rows), rows);
     for (int64_t i = p.num_rows * h_n; i < buf.numel(); ++i)
       ASSERT_EQ(testing::value_at(buf, i), 12345.0) << "guard overwritten";
-    moe_combine(rows, p.row, prob, y);
+    moe_combine(testing::exec(), rows, p.row, prob, y);
     for (int64_t i = 0; i < x.numel(); ++i)
       EXPECT_EQ(testing::value_at(y, i), static_cast<double>(k_n) * testing::value_at(x, i));
   }
@@ -340,17 +340,17 @@ TEST(Permute, BackwardsMatchFiniteDifferences) {
       // permute: loss = <g_R, permute(x)>.
       Tensor x = pool.randn({t_n, h_n}), rows = pool.zeros({r_n, h_n}), grows = pool.randn({r_n, h_n});
       Tensor dx = pool.zeros({t_n, h_n});
-      moe_permute_backward(grows, p.row, dx);
+      moe_permute_backward(testing::exec(), grows, p.row, dx);
       check_gradient("permute " + what, x, dx, [&] {
-        moe_permute(x, token, rows);
+        moe_permute(testing::exec(), x, token, rows);
         return dot(grows, rows);
       });
       // combine: loss = <g_T, combine(out, prob)>.
       Tensor out = pool.randn({r_n, h_n}), g = pool.randn({t_n, h_n}), y = pool.zeros({t_n, h_n});
       Tensor dout = pool.randn({r_n, h_n}), dprob = pool.randn({t_n, k_n});  // garbage: must be overwritten
-      moe_combine_backward(out, p.row, prob, g, dout, dprob);
+      moe_combine_backward(testing::exec(), out, p.row, prob, g, dout, dprob);
       auto loss = [&] {
-        moe_combine(out, p.row, prob, y);
+        moe_combine(testing::exec(), out, p.row, prob, y);
         return dot(g, y);
       };
       check_gradient("combine dout " + what, out, dout, loss);
@@ -370,7 +370,7 @@ TEST(Capacity, KeepsHighestProbabilitiesAndDropsTheRest) {
   ASSERT_EQ(cap, 6);
   Tensor idx = random_topk(pool, t_n, e_n, k_n), prob = pool.uniform({t_n, k_n}, 0.0, 1.0);
   Tensor routed = pool.zeros({e_n}, DType::i64);
-  topk_expert_counts(idx, routed);
+  topk_expert_counts(testing::exec(), idx, routed);
   Plan p(pool, idx, prob, e_n, cap, false, cfg.max_rows(t_n));
   int64_t dropped = 0, expected_dropped = 0;
   for (int64_t e = 0; e < e_n; ++e) {
@@ -433,7 +433,7 @@ TEST(Capacity, PadGivesExactlyCapacityRowsPerExpert) {
   for (int64_t r = 0; r < p.num_rows; ++r) padding += p.at(p.token, r) < 0;
   EXPECT_EQ(padding, 2 * (cap - 2));  // experts 2 and 3 hold 2 tokens each
   Tensor x = pool.randn({t_n, h_n}), rows = pool.randn({p.num_rows, h_n});
-  moe_permute(x, p.token.slice(0, p.num_rows), rows);
+  moe_permute(testing::exec(), x, p.token.slice(0, p.num_rows), rows);
   for (int64_t r = 0; r < p.num_rows; ++r)
     for (int64_t h = 0; h < h_n; ++h)
       if (p.at(p.token, r) < 0) {
@@ -449,21 +449,21 @@ TEST(GroupedLinear, BackwardMatchesFiniteDifferences) {
   for (int i = 0; i <= e_n; ++i) offsets.ptr<int64_t>()[i] = off[i];
   Tensor x = pool.randn({r_n, i_n}), w = pool.randn({e_n, o_n, i_n}), y = pool.zeros({r_n, o_n});
   Tensor g = pool.randn({r_n, o_n}), dx = pool.zeros({r_n, i_n}), dw = pool.zeros({e_n, o_n, i_n});
-  grouped_linear_backward(x, w, offsets, g, dx, dw);
+  grouped_linear_backward(testing::exec(), x, w, offsets, g, dx, dw);
   Tensor dw_once = pool.clone(dw);
   auto loss = [&] {
-    grouped_linear_forward(x, w, offsets, y);
+    grouped_linear_forward(testing::exec(), x, w, offsets, y);
     return dot(g, y);
   };
   check_gradient("grouped_linear dx", x, dx, loss);
   check_gradient("grouped_linear dw", w, dw_once, loss);
   for (int64_t i = 0; i < o_n * i_n; ++i) EXPECT_EQ(testing::value_at(dw, o_n * i_n + i), 0.0) << "idle expert";
-  grouped_linear_backward(x, w, offsets, g, Tensor{}, dw);  // accumulates
+  grouped_linear_backward(testing::exec(), x, w, offsets, g, Tensor{}, dw);  // accumulates
   for (int64_t i = 0; i < dw.numel(); ++i)
     EXPECT_NEAR(testing::value_at(dw, i), 2 * testing::value_at(dw_once, i), 1e-12);
   // Written (accumulate = false): whatever dw held is gone, the idle expert's included.
   fill_constant(dw, 7.0);
-  grouped_linear_backward(x, w, offsets, g, Tensor{}, dw, /*accumulate=*/false);
+  grouped_linear_backward(testing::exec(), x, w, offsets, g, Tensor{}, dw, /*accumulate=*/false);
   for (int64_t i = 0; i < dw.numel(); ++i) EXPECT_EQ(testing::value_at(dw, i), testing::value_at(dw_once, i)) << i;
 }
 

@@ -116,7 +116,7 @@ TEST(RoutingSelection, MatchesBruteForceReference) {
         const std::string what = case_name(c, r, bias);
         Tensor logits = pool.randn({t_n, c.e_n}), scores = pool.zeros({t_n, c.e_n});
         Tensor idx = pool.ints({t_n, c.k_n}, 0, 1), prob = pool.zeros({t_n, c.k_n});
-        router_topk_forward(logits, r, scores, idx, prob);
+        router_topk_forward(testing::exec(), logits, r, scores, idx, prob);
         const RefRoute ref = reference_route(logits, r, c.k_n);
         for (int64_t i = 0; i < t_n * c.k_n; ++i) {
           ASSERT_EQ(testing::value_at(idx, i), ref.idx[i]) << what << ", token " << i / c.k_n << " slot " << i % c.k_n;
@@ -132,8 +132,8 @@ TEST(RoutingSelection, MatchesBruteForceReference) {
           r32.bias_E = pool.zeros({c.e_n}, DType::f32);
           for (int64_t e = 0; e < c.e_n; ++e) testing::set_value_at(r32.bias_E, e, testing::value_at(r.bias_E, e));
         }
-        router_topk_forward(l32, r32, s32, i32, p32);
-        router_topk_forward(logits, r32, scores, idx, prob);  // f64 logits, f32 bias
+        router_topk_forward(testing::exec(), l32, r32, s32, i32, p32);
+        router_topk_forward(testing::exec(), logits, r32, scores, idx, prob);  // f64 logits, f32 bias
         int64_t compared = 0;
         for (int64_t t = 0; t < t_n; ++t) {
           if (ref.token_margin[t] < 1e-4) continue;
@@ -161,7 +161,7 @@ struct OneToken {
     for (int64_t e = 0; e < e_n; ++e) testing::set_value_at(logits, e, std::log(s[e] / (1 - s[e])));
   }
   std::vector<int> route(const TopkRouting& r) {
-    router_topk_forward(logits, r, scores, idx, prob);
+    router_topk_forward(testing::exec(), logits, r, scores, idx, prob);
     std::vector<int> out;
     for (int64_t k = 0; k < idx.numel(); ++k) out.push_back(static_cast<int>(testing::value_at(idx, k)));
     return out;
@@ -239,12 +239,12 @@ TEST(RouterTopk, BackwardWithGroupsAndBiasMatchesFiniteDifferences) {
           margin = reference_route(logits, r, c.k_n).margin;
         }
         ASSERT_GT(margin, 1e-3) << what;
-        router_topk_forward(logits, r, scores, idx, prob);
+        router_topk_forward(testing::exec(), logits, r, scores, idx, prob);
         Tensor g = pool.randn({t_n, c.k_n}), dlogits = pool.zeros({t_n, c.e_n});
-        router_topk_backward(scores, idx, r, g, dlogits);
+        router_topk_backward(testing::exec(), scores, idx, r, g, dlogits);
         EXPECT_GT(max_abs(dlogits), 0) << what;
         auto loss = [&] {
-          router_topk_forward(logits, r, scores, idx, prob);
+          router_topk_forward(testing::exec(), logits, r, scores, idx, prob);
           return dot(g, prob);
         };
         check_gradient("router_topk " + what, logits, dlogits, loss);
@@ -262,7 +262,7 @@ struct Routed {
 Routed route(Pool& pool, const Tensor& logits, ScoreFunc f, int64_t k_n) {
   const int64_t t_n = logits.size(0), e_n = logits.size(1);
   Routed r{logits, pool.zeros({t_n, e_n}), pool.ints({t_n, k_n}, 0, 1), pool.zeros({t_n, k_n})};
-  router_topk_forward(logits, {f, true, 1.0}, r.scores, r.idx, r.prob);
+  router_topk_forward(testing::exec(), logits, {f, true, 1.0}, r.scores, r.idx, r.prob);
   return r;
 }
 
@@ -282,25 +282,25 @@ TEST(SeqAuxLoss, ExactlyOneForUniformRouting) {
     Routed r = route(pool, logits, f, k_n);
     const SeqLayout whole{s_n, 0, s_n};
     Tensor counts = pool.zeros({b_n, e_n}, DType::i64);
-    seq_expert_counts(r.idx, whole, counts);
+    seq_expert_counts(testing::exec(), r.idx, whole, counts);
     for (int64_t i = 0; i < b_n * e_n; ++i) EXPECT_EQ(testing::value_at(counts, i), s_n * k_n / e_n);
-    EXPECT_NEAR(seq_aux_loss_forward(r.scores, f, counts, k_n, whole), 1.0, 1e-12) << name_of(f);
+    EXPECT_NEAR(seq_aux_loss_forward(testing::exec(), r.scores, f, counts, k_n, whole), 1.0, 1e-12) << name_of(f);
   }
   // One sequence (B = 1): the same number as the micro-batch loss.
   Pool pool;
   Routed r = route(pool, pool.randn({10, e_n}), ScoreFunc::sigmoid, k_n);
   Tensor c1 = pool.zeros({1, e_n}, DType::i64), cE = pool.zeros({e_n}, DType::i64);
-  seq_expert_counts(r.idx, {10, 0, 10}, c1);
-  topk_expert_counts(r.idx, cE);
-  EXPECT_NEAR(seq_aux_loss_forward(r.scores, ScoreFunc::sigmoid, c1, k_n, {10, 0, 10}),
-              aux_loss_forward(r.scores, ScoreFunc::sigmoid, cE, k_n), 1e-14);
+  seq_expert_counts(testing::exec(), r.idx, {10, 0, 10}, c1);
+  topk_expert_counts(testing::exec(), r.idx, cE);
+  EXPECT_NEAR(seq_aux_loss_forward(testing::exec(), r.scores, ScoreFunc::sigmoid, c1, k_n, {10, 0, 10}),
+              aux_loss_forward(testing::exec(), r.scores, ScoreFunc::sigmoid, cE, k_n), 1e-14);
   // Sequence 0 all on expert 0 with confident scores, sequence 1 uniform: (E + 1) / 2.
   Tensor s2 = pool.zeros({2 * e_n, e_n}), c2 = pool.zeros({2, e_n}, DType::i64);
   for (int64_t t = 0; t < e_n; ++t) testing::set_value_at(s2, t * e_n, 1.0);
   for (int64_t i = e_n * e_n; i < 2 * e_n * e_n; ++i) testing::set_value_at(s2, i, 1.0 / e_n);
   testing::set_value_at(c2, 0, e_n);
   for (int64_t e = 0; e < e_n; ++e) testing::set_value_at(c2, e_n + e, 1);
-  EXPECT_NEAR(seq_aux_loss_forward(s2, ScoreFunc::softmax, c2, 1, {e_n, 0, e_n}), (e_n + 1) / 2.0, 1e-12);
+  EXPECT_NEAR(seq_aux_loss_forward(testing::exec(), s2, ScoreFunc::softmax, c2, 1, {e_n, 0, e_n}), (e_n + 1) / 2.0, 1e-12);
 }
 
 TEST(SeqAuxLoss, BackwardMatchesFiniteDifferences) {
@@ -312,15 +312,15 @@ TEST(SeqAuxLoss, BackwardMatchesFiniteDifferences) {
       const int64_t t_n = layout.row_offset == 0 ? b_n * s_n : 13;
       Routed r = route(pool, pool.randn({t_n, e_n}), f, k_n);
       Tensor counts = pool.zeros({b_n, e_n}, DType::i64);
-      seq_expert_counts(r.idx, layout, counts);
+      seq_expert_counts(testing::exec(), r.idx, layout, counts);
       const double grad_scale = 0.7;
       Tensor dlogits = pool.zeros({t_n, e_n});
-      seq_aux_loss_backward(r.scores, f, counts, k_n, layout, grad_scale, dlogits);
+      seq_aux_loss_backward(testing::exec(), r.scores, f, counts, k_n, layout, grad_scale, dlogits);
       EXPECT_GT(max_abs(dlogits), 0);
       check_gradient("seq_aux_loss " + name_of(f) + " offset " + std::to_string(layout.row_offset), r.logits, dlogits,
                      [&] {
-                       router_topk_forward(r.logits, {f, true, 1.0}, r.scores, r.idx, r.prob);
-                       return grad_scale * seq_aux_loss_forward(r.scores, f, counts, k_n, layout);
+                       router_topk_forward(testing::exec(), r.logits, {f, true, 1.0}, r.scores, r.idx, r.prob);
+                       return grad_scale * seq_aux_loss_forward(testing::exec(), r.scores, f, counts, k_n, layout);
                      });
     }
 }
@@ -362,10 +362,10 @@ TEST(SeqAuxLoss, SharesOfSplitSequencesSumToTheWhole) {
       Routed whole = route(pool, pool.randn({b_n * s_n, e_n}), f, k_n);
       const SeqLayout whole_layout{s_n, 0, s_n};
       Tensor counts = pool.zeros({b_n, e_n}, DType::i64);
-      seq_expert_counts(whole.idx, whole_layout, counts);
-      const double loss = seq_aux_loss_forward(whole.scores, f, counts, k_n, whole_layout);
+      seq_expert_counts(testing::exec(), whole.idx, whole_layout, counts);
+      const double loss = seq_aux_loss_forward(testing::exec(), whole.scores, f, counts, k_n, whole_layout);
       Tensor dwhole = pool.zeros({b_n * s_n, e_n});
-      seq_aux_loss_backward(whole.scores, f, counts, k_n, whole_layout, 1.3, dwhole);
+      seq_aux_loss_backward(testing::exec(), whole.scores, f, counts, k_n, whole_layout, 1.3, dwhole);
 
       const std::vector<RankRows> ranks = split_rows(b_n, s_n, sp.cp, sp.tp);
       std::vector<Routed> local;
@@ -378,7 +378,7 @@ TEST(SeqAuxLoss, SharesOfSplitSequencesSumToTheWhole) {
             testing::set_value_at(logits, t * e_n + e, testing::value_at(whole.logits, rank.rows[t] * e_n + e));
         local.push_back(route(pool, logits, f, k_n));
         Tensor c = pool.zeros({b_n, e_n}, DType::i64);
-        seq_expert_counts(local.back().idx, rank.layout, c);
+        seq_expert_counts(testing::exec(), local.back().idx, rank.layout, c);
         for (int64_t i = 0; i < b_n * e_n; ++i)
           testing::set_value_at(summed, i, testing::value_at(summed, i) + testing::value_at(c, i));
       }
@@ -387,9 +387,9 @@ TEST(SeqAuxLoss, SharesOfSplitSequencesSumToTheWhole) {
       double shares = 0;
       for (size_t i = 0; i < ranks.size(); ++i) {
         const int64_t t_n = static_cast<int64_t>(ranks[i].rows.size());
-        shares += seq_aux_loss_forward(local[i].scores, f, summed, k_n, ranks[i].layout);
+        shares += seq_aux_loss_forward(testing::exec(), local[i].scores, f, summed, k_n, ranks[i].layout);
         Tensor d = pool.zeros({t_n, e_n});
-        seq_aux_loss_backward(local[i].scores, f, summed, k_n, ranks[i].layout, 1.3, d);
+        seq_aux_loss_backward(testing::exec(), local[i].scores, f, summed, k_n, ranks[i].layout, 1.3, d);
         for (int64_t t = 0; t < t_n; ++t)
           for (int64_t e = 0; e < e_n; ++e)
             EXPECT_NEAR(testing::value_at(d, t * e_n + e), testing::value_at(dwhole, ranks[i].rows[t] * e_n + e), 1e-15)
@@ -412,7 +412,7 @@ TEST(ExpertBias, UpdateFollowsTheSignOfTheLoadGap) {
       testing::set_value_at(bias, e, start[e]);
       testing::set_value_at(counts, e, static_cast<double>(c[e]));
     }
-    expert_bias_update(bias, counts, 0.125);
+    expert_bias_update(testing::exec(), bias, counts, 0.125);
     const double want[] = {0.375, -0.25, -0.125, 1.125};
     for (int e = 0; e < 4; ++e) EXPECT_EQ(testing::value_at(bias, e), want[e]) << "expert " << e;
     // A mean that is not an integer (5 / 3): no expert sits at it.
@@ -420,13 +420,13 @@ TEST(ExpertBias, UpdateFollowsTheSignOfTheLoadGap) {
     testing::set_value_at(c3, 0, 1);
     testing::set_value_at(c3, 1, 2);
     testing::set_value_at(c3, 2, 2);
-    expert_bias_update(b3, c3, 0.5);
+    expert_bias_update(testing::exec(), b3, c3, 0.5);
     EXPECT_EQ(testing::value_at(b3, 0), 0.5);
     EXPECT_EQ(testing::value_at(b3, 1), -0.5);
     EXPECT_EQ(testing::value_at(b3, 2), -0.5);
     // Perfect balance: nothing moves.
     for (int e = 0; e < 3; ++e) testing::set_value_at(c3, e, 7);
-    expert_bias_update(b3, c3, 0.5);
+    expert_bias_update(testing::exec(), b3, c3, 0.5);
     EXPECT_EQ(testing::value_at(b3, 0), 0.5);
   }
 }
@@ -768,8 +768,8 @@ TEST(Router, SequenceAuxLossDefaultsToOneSequencePerForward) {
   for (int64_t b = 0; b < 2; ++b) {
     const Tensor s = one.router.scores().slice(b * t_n / 2, (b + 1) * t_n / 2);
     Tensor c = pool.zeros({e_n}, DType::i64);
-    topk_expert_counts(one.router.topk_idx().slice(b * t_n / 2, (b + 1) * t_n / 2), c);
-    want += 0.5 * 0.3 * aux_loss_forward(s, ScoreFunc::sigmoid, c, 2);
+    topk_expert_counts(testing::exec(), one.router.topk_idx().slice(b * t_n / 2, (b + 1) * t_n / 2), c);
+    want += 0.5 * 0.3 * aux_loss_forward(testing::exec(), s, ScoreFunc::sigmoid, c, 2);
   }
   EXPECT_NEAR(two.router.seq_aux_loss(), want, 1e-14);
   // A shorter forward under the default is again one sequence of its own length.

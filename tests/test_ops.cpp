@@ -46,7 +46,7 @@ TEST(Elementwise, AddInplace) {
   for (DType dt : {DType::f64, DType::f32}) {
     Tensor y = pool.randn({5, 7}, dt), x = pool.randn({5, 7}, dt);
     Tensor y0 = pool.clone(y);
-    add_inplace(y, x);
+    add_inplace(testing::exec(), y, x);
     for (int64_t i = 0; i < y.numel(); ++i) {
       const double want = dt == DType::f32 ? static_cast<double>(static_cast<float>(testing::value_at(y0, i)) +
                                                                  static_cast<float>(testing::value_at(x, i)))
@@ -62,9 +62,9 @@ TEST(Elementwise, SumSquaresAndScale) {
     Tensor x = pool.randn({5, 7}, dt);
     double want = 0;
     for (int64_t i = 0; i < x.numel(); ++i) want += testing::value_at(x, i) * testing::value_at(x, i);
-    EXPECT_NEAR(sum_squares(x), want, 1e-12 * want);
+    EXPECT_NEAR(sum_squares(testing::exec(), x), want, 1e-12 * want);
     Tensor x0 = pool.clone(x);
-    scale_inplace(x, -0.37);
+    scale_inplace(testing::exec(), x, -0.37);
     for (int64_t i = 0; i < x.numel(); ++i)
       EXPECT_NEAR(testing::value_at(x, i), -0.37 * testing::value_at(x0, i), 1e-6 * std::abs(testing::value_at(x0, i)));
   }
@@ -78,7 +78,7 @@ TEST(Embedding, ForwardGathersRows) {
   Tensor ids = pool.ints({n}, 0, v);
   for (DType dt : {DType::f64, DType::f32}) {
     Tensor table = pool.randn({v, c}, dt), out = pool.randn({n, c}, dt);
-    embedding_forward(ids, table, out);
+    embedding_forward(testing::exec(), ids, table, out);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < c; ++j)
         ASSERT_EQ(testing::value_at(out, i * c + j), testing::value_at(table, ids.ptr<int32_t>()[i] * c + j));
@@ -91,19 +91,19 @@ TEST(Embedding, BackwardMatchesFiniteDifferencesAndAccumulates) {
   Tensor ids = pool.ints({n}, 0, v);
   Tensor table = pool.randn({v, c}), out = pool.zeros({n, c}), w = pool.randn({n, c});
   Tensor g = pool.zeros({v, c});
-  embedding_backward(ids, w, g);
+  embedding_backward(testing::exec(), ids, w, g);
   check_gradient("embedding dtable", table, g, [&] {
-    embedding_forward(ids, table, out);
+    embedding_forward(testing::exec(), ids, table, out);
     return dot(out, w);
   });
   // Parameter gradient: ACCUMULATED on top of what is there.
   Tensor r = pool.randn({v, c}), dtable = pool.clone(r);
-  embedding_backward(ids, w, dtable);
-  embedding_backward(ids, w, dtable);
+  embedding_backward(testing::exec(), ids, w, dtable);
+  embedding_backward(testing::exec(), ids, w, dtable);
   EXPECT_LE(max_abs_diff(dtable, axpy(pool, r, 2.0, g)), kF64Tol);
   // float32 agrees.
   Tensor g32 = pool.zeros({v, c}, DType::f32);
-  embedding_backward(ids, cast(pool, w, DType::f32), g32);
+  embedding_backward(testing::exec(), ids, cast(pool, w, DType::f32), g32);
   expect_f32_close("embedding dtable f32", g32, g);
 }
 
@@ -114,7 +114,7 @@ TEST(RMSNorm, ForwardMatchesFormula) {
   const int64_t n = 5, c = 7;
   const double eps = 1e-5;
   Tensor x = pool.randn({n, c}), w = pool.randn({c}), y = pool.randn({n, c}), rstd = pool.randn({n});
-  rmsnorm_forward(x, w, eps, y, rstd);
+  rmsnorm_forward(testing::exec(), x, w, eps, y, rstd);
   for (int64_t i = 0; i < n; ++i) {
     double ms = 0;
     for (int64_t j = 0; j < c; ++j) ms += testing::value_at(x, i * c + j) * testing::value_at(x, i * c + j) / c;
@@ -124,7 +124,7 @@ TEST(RMSNorm, ForwardMatchesFormula) {
                   testing::value_at(w, j) * testing::value_at(x, i * c + j) / std::sqrt(ms + eps), kF64Tol);
   }
   Tensor y32 = pool.zeros({n, c}, DType::f32), rstd32 = pool.zeros({n}, DType::f32);
-  rmsnorm_forward(cast(pool, x, DType::f32), cast(pool, w, DType::f32), eps, y32, rstd32);
+  rmsnorm_forward(testing::exec(), cast(pool, x, DType::f32), cast(pool, w, DType::f32), eps, y32, rstd32);
   expect_f32_close("rmsnorm y f32", y32, y);
   expect_f32_close("rmsnorm rstd f32", rstd32, rstd);
 }
@@ -135,22 +135,22 @@ TEST(RMSNorm, BackwardMatchesFiniteDifferences) {
   const double eps = 1e-5;
   Tensor x = pool.randn({n, c}), w = pool.randn({c}), y = pool.zeros({n, c}), rstd = pool.zeros({n});
   Tensor dy = pool.randn({n, c});
-  rmsnorm_forward(x, w, eps, y, rstd);
+  rmsnorm_forward(testing::exec(), x, w, eps, y, rstd);
   Tensor dx = pool.randn({n, c}, DType::f64, 100.0);  // garbage: dx is WRITTEN
   Tensor dw = pool.zeros({c});
-  rmsnorm_backward(x, w, rstd, dy, dx, dw);
+  rmsnorm_backward(testing::exec(), x, w, rstd, dy, dx, dw);
   auto loss = [&] {
-    rmsnorm_forward(x, w, eps, y, rstd);
+    rmsnorm_forward(testing::exec(), x, w, eps, y, rstd);
     return dot(y, dy);
   };
   check_gradient("rmsnorm dx", x, dx, loss);
   check_gradient("rmsnorm dw", w, dw, loss);
 
   // dw ACCUMULATES, dx is overwritten.
-  rmsnorm_forward(x, w, eps, y, rstd);
+  rmsnorm_forward(testing::exec(), x, w, eps, y, rstd);
   Tensor r = pool.randn({c}), dw2 = pool.clone(r), dx2 = pool.randn({n, c}, DType::f64, 100.0);
-  rmsnorm_backward(x, w, rstd, dy, dx2, dw2);
-  rmsnorm_backward(x, w, rstd, dy, dx2, dw2);
+  rmsnorm_backward(testing::exec(), x, w, rstd, dy, dx2, dw2);
+  rmsnorm_backward(testing::exec(), x, w, rstd, dy, dx2, dw2);
   EXPECT_LE(max_abs_diff(dw2, axpy(pool, r, 2.0, dw)), kF64Tol);
   EXPECT_LE(max_abs_diff(dx2, dx), kF64Tol);
 
@@ -158,8 +158,8 @@ TEST(RMSNorm, BackwardMatchesFiniteDifferences) {
   Tensor x32 = cast(pool, x, DType::f32), w32 = cast(pool, w, DType::f32);
   Tensor y32 = pool.zeros({n, c}, DType::f32), rstd32 = pool.zeros({n}, DType::f32);
   Tensor dx32 = pool.zeros({n, c}, DType::f32), dw32 = pool.zeros({c}, DType::f32);
-  rmsnorm_forward(x32, w32, eps, y32, rstd32);
-  rmsnorm_backward(x32, w32, rstd32, cast(pool, dy, DType::f32), dx32, dw32);
+  rmsnorm_forward(testing::exec(), x32, w32, eps, y32, rstd32);
+  rmsnorm_backward(testing::exec(), x32, w32, rstd32, cast(pool, dy, DType::f32), dx32, dw32);
   expect_f32_close("rmsnorm dx f32", dx32, dx);
   expect_f32_close("rmsnorm dw f32", dw32, dw);
 }
@@ -170,7 +170,7 @@ TEST(Linear, ForwardMatchesTripleLoop) {
   Pool pool;
   const int64_t n = 5, in = 7, out = 3;
   Tensor x = pool.randn({n, in}), w = pool.randn({out, in}), y = pool.randn({n, out});
-  linear_forward(x, w, y);
+  linear_forward(testing::exec(), x, w, y);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t o = 0; o < out; ++o) {
       double s = 0;
@@ -178,7 +178,7 @@ TEST(Linear, ForwardMatchesTripleLoop) {
       EXPECT_NEAR(testing::value_at(y, i * out + o), s, kF64Tol);
     }
   Tensor y32 = pool.zeros({n, out}, DType::f32);
-  linear_forward(cast(pool, x, DType::f32), cast(pool, w, DType::f32), y32);
+  linear_forward(testing::exec(), cast(pool, x, DType::f32), cast(pool, w, DType::f32), y32);
   expect_f32_close("linear y f32", y32, y);
 }
 
@@ -188,9 +188,9 @@ TEST(Linear, BackwardMatchesFiniteDifferences) {
   Tensor x = pool.randn({n, in}), w = pool.randn({out, in}), y = pool.zeros({n, out}), dy = pool.randn({n, out});
   Tensor dx = pool.randn({n, in}, DType::f64, 100.0);  // garbage: dx is WRITTEN
   Tensor dw = pool.zeros({out, in});
-  linear_backward(x, w, dy, dx, dw);
+  linear_backward(testing::exec(), x, w, dy, dx, dw);
   auto loss = [&] {
-    linear_forward(x, w, y);
+    linear_forward(testing::exec(), x, w, y);
     return dot(y, dy);
   };
   check_gradient("linear dx", x, dx, loss);
@@ -198,12 +198,12 @@ TEST(Linear, BackwardMatchesFiniteDifferences) {
 
   // dw ACCUMULATES; an undefined dx skips the input gradient.
   Tensor r = pool.randn({out, in}), dw2 = pool.clone(r);
-  linear_backward(x, w, dy, Tensor{}, dw2);
-  linear_backward(x, w, dy, Tensor{}, dw2);
+  linear_backward(testing::exec(), x, w, dy, Tensor{}, dw2);
+  linear_backward(testing::exec(), x, w, dy, Tensor{}, dw2);
   EXPECT_LE(max_abs_diff(dw2, axpy(pool, r, 2.0, dw)), kF64Tol);
 
   Tensor dx32 = pool.zeros({n, in}, DType::f32), dw32 = pool.zeros({out, in}, DType::f32);
-  linear_backward(cast(pool, x, DType::f32), cast(pool, w, DType::f32), cast(pool, dy, DType::f32), dx32, dw32);
+  linear_backward(testing::exec(), cast(pool, x, DType::f32), cast(pool, w, DType::f32), cast(pool, dy, DType::f32), dx32, dw32);
   expect_f32_close("linear dx f32", dx32, dx);
   expect_f32_close("linear dw f32", dw32, dw);
 }
@@ -240,7 +240,7 @@ TEST(RoPE, ForwardIsComplexRotation) {
   Tensor cos = pool.zeros({s, d}), sin = pool.zeros({s, d});
   rope_table(theta, cos, sin);
   Tensor x0 = pool.randn({b, s, h, d}), x = pool.clone(x0);
-  rope_forward(x, cos, sin);
+  rope_forward(testing::exec(), x, cos, sin);
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t si = 0; si < s; ++si)
       for (int64_t hi = 0; hi < h; ++hi)
@@ -255,10 +255,10 @@ TEST(RoPE, ForwardIsComplexRotation) {
         }
   Tensor cos32 = cast(pool, cos, DType::f32), sin32 = cast(pool, sin, DType::f32);
   Tensor x32 = cast(pool, x0, DType::f32);
-  rope_forward(x32, cos32, sin32);
+  rope_forward(testing::exec(), x32, cos32, sin32);
   expect_f32_close("rope f32", x32, x);
   // The rotation is orthogonal: backward (the transpose) undoes forward.
-  rope_backward(x, cos, sin);
+  rope_backward(testing::exec(), x, cos, sin);
   EXPECT_LE(max_abs_diff(x, x0), kF64Tol);
 }
 
@@ -269,14 +269,14 @@ TEST(RoPE, BackwardMatchesFiniteDifferences) {
   rope_table(100.0, cos, sin);
   Tensor x = pool.randn({b, s, h, d}), w = pool.randn({b, s, h, d}), y = pool.zeros({b, s, h, d});
   Tensor dx = pool.clone(w);
-  rope_backward(dx, cos, sin);
+  rope_backward(testing::exec(), dx, cos, sin);
   check_gradient("rope dx", x, dx, [&] {
     y.copy_from(x);
-    rope_forward(y, cos, sin);
+    rope_forward(testing::exec(), y, cos, sin);
     return dot(y, w);
   });
   Tensor dx32 = cast(pool, w, DType::f32);
-  rope_backward(dx32, cast(pool, cos, DType::f32), cast(pool, sin, DType::f32));
+  rope_backward(testing::exec(), dx32, cast(pool, cos, DType::f32), cast(pool, sin, DType::f32));
   expect_f32_close("rope dx f32", dx32, dx);
 }
 
@@ -293,7 +293,7 @@ TEST(SwiGLU, ForwardAndBackward) {
     Pool pool;
     const int64_t n = 5, f = 7;
     Tensor gu = pool.randn({n, 2 * f}), h = pool.zeros({n, f}), dh = pool.randn({n, f});
-    swiglu_forward(gu, h, layout);
+    swiglu_forward(testing::exec(), gu, h, layout);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < f; ++j) {
         const double g = testing::value_at(gu, i * 2 * f + gate_up_column(layout, f, j, false)),
@@ -301,16 +301,16 @@ TEST(SwiGLU, ForwardAndBackward) {
         EXPECT_NEAR(testing::value_at(h, i * f + j), g / (1 + std::exp(-g)) * u, kF64Tol);
       }
     Tensor dgu = pool.randn({n, 2 * f}, DType::f64, 100.0);
-    swiglu_backward(gu, dh, dgu, layout);
+    swiglu_backward(testing::exec(), gu, dh, dgu, layout);
     check_gradient("swiglu dgu", gu, dgu, [&] {
-      swiglu_forward(gu, h, layout);
+      swiglu_forward(testing::exec(), gu, h, layout);
       return dot(h, dh);
     });
     Tensor gu32 = cast(pool, gu, DType::f32), h32 = pool.zeros({n, f}, DType::f32);
     Tensor dgu32 = pool.zeros({n, 2 * f}, DType::f32);
-    swiglu_forward(gu32, h32, layout);
-    swiglu_backward(gu32, cast(pool, dh, DType::f32), dgu32, layout);
-    swiglu_forward(gu, h, layout);
+    swiglu_forward(testing::exec(), gu32, h32, layout);
+    swiglu_backward(testing::exec(), gu32, cast(pool, dh, DType::f32), dgu32, layout);
+    swiglu_forward(testing::exec(), gu, h, layout);
     expect_f32_close("swiglu h f32", h32, h);
     expect_f32_close("swiglu dgu f32", dgu32, dgu);
   }
@@ -331,10 +331,10 @@ TEST(SwiGLU, PairsAreHalvesWithColumnsInterleaved) {
                                 testing::value_at(gu_halves, i * 2 * f + gate_up_column(GateUp::halves, f, j, u)));
     Tensor h_halves = pool.zeros({n, f}, dt), h_pairs = pool.zeros({n, f}, dt);
     Tensor dgu_halves = pool.zeros({n, 2 * f}, dt), dgu_pairs = pool.zeros({n, 2 * f}, dt);
-    swiglu_forward(gu_halves, h_halves, GateUp::halves);
-    swiglu_forward(gu_pairs, h_pairs, GateUp::pairs);
-    swiglu_backward(gu_halves, dh, dgu_halves, GateUp::halves);
-    swiglu_backward(gu_pairs, dh, dgu_pairs, GateUp::pairs);
+    swiglu_forward(testing::exec(), gu_halves, h_halves, GateUp::halves);
+    swiglu_forward(testing::exec(), gu_pairs, h_pairs, GateUp::pairs);
+    swiglu_backward(testing::exec(), gu_halves, dh, dgu_halves, GateUp::halves);
+    swiglu_backward(testing::exec(), gu_pairs, dh, dgu_pairs, GateUp::pairs);
     EXPECT_EQ(max_abs_diff(h_pairs, h_halves), 0.0);
     EXPECT_GT(max_abs(h_pairs), 0.0);
     for (int64_t i = 0; i < n; ++i)
@@ -352,7 +352,7 @@ TEST(CrossEntropy, ForwardMatchesNaiveSoftmax) {
   Pool pool;
   const int64_t n = 5, v = 7;
   Tensor logits = pool.randn({n, v}, DType::f64, 3.0), targets = pool.ints({n}, 0, v), lse = pool.zeros({n});
-  const double loss = cross_entropy_forward(logits, targets, lse);
+  const double loss = cross_entropy_forward(testing::exec(), logits, targets, lse);
   double want = 0;
   for (int64_t i = 0; i < n; ++i) {
     double z = 0;
@@ -363,7 +363,7 @@ TEST(CrossEntropy, ForwardMatchesNaiveSoftmax) {
   EXPECT_NEAR(loss, want, kF64Tol * n);
 
   Tensor lse32 = pool.zeros({n}, DType::f32);
-  const double loss32 = cross_entropy_forward(cast(pool, logits, DType::f32), targets, lse32);
+  const double loss32 = cross_entropy_forward(testing::exec(), cast(pool, logits, DType::f32), targets, lse32);
   EXPECT_NEAR(loss32, loss, kF32Rel * std::max(1.0, std::abs(loss)));
   expect_f32_close("cross-entropy lse f32", lse32, lse);
 }
@@ -372,18 +372,18 @@ TEST(CrossEntropy, StableForLargeLogits) {
   Pool pool;
   const int64_t n = 5, v = 7;
   Tensor logits = pool.randn({n, v}, DType::f64, 3.0), targets = pool.ints({n}, 0, v), lse = pool.zeros({n});
-  const double loss = cross_entropy_forward(logits, targets, lse);
+  const double loss = cross_entropy_forward(testing::exec(), logits, targets, lse);
   for (DType dt : {DType::f64, DType::f32}) {
     Tensor shifted = cast(pool, logits, dt);
     // Row r shifted by 1000 (r + 1): exp overflows in both dtypes unless the max is taken out.
     for (int64_t i = 0; i < shifted.numel(); ++i)
       testing::set_value_at(shifted, i, testing::value_at(shifted, i) + 1000.0 * static_cast<double>(i / v + 1));
     Tensor lse_s = pool.zeros({n}, dt), d = pool.zeros({n, v}, dt);
-    const double loss_s = cross_entropy_forward(shifted, targets, lse_s);
+    const double loss_s = cross_entropy_forward(testing::exec(), shifted, targets, lse_s);
     ASSERT_TRUE(std::isfinite(loss_s));
     // f32 logits near 5000 carry up to 2.5e-4 rounding each.
     EXPECT_NEAR(loss_s, loss, dt == DType::f32 ? 1e-3 * n : 1e-9) << dtype_name(dt);
-    cross_entropy_backward(shifted, targets, lse_s, 1.0, d);
+    cross_entropy_backward(testing::exec(), shifted, targets, lse_s, 1.0, d);
     for (int64_t i = 0; i < d.numel(); ++i) ASSERT_TRUE(std::isfinite(testing::value_at(d, i)));
   }
 }
@@ -393,17 +393,17 @@ TEST(CrossEntropy, BackwardMatchesFiniteDifferences) {
   const int64_t n = 5, v = 7;
   const double grad_scale = 0.3;
   Tensor logits = pool.randn({n, v}, DType::f64, 3.0), targets = pool.ints({n}, 0, v), lse = pool.zeros({n});
-  cross_entropy_forward(logits, targets, lse);
+  cross_entropy_forward(testing::exec(), logits, targets, lse);
   Tensor d = pool.randn({n, v}, DType::f64, 100.0);  // garbage: dlogits is WRITTEN
-  cross_entropy_backward(logits, targets, lse, grad_scale, d);
+  cross_entropy_backward(testing::exec(), logits, targets, lse, grad_scale, d);
   check_gradient("cross-entropy dlogits", logits, d,
-                 [&] { return grad_scale * cross_entropy_forward(logits, targets, lse); });
+                 [&] { return grad_scale * cross_entropy_forward(testing::exec(), logits, targets, lse); });
 
-  cross_entropy_forward(logits, targets, lse);
+  cross_entropy_forward(testing::exec(), logits, targets, lse);
   Tensor logits32 = cast(pool, logits, DType::f32), lse32 = pool.zeros({n}, DType::f32);
   Tensor d32 = pool.zeros({n, v}, DType::f32);
-  cross_entropy_forward(logits32, targets, lse32);
-  cross_entropy_backward(logits32, targets, lse32, grad_scale, d32);
+  cross_entropy_forward(testing::exec(), logits32, targets, lse32);
+  cross_entropy_backward(testing::exec(), logits32, targets, lse32, grad_scale, d32);
   expect_f32_close("cross-entropy dlogits f32", d32, d);
 }
 
@@ -422,13 +422,13 @@ TEST(CrossEntropy, IgnoredTargetsAddNothing) {
     for (int64_t j = 0; j < v; ++j) testing::set_value_at(kept_logits, r * v + j, testing::value_at(logits, i * v + j));
     ++r;
   }
-  EXPECT_EQ(cross_entropy_forward(logits, targets, lse), cross_entropy_forward(kept_logits, kept, kept_lse));
+  EXPECT_EQ(cross_entropy_forward(testing::exec(), logits, targets, lse), cross_entropy_forward(testing::exec(), kept_logits, kept, kept_lse));
   Tensor d = pool.randn({n, v}, DType::f64, 100.0);  // garbage: dlogits is WRITTEN
-  cross_entropy_backward(logits, targets, lse, 0.5, d);
+  cross_entropy_backward(testing::exec(), logits, targets, lse, 0.5, d);
   for (int64_t i = 1; i < n; i += 2)
     for (int64_t j = 0; j < v; ++j) EXPECT_EQ(testing::value_at(d, i * v + j), 0.0);
   check_gradient("cross-entropy with ignored rows", logits, d,
-                 [&] { return 0.5 * cross_entropy_forward(logits, targets, lse); });
+                 [&] { return 0.5 * cross_entropy_forward(testing::exec(), logits, targets, lse); });
 }
 
 // ---- matmul on matrix views -------------------------------------------------------------------
@@ -453,7 +453,7 @@ TEST(Matmul, ViewsMatchTripleLoop) {
         const Tensor c0 = pool.clone(c_st);
         const MatrixView a{a_st, a_rows, a_cols, 9, 2};
         const double alpha = -1.5;
-        matmul(a, ta, as_matrix(b), tb, column_block(c_st, 3, 3 + n), alpha, beta);
+        matmul(testing::exec(), a, ta, as_matrix(b), tb, column_block(c_st, 3, 3 + n), alpha, beta);
         for (int64_t i = 0; i < m; ++i)
           for (int64_t j = 0; j < 11; ++j) {
             const double got = testing::value_at(c_st, i * 11 + j);
@@ -476,13 +476,13 @@ TEST(Matmul, ViewsMatchTripleLoop) {
   Pool pool;
   Tensor a = pool.randn({m, k}), b = pool.randn({n, k}), c = pool.randn({m, 2 * n});
   Tensor a32 = cast(pool, a, DType::f32), b32 = cast(pool, b, DType::f32), c32 = cast(pool, c, DType::f32);
-  matmul(as_matrix(a), false, as_matrix(b), true, column_block(c, n, 2 * n), 0.5, 1.0);
-  matmul(as_matrix(a32), false, as_matrix(b32), true, column_block(c32, n, 2 * n), 0.5, 1.0);
+  matmul(testing::exec(), as_matrix(a), false, as_matrix(b), true, column_block(c, n, 2 * n), 0.5, 1.0);
+  matmul(testing::exec(), as_matrix(a32), false, as_matrix(b32), true, column_block(c32, n, 2 * n), 0.5, 1.0);
   expect_f32_close("matmul f32", c32, c);
 
   // K = 0: c = beta * c.
   Tensor e = pool.zeros({m, 0}), f = pool.zeros({0, n}), g = pool.randn({m, n}), g0 = pool.clone(g);
-  matmul(as_matrix(e), false, as_matrix(f), false, as_matrix(g), 1.0, -2.0);
+  matmul(testing::exec(), as_matrix(e), false, as_matrix(f), false, as_matrix(g), 1.0, -2.0);
   for (int64_t i = 0; i < m * n; ++i) EXPECT_EQ(testing::value_at(g, i), -2.0 * testing::value_at(g0, i));
 }
 
@@ -493,9 +493,9 @@ TEST(Cast, RoundsToNearestEvenAndBack) {
   const int64_t n = 1000;
   Tensor x = pool.randn({n}, DType::f64, 3.0), f = pool.zeros({n}, DType::f32), b = pool.zeros({n}, DType::bf16),
          back = pool.zeros({n}, DType::f32);
-  cast(x, f);
-  cast(f, b);
-  cast(b, back);
+  cast(testing::exec(), x, f);
+  cast(testing::exec(), f, b);
+  cast(testing::exec(), b, back);
   for (int64_t i = 0; i < n; ++i) {
     const float fi = static_cast<float>(x.ptr<double>()[i]);
     ASSERT_EQ(f.ptr<float>()[i], fi);
@@ -509,14 +509,14 @@ TEST(MatrixViews, CopyAddFillTouchOnlyTheView) {
   Pool pool;
   Tensor src = pool.randn({5, 7}), dst = pool.randn({6, 9}), before = pool.clone(dst);
   const MatrixView s{src, 4, 3, 7, 2}, d{dst, 4, 3, 9, 13};  // rows 0-3 cols 2-4 -> rows 1-4 cols 4-6
-  copy_matrix(s, d);
+  copy_matrix(testing::exec(), s, d);
   for (int64_t i = 0; i < 6 * 9; ++i) {
     const int64_t r = i / 9, c = i % 9;
     const bool inside = r >= 1 && r <= 4 && c >= 4 && c <= 6;
     EXPECT_EQ(dst.ptr<double>()[i], inside ? src.ptr<double>()[(r - 1) * 7 + c - 2] : before.ptr<double>()[i]);
   }
-  add_matrix(s, d);
-  fill_matrix(MatrixView{dst, 1, 2, 9, 0}, -3.5);
+  add_matrix(testing::exec(), s, d);
+  fill_matrix(testing::exec(), MatrixView{dst, 1, 2, 9, 0}, -3.5);
   for (int64_t i = 0; i < 6 * 9; ++i) {
     const int64_t r = i / 9, c = i % 9;
     const bool inside = r >= 1 && r <= 4 && c >= 4 && c <= 6;
@@ -526,7 +526,7 @@ TEST(MatrixViews, CopyAddFillTouchOnlyTheView) {
     EXPECT_EQ(dst.ptr<double>()[i], want) << r << " " << c;
   }
   Tensor ids = pool.ints({2, 5}, 0, 9);
-  fill_matrix(MatrixView{ids, 2, 2, 5, 3}, kIgnoreTarget);
+  fill_matrix(testing::exec(), MatrixView{ids, 2, 2, 5, 3}, kIgnoreTarget);
   EXPECT_EQ(ids.ptr<int32_t>()[3], kIgnoreTarget);
   EXPECT_EQ(ids.ptr<int32_t>()[9], kIgnoreTarget);
 }

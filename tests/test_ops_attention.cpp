@@ -58,7 +58,7 @@ TEST(Attention, ForwardMatchesMaskedTripleLoop) {
     Inputs in = make_inputs(pool, c);
     Tensor out = pool.randn({c.b, c.s, c.q, c.d}), lse = pool.randn({c.b, c.q, c.s});
     Tensor work = pool.randn({c.s, c.s});
-    attention_forward(in.q, in.k, in.v, in.scale, out, lse, work);
+    attention_forward(testing::exec(), in.q, in.k, in.v, in.scale, out, lse, work);
 
     const double inf = std::numeric_limits<double>::infinity();
     std::vector<double> p(c.s);
@@ -88,7 +88,7 @@ TEST(Attention, ForwardMatchesMaskedTripleLoop) {
       }
 
     Tensor out32 = pool.zeros(out.shape(), DType::f32), lse32 = pool.zeros(lse.shape(), DType::f32);
-    attention_forward(cast(pool, in.q, DType::f32), cast(pool, in.k, DType::f32), cast(pool, in.v, DType::f32),
+    attention_forward(testing::exec(), cast(pool, in.q, DType::f32), cast(pool, in.k, DType::f32), cast(pool, in.v, DType::f32),
                       in.scale, out32, lse32, pool.zeros({c.s, c.s}, DType::f32));
     expect_f32_close("attention out f32", out32, out);
     expect_f32_close("attention lse f32", lse32, lse);
@@ -102,13 +102,13 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
     Inputs in = make_inputs(pool, c);
     Tensor out = pool.zeros({c.b, c.s, c.q, c.d}), lse = pool.zeros({c.b, c.q, c.s});
     Tensor work = pool.zeros({2, c.s, c.s}), dout = pool.randn(out.shape());
-    attention_forward(in.q, in.k, in.v, in.scale, out, lse, work);
+    attention_forward(testing::exec(), in.q, in.k, in.v, in.scale, out, lse, work);
     // Garbage in every gradient: all three are WRITTEN.
     Tensor dq = pool.randn(in.q.shape(), DType::f64, 100.0), dk = pool.randn(in.k.shape(), DType::f64, 100.0),
            dv = pool.randn(in.v.shape(), DType::f64, 100.0);
-    attention_backward(in.q, in.k, in.v, out, lse, dout, in.scale, dq, dk, dv, work);
+    attention_backward(testing::exec(), in.q, in.k, in.v, out, lse, dout, in.scale, dq, dk, dv, work);
     auto loss = [&] {
-      attention_forward(in.q, in.k, in.v, in.scale, out, lse, work);
+      attention_forward(testing::exec(), in.q, in.k, in.v, in.scale, out, lse, work);
       return dot(out, dout);
     };
     check_gradient("attention dq", in.q, dq, loss);
@@ -116,14 +116,14 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
     check_gradient("attention dv", in.v, dv, loss);
 
     // float32 agrees with float64.
-    attention_forward(in.q, in.k, in.v, in.scale, out, lse, work);
+    attention_forward(testing::exec(), in.q, in.k, in.v, in.scale, out, lse, work);
     Tensor q32 = cast(pool, in.q, DType::f32), k32 = cast(pool, in.k, DType::f32), v32 = cast(pool, in.v, DType::f32);
     Tensor out32 = pool.zeros(out.shape(), DType::f32), lse32 = pool.zeros(lse.shape(), DType::f32);
     Tensor work32 = pool.zeros({2, c.s, c.s}, DType::f32);
     Tensor dq32 = pool.randn(in.q.shape(), DType::f32, 100.0), dk32 = pool.randn(in.k.shape(), DType::f32, 100.0),
            dv32 = pool.randn(in.v.shape(), DType::f32, 100.0);
-    attention_forward(q32, k32, v32, in.scale, out32, lse32, work32);
-    attention_backward(q32, k32, v32, out32, lse32, cast(pool, dout, DType::f32), in.scale, dq32, dk32, dv32, work32);
+    attention_forward(testing::exec(), q32, k32, v32, in.scale, out32, lse32, work32);
+    attention_backward(testing::exec(), q32, k32, v32, out32, lse32, cast(pool, dout, DType::f32), in.scale, dq32, dk32, dv32, work32);
     expect_f32_close("attention dq f32", dq32, dq);
     expect_f32_close("attention dk f32", dk32, dk);
     expect_f32_close("attention dv f32", dv32, dv);

@@ -25,13 +25,13 @@ TEST(CudaElementwise, AddScaleSumSquaresMatchCpu) {
     Tensor y = pool.randn({n}), x = pool.randn({n});
     Tensor yr = testing::rounded(pool, y, dt), xr = testing::rounded(pool, x, dt);
     Tensor yd = dev.upload(y, dt), xd = dev.upload(x, dt);
-    add_inplace(yd, xd);
-    scale_inplace(yd, -0.75);
-    add_inplace(yr, xr);
-    scale_inplace(yr, -0.75);
+    add_inplace(testing::exec(), yd, xd);
+    scale_inplace(testing::exec(), yd, -0.75);
+    add_inplace(testing::exec(), yr, xr);
+    scale_inplace(testing::exec(), yr, -0.75);
     const double tol = dt == DType::f32 ? 1e-6 : 4e-3;
     EXPECT_LE(testing::rel_error(testing::download(yd), yr), tol);
-    const double want = sum_squares(xr), got = sum_squares(xd);
+    const double want = sum_squares(testing::exec(), xr), got = sum_squares(testing::exec(), xd);
     EXPECT_NEAR(got, want, 1e-9 * want);  // the same inputs, summed in double either way
   }
 }
@@ -51,8 +51,8 @@ TEST(CudaAdamW, MatchesCpuAndWritesTheComputeCopy) {
     Tensor wd = dev.upload(w, DType::f32), gd = dev.upload(g, DType::f32), md = dev.upload(m, DType::f32),
            vd = dev.upload(v, DType::f32), wc = dev.poisoned({n}, DType::bf16);
     const AdamWStep s{3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - std::pow(0.9, 7), 1 - std::pow(0.95, 7), 0.25};
-    adamw_update(w, g, m, v, s);
-    adamw_update(wd, gd, md, vd, s, wc);
+    adamw_update(testing::exec(), w, g, m, v, s);
+    adamw_update(testing::exec(), wd, gd, md, vd, s, wc);
     EXPECT_LE(testing::rel_error(testing::download(wd), w), 1e-6);
     EXPECT_LE(testing::rel_error(testing::download(md), m), 1e-6);
     EXPECT_LE(testing::rel_error(testing::download(vd), v), 1e-6);
@@ -71,10 +71,10 @@ TEST(CudaCast, MatchesCpuBitForBit) {
   DevicePool dev;
   const int64_t n = 65537;
   Tensor x = pool.randn({n}, DType::f32, 3.0), b = pool.zeros({n}, DType::bf16);
-  cast(x, b);
+  cast(testing::exec(), x, b);
   Tensor xd = dev.upload(x, DType::f32), bd = dev.poisoned({n}, DType::bf16), back = dev.poisoned({n}, DType::f32);
-  cast(xd, bd);
-  cast(bd, back);
+  cast(testing::exec(), xd, bd);
+  cast(testing::exec(), bd, back);
   const std::vector<double> got = testing::download(bd), round = testing::download(back);
   for (int64_t i = 0; i < n; ++i) {
     ASSERT_EQ(got[i], bf16_to_f32(static_cast<uint16_t*>(b.data())[i])) << i;
@@ -92,9 +92,9 @@ TEST(CudaFillNormal, MatchesCpu) {
   const int64_t n = 100003;
   for (const uint64_t first : {uint64_t{0}, uint64_t{5} << 33}) {
     Tensor want = pool.zeros({n}, DType::f32);
-    fill_normal_any(want, 2026, 17, 0.5, 0.02, first);
+    fill_normal_any(testing::exec(), want, 2026, 17, 0.5, 0.02, first);
     Tensor got = dev.poisoned({n}, DType::f32);
-    fill_normal_any(got, 2026, 17, 0.5, 0.02, first);
+    fill_normal_any(testing::exec(), got, 2026, 17, 0.5, 0.02, first);
     const std::vector<double> g = testing::download(got);
     int64_t differ = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -116,12 +116,12 @@ TEST(CudaMatrixViews, CopyAddFillMatchCpu) {
     Tensor sr = testing::rounded(pool, src, dt), dr = testing::rounded(pool, dst, dt);
     Tensor sd = dev.upload(src, dt), dd = dev.upload(dst, dt);
     const MatrixView s{sr, 40, 33, 70, 21}, d{dr, 40, 33, 90, 95}, sdv{sd, 40, 33, 70, 21}, ddv{dd, 40, 33, 90, 95};
-    copy_matrix(s, d);
-    copy_matrix(sdv, ddv);
-    add_matrix(s, d);
-    add_matrix(sdv, ddv);
-    fill_matrix(MatrixView{dr, 3, 5, 90, 7}, 0.25);
-    fill_matrix(MatrixView{dd, 3, 5, 90, 7}, 0.25);
+    copy_matrix(testing::exec(), s, d);
+    copy_matrix(testing::exec(), sdv, ddv);
+    add_matrix(testing::exec(), s, d);
+    add_matrix(testing::exec(), sdv, ddv);
+    fill_matrix(testing::exec(), MatrixView{dr, 3, 5, 90, 7}, 0.25);
+    fill_matrix(testing::exec(), MatrixView{dd, 3, 5, 90, 7}, 0.25);
     // one bf16 rounding of x + x is exact (a doubling): equality holds in both dtypes
     EXPECT_EQ(testing::rel_error(testing::download(dd), dr), 0.0) << dtype_name(dt);
   }

@@ -38,8 +38,16 @@ constexpr double kBf16Tol = 5e-3;
 constexpr double kLseTol = 1e-5;
 
 // These are the own kernels' tests: the plain causal ops would go to cuDNN's fused attention when
-// the build has it (ops/cuda/attention_cudnn.h; tested in test_ops_cuda_attention_cudnn.cpp).
-[[maybe_unused]] const bool kOwnKernel = setenv("MOEFOLD_ATTENTION", "own", 1) == 0;
+// the build has it (ops/cuda/attention_cudnn.h; tested in test_ops_cuda_attention_cudnn.cpp), so
+// they run on a context whose kernels.attention is "own" (made on first use: REQUIRES a GPU).
+const ExecContext& own() {
+  static const ExecContext* ctx = [] {
+    KernelOptions k;
+    k.attention = AttentionKernel::own;
+    return new ExecContext(Device::cuda, k);
+  }();
+  return *ctx;
+}
 
 double tol(DType dt) { return dt == DType::f32 ? kF32Tol : kBf16Tol; }
 
@@ -129,15 +137,15 @@ void check_parity(AttnCase st, DType dt) {
   // ---- forward
   Tensor out = pool.zeros(q_shape), lse = pool.zeros(lse_shape);
   if (st.at())
-    attention_forward_at(qr, kr, vr, qpos_h, kpos_h, st.scale, out, lse, work);
+    attention_forward_at(own(), qr, kr, vr, qpos_h, kpos_h, st.scale, out, lse, work);
   else
-    attention_forward(qr, kr, vr, st.scale, out, lse, work);
+    attention_forward(own(), qr, kr, vr, st.scale, out, lse, work);
   Tensor qd = dev.upload(q, dt), kd = dev.upload(k, dt), vd = dev.upload(v, dt), doutd = dev.upload(dout, dt);
   Tensor outd = dev.poisoned(q_shape, dt), lsed = dev.poisoned(lse_shape, DType::f32);
   if (st.at())
-    attention_forward_at(qd, kd, vd, qpos_d, kpos_d, st.scale, outd, lsed, no_work);
+    attention_forward_at(own(), qd, kd, vd, qpos_d, kpos_d, st.scale, outd, lsed, no_work);
   else
-    attention_forward(qd, kd, vd, st.scale, outd, lsed, no_work);
+    attention_forward(own(), qd, kd, vd, st.scale, outd, lsed, no_work);
   EXPECT_LE(rel_error(download(outd), out), tol(dt)) << "out";
   EXPECT_LE(rel_error(download(lsed), lse), kLseTol) << "lse";
 
@@ -145,9 +153,9 @@ void check_parity(AttnCase st, DType dt) {
   Tensor outr = rounded(pool, out, dt), lser = rounded(pool, lse, DType::f32);
   Tensor dq = pool.zeros(q_shape), dk = pool.zeros(kv_shape), dv = pool.zeros(kv_shape);
   if (st.at())
-    attention_backward_at(qr, kr, vr, qpos_h, kpos_h, outr, lser, doutr, st.scale, dq, dk, dv, work);
+    attention_backward_at(own(), qr, kr, vr, qpos_h, kpos_h, outr, lser, doutr, st.scale, dq, dk, dv, work);
   else
-    attention_backward(qr, kr, vr, outr, lser, doutr, st.scale, dq, dk, dv, work);
+    attention_backward(own(), qr, kr, vr, outr, lser, doutr, st.scale, dq, dk, dv, work);
   // S = 1: the only key is the query's own, so P = 1, dP = delta and dq = dk = 0 exactly; the
   // reference holds only f64 rounding noise there, and the GPU's float noise is measured against
   // the natural size of a dq/dk element for unit-normal inputs, scale * sqrt(D), instead.
@@ -157,9 +165,9 @@ void check_parity(AttnCase st, DType dt) {
   for (int rep = 0; rep < 2; ++rep) {
     Tensor dqd = dev.poisoned(q_shape, dt), dkd = dev.poisoned(kv_shape, dt), dvd = dev.poisoned(kv_shape, dt);
     if (st.at())
-      attention_backward_at(qd, kd, vd, qpos_d, kpos_d, outd2, lsed2, doutd, st.scale, dqd, dkd, dvd, no_work);
+      attention_backward_at(own(), qd, kd, vd, qpos_d, kpos_d, outd2, lsed2, doutd, st.scale, dqd, dkd, dvd, no_work);
     else
-      attention_backward(qd, kd, vd, outd2, lsed2, doutd, st.scale, dqd, dkd, dvd, no_work);
+      attention_backward(own(), qd, kd, vd, outd2, lsed2, doutd, st.scale, dqd, dkd, dvd, no_work);
     const std::vector<double> got[3] = {download(dqd), download(dkd), download(dvd)};
     if (rep == 0) {
       EXPECT_LE(grad_error(got[0], dq, dqdk_floor), tol(dt)) << "dq";
@@ -220,8 +228,8 @@ TEST(CudaAttention, IdentityPositionsMatchPlainCausal) {
            v = dev.upload(pool.randn({b, s, ng, d}), dt);
     Tensor out1 = dev.poisoned({b, s, nq, d}, dt), lse1 = dev.poisoned({b, nq, s}, DType::f32);
     Tensor out2 = dev.poisoned({b, s, nq, d}, dt), lse2 = dev.poisoned({b, nq, s}, DType::f32);
-    attention_forward(q, k, v, 0.125, out1, lse1, Tensor());
-    attention_forward_at(q, k, v, pos_d, pos_d, 0.125, out2, lse2, Tensor());
+    attention_forward(own(), q, k, v, 0.125, out1, lse1, Tensor());
+    attention_forward_at(own(), q, k, v, pos_d, pos_d, 0.125, out2, lse2, Tensor());
     EXPECT_TRUE(download(out1) == download(out2));
     EXPECT_TRUE(download(lse1) == download(lse2));
   }

@@ -1,9 +1,9 @@
 // GPU parity of cuDNN's fused attention (ops/cuda/attention_cudnn.h) through the ops.h entry
-// points with MOEFOLD_ATTENTION=cudnn (cuDNN serves every call or the call fails): forward and
+// points with kernels.attention = cudnn (cuDNN serves every call or the call fails): forward and
 // backward against the CPU ops run in float64 on exactly the GPU's (bf16-rounded) inputs, at head
 // dims 64, 128 and 192 (192 when this cuDNN takes it), GQA ratios Q/G = 1 and 4, S not a multiple
 // of 64, batch 2. Outputs start poisoned (NaN); backward runs twice (deterministic: bit-identical).
-// With MOEFOLD_ATTENTION=auto, problems cuDNN does not take (head dims 4 and 12, f32) go to the
+// With kernels.attention = auto, problems cuDNN does not take (head dims 4 and 12, f32) go to the
 // own kernel, and head dim 8 works whichever serves it. Skipped without a GPU, or without cuDNN in
 // the build (the reason is printed).
 // Tolerances (relative Frobenius error, as in test_ops_cuda_attention.cpp):
@@ -51,35 +51,17 @@ double tol(DType dt) { return dt == DType::f32 ? kF32Tol : kBf16Tol; }
   do {                                                                               \
     if (!cuda::cudnn_attention_built()) {                                            \
       std::string mf_why_;                                                           \
-      cuda::cudnn_attention_supported(Case{128, 4, 4, 64}.problem(false), &mf_why_); \
+      cuda::cudnn_attention_supported(testing::exec(), Case{128, 4, 4, 64}.problem(false), &mf_why_); \
       GTEST_SKIP() << mf_why_;                                                       \
     }                                                                                \
   } while (0)
 
-// Sets an environment variable for one scope and restores it afterwards.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      had_ = true;
-      old_ = old;
-    }
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_)
-      setenv(name_, old_.c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
+// A GPU context whose kernels.attention is `choice`.
+KernelOptions attention(AttentionKernel choice) {
+  KernelOptions k;
+  k.attention = choice;
+  return k;
+}
 
 struct Case {
   int64_t s, nq, ng, d;
@@ -104,10 +86,10 @@ void expect_impl(Expect want, bool backward) {
       << (backward ? "backward" : "forward") << " served by " << cuda::attention_impl_name(got);
 }
 
-// Forward and backward of `c` on the GPU in `dt` (through ops.h, whatever MOEFOLD_ATTENTION says)
+// Forward and backward of `c` on the GPU in `dt` (through ops.h, whatever ctx's kernels.attention says)
 // against the CPU in f64. Backward gets the reference's out and lse (rounded as the GPU stores
 // them), so its error is its own.
-void check_parity(const Case& c, DType dt, Expect want) {
+void check_parity(const ExecContext& ctx, const Case& c, DType dt, Expect want) {
   SCOPED_TRACE(c.name() + " " + std::string(dtype_name(dt)) +
                " (MOEFOLD_TEST_SEED=" + std::to_string(testing::fresh_seed()) + ")");
   Pool pool;
@@ -121,22 +103,22 @@ void check_parity(const Case& c, DType dt, Expect want) {
   Tensor work = pool.zeros({2 * c.s * c.s});
 
   Tensor out = pool.zeros(q_shape), lse = pool.zeros(lse_shape);
-  attention_forward(qr, kr, vr, scale, out, lse, work);
+  attention_forward(ctx, qr, kr, vr, scale, out, lse, work);
   Tensor qd = dev.upload(q, dt), kd = dev.upload(k, dt), vd = dev.upload(v, dt), doutd = dev.upload(dout, dt);
   Tensor outd = dev.poisoned(q_shape, dt), lsed = dev.poisoned(lse_shape, DType::f32);
-  attention_forward(qd, kd, vd, scale, outd, lsed, Tensor());
+  attention_forward(ctx, qd, kd, vd, scale, outd, lsed, Tensor());
   expect_impl(want, false);
   EXPECT_LE(rel_error(download(outd), out), tol(dt)) << "out";
   EXPECT_LE(rel_error(download(lsed), lse), dt == DType::f32 ? kF32Tol : kLseTol) << "lse";
 
   Tensor outr = rounded(pool, out, dt), lser = rounded(pool, lse, DType::f32);
   Tensor dq = pool.zeros(q_shape), dk = pool.zeros(kv_shape), dv = pool.zeros(kv_shape);
-  attention_backward(qr, kr, vr, outr, lser, doutr, scale, dq, dk, dv, work);
+  attention_backward(ctx, qr, kr, vr, outr, lser, doutr, scale, dq, dk, dv, work);
   Tensor outd2 = dev.upload(out, dt), lsed2 = dev.upload(lse, DType::f32);
   std::vector<double> first[3];
   for (int rep = 0; rep < 2; ++rep) {
     Tensor dqd = dev.poisoned(q_shape, dt), dkd = dev.poisoned(kv_shape, dt), dvd = dev.poisoned(kv_shape, dt);
-    attention_backward(qd, kd, vd, outd2, lsed2, doutd, scale, dqd, dkd, dvd, Tensor());
+    attention_backward(ctx, qd, kd, vd, outd2, lsed2, doutd, scale, dqd, dkd, dvd, Tensor());
     expect_impl(want, true);
     const std::vector<double> got[3] = {download(dqd), download(dkd), download(dvd)};
     if (rep == 0) {
@@ -162,17 +144,17 @@ TEST(CudnnAttention, ForcedCudnnMatchesCpu) {
   MF_REQUIRE_CUDNN();
   std::cout << "[ INFO     ] cuDNN runtime " << cuda::cudnn_runtime_version() << ", frontend "
             << cuda::cudnn_frontend_version() << "\n";
-  ScopedEnv env("MOEFOLD_ATTENTION", "cudnn");
+  const ExecContext ctx(Device::cuda, attention(AttentionKernel::cudnn));
   for (const Case& c : kCases) {
     std::string why;
-    const bool supported = cuda::cudnn_attention_supported(c.problem(false), &why) &&
-                           cuda::cudnn_attention_supported(c.problem(true), &why);
+    const bool supported = cuda::cudnn_attention_supported(ctx, c.problem(false), &why) &&
+                           cuda::cudnn_attention_supported(ctx, c.problem(true), &why);
     if (!supported && c.d == 192) {  // the brief's "192 if supported": say so, do not fail
       std::cout << "[ INFO     ] cuDNN does not take " << c.name() << ": " << why << "\n";
       continue;
     }
     ASSERT_TRUE(supported) << c.name() << ": " << why;
-    check_parity(c, DType::bf16, Expect::cudnn);
+    check_parity(ctx, c, DType::bf16, Expect::cudnn);
   }
 }
 
@@ -180,38 +162,37 @@ TEST(CudnnAttention, ForcedCudnnMatchesCpu) {
 // go to the own kernel; head dim 8 (cuDNN may take it or not) works either way. "own" is obeyed.
 TEST(CudnnAttention, AutoFallsBackToOwnKernel) {
   MF_REQUIRE_GPU();
-  ScopedEnv env("MOEFOLD_ATTENTION", "auto");
-  if (cuda::cudnn_attention_built()) check_parity({200, 8, 2, 64}, DType::bf16, Expect::cudnn);
-  check_parity({200, 8, 2, 4}, DType::bf16, Expect::own);
-  check_parity({130, 4, 4, 12}, DType::bf16, Expect::own);
-  check_parity({200, 8, 2, 8}, DType::bf16, Expect::any);
-  check_parity({130, 8, 2, 64}, DType::f32, Expect::own);
-  ScopedEnv own("MOEFOLD_ATTENTION", "own");
-  check_parity({130, 8, 2, 64}, DType::bf16, Expect::own);
+  const ExecContext ctx(Device::cuda, attention(AttentionKernel::automatic));
+  if (cuda::cudnn_attention_built()) check_parity(ctx, {200, 8, 2, 64}, DType::bf16, Expect::cudnn);
+  check_parity(ctx, {200, 8, 2, 4}, DType::bf16, Expect::own);
+  check_parity(ctx, {130, 4, 4, 12}, DType::bf16, Expect::own);
+  check_parity(ctx, {200, 8, 2, 8}, DType::bf16, Expect::any);
+  check_parity(ctx, {130, 8, 2, 64}, DType::f32, Expect::own);
+  const ExecContext own(Device::cuda, attention(AttentionKernel::own));
+  check_parity(own, {130, 8, 2, 64}, DType::bf16, Expect::own);
 }
 
 // Forced cuDNN on a problem it cannot serve fails with the reason instead of falling back.
 TEST(CudnnAttention, ForcedCudnnRefusesLoudly) {
   MF_REQUIRE_GPU();
   MF_REQUIRE_CUDNN();
-  ScopedEnv env("MOEFOLD_ATTENTION", "cudnn");
+  const ExecContext ctx(Device::cuda, attention(AttentionKernel::cudnn));
   DevicePool dev;
   const auto run = [&](int64_t d, DType dt) {
     Tensor q = dev.poisoned({1, 16, 2, d}, dt), k = dev.poisoned({1, 16, 1, d}, dt);
     Tensor out = dev.poisoned({1, 16, 2, d}, dt), lse = dev.poisoned({1, 2, 16}, DType::f32);
-    return testing::error_of([&] { attention_forward(q, k, k, 0.5, out, lse, Tensor()); });
+    return testing::error_of([&] { attention_forward(ctx, q, k, k, 0.5, out, lse, Tensor()); });
   };
   EXPECT_NE(run(4, DType::bf16).find("head dim 4"), std::string::npos) << run(4, DType::bf16);
   EXPECT_NE(run(64, DType::f32).find("bf16"), std::string::npos) << run(64, DType::f32);
-  ScopedEnv bad("MOEFOLD_ATTENTION", "fast");
-  EXPECT_NE(run(64, DType::bf16).find("MOEFOLD_ATTENTION=fast"), std::string::npos);
+  EXPECT_NE(run(64, DType::f32).find("kernels.attention = cudnn"), std::string::npos) << run(64, DType::f32);
 }
 
 // Graphs and workspace are made on the first call of a shape: later steps allocate nothing.
 TEST(CudnnAttention, StepsAfterTheFirstDoNotAllocate) {
   MF_REQUIRE_GPU();
   MF_REQUIRE_CUDNN();
-  ScopedEnv env("MOEFOLD_ATTENTION", "cudnn");
+  const ExecContext ctx(Device::cuda, attention(AttentionKernel::cudnn));
   Pool pool;
   DevicePool dev;
   const int64_t b = 2, s = 200, nq = 8, ng = 2, d = 128;
@@ -222,8 +203,8 @@ TEST(CudnnAttention, StepsAfterTheFirstDoNotAllocate) {
   Tensor dq = dev.empty(q_shape, DType::bf16), dk = dev.empty(kv_shape, DType::bf16),
          dv = dev.empty(kv_shape, DType::bf16);
   const auto step = [&] {
-    attention_forward(q, k, v, 0.1, out, lse, Tensor());
-    attention_backward(q, k, v, out, lse, dout, 0.1, dq, dk, dv, Tensor());
+    attention_forward(ctx, q, k, v, 0.1, out, lse, Tensor());
+    attention_backward(ctx, q, k, v, out, lse, dout, 0.1, dq, dk, dv, Tensor());
   };
   step();
   const int64_t mallocs = device_malloc_count();

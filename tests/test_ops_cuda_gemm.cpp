@@ -106,12 +106,12 @@ void check_case(const GemmCase& g, bool through_wrapper = false) {
           static_cast<char*>(o.dev.data()) + o.offset * static_cast<int64_t>(dtype_size(o.dev.dtype())), o.dev.dtype(),
           o.rows, o.cols, o.ld};
     };
-    cuda::gemm(raw(a), g.trans_a, raw(b), g.trans_b, raw(c), g.alpha, g.beta);
+    cuda::gemm(testing::exec(), raw(a), g.trans_a, raw(b), g.trans_b, raw(c), g.alpha, g.beta);
 #endif
   } else {
-    matmul(a.dev_view(), g.trans_a, b.dev_view(), g.trans_b, c.dev_view(), g.alpha, g.beta);
+    matmul(testing::exec(), a.dev_view(), g.trans_a, b.dev_view(), g.trans_b, c.dev_view(), g.alpha, g.beta);
   }
-  matmul(a.ref_view(), g.trans_a, b.ref_view(), g.trans_b, c.ref_view(), g.alpha, g.beta);
+  matmul(testing::exec(), a.ref_view(), g.trans_a, b.ref_view(), g.trans_b, c.ref_view(), g.alpha, g.beta);
   const std::vector<double> got = testing::download(c.dev);
   std::vector<double> got_view, want_view;
   int64_t outside_changed = 0;
@@ -182,8 +182,8 @@ TEST(CudaGemm, LongReductionIsAccurateAndDeterministic) {
     DevicePool dev;
     Tensor a = dev.upload(pool.randn({64, 40000}), dc.ab), b = dev.upload(pool.randn({48, 40000}), dc.ab);
     Tensor c1 = dev.poisoned({64, 48}, dc.c), c2 = dev.poisoned({64, 48}, dc.c);
-    matmul(as_matrix(a), false, as_matrix(b), true, as_matrix(c1), 1.0, 0.0);
-    matmul(as_matrix(a), false, as_matrix(b), true, as_matrix(c2), 1.0, 0.0);
+    matmul(testing::exec(), as_matrix(a), false, as_matrix(b), true, as_matrix(c1), 1.0, 0.0);
+    matmul(testing::exec(), as_matrix(a), false, as_matrix(b), true, as_matrix(c2), 1.0, 0.0);
     EXPECT_EQ(testing::download(c1), testing::download(c2)) << dtype_name(dc.ab) << " -> " << dtype_name(dc.c);
   }
 }
@@ -212,17 +212,17 @@ void check_linear(DType dt, DType dw_dt, int64_t n, int64_t in, int64_t out) {
   Tensor yr = pool.zeros({n, out}), dxr = pool.zeros({n, in});
   Tensor xd = dev.upload(x, dt), wd = dev.upload(w, dt), dyd = dev.upload(dy, dt), dwd = dev.upload(dw0, dw_dt);
   Tensor yd = dev.poisoned({n, out}, dt), dxd = dev.poisoned({n, in}, dt);
-  linear_forward(xd, wd, yd);
-  linear_backward(xd, wd, dyd, dxd, dwd);
-  linear_forward(xr, wr, yr);
-  linear_backward(xr, wr, dyr, dxr, dwr);
+  linear_forward(testing::exec(), xd, wd, yd);
+  linear_backward(testing::exec(), xd, wd, dyd, dxd, dwd);
+  linear_forward(testing::exec(), xr, wr, yr);
+  linear_backward(testing::exec(), xr, wr, dyr, dxr, dwr);
   EXPECT_LE(testing::rel_error(testing::download(yd), yr), tolerance(dt, dt, in)) << "y";
   EXPECT_LE(testing::rel_error(testing::download(dxd), dxr), tolerance(dt, dt, out)) << "dx";
   EXPECT_LE(testing::rel_error(testing::download(dwd), dwr), tolerance(dt, dw_dt, n)) << "dw";
 
   // Undefined dx: only dw accumulates, a second time.
-  linear_backward(xd, wd, dyd, Tensor{}, dwd);
-  linear_backward(xr, wr, dyr, Tensor{}, dwr);
+  linear_backward(testing::exec(), xd, wd, dyd, Tensor{}, dwd);
+  linear_backward(testing::exec(), xr, wr, dyr, Tensor{}, dwr);
   EXPECT_LE(testing::rel_error(testing::download(dwd), dwr), 2 * tolerance(dt, dw_dt, n)) << "dw twice";
 }
 
@@ -244,8 +244,8 @@ TEST(CudaLinear, BackwardIsDeterministic) {
   Tensor dy = dev.upload(pool.randn({n, out}), DType::bf16), dw0 = pool.randn({out, in});
   Tensor dw1 = dev.upload(dw0, DType::f32), dw2 = dev.upload(dw0, DType::f32);
   Tensor dx1 = dev.poisoned({n, in}, DType::bf16), dx2 = dev.poisoned({n, in}, DType::bf16);
-  linear_backward(x, w, dy, dx1, dw1);
-  linear_backward(x, w, dy, dx2, dw2);
+  linear_backward(testing::exec(), x, w, dy, dx1, dw1);
+  linear_backward(testing::exec(), x, w, dy, dx2, dw2);
   EXPECT_EQ(testing::download(dw1), testing::download(dw2));
   EXPECT_EQ(testing::download(dx1), testing::download(dx2));
 }
@@ -261,7 +261,8 @@ Tensor offsets_of(Pool& pool, const std::vector<int64_t>& counts) {
 }
 
 // Expert e owns counts[e] consecutive rows; empty experts (first, middle, last) keep dw untouched.
-void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, int64_t in, int64_t out) {
+void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, int64_t in, int64_t out,
+                   const ExecContext& ctx = testing::exec()) {
   SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " dw " << dtype_name(dw_dt) << " experts " << counts.size());
   Pool pool;
   DevicePool dev;
@@ -277,10 +278,10 @@ void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, in
   Tensor xd = dev.upload(x, dt), wd = dev.upload(w, dt), dyd = dev.upload(dy, dt), dwd = dev.upload(dw0, dw_dt);
   Tensor offd = dev.upload(offsets, DType::i64);
   Tensor yd = dev.poisoned({r, out}, dt), dxd = dev.poisoned({r, in}, dt);
-  grouped_linear_forward(xd, wd, offd, yd);
-  grouped_linear_backward(xd, wd, offd, dyd, dxd, dwd);
-  grouped_linear_forward(xr, wr, offsets, yr);
-  grouped_linear_backward(xr, wr, offsets, dyr, dxr, dwr);
+  grouped_linear_forward(ctx, xd, wd, offd, yd);
+  grouped_linear_backward(ctx, xd, wd, offd, dyd, dxd, dwd);
+  grouped_linear_forward(ctx, xr, wr, offsets, yr);
+  grouped_linear_backward(ctx, xr, wr, offsets, dyr, dxr, dwr);
   int64_t k_max = 1;
   for (int64_t c : counts) k_max = std::max(k_max, c);
   EXPECT_LE(testing::rel_error(testing::download(yd), yr), tolerance(dt, dt, in)) << "y";
@@ -304,8 +305,8 @@ void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, in
   // without rows get zeros.
   {
     Tensor dw_fresh = pool.zeros({e_n, out, in}), dw_w = dev.upload(dw0, dw_dt);
-    grouped_linear_backward(xr, wr, offsets, dyr, Tensor{}, dw_fresh);
-    grouped_linear_backward(xd, wd, offd, dyd, Tensor{}, dw_w, /*accumulate=*/false);
+    grouped_linear_backward(ctx, xr, wr, offsets, dyr, Tensor{}, dw_fresh);
+    grouped_linear_backward(ctx, xd, wd, offd, dyd, Tensor{}, dw_w, /*accumulate=*/false);
     const std::vector<double> got_w = testing::download(dw_w);
     EXPECT_LE(testing::rel_error(got_w, dw_fresh), tolerance(dt, dw_dt, k_max)) << "dw written";
     for (int64_t e = 0; e < e_n; ++e) {
@@ -314,22 +315,33 @@ void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, in
     }
   }
   // Undefined dx: dw accumulates again.
-  grouped_linear_backward(xd, wd, offd, dyd, Tensor{}, dwd);
-  grouped_linear_backward(xr, wr, offsets, dyr, Tensor{}, dwr);
+  grouped_linear_backward(ctx, xd, wd, offd, dyd, Tensor{}, dwd);
+  grouped_linear_backward(ctx, xr, wr, offsets, dyr, Tensor{}, dwr);
   EXPECT_LE(testing::rel_error(testing::download(dwd), dwr), 2 * tolerance(dt, dw_dt, k_max)) << "dw twice";
 }
 
-// The cuBLASLt path (one GEMM per expert), which MOEFOLD_GROUPED_GEMM=cublaslt selects.
+// The contexts of the kernel choices the tests below switch between.
+KernelOptions with_grouped_gemm(GroupedGemmImpl impl) {
+  KernelOptions k;
+  k.grouped_gemm = impl;
+  return k;
+}
+KernelOptions with_tiles(const char* tiles) {
+  KernelOptions k;
+  k.cutlass_tiles = parse_cutlass_tiles(tiles, "kernels.cutlass_tile");
+  return k;
+}
+
+// The cuBLASLt path (one GEMM per expert), which kernels.grouped_gemm = cublaslt selects.
 TEST(CudaGroupedLinear, UnevenAndEmptyExpertsMatchCpu) {
   MF_REQUIRE_GPU();
-  ::setenv("MOEFOLD_GROUPED_GEMM", "cublaslt", 1);
+  const ExecContext ctx(Device::cuda, with_grouped_gemm(GroupedGemmImpl::cublaslt));
   const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
-  check_grouped(DType::f32, DType::f32, counts, 48, 40);
-  check_grouped(DType::bf16, DType::bf16, counts, 48, 40);
-  check_grouped(DType::bf16, DType::f32, counts, 48, 40);
-  check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: unaligned experts
-  check_grouped(DType::f32, DType::f32, {0, 0, 0}, 16, 8);                  // no rows at all
-  ::unsetenv("MOEFOLD_GROUPED_GEMM");
+  check_grouped(DType::f32, DType::f32, counts, 48, 40, ctx);
+  check_grouped(DType::bf16, DType::bf16, counts, 48, 40, ctx);
+  check_grouped(DType::bf16, DType::f32, counts, 48, 40, ctx);
+  check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77, ctx);  // odd widths: unaligned experts
+  check_grouped(DType::f32, DType::f32, {0, 0, 0}, 16, 8, ctx);                  // no rows at all
 }
 
 // The CUTLASS grouped GEMM (the default): the same checks and tolerances through it, where it
@@ -340,7 +352,6 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
   MF_REQUIRE_GPU();
 #ifdef MOEFOLD_WITH_CUDA
   if (!cuda::cutlass_grouped_gemm_built()) GTEST_SKIP() << "built without CUTLASS's headers (MOEFOLD_WITH_CUTLASS)";
-  ::unsetenv("MOEFOLD_GROUPED_GEMM");
   {
     DevicePool dev;
     Pool pool;
@@ -350,20 +361,19 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
     const Tensor x = dev.upload(pool.randn({16, 64}), DType::bf16),
                  w = dev.upload(pool.randn({2, 32, 64}), DType::bf16);
     const Tensor y = dev.poisoned({16, 32}, DType::bf16);
-    EXPECT_TRUE(cuda::cutlass_grouped_linear_forward(x, w, dev.upload(offsets, DType::i64), y)) << "CUTLASS declined";
-    EXPECT_FALSE(cuda::cutlass_grouped_linear_forward(x.view({16, 64}), w, dev.upload(offsets, DType::i64),
+    EXPECT_TRUE(cuda::cutlass_grouped_linear_forward(testing::exec(), x, w, dev.upload(offsets, DType::i64), y)) << "CUTLASS declined";
+    EXPECT_FALSE(cuda::cutlass_grouped_linear_forward(testing::exec(), x.view({16, 64}), w, dev.upload(offsets, DType::i64),
                                                       dev.poisoned({16, 32}, DType::f32)))
         << "an f32 output is not CUTLASS's";
   }
   const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
   for (const char* tile : {"large", "small", "pingpong", "forward=small,dgrad=pingpong,wgrad=small"}) {
     SCOPED_TRACE(tile);
-    ::setenv("MOEFOLD_CUTLASS_TILE", tile, 1);
-    check_grouped(DType::bf16, DType::f32, counts, 48, 40);
-    check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3, 64}, 256, 128);
-    check_grouped(DType::bf16, DType::f32, {0, 0, 0}, 16, 8);  // no rows at all
+    const ExecContext ctx(Device::cuda, with_tiles(tile));
+    check_grouped(DType::bf16, DType::f32, counts, 48, 40, ctx);
+    check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3, 64}, 256, 128, ctx);
+    check_grouped(DType::bf16, DType::f32, {0, 0, 0}, 16, 8, ctx);  // no rows at all
   }
-  ::unsetenv("MOEFOLD_CUTLASS_TILE");
   check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: cuBLASLt
   check_grouped(DType::bf16, DType::bf16, counts, 48, 40);                  // bf16 dw: cuBLASLt
 #endif
@@ -376,7 +386,8 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
 // in float64 on the GPU's inputs; gu is the plain grouped GEMM's output (bf16: 4e-3), h and dgu
 // come from the rounded gu / dh and are rounded once more (8e-3). `cutlass`: CUTLASS must serve
 // the call (its fused epilogues; asserted), else the unfused ops must.
-void check_grouped_swiglu(const std::vector<int64_t>& counts, int64_t h_n, int64_t f_n, bool cutlass) {
+void check_grouped_swiglu(const std::vector<int64_t>& counts, int64_t h_n, int64_t f_n, bool cutlass,
+                          const ExecContext& ctx = testing::exec()) {
   SCOPED_TRACE(::testing::Message() << "experts " << counts.size() << " H " << h_n << " F " << f_n);
   Pool pool;
   DevicePool dev;
@@ -391,19 +402,19 @@ void check_grouped_swiglu(const std::vector<int64_t>& counts, int64_t h_n, int64
   const Tensor gud = dev.poisoned({r, 2 * f_n}, bf), hd = dev.poisoned({r, f_n}, bf);
 #ifdef MOEFOLD_WITH_CUDA
   if (cutlass) {
-    EXPECT_TRUE(cuda::cutlass_grouped_linear_swiglu_forward(xd, w1d, offd, gud, hd)) << "CUTLASS declined";
+    EXPECT_TRUE(cuda::cutlass_grouped_linear_swiglu_forward(ctx, xd, w1d, offd, gud, hd)) << "CUTLASS declined";
   } else {
-    grouped_linear_swiglu_forward(xd, w1d, offd, gud, hd);
+    grouped_linear_swiglu_forward(ctx, xd, w1d, offd, gud, hd);
   }
 #endif
   const Tensor gu_ref = pool.zeros({r, 2 * f_n}), h_ref = pool.zeros({r, f_n});
-  grouped_linear_forward(testing::rounded(pool, x, bf), testing::rounded(pool, w1, bf), offsets, gu_ref);
+  grouped_linear_forward(ctx, testing::rounded(pool, x, bf), testing::rounded(pool, w1, bf), offsets, gu_ref);
   const std::vector<double> gu_got = testing::download(gud);
   EXPECT_LE(testing::rel_error(gu_got, gu_ref), 4e-3) << "gu";
   // h from the GPU's own gu: the swiglu of the stored pairs.
   Tensor gu_gpu = pool.zeros({r, 2 * f_n});
   for (int64_t i = 0; i < gu_gpu.numel(); ++i) testing::set_value_at(gu_gpu, i, gu_got[static_cast<size_t>(i)]);
-  swiglu_forward(gu_gpu, h_ref, GateUp::pairs);
+  swiglu_forward(ctx, gu_gpu, h_ref, GateUp::pairs);
   EXPECT_LE(testing::rel_error(testing::download(hd), h_ref), 8e-3) << "h";
   // Backward data: dy [R, H] through down [E, H, F], with saved gu [R, 2F].
   const Tensor dy = pool.randn({r, h_n}), w2 = pool.randn({e_n, h_n, f_n}), gu = pool.randn({r, 2 * f_n});
@@ -411,32 +422,31 @@ void check_grouped_swiglu(const std::vector<int64_t>& counts, int64_t h_n, int64
   const Tensor dhd = dev.poisoned({r, f_n}, bf), dgud = dev.poisoned({r, 2 * f_n}, bf);
 #ifdef MOEFOLD_WITH_CUDA
   if (cutlass) {
-    EXPECT_TRUE(cuda::cutlass_grouped_linear_swiglu_backward_data(dyd, w2d, offd, gu2d, dgud)) << "CUTLASS declined";
+    EXPECT_TRUE(cuda::cutlass_grouped_linear_swiglu_backward_data(ctx, dyd, w2d, offd, gu2d, dgud)) << "CUTLASS declined";
   } else {
-    grouped_linear_swiglu_backward_data(dyd, w2d, offd, gu2d, dhd, dgud);
+    grouped_linear_swiglu_backward_data(ctx, dyd, w2d, offd, gu2d, dhd, dgud);
   }
 #endif
   const Tensor dh_ref = pool.zeros({r, f_n}), dgu_ref = pool.zeros({r, 2 * f_n});
-  grouped_linear_backward(dh_ref, testing::rounded(pool, w2, bf), offsets, testing::rounded(pool, dy, bf), dh_ref,
+  grouped_linear_backward(ctx, dh_ref, testing::rounded(pool, w2, bf), offsets, testing::rounded(pool, dy, bf), dh_ref,
                           Tensor());
-  swiglu_backward(testing::rounded(pool, gu, bf), testing::rounded(pool, dh_ref, bf), dgu_ref, GateUp::pairs);
+  swiglu_backward(ctx, testing::rounded(pool, gu, bf), testing::rounded(pool, dh_ref, bf), dgu_ref, GateUp::pairs);
   EXPECT_LE(testing::rel_error(testing::download(dgud), dgu_ref), 8e-3) << "dgu";
 }
 
 TEST(CudaGroupedLinear, SwigluFusedMatchesCpu) {
   MF_REQUIRE_GPU();
 #ifdef MOEFOLD_WITH_CUDA
-  ::unsetenv("MOEFOLD_GROUPED_GEMM");
   const bool built = cuda::cutlass_grouped_gemm_built();
-  // "" (unset): the defaults (ping-pong forward, large backward); "swiglu_forward=large" the other
+  // "": the defaults (ping-pong forward, large backward); "swiglu_forward=large" the other
   // pairing through the per-kind syntax.
   for (const char* tile : {"", "large", "pingpong", "swiglu_forward=large,swiglu_dgrad=pingpong", "small"}) {
     SCOPED_TRACE(tile);
-    ::setenv("MOEFOLD_CUTLASS_TILE", tile, 1);
+    const ExecContext ctx(Device::cuda, with_tiles(tile));
     const bool fused = built && std::strcmp(tile, "small") != 0;  // small: the unfused ops
-    check_grouped_swiglu({0, 37, 1, 0, 91, 5, 0}, 64, 40, fused);
-    check_grouped_swiglu({300, 0, 129, 1000, 3, 64}, 256, 128, fused);
-    check_grouped_swiglu({0, 0, 0}, 16, 8, fused);  // no rows at all
+    check_grouped_swiglu({0, 37, 1, 0, 91, 5, 0}, 64, 40, fused, ctx);
+    check_grouped_swiglu({300, 0, 129, 1000, 3, 64}, 256, 128, fused, ctx);
+    check_grouped_swiglu({0, 0, 0}, 16, 8, fused, ctx);  // no rows at all
     if (built && !fused) {  // the small tiles have no fused kernels: CUTLASS declines, runs nothing
       DevicePool dev;
       Pool pool;
@@ -444,31 +454,30 @@ TEST(CudaGroupedLinear, SwigluFusedMatchesCpu) {
       off.ptr<int64_t>()[1] = 16;
       const Tensor offd = dev.upload(off, DType::i64), x = dev.poisoned({16, 16}, DType::bf16),
                    w = dev.poisoned({1, 16, 16}, DType::bf16), gu = dev.poisoned({16, 16}, DType::bf16);
-      EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_forward(x, w, offd, gu, dev.poisoned({16, 8}, DType::bf16)));
-      EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_backward_data(x, dev.poisoned({1, 16, 8}, DType::bf16), offd, gu,
+      EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_forward(ctx, x, w, offd, gu, dev.poisoned({16, 8}, DType::bf16)));
+      EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_backward_data(ctx, x, dev.poisoned({1, 16, 8}, DType::bf16), offd, gu,
                                                                      dev.poisoned({16, 16}, DType::bf16)));
     }
   }
-  ::unsetenv("MOEFOLD_CUTLASS_TILE");
   if (built) {
-    // Inputs wider than 2048 columns: the forward declines unless forced (MOEFOLD_FUSED_SWIGLU=1).
+    // Inputs wider than 2048 columns: the forward declines unless forced (kernels.fused_swiglu = on).
     DevicePool dev;
     Pool pool;
     Tensor off = pool.zeros({2}, DType::i64);
     off.ptr<int64_t>()[1] = 16;
     const Tensor offd = dev.upload(off, DType::i64), x = dev.poisoned({16, 2056}, DType::bf16),
                  w = dev.poisoned({1, 16, 2056}, DType::bf16);
-    EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_forward(x, w, offd, dev.poisoned({16, 16}, DType::bf16),
+    EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_forward(testing::exec(), x, w, offd, dev.poisoned({16, 16}, DType::bf16),
                                                              dev.poisoned({16, 8}, DType::bf16)));
-    ::setenv("MOEFOLD_FUSED_SWIGLU", "1", 1);
-    check_grouped_swiglu({3, 0, 17}, 2056, 16, true);
-    ::setenv("MOEFOLD_FUSED_SWIGLU", "0", 1);  // off: the unfused ops
-    check_grouped_swiglu({3, 0, 17}, 64, 16, false);
-    ::unsetenv("MOEFOLD_FUSED_SWIGLU");
+    KernelOptions fused, unfused;
+    fused.fused_swiglu = SwigluFusion::on;
+    unfused.fused_swiglu = SwigluFusion::off;  // the unfused ops
+    check_grouped_swiglu({3, 0, 17}, 2056, 16, true, ExecContext(Device::cuda, fused));
+    check_grouped_swiglu({3, 0, 17}, 64, 16, false, ExecContext(Device::cuda, unfused));
   }
-  ::setenv("MOEFOLD_GROUPED_GEMM", "cublaslt", 1);  // the unfused ops on cuBLASLt
-  check_grouped_swiglu({0, 37, 1, 0, 91, 5, 0}, 64, 40, false);
-  ::unsetenv("MOEFOLD_GROUPED_GEMM");
+  // The unfused ops on cuBLASLt.
+  check_grouped_swiglu({0, 37, 1, 0, 91, 5, 0}, 64, 40, false,
+                       ExecContext(Device::cuda, with_grouped_gemm(GroupedGemmImpl::cublaslt)));
 #endif
 }
 
@@ -504,12 +513,12 @@ TEST(CudaMatmul, FusedGateUpHalves) {
       const Tensor& dgs = gpu ? dgd : dgr;
       const Tensor& dus = gpu ? dud : dur;
       const Tensor& dxs = gpu ? dxd : dxr;
-      matmul(as_matrix(xs), false, as_matrix(gs), true, column_block(gus, 0, f), 1.0, 0.0);
-      matmul(as_matrix(xs), false, as_matrix(us), true, column_block(gus, f, 2 * f), 1.0, 0.0);
-      matmul(column_block(dgus, 0, f), true, as_matrix(xs), false, as_matrix(dgs), 1.0, 1.0);
-      matmul(column_block(dgus, f, 2 * f), true, as_matrix(xs), false, as_matrix(dus), 1.0, 1.0);
-      matmul(column_block(dgus, 0, f), false, as_matrix(gs), false, as_matrix(dxs), 1.0, 0.0);
-      matmul(column_block(dgus, f, 2 * f), false, as_matrix(us), false, as_matrix(dxs), 1.0, 1.0);
+      matmul(testing::exec(), as_matrix(xs), false, as_matrix(gs), true, column_block(gus, 0, f), 1.0, 0.0);
+      matmul(testing::exec(), as_matrix(xs), false, as_matrix(us), true, column_block(gus, f, 2 * f), 1.0, 0.0);
+      matmul(testing::exec(), column_block(dgus, 0, f), true, as_matrix(xs), false, as_matrix(dgs), 1.0, 1.0);
+      matmul(testing::exec(), column_block(dgus, f, 2 * f), true, as_matrix(xs), false, as_matrix(dus), 1.0, 1.0);
+      matmul(testing::exec(), column_block(dgus, 0, f), false, as_matrix(gs), false, as_matrix(dxs), 1.0, 0.0);
+      matmul(testing::exec(), column_block(dgus, f, 2 * f), false, as_matrix(us), false, as_matrix(dxs), 1.0, 1.0);
     }
     EXPECT_LE(testing::rel_error(testing::download(gud), gur), tolerance(dt, dt, h)) << "gu";
     EXPECT_LE(testing::rel_error(testing::download(dgd), dgr), tolerance(dt, grad, n)) << "dgate";
@@ -529,8 +538,8 @@ TEST(CudaMatmul, RouterLogitsInF32) {
   Tensor xr = testing::rounded(pool, x, DType::bf16), gr = testing::rounded(pool, gate, DType::bf16);
   Tensor lr = pool.zeros({t, e});
   Tensor xd = dev.upload(x, DType::bf16), gd = dev.upload(gate, DType::bf16), ld = dev.poisoned({t, e}, DType::f32);
-  matmul(as_matrix(xd), false, as_matrix(gd), true, as_matrix(ld), 1.0, 0.0);
-  matmul(as_matrix(xr), false, as_matrix(gr), true, as_matrix(lr), 1.0, 0.0);
+  matmul(testing::exec(), as_matrix(xd), false, as_matrix(gd), true, as_matrix(ld), 1.0, 0.0);
+  matmul(testing::exec(), as_matrix(xr), false, as_matrix(gr), true, as_matrix(lr), 1.0, 0.0);
   EXPECT_LE(testing::rel_error(testing::download(ld), lr), tolerance(DType::bf16, DType::f32, h));
 }
 

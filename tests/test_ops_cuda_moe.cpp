@@ -181,21 +181,21 @@ TEST(CudaRouterTopk, SelectionMatchesCpuF32AndValuesMatchF64) {
     Tensor logits_d = dev.upload(logits, DType::f32);
     Tensor scores_d = dev.poisoned({t_n, e_n}, DType::f32), prob_d = dev.poisoned({t_n, k_n}, DType::f32);
     Tensor idx_d = dev.poisoned({t_n, k_n}, DType::i32);
-    router_topk_forward(logits_d, rd, scores_d, idx_d, prob_d);
+    router_topk_forward(testing::exec(), logits_d, rd, scores_d, idx_d, prob_d);
 
     // CPU in f32: the selection must be the same.
     TopkRouting rh = routing_of(c);
     if (c.bias) rh.bias_E = bias;
     Tensor scores32 = pool.zeros({t_n, e_n}, DType::f32), prob32 = pool.zeros({t_n, k_n}, DType::f32);
     Tensor idx32 = pool.zeros({t_n, k_n}, DType::i32);
-    router_topk_forward(logits, rh, scores32, idx32, prob32);
+    router_topk_forward(testing::exec(), logits, rh, scores32, idx32, prob32);
     const std::vector<int64_t> idx = ints(idx_d);
     expect_same(idx, ints(idx32), "topk_idx");
 
     // CPU in f64 on the same inputs: the scores, and the probabilities of the selected experts.
     Tensor scores64 = pool.zeros({t_n, e_n}, DType::f64), prob64 = pool.zeros({t_n, k_n}, DType::f64);
     Tensor idx64 = pool.zeros({t_n, k_n}, DType::i32);
-    router_topk_forward(testing::rounded(pool, logits, DType::f32), rh, scores64, idx64, prob64);
+    router_topk_forward(testing::exec(), testing::rounded(pool, logits, DType::f32), rh, scores64, idx64, prob64);
     EXPECT_LE(testing::rel_error(testing::download(scores_d), scores64), kF32) << "scores";
     std::vector<double> want(static_cast<size_t>(t_n * k_n));
     const double* s64 = scores64.ptr<double>();
@@ -212,9 +212,9 @@ TEST(CudaRouterTopk, SelectionMatchesCpuF32AndValuesMatchF64) {
     // Backward through the GPU's own forward (its scores and selection), against f64.
     Tensor dprob = pool.randn({t_n, k_n}, DType::f32);
     Tensor dlogits_d = dev.poisoned({t_n, e_n}, DType::f32);
-    router_topk_backward(scores_d, idx_d, rd, dev.upload(dprob, DType::f32), dlogits_d);
+    router_topk_backward(testing::exec(), scores_d, idx_d, rd, dev.upload(dprob, DType::f32), dlogits_d);
     Tensor dlogits64 = pool.zeros({t_n, e_n}, DType::f64);
-    router_topk_backward(host_f64(pool, {t_n, e_n}, testing::download(scores_d)), idx32, rh,
+    router_topk_backward(testing::exec(), host_f64(pool, {t_n, e_n}, testing::download(scores_d)), idx32, rh,
                          testing::rounded(pool, dprob, DType::f32), dlogits64);
     EXPECT_LE(testing::rel_error(testing::download(dlogits_d), dlogits64), kF32) << "dlogits";
   }
@@ -234,7 +234,7 @@ TEST(CudaRouterTopk, AllEqualLogitsPickTheLowestIndices) {
       r.n_group = n_group;
       r.topk_group = n_group == 1 ? 1 : 4;
       Tensor idx_d = dev.poisoned({t_n, k_n}, DType::i32);
-      router_topk_forward(dev.upload(logits, DType::f32), r, dev.poisoned({t_n, e_n}, DType::f32), idx_d,
+      router_topk_forward(testing::exec(), dev.upload(logits, DType::f32), r, dev.poisoned({t_n, e_n}, DType::f32), idx_d,
                           dev.poisoned({t_n, k_n}, DType::f32));
       const std::vector<int64_t> idx = ints(idx_d);
       for (int64_t i = 0; i < t_n * k_n; ++i) ASSERT_EQ(idx[static_cast<size_t>(i)], i % k_n) << i;
@@ -257,16 +257,16 @@ TEST(CudaExpertCounts, TopkAndSequenceCountsMatchCpuExactly) {
     Tensor idx = pool.ints({t_n, k_n}, 0, static_cast<int32_t>(e_n - 3));
     Tensor idx_d = dev.upload(idx, DType::i32);
     Tensor counts_d = filled_i64(dev, {e_n}, kSentinel), counts = pool.zeros({e_n}, DType::i64);
-    topk_expert_counts(idx_d, counts_d);
-    topk_expert_counts(idx, counts);
+    topk_expert_counts(testing::exec(), idx_d, counts_d);
+    topk_expert_counts(testing::exec(), idx, counts);
     expect_same(ints(counts_d), ints(counts), "counts_E");
 
     // Rows 100.. of sequences of 333 local rows: sequences 0..120 hold rows, sequence 121 none.
     const SeqLayout layout{333, 100, 666};
     const int64_t b_n = (layout.row_offset + t_n - 1) / layout.local_seq_len + 2;
     Tensor seq_d = filled_i64(dev, {b_n, e_n}, kSentinel), seq = pool.zeros({b_n, e_n}, DType::i64);
-    seq_expert_counts(idx_d, layout, seq_d);
-    seq_expert_counts(idx, layout, seq);
+    seq_expert_counts(testing::exec(), idx_d, layout, seq_d);
+    seq_expert_counts(testing::exec(), idx, layout, seq);
     expect_same(ints(seq_d), ints(seq), "counts_BE");
   }
 }
@@ -287,18 +287,18 @@ TEST(CudaLosses, AuxSeqAuxAndZLossMatchCpu) {
       TopkRouting r;
       r.score_func = f;
       Tensor scores = pool.zeros({t_n, e_n}, DType::f32), idx = pool.zeros({t_n, k_n}, DType::i32);
-      router_topk_forward(logits, r, scores, idx, pool.zeros({t_n, k_n}, DType::f32));
+      router_topk_forward(testing::exec(), logits, r, scores, idx, pool.zeros({t_n, k_n}, DType::f32));
       Tensor counts = pool.zeros({e_n}, DType::i64);
-      topk_expert_counts(idx, counts);
+      topk_expert_counts(testing::exec(), idx, counts);
       Tensor scores_d = dev.upload(scores, DType::f32), counts_d = dev.upload(counts, DType::i64);
       Tensor scores64 = testing::rounded(pool, scores, DType::f32);
 
       for (int64_t total : {int64_t{0}, 3 * t_n}) {
-        const double want = aux_loss_forward(scores64, f, counts, k_n, total);
-        EXPECT_NEAR(aux_loss_forward(scores_d, f, counts_d, k_n, total), want, kLoss * std::abs(want)) << total;
+        const double want = aux_loss_forward(testing::exec(), scores64, f, counts, k_n, total);
+        EXPECT_NEAR(aux_loss_forward(testing::exec(), scores_d, f, counts_d, k_n, total), want, kLoss * std::abs(want)) << total;
         Tensor dl_d = dev.poisoned({t_n, e_n}, DType::f32), dl = pool.zeros({t_n, e_n}, DType::f64);
-        aux_loss_backward(scores_d, f, counts_d, k_n, 0.37, dl_d, total);
-        aux_loss_backward(scores64, f, counts, k_n, 0.37, dl, total);
+        aux_loss_backward(testing::exec(), scores_d, f, counts_d, k_n, 0.37, dl_d, total);
+        aux_loss_backward(testing::exec(), scores64, f, counts, k_n, 0.37, dl, total);
         EXPECT_LE(testing::rel_error(testing::download(dl_d), dl), kF32) << "aux dlogits, total " << total;
       }
 
@@ -306,23 +306,23 @@ TEST(CudaLosses, AuxSeqAuxAndZLossMatchCpu) {
       const SeqLayout layout{128, 50, 256};
       const int64_t b_n = (layout.row_offset + t_n - 1) / layout.local_seq_len + 1;
       Tensor seq_counts = pool.zeros({b_n, e_n}, DType::i64);
-      seq_expert_counts(idx, layout, seq_counts);
+      seq_expert_counts(testing::exec(), idx, layout, seq_counts);
       Tensor seq_counts_d = dev.upload(seq_counts, DType::i64);
-      const double want = seq_aux_loss_forward(scores64, f, seq_counts, k_n, layout);
-      EXPECT_NEAR(seq_aux_loss_forward(scores_d, f, seq_counts_d, k_n, layout), want, kLoss * std::abs(want));
+      const double want = seq_aux_loss_forward(testing::exec(), scores64, f, seq_counts, k_n, layout);
+      EXPECT_NEAR(seq_aux_loss_forward(testing::exec(), scores_d, f, seq_counts_d, k_n, layout), want, kLoss * std::abs(want));
       Tensor dl_d = dev.poisoned({t_n, e_n}, DType::f32), dl = pool.zeros({t_n, e_n}, DType::f64);
-      seq_aux_loss_backward(scores_d, f, seq_counts_d, k_n, layout, 1.7, dl_d);
-      seq_aux_loss_backward(scores64, f, seq_counts, k_n, layout, 1.7, dl);
+      seq_aux_loss_backward(testing::exec(), scores_d, f, seq_counts_d, k_n, layout, 1.7, dl_d);
+      seq_aux_loss_backward(testing::exec(), scores64, f, seq_counts, k_n, layout, 1.7, dl);
       EXPECT_LE(testing::rel_error(testing::download(dl_d), dl), kF32) << "seq aux dlogits";
 
       // z-loss on the logits.
       Tensor logits_d = dev.upload(logits, DType::f32), logits64 = testing::rounded(pool, logits, DType::f32);
       for (int64_t total : {int64_t{0}, 2 * t_n + 1}) {
-        const double z = z_loss_forward(logits64, total);
-        EXPECT_NEAR(z_loss_forward(logits_d, total), z, kLoss * z) << total;
+        const double z = z_loss_forward(testing::exec(), logits64, total);
+        EXPECT_NEAR(z_loss_forward(testing::exec(), logits_d, total), z, kLoss * z) << total;
         Tensor dz_d = dev.poisoned({t_n, e_n}, DType::f32), dz = pool.zeros({t_n, e_n}, DType::f64);
-        z_loss_backward(logits_d, 0.01, dz_d, total);
-        z_loss_backward(logits64, 0.01, dz, total);
+        z_loss_backward(testing::exec(), logits_d, 0.01, dz_d, total);
+        z_loss_backward(testing::exec(), logits64, 0.01, dz, total);
         EXPECT_LE(testing::rel_error(testing::download(dz_d), dz), kF32) << "z dlogits, total " << total;
       }
     }
@@ -349,8 +349,8 @@ TEST(CudaExpertBias, UpdateMatchesCpuBitForBit) {
       Tensor bias = pool.randn({n}, dt, 0.01);
       Tensor bias_d = dev.empty({n}, dt);
       bias_d.copy_from(bias);
-      expert_bias_update(bias_d, dev.upload(*c, DType::i64), 1e-3);
-      expert_bias_update(bias, *c, 1e-3);
+      expert_bias_update(testing::exec(), bias_d, dev.upload(*c, DType::i64), 1e-3);
+      expert_bias_update(testing::exec(), bias, *c, 1e-3);
       Tensor got = pool.zeros({n}, dt);
       got.copy_from(bias_d);
       EXPECT_EQ(std::memcmp(got.data(), bias.data(), bias.nbytes()), 0) << dtype_name(dt) << " E " << n;
@@ -414,10 +414,10 @@ TEST(CudaPermutePlan, MatchesCpuBitForBit) {
     PermutePlanOut gpu{filled_i64(dev, {e_n}, kSentinel), filled_i64(dev, {e_n + 1}, kSentinel),
                        filled_i64(dev, {t_n, k_n}, kSentinel), filled_i64(dev, {max_rows}, kSentinel)};
     const int64_t r_gpu =
-        moe_permute_plan(dev.upload(idx, DType::i32), dev.upload(prob, DType::f32), capacity, c.pad, gpu);
+        moe_permute_plan(testing::exec(), dev.upload(idx, DType::i32), dev.upload(prob, DType::f32), capacity, c.pad, gpu);
     PermutePlanOut cpu{host_filled_i64(pool, {e_n}, kSentinel), host_filled_i64(pool, {e_n + 1}, kSentinel),
                        host_filled_i64(pool, {t_n, k_n}, kSentinel), host_filled_i64(pool, {max_rows}, kSentinel)};
-    const int64_t r_cpu = moe_permute_plan(idx, prob, capacity, c.pad, cpu);
+    const int64_t r_cpu = moe_permute_plan(testing::exec(), idx, prob, capacity, c.pad, cpu);
 
     EXPECT_EQ(r_gpu, r_cpu);
     expect_same(ints(gpu.counts_E), ints(cpu.counts_E), "counts_E");
@@ -449,7 +449,7 @@ TEST(CudaPermutePlanDeathTest, BadTopkAndShortTokenBufferFailLikeTheCpu) {
   auto plan = [&](const Tensor& topk, int64_t max_rows) {
     PermutePlanOut out{dev.empty({e_n}, DType::i64), dev.empty({e_n + 1}, DType::i64),
                        dev.empty({t_n, k_n}, DType::i64), dev.empty({max_rows}, DType::i64)};
-    return moe_permute_plan(dev.upload(topk, DType::i32), dev.upload(prob, DType::f32), 0, false, out);
+    return moe_permute_plan(testing::exec(), dev.upload(topk, DType::i32), dev.upload(prob, DType::f32), 0, false, out);
   };
   EXPECT_EQ(plan(idx, t_n * k_n), t_n * k_n);
   Tensor dup = pool.clone(idx);
@@ -474,7 +474,7 @@ HostPlan padded_plan(Pool& pool, std::mt19937_64& rng, int64_t t_n, int64_t k_n)
   p.offsets = pool.zeros({e_n + 1}, DType::i64);
   p.row = pool.zeros({t_n, k_n}, DType::i64);
   p.token = pool.zeros({e_n * capacity}, DType::i64);
-  p.num_rows = moe_permute_plan(p.topk_idx, p.topk_prob, capacity, true, {p.counts, p.offsets, p.row, p.token});
+  p.num_rows = moe_permute_plan(testing::exec(), p.topk_idx, p.topk_prob, capacity, true, {p.counts, p.offsets, p.row, p.token});
   return p;
 }
 
@@ -511,9 +511,9 @@ TEST(CudaPermuteCombine, ForwardAndBackwardMatchCpu) {
       // Permute: an exact copy (padding rows zero); the guard rows after R stay untouched.
       Tensor x = pool.randn({t_n, h_n});
       Tensor rows_buf = dev.poisoned({r_n + guard, h_n}, dt);
-      moe_permute(dev.upload(x, dt), token_d, rows_buf.slice(0, r_n));
+      moe_permute(testing::exec(), dev.upload(x, dt), token_d, rows_buf.slice(0, r_n));
       Tensor rows64 = pool.zeros({r_n, h_n}, DType::f64);
-      moe_permute(testing::rounded(pool, x, dt), plan.token, rows64);
+      moe_permute(testing::exec(), testing::rounded(pool, x, dt), plan.token, rows64);
       const std::vector<double> rows = testing::download(rows_buf);
       EXPECT_EQ(testing::rel_error(std::vector<double>(rows.begin(), rows.begin() + r_n * h_n), rows64), 0.0);
       EXPECT_TRUE(untouched_from(rows, r_n, h_n)) << "moe_permute wrote past R";
@@ -521,24 +521,24 @@ TEST(CudaPermuteCombine, ForwardAndBackwardMatchCpu) {
       // Permute backward: the K rows of each token summed (dropped ones skipped).
       Tensor drows = pool.randn({r_n, h_n});
       Tensor dx_d = dev.poisoned({t_n, h_n}, dt), dx64 = pool.zeros({t_n, h_n}, DType::f64);
-      moe_permute_backward(dev.upload(drows, dt), row_d, dx_d);
-      moe_permute_backward(testing::rounded(pool, drows, dt), plan.row, dx64);
+      moe_permute_backward(testing::exec(), dev.upload(drows, dt), row_d, dx_d);
+      moe_permute_backward(testing::exec(), testing::rounded(pool, drows, dt), plan.row, dx64);
       EXPECT_LE(testing::rel_error(testing::download(dx_d), dx64), tol) << "permute backward";
 
       // Combine (padding rows hold random values: no token reads them).
       Tensor out = pool.randn({r_n, h_n});
       Tensor out_d = dev.upload(out, dt), out64 = testing::rounded(pool, out, dt);
       Tensor y_d = dev.poisoned({t_n, h_n}, dt), y64 = pool.zeros({t_n, h_n}, DType::f64);
-      moe_combine(out_d, row_d, prob_d, y_d);
-      moe_combine(out64, plan.row, prob64, y64);
+      moe_combine(testing::exec(), out_d, row_d, prob_d, y_d);
+      moe_combine(testing::exec(), out64, plan.row, prob64, y64);
       EXPECT_LE(testing::rel_error(testing::download(y_d), y64), tol) << "combine";
 
       // Combine backward: dout rows of kept assignments, zero padding rows, nothing past R.
       Tensor dy = pool.randn({t_n, h_n});
       Tensor dout_buf = dev.poisoned({r_n + guard, h_n}, dt), dprob_d = dev.poisoned({t_n, k_n}, DType::f32);
-      moe_combine_backward(out_d, row_d, prob_d, dev.upload(dy, dt), dout_buf.slice(0, r_n), dprob_d);
+      moe_combine_backward(testing::exec(), out_d, row_d, prob_d, dev.upload(dy, dt), dout_buf.slice(0, r_n), dprob_d);
       Tensor dout64 = pool.zeros({r_n, h_n}, DType::f64), dprob64 = pool.zeros({t_n, k_n}, DType::f64);
-      moe_combine_backward(out64, plan.row, prob64, testing::rounded(pool, dy, dt), dout64, dprob64);
+      moe_combine_backward(testing::exec(), out64, plan.row, prob64, testing::rounded(pool, dy, dt), dout64, dprob64);
       const std::vector<double> dout = testing::download(dout_buf);
       EXPECT_LE(testing::rel_error(std::vector<double>(dout.begin(), dout.begin() + r_n * h_n), dout64), tol)
           << "combine backward dout";

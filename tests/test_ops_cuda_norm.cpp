@@ -113,22 +113,22 @@ TEST(CudaNorm, EmbeddingMatchesCpu) {
 
         Tensor table = pool.randn({cs.v, cs.c});
         Tensor out_ref = pool.zeros({cs.n, cs.c});
-        embedding_forward(ids, rounded(pool, table, dt), out_ref);
+        embedding_forward(testing::exec(), ids, rounded(pool, table, dt), out_ref);
         Guarded out = guarded(dev, {cs.n, cs.c}, dt);
-        embedding_forward(ids_d, dev.upload(table, dt), out.t);
+        embedding_forward(testing::exec(), ids_d, dev.upload(table, dt), out.t);
         expect_close(download(out.t), out_ref, kExact, "embedding out");
         expect_guard_intact(out, "embedding out");
 
         Tensor dout = pool.randn({cs.n, cs.c}), dtable0 = pool.randn({cs.v, cs.c});
         Tensor dtable_ref = rounded(pool, dtable0, gdt);
-        embedding_backward(ids, rounded(pool, dout, dt), dtable_ref);
+        embedding_backward(testing::exec(), ids, rounded(pool, dout, dt), dtable_ref);
         Tensor dout_d = dev.upload(dout, dt);
         Guarded dtable = guarded(dev, {cs.v, cs.c}, gdt, &dtable0);
-        embedding_backward(ids_d, dout_d, dtable.t);
+        embedding_backward(testing::exec(), ids_d, dout_d, dtable.t);
         expect_close(download(dtable.t), dtable_ref, sum_tol(gdt), "embedding dtable");
         expect_guard_intact(dtable, "embedding dtable");
         Guarded again = guarded(dev, {cs.v, cs.c}, gdt, &dtable0);
-        embedding_backward(ids_d, dout_d, again.t);
+        embedding_backward(testing::exec(), ids_d, dout_d, again.t);
         EXPECT_EQ(download(again.t), download(dtable.t)) << "embedding dtable is not deterministic";
       }
     }
@@ -162,10 +162,10 @@ TEST(CudaNorm, RmsNormMatchesCpu) {
       Tensor x = pool.randn({cs.n, cs.c}, DType::f64, 2.0), w = pool.uniform({cs.c}, 0.25, 1.75);
       Tensor xr = rounded(pool, x, ty.x), wr = rounded(pool, w, ty.w);
       Tensor y_ref = pool.zeros({cs.n, cs.c}), rstd_ref = pool.zeros({cs.n});
-      rmsnorm_forward(xr, wr, eps, y_ref, rstd_ref);
+      rmsnorm_forward(testing::exec(), xr, wr, eps, y_ref, rstd_ref);
       Tensor xd = dev.upload(x, ty.x), wd = dev.upload(w, ty.w);
       Guarded y = guarded(dev, {cs.n, cs.c}, ty.x), rstd = guarded(dev, {cs.n}, DType::f32);
-      rmsnorm_forward(xd, wd, eps, y.t, rstd.t);
+      rmsnorm_forward(testing::exec(), xd, wd, eps, y.t, rstd.t);
       expect_close(download(y.t), y_ref, sum_tol(ty.x), "rmsnorm y");
       expect_close(download(rstd.t), rstd_ref, kF32Sum, "rmsnorm rstd");
       expect_guard_intact(y, "rmsnorm y");
@@ -173,23 +173,23 @@ TEST(CudaNorm, RmsNormMatchesCpu) {
 
       Tensor dy = pool.randn({cs.n, cs.c}), dw0 = pool.randn({cs.c});
       Tensor dx_ref = pool.zeros({cs.n, cs.c}), dw_ref = rounded(pool, dw0, ty.dw);
-      rmsnorm_backward(xr, wr, rstd_ref, rounded(pool, dy, ty.x), dx_ref, dw_ref);
+      rmsnorm_backward(testing::exec(), xr, wr, rstd_ref, rounded(pool, dy, ty.x), dx_ref, dw_ref);
       Tensor dyd = dev.upload(dy, ty.x);
       Guarded dx = guarded(dev, {cs.n, cs.c}, ty.x), dw = guarded(dev, {cs.c}, ty.dw, &dw0);
-      rmsnorm_backward(xd, wd, rstd.t, dyd, dx.t, dw.t);
+      rmsnorm_backward(testing::exec(), xd, wd, rstd.t, dyd, dx.t, dw.t);
       expect_close(download(dx.t), dx_ref, sum_tol(ty.x), "rmsnorm dx");
       expect_close(download(dw.t), dw_ref, sum_tol(ty.dw), "rmsnorm dw");
       expect_guard_intact(dx, "rmsnorm dx");
       expect_guard_intact(dw, "rmsnorm dw");
 
       Guarded dx2 = guarded(dev, {cs.n, cs.c}, ty.x), dw2 = guarded(dev, {cs.c}, ty.dw, &dw0);
-      rmsnorm_backward(xd, wd, rstd.t, dyd, dx2.t, dw2.t);
+      rmsnorm_backward(testing::exec(), xd, wd, rstd.t, dyd, dx2.t, dw2.t);
       EXPECT_EQ(download(dx2.t), download(dx.t)) << "rmsnorm dx is not deterministic";
       EXPECT_EQ(download(dw2.t), download(dw.t)) << "rmsnorm dw is not deterministic";
 
       if (ty.x == DType::bf16) {  // dx not 4-byte aligned: dw in one chunk, the same values
         Guarded dx3 = guarded(dev, {cs.n, cs.c}, ty.x, nullptr, 2), dw3 = guarded(dev, {cs.c}, ty.dw, &dw0);
-        rmsnorm_backward(xd, wd, rstd.t, dyd, dx3.t, dw3.t);
+        rmsnorm_backward(testing::exec(), xd, wd, rstd.t, dyd, dx3.t, dw3.t);
         EXPECT_EQ(download(dx3.t), download(dx.t)) << "rmsnorm dx at a 2-byte offset";
         expect_close(download(dw3.t), dw_ref, sum_tol(ty.dw), "rmsnorm dw (dx at a 2-byte offset)");
         expect_guard_intact(dx3, "rmsnorm dx at a 2-byte offset");
@@ -238,20 +238,20 @@ TEST(CudaNorm, RopeMatchesCpu) {
           Tensor xd = dev.upload(x, dt);
           switch (variant % 4) {
             case 0:
-              rope_forward(ref, cr, sr, il);
-              rope_forward(xd, cd, sd, il);
+              rope_forward(testing::exec(), ref, cr, sr, il);
+              rope_forward(testing::exec(), xd, cd, sd, il);
               break;
             case 1:
-              rope_backward(ref, cr, sr, il);
-              rope_backward(xd, cd, sd, il);
+              rope_backward(testing::exec(), ref, cr, sr, il);
+              rope_backward(testing::exec(), xd, cd, sd, il);
               break;
             case 2:
-              rope_forward_at(ref, pos, cpr, spr, il);
-              rope_forward_at(xd, pos_d, cpd, spd, il);
+              rope_forward_at(testing::exec(), ref, pos, cpr, spr, il);
+              rope_forward_at(testing::exec(), xd, pos_d, cpd, spd, il);
               break;
             default:
-              rope_backward_at(ref, pos, cpr, spr, il);
-              rope_backward_at(xd, pos_d, cpd, spd, il);
+              rope_backward_at(testing::exec(), ref, pos, cpr, spr, il);
+              rope_backward_at(testing::exec(), xd, pos_d, cpd, spd, il);
               break;
           }
           expect_close(download(xd), ref, tol, "rope");
@@ -282,13 +282,13 @@ TEST(CudaNorm, SwiGluMatchesCpu) {
         Tensor gu = pool.randn({cs.n, 2 * cs.f}, DType::f64, 3.0), dh = pool.randn({cs.n, cs.f});
         Tensor gur = rounded(pool, gu, dt);
         Tensor h_ref = pool.zeros({cs.n, cs.f}), dgu_ref = pool.zeros({cs.n, 2 * cs.f});
-        swiglu_forward(gur, h_ref, layout);
-        swiglu_backward(gur, rounded(pool, dh, dt), dgu_ref, layout);
+        swiglu_forward(testing::exec(), gur, h_ref, layout);
+        swiglu_backward(testing::exec(), gur, rounded(pool, dh, dt), dgu_ref, layout);
         Tensor gud = dev.upload(gu, dt);
         Guarded h = guarded(dev, {cs.n, cs.f}, dt, nullptr, cs.h_offset), dgu = guarded(dev, {cs.n, 2 * cs.f}, dt);
         Guarded dhd = guarded(dev, {cs.n, cs.f}, dt, &dh, cs.h_offset);
-        swiglu_forward(gud, h.t, layout);
-        swiglu_backward(gud, dhd.t, dgu.t, layout);
+        swiglu_forward(testing::exec(), gud, h.t, layout);
+        swiglu_backward(testing::exec(), gud, dhd.t, dgu.t, layout);
         expect_close(download(h.t), h_ref, elem_tol(dt), "swiglu h");
         expect_close(download(dgu.t), dgu_ref, elem_tol(dt), "swiglu dgu");
         expect_guard_intact(h, "swiglu h");
@@ -331,12 +331,12 @@ void check_cross_entropy(int64_t n, int64_t v, DType dt) {
   if (n > 7) tp[n - 1] = kIgnoreTarget;
   Tensor lr = rounded(pool, logits, dt);
   Tensor lse_ref = pool.zeros({n});
-  const double loss_ref = cross_entropy_forward(lr, targets, lse_ref);
+  const double loss_ref = cross_entropy_forward(testing::exec(), lr, targets, lse_ref);
   Tensor ld = dev.upload(logits, dt), td = dev.upload(targets, DType::i32);
   Guarded lse = guarded(dev, {n}, DType::f32);
-  const double loss = cross_entropy_forward(ld, td, lse.t);
+  const double loss = cross_entropy_forward(testing::exec(), ld, td, lse.t);
   EXPECT_NEAR(loss, loss_ref, kF32Sum * std::abs(loss_ref)) << "cross-entropy loss";
-  EXPECT_EQ(cross_entropy_forward(ld, td, lse.t), loss) << "cross-entropy loss is not deterministic";
+  EXPECT_EQ(cross_entropy_forward(testing::exec(), ld, td, lse.t), loss) << "cross-entropy loss is not deterministic";
   const std::vector<double> lse_gpu = download(lse.t);
   expect_close(lse_gpu, lse_ref, kF32Sum, "cross-entropy lse");
   for (int64_t i = 0; i < n; ++i) {
@@ -348,14 +348,14 @@ void check_cross_entropy(int64_t n, int64_t v, DType dt) {
 
   const double grad_scale = 0.37 / static_cast<double>(n);
   Tensor dl_ref = pool.zeros({n, v});
-  cross_entropy_backward(lr, targets, lse_ref, grad_scale, dl_ref);
+  cross_entropy_backward(testing::exec(), lr, targets, lse_ref, grad_scale, dl_ref);
   Guarded dl = guarded(dev, {n, v}, dt);
-  cross_entropy_backward(ld, td, lse.t, grad_scale, dl.t);
+  cross_entropy_backward(testing::exec(), ld, td, lse.t, grad_scale, dl.t);
   const std::vector<double> dl_gpu = download(dl.t);
   expect_dlogits_close(dl_gpu, dl_ref, targets, grad_scale, dt == DType::f32 ? kF32Sum : kBf16);
   expect_guard_intact(dl, "cross-entropy dlogits");
   // In place (dlogits = logits): the same bits.
-  cross_entropy_backward(ld, td, lse.t, grad_scale, ld);
+  cross_entropy_backward(testing::exec(), ld, td, lse.t, grad_scale, ld);
   EXPECT_EQ(download(ld), dl_gpu) << "cross-entropy backward in place";
 }
 

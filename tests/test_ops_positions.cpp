@@ -65,19 +65,19 @@ TEST(RopeAt, IotaIsPlainRopeAndEachTokenReadsItsRow) {
   // Positions 0..S-1 on a table of exactly S rows: bit-identical to the plain op.
   Tensor cos_s = cos.slice(0, s), sin_s = sin.slice(0, s);
   Tensor a = pool.clone(x0), c = pool.clone(x0);
-  rope_forward(a, cos_s, sin_s);
-  rope_forward_at(c, positions(pool, iota(s)), cos, sin);
+  rope_forward(testing::exec(), a, cos_s, sin_s);
+  rope_forward_at(testing::exec(), c, positions(pool, iota(s)), cos, sin);
   EXPECT_EQ(max_abs_diff(a, c), 0.0);
-  rope_backward(a, cos_s, sin_s);
-  rope_backward_at(c, positions(pool, iota(s)), cos, sin);
+  rope_backward(testing::exec(), a, cos_s, sin_s);
+  rope_backward_at(testing::exec(), c, positions(pool, iota(s)), cos, sin);
   EXPECT_EQ(max_abs_diff(a, c), 0.0);
   // Arbitrary positions: token i equals the plain op on a one-row table slice at pos[i].
   const std::vector<int32_t> pos = {7, 0, 10, 3, 3};
   Tensor y = pool.clone(x0);
-  rope_forward_at(y, positions(pool, pos), cos, sin);
+  rope_forward_at(testing::exec(), y, positions(pool, pos), cos, sin);
   for (int64_t i = 0; i < s; ++i) {
     Tensor one = gather_rows(pool, x0, {static_cast<int32_t>(i)});
-    rope_forward(one, cos.slice(pos[i], pos[i] + 1), sin.slice(pos[i], pos[i] + 1));
+    rope_forward(testing::exec(), one, cos.slice(pos[i], pos[i] + 1), sin.slice(pos[i], pos[i] + 1));
     EXPECT_EQ(max_abs_diff(one, gather_rows(pool, y, {static_cast<int32_t>(i)})), 0.0) << "token " << i;
   }
 }
@@ -90,10 +90,10 @@ TEST(RopeAt, BackwardMatchesFiniteDifferences) {
   Tensor pos = positions(pool, {8, 2, 5, 1});
   Tensor x = pool.randn({b, s, h, d}), w = pool.randn({b, s, h, d}), y = pool.zeros({b, s, h, d});
   Tensor dx = pool.clone(w);
-  rope_backward_at(dx, pos, cos, sin);
+  rope_backward_at(testing::exec(), dx, pos, cos, sin);
   check_gradient("rope_at dx", x, dx, [&] {
     y.copy_from(x);
-    rope_forward_at(y, pos, cos, sin);
+    rope_forward_at(testing::exec(), y, pos, cos, sin);
     return dot(y, w);
   });
 }
@@ -111,14 +111,14 @@ TEST(AttentionAt, IotaIsBitIdenticalToPlain) {
     Tensor pos = positions(pool, iota(c.s)), work = pool.zeros({2, c.s, c.s}), dout = pool.randn(q.shape());
     Tensor out1 = pool.zeros(q.shape()), lse1 = pool.zeros({c.b, c.q, c.s});
     Tensor out2 = pool.zeros(q.shape()), lse2 = pool.zeros({c.b, c.q, c.s});
-    attention_forward(q, k, v, scale, out1, lse1, work);
-    attention_forward_at(q, k, v, pos, pos, scale, out2, lse2, work);
+    attention_forward(testing::exec(), q, k, v, scale, out1, lse1, work);
+    attention_forward_at(testing::exec(), q, k, v, pos, pos, scale, out2, lse2, work);
     EXPECT_EQ(max_abs_diff(out1, out2), 0.0);
     EXPECT_EQ(max_abs_diff(lse1, lse2), 0.0);
     Tensor dq1 = pool.zeros(q.shape()), dk1 = pool.zeros(k.shape()), dv1 = pool.zeros(k.shape());
     Tensor dq2 = pool.randn(q.shape()), dk2 = pool.randn(k.shape()), dv2 = pool.randn(k.shape());
-    attention_backward(q, k, v, out1, lse1, dout, scale, dq1, dk1, dv1, work);
-    attention_backward_at(q, k, v, pos, pos, out2, lse2, dout, scale, dq2, dk2, dv2, work);
+    attention_backward(testing::exec(), q, k, v, out1, lse1, dout, scale, dq1, dk1, dv1, work);
+    attention_backward_at(testing::exec(), q, k, v, pos, pos, out2, lse2, dout, scale, dq2, dk2, dv2, work);
     EXPECT_EQ(max_abs_diff(dq1, dq2), 0.0);
     EXPECT_EQ(max_abs_diff(dk1, dk2), 0.0);
     EXPECT_EQ(max_abs_diff(dv1, dv2), 0.0);
@@ -136,12 +136,12 @@ TEST(AttentionAt, BackwardMatchesFiniteDifferences) {
   const double scale = 0.7;
   Tensor out = pool.zeros(q.shape()), lse = pool.zeros({b, nq, sq}), work = pool.zeros({2, sq, sk});
   Tensor dout = pool.randn(q.shape());
-  attention_forward_at(q, k, v, q_pos, k_pos, scale, out, lse, work);
+  attention_forward_at(testing::exec(), q, k, v, q_pos, k_pos, scale, out, lse, work);
   Tensor dq = pool.randn(q.shape(), DType::f64, 100.0), dk = pool.randn(k.shape(), DType::f64, 100.0),
          dv = pool.randn(v.shape(), DType::f64, 100.0);
-  attention_backward_at(q, k, v, q_pos, k_pos, out, lse, dout, scale, dq, dk, dv, work);
+  attention_backward_at(testing::exec(), q, k, v, q_pos, k_pos, out, lse, dout, scale, dq, dk, dv, work);
   auto loss = [&] {
-    attention_forward_at(q, k, v, q_pos, k_pos, scale, out, lse, work);
+    attention_forward_at(testing::exec(), q, k, v, q_pos, k_pos, scale, out, lse, work);
     return dot(out, dout);
   };
   check_gradient("attention_at dq", q, dq, loss);
@@ -159,8 +159,8 @@ TEST(AttentionAt, SimulatedContextParallelReproducesFullAttention) {
     const double scale = 0.5;
     Tensor out = pool.zeros(q.shape()), lse = pool.zeros({b, nq, s}), work = pool.zeros({2, s, s});
     Tensor dq = pool.zeros(q.shape()), dk = pool.zeros(k.shape()), dv = pool.zeros(v.shape());
-    attention_forward(q, k, v, scale, out, lse, work);
-    attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv, work);
+    attention_forward(testing::exec(), q, k, v, scale, out, lse, work);
+    attention_backward(testing::exec(), q, k, v, out, lse, dout, scale, dq, dk, dv, work);
 
     // Gathered keys in rank-major order, as the CP module lays them out.
     std::vector<int32_t> key_order;
@@ -175,11 +175,11 @@ TEST(AttentionAt, SimulatedContextParallelReproducesFullAttention) {
       const int64_t len = static_cast<int64_t>(mine.size());
       Tensor q_pos = positions(pool, mine), q_r = gather_rows(pool, q, mine), dout_r = gather_rows(pool, dout, mine);
       Tensor out_r = pool.zeros(q_r.shape()), lse_r = pool.zeros({b, nq, len}), work_r = pool.zeros({2, len, s});
-      attention_forward_at(q_r, k_all, v_all, q_pos, k_pos, scale, out_r, lse_r, work_r);
+      attention_forward_at(testing::exec(), q_r, k_all, v_all, q_pos, k_pos, scale, out_r, lse_r, work_r);
       EXPECT_LE(max_abs_diff(out_r, gather_rows(pool, out, mine)), kF64Tol);
       EXPECT_LE(max_abs_diff(lse_r, gather_lse(pool, lse, mine)), kF64Tol);
       Tensor dq_r = pool.zeros(q_r.shape()), dk_r = pool.zeros(k_all.shape()), dv_r = pool.zeros(v_all.shape());
-      attention_backward_at(q_r, k_all, v_all, q_pos, k_pos, out_r, lse_r, dout_r, scale, dq_r, dk_r, dv_r, work_r);
+      attention_backward_at(testing::exec(), q_r, k_all, v_all, q_pos, k_pos, out_r, lse_r, dout_r, scale, dq_r, dk_r, dv_r, work_r);
       EXPECT_LE(max_abs_diff(dq_r, gather_rows(pool, dq, mine)), kF64Tol);
       // Scatter this rank's contribution back to key positions (the reduce-scatter's sum).
       const int64_t row = g * d;
@@ -200,7 +200,7 @@ TEST(AttentionAtDeathTest, QueryWithoutVisibleKeyAborts) {
   Tensor q = pool.randn({1, 1, 2, 2}), k = pool.randn({1, 2, 1, 2}), v = pool.randn({1, 2, 1, 2});
   Tensor out = pool.zeros(q.shape()), lse = pool.zeros({1, 2, 1}), work = pool.zeros({2, 1, 2});
   Tensor q_pos = positions(pool, {2}), k_pos = positions(pool, {3, 4});
-  EXPECT_DEATH(attention_forward_at(q, k, v, q_pos, k_pos, 1.0, out, lse, work), "sees no key");
+  EXPECT_DEATH(attention_forward_at(testing::exec(), q, k, v, q_pos, k_pos, 1.0, out, lse, work), "sees no key");
 }
 
 }  // namespace

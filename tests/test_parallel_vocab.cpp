@@ -53,13 +53,13 @@ void expect_ce_matches_plain(DType dtype) {
   auto self = make_self_communicator("tp");
   BoundScratch s(16);
   Tensor lse_ref = pool.zeros({n}, dtype), lse = pool.zeros({n}, dtype);
-  const double loss_ref = cross_entropy_forward(logits, targets, lse_ref);
-  const double loss = vocab_parallel_cross_entropy_forward(*self, logits, 0, targets, lse, s.scratch);
+  const double loss_ref = cross_entropy_forward(testing::exec(), logits, targets, lse_ref);
+  const double loss = vocab_parallel_cross_entropy_forward(testing::exec(), *self, logits, 0, targets, lse, s.scratch);
   EXPECT_EQ(loss, loss_ref);
   EXPECT_EQ(max_abs_diff(lse, lse_ref), 0.0);
   Tensor d_ref = pool.zeros({n, v}, dtype), d = pool.randn({n, v}, dtype);  // d is WRITTEN: garbage first
-  cross_entropy_backward(logits, targets, lse_ref, 0.125, d_ref);
-  vocab_parallel_cross_entropy_backward(logits, 0, targets, lse, 0.125, d);
+  cross_entropy_backward(testing::exec(), logits, targets, lse_ref, 0.125, d_ref);
+  vocab_parallel_cross_entropy_backward(testing::exec(), logits, 0, targets, lse, 0.125, d);
   EXPECT_EQ(max_abs_diff(d, d_ref), 0.0);
 }
 
@@ -78,10 +78,10 @@ void expect_embedding_shards_match_plain(DType dtype) {
   const std::vector<int32_t> id_values = {0, 2, 3, 6, 7, 9, 3, 6};  // shard edges, repeats
   for (int64_t i = 0; i < n; ++i) ids.ptr<int32_t>()[i] = id_values[i];
   Tensor ref = pool.zeros({n, c}, dtype), sum = pool.zeros({n, c}, dtype);
-  embedding_forward(ids, table, ref);
+  embedding_forward(testing::exec(), ids, table, ref);
   for (size_t s = 0; s + 1 < bounds.size(); ++s) {
     Tensor part = pool.randn({n, c}, dtype);  // fully WRITTEN, zeros included
-    vocab_parallel_embedding_forward(ids, table.slice(bounds[s], bounds[s + 1]), bounds[s], part);
+    vocab_parallel_embedding_forward(testing::exec(), ids, table.slice(bounds[s], bounds[s + 1]), bounds[s], part);
     dispatch_float(dtype, [&]<class T>() {
       for (int64_t i = 0; i < n; ++i) {
         const bool inside = id_values[i] >= bounds[s] && id_values[i] < bounds[s + 1];
@@ -99,9 +99,9 @@ void expect_embedding_shards_match_plain(DType dtype) {
   Tensor dout = pool.randn({n, c}, dtype);
   Tensor dtable_ref = pool.randn({v, c}, dtype);  // accumulated onto existing values
   Tensor dtable = pool.clone(dtable_ref);
-  embedding_backward(ids, dout, dtable_ref);
+  embedding_backward(testing::exec(), ids, dout, dtable_ref);
   for (size_t s = 0; s + 1 < bounds.size(); ++s)
-    vocab_parallel_embedding_backward(ids, dout, bounds[s], dtable.slice(bounds[s], bounds[s + 1]));
+    vocab_parallel_embedding_backward(testing::exec(), ids, dout, bounds[s], dtable.slice(bounds[s], bounds[s + 1]));
   EXPECT_EQ(max_abs_diff(dtable, dtable_ref), 0.0);
 }
 
@@ -117,9 +117,9 @@ TEST(VocabParallel, EmbeddingBackwardMatchesFiniteDifferences) {
   for (int64_t i = 0; i < n; ++i) ids.ptr<int32_t>()[i] = id_values[i];
   Tensor w = pool.randn({n, c}), out = pool.zeros({n, c});
   Tensor analytic = pool.zeros({vl, c});
-  vocab_parallel_embedding_backward(ids, w, offset, analytic);
+  vocab_parallel_embedding_backward(testing::exec(), ids, w, offset, analytic);
   check_gradient("vocab_parallel_embedding dtable", table, analytic, [&] {
-    vocab_parallel_embedding_forward(ids, table, offset, out);
+    vocab_parallel_embedding_forward(testing::exec(), ids, table, offset, out);
     return dot(out, w);
   });
 }
@@ -134,10 +134,10 @@ TEST(VocabParallel, CrossEntropyBackwardMatchesFiniteDifferences) {
   auto self = make_self_communicator("tp");
   BoundScratch s(n);
   Tensor lse = pool.zeros({n}), analytic = pool.zeros({n, v});
-  vocab_parallel_cross_entropy_forward(*self, logits, 0, targets, lse, s.scratch);
-  vocab_parallel_cross_entropy_backward(logits, 0, targets, lse, grad_scale, analytic);
+  vocab_parallel_cross_entropy_forward(testing::exec(), *self, logits, 0, targets, lse, s.scratch);
+  vocab_parallel_cross_entropy_backward(testing::exec(), logits, 0, targets, lse, grad_scale, analytic);
   check_gradient("vocab_parallel_cross_entropy dlogits", logits, analytic, [&] {
-    return grad_scale * vocab_parallel_cross_entropy_forward(*self, logits, 0, targets, lse, s.scratch);
+    return grad_scale * vocab_parallel_cross_entropy_forward(testing::exec(), *self, logits, 0, targets, lse, s.scratch);
   });
 }
 
@@ -148,7 +148,7 @@ TEST(VocabParallelDeathTest, TargetOutsideEveryShardAborts) {
   targets.ptr<int32_t>()[1] = 4;  // V = 4 on the only rank
   auto self = make_self_communicator("tp");
   BoundScratch s(3);
-  EXPECT_DEATH(vocab_parallel_cross_entropy_forward(*self, logits, 0, targets, lse, s.scratch),
+  EXPECT_DEATH(vocab_parallel_cross_entropy_forward(testing::exec(), *self, logits, 0, targets, lse, s.scratch),
                "2 of 3 targets fell inside a vocabulary shard");
 }
 

@@ -156,9 +156,9 @@ TEST(CudaVocabParallel, EmbeddingForwardMatchesCpu) {
       Tensor ids = indices(pool, s, false);
       Tensor table = pool.randn({s.vl, e.c});
       Tensor out_ref = pool.randn({s.n, e.c});  // WRITTEN, zero rows included
-      vocab_parallel_embedding_forward(ids, rounded(pool, table, dt), s.offset, out_ref);
+      vocab_parallel_embedding_forward(testing::exec(), ids, rounded(pool, table, dt), s.offset, out_ref);
       Guarded out = guarded(dev, {s.n, e.c}, dt);
-      vocab_parallel_embedding_forward(dev.upload(ids, DType::i32), dev.upload(table, dt), s.offset, out.t);
+      vocab_parallel_embedding_forward(testing::exec(), dev.upload(ids, DType::i32), dev.upload(table, dt), s.offset, out.t);
       expect_close(download(out.t), out_ref, 0.0, "embedding out");
       expect_guard_intact(out, "embedding out");
     }
@@ -184,19 +184,19 @@ TEST(CudaVocabParallel, EmbeddingBackwardMatchesCpu) {
       Tensor dout = pool.randn({s.n, e.c}), dtable0 = pool.randn({s.vl, e.c});
       Tensor dout_d = dev.upload(dout, ty.dout);
       Guarded dtable = guarded(dev, {s.vl, e.c}, ty.dtable, &dtable0);
-      vocab_parallel_embedding_backward(ids_d, dout_d, s.offset, dtable.t);
+      vocab_parallel_embedding_backward(testing::exec(), ids_d, dout_d, s.offset, dtable.t);
       if (ty.dtable == DType::f32) {  // the CPU op in f32 on the same values: bit for bit
         Tensor dtable_ref = as_f32(pool, rounded(pool, dtable0, DType::f32));
-        vocab_parallel_embedding_backward(ids, as_f32(pool, rounded(pool, dout, ty.dout)), s.offset, dtable_ref);
+        vocab_parallel_embedding_backward(testing::exec(), ids, as_f32(pool, rounded(pool, dout, ty.dout)), s.offset, dtable_ref);
         expect_close(download(dtable.t), dtable_ref, 0.0, "embedding dtable");
       } else {
         Tensor dtable_ref = rounded(pool, dtable0, ty.dtable);
-        vocab_parallel_embedding_backward(ids, rounded(pool, dout, ty.dout), s.offset, dtable_ref);
+        vocab_parallel_embedding_backward(testing::exec(), ids, rounded(pool, dout, ty.dout), s.offset, dtable_ref);
         expect_close(download(dtable.t), dtable_ref, kBf16, "embedding dtable");
       }
       expect_guard_intact(dtable, "embedding dtable");
       Guarded again = guarded(dev, {s.vl, e.c}, ty.dtable, &dtable0);
-      vocab_parallel_embedding_backward(ids_d, dout_d, s.offset, again.t);
+      vocab_parallel_embedding_backward(testing::exec(), ids_d, dout_d, s.offset, again.t);
       EXPECT_EQ(download(again.t), download(dtable.t)) << "embedding dtable is not deterministic";
     }
   }
@@ -230,16 +230,16 @@ void check_forward(int64_t n, int64_t v, DType dt) {
   host_scratch.bind(host_mem, n);
   host_mem.finish_binding();
   Tensor lse_ref = pool.zeros({n});
-  const double loss_ref = vocab_parallel_cross_entropy_forward(*self, lr, 0, targets, lse_ref, host_scratch);
+  const double loss_ref = vocab_parallel_cross_entropy_forward(testing::exec(), *self, lr, 0, targets, lse_ref, host_scratch);
 
   DeviceScratch ds(n + 3);  // more rows bound than used
   Tensor ld = dev.upload(logits, dt), td = dev.upload(targets, DType::i32);
   Guarded lse = guarded(dev, {n}, DType::f32);
-  const double loss = vocab_parallel_cross_entropy_forward(*self, ld, 0, td, lse.t, ds.scratch);
+  const double loss = vocab_parallel_cross_entropy_forward(testing::exec(), *self, ld, 0, td, lse.t, ds.scratch);
   int64_t counted = 0;
   for (int64_t i = 0; i < n; ++i) counted += targets.ptr<int32_t>()[i] != kIgnoreTarget;
   EXPECT_NEAR(loss, loss_ref, kLseAbs * static_cast<double>(counted)) << "loss";
-  EXPECT_EQ(vocab_parallel_cross_entropy_forward(*self, ld, 0, td, lse.t, ds.scratch), loss)
+  EXPECT_EQ(vocab_parallel_cross_entropy_forward(testing::exec(), *self, ld, 0, td, lse.t, ds.scratch), loss)
       << "loss is not deterministic";
   const std::vector<double> got = download(lse.t);
   int64_t bad = 0;
@@ -311,17 +311,17 @@ TEST(CudaVocabParallel, CrossEntropyBackwardMatchesCpu) {
       Tensor lse_ref = rounded(pool, lse_host, DType::f32);
       const double grad_scale = 0.37 / static_cast<double>(s.n);
       Tensor dl_ref = pool.zeros({s.n, s.vl});
-      vocab_parallel_cross_entropy_backward(lr, s.offset, targets, lse_ref, grad_scale, dl_ref);
+      vocab_parallel_cross_entropy_backward(testing::exec(), lr, s.offset, targets, lse_ref, grad_scale, dl_ref);
 
       Tensor ld = dev.upload(logits, dt), td = dev.upload(targets, DType::i32);
       Tensor lse_d = dev.upload(lse_host, DType::f32);
       Guarded dl = guarded(dev, {s.n, s.vl}, dt);
-      vocab_parallel_cross_entropy_backward(ld, s.offset, td, lse_d, grad_scale, dl.t);
+      vocab_parallel_cross_entropy_backward(testing::exec(), ld, s.offset, td, lse_d, grad_scale, dl.t);
       const std::vector<double> got = download(dl.t);
       expect_dlogits_close(got, dl_ref, targets, s.offset, grad_scale, dt == DType::f32 ? kF32Grad : kBf16);
       expect_guard_intact(dl, "dlogits");
       // In place (dlogits = logits): the same bits.
-      vocab_parallel_cross_entropy_backward(ld, s.offset, td, lse_d, grad_scale, ld);
+      vocab_parallel_cross_entropy_backward(testing::exec(), ld, s.offset, td, lse_d, grad_scale, ld);
       EXPECT_EQ(download(ld), got) << "backward in place";
     }
   }
@@ -342,15 +342,15 @@ TEST(CudaVocabParallel, ForwardBackwardAgreeWithPlainCudaCrossEntropy) {
     Tensor ld = dev.upload(logits, dt), td = dev.upload(targets, DType::i32);
     DeviceScratch ds(n);
     Tensor lse_vp = dev.empty({n}, DType::f32), lse_plain = dev.empty({n}, DType::f32);
-    const double loss_vp = vocab_parallel_cross_entropy_forward(*self, ld, 0, td, lse_vp, ds.scratch);
-    const double loss_plain = cross_entropy_forward(ld, td, lse_plain);
+    const double loss_vp = vocab_parallel_cross_entropy_forward(testing::exec(), *self, ld, 0, td, lse_vp, ds.scratch);
+    const double loss_plain = cross_entropy_forward(testing::exec(), ld, td, lse_plain);
     EXPECT_NEAR(loss_vp, loss_plain, 2 * kLseAbs * static_cast<double>(n));
     const std::vector<double> a = download(lse_vp), b = download(lse_plain);
     for (int64_t i = 0; i < n; ++i)
       EXPECT_LE(std::abs(a[i] - b[i]), 2 * (kLseAbs + kF32Store * std::abs(b[i]))) << "lse row " << i;
     Tensor d_vp = dev.empty({n, v}, dt), d_plain = dev.empty({n, v}, dt);
-    vocab_parallel_cross_entropy_backward(ld, 0, td, lse_vp, 0.5, d_vp);
-    cross_entropy_backward(ld, td, lse_plain, 0.5, d_plain);
+    vocab_parallel_cross_entropy_backward(testing::exec(), ld, 0, td, lse_vp, 0.5, d_vp);
+    cross_entropy_backward(testing::exec(), ld, td, lse_plain, 0.5, d_plain);
     // Both are softmax - onehot from slightly different lse (|diff| <= 2e-5 + f32 rounding of
     // lse ~ 200): relative differences of that size, plus one bf16 rounding each.
     const std::vector<double> x = download(d_vp), y = download(d_plain);
@@ -368,10 +368,10 @@ TEST(CudaVocabParallelDeathTest, MixedDevicesAndBf16LseAbort) {
   DevicePool dev;
   Tensor ids = pool.ints({4}, 0, 3), table = pool.randn({3, 5}, DType::f32);
   Tensor out_d = dev.empty({4, 5}, DType::f32), table_d = dev.upload(table, DType::f32);
-  EXPECT_DEATH(vocab_parallel_embedding_forward(ids, table_d, 0, out_d), "on different devices");
+  EXPECT_DEATH(vocab_parallel_embedding_forward(testing::exec(), ids, table_d, 0, out_d), "on different devices");
   Tensor logits_d = dev.upload(pool.randn({4, 3}), DType::bf16), targets_d = dev.upload(ids, DType::i32);
   Tensor lse_bf16 = dev.empty({4}, DType::bf16), dl = dev.empty({4, 3}, DType::bf16);
-  EXPECT_DEATH(vocab_parallel_cross_entropy_backward(logits_d, 0, targets_d, lse_bf16, 1.0, dl), "CUDA: f32");
+  EXPECT_DEATH(vocab_parallel_cross_entropy_backward(testing::exec(), logits_d, 0, targets_d, lse_bf16, 1.0, dl), "CUDA: f32");
 }
 
 }  // namespace

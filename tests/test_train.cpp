@@ -88,7 +88,7 @@ TEST(AdamW, MatchesReferenceFormulaAndSkipsDecayOnNorms) {
   }
   std::vector<Tensor> w0 = {pool.clone(params[0].value), pool.clone(params[1].value)};
   AdamW opt(c);
-  opt.bind(params);
+  opt.bind(testing::exec(), params);
   std::vector<std::vector<double>> m(2, std::vector<double>(7)), v = m;
   for (int t = 1; t <= 3; ++t) {
     const double lr = 0.01 * t;
@@ -114,8 +114,8 @@ TEST(Clip, ScalesToMaxNorm) {
     return std::sqrt(testing::dot(params[0].grad, params[0].grad) + testing::dot(params[1].grad, params[1].grad));
   };
   const double n = norm();
-  EXPECT_DOUBLE_EQ(clip_grad_norm(params, n, 2 * n), 1.0);
-  clip_grad_norm(params, n, n / 4);
+  EXPECT_DOUBLE_EQ(clip_grad_norm(testing::exec(), params, n, 2 * n), 1.0);
+  clip_grad_norm(testing::exec(), params, n, n / 4);
   EXPECT_NEAR(norm(), n / 4, 1e-5 * n);
 }
 
@@ -137,10 +137,10 @@ TEST(Clip, FusedIntoAdamWMatchesClippingFirst) {
   EXPECT_DOUBLE_EQ(clip_factor(n, 0), 1.0);
   EXPECT_DOUBLE_EQ(clip_factor(n, 2 * n), 1.0);
   AdamW a(c), b(c);
-  a.bind(fused);
-  b.bind(first);
+  a.bind(testing::exec(), fused);
+  b.bind(testing::exec(), first);
   a.step(fused, 1e-2, f);
-  clip_grad_norm(first, n, n / 3);
+  clip_grad_norm(testing::exec(), first, n, n / 3);
   b.step(first, 1e-2);
   EXPECT_LT(testing::max_abs_diff(fused[0].value, first[0].value), 1e-15);
   EXPECT_EQ(testing::max_abs_diff(fused[0].grad, g0), 0.0);

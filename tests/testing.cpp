@@ -10,10 +10,15 @@
 #include <fstream>
 #include <iterator>
 
+#include "moefold/core/device.h"
 #include "moefold/core/error.h"
 #include "moefold/core/rng.h"
 
 namespace moefold::testing {
+
+const ExecContext& exec() {
+  return ExecContext::standard(cuda_device_count() > 0 ? Device::cuda : Device::cpu);
+}
 
 namespace {
 uint64_t next_seed() {

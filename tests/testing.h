@@ -11,9 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "moefold/core/exec.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold::testing {
+
+// The execution context the tests run ops on: the GPU's standard context when this process sees a
+// GPU (host tensors still run the CPU reference there), else the CPU's.
+const ExecContext& exec();
 
 // Owns the storage of the tensors it hands out (kept alive until the pool dies).
 class Pool {

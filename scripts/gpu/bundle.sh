@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the GPU test binaries here (Release, sm_90a) and bundles them with the shared libraries
+# Builds the GPU test binaries here (Release unless told otherwise, sm_90a) and bundles them with the shared libraries
 # the GPU machine lacks into .gpu/ (ignored by git, carried by the device tool; < 64 MiB):
 #   .gpu/bin: the GPU test binaries (stripped), and MOEFOLD_GPU_EXTRA_TARGETS
 #   .gpu/lib: Debian libraries they need (not glibc, not CUDA's nor Open MPI's: the GPU machine
@@ -12,7 +12,10 @@ build="${MOEFOLD_GPU_BUILD:-$root/build-gpu}"
 out="$root/.gpu"
 grep -qx '/.gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$root/.git/info/exclude"
 grep -qx '/build-gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/build-gpu/' >> "$root/.git/info/exclude"
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOEFOLD_WERROR=ON -DMOEFOLD_CUDA_ARCHS=90a > /dev/null
+# MOEFOLD_GPU_BUILD_TYPE: Release by default; e.g. RelWithDebInfo with MOEFOLD_GPU_BUILD=build-ci to
+# bundle the CI build's binaries instead of building everything again (device code is the same).
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE="${MOEFOLD_GPU_BUILD_TYPE:-Release}" -DMOEFOLD_WERROR=ON \
+  -DMOEFOLD_CUDA_ARCHS=90a > /dev/null
 # MOEFOLD_GPU_TARGETS: the test binaries (default: every tests/test_*cuda*.cpp, tests/mpi/test_*cuda*.cpp
 # and test_comm_nccl).
 targets=${MOEFOLD_GPU_TARGETS:-$(cd "$root/tests" && ls test_*cuda*.cpp mpi/test_*cuda*.cpp mpi/test_comm_nccl.cpp 2>/dev/null | xargs -n1 basename | sed 's/\.cpp$//')}

@@ -3,7 +3,7 @@
 # parallelism over NCCL (issue 5's EP = 2 target) in one call (~5 min): the 2-rank GPU tests of the
 # exchange and of the EP layouts, then `bench moe-layer` at qwen3-30b-a3b on one GPU and with
 # EP = 2 for several moe.ep_overlap_chunks (direct copies where the GPUs map each other), and over
-# NCCL (MOEFOLD_EP_TRANSPORT=nccl) with fewer SMs for the GEMMs. Full outputs land in $OUT.
+# NCCL (--set parallel.ep_transport=nccl) with fewer SMs for the GEMMs (kernels.gemm_sms). Full outputs land in $OUT.
 #   scripts/gpu/ep.sh [routing]   # balanced (default) or real; EP_FULL=1: all layout tests
 #   EP_SWEEP="2:116:16 1:0:0" scripts/gpu/ep.sh   # only EP = 2 runs: chunks:GEMM SMs:NCCL CTAs (0: default)
 set -uo pipefail
@@ -13,13 +13,9 @@ source "$root/scripts/gpu/env.sh"
 B="$root/.gpu/bin/moefold"
 routing="${1:-balanced}"
 one() { timeout 150 "$@"; }
-mpi() {  # 2 ranks; MOEFOLD_GEMM_SMS and NCCL_MAX_CTAS passed on where set
+mpi() {  # 2 ranks; NCCL_MAX_CTAS passed on where set (kernel choices are --set kernels.* options)
   local xs=(-x LD_LIBRARY_PATH -x LD_PRELOAD)
-  [ -n "${MOEFOLD_GEMM_SMS:-}" ] && xs+=(-x MOEFOLD_GEMM_SMS)
   [ -n "${NCCL_MAX_CTAS:-}" ] && xs+=(-x NCCL_MAX_CTAS)
-  [ -n "${MOEFOLD_EP_TRANSPORT:-}" ] && xs+=(-x MOEFOLD_EP_TRANSPORT)
-  [ -n "${MOEFOLD_FUSED_SWIGLU:-}" ] && xs+=(-x MOEFOLD_FUSED_SWIGLU)
-  [ -n "${MOEFOLD_CUTLASS_TILE:-}" ] && xs+=(-x MOEFOLD_CUTLASS_TILE)
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 150 mpirun -np 2 "${xs[@]}" "$@"
 }
 bench() {  # name, launcher (one or mpi), then options of bench moe-layer
@@ -30,12 +26,12 @@ bench() {  # name, launcher (one or mpi), then options of bench moe-layer
     > "$out/ep_$name.md" 2>&1
   grep "^| qwen3\|^| experts\|^| dispatch\|^| combine\|^| (within)\|error\|moefold:" "$out/ep_$name.md" | head -20
 }
-if [ -n "${EP_SWEEP:-}" ]; then  # EP_SWEEP="chunks:gemm_sms:nccl_max_ctas ..." (0: default; MOEFOLD_EP_TRANSPORT as set)
+if [ -n "${EP_SWEEP:-}" ]; then  # EP_SWEEP="chunks:gemm_sms:nccl_max_ctas ..." (0: default; EP_TRANSPORT=auto|nccl|ipc)
   for cfg in $EP_SWEEP; do
     IFS=: read -r c sms ctas <<< "$cfg"
-    ( [ "$sms" != 0 ] && export MOEFOLD_GEMM_SMS="$sms"
-      [ "$ctas" != 0 ] && export NCCL_MAX_CTAS="$ctas"
-      bench "ep2_${routing}_c${c}_sms${sms}_ctas${ctas}" mpi --set moe.ep_overlap_chunks="$c" )
+    ( [ "$ctas" != 0 ] && export NCCL_MAX_CTAS="$ctas"
+      bench "ep2_${routing}_c${c}_sms${sms}_ctas${ctas}" mpi --set moe.ep_overlap_chunks="$c" \
+        --set kernels.gemm_sms="$sms" --set parallel.ep_transport="${EP_TRANSPORT:-auto}" )
   done
   exit 0
 fi
@@ -49,7 +45,7 @@ bench one_gpu one
 bench ep2_c1 mpi --set moe.ep_overlap_chunks=1
 bench ep2_c2 mpi --set moe.ep_overlap_chunks=2
 bench ep2_c4 mpi --set moe.ep_overlap_chunks=4
-MOEFOLD_EP_TRANSPORT=nccl MOEFOLD_GEMM_SMS=116 bench ep2_nccl_c2_sms116 mpi
+bench ep2_nccl_c2_sms116 mpi --set parallel.ep_transport=nccl --set kernels.gemm_sms=116
 # A training step at EP = 2 (data parallel over the 2 ranks for the dense layers) against one GPU
 # with the same tokens per GPU: 4 layers of qwen3-30b-a3b, micro-batches of 4 sequences.
 train() {  # name, launcher, sequences per step; every run's report appended to $OUT/train.md

@@ -2,7 +2,7 @@
 # On the GPU machine after scripts/gpu/bundle.sh with MOEFOLD_GPU_EXTRA_TARGETS=moefold: the
 # issue-5 benchmarks in one call (~5 min on one H200); full outputs land in $OUT.
 #   scripts/gpu/perf.sh [tiles|swiglu]   # tiles: also compare CUTLASS tile configurations;
-#                                        # swiglu: also the layer with SwiGLU unfused (MOEFOLD_FUSED_SWIGLU=0)
+#                                        # swiglu: also the layer with SwiGLU unfused (kernels.fused_swiglu=off)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
@@ -12,15 +12,15 @@ strip_table() { grep -v "^|---\|^$"; }
 if [ "${1:-}" = tiles ]; then
   for t in large pingpong forward=pingpong,dgrad=pingpong,wgrad=large wgrad=pingpong; do
     echo "== tiles $t"
-    MOEFOLD_CUTLASS_TILE=$t timeout 90 "$B" bench moe-layer --shape qwen3-30b-a3b --shape deepseek-v3 --reps 10 \
-      --warmup 2 2>&1 | strip_table | sed -n 2,6p
+    timeout 90 "$B" bench moe-layer --shape qwen3-30b-a3b --shape deepseek-v3 --reps 10 \
+      --warmup 2 --set kernels.cutlass_tile="$t" 2>&1 | strip_table | sed -n 2,6p
   done
 fi
 if [ "${1:-}" = swiglu ]; then
-  for fused in 0 1; do
-    echo "== MOEFOLD_FUSED_SWIGLU=$fused"
-    MOEFOLD_FUSED_SWIGLU=$fused timeout 90 "$B" bench moe-layer --shape qwen3-30b-a3b --shape deepseek-v3 --reps 10 \
-      --warmup 2 2>&1 | strip_table | sed -n 2,6p
+  for fused in off on; do
+    echo "== kernels.fused_swiglu=$fused"
+    timeout 90 "$B" bench moe-layer --shape qwen3-30b-a3b --shape deepseek-v3 --reps 10 \
+      --warmup 2 --set kernels.fused_swiglu="$fused" 2>&1 | strip_table | sed -n 2,6p
   done
 fi
 echo "== moe-layer, every shape"

@@ -79,8 +79,8 @@ TEST(ContextParallel, AttentionMatchesFullSequence) {
   // Reference: the whole sequence on this rank.
   Tensor out = pool.zeros(q.shape()), lse = pool.zeros({b, nq, s}), work = pool.zeros({2, s, s});
   Tensor dq = pool.zeros(q.shape()), dk = pool.zeros(k.shape()), dv = pool.zeros(v.shape());
-  attention_forward(q, k, v, scale, out, lse, work);
-  attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv, work);
+  attention_forward(testing::exec(), q, k, v, scale, out, lse, work);
+  attention_backward(testing::exec(), q, k, v, out, lse, dout, scale, dq, dk, dv, work);
 
   // Context parallel: this rank's tokens only.
   Memory mem(DType::f64);

@@ -77,8 +77,8 @@ void expect_cross_entropy_matches(DType dtype, double row_offset, double rel_tol
   const double grad_scale = 1.0 / kRows;
 
   Tensor lse_ref = pool.zeros({kRows}, dtype), dlogits_ref = pool.zeros({kRows, kVocab}, dtype);
-  const double loss_ref = cross_entropy_forward(logits, targets, lse_ref);
-  cross_entropy_backward(logits, targets, lse_ref, grad_scale, dlogits_ref);
+  const double loss_ref = cross_entropy_forward(testing::exec(), logits, targets, lse_ref);
+  cross_entropy_backward(testing::exec(), logits, targets, lse_ref, grad_scale, dlogits_ref);
 
   Memory mem(dtype);
   VocabParallelScratch scratch;
@@ -88,8 +88,8 @@ void expect_cross_entropy_matches(DType dtype, double row_offset, double rel_tol
   mem.finish_binding();
   Tensor shard = column_shard(pool, logits, offset, vl);
   Tensor lse = pool.zeros({kRows}, dtype), dlogits = pool.zeros({kRows, vl}, dtype);
-  double loss = vocab_parallel_cross_entropy_forward(tp, shard, offset, targets, lse, scratch);
-  vocab_parallel_cross_entropy_backward(shard, offset, targets, lse, grad_scale, dlogits);
+  double loss = vocab_parallel_cross_entropy_forward(testing::exec(), tp, shard, offset, targets, lse, scratch);
+  vocab_parallel_cross_entropy_backward(testing::exec(), shard, offset, targets, lse, grad_scale, dlogits);
 
   EXPECT_LE(std::abs(loss - loss_ref), rel_tol * std::abs(loss_ref)) << loss << " vs " << loss_ref;
   // The same value on every rank, bit for bit: max(loss) == -max(-loss).
@@ -128,15 +128,15 @@ TEST(VocabParallelMpi, EmbeddingMatchesFullTable) {
   Tensor dtable = pool.clone(dtable_ref.slice(offset, offset + vl));
 
   Tensor out_ref = pool.zeros({kRows, kChannels});
-  embedding_forward(ids, table, out_ref);
-  embedding_backward(ids, dout, dtable_ref);
+  embedding_forward(testing::exec(), ids, table, out_ref);
+  embedding_backward(testing::exec(), ids, dout, dtable_ref);
 
   Tensor out = pool.randn({kRows, kChannels});  // WRITTEN, zeros included
-  vocab_parallel_embedding_forward(ids, pool.clone(table.slice(offset, offset + vl)), offset, out);
+  vocab_parallel_embedding_forward(testing::exec(), ids, pool.clone(table.slice(offset, offset + vl)), offset, out);
   tp.all_reduce(out, ReduceOp::sum);
   EXPECT_EQ(max_abs_diff(out, out_ref), 0.0);  // one non-zero per element: the sum is exact
 
-  vocab_parallel_embedding_backward(ids, dout, offset, dtable);
+  vocab_parallel_embedding_backward(testing::exec(), ids, dout, offset, dtable);
   EXPECT_EQ(max_abs_diff(dtable, dtable_ref.slice(offset, offset + vl)), 0.0);
 }
 

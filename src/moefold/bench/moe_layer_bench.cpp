@@ -55,7 +55,7 @@ double median(std::vector<double> v) {
 // of random numbers: random data without drawing billions of normals on the host.
 class RandomFill {
  public:
-  RandomFill(Memory& mem, int64_t block) : block_(block), host_(static_cast<size_t>(block)) {
+  RandomFill(Memory& mem, int64_t block) : ctx_(&mem.exec()), block_(block), host_(static_cast<size_t>(block)) {
     staging_ = mem.act({block}, DType::f32);
     if (!mem.measuring()) fill_normal(Tensor(host_.data(), DType::f32, {block}), 2026, 11, 0.0, 1.0);
   }
@@ -73,12 +73,13 @@ class RandomFill {
         dst.copy_from(src.slice(shift, shift + n));
       } else {
         staging_.slice(0, n).copy_from(src.slice(shift, shift + n));
-        cast(staging_.slice(0, n), dst);
+        cast(*ctx_, staging_.slice(0, n), dst);
       }
     }
   }
 
  private:
+  const ExecContext* ctx_;
   int64_t block_;
   std::vector<float> host_;
   Tensor staging_;
@@ -86,7 +87,9 @@ class RandomFill {
 
 // The dispatcher of the benchmark: all experts here, or EP over `ep` (all-to-all).
 std::unique_ptr<Dispatcher> make_dispatcher(const Config& c, int64_t t, Communicator* ep) {
-  if (ep != nullptr && ep->size() > 1) return std::make_unique<AllToAllDispatcher>(c.moe, c.model.hidden_size, t, *ep);
+  if (ep != nullptr && ep->size() > 1)
+    return std::make_unique<AllToAllDispatcher>(c.moe, c.model.hidden_size, t, *ep,
+                                                parse_ep_transport(c.parallel.ep_transport));
   return std::make_unique<LocalDispatcher>(c.moe, c.model.hidden_size, t);
 }
 
@@ -162,7 +165,8 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   const bool balanced = routing == "balanced";
   if (!balanced && routing != "real") MF_FAIL("bench moe-layer: --routing ", routing, " (balanced or real)");
 
-  Memory mem(opts.device == Device::cuda ? DType::bf16 : DType::f32, opts.device);
+  const ExecContext ctx(opts.device, c.kernels);
+  Memory mem(opts.device == Device::cuda ? DType::bf16 : DType::f32, ctx);
   Layer layer(c, t, opts.ep);
   const int64_t block = std::min<int64_t>(int64_t{1} << 24, std::max<int64_t>(t * h_n, 1 << 16));
   auto bind = [&] {
@@ -178,7 +182,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   int64_t salt = 0;
   for (const Param& p : mem.params()) {
     fill(p.value, p.init == Init::normal ? p.init_std : 0.0, ++salt);
-    if (p.compute.data() != p.value.data()) cast(p.value, p.compute);
+    if (p.compute.data() != p.value.data()) cast(ctx, p.value, p.compute);
   }
   fill(layer.x, 1.0, ++salt);
   fill(layer.dy, 1.0 / static_cast<double>(t), ++salt);
@@ -186,7 +190,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     std::vector<int32_t> idx(static_cast<size_t>(t * k));
     for (int64_t i = 0; i < t * k; ++i) idx[static_cast<size_t>(i)] = static_cast<int32_t>(i % e_n);
     layer.balanced_idx.copy_from(Tensor(idx.data(), DType::i32, {t, k}));
-    fill_matrix(as_matrix(layer.balanced_prob), 1.0 / static_cast<double>(k));
+    fill_matrix(ctx, as_matrix(layer.balanced_prob), 1.0 / static_cast<double>(k));
   }
 
   MoeBenchResult res;
@@ -226,13 +230,13 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     stage_flops.insert(stage_flops.begin() + 4, shared_fwd);
     stages.insert(stages.begin() + 4, [&] {
       layer.shared->forward(layer.x, layer.y_shared);
-      add_inplace(layer.y, layer.y_shared);
+      add_inplace(ctx, layer.y, layer.y_shared);
     });
     names.push_back("shared expert backward");
     stage_flops.push_back(2 * shared_fwd);
     stages.push_back([&] {
       layer.shared->backward(layer.dy, layer.dx_shared);
-      add_inplace(layer.dx, layer.dx_shared);
+      add_inplace(ctx, layer.dx, layer.dx_shared);
     });
   }
   std::vector<StreamTimer> timers(stages.size() + 1);
@@ -260,7 +264,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
       for (size_t s = 0; s < timers.size(); ++s) ms[s].push_back(timers[s].elapsed_ms());
   };
   for (int i = 0; i < opts.warmup + opts.reps; ++i) repetition(i, i >= opts.warmup);
-  res.expert_grad_sq = sum_squares(layer.dgate_up);  // the timed repetitions' (before the phase ones)
+  res.expert_grad_sq = sum_squares(ctx, layer.dgate_up);  // the timed repetitions' (before the phase ones)
   profile_enable(opts.device);
   for (int i = 0; i < phase_reps; ++i) repetition(opts.warmup + opts.reps + i, false);
   for (const PhaseTime& p : profile_collect()) res.phases.push_back({p.name, p.ms / phase_reps, 0, 0});
@@ -308,36 +312,36 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   };
   const Tensor& w1 = layer.experts.gate_up_proj();
   gemm("fc1 forward (grouped, H -> 2F)", fc1, facts ? facts->fc1 : 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    grouped_linear_forward(rows.slice(a, b), w1, off, gu.slice(a, b));
+    grouped_linear_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b));
   });
   gemm("fc2 forward (grouped, F -> H)", fc2, facts ? facts->fc2 : 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    grouped_linear_forward(h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b));
+    grouped_linear_forward(ctx, h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b));
   });
   // The SwiGLU-fused pair as the experts run it, against the plain GEMMs around them (the
   // epilogues' cost: fc1 forward vs fc1 forward + SwiGLU; fc2 dgrad vs fc2 dgrad + SwiGLU backward).
   gemm("fc1 forward + SwiGLU (one grouped GEMM)", fc1, facts ? facts->fc1 : 0,
        [&](const Tensor& off, int64_t a, int64_t b) {
-         grouped_linear_swiglu_forward(rows.slice(a, b), w1, off, gu.slice(a, b), h.slice(a, b));
+         grouped_linear_swiglu_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b), h.slice(a, b));
        });
   gemm("fc2 dgrad (grouped, H -> F)", fc2, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    grouped_linear_backward(h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b), h.slice(a, b), Tensor());
+    grouped_linear_backward(ctx, h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b), h.slice(a, b), Tensor());
   });
   gemm("fc2 dgrad + SwiGLU backward (one grouped GEMM)", fc2, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    grouped_linear_swiglu_backward_data(out.slice(a, b), layer.experts.down_proj(), off, gu.slice(a, b), h.slice(a, b),
+    grouped_linear_swiglu_backward_data(ctx, out.slice(a, b), layer.experts.down_proj(), off, gu.slice(a, b), h.slice(a, b),
                                         dgu.slice(a, b));
   });
   const auto fc1_backward = [&](const Tensor& off, int64_t a, int64_t b) {
-    grouped_linear_backward(rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up);
+    grouped_linear_backward(ctx, rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up);
   };
   // The weight gradient alone (f32, written as in a step's first micro-batch): with few rows per
   // expert it is bound by writing the f32 gradient (4 bytes per 2 x rows-per-expert FLOPs).
   gemm("fc1 wgrad (grouped, f32 gradient written)", fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    grouped_linear_backward(rows.slice(a, b), w1, off, dgu.slice(a, b), Tensor(), layer.dgate_up,
+    grouped_linear_backward(ctx, rows.slice(a, b), w1, off, dgu.slice(a, b), Tensor(), layer.dgate_up,
                             /*accumulate=*/false);
   });
   gemm("fc1 backward (dx + dw)", 2 * fc1, 0, fc1_backward);
   gemm("fc1 forward+backward", 3 * fc1, facts ? facts->fc1_fwd_bwd : 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    grouped_linear_forward(rows.slice(a, b), w1, off, gu.slice(a, b));
+    grouped_linear_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b));
     fc1_backward(off, a, b);
   });
   return res;

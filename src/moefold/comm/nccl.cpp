@@ -87,7 +87,7 @@ ncclDataType_t nccl_type(DType t) {
 
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::sum ? ncclSum : ncclMax; }
 
-cudaStream_t compute() { return static_cast<cudaStream_t>(compute_stream()); }
+cudaStream_t compute() { return static_cast<cudaStream_t>(primary_stream()); }
 
 constexpr size_t kStagingBytes = 8 << 20;  // host tensors through NCCL: losses, loads, flags, counts
 
@@ -261,7 +261,7 @@ class NcclCommunicator final : public Communicator {
       void* p = nullptr;
       ~Temp() {
         if (p) {
-          cudaStreamSynchronize(static_cast<cudaStream_t>(compute_stream()));
+          cudaStreamSynchronize(static_cast<cudaStream_t>(primary_stream()));
           device_free(p);
         }
       }

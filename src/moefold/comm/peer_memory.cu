@@ -62,7 +62,7 @@ __global__ void wait_kernel(const unsigned long long* flags, int n, int skip, un
   __threadfence();
 }
 
-cudaStream_t compute() { return static_cast<cudaStream_t>(compute_stream()); }
+cudaStream_t compute() { return static_cast<cudaStream_t>(primary_stream()); }
 
 // 64 bytes as 8 i64, for the host-side all_gather.
 template <class T>

@@ -36,7 +36,7 @@ class PeerMemory {
 
   // Collective (every rank of the group makes the same sequence of push and pull calls, each
   // with any subset of its peers). Starts once the compute stream's work queued so far is done;
-  // returns a ticket at once. wait(ticket) then orders the compute stream's later work after
+  // returns a ticket at once. wait(ticket) then orders the primary stream's later work after
   // every peer's pushes of that call have landed here.
   virtual int64_t push(const std::vector<Push>& pushes) = 0;
   // Collective, as push: each rank's pulls start once every peer's compute stream has reached the

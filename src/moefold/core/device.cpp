@@ -110,25 +110,7 @@ void device_free(void* p) {
   cudaFree(p);  // errors at exit (driver shutting down) are not actionable
 }
 
-void* compute_stream() { return stream(); }
-
-void* device_scratch(ScratchSlot slot, size_t bytes) {
-  struct Buffer {
-    void* p = nullptr;
-    size_t bytes = 0;
-  };
-  static Buffer buffers[static_cast<int>(ScratchSlot::count)];  // live for the process (as cuBLAS's handles)
-  Buffer& b = buffers[static_cast<int>(slot)];
-  if (bytes > b.bytes) {
-    if (b.p) {
-      MF_CUDA_CHECK(cudaStreamSynchronize(stream()));  // queued work may still read the old one
-      device_free(b.p);
-    }
-    b.bytes = std::max(bytes, 2 * b.bytes);
-    b.p = device_malloc(b.bytes);
-  }
-  return b.p;
-}
+void* primary_stream() { return stream(); }
 
 void device_synchronize() { MF_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
@@ -161,27 +143,29 @@ double StreamTimer::elapsed_ms() const {
   return ms;
 }
 
-void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes, void* on) {
   if (bytes == 0) return;
   if (dst_device == Device::cpu && src_device == Device::cpu) {
     std::memmove(dst, src, bytes);
     return;
   }
-  MF_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream()));
-  if (dst_device == Device::cpu) MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  const cudaStream_t s = on ? static_cast<cudaStream_t>(on) : stream();
+  MF_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
+  if (dst_device == Device::cpu) MF_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 namespace {
 // device_copy_2d's rows to or from device memory.
 void pitched_device_copy(void* dst, size_t dst_pitch, Device dst_device, const void* src, size_t src_pitch,
-                         size_t row_bytes, size_t rows) {
-  MF_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream()));
-  if (dst_device == Device::cpu) MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
+                         size_t row_bytes, size_t rows, void* on) {
+  const cudaStream_t s = on ? static_cast<cudaStream_t>(on) : stream();
+  MF_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, s));
+  if (dst_device == Device::cpu) MF_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 }  // namespace
 
-void device_zero(void* p, size_t bytes) {
-  if (bytes) MF_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
+void device_zero(void* p, size_t bytes, void* on) {
+  if (bytes) MF_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, on ? static_cast<cudaStream_t>(on) : stream()));
 }
 
 #else  // CPU-only build
@@ -192,19 +176,18 @@ void cuda_set_device(int) { MF_FAIL("this moefold was built without CUDA (no nvc
 std::string cuda_device_name() { return "none"; }
 void* device_malloc(size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
 void device_free(void*) {}
-void* compute_stream() { return nullptr; }
-void* device_scratch(ScratchSlot, size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
+void* primary_stream() { return nullptr; }
 void device_synchronize() {}
-void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes, void*) {
   MF_CHECK(dst_device == Device::cpu && src_device == Device::cpu, "device_copy: built without CUDA");
   if (bytes) std::memmove(dst, src, bytes);
 }
 namespace {
-void pitched_device_copy(void*, size_t, Device, const void*, size_t, size_t, size_t) {
+void pitched_device_copy(void*, size_t, Device, const void*, size_t, size_t, size_t, void*) {
   MF_FAIL("device_copy_2d: built without CUDA");
 }
 }  // namespace
-void device_zero(void*, size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
+void device_zero(void*, size_t, void*) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
 StreamTimer::StreamTimer() = default;
 StreamTimer::~StreamTimer() = default;
 void StreamTimer::start(Device device) {
@@ -218,17 +201,17 @@ double StreamTimer::elapsed_ms() const { return host_stop_ - host_start_; }
 #endif
 
 void device_copy_2d(void* dst, size_t dst_pitch, Device dst_device, const void* src, size_t src_pitch,
-                    Device src_device, size_t row_bytes, size_t rows) {
+                    Device src_device, size_t row_bytes, size_t rows, void* stream) {
   MF_CHECK(dst_pitch >= row_bytes && src_pitch >= row_bytes, "device_copy_2d: rows of ", row_bytes, " bytes, pitches ",
            dst_pitch, " and ", src_pitch);
   if (rows <= 1 || (dst_pitch == row_bytes && src_pitch == row_bytes))  // one block
-    return device_copy(dst, dst_device, src, src_device, row_bytes * rows);
+    return device_copy(dst, dst_device, src, src_device, row_bytes * rows, stream);
   if (dst_device == Device::cpu && src_device == Device::cpu) {
     for (size_t r = 0; r < rows; ++r)
       std::memcpy(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, row_bytes);
     return;
   }
-  pitched_device_copy(dst, dst_pitch, dst_device, src, src_pitch, row_bytes, rows);
+  pitched_device_copy(dst, dst_pitch, dst_device, src, src_pitch, row_bytes, rows, stream);
 }
 
 }  // namespace moefold

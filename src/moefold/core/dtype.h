@@ -1,5 +1,5 @@
 // Element types of tensor storage and their conversions. Compute on the CPU is float32 (float64
-// in gradient-check tests); bfloat16 is a storage type (checkpoints, later GPU compute).
+// in gradient-check tests); bfloat16 is a storage type (checkpoints, GPU compute).
 #pragma once
 
 #include <cstdint>

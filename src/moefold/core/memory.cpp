@@ -28,7 +28,7 @@ void Arena::allocate() {
   void* p = nullptr;
   if (device_ == Device::cuda) {
     p = device_malloc(capacity_ ? capacity_ : kAlign);
-    device_zero(p, capacity_);
+    device_zero(p, capacity_, stream_);
   } else {
     p = std::aligned_alloc(kAlign, capacity_ ? capacity_ : kAlign);
     MF_CHECK(p != nullptr, "out of host memory allocating ", capacity_, " bytes");
@@ -53,17 +53,21 @@ Tensor Arena::take(DType dtype, Shape shape) {
 void Arena::zero() const {
   if (!base_) return;
   if (device_ == Device::cuda)
-    device_zero(base_, offset_);
+    device_zero(base_, offset_, stream_);
   else
     std::memset(base_, 0, offset_);
 }
 
-Memory::Memory(DType dtype, Device device) : dtype_(dtype), device_(device) {
-  for (Arena& a : params_arena_) a.set_device(device);
-  for (Arena& a : grads_) a.set_device(device);
-  for (Arena& a : compute_) a.set_device(device);
-  acts_.set_device(device);
-  peer_acts_.set_device(device);
+Memory::Memory(DType dtype, Device device) : Memory(dtype, ExecContext::standard(device)) {}
+
+Memory::Memory(DType dtype, const ExecContext& exec) : dtype_(dtype), device_(exec.device()), exec_(&exec) {
+  const Device device = device_;
+  void* stream = exec.stream();  // the arenas are zeroed in the order of the modules' ops
+  for (Arena& a : params_arena_) a.set_device(device, stream);
+  for (Arena& a : grads_) a.set_device(device, stream);
+  for (Arena& a : compute_) a.set_device(device, stream);
+  acts_.set_device(device, stream);
+  peer_acts_.set_device(device, stream);
 }
 
 size_t host_memory_bytes() {
@@ -128,7 +132,7 @@ int64_t Param::global_index(int64_t local) const {
   return index;
 }
 
-void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std, FillNormal fill) {
+void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std, const FillNormal& fill) {
   const Tensor& v = p.value;
   MF_CHECK(v.contiguous(), p.name, ": fill_normal_shard needs a contiguous value");
   const int64_t numel = v.numel();
@@ -167,11 +171,11 @@ Tensor first_rows(const Tensor& t, int64_t n) { return n < 0 || t.ndim() == 0 ? 
 }  // namespace
 
 // One tensor on a CPU run (nothing to copy); copies are no-ops on the measuring pass (no data).
-void Mirrored::to_device(int64_t n) const {
-  if (host.data() != dev.data()) first_rows(dev, n).copy_from(first_rows(host, n));
+void Mirrored::to_device(int64_t n, const ExecContext* on) const {
+  if (host.data() != dev.data()) first_rows(dev, n).copy_from(first_rows(host, n), on);
 }
-void Mirrored::to_host(int64_t n) const {
-  if (host.data() != dev.data()) first_rows(host, n).copy_from(first_rows(dev, n));
+void Mirrored::to_host(int64_t n, const ExecContext* on) const {
+  if (host.data() != dev.data()) first_rows(host, n).copy_from(first_rows(dev, n), on);
 }
 
 void Memory::allocate() {
@@ -234,7 +238,7 @@ void Memory::zero_grads() {
     for (const Param& p : params_)
       if (static_cast<int>(p.group) == g && !p.grad_written_by_backward) {
         if (device_ == Device::cuda)
-          device_zero(p.grad.data(), p.grad.nbytes());
+          device_zero(p.grad.data(), p.grad.nbytes(), exec_->stream());
         else
           std::memset(p.grad.data(), 0, p.grad.nbytes());
       }

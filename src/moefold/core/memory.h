@@ -4,11 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "moefold/core/exec.h"
 #include "moefold/core/rng.h"
 #include "moefold/core/tensor.h"
 
@@ -18,9 +20,12 @@ namespace moefold {
 class Arena {
  public:
   Arena() = default;
-  // Where allocate() takes the block (host: aligned_alloc; cuda: cudaMalloc). REQUIRES: before
-  // allocate().
-  void set_device(Device device) { device_ = device; }
+  // Where allocate() takes the block (host: aligned_alloc; cuda: cudaMalloc) and the stream its
+  // zeroing runs on (null: the primary stream). REQUIRES: before allocate().
+  void set_device(Device device, void* stream = nullptr) {
+    device_ = device;
+    stream_ = stream;
+  }
   Device device() const { return device_; }
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
@@ -43,6 +48,7 @@ class Arena {
     void operator()(void* p) const;
   };
   Device device_ = Device::cpu;
+  void* stream_ = nullptr;
   std::unique_ptr<char, Free> storage_;
   char* base_ = nullptr;
   size_t capacity_ = 0;
@@ -108,19 +114,20 @@ struct Param {
 // mean, std, shard_offset * row).
 // `fill` fills one run (a contiguous tensor and the global index of its first element): core's
 // fill_normal on the host, or ops' fill_normal_any for a tensor on either device.
-using FillNormal = void (*)(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std,
-                            uint64_t first_index);
+using FillNormal = std::function<void(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std,
+                                      uint64_t first_index)>;
 void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std,
-                       FillNormal fill = fill_normal);
+                       const FillNormal& fill = fill_normal);
 
 // A buffer the host computes and the device reads, or the reverse (dispatch plans built from
 // exchanged counts): one tensor on a CPU run (host == dev), a host and a device copy on a GPU run.
 struct Mirrored {
   Tensor host, dev;
   // Copies the first n elements of dim 0 (all when n < 0) host -> device / device -> host; no-op
-  // when both are one tensor. to_host waits for the device.
-  void to_device(int64_t n = -1) const;
-  void to_host(int64_t n = -1) const;
+  // when both are one tensor. to_host waits for the device. On the stream of `on` (null: the
+  // primary stream; Tensor::copy_from).
+  void to_device(int64_t n = -1, const ExecContext* on = nullptr) const;
+  void to_host(int64_t n = -1, const ExecContext* on = nullptr) const;
 };
 
 // Physical memory of this machine in bytes (0 when unknown).
@@ -131,6 +138,9 @@ class Memory {
   // Every arena on `device` (parameters, gradients and activations on the GPU for cuda).
   // `dtype` is the compute dtype of activations and of the weights the forward reads; master
   // weights and gradients are f32 when it is bf16 (mixed precision), else the same dtype.
+  // The modules bound through it run their ops on `exec` (Memory::exec()).
+  Memory(DType dtype, const ExecContext& exec);
+  // The same on the device's standard context (ExecContext::standard): tests and tools.
   explicit Memory(DType dtype, Device device = Device::cpu);
 
   DType dtype() const { return dtype_; }
@@ -138,6 +148,9 @@ class Memory {
   // Whether compute copies differ from the master weights (Param::compute != Param::value).
   bool mixed_precision() const { return master_dtype() != dtype_; }
   Device device() const { return device_; }
+  // Where the modules bound through this Memory run their ops (core/exec.h): they keep it from
+  // bind, as they keep the communicators they are given.
+  const ExecContext& exec() const { return *exec_; }
   bool measuring() const { return acts_.measuring(); }
 
   // Registers a parameter (and its gradient) under `name`; returns the view the forward reads
@@ -196,6 +209,7 @@ class Memory {
  private:
   DType dtype_;
   Device device_ = Device::cpu;
+  const ExecContext* exec_;
   int64_t grad_generation_ = 0;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
   Arena host_acts_;  // always host memory; empty on a CPU run

@@ -110,7 +110,7 @@ void grow_pool(Profiler& p, size_t n) {
 int64_t record_event(Profiler& p) {
   grow_pool(p, p.next_event + 1);  // a no-op once profile_reserve or an earlier collect sized the pool
   const size_t i = p.next_event++;
-  MF_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(p.events[i]), static_cast<cudaStream_t>(compute_stream())));
+  MF_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(p.events[i]), static_cast<cudaStream_t>(primary_stream())));
   return static_cast<int64_t>(i);
 }
 

@@ -1,6 +1,6 @@
 // Phase timing of the step loop (`moefold bench train`'s breakdown): named scopes whose elapsed
 // times, while profiling is on, add up per name. On the GPU a scope is two CUDA events on
-// compute_stream(), so it measures the stream's time between them, idle gaps included (a host
+// primary_stream(), so it measures the stream's time between them, idle gaps included (a host
 // that waits or launches too slowly shows up in the scope it happens in); on the CPU, the host
 // clock. Events come from a pool that only grows; the host never waits while scopes record,
 // only profile_collect does. One thread records: the one running the step.
@@ -25,7 +25,7 @@ struct PhaseTime {
   double top_level_ms = 0;  // the part of ms from calls made with no other scope open
 };
 
-// Starts recording on `device` (cuda: events on compute_stream(); cpu: the host clock) and drops
+// Starts recording on `device` (cuda: events on primary_stream(); cpu: the host clock) and drops
 // anything recorded but not collected. REQUIRES: no scope open; cuda only in a CUDA build.
 void profile_enable(Device device);
 // Stops recording; scopes already open still close, and what was recorded waits for collect.

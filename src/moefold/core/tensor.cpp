@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "moefold/core/device.h"
+#include "moefold/core/exec.h"
 
 namespace moefold {
 
@@ -101,7 +102,7 @@ Rows rows_of(const Tensor& t) {
 }
 }  // namespace
 
-void Tensor::copy_from(const Tensor& src) const {
+void Tensor::copy_from(const Tensor& src, const ExecContext* on) const {
   MF_CHECK(dtype_ == src.dtype_ && numel() == src.numel(), "copy ", src.str(), " into ", str());
   if (!data_ || !nbytes()) return;
   const Rows d = rows_of(*this), s = rows_of(src);
@@ -111,7 +112,7 @@ void Tensor::copy_from(const Tensor& src) const {
            " elements");
   const auto bytes = [&](int64_t elements) { return static_cast<size_t>(elements) * dtype_size(dtype_); };
   device_copy_2d(data_, bytes(d.rows == 1 ? width : d.pitch), device_, src.data_, bytes(s.rows == 1 ? width : s.pitch),
-                 src.device_, bytes(width), static_cast<size_t>(numel() / width));
+                 src.device_, bytes(width), static_cast<size_t>(numel() / width), on ? on->stream() : nullptr);
 }
 
 std::string Tensor::str() const { return std::string(dtype_name(dtype_)) + shape_.str(); }

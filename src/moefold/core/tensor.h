@@ -13,6 +13,7 @@
 namespace moefold {
 
 enum class Device : uint8_t { cpu, cuda };
+class ExecContext;  // core/exec.h
 
 inline constexpr int kMaxDims = 6;
 
@@ -65,8 +66,10 @@ class Tensor {
   // Copies elements from `src` (same dtype and numel), in row-major order, between any two of
   // host and device memory (device_copy_2d). Each side is contiguous or "rows of contiguous
   // elements": a contiguous innermost block (the row) whose leading dimensions step by one
-  // uniform row pitch, e.g. a step_rows view; two such sides need rows of one width.
-  void copy_from(const Tensor& src) const;
+  // uniform row pitch, e.g. a step_rows view; two such sides need rows of one width. Device
+  // copies run on the stream of `on` (core/exec.h; null: the primary stream), ordered with the
+  // ops of that context; a copy to the host waits for them.
+  void copy_from(const Tensor& src, const ExecContext* on = nullptr) const;
 
   std::string str() const;  // "f32[2, 3]"
 

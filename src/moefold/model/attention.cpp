@@ -34,6 +34,7 @@ Attention::Attention(const ModelConfig& m, int64_t batch, int64_t seq_len, std::
 
 void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
                      ContextParallelAttention* cp, Communicator* tp) {
+  ctx_ = &mem.exec();
   const int64_t h = m_.hidden_size, d = m_.head_dim;
   const int64_t n = tp ? tp->size() : 1, r = tp ? tp->rank() : 0;
   tp_ = n > 1 ? tp : nullptr;
@@ -85,38 +86,38 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     tp_->all_gather(x_TH, x_full_);
   }
   if (qk_norm_ == QkNorm::none) {
-    linear_forward(x_full_, wq_, q_TQD_);
-    linear_forward(x_full_, wk_, k_TGD_);
+    linear_forward(*ctx_, x_full_, wq_, q_TQD_);
+    linear_forward(*ctx_, x_full_, wk_, k_TGD_);
   } else {
-    linear_forward(x_full_, wq_, q_raw_TQD_);
-    linear_forward(x_full_, wk_, k_raw_TGD_);
+    linear_forward(*ctx_, x_full_, wq_, q_raw_TQD_);
+    linear_forward(*ctx_, x_full_, wk_, k_raw_TGD_);
     // RMSNorm on q and k: per head (Qwen3) or over the whole projection (OLMoE).
     const int64_t qr = qk_norm_ == QkNorm::whole ? t_ : t_ * q, kr = qk_norm_ == QkNorm::whole ? t_ : t_ * g;
-    rmsnorm_forward(q_raw_TQD_.view({qr, t_ * q * d / qr}), q_norm_, m_.rms_norm_eps,
+    rmsnorm_forward(*ctx_, q_raw_TQD_.view({qr, t_ * q * d / qr}), q_norm_, m_.rms_norm_eps,
                     q_TQD_.view({qr, t_ * q * d / qr}), q_rstd_.slice(0, qr));
-    rmsnorm_forward(k_raw_TGD_.view({kr, t_ * g * d / kr}), k_norm_, m_.rms_norm_eps,
+    rmsnorm_forward(*ctx_, k_raw_TGD_.view({kr, t_ * g * d / kr}), k_norm_, m_.rms_norm_eps,
                     k_TGD_.view({kr, t_ * g * d / kr}), k_rstd_.slice(0, kr));
   }
-  linear_forward(x_full_, wv_, v_TGD_);
+  linear_forward(*ctx_, x_full_, wv_, v_TGD_);
   // RoPE in place.
   Tensor q4 = q_TQD_.view({b_, s_, q, d}), k4 = k_TGD_.view({b_, s_, g, d}), v4 = v_TGD_.view({b_, s_, g, d});
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   if (cp_) {  // this rank's chunks of the sequence, against every key of the CP group
-    rope_forward_at(q4, cp_->positions(), cos_, sin_);
-    rope_forward_at(k4, cp_->positions(), cos_, sin_);
+    rope_forward_at(*ctx_, q4, cp_->positions(), cos_, sin_);
+    rope_forward_at(*ctx_, k4, cp_->positions(), cos_, sin_);
     ProfileScope scope("attention core forward");
     cp_->forward(q4, k4, v4, scale, out_TQD_.view({b_, s_, q, d}), lse_BQS_);
   } else {
-    rope_forward(q4, cos_, sin_);
-    rope_forward(k4, cos_, sin_);
+    rope_forward(*ctx_, q4, cos_, sin_);
+    rope_forward(*ctx_, k4, cos_, sin_);
     ProfileScope scope("attention core forward");
-    attention_forward(q4, k4, v4, scale, out_TQD_.view({b_, s_, q, d}), lse_BQS_, scratch_->work_2SS.slice(0, s_ * s_));
+    attention_forward(*ctx_, q4, k4, v4, scale, out_TQD_.view({b_, s_, q, d}), lse_BQS_, scratch_->work_2SS.slice(0, s_ * s_));
   }
   if (tp_) {  // row-parallel: partial sums over the heads, summed and split back into rows
-    linear_forward(out_TQD_, wo_, scratch_->partial_TH);
+    linear_forward(*ctx_, out_TQD_, wo_, scratch_->partial_TH);
     tp_->reduce_scatter(scratch_->partial_TH, y_TH, ReduceOp::sum);
   } else {
-    linear_forward(out_TQD_, wo_, y_TH);
+    linear_forward(*ctx_, out_TQD_, wo_, y_TH);
   }
 }
 
@@ -128,7 +129,7 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     dy = w.dy_full_TH;
     tp_->all_gather(dy_TH, dy);
   }
-  linear_backward(out_TQD_, wo_, dy, w.dout_TQD, dwo_);
+  linear_backward(*ctx_, out_TQD_, wo_, dy, w.dout_TQD, dwo_);
   auto q4 = [&](const Tensor& t) { return t.view({b_, s_, q, d}); };
   auto g4 = [&](const Tensor& t) { return t.view({b_, s_, g, d}); };
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -138,35 +139,35 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
       cp_->backward(q4(q_TQD_), g4(k_TGD_), g4(v_TGD_), q4(out_TQD_), lse_BQS_, q4(w.dout_TQD), scale, q4(w.dq_TQD),
                     g4(w.dk_TGD), g4(w.dv_TGD));
     }
-    rope_backward_at(q4(w.dq_TQD), cp_->positions(), cos_, sin_);
-    rope_backward_at(g4(w.dk_TGD), cp_->positions(), cos_, sin_);
+    rope_backward_at(*ctx_, q4(w.dq_TQD), cp_->positions(), cos_, sin_);
+    rope_backward_at(*ctx_, g4(w.dk_TGD), cp_->positions(), cos_, sin_);
   } else {
     {
       ProfileScope scope("attention core backward");
-      attention_backward(q4(q_TQD_), g4(k_TGD_), g4(v_TGD_), q4(out_TQD_), lse_BQS_, q4(w.dout_TQD), scale,
+      attention_backward(*ctx_, q4(q_TQD_), g4(k_TGD_), g4(v_TGD_), q4(out_TQD_), lse_BQS_, q4(w.dout_TQD), scale,
                          q4(w.dq_TQD), g4(w.dk_TGD), g4(w.dv_TGD), w.work_2SS);
     }
-    rope_backward(q4(w.dq_TQD), cos_, sin_);
-    rope_backward(g4(w.dk_TGD), cos_, sin_);
+    rope_backward(*ctx_, q4(w.dq_TQD), cos_, sin_);
+    rope_backward(*ctx_, g4(w.dk_TGD), cos_, sin_);
   }
   Tensor dq_raw = w.dq_TQD, dk_raw = w.dk_TGD;  // without q/k norms: the projections' outputs
   if (qk_norm_ != QkNorm::none) {
     const int64_t qr = qk_norm_ == QkNorm::whole ? t_ : t_ * q, kr = qk_norm_ == QkNorm::whole ? t_ : t_ * g;
     const int64_t qc = t_ * q * d / qr, kc = t_ * g * d / kr;
-    rmsnorm_backward(q_raw_TQD_.view({qr, qc}), q_norm_, q_rstd_.slice(0, qr), w.dq_TQD.view({qr, qc}),
+    rmsnorm_backward(*ctx_, q_raw_TQD_.view({qr, qc}), q_norm_, q_rstd_.slice(0, qr), w.dq_TQD.view({qr, qc}),
                      w.dq_raw_TQD.view({qr, qc}), dq_norm_);
-    rmsnorm_backward(k_raw_TGD_.view({kr, kc}), k_norm_, k_rstd_.slice(0, kr), w.dk_TGD.view({kr, kc}),
+    rmsnorm_backward(*ctx_, k_raw_TGD_.view({kr, kc}), k_norm_, k_rstd_.slice(0, kr), w.dk_TGD.view({kr, kc}),
                      w.dk_raw_TGD.view({kr, kc}), dk_norm_);
     dq_raw = w.dq_raw_TQD;
     dk_raw = w.dk_raw_TGD;
   }
   // d(x) over every row: this rank's heads' part, summed over TP and split back into rows.
   const Tensor dx_full = tp_ ? w.partial_TH : dx_TH;
-  linear_backward(x_full_, wq_, dq_raw, dx_full, dwq_);
-  linear_backward(x_full_, wk_, dk_raw, w.dx_TH, dwk_);
-  add_inplace(dx_full, w.dx_TH);
-  linear_backward(x_full_, wv_, w.dv_TGD, w.dx_TH, dwv_);
-  add_inplace(dx_full, w.dx_TH);
+  linear_backward(*ctx_, x_full_, wq_, dq_raw, dx_full, dwq_);
+  linear_backward(*ctx_, x_full_, wk_, dk_raw, w.dx_TH, dwk_);
+  add_inplace(*ctx_, dx_full, w.dx_TH);
+  linear_backward(*ctx_, x_full_, wv_, w.dv_TGD, w.dx_TH, dwv_);
+  add_inplace(*ctx_, dx_full, w.dx_TH);
   if (tp_) tp_->reduce_scatter(dx_full, dx_TH, ReduceOp::sum);
 }
 

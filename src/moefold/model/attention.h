@@ -55,6 +55,7 @@ class Attention : public SelfAttention {
   void backward(const Tensor& dy_TH, const Tensor& dx_TH) override;
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   ModelConfig m_;
   int64_t b_, s_, t_;                   // t_: tokens of the whole sequences here (all TP ranks' rows)
   int64_t q_heads_ = 0, kv_heads_ = 0;  // held here

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "moefold/core/kernel_options.h"
 #include "moefold/moe/moe_config.h"
 #include "moefold/parallel/parallel_config.h"
 
@@ -105,6 +106,7 @@ struct Config {
   TrainConfig train;
   DataConfig data;
   ParallelConfig parallel;
+  KernelOptions kernels;  // which kernels compute the ops ([kernels])
   std::string preset = "tiny";  // the preset this config derives from
 
   // Cross-section checks (top-k <= experts is in MoeConfig; heads dividing, etc.).

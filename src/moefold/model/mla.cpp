@@ -42,6 +42,7 @@ MlaAttention::MlaAttention(const ModelConfig& m, int64_t batch, int64_t seq_len,
 
 void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
                         ContextParallelAttention* cp, Communicator* tp) {
+  ctx_ = &mem.exec();
   const int64_t h = m_.hidden_size, n = tp ? tp->size() : 1, r = tp ? tp->rank() : 0;
   tp_ = n > 1 ? tp : nullptr;
   qh_ = m_.num_attention_heads / n;
@@ -119,48 +120,48 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     tp_->all_gather(x_TH, x_full_);
   }
   if (rq_ > 0) {
-    linear_forward(x_full_, wq_a_, cq_raw_);
-    rmsnorm_forward(cq_raw_, q_a_norm_, m_.rms_norm_eps, cq_, cq_rstd_);
-    linear_forward(cq_, wq_b_, q_raw_);
+    linear_forward(*ctx_, x_full_, wq_a_, cq_raw_);
+    rmsnorm_forward(*ctx_, cq_raw_, q_a_norm_, m_.rms_norm_eps, cq_, cq_rstd_);
+    linear_forward(*ctx_, cq_, wq_b_, q_raw_);
   } else {
-    linear_forward(x_full_, wq_b_, q_raw_);
+    linear_forward(*ctx_, x_full_, wq_b_, q_raw_);
   }
-  linear_forward(x_full_, wkv_a_, kv_a_);
+  linear_forward(*ctx_, x_full_, wkv_a_, kv_a_);
   // Split kv_a into the latent and the rotary key; take the rotary part of every query head.
-  copy_matrix(view(kv_a_, nt, rkv_, kvw, 0), view(ckv_raw_, nt, rkv_, rkv_, 0));
-  copy_matrix(view(kv_a_, nt, dr_, kvw, rkv_), view(k_pe_, nt, dr_, dr_, 0));
-  copy_matrix(view(q_raw_, nt * q, dr_, dqk_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));
-  rmsnorm_forward(ckv_raw_, kv_a_norm_, m_.rms_norm_eps, ckv_, ckv_rstd_);
-  linear_forward(ckv_, wkv_b_, kvb_);
+  copy_matrix(*ctx_, view(kv_a_, nt, rkv_, kvw, 0), view(ckv_raw_, nt, rkv_, rkv_, 0));
+  copy_matrix(*ctx_, view(kv_a_, nt, dr_, kvw, rkv_), view(k_pe_, nt, dr_, dr_, 0));
+  copy_matrix(*ctx_, view(q_raw_, nt * q, dr_, dqk_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));
+  rmsnorm_forward(*ctx_, ckv_raw_, kv_a_norm_, m_.rms_norm_eps, ckv_, ckv_rstd_);
+  linear_forward(*ctx_, ckv_, wkv_b_, kvb_);
   const bool il = m_.rope_interleave;
   if (cp_) {
-    rope_forward_at(q_pe_, cp_->positions(), cos_, sin_, il);
-    rope_forward_at(k_pe_, cp_->positions(), cos_, sin_, il);
+    rope_forward_at(*ctx_, q_pe_, cp_->positions(), cos_, sin_, il);
+    rope_forward_at(*ctx_, k_pe_, cp_->positions(), cos_, sin_, il);
   } else {
-    rope_forward(q_pe_, cos_, sin_, il);
-    rope_forward(k_pe_, cos_, sin_, il);
+    rope_forward(*ctx_, q_pe_, cos_, sin_, il);
+    rope_forward(*ctx_, k_pe_, cos_, sin_, il);
   }
   // Heads for the core: q = [q_nope, q_rot], k = [k_nope, k_rot (shared)], v; the padding
   // columns up to dp_ are never written, so they keep the zeros of the arena's allocation.
-  copy_matrix(view(q_raw_, nt * q, dn_, dqk_, 0), view(q4_, nt * q, dn_, dp_, 0));
-  copy_matrix(view(q_pe_, nt * q, dr_, dr_, 0), view(q4_, nt * q, dr_, dp_, dn_));
-  copy_matrix(view(kvb_, nt * q, dn_, kvbw, 0), view(k4_, nt * q, dn_, dp_, 0));
+  copy_matrix(*ctx_, view(q_raw_, nt * q, dn_, dqk_, 0), view(q4_, nt * q, dn_, dp_, 0));
+  copy_matrix(*ctx_, view(q_pe_, nt * q, dr_, dr_, 0), view(q4_, nt * q, dr_, dp_, dn_));
+  copy_matrix(*ctx_, view(kvb_, nt * q, dn_, kvbw, 0), view(k4_, nt * q, dn_, dp_, 0));
   for (int64_t hd = 0; hd < q; ++hd)
-    copy_matrix(view(k_pe_, nt, dr_, dr_, 0), view(k4_, nt, dr_, q * dp_, hd * dp_ + dn_));
-  copy_matrix(view(kvb_, nt * q, dv_, kvbw, dn_), view(v4_, nt * q, dv_, dp_, 0));
+    copy_matrix(*ctx_, view(k_pe_, nt, dr_, dr_, 0), view(k4_, nt, dr_, q * dp_, hd * dp_ + dn_));
+  copy_matrix(*ctx_, view(kvb_, nt * q, dv_, kvbw, dn_), view(v4_, nt * q, dv_, dp_, 0));
   {
     ProfileScope scope("attention core forward");
     if (cp_)
       cp_->forward(q4_, k4_, v4_, scale_, out4_, lse_);
     else
-      attention_forward(q4_, k4_, v4_, scale_, out4_, lse_, work_.slice(0, s_ * s_));
+      attention_forward(*ctx_, q4_, k4_, v4_, scale_, out4_, lse_, work_.slice(0, s_ * s_));
   }
-  copy_matrix(view(out4_, nt * q, dv_, dp_, 0), view(o_in_, nt * q, dv_, dv_, 0));
+  copy_matrix(*ctx_, view(out4_, nt * q, dv_, dp_, 0), view(o_in_, nt * q, dv_, dv_, 0));
   if (tp_) {
-    linear_forward(o_in_, wo_, partial_);
+    linear_forward(*ctx_, o_in_, wo_, partial_);
     tp_->reduce_scatter(partial_, y_TH, ReduceOp::sum);
   } else {
-    linear_forward(o_in_, wo_, y_TH);
+    linear_forward(*ctx_, o_in_, wo_, y_TH);
   }
 }
 
@@ -171,47 +172,47 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     dy = dy_full_;
     tp_->all_gather(dy_TH, dy);
   }
-  linear_backward(o_in_, wo_, dy, do_in_, dwo_);
-  copy_matrix(view(do_in_, nt * q, dv_, dv_, 0), view(dout4_, nt * q, dv_, dp_, 0));  // padding stays 0
+  linear_backward(*ctx_, o_in_, wo_, dy, do_in_, dwo_);
+  copy_matrix(*ctx_, view(do_in_, nt * q, dv_, dv_, 0), view(dout4_, nt * q, dv_, dp_, 0));  // padding stays 0
   {
     ProfileScope scope("attention core backward");
     if (cp_)
       cp_->backward(q4_, k4_, v4_, out4_, lse_, dout4_, scale_, dq4_, dk4_, dv4_);
     else
-      attention_backward(q4_, k4_, v4_, out4_, lse_, dout4_, scale_, dq4_, dk4_, dv4_, work_);
+      attention_backward(*ctx_, q4_, k4_, v4_, out4_, lse_, dout4_, scale_, dq4_, dk4_, dv4_, work_);
   }
   // Split the core's gradients back: q_nope and q_rot (per head), k_nope and v (into kv_b's
   // output), k_rot summed over the heads (one shared rotary key).
-  copy_matrix(view(dq4_, nt * q, dn_, dp_, 0), view(dq_raw_, nt * q, dn_, dqk_, 0));
-  copy_matrix(view(dq4_, nt * q, dr_, dp_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));  // q_pe_ now holds d(q_rot)
-  copy_matrix(view(dk4_, nt * q, dn_, dp_, 0), view(dkvb_, nt * q, dn_, kvbw, 0));
-  copy_matrix(view(dv4_, nt * q, dv_, dp_, 0), view(dkvb_, nt * q, dv_, kvbw, dn_));
-  copy_matrix(view(dk4_, nt, dr_, q * dp_, dn_), view(k_pe_, nt, dr_, dr_, 0));  // k_pe_ now holds d(k_rot)
+  copy_matrix(*ctx_, view(dq4_, nt * q, dn_, dp_, 0), view(dq_raw_, nt * q, dn_, dqk_, 0));
+  copy_matrix(*ctx_, view(dq4_, nt * q, dr_, dp_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));  // q_pe_ now holds d(q_rot)
+  copy_matrix(*ctx_, view(dk4_, nt * q, dn_, dp_, 0), view(dkvb_, nt * q, dn_, kvbw, 0));
+  copy_matrix(*ctx_, view(dv4_, nt * q, dv_, dp_, 0), view(dkvb_, nt * q, dv_, kvbw, dn_));
+  copy_matrix(*ctx_, view(dk4_, nt, dr_, q * dp_, dn_), view(k_pe_, nt, dr_, dr_, 0));  // k_pe_ now holds d(k_rot)
   for (int64_t hd = 1; hd < q; ++hd)
-    add_matrix(view(dk4_, nt, dr_, q * dp_, hd * dp_ + dn_), view(k_pe_, nt, dr_, dr_, 0));
+    add_matrix(*ctx_, view(dk4_, nt, dr_, q * dp_, hd * dp_ + dn_), view(k_pe_, nt, dr_, dr_, 0));
   const bool il = m_.rope_interleave;
   if (cp_) {
-    rope_backward_at(q_pe_, cp_->positions(), cos_, sin_, il);
-    rope_backward_at(k_pe_, cp_->positions(), cos_, sin_, il);
+    rope_backward_at(*ctx_, q_pe_, cp_->positions(), cos_, sin_, il);
+    rope_backward_at(*ctx_, k_pe_, cp_->positions(), cos_, sin_, il);
   } else {
-    rope_backward(q_pe_, cos_, sin_, il);
-    rope_backward(k_pe_, cos_, sin_, il);
+    rope_backward(*ctx_, q_pe_, cos_, sin_, il);
+    rope_backward(*ctx_, k_pe_, cos_, sin_, il);
   }
-  linear_backward(ckv_, wkv_b_, dkvb_, dckv_, dwkv_b_);
-  rmsnorm_backward(ckv_raw_, kv_a_norm_, ckv_rstd_, dckv_, dckv_raw_, dkv_a_norm_);
-  copy_matrix(view(dckv_raw_, nt, rkv_, rkv_, 0), view(dkv_a_, nt, rkv_, kvw, 0));
-  copy_matrix(view(k_pe_, nt, dr_, dr_, 0), view(dkv_a_, nt, dr_, kvw, rkv_));
-  copy_matrix(view(q_pe_, nt * q, dr_, dr_, 0), view(dq_raw_, nt * q, dr_, dqk_, dn_));
+  linear_backward(*ctx_, ckv_, wkv_b_, dkvb_, dckv_, dwkv_b_);
+  rmsnorm_backward(*ctx_, ckv_raw_, kv_a_norm_, ckv_rstd_, dckv_, dckv_raw_, dkv_a_norm_);
+  copy_matrix(*ctx_, view(dckv_raw_, nt, rkv_, rkv_, 0), view(dkv_a_, nt, rkv_, kvw, 0));
+  copy_matrix(*ctx_, view(k_pe_, nt, dr_, dr_, 0), view(dkv_a_, nt, dr_, kvw, rkv_));
+  copy_matrix(*ctx_, view(q_pe_, nt * q, dr_, dr_, 0), view(dq_raw_, nt * q, dr_, dqk_, dn_));
   const Tensor dx_full = tp_ ? partial_ : dx_TH;
   if (rq_ > 0) {
-    linear_backward(cq_, wq_b_, dq_raw_, dcq_, dwq_b_);
-    rmsnorm_backward(cq_raw_, q_a_norm_, cq_rstd_, dcq_, dcq_raw_, dq_a_norm_);
-    linear_backward(x_full_, wq_a_, dcq_raw_, dx_full, dwq_a_);
+    linear_backward(*ctx_, cq_, wq_b_, dq_raw_, dcq_, dwq_b_);
+    rmsnorm_backward(*ctx_, cq_raw_, q_a_norm_, cq_rstd_, dcq_, dcq_raw_, dq_a_norm_);
+    linear_backward(*ctx_, x_full_, wq_a_, dcq_raw_, dx_full, dwq_a_);
   } else {
-    linear_backward(x_full_, wq_b_, dq_raw_, dx_full, dwq_b_);
+    linear_backward(*ctx_, x_full_, wq_b_, dq_raw_, dx_full, dwq_b_);
   }
-  linear_backward(x_full_, wkv_a_, dkv_a_, dx_part_, dwkv_a_);
-  add_inplace(dx_full, dx_part_);
+  linear_backward(*ctx_, x_full_, wkv_a_, dkv_a_, dx_part_, dwkv_a_);
+  add_inplace(*ctx_, dx_full, dx_part_);
   if (tp_) tp_->reduce_scatter(dx_full, dx_TH, ReduceOp::sum);
 }
 

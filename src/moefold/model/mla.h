@@ -38,6 +38,7 @@ class MlaAttention : public SelfAttention {
   static int64_t core_head_dim(const ModelConfig& m);
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   ModelConfig m_;
   int64_t b_, s_, t_;  // t_: tokens of the whole sequences here (all TP rows)
   std::string prefix_;

@@ -14,6 +14,7 @@ DenseMlp::DenseMlp(int64_t hidden, int64_t ffn, int64_t rows, int64_t tokens, st
 }
 
 void DenseMlp::bind(Memory& mem, Communicator* tp) {
+  ctx_ = &mem.exec();
   const int64_t n = tp ? tp->size() : 1, r = tp ? tp->rank() : 0;
   MF_CHECK(ffn_ % n == 0 && n_ == t_ * n, prefix_, ": F ", ffn_, ", rows ", t_, " over ", n, " TP ranks");
   tp_ = n > 1 ? tp : nullptr;
@@ -45,10 +46,10 @@ void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
   }
   const Tensor y = tp_ ? partial_NH_ : y_TH;
   // gu[:, :F] = x @ gate^T, gu[:, F:] = x @ up^T
-  matmul(as_matrix(x_full_), false, as_matrix(gate_FH_), true, column_block(gu_N2F_, 0, f_), 1, 0);
-  matmul(as_matrix(x_full_), false, as_matrix(up_FH_), true, column_block(gu_N2F_, f_, 2 * f_), 1, 0);
-  swiglu_forward(gu_N2F_, h_NF_);
-  linear_forward(h_NF_, down_HF_, y);
+  matmul(*ctx_, as_matrix(x_full_), false, as_matrix(gate_FH_), true, column_block(gu_N2F_, 0, f_), 1, 0);
+  matmul(*ctx_, as_matrix(x_full_), false, as_matrix(up_FH_), true, column_block(gu_N2F_, f_, 2 * f_), 1, 0);
+  swiglu_forward(*ctx_, gu_N2F_, h_NF_);
+  linear_forward(*ctx_, h_NF_, down_HF_, y);
   if (tp_) tp_->reduce_scatter(partial_NH_, y_TH, ReduceOp::sum);
 }
 
@@ -60,15 +61,15 @@ void DenseMlp::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     dy = dy_full_NH_;
     tp_->all_gather(dy_TH, dy);
   }
-  linear_backward(h_NF_, down_HF_, dy, dh_NF_, ddown_HF_);
-  swiglu_backward(gu_N2F_, dh_NF_, dgu_N2F_);
+  linear_backward(*ctx_, h_NF_, down_HF_, dy, dh_NF_, ddown_HF_);
+  swiglu_backward(*ctx_, gu_N2F_, dh_NF_, dgu_N2F_);
   const Tensor dx = tp_ ? partial_NH_ : dx_TH;
   // dgate += dgu[:, :F]^T x; dup += dgu[:, F:]^T x; dx = dgu[:, :F] gate + dgu[:, F:] up
   const MatrixView dg = column_block(dgu_N2F_, 0, f_), du = column_block(dgu_N2F_, f_, 2 * f_);
-  matmul(dg, true, as_matrix(x_full_), false, as_matrix(dgate_FH_), 1, 1);
-  matmul(du, true, as_matrix(x_full_), false, as_matrix(dup_FH_), 1, 1);
-  matmul(dg, false, as_matrix(gate_FH_), false, as_matrix(dx), 1, 0);
-  matmul(du, false, as_matrix(up_FH_), false, as_matrix(dx), 1, 1);
+  matmul(*ctx_, dg, true, as_matrix(x_full_), false, as_matrix(dgate_FH_), 1, 1);
+  matmul(*ctx_, du, true, as_matrix(x_full_), false, as_matrix(dup_FH_), 1, 1);
+  matmul(*ctx_, dg, false, as_matrix(gate_FH_), false, as_matrix(dx), 1, 0);
+  matmul(*ctx_, du, false, as_matrix(up_FH_), false, as_matrix(dx), 1, 1);
   if (tp_) tp_->reduce_scatter(partial_NH_, dx_TH, ReduceOp::sum);
 }
 

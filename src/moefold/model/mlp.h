@@ -30,6 +30,7 @@ class DenseMlp {
   void backward(const Tensor& dy_TH, const Tensor& dx_TH);
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   int64_t h_, ffn_, t_, n_;
   int64_t f_ = 0;  // F held here
   std::string prefix_;

@@ -48,6 +48,7 @@ DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t bat
 
 void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
                         ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH) {
+  ctx_ = &mem.exec();
   const int64_t h = m_.hidden_size;
   norm1_ = mem.param(prefix_ + ".input_layernorm.weight", {h}, Init::ones, 0, false);
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
@@ -77,38 +78,38 @@ void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
   x_ = x_TH;
   {
     ProfileScope scope("rmsnorm forward");
-    rmsnorm_forward(x_TH, norm1_, m_.rms_norm_eps, n1_TH_, rstd1_T_);
+    rmsnorm_forward(*ctx_, x_TH, norm1_, m_.rms_norm_eps, n1_TH_, rstd1_T_);
   }
   {
     ProfileScope scope("attention forward");
     attn_->forward(n1_TH_, a_TH_);
   }
-  h_TH_.copy_from(x_TH);
-  add_inplace(h_TH_, a_TH_);
+  h_TH_.copy_from(x_TH, ctx_);
+  add_inplace(*ctx_, h_TH_, a_TH_);
   {
     ProfileScope scope("rmsnorm forward");
-    rmsnorm_forward(h_TH_, norm2_, m_.rms_norm_eps, n2_TH_, rstd2_T_);
+    rmsnorm_forward(*ctx_, h_TH_, norm2_, m_.rms_norm_eps, n2_TH_, rstd2_T_);
   }
-  out_TH.copy_from(h_TH_);
+  out_TH.copy_from(h_TH_, ctx_);
   if (moe_) {
     {
       ProfileScope scope("moe forward");
       moe_->forward(n2_TH_, m_TH_);
     }
-    add_inplace(out_TH, m_TH_);
+    add_inplace(*ctx_, out_TH, m_TH_);
     if (mlp_) {  // shared experts see every token
       {
         ProfileScope scope("shared experts forward");
         mlp_->forward(n2_TH_, s_TH_);
       }
-      add_inplace(out_TH, s_TH_);
+      add_inplace(*ctx_, out_TH, s_TH_);
     }
   } else {
     {
       ProfileScope scope("dense mlp forward");
       mlp_->forward(n2_TH_, m_TH_);
     }
-    add_inplace(out_TH, m_TH_);
+    add_inplace(*ctx_, out_TH, m_TH_);
   }
 }
 
@@ -124,7 +125,7 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
         ProfileScope scope("shared experts backward");
         mlp_->backward(dres_TH, ds_TH_);
       }
-      add_inplace(dn_TH_, ds_TH_);
+      add_inplace(*ctx_, dn_TH_, ds_TH_);
     }
   } else {
     ProfileScope scope("dense mlp backward");
@@ -132,18 +133,18 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
   }
   {
     ProfileScope scope("rmsnorm backward");
-    rmsnorm_backward(h_TH_, norm2_, rstd2_T_, dn_TH_, tmp_TH_, dnorm2_);
+    rmsnorm_backward(*ctx_, h_TH_, norm2_, rstd2_T_, dn_TH_, tmp_TH_, dnorm2_);
   }
-  add_inplace(dres_TH, tmp_TH_);  // d(h)
+  add_inplace(*ctx_, dres_TH, tmp_TH_);  // d(h)
   {
     ProfileScope scope("attention backward");
     attn_->backward(dres_TH, dn_TH_);
   }
   {
     ProfileScope scope("rmsnorm backward");
-    rmsnorm_backward(x_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
+    rmsnorm_backward(*ctx_, x_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
   }
-  add_inplace(dres_TH, tmp_TH_);  // d(x)
+  add_inplace(*ctx_, dres_TH, tmp_TH_);  // d(x)
 }
 
 Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
@@ -189,6 +190,7 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
 }
 
 void Model::bind(Memory& mem) {
+  ctx_ = &mem.exec();
   const int64_t h = m_.hidden_size, n = tp_ ? tp_->size() : 1;
   const int64_t v = m_.vocab_size / n;
   const double std = m_.initializer_range;
@@ -231,25 +233,28 @@ void Model::bind(Memory& mem) {
       std::vector<float> c(static_cast<size_t>(cos_SD_.numel())), sn(c.size());
       const Tensor hc(c.data(), DType::f32, cos_SD_.shape()), hs(sn.data(), DType::f32, sin_SD_.shape());
       rope_table(inv_freq, attention_factor, hc, hs);
-      cos_SD_.copy_from(hc);
-      sin_SD_.copy_from(hs);
+      cos_SD_.copy_from(hc, ctx_);
+      sin_SD_.copy_from(hs, ctx_);
     }
   }
 }
 
-void Model::init_params(std::vector<Param>& params, uint64_t seed) {
+void Model::init_params(const ExecContext& ctx, std::vector<Param>& params, uint64_t seed) {
   for (Param& p : params) {
     if (p.init == Init::normal) {
       // A shard draws the values of its elements in the whole tensor (same init for any layout);
       // GPU parameters are drawn on the GPU (the same values, ops.h fill_normal_any).
-      fill_normal_shard(p, seed, fnv1a(p.name), 0.0, p.init_std, fill_normal_any);
+      fill_normal_shard(p, seed, fnv1a(p.name), 0.0, p.init_std,
+                        [&ctx](const Tensor& t, uint64_t seed_, uint64_t stream, double mean, double std, uint64_t first) {
+                          fill_normal_any(ctx, t, seed_, stream, mean, std, first);
+                        });
       continue;
     }
     // Constants: through a host copy for GPU parameters (norm weights and biases: small).
     std::vector<char> staging(p.value.device() == Device::cpu ? 0 : static_cast<size_t>(p.value.nbytes()));
     const Tensor host = staging.empty() ? p.value : Tensor(staging.data(), p.value.dtype(), p.value.shape());
     fill_constant(host, p.init == Init::ones ? 1.0 : 0.0);
-    if (!staging.empty()) p.value.copy_from(host);
+    if (!staging.empty()) p.value.copy_from(host, &ctx);
   }
 }
 
@@ -276,17 +281,17 @@ double Model::head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor&
   ProfileScope head("lm head + loss forward");
   {
     ProfileScope scope("final rmsnorm forward");
-    rmsnorm_forward(h_TH, norm, m_.rms_norm_eps, nf_TH, rstd_T);
+    rmsnorm_forward(*ctx_, h_TH, norm, m_.rms_norm_eps, nf_TH, rstd_T);
   }
   if (tp_) tp_->all_gather(nf_TH, nf_full_NH);
   {
     ProfileScope scope("lm head gemm forward");
-    linear_forward(tp_ ? nf_full_NH : nf_TH, lm_head_, logits_NV);
+    linear_forward(*ctx_, tp_ ? nf_full_NH : nf_TH, lm_head_, logits_NV);
   }
   // The loss comes back to the host here: the host waits for the stream.
   ProfileScope scope("cross entropy forward + loss read-back");
-  if (!tp_) return cross_entropy_forward(logits_NV, targets_N, lse_N);
-  return vocab_parallel_cross_entropy_forward(*tp_, logits_NV, vocab_offset_, targets_N, lse_N, ce_scratch_);
+  if (!tp_) return cross_entropy_forward(*ctx_, logits_NV, targets_N, lse_N);
+  return vocab_parallel_cross_entropy_forward(*ctx_, *tp_, logits_NV, vocab_offset_, targets_N, lse_N, ce_scratch_);
 }
 
 void Model::head_backward(const Tensor& h_TH, const Tensor& norm, const Tensor& dnorm, const Tensor& nf_TH,
@@ -296,26 +301,26 @@ void Model::head_backward(const Tensor& h_TH, const Tensor& norm, const Tensor& 
   {
     ProfileScope scope("cross entropy backward");
     if (tp_)
-      vocab_parallel_cross_entropy_backward(logits_NV, vocab_offset_, targets_N, lse_N, scale, dlogits_TV_);
+      vocab_parallel_cross_entropy_backward(*ctx_, logits_NV, vocab_offset_, targets_N, lse_N, scale, dlogits_TV_);
     else
-      cross_entropy_backward(logits_NV, targets_N, lse_N, scale, dlogits_TV_);
+      cross_entropy_backward(*ctx_, logits_NV, targets_N, lse_N, scale, dlogits_TV_);
   }
   {
     ProfileScope scope("lm head gemm backward");
-    linear_backward(tp_ ? nf_full_NH : nf_TH, lm_head_, dlogits_TV_, tp_ ? partial_NH_ : dnf_TH_, dlm_head_);
+    linear_backward(*ctx_, tp_ ? nf_full_NH : nf_TH, lm_head_, dlogits_TV_, tp_ ? partial_NH_ : dnf_TH_, dlm_head_);
   }
   if (tp_) tp_->reduce_scatter(partial_NH_, dnf_TH_, ReduceOp::sum);
   ProfileScope scope("final rmsnorm backward");
-  rmsnorm_backward(h_TH, norm, rstd_T, dnf_TH_, dh_TH, dnorm);
+  rmsnorm_backward(*ctx_, h_TH, norm, rstd_T, dnf_TH_, dh_TH, dnorm);
 }
 
 void Model::embed(const Tensor& ids_N, const Tensor& out_TH) {
   ProfileScope scope("embedding forward");
   if (tp_) {  // every token's partial embedding from this vocabulary shard; rows summed and split
-    vocab_parallel_embedding_forward(ids_N, embed_, vocab_offset_, partial_NH_);
+    vocab_parallel_embedding_forward(*ctx_, ids_N, embed_, vocab_offset_, partial_NH_);
     tp_->reduce_scatter(partial_NH_, out_TH, ReduceOp::sum);
   } else {
-    embedding_forward(ids_N, embed_, out_TH);
+    embedding_forward(*ctx_, ids_N, embed_, out_TH);
   }
 }
 
@@ -323,9 +328,9 @@ void Model::embed_backward(const Tensor& ids_N, const Tensor& dout_TH) {
   ProfileScope scope("embedding backward");
   if (tp_) {
     tp_->all_gather(dout_TH, full_NH_);
-    vocab_parallel_embedding_backward(ids_N, full_NH_, vocab_offset_, dembed_);
+    vocab_parallel_embedding_backward(*ctx_, ids_N, full_NH_, vocab_offset_, dembed_);
   } else {
-    embedding_backward(ids_N, dout_TH, dembed_);
+    embedding_backward(*ctx_, ids_N, dout_TH, dembed_);
   }
 }
 
@@ -342,7 +347,7 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
     mtp_backward(d, scale, moe_loss_scale,
                  i + 1 < static_cast<int64_t>(mtp_.size()) ? &mtp_[i + 1]->dprev_TH_ : nullptr);
   }
-  if (!mtp_.empty()) add_inplace(dres_TH_, mtp_.front()->dprev_TH_);
+  if (!mtp_.empty()) add_inplace(*ctx_, dres_TH_, mtp_.front()->dprev_TH_);
   if (grads_ready) grads_ready(num_layers());
   for (int64_t l = num_layers() - 1; l >= 0; --l) {
     layers_[l]->backward(dres_TH_, moe_loss_scale);
@@ -393,17 +398,17 @@ void Model::mtp_forward(MtpDepth& d, const Tensor& prev_TH) {
   const int64_t h = m_.hidden_size, k = d.k_;
   // Tokens k ahead within each (whole, local) sequence; past the end: id 0, no target.
   const MatrixView ahead_ids{ids_, b_, l_ - k, l_, k}, ahead_targets{targets_, b_, l_ - k, l_, k};
-  copy_matrix(ahead_ids, MatrixView{d.ids_, b_, l_ - k, l_, 0});
-  copy_matrix(ahead_targets, MatrixView{d.targets_, b_, l_ - k, l_, 0});
-  fill_matrix(MatrixView{d.ids_, b_, k, l_, l_ - k}, 0);
-  fill_matrix(MatrixView{d.targets_, b_, k, l_, l_ - k}, kIgnoreTarget);
+  copy_matrix(*ctx_, ahead_ids, MatrixView{d.ids_, b_, l_ - k, l_, 0});
+  copy_matrix(*ctx_, ahead_targets, MatrixView{d.targets_, b_, l_ - k, l_, 0});
+  fill_matrix(*ctx_, MatrixView{d.ids_, b_, k, l_, l_ - k}, 0);
+  fill_matrix(*ctx_, MatrixView{d.targets_, b_, k, l_, l_ - k}, kIgnoreTarget);
   d.prev_ = &prev_TH;
   embed(d.ids_, d.emb_TH_);
-  rmsnorm_forward(d.emb_TH_, d.enorm_, m_.rms_norm_eps, d.en_TH_, d.en_rstd_);
-  rmsnorm_forward(prev_TH, d.hnorm_, m_.rms_norm_eps, d.hn_TH_, d.hn_rstd_);
-  copy_matrix(as_matrix(d.en_TH_), column_block(d.cat_T2H_, 0, h));
-  copy_matrix(as_matrix(d.hn_TH_), column_block(d.cat_T2H_, h, 2 * h));
-  linear_forward(d.cat_T2H_, d.eh_proj_, d.hp_TH_);
+  rmsnorm_forward(*ctx_, d.emb_TH_, d.enorm_, m_.rms_norm_eps, d.en_TH_, d.en_rstd_);
+  rmsnorm_forward(*ctx_, prev_TH, d.hnorm_, m_.rms_norm_eps, d.hn_TH_, d.hn_rstd_);
+  copy_matrix(*ctx_, as_matrix(d.en_TH_), column_block(d.cat_T2H_, 0, h));
+  copy_matrix(*ctx_, as_matrix(d.hn_TH_), column_block(d.cat_T2H_, h, 2 * h));
+  linear_forward(*ctx_, d.cat_T2H_, d.eh_proj_, d.hp_TH_);
   d.layer_->forward(d.hp_TH_, d.out_TH_);
   d.loss_sum_ =
       head_forward(d.out_TH_, d.head_norm_, d.nf_TH_, d.nf_rstd_, d.nf_full_NH_, d.logits_NV_, d.lse_N_, d.targets_);
@@ -414,15 +419,15 @@ void Model::mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const
   // d(out): this depth's head, plus the next depth's d(h_prev).
   head_backward(d.out_TH_, d.head_norm_, d.dhead_norm_, d.nf_TH_, d.nf_rstd_, d.nf_full_NH_, d.logits_NV_, d.lse_N_,
                 d.targets_, scale, d.dprev_TH_);
-  if (dnext_TH) add_inplace(d.dprev_TH_, *dnext_TH);
+  if (dnext_TH) add_inplace(*ctx_, d.dprev_TH_, *dnext_TH);
   d.layer_->backward(d.dprev_TH_, moe_loss_scale);  // now d(h')
-  linear_backward(d.cat_T2H_, d.eh_proj_, d.dprev_TH_, d.dcat_T2H_, d.deh_proj_);
+  linear_backward(*ctx_, d.cat_T2H_, d.eh_proj_, d.dprev_TH_, d.dcat_T2H_, d.deh_proj_);
   // The normed values are not needed any more: en_TH_ and hn_TH_ take their gradients.
-  copy_matrix(column_block(d.dcat_T2H_, 0, h), as_matrix(d.en_TH_));
-  copy_matrix(column_block(d.dcat_T2H_, h, 2 * h), as_matrix(d.hn_TH_));
-  rmsnorm_backward(d.emb_TH_, d.enorm_, d.en_rstd_, d.en_TH_, d.hp_TH_, d.denorm_);
+  copy_matrix(*ctx_, column_block(d.dcat_T2H_, 0, h), as_matrix(d.en_TH_));
+  copy_matrix(*ctx_, column_block(d.dcat_T2H_, h, 2 * h), as_matrix(d.hn_TH_));
+  rmsnorm_backward(*ctx_, d.emb_TH_, d.enorm_, d.en_rstd_, d.en_TH_, d.hp_TH_, d.denorm_);
   embed_backward(d.ids_, d.hp_TH_);
-  rmsnorm_backward(*d.prev_, d.hnorm_, d.hn_rstd_, d.hn_TH_, d.dprev_TH_, d.dhnorm_);  // d(h_prev)
+  rmsnorm_backward(*ctx_, *d.prev_, d.hnorm_, d.hn_rstd_, d.hn_TH_, d.dprev_TH_, d.dhnorm_);  // d(h_prev)
 }
 
 double Model::aux_loss() const {

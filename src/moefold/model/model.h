@@ -48,6 +48,7 @@ class DecoderLayer {
   MoeLayer* moe() { return moe_.get(); }
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   ModelConfig m_;
   int64_t t_;
   std::string prefix_;
@@ -96,9 +97,9 @@ class Model {
         const ModelParallel& parallel = {});
 
   void bind(Memory& mem);
-  // Fills every parameter from its init rule: element i of parameter p gets
+  // Fills every parameter from its init rule (GPU parameters drawn on `ctx`): element i of parameter p gets
   // normal(seed, stream = hash(p.name), i) * init_std (or ones / zeros).
-  static void init_params(std::vector<Param>& params, uint64_t seed);
+  static void init_params(const ExecContext& ctx, std::vector<Param>& params, uint64_t seed);
 
   // One micro-batch: ids/targets are i32 [B, local_seq_len()] (this rank's positions under
   // context parallelism). Returns the SUM of the local token losses.
@@ -134,6 +135,7 @@ class Model {
   const Tensor* positions() const { return cpa_ ? &cpa_->positions() : nullptr; }
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   // Final norm + LM head + cross-entropy of rows h_TH (this rank's); returns the token-loss sum.
   double head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor& nf_TH, const Tensor& rstd_T,
                       const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N, const Tensor& targets_N);

@@ -19,6 +19,7 @@ AllGatherDispatcher::AllGatherDispatcher(const MoeConfig& cfg, int64_t hidden, i
       ex_("AllGatherDispatcher", cfg, hidden, max_tokens, ep == nullptr ? *self_ep_ : *ep, &etp) {}
 
 void AllGatherDispatcher::bind(Memory& mem) {
+  ctx_ = &mem.exec();
   ex_.bind(mem);
   const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local(), p_n = ex_.ep().size(), g_n = etp_.size();
   const int64_t gs_max = g_n * ex_.s_max();
@@ -70,8 +71,8 @@ const DispatchPlan& AllGatherDispatcher::dispatch(const Tensor& x_TH, const Tens
       x_n += n;
     }
   p.num_send_rows = x_n;
-  pack_X_.to_device(x_n);
-  unpack_GS_.to_device();
+  pack_X_.to_device(x_n, ctx_);
+  unpack_GS_.to_device(-1, ctx_);
   p.pack_X = pack_X_.dev.slice(0, x_n);
   p.unpack_GS = unpack_GS_.dev;
 
@@ -90,7 +91,7 @@ void AllGatherDispatcher::rows_out(const Tensor& home_SH, const Tensor& rows_RH)
   // Rows of home_SH past this rank's S travel in the all-gather but pack_X never reads them.
   etp_.all_gather(home_SH, gathered_GSH_);
   const Tensor send = send_XH_.slice(0, p.num_send_rows);
-  moe_permute(gathered_GSH_, p.pack_X, send);
+  moe_permute(*ctx_, gathered_GSH_, p.pack_X, send);
   ex_.to_experts(send, p, rows_RH);
 }
 
@@ -99,7 +100,7 @@ void AllGatherDispatcher::rows_back(const Tensor& rows_RH, const Tensor& home_SH
   const Tensor send = send_XH_.slice(0, p.num_send_rows);
   ex_.from_experts(rows_RH, p, send);
   // Unused rows of the G blocks become zero, so the sum below only adds real rows.
-  moe_permute(send, p.unpack_GS, gathered_GSH_);
+  moe_permute(*ctx_, send, p.unpack_GS, gathered_GSH_);
   etp_.reduce_scatter(gathered_GSH_, home_SH, ReduceOp::sum);
 }
 

@@ -70,6 +70,7 @@ class AllGatherDispatcher final : public Dispatcher {
   void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) override;
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   // home_SH rows of every ETP rank -> rows_RH (dispatch, combine_backward).
   void rows_out(const Tensor& home_SH, const Tensor& rows_RH);
   // rows_RH -> the sum over ETP of every ETP rank's rows, at their home (combine, dispatch_backward).

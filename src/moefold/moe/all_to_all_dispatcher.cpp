@@ -13,10 +13,19 @@
 
 namespace moefold {
 
-AllToAllDispatcher::AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep)
-    : cfg_(cfg), ex_("AllToAllDispatcher", cfg, hidden, max_tokens, ep) {}
+EpTransportChoice parse_ep_transport(const std::string& value) {
+  if (value == "auto") return EpTransportChoice::automatic;
+  if (value == "nccl") return EpTransportChoice::nccl;
+  if (value == "ipc") return EpTransportChoice::ipc;
+  MF_FAIL("parallel.ep_transport = \"", value, "\": expected one of auto, nccl, ipc");
+}
+
+AllToAllDispatcher::AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep,
+                                       EpTransportChoice transport)
+    : transport_(transport), cfg_(cfg), ex_("AllToAllDispatcher", cfg, hidden, max_tokens, ep) {}
 
 void AllToAllDispatcher::bind(Memory& mem) {
+  ctx_ = &mem.exec();
   ex_.bind(mem);
   const int64_t p_n = ex_.ep().size(), rounds = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
   all_counts_PE_ = mem.host_act({p_n, cfg_.num_experts}, DType::i64);
@@ -32,16 +41,12 @@ void AllToAllDispatcher::bind(Memory& mem) {
 void AllToAllDispatcher::choose_transport() {
   transport_chosen_ = true;
   Communicator& ep = ex_.ep();
-  const char* env = std::getenv("MOEFOLD_EP_TRANSPORT");
-  const std::string want = env != nullptr && *env != '\0' ? env : "auto";
-  if (want != "auto" && want != "nccl" && want != "ipc")
-    MF_FAIL("MOEFOLD_EP_TRANSPORT=", want, ": must be auto, nccl or ipc");
   // Collective: every rank maps, or none does.
-  int32_t try_ipc = want != "nccl" && ep.size() > 1 && mem_->device() == Device::cuda ? 1 : 0;
+  int32_t try_ipc = transport_ != EpTransportChoice::nccl && ep.size() > 1 && mem_->device() == Device::cuda ? 1 : 0;
   ep.all_reduce(Tensor(&try_ipc, DType::i32, {1}), ReduceOp::sum);
   if (try_ipc == ep.size()) peer_ = ep.map_peer_memory(mem_->peer_block(), mem_->peer_block_bytes());
-  if (want == "ipc" && peer_ == nullptr && ep.size() > 1)
-    MF_FAIL("MOEFOLD_EP_TRANSPORT=ipc: the GPUs of EP group '", ep.name(),
+  if (transport_ == EpTransportChoice::ipc && peer_ == nullptr && ep.size() > 1)
+    MF_FAIL("parallel.ep_transport = ipc: the GPUs of EP group '", ep.name(),
             "' cannot map each other's memory (not one host, or no peer access)");
 }
 
@@ -219,7 +224,7 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
       add(Source{q, j, 0}, recv_pl + q * l_n, n * j / c_n, n * (j + 1) / c_n);
     }
   MF_CHECK(row == p.num_rows, "dispatch: pieces hold ", row, " rows of ", p.num_rows);
-  piece_offsets_.to_device(static_cast<int64_t>(layout.size()));
+  piece_offsets_.to_device(static_cast<int64_t>(layout.size()), ctx_);
   for (size_t i = 0; i < layout.size(); ++i)
     layout[i].offsets_E1 =
         piece_offsets_.dev.slice(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1).view({l_n + 1});
@@ -256,9 +261,9 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   p.rows_RH = ex_.rows_RH().slice(0, p.num_rows);
   const Tensor own = ex_.own_SH();
   const int64_t s_n = p.num_home_rows;
-  if (hs0 > 0) moe_permute(x_TH, p.token_R.slice(0, hs0), own.slice(0, hs0));
-  if (s_n > hs1) moe_permute(x_TH, p.token_R.slice(hs1, s_n), own.slice(hs1, s_n));
-  moe_permute(x_TH, p.token_R.slice(hs0, hs1), p.rows_RH.slice(0, n_self));
+  if (hs0 > 0) moe_permute(*ctx_, x_TH, p.token_R.slice(0, hs0), own.slice(0, hs0));
+  if (s_n > hs1) moe_permute(*ctx_, x_TH, p.token_R.slice(hs1, s_n), own.slice(hs1, s_n));
+  moe_permute(*ctx_, x_TH, p.token_R.slice(hs0, hs1), p.rows_RH.slice(0, n_self));
   for (int64_t j = 0; j < c_n; ++j) rows_[static_cast<size_t>(j)].ticket = start_round(j, Leg::dispatch, p.rows_RH);
   return p;
 }
@@ -269,7 +274,7 @@ void AllToAllDispatcher::wait_round(const Schedule& s, size_t piece, std::vector
   if (j < 0) return;  // own rows: in place already
   Round& r = rounds[static_cast<size_t>(j)];
   if (!r.waited) {
-    ProfileScope scope(what);  // how long the compute stream waits: the exposed transfer
+    ProfileScope scope(what);  // how long the context's stream waits: the exposed transfer
     wait_ticket(r.ticket);
   }
   r.waited = true;

@@ -14,8 +14,8 @@
 // unpipelined dispatch: the experts' rows are grouped by source, each piece expert-major.
 // Transport: where the EP group's GPUs share a host and can map each other's memory, rounds are
 // direct copies into the peer's rows (PeerMemory: copy engines, no SMs taken from the experts'
-// GEMMs), else the communicator's start_exchange (NCCL send/recv). MOEFOLD_EP_TRANSPORT = nccl
-// or ipc forces one (ipc fails where it cannot be had); the default takes ipc where it can.
+// GEMMs), else the communicator's start_exchange (NCCL send/recv). parallel.ep_transport = nccl
+// or ipc forces one (ipc fails where it cannot be had); auto (the default) takes ipc where it can.
 // Gradient rule: every backward WRITES its activation gradients (no parameters); each data
 // backward is the transpose of its forward path.
 // Shape letters: T tokens (this rank), H hidden, K top-k, E global experts, L = E / EP local
@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -43,13 +44,19 @@ struct AllToAllPlan : EpPlan {
   Tensor recv_counts_PL;  // i64 [P, L]: rows peer p sent to local expert l (padding included)
 };
 
+// How the rows travel between EP ranks (parallel.ep_transport).
+enum class EpTransportChoice : uint8_t { automatic, nccl, ipc };
+// "auto", "nccl" or "ipc" (anything else: Error naming parallel.ep_transport).
+EpTransportChoice parse_ep_transport(const std::string& value);
+
 class AllToAllDispatcher final : public Dispatcher {
  public:
   // EP rank r holds global experts [r*L, (r+1)*L). REQUIRES: cfg.validate() passes; E % EP == 0
   // (MF_CHECK; config validation reports it to users); every rank of `ep` constructs its
   // dispatcher with the same cfg and max_tokens (they bound what a peer can send); `ep` outlives
   // this dispatcher.
-  AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep);
+  AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep,
+                     EpTransportChoice transport = EpTransportChoice::automatic);
 
   // Most rows one rank can receive (ep_max_recv_rows): every peer sends all its rows here in the
   // worst case.
@@ -90,6 +97,8 @@ class AllToAllDispatcher final : public Dispatcher {
   void input_grads_done(size_t piece, const Tensor& drows_RH) override;
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
+  EpTransportChoice transport_;
   // Where a piece's rows come from: this rank (round -1; its rows are home rows [home, home + n))
   // or a peer in a round.
   struct Source {
@@ -98,7 +107,7 @@ class AllToAllDispatcher final : public Dispatcher {
     int64_t home = 0;
   };
   // One direction of one round in flight: the exchange's ticket, and the pieces still to finish
-  // before it starts (outputs / drows) or whether the compute stream waited for it (rows / dout).
+  // before it starts (outputs / drows) or whether the context's stream waited for it (rows / dout).
   struct Round {
     int64_t ticket = -1;
     int64_t pending = 0;
@@ -130,7 +139,7 @@ class AllToAllDispatcher final : public Dispatcher {
   // Picks the transport (collective; first dispatch after bind).
   void choose_transport();
   void check_piece(const Schedule& s, size_t piece) const;
-  // rows_arrived / output_grads_arrived: the compute stream waits for the piece's round once.
+  // rows_arrived / output_grads_arrived: the context's stream waits for the piece's round once.
   void wait_ticket(int64_t ticket);
   void wait_round(const Schedule& s, size_t piece, std::vector<Round>& rounds, const char* what);
   // outputs_done / input_grads_done: the piece's rows of rows_RH go home with the last piece of

@@ -33,6 +33,7 @@ LocalDispatcher::LocalDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t m
 }
 
 void LocalDispatcher::bind(Memory& mem) {
+  ctx_ = &mem.exec();
   const int64_t e_n = cfg_.num_experts, r_max = max_rows();
   counts_E_ = mem.act({e_n}, DType::i64);
   offsets_E1_ = mem.act({e_n + 1}, DType::i64);
@@ -54,27 +55,27 @@ const DispatchPlan& LocalDispatcher::dispatch(const Tensor& x_TH, const Tensor& 
   p.counts_E = counts_E_;
   p.offsets_E1 = offsets_E1_;
   p.row_TK = row_TK_.slice(0, t_n);
-  p.num_rows = moe_permute_plan(topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
+  p.num_rows = moe_permute_plan(*ctx_, topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
                                 PermutePlanOut{p.counts_E, p.offsets_E1, p.row_TK, token_R_});
   p.token_R = token_R_.slice(0, p.num_rows);
   p.rows_RH = rows_RH_.slice(0, p.num_rows);
   p.topk_prob_TK = topk_prob_TK;
-  moe_permute(x_TH, p.token_R, p.rows_RH);
+  moe_permute(*ctx_, x_TH, p.token_R, p.rows_RH);
   set_single_piece(p);
   return p;
 }
 
 void LocalDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan, const Tensor& y_TH) {
-  moe_combine(out_RH, plan.row_TK, plan.topk_prob_TK, y_TH);
+  moe_combine(*ctx_, out_RH, plan.row_TK, plan.topk_prob_TK, y_TH);
 }
 
 void LocalDispatcher::combine_backward(const Tensor& dy_TH, const Tensor& out_RH, const DispatchPlan& plan,
                                        const Tensor& dout_RH, const Tensor& dprob_TK) {
-  moe_combine_backward(out_RH, plan.row_TK, plan.topk_prob_TK, dy_TH, dout_RH, dprob_TK);
+  moe_combine_backward(*ctx_, out_RH, plan.row_TK, plan.topk_prob_TK, dy_TH, dout_RH, dprob_TK);
 }
 
 void LocalDispatcher::dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) {
-  moe_permute_backward(drows_RH, plan.row_TK, dx_TH);
+  moe_permute_backward(*ctx_, drows_RH, plan.row_TK, dx_TH);
 }
 
 }  // namespace moefold

@@ -1,7 +1,8 @@
 // Token dispatchers (STYLE.md item 6): dispatch() moves each token's k assignments to
 // expert-contiguous rows and returns a DispatchPlan; combine() consumes that plan to bring the
-// expert outputs back, weighted by the router's probabilities. Backends (local now; all-to-all
-// over EP ranks later) implement the same calls, so MoeLayer knows nothing of parallelism.
+// expert outputs back, weighted by the router's probabilities. Backends (local; all-to-all over
+// EP ranks; all-gather over ETP ranks) implement the same calls, so MoeLayer knows nothing of
+// parallelism.
 // Gradient rule: every backward here WRITES its activation gradients (no parameters).
 // Shape letters: T tokens, H hidden, K top-k, E (local) experts, R rows handed to the experts.
 #pragma once
@@ -109,6 +110,7 @@ class LocalDispatcher final : public Dispatcher {
   void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) override;
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   MoeConfig cfg_;
   int64_t hidden_;
   int64_t max_tokens_;

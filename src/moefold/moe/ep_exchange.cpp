@@ -48,6 +48,7 @@ EpExchange::EpExchange(const char* who, const MoeConfig& cfg, int64_t hidden, in
 }
 
 void EpExchange::bind(Memory& mem) {
+  ctx_ = &mem.exec();
   const int64_t e_n = cfg_.num_experts, l_n = num_local_, p_n = ep_.size(), r_max = max_rows();
   // Counts and the plans built from them are host arrays (the host plans the exchange and the
   // communicator reads counts on the host); the device gets what its kernels read.
@@ -84,12 +85,12 @@ void EpExchange::route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const
   p.row_TK = row_TK_.slice(0, t_n);
   p.home_counts_E = home_counts_E_.dev;
   p.home_offsets_E1 = home_offsets_E1_;
-  p.num_home_rows = moe_permute_plan(topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
+  p.num_home_rows = moe_permute_plan(*ctx_, topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
                                      PermutePlanOut{home_counts_E_.dev, home_offsets_E1_, p.row_TK, home_token_S_});
-  home_counts_E_.to_host();
+  home_counts_E_.to_host(-1, ctx_);
   p.token_R = home_token_S_.slice(0, p.num_home_rows);
   p.topk_prob_TK = topk_prob_TK;
-  if (permute_x) moe_permute(x_TH, p.token_R, own_SH_.slice(0, p.num_home_rows));
+  if (permute_x) moe_permute(*ctx_, x_TH, p.token_R, own_SH_.slice(0, p.num_home_rows));
 }
 
 void EpExchange::exchange_counts(const Tensor& send_counts_PBL, EpPlan& p) {
@@ -139,7 +140,7 @@ void EpExchange::plan_counts(const Tensor& send_counts_PBL, EpPlan& p) {
   MF_CHECK(r_n <= max_rows(), "dispatch: ", r_n, " rows received on rank ", ep_.rank(), " of group '", ep_.name(),
            "', buffers hold ", max_rows(), " (peers disagree on config or max_tokens?)");
   p.num_rows = r_n;
-  counts_L_.to_device();
+  counts_L_.to_device(-1, ctx_);
   p.counts_E = counts_L_.dev;
   p.send_counts_P = send_counts_P_;
   p.recv_counts_P = recv_counts_P_;
@@ -164,10 +165,10 @@ void EpExchange::plan_reorder(EpPlan& p) {
       }
       src += recv_pbl[b * l_n + l];
     }
-  offsets_L1_.to_device();
+  offsets_L1_.to_device(-1, ctx_);
   p.offsets_E1 = offsets_L1_.dev;
-  gather_R_.to_device(r_n);
-  scatter_R_.to_device(r_n);
+  gather_R_.to_device(r_n, ctx_);
+  scatter_R_.to_device(r_n, ctx_);
   p.gather_R = gather_R_.dev.slice(0, r_n);
   p.scatter_R = scatter_R_.dev.slice(0, r_n);
   p.rows_RH = rows_RH_.slice(0, r_n);
@@ -176,12 +177,12 @@ void EpExchange::plan_reorder(EpPlan& p) {
 void EpExchange::to_experts(const Tensor& send_XH, const EpPlan& p, const Tensor& rows_RH) {
   const Tensor recv = recv_RH_.slice(0, p.num_rows);
   ep_.all_to_all_v(send_XH, p.send_counts_P.ptr<int64_t>(), recv, p.recv_counts_P.ptr<int64_t>());
-  moe_permute(recv, p.gather_R, rows_RH);
+  moe_permute(*ctx_, recv, p.gather_R, rows_RH);
 }
 
 void EpExchange::from_experts(const Tensor& rows_RH, const EpPlan& p, const Tensor& send_XH) {
   const Tensor recv = recv_RH_.slice(0, p.num_rows);
-  moe_permute(rows_RH, p.scatter_R, recv);
+  moe_permute(*ctx_, rows_RH, p.scatter_R, recv);
   ep_.all_to_all_v(recv, p.recv_counts_P.ptr<int64_t>(), send_XH, p.send_counts_P.ptr<int64_t>());
 }
 
@@ -190,7 +191,7 @@ void EpExchange::check_rows(const Tensor& t_RH, const EpPlan& p, const char* wha
 }
 
 void EpExchange::combine_home(const EpPlan& p, const Tensor& y_TH) {
-  moe_combine(home_SH_.slice(0, p.num_home_rows), p.row_TK, p.topk_prob_TK, y_TH);
+  moe_combine(*ctx_, home_SH_.slice(0, p.num_home_rows), p.row_TK, p.topk_prob_TK, y_TH);
   combined_ = true;
 }
 
@@ -200,12 +201,12 @@ void EpExchange::combine_backward_home(const EpPlan& p, const Tensor& dy_TH, con
   check_rows(out_RH, p, "combine_backward out");
   check_rows(dout_RH, p, "combine_backward dout");
   // own_SH_'s x rows are dead since dispatch: it holds the home gradient.
-  moe_combine_backward(home_SH_.slice(0, p.num_home_rows), p.row_TK, p.topk_prob_TK, dy_TH,
+  moe_combine_backward(*ctx_, home_SH_.slice(0, p.num_home_rows), p.row_TK, p.topk_prob_TK, dy_TH,
                        own_SH_.slice(0, p.num_home_rows), dprob_TK);
 }
 
 void EpExchange::dispatch_backward_home(const EpPlan& p, const Tensor& dx_TH) {
-  moe_permute_backward(own_SH_.slice(0, p.num_home_rows), p.row_TK, dx_TH);
+  moe_permute_backward(*ctx_, own_SH_.slice(0, p.num_home_rows), p.row_TK, dx_TH);
 }
 
 }  // namespace moefold

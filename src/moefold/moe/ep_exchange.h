@@ -102,6 +102,7 @@ class EpExchange {
   void dispatch_backward_home(const EpPlan& p, const Tensor& dx_TH);
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   MoeConfig cfg_;
   int64_t hidden_, max_tokens_, num_local_, sources_, s_max_;
   Communicator& ep_;

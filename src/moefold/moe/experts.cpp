@@ -28,6 +28,7 @@ Experts::Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_r
 }
 
 void Experts::bind(Memory& mem) {
+  ctx_ = &mem.exec();
   const bool sharded = ffn_ != total_ffn_;
   const DimShard gate_up_shard = sharded ? DimShard{1, ffn_first_, total_ffn_, 2} : DimShard{};
   const DimShard down_shard = sharded ? DimShard{2, ffn_first_, total_ffn_, 1} : DimShard{};
@@ -52,8 +53,8 @@ void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Ten
   MF_CHECK(first_row >= 0 && first_row + r_n <= max_rows_, "Experts: rows [", first_row, ", ", first_row + r_n,
            ") past max_rows ", max_rows_);
   const Tensor gu = gu_R2F_.slice(first_row, first_row + r_n), h = h_RF_.slice(first_row, first_row + r_n);
-  grouped_linear_swiglu_forward(rows_RH, gate_up_E2FH_, offsets_E1, gu, h);
-  grouped_linear_forward(h, down_EHF_, offsets_E1, out_RH);
+  grouped_linear_swiglu_forward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, gu, h);
+  grouped_linear_forward(*ctx_, h, down_EHF_, offsets_E1, out_RH);
 }
 
 void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH,
@@ -65,15 +66,15 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   MF_CHECK(mem_ != nullptr, "Experts::backward before bind");
   const bool accumulate = mem_->grad_generation() == written_generation_;
   written_generation_ = mem_->grad_generation();
-  grouped_linear_swiglu_backward_data(dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
-  grouped_linear_backward(h, down_EHF_, offsets_E1, dout_RH, Tensor(), ddown_EHF_, accumulate);
+  grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
+  grouped_linear_backward(*ctx_, h, down_EHF_, offsets_E1, dout_RH, Tensor(), ddown_EHF_, accumulate);
   if (!input_grads_done) {
-    grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_, accumulate);
+    grouped_linear_backward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_, accumulate);
     return;
   }
-  grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, Tensor(), accumulate);
+  grouped_linear_backward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, Tensor(), accumulate);
   input_grads_done();
-  grouped_linear_backward(rows_RH, gate_up_E2FH_, offsets_E1, dgu, Tensor(), dgate_up_E2FH_, accumulate);
+  grouped_linear_backward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, dgu, Tensor(), dgate_up_E2FH_, accumulate);
 }
 
 }  // namespace moefold

@@ -53,6 +53,7 @@ class Experts {
   int64_t ffn_first() const { return ffn_first_; }  // first of total_ffn held here
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   int64_t num_experts_, first_expert_, total_experts_, hidden_, ffn_, ffn_first_, total_ffn_, max_rows_;
   std::string prefix_;
   double init_std_;

@@ -83,6 +83,7 @@ void MoeLayer::set_init_std(double std) {
 }
 
 void MoeLayer::bind(Memory& mem) {
+  ctx_ = &mem.exec();
   router_.bind(mem);
   dispatcher_->bind(mem);
   experts_.bind(mem);
@@ -102,7 +103,7 @@ void MoeLayer::forward(const Tensor& x_TH, const Tensor& y_TH) {
   check_shape(y_TH, x_TH.shape(), "MoeLayer y");
   num_tokens_ = t_n;
   const Tensor x = x_TH_.slice(0, t_n);
-  x.copy_from(x_TH);
+  x.copy_from(x_TH, ctx_);
   {  // the router's losses come back to the host here
     ProfileScope scope("moe router forward");
     router_.forward(x);

@@ -72,6 +72,7 @@ class MoeLayer {
   const DispatchPlan& plan() const { return *plan_; }  // REQUIRES: after forward
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   MoeConfig cfg_;
   int64_t hidden_, max_tokens_;
   std::string prefix_;

@@ -22,6 +22,7 @@ Router::Router(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::st
 }
 
 void Router::bind(Memory& mem) {
+  ctx_ = &mem.exec();
   const int64_t e_n = cfg_.num_experts, k_n = cfg_.num_experts_per_tok;
   gate_compute_EH_ = mem.param(prefix_ + ".gate.weight", {e_n, hidden_}, Init::normal, init_std_, true);
   gate_EH_ = mem.params().back().value;  // the master weight
@@ -66,7 +67,7 @@ void Router::set_sequences(int64_t num_seqs, int64_t local_seq_len, int64_t row_
 
 void Router::update_expert_bias(const Tensor& counts_E, double rate) {
   MF_CHECK(cfg_.expert_bias && bias_E_.data(), "Router::update_expert_bias without moe.expert_bias (or unbound)");
-  expert_bias_update(bias_E_, counts_E, rate);
+  expert_bias_update(*ctx_, bias_E_, counts_E, rate);
 }
 
 void Router::forward(const Tensor& x_TH) {
@@ -78,22 +79,22 @@ void Router::forward(const Tensor& x_TH) {
   topk_idx_ = idx_buf_.slice(0, t_n);
   topk_prob_ = prob_buf_.slice(0, t_n);
   const Tensor x = router_input(x_TH);
-  matmul(as_matrix(x), false, as_matrix(gate_compute_EH_), true, as_matrix(logits_), 1, 0);
+  matmul(*ctx_, as_matrix(x), false, as_matrix(gate_compute_EH_), true, as_matrix(logits_), 1, 0);
   if (gate_EH_.device() == Device::cpu) tie_equal_rows();
   TopkRouting routing = cfg_.routing();
   routing.bias_E = bias_E_;
-  router_topk_forward(logits_, routing, scores_, topk_idx_, topk_prob_);
-  topk_expert_counts(topk_idx_, counts_E_);
+  router_topk_forward(*ctx_, logits_, routing, scores_, topk_idx_, topk_prob_);
+  topk_expert_counts(*ctx_, topk_idx_, counts_E_);
   // Router losses over the whole micro-batch when its sequences are split over a token group.
   const bool grouped = token_group_ && token_group_->size() > 1;
-  group_counts_E_.copy_from(counts_E_);
+  group_counts_E_.copy_from(counts_E_, ctx_);
   total_tokens_ = t_n;
   if (grouped) {
     token_group_->all_reduce(group_counts_E_, ReduceOp::sum);
     total_tokens_ = t_n * token_group_->size();  // every rank of the group holds as many tokens
   }
   aux_loss_ = cfg_.aux_loss_coeff *
-              aux_loss_forward(scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok, total_tokens_);
+              aux_loss_forward(*ctx_, scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok, total_tokens_);
   seq_aux_loss_ = 0;
   if (cfg_.seq_aux_loss_coeff > 0) {
     int64_t b_n = num_seqs_;
@@ -104,12 +105,12 @@ void Router::forward(const Tensor& x_TH) {
       seq_layout_ = {std::max<int64_t>(t_n, 1), 0, std::max<int64_t>(total_tokens_, 1)};
     }
     seq_counts_BE_ = seq_counts_buf_.slice(0, b_n);
-    seq_expert_counts(topk_idx_, seq_layout_, seq_counts_BE_);
+    seq_expert_counts(*ctx_, topk_idx_, seq_layout_, seq_counts_BE_);
     if (grouped) token_group_->all_reduce(seq_counts_BE_, ReduceOp::sum);
-    seq_aux_loss_ = cfg_.seq_aux_loss_coeff * seq_aux_loss_forward(scores_, cfg_.scoring_func, seq_counts_BE_,
+    seq_aux_loss_ = cfg_.seq_aux_loss_coeff * seq_aux_loss_forward(*ctx_, scores_, cfg_.scoring_func, seq_counts_BE_,
                                                                    cfg_.num_experts_per_tok, seq_layout_);
   }
-  z_loss_ = cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff * z_loss_forward(logits_, total_tokens_) : 0.0;
+  z_loss_ = cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff * z_loss_forward(*ctx_, logits_, total_tokens_) : 0.0;
 }
 
 Tensor Router::router_input(const Tensor& x_TH) {
@@ -118,7 +119,7 @@ Tensor Router::router_input(const Tensor& x_TH) {
     return x_TH;
   }
   const Tensor x = x_buf_.slice(0, x_TH.size(0));
-  cast(x_TH, x);
+  cast(*ctx_, x_TH, x);
   return x;
 }
 
@@ -148,41 +149,41 @@ void Router::backward(const Tensor& x_TH, const Tensor& dprob_TK, double loss_sc
   MF_CHECK(t_n == logits_.size(0), "Router::backward: ", t_n, " tokens, forward had ", logits_.size(0));
   check_shape(dx_TH, x_TH.shape(), "Router::backward dx");
   const Tensor dlogits = dlogits_buf_.slice(0, t_n), dextra = dextra_buf_.slice(0, t_n);
-  router_topk_backward(scores_, topk_idx_, cfg_.routing(), dprob_TK, dlogits);
+  router_topk_backward(*ctx_, scores_, topk_idx_, cfg_.routing(), dprob_TK, dlogits);
   if (cfg_.aux_loss_coeff > 0) {
-    aux_loss_backward(scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok,
+    aux_loss_backward(*ctx_, scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok,
                       loss_scale * cfg_.aux_loss_coeff, dextra, total_tokens_);
-    add_inplace(dlogits, dextra);
+    add_inplace(*ctx_, dlogits, dextra);
   }
   if (cfg_.seq_aux_loss_coeff > 0) {
-    seq_aux_loss_backward(scores_, cfg_.scoring_func, seq_counts_BE_, cfg_.num_experts_per_tok, seq_layout_,
+    seq_aux_loss_backward(*ctx_, scores_, cfg_.scoring_func, seq_counts_BE_, cfg_.num_experts_per_tok, seq_layout_,
                           loss_scale * cfg_.seq_aux_loss_coeff, dextra);
-    add_inplace(dlogits, dextra);
+    add_inplace(*ctx_, dlogits, dextra);
   }
   if (cfg_.z_loss_coeff > 0) {
-    z_loss_backward(logits_, loss_scale * cfg_.z_loss_coeff, dextra, total_tokens_);
-    add_inplace(dlogits, dextra);
+    z_loss_backward(*ctx_, logits_, loss_scale * cfg_.z_loss_coeff, dextra, total_tokens_);
+    add_inplace(*ctx_, dlogits, dextra);
   }
   // dgate += dlogits^T @ x (E x T @ T x H); dx += dlogits @ gate (T x E @ E x H): in the master
   // dtype without mixed precision; with it from bf16 d(logits) into the f32 dgate and straight
   // into dx, or in f32 through an f32 buffer for d(x) (router_fp32_gemm).
   if (mixed_ && !fp32_gemm_) {
     const Tensor dl = dlogits_cast_buf_.slice(0, t_n);
-    cast(dlogits, dl);
-    matmul(as_matrix(dl), true, as_matrix(x_TH), false, as_matrix(dgate_EH_), 1, 1);
-    matmul(as_matrix(dl), false, as_matrix(gate_compute_EH_), false, as_matrix(dx_TH), 1, 1);
+    cast(*ctx_, dlogits, dl);
+    matmul(*ctx_, as_matrix(dl), true, as_matrix(x_TH), false, as_matrix(dgate_EH_), 1, 1);
+    matmul(*ctx_, as_matrix(dl), false, as_matrix(gate_compute_EH_), false, as_matrix(dx_TH), 1, 1);
     return;
   }
   const Tensor x = fp32_gemm_ ? x_buf_.slice(0, t_n) : x_TH;
-  matmul(as_matrix(dlogits), true, as_matrix(x), false, as_matrix(dgate_EH_), 1, 1);
+  matmul(*ctx_, as_matrix(dlogits), true, as_matrix(x), false, as_matrix(dgate_EH_), 1, 1);
   if (!fp32_gemm_) {
-    matmul(as_matrix(dlogits), false, as_matrix(gate_EH_), false, as_matrix(dx_TH), 1, 1);
+    matmul(*ctx_, as_matrix(dlogits), false, as_matrix(gate_EH_), false, as_matrix(dx_TH), 1, 1);
     return;
   }
   const Tensor dx = dx_buf_.slice(0, t_n), dx_cast = dx_cast_buf_.slice(0, t_n);
-  matmul(as_matrix(dlogits), false, as_matrix(gate_EH_), false, as_matrix(dx), 1, 0);
-  cast(dx, dx_cast);
-  add_inplace(dx_TH, dx_cast);
+  matmul(*ctx_, as_matrix(dlogits), false, as_matrix(gate_EH_), false, as_matrix(dx), 1, 0);
+  cast(*ctx_, dx, dx_cast);
+  add_inplace(*ctx_, dx_TH, dx_cast);
 }
 
 }  // namespace moefold

@@ -37,9 +37,10 @@ class Router {
   // How this rank's rows split into sequences, for the sequence-level aux loss (moe_ops.h,
   // SeqLayout): the micro-batch holds num_seqs sequences of full_seq_len tokens, local_seq_len of
   // each on this rank's token group (full_seq_len / cp) laid out sequence after sequence; this
-  // rank's rows start at row_offset of that block (sequence parallelism). Never called: the tokens
-  // of a forward are one sequence (T, or T times the token group's size, every rank holding as
-  // many). REQUIRES: before bind (it sizes the [B, E] counts).
+  // rank's rows start at row_offset of that block (sequence parallelism). Without this call (the
+  // model makes it for every MoE layer; tests may not) the tokens of a forward are one sequence
+  // (T, or T times the token group's size, every rank holding as many). REQUIRES: before bind
+  // (it sizes the [B, E] counts).
   void set_sequences(int64_t num_seqs, int64_t local_seq_len, int64_t row_offset, int64_t full_seq_len);
   // dprob_TK: gradient of the main loss w.r.t. topk_prob. Adds loss_scale * (aux_loss_coeff *
   // d aux + seq_aux_loss_coeff * d seq_aux + z_loss_coeff * d z) to the logit gradient; dgate
@@ -62,6 +63,7 @@ class Router {
   const Tensor& expert_bias() const { return bias_E_; }          // [E]; undefined without cfg.expert_bias
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   // The logits GEMM's input: x itself, or its f32 cast for an fp32 GEMM under mixed precision.
   Tensor router_input(const Tensor& x_TH);
   // CPU: experts with bitwise-equal gate rows get bitwise-equal logits (upcycled routers).

@@ -87,6 +87,7 @@ ContextParallelAttention::ContextParallelAttention(Communicator& cp, const CpAtt
 }
 
 void ContextParallelAttention::bind(Memory& mem) {
+  ctx_ = &mem.exec();
   const int64_t b = shape_.batch, s = shape_.seq_len, g = shape_.num_kv_heads, d = shape_.head_dim;
   q_pos_L_ = mem.mirrored({local_len_}, DType::i32);
   k_pos_S_ = mem.mirrored({s}, DType::i32);
@@ -99,8 +100,8 @@ void ContextParallelAttention::bind(Memory& mem) {
   if (mem.measuring()) return;
   cp_positions(s, cp_size_, cp_rank_, q_pos_L_.host.ptr<int32_t>());
   for (int r = 0; r < cp_size_; ++r) cp_positions(s, cp_size_, r, k_pos_S_.host.ptr<int32_t>() + r * local_len_);
-  q_pos_L_.to_device();
-  k_pos_S_.to_device();
+  q_pos_L_.to_device(-1, ctx_);
+  k_pos_S_.to_device(-1, ctx_);
 }
 
 // Rank r's block of the exchange buffer ([B, L, G, D] of rank r) and its place in [B, S, G, D]:
@@ -124,7 +125,7 @@ void ContextParallelAttention::gather(const Tensor& local_BLGD, const Tensor& al
   // [c, B, L, G, D] -> [B, c*L, G, D]: rank r's block of each batch row lands at keys [r*L, (r+1)*L).
   for (int r = 0; r < cp_size_; ++r) {
     const auto [exchange, all] = blocks(all_BSGD, r);
-    copy_matrix(exchange, all);
+    copy_matrix(*ctx_, exchange, all);
   }
 }
 
@@ -132,7 +133,7 @@ void ContextParallelAttention::reduce_scatter(const Tensor& all_BSGD, const Tens
   const int64_t n = local_BLGD.numel();
   for (int r = 0; r < cp_size_; ++r) {
     const auto [exchange, all] = blocks(all_BSGD, r);
-    copy_matrix(all, exchange);
+    copy_matrix(*ctx_, all, exchange);
   }
   cp_.reduce_scatter(exchange_cBLGD_.view({cp_size_, n}), local_BLGD.view({1, n}), ReduceOp::sum);
 }
@@ -145,7 +146,7 @@ void ContextParallelAttention::forward(const Tensor& q_BLQD, const Tensor& k_BLG
   check_local(v_BLGD, shape_.num_kv_heads, what);
   gather(k_BLGD, k_all_BSGD_);
   gather(v_BLGD, v_all_BSGD_);
-  attention_forward_at(q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_.dev, k_pos_S_.dev, scale, out_BLQD, lse_BQL,
+  attention_forward_at(*ctx_, q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_.dev, k_pos_S_.dev, scale, out_BLQD, lse_BQL,
                        work_2LS_);
 }
 
@@ -161,7 +162,7 @@ void ContextParallelAttention::backward(const Tensor& q_BLQD, const Tensor& k_BL
   check_local(dv_BLGD, shape_.num_kv_heads, what);
   gather(k_BLGD, k_all_BSGD_);  // again: the workspace may have served other layers since forward
   gather(v_BLGD, v_all_BSGD_);
-  attention_backward_at(q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_.dev, k_pos_S_.dev, out_BLQD, lse_BQL, dout_BLQD,
+  attention_backward_at(*ctx_, q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_.dev, k_pos_S_.dev, out_BLQD, lse_BQL, dout_BLQD,
                         scale, dq_BLQD, dk_all_BSGD_, dv_all_BSGD_, work_2LS_);
   reduce_scatter(dk_all_BSGD_, dk_BLGD);
   reduce_scatter(dv_all_BSGD_, dv_BLGD);

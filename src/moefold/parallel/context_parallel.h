@@ -63,6 +63,7 @@ class ContextParallelAttention {
   int64_t local_len() const { return local_len_; }
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   // K or V of every rank in key order [rank 0's L, rank 1's L, ...] into all_BSGD.
   void gather(const Tensor& local_BLGD, const Tensor& all_BSGD);
   // The sum over ranks of the rows of all_BSGD that this rank owns, into local_BLGD.

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace moefold {
 
@@ -20,6 +21,7 @@ struct ParallelConfig {
   // all-reduce as its backward ends, in the step's last micro-batch); false: one all-reduce per
   // parameter group after backward.
   bool overlap_grad_reduce = true;
+  std::string ep_transport = "auto";  // expert-parallel rows: auto (peer memory where it can), nccl, ipc
 
   // Static checks (positive sizes, pp == 1); world-dependent checks are in resolve().
   void validate() const;

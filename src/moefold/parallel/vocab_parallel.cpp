@@ -72,11 +72,11 @@ void check_found(Communicator& tp, double found, int64_t n, const char* what) {
 }
 }  // namespace
 
-void vocab_parallel_embedding_forward(const Tensor& ids_N, const Tensor& table_shard_VlC, int64_t vocab_offset,
+void vocab_parallel_embedding_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_shard_VlC, int64_t vocab_offset,
                                       const Tensor& out_partial_NC) {
   check_embedding(ids_N, table_shard_VlC, out_partial_NC, vocab_offset, false, "vocab_parallel_embedding_forward");
 #ifdef MOEFOLD_WITH_CUDA
-  if (on_gpu(ids_N)) return cuda::embedding_shard_forward(ids_N, table_shard_VlC, vocab_offset, out_partial_NC);
+  if (on_gpu(ids_N)) return cuda::embedding_shard_forward(ctx, ids_N, table_shard_VlC, vocab_offset, out_partial_NC);
 #endif
   const int64_t n = ids_N.size(0), vl = table_shard_VlC.size(0), c = table_shard_VlC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();
@@ -97,11 +97,11 @@ void vocab_parallel_embedding_forward(const Tensor& ids_N, const Tensor& table_s
   });
 }
 
-void vocab_parallel_embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
+void vocab_parallel_embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
                                        const Tensor& dtable_shard_VlC) {
   check_embedding(ids_N, dtable_shard_VlC, dout_NC, vocab_offset, true, "vocab_parallel_embedding_backward");
 #ifdef MOEFOLD_WITH_CUDA
-  if (on_gpu(ids_N)) return cuda::embedding_shard_backward(ids_N, dout_NC, vocab_offset, dtable_shard_VlC);
+  if (on_gpu(ids_N)) return cuda::embedding_shard_backward(ctx, ids_N, dout_NC, vocab_offset, dtable_shard_VlC);
 #endif
   const int64_t n = ids_N.size(0), vl = dtable_shard_VlC.size(0), c = dtable_shard_VlC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();
@@ -126,7 +126,7 @@ void VocabParallelScratch::bind(Memory& mem, int64_t rows) {
   result_2 = mem.act({2}, DType::f64);
 }
 
-double vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logits_shard_NVl, int64_t vocab_offset,
+double vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator& tp, const Tensor& logits_shard_NVl, int64_t vocab_offset,
                                             const Tensor& targets_N, const Tensor& lse_N,
                                             const VocabParallelScratch& scratch) {
   const char* what = "vocab_parallel_cross_entropy_forward";
@@ -142,7 +142,7 @@ double vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logi
 #ifdef MOEFOLD_WITH_CUDA
   if (on_gpu(logits_shard_NVl)) {
     const cuda::VocabParallelSums r =
-        cuda::vocab_parallel_cross_entropy_forward(tp, logits_shard_NVl, vocab_offset, targets_N, lse_N, scratch);
+        cuda::vocab_parallel_cross_entropy_forward(ctx, tp, logits_shard_NVl, vocab_offset, targets_N, lse_N, scratch);
     check_found(tp, r.found, n, what);
     return r.loss;
   }
@@ -201,7 +201,7 @@ double vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logi
   });
 }
 
-void vocab_parallel_cross_entropy_backward(const Tensor& logits_shard_NVl, int64_t vocab_offset,
+void vocab_parallel_cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_shard_NVl, int64_t vocab_offset,
                                            const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
                                            const Tensor& dlogits_shard_NVl) {
   const char* what = "vocab_parallel_cross_entropy_backward";
@@ -212,7 +212,7 @@ void vocab_parallel_cross_entropy_backward(const Tensor& logits_shard_NVl, int64
            what, ": dlogits shard ", dlogits_shard_NVl.str(), " vs logits shard ", logits_shard_NVl.str());
 #ifdef MOEFOLD_WITH_CUDA
   if (on_gpu(logits_shard_NVl))
-    return cuda::vocab_parallel_cross_entropy_backward(logits_shard_NVl, vocab_offset, targets_N, lse_N, grad_scale,
+    return cuda::vocab_parallel_cross_entropy_backward(ctx, logits_shard_NVl, vocab_offset, targets_N, lse_N, grad_scale,
                                                        dlogits_shard_NVl);
 #endif
   const int64_t n = logits_shard_NVl.size(0), vl = logits_shard_NVl.size(1);

@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kRowThreads)
 
 }  // namespace
 
-VocabParallelSums vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logits_shard_NVl,
+VocabParallelSums vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator& tp, const Tensor& logits_shard_NVl,
                                                        int64_t vocab_offset, const Tensor& targets_N,
                                                        const Tensor& lse_N, const VocabParallelScratch& scratch) {
   const char* what = "vocab_parallel_cross_entropy_forward";
@@ -198,27 +198,27 @@ VocabParallelSums vocab_parallel_cross_entropy_forward(Communicator& tp, const T
   dispatch_cuda_float(logits_shard_NVl.dtype(), [&]<class T>() {
     const bool vec = packed_rows<T>(vl, logits_shard_NVl.data(), logits_shard_NVl.data());
     auto* max_kernel = vec ? &ce_row_max_kernel<T, true> : &ce_row_max_kernel<T, false>;
-    max_kernel<<<grid, kRowThreads, 0, stream()>>>(logits_shard_NVl.ptr<T>(), vl, max_n.ptr<double>());
+    max_kernel<<<grid, kRowThreads, 0, stream_of(ctx)>>>(logits_shard_NVl.ptr<T>(), vl, max_n.ptr<double>());
     MF_CUDA_LAUNCHED("vocab_parallel_cross_entropy_forward row max");
     if (reduce) tp.all_reduce(max_n, ReduceOp::max);
-    MF_CUDA_CHECK(cudaMemsetAsync(sums.ptr<double>() + 2 * n, 0, sizeof(double), stream()));  // the found count
+    MF_CUDA_CHECK(cudaMemsetAsync(sums.ptr<double>() + 2 * n, 0, sizeof(double), stream_of(ctx)));  // the found count
     auto* sums_kernel = vec ? &ce_row_sums_kernel<T, true> : &ce_row_sums_kernel<T, false>;
-    sums_kernel<<<grid, kRowThreads, 0, stream()>>>(logits_shard_NVl.ptr<T>(), targets_N.ptr<int32_t>(),
+    sums_kernel<<<grid, kRowThreads, 0, stream_of(ctx)>>>(logits_shard_NVl.ptr<T>(), targets_N.ptr<int32_t>(),
                                                     max_n.ptr<double>(), n, vl, vocab_offset, tp.rank() == 0,
                                                     sums.ptr<double>());
     MF_CUDA_LAUNCHED("vocab_parallel_cross_entropy_forward row sums");
   });
   if (reduce) tp.all_reduce(sums, ReduceOp::sum);
-  ce_finish_kernel<<<1, kFinishThreads, 0, stream()>>>(targets_N.ptr<int32_t>(), max_n.ptr<double>(),
+  ce_finish_kernel<<<1, kFinishThreads, 0, stream_of(ctx)>>>(targets_N.ptr<int32_t>(), max_n.ptr<double>(),
                                                        sums.ptr<double>(), n, lse_N.ptr<float>(), out);
   MF_CUDA_LAUNCHED("vocab_parallel_cross_entropy_forward finish");
   double host[2] = {0, 0};
-  MF_CUDA_CHECK(cudaMemcpyAsync(host, out, sizeof(host), cudaMemcpyDeviceToHost, stream()));
-  MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  MF_CUDA_CHECK(cudaMemcpyAsync(host, out, sizeof(host), cudaMemcpyDeviceToHost, stream_of(ctx)));
+  MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
   return {host[0], host[1]};
 }
 
-void vocab_parallel_cross_entropy_backward(const Tensor& logits_shard_NVl, int64_t vocab_offset,
+void vocab_parallel_cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_shard_NVl, int64_t vocab_offset,
                                            const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
                                            const Tensor& dlogits_shard_NVl) {
   const char* what = "vocab_parallel_cross_entropy_backward";
@@ -229,7 +229,7 @@ void vocab_parallel_cross_entropy_backward(const Tensor& logits_shard_NVl, int64
     auto* kernel = packed_rows<T>(vl, logits_shard_NVl.data(), dlogits_shard_NVl.data())
                        ? &ce_backward_kernel<T, true>
                        : &ce_backward_kernel<T, false>;
-    kernel<<<grid, kRowThreads, 0, stream()>>>(logits_shard_NVl.ptr<T>(), targets_N.ptr<int32_t>(), lse_N.ptr<float>(),
+    kernel<<<grid, kRowThreads, 0, stream_of(ctx)>>>(logits_shard_NVl.ptr<T>(), targets_N.ptr<int32_t>(), lse_N.ptr<float>(),
                                                static_cast<float>(grad_scale), vl, vocab_offset,
                                                dlogits_shard_NVl.ptr<T>());
   });

@@ -42,7 +42,7 @@ class GradReducer {
   // Starts the buckets of ready point `point` (Model::backward's grads_ready: num_layers for the
   // top, then each decoder layer from the last).
   void ready(int64_t point);
-  // Starts the remaining buckets; the compute stream's later work waits for every bucket.
+  // Starts the remaining buckets; the primary stream's later work waits for every bucket.
   void finish();
   // Without overlap: each group's block in one all-reduce.
   void reduce_all();

@@ -372,7 +372,7 @@ std::string import_hf(const std::string& hf_dir, const std::string& run_dir) {
     cfg.model.float32_tensors = float32_names;
   }
   AdamW opt(cfg.train);
-  opt.bind(mem.params());
+  opt.bind(mem.exec(), mem.params());
   std::unique_ptr<Communicator> self = make_self_communicator();
   Mesh mesh = Mesh::build(*self, cfg.resolve_layout(1));
   std::error_code ec;

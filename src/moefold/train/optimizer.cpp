@@ -7,7 +7,8 @@
 
 namespace moefold {
 
-void AdamW::bind(const std::vector<Param>& params) {
+void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
+  ctx_ = &ctx;
   if (!params.empty()) arena_.set_device(params.front().value.device());  // moments beside the weights
   auto take_all = [&] {
     m_.clear();
@@ -32,7 +33,7 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
     Param& p = params[i];
     const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2, grad_scale};
     // With mixed precision the pass also refreshes the bf16 compute copy.
-    adamw_update(p.value, p.grad, m_[i], v_[i], s, p.compute.data() != p.value.data() ? p.compute : Tensor());
+    adamw_update(*ctx_, p.value, p.grad, m_[i], v_[i], s, p.compute.data() != p.value.data() ? p.compute : Tensor());
   }
 }
 
@@ -41,10 +42,10 @@ double clip_factor(double norm, double max_norm) {
   return std::min(1.0, max_norm / (norm + 1e-6));
 }
 
-double clip_grad_norm(std::vector<Param>& params, double norm, double max_norm) {
+double clip_grad_norm(const ExecContext& ctx, std::vector<Param>& params, double norm, double max_norm) {
   const double f = clip_factor(norm, max_norm);
   if (f < 1.0)
-    for (Param& p : params) scale_inplace(p.grad, f);
+    for (Param& p : params) scale_inplace(ctx, p.grad, f);
   return f;
 }
 

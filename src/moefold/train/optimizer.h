@@ -16,7 +16,7 @@ class AdamW {
   explicit AdamW(const TrainConfig& cfg) : cfg_(cfg) {}
 
   // Reserves first and second moments for every parameter (zero-initialised).
-  void bind(const std::vector<Param>& params);
+  void bind(const ExecContext& ctx, const std::vector<Param>& params);
   // One update with learning rate `lr` from the gradients times grad_scale (clip_factor: global-
   // norm clipping in the same pass, the gradients themselves left as they are); increments step().
   void step(std::vector<Param>& params, double lr, double grad_scale = 1.0);
@@ -28,6 +28,7 @@ class AdamW {
   const Tensor& exp_avg_sq(size_t i) const { return v_[i]; }
 
  private:
+  const ExecContext* ctx_ = nullptr;  // where the update runs (bind)
   TrainConfig cfg_;
   Arena arena_;
   std::vector<Tensor> m_, v_;
@@ -37,7 +38,7 @@ class AdamW {
 // The global-norm clipping factor: min(1, max_norm / (norm + 1e-6)) when max_norm > 0, else 1.
 double clip_factor(double norm, double max_norm);
 // Scales every gradient by clip_factor(norm, max_norm); returns the factor.
-double clip_grad_norm(std::vector<Param>& params, double norm, double max_norm);
+double clip_grad_norm(const ExecContext& ctx, std::vector<Param>& params, double norm, double max_norm);
 
 // Learning rate for optimizer step `step` (0-based): linear warmup to cfg.lr over
 // cfg.warmup_steps, then cosine decay to cfg.min_lr at cfg.steps, constant min_lr after.

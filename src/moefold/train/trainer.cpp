@@ -21,7 +21,8 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
     if (mesh.dims.etp > 1)  // tokens all-gathered over ETP, then all-to-all over EP
       return std::make_unique<AllGatherDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.etp,
                                                    mesh.dims.ep > 1 ? mesh.ep.get() : nullptr);
-    return std::make_unique<AllToAllDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.ep);
+    return std::make_unique<AllToAllDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.ep,
+                                                parse_ep_transport(cfg.parallel.ep_transport));
   };
 }
 }  // namespace
@@ -31,7 +32,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
       mesh_(mesh),
       model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
              ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()}),
-      mem_(compute.value_or(device == Device::cuda ? DType::bf16 : DType::f32), device),  // GPU: bf16, f32 masters
+      exec_(device, cfg.kernels),
+      mem_(compute.value_or(device == Device::cuda ? DType::bf16 : DType::f32), exec_),  // GPU: bf16, f32 masters
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
   const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
@@ -59,7 +61,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   mem_.allocate();
   bind_all();
   mem_.finish_binding();
-  opt_.bind(mem_.params());
+  opt_.bind(exec_, mem_.params());
   grads_reducer_.emplace(mem_, model_.num_layers(), grad_groups());
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
@@ -96,11 +98,11 @@ std::vector<GradReducer::Group> Trainer::grad_groups() const {
 
 void Trainer::refresh_compute_weights() {
   for (const Param& p : mem_.params())
-    if (p.compute.data() != p.value.data()) cast(p.value, p.compute);
+    if (p.compute.data() != p.value.data()) cast(exec_, p.value, p.compute);
 }
 
 void Trainer::init_fresh() {
-  Model::init_params(mem_.params(), cfg_.train.seed);
+  Model::init_params(exec_, mem_.params(), cfg_.train.seed);
   refresh_compute_weights();
   step_ = 0;
   loader_.set_position(0);
@@ -175,11 +177,11 @@ void Trainer::accumulate_gradients() {
   double dense_sq = 0, expert_sq = 0;
   {
     ProfileScope scope("grad norm");  // sum_squares returns to the host: waits for the stream
-    double sq[2] = {sum_squares(mem_.grad_block(ParamGroup::tensor_parallel)),
-                    sum_squares(mem_.grad_block(ParamGroup::expert))};
+    double sq[2] = {sum_squares(exec_, mem_.grad_block(ParamGroup::tensor_parallel)),
+                    sum_squares(exec_, mem_.grad_block(ParamGroup::expert))};
     if (mesh_.tp->size() > 1) mesh_.tp->all_reduce(Tensor(&sq[0], DType::f64, {1}), ReduceOp::sum);
     if (mesh_.ep_etp->size() > 1) mesh_.ep_etp->all_reduce(Tensor(&sq[1], DType::f64, {1}), ReduceOp::sum);
-    dense_sq = sum_squares(mem_.grad_block(ParamGroup::dense));
+    dense_sq = sum_squares(exec_, mem_.grad_block(ParamGroup::dense));
     expert_sq = sq[0] + sq[1];
   }
   {

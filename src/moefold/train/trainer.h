@@ -87,6 +87,7 @@ class Trainer {
   Config cfg_;
   Mesh& mesh_;
   Model model_;
+  ExecContext exec_;  // where every op of the run goes: the device, its stream, the [kernels] choices
   Memory mem_;
   AdamW opt_;
   std::optional<GradReducer> grads_reducer_;  // built once the gradients have their places

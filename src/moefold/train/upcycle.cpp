@@ -181,7 +181,7 @@ std::string upcycle(const std::string& dense_ckpt_dir, const std::string& run_di
   };
 
   BoundModel target(tgt);
-  Model::init_params(target.mem.params(), tgt.train.seed);  // the router rows (tied below), a bias's zeros
+  Model::init_params(target.mem.exec(), target.mem.params(), tgt.train.seed);  // the router rows (tied below), a bias's zeros
   std::set<std::string> used;
   // The down projections carry the copy's weight G (1 / G per expert, see upcycle.h) and undo the
   // routed scaling factor, which multiplies the renormalised probabilities.
@@ -227,7 +227,7 @@ std::string upcycle(const std::string& dense_ckpt_dir, const std::string& run_di
               " has no place in the upcycled model (an override removed it?)");
 
   AdamW opt(tgt.train);
-  opt.bind(target.mem.params());
+  opt.bind(target.mem.exec(), target.mem.params());
   // Written on one rank; the checkpoint loads under any layout, so the target's [parallel]
   // section is kept for the training that follows.
   Config one_rank = tgt;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -25,10 +26,8 @@ void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, co
 }
 }  // namespace
 
-double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (logits_NV.device() == Device::cuda) return cuda::cross_entropy_forward(logits_NV, targets_N, lse_N);
-#endif
+double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N) {
+  MF_ON_GPU(ctx, logits_NV, cuda::cross_entropy_forward(ctx, logits_NV, targets_N, lse_N));
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_forward");
   const int64_t n = logits_NV.size(0), v = logits_NV.size(1);
   MF_CHECK(v > 0, "cross_entropy_forward: empty vocabulary");
@@ -57,12 +56,9 @@ double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, c
   });
 }
 
-void cross_entropy_backward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
+void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
                             const Tensor& dlogits_NV) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (logits_NV.device() == Device::cuda)
-    return cuda::cross_entropy_backward(logits_NV, targets_N, lse_N, grad_scale, dlogits_NV);
-#endif
+  MF_ON_GPU(ctx, logits_NV, cuda::cross_entropy_backward(ctx, logits_NV, targets_N, lse_N, grad_scale, dlogits_NV));
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_backward");
   check_shape(dlogits_NV, logits_NV.shape(), "cross_entropy_backward dlogits");
   MF_CHECK(dlogits_NV.dtype() == logits_NV.dtype() && dlogits_NV.contiguous() && dlogits_NV.device() == Device::cpu,

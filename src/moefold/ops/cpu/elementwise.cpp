@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "moefold/core/rng.h"
+#include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -11,10 +12,8 @@
 
 namespace moefold {
 
-void add_inplace(const Tensor& y, const Tensor& x) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (y.device() == Device::cuda) return cuda::add_inplace(y, x);
-#endif
+void add_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& x) {
+  MF_ON_GPU(ctx, y, cuda::add_inplace(ctx, y, x));
   MF_CHECK(y.numel() == x.numel() && y.dtype() == x.dtype() && y.contiguous() && x.contiguous() &&
                y.device() == Device::cpu && x.device() == Device::cpu,
            "add_inplace: ", y.str(), " += ", x.str());
@@ -26,10 +25,8 @@ void add_inplace(const Tensor& y, const Tensor& x) {
   });
 }
 
-double sum_squares(const Tensor& x) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x.device() == Device::cuda) return cuda::sum_squares(x);
-#endif
+double sum_squares(const ExecContext& ctx, const Tensor& x) {
+  MF_ON_GPU(ctx, x, cuda::sum_squares(ctx, x));
   MF_CHECK(x.contiguous() && x.device() == Device::cpu, "sum_squares: ", x.str());
   const int64_t n = x.numel();
   return dispatch_float(x.dtype(), [&]<class T>() {
@@ -40,10 +37,8 @@ double sum_squares(const Tensor& x) {
   });
 }
 
-void scale_inplace(const Tensor& x, double s) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x.device() == Device::cuda) return cuda::scale_inplace(x, s);
-#endif
+void scale_inplace(const ExecContext& ctx, const Tensor& x, double s) {
+  MF_ON_GPU(ctx, x, cuda::scale_inplace(ctx, x, s));
   MF_CHECK(x.contiguous() && x.device() == Device::cpu, "scale_inplace: ", x.str());
   const int64_t n = x.numel();
   dispatch_float(x.dtype(), [&]<class T>() {
@@ -53,11 +48,9 @@ void scale_inplace(const Tensor& x, double s) {
   });
 }
 
-void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
+void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
                   const Tensor& w_compute) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (w.device() == Device::cuda) return cuda::adamw_update(w, g, m, v, s, w_compute);
-#endif
+  MF_ON_GPU(ctx, w, cuda::adamw_update(ctx, w, g, m, v, s, w_compute));
   for (const Tensor* t : {&g, &m, &v})
     MF_CHECK(t->shape() == w.shape() && t->dtype() == w.dtype() && t->contiguous() && t->device() == Device::cpu,
              "adamw_update: ", t->str(), " vs w ", w.str());
@@ -82,19 +75,15 @@ void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tenso
   });
 }
 
-void fill_normal_any(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (t.device() == Device::cuda) return cuda::fill_normal(t, seed, stream, mean, std, first_index);
-#endif
+void fill_normal_any(const ExecContext& ctx, const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index) {
+  MF_ON_GPU(ctx, t, cuda::fill_normal(ctx, t, seed, stream, mean, std, first_index));
   fill_normal(t, seed, stream, mean, std, first_index);
 }
 
-void cast(const Tensor& src, const Tensor& dst) {
+void cast(const ExecContext& ctx, const Tensor& src, const Tensor& dst) {
   MF_CHECK(src.numel() == dst.numel() && src.contiguous() && dst.contiguous() && src.device() == dst.device(),
            "cast: ", src.str(), " -> ", dst.str());
-#ifdef MOEFOLD_WITH_CUDA
-  if (src.device() == Device::cuda) return cuda::cast(src, dst);
-#endif
+  MF_ON_GPU(ctx, src, cuda::cast(ctx, src, dst));
   MF_CHECK(src.device() == Device::cpu, "cast: ", src.str());
   const int64_t n = src.numel();
   auto load = [&](int64_t i) -> double {

@@ -1,6 +1,7 @@
 // Token embedding lookup: out_NC[n] = table_VC[ids_N[n]].
 // Gradient rule: dtable is a parameter gradient, ACCUMULATED (+=; repeated ids add up).
 // CUDA tensors go to ops/cuda/embedding.cu.
+#include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -19,10 +20,8 @@ void check_embedding(const Tensor& ids, const Tensor& table, const Tensor& rows,
 }
 }  // namespace
 
-void embedding_forward(const Tensor& ids_N, const Tensor& table_VC, const Tensor& out_NC) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (table_VC.device() == Device::cuda) return cuda::embedding_forward(ids_N, table_VC, out_NC);
-#endif
+void embedding_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_VC, const Tensor& out_NC) {
+  MF_ON_GPU(ctx, table_VC, cuda::embedding_forward(ctx, ids_N, table_VC, out_NC));
   check_embedding(ids_N, table_VC, out_NC, "embedding_forward");
   const int64_t n = ids_N.size(0), v = table_VC.size(0), c = table_VC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();
@@ -37,10 +36,8 @@ void embedding_forward(const Tensor& ids_N, const Tensor& table_VC, const Tensor
   });
 }
 
-void embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, const Tensor& dtable_VC) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (dtable_VC.device() == Device::cuda) return cuda::embedding_backward(ids_N, dout_NC, dtable_VC);
-#endif
+void embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC, const Tensor& dtable_VC) {
+  MF_ON_GPU(ctx, dtable_VC, cuda::embedding_backward(ctx, ids_N, dout_NC, dtable_VC));
   check_embedding(ids_N, dtable_VC, dout_NC, "embedding_backward");
   const int64_t n = ids_N.size(0), v = dtable_VC.size(0), c = dtable_VC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();

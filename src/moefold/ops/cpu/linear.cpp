@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "moefold/ops/gemm.h"
+#include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -29,10 +30,8 @@ void check_like(const Tensor& t, const Tensor& ref, const char* what) {
 }
 }  // namespace
 
-void linear_forward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_NI.device() == Device::cuda) return cuda::linear_forward(x_NI, w_OI, y_NO);
-#endif
+void linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
+  MF_ON_GPU(ctx, x_NI, cuda::linear_forward(ctx, x_NI, w_OI, y_NO));
   check_linear(x_NI, w_OI, y_NO, "linear_forward");
   const int64_t n = x_NI.size(0), in = x_NI.size(1), out = w_OI.size(0);
   dispatch_float(x_NI.dtype(), [&]<class T>() {
@@ -40,11 +39,9 @@ void linear_forward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) 
   });
 }
 
-void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
+void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
                      const Tensor& dw_OI) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_NI.device() == Device::cuda) return cuda::linear_backward(x_NI, w_OI, dy_NO, dx_NI, dw_OI);
-#endif
+  MF_ON_GPU(ctx, x_NI, cuda::linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI));
   check_linear(x_NI, w_OI, dy_NO, "linear_backward");
   if (dx_NI.defined()) check_like(dx_NI, x_NI, "linear_backward dx");
   check_like(dw_OI, w_OI, "linear_backward dw");
@@ -105,11 +102,9 @@ void check_pair(const MatrixView& src, const MatrixView& dst, const char* what) 
 }
 }  // namespace
 
-void copy_matrix(const MatrixView& src, const MatrixView& dst) {
+void copy_matrix(const ExecContext& ctx, const MatrixView& src, const MatrixView& dst) {
   check_pair(src, dst, "copy_matrix");
-#ifdef MOEFOLD_WITH_CUDA
-  if (dst.storage.device() == Device::cuda) return cuda::copy_matrix(src, dst);
-#endif
+  MF_ON_GPU(ctx, dst.storage, cuda::copy_matrix(ctx, src, dst));
   const size_t e = dtype_size(src.storage.dtype());
   const auto* s = static_cast<const char*>(src.storage.data());
   auto* d = static_cast<char*>(dst.storage.data());
@@ -117,11 +112,9 @@ void copy_matrix(const MatrixView& src, const MatrixView& dst) {
     std::memcpy(d + (dst.offset + i * dst.ld) * e, s + (src.offset + i * src.ld) * e, src.cols * e);
 }
 
-void add_matrix(const MatrixView& src, const MatrixView& dst) {
+void add_matrix(const ExecContext& ctx, const MatrixView& src, const MatrixView& dst) {
   check_pair(src, dst, "add_matrix");
-#ifdef MOEFOLD_WITH_CUDA
-  if (dst.storage.device() == Device::cuda) return cuda::add_matrix(src, dst);
-#endif
+  MF_ON_GPU(ctx, dst.storage, cuda::add_matrix(ctx, src, dst));
   dispatch_float(src.storage.dtype(), [&]<class T>() {
     const T* s = src.storage.ptr<T>() + src.offset;
     T* d = dst.storage.ptr<T>() + dst.offset;
@@ -130,11 +123,9 @@ void add_matrix(const MatrixView& src, const MatrixView& dst) {
   });
 }
 
-void fill_matrix(const MatrixView& dst, double value) {
+void fill_matrix(const ExecContext& ctx, const MatrixView& dst, double value) {
   check_view(dst, "fill_matrix");
-#ifdef MOEFOLD_WITH_CUDA
-  if (dst.storage.device() == Device::cuda) return cuda::fill_matrix(dst, value);
-#endif
+  MF_ON_GPU(ctx, dst.storage, cuda::fill_matrix(ctx, dst, value));
   auto fill = [&]<class T>() {
     T* d = dst.storage.ptr<T>() + dst.offset;
     for (int64_t i = 0; i < dst.rows; ++i)
@@ -148,7 +139,7 @@ void fill_matrix(const MatrixView& dst, double value) {
     dispatch_float(dst.storage.dtype(), fill);
 }
 
-void matmul(const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
+void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
             double beta) {
   check_view(a, "matmul a");
   check_view(b, "matmul b");
@@ -160,10 +151,7 @@ void matmul(const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b
   const Device dev = c.storage.device();
   MF_CHECK(a.storage.device() == dev && b.storage.device() == dev, "matmul: a, b and c on different devices");
   MF_CHECK(!may_overlap(c, a) && !may_overlap(c, b), "matmul: c overlaps a or b");
-#ifdef MOEFOLD_WITH_CUDA
-  if (dev == Device::cuda) return cuda::matmul(a, trans_a, b, trans_b, c, alpha, beta);
-#endif
-  MF_CHECK(dev == Device::cpu, "matmul: CUDA tensors in a build without CUDA");
+  MF_ON_GPU(ctx, c.storage, cuda::matmul(ctx, a, trans_a, b, trans_b, c, alpha, beta));
   MF_CHECK(a.storage.dtype() == c.storage.dtype() && b.storage.dtype() == c.storage.dtype(), "matmul: dtypes ",
            a.storage.str(), " ", b.storage.str(), " ", c.storage.str());
   dispatch_float(c.storage.dtype(), [&]<class T>() {

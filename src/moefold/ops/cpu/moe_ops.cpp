@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "moefold/ops/gemm.h"
+#include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -140,12 +141,9 @@ class TokenChoice {
 
 }  // namespace
 
-void router_topk_forward(const Tensor& logits_TE, const TopkRouting& routing, const Tensor& scores_TE,
+void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const TopkRouting& routing, const Tensor& scores_TE,
                          const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (logits_TE.device() == Device::cuda)
-    return cuda::router_topk_forward(logits_TE, routing, scores_TE, topk_idx_TK, topk_prob_TK);
-#endif
+  MF_ON_GPU(ctx, logits_TE, cuda::router_topk_forward(ctx, logits_TE, routing, scores_TE, topk_idx_TK, topk_prob_TK));
   check_router(logits_TE, topk_idx_TK);
   check_shape(scores_TE, logits_TE.shape(), "router_topk_forward scores");
   check_shape(topk_prob_TK, topk_idx_TK.shape(), "router_topk_forward topk_prob");
@@ -197,12 +195,9 @@ void router_topk_forward(const Tensor& logits_TE, const TopkRouting& routing, co
   });
 }
 
-void router_topk_backward(const Tensor& scores_TE, const Tensor& topk_idx_TK, const TopkRouting& routing,
+void router_topk_backward(const ExecContext& ctx, const Tensor& scores_TE, const Tensor& topk_idx_TK, const TopkRouting& routing,
                           const Tensor& dprob_TK, const Tensor& dlogits_TE) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (scores_TE.device() == Device::cuda)
-    return cuda::router_topk_backward(scores_TE, topk_idx_TK, routing, dprob_TK, dlogits_TE);
-#endif
+  MF_ON_GPU(ctx, scores_TE, cuda::router_topk_backward(ctx, scores_TE, topk_idx_TK, routing, dprob_TK, dlogits_TE));
   check_router(scores_TE, topk_idx_TK);
   check_shape(dprob_TK, topk_idx_TK.shape(), "router_topk_backward dprob");
   check_shape(dlogits_TE, scores_TE.shape(), "router_topk_backward dlogits");
@@ -242,10 +237,8 @@ void router_topk_backward(const Tensor& scores_TE, const Tensor& topk_idx_TK, co
   });
 }
 
-void topk_expert_counts(const Tensor& topk_idx_TK, const Tensor& counts_E) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (topk_idx_TK.device() == Device::cuda) return cuda::topk_expert_counts(topk_idx_TK, counts_E);
-#endif
+void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& counts_E) {
+  MF_ON_GPU(ctx, topk_idx_TK, cuda::topk_expert_counts(ctx, topk_idx_TK, counts_E));
   check_2d(topk_idx_TK, "topk_expert_counts topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "topk_expert_counts topk_idx");
   check_dtype(counts_E, DType::i64, "topk_expert_counts counts");
@@ -303,12 +296,9 @@ void weighted_prob_row_backward(const T* s, int64_t e_n, ScoreFunc score_func, c
 }
 }  // namespace
 
-double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
+double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
                         int64_t total_tokens) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (scores_TE.device() == Device::cuda)
-    return cuda::aux_loss_forward(scores_TE, score_func, counts_E, k, total_tokens);
-#endif
+  MF_ON_GPU(ctx, scores_TE, cuda::aux_loss_forward(ctx, scores_TE, score_func, counts_E, k, total_tokens));
   check_aux(scores_TE, counts_E, k);
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
   if (t_n == 0) return 0.0;
@@ -322,12 +312,9 @@ double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Ten
   });
 }
 
-void aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
+void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
                        double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (scores_TE.device() == Device::cuda)
-    return cuda::aux_loss_backward(scores_TE, score_func, counts_E, k, grad_scale, dlogits_TE, total_tokens);
-#endif
+  MF_ON_GPU(ctx, scores_TE, cuda::aux_loss_backward(ctx, scores_TE, score_func, counts_E, k, grad_scale, dlogits_TE, total_tokens));
   check_aux(scores_TE, counts_E, k);
   check_shape(dlogits_TE, scores_TE.shape(), "aux_loss_backward dlogits");
   check_same_dtype(scores_TE, dlogits_TE, "aux_loss_backward dlogits");
@@ -363,10 +350,8 @@ void check_seq_aux(const Tensor& scores_TE, const Tensor& counts_BE, int64_t k, 
 }
 }  // namespace
 
-void seq_expert_counts(const Tensor& topk_idx_TK, const SeqLayout& layout, const Tensor& counts_BE) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (topk_idx_TK.device() == Device::cuda) return cuda::seq_expert_counts(topk_idx_TK, layout, counts_BE);
-#endif
+void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const SeqLayout& layout, const Tensor& counts_BE) {
+  MF_ON_GPU(ctx, topk_idx_TK, cuda::seq_expert_counts(ctx, topk_idx_TK, layout, counts_BE));
   check_2d(topk_idx_TK, "seq_expert_counts topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "seq_expert_counts topk_idx");
   check_2d(counts_BE, "seq_expert_counts counts");
@@ -386,12 +371,9 @@ void seq_expert_counts(const Tensor& topk_idx_TK, const SeqLayout& layout, const
   }
 }
 
-double seq_aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
+double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
                             const SeqLayout& layout) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (scores_TE.device() == Device::cuda)
-    return cuda::seq_aux_loss_forward(scores_TE, score_func, counts_BE, k, layout);
-#endif
+  MF_ON_GPU(ctx, scores_TE, cuda::seq_aux_loss_forward(ctx, scores_TE, score_func, counts_BE, k, layout));
   check_seq_aux(scores_TE, counts_BE, k, layout);
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
   if (t_n == 0) return 0.0;
@@ -408,12 +390,9 @@ double seq_aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const
   });
 }
 
-void seq_aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
+void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
                            const SeqLayout& layout, double grad_scale, const Tensor& dlogits_TE) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (scores_TE.device() == Device::cuda)
-    return cuda::seq_aux_loss_backward(scores_TE, score_func, counts_BE, k, layout, grad_scale, dlogits_TE);
-#endif
+  MF_ON_GPU(ctx, scores_TE, cuda::seq_aux_loss_backward(ctx, scores_TE, score_func, counts_BE, k, layout, grad_scale, dlogits_TE));
   check_seq_aux(scores_TE, counts_BE, k, layout);
   check_shape(dlogits_TE, scores_TE.shape(), "seq_aux_loss_backward dlogits");
   check_same_dtype(scores_TE, dlogits_TE, "seq_aux_loss_backward dlogits");
@@ -436,10 +415,8 @@ void seq_aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const 
 
 // ---- aux-loss-free balancing -------------------------------------------------------------------
 
-void expert_bias_update(const Tensor& bias_E, const Tensor& counts_E, double rate) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (bias_E.device() == Device::cuda) return cuda::expert_bias_update(bias_E, counts_E, rate);
-#endif
+void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tensor& counts_E, double rate) {
+  MF_ON_GPU(ctx, bias_E, cuda::expert_bias_update(ctx, bias_E, counts_E, rate));
   check_dtype(counts_E, DType::i64, "expert_bias_update counts");
   MF_CHECK(bias_E.ndim() == 1 && bias_E.contiguous() && bias_E.device() == Device::cpu && counts_E.ndim() == 1 &&
                counts_E.contiguous() && counts_E.size(0) == bias_E.size(0),
@@ -461,10 +438,8 @@ void expert_bias_update(const Tensor& bias_E, const Tensor& counts_E, double rat
 
 // ---- router z-loss -----------------------------------------------------------------------------
 
-double z_loss_forward(const Tensor& logits_TE, int64_t total_tokens) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (logits_TE.device() == Device::cuda) return cuda::z_loss_forward(logits_TE, total_tokens);
-#endif
+double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens) {
+  MF_ON_GPU(ctx, logits_TE, cuda::z_loss_forward(ctx, logits_TE, total_tokens));
   check_2d(logits_TE, "z_loss logits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
   if (t_n == 0) return 0.0;
@@ -479,10 +454,8 @@ double z_loss_forward(const Tensor& logits_TE, int64_t total_tokens) {
   });
 }
 
-void z_loss_backward(const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (logits_TE.device() == Device::cuda) return cuda::z_loss_backward(logits_TE, grad_scale, dlogits_TE, total_tokens);
-#endif
+void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
+  MF_ON_GPU(ctx, logits_TE, cuda::z_loss_backward(ctx, logits_TE, grad_scale, dlogits_TE, total_tokens));
   check_2d(logits_TE, "z_loss logits");
   check_shape(dlogits_TE, logits_TE.shape(), "z_loss_backward dlogits");
   check_same_dtype(logits_TE, dlogits_TE, "z_loss_backward dlogits");
@@ -502,12 +475,9 @@ void z_loss_backward(const Tensor& logits_TE, double grad_scale, const Tensor& d
 
 // ---- permutation plan --------------------------------------------------------------------------
 
-int64_t moe_permute_plan(const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, int64_t capacity, bool pad,
+int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, int64_t capacity, bool pad,
                          const PermutePlanOut& out) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (topk_idx_TK.device() == Device::cuda)
-    return cuda::moe_permute_plan(topk_idx_TK, topk_prob_TK, capacity, pad, out);
-#endif
+  MF_ON_GPU(ctx, topk_idx_TK, cuda::moe_permute_plan(ctx, topk_idx_TK, topk_prob_TK, capacity, pad, out));
   check_2d(topk_idx_TK, "moe_permute_plan topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "moe_permute_plan topk_idx");
   check_shape(topk_prob_TK, topk_idx_TK.shape(), "moe_permute_plan topk_prob");
@@ -528,7 +498,7 @@ int64_t moe_permute_plan(const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, 
   const int64_t max_rows = out.token_R.numel();
 
   // 1. Assignments per expert, their start in `grouped`, then a stable bucket pass (token order).
-  topk_expert_counts(topk_idx_TK, out.counts_E);
+  topk_expert_counts(ctx, topk_idx_TK, out.counts_E);
   for (int64_t t = 0; t < t_n; ++t)
     for (int64_t k = 0; k < k_n; ++k)
       for (int64_t j = 0; j < k; ++j)
@@ -593,10 +563,8 @@ void check_row_map(const Tensor& row_TK, int64_t t_n, const char* what) {
 }
 }  // namespace
 
-void moe_permute(const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_RH) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_TH.device() == Device::cuda) return cuda::moe_permute(x_TH, token_R, rows_RH);
-#endif
+void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_RH) {
+  MF_ON_GPU(ctx, x_TH, cuda::moe_permute(ctx, x_TH, token_R, rows_RH));
   check_rows(rows_RH, x_TH, "moe_permute");
   check_dtype(token_R, DType::i64, "moe_permute token");
   const int64_t r_n = rows_RH.size(0), h_n = rows_RH.size(1), t_n = x_TH.size(0);
@@ -616,10 +584,8 @@ void moe_permute(const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_R
   });
 }
 
-void moe_permute_backward(const Tensor& drows_RH, const Tensor& row_TK, const Tensor& dx_TH) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (drows_RH.device() == Device::cuda) return cuda::moe_permute_backward(drows_RH, row_TK, dx_TH);
-#endif
+void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const Tensor& row_TK, const Tensor& dx_TH) {
+  MF_ON_GPU(ctx, drows_RH, cuda::moe_permute_backward(ctx, drows_RH, row_TK, dx_TH));
   check_rows(drows_RH, dx_TH, "moe_permute_backward");
   check_row_map(row_TK, dx_TH.size(0), "moe_permute_backward row");
   const int64_t t_n = dx_TH.size(0), h_n = dx_TH.size(1), k_n = row_TK.size(1), r_n = drows_RH.size(0);
@@ -642,10 +608,8 @@ void moe_permute_backward(const Tensor& drows_RH, const Tensor& row_TK, const Te
 
 // ---- combine -----------------------------------------------------------------------------------
 
-void moe_combine(const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& y_TH) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (out_RH.device() == Device::cuda) return cuda::moe_combine(out_RH, row_TK, prob_TK, y_TH);
-#endif
+void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& y_TH) {
+  MF_ON_GPU(ctx, out_RH, cuda::moe_combine(ctx, out_RH, row_TK, prob_TK, y_TH));
   check_rows(out_RH, y_TH, "moe_combine");
   check_row_map(row_TK, y_TH.size(0), "moe_combine row");
   check_shape(prob_TK, row_TK.shape(), "moe_combine prob");
@@ -670,12 +634,9 @@ void moe_combine(const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_
   });
 }
 
-void moe_combine_backward(const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& dy_TH,
+void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& dy_TH,
                           const Tensor& dout_RH, const Tensor& dprob_TK) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (out_RH.device() == Device::cuda)
-    return cuda::moe_combine_backward(out_RH, row_TK, prob_TK, dy_TH, dout_RH, dprob_TK);
-#endif
+  MF_ON_GPU(ctx, out_RH, cuda::moe_combine_backward(ctx, out_RH, row_TK, prob_TK, dy_TH, dout_RH, dprob_TK));
   check_rows(out_RH, dy_TH, "moe_combine_backward");
   check_row_map(row_TK, dy_TH.size(0), "moe_combine_backward row");
   check_shape(prob_TK, row_TK.shape(), "moe_combine_backward prob");
@@ -731,10 +692,8 @@ void check_grouped(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offset
 }
 }  // namespace
 
-void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_RI.device() == Device::cuda) return cuda::grouped_linear_forward(x_RI, w_EOI, offsets_E1, y_RO);
-#endif
+void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO) {
+  MF_ON_GPU(ctx, x_RI, cuda::grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO));
   check_grouped(x_RI, w_EOI, offsets_E1, y_RO);
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   const int64_t* off = offsets_E1.ptr<int64_t>();
@@ -751,12 +710,9 @@ void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tenso
   });
 }
 
-void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
+void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
                              const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_RI.device() == Device::cuda)
-    return cuda::grouped_linear_backward(x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate);
-#endif
+  MF_ON_GPU(ctx, x_RI, cuda::grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate));
   check_grouped(x_RI, w_EOI, offsets_E1, dy_RO);
   if (dw_EOI.defined()) {
     check_shape(dw_EOI, w_EOI.shape(), "grouped_linear_backward dw");
@@ -788,24 +744,19 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
   });
 }
 
-void grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
+void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
                                    const Tensor& gu_R2F, const Tensor& h_RF) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_RI.device() == Device::cuda) return cuda::grouped_linear_swiglu_forward(x_RI, w_E2FI, offsets_E1, gu_R2F, h_RF);
-#endif
-  grouped_linear_forward(x_RI, w_E2FI, offsets_E1, gu_R2F);
-  swiglu_forward(gu_R2F, h_RF, GateUp::pairs);
+  MF_ON_GPU(ctx, x_RI, cuda::grouped_linear_swiglu_forward(ctx, x_RI, w_E2FI, offsets_E1, gu_R2F, h_RF));
+  grouped_linear_forward(ctx, x_RI, w_E2FI, offsets_E1, gu_R2F);
+  swiglu_forward(ctx, gu_R2F, h_RF, GateUp::pairs);
 }
 
-void grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
+void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
                                          const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (dy_RO.device() == Device::cuda)
-    return cuda::grouped_linear_swiglu_backward_data(dy_RO, w_EOF, offsets_E1, gu_R2F, dh_RF, dgu_R2F);
-#endif
+  MF_ON_GPU(ctx, dy_RO, cuda::grouped_linear_swiglu_backward_data(ctx, dy_RO, w_EOF, offsets_E1, gu_R2F, dh_RF, dgu_R2F));
   // dh as the layer input too: without a weight gradient the backward reads only its shape.
-  grouped_linear_backward(dh_RF, w_EOF, offsets_E1, dy_RO, dh_RF, Tensor());
-  swiglu_backward(gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
+  grouped_linear_backward(ctx, dh_RF, w_EOF, offsets_E1, dy_RO, dh_RF, Tensor());
+  swiglu_backward(ctx, gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
 }
 
 }  // namespace moefold

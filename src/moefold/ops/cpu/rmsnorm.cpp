@@ -4,6 +4,7 @@
 // CUDA tensors go to ops/cuda/rmsnorm.cu.
 #include <cmath>
 
+#include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -27,10 +28,8 @@ void check_like(const Tensor& t, const Tensor& ref, const char* what) {
 }
 }  // namespace
 
-void rmsnorm_forward(const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC, const Tensor& rstd_N) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_NC.device() == Device::cuda) return cuda::rmsnorm_forward(x_NC, w_C, eps, y_NC, rstd_N);
-#endif
+void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC, const Tensor& rstd_N) {
+  MF_ON_GPU(ctx, x_NC, cuda::rmsnorm_forward(ctx, x_NC, w_C, eps, y_NC, rstd_N));
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_forward");
   check_like(y_NC, x_NC, "rmsnorm_forward y");
   const int64_t n = x_NC.size(0), c = x_NC.size(1);
@@ -50,11 +49,9 @@ void rmsnorm_forward(const Tensor& x_NC, const Tensor& w_C, double eps, const Te
   });
 }
 
-void rmsnorm_backward(const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N, const Tensor& dy_NC,
+void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N, const Tensor& dy_NC,
                       const Tensor& dx_NC, const Tensor& dw_C) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_NC.device() == Device::cuda) return cuda::rmsnorm_backward(x_NC, w_C, rstd_N, dy_NC, dx_NC, dw_C);
-#endif
+  MF_ON_GPU(ctx, x_NC, cuda::rmsnorm_backward(ctx, x_NC, w_C, rstd_N, dy_NC, dx_NC, dw_C));
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_backward");
   check_like(dy_NC, x_NC, "rmsnorm_backward dy");
   check_like(dx_NC, x_NC, "rmsnorm_backward dx");

@@ -5,6 +5,7 @@
 // CUDA tensors go to ops/cuda/rope.cu.
 #include <cmath>
 
+#include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -98,10 +99,8 @@ void rope_table(const std::vector<double>& inv_freq, double attention_factor, co
   });
 }
 
-void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_BSHD.device() == Device::cuda) return cuda::rope_forward(x_BSHD, cos_SD, sin_SD, interleaved);
-#endif
+void rope_forward(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
+  MF_ON_GPU(ctx, x_BSHD, cuda::rope_forward(ctx, x_BSHD, cos_SD, sin_SD, interleaved));
   check_rope(x_BSHD, cos_SD, sin_SD, "rope_forward");
   dispatch_float(x_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(x_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), nullptr, x_BSHD.size(0), x_BSHD.size(1),
@@ -109,10 +108,8 @@ void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_
   });
 }
 
-void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (dx_BSHD.device() == Device::cuda) return cuda::rope_backward(dx_BSHD, cos_SD, sin_SD, interleaved);
-#endif
+void rope_backward(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
+  MF_ON_GPU(ctx, dx_BSHD, cuda::rope_backward(ctx, dx_BSHD, cos_SD, sin_SD, interleaved));
   check_rope(dx_BSHD, cos_SD, sin_SD, "rope_backward");
   dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(dx_BSHD.ptr<T>(), cos_SD.ptr<T>(), sin_SD.ptr<T>(), nullptr, dx_BSHD.size(0), dx_BSHD.size(1),
@@ -120,11 +117,9 @@ void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& si
   });
 }
 
-void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+void rope_forward_at(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
                      bool interleaved) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (x_BSHD.device() == Device::cuda) return cuda::rope_forward_at(x_BSHD, positions_S, cos_PD, sin_PD, interleaved);
-#endif
+  MF_ON_GPU(ctx, x_BSHD, cuda::rope_forward_at(ctx, x_BSHD, positions_S, cos_PD, sin_PD, interleaved));
   check_rope_at(x_BSHD, positions_S, cos_PD, sin_PD, "rope_forward_at");
   dispatch_float(x_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(x_BSHD.ptr<T>(), cos_PD.ptr<T>(), sin_PD.ptr<T>(), positions_S.ptr<int32_t>(), x_BSHD.size(0),
@@ -132,12 +127,9 @@ void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tens
   });
 }
 
-void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+void rope_backward_at(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
                       bool interleaved) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (dx_BSHD.device() == Device::cuda)
-    return cuda::rope_backward_at(dx_BSHD, positions_S, cos_PD, sin_PD, interleaved);
-#endif
+  MF_ON_GPU(ctx, dx_BSHD, cuda::rope_backward_at(ctx, dx_BSHD, positions_S, cos_PD, sin_PD, interleaved));
   check_rope_at(dx_BSHD, positions_S, cos_PD, sin_PD, "rope_backward_at");
   dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
     rope_apply<T>(dx_BSHD.ptr<T>(), cos_PD.ptr<T>(), sin_PD.ptr<T>(), positions_S.ptr<int32_t>(), dx_BSHD.size(0),

@@ -4,6 +4,7 @@
 // u_j = gu[:, 2j + 1]. CUDA tensors go to ops/cuda/swiglu.cu.
 #include <cmath>
 
+#include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -23,10 +24,8 @@ void check_swiglu(const Tensor& gu, const Tensor& h) {
 
 }  // namespace
 
-void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (gu_N2F.device() == Device::cuda) return cuda::swiglu_forward(gu_N2F, h_NF, layout);
-#endif
+void swiglu_forward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
+  MF_ON_GPU(ctx, gu_N2F, cuda::swiglu_forward(ctx, gu_N2F, h_NF, layout));
   check_swiglu(gu_N2F, h_NF);
   const int64_t n = h_NF.size(0), f = h_NF.size(1);
   const GateUpColumns col = gate_up_columns(layout, f);
@@ -42,10 +41,8 @@ void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
   });
 }
 
-void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout) {
-#ifdef MOEFOLD_WITH_CUDA
-  if (gu_N2F.device() == Device::cuda) return cuda::swiglu_backward(gu_N2F, dh_NF, dgu_N2F, layout);
-#endif
+void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout) {
+  MF_ON_GPU(ctx, gu_N2F, cuda::swiglu_backward(ctx, gu_N2F, dh_NF, dgu_N2F, layout));
   check_swiglu(gu_N2F, dh_NF);
   check_shape(dgu_N2F, gu_N2F.shape(), "swiglu_backward dgu");
   MF_CHECK(dgu_N2F.contiguous() && dgu_N2F.dtype() == gu_N2F.dtype() && dgu_N2F.device() == Device::cpu,

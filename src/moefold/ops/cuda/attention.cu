@@ -546,27 +546,27 @@ void allow_smem(K kernel, size_t bytes) {
 }
 
 template <class T, int kMaxD>
-void launch_forward(const Problem& p, const T* q, const T* k, const T* v, T* out, float* lse) {
+void launch_forward(const ExecContext& ctx, const Problem& p, const T* q, const T* k, const T* v, T* out, float* lse) {
   using Tile = FwdTile<kMaxD>;
   allow_smem(forward_kernel<T, kMaxD>, Tile::kSmem);
   const dim3 grid(static_cast<unsigned>(tiles(p.sq, Tile::kBr)), static_cast<unsigned>(p.batch * p.nq));
-  forward_kernel<T, kMaxD><<<grid, kThreads, Tile::kSmem, stream()>>>(q, k, v, out, lse, p);
+  forward_kernel<T, kMaxD><<<grid, kThreads, Tile::kSmem, stream_of(ctx)>>>(q, k, v, out, lse, p);
 }
 
 template <class T, int kMaxD>
-void launch_backward(const Problem& p, const T* q, const T* k, const T* v, const T* out, const T* dout,
+void launch_backward(const ExecContext& ctx, const Problem& p, const T* q, const T* k, const T* v, const T* out, const T* dout,
                      const float* lse, T* dq, T* dk, T* dv) {
   using Tile = BwdTile<kMaxD>;
   if (p.sk > 0) {
     allow_smem(backward_dkdv_kernel<T, kMaxD>, Tile::kSmem);
     const dim3 grid(static_cast<unsigned>(tiles(p.sk, Tile::kB)), static_cast<unsigned>(p.batch * p.ng));
-    backward_dkdv_kernel<T, kMaxD><<<grid, kThreads, Tile::kSmem, stream()>>>(q, k, v, out, dout, lse, dk, dv, p);
+    backward_dkdv_kernel<T, kMaxD><<<grid, kThreads, Tile::kSmem, stream_of(ctx)>>>(q, k, v, out, dout, lse, dk, dv, p);
     MF_CUDA_LAUNCHED("attention backward (dk, dv)");
   }
   if (p.sq > 0) {
     allow_smem(backward_dq_kernel<T, kMaxD>, Tile::kSmem);
     const dim3 grid(static_cast<unsigned>(tiles(p.sq, Tile::kB)), static_cast<unsigned>(p.batch * p.nq));
-    backward_dq_kernel<T, kMaxD><<<grid, kThreads, Tile::kSmem, stream()>>>(q, k, v, out, dout, lse, dq, p);
+    backward_dq_kernel<T, kMaxD><<<grid, kThreads, Tile::kSmem, stream_of(ctx)>>>(q, k, v, out, dout, lse, dq, p);
     MF_CUDA_LAUNCHED("attention backward (dq)");
   }
 }
@@ -628,23 +628,23 @@ void set_positions(Problem& p, const Tensor& q_pos, const Tensor& k_pos, const c
   p.k_pos = k_pos.ptr<int32_t>();
 }
 
-void run_forward(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+void run_forward(const ExecContext& ctx, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                  const Tensor& lse, const char* what) {
   if (p.batch == 0 || p.sq == 0 || p.nq == 0) return;
   dispatch_cuda_float(q.dtype(), [&]<class T>() {
     dispatch_head_dim(p.d, [&]<int kMaxD>() {
-      launch_forward<T, kMaxD>(p, q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), lse.ptr<float>());
+      launch_forward<T, kMaxD>(ctx, p, q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), lse.ptr<float>());
     });
   });
   MF_CUDA_LAUNCHED(what);
 }
 
-void run_backward(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+void run_backward(const ExecContext& ctx, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                   const Tensor& lse, const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   if (p.batch == 0 || p.nq == 0) return;
   dispatch_cuda_float(q.dtype(), [&]<class T>() {
     dispatch_head_dim(p.d, [&]<int kMaxD>() {
-      launch_backward<T, kMaxD>(p, q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), dout.ptr<T>(), lse.ptr<float>(),
+      launch_backward<T, kMaxD>(ctx, p, q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), dout.ptr<T>(), lse.ptr<float>(),
                                 dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>());
     });
   });
@@ -652,33 +652,33 @@ void run_backward(const Problem& p, const Tensor& q, const Tensor& k, const Tens
 
 }  // namespace
 
-void attention_forward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
+void attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
                        const Tensor& out_BSQD, const Tensor& lse_BQS) {
   const char* what = "attention_forward (cuda)";
   const Problem p = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, scale, what);
   MF_CHECK(p.sq == p.sk, what, ": q ", q_BSQD.str(), " and k ", k_BSGD.str(), " differ in S");
-  run_forward(p, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, what);
+  run_forward(ctx, p, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, what);
 }
 
-void attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
+void attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
                         const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
                         const Tensor& dk_BSGD, const Tensor& dv_BSGD) {
   const char* what = "attention_backward (cuda)";
   const Problem p = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, scale, what);
   MF_CHECK(p.sq == p.sk, what, ": q ", q_BSQD.str(), " and k ", k_BSGD.str(), " differ in S");
   check_backward(q_BSQD, k_BSGD, dout_BSQD, dq_BSQD, dk_BSGD, dv_BSGD, what);
-  run_backward(p, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, dq_BSQD, dk_BSGD, dv_BSGD);
+  run_backward(ctx, p, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, dq_BSQD, dk_BSGD, dv_BSGD);
 }
 
-void attention_forward_at(const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
+void attention_forward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
                           const Tensor& k_pos_Sk, double scale, const Tensor& out_BSqQD, const Tensor& lse_BQSq) {
   const char* what = "attention_forward_at (cuda)";
   Problem p = check_attention(q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, scale, what);
   set_positions(p, q_pos_Sq, k_pos_Sk, what);
-  run_forward(p, q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, what);
+  run_forward(ctx, p, q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, what);
 }
 
-void attention_backward_at(const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
+void attention_backward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
                            const Tensor& k_pos_Sk, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
                            const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD, const Tensor& dk_BSkGD,
                            const Tensor& dv_BSkGD) {
@@ -686,7 +686,7 @@ void attention_backward_at(const Tensor& q_BSqQD, const Tensor& k_BSkGD, const T
   Problem p = check_attention(q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, scale, what);
   set_positions(p, q_pos_Sq, k_pos_Sk, what);
   check_backward(q_BSqQD, k_BSkGD, dout_BSqQD, dq_BSqQD, dk_BSkGD, dv_BSkGD, what);
-  run_backward(p, q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, dout_BSqQD, dq_BSqQD, dk_BSkGD, dv_BSkGD);
+  run_backward(ctx, p, q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, dout_BSqQD, dq_BSqQD, dk_BSkGD, dv_BSkGD);
 }
 
 }  // namespace moefold::cuda

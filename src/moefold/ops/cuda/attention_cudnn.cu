@@ -14,7 +14,6 @@
 #include <exception>
 #include <initializer_list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -38,24 +37,6 @@ namespace {
 #ifndef MOEFOLD_WITH_CUDNN
 constexpr const char* kBuiltWithoutCudnn = "this moefold was built without cuDNN: " MOEFOLD_CUDNN_OFF_REASON;
 #endif
-
-enum class Choice { automatic, own, cudnn };
-
-// MOEFOLD_ATTENTION, read per call (a getenv: negligible next to an attention kernel).
-Choice choice_from_env() {
-  const char* e = std::getenv("MOEFOLD_ATTENTION");
-  if (!e || !*e || std::strcmp(e, "auto") == 0) return Choice::automatic;
-  if (std::strcmp(e, "own") == 0) return Choice::own;
-  if (std::strcmp(e, "cudnn") == 0) return Choice::cudnn;
-  MF_FAIL("MOEFOLD_ATTENTION=", e, ": expected auto, own or cudnn");
-}
-
-bool deterministic_from_env() {
-  const char* e = std::getenv("MOEFOLD_ATTENTION_DETERMINISTIC");
-  if (!e || !*e || std::strcmp(e, "1") == 0) return true;
-  if (std::strcmp(e, "0") == 0) return false;
-  MF_FAIL("MOEFOLD_ATTENTION_DETERMINISTIC=", e, ": expected 1 or 0");
-}
 
 std::atomic<AttentionImpl> g_last_impl[2] = {AttentionImpl::own, AttentionImpl::own};
 
@@ -166,44 +147,30 @@ struct Entry {
   std::string why;
 };
 
-struct DeviceHandle {
-  cudnnHandle_t handle = nullptr;  // null: cuDNN is unusable on this device (why)
+// cuDNN's state in one execution context: its handle (null when cuDNN is unusable: why) and the
+// graphs built with it (execution plans belong to the handle that built them). Made on the
+// context's first cuDNN call, destroyed with the context. REQUIRES: one host thread per context.
+struct CudnnState final : ExecLibraryState {
+  explicit CudnnState(const ExecContext& ctx) {
+    MF_CUDA_CHECK(cudaGetDevice(&device));
+    const cudnnStatus_t st = cudnnCreate(&handle);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      handle = nullptr;
+      why = cat("cudnnCreate failed on GPU ", device, ": ", cudnnGetErrorString(st));
+      std::fprintf(stderr, "moefold: cuDNN is unusable (%s); attention uses moefold's own kernel\n", why.c_str());
+      return;
+    }
+    MF_CUDNN_CHECK(cudnnSetStream(handle, static_cast<cudaStream_t>(ctx.stream())));
+  }
+  ~CudnnState() override {
+    graphs.clear();
+    if (handle) cudnnDestroy(handle);  // not actionable when it fails (the context is going away)
+  }
+  int device = 0;
+  cudnnHandle_t handle = nullptr;
   std::string why;
-};
-
-// Handles and graphs live for the whole process (as gemm.cu's cuBLASLt handles): destroying them
-// from a static destructor would race the CUDA runtime's teardown.
-struct State {
-  std::mutex mutex;
-  std::unordered_map<int, DeviceHandle> handles;
   std::unordered_map<Key, Entry, KeyHash> graphs;
 };
-
-State& state() {
-  static auto* s = new State;
-  return *s;
-}
-
-int current_device() {
-  int device = 0;
-  MF_CUDA_CHECK(cudaGetDevice(&device));
-  return device;
-}
-
-// REQUIRES: state().mutex held.
-const DeviceHandle& device_handle(int device) {
-  auto [it, fresh] = state().handles.try_emplace(device);
-  if (fresh) {
-    const cudnnStatus_t st = cudnnCreate(&it->second.handle);
-    if (st != CUDNN_STATUS_SUCCESS) {
-      it->second.handle = nullptr;
-      it->second.why = cat("cudnnCreate failed on GPU ", device, ": ", cudnnGetErrorString(st));
-      std::fprintf(stderr, "moefold: cuDNN is unusable (%s); attention uses moefold's own kernel\n",
-                   it->second.why.c_str());
-    }
-  }
-  return it->second;
-}
 
 Key key_of(const CudnnAttentionProblem& p, int device) {
   const float scale = static_cast<float>(p.scale);
@@ -232,7 +199,7 @@ fe::graph::Tensor_attributes& describe_stats(fe::graph::Tensor_attributes& t, in
       .set_stride({nq * s, s, 1, 1});
 }
 
-// REQUIRES: state().mutex held.
+// REQUIRES: the calling context's CudnnState owns `handle`.
 Entry build_graph(const Key& key, cudnnHandle_t handle) {
   Entry e;
   const int64_t b = key.b, s = key.s, nq = key.nq, ng = key.ng, d = key.d;
@@ -300,40 +267,36 @@ Entry build_graph(const Key& key, cudnnHandle_t handle) {
   return e;
 }
 
-// REQUIRES: state().mutex held. The cached entry of `p` on the current GPU, built on first use.
-const Entry& entry_of(const CudnnAttentionProblem& p, cudnnHandle_t* handle_out) {
-  static const Entry kNoHandle;
-  const int device = current_device();
-  const DeviceHandle& h = device_handle(device);
-  *handle_out = h.handle;
-  const Key key = key_of(p, device);
-  auto it = state().graphs.find(key);
-  if (it != state().graphs.end()) return it->second;
+// The cached entry of `p` in `ctx`, built on first use.
+const Entry& entry_of(const ExecContext& ctx, const CudnnAttentionProblem& p, cudnnHandle_t* handle_out) {
+  CudnnState& st = ctx.library<CudnnState>(ExecLibrary::cudnn);
+  *handle_out = st.handle;
+  const Key key = key_of(p, st.device);
+  auto it = st.graphs.find(key);
+  if (it != st.graphs.end()) return it->second;
   Entry e;
-  if (!h.handle) {
-    e.why = h.why;
+  if (!st.handle) {
+    e.why = st.why;
   } else {
-    e = build_graph(key, h.handle);
+    e = build_graph(key, st.handle);
     if (!e.graph)
       std::fprintf(stderr, "moefold: cuDNN attention refused %s: %s\n", problem_name(p).c_str(), e.why.c_str());
   }
-  return state().graphs.emplace(key, std::move(e)).first->second;
+  return st.graphs.emplace(key, std::move(e)).first->second;
 }
 
-// Runs the graph of `p` on the compute stream with `ptrs`; false (nothing launched) when cuDNN
+// Runs the graph of `p` on the context's stream with `ptrs`; false (nothing launched) when cuDNN
 // refuses `p`.
-bool execute(const CudnnAttentionProblem& p, std::unordered_map<int64_t, void*>& ptrs, std::string* why) {
-  State& st = state();
-  std::lock_guard<std::mutex> lock(st.mutex);
+bool execute(const ExecContext& ctx, const CudnnAttentionProblem& p, std::unordered_map<int64_t, void*>& ptrs,
+             std::string* why) {
   cudnnHandle_t handle = nullptr;
-  const Entry& e = entry_of(p, &handle);
+  const Entry& e = entry_of(ctx, p, &handle);
   if (!e.graph) {
     if (why) *why = e.why;
     return false;
   }
   void* workspace =
-      e.workspace_bytes > 0 ? device_scratch(ScratchSlot::attention, static_cast<size_t>(e.workspace_bytes)) : nullptr;
-  MF_CUDNN_CHECK(cudnnSetStream(handle, static_cast<cudaStream_t>(compute_stream())));
+      e.workspace_bytes > 0 ? ctx.scratch(ScratchSlot::attention, static_cast<size_t>(e.workspace_bytes)) : nullptr;
   if (auto err = e.graph->execute(handle, ptrs, workspace); err.is_bad())
     MF_FAIL("cuDNN attention ", problem_name(p), ": execute failed: ", err.get_message());
   return true;
@@ -373,13 +336,11 @@ std::string cudnn_frontend_version() {
 #endif
 }
 
-bool cudnn_attention_supported(const CudnnAttentionProblem& p, std::string* why) {
+bool cudnn_attention_supported(const ExecContext& ctx, const CudnnAttentionProblem& p, std::string* why) {
   if (!precheck(p, why)) return false;
 #ifdef MOEFOLD_WITH_CUDNN
-  State& st = state();
-  std::lock_guard<std::mutex> lock(st.mutex);
   cudnnHandle_t handle = nullptr;
-  const Entry& e = entry_of(p, &handle);
+  const Entry& e = entry_of(ctx, p, &handle);
   if (!e.graph && why) *why = e.why;
   return e.graph != nullptr;
 #else
@@ -388,7 +349,7 @@ bool cudnn_attention_supported(const CudnnAttentionProblem& p, std::string* why)
 #endif
 }
 
-bool cudnn_attention_forward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
+bool cudnn_attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
                              const Tensor& out_BSQD, const Tensor& lse_BQS, const CudnnAttentionOptions& opts,
                              std::string* why) {
   const Dims dm = check_forward_tensors(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, "attention_forward (cudnn)");
@@ -402,7 +363,7 @@ bool cudnn_attention_forward(const Tensor& q_BSQD, const Tensor& k_BSGD, const T
                                              {kUidV, v_BSGD.data()},
                                              {kUidO, out_BSQD.data()},
                                              {kUidStats, lse_BQS.data()}};
-  return execute(p, ptrs, why);
+  return execute(ctx, p, ptrs, why);
 #else
   (void)p;
   if (why) *why = kBuiltWithoutCudnn;
@@ -410,7 +371,7 @@ bool cudnn_attention_forward(const Tensor& q_BSQD, const Tensor& k_BSGD, const T
 #endif
 }
 
-bool cudnn_attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
+bool cudnn_attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
                               const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
                               const Tensor& dk_BSGD, const Tensor& dv_BSGD, const CudnnAttentionOptions& opts,
                               std::string* why) {
@@ -422,8 +383,8 @@ bool cudnn_attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const 
   if (!precheck(p, why)) return false;
   if (dm.b == 0 || dm.s == 0) return true;  // empty gradients
   if (dm.nq == 0) {                         // no query head reads k, v: their gradients are zero (WRITTEN)
-    device_zero(dk_BSGD.data(), dk_BSGD.nbytes());
-    device_zero(dv_BSGD.data(), dv_BSGD.nbytes());
+    MF_CUDA_CHECK(cudaMemsetAsync(dk_BSGD.data(), 0, dk_BSGD.nbytes(), static_cast<cudaStream_t>(ctx.stream())));
+    MF_CUDA_CHECK(cudaMemsetAsync(dv_BSGD.data(), 0, dv_BSGD.nbytes(), static_cast<cudaStream_t>(ctx.stream())));
     return true;
   }
   if (!aligned16({&q_BSQD, &k_BSGD, &v_BSGD, &out_BSQD, &lse_BQS, &dout_BSQD, &dq_BSQD, &dk_BSGD, &dv_BSGD}, why))
@@ -432,7 +393,7 @@ bool cudnn_attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const 
       {kUidQ, q_BSQD.data()},   {kUidK, k_BSGD.data()},      {kUidV, v_BSGD.data()},
       {kUidO, out_BSQD.data()}, {kUidStats, lse_BQS.data()}, {kUidDout, dout_BSQD.data()},
       {kUidDq, dq_BSQD.data()}, {kUidDk, dk_BSGD.data()},    {kUidDv, dv_BSGD.data()}};
-  return execute(p, ptrs, why);
+  return execute(ctx, p, ptrs, why);
 #else
   (void)p;
   if (why) *why = kBuiltWithoutCudnn;
@@ -440,38 +401,38 @@ bool cudnn_attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const 
 #endif
 }
 
-void attention_forward_dispatch(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
+void attention_forward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
                                 const Tensor& out_BSQD, const Tensor& lse_BQS) {
-  const Choice choice = choice_from_env();
-  if (choice != Choice::own) {
+  const AttentionKernel choice = ctx.kernels().attention;
+  if (choice != AttentionKernel::own) {
     std::string why;
-    if (cudnn_attention_forward(q_BSQD, k_BSGD, v_BSGD, scale, out_BSQD, lse_BQS, {}, &why)) {
+    if (cudnn_attention_forward(ctx, q_BSQD, k_BSGD, v_BSGD, scale, out_BSQD, lse_BQS, {}, &why)) {
       g_last_impl[0] = AttentionImpl::cudnn;
       return;
     }
-    if (choice == Choice::cudnn)
-      MF_FAIL("MOEFOLD_ATTENTION=cudnn: attention_forward of q ", q_BSQD.str(), ", k ", k_BSGD.str(), ": ", why);
+    if (choice == AttentionKernel::cudnn)
+      MF_FAIL("kernels.attention = cudnn: attention_forward of q ", q_BSQD.str(), ", k ", k_BSGD.str(), ": ", why);
   }
-  attention_forward(q_BSQD, k_BSGD, v_BSGD, scale, out_BSQD, lse_BQS);
+  attention_forward(ctx, q_BSQD, k_BSGD, v_BSGD, scale, out_BSQD, lse_BQS);
   g_last_impl[0] = AttentionImpl::own;
 }
 
-void attention_backward_dispatch(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+void attention_backward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
                                  const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale,
                                  const Tensor& dq_BSQD, const Tensor& dk_BSGD, const Tensor& dv_BSGD) {
-  const Choice choice = choice_from_env();
-  if (choice != Choice::own) {
+  const AttentionKernel choice = ctx.kernels().attention;
+  if (choice != AttentionKernel::own) {
     std::string why;
-    const CudnnAttentionOptions opts{deterministic_from_env()};
-    if (cudnn_attention_backward(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD, dk_BSGD, dv_BSGD,
+    const CudnnAttentionOptions opts{ctx.kernels().deterministic_attention};
+    if (cudnn_attention_backward(ctx, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD, dk_BSGD, dv_BSGD,
                                  opts, &why)) {
       g_last_impl[1] = AttentionImpl::cudnn;
       return;
     }
-    if (choice == Choice::cudnn)
-      MF_FAIL("MOEFOLD_ATTENTION=cudnn: attention_backward of q ", q_BSQD.str(), ", k ", k_BSGD.str(), ": ", why);
+    if (choice == AttentionKernel::cudnn)
+      MF_FAIL("kernels.attention = cudnn: attention_backward of q ", q_BSQD.str(), ", k ", k_BSGD.str(), ": ", why);
   }
-  attention_backward(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD, dk_BSGD, dv_BSGD);
+  attention_backward(ctx, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD, dk_BSGD, dv_BSGD);
   g_last_impl[1] = AttentionImpl::own;
 }
 

@@ -4,22 +4,23 @@
 // log-sum-exp of each row of scale * q k^T over its visible keys, [B, Q, S]) WRITTEN by forward;
 // dq, dk, dv WRITTEN by backward. The _at variants (explicit positions) always use the own kernel.
 //
-// Which implementation serves a call: the environment variable MOEFOLD_ATTENTION, read at every
-// call (tests and benchmarks set it at run time):
-//   unset, "" or "auto": cuDNN when this build has it and it supports the problem (bf16; head dim
-//                        a multiple of 8, at most 256; 16-byte aligned pointers; cuDNN's own
-//                        support check for the shape), else the own kernel;
-//   "own":   always the own kernel;
-//   "cudnn": always cuDNN; a problem it cannot serve fails (moefold::Error) with cuDNN's reason.
+// Which implementation serves a call: the context's kernels.attention (core/kernel_options.h):
+//   auto:  cuDNN when this build has it and it supports the problem (bf16; head dim a multiple of
+//          8, at most 256; 16-byte aligned pointers; cuDNN's own support check for the shape),
+//          else the own kernel;
+//   own:   always the own kernel;
+//   cudnn: always cuDNN; a problem it cannot serve fails (moefold::Error) with cuDNN's reason.
 // cuDNN's backward is deterministic (bit-identical reruns, as the own kernel's) unless
-// MOEFOLD_ATTENTION_DETERMINISTIC=0 lets it use its faster engine with atomic dQ accumulation.
-// Everything runs on compute_stream(); built graphs are cached per problem and their workspace is
-// the grow-only device_scratch(ScratchSlot::attention), so no step after the first allocates.
+// kernels.deterministic_attention = false lets it use its faster engine with atomic dQ
+// accumulation. Everything runs on the context's stream with the context's cuDNN handle; built
+// graphs are cached per context and problem, and their workspace is the context's grow-only
+// scratch (ScratchSlot::attention), so no step after the first allocates.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
+#include "moefold/core/exec.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold::cuda {
@@ -28,10 +29,10 @@ enum class AttentionImpl { own, cudnn };
 const char* attention_impl_name(AttentionImpl impl);
 
 // The GPU entry points of ops/ops.h's attention_forward / attention_backward: checks the tensors,
-// then runs the implementation MOEFOLD_ATTENTION picks (above).
-void attention_forward_dispatch(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
+// then runs the implementation kernels.attention picks (above).
+void attention_forward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
                                 const Tensor& out_BSQD, const Tensor& lse_BQS);
-void attention_backward_dispatch(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+void attention_backward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
                                  const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale,
                                  const Tensor& dq_BSQD, const Tensor& dk_BSGD, const Tensor& dv_BSGD);
 // The implementation that served this process's last forward (backward = false) or backward
@@ -59,15 +60,15 @@ struct CudnnAttentionProblem {
 };
 // Whether cuDNN serves `p` (builds and caches its graph on the first ask, on the current GPU);
 // when not, the reason goes to *why. Pointer alignment is checked per call, not here.
-bool cudnn_attention_supported(const CudnnAttentionProblem& p, std::string* why = nullptr);
+bool cudnn_attention_supported(const ExecContext& ctx, const CudnnAttentionProblem& p, std::string* why = nullptr);
 
 // cuDNN attention with the contracts of attention_ops.h's plain ops. The tensors are checked as
 // there (aborting on misuse); then, when cuDNN cannot serve the problem, they return false having
 // launched nothing, with the reason in *why (if given).
-bool cudnn_attention_forward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
+bool cudnn_attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
                              const Tensor& out_BSQD, const Tensor& lse_BQS, const CudnnAttentionOptions& opts = {},
                              std::string* why = nullptr);
-bool cudnn_attention_backward(const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
+bool cudnn_attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
                               const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
                               const Tensor& dk_BSGD, const Tensor& dv_BSGD, const CudnnAttentionOptions& opts = {},
                               std::string* why = nullptr);

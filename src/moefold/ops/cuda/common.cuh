@@ -1,12 +1,13 @@
-// Shared by the CUDA ops (ops/cuda/*.cu): error checks, the compute stream, bf16/float access.
-// Every op runs on compute_stream() (core/device.h), checks its launch, and never synchronises
-// the host unless its header says so.
+// Shared by the CUDA ops (ops/cuda/*.cu): error checks, the context's stream, bf16/float access.
+// Every op runs on the stream of the execution context it is given (core/exec.h), checks its
+// launch, and never synchronises the host unless its header says so.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "moefold/core/cuda_check.h"
 #include "moefold/core/device.h"
+#include "moefold/core/exec.h"
 #include "moefold/core/error.h"
 #include "moefold/core/tensor.h"
 
@@ -27,7 +28,8 @@ namespace moefold::cuda {
     if (mf_err_ != cudaSuccess) MF_FAIL("CUDA launch of ", what, ": ", cudaGetErrorString(mf_err_)); \
   } while (0)
 
-inline cudaStream_t stream() { return static_cast<cudaStream_t>(compute_stream()); }
+// The stream an op runs on: its execution context's (core/exec.h).
+inline cudaStream_t stream_of(const ExecContext& ctx) { return static_cast<cudaStream_t>(ctx.stream()); }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

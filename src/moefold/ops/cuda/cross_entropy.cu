@@ -202,29 +202,29 @@ void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, co
 
 }  // namespace
 
-double cross_entropy_forward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N) {
+double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N) {
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_forward");
   const int64_t n = logits_NV.size(0), v = logits_NV.size(1);
   if (n == 0) return 0.0;
   // Row losses then their sum (the last element).
   auto* scratch =
-      static_cast<double*>(device_scratch(ScratchSlot::cross_entropy, static_cast<size_t>(n + 1) * sizeof(double)));
+      static_cast<double*>(ctx.scratch(ScratchSlot::cross_entropy, static_cast<size_t>(n + 1) * sizeof(double)));
   dispatch_cuda_float(logits_NV.dtype(), [&]<class T>() {
     auto* kernel = packed_rows<T>(v, logits_NV.data(), logits_NV.data()) ? &ce_forward_kernel<T, true>
                                                                          : &ce_forward_kernel<T, false>;
-    kernel<<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(logits_NV.ptr<T>(), targets_N.ptr<int32_t>(),
+    kernel<<<static_cast<unsigned>(n), kThreads, 0, stream_of(ctx)>>>(logits_NV.ptr<T>(), targets_N.ptr<int32_t>(),
                                                                 lse_N.ptr<float>(), scratch, v);
   });
   MF_CUDA_LAUNCHED("cross_entropy_forward rows");
-  sum_kernel<<<1, kSumThreads, 0, stream()>>>(scratch, n, scratch + n);
+  sum_kernel<<<1, kSumThreads, 0, stream_of(ctx)>>>(scratch, n, scratch + n);
   MF_CUDA_LAUNCHED("cross_entropy_forward sum");
   double loss = 0;
-  MF_CUDA_CHECK(cudaMemcpyAsync(&loss, scratch + n, sizeof(double), cudaMemcpyDeviceToHost, stream()));
-  MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  MF_CUDA_CHECK(cudaMemcpyAsync(&loss, scratch + n, sizeof(double), cudaMemcpyDeviceToHost, stream_of(ctx)));
+  MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
   return loss;
 }
 
-void cross_entropy_backward(const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
+void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
                             const Tensor& dlogits_NV) {
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_backward");
   check_cuda_tensor(dlogits_NV, "cross_entropy_backward dlogits");
@@ -236,7 +236,7 @@ void cross_entropy_backward(const Tensor& logits_NV, const Tensor& targets_N, co
   dispatch_cuda_float(logits_NV.dtype(), [&]<class T>() {
     auto* kernel = packed_rows<T>(v, logits_NV.data(), dlogits_NV.data()) ? &ce_backward_kernel<T, true>
                                                                           : &ce_backward_kernel<T, false>;
-    kernel<<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(logits_NV.ptr<T>(), targets_N.ptr<int32_t>(),
+    kernel<<<static_cast<unsigned>(n), kThreads, 0, stream_of(ctx)>>>(logits_NV.ptr<T>(), targets_N.ptr<int32_t>(),
                                                                 lse_N.ptr<float>(), static_cast<float>(grad_scale),
                                                                 dlogits_NV.ptr<T>(), v);
   });

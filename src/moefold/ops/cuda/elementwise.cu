@@ -69,7 +69,7 @@ __global__ void cast_kernel(const S* src, D* dst, int64_t n) {
 
 }  // namespace
 
-void cast(const Tensor& src, const Tensor& dst) {
+void cast(const ExecContext& ctx, const Tensor& src, const Tensor& dst) {
   check_cuda_tensor(src, "cast src");
   check_cuda_tensor(dst, "cast dst");
   MF_CHECK(src.numel() == dst.numel(), "cast: ", src.str(), " -> ", dst.str());
@@ -77,58 +77,58 @@ void cast(const Tensor& src, const Tensor& dst) {
   if (n == 0) return;
   dispatch_cuda_float(src.dtype(), [&]<class S>() {
     dispatch_cuda_float(dst.dtype(), [&]<class D>() {
-      cast_kernel<S, D><<<blocks_for(n), kThreads, 0, stream()>>>(src.ptr<S>(), dst.ptr<D>(), n);
+      cast_kernel<S, D><<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(src.ptr<S>(), dst.ptr<D>(), n);
     });
   });
   MF_CUDA_LAUNCHED("cast");
 }
 
-void fill_normal(const Tensor& t, uint64_t seed, uint64_t rng_stream, double mean, double std, uint64_t first_index) {
+void fill_normal(const ExecContext& ctx, const Tensor& t, uint64_t seed, uint64_t rng_stream, double mean, double std, uint64_t first_index) {
   check_cuda_tensor(t, "fill_normal");
   MF_CHECK(t.contiguous(), "fill_normal: ", t.str(), " is not contiguous");
   const int64_t n = t.numel();
   if (n == 0) return;
   dispatch_cuda_float(t.dtype(), [&]<class T>() {
     fill_normal_kernel<T>
-        <<<blocks_for(n), kThreads, 0, stream()>>>(t.ptr<T>(), n, seed, rng_stream, mean, std, first_index);
+        <<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(t.ptr<T>(), n, seed, rng_stream, mean, std, first_index);
   });
   MF_CUDA_LAUNCHED("fill_normal");
 }
 
-void add_inplace(const Tensor& y, const Tensor& x) {
+void add_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& x) {
   check_cuda_tensor(y, "add_inplace y");
   check_cuda_tensor(x, "add_inplace x");
   MF_CHECK(y.numel() == x.numel() && y.dtype() == x.dtype(), "add_inplace: ", y.str(), " += ", x.str());
   const int64_t n = y.numel();
   if (n == 0) return;
   dispatch_cuda_float(y.dtype(), [&]<class T>() {
-    add_kernel<T><<<blocks_for(n), kThreads, 0, stream()>>>(y.ptr<T>(), x.ptr<T>(), n);
+    add_kernel<T><<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.ptr<T>(), x.ptr<T>(), n);
   });
   MF_CUDA_LAUNCHED("add_inplace");
 }
 
-void scale_inplace(const Tensor& x, double s) {
+void scale_inplace(const ExecContext& ctx, const Tensor& x, double s) {
   check_cuda_tensor(x, "scale_inplace");
   const int64_t n = x.numel();
   if (n == 0) return;
   dispatch_cuda_float(x.dtype(), [&]<class T>() {
-    scale_kernel<T><<<blocks_for(n), kThreads, 0, stream()>>>(x.ptr<T>(), static_cast<float>(s), n);
+    scale_kernel<T><<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(x.ptr<T>(), static_cast<float>(s), n);
   });
   MF_CUDA_LAUNCHED("scale_inplace");
 }
 
-double sum_squares(const Tensor& x) {
+double sum_squares(const ExecContext& ctx, const Tensor& x) {
   check_cuda_tensor(x, "sum_squares");
   const int64_t n = x.numel();
   if (n == 0) return 0.0;
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 1024));
-  auto* partial = static_cast<double*>(device_scratch(ScratchSlot::sum_squares, blocks * sizeof(double)));
+  auto* partial = static_cast<double*>(ctx.scratch(ScratchSlot::sum_squares, blocks * sizeof(double)));
   dispatch_cuda_float(
-      x.dtype(), [&]<class T>() { sum_squares_kernel<T><<<blocks, kThreads, 0, stream()>>>(x.ptr<T>(), n, partial); });
+      x.dtype(), [&]<class T>() { sum_squares_kernel<T><<<blocks, kThreads, 0, stream_of(ctx)>>>(x.ptr<T>(), n, partial); });
   MF_CUDA_LAUNCHED("sum_squares");
   double host[1024];  // blocks <= 1024
-  MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream()));
-  MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream_of(ctx)));
+  MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
   double s = 0;
   for (int i = 0; i < blocks; ++i) s += host[i];
   return s;

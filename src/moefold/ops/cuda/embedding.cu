@@ -205,20 +205,20 @@ void check_call(const Tensor& ids_N, const Tensor& table_VC, const Tensor& rows_
   MF_CHECK(offset >= 0, what, ": vocab_offset ", offset);
 }
 
-void forward(const Tensor& ids_N, const Tensor& table_VC, int64_t offset, bool shard, const Tensor& out_NC,
+void forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_VC, int64_t offset, bool shard, const Tensor& out_NC,
              const char* what) {
   check_call(ids_N, table_VC, out_NC, offset, what);
   const int64_t n = ids_N.size(0), v = table_VC.size(0), c = table_VC.size(1);
   MF_CHECK(out_NC.dtype() == table_VC.dtype(), what, ": out ", out_NC.str(), " vs table ", table_VC.str());
   if (n * c == 0) return;
   dispatch_cuda_float(table_VC.dtype(), [&]<class T>() {
-    embedding_forward_kernel<T><<<blocks_for(n * c), kThreads, 0, stream()>>>(ids_N.ptr<int32_t>(), table_VC.ptr<T>(),
+    embedding_forward_kernel<T><<<blocks_for(n * c), kThreads, 0, stream_of(ctx)>>>(ids_N.ptr<int32_t>(), table_VC.ptr<T>(),
                                                                               out_NC.ptr<T>(), n, c, v, offset, shard);
   });
   MF_CUDA_LAUNCHED(what);
 }
 
-void backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t offset, bool shard, const Tensor& dtable_VC,
+void backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC, int64_t offset, bool shard, const Tensor& dtable_VC,
               const char* what) {
   check_call(ids_N, dtable_VC, dout_NC, offset, what);
   const int64_t n = ids_N.size(0), v = dtable_VC.size(0), c = dtable_VC.size(1);
@@ -237,7 +237,7 @@ void backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t offset, bool s
     auto* kernel = vec ? &embedding_backward_kernel<T, G, true> : &embedding_backward_kernel<T, G, false>;
     if (smem > 48 * 1024)
       MF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<static_cast<unsigned>(n), kThreads, smem, stream()>>>(ids_N.ptr<int32_t>(), dout_NC.ptr<T>(),
+    kernel<<<static_cast<unsigned>(n), kThreads, smem, stream_of(ctx)>>>(ids_N.ptr<int32_t>(), dout_NC.ptr<T>(),
                                                                    dtable_VC.ptr<G>(), n, c, v, offset, shard);
   };
   dispatch_cuda_float(dout_NC.dtype(), [&]<class T>() {
@@ -251,21 +251,21 @@ void backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t offset, bool s
 
 }  // namespace
 
-void embedding_forward(const Tensor& ids_N, const Tensor& table_VC, const Tensor& out_NC) {
-  forward(ids_N, table_VC, 0, false, out_NC, "embedding_forward");
+void embedding_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_VC, const Tensor& out_NC) {
+  forward(ctx, ids_N, table_VC, 0, false, out_NC, "embedding_forward");
 }
 
-void embedding_backward(const Tensor& ids_N, const Tensor& dout_NC, const Tensor& dtable_VC) {
-  backward(ids_N, dout_NC, 0, false, dtable_VC, "embedding_backward");
+void embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC, const Tensor& dtable_VC) {
+  backward(ctx, ids_N, dout_NC, 0, false, dtable_VC, "embedding_backward");
 }
 
-void embedding_shard_forward(const Tensor& ids_N, const Tensor& table_VlC, int64_t vocab_offset, const Tensor& out_NC) {
-  forward(ids_N, table_VlC, vocab_offset, true, out_NC, "embedding_shard_forward");
+void embedding_shard_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_VlC, int64_t vocab_offset, const Tensor& out_NC) {
+  forward(ctx, ids_N, table_VlC, vocab_offset, true, out_NC, "embedding_shard_forward");
 }
 
-void embedding_shard_backward(const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
+void embedding_shard_backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
                               const Tensor& dtable_VlC) {
-  backward(ids_N, dout_NC, vocab_offset, true, dtable_VlC, "embedding_shard_backward");
+  backward(ctx, ids_N, dout_NC, vocab_offset, true, dtable_VlC, "embedding_shard_backward");
 }
 
 }  // namespace moefold::cuda

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <mutex>
 #include <unordered_map>
 #include <vector>
 
@@ -84,39 +83,28 @@ struct Plan {
   size_t workspace_bytes = 0;
 };
 
-struct DeviceState {
+// cuBLASLt's state in one execution context: its handle, the workspace its GEMMs share in stream
+// order, and the plans (layouts and the chosen algorithm) per problem. Made on the context's
+// first GEMM, destroyed with the context. REQUIRES: one host thread uses a context at a time.
+struct LtState final : ExecLibraryState {
+  explicit LtState(const ExecContext&) {
+    MF_CUBLAS_CHECK(cublasLtCreate(&handle));
+    workspace = device_malloc(kWorkspaceBytes);
+  }
+  ~LtState() override {
+    device_free(workspace);
+    cublasLtDestroy(handle);  // not actionable when it fails (the context is going away)
+  }
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
 };
 
-// Handles and workspaces live for the whole process: destroying them from a static destructor
-// would race the CUDA runtime's own teardown, so they are never freed.
-std::mutex& state_mutex() {
-  static auto* m = new std::mutex;
-  return *m;
-}
-
-// REQUIRES: state_mutex() held.
-DeviceState& device_state() {
-  static auto* states = new std::unordered_map<int, std::unique_ptr<DeviceState>>;
-  int device = 0;
-  MF_CUDA_CHECK(cudaGetDevice(&device));
-  std::unique_ptr<DeviceState>& s = (*states)[device];
-  if (!s) {
-    auto fresh = std::make_unique<DeviceState>();
-    MF_CUBLAS_CHECK(cublasLtCreate(&fresh->handle));
-    fresh->workspace = device_malloc(kWorkspaceBytes);
-    s = std::move(fresh);
-  }
-  return *s;
-}
-
 void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr, const auto& value) {
   MF_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)));
 }
 
-void init_plan(DeviceState& s, const PlanKey& key, Plan& p) {
+void init_plan(LtState& s, const PlanKey& key, Plan& p) {
   MF_CUBLAS_CHECK(cublasLtMatmulDescInit(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_first = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_second = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -161,7 +149,7 @@ void init_plan(DeviceState& s, const PlanKey& key, Plan& p) {
   p.workspace_bytes = result.workspaceSize;
 }
 
-const Plan& plan_for(DeviceState& s, const PlanKey& key) {
+const Plan& plan_for(LtState& s, const PlanKey& key) {
   if (auto it = s.plans.find(key); it != s.plans.end()) return it->second;
   if (s.plans.size() >= kMaxPlans) s.plans.clear();
   const auto it = s.plans.try_emplace(key).first;
@@ -232,7 +220,7 @@ void check_linear(const Tensor& x, const Tensor& w, const Tensor& y, const char*
 // Copies offsets_E1 to `off` (waits for the GPU) and checks that they partition [0, rows).
 void download_offsets(const Tensor& offsets_E1, int64_t rows, std::vector<int64_t>& off) {
   off.resize(static_cast<size_t>(offsets_E1.numel()));
-  device_copy(off.data(), Device::cpu, offsets_E1.data(), Device::cuda, off.size() * sizeof(int64_t));
+  device_copy(off.data(), Device::cpu, offsets_E1.data(), Device::cuda, off.size() * sizeof(int64_t), ctx.stream());
   const size_t e_n = off.size() - 1;
   MF_CHECK(off[0] == 0 && off[e_n] == rows, "grouped_linear: offsets span [", off[0], ", ", off[e_n], ") for ", rows,
            " rows");
@@ -262,7 +250,7 @@ std::vector<int64_t>& offsets_buffer() {
 
 }  // namespace
 
-void gemm(const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans_b, const DeviceMatrix& c, double alpha,
+void gemm(const ExecContext& ctx, const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans_b, const DeviceMatrix& c, double alpha,
           double beta) {
   check_matrix(a, "a");
   check_matrix(b, "b");
@@ -281,7 +269,7 @@ void gemm(const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans
     const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(m * n, kThreads), 65535 * 8));
     dispatch_cuda_float(c.dtype, [&]<class T>() {
       scale_matrix_kernel<T>
-          <<<blocks, kThreads, 0, stream()>>>(static_cast<T*>(c.data), m, n, c.ld, static_cast<float>(beta));
+          <<<blocks, kThreads, 0, stream_of(ctx)>>>(static_cast<T*>(c.data), m, n, c.ld, static_cast<float>(beta));
     });
     MF_CUDA_LAUNCHED("gemm (k = 0)");
     return;
@@ -300,8 +288,7 @@ void gemm(const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans
                     alignment_of(b.data),
                     alignment_of(c.data)};
   const float alpha_f = static_cast<float>(alpha), beta_f = static_cast<float>(beta);
-  std::lock_guard<std::mutex> lock(state_mutex());
-  DeviceState& s = device_state();
+  LtState& s = ctx.library<LtState>(ExecLibrary::cublaslt);
   const Plan& p = plan_for(s, key);
   // const_cast: cuBLASLt's API takes non-const descriptors it only reads.
   auto* op = const_cast<cublasLtMatmulDescOpaque_t*>(&p.op);
@@ -309,15 +296,15 @@ void gemm(const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans
   auto* second = const_cast<cublasLtMatrixLayoutOpaque_t*>(&p.second);
   auto* out = const_cast<cublasLtMatrixLayoutOpaque_t*>(&p.out);
   MF_CUBLAS_CHECK(cublasLtMatmul(s.handle, op, &alpha_f, b.data, first, a.data, second, &beta_f, c.data, out, c.data,
-                                 out, &p.algo, s.workspace, p.workspace_bytes, stream()));
+                                 out, &p.algo, s.workspace, p.workspace_bytes, stream_of(ctx)));
 }
 
-void linear_forward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
+void linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
   check_linear(x_NI, w_OI, y_NO, "linear_forward");
-  gemm(device_matrix(x_NI), false, device_matrix(w_OI), true, device_matrix(y_NO), 1.0, 0.0);
+  gemm(ctx, device_matrix(x_NI), false, device_matrix(w_OI), true, device_matrix(y_NO), 1.0, 0.0);
 }
 
-void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
+void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
                      const Tensor& dw_OI) {
   check_linear(x_NI, w_OI, dy_NO, "linear_backward");
   check_cuda_tensor(dw_OI, "linear_backward dw");
@@ -327,24 +314,24 @@ void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO
     check_cuda_tensor(dx_NI, "linear_backward dx");
     check_shape(dx_NI, x_NI.shape(), "linear_backward dx");
     check_same_dtype(dx_NI, x_NI, "linear_backward dx");
-    gemm(device_matrix(dy_NO), false, device_matrix(w_OI), false, device_matrix(dx_NI), 1.0, 0.0);
+    gemm(ctx, device_matrix(dy_NO), false, device_matrix(w_OI), false, device_matrix(dx_NI), 1.0, 0.0);
   }
-  gemm(device_matrix(dy_NO), true, device_matrix(x_NI), false, device_matrix(dw_OI), 1.0, 1.0);
+  gemm(ctx, device_matrix(dy_NO), true, device_matrix(x_NI), false, device_matrix(dw_OI), 1.0, 1.0);
 }
 
-void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO) {
+void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO) {
   check_grouped(x_RI, w_EOI, offsets_E1, y_RO, "grouped_linear_forward");
-  if (cutlass_grouped_gemm_requested() && cutlass_grouped_linear_forward(x_RI, w_EOI, offsets_E1, y_RO)) return;
+  if (ctx.kernels().grouped_gemm == GroupedGemmImpl::cutlass && cutlass_grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO)) return;
   std::vector<int64_t>& off = offsets_buffer();
   download_offsets(offsets_E1, x_RI.size(0), off);
   for (int64_t e = 0; e < w_EOI.size(0); ++e) {
     if (off[e + 1] == off[e]) continue;
-    gemm(row_block(x_RI, off[e], off[e + 1]), false, expert_matrix(w_EOI, e), true, row_block(y_RO, off[e], off[e + 1]),
+    gemm(ctx, row_block(x_RI, off[e], off[e + 1]), false, expert_matrix(w_EOI, e), true, row_block(y_RO, off[e], off[e + 1]),
          1.0, 0.0);
   }
 }
 
-void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
+void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
                              const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
   check_grouped(x_RI, w_EOI, offsets_E1, dy_RO, "grouped_linear_backward");
   if (dw_EOI.defined()) {
@@ -357,8 +344,8 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
     check_shape(dx_RI, x_RI.shape(), "grouped_linear_backward dx");
     check_same_dtype(dx_RI, x_RI, "grouped_linear_backward dx");
   }
-  if (cutlass_grouped_gemm_requested() &&
-      cutlass_grouped_linear_backward(x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate))
+  if (ctx.kernels().grouped_gemm == GroupedGemmImpl::cutlass &&
+      cutlass_grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate))
     return;
   std::vector<int64_t>& off = offsets_buffer();
   download_offsets(offsets_E1, x_RI.size(0), off);
@@ -368,26 +355,26 @@ void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tens
     if (begin == end && (accumulate || !dw_EOI.defined())) continue;
     // dx = dy @ w (m x O @ O x I); dw += dy^T @ x (O x m @ m x I).
     if (dx_RI.defined() && begin != end)
-      gemm(row_block(dy_RO, begin, end), false, expert_matrix(w_EOI, e), false, row_block(dx_RI, begin, end), 1.0, 0.0);
+      gemm(ctx, row_block(dy_RO, begin, end), false, expert_matrix(w_EOI, e), false, row_block(dx_RI, begin, end), 1.0, 0.0);
     if (dw_EOI.defined())
-      gemm(row_block(dy_RO, begin, end), true, row_block(x_RI, begin, end), false, expert_matrix(dw_EOI, e), 1.0,
+      gemm(ctx, row_block(dy_RO, begin, end), true, row_block(x_RI, begin, end), false, expert_matrix(dw_EOI, e), 1.0,
            accumulate ? 1.0 : 0.0);
   }
 }
 
-void grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
+void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
                                    const Tensor& gu_R2F, const Tensor& h_RF) {
   check_grouped(x_RI, w_E2FI, offsets_E1, gu_R2F, "grouped_linear_swiglu_forward");
   check_cuda_tensor(h_RF, "grouped_linear_swiglu_forward h");
   check_shape(h_RF, {gu_R2F.size(0), gu_R2F.size(1) / 2}, "grouped_linear_swiglu_forward h");
   check_same_dtype(h_RF, gu_R2F, "grouped_linear_swiglu_forward h");
-  if (cutlass_grouped_gemm_requested() && cutlass_grouped_linear_swiglu_forward(x_RI, w_E2FI, offsets_E1, gu_R2F, h_RF))
+  if (ctx.kernels().grouped_gemm == GroupedGemmImpl::cutlass && cutlass_grouped_linear_swiglu_forward(ctx, x_RI, w_E2FI, offsets_E1, gu_R2F, h_RF))
     return;
-  grouped_linear_forward(x_RI, w_E2FI, offsets_E1, gu_R2F);
-  cuda::swiglu_forward(gu_R2F, h_RF, GateUp::pairs);  // qualified: ADL also finds moefold::swiglu_forward
+  grouped_linear_forward(ctx, x_RI, w_E2FI, offsets_E1, gu_R2F);
+  cuda::swiglu_forward(ctx, gu_R2F, h_RF, GateUp::pairs);  // qualified: ADL also finds moefold::swiglu_forward
 }
 
-void grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
+void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
                                          const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F) {
   check_grouped(dh_RF, w_EOF, offsets_E1, dy_RO, "grouped_linear_swiglu_backward_data");
   for (const Tensor* t : {&gu_R2F, &dgu_R2F}) {
@@ -395,15 +382,15 @@ void grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EO
     check_shape(*t, {dh_RF.size(0), 2 * dh_RF.size(1)}, "grouped_linear_swiglu_backward_data gu / dgu");
     check_same_dtype(*t, dh_RF, "grouped_linear_swiglu_backward_data gu / dgu");
   }
-  if (cutlass_grouped_gemm_requested() &&
-      cutlass_grouped_linear_swiglu_backward_data(dy_RO, w_EOF, offsets_E1, gu_R2F, dgu_R2F))
+  if (ctx.kernels().grouped_gemm == GroupedGemmImpl::cutlass &&
+      cutlass_grouped_linear_swiglu_backward_data(ctx, dy_RO, w_EOF, offsets_E1, gu_R2F, dgu_R2F))
     return;
   // dh as the layer input too: without a weight gradient the backward reads only its shape.
-  grouped_linear_backward(dh_RF, w_EOF, offsets_E1, dy_RO, dh_RF, Tensor(), true);
-  cuda::swiglu_backward(gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
+  grouped_linear_backward(ctx, dh_RF, w_EOF, offsets_E1, dy_RO, dh_RF, Tensor(), true);
+  cuda::swiglu_backward(ctx, gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
 }
 
-void matmul(const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
+void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
             double beta) {
   const auto view = [](const MatrixView& v, const char* what) {
     check_cuda_tensor(v.storage, what);
@@ -411,7 +398,7 @@ void matmul(const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b
         static_cast<char*>(v.storage.data()) + v.offset * static_cast<int64_t>(dtype_size(v.storage.dtype())),
         v.storage.dtype(), v.rows, v.cols, v.ld};
   };
-  gemm(view(a, "matmul a"), trans_a, view(b, "matmul b"), trans_b, view(c, "matmul c"), alpha, beta);
+  gemm(ctx, view(a, "matmul a"), trans_a, view(b, "matmul b"), trans_b, view(c, "matmul c"), alpha, beta);
 }
 
 }  // namespace moefold::cuda

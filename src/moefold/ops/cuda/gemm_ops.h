@@ -12,9 +12,9 @@
 // K = 768); bf16 results 1.7e-3 (one bf16 rounding), except 2.4e-3 for a few small-output
 // algorithms with beta != 0 (as if alpha*op(A)op(B) were rounded to bf16 before adding beta*C).
 //
-// Resources: one cuBLASLt handle and one 32 MiB workspace per device (cuBLAS's recommended size
-// on Hopper), created on the first GEMM of that device and kept for the life of the process; all
-// GEMMs run on compute_stream() and share that workspace in stream order. Algorithms come from
+// Resources: one cuBLASLt handle and one 32 MiB workspace per execution context (cuBLAS's
+// recommended size on Hopper), created on the context's first GEMM and destroyed with it; a
+// context's GEMMs run on its stream and share its workspace in stream order. Algorithms come from
 // cuBLASLt's heuristic and are cached per (dtypes, transposes, m, n, k, leading dimensions,
 // pointer alignments); a repeated shape costs a hash lookup and the launch, no allocation. A new
 // shape costs the heuristic query (tens of microseconds) and one cache entry; the cache is
@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "moefold/core/exec.h"
 #include "moefold/core/tensor.h"
 #include "moefold/ops/ops.h"
 
@@ -44,16 +45,16 @@ struct DeviceMatrix {
 // router logits); f32 x f32 -> f32. cuBLASLt has no mixed a/b or f32 -> bf16 form: convert first.
 // Any leading dimension and any element-aligned address (column blocks at odd offsets) work; the
 // heuristic is told each address's alignment, so 16-byte-aligned addresses and leading dimensions
-// get the fastest kernels. REQUIRES: c overlaps neither a nor b. Asynchronous on compute_stream().
-void gemm(const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans_b, const DeviceMatrix& c, double alpha,
+// get the fastest kernels. REQUIRES: c overlaps neither a nor b. Asynchronous on the context's stream.
+void gemm(const ExecContext& ctx, const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans_b, const DeviceMatrix& c, double alpha,
           double beta);
 
 // ---- linear (ops.h): y_NO = x_NI @ w_OI^T; dx = dy @ w (written, skipped when undefined);
 // dw += dy^T @ x (accumulated) -------------------------------------------------------------------
 // x, w, y, dy, dx share one dtype, f32 or bf16; dw is that dtype or f32 (bf16 operands with an
 // fp32 gradient accumulator).
-void linear_forward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
-void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
+void linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
+void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
                      const Tensor& dw_OI);
 
 // ---- grouped linear (moe_ops.h): expert e owns rows [offsets_E1[e], offsets_E1[e+1]) ------------
@@ -65,19 +66,19 @@ void linear_backward(const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO
 // backward: dx and dw). Expert row counts change every step, so new shapes also pay the heuristic
 // query. The follow-up is a device-side grouped GEMM (CUTLASS grouped GEMM or cuBLASLt grouped)
 // that reads the offsets on the GPU: no host wait, one launch for all experts.
-void grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO);
-void grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
+void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO);
+void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
                              const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate);
 // The SwiGLU-fused pair (moe_ops.h): CUTLASS epilogues where they serve (bf16, grouped_gemm_cutlass.h),
 // else grouped_linear + swiglu (pairs).
-void grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
+void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
                                    const Tensor& gu_R2F, const Tensor& h_RF);
-void grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
+void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
                                          const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F);
 
 // ---- matmul on matrix views (ops.h) --------------------------------------------------------------
 // The views' shapes, bounds and overlap are checked by moefold::matmul; dtypes as for gemm.
-void matmul(const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
+void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
             double beta);
 
 }  // namespace moefold::cuda

@@ -36,11 +36,6 @@
 
 namespace moefold::cuda {
 
-bool cutlass_grouped_gemm_requested() {
-  const char* v = std::getenv("MOEFOLD_GROUPED_GEMM");
-  return v == nullptr || std::strcmp(v, "cublaslt") != 0;
-}
-
 #ifdef MOEFOLD_WITH_CUTLASS
 
 bool cutlass_grouped_gemm_built() { return true; }
@@ -110,7 +105,6 @@ struct SwigluPairsStore {
     cutlass::bfloat16_t* h = nullptr;  // [R, F]: rows of group e start at offsets[e]
     int64_t ld = 0;                    // F
     const int64_t* offsets = nullptr;  // [E + 1] on the device
-    bool store = true;                 // false: h computed, not stored (a measurement knob)
   };
   using Params = Arguments;
 
@@ -153,15 +147,13 @@ struct SwigluPairsStore {
   // layouts store one h value at a time.
   template <class CoordTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue r, int m0, int n0, cutlass::bfloat16_t* h, int64_t ld,
-                                          bool store)
-        : tCcD(c), residue(r), m0(m0), n0(n0), h(h), ld(ld), store(store) {}
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue r, int m0, int n0, cutlass::bfloat16_t* h, int64_t ld)
+        : tCcD(c), residue(r), m0(m0), n0(n0), h(h), ld(ld) {}
     CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> (m, n) relative to this thread's first element
     Residue residue;   // (M, N) minus this thread's first element: the in-bounds limit of tCcD
     int m0, n0;        // this thread's first element in the group's (M, N)
     cutlass::bfloat16_t* h;
     int64_t ld;
-    bool store;
     // The subtile's h values (quad layout): fragment v's (row r, row r + 8) pair as bf16x2.
     uint32_t packed[4] = {};
     bool col_in[4] = {};
@@ -200,7 +192,7 @@ struct SwigluPairsStore {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kFrag; i += 2) {
           const auto mn = c(epi_v * kFrag + i);
-          if (store && elem_less(mn, residue))
+          if (elem_less(mn, residue))
             h[static_cast<int64_t>(m0 + get<0>(mn)) * ld + (n0 + get<1>(mn)) / 2] = cutlass::bfloat16_t(h_of(i));
         }
       }
@@ -224,7 +216,6 @@ struct SwigluPairsStore {
         }
         const bool in_cols = q == 0 ? col_in[0] : q == 1 ? col_in[1] : q == 2 ? col_in[2] : col_in[3];
         const int64_t col = h_col - q + 4 * q;  // fragment 0's first h column of the quad, plus 4q
-        if (!store) return;
         if (in_cols && row_a_in)
           *reinterpret_cast<uint2*>(h + row_a * ld + col) =
               make_uint2(__byte_perm(y[0], y[1], 0x5410), __byte_perm(y[2], y[3], 0x5410));
@@ -243,7 +234,7 @@ struct SwigluPairsStore {
     const int n0 = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
     cutlass::bfloat16_t* h = params.h + params.offsets[l] * params.ld;
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(args.tCcD, args.residue_tCcD, m0,
-                                                                                    n0, h, params.ld, params.store);
+                                                                                    n0, h, params.ld);
   }
 };
 
@@ -310,59 +301,29 @@ template <class Tile, class Cluster, class Schedule = Cooperative>
 using SwigluDgrad =
     Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, float, Tile, Cluster, Schedule, SwigluBackwardTree>;
 
-enum class Tiles : int { small, large, pingpong };
-
-Tiles parse_tiles(const std::string& value, const std::string& whole) {
-  for (const auto& [name, t] :
-       {std::pair{"small", Tiles::small}, std::pair{"large", Tiles::large}, std::pair{"pingpong", Tiles::pingpong}})
-    if (value == name) return t;
-  MF_FAIL("MOEFOLD_CUTLASS_TILE = \"", whole, "\": expected small, large or pingpong, for all kinds or as ",
-          "forward=...,dgrad=...,wgrad=...,swiglu_forward=...,swiglu_dgrad=...");
-}
-
-// Which configuration each kind uses: MOEFOLD_CUTLASS_TILE = "small", "large" or "pingpong" (every
-// kind), or per kind, e.g. "forward=large,dgrad=small,swiglu_forward=large"; a kind not named
-// (or the variable unset) takes its default: ping-pong for swiglu_forward (its epilogue's SwiGLU
-// and h stores then overlap the other warp group's math: measured 1.27 ms vs 1.40 ms with large
-// tiles for qwen3-30b-a3b, where the plain fc1 takes 1.15 ms), large for the rest.
-// Read at every call (a getenv), so a benchmark or test can switch between calls.
-Tiles tiles_for(Kind kind) {
-  const Tiles fallback = kind == Kind::swiglu_forward ? Tiles::pingpong : Tiles::large;
-  const char* v = std::getenv("MOEFOLD_CUTLASS_TILE");
-  if (v == nullptr || v[0] == '\0') return fallback;
-  const std::string s(v);
-  if (s.find('=') == std::string::npos) return parse_tiles(s, s);
-  const char* names[5] = {"forward", "dgrad", "wgrad", "swiglu_forward", "swiglu_dgrad"};
-  Tiles chosen = fallback;
-  for (size_t begin = 0; begin <= s.size();) {
-    const size_t end = std::min(s.find(',', begin), s.size()), eq = s.find('=', begin);
-    if (eq >= end) MF_FAIL("MOEFOLD_CUTLASS_TILE = \"", s, "\": expected kind=tiles items separated by commas");
-    const std::string key = s.substr(begin, eq - begin), value = s.substr(eq + 1, end - eq - 1);
-    const Tiles t = parse_tiles(value, s);
-    if (std::find(std::begin(names), std::end(names), key) == std::end(names))
-      MF_FAIL("MOEFOLD_CUTLASS_TILE = \"", s, "\": unknown kind \"", key, "\"");
-    if (key == names[static_cast<int>(kind)]) chosen = t;
-    begin = end + 1;
-  }
-  return chosen;
+// The tile configuration of `kind` in the run's kernels.cutlass_tile (core/kernel_options.h).
+GemmTiles tiles_for(const ExecContext& ctx, Kind kind) {
+  const CutlassTiles& t = ctx.kernels().cutlass_tiles;
+  const GemmTiles per_kind[] = {t.forward, t.dgrad, t.wgrad, t.swiglu_forward, t.swiglu_dgrad};
+  return per_kind[static_cast<int>(kind)];
 }
 
 // Calls run.template operator()<G>() with G the configuration of `kind` (Forward, Dgrad or Wgrad)
-// that tiles_for picks and returns true; false (nothing run) for "small" when kSmall is false (the
+// that the context's kernels.cutlass_tile picks and returns true; false (nothing run) for "small" when kSmall is false (the
 // SwiGLU kinds are not built with small tiles, to bound the compile time).
 template <template <class, class, class> class Config, bool kSmall = true, class Run>
-bool with_tiles(Kind kind, const Run& run) {
-  switch (tiles_for(kind)) {
-    case Tiles::large:
+bool with_tiles(const ExecContext& ctx, Kind kind, const Run& run) {
+  switch (tiles_for(ctx, kind)) {
+    case GemmTiles::large:
       run.template operator()<Config<LargeTile, Pair, Cooperative>>();
       return true;
-    case Tiles::small:
+    case GemmTiles::small:
       if constexpr (kSmall) {
         run.template operator()<Config<SmallTile, One, Cooperative>>();
         return true;
       }
       return false;
-    case Tiles::pingpong:
+    case GemmTiles::pingpong:
       run.template operator()<Config<PongTile, Pair, PingPong>>();
       return true;
   }
@@ -454,22 +415,22 @@ __global__ void build_group_args(Arrays<G> arr, const int64_t* __restrict__ off,
     set_group<G>(arr, e, o_n, i_n, m, rows + begin * o_n, rows2 + begin * i_n, o + we, m == 0);
 }
 
-// The SMs the persistent grouped GEMMs spread over: all of them, or MOEFOLD_GEMM_SMS (read once)
-// to leave some to a transfer running beside them (expert parallelism: NCCL's blocks take SMs, and
-// a persistent kernel whose blocks wait for them finishes late).
-cutlass::KernelHardwareInfo hardware_info() {
-  static thread_local cutlass::KernelHardwareInfo info = [] {
-    cutlass::KernelHardwareInfo h;
-    MF_CUDA_CHECK(cudaGetDevice(&h.device_id));
-    h.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(h.device_id);
-    if (const char* v = std::getenv("MOEFOLD_GEMM_SMS"); v != nullptr && *v != '\0') {
-      const int n = std::atoi(v);
-      MF_CHECK(n >= 1 && n <= h.sm_count, "MOEFOLD_GEMM_SMS=", v, ": must be in [1, ", h.sm_count, "]");
-      h.sm_count = n;
+// The SMs the persistent grouped GEMMs spread over: all of them, or kernels.gemm_sms to leave
+// some to a transfer running beside them (expert parallelism: NCCL's blocks take SMs, and a
+// persistent kernel whose blocks wait for them finishes late). Queried once per context.
+struct HardwareState final : ExecLibraryState {
+  explicit HardwareState(const ExecContext& ctx) {
+    MF_CUDA_CHECK(cudaGetDevice(&info.device_id));
+    info.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(info.device_id);
+    if (const int n = ctx.kernels().gemm_sms; n > 0) {
+      if (n > info.sm_count) MF_FAIL("kernels.gemm_sms = ", n, ": this GPU has ", info.sm_count, " SMs");
+      info.sm_count = n;
     }
-    return h;
-  }();
-  return info;
+  }
+  cutlass::KernelHardwareInfo info;
+};
+cutlass::KernelHardwareInfo hardware_info(const ExecContext& ctx) {
+  return ctx.library<HardwareState>(ExecLibrary::cutlass).info;
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -495,14 +456,14 @@ typename G::Thread linear_combination(float beta) {
 
 // Builds the group arguments on the device and runs one grouped GEMM of kind kKind.
 template <class G, Kind kKind>
-void run_grouped(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& rows,
+void run_grouped(const ExecContext& ctx, int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& rows,
                  const Tensor& rows2, const Tensor& w, void* out, const typename G::Thread& thread, const char* what,
                  const void* src = nullptr) {
   const size_t arg_bytes = Arrays<G>::bytes(e_n);
-  void* arg_block = device_scratch(ScratchSlot::grouped_gemm_args, arg_bytes);
+  void* arg_block = ctx.scratch(ScratchSlot::grouped_gemm_args, arg_bytes);
   Arrays<G> arr = Arrays<G>::carve(arg_block, e_n);
   constexpr int kThreads = 128;
-  build_group_args<G, kKind><<<static_cast<unsigned>(ceil_div(e_n, kThreads)), kThreads, 0, stream()>>>(
+  build_group_args<G, kKind><<<static_cast<unsigned>(ceil_div(e_n, kThreads)), kThreads, 0, stream_of(ctx)>>>(
       arr, offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(i_n), static_cast<int>(o_n),
       static_cast<const cutlass::bfloat16_t*>(rows.data()),
       rows2.defined() ? static_cast<const cutlass::bfloat16_t*>(rows2.data()) : nullptr,
@@ -512,37 +473,37 @@ void run_grouped(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1
                                    {static_cast<int>(e_n), arr.problems, nullptr},
                                    {arr.a, arr.sa, arr.b, arr.sb},
                                    {thread, arr.c, arr.sc, arr.d, arr.sd},
-                                   hardware_info()};
+                                   hardware_info(ctx)};
   typename G::Gemm gemm;
   const cutlass::Status ok = gemm.can_implement(args);
   MF_CHECK(ok == cutlass::Status::kSuccess, what, ": CUTLASS cannot run this grouped GEMM (",
            cutlassGetStatusString(ok), ")");
   const size_t ws_bytes = G::Gemm::get_workspace_size(args);
-  void* ws = device_scratch(ScratchSlot::grouped_gemm_workspace, ws_bytes);
-  const cutlass::Status init = gemm.initialize(args, ws, stream());
+  void* ws = ctx.scratch(ScratchSlot::grouped_gemm_workspace, ws_bytes);
+  const cutlass::Status init = gemm.initialize(args, ws, stream_of(ctx));
   MF_CHECK(init == cutlass::Status::kSuccess, what, ": CUTLASS initialize: ", cutlassGetStatusString(init));
-  const cutlass::Status run = gemm.run(stream());
+  const cutlass::Status run = gemm.run(stream_of(ctx));
   MF_CHECK(run == cutlass::Status::kSuccess, what, ": CUTLASS run: ", cutlassGetStatusString(run));
   MF_CUDA_LAUNCHED(what);
 }
 
 }  // namespace
 
-bool cutlass_grouped_linear_forward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+bool cutlass_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
                                     const Tensor& y_RO) {
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   if (x_RI.dtype() != DType::bf16 || y_RO.dtype() != DType::bf16 || i_n % 8 != 0 || o_n % 8 != 0) return false;
   if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(y_RO.data())) return false;
   if (x_RI.size(0) == 0 || e_n == 0) return true;
   const auto run = [&]<class G>() {
-    run_grouped<G, Kind::forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(),
+    run_grouped<G, Kind::forward>(ctx, e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(),
                                   linear_combination<G>(0.0f), "grouped_linear_forward (CUTLASS)");
   };
-  with_tiles<Forward>(Kind::forward, run);
+  with_tiles<Forward>(ctx, Kind::forward, run);
   return true;
 }
 
-bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
                                      const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   const bool want_dw = dw_EOI.defined();
@@ -555,57 +516,47 @@ bool cutlass_grouped_linear_backward(const Tensor& x_RI, const Tensor& w_EOI, co
     return false;
   if (e_n == 0) return true;
   if (x_RI.size(0) == 0) {
-    if (want_dw && !accumulate) device_zero(dw_EOI.data(), dw_EOI.nbytes());
+    if (want_dw && !accumulate) MF_CUDA_CHECK(cudaMemsetAsync(dw_EOI.data(), 0, dw_EOI.nbytes(), stream_of(ctx)));
     return true;
   }
   const auto dgrad = [&]<class G>() {
-    run_grouped<G, Kind::dgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.data(),
+    run_grouped<G, Kind::dgrad>(ctx, e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.data(),
                                 linear_combination<G>(0.0f), "grouped_linear_backward dx (CUTLASS)");
   };
   const auto wgrad = [&]<class G>() {
-    run_grouped<G, Kind::wgrad>(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(),
+    run_grouped<G, Kind::wgrad>(ctx, e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(),
                                 linear_combination<G>(accumulate ? 1.0f : 0.0f),
                                 "grouped_linear_backward dw (CUTLASS)");
   };
   // Written, not accumulated (beta = 0: the epilogue does not read dw): an expert without rows
   // gets no tiles, so its dw is zeroed here (the offsets are read on the device).
-  if (dx_RI.defined()) with_tiles<Dgrad>(Kind::dgrad, dgrad);
+  if (dx_RI.defined()) with_tiles<Dgrad>(ctx, Kind::dgrad, dgrad);
   if (!want_dw) return true;
   if (!accumulate) {
     const int64_t per = o_n * i_n;
-    zero_empty_experts<<<dim3(64, static_cast<unsigned>(e_n)), 256, 0, stream()>>>(dw_EOI.ptr<float>(),
+    zero_empty_experts<<<dim3(64, static_cast<unsigned>(e_n)), 256, 0, stream_of(ctx)>>>(dw_EOI.ptr<float>(),
                                                                                    offsets_E1.ptr<int64_t>(), per);
     MF_CUDA_LAUNCHED("grouped_linear_backward dw (zero empty experts)");
   }
-  with_tiles<Wgrad>(Kind::wgrad, wgrad);
+  with_tiles<Wgrad>(ctx, Kind::wgrad, wgrad);
   return true;
 }
 
 namespace {
-// MOEFOLD_FUSED_SWIGLU: unset or "auto": the backward kind always, the forward kind where it was
-// measured faster than the GEMM and the pairs kernel apart (docs/benchmarks.md, session 6: fc1 of
-// qwen3-30b-a3b, H = 2048: 1.27-1.34 ms fused vs 1.32-1.42 apart; H = 4096 (qwen3-235b-a22b) and
-// 7168 (DeepSeek-V3): 0.1 and 0.6-1.0 ms slower fused, the epilogue's cost growing with the tiles'
-// K for reasons not yet understood), i.e. for inputs of at most 2048 columns; "1": both kinds
-// everywhere; "0": neither (the unfused ops); "nostore": both, but the forward does not store h
-// (wrong results: measures the stores' share). Read at every call.
-enum class Fusion : int { automatic, on, off, no_store };
-Fusion swiglu_fusion() {
-  const char* v = std::getenv("MOEFOLD_FUSED_SWIGLU");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Fusion::automatic;
-  if (std::strcmp(v, "1") == 0) return Fusion::on;
-  if (std::strcmp(v, "0") == 0) return Fusion::off;
-  if (std::strcmp(v, "nostore") == 0) return Fusion::no_store;
-  MF_FAIL("MOEFOLD_FUSED_SWIGLU=", v, ": expected auto, 1, 0 or nostore");
-}
+// kernels.fused_swiglu (core/kernel_options.h): auto fuses the backward kind always and the
+// forward kind where it was measured faster than the GEMM and the pairs kernel apart
+// (docs/benchmarks.md, session 6: fc1 of qwen3-30b-a3b, H = 2048: 1.27-1.34 ms fused vs
+// 1.32-1.42 apart; H = 4096 (qwen3-235b-a22b) and 7168 (DeepSeek-V3): 0.1 and 0.6-1.0 ms slower
+// fused, the epilogue's cost growing with the tiles' K for reasons not yet understood), i.e. for
+// inputs of at most 2048 columns; on fuses both everywhere; off neither (the unfused ops).
 constexpr int64_t kFusedForwardMaxInputs = 2048;
 }  // namespace
 
-bool cutlass_grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
+bool cutlass_grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
                                            const Tensor& gu_R2F, const Tensor& h_RF) {
-  const Fusion fusion = swiglu_fusion();
+  const SwigluFusion fusion = ctx.kernels().fused_swiglu;
   const int64_t e_n = w_E2FI.size(0), o_n = w_E2FI.size(1), i_n = w_E2FI.size(2);
-  if (fusion == Fusion::off || (fusion == Fusion::automatic && i_n > kFusedForwardMaxInputs)) return false;
+  if (fusion == SwigluFusion::off || (fusion == SwigluFusion::automatic && i_n > kFusedForwardMaxInputs)) return false;
   if (x_RI.dtype() != DType::bf16 || gu_R2F.dtype() != DType::bf16 || h_RF.dtype() != DType::bf16 || i_n % 8 != 0 ||
       o_n % 16 != 0)
     return false;
@@ -614,17 +565,16 @@ bool cutlass_grouped_linear_swiglu_forward(const Tensor& x_RI, const Tensor& w_E
   if (x_RI.size(0) == 0 || e_n == 0) return true;
   const auto run = [&]<class G>() {
     typename G::Thread thread;
-    thread.op_1 = {static_cast<cutlass::bfloat16_t*>(h_RF.data()), o_n / 2, offsets_E1.ptr<int64_t>(),
-                   fusion != Fusion::no_store};
-    run_grouped<G, Kind::swiglu_forward>(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_E2FI, gu_R2F.data(), thread,
+    thread.op_1 = {static_cast<cutlass::bfloat16_t*>(h_RF.data()), o_n / 2, offsets_E1.ptr<int64_t>()};
+    run_grouped<G, Kind::swiglu_forward>(ctx, e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_E2FI, gu_R2F.data(), thread,
                                          "grouped_linear_swiglu_forward (CUTLASS)");
   };
-  return with_tiles<SwigluForward, false>(Kind::swiglu_forward, run);
+  return with_tiles<SwigluForward, false>(ctx, Kind::swiglu_forward, run);
 }
 
-bool cutlass_grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
+bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
                                                  const Tensor& gu_R2F, const Tensor& dgu_R2F) {
-  if (swiglu_fusion() == Fusion::off) return false;
+  if (ctx.kernels().fused_swiglu == SwigluFusion::off) return false;
   const int64_t e_n = w_EOF.size(0), o_n = w_EOF.size(1), f_n = w_EOF.size(2);
   if (dy_RO.dtype() != DType::bf16 || w_EOF.dtype() != DType::bf16 || gu_R2F.dtype() != DType::bf16 ||
       dgu_R2F.dtype() != DType::bf16 || f_n % 8 != 0 || o_n % 8 != 0)
@@ -634,25 +584,25 @@ bool cutlass_grouped_linear_swiglu_backward_data(const Tensor& dy_RO, const Tens
   if (dy_RO.size(0) == 0 || e_n == 0) return true;
   // gu and dgu as [R, F] float lanes, one (g, u) pair each.
   const auto run = [&]<class G>() {
-    run_grouped<G, Kind::swiglu_dgrad>(e_n, f_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOF, dgu_R2F.data(),
+    run_grouped<G, Kind::swiglu_dgrad>(ctx, e_n, f_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOF, dgu_R2F.data(),
                                        typename G::Thread{}, "grouped_linear_swiglu_backward_data (CUTLASS)",
                                        gu_R2F.data());
   };
-  return with_tiles<SwigluDgrad, false>(Kind::swiglu_dgrad, run);
+  return with_tiles<SwigluDgrad, false>(ctx, Kind::swiglu_dgrad, run);
 }
 
 #else  // built without CUTLASS's headers
 
 bool cutlass_grouped_gemm_built() { return false; }
-bool cutlass_grouped_linear_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&) { return false; }
-bool cutlass_grouped_linear_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+bool cutlass_grouped_linear_forward(const ExecContext& ctx, const Tensor&, const Tensor&, const Tensor&, const Tensor&) { return false; }
+bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                      const Tensor&, bool) {
   return false;
 }
-bool cutlass_grouped_linear_swiglu_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+bool cutlass_grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
   return false;
 }
-bool cutlass_grouped_linear_swiglu_backward_data(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                  const Tensor&) {
   return false;
 }

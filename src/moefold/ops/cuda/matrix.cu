@@ -34,30 +34,30 @@ __global__ void fill_kernel(T* dst, int64_t ld, int64_t rows, int64_t cols, T va
 
 }  // namespace
 
-void copy_matrix(const MatrixView& src, const MatrixView& dst) {
+void copy_matrix(const ExecContext& ctx, const MatrixView& src, const MatrixView& dst) {
   if (src.rows == 0 || src.cols == 0) return;
   const size_t e = dtype_size(src.storage.dtype());
   MF_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(dst.storage.data()) + dst.offset * e, dst.ld * e,
                                   static_cast<const char*>(src.storage.data()) + src.offset * e, src.ld * e,
-                                  src.cols * e, src.rows, cudaMemcpyDeviceToDevice, stream()));
+                                  src.cols * e, src.rows, cudaMemcpyDeviceToDevice, stream_of(ctx)));
 }
 
-void add_matrix(const MatrixView& src, const MatrixView& dst) {
+void add_matrix(const ExecContext& ctx, const MatrixView& src, const MatrixView& dst) {
   const int64_t n = src.rows * src.cols;
   if (n == 0) return;
   dispatch_cuda_float(src.storage.dtype(), [&]<class T>() {
-    add_kernel<T><<<blocks_for(n), kThreads, 0, stream()>>>(
+    add_kernel<T><<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
         src.storage.ptr<T>() + src.offset, src.ld, dst.storage.ptr<T>() + dst.offset, dst.ld, src.rows, src.cols);
   });
   MF_CUDA_LAUNCHED("add_matrix");
 }
 
-void fill_matrix(const MatrixView& dst, double value) {
+void fill_matrix(const ExecContext& ctx, const MatrixView& dst, double value) {
   const int64_t n = dst.rows * dst.cols;
   if (n == 0) return;
   auto launch = [&]<class T>(T v) {
     fill_kernel<T>
-        <<<blocks_for(n), kThreads, 0, stream()>>>(dst.storage.ptr<T>() + dst.offset, dst.ld, dst.rows, dst.cols, v);
+        <<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(dst.storage.ptr<T>() + dst.offset, dst.ld, dst.rows, dst.cols, v);
   };
   switch (dst.storage.dtype()) {
     case DType::i32:

@@ -215,12 +215,12 @@ __global__ void router_topk_forward_kernel(const float* logits, const float* bia
 }
 
 template <int V>
-void launch_router_topk_forward(const float* logits, const float* bias, int64_t t_n, int e_n, int k_n, bool softmax,
+void launch_router_topk_forward(const ExecContext& ctx, const float* logits, const float* bias, int64_t t_n, int e_n, int k_n, bool softmax,
                                 int n_group, int topk_group, bool norm, float scaling, float* scores, int32_t* idx,
                                 float* prob) {
   const size_t per_warp = static_cast<size_t>(2 * e_n + n_group) * sizeof(float);
   const int warps = static_cast<int>(std::clamp<size_t>(kSharedBudget / per_warp, 1, 8));
-  router_topk_forward_kernel<V><<<blocks_for(t_n, warps), warps * kWarp, warps * per_warp, stream()>>>(
+  router_topk_forward_kernel<V><<<blocks_for(t_n, warps), warps * kWarp, warps * per_warp, stream_of(ctx)>>>(
       logits, bias, t_n, e_n, k_n, softmax, n_group, topk_group, norm, scaling, scores, idx, prob);
 }
 
@@ -303,16 +303,16 @@ __global__ void seq_expert_counts_kernel(const int32_t* idx, int64_t n, int k_n,
 
 constexpr int kCountThreads = 256;
 
-void launch_counts(const int32_t* idx, int64_t n, int e_n, int64_t* counts) {
-  MF_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(e_n) * sizeof(int64_t), stream()));
+void launch_counts(const ExecContext& ctx, const int32_t* idx, int64_t n, int e_n, int64_t* counts) {
+  MF_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(e_n) * sizeof(int64_t), stream_of(ctx)));
   if (n == 0) return;
   const int blocks = std::min(blocks_for(n, kCountThreads), 1024);
   auto* c = reinterpret_cast<unsigned long long*>(counts);
   const size_t shared = static_cast<size_t>(e_n) * sizeof(unsigned);
   if (shared <= kSharedBudget)
-    expert_counts_kernel<true><<<blocks, kCountThreads, shared, stream()>>>(idx, n, e_n, c);
+    expert_counts_kernel<true><<<blocks, kCountThreads, shared, stream_of(ctx)>>>(idx, n, e_n, c);
   else
-    expert_counts_kernel<false><<<blocks, kCountThreads, 0, stream()>>>(idx, n, e_n, c);
+    expert_counts_kernel<false><<<blocks, kCountThreads, 0, stream_of(ctx)>>>(idx, n, e_n, c);
   MF_CUDA_LAUNCHED("topk_expert_counts");
 }
 
@@ -370,16 +370,16 @@ __global__ void row_loss_kernel(const float* x, int64_t t_n, int e_n, bool softm
 
 // Sum over tokens of the per-token value, on the host (waits for the GPU).
 template <int kKind>
-double row_loss_sum(const float* x, int64_t t_n, int e_n, bool softmax, const int64_t* counts, int64_t row_offset,
+double row_loss_sum(const ExecContext& ctx, const float* x, int64_t t_n, int e_n, bool softmax, const int64_t* counts, int64_t row_offset,
                     int64_t local_seq_len, const char* what) {
   const int blocks = std::min(blocks_for(t_n, kLossWarps), kLossMaxBlocks);
-  auto* partial = static_cast<double*>(device_scratch(ScratchSlot::router_loss, blocks * sizeof(double)));
+  auto* partial = static_cast<double*>(ctx.scratch(ScratchSlot::router_loss, blocks * sizeof(double)));
   row_loss_kernel<kKind>
-      <<<blocks, kLossWarps * kWarp, 0, stream()>>>(x, t_n, e_n, softmax, counts, row_offset, local_seq_len, partial);
+      <<<blocks, kLossWarps * kWarp, 0, stream_of(ctx)>>>(x, t_n, e_n, softmax, counts, row_offset, local_seq_len, partial);
   MF_CUDA_LAUNCHED(what);
   double host[kLossMaxBlocks];
-  MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream()));
-  MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream_of(ctx)));
+  MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
   double total = 0;
   for (int i = 0; i < blocks; ++i) total += host[i];
   return total;
@@ -877,7 +877,7 @@ constexpr int kTokenWarps = 8;  // warps per block of the one-warp-per-token ker
 
 // ---- router scores and top-k -------------------------------------------------------------------
 
-void router_topk_forward(const Tensor& logits_TE, const TopkRouting& routing, const Tensor& scores_TE,
+void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const TopkRouting& routing, const Tensor& scores_TE,
                          const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) {
   check_2d(logits_TE, DType::f32, "router_topk_forward logits");
   check_2d(scores_TE, DType::f32, "router_topk_forward scores");
@@ -906,7 +906,7 @@ void router_topk_forward(const Tensor& logits_TE, const TopkRouting& routing, co
             tg = static_cast<int>(topk_group);
   const auto scaling = static_cast<float>(routing.scaling);
   auto launch = [&]<int V>() {
-    launch_router_topk_forward<V>(logits_TE.ptr<float>(), b, t_n, e, k, softmax, ng, tg, routing.norm_topk_prob,
+    launch_router_topk_forward<V>(ctx, logits_TE.ptr<float>(), b, t_n, e, k, softmax, ng, tg, routing.norm_topk_prob,
                                   scaling, scores_TE.ptr<float>(), topk_idx_TK.ptr<int32_t>(),
                                   topk_prob_TK.ptr<float>());
   };
@@ -925,7 +925,7 @@ void router_topk_forward(const Tensor& logits_TE, const TopkRouting& routing, co
   MF_CUDA_LAUNCHED("router_topk_forward");
 }
 
-void router_topk_backward(const Tensor& scores_TE, const Tensor& topk_idx_TK, const TopkRouting& routing,
+void router_topk_backward(const ExecContext& ctx, const Tensor& scores_TE, const Tensor& topk_idx_TK, const TopkRouting& routing,
                           const Tensor& dprob_TK, const Tensor& dlogits_TE) {
   check_2d(scores_TE, DType::f32, "router_topk_backward scores");
   check_2d(topk_idx_TK, DType::i32, "router_topk_backward topk_idx");
@@ -937,34 +937,34 @@ void router_topk_backward(const Tensor& scores_TE, const Tensor& topk_idx_TK, co
   MF_CHECK(topk_idx_TK.size(0) == t_n && k_n >= 1 && k_n <= 32 && k_n <= e_n && e_n <= std::numeric_limits<int>::max(),
            "router_topk_backward (CUDA: K <= 32): scores ", scores_TE.str(), ", topk_idx ", topk_idx_TK.str());
   if (t_n == 0) return;
-  router_topk_backward_kernel<<<blocks_for(t_n, kTokenWarps), kTokenWarps * kWarp, 0, stream()>>>(
+  router_topk_backward_kernel<<<blocks_for(t_n, kTokenWarps), kTokenWarps * kWarp, 0, stream_of(ctx)>>>(
       scores_TE.ptr<float>(), topk_idx_TK.ptr<int32_t>(), dprob_TK.ptr<float>(), t_n, static_cast<int>(e_n),
       static_cast<int>(k_n), routing.score_func == ScoreFunc::softmax, routing.norm_topk_prob, routing.scaling,
       dlogits_TE.ptr<float>());
   MF_CUDA_LAUNCHED("router_topk_backward");
 }
 
-void topk_expert_counts(const Tensor& topk_idx_TK, const Tensor& counts_E) {
+void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& counts_E) {
   check_2d(topk_idx_TK, DType::i32, "topk_expert_counts topk_idx");
   check_cuda_tensor(counts_E, "topk_expert_counts counts");
   check_dtype(counts_E, DType::i64, "topk_expert_counts counts");
   MF_CHECK(counts_E.ndim() == 1 && counts_E.size(0) <= std::numeric_limits<int>::max(),
            "topk_expert_counts counts: ", counts_E.str());
-  launch_counts(topk_idx_TK.ptr<int32_t>(), topk_idx_TK.numel(), static_cast<int>(counts_E.size(0)),
+  launch_counts(ctx, topk_idx_TK.ptr<int32_t>(), topk_idx_TK.numel(), static_cast<int>(counts_E.size(0)),
                 counts_E.ptr<int64_t>());
 }
 
-void seq_expert_counts(const Tensor& topk_idx_TK, const SeqLayout& layout, const Tensor& counts_BE) {
+void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const SeqLayout& layout, const Tensor& counts_BE) {
   check_2d(topk_idx_TK, DType::i32, "seq_expert_counts topk_idx");
   check_2d(counts_BE, DType::i64, "seq_expert_counts counts");
   const int64_t t_n = topk_idx_TK.size(0), k_n = topk_idx_TK.size(1), e_n = counts_BE.size(1);
   MF_CHECK(e_n <= std::numeric_limits<int>::max() && k_n >= 1, "seq_expert_counts: ", topk_idx_TK.str(), ", ",
            counts_BE.str());
   check_seq_layout(layout, t_n, counts_BE.size(0), "seq_expert_counts");
-  MF_CUDA_CHECK(cudaMemsetAsync(counts_BE.data(), 0, counts_BE.nbytes(), stream()));
+  MF_CUDA_CHECK(cudaMemsetAsync(counts_BE.data(), 0, counts_BE.nbytes(), stream_of(ctx)));
   const int64_t n = topk_idx_TK.numel();
   if (n == 0) return;
-  seq_expert_counts_kernel<<<std::min(blocks_for(n, kCountThreads), 1024), kCountThreads, 0, stream()>>>(
+  seq_expert_counts_kernel<<<std::min(blocks_for(n, kCountThreads), 1024), kCountThreads, 0, stream_of(ctx)>>>(
       topk_idx_TK.ptr<int32_t>(), n, static_cast<int>(k_n), static_cast<int>(e_n), layout.row_offset,
       layout.local_seq_len, reinterpret_cast<unsigned long long*>(counts_BE.ptr<int64_t>()));
   MF_CUDA_LAUNCHED("seq_expert_counts");
@@ -972,19 +972,19 @@ void seq_expert_counts(const Tensor& topk_idx_TK, const SeqLayout& layout, const
 
 // ---- load-balancing losses ---------------------------------------------------------------------
 
-double aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
+double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
                         int64_t total_tokens) {
   check_aux(scores_TE, counts_E, 1, k, "aux_loss_forward");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
   if (t_n == 0) return 0.0;
   const int64_t t_all = total_tokens > 0 ? total_tokens : t_n;
   const double total =
-      row_loss_sum<0>(scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax,
+      row_loss_sum<0>(ctx, scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax,
                       counts_E.ptr<int64_t>(), 0, t_n, "aux_loss_forward");
   return total * static_cast<double>(e_n) / (static_cast<double>(t_all) * static_cast<double>(t_all) * k);
 }
 
-void aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
+void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
                        double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
   check_aux(scores_TE, counts_E, 1, k, "aux_loss_backward");
   check_2d(dlogits_TE, DType::f32, "aux_loss_backward dlogits");
@@ -993,26 +993,26 @@ void aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tens
   if (t_n == 0) return;
   const double t_all = static_cast<double>(total_tokens > 0 ? total_tokens : t_n);
   const double c0 = grad_scale * static_cast<double>(e_n) / (t_all * t_all * static_cast<double>(k));
-  weighted_prob_backward_kernel<<<blocks_for(t_n, kTokenWarps), kTokenWarps * kWarp, 0, stream()>>>(
+  weighted_prob_backward_kernel<<<blocks_for(t_n, kTokenWarps), kTokenWarps * kWarp, 0, stream_of(ctx)>>>(
       scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax, counts_E.ptr<int64_t>(), 0,
       t_n, c0, dlogits_TE.ptr<float>());
   MF_CUDA_LAUNCHED("aux_loss_backward");
 }
 
-double seq_aux_loss_forward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
+double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
                             const SeqLayout& layout) {
   check_aux(scores_TE, counts_BE, 2, k, "seq_aux_loss_forward");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
   check_seq_layout(layout, t_n, b_n, "seq_aux_loss_forward");
   if (t_n == 0) return 0.0;
   const double total =
-      row_loss_sum<0>(scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax,
+      row_loss_sum<0>(ctx, scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax,
                       counts_BE.ptr<int64_t>(), layout.row_offset, layout.local_seq_len, "seq_aux_loss_forward");
   const double s_n = static_cast<double>(layout.seq_len);
   return total * static_cast<double>(e_n) / (static_cast<double>(k) * s_n * s_n * static_cast<double>(b_n));
 }
 
-void seq_aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
+void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
                            const SeqLayout& layout, double grad_scale, const Tensor& dlogits_TE) {
   check_aux(scores_TE, counts_BE, 2, k, "seq_aux_loss_backward");
   check_2d(dlogits_TE, DType::f32, "seq_aux_loss_backward dlogits");
@@ -1023,7 +1023,7 @@ void seq_aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const 
   const double s_n = static_cast<double>(layout.seq_len);
   const double c0 =
       grad_scale * static_cast<double>(e_n) / (static_cast<double>(k) * s_n * s_n * static_cast<double>(b_n));
-  weighted_prob_backward_kernel<<<blocks_for(t_n, kTokenWarps), kTokenWarps * kWarp, 0, stream()>>>(
+  weighted_prob_backward_kernel<<<blocks_for(t_n, kTokenWarps), kTokenWarps * kWarp, 0, stream_of(ctx)>>>(
       scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax, counts_BE.ptr<int64_t>(),
       layout.row_offset, layout.local_seq_len, c0, dlogits_TE.ptr<float>());
   MF_CUDA_LAUNCHED("seq_aux_loss_backward");
@@ -1031,7 +1031,7 @@ void seq_aux_loss_backward(const Tensor& scores_TE, ScoreFunc score_func, const 
 
 // ---- aux-loss-free balancing -------------------------------------------------------------------
 
-void expert_bias_update(const Tensor& bias_E, const Tensor& counts_E, double rate) {
+void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tensor& counts_E, double rate) {
   check_cuda_tensor(bias_E, "expert_bias_update bias");
   check_cuda_tensor(counts_E, "expert_bias_update counts");
   check_dtype(counts_E, DType::i64, "expert_bias_update counts");
@@ -1042,40 +1042,40 @@ void expert_bias_update(const Tensor& bias_E, const Tensor& counts_E, double rat
   if (e_n == 0) return;
   if (bias_E.dtype() == DType::f64) {
     expert_bias_update_kernel<double>
-        <<<1, 1024, 0, stream()>>>(bias_E.ptr<double>(), counts_E.ptr<int64_t>(), e_n, rate);
+        <<<1, 1024, 0, stream_of(ctx)>>>(bias_E.ptr<double>(), counts_E.ptr<int64_t>(), e_n, rate);
   } else {
     check_dtype(bias_E, DType::f32, "expert_bias_update bias (CUDA: f32 or f64)");
-    expert_bias_update_kernel<float><<<1, 1024, 0, stream()>>>(bias_E.ptr<float>(), counts_E.ptr<int64_t>(), e_n, rate);
+    expert_bias_update_kernel<float><<<1, 1024, 0, stream_of(ctx)>>>(bias_E.ptr<float>(), counts_E.ptr<int64_t>(), e_n, rate);
   }
   MF_CUDA_LAUNCHED("expert_bias_update");
 }
 
 // ---- router z-loss -----------------------------------------------------------------------------
 
-double z_loss_forward(const Tensor& logits_TE, int64_t total_tokens) {
+double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens) {
   check_2d(logits_TE, DType::f32, "z_loss logits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
   if (t_n == 0) return 0.0;
   const double total =
-      row_loss_sum<1>(logits_TE.ptr<float>(), t_n, static_cast<int>(e_n), true, nullptr, 0, t_n, "z_loss_forward");
+      row_loss_sum<1>(ctx, logits_TE.ptr<float>(), t_n, static_cast<int>(e_n), true, nullptr, 0, t_n, "z_loss_forward");
   return total / static_cast<double>(total_tokens > 0 ? total_tokens : t_n);
 }
 
-void z_loss_backward(const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
+void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
   check_2d(logits_TE, DType::f32, "z_loss logits");
   check_2d(dlogits_TE, DType::f32, "z_loss_backward dlogits");
   check_shape(dlogits_TE, logits_TE.shape(), "z_loss_backward dlogits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
   if (t_n == 0) return;
   const double c = grad_scale * 2.0 / static_cast<double>(total_tokens > 0 ? total_tokens : t_n);
-  z_loss_backward_kernel<<<blocks_for(t_n, kTokenWarps), kTokenWarps * kWarp, 0, stream()>>>(
+  z_loss_backward_kernel<<<blocks_for(t_n, kTokenWarps), kTokenWarps * kWarp, 0, stream_of(ctx)>>>(
       logits_TE.ptr<float>(), t_n, static_cast<int>(e_n), c, dlogits_TE.ptr<float>());
   MF_CUDA_LAUNCHED("z_loss_backward");
 }
 
 // ---- permutation plan --------------------------------------------------------------------------
 
-int64_t moe_permute_plan(const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, int64_t capacity, bool pad,
+int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, int64_t capacity, bool pad,
                          const PermutePlanOut& out) {
   check_2d(topk_idx_TK, DType::i32, "moe_permute_plan topk_idx");
   check_2d(topk_prob_TK, DType::f32, "moe_permute_plan topk_prob (CUDA: f32)");
@@ -1102,13 +1102,13 @@ int64_t moe_permute_plan(const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, 
   const size_t base_bytes = static_cast<size_t>(num_tiles * e_n) * sizeof(int);
   const size_t grouped_bytes = dropless ? 0 : static_cast<size_t>(a_n) * sizeof(int);
   const size_t bytes = info_bytes + 2 * static_cast<size_t>(e_n) * sizeof(int64_t) + base_bytes + grouped_bytes;
-  auto* scratch = static_cast<char*>(device_scratch(ScratchSlot::permute_plan, bytes));
+  auto* scratch = static_cast<char*>(ctx.scratch(ScratchSlot::permute_plan, bytes));
   auto* info = reinterpret_cast<unsigned long long*>(scratch);
   auto* n_assign = reinterpret_cast<int64_t*>(scratch + info_bytes);
   int64_t* assign_off = n_assign + e_n;
   auto* tile_base = reinterpret_cast<int*>(assign_off + e_n);
   int* grouped = tile_base + num_tiles * e_n;
-  MF_CUDA_CHECK(cudaMemsetAsync(info, 0xff, info_bytes, stream()));
+  MF_CUDA_CHECK(cudaMemsetAsync(info, 0xff, info_bytes, stream_of(ctx)));
 
   const int32_t* idx = topk_idx_TK.ptr<int32_t>();
   int64_t* counts = out.counts_E.ptr<int64_t>();
@@ -1118,38 +1118,38 @@ int64_t moe_permute_plan(const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, 
   const size_t tile_shared = static_cast<size_t>(kPlanWarps) * e_n * sizeof(int);
   const int tile_blocks = blocks_for(num_tiles, kPlanWarps);
   if (num_tiles > 0) {
-    plan_tile_counts_kernel<<<tile_blocks, kPlanWarps * kWarp, tile_shared, stream()>>>(idx, a_n, k, e, num_tiles,
+    plan_tile_counts_kernel<<<tile_blocks, kPlanWarps * kWarp, tile_shared, stream_of(ctx)>>>(idx, a_n, k, e, num_tiles,
                                                                                         tile_base, info);
     MF_CUDA_LAUNCHED("moe_permute_plan counts");
   }
-  plan_expert_scan_kernel<<<blocks_for(e_n, 128), 128, 0, stream()>>>(tile_base, num_tiles, e, n_assign);
+  plan_expert_scan_kernel<<<blocks_for(e_n, 128), 128, 0, stream_of(ctx)>>>(tile_base, num_tiles, e, n_assign);
   MF_CUDA_LAUNCHED("moe_permute_plan scan");
-  plan_offsets_kernel<<<1, 1024, 0, stream()>>>(n_assign, e, capacity, pad, assign_off, counts, offsets, info);
+  plan_offsets_kernel<<<1, 1024, 0, stream_of(ctx)>>>(n_assign, e, capacity, pad, assign_off, counts, offsets, info);
   MF_CUDA_LAUNCHED("moe_permute_plan offsets");
   if (num_tiles > 0) {
-    plan_scatter_kernel<<<tile_blocks, kPlanWarps * kWarp, tile_shared, stream()>>>(
+    plan_scatter_kernel<<<tile_blocks, kPlanWarps * kWarp, tile_shared, stream_of(ctx)>>>(
         idx, a_n, k, e, num_tiles, tile_base, assign_off, offsets, max_rows, dropless, row, token, grouped);
     MF_CUDA_LAUNCHED("moe_permute_plan scatter");
   }
   if (!dropless) {
-    plan_capacity_kernel<<<e, kPlanThreads, 0, stream()>>>(grouped, topk_prob_TK.ptr<float>(), n_assign, assign_off,
+    plan_capacity_kernel<<<e, kPlanThreads, 0, stream_of(ctx)>>>(grouped, topk_prob_TK.ptr<float>(), n_assign, assign_off,
                                                            offsets, counts, capacity, k, max_rows, row, token);
     MF_CUDA_LAUNCHED("moe_permute_plan capacity");
   }
   unsigned long long host[kNumPlanInfo];
-  MF_CUDA_CHECK(cudaMemcpyAsync(host, info, info_bytes, cudaMemcpyDeviceToHost, stream()));
-  MF_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  MF_CUDA_CHECK(cudaMemcpyAsync(host, info, info_bytes, cudaMemcpyDeviceToHost, stream_of(ctx)));
+  MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
   if (host[kBadIndex] != kNoAssignment) {
     // The index itself, for the CPU op's message (one more small copy: this is the failure path).
     const auto a = static_cast<int64_t>(host[kBadIndex]);
     int32_t bad = 0;
-    device_copy(&bad, Device::cpu, idx + a, Device::cuda, sizeof(bad));
+    device_copy(&bad, Device::cpu, idx + a, Device::cuda, sizeof(bad), ctx.stream());
     MF_CHECK(false, "expert index ", bad, " out of [0, ", e_n, ")");
   }
   if (host[kDuplicate] != kNoAssignment) {
     const auto a = static_cast<int64_t>(host[kDuplicate]);
     int32_t dup = 0;
-    device_copy(&dup, Device::cpu, idx + a, Device::cuda, sizeof(dup));
+    device_copy(&dup, Device::cpu, idx + a, Device::cuda, sizeof(dup), ctx.stream());
     MF_CHECK(false, "token ", a / k_n, " routed twice to expert ", dup);
   }
   const auto num_rows = static_cast<int64_t>(host[kRows]);
@@ -1159,7 +1159,7 @@ int64_t moe_permute_plan(const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, 
 
 // ---- permute and combine -----------------------------------------------------------------------
 
-void moe_permute(const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_RH) {
+void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_RH) {
   check_rows(rows_RH, x_TH, "moe_permute");
   check_cuda_tensor(token_R, "moe_permute token");
   check_dtype(token_R, DType::i64, "moe_permute token");
@@ -1170,14 +1170,14 @@ void moe_permute(const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_R
     const T* x = x_TH.ptr<T>();
     T* rows = rows_RH.ptr<T>();
     dispatch_vec<T>(vec_width<T>(h_n, {x, rows}), [&]<int VEC>() {
-      permute_kernel<T, VEC><<<static_cast<int>(std::min(r_n, kMaxRowBlocks)), row_threads(h_n / VEC), 0, stream()>>>(
+      permute_kernel<T, VEC><<<static_cast<int>(std::min(r_n, kMaxRowBlocks)), row_threads(h_n / VEC), 0, stream_of(ctx)>>>(
           x, token_R.ptr<int64_t>(), r_n, t_n, h_n, rows);
     });
   });
   MF_CUDA_LAUNCHED("moe_permute");
 }
 
-void moe_permute_backward(const Tensor& drows_RH, const Tensor& row_TK, const Tensor& dx_TH) {
+void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const Tensor& row_TK, const Tensor& dx_TH) {
   check_rows(drows_RH, dx_TH, "moe_permute_backward");
   check_row_map(row_TK, dx_TH.size(0), "moe_permute_backward row");
   const int64_t t_n = dx_TH.size(0), h_n = dx_TH.size(1), k_n = row_TK.size(1), r_n = drows_RH.size(0);
@@ -1188,7 +1188,7 @@ void moe_permute_backward(const Tensor& drows_RH, const Tensor& row_TK, const Te
     T* dx = dx_TH.ptr<T>();
     dispatch_vec<T>(vec_width<T>(h_n, {drows, dx}), [&]<int VEC>() {
       gather_sum_kernel<T, VEC>
-          <<<static_cast<int>(std::min(t_n, kMaxRowBlocks)), row_threads(h_n / VEC), 0, stream()>>>(
+          <<<static_cast<int>(std::min(t_n, kMaxRowBlocks)), row_threads(h_n / VEC), 0, stream_of(ctx)>>>(
               drows, row_TK.ptr<int64_t>(), nullptr, t_n, static_cast<int>(k_n), r_n, h_n, dx);
     });
   });
@@ -1197,7 +1197,7 @@ void moe_permute_backward(const Tensor& drows_RH, const Tensor& row_TK, const Te
 
 // ---- combine -----------------------------------------------------------------------------------
 
-void moe_combine(const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& y_TH) {
+void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& y_TH) {
   check_rows(out_RH, y_TH, "moe_combine");
   check_row_map(row_TK, y_TH.size(0), "moe_combine row");
   check_2d(prob_TK, DType::f32, "moe_combine prob (CUDA: f32)");
@@ -1210,14 +1210,14 @@ void moe_combine(const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_
     T* y = y_TH.ptr<T>();
     dispatch_vec<T>(vec_width<T>(h_n, {out, y}), [&]<int VEC>() {
       gather_sum_kernel<T, VEC>
-          <<<static_cast<int>(std::min(t_n, kMaxRowBlocks)), row_threads(h_n / VEC), 0, stream()>>>(
+          <<<static_cast<int>(std::min(t_n, kMaxRowBlocks)), row_threads(h_n / VEC), 0, stream_of(ctx)>>>(
               out, row_TK.ptr<int64_t>(), prob_TK.ptr<float>(), t_n, static_cast<int>(k_n), r_n, h_n, y);
     });
   });
   MF_CUDA_LAUNCHED("moe_combine");
 }
 
-void moe_combine_backward(const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& dy_TH,
+void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& dy_TH,
                           const Tensor& dout_RH, const Tensor& dprob_TK) {
   check_rows(out_RH, dy_TH, "moe_combine_backward");
   check_rows(dout_RH, dy_TH, "moe_combine_backward dout");
@@ -1230,7 +1230,7 @@ void moe_combine_backward(const Tensor& out_RH, const Tensor& row_TK, const Tens
   const int64_t t_n = dy_TH.size(0), h_n = dy_TH.size(1), k_n = row_TK.size(1), r_n = out_RH.size(0);
   MF_CHECK(k_n <= std::numeric_limits<int>::max(), "moe_combine_backward: ", row_TK.str());
   // Padding rows (and rows no kept assignment reads) get no gradient.
-  if (dout_RH.nbytes() > 0) MF_CUDA_CHECK(cudaMemsetAsync(dout_RH.data(), 0, dout_RH.nbytes(), stream()));
+  if (dout_RH.nbytes() > 0) MF_CUDA_CHECK(cudaMemsetAsync(dout_RH.data(), 0, dout_RH.nbytes(), stream_of(ctx)));
   if (t_n == 0 || k_n == 0) return;
   dispatch_cuda_float(dy_TH.dtype(), [&]<class T>() {
     const T* out = out_RH.ptr<T>();
@@ -1238,7 +1238,7 @@ void moe_combine_backward(const Tensor& out_RH, const Tensor& row_TK, const Tens
     T* dout = dout_RH.ptr<T>();
     dispatch_vec<T>(vec_width<T>(h_n, {out, dy, dout}), [&]<int VEC>() {
       combine_backward_kernel<T, VEC>
-          <<<static_cast<int>(std::min(t_n, kMaxRowBlocks)), row_threads(h_n / VEC), 0, stream()>>>(
+          <<<static_cast<int>(std::min(t_n, kMaxRowBlocks)), row_threads(h_n / VEC), 0, stream_of(ctx)>>>(
               out, row_TK.ptr<int64_t>(), prob_TK.ptr<float>(), dy, t_n, static_cast<int>(k_n), r_n, h_n, dout,
               dprob_TK.ptr<float>());
     });

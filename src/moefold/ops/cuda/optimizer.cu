@@ -68,7 +68,7 @@ bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 }  // namespace
 
-void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
+void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
                   const Tensor& w_compute) {
   for (const Tensor* t : {&w, &g, &m, &v}) {
     check_cuda_tensor(*t, "adamw_update");
@@ -94,16 +94,16 @@ void adamw_update(const Tensor& w, const Tensor& g, const Tensor& m, const Tenso
                    (!w_compute.defined() || (w_compute.dtype() == DType::bf16 && aligned(w_compute.data(), 8)));
   if (vec) {
     const int vblocks = static_cast<int>(std::min<int64_t>(ceil_div(n / 4, threads), 65535 * 4));
-    adamw_vec_kernel<<<vblocks, threads, 0, stream()>>>(
+    adamw_vec_kernel<<<vblocks, threads, 0, stream_of(ctx)>>>(
         static_cast<float4*>(w.data()), static_cast<const float4*>(g.data()), static_cast<float4*>(m.data()),
         static_cast<float4*>(v.data()), w_compute.defined() ? static_cast<Bf16x4*>(w_compute.data()) : nullptr, n / 4,
         a);
   } else if (!w_compute.defined()) {
-    adamw_kernel<float><<<blocks, threads, 0, stream()>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(),
+    adamw_kernel<float><<<blocks, threads, 0, stream_of(ctx)>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(),
                                                           v.ptr<float>(), nullptr, n, a);
   } else {
     dispatch_cuda_float(w_compute.dtype(), [&]<class C>() {
-      adamw_kernel<C><<<blocks, threads, 0, stream()>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(), v.ptr<float>(),
+      adamw_kernel<C><<<blocks, threads, 0, stream_of(ctx)>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(), v.ptr<float>(),
                                                         w_compute.ptr<C>(), n, a);
     });
   }

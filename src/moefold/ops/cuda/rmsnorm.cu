@@ -184,7 +184,7 @@ void check_like(const Tensor& t, const Tensor& ref, const char* what) {
 
 }  // namespace
 
-void rmsnorm_forward(const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC, const Tensor& rstd_N) {
+void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC, const Tensor& rstd_N) {
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_forward");
   check_like(y_NC, x_NC, "rmsnorm_forward y");
   const int64_t n = x_NC.size(0), c = x_NC.size(1);
@@ -198,16 +198,16 @@ void rmsnorm_forward(const Tensor& x_NC, const Tensor& w_C, double eps, const Te
       const auto e = static_cast<float>(eps);
       if (c <= kWarpRowMaxC)
         rmsnorm_forward_kernel<32, T, W>
-            <<<static_cast<unsigned>(ceil_div(n, kThreads / 32)), kThreads, 0, stream()>>>(x, w, e, y, rstd, n, c);
+            <<<static_cast<unsigned>(ceil_div(n, kThreads / 32)), kThreads, 0, stream_of(ctx)>>>(x, w, e, y, rstd, n, c);
       else
         rmsnorm_forward_kernel<kThreads, T, W>
-            <<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(x, w, e, y, rstd, n, c);
+            <<<static_cast<unsigned>(n), kThreads, 0, stream_of(ctx)>>>(x, w, e, y, rstd, n, c);
     });
   });
   MF_CUDA_LAUNCHED("rmsnorm_forward");
 }
 
-void rmsnorm_backward(const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N, const Tensor& dy_NC,
+void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N, const Tensor& dy_NC,
                       const Tensor& dx_NC, const Tensor& dw_C) {
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_backward");
   check_like(dy_NC, x_NC, "rmsnorm_backward dy");
@@ -243,11 +243,11 @@ void rmsnorm_backward(const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_
       G* dw = dw_C.ptr<G>();
       const dim3 block(kTileCols, kTileWarps);
       rmsnorm_dw_chunks_kernel<T, G>
-          <<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks)), block, 0, stream()>>>(
+          <<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks)), block, 0, stream_of(ctx)>>>(
               x, dy, rstd, n, c, rows_per_chunk, partial, dw);
       MF_CUDA_LAUNCHED("rmsnorm_backward dw chunks");
       if (partial != nullptr) {
-        rmsnorm_dw_reduce_kernel<G><<<static_cast<unsigned>(tiles), block, 0, stream()>>>(partial, chunks, c, dw);
+        rmsnorm_dw_reduce_kernel<G><<<static_cast<unsigned>(tiles), block, 0, stream_of(ctx)>>>(partial, chunks, c, dw);
         MF_CUDA_LAUNCHED("rmsnorm_backward dw reduce");
       }
     });
@@ -256,10 +256,10 @@ void rmsnorm_backward(const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_
       T* dx = dx_NC.ptr<T>();
       if (c <= kWarpRowMaxC)
         rmsnorm_backward_dx_kernel<32, T, W>
-            <<<static_cast<unsigned>(ceil_div(n, kThreads / 32)), kThreads, 0, stream()>>>(x, w, rstd, dy, dx, n, c);
+            <<<static_cast<unsigned>(ceil_div(n, kThreads / 32)), kThreads, 0, stream_of(ctx)>>>(x, w, rstd, dy, dx, n, c);
       else
         rmsnorm_backward_dx_kernel<kThreads, T, W>
-            <<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(x, w, rstd, dy, dx, n, c);
+            <<<static_cast<unsigned>(n), kThreads, 0, stream_of(ctx)>>>(x, w, rstd, dy, dx, n, c);
       MF_CUDA_LAUNCHED("rmsnorm_backward dx");
     });
   });

@@ -57,14 +57,14 @@ void check_table(const Tensor& x, const Tensor& cos, const Tensor& sin, const ch
 }
 
 template <bool kTranspose>
-void rope_launch(const Tensor& x, const Tensor& cos, const Tensor& sin, const int32_t* pos, bool interleaved,
+void rope_launch(const ExecContext& ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, const int32_t* pos, bool interleaved,
                  const char* what) {
   const int64_t s = x.size(1), h = x.size(2), d = x.size(3);
   const int64_t pairs = x.size(0) * s * h * (d / 2);
   if (pairs == 0) return;
   dispatch_cuda_float(x.dtype(), [&]<class T>() {
     auto launch = [&]<class TT>() {
-      rope_kernel<kTranspose, T, TT><<<blocks_for(pairs), kThreads, 0, stream()>>>(
+      rope_kernel<kTranspose, T, TT><<<blocks_for(pairs), kThreads, 0, stream_of(ctx)>>>(
           x.ptr<T>(), cos.ptr<TT>(), sin.ptr<TT>(), pos, cos.size(0), s, h, d, pairs, interleaved);
     };
     if (cos.dtype() == x.dtype())
@@ -89,28 +89,28 @@ void check_positions(const Tensor& x, const Tensor& positions, const char* what)
 
 }  // namespace
 
-void rope_forward(const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
+void rope_forward(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
   check_rope(x_BSHD, cos_SD, sin_SD, "rope_forward");
-  rope_launch<false>(x_BSHD, cos_SD, sin_SD, nullptr, interleaved, "rope_forward");
+  rope_launch<false>(ctx, x_BSHD, cos_SD, sin_SD, nullptr, interleaved, "rope_forward");
 }
 
-void rope_backward(const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
+void rope_backward(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
   check_rope(dx_BSHD, cos_SD, sin_SD, "rope_backward");
-  rope_launch<true>(dx_BSHD, cos_SD, sin_SD, nullptr, interleaved, "rope_backward");
+  rope_launch<true>(ctx, dx_BSHD, cos_SD, sin_SD, nullptr, interleaved, "rope_backward");
 }
 
-void rope_forward_at(const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+void rope_forward_at(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
                      bool interleaved) {
   check_table(x_BSHD, cos_PD, sin_PD, "rope_forward_at");
   check_positions(x_BSHD, positions_S, "rope_forward_at");
-  rope_launch<false>(x_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), interleaved, "rope_forward_at");
+  rope_launch<false>(ctx, x_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), interleaved, "rope_forward_at");
 }
 
-void rope_backward_at(const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
+void rope_backward_at(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
                       bool interleaved) {
   check_table(dx_BSHD, cos_PD, sin_PD, "rope_backward_at");
   check_positions(dx_BSHD, positions_S, "rope_backward_at");
-  rope_launch<true>(dx_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), interleaved, "rope_backward_at");
+  rope_launch<true>(ctx, dx_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), interleaved, "rope_backward_at");
 }
 
 }  // namespace moefold::cuda

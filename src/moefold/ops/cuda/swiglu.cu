@@ -135,7 +135,7 @@ void check_swiglu(const Tensor& gu, const Tensor& h, const char* what) {
 
 }  // namespace
 
-void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
+void swiglu_forward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
   check_swiglu(gu_N2F, h_NF, "swiglu_forward");
   const int64_t total = h_NF.numel(), f = h_NF.size(1);
   if (total == 0) return;
@@ -143,21 +143,21 @@ void swiglu_forward(const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout) {
   if (const int units = vector_units(gu_N2F, h_NF, Tensor(), layout)) {
     const int64_t n = total / units;
     if (layout == GateUp::pairs)
-      swiglu_forward_pairs_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(gu8, static_cast<Bf16x4*>(h_NF.data()), n);
+      swiglu_forward_pairs_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(gu8, static_cast<Bf16x4*>(h_NF.data()), n);
     else
-      swiglu_forward_halves_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(gu8, static_cast<Bf16x8*>(h_NF.data()),
+      swiglu_forward_halves_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(gu8, static_cast<Bf16x8*>(h_NF.data()),
                                                                              f / units, n);
     MF_CUDA_LAUNCHED("swiglu_forward");
     return;
   }
   dispatch_cuda_float(h_NF.dtype(), [&]<class T>() {
-    swiglu_forward_kernel<T><<<blocks_for(total), kThreads, 0, stream()>>>(gu_N2F.ptr<T>(), h_NF.ptr<T>(), f,
+    swiglu_forward_kernel<T><<<blocks_for(total), kThreads, 0, stream_of(ctx)>>>(gu_N2F.ptr<T>(), h_NF.ptr<T>(), f,
                                                                            gate_up_columns(layout, f), total);
   });
   MF_CUDA_LAUNCHED("swiglu_forward");
 }
 
-void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout) {
+void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout) {
   check_swiglu(gu_N2F, dh_NF, "swiglu_backward");
   check_cuda_tensor(dgu_N2F, "swiglu_backward dgu");
   check_shape(dgu_N2F, gu_N2F.shape(), "swiglu_backward dgu");
@@ -169,16 +169,16 @@ void swiglu_backward(const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dg
   if (const int units = vector_units(gu_N2F, dh_NF, dgu_N2F, layout)) {
     const int64_t n = total / units;
     if (layout == GateUp::pairs)
-      swiglu_backward_pairs_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(
+      swiglu_backward_pairs_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
           gu8, static_cast<const Bf16x4*>(dh_NF.data()), dgu8, n);
     else
-      swiglu_backward_halves_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(
+      swiglu_backward_halves_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
           gu8, static_cast<const Bf16x8*>(dh_NF.data()), dgu8, f / units, n);
     MF_CUDA_LAUNCHED("swiglu_backward");
     return;
   }
   dispatch_cuda_float(dh_NF.dtype(), [&]<class T>() {
-    swiglu_backward_kernel<T><<<blocks_for(total), kThreads, 0, stream()>>>(
+    swiglu_backward_kernel<T><<<blocks_for(total), kThreads, 0, stream_of(ctx)>>>(
         gu_N2F.ptr<T>(), dh_NF.ptr<T>(), dgu_N2F.ptr<T>(), f, gate_up_columns(layout, f), total);
   });
   MF_CUDA_LAUNCHED("swiglu_backward");

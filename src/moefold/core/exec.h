@@ -1,0 +1,92 @@
+// Where ops run: the execution context (DESIGN: "Execution context"). On a GPU one CUDA stream
+// with its own scratch buffers and library state (cuBLASLt handle and workspace, cuDNN handle),
+// and the kernel choices of the run's [kernels] config; on the CPU the calling thread. Passed
+// down explicitly, never looked up: the trainer makes one, hands it to the Memory its modules
+// bind through (Memory::exec()), and every op takes it as its first argument. Two contexts on one
+// GPU run concurrently (two micro-batches in flight, a shared expert beside the routed experts, a
+// copy stream); work crosses from one to another only through wait_for.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "moefold/core/kernel_options.h"
+#include "moefold/core/tensor.h"
+
+namespace moefold {
+
+// Grow-only device scratch of the CUDA ops that take no workspace (partial sums of a reduction,
+// the temporaries of a plan): one buffer per slot and context, reused by every call that needs no
+// more bytes, so once the first step has sized them the step loop allocates nothing.
+enum class ScratchSlot : int {
+  sum_squares,
+  cross_entropy,
+  router_loss,
+  permute_plan,
+  vocab_parallel,
+  attention,
+  grouped_gemm_args,
+  grouped_gemm_workspace,
+  count
+};
+
+// A library's per-context state (handles, workspaces): made by the library's own code on first
+// use in a context, destroyed with the context (before its stream).
+struct ExecLibraryState {
+  virtual ~ExecLibraryState() = default;
+};
+enum class ExecLibrary : int { cublaslt, cudnn, cutlass, count };
+
+class ExecContext {
+ public:
+  // Which stream a CUDA context runs on: the process's primary stream (the one tensor copies,
+  // communicators and the profiler order themselves with: core/device.h), or a new one of its own.
+  enum class Stream : uint8_t { primary, own };
+
+  // cpu: ops on the calling thread. cuda (REQUIRES: a CUDA build and a GPU): the current GPU.
+  explicit ExecContext(Device device, const KernelOptions& kernels = {}, Stream stream = Stream::primary);
+  ~ExecContext();  // waits for the stream's work, then frees scratch, library state and an own stream
+  ExecContext(const ExecContext&) = delete;
+  ExecContext& operator=(const ExecContext&) = delete;
+
+  // A context on the primary stream with default kernel choices, one per device for the whole
+  // process (never destroyed): for tests and tools that run a few ops outside a trainer.
+  static const ExecContext& standard(Device device);
+
+  Device device() const { return device_; }
+  const KernelOptions& kernels() const { return kernels_; }
+  // The cudaStream_t (as void*, so this header needs no CUDA headers); null on the CPU.
+  void* stream() const { return stream_; }
+  bool on_primary_stream() const { return !own_stream_; }
+
+  // Device memory of `bytes` or more for `slot`, valid until the next call for that slot on this
+  // context; only this context's stream may use it. REQUIRES: a CUDA context.
+  void* scratch(ScratchSlot slot, size_t bytes) const;
+  // This context's state of `library`, made by `make` on first use.
+  ExecLibraryState& library(ExecLibrary library, std::unique_ptr<ExecLibraryState> (*make)(const ExecContext&)) const;
+  template <class T>
+  T& library(ExecLibrary which) const {
+    return static_cast<T&>(library(which, [](const ExecContext& c) -> std::unique_ptr<ExecLibraryState> {
+      return std::make_unique<T>(c);
+    }));
+  }
+
+  // The host waits for everything queued on this context.
+  void synchronize() const;
+  // Work queued on this context from now on starts after everything queued on `other` so far.
+  void wait_for(const ExecContext& other) const;
+
+ private:
+  struct Buffers;
+  Device device_;
+  KernelOptions kernels_;
+  void* stream_ = nullptr;
+  bool own_stream_ = false;
+  std::unique_ptr<Buffers> buffers_;  // scratch, library state, the event of wait_for
+};
+
+// Checks that `t` lives where `ctx` runs its ops (an op given tensors of another device fails
+// here, naming the op).
+void check_exec_device(const ExecContext& ctx, const Tensor& t, const char* what);
+
+}  // namespace moefold
