@@ -109,12 +109,9 @@ TEST(Memory, DimShardOfInterleavedChunksIsAContiguousRange) {
   // Experts 1..2 of 3; rows 1..2 of each of the 2 chunks of 5 along dimension 1.
   Memory mem(DType::f32);
   const auto bind = [&] {
-    mem.param("w", {2, 4, 3}, Init::normal, 1.0, true, ParamGroup::expert, 1, 3, DimShard{1, 1, 5, 2});
+    mem.param({.name = "w", .shape = {2, 4, 3}, .init_std = 1.0, .group = ParamGroup::expert, .shard_offset = 1, .global_rows = 3, .dim_shard = {1, 1, 5, 2}});
   };
-  bind();
-  mem.allocate();
-  bind();
-  mem.finish_binding();
+  mem.bind_twice(bind);
   const Param& p = mem.params().front();
   std::vector<float> whole(3 * 10 * 3);
   EXPECT_EQ(p.global_shape(), Shape({3, 10, 3}));
@@ -131,7 +128,7 @@ TEST(Memory, DimShardOfInterleavedChunksIsAContiguousRange) {
 TEST(Memory, MeasureThenAllocateGivesTheSameLayout) {
   Memory mem(DType::f32);
   auto bind = [&] {
-    Tensor w = mem.param("w", {3, 5}, Init::normal, 0.02, true);
+    Tensor w = mem.param({.name = "w", .shape = {3, 5}, .init_std = 0.02});
     Tensor a = mem.act({7});
     Tensor i = mem.act({2, 2}, DType::i32);
     return std::tuple{w, a, i};
@@ -152,7 +149,7 @@ TEST(Memory, MeasureThenAllocateGivesTheSameLayout) {
   EXPECT_EQ(p->grad.shape(), Shape({3, 5}));
   EXPECT_NE(p->grad.data(), p->value.data());
   EXPECT_EQ(mem.find("nope"), nullptr);
-  EXPECT_DEATH(mem.param("w", {1}, Init::ones, 0, false), "registered twice");
+  EXPECT_DEATH(mem.param({.name = "w", .shape = {1}, .init = Init::ones, .decay = false}), "registered twice");
 }
 
 TEST(Memory, RealPassMustMatchMeasuredPass) {
@@ -225,15 +222,12 @@ TEST(Memory, MixedPrecisionKeepsF32MastersAndBf16ComputeCopies) {
   for (DType dt : {DType::f32, DType::bf16}) {
     Memory mem(dt);
     auto bind = [&] {
-      Tensor w = mem.param("w", {3, 4}, Init::normal, 0.02, true);
+      Tensor w = mem.param({.name = "w", .shape = {3, 4}, .init_std = 0.02});
       Tensor a = mem.act({5});
       EXPECT_EQ(w.dtype(), dt);
       EXPECT_EQ(a.dtype(), dt);
     };
-    bind();
-    mem.allocate();
-    bind();
-    mem.finish_binding();
+    mem.bind_twice(bind);
     const Param& p = mem.params().front();
     EXPECT_EQ(p.value.dtype(), DType::f32);
     EXPECT_EQ(p.grad.dtype(), DType::f32);

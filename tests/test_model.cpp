@@ -150,10 +150,7 @@ struct TinyModel {
     cfg = load_config("tiny", ov);
     model = std::make_unique<Model>(cfg.model, cfg.moe, b, s);
     mem = std::make_unique<Memory>(dtype);
-    model->bind(*mem);
-    mem->allocate();
-    model->bind(*mem);
-    mem->finish_binding();
+    mem->bind_twice([&] { model->bind(*mem); });
     Model::init_params(testing::exec(), mem->params(), 42);
     // Larger weights than the 0.02 init so every term of the gradient matters.
     for (Param& p : mem->params())

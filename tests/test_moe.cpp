@@ -473,12 +473,9 @@ TEST(GroupedLinear, BackwardMatchesFiniteDifferences) {
 TEST(Experts, FirstBackwardOfAStepWritesTheWeightGradients) {
   Pool pool;
   const int64_t e_n = 3, h_n = 8, f_n = 4, r_n = 7;
-  Experts experts(e_n, h_n, f_n, r_n, "t", 0.5);
+  Experts experts({.num_experts = e_n, .hidden = h_n, .ffn = f_n, .max_rows = r_n}, "t", 0.5);
   Memory mem(DType::f64);
-  experts.bind(mem);
-  mem.allocate();
-  experts.bind(mem);
-  mem.finish_binding();
+  mem.bind_twice([&] { experts.bind(mem); });
   for (const Param& p : mem.params()) {
     fill_normal(p.value, 1, p.id, 0.0, 0.5);
     EXPECT_TRUE(p.grad_written_by_backward) << p.name;
@@ -522,10 +519,7 @@ struct Rig {
   Memory mem;
   MoeLayer layer;
   Rig(const MoeConfig& cfg, int64_t h_n, int64_t max_t, DType dtype) : mem(dtype), layer(cfg, h_n, max_t, kPrefix) {
-    layer.bind(mem);
-    mem.allocate();
-    layer.bind(mem);
-    mem.finish_binding();
+    mem.bind_twice([&] { layer.bind(mem); });
   }
   const Param& param(const std::string& suffix) const { return *mem.find(kPrefix + suffix); }
   void fill(Pool& pool, double std) {

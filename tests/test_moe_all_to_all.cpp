@@ -29,10 +29,7 @@ struct Rig {
   MoeLayer layer;
   Rig(const MoeConfig& cfg, int64_t h_n, int64_t max_t, std::unique_ptr<Dispatcher> d)
       : layer(d ? MoeLayer(cfg, h_n, max_t, kPrefix, std::move(d)) : MoeLayer(cfg, h_n, max_t, kPrefix)) {
-    layer.bind(mem);
-    mem.allocate();
-    layer.bind(mem);
-    mem.finish_binding();
+    mem.bind_twice([&] { layer.bind(mem); });
   }
   const Param& param(const std::string& suffix) const { return *mem.find(kPrefix + suffix); }
 };

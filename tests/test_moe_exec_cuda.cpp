@@ -45,10 +45,7 @@ struct GpuLayer {
       dx = mem.act({kTokens, kHidden});
       stage = mem.act({kTokens, kHidden}, DType::f32);
     };
-    bind();
-    mem.allocate();
-    bind();
-    mem.finish_binding();
+    mem.bind_twice(bind);
   }
   // Parameters, input and output gradient from `v`, copied on the context's own stream.
   void load(const Values& v) {

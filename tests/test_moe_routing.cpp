@@ -501,10 +501,7 @@ struct RouterRig {
             int64_t offset = 0, int64_t full = 0)
       : mem(DType::f64), router(cfg, h_n, max_t, kPrefix, 0.02) {
     if (num_seqs > 0) router.set_sequences(num_seqs, local, offset, full);
-    router.bind(mem);
-    mem.allocate();
-    router.bind(mem);
-    mem.finish_binding();
+    mem.bind_twice([&] { router.bind(mem); });
     gate().copy_from(pool.randn(gate().shape(), DType::f64, 0.5));
   }
   const Tensor& gate() const { return mem.find(kPrefix + ".gate.weight")->value; }

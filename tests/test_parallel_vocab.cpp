@@ -24,10 +24,7 @@ struct BoundScratch {
   Memory mem{DType::f64};
   VocabParallelScratch scratch;
   explicit BoundScratch(int64_t rows) {
-    scratch.bind(mem, rows);
-    mem.allocate();
-    scratch.bind(mem, rows);
-    mem.finish_binding();
+    mem.bind_twice([&] { scratch.bind(mem, rows); });
   }
 };
 

@@ -100,10 +100,7 @@ struct DeviceScratch {
   Memory mem{DType::f32, Device::cuda};
   VocabParallelScratch scratch;
   explicit DeviceScratch(int64_t rows) {
-    scratch.bind(mem, rows);
-    mem.allocate();
-    scratch.bind(mem, rows);
-    mem.finish_binding();
+    mem.bind_twice([&] { scratch.bind(mem, rows); });
   }
 };
 
@@ -225,10 +222,7 @@ void check_forward(int64_t n, int64_t v, DType dt) {
   // The CPU reference: one rank, host scratch.
   Memory host_mem{DType::f64};
   VocabParallelScratch host_scratch;
-  host_scratch.bind(host_mem, n);
-  host_mem.allocate();
-  host_scratch.bind(host_mem, n);
-  host_mem.finish_binding();
+  host_mem.bind_twice([&] { host_scratch.bind(host_mem, n); });
   Tensor lse_ref = pool.zeros({n});
   const double loss_ref = vocab_parallel_cross_entropy_forward(testing::exec(), *self, lr, 0, targets, lse_ref, host_scratch);
 

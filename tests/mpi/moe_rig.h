@@ -21,10 +21,7 @@ struct MoeRig {
   MoeRig(const MoeConfig& cfg, int64_t hidden, int64_t max_t, const std::string& prefix, std::unique_ptr<Dispatcher> d)
       : layer(d ? MoeLayer(cfg, hidden, max_t, prefix, std::move(d)) : MoeLayer(cfg, hidden, max_t, prefix)),
         prefix_(prefix) {
-    layer.bind(mem);
-    mem.allocate();
-    layer.bind(mem);
-    mem.finish_binding();
+    mem.bind_twice([&] { layer.bind(mem); });
   }
   const Param& param(const std::string& suffix) const { return *mem.find(prefix_ + suffix); }
 

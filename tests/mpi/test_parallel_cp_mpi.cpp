@@ -85,10 +85,7 @@ TEST(ContextParallel, AttentionMatchesFullSequence) {
   // Context parallel: this rank's tokens only.
   Memory mem(DType::f64);
   ContextParallelAttention cpa(w, {b, s, nq, g, d});
-  cpa.bind(mem);
-  mem.allocate();
-  cpa.bind(mem);
-  mem.finish_binding();
+  mem.bind_twice([&] { cpa.bind(mem); });
   auto local = [&](const Tensor& full) {
     Tensor t = pool.zeros({b, len, full.size(2), full.size(3)});
     cp_shard_sequence(full, c, rank, t);

@@ -82,10 +82,7 @@ void expect_cross_entropy_matches(DType dtype, double row_offset, double rel_tol
 
   Memory mem(dtype);
   VocabParallelScratch scratch;
-  scratch.bind(mem, kRows);
-  mem.allocate();
-  scratch.bind(mem, kRows);
-  mem.finish_binding();
+  mem.bind_twice([&] { scratch.bind(mem, kRows); });
   Tensor shard = column_shard(pool, logits, offset, vl);
   Tensor lse = pool.zeros({kRows}, dtype), dlogits = pool.zeros({kRows, vl}, dtype);
   double loss = vocab_parallel_cross_entropy_forward(testing::exec(), tp, shard, offset, targets, lse, scratch);

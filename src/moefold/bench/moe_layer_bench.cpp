@@ -108,8 +108,13 @@ struct Layer {
       : router(c.moe, c.model.hidden_size, t, "bench", c.model.initializer_range),
         dispatcher_ptr(make_dispatcher(c, t, ep)),
         dispatcher(*dispatcher_ptr),
-        experts(dispatcher.num_local_experts(), c.model.hidden_size, c.moe.moe_intermediate_size, dispatcher.max_rows(),
-                "bench", c.model.initializer_range, dispatcher.first_local_expert(), c.moe.num_experts) {
+        experts({.num_experts = dispatcher.num_local_experts(),
+                  .hidden = c.model.hidden_size,
+                  .ffn = c.moe.moe_intermediate_size,
+                  .max_rows = dispatcher.max_rows(),
+                  .first_expert = dispatcher.first_local_expert(),
+                  .total_experts = c.moe.num_experts},
+                 "bench", c.model.initializer_range) {
     if (c.moe.n_shared_experts > 0)
       shared.emplace(c.model.hidden_size, c.moe.n_shared_experts * c.moe.moe_intermediate_size, t, t, "bench.shared",
                      c.model.initializer_range);

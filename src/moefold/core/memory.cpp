@@ -75,8 +75,12 @@ size_t host_memory_bytes() {
   return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
 }
 
-Tensor Memory::param(const std::string& name, Shape shape, Init init, double init_std, bool decay, ParamGroup group,
-                     int64_t shard_offset, int64_t global_rows, const DimShard& dim_shard) {
+Tensor Memory::param(const ParamSpec& spec) {
+  const std::string& name = spec.name;
+  const Shape& shape = spec.shape;
+  const DimShard& dim_shard = spec.dim_shard;
+  const ParamGroup group = spec.group;
+  const int64_t shard_offset = spec.shard_offset, global_rows = spec.global_rows;
   for (const Param& p : params_) MF_CHECK(p.name != name, "parameter registered twice: ", name);
   const int g = static_cast<int>(group);
   Param p;
@@ -96,14 +100,11 @@ Tensor Memory::param(const std::string& name, Shape shape, Init init, double ini
     const int64_t n = shape[d] / dim_shard.chunks;
     MF_CHECK(dim_shard.offset >= 0 && dim_shard.offset + n <= dim_shard.global_size, name, ": dim ", d, " shard [",
              dim_shard.offset, ", ", dim_shard.offset + n, ") of ", dim_shard.global_size);
-    p.shard_dim = d;
-    p.shard_dim_offset = dim_shard.offset;
-    p.global_dim_size = dim_shard.global_size;
-    p.shard_dim_chunks = dim_shard.chunks;
+    p.dim_shard = dim_shard;
   }
-  p.init = init;
-  p.init_std = init_std;
-  p.decay = decay;
+  p.init = spec.init;
+  p.init_std = spec.init_std;
+  p.decay = spec.decay;
   p.id = params_.size();
   params_.push_back(p);
   return p.compute;
@@ -113,7 +114,7 @@ Shape Param::global_shape() const {
   Shape g = value.shape();
   if (g.ndim == 0) return g;
   g.dims[0] = global_rows > 0 ? global_rows : g.dims[0];
-  if (shard_dim >= 1) g.dims[shard_dim] = shard_dim_chunks * global_dim_size;
+  if (dim_shard.dim >= 1) g.dims[dim_shard.dim] = dim_shard.chunks * dim_shard.global_size;
   return g;
 }
 
@@ -126,7 +127,7 @@ int64_t Param::global_index(int64_t local) const {
     local /= s[d];
   }
   coord[0] += shard_offset;
-  if (shard_dim >= 1) coord[shard_dim] += shard_dim_chunks * shard_dim_offset;  // a contiguous range
+  if (dim_shard.dim >= 1) coord[dim_shard.dim] += dim_shard.chunks * dim_shard.offset;  // a contiguous range
   int64_t index = 0;
   for (int d = 0; d < s.ndim; ++d) index = index * g[d] + coord[d];
   return index;
@@ -137,12 +138,12 @@ void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double me
   MF_CHECK(v.contiguous(), p.name, ": fill_normal_shard needs a contiguous value");
   const int64_t numel = v.numel();
   // A run of consecutive local elements that is consecutive in the whole tensor too: the local
-  // slice of shard_dim (a contiguous range of the whole dimension, see DimShard) with everything
-  // after it (dimensions after shard_dim are never sharded).
+  // slice of dim_shard.dim (a contiguous range of the whole dimension, see DimShard) with everything
+  // after it (dimensions after dim_shard.dim are never sharded).
   int64_t run = numel;
-  if (p.shard_dim >= 1) {
-    run = v.size(p.shard_dim);
-    for (int d = p.shard_dim + 1; d < v.ndim(); ++d) run *= v.size(d);
+  if (p.dim_shard.dim >= 1) {
+    run = v.size(p.dim_shard.dim);
+    for (int d = p.dim_shard.dim + 1; d < v.ndim(); ++d) run *= v.size(d);
   }
   if (numel == 0 || run == 0) return;
   char* base = static_cast<char*>(v.data());
@@ -176,6 +177,13 @@ void Mirrored::to_device(int64_t n, const ExecContext* on) const {
 }
 void Mirrored::to_host(int64_t n, const ExecContext* on) const {
   if (host.data() != dev.data()) first_rows(host, n).copy_from(first_rows(dev, n), on);
+}
+
+void Memory::bind_twice(const std::function<void()>& bind) {
+  bind();
+  allocate();
+  bind();
+  finish_binding();
 }
 
 void Memory::allocate() {

@@ -78,6 +78,21 @@ struct DimShard {
   int64_t chunks = 1;       // chunks interleaved along `dim`
 };
 
+// What Memory::param registers. A sharded parameter holds rows [shard_offset, shard_offset +
+// shape[0]) of global_rows (0: unsharded), and with dim_shard.dim >= 1 also a slice of that
+// dimension (see DimShard).
+struct ParamSpec {
+  std::string name;                      // Hugging Face name, e.g. "model.layers.0.mlp.gate_proj.weight"
+  Shape shape;                           // this rank's part
+  Init init = Init::normal;              // how init_params fills it
+  double init_std = 0.02;                // Init::normal's standard deviation
+  bool decay = true;                     // AdamW weight decay (false for norms and biases)
+  ParamGroup group = ParamGroup::dense;  // which ranks reduce its gradient
+  int64_t shard_offset = 0;              // first global row (dim 0) held here
+  int64_t global_rows = 0;               // dim 0 of the whole parameter (0: shape[0], unsharded)
+  DimShard dim_shard = {};               // a second sharded dimension (none by default)
+};
+
 struct Param {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
   Tensor value;      // master weight (the master dtype: f32, or f64 in gradient checks)
@@ -90,12 +105,9 @@ struct Param {
   bool decay = true;  // false for norms and biases
   uint64_t id = 0;    // position in registration order
   ParamGroup group = ParamGroup::dense;
-  int64_t shard_offset = 0;      // global index (dim 0) of this rank's first row (expert parallel)
-  int64_t global_rows = 0;       // size of dim 0 of the whole (unsharded) parameter
-  int shard_dim = -1;            // a second sharded dimension (DimShard::dim); -1: none
-  int64_t shard_dim_offset = 0;  // DimShard::offset: first row held within each chunk
-  int64_t global_dim_size = 0;   // DimShard::global_size: one chunk's size in the whole tensor
-  int64_t shard_dim_chunks = 1;  // DimShard::chunks: chunks interleaved along shard_dim
+  int64_t shard_offset = 0;  // global index (dim 0) of this rank's first row (expert parallel)
+  int64_t global_rows = 0;   // size of dim 0 of the whole (unsharded) parameter
+  DimShard dim_shard;        // a second sharded dimension (dim_shard.dim -1: none)
   // Its backward writes the gradient at the step's first call instead of adding to zeros
   // (Memory::grad_written_by_backward): zero_grads leaves it alone.
   bool grad_written_by_backward = false;
@@ -103,8 +115,8 @@ struct Param {
   // Shape of the whole (unsharded) parameter.
   Shape global_shape() const;
   // Row-major flat index, in the whole parameter, of this shard's element `local` (row-major in
-  // value). Unsharded: local; dim-0 shard: shard_offset * row + local; along shard_dim, local
-  // index c is whole index shard_dim_chunks * shard_dim_offset + c (see DimShard).
+  // value). Unsharded: local; dim-0 shard: shard_offset * row + local; along dim_shard.dim, local
+  // index c is whole index dim_shard.chunks * dim_shard.offset + c (see DimShard).
   int64_t global_index(int64_t local) const;
 };
 
@@ -153,13 +165,10 @@ class Memory {
   const ExecContext& exec() const { return *exec_; }
   bool measuring() const { return acts_.measuring(); }
 
-  // Registers a parameter (and its gradient) under `name`; returns the view the forward reads
-  // (Param::compute: the master weight itself, or its bf16 copy). A sharded
-  // parameter holds rows [shard_offset, shard_offset + shape[0]) of global_rows (0: unsharded),
-  // and with dim_shard.dim >= 1 also a slice of that dimension (see DimShard).
-  Tensor param(const std::string& name, Shape shape, Init init, double init_std, bool decay,
-               ParamGroup group = ParamGroup::dense, int64_t shard_offset = 0, int64_t global_rows = 0,
-               const DimShard& dim_shard = {});
+  // Registers a parameter (and its gradient); returns the view the forward reads (Param::compute:
+  // the master weight itself, or its bf16 copy). Name the fields that differ from the defaults:
+  //   mem.param({.name = p + ".norm.weight", .shape = {h}, .init = Init::ones, .decay = false})
+  Tensor param(const ParamSpec& spec);
   // Activation or workspace tensor (compute dtype unless given).
   Tensor act(Shape shape);
   Tensor act(Shape shape, DType dtype);
@@ -177,6 +186,9 @@ class Memory {
   void* peer_block() const { return peer_acts_.base(); }
   size_t peer_block_bytes() const { return peer_acts_.capacity(); }
 
+  // The whole binding sequence: bind() measures, allocate(), bind() takes the real tensors,
+  // finish_binding() checks that both passes agree. `bind` registers every module's tensors.
+  void bind_twice(const std::function<void()>& bind);
   // Ends the measuring pass: allocates every arena and clears the registrations; the caller
   // binds again. REQUIRES: measuring().
   void allocate();

@@ -44,17 +44,16 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   const double std = m_.initializer_range;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
   // Column-parallel: this rank's heads are rows [r * heads * D, ...) of each projection.
-  wq_ = mem.param(prefix_ + ".q_proj.weight", {q * d, h}, Init::normal, std, true, tpg, r * q * d, n * q * d);
-  wk_ = mem.param(prefix_ + ".k_proj.weight", {g * d, h}, Init::normal, std, true, tpg, r * g * d, n * g * d);
-  wv_ = mem.param(prefix_ + ".v_proj.weight", {g * d, h}, Init::normal, std, true, tpg, r * g * d, n * g * d);
+  wq_ = mem.param({.name = prefix_ + ".q_proj.weight", .shape = {q * d, h}, .init_std = std, .group = tpg, .shard_offset = r * q * d, .global_rows = n * q * d});
+  wk_ = mem.param({.name = prefix_ + ".k_proj.weight", .shape = {g * d, h}, .init_std = std, .group = tpg, .shard_offset = r * g * d, .global_rows = n * g * d});
+  wv_ = mem.param({.name = prefix_ + ".v_proj.weight", .shape = {g * d, h}, .init_std = std, .group = tpg, .shard_offset = r * g * d, .global_rows = n * g * d});
   // Row-parallel: this rank's heads are columns of the output projection.
-  wo_ = mem.param(prefix_ + ".o_proj.weight", {h, q * d}, Init::normal, std, true, tpg, 0, h,
-                  n > 1 ? DimShard{1, r * q * d, n * q * d, 1} : DimShard{});
+  wo_ = mem.param({.name = prefix_ + ".o_proj.weight", .shape = {h, q * d}, .init_std = std, .group = tpg, .global_rows = h, .dim_shard = n > 1 ? DimShard{1, r * q * d, n * q * d, 1} : DimShard{}});
   if (qk_norm_ != QkNorm::none) {  // OLMoE's whole-projection norms need every head here (no TP)
     const bool whole = qk_norm_ == QkNorm::whole;
     MF_CHECK(!whole || n == 1, prefix_, ": whole-projection q/k norms under tensor parallelism");
-    q_norm_ = mem.param(prefix_ + ".q_norm.weight", {whole ? q * d : d}, Init::ones, 0, false);
-    k_norm_ = mem.param(prefix_ + ".k_norm.weight", {whole ? g * d : d}, Init::ones, 0, false);
+    q_norm_ = mem.param({.name = prefix_ + ".q_norm.weight", .shape = {whole ? q * d : d}, .init = Init::ones, .decay = false});
+    k_norm_ = mem.param({.name = prefix_ + ".k_norm.weight", .shape = {whole ? g * d : d}, .init = Init::ones, .decay = false});
     dq_norm_ = mem.grad(prefix_ + ".q_norm.weight");
     dk_norm_ = mem.grad(prefix_ + ".k_norm.weight");
   }

@@ -31,20 +31,20 @@ std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
     for (int64_t i = 0; i < e; ++i) {
       Tensor w = of.slice(i, i + 1).view({f2, h});
       const int64_t g = p.shard_offset + i;   // global expert index
-      const bool sharded = p.shard_dim == 1;  // rows of gate and of up split over ETP
+      const bool sharded = p.dim_shard.dim == 1;  // rows of gate and of up split over ETP
       const int dim = sharded ? 0 : -1;
-      const int64_t offset = sharded ? p.shard_dim_offset : 0, whole = sharded ? p.global_dim_size : f2 / 2;
+      const int64_t offset = sharded ? p.dim_shard.offset : 0, whole = sharded ? p.dim_shard.global_size : f2 / 2;
       out.push_back({cat(mlp, ".experts.", g, gate), w.step_rows(0, 2), dim, offset, whole});  // rows 2j
       out.push_back({cat(mlp, ".experts.", g, up), w.step_rows(1, 2), dim, offset, whole});    // rows 2j + 1
     }
   } else if (strip_suffix(p.name, ".experts.down_proj", &mlp)) {
     const int64_t e = of.size(0), h = of.size(1), f = of.size(2);
-    const bool sharded = p.shard_dim == 2;  // columns split over ETP
+    const bool sharded = p.dim_shard.dim == 2;  // columns split over ETP
     for (int64_t i = 0; i < e; ++i)
       out.push_back({cat(mlp, ".experts.", p.shard_offset + i, down), of.slice(i, i + 1).view({h, f}), sharded ? 1 : -1,
-                     sharded ? p.shard_dim_offset : 0, sharded ? p.global_dim_size : f});
-  } else if (p.shard_dim == 1 && of.ndim() == 2) {  // tensor parallelism: columns (row-parallel)
-    out.push_back({p.name, of, 1, p.shard_dim_offset, p.global_dim_size});
+                     sharded ? p.dim_shard.offset : 0, sharded ? p.dim_shard.global_size : f});
+  } else if (p.dim_shard.dim == 1 && of.ndim() == 2) {  // tensor parallelism: columns (row-parallel)
+    out.push_back({p.name, of, 1, p.dim_shard.offset, p.dim_shard.global_size});
   } else if (p.global_rows != of.size(0)) {  // tensor parallelism: rows (column-parallel, vocabulary)
     out.push_back({p.name, of, 0, p.shard_offset, p.global_rows});
   } else {

@@ -51,24 +51,21 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   const ParamGroup tpg = ParamGroup::tensor_parallel;
   auto grad = [&](const char* name) { return mem.grad(prefix_ + name); };
   if (rq_ > 0) {
-    wq_a_ = mem.param(prefix_ + ".q_a_proj.weight", {rq_, h}, Init::normal, std, true);
-    q_a_norm_ = mem.param(prefix_ + ".q_a_layernorm.weight", {rq_}, Init::ones, 0, false);
-    wq_b_ = mem.param(prefix_ + ".q_b_proj.weight", {q * dqk_, rq_}, Init::normal, std, true, tpg, r * q * dqk_,
-                      n * q * dqk_);
+    wq_a_ = mem.param({.name = prefix_ + ".q_a_proj.weight", .shape = {rq_, h}, .init_std = std});
+    q_a_norm_ = mem.param({.name = prefix_ + ".q_a_layernorm.weight", .shape = {rq_}, .init = Init::ones, .decay = false});
+    wq_b_ = mem.param({.name = prefix_ + ".q_b_proj.weight", .shape = {q * dqk_, rq_}, .init_std = std, .group = tpg, .shard_offset = r * q * dqk_, .global_rows = n * q * dqk_});
     dwq_a_ = grad(".q_a_proj.weight");
     dq_a_norm_ = grad(".q_a_layernorm.weight");
     dwq_b_ = grad(".q_b_proj.weight");
   } else {
     wq_b_ =
-        mem.param(prefix_ + ".q_proj.weight", {q * dqk_, h}, Init::normal, std, true, tpg, r * q * dqk_, n * q * dqk_);
+        mem.param({.name = prefix_ + ".q_proj.weight", .shape = {q * dqk_, h}, .init_std = std, .group = tpg, .shard_offset = r * q * dqk_, .global_rows = n * q * dqk_});
     dwq_b_ = grad(".q_proj.weight");
   }
-  wkv_a_ = mem.param(prefix_ + ".kv_a_proj_with_mqa.weight", {rkv_ + dr_, h}, Init::normal, std, true);
-  kv_a_norm_ = mem.param(prefix_ + ".kv_a_layernorm.weight", {rkv_}, Init::ones, 0, false);
-  wkv_b_ = mem.param(prefix_ + ".kv_b_proj.weight", {q * (dn_ + dv_), rkv_}, Init::normal, std, true, tpg,
-                     r * q * (dn_ + dv_), n * q * (dn_ + dv_));
-  wo_ = mem.param(prefix_ + ".o_proj.weight", {h, q * dv_}, Init::normal, std, true, tpg, 0, h,
-                  n > 1 ? DimShard{1, r * q * dv_, n * q * dv_, 1} : DimShard{});
+  wkv_a_ = mem.param({.name = prefix_ + ".kv_a_proj_with_mqa.weight", .shape = {rkv_ + dr_, h}, .init_std = std});
+  kv_a_norm_ = mem.param({.name = prefix_ + ".kv_a_layernorm.weight", .shape = {rkv_}, .init = Init::ones, .decay = false});
+  wkv_b_ = mem.param({.name = prefix_ + ".kv_b_proj.weight", .shape = {q * (dn_ + dv_), rkv_}, .init_std = std, .group = tpg, .shard_offset = r * q * (dn_ + dv_), .global_rows = n * q * (dn_ + dv_)});
+  wo_ = mem.param({.name = prefix_ + ".o_proj.weight", .shape = {h, q * dv_}, .init_std = std, .group = tpg, .global_rows = h, .dim_shard = n > 1 ? DimShard{1, r * q * dv_, n * q * dv_, 1} : DimShard{}});
   dwkv_a_ = grad(".kv_a_proj_with_mqa.weight");
   dkv_a_norm_ = grad(".kv_a_layernorm.weight");
   dwkv_b_ = grad(".kv_b_proj.weight");

@@ -20,10 +20,9 @@ void DenseMlp::bind(Memory& mem, Communicator* tp) {
   tp_ = n > 1 ? tp : nullptr;
   f_ = ffn_ / n;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
-  gate_FH_ = mem.param(prefix_ + ".gate_proj.weight", {f_, h_}, Init::normal, init_std_, true, tpg, r * f_, ffn_);
-  up_FH_ = mem.param(prefix_ + ".up_proj.weight", {f_, h_}, Init::normal, init_std_, true, tpg, r * f_, ffn_);
-  down_HF_ = mem.param(prefix_ + ".down_proj.weight", {h_, f_}, Init::normal, init_std_, true, tpg, 0, h_,
-                       n > 1 ? DimShard{1, r * f_, ffn_, 1} : DimShard{});
+  gate_FH_ = mem.param({.name = prefix_ + ".gate_proj.weight", .shape = {f_, h_}, .init_std = init_std_, .group = tpg, .shard_offset = r * f_, .global_rows = ffn_});
+  up_FH_ = mem.param({.name = prefix_ + ".up_proj.weight", .shape = {f_, h_}, .init_std = init_std_, .group = tpg, .shard_offset = r * f_, .global_rows = ffn_});
+  down_HF_ = mem.param({.name = prefix_ + ".down_proj.weight", .shape = {h_, f_}, .init_std = init_std_, .group = tpg, .global_rows = h_, .dim_shard = n > 1 ? DimShard{1, r * f_, ffn_, 1} : DimShard{}});
   dgate_FH_ = mem.grad(prefix_ + ".gate_proj.weight");
   dup_FH_ = mem.grad(prefix_ + ".up_proj.weight");
   ddown_HF_ = mem.grad(prefix_ + ".down_proj.weight");

@@ -50,10 +50,10 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
                         ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH) {
   ctx_ = &mem.exec();
   const int64_t h = m_.hidden_size;
-  norm1_ = mem.param(prefix_ + ".input_layernorm.weight", {h}, Init::ones, 0, false);
+  norm1_ = mem.param({.name = prefix_ + ".input_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
   attn_->bind(mem, cos_SD, sin_SD, scratch, cp, tp);
-  norm2_ = mem.param(prefix_ + ".post_attention_layernorm.weight", {h}, Init::ones, 0, false);
+  norm2_ = mem.param({.name = prefix_ + ".post_attention_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm2_ = mem.grad(prefix_ + ".post_attention_layernorm.weight");
   if (moe_) moe_->bind(mem);
   if (mlp_) mlp_->bind(mem, tp);
@@ -196,7 +196,7 @@ void Model::bind(Memory& mem) {
   const double std = m_.initializer_range;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
   // Vocabulary-parallel embedding and LM head: rows [vocab_offset_, + V/tp) here.
-  embed_ = mem.param("model.embed_tokens.weight", {v, h}, Init::normal, std, true, tpg, vocab_offset_, m_.vocab_size);
+  embed_ = mem.param({.name = "model.embed_tokens.weight", .shape = {v, h}, .init_std = std, .group = tpg, .shard_offset = vocab_offset_, .global_rows = m_.vocab_size});
   dembed_ = mem.grad("model.embed_tokens.weight");
   cos_SD_ = mem.act({s_, m_.head_dim}, mem.master_dtype());  // f32 tables (f64 in gradient checks)
   sin_SD_ = mem.act({s_, m_.head_dim}, mem.master_dtype());
@@ -208,9 +208,9 @@ void Model::bind(Memory& mem) {
   for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({t_, h}));
   for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
   for (auto& d : mtp_) bind_mtp(mem, *d);
-  norm_ = mem.param("model.norm.weight", {h}, Init::ones, 0, false);
+  norm_ = mem.param({.name = "model.norm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm_ = mem.grad("model.norm.weight");
-  lm_head_ = mem.param("lm_head.weight", {v, h}, Init::normal, std, true, tpg, vocab_offset_, m_.vocab_size);
+  lm_head_ = mem.param({.name = "lm_head.weight", .shape = {v, h}, .init_std = std, .group = tpg, .shard_offset = vocab_offset_, .global_rows = m_.vocab_size});
   dlm_head_ = mem.grad("lm_head.weight");
   ids_ = Tensor();
   targets_ = Tensor();
@@ -373,10 +373,10 @@ MtpDepth::MtpDepth(const ModelConfig& m, const MoeConfig& e, int64_t batch, int6
 void Model::bind_mtp(Memory& mem, MtpDepth& d) {
   const int64_t h = m_.hidden_size, v = m_.vocab_size / (tp_ ? tp_->size() : 1);
   const std::string& p = d.prefix_;
-  d.enorm_ = mem.param(p + ".enorm.weight", {h}, Init::ones, 0, false);
-  d.hnorm_ = mem.param(p + ".hnorm.weight", {h}, Init::ones, 0, false);
-  d.eh_proj_ = mem.param(p + ".eh_proj.weight", {h, 2 * h}, Init::normal, m_.initializer_range, true);
-  d.head_norm_ = mem.param(p + ".shared_head.norm.weight", {h}, Init::ones, 0, false);
+  d.enorm_ = mem.param({.name = p + ".enorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
+  d.hnorm_ = mem.param({.name = p + ".hnorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
+  d.eh_proj_ = mem.param({.name = p + ".eh_proj.weight", .shape = {h, 2 * h}, .init_std = m_.initializer_range});
+  d.head_norm_ = mem.param({.name = p + ".shared_head.norm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   d.denorm_ = mem.grad(p + ".enorm.weight");
   d.dhnorm_ = mem.grad(p + ".hnorm.weight");
   d.deh_proj_ = mem.grad(p + ".eh_proj.weight");

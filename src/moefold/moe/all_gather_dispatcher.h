@@ -53,6 +53,7 @@ class AllGatherDispatcher final : public Dispatcher {
   // The F-slice the experts fed by this dispatcher hold.
   int64_t ffn_local() const { return cfg_.moe_intermediate_size / etp_.size(); }
   int64_t ffn_first() const { return etp_.rank() * ffn_local(); }
+  FfnSlice ffn_slice(int64_t) const override { return {ffn_first(), ffn_local()}; }
   const AllGatherPlan& plan() const { return plan_; }  // REQUIRES: after dispatch
   Communicator& etp_group() const { return etp_; }
   Communicator& ep_group() const { return ex_.ep(); }

@@ -43,6 +43,11 @@ struct DispatchPlan {
   Tensor topk_prob_TK;  // the combine weights given to dispatch() (a view of the caller's)
 };
 
+// Columns [first, first + size) of the expert FFN.
+struct FfnSlice {
+  int64_t first = 0, size = 0;
+};
+
 class Dispatcher {
  public:
   virtual ~Dispatcher() = default;
@@ -53,6 +58,9 @@ class Dispatcher {
   virtual int64_t num_local_experts() const = 0;
   // Global index of the first local expert (expert parallelism: this rank's block of experts).
   virtual int64_t first_local_expert() const { return 0; }
+  // The columns of the expert FFN (F = ffn of the whole layer) the local experts hold: all of them,
+  // unless the dispatcher splits F over expert-tensor-parallel ranks.
+  virtual FfnSlice ffn_slice(int64_t ffn) const { return {0, ffn}; }
   // Most rows dispatch() can hand to the local experts (sizes the expert activations).
   virtual int64_t max_rows() const = 0;
 

@@ -9,22 +9,21 @@
 
 namespace moefold {
 
-Experts::Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_rows, std::string prefix,
-                 double init_std, int64_t first_expert, int64_t total_experts, int64_t ffn_first, int64_t total_ffn)
-    : num_experts_(num_experts),
-      first_expert_(first_expert),
-      total_experts_(total_experts > 0 ? total_experts : num_experts),
-      hidden_(hidden),
-      ffn_(ffn),
-      ffn_first_(ffn_first),
-      total_ffn_(total_ffn > 0 ? total_ffn : ffn),
-      max_rows_(max_rows),
+Experts::Experts(const ExpertsShape& s, std::string prefix, double init_std)
+    : num_experts_(s.num_experts),
+      first_expert_(s.first_expert),
+      total_experts_(s.total_experts > 0 ? s.total_experts : s.num_experts),
+      hidden_(s.hidden),
+      ffn_(s.ffn),
+      ffn_first_(s.ffn_first),
+      total_ffn_(s.total_ffn > 0 ? s.total_ffn : s.ffn),
+      max_rows_(s.max_rows),
       prefix_(std::move(prefix)),
       init_std_(init_std) {
-  MF_CHECK(num_experts >= 1 && hidden >= 1 && ffn >= 1 && max_rows >= 0, "Experts: E ", num_experts, ", H ", hidden,
-           ", F ", ffn, ", max_rows ", max_rows);
-  MF_CHECK(ffn_first >= 0 && ffn_first + ffn <= total_ffn_, "Experts: F slice [", ffn_first, ", ", ffn_first + ffn,
-           ") of ", total_ffn_);
+  MF_CHECK(s.num_experts >= 1 && s.hidden >= 1 && s.ffn >= 1 && s.max_rows >= 0, "Experts: E ", s.num_experts, ", H ",
+           s.hidden, ", F ", s.ffn, ", max_rows ", s.max_rows);
+  MF_CHECK(s.ffn_first >= 0 && s.ffn_first + s.ffn <= total_ffn_, "Experts: F slice [", s.ffn_first, ", ",
+           s.ffn_first + s.ffn, ") of ", total_ffn_);
 }
 
 void Experts::bind(Memory& mem) {
@@ -32,10 +31,8 @@ void Experts::bind(Memory& mem) {
   const bool sharded = ffn_ != total_ffn_;
   const DimShard gate_up_shard = sharded ? DimShard{1, ffn_first_, total_ffn_, 2} : DimShard{};
   const DimShard down_shard = sharded ? DimShard{2, ffn_first_, total_ffn_, 1} : DimShard{};
-  gate_up_E2FH_ = mem.param(prefix_ + ".experts.gate_up_proj", {num_experts_, 2 * ffn_, hidden_}, Init::normal,
-                            init_std_, true, ParamGroup::expert, first_expert_, total_experts_, gate_up_shard);
-  down_EHF_ = mem.param(prefix_ + ".experts.down_proj", {num_experts_, hidden_, ffn_}, Init::normal, init_std_, true,
-                        ParamGroup::expert, first_expert_, total_experts_, down_shard);
+  gate_up_E2FH_ = mem.param({.name = prefix_ + ".experts.gate_up_proj", .shape = {num_experts_, 2 * ffn_, hidden_}, .init_std = init_std_, .group = ParamGroup::expert, .shard_offset = first_expert_, .global_rows = total_experts_, .dim_shard = gate_up_shard});
+  down_EHF_ = mem.param({.name = prefix_ + ".experts.down_proj", .shape = {num_experts_, hidden_, ffn_}, .init_std = init_std_, .group = ParamGroup::expert, .shard_offset = first_expert_, .global_rows = total_experts_, .dim_shard = down_shard});
   dgate_up_E2FH_ = mem.grad(prefix_ + ".experts.gate_up_proj");
   ddown_EHF_ = mem.grad(prefix_ + ".experts.down_proj");
   mem.grad_written_by_backward(prefix_ + ".experts.gate_up_proj");

@@ -16,14 +16,24 @@
 
 namespace moefold {
 
+// Which experts, and which slice of each, a rank holds: experts [first_expert, first_expert +
+// num_experts) of total_experts (expert parallelism), F columns [ffn_first, ffn_first + ffn) of
+// total_ffn (expert tensor parallelism). Held weights are ParamGroup::expert shards.
+struct ExpertsShape {
+  int64_t num_experts = 0;    // E held here
+  int64_t hidden = 0;         // H
+  int64_t ffn = 0;            // F held here
+  int64_t max_rows = 0;       // bound on R (Dispatcher::max_rows())
+  int64_t first_expert = 0;   // global index of the first expert held here
+  int64_t total_experts = 0;  // experts of the whole layer (0: num_experts)
+  int64_t ffn_first = 0;      // first of total_ffn held here
+  int64_t total_ffn = 0;      // F of the whole layer (0: ffn, unsharded)
+};
+
 class Experts {
  public:
-  // prefix: e.g. "model.layers.3.mlp"; max_rows bounds R (Dispatcher::max_rows()). The
-  // num_experts held here are experts [first_expert, first_expert + num_experts) of
-  // total_experts (expert parallelism); their weights are ParamGroup::expert shards. ffn is the
-  // F held here: columns [ffn_first, ffn_first + ffn) of total_ffn (0: ffn, unsharded).
-  Experts(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t max_rows, std::string prefix, double init_std,
-          int64_t first_expert = 0, int64_t total_experts = 0, int64_t ffn_first = 0, int64_t total_ffn = 0);
+  // prefix: e.g. "model.layers.3.mlp".
+  Experts(const ExpertsShape& shape, std::string prefix, double init_std);
 
   // "<prefix>.experts.gate_up_proj" [E, 2F, H] (row 2j of each expert: gate_proj row j, row
   // 2j + 1: up_proj row j, so gu's columns pair up alike, GateUp::pairs in ops.h, and one thread

@@ -4,7 +4,6 @@
 #include <utility>
 
 #include "moefold/core/profile.h"
-#include "moefold/moe/all_gather_dispatcher.h"
 
 namespace moefold {
 
@@ -14,16 +13,19 @@ const MoeConfig& validated(const MoeConfig& cfg) {
   return cfg;
 }
 
-// The experts fed by an ETP dispatcher hold its F-slice; any other dispatcher feeds whole experts.
+// The experts the dispatcher feeds: its experts, and its slice of their F columns.
 Experts make_experts(const MoeConfig& cfg, const Dispatcher& d, int64_t hidden, const std::string& prefix,
                      double init_std) {
-  int64_t ffn = cfg.moe_intermediate_size, ffn_first = 0;
-  if (const auto* ag = dynamic_cast<const AllGatherDispatcher*>(&d)) {
-    ffn = ag->ffn_local();
-    ffn_first = ag->ffn_first();
-  }
-  return Experts(d.num_local_experts(), hidden, ffn, d.max_rows(), prefix, init_std, d.first_local_expert(),
-                 cfg.num_experts, ffn_first, cfg.moe_intermediate_size);
+  const FfnSlice f = d.ffn_slice(cfg.moe_intermediate_size);
+  return Experts(ExpertsShape{.num_experts = d.num_local_experts(),
+                              .hidden = hidden,
+                              .ffn = f.size,
+                              .max_rows = d.max_rows(),
+                              .first_expert = d.first_local_expert(),
+                              .total_experts = cfg.num_experts,
+                              .ffn_first = f.first,
+                              .total_ffn = cfg.moe_intermediate_size},
+                 prefix, init_std);
 }
 }  // namespace
 

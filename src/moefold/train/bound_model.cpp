@@ -9,10 +9,7 @@ BoundModel::BoundModel(const Config& cfg, int64_t len)
     ids = mem.act({1, seq_len}, DType::i32);
     targets = mem.act({1, seq_len}, DType::i32);
   };
-  bind();  // measure
-  mem.allocate();
-  bind();
-  mem.finish_binding();
+  mem.bind_twice(bind);
 }
 
 }  // namespace moefold

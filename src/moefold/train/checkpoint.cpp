@@ -114,7 +114,7 @@ ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, cons
     const bool expert = p.group == ParamGroup::expert;
     const bool mine = expert ? mesh.edp_rank == 0 && mesh.etp_rank == 0 : mesh.world_rank == 0;
     Communicator& group = expert ? *mesh.etp : *mesh.tp;  // the group its slices are split over
-    const bool sliced = group.size() > 1 && (expert ? p.shard_dim >= 0 : p.group == ParamGroup::tensor_parallel);
+    const bool sliced = group.size() > 1 && (expert ? p.dim_shard.dim >= 0 : p.group == ParamGroup::tensor_parallel);
     if (!mine && !sliced) continue;
     auto add = [&](const Tensor& of, const char* suffix, std::vector<SafetensorsEntry>& to) {
       for (const NamedView& v : hf_views(p, of)) {
