@@ -27,110 +27,137 @@ Config full_size_base(const std::string& name) {
   return c;
 }
 
-// Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen/Qwen3-*/config.json).
-Config qwen3(const std::string& name, bool big) {
+// What every full-size preset states, from its model's published config.json: the transformer's
+// shape and the MoE layer's basics. The rest: Config's defaults, unless the preset sets it.
+struct Shape {
+  std::string architecture;
+  int64_t vocab_size, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim;
+  int64_t max_position_embeddings;
+  double rope_theta;
+  double rms_norm_eps = ModelConfig{}.rms_norm_eps;
+  int64_t num_experts, num_experts_per_tok, moe_intermediate_size;
+  double aux_loss_coeff;  // moe.router_aux_loss_coef
+};
+
+Config full_size(const std::string& name, const Shape& s) {
   Config c = full_size_base(name);
   ModelConfig& m = c.model;
-  m.vocab_size = 151936;
-  m.hidden_size = big ? 4096 : 2048;
-  m.num_hidden_layers = big ? 94 : 48;
-  m.num_attention_heads = big ? 64 : 32;
-  m.num_key_value_heads = 4;
-  m.head_dim = 128;
-  m.max_position_embeddings = 40960;
-  m.rope_theta = 1e6;
-  MoeConfig& e = c.moe;
-  e.num_experts = 128;
-  e.num_experts_per_tok = 8;
-  e.moe_intermediate_size = big ? 1536 : 768;
-  e.norm_topk_prob = true;
-  e.aux_loss_coeff = 1e-3;
+  m.architecture = s.architecture;
+  m.vocab_size = s.vocab_size;
+  m.hidden_size = s.hidden_size;
+  m.num_hidden_layers = s.num_hidden_layers;
+  m.num_attention_heads = s.num_attention_heads;
+  m.num_key_value_heads = s.num_key_value_heads;
+  m.head_dim = s.head_dim;
+  m.max_position_embeddings = s.max_position_embeddings;
+  m.rope_theta = s.rope_theta;
+  m.rms_norm_eps = s.rms_norm_eps;
+  c.moe.num_experts = s.num_experts;
+  c.moe.num_experts_per_tok = s.num_experts_per_tok;
+  c.moe.moe_intermediate_size = s.moe_intermediate_size;
+  c.moe.aux_loss_coeff = s.aux_loss_coeff;
+  return c;
+}
+
+// Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen/Qwen3-*/config.json).
+Config qwen3(const std::string& name, bool big) {
+  Config c = full_size(name, {.architecture = "qwen3_moe",
+                              .vocab_size = 151936,
+                              .hidden_size = big ? 4096 : 2048,
+                              .num_hidden_layers = big ? 94 : 48,
+                              .num_attention_heads = big ? 64 : 32,
+                              .num_key_value_heads = 4,
+                              .head_dim = 128,
+                              .max_position_embeddings = 40960,
+                              .rope_theta = 1e6,
+                              .num_experts = 128,
+                              .num_experts_per_tok = 8,
+                              .moe_intermediate_size = big ? 1536 : 768,
+                              .aux_loss_coeff = 1e-3});
+  c.moe.norm_topk_prob = true;
   return c;
 }
 
 // DeepSeek-V3 (deepseek-ai/DeepSeek-V3/config.json): MLA, YaRN, 3 dense layers, a shared expert,
-// sigmoid routing with group limits and a selection bias, one MTP depth.
+// sigmoid routing with group limits and a selection bias (no auxiliary loss but a small
+// sequence-level one), one MTP depth.
 Config deepseek_v3() {
-  Config c = full_size_base("deepseek-v3");
+  Config c = full_size("deepseek-v3", {.architecture = "deepseek_v3",
+                                       .vocab_size = 129280,
+                                       .hidden_size = 7168,
+                                       .num_hidden_layers = 61,
+                                       .num_attention_heads = 128,
+                                       .num_key_value_heads = 128,
+                                       .head_dim = 64,  // the rotary part: qk_rope_head_dim
+                                       .max_position_embeddings = 163840,
+                                       .rope_theta = 10000,
+                                       .num_experts = 256,
+                                       .num_experts_per_tok = 8,
+                                       .moe_intermediate_size = 2048,
+                                       .aux_loss_coeff = 0});
   ModelConfig& m = c.model;
-  m.architecture = "deepseek_v3";
-  m.vocab_size = 129280;
-  m.hidden_size = 7168;
-  m.num_hidden_layers = 61;
-  m.num_attention_heads = m.num_key_value_heads = 128;
-  m.head_dim = m.qk_rope_head_dim = 64;
+  m.qk_rope_head_dim = 64;
   m.qk_nope_head_dim = 128;
   m.v_head_dim = 128;
   m.q_lora_rank = 1536;
   m.kv_lora_rank = 512;
   m.rope_interleave = true;
-  m.rope_theta = 10000;
   m.rope_type = "yarn";
   m.rope_factor = 40;
   m.rope_original_max_position_embeddings = 4096;
   m.rope_mscale = m.rope_mscale_all_dim = 1.0;
-  m.max_position_embeddings = 163840;
   m.intermediate_size = 18432;
   m.first_k_dense_replace = 3;
   m.num_nextn_predict_layers = 1;
   m.mtp_loss_scaling_factor = 0.1;
   MoeConfig& e = c.moe;
-  e.num_experts = 256;
-  e.num_experts_per_tok = 8;
-  e.moe_intermediate_size = 2048;
   e.n_shared_experts = 1;
   e.scoring_func = ScoreFunc::sigmoid;
   e.routed_scaling_factor = 2.5;
   e.n_group = 8;
   e.topk_group = 4;
   e.expert_bias = true;
-  e.aux_loss_coeff = 0;
   e.seq_aux_loss_coeff = 1e-4;
   return c;
 }
 
 // Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1/config.json).
 Config mixtral_8x7b() {
-  Config c = full_size_base("mixtral-8x7b");
-  ModelConfig& m = c.model;
-  m.architecture = "mixtral";
-  m.vocab_size = 32000;
-  m.hidden_size = 4096;
-  m.num_hidden_layers = 32;
-  m.num_attention_heads = 32;
-  m.num_key_value_heads = 8;
-  m.head_dim = 128;
-  m.rope_theta = 1e6;
-  m.max_position_embeddings = 32768;
-  m.rms_norm_eps = 1e-5;
-  MoeConfig& e = c.moe;
-  e.num_experts = 8;
-  e.num_experts_per_tok = 2;
-  e.moe_intermediate_size = 14336;
-  e.aux_loss_coeff = 2e-2;
-  return c;
+  return full_size("mixtral-8x7b", {.architecture = "mixtral",
+                                    .vocab_size = 32000,
+                                    .hidden_size = 4096,
+                                    .num_hidden_layers = 32,
+                                    .num_attention_heads = 32,
+                                    .num_key_value_heads = 8,
+                                    .head_dim = 128,
+                                    .max_position_embeddings = 32768,
+                                    .rope_theta = 1e6,
+                                    .rms_norm_eps = 1e-5,
+                                    .num_experts = 8,
+                                    .num_experts_per_tok = 2,
+                                    .moe_intermediate_size = 14336,
+                                    .aux_loss_coeff = 2e-2});
 }
 
-// OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924/config.json).
+// OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924/config.json): no renormalisation of the top-K
+// probabilities, a router z-loss.
 Config olmoe_1b_7b() {
-  Config c = full_size_base("olmoe-1b-7b");
-  ModelConfig& m = c.model;
-  m.architecture = "olmoe";
-  m.vocab_size = 50304;
-  m.hidden_size = 2048;
-  m.num_hidden_layers = 16;
-  m.num_attention_heads = m.num_key_value_heads = 16;
-  m.head_dim = 128;
-  m.rope_theta = 10000;
-  m.max_position_embeddings = 4096;
-  m.rms_norm_eps = 1e-5;
-  MoeConfig& e = c.moe;
-  e.num_experts = 64;
-  e.num_experts_per_tok = 8;
-  e.moe_intermediate_size = 1024;
-  e.norm_topk_prob = false;
-  e.aux_loss_coeff = 1e-2;
-  e.z_loss_coeff = 1e-3;
+  Config c = full_size("olmoe-1b-7b", {.architecture = "olmoe",
+                                       .vocab_size = 50304,
+                                       .hidden_size = 2048,
+                                       .num_hidden_layers = 16,
+                                       .num_attention_heads = 16,
+                                       .num_key_value_heads = 16,
+                                       .head_dim = 128,
+                                       .max_position_embeddings = 4096,
+                                       .rope_theta = 10000,
+                                       .rms_norm_eps = 1e-5,
+                                       .num_experts = 64,
+                                       .num_experts_per_tok = 8,
+                                       .moe_intermediate_size = 1024,
+                                       .aux_loss_coeff = 1e-2});
+  c.moe.norm_topk_prob = false;
+  c.moe.z_loss_coeff = 1e-3;
   return c;
 }
 
