@@ -112,6 +112,7 @@ void Config::validate() const {
   train.validate();
   data.validate();
   parallel.validate();
+  if (kernels.gemm_sms < 0) MF_FAIL("kernels.gemm_sms = ", kernels.gemm_sms, " must be >= 0 (0: every SM)");
   const ParallelConfig& p = parallel;
   if (moe.num_experts % p.ep != 0)
     MF_FAIL("moe.num_experts = ", moe.num_experts, " is not divisible by parallel.ep = ", p.ep);

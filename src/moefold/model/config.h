@@ -1,6 +1,7 @@
-// Run configuration: the [model], [moe], [train], [parallel] and [data] sections of a TOML file,
-// built-in presets, and `--set section.key=value` overrides. Keys are named as Hugging Face names
-// them where a name exists. Every mistake is a moefold::Error naming the file/flag, key and value.
+// Run configuration: the [model], [moe], [train], [parallel], [data] and [kernels] sections of a
+// TOML file, built-in presets, and `--set section.key=value` overrides. Keys are named as Hugging
+// Face names them where a name exists. Every mistake is a moefold::Error naming the file/flag, key
+// and value.
 // Defined in config.cpp (invariants), config_toml.cpp (keys, TOML in and out), config_presets.cpp,
 // rope_scaling.cpp and model_size.cpp.
 #pragma once
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "moefold/core/kernel_options.h"
 #include "moefold/moe/moe_config.h"
 #include "moefold/parallel/parallel_config.h"
 
@@ -107,6 +109,7 @@ struct Config {
   TrainConfig train;
   DataConfig data;
   ParallelConfig parallel;
+  KernelOptions kernels;        // which kernels compute the ops (bits may differ, so recorded with the run)
   std::string preset = "tiny";  // the preset this config derives from
 
   // Cross-section checks (top-k <= experts is in MoeConfig; heads dividing, etc.).

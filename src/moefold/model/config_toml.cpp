@@ -4,6 +4,7 @@
 #include <toml++/toml.h>
 
 #include <charconv>
+#include <climits>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -17,8 +18,25 @@ namespace moefold {
 
 namespace {
 
-using Ref = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*, ScoreFunc*, std::vector<int64_t>*,
-                         std::vector<std::string>*>;
+// Keys stored as an enum (or a struct) and written as a string: their text, and back (parse_text
+// throws Error naming `key` and the accepted values).
+void parse_text(const std::string& s, const std::string& key, GroupedGemmImpl* p) { *p = parse_grouped_gemm(s, key); }
+void parse_text(const std::string& s, const std::string& key, CutlassTiles* p) { *p = parse_cutlass_tiles(s, key); }
+void parse_text(const std::string& s, const std::string& key, SwigluFusion* p) { *p = parse_swiglu_fusion(s, key); }
+void parse_text(const std::string& s, const std::string& key, AttentionKernel* p) {
+  *p = parse_attention_kernel(s, key);
+}
+std::string text_of(GroupedGemmImpl v) { return grouped_gemm_name(v); }
+std::string text_of(const CutlassTiles& v) { return cutlass_tiles_text(v); }
+std::string text_of(SwigluFusion v) { return swiglu_fusion_name(v); }
+std::string text_of(AttentionKernel v) { return attention_kernel_name(v); }
+template <class T>
+concept TextCoded = requires(const T& v) {
+  text_of(v);
+};
+
+using Ref = std::variant<int64_t*, uint64_t*, int*, double*, bool*, std::string*, ScoreFunc*, std::vector<int64_t>*,
+                         std::vector<std::string>*, GroupedGemmImpl*, CutlassTiles*, SwigluFusion*, AttentionKernel*>;
 
 struct Field {
   const char* section;
@@ -39,7 +57,7 @@ const std::vector<Field>& fields() {
       MF_FIELD(model, "architecture", architecture, "model family: qwen3_moe, mixtral, olmoe or deepseek_v3"),
       MF_FIELD(model, "vocab_size", vocab_size, "rows of the embedding and LM head (>= the tokenizer's vocabulary)"),
       MF_FIELD(model, "hidden_size", hidden_size, "H, width of the residual stream"),
-      MF_FIELD(model, "num_hidden_layers", num_hidden_layers, "decoder layers, each attention + MoE"),
+      MF_FIELD(model, "num_hidden_layers", num_hidden_layers, "decoder layers, each attention + MoE (or a dense MLP)"),
       MF_FIELD(model, "num_attention_heads", num_attention_heads, "query heads"),
       MF_FIELD(model, "num_key_value_heads", num_key_value_heads, "key/value heads (grouped-query attention)"),
       MF_FIELD(model, "head_dim", head_dim, "D, width of one head"),
@@ -117,14 +135,32 @@ const std::vector<Field>& fields() {
       MF_FIELD(parallel, "dp", dp, "data-parallel size; 0: world / (tp * cp)"),
       MF_FIELD(parallel, "ep", ep, "expert-parallel size (experts split over ep ranks)"),
       MF_FIELD(parallel, "etp", etp, "expert tensor-parallel size"),
-      MF_FIELD(parallel, "pp", pp, "pipeline-parallel size (1: not implemented yet)"),
+      MF_FIELD(parallel, "pp", pp, "pipeline-parallel size (only 1: not implemented yet)"),
       MF_FIELD(parallel, "timeout_s", timeout_s, "a rank waiting longer on another fails, naming both"),
       MF_FIELD(parallel, "overlap_grad_reduce", overlap_grad_reduce,
                "start each layer's data-parallel gradient all-reduce as its backward ends"),
+      MF_FIELD(parallel, "ep_transport", ep_transport,
+               "expert-parallel exchange: \"auto\" (ipc where the EP GPUs can map each other's memory, else nccl), "
+               "\"nccl\" or \"ipc\""),
       MF_FIELD(data, "path", path, ".tokens file or Megatron .bin/.idx prefix; empty: default corpus"),
       MF_FIELD(data, "valid_fraction", valid_fraction, "tail of the token stream held out for evaluation"),
       MF_FIELD(data, "default_corpus_dir", default_corpus_dir,
                "directory the default corpus is read from (empty: built-in)"),
+      MF_FIELD(kernels, "grouped_gemm", grouped_gemm,
+               "experts' GEMMs: \"cutlass\" (Hopper grouped GEMM; cuBLASLt where it cannot serve) or \"cublaslt\" "
+               "(one GEMM per expert)"),
+      MF_FIELD(kernels, "cutlass_tile", cutlass_tiles,
+               "CUTLASS tiles: \"\" (per-kind defaults), \"small\", \"large\", \"pingpong\" or per kind "
+               "\"forward=..,dgrad=..,wgrad=..,swiglu_forward=..,swiglu_dgrad=..\""),
+      MF_FIELD(kernels, "gemm_sms", gemm_sms,
+               "SMs the persistent grouped GEMMs use (0: all; fewer leave some to a transfer beside them)"),
+      MF_FIELD(kernels, "fused_swiglu", fused_swiglu,
+               "SwiGLU in the grouped GEMM epilogues: \"auto\" (backward; forward where measured faster), \"on\" "
+               "or \"off\""),
+      MF_FIELD(kernels, "attention", attention,
+               "causal attention: \"auto\" (cuDNN where built and able, else own), \"own\" or \"cudnn\""),
+      MF_FIELD(kernels, "deterministic_attention", deterministic_attention,
+               "cuDNN attention backward's deterministic engine (bit-identical reruns); false: faster, atomic dQ"),
   };
   return f;
 }
@@ -148,10 +184,12 @@ void assign(Config& c, const Field& f, const toml::node& n, const std::string& w
   std::visit(
       [&](auto* p) {
         using T = std::remove_pointer_t<decltype(p)>;
-        if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
+        if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t> || std::is_same_v<T, int>) {
           auto v = n.value_exact<int64_t>();
           if (!v) MF_FAIL(what, ": ", name, " must be an integer");
           if (std::is_same_v<T, uint64_t> && *v < 0) MF_FAIL(what, ": ", name, " must be >= 0, got ", *v);
+          if (std::is_same_v<T, int> && (*v < INT_MIN || *v > INT_MAX))
+            MF_FAIL(what, ": ", name, " = ", *v, " is out of range");
           *p = static_cast<T>(*v);
         } else if constexpr (std::is_same_v<T, double>) {
           auto v = n.value<double>();  // integers are accepted for floats
@@ -184,6 +222,10 @@ void assign(Config& c, const Field& f, const toml::node& n, const std::string& w
             *p = ScoreFunc::sigmoid;
           else
             MF_FAIL(what, ": ", name, " must be \"softmax\" or \"sigmoid\"");
+        } else if constexpr (TextCoded<T>) {
+          auto v = n.value_exact<std::string>();
+          if (!v) MF_FAIL(what, ": ", name, " must be a string");
+          parse_text(*v, cat(what, ": ", name), p);
         }
       },
       f.ref(c));
@@ -320,6 +362,8 @@ std::string config_to_toml(const Config& cc) {
             os << (*p == ScoreFunc::softmax ? "\"softmax\"" : "\"sigmoid\"");
           else if constexpr (std::is_same_v<T, double>)
             os << format_double(*p);
+          else if constexpr (TextCoded<T>)
+            os << toml::value<std::string>(text_of(*p));
           else if constexpr (std::is_same_v<T, std::vector<int64_t>> || std::is_same_v<T, std::vector<std::string>>) {
             os << "[";
             for (size_t i = 0; i < p->size(); ++i)
