@@ -1,5 +1,6 @@
-// `moefold bench`: moe-layer (one MoE layer forward+backward at docs/benchmarks.md's shapes) and
-// train (full training steps on random tokens); rank 0 prints the table of medians.
+// `moefold bench`: moe-layer (one MoE layer forward+backward at the full-size presets' MoE shapes)
+// and train (full training steps on random tokens); rank 0 prints the table of medians
+// (docs/benchmarks.md records them).
 #include <cstdio>
 
 #include "moefold/bench/moe_layer_bench.h"
