@@ -107,6 +107,21 @@ TEST(Cli, BadConfigs) {
   EXPECT_NE(run("").code, 0);
 }
 
+// The kernel switches and parallel.ep_transport: `moefold config` prints them (what a run directory
+// records); a bad value is one line naming the key and the accepted values.
+TEST(Cli, KernelSwitches) {
+  Result r =
+      run("config --set kernels.grouped_gemm=cublaslt --set kernels.cutlass_tile=forward=small "
+          "--set parallel.ep_transport=nccl");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("\ngrouped_gemm = 'cublaslt'  # "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\ncutlass_tile = 'forward=small,dgrad=large,"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nep_transport = 'nccl'  # "), std::string::npos) << r.out;
+  expect_one_line_error(run("info --set kernels.fused_swiglu=maybe"), {"kernels.fused_swiglu", "auto, on, off"});
+  expect_one_line_error(run("config --set kernels.gemm_sms=-4"), {"kernels.gemm_sms = -4", ">= 0"});
+  expect_one_line_error(run("config --set parallel.ep_transport=shm"), {"parallel.ep_transport", "auto, nccl, ipc"});
+}
+
 TEST(Cli, BadData) {
   testing::TempDir tmp("test_cli");
   const fs::path& d = tmp.path();

@@ -98,6 +98,92 @@ TEST(Config, BadInputNamesTheKey) {
             std::string::npos);
 }
 
+// The kernel switches and parallel.ep_transport of `a` and `b` agree (KernelOptions has no ==).
+void expect_same_switches(const Config& a, const Config& b) {
+  EXPECT_EQ(a.kernels.grouped_gemm, b.kernels.grouped_gemm);
+  EXPECT_EQ(cutlass_tiles_text(a.kernels.cutlass_tiles), cutlass_tiles_text(b.kernels.cutlass_tiles));
+  EXPECT_EQ(a.kernels.gemm_sms, b.kernels.gemm_sms);
+  EXPECT_EQ(a.kernels.fused_swiglu, b.kernels.fused_swiglu);
+  EXPECT_EQ(a.kernels.attention, b.kernels.attention);
+  EXPECT_EQ(a.kernels.deterministic_attention, b.kernels.deterministic_attention);
+  EXPECT_EQ(a.parallel.ep_transport, b.parallel.ep_transport);
+}
+
+TEST(Config, KernelsSectionAndEpTransport) {
+  // The defaults: what the kernels did before the section existed.
+  const Config d = load_config("tiny", {});
+  EXPECT_EQ(d.kernels.grouped_gemm, GroupedGemmImpl::cutlass);
+  EXPECT_EQ(cutlass_tiles_text(d.kernels.cutlass_tiles), "");
+  EXPECT_EQ(d.kernels.gemm_sms, 0);
+  EXPECT_EQ(d.kernels.fused_swiglu, SwigluFusion::automatic);
+  EXPECT_EQ(d.kernels.attention, AttentionKernel::automatic);
+  EXPECT_TRUE(d.kernels.deterministic_attention);
+  EXPECT_EQ(d.parallel.ep_transport, "auto");
+  // Every key, each away from its default, from a file and from --set (bare words are strings).
+  Config want = d;
+  want.kernels.grouped_gemm = GroupedGemmImpl::cublaslt;
+  want.kernels.cutlass_tiles.forward = GemmTiles::small;  // the other kinds keep their defaults
+  want.kernels.cutlass_tiles.swiglu_forward = GemmTiles::large;
+  want.kernels.gemm_sms = 120;
+  want.kernels.fused_swiglu = SwigluFusion::off;
+  want.kernels.attention = AttentionKernel::cudnn;
+  want.kernels.deterministic_attention = false;
+  want.parallel.ep_transport = "ipc";
+  const Config f = load_config(write_file("kernels.toml",
+                                          "[kernels]\ngrouped_gemm = \"cublaslt\"\ncutlass_tile = "
+                                          "\"forward=small,swiglu_forward=large\"\ngemm_sms = 120\nfused_swiglu = "
+                                          "\"off\"\nattention = \"cudnn\"\ndeterministic_attention = false\n"
+                                          "[parallel]\nep_transport = \"ipc\"\n"),
+                               {});
+  expect_same_switches(f, want);
+  const Config s =
+      load_config("tiny", {"kernels.grouped_gemm=cublaslt", "kernels.cutlass_tile=forward=small,swiglu_forward=large",
+                           "kernels.gemm_sms=120", "kernels.fused_swiglu=off", "kernels.attention=cudnn",
+                           "kernels.deterministic_attention=false", "parallel.ep_transport=ipc"});
+  expect_same_switches(s, want);
+  // config_to_toml records every switch (a run directory's config.toml) and reads back the same.
+  for (const Config& c : {d, f}) {
+    const std::string text = config_to_toml(c);
+    const Config back = load_config(write_file("kernels_round.toml", text), {});
+    EXPECT_EQ(config_to_toml(back), text);
+    expect_same_switches(back, c);
+  }
+  EXPECT_NE(config_to_toml(f).find("\n[kernels]\ngrouped_gemm = 'cublaslt'  # "), std::string::npos);
+}
+
+TEST(Config, BadKernelsValueIsOneLineNamingTheKey) {
+  auto err = [](const std::string& text) {
+    std::string p = write_file("bad_kernels.toml", text);
+    return error_of([&] { load_config(p, {}); });
+  };
+  const std::pair<std::string, std::string> cases[] = {
+      {"[kernels]\ngrouped_gemm = \"cublas\"\n",
+       "bad_kernels.toml:2: kernels.grouped_gemm = \"cublas\": expected one of cutlass, cublaslt"},
+      {"[kernels]\ncutlass_tile = \"huge\"\n",
+       "bad_kernels.toml:2: kernels.cutlass_tile = \"huge\": expected one of small, large, pingpong"},
+      {"[kernels]\ncutlass_tile = \"forward=huge\"\n", "kernels.cutlass_tile = \"forward=huge\": tiles \"huge\""},
+      {"[kernels]\ncutlass_tile = \"backward=large\"\n", "kernels.cutlass_tile = \"backward=large\": unknown kind"},
+      {"[kernels]\ngemm_sms = -1\n", "bad_kernels.toml: kernels.gemm_sms = -1 must be >= 0 (0: every SM)"},
+      {"[kernels]\ngemm_sms = 1.5\n", "kernels.gemm_sms must be an integer"},
+      {"[kernels]\ngemm_sms = 9999999999\n", "kernels.gemm_sms = 9999999999 is out of range"},
+      {"[kernels]\nfused_swiglu = \"yes\"\n", "kernels.fused_swiglu = \"yes\": expected one of auto, on, off"},
+      {"[kernels]\nfused_swiglu = true\n", "kernels.fused_swiglu must be a string"},
+      {"[kernels]\nattention = \"flash\"\n", "kernels.attention = \"flash\": expected one of auto, own, cudnn"},
+      {"[kernels]\ndeterministic_attention = 1\n", "kernels.deterministic_attention must be true or false"},
+      {"[kernels]\ngemm_smz = 1\n", "unknown key 'kernels.gemm_smz'"},
+      {"[parallel]\nep_transport = \"shm\"\n", "parallel.ep_transport = 'shm' is not supported (auto, nccl, ipc)"},
+  };
+  for (const auto& [text, needle] : cases) {
+    const std::string e = err(text);
+    EXPECT_NE(e.find(needle), std::string::npos) << text << " gave: " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+  EXPECT_EQ(error_of([] { load_config("tiny", {"kernels.attention=flash"}); }),
+            "--set kernels.attention=flash: kernels.attention = \"flash\": expected one of auto, own, cudnn");
+  EXPECT_NE(error_of([] { load_config("tiny", {"parallel.ep_transport=mpi"}); }).find("parallel.ep_transport = 'mpi'"),
+            std::string::npos);
+}
+
 TEST(ModelSize, MatchesPublishedQwen3Sizes) {
   Config c = preset_config("qwen3-30b-a3b");
   ModelSize s = model_size(c.model, c.moe, 4096);

@@ -1,6 +1,8 @@
 // core/kernel_options.h: the config text of each kernel switch.
 #include "moefold/core/kernel_options.h"
 
+#include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include "moefold/core/error.h"
@@ -8,15 +10,25 @@
 namespace moefold {
 
 namespace {
+// The value of `names` that `value` names, or nullptr.
+template <class T, size_t N>
+const T* find_one(const std::string& value, const std::pair<const char*, T> (&names)[N]) {
+  for (const auto& [name, v] : names)
+    if (value == name) return &v;
+  return nullptr;
+}
+// "a, b, c": the accepted texts, for messages.
+template <class T, size_t N>
+std::string known_names(const std::pair<const char*, T> (&names)[N]) {
+  std::string known;
+  for (const auto& [name, v] : names) known += known.empty() ? name : cat(", ", name);
+  return known;
+}
 // The value of `names` that `value` names, or an Error listing them.
 template <class T, size_t N>
 T parse_one(const std::string& value, const std::string& key, const std::pair<const char*, T> (&names)[N]) {
-  std::string known;
-  for (const auto& [name, v] : names) {
-    if (value == name) return v;
-    known += known.empty() ? name : cat(", ", name);
-  }
-  MF_FAIL(key, " = \"", value, "\": expected one of ", known);
+  if (const T* v = find_one(value, names)) return *v;
+  MF_FAIL(key, " = \"", value, "\": expected one of ", known_names(names));
 }
 template <class T, size_t N>
 const char* name_of(T v, const std::pair<const char*, T> (&names)[N]) {
@@ -62,6 +74,7 @@ CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& ke
     for (size_t i = 0; i < std::size(kKinds); ++i) *kind_member(t, i) = all;
     return t;
   }
+  bool named[std::size(kKinds)] = {};
   for (size_t begin = 0; begin <= value.size();) {
     const size_t end = std::min(value.find(',', begin), value.size()), eq = value.find('=', begin);
     if (eq >= end) MF_FAIL(key, " = \"", value, "\": expected kind=tiles items separated by commas");
@@ -71,7 +84,13 @@ CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& ke
     if (i == std::size(kKinds))
       MF_FAIL(key, " = \"", value, "\": unknown kind \"", kind,
               "\" (forward, dgrad, wgrad, swiglu_forward, swiglu_dgrad)");
-    *kind_member(t, i) = parse_one(value.substr(eq + 1, end - eq - 1), key, kTiles);
+    if (named[i]) MF_FAIL(key, " = \"", value, "\": kind \"", kind, "\" named twice");
+    named[i] = true;
+    const std::string tiles = value.substr(eq + 1, end - eq - 1);
+    const GemmTiles* chosen = find_one(tiles, kTiles);
+    if (chosen == nullptr)
+      MF_FAIL(key, " = \"", value, "\": tiles \"", tiles, "\" for ", kind, ": expected one of ", known_names(kTiles));
+    *kind_member(t, i) = *chosen;
     begin = end + 1;
   }
   return t;

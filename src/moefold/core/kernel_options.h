@@ -22,9 +22,9 @@ enum class GemmTiles : uint8_t { small, large, pingpong };
 // One tile configuration per GEMM kind. Defaults: measured (docs/benchmarks.md): ping-pong for the
 // fused SwiGLU forward (1.27 ms vs 1.40 ms with large tiles, qwen3-30b-a3b fc1), large otherwise.
 struct CutlassTiles {
-  GemmTiles forward = GemmTiles::large;         // y = x w^T
-  GemmTiles dgrad = GemmTiles::large;           // dx = dy w
-  GemmTiles wgrad = GemmTiles::large;           // dw += dy^T x (f32)
+  GemmTiles forward = GemmTiles::large;            // y = x w^T
+  GemmTiles dgrad = GemmTiles::large;              // dx = dy w
+  GemmTiles wgrad = GemmTiles::large;              // dw += dy^T x (f32)
   GemmTiles swiglu_forward = GemmTiles::pingpong;  // fc1 with SwiGLU in the epilogue
   GemmTiles swiglu_dgrad = GemmTiles::large;       // fc2's dgrad with SwiGLU's backward in the epilogue
 };

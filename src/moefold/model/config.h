@@ -1,6 +1,9 @@
-// Run configuration: the [model], [moe], [train] and [data] sections of a TOML file, built-in
-// presets, and `--set section.key=value` overrides. Keys are named as Hugging Face names them
-// where a name exists. Every mistake is a moefold::Error naming the file/flag, key and value.
+// Run configuration: the [model], [moe], [train], [parallel], [data] and [kernels] sections of a
+// TOML file, built-in presets, and `--set section.key=value` overrides. Keys are named as Hugging
+// Face names them where a name exists. Every mistake is a moefold::Error naming the file/flag, key
+// and value.
+// Defined in config.cpp (invariants), config_toml.cpp (keys, TOML in and out), config_presets.cpp,
+// rope_scaling.cpp and model_size.cpp.
 #pragma once
 
 #include <cstdint>
@@ -106,7 +109,7 @@ struct Config {
   TrainConfig train;
   DataConfig data;
   ParallelConfig parallel;
-  KernelOptions kernels;  // which kernels compute the ops ([kernels])
+  KernelOptions kernels;        // which kernels compute the ops (bits may differ, so recorded with the run)
   std::string preset = "tiny";  // the preset this config derives from
 
   // Cross-section checks (top-k <= experts is in MoeConfig; heads dividing, etc.).
@@ -137,7 +140,8 @@ std::vector<double> rope_inv_freq(const ModelConfig& m, double* attention_factor
 // The attention softmax scale: qk_head_dim^-0.5 (MLA with YaRN: times mscale(factor, mscale_all_dim)^2).
 double attention_softmax_scale(const ModelConfig& m);
 
-// Parameter counts and model FLOPs (formulas in ../shared/BENCHMARKS.md).
+// Parameter counts and model FLOPs per token: 2 per multiply-add of every weight a token passes
+// through (K of E experts) plus the causal attention core; training is 3 x the forward.
 struct ModelSize {
   int64_t total_params = 0;
   int64_t active_params = 0;           // with K of E experts

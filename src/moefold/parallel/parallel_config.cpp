@@ -13,6 +13,8 @@ void ParallelConfig::validate() const {
   positive("pp", pp);
   if (dp < 0) MF_FAIL("parallel.dp = ", dp, " must be >= 1 (or 0: derived from the world size)");
   if (!(timeout_s > 0)) MF_FAIL("parallel.timeout_s = ", timeout_s, " must be > 0");
+  if (ep_transport != "auto" && ep_transport != "nccl" && ep_transport != "ipc")
+    MF_FAIL("parallel.ep_transport = '", ep_transport, "' is not supported (auto, nccl, ipc)");
   if (pp != 1) MF_FAIL("parallel.pp = ", pp, ": pipeline parallelism is not implemented yet (use 1)");
 }
 

@@ -21,9 +21,12 @@ struct ParallelConfig {
   // all-reduce as its backward ends, in the step's last micro-batch); false: one all-reduce per
   // parameter group after backward.
   bool overlap_grad_reduce = true;
-  std::string ep_transport = "auto";  // expert-parallel rows: auto (peer memory where it can), nccl, ipc
+  // Expert-parallel token exchange: "ipc" (direct copies into the peers' GPU memory, where the EP
+  // group shares a host and can map it), "nccl" (send/recv), or "auto" (ipc where it can be had).
+  std::string ep_transport = "auto";
 
-  // Static checks (positive sizes, pp == 1); world-dependent checks are in resolve().
+  // Static checks (positive sizes, pp == 1, a known ep_transport); world-dependent checks are in
+  // resolve().
   void validate() const;
   // dp filled in for `world` ranks, and every layout constraint checked (Error naming the
   // numbers that do not divide): pp*dp*cp*tp == world; ep*etp divides dp*cp*tp.

@@ -1,0 +1,49 @@
+// `moefold prepare`: text files or directories tokenized (bytes or a Hugging Face tokenizer.json)
+// into a token file that `train` reads (plain .tokens, or Megatron .bin/.idx).
+#include <cstdio>
+
+#include "moefold/cli/commands.h"
+#include "moefold/data/prepare.h"
+
+namespace moefold::cli {
+
+namespace {
+
+struct PrepareArgs {
+  std::vector<std::string> inputs;
+  std::string output, format = "plain";
+  PrepareOptions options;
+};
+
+void prepare_tokens(const PrepareArgs& a) {
+  PrepareStats s =
+      prepare(a.inputs, a.output, a.format == "megatron" ? TokenFormat::megatron : TokenFormat::plain, a.options);
+  std::printf("prepared %lld files, %lld bytes -> %lld tokens in %s", static_cast<long long>(s.files),
+              static_cast<long long>(s.bytes), static_cast<long long>(s.tokens), a.output.c_str());
+  if (!a.options.tokenizer.empty())
+    std::printf(" (tokenizer vocabulary: %lld ids, EOS %lld; model.vocab_size must be >= %lld)",
+                static_cast<long long>(s.vocab_size), static_cast<long long>(s.eos_id),
+                static_cast<long long>(s.vocab_size));
+  std::printf("\n");
+}
+
+}  // namespace
+
+Command add_prepare(CLI::App& app) {
+  auto a = std::make_shared<PrepareArgs>();
+  CLI::App* cmd = app.add_subcommand("prepare", "tokenize text files or directories into a token file");
+  cmd->add_option("inputs", a->inputs, "text files or directories")->required();
+  cmd->add_option("-o,--output", a->output, "output .tokens file, or Megatron prefix with --format megatron")
+      ->required();
+  cmd->add_option("--format", a->format, "plain (.tokens) or megatron (.bin/.idx)")
+      ->check(CLI::IsMember({"plain", "megatron"}));
+  auto* o_tokenizer = cmd->add_option("--tokenizer", a->options.tokenizer,
+                                      "Hugging Face tokenizer.json (byte-level BPE, e.g. Qwen3's or DeepSeek-V3's); "
+                                      "default: bytes");
+  cmd->add_option("--eos-token", a->options.eos_token,
+                  "token appended to each document (default: <|endoftext|>, <｜end▁of▁sentence｜> or </s>)")
+      ->needs(o_tokenizer);
+  return {cmd, [a](World&) { prepare_tokens(*a); }};
+}
+
+}  // namespace moefold::cli
