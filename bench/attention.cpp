@@ -171,8 +171,9 @@ void bench_shape(const Shape4& sh, const Options& opt) {
       continue;
     }
     report(sh, name, "backward",
-           time_ms(opt,
-                   [&] { cuda::cudnn_attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq2, *dk2, *dv2, o); }),
+           time_ms(
+               opt,
+               [&] { cuda::cudnn_attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq2, *dk2, *dv2, o); }),
            bwd_flops);
     std::printf("%-24s %s vs own (backward): dq %.2e dk %.2e dv %.2e\n", sh.name, name, rel_diff(*dq2, *dq),
                 rel_diff(*dk2, *dk), rel_diff(*dv2, *dv));

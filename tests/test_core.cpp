@@ -109,7 +109,13 @@ TEST(Memory, DimShardOfInterleavedChunksIsAContiguousRange) {
   // Experts 1..2 of 3; rows 1..2 of each of the 2 chunks of 5 along dimension 1.
   Memory mem(DType::f32);
   const auto bind = [&] {
-    mem.param({.name = "w", .shape = {2, 4, 3}, .init_std = 1.0, .group = ParamGroup::expert, .shard_offset = 1, .global_rows = 3, .dim_shard = {1, 1, 5, 2}});
+    mem.param({.name = "w",
+               .shape = {2, 4, 3},
+               .init_std = 1.0,
+               .group = ParamGroup::expert,
+               .shard_offset = 1,
+               .global_rows = 3,
+               .dim_shard = {1, 1, 5, 2}});
   };
   mem.bind_twice(bind);
   const Param& p = mem.params().front();

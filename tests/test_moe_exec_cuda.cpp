@@ -93,7 +93,8 @@ TEST(ExecContext, TwoMoeLayersOnTwoStreamsMatchEachAlone) {
   MF_REQUIRE_GPU();
   Pool pool;
   const ExecContext& standard = ExecContext::standard(Device::cuda);
-  const ExecContext a_ctx(Device::cuda, {}, ExecContext::Stream::own), b_ctx(Device::cuda, {}, ExecContext::Stream::own);
+  const ExecContext a_ctx(Device::cuda, {}, ExecContext::Stream::own),
+      b_ctx(Device::cuda, {}, ExecContext::Stream::own);
   ASSERT_NE(a_ctx.stream(), b_ctx.stream());
   ASSERT_NE(a_ctx.stream(), standard.stream());
   GpuLayer a(a_ctx), b(b_ctx), alone(standard);

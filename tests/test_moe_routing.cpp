@@ -300,7 +300,8 @@ TEST(SeqAuxLoss, ExactlyOneForUniformRouting) {
   for (int64_t i = e_n * e_n; i < 2 * e_n * e_n; ++i) testing::set_value_at(s2, i, 1.0 / e_n);
   testing::set_value_at(c2, 0, e_n);
   for (int64_t e = 0; e < e_n; ++e) testing::set_value_at(c2, e_n + e, 1);
-  EXPECT_NEAR(seq_aux_loss_forward(testing::exec(), s2, ScoreFunc::softmax, c2, 1, {e_n, 0, e_n}), (e_n + 1) / 2.0, 1e-12);
+  EXPECT_NEAR(seq_aux_loss_forward(testing::exec(), s2, ScoreFunc::softmax, c2, 1, {e_n, 0, e_n}), (e_n + 1) / 2.0,
+              1e-12);
 }
 
 TEST(SeqAuxLoss, BackwardMatchesFiniteDifferences) {

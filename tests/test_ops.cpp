@@ -203,7 +203,8 @@ TEST(Linear, BackwardMatchesFiniteDifferences) {
   EXPECT_LE(max_abs_diff(dw2, axpy(pool, r, 2.0, dw)), kF64Tol);
 
   Tensor dx32 = pool.zeros({n, in}, DType::f32), dw32 = pool.zeros({out, in}, DType::f32);
-  linear_backward(testing::exec(), cast(pool, x, DType::f32), cast(pool, w, DType::f32), cast(pool, dy, DType::f32), dx32, dw32);
+  linear_backward(testing::exec(), cast(pool, x, DType::f32), cast(pool, w, DType::f32), cast(pool, dy, DType::f32),
+                  dx32, dw32);
   expect_f32_close("linear dx f32", dx32, dx);
   expect_f32_close("linear dw f32", dw32, dw);
 }
@@ -422,7 +423,8 @@ TEST(CrossEntropy, IgnoredTargetsAddNothing) {
     for (int64_t j = 0; j < v; ++j) testing::set_value_at(kept_logits, r * v + j, testing::value_at(logits, i * v + j));
     ++r;
   }
-  EXPECT_EQ(cross_entropy_forward(testing::exec(), logits, targets, lse), cross_entropy_forward(testing::exec(), kept_logits, kept, kept_lse));
+  EXPECT_EQ(cross_entropy_forward(testing::exec(), logits, targets, lse),
+            cross_entropy_forward(testing::exec(), kept_logits, kept, kept_lse));
   Tensor d = pool.randn({n, v}, DType::f64, 100.0);  // garbage: dlogits is WRITTEN
   cross_entropy_backward(testing::exec(), logits, targets, lse, 0.5, d);
   for (int64_t i = 1; i < n; i += 2)

@@ -88,8 +88,8 @@ TEST(Attention, ForwardMatchesMaskedTripleLoop) {
       }
 
     Tensor out32 = pool.zeros(out.shape(), DType::f32), lse32 = pool.zeros(lse.shape(), DType::f32);
-    attention_forward(testing::exec(), cast(pool, in.q, DType::f32), cast(pool, in.k, DType::f32), cast(pool, in.v, DType::f32),
-                      in.scale, out32, lse32, pool.zeros({c.s, c.s}, DType::f32));
+    attention_forward(testing::exec(), cast(pool, in.q, DType::f32), cast(pool, in.k, DType::f32),
+                      cast(pool, in.v, DType::f32), in.scale, out32, lse32, pool.zeros({c.s, c.s}, DType::f32));
     expect_f32_close("attention out f32", out32, out);
     expect_f32_close("attention lse f32", lse32, lse);
   }
@@ -123,7 +123,8 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
     Tensor dq32 = pool.randn(in.q.shape(), DType::f32, 100.0), dk32 = pool.randn(in.k.shape(), DType::f32, 100.0),
            dv32 = pool.randn(in.v.shape(), DType::f32, 100.0);
     attention_forward(testing::exec(), q32, k32, v32, in.scale, out32, lse32, work32);
-    attention_backward(testing::exec(), q32, k32, v32, out32, lse32, cast(pool, dout, DType::f32), in.scale, dq32, dk32, dv32, work32);
+    attention_backward(testing::exec(), q32, k32, v32, out32, lse32, cast(pool, dout, DType::f32), in.scale, dq32, dk32,
+                       dv32, work32);
     expect_f32_close("attention dq f32", dq32, dq);
     expect_f32_close("attention dk f32", dk32, dk);
     expect_f32_close("attention dv f32", dv32, dv);

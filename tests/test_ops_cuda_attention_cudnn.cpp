@@ -47,13 +47,13 @@ constexpr double kF32Tol = 1e-5;
 double tol(DType dt) { return dt == DType::f32 ? kF32Tol : kBf16Tol; }
 
 // Skips without cuDNN in the build, with the reason CMake recorded (why cuDNN's path is off).
-#define MF_REQUIRE_CUDNN()                                                           \
-  do {                                                                               \
-    if (!cuda::cudnn_attention_built()) {                                            \
-      std::string mf_why_;                                                           \
+#define MF_REQUIRE_CUDNN()                                                                            \
+  do {                                                                                                \
+    if (!cuda::cudnn_attention_built()) {                                                             \
+      std::string mf_why_;                                                                            \
       cuda::cudnn_attention_supported(testing::exec(), Case{128, 4, 4, 64}.problem(false), &mf_why_); \
-      GTEST_SKIP() << mf_why_;                                                       \
-    }                                                                                \
+      GTEST_SKIP() << mf_why_;                                                                        \
+    }                                                                                                 \
   } while (0)
 
 // A GPU context whose kernels.attention is `choice`.

@@ -234,8 +234,8 @@ TEST(CudaRouterTopk, AllEqualLogitsPickTheLowestIndices) {
       r.n_group = n_group;
       r.topk_group = n_group == 1 ? 1 : 4;
       Tensor idx_d = dev.poisoned({t_n, k_n}, DType::i32);
-      router_topk_forward(testing::exec(), dev.upload(logits, DType::f32), r, dev.poisoned({t_n, e_n}, DType::f32), idx_d,
-                          dev.poisoned({t_n, k_n}, DType::f32));
+      router_topk_forward(testing::exec(), dev.upload(logits, DType::f32), r, dev.poisoned({t_n, e_n}, DType::f32),
+                          idx_d, dev.poisoned({t_n, k_n}, DType::f32));
       const std::vector<int64_t> idx = ints(idx_d);
       for (int64_t i = 0; i < t_n * k_n; ++i) ASSERT_EQ(idx[static_cast<size_t>(i)], i % k_n) << i;
     }
@@ -295,7 +295,8 @@ TEST(CudaLosses, AuxSeqAuxAndZLossMatchCpu) {
 
       for (int64_t total : {int64_t{0}, 3 * t_n}) {
         const double want = aux_loss_forward(testing::exec(), scores64, f, counts, k_n, total);
-        EXPECT_NEAR(aux_loss_forward(testing::exec(), scores_d, f, counts_d, k_n, total), want, kLoss * std::abs(want)) << total;
+        EXPECT_NEAR(aux_loss_forward(testing::exec(), scores_d, f, counts_d, k_n, total), want, kLoss * std::abs(want))
+            << total;
         Tensor dl_d = dev.poisoned({t_n, e_n}, DType::f32), dl = pool.zeros({t_n, e_n}, DType::f64);
         aux_loss_backward(testing::exec(), scores_d, f, counts_d, k_n, 0.37, dl_d, total);
         aux_loss_backward(testing::exec(), scores64, f, counts, k_n, 0.37, dl, total);
@@ -309,7 +310,8 @@ TEST(CudaLosses, AuxSeqAuxAndZLossMatchCpu) {
       seq_expert_counts(testing::exec(), idx, layout, seq_counts);
       Tensor seq_counts_d = dev.upload(seq_counts, DType::i64);
       const double want = seq_aux_loss_forward(testing::exec(), scores64, f, seq_counts, k_n, layout);
-      EXPECT_NEAR(seq_aux_loss_forward(testing::exec(), scores_d, f, seq_counts_d, k_n, layout), want, kLoss * std::abs(want));
+      EXPECT_NEAR(seq_aux_loss_forward(testing::exec(), scores_d, f, seq_counts_d, k_n, layout), want,
+                  kLoss * std::abs(want));
       Tensor dl_d = dev.poisoned({t_n, e_n}, DType::f32), dl = pool.zeros({t_n, e_n}, DType::f64);
       seq_aux_loss_backward(testing::exec(), scores_d, f, seq_counts_d, k_n, layout, 1.7, dl_d);
       seq_aux_loss_backward(testing::exec(), scores64, f, seq_counts, k_n, layout, 1.7, dl);
@@ -413,8 +415,8 @@ TEST(CudaPermutePlan, MatchesCpuBitForBit) {
 
     PermutePlanOut gpu{filled_i64(dev, {e_n}, kSentinel), filled_i64(dev, {e_n + 1}, kSentinel),
                        filled_i64(dev, {t_n, k_n}, kSentinel), filled_i64(dev, {max_rows}, kSentinel)};
-    const int64_t r_gpu =
-        moe_permute_plan(testing::exec(), dev.upload(idx, DType::i32), dev.upload(prob, DType::f32), capacity, c.pad, gpu);
+    const int64_t r_gpu = moe_permute_plan(testing::exec(), dev.upload(idx, DType::i32), dev.upload(prob, DType::f32),
+                                           capacity, c.pad, gpu);
     PermutePlanOut cpu{host_filled_i64(pool, {e_n}, kSentinel), host_filled_i64(pool, {e_n + 1}, kSentinel),
                        host_filled_i64(pool, {t_n, k_n}, kSentinel), host_filled_i64(pool, {max_rows}, kSentinel)};
     const int64_t r_cpu = moe_permute_plan(testing::exec(), idx, prob, capacity, c.pad, cpu);
@@ -474,7 +476,8 @@ HostPlan padded_plan(Pool& pool, std::mt19937_64& rng, int64_t t_n, int64_t k_n)
   p.offsets = pool.zeros({e_n + 1}, DType::i64);
   p.row = pool.zeros({t_n, k_n}, DType::i64);
   p.token = pool.zeros({e_n * capacity}, DType::i64);
-  p.num_rows = moe_permute_plan(testing::exec(), p.topk_idx, p.topk_prob, capacity, true, {p.counts, p.offsets, p.row, p.token});
+  p.num_rows =
+      moe_permute_plan(testing::exec(), p.topk_idx, p.topk_prob, capacity, true, {p.counts, p.offsets, p.row, p.token});
   return p;
 }
 

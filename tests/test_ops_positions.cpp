@@ -179,7 +179,8 @@ TEST(AttentionAt, SimulatedContextParallelReproducesFullAttention) {
       EXPECT_LE(max_abs_diff(out_r, gather_rows(pool, out, mine)), kF64Tol);
       EXPECT_LE(max_abs_diff(lse_r, gather_lse(pool, lse, mine)), kF64Tol);
       Tensor dq_r = pool.zeros(q_r.shape()), dk_r = pool.zeros(k_all.shape()), dv_r = pool.zeros(v_all.shape());
-      attention_backward_at(testing::exec(), q_r, k_all, v_all, q_pos, k_pos, out_r, lse_r, dout_r, scale, dq_r, dk_r, dv_r, work_r);
+      attention_backward_at(testing::exec(), q_r, k_all, v_all, q_pos, k_pos, out_r, lse_r, dout_r, scale, dq_r, dk_r,
+                            dv_r, work_r);
       EXPECT_LE(max_abs_diff(dq_r, gather_rows(pool, dq, mine)), kF64Tol);
       // Scatter this rank's contribution back to key positions (the reduce-scatter's sum).
       const int64_t row = g * d;

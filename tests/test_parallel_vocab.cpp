@@ -134,7 +134,8 @@ TEST(VocabParallel, CrossEntropyBackwardMatchesFiniteDifferences) {
   vocab_parallel_cross_entropy_forward(testing::exec(), *self, logits, 0, targets, lse, s.scratch);
   vocab_parallel_cross_entropy_backward(testing::exec(), logits, 0, targets, lse, grad_scale, analytic);
   check_gradient("vocab_parallel_cross_entropy dlogits", logits, analytic, [&] {
-    return grad_scale * vocab_parallel_cross_entropy_forward(testing::exec(), *self, logits, 0, targets, lse, s.scratch);
+    return grad_scale *
+           vocab_parallel_cross_entropy_forward(testing::exec(), *self, logits, 0, targets, lse, s.scratch);
   });
 }
 

@@ -155,7 +155,8 @@ TEST(CudaVocabParallel, EmbeddingForwardMatchesCpu) {
       Tensor out_ref = pool.randn({s.n, e.c});  // WRITTEN, zero rows included
       vocab_parallel_embedding_forward(testing::exec(), ids, rounded(pool, table, dt), s.offset, out_ref);
       Guarded out = guarded(dev, {s.n, e.c}, dt);
-      vocab_parallel_embedding_forward(testing::exec(), dev.upload(ids, DType::i32), dev.upload(table, dt), s.offset, out.t);
+      vocab_parallel_embedding_forward(testing::exec(), dev.upload(ids, DType::i32), dev.upload(table, dt), s.offset,
+                                       out.t);
       expect_close(download(out.t), out_ref, 0.0, "embedding out");
       expect_guard_intact(out, "embedding out");
     }
@@ -184,7 +185,8 @@ TEST(CudaVocabParallel, EmbeddingBackwardMatchesCpu) {
       vocab_parallel_embedding_backward(testing::exec(), ids_d, dout_d, s.offset, dtable.t);
       if (ty.dtable == DType::f32) {  // the CPU op in f32 on the same values: bit for bit
         Tensor dtable_ref = as_f32(pool, rounded(pool, dtable0, DType::f32));
-        vocab_parallel_embedding_backward(testing::exec(), ids, as_f32(pool, rounded(pool, dout, ty.dout)), s.offset, dtable_ref);
+        vocab_parallel_embedding_backward(testing::exec(), ids, as_f32(pool, rounded(pool, dout, ty.dout)), s.offset,
+                                          dtable_ref);
         expect_close(download(dtable.t), dtable_ref, 0.0, "embedding dtable");
       } else {
         Tensor dtable_ref = rounded(pool, dtable0, ty.dtable);
@@ -224,7 +226,8 @@ void check_forward(int64_t n, int64_t v, DType dt) {
   VocabParallelScratch host_scratch;
   host_mem.bind_twice([&] { host_scratch.bind(host_mem, n); });
   Tensor lse_ref = pool.zeros({n});
-  const double loss_ref = vocab_parallel_cross_entropy_forward(testing::exec(), *self, lr, 0, targets, lse_ref, host_scratch);
+  const double loss_ref =
+      vocab_parallel_cross_entropy_forward(testing::exec(), *self, lr, 0, targets, lse_ref, host_scratch);
 
   DeviceScratch ds(n + 3);  // more rows bound than used
   Tensor ld = dev.upload(logits, dt), td = dev.upload(targets, DType::i32);
@@ -365,7 +368,8 @@ TEST(CudaVocabParallelDeathTest, MixedDevicesAndBf16LseAbort) {
   EXPECT_DEATH(vocab_parallel_embedding_forward(testing::exec(), ids, table_d, 0, out_d), "on different devices");
   Tensor logits_d = dev.upload(pool.randn({4, 3}), DType::bf16), targets_d = dev.upload(ids, DType::i32);
   Tensor lse_bf16 = dev.empty({4}, DType::bf16), dl = dev.empty({4, 3}, DType::bf16);
-  EXPECT_DEATH(vocab_parallel_cross_entropy_backward(testing::exec(), logits_d, 0, targets_d, lse_bf16, 1.0, dl), "CUDA: f32");
+  EXPECT_DEATH(vocab_parallel_cross_entropy_backward(testing::exec(), logits_d, 0, targets_d, lse_bf16, 1.0, dl),
+               "CUDA: f32");
 }
 
 }  // namespace

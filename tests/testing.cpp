@@ -16,9 +16,7 @@
 
 namespace moefold::testing {
 
-const ExecContext& exec() {
-  return ExecContext::standard(cuda_device_count() > 0 ? Device::cuda : Device::cpu);
-}
+const ExecContext& exec() { return ExecContext::standard(cuda_device_count() > 0 ? Device::cuda : Device::cpu); }
 
 namespace {
 uint64_t next_seed() {

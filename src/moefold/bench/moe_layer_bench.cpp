@@ -109,12 +109,12 @@ struct Layer {
         dispatcher_ptr(make_dispatcher(c, t, ep)),
         dispatcher(*dispatcher_ptr),
         experts({.num_experts = dispatcher.num_local_experts(),
-                  .hidden = c.model.hidden_size,
-                  .ffn = c.moe.moe_intermediate_size,
-                  .max_rows = dispatcher.max_rows(),
-                  .first_expert = dispatcher.first_local_expert(),
-                  .total_experts = c.moe.num_experts},
-                 "bench", c.model.initializer_range) {
+                 .hidden = c.model.hidden_size,
+                 .ffn = c.moe.moe_intermediate_size,
+                 .max_rows = dispatcher.max_rows(),
+                 .first_expert = dispatcher.first_local_expert(),
+                 .total_experts = c.moe.num_experts},
+                "bench", c.model.initializer_range) {
     if (c.moe.n_shared_experts > 0)
       shared.emplace(c.model.hidden_size, c.moe.n_shared_experts * c.moe.moe_intermediate_size, t, t, "bench.shared",
                      c.model.initializer_range);
@@ -329,11 +329,12 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
          grouped_linear_swiglu_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b), h.slice(a, b));
        });
   gemm("fc2 dgrad (grouped, H -> F)", fc2, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    grouped_linear_backward(ctx, h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b), h.slice(a, b), Tensor());
+    grouped_linear_backward(ctx, h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b), h.slice(a, b),
+                            Tensor());
   });
   gemm("fc2 dgrad + SwiGLU backward (one grouped GEMM)", fc2, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    grouped_linear_swiglu_backward_data(ctx, out.slice(a, b), layer.experts.down_proj(), off, gu.slice(a, b), h.slice(a, b),
-                                        dgu.slice(a, b));
+    grouped_linear_swiglu_backward_data(ctx, out.slice(a, b), layer.experts.down_proj(), off, gu.slice(a, b),
+                                        h.slice(a, b), dgu.slice(a, b));
   });
   const auto fc1_backward = [&](const Tensor& off, int64_t a, int64_t b) {
     grouped_linear_backward(ctx, rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up);

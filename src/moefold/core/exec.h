@@ -66,9 +66,8 @@ class ExecContext {
   ExecLibraryState& library(ExecLibrary library, std::unique_ptr<ExecLibraryState> (*make)(const ExecContext&)) const;
   template <class T>
   T& library(ExecLibrary which) const {
-    return static_cast<T&>(library(which, [](const ExecContext& c) -> std::unique_ptr<ExecLibraryState> {
-      return std::make_unique<T>(c);
-    }));
+    return static_cast<T&>(library(
+        which, [](const ExecContext& c) -> std::unique_ptr<ExecLibraryState> { return std::make_unique<T>(c); }));
   }
 
   // The host waits for everything queued on this context.

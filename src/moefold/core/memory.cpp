@@ -133,7 +133,8 @@ int64_t Param::global_index(int64_t local) const {
   return index;
 }
 
-void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std, const FillNormal& fill) {
+void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std,
+                       const FillNormal& fill) {
   const Tensor& v = p.value;
   MF_CHECK(v.contiguous(), p.name, ": fill_normal_shard needs a contiguous value");
   const int64_t numel = v.numel();

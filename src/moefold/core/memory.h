@@ -126,8 +126,8 @@ struct Param {
 // mean, std, shard_offset * row).
 // `fill` fills one run (a contiguous tensor and the global index of its first element): core's
 // fill_normal on the host, or ops' fill_normal_any for a tensor on either device.
-using FillNormal = std::function<void(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std,
-                                      uint64_t first_index)>;
+using FillNormal =
+    std::function<void(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index)>;
 void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double mean, double std,
                        const FillNormal& fill = fill_normal);
 

@@ -23,10 +23,10 @@ void AttentionScratch::bind(Memory& mem, const ModelConfig& m, int64_t tokens, i
 }
 
 Attention::Attention(const ModelConfig& m, int64_t batch, int64_t seq_len, std::string prefix)
-    : m_(m),
-      b_(batch),
-      s_(seq_len),
-      t_(batch * seq_len),
+    : cfg_(m),
+      batch_(batch),
+      seq_len_(seq_len),
+      tokens_(batch * seq_len),
       prefix_(std::move(prefix)),
       qk_norm_(m.architecture == "mixtral" ? QkNorm::none
                : m.architecture == "olmoe" ? QkNorm::whole
@@ -35,25 +35,47 @@ Attention::Attention(const ModelConfig& m, int64_t batch, int64_t seq_len, std::
 void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
                      ContextParallelAttention* cp, Communicator* tp) {
   ctx_ = &mem.exec();
-  const int64_t h = m_.hidden_size, d = m_.head_dim;
+  const int64_t h = cfg_.hidden_size, d = cfg_.head_dim;
   const int64_t n = tp ? tp->size() : 1, r = tp ? tp->rank() : 0;
   tp_ = n > 1 ? tp : nullptr;
-  q_heads_ = m_.num_attention_heads / n;
-  kv_heads_ = m_.num_key_value_heads / n;
+  q_heads_ = cfg_.num_attention_heads / n;
+  kv_heads_ = cfg_.num_key_value_heads / n;
   const int64_t q = q_heads_, g = kv_heads_;
-  const double std = m_.initializer_range;
+  const double std = cfg_.initializer_range;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
   // Column-parallel: this rank's heads are rows [r * heads * D, ...) of each projection.
-  wq_ = mem.param({.name = prefix_ + ".q_proj.weight", .shape = {q * d, h}, .init_std = std, .group = tpg, .shard_offset = r * q * d, .global_rows = n * q * d});
-  wk_ = mem.param({.name = prefix_ + ".k_proj.weight", .shape = {g * d, h}, .init_std = std, .group = tpg, .shard_offset = r * g * d, .global_rows = n * g * d});
-  wv_ = mem.param({.name = prefix_ + ".v_proj.weight", .shape = {g * d, h}, .init_std = std, .group = tpg, .shard_offset = r * g * d, .global_rows = n * g * d});
+  wq_ = mem.param({.name = prefix_ + ".q_proj.weight",
+                   .shape = {q * d, h},
+                   .init_std = std,
+                   .group = tpg,
+                   .shard_offset = r * q * d,
+                   .global_rows = n * q * d});
+  wk_ = mem.param({.name = prefix_ + ".k_proj.weight",
+                   .shape = {g * d, h},
+                   .init_std = std,
+                   .group = tpg,
+                   .shard_offset = r * g * d,
+                   .global_rows = n * g * d});
+  wv_ = mem.param({.name = prefix_ + ".v_proj.weight",
+                   .shape = {g * d, h},
+                   .init_std = std,
+                   .group = tpg,
+                   .shard_offset = r * g * d,
+                   .global_rows = n * g * d});
   // Row-parallel: this rank's heads are columns of the output projection.
-  wo_ = mem.param({.name = prefix_ + ".o_proj.weight", .shape = {h, q * d}, .init_std = std, .group = tpg, .global_rows = h, .dim_shard = n > 1 ? DimShard{1, r * q * d, n * q * d, 1} : DimShard{}});
+  wo_ = mem.param({.name = prefix_ + ".o_proj.weight",
+                   .shape = {h, q * d},
+                   .init_std = std,
+                   .group = tpg,
+                   .global_rows = h,
+                   .dim_shard = n > 1 ? DimShard{1, r * q * d, n * q * d, 1} : DimShard{}});
   if (qk_norm_ != QkNorm::none) {  // OLMoE's whole-projection norms need every head here (no TP)
     const bool whole = qk_norm_ == QkNorm::whole;
     MF_CHECK(!whole || n == 1, prefix_, ": whole-projection q/k norms under tensor parallelism");
-    q_norm_ = mem.param({.name = prefix_ + ".q_norm.weight", .shape = {whole ? q * d : d}, .init = Init::ones, .decay = false});
-    k_norm_ = mem.param({.name = prefix_ + ".k_norm.weight", .shape = {whole ? g * d : d}, .init = Init::ones, .decay = false});
+    q_norm_ = mem.param(
+        {.name = prefix_ + ".q_norm.weight", .shape = {whole ? q * d : d}, .init = Init::ones, .decay = false});
+    k_norm_ = mem.param(
+        {.name = prefix_ + ".k_norm.weight", .shape = {whole ? g * d : d}, .init = Init::ones, .decay = false});
     dq_norm_ = mem.grad(prefix_ + ".q_norm.weight");
     dk_norm_ = mem.grad(prefix_ + ".k_norm.weight");
   }
@@ -62,23 +84,23 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   dwv_ = mem.grad(prefix_ + ".v_proj.weight");
   dwo_ = mem.grad(prefix_ + ".o_proj.weight");
   cp_ = cp;
-  cos_ = cp ? cos_SD : cos_SD.slice(0, s_);
-  sin_ = cp ? sin_SD : sin_SD.slice(0, s_);
+  cos_ = cp ? cos_SD : cos_SD.slice(0, seq_len_);
+  sin_ = cp ? sin_SD : sin_SD.slice(0, seq_len_);
   scratch_ = scratch;
-  q_raw_TQD_ = mem.act({t_, q * d});
-  k_raw_TGD_ = mem.act({t_, g * d});
-  v_TGD_ = mem.act({t_, g * d});
-  q_rstd_ = mem.act({t_ * q}, mem.master_dtype());
-  k_rstd_ = mem.act({t_ * g}, mem.master_dtype());
-  q_TQD_ = mem.act({t_, q * d});
-  k_TGD_ = mem.act({t_, g * d});
-  out_TQD_ = mem.act({t_, q * d});
-  lse_BQS_ = mem.act({b_, q, s_}, mem.master_dtype());
-  x_gathered_TH_ = mem.act({tp_ ? t_ : 0, h});
+  q_raw_TQD_ = mem.act({tokens_, q * d});
+  k_raw_TGD_ = mem.act({tokens_, g * d});
+  v_TGD_ = mem.act({tokens_, g * d});
+  q_rstd_ = mem.act({tokens_ * q}, mem.master_dtype());
+  k_rstd_ = mem.act({tokens_ * g}, mem.master_dtype());
+  q_TQD_ = mem.act({tokens_, q * d});
+  k_TGD_ = mem.act({tokens_, g * d});
+  out_TQD_ = mem.act({tokens_, q * d});
+  lse_BQS_ = mem.act({batch_, q, seq_len_}, mem.master_dtype());
+  x_gathered_TH_ = mem.act({tp_ ? tokens_ : 0, h});
 }
 
 void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
-  const int64_t d = m_.head_dim, q = q_heads_, g = kv_heads_;
+  const int64_t d = cfg_.head_dim, q = q_heads_, g = kv_heads_;
   x_full_ = x_TH;
   if (tp_) {  // sequence parallel -> tensor parallel: every TP rank's rows
     x_full_ = x_gathered_TH_;
@@ -91,26 +113,29 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     linear_forward(*ctx_, x_full_, wq_, q_raw_TQD_);
     linear_forward(*ctx_, x_full_, wk_, k_raw_TGD_);
     // RMSNorm on q and k: per head (Qwen3) or over the whole projection (OLMoE).
-    const int64_t qr = qk_norm_ == QkNorm::whole ? t_ : t_ * q, kr = qk_norm_ == QkNorm::whole ? t_ : t_ * g;
-    rmsnorm_forward(*ctx_, q_raw_TQD_.view({qr, t_ * q * d / qr}), q_norm_, m_.rms_norm_eps,
-                    q_TQD_.view({qr, t_ * q * d / qr}), q_rstd_.slice(0, qr));
-    rmsnorm_forward(*ctx_, k_raw_TGD_.view({kr, t_ * g * d / kr}), k_norm_, m_.rms_norm_eps,
-                    k_TGD_.view({kr, t_ * g * d / kr}), k_rstd_.slice(0, kr));
+    const int64_t qr = qk_norm_ == QkNorm::whole ? tokens_ : tokens_ * q,
+                  kr = qk_norm_ == QkNorm::whole ? tokens_ : tokens_ * g;
+    rmsnorm_forward(*ctx_, q_raw_TQD_.view({qr, tokens_ * q * d / qr}), q_norm_, cfg_.rms_norm_eps,
+                    q_TQD_.view({qr, tokens_ * q * d / qr}), q_rstd_.slice(0, qr));
+    rmsnorm_forward(*ctx_, k_raw_TGD_.view({kr, tokens_ * g * d / kr}), k_norm_, cfg_.rms_norm_eps,
+                    k_TGD_.view({kr, tokens_ * g * d / kr}), k_rstd_.slice(0, kr));
   }
   linear_forward(*ctx_, x_full_, wv_, v_TGD_);
   // RoPE in place.
-  Tensor q4 = q_TQD_.view({b_, s_, q, d}), k4 = k_TGD_.view({b_, s_, g, d}), v4 = v_TGD_.view({b_, s_, g, d});
+  Tensor q4 = q_TQD_.view({batch_, seq_len_, q, d}), k4 = k_TGD_.view({batch_, seq_len_, g, d}),
+         v4 = v_TGD_.view({batch_, seq_len_, g, d});
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   if (cp_) {  // this rank's chunks of the sequence, against every key of the CP group
     rope_forward_at(*ctx_, q4, cp_->positions(), cos_, sin_);
     rope_forward_at(*ctx_, k4, cp_->positions(), cos_, sin_);
     ProfileScope scope("attention core forward");
-    cp_->forward(q4, k4, v4, scale, out_TQD_.view({b_, s_, q, d}), lse_BQS_);
+    cp_->forward(q4, k4, v4, scale, out_TQD_.view({batch_, seq_len_, q, d}), lse_BQS_);
   } else {
     rope_forward(*ctx_, q4, cos_, sin_);
     rope_forward(*ctx_, k4, cos_, sin_);
     ProfileScope scope("attention core forward");
-    attention_forward(*ctx_, q4, k4, v4, scale, out_TQD_.view({b_, s_, q, d}), lse_BQS_, scratch_->work_2SS.slice(0, s_ * s_));
+    attention_forward(*ctx_, q4, k4, v4, scale, out_TQD_.view({batch_, seq_len_, q, d}), lse_BQS_,
+                      scratch_->work_2SS.slice(0, seq_len_ * seq_len_));
   }
   if (tp_) {  // row-parallel: partial sums over the heads, summed and split back into rows
     linear_forward(*ctx_, out_TQD_, wo_, scratch_->partial_TH);
@@ -121,7 +146,7 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
 }
 
 void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
-  const int64_t d = m_.head_dim, q = q_heads_, g = kv_heads_;
+  const int64_t d = cfg_.head_dim, q = q_heads_, g = kv_heads_;
   AttentionScratch& w = *scratch_;
   Tensor dy = dy_TH;
   if (tp_) {
@@ -129,8 +154,8 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     tp_->all_gather(dy_TH, dy);
   }
   linear_backward(*ctx_, out_TQD_, wo_, dy, w.dout_TQD, dwo_);
-  auto q4 = [&](const Tensor& t) { return t.view({b_, s_, q, d}); };
-  auto g4 = [&](const Tensor& t) { return t.view({b_, s_, g, d}); };
+  auto q4 = [&](const Tensor& t) { return t.view({batch_, seq_len_, q, d}); };
+  auto g4 = [&](const Tensor& t) { return t.view({batch_, seq_len_, g, d}); };
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   if (cp_) {
     {
@@ -151,8 +176,9 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   }
   Tensor dq_raw = w.dq_TQD, dk_raw = w.dk_TGD;  // without q/k norms: the projections' outputs
   if (qk_norm_ != QkNorm::none) {
-    const int64_t qr = qk_norm_ == QkNorm::whole ? t_ : t_ * q, kr = qk_norm_ == QkNorm::whole ? t_ : t_ * g;
-    const int64_t qc = t_ * q * d / qr, kc = t_ * g * d / kr;
+    const int64_t qr = qk_norm_ == QkNorm::whole ? tokens_ : tokens_ * q,
+                  kr = qk_norm_ == QkNorm::whole ? tokens_ : tokens_ * g;
+    const int64_t qc = tokens_ * q * d / qr, kc = tokens_ * g * d / kr;
     rmsnorm_backward(*ctx_, q_raw_TQD_.view({qr, qc}), q_norm_, q_rstd_.slice(0, qr), w.dq_TQD.view({qr, qc}),
                      w.dq_raw_TQD.view({qr, qc}), dq_norm_);
     rmsnorm_backward(*ctx_, k_raw_TGD_.view({kr, kc}), k_norm_, k_rstd_.slice(0, kr), w.dk_TGD.view({kr, kc}),

@@ -56,8 +56,8 @@ class Attention : public SelfAttention {
 
  private:
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
-  ModelConfig m_;
-  int64_t b_, s_, t_;                   // t_: tokens of the whole sequences here (all TP ranks' rows)
+  ModelConfig cfg_;
+  int64_t batch_, seq_len_, tokens_;    // tokens_: tokens of the whole sequences here (all TP ranks' rows)
   int64_t q_heads_ = 0, kv_heads_ = 0;  // held here
   std::string prefix_;
   QkNorm qk_norm_ = QkNorm::per_head;

@@ -30,7 +30,7 @@ std::vector<NamedView> hf_views(const Param& p, const Tensor& of) {
     const int64_t e = of.size(0), f2 = of.size(1), h = of.size(2);
     for (int64_t i = 0; i < e; ++i) {
       Tensor w = of.slice(i, i + 1).view({f2, h});
-      const int64_t g = p.shard_offset + i;   // global expert index
+      const int64_t g = p.shard_offset + i;       // global expert index
       const bool sharded = p.dim_shard.dim == 1;  // rows of gate and of up split over ETP
       const int dim = sharded ? 0 : -1;
       const int64_t offset = sharded ? p.dim_shard.offset : 0, whole = sharded ? p.dim_shard.global_size : f2 / 2;

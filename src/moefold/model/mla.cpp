@@ -24,10 +24,10 @@ int64_t MlaAttention::core_head_dim(const ModelConfig& m) {
 
 MlaAttention::MlaAttention(const ModelConfig& m, int64_t batch, int64_t seq_len, std::string prefix,
                            double softmax_scale)
-    : m_(m),
-      b_(batch),
-      s_(seq_len),
-      t_(batch * seq_len),
+    : cfg_(m),
+      batch_(batch),
+      seq_len_(seq_len),
+      tokens_(batch * seq_len),
       prefix_(std::move(prefix)),
       scale_(softmax_scale),
       dn_(m.qk_nope_head_dim),
@@ -43,36 +43,57 @@ MlaAttention::MlaAttention(const ModelConfig& m, int64_t batch, int64_t seq_len,
 void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
                         ContextParallelAttention* cp, Communicator* tp) {
   ctx_ = &mem.exec();
-  const int64_t h = m_.hidden_size, n = tp ? tp->size() : 1, r = tp ? tp->rank() : 0;
+  const int64_t h = cfg_.hidden_size, n = tp ? tp->size() : 1, r = tp ? tp->rank() : 0;
   tp_ = n > 1 ? tp : nullptr;
-  qh_ = m_.num_attention_heads / n;
-  const int64_t q = qh_, nt = t_;
-  const double std = m_.initializer_range;
+  qh_ = cfg_.num_attention_heads / n;
+  const int64_t q = qh_, nt = tokens_;
+  const double std = cfg_.initializer_range;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
   auto grad = [&](const char* name) { return mem.grad(prefix_ + name); };
   if (rq_ > 0) {
     wq_a_ = mem.param({.name = prefix_ + ".q_a_proj.weight", .shape = {rq_, h}, .init_std = std});
-    q_a_norm_ = mem.param({.name = prefix_ + ".q_a_layernorm.weight", .shape = {rq_}, .init = Init::ones, .decay = false});
-    wq_b_ = mem.param({.name = prefix_ + ".q_b_proj.weight", .shape = {q * dqk_, rq_}, .init_std = std, .group = tpg, .shard_offset = r * q * dqk_, .global_rows = n * q * dqk_});
+    q_a_norm_ =
+        mem.param({.name = prefix_ + ".q_a_layernorm.weight", .shape = {rq_}, .init = Init::ones, .decay = false});
+    wq_b_ = mem.param({.name = prefix_ + ".q_b_proj.weight",
+                       .shape = {q * dqk_, rq_},
+                       .init_std = std,
+                       .group = tpg,
+                       .shard_offset = r * q * dqk_,
+                       .global_rows = n * q * dqk_});
     dwq_a_ = grad(".q_a_proj.weight");
     dq_a_norm_ = grad(".q_a_layernorm.weight");
     dwq_b_ = grad(".q_b_proj.weight");
   } else {
-    wq_b_ =
-        mem.param({.name = prefix_ + ".q_proj.weight", .shape = {q * dqk_, h}, .init_std = std, .group = tpg, .shard_offset = r * q * dqk_, .global_rows = n * q * dqk_});
+    wq_b_ = mem.param({.name = prefix_ + ".q_proj.weight",
+                       .shape = {q * dqk_, h},
+                       .init_std = std,
+                       .group = tpg,
+                       .shard_offset = r * q * dqk_,
+                       .global_rows = n * q * dqk_});
     dwq_b_ = grad(".q_proj.weight");
   }
   wkv_a_ = mem.param({.name = prefix_ + ".kv_a_proj_with_mqa.weight", .shape = {rkv_ + dr_, h}, .init_std = std});
-  kv_a_norm_ = mem.param({.name = prefix_ + ".kv_a_layernorm.weight", .shape = {rkv_}, .init = Init::ones, .decay = false});
-  wkv_b_ = mem.param({.name = prefix_ + ".kv_b_proj.weight", .shape = {q * (dn_ + dv_), rkv_}, .init_std = std, .group = tpg, .shard_offset = r * q * (dn_ + dv_), .global_rows = n * q * (dn_ + dv_)});
-  wo_ = mem.param({.name = prefix_ + ".o_proj.weight", .shape = {h, q * dv_}, .init_std = std, .group = tpg, .global_rows = h, .dim_shard = n > 1 ? DimShard{1, r * q * dv_, n * q * dv_, 1} : DimShard{}});
+  kv_a_norm_ =
+      mem.param({.name = prefix_ + ".kv_a_layernorm.weight", .shape = {rkv_}, .init = Init::ones, .decay = false});
+  wkv_b_ = mem.param({.name = prefix_ + ".kv_b_proj.weight",
+                      .shape = {q * (dn_ + dv_), rkv_},
+                      .init_std = std,
+                      .group = tpg,
+                      .shard_offset = r * q * (dn_ + dv_),
+                      .global_rows = n * q * (dn_ + dv_)});
+  wo_ = mem.param({.name = prefix_ + ".o_proj.weight",
+                   .shape = {h, q * dv_},
+                   .init_std = std,
+                   .group = tpg,
+                   .global_rows = h,
+                   .dim_shard = n > 1 ? DimShard{1, r * q * dv_, n * q * dv_, 1} : DimShard{}});
   dwkv_a_ = grad(".kv_a_proj_with_mqa.weight");
   dkv_a_norm_ = grad(".kv_a_layernorm.weight");
   dwkv_b_ = grad(".kv_b_proj.weight");
   dwo_ = grad(".o_proj.weight");
   cp_ = cp;
-  cos_ = cp ? cos_SD : cos_SD.slice(0, s_);
-  sin_ = cp ? sin_SD : sin_SD.slice(0, s_);
+  cos_ = cp ? cos_SD : cos_SD.slice(0, seq_len_);
+  sin_ = cp ? sin_SD : sin_SD.slice(0, seq_len_);
   work_ = scratch->work_2SS;
   x_gathered_TH_ = mem.act({tp_ ? nt : 0, h});
   cq_raw_ = mem.act({nt, rq_});
@@ -84,20 +105,20 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   ckv_ = mem.act({nt, rkv_});
   ckv_rstd_ = mem.act({nt}, mem.master_dtype());
   kvb_ = mem.act({nt, q * (dn_ + dv_)});
-  q_pe_ = mem.act({b_, s_, q, dr_});
-  k_pe_ = mem.act({b_, s_, 1, dr_});
-  q4_ = mem.act({b_, s_, q, dp_});
-  k4_ = mem.act({b_, s_, q, dp_});
-  v4_ = mem.act({b_, s_, q, dp_});
-  out4_ = mem.act({b_, s_, q, dp_});
-  lse_ = mem.act({b_, q, s_}, mem.master_dtype());
+  q_pe_ = mem.act({batch_, seq_len_, q, dr_});
+  k_pe_ = mem.act({batch_, seq_len_, 1, dr_});
+  q4_ = mem.act({batch_, seq_len_, q, dp_});
+  k4_ = mem.act({batch_, seq_len_, q, dp_});
+  v4_ = mem.act({batch_, seq_len_, q, dp_});
+  out4_ = mem.act({batch_, seq_len_, q, dp_});
+  lse_ = mem.act({batch_, q, seq_len_}, mem.master_dtype());
   o_in_ = mem.act({nt, q * dv_});
   dy_full_ = mem.act({tp_ ? nt : 0, h});
   do_in_ = mem.act({nt, q * dv_});
-  dout4_ = mem.act({b_, s_, q, dp_});
-  dq4_ = mem.act({b_, s_, q, dp_});
-  dk4_ = mem.act({b_, s_, q, dp_});
-  dv4_ = mem.act({b_, s_, q, dp_});
+  dout4_ = mem.act({batch_, seq_len_, q, dp_});
+  dq4_ = mem.act({batch_, seq_len_, q, dp_});
+  dk4_ = mem.act({batch_, seq_len_, q, dp_});
+  dv4_ = mem.act({batch_, seq_len_, q, dp_});
   dq_raw_ = mem.act({nt, q * dqk_});
   dcq_ = mem.act({nt, rq_});
   dcq_raw_ = mem.act({nt, rq_});
@@ -110,7 +131,7 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
 }
 
 void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
-  const int64_t q = qh_, nt = t_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
+  const int64_t q = qh_, nt = tokens_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
   x_full_ = x_TH;
   if (tp_) {
     x_full_ = x_gathered_TH_;
@@ -118,7 +139,7 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
   }
   if (rq_ > 0) {
     linear_forward(*ctx_, x_full_, wq_a_, cq_raw_);
-    rmsnorm_forward(*ctx_, cq_raw_, q_a_norm_, m_.rms_norm_eps, cq_, cq_rstd_);
+    rmsnorm_forward(*ctx_, cq_raw_, q_a_norm_, cfg_.rms_norm_eps, cq_, cq_rstd_);
     linear_forward(*ctx_, cq_, wq_b_, q_raw_);
   } else {
     linear_forward(*ctx_, x_full_, wq_b_, q_raw_);
@@ -128,9 +149,9 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
   copy_matrix(*ctx_, view(kv_a_, nt, rkv_, kvw, 0), view(ckv_raw_, nt, rkv_, rkv_, 0));
   copy_matrix(*ctx_, view(kv_a_, nt, dr_, kvw, rkv_), view(k_pe_, nt, dr_, dr_, 0));
   copy_matrix(*ctx_, view(q_raw_, nt * q, dr_, dqk_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));
-  rmsnorm_forward(*ctx_, ckv_raw_, kv_a_norm_, m_.rms_norm_eps, ckv_, ckv_rstd_);
+  rmsnorm_forward(*ctx_, ckv_raw_, kv_a_norm_, cfg_.rms_norm_eps, ckv_, ckv_rstd_);
   linear_forward(*ctx_, ckv_, wkv_b_, kvb_);
-  const bool il = m_.rope_interleave;
+  const bool il = cfg_.rope_interleave;
   if (cp_) {
     rope_forward_at(*ctx_, q_pe_, cp_->positions(), cos_, sin_, il);
     rope_forward_at(*ctx_, k_pe_, cp_->positions(), cos_, sin_, il);
@@ -151,7 +172,7 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     if (cp_)
       cp_->forward(q4_, k4_, v4_, scale_, out4_, lse_);
     else
-      attention_forward(*ctx_, q4_, k4_, v4_, scale_, out4_, lse_, work_.slice(0, s_ * s_));
+      attention_forward(*ctx_, q4_, k4_, v4_, scale_, out4_, lse_, work_.slice(0, seq_len_ * seq_len_));
   }
   copy_matrix(*ctx_, view(out4_, nt * q, dv_, dp_, 0), view(o_in_, nt * q, dv_, dv_, 0));
   if (tp_) {
@@ -163,7 +184,7 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
 }
 
 void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
-  const int64_t q = qh_, nt = t_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
+  const int64_t q = qh_, nt = tokens_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
   Tensor dy = dy_TH;
   if (tp_) {
     dy = dy_full_;
@@ -187,7 +208,7 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   copy_matrix(*ctx_, view(dk4_, nt, dr_, q * dp_, dn_), view(k_pe_, nt, dr_, dr_, 0));  // k_pe_ now holds d(k_rot)
   for (int64_t hd = 1; hd < q; ++hd)
     add_matrix(*ctx_, view(dk4_, nt, dr_, q * dp_, hd * dp_ + dn_), view(k_pe_, nt, dr_, dr_, 0));
-  const bool il = m_.rope_interleave;
+  const bool il = cfg_.rope_interleave;
   if (cp_) {
     rope_backward_at(*ctx_, q_pe_, cp_->positions(), cos_, sin_, il);
     rope_backward_at(*ctx_, k_pe_, cp_->positions(), cos_, sin_, il);

@@ -39,8 +39,8 @@ class MlaAttention : public SelfAttention {
 
  private:
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
-  ModelConfig m_;
-  int64_t b_, s_, t_;  // t_: tokens of the whole sequences here (all TP rows)
+  ModelConfig cfg_;
+  int64_t batch_, seq_len_, tokens_;  // tokens_: tokens of the whole sequences here (all TP rows)
   std::string prefix_;
   double scale_;
   int64_t qh_ = 0;                              // heads held here

@@ -8,7 +8,7 @@
 namespace moefold {
 
 DenseMlp::DenseMlp(int64_t hidden, int64_t ffn, int64_t rows, int64_t tokens, std::string prefix, double init_std)
-    : h_(hidden), ffn_(ffn), t_(rows), n_(tokens), prefix_(std::move(prefix)), init_std_(init_std) {
+    : hidden_(hidden), ffn_(ffn), rows_(rows), tokens_(tokens), prefix_(std::move(prefix)), init_std_(init_std) {
   MF_CHECK(hidden >= 1 && ffn >= 1 && rows >= 0 && tokens >= rows, "DenseMlp: hidden ", hidden, ", ffn ", ffn,
            ", rows ", rows, ", tokens ", tokens);
 }
@@ -16,28 +16,43 @@ DenseMlp::DenseMlp(int64_t hidden, int64_t ffn, int64_t rows, int64_t tokens, st
 void DenseMlp::bind(Memory& mem, Communicator* tp) {
   ctx_ = &mem.exec();
   const int64_t n = tp ? tp->size() : 1, r = tp ? tp->rank() : 0;
-  MF_CHECK(ffn_ % n == 0 && n_ == t_ * n, prefix_, ": F ", ffn_, ", rows ", t_, " over ", n, " TP ranks");
+  MF_CHECK(ffn_ % n == 0 && tokens_ == rows_ * n, prefix_, ": F ", ffn_, ", rows ", rows_, " over ", n, " TP ranks");
   tp_ = n > 1 ? tp : nullptr;
-  f_ = ffn_ / n;
+  ffn_here_ = ffn_ / n;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
-  gate_FH_ = mem.param({.name = prefix_ + ".gate_proj.weight", .shape = {f_, h_}, .init_std = init_std_, .group = tpg, .shard_offset = r * f_, .global_rows = ffn_});
-  up_FH_ = mem.param({.name = prefix_ + ".up_proj.weight", .shape = {f_, h_}, .init_std = init_std_, .group = tpg, .shard_offset = r * f_, .global_rows = ffn_});
-  down_HF_ = mem.param({.name = prefix_ + ".down_proj.weight", .shape = {h_, f_}, .init_std = init_std_, .group = tpg, .global_rows = h_, .dim_shard = n > 1 ? DimShard{1, r * f_, ffn_, 1} : DimShard{}});
+  gate_FH_ = mem.param({.name = prefix_ + ".gate_proj.weight",
+                        .shape = {ffn_here_, hidden_},
+                        .init_std = init_std_,
+                        .group = tpg,
+                        .shard_offset = r * ffn_here_,
+                        .global_rows = ffn_});
+  up_FH_ = mem.param({.name = prefix_ + ".up_proj.weight",
+                      .shape = {ffn_here_, hidden_},
+                      .init_std = init_std_,
+                      .group = tpg,
+                      .shard_offset = r * ffn_here_,
+                      .global_rows = ffn_});
+  down_HF_ = mem.param({.name = prefix_ + ".down_proj.weight",
+                        .shape = {hidden_, ffn_here_},
+                        .init_std = init_std_,
+                        .group = tpg,
+                        .global_rows = hidden_,
+                        .dim_shard = n > 1 ? DimShard{1, r * ffn_here_, ffn_, 1} : DimShard{}});
   dgate_FH_ = mem.grad(prefix_ + ".gate_proj.weight");
   dup_FH_ = mem.grad(prefix_ + ".up_proj.weight");
   ddown_HF_ = mem.grad(prefix_ + ".down_proj.weight");
-  x_gathered_NH_ = mem.act({tp_ ? n_ : 0, h_});
-  gu_N2F_ = mem.act({n_, 2 * f_});
-  h_NF_ = mem.act({n_, f_});
-  dy_full_NH_ = mem.act({tp_ ? n_ : 0, h_});
-  dh_NF_ = mem.act({n_, f_});
-  dgu_N2F_ = mem.act({n_, 2 * f_});
-  partial_NH_ = mem.act({tp_ ? n_ : 0, h_});
+  x_gathered_NH_ = mem.act({tp_ ? tokens_ : 0, hidden_});
+  gu_N2F_ = mem.act({tokens_, 2 * ffn_here_});
+  h_NF_ = mem.act({tokens_, ffn_here_});
+  dy_full_NH_ = mem.act({tp_ ? tokens_ : 0, hidden_});
+  dh_NF_ = mem.act({tokens_, ffn_here_});
+  dgu_N2F_ = mem.act({tokens_, 2 * ffn_here_});
+  partial_NH_ = mem.act({tp_ ? tokens_ : 0, hidden_});
 }
 
 void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
-  check_shape(x_TH, {t_, h_}, "DenseMlp x");
-  check_shape(y_TH, {t_, h_}, "DenseMlp y");
+  check_shape(x_TH, {rows_, hidden_}, "DenseMlp x");
+  check_shape(y_TH, {rows_, hidden_}, "DenseMlp y");
   x_full_ = x_TH;
   if (tp_) {
     x_full_ = x_gathered_NH_;
@@ -45,16 +60,17 @@ void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
   }
   const Tensor y = tp_ ? partial_NH_ : y_TH;
   // gu[:, :F] = x @ gate^T, gu[:, F:] = x @ up^T
-  matmul(*ctx_, as_matrix(x_full_), false, as_matrix(gate_FH_), true, column_block(gu_N2F_, 0, f_), 1, 0);
-  matmul(*ctx_, as_matrix(x_full_), false, as_matrix(up_FH_), true, column_block(gu_N2F_, f_, 2 * f_), 1, 0);
+  matmul(*ctx_, as_matrix(x_full_), false, as_matrix(gate_FH_), true, column_block(gu_N2F_, 0, ffn_here_), 1, 0);
+  matmul(*ctx_, as_matrix(x_full_), false, as_matrix(up_FH_), true, column_block(gu_N2F_, ffn_here_, 2 * ffn_here_), 1,
+         0);
   swiglu_forward(*ctx_, gu_N2F_, h_NF_);
   linear_forward(*ctx_, h_NF_, down_HF_, y);
   if (tp_) tp_->reduce_scatter(partial_NH_, y_TH, ReduceOp::sum);
 }
 
 void DenseMlp::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
-  check_shape(dy_TH, {t_, h_}, "DenseMlp dy");
-  check_shape(dx_TH, {t_, h_}, "DenseMlp dx");
+  check_shape(dy_TH, {rows_, hidden_}, "DenseMlp dy");
+  check_shape(dx_TH, {rows_, hidden_}, "DenseMlp dx");
   Tensor dy = dy_TH;
   if (tp_) {
     dy = dy_full_NH_;
@@ -64,7 +80,7 @@ void DenseMlp::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   swiglu_backward(*ctx_, gu_N2F_, dh_NF_, dgu_N2F_);
   const Tensor dx = tp_ ? partial_NH_ : dx_TH;
   // dgate += dgu[:, :F]^T x; dup += dgu[:, F:]^T x; dx = dgu[:, :F] gate + dgu[:, F:] up
-  const MatrixView dg = column_block(dgu_N2F_, 0, f_), du = column_block(dgu_N2F_, f_, 2 * f_);
+  const MatrixView dg = column_block(dgu_N2F_, 0, ffn_here_), du = column_block(dgu_N2F_, ffn_here_, 2 * ffn_here_);
   matmul(*ctx_, dg, true, as_matrix(x_full_), false, as_matrix(dgate_FH_), 1, 1);
   matmul(*ctx_, du, true, as_matrix(x_full_), false, as_matrix(dup_FH_), 1, 1);
   matmul(*ctx_, dg, false, as_matrix(gate_FH_), false, as_matrix(dx), 1, 0);

@@ -31,8 +31,8 @@ class DenseMlp {
 
  private:
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
-  int64_t h_, ffn_, t_, n_;
-  int64_t f_ = 0;  // F held here
+  int64_t hidden_, ffn_, rows_, tokens_;
+  int64_t ffn_here_ = 0;  // F held here
   std::string prefix_;
   double init_std_;
   Communicator* tp_ = nullptr;

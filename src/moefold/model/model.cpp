@@ -29,7 +29,7 @@ std::unique_ptr<SelfAttention> make_attention(const ModelConfig& m, int64_t batc
 
 DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows,
                            int64_t tp, int64_t index, std::unique_ptr<Dispatcher> dispatcher)
-    : m_(m), t_(rows), prefix_(cat("model.layers.", index)) {
+    : cfg_(m), rows_(rows), prefix_(cat("model.layers.", index)) {
   attn_ = make_attention(m, batch, seq_len, prefix_ + ".self_attn");
   const int64_t h = m.hidden_size;
   if (m.is_dense_layer(index)) {
@@ -49,36 +49,37 @@ DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t bat
 void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
                         ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH) {
   ctx_ = &mem.exec();
-  const int64_t h = m_.hidden_size;
+  const int64_t h = cfg_.hidden_size;
   norm1_ = mem.param({.name = prefix_ + ".input_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
   attn_->bind(mem, cos_SD, sin_SD, scratch, cp, tp);
-  norm2_ = mem.param({.name = prefix_ + ".post_attention_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
+  norm2_ = mem.param(
+      {.name = prefix_ + ".post_attention_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm2_ = mem.grad(prefix_ + ".post_attention_layernorm.weight");
   if (moe_) moe_->bind(mem);
   if (mlp_) mlp_->bind(mem, tp);
   dn_TH_ = dn_TH;
   tmp_TH_ = tmp_TH;
-  n1_TH_ = mem.act({t_, h});
-  rstd1_T_ = mem.act({t_}, mem.master_dtype());
-  a_TH_ = mem.act({t_, h});
-  h_TH_ = mem.act({t_, h});
-  n2_TH_ = mem.act({t_, h});
-  rstd2_T_ = mem.act({t_}, mem.master_dtype());
-  m_TH_ = mem.act({t_, h});
+  n1_TH_ = mem.act({rows_, h});
+  rstd1_T_ = mem.act({rows_}, mem.master_dtype());
+  a_TH_ = mem.act({rows_, h});
+  h_TH_ = mem.act({rows_, h});
+  n2_TH_ = mem.act({rows_, h});
+  rstd2_T_ = mem.act({rows_}, mem.master_dtype());
+  m_TH_ = mem.act({rows_, h});
   const bool shared = moe_ && mlp_;
-  s_TH_ = mem.act({shared ? t_ : 0, h});
-  ds_TH_ = mem.act({shared ? t_ : 0, h});
+  s_TH_ = mem.act({shared ? rows_ : 0, h});
+  ds_TH_ = mem.act({shared ? rows_ : 0, h});
 }
 
 // Profile scopes: one name per part for every layer; the layer's own (self) time is its
 // residual copies and adds.
 void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
   ProfileScope layer("decoder layer forward");
-  x_ = x_TH;
+  x_TH_ = x_TH;
   {
     ProfileScope scope("rmsnorm forward");
-    rmsnorm_forward(*ctx_, x_TH, norm1_, m_.rms_norm_eps, n1_TH_, rstd1_T_);
+    rmsnorm_forward(*ctx_, x_TH, norm1_, cfg_.rms_norm_eps, n1_TH_, rstd1_T_);
   }
   {
     ProfileScope scope("attention forward");
@@ -88,7 +89,7 @@ void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
   add_inplace(*ctx_, h_TH_, a_TH_);
   {
     ProfileScope scope("rmsnorm forward");
-    rmsnorm_forward(*ctx_, h_TH_, norm2_, m_.rms_norm_eps, n2_TH_, rstd2_T_);
+    rmsnorm_forward(*ctx_, h_TH_, norm2_, cfg_.rms_norm_eps, n2_TH_, rstd2_T_);
   }
   out_TH.copy_from(h_TH_, ctx_);
   if (moe_) {
@@ -142,21 +143,22 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
   }
   {
     ProfileScope scope("rmsnorm backward");
-    rmsnorm_backward(*ctx_, x_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
+    rmsnorm_backward(*ctx_, x_TH_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
   }
   add_inplace(*ctx_, dres_TH, tmp_TH_);  // d(x)
 }
 
 Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
              const ModelParallel& parallel)
-    : m_(m), e_(e), b_(micro_batch), s_(seq_len) {
+    : cfg_(m), moe_cfg_(e), batch_(micro_batch), seq_len_(seq_len) {
   const int64_t c = parallel.cp ? parallel.cp->size() : 1, n = parallel.tp ? parallel.tp->size() : 1;
   MF_CHECK(seq_len % (c > 1 ? 2 * c : 1) == 0, "seq_len ", seq_len, " over ", c, " context-parallel ranks");
-  l_ = seq_len / c;
-  n_ = micro_batch * l_;
-  MF_CHECK(n_ % n == 0 && m.vocab_size % n == 0 && m.num_attention_heads % n == 0 && m.num_key_value_heads % n == 0,
-           "tensor parallelism over ", n, " ranks: ", n_, " tokens, vocab ", m.vocab_size);
-  t_ = n_ / n;  // sequence parallelism: this TP rank's rows of the residual stream
+  local_seq_len_ = seq_len / c;
+  tokens_ = micro_batch * local_seq_len_;
+  MF_CHECK(
+      tokens_ % n == 0 && m.vocab_size % n == 0 && m.num_attention_heads % n == 0 && m.num_key_value_heads % n == 0,
+      "tensor parallelism over ", n, " ranks: ", tokens_, " tokens, vocab ", m.vocab_size);
+  rows_ = tokens_ / n;  // sequence parallelism: this TP rank's rows of the residual stream
   tp_ = n > 1 ? parallel.tp : nullptr;
   vocab_offset_ = tp_ ? tp_->rank() * (m.vocab_size / n) : 0;
   if (c > 1) {  // MLA: every head has its own key and value in the core, at the padded width
@@ -167,66 +169,78 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
   }
   for (int64_t l = 0; l < m.num_hidden_layers; ++l) {
     const bool dense = m.is_dense_layer(l);
-    layers_.push_back(std::make_unique<DecoderLayer>(
-        m, e, micro_batch, l_, t_, n, l, !dense && parallel.dispatchers ? parallel.dispatchers(l) : nullptr));
+    layers_.push_back(
+        std::make_unique<DecoderLayer>(m, e, micro_batch, local_seq_len_, rows_, n, l,
+                                       !dense && parallel.dispatchers ? parallel.dispatchers(l) : nullptr));
     if (MoeLayer* moe = layers_.back()->moe()) {
       moe->set_token_group(parallel.tokens);
       // Sequence-level aux loss: this rank's rows are rows [tp_rank * T, +T) of B sequences of
-      // l_ local tokens each (S over the CP group).
-      moe->set_sequences(micro_batch, l_, (n > 1 ? parallel.tp->rank() : 0) * t_, seq_len);
+      // local_seq_len_ local tokens each (S over the CP group).
+      moe->set_sequences(micro_batch, local_seq_len_, (n > 1 ? parallel.tp->rank() : 0) * rows_, seq_len);
       moe_layers_.push_back(moe);
     }
   }
   for (int64_t k = 1; k <= m.num_nextn_predict_layers; ++k) {
     MF_CHECK(c == 1, "multi-token prediction under context parallelism");
     mtp_.push_back(
-        std::make_unique<MtpDepth>(m, e, micro_batch, l_, t_, n_, n, k,
+        std::make_unique<MtpDepth>(m, e, micro_batch, local_seq_len_, rows_, tokens_, n, k,
                                    parallel.dispatchers ? parallel.dispatchers(m.num_hidden_layers + k - 1) : nullptr));
     MoeLayer* moe = mtp_.back()->layer().moe();
     moe->set_token_group(parallel.tokens);
-    moe->set_sequences(micro_batch, l_, (n > 1 ? parallel.tp->rank() : 0) * t_, seq_len);
+    moe->set_sequences(micro_batch, local_seq_len_, (n > 1 ? parallel.tp->rank() : 0) * rows_, seq_len);
     moe_layers_.push_back(moe);
   }
 }
 
 void Model::bind(Memory& mem) {
   ctx_ = &mem.exec();
-  const int64_t h = m_.hidden_size, n = tp_ ? tp_->size() : 1;
-  const int64_t v = m_.vocab_size / n;
-  const double std = m_.initializer_range;
+  const int64_t h = cfg_.hidden_size, n = tp_ ? tp_->size() : 1;
+  const int64_t v = cfg_.vocab_size / n;
+  const double std = cfg_.initializer_range;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
   // Vocabulary-parallel embedding and LM head: rows [vocab_offset_, + V/tp) here.
-  embed_ = mem.param({.name = "model.embed_tokens.weight", .shape = {v, h}, .init_std = std, .group = tpg, .shard_offset = vocab_offset_, .global_rows = m_.vocab_size});
+  embed_ = mem.param({.name = "model.embed_tokens.weight",
+                      .shape = {v, h},
+                      .init_std = std,
+                      .group = tpg,
+                      .shard_offset = vocab_offset_,
+                      .global_rows = cfg_.vocab_size});
   dembed_ = mem.grad("model.embed_tokens.weight");
-  cos_SD_ = mem.act({s_, m_.head_dim}, mem.master_dtype());  // f32 tables (f64 in gradient checks)
-  sin_SD_ = mem.act({s_, m_.head_dim}, mem.master_dtype());
-  scratch_.bind(mem, m_, n_, l_, m_.num_attention_heads / n * m_.head_dim, m_.num_key_value_heads / n * m_.head_dim);
+  cos_SD_ = mem.act({seq_len_, cfg_.head_dim}, mem.master_dtype());  // f32 tables (f64 in gradient checks)
+  sin_SD_ = mem.act({seq_len_, cfg_.head_dim}, mem.master_dtype());
+  scratch_.bind(mem, cfg_, tokens_, local_seq_len_, cfg_.num_attention_heads / n * cfg_.head_dim,
+                cfg_.num_key_value_heads / n * cfg_.head_dim);
   if (cpa_) cpa_->bind(mem);
-  dn_TH_ = mem.act({t_, h});
-  tmp_TH_ = mem.act({t_, h});
+  dn_TH_ = mem.act({rows_, h});
+  tmp_TH_ = mem.act({rows_, h});
   res_.clear();
-  for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({t_, h}));
+  for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({rows_, h}));
   for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
   for (auto& d : mtp_) bind_mtp(mem, *d);
   norm_ = mem.param({.name = "model.norm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm_ = mem.grad("model.norm.weight");
-  lm_head_ = mem.param({.name = "lm_head.weight", .shape = {v, h}, .init_std = std, .group = tpg, .shard_offset = vocab_offset_, .global_rows = m_.vocab_size});
+  lm_head_ = mem.param({.name = "lm_head.weight",
+                        .shape = {v, h},
+                        .init_std = std,
+                        .group = tpg,
+                        .shard_offset = vocab_offset_,
+                        .global_rows = cfg_.vocab_size});
   dlm_head_ = mem.grad("lm_head.weight");
   ids_ = Tensor();
   targets_ = Tensor();
-  nf_TH_ = mem.act({t_, h});
-  rstdf_T_ = mem.act({t_}, mem.master_dtype());
-  logits_TV_ = mem.act({n_, v});
-  lse_T_ = mem.act({n_}, mem.master_dtype());
-  dlogits_TV_ = mem.act({n_, v});
-  dnf_TH_ = mem.act({t_, h});
-  dres_TH_ = mem.act({t_, h});
-  full_NH_ = mem.act({tp_ ? n_ : 0, h});
-  partial_NH_ = mem.act({tp_ ? n_ : 0, h});
-  if (tp_) ce_scratch_.bind(mem, n_);
+  nf_TH_ = mem.act({rows_, h});
+  rstdf_T_ = mem.act({rows_}, mem.master_dtype());
+  logits_TV_ = mem.act({tokens_, v});
+  lse_T_ = mem.act({tokens_}, mem.master_dtype());
+  dlogits_TV_ = mem.act({tokens_, v});
+  dnf_TH_ = mem.act({rows_, h});
+  dres_TH_ = mem.act({rows_, h});
+  full_NH_ = mem.act({tp_ ? tokens_ : 0, h});
+  partial_NH_ = mem.act({tp_ ? tokens_ : 0, h});
+  if (tp_) ce_scratch_.bind(mem, tokens_);
   if (!mem.measuring()) {
     double attention_factor = 1.0;
-    const std::vector<double> inv_freq = rope_inv_freq(m_, &attention_factor);
+    const std::vector<double> inv_freq = rope_inv_freq(cfg_, &attention_factor);
     if (cos_SD_.device() == Device::cpu) {
       rope_table(inv_freq, attention_factor, cos_SD_, sin_SD_);
     } else {  // built on the host, copied once (binding time, not the step loop)
@@ -245,9 +259,8 @@ void Model::init_params(const ExecContext& ctx, std::vector<Param>& params, uint
       // A shard draws the values of its elements in the whole tensor (same init for any layout);
       // GPU parameters are drawn on the GPU (the same values, ops.h fill_normal_any).
       fill_normal_shard(p, seed, fnv1a(p.name), 0.0, p.init_std,
-                        [&ctx](const Tensor& t, uint64_t seed_, uint64_t stream, double mean, double std, uint64_t first) {
-                          fill_normal_any(ctx, t, seed_, stream, mean, std, first);
-                        });
+                        [&ctx](const Tensor& t, uint64_t seed_, uint64_t stream, double mean, double std,
+                               uint64_t first) { fill_normal_any(ctx, t, seed_, stream, mean, std, first); });
       continue;
     }
     // Constants: through a host copy for GPU parameters (norm weights and biases: small).
@@ -259,10 +272,10 @@ void Model::init_params(const ExecContext& ctx, std::vector<Param>& params, uint
 }
 
 double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS) {
-  check_shape(ids_BS, {b_, l_}, "model input ids");
-  check_shape(targets_BS, {b_, l_}, "model targets");
-  ids_ = ids_BS.view({n_});
-  targets_ = targets_BS.view({n_});
+  check_shape(ids_BS, {batch_, local_seq_len_}, "model input ids");
+  check_shape(targets_BS, {batch_, local_seq_len_}, "model targets");
+  ids_ = ids_BS.view({tokens_});
+  targets_ = targets_BS.view({tokens_});
   embed(ids_, res_[0]);
   for (int64_t l = 0; l < num_layers(); ++l) layers_[l]->forward(res_[l], res_[l + 1]);
   const double loss = head_forward(res_.back(), norm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_);
@@ -281,7 +294,7 @@ double Model::head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor&
   ProfileScope head("lm head + loss forward");
   {
     ProfileScope scope("final rmsnorm forward");
-    rmsnorm_forward(*ctx_, h_TH, norm, m_.rms_norm_eps, nf_TH, rstd_T);
+    rmsnorm_forward(*ctx_, h_TH, norm, cfg_.rms_norm_eps, nf_TH, rstd_T);
   }
   if (tp_) tp_->all_gather(nf_TH, nf_full_NH);
   {
@@ -341,8 +354,8 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
   // the first into the main model's output.
   for (int64_t i = static_cast<int64_t>(mtp_.size()) - 1; i >= 0; --i) {
     MtpDepth& d = *mtp_[i];
-    const double scale = lm_grad_scale * m_.mtp_loss_scaling_factor / static_cast<double>(mtp_.size()) *
-                         static_cast<double>(s_) / static_cast<double>(s_ - d.k_);
+    const double scale = lm_grad_scale * cfg_.mtp_loss_scaling_factor / static_cast<double>(mtp_.size()) *
+                         static_cast<double>(seq_len_) / static_cast<double>(seq_len_ - d.depth_);
     ProfileScope scope("mtp backward");
     mtp_backward(d, scale, moe_loss_scale,
                  i + 1 < static_cast<int64_t>(mtp_.size()) ? &mtp_[i + 1]->dprev_TH_ : nullptr);
@@ -358,12 +371,12 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
 
 MtpDepth::MtpDepth(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows,
                    int64_t tokens, int64_t tp, int64_t depth, std::unique_ptr<Dispatcher> dispatcher)
-    : m_(m),
-      b_(batch),
-      s_(seq_len),
-      t_(rows),
-      n_(tokens),
-      k_(depth),
+    : cfg_(m),
+      batch_(batch),
+      seq_len_(seq_len),
+      rows_(rows),
+      tokens_(tokens),
+      depth_(depth),
       prefix_(cat("model.layers.", m.num_hidden_layers + depth - 1)),
       layer_(std::make_unique<DecoderLayer>(m, e, batch, seq_len, rows, tp, m.num_hidden_layers + depth - 1,
                                             std::move(dispatcher))) {
@@ -371,41 +384,42 @@ MtpDepth::MtpDepth(const ModelConfig& m, const MoeConfig& e, int64_t batch, int6
 }
 
 void Model::bind_mtp(Memory& mem, MtpDepth& d) {
-  const int64_t h = m_.hidden_size, v = m_.vocab_size / (tp_ ? tp_->size() : 1);
+  const int64_t h = cfg_.hidden_size, v = cfg_.vocab_size / (tp_ ? tp_->size() : 1);
   const std::string& p = d.prefix_;
   d.enorm_ = mem.param({.name = p + ".enorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   d.hnorm_ = mem.param({.name = p + ".hnorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
-  d.eh_proj_ = mem.param({.name = p + ".eh_proj.weight", .shape = {h, 2 * h}, .init_std = m_.initializer_range});
+  d.eh_proj_ = mem.param({.name = p + ".eh_proj.weight", .shape = {h, 2 * h}, .init_std = cfg_.initializer_range});
   d.head_norm_ = mem.param({.name = p + ".shared_head.norm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   d.denorm_ = mem.grad(p + ".enorm.weight");
   d.dhnorm_ = mem.grad(p + ".hnorm.weight");
   d.deh_proj_ = mem.grad(p + ".eh_proj.weight");
   d.dhead_norm_ = mem.grad(p + ".shared_head.norm.weight");
   d.layer_->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
-  d.ids_ = mem.act({n_}, DType::i32);
-  d.targets_ = mem.act({n_}, DType::i32);
+  d.ids_ = mem.act({tokens_}, DType::i32);
+  d.targets_ = mem.act({tokens_}, DType::i32);
   for (Tensor* t : {&d.emb_TH_, &d.en_TH_, &d.hn_TH_, &d.hp_TH_, &d.out_TH_, &d.nf_TH_, &d.dprev_TH_})
-    *t = mem.act({t_, h});
-  for (Tensor* t : {&d.en_rstd_, &d.hn_rstd_, &d.nf_rstd_}) *t = mem.act({t_}, mem.master_dtype());
-  d.cat_T2H_ = mem.act({t_, 2 * h});
-  d.dcat_T2H_ = mem.act({t_, 2 * h});
-  d.nf_full_NH_ = mem.act({tp_ ? n_ : 0, h});
-  d.logits_NV_ = mem.act({n_, v});
-  d.lse_N_ = mem.act({n_}, mem.master_dtype());
+    *t = mem.act({rows_, h});
+  for (Tensor* t : {&d.en_rstd_, &d.hn_rstd_, &d.nf_rstd_}) *t = mem.act({rows_}, mem.master_dtype());
+  d.cat_T2H_ = mem.act({rows_, 2 * h});
+  d.dcat_T2H_ = mem.act({rows_, 2 * h});
+  d.nf_full_NH_ = mem.act({tp_ ? tokens_ : 0, h});
+  d.logits_NV_ = mem.act({tokens_, v});
+  d.lse_N_ = mem.act({tokens_}, mem.master_dtype());
 }
 
 void Model::mtp_forward(MtpDepth& d, const Tensor& prev_TH) {
-  const int64_t h = m_.hidden_size, k = d.k_;
+  const int64_t h = cfg_.hidden_size, k = d.depth_;
   // Tokens k ahead within each (whole, local) sequence; past the end: id 0, no target.
-  const MatrixView ahead_ids{ids_, b_, l_ - k, l_, k}, ahead_targets{targets_, b_, l_ - k, l_, k};
-  copy_matrix(*ctx_, ahead_ids, MatrixView{d.ids_, b_, l_ - k, l_, 0});
-  copy_matrix(*ctx_, ahead_targets, MatrixView{d.targets_, b_, l_ - k, l_, 0});
-  fill_matrix(*ctx_, MatrixView{d.ids_, b_, k, l_, l_ - k}, 0);
-  fill_matrix(*ctx_, MatrixView{d.targets_, b_, k, l_, l_ - k}, kIgnoreTarget);
+  const MatrixView ahead_ids{ids_, batch_, local_seq_len_ - k, local_seq_len_, k},
+      ahead_targets{targets_, batch_, local_seq_len_ - k, local_seq_len_, k};
+  copy_matrix(*ctx_, ahead_ids, MatrixView{d.ids_, batch_, local_seq_len_ - k, local_seq_len_, 0});
+  copy_matrix(*ctx_, ahead_targets, MatrixView{d.targets_, batch_, local_seq_len_ - k, local_seq_len_, 0});
+  fill_matrix(*ctx_, MatrixView{d.ids_, batch_, k, local_seq_len_, local_seq_len_ - k}, 0);
+  fill_matrix(*ctx_, MatrixView{d.targets_, batch_, k, local_seq_len_, local_seq_len_ - k}, kIgnoreTarget);
   d.prev_ = &prev_TH;
   embed(d.ids_, d.emb_TH_);
-  rmsnorm_forward(*ctx_, d.emb_TH_, d.enorm_, m_.rms_norm_eps, d.en_TH_, d.en_rstd_);
-  rmsnorm_forward(*ctx_, prev_TH, d.hnorm_, m_.rms_norm_eps, d.hn_TH_, d.hn_rstd_);
+  rmsnorm_forward(*ctx_, d.emb_TH_, d.enorm_, cfg_.rms_norm_eps, d.en_TH_, d.en_rstd_);
+  rmsnorm_forward(*ctx_, prev_TH, d.hnorm_, cfg_.rms_norm_eps, d.hn_TH_, d.hn_rstd_);
   copy_matrix(*ctx_, as_matrix(d.en_TH_), column_block(d.cat_T2H_, 0, h));
   copy_matrix(*ctx_, as_matrix(d.hn_TH_), column_block(d.cat_T2H_, h, 2 * h));
   linear_forward(*ctx_, d.cat_T2H_, d.eh_proj_, d.hp_TH_);
@@ -415,7 +429,7 @@ void Model::mtp_forward(MtpDepth& d, const Tensor& prev_TH) {
 }
 
 void Model::mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const Tensor* dnext_TH) {
-  const int64_t h = m_.hidden_size;
+  const int64_t h = cfg_.hidden_size;
   // d(out): this depth's head, plus the next depth's d(h_prev).
   head_backward(d.out_TH_, d.head_norm_, d.dhead_norm_, d.nf_TH_, d.nf_rstd_, d.nf_full_NH_, d.logits_NV_, d.lse_N_,
                 d.targets_, scale, d.dprev_TH_);
@@ -438,8 +452,9 @@ double Model::aux_loss() const {
 
 double Model::mtp_loss() const {
   double s = 0;
-  for (const auto& d : mtp_) s += d->loss_sum_ * static_cast<double>(s_) / static_cast<double>(s_ - d->k_);
-  return mtp_.empty() ? 0.0 : s * m_.mtp_loss_scaling_factor / static_cast<double>(mtp_.size());
+  for (const auto& d : mtp_)
+    s += d->loss_sum_ * static_cast<double>(seq_len_) / static_cast<double>(seq_len_ - d->depth_);
+  return mtp_.empty() ? 0.0 : s * cfg_.mtp_loss_scaling_factor / static_cast<double>(mtp_.size());
 }
 
 double Model::z_loss() const {

@@ -49,21 +49,21 @@ class DecoderLayer {
 
  private:
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
-  ModelConfig m_;
-  int64_t t_;
+  ModelConfig cfg_;
+  int64_t rows_;
   std::string prefix_;
   std::unique_ptr<SelfAttention> attn_;
   std::unique_ptr<MoeLayer> moe_;  // MoE layers
   std::unique_ptr<DenseMlp> mlp_;  // the dense layer's MLP, or the MoE layer's shared experts
   Tensor norm1_, norm2_, dnorm1_, dnorm2_;
   Tensor dn_TH_, tmp_TH_;  // shared backward workspaces
-  Tensor x_, n1_TH_, rstd1_T_, a_TH_, h_TH_, n2_TH_, rstd2_T_, m_TH_, s_TH_, ds_TH_;
+  Tensor x_TH_, n1_TH_, rstd1_T_, a_TH_, h_TH_, n2_TH_, rstd2_T_, m_TH_, s_TH_, ds_TH_;
 };
 
 // One multi-token-prediction depth k (DeepSeek-V3, sec. 2.2; Megatron-Core's MTP layer): from
 // the previous depth's hidden states h (the main model's pre-norm output for k = 1) and the
-// embeddings of the tokens k ahead, h' = eh_proj([enorm(emb(t_{i+k})); hnorm(h_i)]), a decoder
-// layer, shared_head.norm and the model's LM head predict t_{i+k+1}; the last k positions of each
+// embeddings of the tokens k ahead, h' = eh_proj([enorm(emb(rows_{i+k})); hnorm(h_i)]), a decoder
+// layer, shared_head.norm and the model's LM head predict rows_{i+k+1}; the last k positions of each
 // sequence have no target (ignored). Parameters "model.layers.{L+k-1}.*" as in DeepSeek-V3's
 // checkpoints; the embedding and the head are the main model's (shared, as in training).
 class MtpDepth {
@@ -71,12 +71,12 @@ class MtpDepth {
   MtpDepth(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows, int64_t tokens,
            int64_t tp, int64_t depth, std::unique_ptr<Dispatcher> dispatcher);
   DecoderLayer& layer() { return *layer_; }
-  int64_t depth() const { return k_; }
+  int64_t depth() const { return depth_; }
 
  private:
   friend class Model;
-  ModelConfig m_;
-  int64_t b_, s_, t_, n_, k_;
+  ModelConfig cfg_;
+  int64_t batch_, seq_len_, rows_, tokens_, depth_;
   std::string prefix_;
   std::unique_ptr<DecoderLayer> layer_;
   Tensor enorm_, hnorm_, eh_proj_, head_norm_, denorm_, dhnorm_, deh_proj_, dhead_norm_;
@@ -127,10 +127,10 @@ class Model {
   int64_t num_moe_layers() const { return static_cast<int64_t>(moe_layers_.size()); }
   const MoeLayer& moe(int64_t i) const { return *moe_layers_[i]; }
   MoeLayer& moe(int64_t i) { return *moe_layers_[i]; }
-  int64_t tokens() const { return t_; }
+  int64_t tokens() const { return rows_; }
   // Logits of the last forward: [B * local_seq_len(), V / tp] (this rank's vocabulary shard).
   const Tensor& logits() const { return logits_TV_; }
-  int64_t local_seq_len() const { return l_; }
+  int64_t local_seq_len() const { return local_seq_len_; }
   // Global positions of the local tokens (i32 [local_seq_len()]); null without CP.
   const Tensor* positions() const { return cpa_ ? &cpa_->positions() : nullptr; }
 
@@ -150,12 +150,13 @@ class Model {
   // scale: of this depth's token losses; dnext_TH: the next depth's d(h_prev) (null for the last).
   void mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const Tensor* dnext_TH);
 
-  ModelConfig m_;
-  MoeConfig e_;
-  int64_t b_, s_, l_, t_;                          // batch, full sequence, local sequence, residual rows here (B*l_/tp)
-  int64_t n_ = 0;                                  // tokens of the local sequences (B*l_): every TP rank's rows
-  Communicator* tp_ = nullptr;                     // size > 1 only
-  int64_t vocab_offset_ = 0;                       // first vocabulary row held here (tensor parallelism)
+  ModelConfig cfg_;
+  MoeConfig moe_cfg_;
+  int64_t batch_, seq_len_, local_seq_len_,
+      rows_;                    // batch, full sequence, local sequence, residual rows here (B*local_seq_len_/tp)
+  int64_t tokens_ = 0;          // tokens of the local sequences (B*local_seq_len_): every TP rank's rows
+  Communicator* tp_ = nullptr;  // size > 1 only
+  int64_t vocab_offset_ = 0;    // first vocabulary row held here (tensor parallelism)
   std::unique_ptr<ContextParallelAttention> cpa_;  // shared by every layer (stateless between calls)
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<MoeLayer*> moe_layers_;

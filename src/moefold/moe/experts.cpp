@@ -31,8 +31,20 @@ void Experts::bind(Memory& mem) {
   const bool sharded = ffn_ != total_ffn_;
   const DimShard gate_up_shard = sharded ? DimShard{1, ffn_first_, total_ffn_, 2} : DimShard{};
   const DimShard down_shard = sharded ? DimShard{2, ffn_first_, total_ffn_, 1} : DimShard{};
-  gate_up_E2FH_ = mem.param({.name = prefix_ + ".experts.gate_up_proj", .shape = {num_experts_, 2 * ffn_, hidden_}, .init_std = init_std_, .group = ParamGroup::expert, .shard_offset = first_expert_, .global_rows = total_experts_, .dim_shard = gate_up_shard});
-  down_EHF_ = mem.param({.name = prefix_ + ".experts.down_proj", .shape = {num_experts_, hidden_, ffn_}, .init_std = init_std_, .group = ParamGroup::expert, .shard_offset = first_expert_, .global_rows = total_experts_, .dim_shard = down_shard});
+  gate_up_E2FH_ = mem.param({.name = prefix_ + ".experts.gate_up_proj",
+                             .shape = {num_experts_, 2 * ffn_, hidden_},
+                             .init_std = init_std_,
+                             .group = ParamGroup::expert,
+                             .shard_offset = first_expert_,
+                             .global_rows = total_experts_,
+                             .dim_shard = gate_up_shard});
+  down_EHF_ = mem.param({.name = prefix_ + ".experts.down_proj",
+                         .shape = {num_experts_, hidden_, ffn_},
+                         .init_std = init_std_,
+                         .group = ParamGroup::expert,
+                         .shard_offset = first_expert_,
+                         .global_rows = total_experts_,
+                         .dim_shard = down_shard});
   dgate_up_E2FH_ = mem.grad(prefix_ + ".experts.gate_up_proj");
   ddown_EHF_ = mem.grad(prefix_ + ".experts.down_proj");
   mem.grad_written_by_backward(prefix_ + ".experts.gate_up_proj");

@@ -93,8 +93,8 @@ void Router::forward(const Tensor& x_TH) {
     token_group_->all_reduce(group_counts_E_, ReduceOp::sum);
     total_tokens_ = t_n * token_group_->size();  // every rank of the group holds as many tokens
   }
-  aux_loss_ = cfg_.aux_loss_coeff *
-              aux_loss_forward(*ctx_, scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok, total_tokens_);
+  aux_loss_ = cfg_.aux_loss_coeff * aux_loss_forward(*ctx_, scores_, cfg_.scoring_func, group_counts_E_,
+                                                     cfg_.num_experts_per_tok, total_tokens_);
   seq_aux_loss_ = 0;
   if (cfg_.seq_aux_loss_coeff > 0) {
     int64_t b_n = num_seqs_;

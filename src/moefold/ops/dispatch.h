@@ -18,8 +18,8 @@ inline bool runs_on_gpu(const ExecContext& ctx, const Tensor& t, const char* wha
 }  // namespace moefold
 
 #ifdef MOEFOLD_WITH_CUDA
-#define MF_ON_GPU(ctx, t, call)                                 \
-  do {                                                          \
+#define MF_ON_GPU(ctx, t, call)                                \
+  do {                                                         \
     if (::moefold::runs_on_gpu(ctx, t, __func__)) return call; \
   } while (0)
 #else  // no CUDA tensors exist in this build

@@ -40,12 +40,12 @@ struct TopkRouting {
 // is <= 0. Renormalisation divides by the plain sum (Hugging Face adds 1e-20 to it).
 // K = topk_idx_TK.size(1). logits, scores and probs share one float dtype.
 // REQUIRES: n_group divides E, 1 <= topk_group <= n_group, 1 <= K <= topk_group * E / n_group.
-void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const TopkRouting& routing, const Tensor& scores_TE,
-                         const Tensor& topk_idx_TK, const Tensor& topk_prob_TK);
+void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const TopkRouting& routing,
+                         const Tensor& scores_TE, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK);
 // dlogits_TE = d(sum dprob_TK * topk_prob_TK)/dlogits through the fixed selection (written). The
 // bias and the groups only choose topk_idx_TK, so nothing flows to the bias.
-void router_topk_backward(const ExecContext& ctx, const Tensor& scores_TE, const Tensor& topk_idx_TK, const TopkRouting& routing,
-                          const Tensor& dprob_TK, const Tensor& dlogits_TE);
+void router_topk_backward(const ExecContext& ctx, const Tensor& scores_TE, const Tensor& topk_idx_TK,
+                          const TopkRouting& routing, const Tensor& dprob_TK, const Tensor& dlogits_TE);
 
 // counts_E[e] = number of (t, k) with topk_idx_TK[t, k] == e (i64, written).
 void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& counts_E);
@@ -58,11 +58,11 @@ void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const
 // Split sequences (context parallelism): with counts_E summed over the ranks that share the
 // micro-batch and total_tokens = T of all of them, each rank returns its share (the sum over the
 // ranks is the aux loss of the whole micro-batch) and its tokens' gradient. 0: T of this call.
-double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
-                        int64_t total_tokens = 0);
+double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
+                        int64_t k, int64_t total_tokens = 0);
 // dlogits_TE = grad_scale * d(aux)/d(logits) (written).
-void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
-                       double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens = 0);
+void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
+                       int64_t k, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens = 0);
 
 // ---- sequence-level load-balancing loss (DeepSeek-V3, eq. 17-20; Megatron-Core's
 // sequence_load_balancing_loss_func) --------------------------------------------------------------
@@ -84,13 +84,15 @@ struct SeqLayout {
 };
 // counts_BE[b, e] = selections of expert e by this rank's tokens of sequence b (i64, written;
 // B = counts_BE.size(0), E = counts_BE.size(1)). REQUIRES: every local row maps into [0, B).
-void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const SeqLayout& layout, const Tensor& counts_BE);
+void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const SeqLayout& layout,
+                       const Tensor& counts_BE);
 // This rank's share of the loss: E / (K * S^2 * B) * sum_t sum_e counts_BE[b(t), e] * p_te.
-double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
-                            const SeqLayout& layout);
+double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
+                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout);
 // dlogits_TE = grad_scale * d(share)/d(logits) (written).
-void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
-                           const SeqLayout& layout, double grad_scale, const Tensor& dlogits_TE);
+void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
+                           const Tensor& counts_BE, int64_t k, const SeqLayout& layout, double grad_scale,
+                           const Tensor& dlogits_TE);
 
 // ---- aux-loss-free balancing (DeepSeek-V3 section 2.1.2; Megatron-Core's
 // moe_router_bias_update_rate rule) ----------------------------------------------------------------
@@ -103,7 +105,8 @@ void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tens
 // The mean is over total_tokens (0: T of this call), as for the aux loss.
 double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens = 0);
 // dlogits_TE = grad_scale * 2 * lse_t / T * softmax(logits)_te (written).
-void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens = 0);
+void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE,
+                     int64_t total_tokens = 0);
 
 // ---- permutation plan: tokens -> expert-contiguous rows ------------------------------------------
 // Expert e's rows are [offsets_E1[e], offsets_E1[e+1]); within an expert, rows follow token
@@ -119,8 +122,8 @@ struct PermutePlanOut {
   Tensor row_TK;
   Tensor token_R;
 };
-int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, int64_t capacity, bool pad,
-                         const PermutePlanOut& out);
+int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
+                         int64_t capacity, bool pad, const PermutePlanOut& out);
 
 // rows_RH[r] = x_TH[token_R[r]] (zero for padding rows). R = rows_RH.size(0) <= token_R.numel().
 void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_RH);
@@ -128,22 +131,24 @@ void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token
 void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const Tensor& row_TK, const Tensor& dx_TH);
 
 // ---- combine: y_TH[t] = sum_k prob_TK[t, k] * out_RH[row_TK[t, k]] (dropped: 0), written ------
-void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& y_TH);
+void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
+                 const Tensor& y_TH);
 // dout_RH[row(t,k)] = prob_tk * dy_t (padding rows 0), dprob_TK[t, k] = <dy_t, out_RH[row(t,k)]>
 // (0 when dropped); both written.
-void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& dy_TH,
-                          const Tensor& dout_RH, const Tensor& dprob_TK);
+void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
+                          const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK);
 
 // ---- grouped linear: y[rows of e] = x[rows of e] @ w_EOI[e]^T for each expert e ---------------
 // offsets_E1 (i64, [E+1]) delimit each expert's rows; offsets_E1[E] = R = x_RI.size(0). Experts
 // with no rows are skipped (their dw is left untouched).
-void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO);
+void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                            const Tensor& y_RO);
 // dx_RI written (skipped when undefined); dw_EOI (skipped when undefined) accumulated, or with accumulate == false
 // written: dw_e = dy_e^T x_e for every expert, zero for experts without rows (the first
 // backward of a step writes the expert gradients instead of adding to zeros: Memory's
 // grad_written_by_backward).
-void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
-                             const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate = true);
+void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                             const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate = true);
 
 // ---- grouped linear fused with SwiGLU (the routed experts' first layer and its gradient) -------
 // The experts' gate_up weight interleaves gate and up rows (GateUp::pairs, ops.h), so its output
@@ -151,13 +156,14 @@ void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const T
 // CUTLASS; elsewhere the same result from grouped_linear + swiglu). Both write all their outputs.
 // gu_R2F = grouped_linear(x_RI, w_E2FI); h_RF = swiglu(gu) (pairs; h is computed from the stored
 // (rounded) gu, so it equals swiglu_forward on gu).
-void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
-                                   const Tensor& gu_R2F, const Tensor& h_RF);
+void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI,
+                                   const Tensor& offsets_E1, const Tensor& gu_R2F, const Tensor& h_RF);
 // The input gradient of the second layer, through SwiGLU: dh = dy_RO @ w_EOF per expert (the dx of
 // grouped_linear_backward with input h), dgu_R2F = swiglu_backward(gu_R2F, dh) (pairs, dh rounded
 // to the activation dtype first). dh_RF is a workspace (the fused path never writes it; its
 // contents are unspecified afterwards).
-void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
-                                         const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F);
+void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF,
+                                         const Tensor& offsets_E1, const Tensor& gu_R2F, const Tensor& dh_RF,
+                                         const Tensor& dgu_R2F);
 
 }  // namespace moefold

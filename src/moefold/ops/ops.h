@@ -32,7 +32,8 @@ void cast(const ExecContext& ctx, const Tensor& src, const Tensor& dst);
 // mean + std * normal(seed, stream, first_index + i). The GPU draws the same Philox bits and runs
 // the same double-precision Box-Muller (CUDA's log/cos may differ from the host's in the last bit
 // of a double, so rarely in the last bit of an f32). Initialises GPU parameters in place.
-void fill_normal_any(const ExecContext& ctx, const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index);
+void fill_normal_any(const ExecContext& ctx, const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std,
+                     uint64_t first_index);
 
 // ---- AdamW (decoupled weight decay), one parameter tensor ----------------------------------------
 // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
@@ -45,8 +46,8 @@ struct AdamWStep {
   double bias_correction1 = 1, bias_correction2 = 1;
   double grad_scale = 1;  // the update uses g * grad_scale (global-norm clipping fused into the pass)
 };
-void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
-                  const Tensor& w_compute = Tensor());
+void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v,
+                  const AdamWStep& s, const Tensor& w_compute = Tensor());
 
 // ---- embedding: out_NC[n] = table_VC[ids_N[n]] ---------------------------------------------
 // ids are i32; REQUIRES: 0 <= id < V (the data loader validates token ids).
@@ -55,15 +56,16 @@ void embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tenso
 
 // ---- RMSNorm (Qwen3/Llama form): y = w * x / sqrt(mean(x^2) + eps) over the last dim ---------
 // rstd_N saves 1/sqrt(mean(x^2)+eps) for backward.
-void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC, const Tensor& rstd_N);
-void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N, const Tensor& dy_NC,
-                      const Tensor& dx_NC, const Tensor& dw_C);
+void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC,
+                     const Tensor& rstd_N);
+void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N,
+                      const Tensor& dy_NC, const Tensor& dx_NC, const Tensor& dw_C);
 
 // ---- linear without bias: y_NO = x_NI @ w_OI^T (PyTorch/HF weight layout) ------------------
 // dx may be undefined (Tensor{}) to skip the input gradient.
 void linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
-void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
-                     const Tensor& dw_OI);
+void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                     const Tensor& dx_NI, const Tensor& dw_OI);
 
 // ---- matmul on matrix views: c = alpha * op(a) @ op(b) + beta * c -------------------------------
 // A row-major rows x cols matrix inside a tensor's memory: element (i, j) is element
@@ -95,8 +97,8 @@ void copy_matrix(const ExecContext& ctx, const MatrixView& src, const MatrixView
 void add_matrix(const ExecContext& ctx, const MatrixView& src, const MatrixView& dst);
 // Every element of the view = value (float dtypes, i32, i64).
 void fill_matrix(const ExecContext& ctx, const MatrixView& dst, double value);
-void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
-            double beta);
+void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b,
+            const MatrixView& c, double alpha, double beta);
 
 // ---- rotary position embedding (HF "rotate_half" form, non-interleaved) --------------------
 // Table for positions 0..S-1: inv_freq_j = theta^(-2j/D), angle = s * inv_freq_j;
@@ -109,38 +111,40 @@ void rope_table(const std::vector<double>& inv_freq, double attention_factor, co
 // x_BSHD (H heads) rotated in place: x = x*cos + rotate_half(x)*sin at position s.
 // interleaved: the rotated pairs are (x[2j], x[2j+1]) (DeepSeek's checkpoints) instead of
 // (x[j], x[j + D/2]); applied to q and k alike it gives the same q.k as HF's de-interleaving.
-void rope_forward(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved = false);
+void rope_forward(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD,
+                  bool interleaved = false);
 // The transpose: d = d*cos - ... ; in place on the gradient.
-void rope_backward(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved = false);
+void rope_backward(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD,
+                   bool interleaved = false);
 // Explicit positions (context parallelism: a rank's tokens are not 0..S-1): token s of x is at
 // global position positions_S[s] (i32) and reads row positions_S[s] of a table built for P
 // positions. REQUIRES: 0 <= positions_S[s] < P. Same in-place and WRITTEN rules as above.
-void rope_forward_at(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
-                     bool interleaved = false);
-void rope_backward_at(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
-                      bool interleaved = false);
+void rope_forward_at(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD,
+                     const Tensor& sin_PD, bool interleaved = false);
+void rope_backward_at(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD,
+                      const Tensor& sin_PD, bool interleaved = false);
 
 // ---- causal grouped-query attention ---------------------------------------------------------
 // q_BSQD, k_BSGD, v_BSGD with Q % G == 0 (query head h reads kv head h / (Q/G));
 // out_BSQD = softmax(q k^T * scale + causal mask) v; lse_BQS saves each row's log-sum-exp.
 // work_SS: scratch of at least S*S elements (two such for backward: work_2SS holds 2*S*S).
-void attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
-                       const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& work_SS);
-void attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
-                        const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
-                        const Tensor& dk_BSGD, const Tensor& dv_BSGD, const Tensor& work_2SS);
+void attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                       double scale, const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& work_SS);
+void attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                        const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale,
+                        const Tensor& dq_BSQD, const Tensor& dk_BSGD, const Tensor& dv_BSGD, const Tensor& work_2SS);
 // Explicit positions: Sq queries at global positions q_pos_Sq, Sk keys at k_pos_Sk (both i32, any
 // order); query i attends key j iff k_pos[j] <= q_pos[i]. The plain ops above are these with
 // positions 0..S-1 (bit-identical). work_SqSk holds Sq*Sk elements (work_2SqSk: 2*Sq*Sk).
 // REQUIRES: every query sees at least one key (true for any causal chunking that includes each
 // query's own position among the keys). dq, dk, dv WRITTEN.
-void attention_forward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
-                          const Tensor& k_pos_Sk, double scale, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
-                          const Tensor& work_SqSk);
-void attention_backward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
-                           const Tensor& k_pos_Sk, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
-                           const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD, const Tensor& dk_BSkGD,
-                           const Tensor& dv_BSkGD, const Tensor& work_2SqSk);
+void attention_forward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD,
+                          const Tensor& q_pos_Sq, const Tensor& k_pos_Sk, double scale, const Tensor& out_BSqQD,
+                          const Tensor& lse_BQSq, const Tensor& work_SqSk);
+void attention_backward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD,
+                           const Tensor& q_pos_Sq, const Tensor& k_pos_Sk, const Tensor& out_BSqQD,
+                           const Tensor& lse_BQSq, const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD,
+                           const Tensor& dk_BSkGD, const Tensor& dv_BSkGD, const Tensor& work_2SqSk);
 
 // ---- SwiGLU: h_NF = silu(g) * u on a fused gate|up input gu_N2F ------------------------------
 // How gate and up share gu's 2F columns: halves: g_j = gu[:, j], u_j = gu[:, F + j] (the dense
@@ -157,17 +161,19 @@ inline GateUpColumns gate_up_columns(GateUp layout, int64_t f) {
   return layout == GateUp::pairs ? GateUpColumns{2, 1} : GateUpColumns{1, f};
 }
 void swiglu_forward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& h_NF, GateUp layout = GateUp::halves);
-void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout = GateUp::halves);
+void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F,
+                     GateUp layout = GateUp::halves);
 
 // ---- softmax cross-entropy over the vocabulary ------------------------------------------------
 // Returns the SUM over rows of -log softmax(logits)[target] (double); lse_N saved for backward.
 // Targets are i32 in [0, V), or kIgnoreTarget: no loss and a zero gradient row (positions
 // without a target, e.g. the last k of multi-token prediction at depth k).
 inline constexpr int32_t kIgnoreTarget = -1;
-double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N);
+double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
+                             const Tensor& lse_N);
 // dlogits = grad_scale * (softmax(logits) - onehot(target)); grad_scale is d(loss)/d(row loss),
 // e.g. 1 / (tokens in the global batch).
-void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
-                            const Tensor& dlogits_NV);
+void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
+                            const Tensor& lse_N, double grad_scale, const Tensor& dlogits_NV);
 
 }  // namespace moefold

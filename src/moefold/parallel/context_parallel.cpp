@@ -162,8 +162,8 @@ void ContextParallelAttention::backward(const Tensor& q_BLQD, const Tensor& k_BL
   check_local(dv_BLGD, shape_.num_kv_heads, what);
   gather(k_BLGD, k_all_BSGD_);  // again: the workspace may have served other layers since forward
   gather(v_BLGD, v_all_BSGD_);
-  attention_backward_at(*ctx_, q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_.dev, k_pos_S_.dev, out_BLQD, lse_BQL, dout_BLQD,
-                        scale, dq_BLQD, dk_all_BSGD_, dv_all_BSGD_, work_2LS_);
+  attention_backward_at(*ctx_, q_BLQD, k_all_BSGD_, v_all_BSGD_, q_pos_L_.dev, k_pos_S_.dev, out_BLQD, lse_BQL,
+                        dout_BLQD, scale, dq_BLQD, dk_all_BSGD_, dv_all_BSGD_, work_2LS_);
   reduce_scatter(dk_all_BSGD_, dk_BLGD);
   reduce_scatter(dv_all_BSGD_, dv_BLGD);
 }

@@ -72,8 +72,8 @@ void check_found(Communicator& tp, double found, int64_t n, const char* what) {
 }
 }  // namespace
 
-void vocab_parallel_embedding_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_shard_VlC, int64_t vocab_offset,
-                                      const Tensor& out_partial_NC) {
+void vocab_parallel_embedding_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_shard_VlC,
+                                      int64_t vocab_offset, const Tensor& out_partial_NC) {
   check_embedding(ids_N, table_shard_VlC, out_partial_NC, vocab_offset, false, "vocab_parallel_embedding_forward");
 #ifdef MOEFOLD_WITH_CUDA
   if (on_gpu(ids_N)) return cuda::embedding_shard_forward(ctx, ids_N, table_shard_VlC, vocab_offset, out_partial_NC);
@@ -97,8 +97,8 @@ void vocab_parallel_embedding_forward(const ExecContext& ctx, const Tensor& ids_
   });
 }
 
-void vocab_parallel_embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
-                                       const Tensor& dtable_shard_VlC) {
+void vocab_parallel_embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC,
+                                       int64_t vocab_offset, const Tensor& dtable_shard_VlC) {
   check_embedding(ids_N, dtable_shard_VlC, dout_NC, vocab_offset, true, "vocab_parallel_embedding_backward");
 #ifdef MOEFOLD_WITH_CUDA
   if (on_gpu(ids_N)) return cuda::embedding_shard_backward(ctx, ids_N, dout_NC, vocab_offset, dtable_shard_VlC);
@@ -126,8 +126,8 @@ void VocabParallelScratch::bind(Memory& mem, int64_t rows) {
   result_2 = mem.act({2}, DType::f64);
 }
 
-double vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator& tp, const Tensor& logits_shard_NVl, int64_t vocab_offset,
-                                            const Tensor& targets_N, const Tensor& lse_N,
+double vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator& tp, const Tensor& logits_shard_NVl,
+                                            int64_t vocab_offset, const Tensor& targets_N, const Tensor& lse_N,
                                             const VocabParallelScratch& scratch) {
   const char* what = "vocab_parallel_cross_entropy_forward";
   check_ce(logits_shard_NVl, targets_N, lse_N, vocab_offset, what);
@@ -212,8 +212,8 @@ void vocab_parallel_cross_entropy_backward(const ExecContext& ctx, const Tensor&
            what, ": dlogits shard ", dlogits_shard_NVl.str(), " vs logits shard ", logits_shard_NVl.str());
 #ifdef MOEFOLD_WITH_CUDA
   if (on_gpu(logits_shard_NVl))
-    return cuda::vocab_parallel_cross_entropy_backward(ctx, logits_shard_NVl, vocab_offset, targets_N, lse_N, grad_scale,
-                                                       dlogits_shard_NVl);
+    return cuda::vocab_parallel_cross_entropy_backward(ctx, logits_shard_NVl, vocab_offset, targets_N, lse_N,
+                                                       grad_scale, dlogits_shard_NVl);
 #endif
   const int64_t n = logits_shard_NVl.size(0), vl = logits_shard_NVl.size(1);
   const int32_t* targets = targets_N.ptr<int32_t>();

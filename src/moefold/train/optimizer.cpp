@@ -11,11 +11,11 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
   ctx_ = &ctx;
   if (!params.empty()) arena_.set_device(params.front().value.device());  // moments beside the weights
   auto take_all = [&] {
-    m_.clear();
-    v_.clear();
+    exp_avg_.clear();
+    exp_avg_sq_.clear();
     for (const Param& p : params) {
-      m_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
-      v_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
+      exp_avg_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
+      exp_avg_sq_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
     }
   };
   take_all();  // measure
@@ -24,16 +24,18 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
 }
 
 void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
-  MF_CHECK(params.size() == m_.size(), "optimizer bound to ", m_.size(), " parameters, stepping ", params.size());
-  ++t_;
+  MF_CHECK(params.size() == exp_avg_.size(), "optimizer bound to ", exp_avg_.size(), " parameters, stepping ",
+           params.size());
+  ++steps_;
   const double b1 = cfg_.adam_beta1, b2 = cfg_.adam_beta2, eps = cfg_.adam_eps;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t_));
-  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t_));
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
   for (size_t i = 0; i < params.size(); ++i) {
     Param& p = params[i];
     const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2, grad_scale};
     // With mixed precision the pass also refreshes the bf16 compute copy.
-    adamw_update(*ctx_, p.value, p.grad, m_[i], v_[i], s, p.compute.data() != p.value.data() ? p.compute : Tensor());
+    adamw_update(*ctx_, p.value, p.grad, exp_avg_[i], exp_avg_sq_[i], s,
+                 p.compute.data() != p.value.data() ? p.compute : Tensor());
   }
 }
 

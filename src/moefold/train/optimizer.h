@@ -21,18 +21,18 @@ class AdamW {
   // norm clipping in the same pass, the gradients themselves left as they are); increments step().
   void step(std::vector<Param>& params, double lr, double grad_scale = 1.0);
 
-  int64_t num_steps() const { return t_; }
-  void set_num_steps(int64_t t) { t_ = t; }
+  int64_t num_steps() const { return steps_; }
+  void set_num_steps(int64_t t) { steps_ = t; }
   // exp_avg / exp_avg_sq of parameter i (same order as bind's params).
-  const Tensor& exp_avg(size_t i) const { return m_[i]; }
-  const Tensor& exp_avg_sq(size_t i) const { return v_[i]; }
+  const Tensor& exp_avg(size_t i) const { return exp_avg_[i]; }
+  const Tensor& exp_avg_sq(size_t i) const { return exp_avg_sq_[i]; }
 
  private:
   const ExecContext* ctx_ = nullptr;  // where the update runs (bind)
   TrainConfig cfg_;
   Arena arena_;
-  std::vector<Tensor> m_, v_;
-  int64_t t_ = 0;
+  std::vector<Tensor> exp_avg_, exp_avg_sq_;
+  int64_t steps_ = 0;
 };
 
 // The global-norm clipping factor: min(1, max_norm / (norm + 1e-6)) when max_norm > 0, else 1.

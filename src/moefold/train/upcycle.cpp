@@ -181,7 +181,8 @@ std::string upcycle(const std::string& dense_ckpt_dir, const std::string& run_di
   };
 
   BoundModel target(tgt);
-  Model::init_params(target.mem.exec(), target.mem.params(), tgt.train.seed);  // the router rows (tied below), a bias's zeros
+  Model::init_params(target.mem.exec(), target.mem.params(),
+                     tgt.train.seed);  // the router rows (tied below), a bias's zeros
   std::set<std::string> used;
   // The down projections carry the copy's weight G (1 / G per expert, see upcycle.h) and undo the
   // routed scaling factor, which multiplies the renormalised probabilities.

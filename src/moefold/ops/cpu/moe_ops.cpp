@@ -6,8 +6,8 @@
 #include <cmath>
 #include <limits>
 
-#include "moefold/ops/gemm.h"
 #include "moefold/ops/dispatch.h"
+#include "moefold/ops/gemm.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
@@ -141,8 +141,8 @@ class TokenChoice {
 
 }  // namespace
 
-void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const TopkRouting& routing, const Tensor& scores_TE,
-                         const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) {
+void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const TopkRouting& routing,
+                         const Tensor& scores_TE, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) {
   MF_ON_GPU(ctx, logits_TE, cuda::router_topk_forward(ctx, logits_TE, routing, scores_TE, topk_idx_TK, topk_prob_TK));
   check_router(logits_TE, topk_idx_TK);
   check_shape(scores_TE, logits_TE.shape(), "router_topk_forward scores");
@@ -195,8 +195,8 @@ void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const 
   });
 }
 
-void router_topk_backward(const ExecContext& ctx, const Tensor& scores_TE, const Tensor& topk_idx_TK, const TopkRouting& routing,
-                          const Tensor& dprob_TK, const Tensor& dlogits_TE) {
+void router_topk_backward(const ExecContext& ctx, const Tensor& scores_TE, const Tensor& topk_idx_TK,
+                          const TopkRouting& routing, const Tensor& dprob_TK, const Tensor& dlogits_TE) {
   MF_ON_GPU(ctx, scores_TE, cuda::router_topk_backward(ctx, scores_TE, topk_idx_TK, routing, dprob_TK, dlogits_TE));
   check_router(scores_TE, topk_idx_TK);
   check_shape(dprob_TK, topk_idx_TK.shape(), "router_topk_backward dprob");
@@ -296,8 +296,8 @@ void weighted_prob_row_backward(const T* s, int64_t e_n, ScoreFunc score_func, c
 }
 }  // namespace
 
-double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
-                        int64_t total_tokens) {
+double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
+                        int64_t k, int64_t total_tokens) {
   MF_ON_GPU(ctx, scores_TE, cuda::aux_loss_forward(ctx, scores_TE, score_func, counts_E, k, total_tokens));
   check_aux(scores_TE, counts_E, k);
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
@@ -312,9 +312,10 @@ double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFu
   });
 }
 
-void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E, int64_t k,
-                       double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
-  MF_ON_GPU(ctx, scores_TE, cuda::aux_loss_backward(ctx, scores_TE, score_func, counts_E, k, grad_scale, dlogits_TE, total_tokens));
+void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
+                       int64_t k, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
+  MF_ON_GPU(ctx, scores_TE,
+            cuda::aux_loss_backward(ctx, scores_TE, score_func, counts_E, k, grad_scale, dlogits_TE, total_tokens));
   check_aux(scores_TE, counts_E, k);
   check_shape(dlogits_TE, scores_TE.shape(), "aux_loss_backward dlogits");
   check_same_dtype(scores_TE, dlogits_TE, "aux_loss_backward dlogits");
@@ -350,7 +351,8 @@ void check_seq_aux(const Tensor& scores_TE, const Tensor& counts_BE, int64_t k, 
 }
 }  // namespace
 
-void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const SeqLayout& layout, const Tensor& counts_BE) {
+void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const SeqLayout& layout,
+                       const Tensor& counts_BE) {
   MF_ON_GPU(ctx, topk_idx_TK, cuda::seq_expert_counts(ctx, topk_idx_TK, layout, counts_BE));
   check_2d(topk_idx_TK, "seq_expert_counts topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "seq_expert_counts topk_idx");
@@ -371,8 +373,8 @@ void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const 
   }
 }
 
-double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
-                            const SeqLayout& layout) {
+double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
+                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout) {
   MF_ON_GPU(ctx, scores_TE, cuda::seq_aux_loss_forward(ctx, scores_TE, score_func, counts_BE, k, layout));
   check_seq_aux(scores_TE, counts_BE, k, layout);
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
@@ -390,9 +392,11 @@ double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, Sco
   });
 }
 
-void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_BE, int64_t k,
-                           const SeqLayout& layout, double grad_scale, const Tensor& dlogits_TE) {
-  MF_ON_GPU(ctx, scores_TE, cuda::seq_aux_loss_backward(ctx, scores_TE, score_func, counts_BE, k, layout, grad_scale, dlogits_TE));
+void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
+                           const Tensor& counts_BE, int64_t k, const SeqLayout& layout, double grad_scale,
+                           const Tensor& dlogits_TE) {
+  MF_ON_GPU(ctx, scores_TE,
+            cuda::seq_aux_loss_backward(ctx, scores_TE, score_func, counts_BE, k, layout, grad_scale, dlogits_TE));
   check_seq_aux(scores_TE, counts_BE, k, layout);
   check_shape(dlogits_TE, scores_TE.shape(), "seq_aux_loss_backward dlogits");
   check_same_dtype(scores_TE, dlogits_TE, "seq_aux_loss_backward dlogits");
@@ -454,7 +458,8 @@ double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t t
   });
 }
 
-void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
+void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE,
+                     int64_t total_tokens) {
   MF_ON_GPU(ctx, logits_TE, cuda::z_loss_backward(ctx, logits_TE, grad_scale, dlogits_TE, total_tokens));
   check_2d(logits_TE, "z_loss logits");
   check_shape(dlogits_TE, logits_TE.shape(), "z_loss_backward dlogits");
@@ -475,8 +480,8 @@ void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double gra
 
 // ---- permutation plan --------------------------------------------------------------------------
 
-int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, int64_t capacity, bool pad,
-                         const PermutePlanOut& out) {
+int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
+                         int64_t capacity, bool pad, const PermutePlanOut& out) {
   MF_ON_GPU(ctx, topk_idx_TK, cuda::moe_permute_plan(ctx, topk_idx_TK, topk_prob_TK, capacity, pad, out));
   check_2d(topk_idx_TK, "moe_permute_plan topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "moe_permute_plan topk_idx");
@@ -608,7 +613,8 @@ void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const 
 
 // ---- combine -----------------------------------------------------------------------------------
 
-void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& y_TH) {
+void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
+                 const Tensor& y_TH) {
   MF_ON_GPU(ctx, out_RH, cuda::moe_combine(ctx, out_RH, row_TK, prob_TK, y_TH));
   check_rows(out_RH, y_TH, "moe_combine");
   check_row_map(row_TK, y_TH.size(0), "moe_combine row");
@@ -634,8 +640,8 @@ void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row
   });
 }
 
-void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK, const Tensor& dy_TH,
-                          const Tensor& dout_RH, const Tensor& dprob_TK) {
+void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
+                          const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK) {
   MF_ON_GPU(ctx, out_RH, cuda::moe_combine_backward(ctx, out_RH, row_TK, prob_TK, dy_TH, dout_RH, dprob_TK));
   check_rows(out_RH, dy_TH, "moe_combine_backward");
   check_row_map(row_TK, dy_TH.size(0), "moe_combine_backward row");
@@ -692,7 +698,8 @@ void check_grouped(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offset
 }
 }  // namespace
 
-void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO) {
+void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                            const Tensor& y_RO) {
   MF_ON_GPU(ctx, x_RI, cuda::grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO));
   check_grouped(x_RI, w_EOI, offsets_E1, y_RO);
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
@@ -710,8 +717,8 @@ void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Te
   });
 }
 
-void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
-                             const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
+void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                             const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
   MF_ON_GPU(ctx, x_RI, cuda::grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate));
   check_grouped(x_RI, w_EOI, offsets_E1, dy_RO);
   if (dw_EOI.defined()) {
@@ -744,16 +751,18 @@ void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const T
   });
 }
 
-void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
-                                   const Tensor& gu_R2F, const Tensor& h_RF) {
+void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI,
+                                   const Tensor& offsets_E1, const Tensor& gu_R2F, const Tensor& h_RF) {
   MF_ON_GPU(ctx, x_RI, cuda::grouped_linear_swiglu_forward(ctx, x_RI, w_E2FI, offsets_E1, gu_R2F, h_RF));
   grouped_linear_forward(ctx, x_RI, w_E2FI, offsets_E1, gu_R2F);
   swiglu_forward(ctx, gu_R2F, h_RF, GateUp::pairs);
 }
 
-void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
-                                         const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F) {
-  MF_ON_GPU(ctx, dy_RO, cuda::grouped_linear_swiglu_backward_data(ctx, dy_RO, w_EOF, offsets_E1, gu_R2F, dh_RF, dgu_R2F));
+void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF,
+                                         const Tensor& offsets_E1, const Tensor& gu_R2F, const Tensor& dh_RF,
+                                         const Tensor& dgu_R2F) {
+  MF_ON_GPU(ctx, dy_RO,
+            cuda::grouped_linear_swiglu_backward_data(ctx, dy_RO, w_EOF, offsets_E1, gu_R2F, dh_RF, dgu_R2F));
   // dh as the layer input too: without a weight gradient the backward reads only its shape.
   grouped_linear_backward(ctx, dh_RF, w_EOF, offsets_E1, dy_RO, dh_RF, Tensor());
   swiglu_backward(ctx, gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
