@@ -218,7 +218,7 @@ void check_linear(const Tensor& x, const Tensor& w, const Tensor& y, const char*
 }
 
 // Copies offsets_E1 to `off` (waits for the GPU) and checks that they partition [0, rows).
-void download_offsets(const Tensor& offsets_E1, int64_t rows, std::vector<int64_t>& off) {
+void download_offsets(const ExecContext& ctx, const Tensor& offsets_E1, int64_t rows, std::vector<int64_t>& off) {
   off.resize(static_cast<size_t>(offsets_E1.numel()));
   device_copy(off.data(), Device::cpu, offsets_E1.data(), Device::cuda, off.size() * sizeof(int64_t), ctx.stream());
   const size_t e_n = off.size() - 1;
@@ -323,7 +323,7 @@ void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Te
   check_grouped(x_RI, w_EOI, offsets_E1, y_RO, "grouped_linear_forward");
   if (ctx.kernels().grouped_gemm == GroupedGemmImpl::cutlass && cutlass_grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO)) return;
   std::vector<int64_t>& off = offsets_buffer();
-  download_offsets(offsets_E1, x_RI.size(0), off);
+  download_offsets(ctx, offsets_E1, x_RI.size(0), off);
   for (int64_t e = 0; e < w_EOI.size(0); ++e) {
     if (off[e + 1] == off[e]) continue;
     gemm(ctx, row_block(x_RI, off[e], off[e + 1]), false, expert_matrix(w_EOI, e), true, row_block(y_RO, off[e], off[e + 1]),
@@ -348,7 +348,7 @@ void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const T
       cutlass_grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate))
     return;
   std::vector<int64_t>& off = offsets_buffer();
-  download_offsets(offsets_E1, x_RI.size(0), off);
+  download_offsets(ctx, offsets_E1, x_RI.size(0), off);
   for (int64_t e = 0; e < w_EOI.size(0); ++e) {
     const int64_t begin = off[e], end = off[e + 1];
     // An expert without rows: dw stays, or is zeroed (K = 0: gemm writes beta * dw = 0).
