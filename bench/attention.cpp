@@ -7,6 +7,8 @@
 // each shape ends with the relative (Frobenius) difference of cuDNN's results from the own
 // kernel's: two implementations agreeing to bf16 precision (~1e-3) is the sanity check.
 //   ./build-gpu/bench_attention [--runs N] [--warmup N] [--shape NAME]...
+#include "moefold/ops/cuda/attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,7 +24,6 @@
 #include "moefold/core/error.h"
 #include "moefold/core/tensor.h"
 #include "moefold/ops/cuda/attention_cudnn.h"
-#include "moefold/ops/cuda/attention_ops.h"
 
 namespace moefold {
 namespace {
@@ -171,8 +172,9 @@ void bench_shape(const Shape4& sh, const Options& opt) {
       continue;
     }
     report(sh, name, "backward",
-           time_ms(opt,
-                   [&] { cuda::cudnn_attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq2, *dk2, *dv2, o); }),
+           time_ms(
+               opt,
+               [&] { cuda::cudnn_attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq2, *dk2, *dv2, o); }),
            bwd_flops);
     std::printf("%-24s %s vs own (backward): dq %.2e dk %.2e dv %.2e\n", sh.name, name, rel_diff(*dq2, *dq),
                 rel_diff(*dk2, *dk), rel_diff(*dv2, *dv));

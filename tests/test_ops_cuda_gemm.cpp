@@ -25,7 +25,7 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/gemm_ops.h"
+#include "moefold/ops/cuda/gemm.h"
 #include "moefold/ops/cuda/grouped_gemm_cutlass.h"
 #endif
 
@@ -361,9 +361,10 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
     const Tensor x = dev.upload(pool.randn({16, 64}), DType::bf16),
                  w = dev.upload(pool.randn({2, 32, 64}), DType::bf16);
     const Tensor y = dev.poisoned({16, 32}, DType::bf16);
-    EXPECT_TRUE(cuda::cutlass_grouped_linear_forward(testing::exec(), x, w, dev.upload(offsets, DType::i64), y)) << "CUTLASS declined";
-    EXPECT_FALSE(cuda::cutlass_grouped_linear_forward(testing::exec(), x.view({16, 64}), w, dev.upload(offsets, DType::i64),
-                                                      dev.poisoned({16, 32}, DType::f32)))
+    EXPECT_TRUE(cuda::cutlass_grouped_linear_forward(testing::exec(), x, w, dev.upload(offsets, DType::i64), y))
+        << "CUTLASS declined";
+    EXPECT_FALSE(cuda::cutlass_grouped_linear_forward(
+        testing::exec(), x.view({16, 64}), w, dev.upload(offsets, DType::i64), dev.poisoned({16, 32}, DType::f32)))
         << "an f32 output is not CUTLASS's";
   }
   const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
@@ -422,7 +423,8 @@ void check_grouped_swiglu(const std::vector<int64_t>& counts, int64_t h_n, int64
   const Tensor dhd = dev.poisoned({r, f_n}, bf), dgud = dev.poisoned({r, 2 * f_n}, bf);
 #ifdef MOEFOLD_WITH_CUDA
   if (cutlass) {
-    EXPECT_TRUE(cuda::cutlass_grouped_linear_swiglu_backward_data(ctx, dyd, w2d, offd, gu2d, dgud)) << "CUTLASS declined";
+    EXPECT_TRUE(cuda::cutlass_grouped_linear_swiglu_backward_data(ctx, dyd, w2d, offd, gu2d, dgud))
+        << "CUTLASS declined";
   } else {
     grouped_linear_swiglu_backward_data(ctx, dyd, w2d, offd, gu2d, dhd, dgud);
   }
@@ -454,9 +456,10 @@ TEST(CudaGroupedLinear, SwigluFusedMatchesCpu) {
       off.ptr<int64_t>()[1] = 16;
       const Tensor offd = dev.upload(off, DType::i64), x = dev.poisoned({16, 16}, DType::bf16),
                    w = dev.poisoned({1, 16, 16}, DType::bf16), gu = dev.poisoned({16, 16}, DType::bf16);
-      EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_forward(ctx, x, w, offd, gu, dev.poisoned({16, 8}, DType::bf16)));
-      EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_backward_data(ctx, x, dev.poisoned({1, 16, 8}, DType::bf16), offd, gu,
-                                                                     dev.poisoned({16, 16}, DType::bf16)));
+      EXPECT_FALSE(
+          cuda::cutlass_grouped_linear_swiglu_forward(ctx, x, w, offd, gu, dev.poisoned({16, 8}, DType::bf16)));
+      EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_backward_data(ctx, x, dev.poisoned({1, 16, 8}, DType::bf16),
+                                                                     offd, gu, dev.poisoned({16, 16}, DType::bf16)));
     }
   }
   if (built) {
@@ -467,8 +470,8 @@ TEST(CudaGroupedLinear, SwigluFusedMatchesCpu) {
     off.ptr<int64_t>()[1] = 16;
     const Tensor offd = dev.upload(off, DType::i64), x = dev.poisoned({16, 2056}, DType::bf16),
                  w = dev.poisoned({1, 16, 2056}, DType::bf16);
-    EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_forward(testing::exec(), x, w, offd, dev.poisoned({16, 16}, DType::bf16),
-                                                             dev.poisoned({16, 8}, DType::bf16)));
+    EXPECT_FALSE(cuda::cutlass_grouped_linear_swiglu_forward(
+        testing::exec(), x, w, offd, dev.poisoned({16, 16}, DType::bf16), dev.poisoned({16, 8}, DType::bf16)));
     KernelOptions fused, unfused;
     fused.fused_swiglu = SwigluFusion::on;
     unfused.fused_swiglu = SwigluFusion::off;  // the unfused ops

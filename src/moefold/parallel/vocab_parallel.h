@@ -7,12 +7,13 @@
 //
 // Devices and dtypes: every tensor of a call (ids and targets included) on one device.
 //  - CPU: table and rows of one dtype, f32 or f64; logits, dlogits and lse of one dtype, f32 or f64.
-//  - CUDA (vocab_parallel.cu): table and out_partial of one dtype, f32 or bf16; dout f32 or bf16
-//    and dtable of dout's dtype or f32 (mixed precision: bf16 rows, the f32 master gradient);
-//    logits and dlogits of one dtype, f32 or bf16, read and computed in f32; lse ALWAYS f32, as
-//    in ops/cuda (a bf16 lse near 10 is off by up to 0.03, i.e. 3% in every probability of the
-//    backward); the scratch in device memory (bound through a CUDA Memory).
-//    Ids and targets are validated on the device (__trap, as in ops/cuda/norm_ops.h).
+//  - CUDA (the shard ops of ops/cuda/embedding.h and cross_entropy.h): table and out_partial of
+//    one dtype, f32 or bf16; dout f32 or bf16 and dtable of dout's dtype or f32 (mixed
+//    precision: bf16 rows, the f32 master gradient); logits and dlogits of one dtype, f32 or
+//    bf16, read and computed in f32; lse ALWAYS f32, as in ops/cuda (a bf16 lse near 10 is off by
+//    up to 0.03, i.e. 3% in every probability of the backward); the scratch in device memory
+//    (bound through a CUDA Memory).
+//    Ids and targets are validated on the device (__trap, as in ops/cuda/embedding.h).
 #pragma once
 
 #include <cstdint>
@@ -27,16 +28,16 @@ namespace moefold {
 // rank's shard, else ZERO. No communication: the caller sums the partials over the TP group
 // (all_reduce, or reduce_scatter over rows with sequence parallelism).
 // ids are i32 GLOBAL ids; REQUIRES: ids >= 0, vocab_offset >= 0.
-void vocab_parallel_embedding_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_shard_VlC, int64_t vocab_offset,
-                                      const Tensor& out_partial_NC);
+void vocab_parallel_embedding_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_shard_VlC,
+                                      int64_t vocab_offset, const Tensor& out_partial_NC);
 // dout_NC: the full gradient of these N tokens' embeddings (after the backward of the caller's
 // all_reduce / reduce_scatter, i.e. identical on every TP rank). Only rows whose id falls inside
 // the shard are accumulated into dtable_shard_VlC. Repeated ids are added in token order on both
 // devices (CUDA: without atomics, the first token of an id owns its row, as in
 // ops/cuda/embedding.cu, whose shard kernels serve both), so the result is deterministic; with an
 // f32 dtable the CUDA result is the CPU's bit for bit. CUDA cost: O(N^2) id compares per shard.
-void vocab_parallel_embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC, int64_t vocab_offset,
-                                       const Tensor& dtable_shard_VlC);
+void vocab_parallel_embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC,
+                                       int64_t vocab_offset, const Tensor& dtable_shard_VlC);
 
 // ---- cross-entropy ------------------------------------------------------------------------------
 // Per-row reduction buffers of the forward, float64 whatever the compute dtype (the plain
@@ -63,30 +64,13 @@ struct VocabParallelScratch {
 // (deterministic); WAITS for the GPU once, for one copy of the loss and the found count. With one
 // rank the all-reduces are skipped (the identity).
 // REQUIRES: targets i32 in [0, V) of the global vocabulary, N <= scratch.max_rows, Vl > 0.
-double vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator& tp, const Tensor& logits_shard_NVl, int64_t vocab_offset,
-                                            const Tensor& targets_N, const Tensor& lse_N,
+double vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator& tp, const Tensor& logits_shard_NVl,
+                                            int64_t vocab_offset, const Tensor& targets_N, const Tensor& lse_N,
                                             const VocabParallelScratch& scratch);
 // dlogits_shard = grad_scale * (softmax - onehot(target)) on this rank's columns, from the saved
 // global lse: no communication. WRITTEN; may be the logits tensor itself (in place).
 void vocab_parallel_cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_shard_NVl, int64_t vocab_offset,
                                            const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
                                            const Tensor& dlogits_shard_NVl);
-
-#ifdef MOEFOLD_WITH_CUDA
-// The CUDA path of the functions above (vocab_parallel.cu), called by them for CUDA tensors
-// after their checks. REQUIRES: arguments those checks accepted; N > 0 for the forward.
-namespace cuda {
-struct VocabParallelSums {
-  double loss;   // sum over rows of lse - logit[target]
-  double found;  // rows whose target some rank owned (must be N)
-};
-VocabParallelSums vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator& tp, const Tensor& logits_shard_NVl,
-                                                       int64_t vocab_offset, const Tensor& targets_N,
-                                                       const Tensor& lse_N, const VocabParallelScratch& scratch);
-void vocab_parallel_cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_shard_NVl, int64_t vocab_offset,
-                                           const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
-                                           const Tensor& dlogits_shard_NVl);
-}  // namespace cuda
-#endif
 
 }  // namespace moefold

@@ -10,13 +10,13 @@
 #include <cmath>
 #include <limits>
 
-#include "moefold/ops/gemm.h"
 #include "moefold/ops/dispatch.h"
+#include "moefold/ops/gemm.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/attention.h"
 #include "moefold/ops/cuda/attention_cudnn.h"
-#include "moefold/ops/cuda/attention_ops.h"
 #endif
 
 namespace moefold {
@@ -164,8 +164,8 @@ void check_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
 }
 }  // namespace
 
-void attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
-                       const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& work_SS) {
+void attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                       double scale, const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& work_SS) {
   MF_ON_GPU(ctx, q_BSQD, cuda::attention_forward_dispatch(ctx, q_BSQD, k_BSGD, v_BSGD, scale, out_BSQD, lse_BQS));
   const char* what = "attention_forward";
   const Dims dm = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, work_SS, 1, what);
@@ -173,10 +173,12 @@ void attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tenso
   forward_impl(dm, q_BSQD, k_BSGD, v_BSGD, nullptr, nullptr, scale, out_BSQD, lse_BQS, work_SS);
 }
 
-void attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
-                        const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
-                        const Tensor& dk_BSGD, const Tensor& dv_BSGD, const Tensor& work_2SS) {
-  MF_ON_GPU(ctx, q_BSQD, cuda::attention_backward_dispatch(ctx, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD, dk_BSGD, dv_BSGD));
+void attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                        const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale,
+                        const Tensor& dq_BSQD, const Tensor& dk_BSGD, const Tensor& dv_BSGD, const Tensor& work_2SS) {
+  MF_ON_GPU(ctx, q_BSQD,
+            cuda::attention_backward_dispatch(ctx, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD,
+                                              dk_BSGD, dv_BSGD));
   const char* what = "attention_backward";
   const Dims dm = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, work_2SS, 2, what);
   MF_CHECK(dm.sq == dm.sk, what, ": q ", q_BSQD.str(), " and k ", k_BSGD.str(), " differ in S");
@@ -185,10 +187,11 @@ void attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tens
                 dv_BSGD, work_2SS);
 }
 
-void attention_forward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
-                          const Tensor& k_pos_Sk, double scale, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
-                          const Tensor& work_SqSk) {
-  MF_ON_GPU(ctx, q_BSqQD, cuda::attention_forward_at(ctx, q_BSqQD, k_BSkGD, v_BSkGD, q_pos_Sq, k_pos_Sk, scale, out_BSqQD, lse_BQSq));
+void attention_forward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD,
+                          const Tensor& q_pos_Sq, const Tensor& k_pos_Sk, double scale, const Tensor& out_BSqQD,
+                          const Tensor& lse_BQSq, const Tensor& work_SqSk) {
+  MF_ON_GPU(ctx, q_BSqQD,
+            cuda::attention_forward_at(ctx, q_BSqQD, k_BSkGD, v_BSkGD, q_pos_Sq, k_pos_Sk, scale, out_BSqQD, lse_BQSq));
   const char* what = "attention_forward_at";
   const Dims dm = check_attention(q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, work_SqSk, 1, what);
   check_positions(q_pos_Sq, k_pos_Sk, dm, what);
@@ -196,11 +199,13 @@ void attention_forward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const T
                lse_BQSq, work_SqSk);
 }
 
-void attention_backward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
-                           const Tensor& k_pos_Sk, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
-                           const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD, const Tensor& dk_BSkGD,
-                           const Tensor& dv_BSkGD, const Tensor& work_2SqSk) {
-  MF_ON_GPU(ctx, q_BSqQD, cuda::attention_backward_at(ctx, q_BSqQD, k_BSkGD, v_BSkGD, q_pos_Sq, k_pos_Sk, out_BSqQD, lse_BQSq, dout_BSqQD, scale, dq_BSqQD, dk_BSkGD, dv_BSkGD));
+void attention_backward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD,
+                           const Tensor& q_pos_Sq, const Tensor& k_pos_Sk, const Tensor& out_BSqQD,
+                           const Tensor& lse_BQSq, const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD,
+                           const Tensor& dk_BSkGD, const Tensor& dv_BSkGD, const Tensor& work_2SqSk) {
+  MF_ON_GPU(ctx, q_BSqQD,
+            cuda::attention_backward_at(ctx, q_BSqQD, k_BSkGD, v_BSkGD, q_pos_Sq, k_pos_Sk, out_BSqQD, lse_BQSq,
+                                        dout_BSqQD, scale, dq_BSqQD, dk_BSkGD, dv_BSkGD));
   const char* what = "attention_backward_at";
   const Dims dm = check_attention(q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, work_2SqSk, 2, what);
   check_positions(q_pos_Sq, k_pos_Sk, dm, what);

@@ -9,7 +9,7 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/cross_entropy.h"
 #endif
 
 namespace moefold {
@@ -26,7 +26,8 @@ void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, co
 }
 }  // namespace
 
-double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N) {
+double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
+                             const Tensor& lse_N) {
   MF_ON_GPU(ctx, logits_NV, cuda::cross_entropy_forward(ctx, logits_NV, targets_N, lse_N));
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_forward");
   const int64_t n = logits_NV.size(0), v = logits_NV.size(1);
@@ -56,8 +57,8 @@ double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, co
   });
 }
 
-void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
-                            const Tensor& dlogits_NV) {
+void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
+                            const Tensor& lse_N, double grad_scale, const Tensor& dlogits_NV) {
   MF_ON_GPU(ctx, logits_NV, cuda::cross_entropy_backward(ctx, logits_NV, targets_N, lse_N, grad_scale, dlogits_NV));
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_backward");
   check_shape(dlogits_NV, logits_NV.shape(), "cross_entropy_backward dlogits");

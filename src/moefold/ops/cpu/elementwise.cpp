@@ -7,7 +7,8 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/cuda_ops.h"
+#include "moefold/ops/cuda/elementwise.h"
+#include "moefold/ops/cuda/optimizer.h"
 #endif
 
 namespace moefold {
@@ -48,8 +49,8 @@ void scale_inplace(const ExecContext& ctx, const Tensor& x, double s) {
   });
 }
 
-void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
-                  const Tensor& w_compute) {
+void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v,
+                  const AdamWStep& s, const Tensor& w_compute) {
   MF_ON_GPU(ctx, w, cuda::adamw_update(ctx, w, g, m, v, s, w_compute));
   for (const Tensor* t : {&g, &m, &v})
     MF_CHECK(t->shape() == w.shape() && t->dtype() == w.dtype() && t->contiguous() && t->device() == Device::cpu,
@@ -75,7 +76,8 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
   });
 }
 
-void fill_normal_any(const ExecContext& ctx, const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index) {
+void fill_normal_any(const ExecContext& ctx, const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std,
+                     uint64_t first_index) {
   MF_ON_GPU(ctx, t, cuda::fill_normal(ctx, t, seed, stream, mean, std, first_index));
   fill_normal(t, seed, stream, mean, std, first_index);
 }

@@ -5,13 +5,13 @@
 #include <algorithm>
 #include <cstring>
 
-#include "moefold/ops/gemm.h"
 #include "moefold/ops/dispatch.h"
+#include "moefold/ops/gemm.h"
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/gemm_ops.h"
-#include "moefold/ops/cuda/matrix_ops.h"
+#include "moefold/ops/cuda/gemm.h"
+#include "moefold/ops/cuda/matrix.h"
 #endif
 
 namespace moefold {
@@ -39,8 +39,8 @@ void linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_
   });
 }
 
-void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
-                     const Tensor& dw_OI) {
+void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                     const Tensor& dx_NI, const Tensor& dw_OI) {
   MF_ON_GPU(ctx, x_NI, cuda::linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI));
   check_linear(x_NI, w_OI, dy_NO, "linear_backward");
   if (dx_NI.defined()) check_like(dx_NI, x_NI, "linear_backward dx");
@@ -139,8 +139,8 @@ void fill_matrix(const ExecContext& ctx, const MatrixView& dst, double value) {
     dispatch_float(dst.storage.dtype(), fill);
 }
 
-void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
-            double beta) {
+void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b,
+            const MatrixView& c, double alpha, double beta) {
   check_view(a, "matmul a");
   check_view(b, "matmul b");
   check_view(c, "matmul c");

@@ -8,7 +8,7 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/rmsnorm.h"
 #endif
 
 namespace moefold {
@@ -28,7 +28,8 @@ void check_like(const Tensor& t, const Tensor& ref, const char* what) {
 }
 }  // namespace
 
-void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC, const Tensor& rstd_N) {
+void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC,
+                     const Tensor& rstd_N) {
   MF_ON_GPU(ctx, x_NC, cuda::rmsnorm_forward(ctx, x_NC, w_C, eps, y_NC, rstd_N));
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_forward");
   check_like(y_NC, x_NC, "rmsnorm_forward y");
@@ -49,8 +50,8 @@ void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w
   });
 }
 
-void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N, const Tensor& dy_NC,
-                      const Tensor& dx_NC, const Tensor& dw_C) {
+void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N,
+                      const Tensor& dy_NC, const Tensor& dx_NC, const Tensor& dw_C) {
   MF_ON_GPU(ctx, x_NC, cuda::rmsnorm_backward(ctx, x_NC, w_C, rstd_N, dy_NC, dx_NC, dw_C));
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_backward");
   check_like(dy_NC, x_NC, "rmsnorm_backward dy");

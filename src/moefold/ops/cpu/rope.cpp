@@ -9,7 +9,7 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/rope.h"
 #endif
 
 namespace moefold {
@@ -99,7 +99,8 @@ void rope_table(const std::vector<double>& inv_freq, double attention_factor, co
   });
 }
 
-void rope_forward(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
+void rope_forward(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD,
+                  bool interleaved) {
   MF_ON_GPU(ctx, x_BSHD, cuda::rope_forward(ctx, x_BSHD, cos_SD, sin_SD, interleaved));
   check_rope(x_BSHD, cos_SD, sin_SD, "rope_forward");
   dispatch_float(x_BSHD.dtype(), [&]<class T>() {
@@ -108,7 +109,8 @@ void rope_forward(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& co
   });
 }
 
-void rope_backward(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
+void rope_backward(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD,
+                   bool interleaved) {
   MF_ON_GPU(ctx, dx_BSHD, cuda::rope_backward(ctx, dx_BSHD, cos_SD, sin_SD, interleaved));
   check_rope(dx_BSHD, cos_SD, sin_SD, "rope_backward");
   dispatch_float(dx_BSHD.dtype(), [&]<class T>() {
@@ -117,8 +119,8 @@ void rope_backward(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& 
   });
 }
 
-void rope_forward_at(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
-                     bool interleaved) {
+void rope_forward_at(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD,
+                     const Tensor& sin_PD, bool interleaved) {
   MF_ON_GPU(ctx, x_BSHD, cuda::rope_forward_at(ctx, x_BSHD, positions_S, cos_PD, sin_PD, interleaved));
   check_rope_at(x_BSHD, positions_S, cos_PD, sin_PD, "rope_forward_at");
   dispatch_float(x_BSHD.dtype(), [&]<class T>() {
@@ -127,8 +129,8 @@ void rope_forward_at(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor&
   });
 }
 
-void rope_backward_at(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
-                      bool interleaved) {
+void rope_backward_at(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD,
+                      const Tensor& sin_PD, bool interleaved) {
   MF_ON_GPU(ctx, dx_BSHD, cuda::rope_backward_at(ctx, dx_BSHD, positions_S, cos_PD, sin_PD, interleaved));
   check_rope_at(dx_BSHD, positions_S, cos_PD, sin_PD, "rope_backward_at");
   dispatch_float(dx_BSHD.dtype(), [&]<class T>() {

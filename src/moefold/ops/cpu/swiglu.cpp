@@ -8,7 +8,7 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/swiglu.h"
 #endif
 
 namespace moefold {
@@ -41,7 +41,8 @@ void swiglu_forward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& 
   });
 }
 
-void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout) {
+void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F,
+                     GateUp layout) {
   MF_ON_GPU(ctx, gu_N2F, cuda::swiglu_backward(ctx, gu_N2F, dh_NF, dgu_N2F, layout));
   check_swiglu(gu_N2F, dh_NF);
   check_shape(dgu_N2F, gu_N2F.shape(), "swiglu_backward dgu");
