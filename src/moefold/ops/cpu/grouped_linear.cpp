@@ -21,6 +21,8 @@ namespace {
 void check_grouped(const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO) {
   check_2d(x_RI, "grouped_linear x");
   check_2d(y_RO, "grouped_linear y");
+  check_on_cpu(x_RI, "grouped_linear x");
+  check_on_cpu(y_RO, "grouped_linear y");
   check_dtype(offsets_E1, DType::i64, "grouped_linear offsets");
   MF_CHECK(w_EOI.ndim() == 3 && w_EOI.contiguous() && offsets_E1.numel() == w_EOI.size(0) + 1 &&
                x_RI.size(1) == w_EOI.size(2) && y_RO.size(1) == w_EOI.size(1) && x_RI.size(0) == y_RO.size(0),

@@ -12,8 +12,14 @@
 
 namespace moefold {
 
+// The entry points check shapes and dtypes before they hand CUDA tensors on (ops/dispatch.h), so
+// these accept either device; check_on_cpu then guards the CPU loops.
 inline void check_2d(const Tensor& t, const char* what) {
-  MF_CHECK(t.ndim() == 2 && t.contiguous() && t.device() == Device::cpu, what, ": ", t.str());
+  MF_CHECK(t.ndim() == 2 && t.contiguous(), what, ": ", t.str());
+}
+
+inline void check_on_cpu(const Tensor& t, const char* what) {
+  MF_CHECK(t.device() == Device::cpu, what, ": ", t.str());
 }
 
 inline void check_dtype(const Tensor& t, DType want, const char* what) {

@@ -28,11 +28,13 @@ void check_row_map(const Tensor& row_TK, int64_t t_n, const char* what) {
 }  // namespace
 
 void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_RH) {
-  MF_ON_GPU(ctx, x_TH, cuda::moe_permute(ctx, x_TH, token_R, rows_RH));
   check_rows(rows_RH, x_TH, "moe_permute");
   check_dtype(token_R, DType::i64, "moe_permute token");
   const int64_t r_n = rows_RH.size(0), h_n = rows_RH.size(1), t_n = x_TH.size(0);
   MF_CHECK(token_R.contiguous() && token_R.numel() >= r_n, "moe_permute: token ", token_R.str(), " for ", r_n, " rows");
+  MF_ON_GPU(ctx, x_TH, cuda::moe_permute(ctx, x_TH, token_R, rows_RH));
+  check_on_cpu(rows_RH, "moe_permute");
+  check_on_cpu(x_TH, "moe_permute");
   const int64_t* token = token_R.ptr<int64_t>();
   dispatch_float(x_TH.dtype(), [&]<class T>() {
     const T* x = x_TH.ptr<T>();
@@ -49,9 +51,12 @@ void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token
 }
 
 void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const Tensor& row_TK, const Tensor& dx_TH) {
-  MF_ON_GPU(ctx, drows_RH, cuda::moe_permute_backward(ctx, drows_RH, row_TK, dx_TH));
   check_rows(drows_RH, dx_TH, "moe_permute_backward");
   check_row_map(row_TK, dx_TH.size(0), "moe_permute_backward row");
+  MF_ON_GPU(ctx, drows_RH, cuda::moe_permute_backward(ctx, drows_RH, row_TK, dx_TH));
+  check_on_cpu(drows_RH, "moe_permute_backward");
+  check_on_cpu(dx_TH, "moe_permute_backward");
+  check_on_cpu(row_TK, "moe_permute_backward row");
   const int64_t t_n = dx_TH.size(0), h_n = dx_TH.size(1), k_n = row_TK.size(1), r_n = drows_RH.size(0);
   const int64_t* row = row_TK.ptr<int64_t>();
   dispatch_float(dx_TH.dtype(), [&]<class T>() {
@@ -74,10 +79,13 @@ void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const 
 
 void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
                  const Tensor& y_TH) {
-  MF_ON_GPU(ctx, out_RH, cuda::moe_combine(ctx, out_RH, row_TK, prob_TK, y_TH));
   check_rows(out_RH, y_TH, "moe_combine");
   check_row_map(row_TK, y_TH.size(0), "moe_combine row");
   check_shape(prob_TK, row_TK.shape(), "moe_combine prob");
+  MF_ON_GPU(ctx, out_RH, cuda::moe_combine(ctx, out_RH, row_TK, prob_TK, y_TH));
+  check_on_cpu(out_RH, "moe_combine");
+  check_on_cpu(y_TH, "moe_combine");
+  check_on_cpu(row_TK, "moe_combine row");
   check_same_dtype(prob_TK, y_TH, "moe_combine prob");
   const int64_t t_n = y_TH.size(0), h_n = y_TH.size(1), k_n = row_TK.size(1), r_n = out_RH.size(0);
   const int64_t* row = row_TK.ptr<int64_t>();
@@ -101,15 +109,19 @@ void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row
 
 void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
                           const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK) {
-  MF_ON_GPU(ctx, out_RH, cuda::moe_combine_backward(ctx, out_RH, row_TK, prob_TK, dy_TH, dout_RH, dprob_TK));
   check_rows(out_RH, dy_TH, "moe_combine_backward");
   check_row_map(row_TK, dy_TH.size(0), "moe_combine_backward row");
   check_shape(prob_TK, row_TK.shape(), "moe_combine_backward prob");
   check_shape(dprob_TK, row_TK.shape(), "moe_combine_backward dprob");
   check_shape(dout_RH, out_RH.shape(), "moe_combine_backward dout");
+  check_same_dtype(dout_RH, dy_TH, "moe_combine_backward dout");
+  MF_ON_GPU(ctx, out_RH, cuda::moe_combine_backward(ctx, out_RH, row_TK, prob_TK, dy_TH, dout_RH, dprob_TK));
+  check_on_cpu(out_RH, "moe_combine_backward");
+  check_on_cpu(dy_TH, "moe_combine_backward");
+  check_on_cpu(row_TK, "moe_combine_backward row");
+  // The combine weights take the rows' dtype on the CPU (CUDA: f32 whatever that dtype is).
   check_same_dtype(prob_TK, dy_TH, "moe_combine_backward prob");
   check_same_dtype(dprob_TK, dy_TH, "moe_combine_backward dprob");
-  check_same_dtype(dout_RH, dy_TH, "moe_combine_backward dout");
   const int64_t t_n = dy_TH.size(0), h_n = dy_TH.size(1), k_n = row_TK.size(1), r_n = out_RH.size(0);
   const int64_t* row = row_TK.ptr<int64_t>();
   dispatch_float(dy_TH.dtype(), [&]<class T>() {

@@ -17,7 +17,6 @@ namespace moefold {
 
 int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
                          int64_t capacity, bool pad, const PermutePlanOut& out) {
-  MF_ON_GPU(ctx, topk_idx_TK, cuda::moe_permute_plan(ctx, topk_idx_TK, topk_prob_TK, capacity, pad, out));
   check_2d(topk_idx_TK, "moe_permute_plan topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "moe_permute_plan topk_idx");
   check_shape(topk_prob_TK, topk_idx_TK.shape(), "moe_permute_plan topk_prob");
@@ -30,6 +29,8 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
   const int64_t a_n = t_n * k_n;  // assignments a = t*K + k
   MF_CHECK(out.offsets_E1.numel() == e_n + 1, "offsets ", out.offsets_E1.str(), " for ", e_n, " experts");
   MF_CHECK(!pad || capacity > 0, "padding needs a capacity");
+  MF_ON_GPU(ctx, topk_idx_TK, cuda::moe_permute_plan(ctx, topk_idx_TK, topk_prob_TK, capacity, pad, out));
+  check_on_cpu(topk_idx_TK, "moe_permute_plan topk_idx");
   const int32_t* idx = topk_idx_TK.ptr<int32_t>();
   int64_t* counts = out.counts_E.ptr<int64_t>();
   int64_t* offsets = out.offsets_E1.ptr<int64_t>();

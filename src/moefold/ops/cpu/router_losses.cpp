@@ -13,11 +13,12 @@
 namespace moefold {
 
 void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& counts_E) {
-  MF_ON_GPU(ctx, topk_idx_TK, cuda::topk_expert_counts(ctx, topk_idx_TK, counts_E));
   check_2d(topk_idx_TK, "topk_expert_counts topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "topk_expert_counts topk_idx");
   check_dtype(counts_E, DType::i64, "topk_expert_counts counts");
   MF_CHECK(counts_E.ndim() == 1 && counts_E.contiguous(), "topk_expert_counts counts: ", counts_E.str());
+  MF_ON_GPU(ctx, topk_idx_TK, cuda::topk_expert_counts(ctx, topk_idx_TK, counts_E));
+  check_on_cpu(topk_idx_TK, "topk_expert_counts topk_idx");
   const int64_t e_n = counts_E.size(0);
   const int32_t* idx = topk_idx_TK.ptr<int32_t>();
   int64_t* counts = counts_E.ptr<int64_t>();
@@ -73,8 +74,9 @@ void weighted_prob_row_backward(const T* s, int64_t e_n, ScoreFunc score_func, c
 
 double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
                         int64_t k, int64_t total_tokens) {
-  MF_ON_GPU(ctx, scores_TE, cuda::aux_loss_forward(ctx, scores_TE, score_func, counts_E, k, total_tokens));
   check_aux(scores_TE, counts_E, k);
+  MF_ON_GPU(ctx, scores_TE, cuda::aux_loss_forward(ctx, scores_TE, score_func, counts_E, k, total_tokens));
+  check_on_cpu(scores_TE, "aux_loss scores");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
   if (t_n == 0) return 0.0;
   const int64_t t_all = total_tokens > 0 ? total_tokens : t_n;
@@ -89,11 +91,12 @@ double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFu
 
 void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
                        int64_t k, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
-  MF_ON_GPU(ctx, scores_TE,
-            cuda::aux_loss_backward(ctx, scores_TE, score_func, counts_E, k, grad_scale, dlogits_TE, total_tokens));
   check_aux(scores_TE, counts_E, k);
   check_shape(dlogits_TE, scores_TE.shape(), "aux_loss_backward dlogits");
   check_same_dtype(scores_TE, dlogits_TE, "aux_loss_backward dlogits");
+  MF_ON_GPU(ctx, scores_TE,
+            cuda::aux_loss_backward(ctx, scores_TE, score_func, counts_E, k, grad_scale, dlogits_TE, total_tokens));
+  check_on_cpu(scores_TE, "aux_loss scores");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
   if (t_n == 0) return;
   const int64_t* counts = counts_E.ptr<int64_t>();
@@ -128,13 +131,15 @@ void check_seq_aux(const Tensor& scores_TE, const Tensor& counts_BE, int64_t k, 
 
 void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const SeqLayout& layout,
                        const Tensor& counts_BE) {
-  MF_ON_GPU(ctx, topk_idx_TK, cuda::seq_expert_counts(ctx, topk_idx_TK, layout, counts_BE));
   check_2d(topk_idx_TK, "seq_expert_counts topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "seq_expert_counts topk_idx");
   check_2d(counts_BE, "seq_expert_counts counts");
   check_dtype(counts_BE, DType::i64, "seq_expert_counts counts");
   const int64_t t_n = topk_idx_TK.size(0), k_n = topk_idx_TK.size(1), e_n = counts_BE.size(1);
   check_seq_layout(layout, t_n, counts_BE.size(0), "seq_expert_counts");
+  MF_ON_GPU(ctx, topk_idx_TK, cuda::seq_expert_counts(ctx, topk_idx_TK, layout, counts_BE));
+  check_on_cpu(topk_idx_TK, "seq_expert_counts topk_idx");
+  check_on_cpu(counts_BE, "seq_expert_counts counts");
   const int32_t* idx = topk_idx_TK.ptr<int32_t>();
   int64_t* counts = counts_BE.ptr<int64_t>();
   counts_BE.zero();
@@ -150,8 +155,10 @@ void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const 
 
 double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
                             const Tensor& counts_BE, int64_t k, const SeqLayout& layout) {
-  MF_ON_GPU(ctx, scores_TE, cuda::seq_aux_loss_forward(ctx, scores_TE, score_func, counts_BE, k, layout));
   check_seq_aux(scores_TE, counts_BE, k, layout);
+  MF_ON_GPU(ctx, scores_TE, cuda::seq_aux_loss_forward(ctx, scores_TE, score_func, counts_BE, k, layout));
+  check_on_cpu(scores_TE, "seq_aux_loss scores");
+  check_on_cpu(counts_BE, "seq_aux_loss counts");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
   if (t_n == 0) return 0.0;
   const int64_t* counts = counts_BE.ptr<int64_t>();
@@ -170,11 +177,13 @@ double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, Sco
 void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout, double grad_scale,
                            const Tensor& dlogits_TE) {
-  MF_ON_GPU(ctx, scores_TE,
-            cuda::seq_aux_loss_backward(ctx, scores_TE, score_func, counts_BE, k, layout, grad_scale, dlogits_TE));
   check_seq_aux(scores_TE, counts_BE, k, layout);
   check_shape(dlogits_TE, scores_TE.shape(), "seq_aux_loss_backward dlogits");
   check_same_dtype(scores_TE, dlogits_TE, "seq_aux_loss_backward dlogits");
+  MF_ON_GPU(ctx, scores_TE,
+            cuda::seq_aux_loss_backward(ctx, scores_TE, score_func, counts_BE, k, layout, grad_scale, dlogits_TE));
+  check_on_cpu(scores_TE, "seq_aux_loss scores");
+  check_on_cpu(counts_BE, "seq_aux_loss counts");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
   if (t_n == 0) return;
   const int64_t* counts = counts_BE.ptr<int64_t>();
@@ -195,11 +204,12 @@ void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, Scor
 // ---- aux-loss-free balancing -------------------------------------------------------------------
 
 void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tensor& counts_E, double rate) {
-  MF_ON_GPU(ctx, bias_E, cuda::expert_bias_update(ctx, bias_E, counts_E, rate));
   check_dtype(counts_E, DType::i64, "expert_bias_update counts");
-  MF_CHECK(bias_E.ndim() == 1 && bias_E.contiguous() && bias_E.device() == Device::cpu && counts_E.ndim() == 1 &&
-               counts_E.contiguous() && counts_E.size(0) == bias_E.size(0),
+  MF_CHECK(bias_E.ndim() == 1 && bias_E.contiguous() && counts_E.ndim() == 1 && counts_E.contiguous() &&
+               counts_E.size(0) == bias_E.size(0),
            "expert_bias_update: bias ", bias_E.str(), ", counts ", counts_E.str());
+  MF_ON_GPU(ctx, bias_E, cuda::expert_bias_update(ctx, bias_E, counts_E, rate));
+  check_on_cpu(bias_E, "expert_bias_update bias");
   const int64_t e_n = bias_E.size(0);
   const int64_t* counts = counts_E.ptr<int64_t>();
   int64_t total = 0;
@@ -218,8 +228,9 @@ void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tens
 // ---- router z-loss -----------------------------------------------------------------------------
 
 double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens) {
-  MF_ON_GPU(ctx, logits_TE, cuda::z_loss_forward(ctx, logits_TE, total_tokens));
   check_2d(logits_TE, "z_loss logits");
+  MF_ON_GPU(ctx, logits_TE, cuda::z_loss_forward(ctx, logits_TE, total_tokens));
+  check_on_cpu(logits_TE, "z_loss logits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
   if (t_n == 0) return 0.0;
   return dispatch_float(logits_TE.dtype(), [&]<class T>() {
@@ -235,10 +246,11 @@ double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t t
 
 void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE,
                      int64_t total_tokens) {
-  MF_ON_GPU(ctx, logits_TE, cuda::z_loss_backward(ctx, logits_TE, grad_scale, dlogits_TE, total_tokens));
   check_2d(logits_TE, "z_loss logits");
   check_shape(dlogits_TE, logits_TE.shape(), "z_loss_backward dlogits");
   check_same_dtype(logits_TE, dlogits_TE, "z_loss_backward dlogits");
+  MF_ON_GPU(ctx, logits_TE, cuda::z_loss_backward(ctx, logits_TE, grad_scale, dlogits_TE, total_tokens));
+  check_on_cpu(logits_TE, "z_loss logits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
   if (t_n == 0) return;
   dispatch_float(logits_TE.dtype(), [&]<class T>() {

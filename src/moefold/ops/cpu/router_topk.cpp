@@ -114,7 +114,6 @@ class TokenChoice {
 
 void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const TopkRouting& routing,
                          const Tensor& scores_TE, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) {
-  MF_ON_GPU(ctx, logits_TE, cuda::router_topk_forward(ctx, logits_TE, routing, scores_TE, topk_idx_TK, topk_prob_TK));
   check_router(logits_TE, topk_idx_TK);
   check_shape(scores_TE, logits_TE.shape(), "router_topk_forward scores");
   check_shape(topk_prob_TK, topk_idx_TK.shape(), "router_topk_forward topk_prob");
@@ -127,10 +126,13 @@ void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const 
            "router_topk_forward: E ", e_n, ", n_group ", n_group, ", topk_group ", topk_group, ", K ", k_n);
   const Tensor& bias = routing.bias_E;
   if (bias.defined()) {
-    MF_CHECK(bias.ndim() == 1 && bias.size(0) == e_n && bias.contiguous() && bias.device() == Device::cpu &&
+    MF_CHECK(bias.ndim() == 1 && bias.size(0) == e_n && bias.contiguous() && bias.device() == logits_TE.device() &&
                  (bias.dtype() == logits_TE.dtype() || bias.dtype() == DType::f32),
              "router_topk_forward bias: ", bias.str(), " for logits ", logits_TE.str());
   }
+  MF_ON_GPU(ctx, logits_TE, cuda::router_topk_forward(ctx, logits_TE, routing, scores_TE, topk_idx_TK, topk_prob_TK));
+  check_on_cpu(logits_TE, "router scores");
+  check_on_cpu(topk_idx_TK, "router topk_idx");
   dispatch_float(logits_TE.dtype(), [&]<class T>() {
     const T* logits = logits_TE.ptr<T>();
     T* scores = scores_TE.ptr<T>();
@@ -168,12 +170,14 @@ void router_topk_forward(const ExecContext& ctx, const Tensor& logits_TE, const 
 
 void router_topk_backward(const ExecContext& ctx, const Tensor& scores_TE, const Tensor& topk_idx_TK,
                           const TopkRouting& routing, const Tensor& dprob_TK, const Tensor& dlogits_TE) {
-  MF_ON_GPU(ctx, scores_TE, cuda::router_topk_backward(ctx, scores_TE, topk_idx_TK, routing, dprob_TK, dlogits_TE));
   check_router(scores_TE, topk_idx_TK);
   check_shape(dprob_TK, topk_idx_TK.shape(), "router_topk_backward dprob");
   check_shape(dlogits_TE, scores_TE.shape(), "router_topk_backward dlogits");
   check_same_dtype(scores_TE, dprob_TK, "router_topk_backward dprob");
   check_same_dtype(scores_TE, dlogits_TE, "router_topk_backward dlogits");
+  MF_ON_GPU(ctx, scores_TE, cuda::router_topk_backward(ctx, scores_TE, topk_idx_TK, routing, dprob_TK, dlogits_TE));
+  check_on_cpu(scores_TE, "router scores");
+  check_on_cpu(topk_idx_TK, "router topk_idx");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), k_n = topk_idx_TK.size(1);
   dispatch_float(scores_TE.dtype(), [&]<class T>() {
     const T* scores = scores_TE.ptr<T>();

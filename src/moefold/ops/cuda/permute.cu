@@ -166,17 +166,12 @@ int row_threads(int64_t n_vec) {
 
 constexpr int64_t kMaxRowBlocks = 1 << 20;
 
-void check_rows(const Tensor& rows_RH, const Tensor& x_TH, const char* what) {
+// The rows, the tokens and the row map (or token_R) are contiguous CUDA tensors; their shapes and
+// dtypes were checked by the CPU entry point (ops/cpu/permute.cpp).
+void check_on_device(const Tensor& rows_RH, const Tensor& x_TH, const Tensor& map, const char* what) {
   check_cuda_tensor(rows_RH, what);
   check_cuda_tensor(x_TH, what);
-  MF_CHECK(
-      rows_RH.ndim() == 2 && x_TH.ndim() == 2 && rows_RH.dtype() == x_TH.dtype() && rows_RH.size(1) == x_TH.size(1),
-      what, ": rows ", rows_RH.str(), ", tokens ", x_TH.str());
-}
-
-void check_row_map(const Tensor& row_TK, int64_t t_n, const char* what) {
-  check_2d(row_TK, DType::i64, what);
-  MF_CHECK(row_TK.size(0) == t_n, what, ": ", row_TK.str(), " for ", t_n, " tokens");
+  check_cuda_tensor(map, what);
 }
 
 }  // namespace
@@ -184,11 +179,8 @@ void check_row_map(const Tensor& row_TK, int64_t t_n, const char* what) {
 // ---- permute and combine -----------------------------------------------------------------------
 
 void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_RH) {
-  check_rows(rows_RH, x_TH, "moe_permute");
-  check_cuda_tensor(token_R, "moe_permute token");
-  check_dtype(token_R, DType::i64, "moe_permute token");
+  check_on_device(rows_RH, x_TH, token_R, "moe_permute");
   const int64_t r_n = rows_RH.size(0), h_n = rows_RH.size(1), t_n = x_TH.size(0);
-  MF_CHECK(token_R.numel() >= r_n, "moe_permute: token ", token_R.str(), " for ", r_n, " rows");
   if (r_n == 0 || h_n == 0) return;
   dispatch_cuda_float(x_TH.dtype(), [&]<class T>() {
     const T* x = x_TH.ptr<T>();
@@ -203,8 +195,7 @@ void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token
 }
 
 void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const Tensor& row_TK, const Tensor& dx_TH) {
-  check_rows(drows_RH, dx_TH, "moe_permute_backward");
-  check_row_map(row_TK, dx_TH.size(0), "moe_permute_backward row");
+  check_on_device(drows_RH, dx_TH, row_TK, "moe_permute_backward");
   const int64_t t_n = dx_TH.size(0), h_n = dx_TH.size(1), k_n = row_TK.size(1), r_n = drows_RH.size(0);
   MF_CHECK(k_n <= std::numeric_limits<int>::max(), "moe_permute_backward: ", row_TK.str());
   if (t_n == 0 || h_n == 0) return;
@@ -224,10 +215,8 @@ void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const 
 
 void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
                  const Tensor& y_TH) {
-  check_rows(out_RH, y_TH, "moe_combine");
-  check_row_map(row_TK, y_TH.size(0), "moe_combine row");
-  check_2d(prob_TK, DType::f32, "moe_combine prob (CUDA: f32)");
-  check_shape(prob_TK, row_TK.shape(), "moe_combine prob");
+  check_on_device(out_RH, y_TH, row_TK, "moe_combine");
+  check_cuda_dtype(prob_TK, DType::f32, "moe_combine prob (CUDA: f32)");
   const int64_t t_n = y_TH.size(0), h_n = y_TH.size(1), k_n = row_TK.size(1), r_n = out_RH.size(0);
   MF_CHECK(k_n <= std::numeric_limits<int>::max(), "moe_combine: ", row_TK.str());
   if (t_n == 0 || h_n == 0) return;
@@ -245,14 +234,10 @@ void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row
 
 void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
                           const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK) {
-  check_rows(out_RH, dy_TH, "moe_combine_backward");
-  check_rows(dout_RH, dy_TH, "moe_combine_backward dout");
-  check_row_map(row_TK, dy_TH.size(0), "moe_combine_backward row");
-  check_2d(prob_TK, DType::f32, "moe_combine_backward prob (CUDA: f32)");
-  check_2d(dprob_TK, DType::f32, "moe_combine_backward dprob (CUDA: f32)");
-  check_shape(prob_TK, row_TK.shape(), "moe_combine_backward prob");
-  check_shape(dprob_TK, row_TK.shape(), "moe_combine_backward dprob");
-  check_shape(dout_RH, out_RH.shape(), "moe_combine_backward dout");
+  check_on_device(out_RH, dy_TH, row_TK, "moe_combine_backward");
+  check_cuda_tensor(dout_RH, "moe_combine_backward dout");
+  check_cuda_dtype(prob_TK, DType::f32, "moe_combine_backward prob (CUDA: f32)");
+  check_cuda_dtype(dprob_TK, DType::f32, "moe_combine_backward dprob (CUDA: f32)");
   const int64_t t_n = dy_TH.size(0), h_n = dy_TH.size(1), k_n = row_TK.size(1), r_n = out_RH.size(0);
   MF_CHECK(k_n <= std::numeric_limits<int>::max(), "moe_combine_backward: ", row_TK.str());
   // Padding rows (and rows no kept assignment reads) get no gradient.

@@ -250,18 +250,12 @@ __global__ void plan_capacity_kernel(const int* grouped, const float* prob, cons
 
 int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
                          int64_t capacity, bool pad, const PermutePlanOut& out) {
-  check_2d(topk_idx_TK, DType::i32, "moe_permute_plan topk_idx");
-  check_2d(topk_prob_TK, DType::f32, "moe_permute_plan topk_prob (CUDA: f32)");
-  check_shape(topk_prob_TK, topk_idx_TK.shape(), "moe_permute_plan topk_prob");
-  check_shape(out.row_TK, topk_idx_TK.shape(), "moe_permute_plan row");
-  for (const Tensor* t : {&out.counts_E, &out.offsets_E1, &out.row_TK, &out.token_R}) {
+  check_cuda_tensor(topk_idx_TK, "moe_permute_plan topk_idx");
+  check_cuda_dtype(topk_prob_TK, DType::f32, "moe_permute_plan topk_prob (CUDA: f32)");
+  for (const Tensor* t : {&out.counts_E, &out.offsets_E1, &out.row_TK, &out.token_R})
     check_cuda_tensor(*t, "moe_permute_plan output");
-    check_dtype(*t, DType::i64, "moe_permute_plan output");
-  }
   const int64_t e_n = out.counts_E.numel(), t_n = topk_idx_TK.size(0), k_n = topk_idx_TK.size(1);
   const int64_t a_n = t_n * k_n;  // assignments a = t*K + k
-  MF_CHECK(out.offsets_E1.numel() == e_n + 1, "offsets ", out.offsets_E1.str(), " for ", e_n, " experts");
-  MF_CHECK(!pad || capacity > 0, "padding needs a capacity");
   MF_CHECK(e_n >= 1 && k_n >= 1 && a_n < (int64_t{1} << 31) && e_n * sizeof(int) * kPlanWarps <= kSharedBudget,
            "moe_permute_plan (CUDA: T*K < 2^31, E <= ", kSharedBudget / sizeof(int) / kPlanWarps, "): topk_idx ",
            topk_idx_TK.str(), ", ", e_n, " experts");

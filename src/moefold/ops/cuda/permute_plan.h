@@ -2,6 +2,9 @@
 // namespace moefold::cuda; ops/cpu/permute_plan.cpp dispatches here for CUDA tensors. topk_idx
 // i32, topk_prob f32, every plan tensor i64, all contiguous CUDA tensors. Integer arithmetic
 // only: the plan is bit-identical to the CPU op's. Only in the CUDA build.
+// Shapes and the dtypes both devices share are checked once, by the CPU entry point before it
+// dispatches here; these ops check what only the GPU needs (device, contiguity, GPU-only dtypes,
+// sizes that must fit an int, launch and shared-memory limits).
 #pragma once
 
 #include <cstdint>

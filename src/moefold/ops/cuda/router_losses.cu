@@ -200,43 +200,30 @@ __global__ void expert_bias_update_kernel(T* bias, const int64_t* counts, int e_
   }
 }
 
-// counts: [E] (aux_loss, counts_ndim 1) or [B, E] (seq_aux_loss, counts_ndim 2).
-void check_aux(const Tensor& scores_TE, const Tensor& counts, int counts_ndim, int64_t k, const char* what) {
-  check_2d(scores_TE, DType::f32, what);
+// The device side of the load-balancing losses' arguments: f32 scores, E within int.
+void check_aux(const Tensor& scores_TE, const Tensor& counts, const char* what) {
+  check_cuda_dtype(scores_TE, DType::f32, what);
   check_cuda_tensor(counts, what);
-  check_dtype(counts, DType::i64, what);
-  MF_CHECK(counts.ndim() == counts_ndim && counts.size(counts_ndim - 1) == scores_TE.size(1) && k >= 1 &&
-               scores_TE.size(1) <= std::numeric_limits<int>::max(),
-           what, ": scores ", scores_TE.str(), ", counts ", counts.str(), ", k ", k);
-}
-
-void check_seq_layout(const SeqLayout& layout, int64_t t_n, int64_t b_n, const char* what) {
-  MF_CHECK(layout.local_seq_len >= 1 && layout.seq_len >= layout.local_seq_len && layout.row_offset >= 0 &&
-               (t_n == 0 || (layout.row_offset + t_n - 1) / layout.local_seq_len < b_n),
-           what, ": ", t_n, " rows from row ", layout.row_offset, " in ", b_n, " sequences of ", layout.local_seq_len,
-           " local tokens (", layout.seq_len, " in all)");
+  MF_CHECK(scores_TE.size(1) <= std::numeric_limits<int>::max(), what, ": scores ", scores_TE.str());
 }
 
 }  // namespace
 
 void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& counts_E) {
-  check_2d(topk_idx_TK, DType::i32, "topk_expert_counts topk_idx");
+  check_cuda_tensor(topk_idx_TK, "topk_expert_counts topk_idx");
   check_cuda_tensor(counts_E, "topk_expert_counts counts");
-  check_dtype(counts_E, DType::i64, "topk_expert_counts counts");
-  MF_CHECK(counts_E.ndim() == 1 && counts_E.size(0) <= std::numeric_limits<int>::max(),
-           "topk_expert_counts counts: ", counts_E.str());
+  MF_CHECK(counts_E.size(0) <= std::numeric_limits<int>::max(), "topk_expert_counts counts: ", counts_E.str());
   launch_counts(ctx, topk_idx_TK.ptr<int32_t>(), topk_idx_TK.numel(), static_cast<int>(counts_E.size(0)),
                 counts_E.ptr<int64_t>());
 }
 
 void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const SeqLayout& layout,
                        const Tensor& counts_BE) {
-  check_2d(topk_idx_TK, DType::i32, "seq_expert_counts topk_idx");
-  check_2d(counts_BE, DType::i64, "seq_expert_counts counts");
-  const int64_t t_n = topk_idx_TK.size(0), k_n = topk_idx_TK.size(1), e_n = counts_BE.size(1);
-  MF_CHECK(e_n <= std::numeric_limits<int>::max() && k_n >= 1, "seq_expert_counts: ", topk_idx_TK.str(), ", ",
-           counts_BE.str());
-  check_seq_layout(layout, t_n, counts_BE.size(0), "seq_expert_counts");
+  check_cuda_tensor(topk_idx_TK, "seq_expert_counts topk_idx");
+  check_cuda_tensor(counts_BE, "seq_expert_counts counts");
+  const int64_t k_n = topk_idx_TK.size(1), e_n = counts_BE.size(1);
+  MF_CHECK(e_n <= std::numeric_limits<int>::max() && k_n >= 1, "seq_expert_counts (CUDA: K >= 1): ", topk_idx_TK.str(),
+           ", ", counts_BE.str());
   MF_CUDA_CHECK(cudaMemsetAsync(counts_BE.data(), 0, counts_BE.nbytes(), stream_of(ctx)));
   const int64_t n = topk_idx_TK.numel();
   if (n == 0) return;
@@ -250,7 +237,7 @@ void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const 
 
 double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
                         int64_t k, int64_t total_tokens) {
-  check_aux(scores_TE, counts_E, 1, k, "aux_loss_forward");
+  check_aux(scores_TE, counts_E, "aux_loss_forward");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
   if (t_n == 0) return 0.0;
   const int64_t t_all = total_tokens > 0 ? total_tokens : t_n;
@@ -262,9 +249,8 @@ double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFu
 
 void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
                        int64_t k, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens) {
-  check_aux(scores_TE, counts_E, 1, k, "aux_loss_backward");
-  check_2d(dlogits_TE, DType::f32, "aux_loss_backward dlogits");
-  check_shape(dlogits_TE, scores_TE.shape(), "aux_loss_backward dlogits");
+  check_aux(scores_TE, counts_E, "aux_loss_backward");
+  check_cuda_dtype(dlogits_TE, DType::f32, "aux_loss_backward dlogits");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
   if (t_n == 0) return;
   const double t_all = static_cast<double>(total_tokens > 0 ? total_tokens : t_n);
@@ -277,9 +263,8 @@ void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFun
 
 double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
                             const Tensor& counts_BE, int64_t k, const SeqLayout& layout) {
-  check_aux(scores_TE, counts_BE, 2, k, "seq_aux_loss_forward");
+  check_aux(scores_TE, counts_BE, "seq_aux_loss_forward");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
-  check_seq_layout(layout, t_n, b_n, "seq_aux_loss_forward");
   if (t_n == 0) return 0.0;
   const double total =
       row_loss_sum<0>(ctx, scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax,
@@ -291,11 +276,9 @@ double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, Sco
 void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout, double grad_scale,
                            const Tensor& dlogits_TE) {
-  check_aux(scores_TE, counts_BE, 2, k, "seq_aux_loss_backward");
-  check_2d(dlogits_TE, DType::f32, "seq_aux_loss_backward dlogits");
-  check_shape(dlogits_TE, scores_TE.shape(), "seq_aux_loss_backward dlogits");
+  check_aux(scores_TE, counts_BE, "seq_aux_loss_backward");
+  check_cuda_dtype(dlogits_TE, DType::f32, "seq_aux_loss_backward dlogits");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
-  check_seq_layout(layout, t_n, b_n, "seq_aux_loss_backward");
   if (t_n == 0) return;
   const double s_n = static_cast<double>(layout.seq_len);
   const double c0 =
@@ -311,10 +294,7 @@ void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, Scor
 void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tensor& counts_E, double rate) {
   check_cuda_tensor(bias_E, "expert_bias_update bias");
   check_cuda_tensor(counts_E, "expert_bias_update counts");
-  check_dtype(counts_E, DType::i64, "expert_bias_update counts");
-  MF_CHECK(bias_E.ndim() == 1 && counts_E.ndim() == 1 && counts_E.size(0) == bias_E.size(0) &&
-               bias_E.size(0) <= std::numeric_limits<int>::max(),
-           "expert_bias_update: bias ", bias_E.str(), ", counts ", counts_E.str());
+  MF_CHECK(bias_E.size(0) <= std::numeric_limits<int>::max(), "expert_bias_update: bias ", bias_E.str());
   const int e_n = static_cast<int>(bias_E.size(0));
   if (e_n == 0) return;
   if (bias_E.dtype() == DType::f64) {
@@ -331,7 +311,7 @@ void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tens
 // ---- router z-loss -----------------------------------------------------------------------------
 
 double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens) {
-  check_2d(logits_TE, DType::f32, "z_loss logits");
+  check_cuda_dtype(logits_TE, DType::f32, "z_loss logits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
   if (t_n == 0) return 0.0;
   const double total =
@@ -341,9 +321,8 @@ double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t t
 
 void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE,
                      int64_t total_tokens) {
-  check_2d(logits_TE, DType::f32, "z_loss logits");
-  check_2d(dlogits_TE, DType::f32, "z_loss_backward dlogits");
-  check_shape(dlogits_TE, logits_TE.shape(), "z_loss_backward dlogits");
+  check_cuda_dtype(logits_TE, DType::f32, "z_loss logits");
+  check_cuda_dtype(dlogits_TE, DType::f32, "z_loss_backward dlogits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
   if (t_n == 0) return;
   const double c = grad_scale * 2.0 / static_cast<double>(total_tokens > 0 ? total_tokens : t_n);

@@ -10,6 +10,9 @@
 // they take scratch (ScratchSlot::router_loss). The others only enqueue work.
 // An expert index outside [0, E) in the counts stops the kernel with a printed message and a
 // device trap: the next CUDA call fails (the host cannot see it without waiting).
+// Shapes and the dtypes both devices share are checked once, by the CPU entry point before it
+// dispatches here; these ops check what only the GPU needs (device, contiguity, GPU-only dtypes,
+// sizes that must fit an int, launch and shared-memory limits).
 #pragma once
 
 #include "moefold/core/exec.h"

@@ -7,6 +7,9 @@
 // operation order for each score (a correctly rounded exp, IEEE add and divide), so selection
 // matches the CPU op run in f32 except on choices within an ulp of each other; the backward
 // computes per-token sums and their products in f64 and rounds once to f32. Deterministic.
+// Shapes and the dtypes both devices share are checked once, by the CPU entry point before it
+// dispatches here; these ops check what only the GPU needs (device, contiguity, GPU-only dtypes,
+// sizes that must fit an int, launch and shared-memory limits).
 #pragma once
 
 #include "moefold/core/exec.h"
