@@ -7,6 +7,8 @@
 // each shape ends with the relative (Frobenius) difference of cuDNN's results from the own
 // kernel's: two implementations agreeing to bf16 precision (~1e-3) is the sanity check.
 //   ./build-gpu/bench_attention [--runs N] [--warmup N] [--shape NAME]...
+#include "moefold/ops/cuda/attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,7 +24,6 @@
 #include "moefold/core/error.h"
 #include "moefold/core/tensor.h"
 #include "moefold/ops/cuda/attention_cudnn.h"
-#include "moefold/ops/cuda/attention_ops.h"
 
 namespace moefold {
 namespace {

@@ -25,7 +25,7 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/gemm_ops.h"
+#include "moefold/ops/cuda/gemm.h"
 #include "moefold/ops/cuda/grouped_gemm_cutlass.h"
 #endif
 

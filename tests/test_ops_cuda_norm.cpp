@@ -1,7 +1,8 @@
-// GPU parity of the row-wise ops (ops/cuda/norm_ops.h): embedding, RMSNorm, RoPE, SwiGLU and
-// cross-entropy, forward and backward, f32 and bf16, against the CPU ops run in f64 on the same
-// (bf16-rounded) inputs (tests/cuda_testing.h). Every output is poisoned (NaN bytes) and followed
-// by NaN guard elements that must survive; parameter gradients start from random values
+// GPU parity of the row-wise ops: embedding, RMSNorm, RoPE, SwiGLU and cross-entropy (ops/cuda/
+// embedding.h, rmsnorm.h, rope.h, swiglu.h, cross_entropy.h), forward and backward, f32 and bf16,
+// against the CPU ops run in f64 on the same (bf16-rounded) inputs (tests/cuda_testing.h). Every
+// output is poisoned (NaN bytes) and followed by
+// NaN guard elements that must survive; parameter gradients start from random values
 // (ACCUMULATED), and the deterministic reductions must repeat bit for bit.
 //
 // Tolerances (relative: Frobenius error <= tol, and no element off by more than tol * max|ref|,

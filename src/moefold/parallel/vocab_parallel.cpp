@@ -1,7 +1,7 @@
-// Vocabulary-parallel embedding and cross-entropy (see vocab_parallel.h): shard-local kernels, plus
-// the forward's two packed all-reduces. Gradient rules: dtable ACCUMULATED, dlogits WRITTEN.
-// The checks are device-agnostic; CUDA tensors then go to vocab_parallel.cu (cross-entropy) and
-// ops/cuda/embedding.cu (the embedding's shard kernels).
+// Vocabulary-parallel embedding and cross-entropy (see vocab_parallel.h): the CPU shard-local
+// loops, and the forward's two packed all-reduces between its phases. Gradient rules: dtable
+// ACCUMULATED, dlogits WRITTEN. The checks are device-agnostic; CUDA tensors then go to the shard
+// ops of ops/cuda/cross_entropy.cu (the cross-entropy's phases) and ops/cuda/embedding.cu.
 #include "moefold/parallel/vocab_parallel.h"
 
 #include <algorithm>
@@ -10,7 +10,8 @@
 #include "moefold/core/error.h"
 #include "moefold/ops/ops.h"
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/cross_entropy.h"
+#include "moefold/ops/cuda/embedding.h"
 #endif
 
 namespace moefold {
@@ -139,16 +140,22 @@ double vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator
     MF_CHECK(t->dtype() == DType::f64 && t->contiguous() && t->device() == logits_shard_NVl.device(), what,
              ": scratch ", t->str(), " vs logits shard ", logits_shard_NVl.str());
   if (n == 0) return 0.0;
+  const Tensor max_n = scratch.max_N.slice(0, n);
+  const Tensor sums = scratch.sums_2N1.slice(0, 2 * n + 1);
 #ifdef MOEFOLD_WITH_CUDA
   if (on_gpu(logits_shard_NVl)) {
-    const cuda::VocabParallelSums r =
-        cuda::vocab_parallel_cross_entropy_forward(ctx, tp, logits_shard_NVl, vocab_offset, targets_N, lse_N, scratch);
+    // With one rank an all-reduce is the identity (and the self communicator takes host tensors only).
+    const bool reduce = tp.size() > 1;
+    cuda::cross_entropy_shard_row_max(ctx, logits_shard_NVl, max_n);
+    if (reduce) tp.all_reduce(max_n, ReduceOp::max);
+    cuda::cross_entropy_shard_sums(ctx, logits_shard_NVl, targets_N, max_n, vocab_offset, tp.rank() == 0, sums);
+    if (reduce) tp.all_reduce(sums, ReduceOp::sum);
+    const cuda::CrossEntropyShardTotals r =
+        cuda::cross_entropy_shard_finish(ctx, targets_N, max_n, sums, lse_N, scratch.result_2);
     check_found(tp, r.found, n, what);
     return r.loss;
   }
 #endif
-  const Tensor max_n = scratch.max_N.slice(0, n);
-  const Tensor sums = scratch.sums_2N1.slice(0, 2 * n + 1);
   double* row_max = max_n.ptr<double>();
   double* sum_exp = sums.ptr<double>();  // [0, n): sum of exp; [n, 2n): target logit; [2n]: hits
   double* target_logit = sum_exp + n;
@@ -212,8 +219,8 @@ void vocab_parallel_cross_entropy_backward(const ExecContext& ctx, const Tensor&
            what, ": dlogits shard ", dlogits_shard_NVl.str(), " vs logits shard ", logits_shard_NVl.str());
 #ifdef MOEFOLD_WITH_CUDA
   if (on_gpu(logits_shard_NVl))
-    return cuda::vocab_parallel_cross_entropy_backward(ctx, logits_shard_NVl, vocab_offset, targets_N, lse_N,
-                                                       grad_scale, dlogits_shard_NVl);
+    return cuda::cross_entropy_shard_backward(ctx, logits_shard_NVl, vocab_offset, targets_N, lse_N, grad_scale,
+                                              dlogits_shard_NVl);
 #endif
   const int64_t n = logits_shard_NVl.size(0), vl = logits_shard_NVl.size(1);
   const int32_t* targets = targets_N.ptr<int32_t>();

@@ -7,12 +7,13 @@
 //
 // Devices and dtypes: every tensor of a call (ids and targets included) on one device.
 //  - CPU: table and rows of one dtype, f32 or f64; logits, dlogits and lse of one dtype, f32 or f64.
-//  - CUDA (vocab_parallel.cu): table and out_partial of one dtype, f32 or bf16; dout f32 or bf16
-//    and dtable of dout's dtype or f32 (mixed precision: bf16 rows, the f32 master gradient);
-//    logits and dlogits of one dtype, f32 or bf16, read and computed in f32; lse ALWAYS f32, as
-//    in ops/cuda (a bf16 lse near 10 is off by up to 0.03, i.e. 3% in every probability of the
-//    backward); the scratch in device memory (bound through a CUDA Memory).
-//    Ids and targets are validated on the device (__trap, as in ops/cuda/norm_ops.h).
+//  - CUDA (the shard ops of ops/cuda/embedding.h and cross_entropy.h): table and out_partial of
+//    one dtype, f32 or bf16; dout f32 or bf16 and dtable of dout's dtype or f32 (mixed
+//    precision: bf16 rows, the f32 master gradient); logits and dlogits of one dtype, f32 or
+//    bf16, read and computed in f32; lse ALWAYS f32, as in ops/cuda (a bf16 lse near 10 is off by
+//    up to 0.03, i.e. 3% in every probability of the backward); the scratch in device memory
+//    (bound through a CUDA Memory).
+//    Ids and targets are validated on the device (__trap, as in ops/cuda/embedding.h).
 #pragma once
 
 #include <cstdint>
@@ -71,23 +72,5 @@ double vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator
 void vocab_parallel_cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_shard_NVl, int64_t vocab_offset,
                                            const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
                                            const Tensor& dlogits_shard_NVl);
-
-#ifdef MOEFOLD_WITH_CUDA
-// The CUDA path of the functions above (vocab_parallel.cu), called by them for CUDA tensors
-// after their checks. REQUIRES: arguments those checks accepted; N > 0 for the forward.
-namespace cuda {
-struct VocabParallelSums {
-  double loss;   // sum over rows of lse - logit[target]
-  double found;  // rows whose target some rank owned (must be N)
-};
-VocabParallelSums vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator& tp,
-                                                       const Tensor& logits_shard_NVl, int64_t vocab_offset,
-                                                       const Tensor& targets_N, const Tensor& lse_N,
-                                                       const VocabParallelScratch& scratch);
-void vocab_parallel_cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_shard_NVl, int64_t vocab_offset,
-                                           const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
-                                           const Tensor& dlogits_shard_NVl);
-}  // namespace cuda
-#endif
 
 }  // namespace moefold

@@ -15,8 +15,8 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/attention.h"
 #include "moefold/ops/cuda/attention_cudnn.h"
-#include "moefold/ops/cuda/attention_ops.h"
 #endif
 
 namespace moefold {

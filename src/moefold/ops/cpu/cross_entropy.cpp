@@ -9,7 +9,7 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/cross_entropy.h"
 #endif
 
 namespace moefold {

@@ -7,7 +7,8 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/cuda_ops.h"
+#include "moefold/ops/cuda/elementwise.h"
+#include "moefold/ops/cuda/optimizer.h"
 #endif
 
 namespace moefold {

@@ -5,7 +5,7 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/embedding.h"
 #endif
 
 namespace moefold {

@@ -10,8 +10,8 @@
 #include "moefold/ops/ops.h"
 
 #ifdef MOEFOLD_WITH_CUDA
-#include "moefold/ops/cuda/gemm_ops.h"
-#include "moefold/ops/cuda/matrix_ops.h"
+#include "moefold/ops/cuda/gemm.h"
+#include "moefold/ops/cuda/matrix.h"
 #endif
 
 namespace moefold {

@@ -1,4 +1,4 @@
-// CUDA causal grouped-query attention (ops/ops.h; contracts and dtypes in attention_ops.h):
+// CUDA causal grouped-query attention (ops/ops.h; contracts and dtypes in attention.h):
 // flash-attention forward (key tiles streamed through shared memory, online softmax in float;
 // FlashAttention-2, Dao 2023, Algorithm 1) and its backward by recomputation of P from the saved
 // lse (Algorithm 2), split into a pass over key tiles (dk, dv) and a pass over query tiles (dq) so
@@ -10,7 +10,7 @@
 // (common.cuh first: it specialises dtype_of<__nv_bfloat16>)
 #include <climits>
 
-#include "moefold/ops/cuda/attention_ops.h"
+#include "moefold/ops/cuda/attention.h"
 
 namespace moefold::cuda {
 
@@ -554,8 +554,8 @@ void launch_forward(const ExecContext& ctx, const Problem& p, const T* q, const 
 }
 
 template <class T, int kMaxD>
-void launch_backward(const ExecContext& ctx, const Problem& p, const T* q, const T* k, const T* v, const T* out, const T* dout,
-                     const float* lse, T* dq, T* dk, T* dv) {
+void launch_backward(const ExecContext& ctx, const Problem& p, const T* q, const T* k, const T* v, const T* out,
+                     const T* dout, const float* lse, T* dq, T* dk, T* dv) {
   using Tile = BwdTile<kMaxD>;
   if (p.sk > 0) {
     allow_smem(backward_dkdv_kernel<T, kMaxD>, Tile::kSmem);
@@ -628,8 +628,8 @@ void set_positions(Problem& p, const Tensor& q_pos, const Tensor& k_pos, const c
   p.k_pos = k_pos.ptr<int32_t>();
 }
 
-void run_forward(const ExecContext& ctx, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                 const Tensor& lse, const char* what) {
+void run_forward(const ExecContext& ctx, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                 const Tensor& out, const Tensor& lse, const char* what) {
   if (p.batch == 0 || p.sq == 0 || p.nq == 0) return;
   dispatch_cuda_float(q.dtype(), [&]<class T>() {
     dispatch_head_dim(p.d, [&]<int kMaxD>() {
@@ -639,30 +639,31 @@ void run_forward(const ExecContext& ctx, const Problem& p, const Tensor& q, cons
   MF_CUDA_LAUNCHED(what);
 }
 
-void run_backward(const ExecContext& ctx, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                  const Tensor& lse, const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+void run_backward(const ExecContext& ctx, const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& out, const Tensor& lse, const Tensor& dout, const Tensor& dq, const Tensor& dk,
+                  const Tensor& dv) {
   if (p.batch == 0 || p.nq == 0) return;
   dispatch_cuda_float(q.dtype(), [&]<class T>() {
     dispatch_head_dim(p.d, [&]<int kMaxD>() {
-      launch_backward<T, kMaxD>(ctx, p, q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), dout.ptr<T>(), lse.ptr<float>(),
-                                dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>());
+      launch_backward<T, kMaxD>(ctx, p, q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), dout.ptr<T>(),
+                                lse.ptr<float>(), dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>());
     });
   });
 }
 
 }  // namespace
 
-void attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
-                       const Tensor& out_BSQD, const Tensor& lse_BQS) {
+void attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                       double scale, const Tensor& out_BSQD, const Tensor& lse_BQS) {
   const char* what = "attention_forward (cuda)";
   const Problem p = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, scale, what);
   MF_CHECK(p.sq == p.sk, what, ": q ", q_BSQD.str(), " and k ", k_BSGD.str(), " differ in S");
   run_forward(ctx, p, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, what);
 }
 
-void attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
-                        const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
-                        const Tensor& dk_BSGD, const Tensor& dv_BSGD) {
+void attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                        const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale,
+                        const Tensor& dq_BSQD, const Tensor& dk_BSGD, const Tensor& dv_BSGD) {
   const char* what = "attention_backward (cuda)";
   const Problem p = check_attention(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, scale, what);
   MF_CHECK(p.sq == p.sk, what, ": q ", q_BSQD.str(), " and k ", k_BSGD.str(), " differ in S");
@@ -670,18 +671,19 @@ void attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tens
   run_backward(ctx, p, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, dq_BSQD, dk_BSGD, dv_BSGD);
 }
 
-void attention_forward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
-                          const Tensor& k_pos_Sk, double scale, const Tensor& out_BSqQD, const Tensor& lse_BQSq) {
+void attention_forward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD,
+                          const Tensor& q_pos_Sq, const Tensor& k_pos_Sk, double scale, const Tensor& out_BSqQD,
+                          const Tensor& lse_BQSq) {
   const char* what = "attention_forward_at (cuda)";
   Problem p = check_attention(q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, scale, what);
   set_positions(p, q_pos_Sq, k_pos_Sk, what);
   run_forward(ctx, p, q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, what);
 }
 
-void attention_backward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD, const Tensor& q_pos_Sq,
-                           const Tensor& k_pos_Sk, const Tensor& out_BSqQD, const Tensor& lse_BQSq,
-                           const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD, const Tensor& dk_BSkGD,
-                           const Tensor& dv_BSkGD) {
+void attention_backward_at(const ExecContext& ctx, const Tensor& q_BSqQD, const Tensor& k_BSkGD, const Tensor& v_BSkGD,
+                           const Tensor& q_pos_Sq, const Tensor& k_pos_Sk, const Tensor& out_BSqQD,
+                           const Tensor& lse_BQSq, const Tensor& dout_BSqQD, double scale, const Tensor& dq_BSqQD,
+                           const Tensor& dk_BSkGD, const Tensor& dv_BSkGD) {
   const char* what = "attention_backward_at (cuda)";
   Problem p = check_attention(q_BSqQD, k_BSkGD, v_BSkGD, out_BSqQD, lse_BQSq, scale, what);
   set_positions(p, q_pos_Sq, k_pos_Sk, what);

@@ -20,8 +20,8 @@
 #include "moefold/core/cuda_check.h"
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
+#include "moefold/ops/cuda/attention.h"
 #include "moefold/ops/cuda/attention_cudnn.h"
-#include "moefold/ops/cuda/attention_ops.h"
 
 #ifdef MOEFOLD_WITH_CUDNN
 #include <cudnn.h>
@@ -349,9 +349,9 @@ bool cudnn_attention_supported(const ExecContext& ctx, const CudnnAttentionProbl
 #endif
 }
 
-bool cudnn_attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
-                             const Tensor& out_BSQD, const Tensor& lse_BQS, const CudnnAttentionOptions& opts,
-                             std::string* why) {
+bool cudnn_attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                             double scale, const Tensor& out_BSQD, const Tensor& lse_BQS,
+                             const CudnnAttentionOptions& opts, std::string* why) {
   const Dims dm = check_forward_tensors(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, "attention_forward (cudnn)");
   const CudnnAttentionProblem p = problem_of(dm, q_BSQD.dtype(), scale, false, opts.deterministic);
 #ifdef MOEFOLD_WITH_CUDNN
@@ -371,10 +371,10 @@ bool cudnn_attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const
 #endif
 }
 
-bool cudnn_attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
-                              const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
-                              const Tensor& dk_BSGD, const Tensor& dv_BSGD, const CudnnAttentionOptions& opts,
-                              std::string* why) {
+bool cudnn_attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                              const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale,
+                              const Tensor& dq_BSQD, const Tensor& dk_BSGD, const Tensor& dv_BSGD,
+                              const CudnnAttentionOptions& opts, std::string* why) {
   const char* what = "attention_backward (cudnn)";
   const Dims dm = check_forward_tensors(q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, what);
   check_backward_tensors(q_BSQD, k_BSGD, dout_BSQD, dq_BSQD, dk_BSGD, dv_BSGD, what);
@@ -401,8 +401,8 @@ bool cudnn_attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, cons
 #endif
 }
 
-void attention_forward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
-                                const Tensor& out_BSQD, const Tensor& lse_BQS) {
+void attention_forward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD,
+                                const Tensor& v_BSGD, double scale, const Tensor& out_BSQD, const Tensor& lse_BQS) {
   const AttentionKernel choice = ctx.kernels().attention;
   if (choice != AttentionKernel::own) {
     std::string why;
@@ -417,15 +417,16 @@ void attention_forward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, co
   g_last_impl[0] = AttentionImpl::own;
 }
 
-void attention_backward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
-                                 const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale,
-                                 const Tensor& dq_BSQD, const Tensor& dk_BSGD, const Tensor& dv_BSGD) {
+void attention_backward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD,
+                                 const Tensor& v_BSGD, const Tensor& out_BSQD, const Tensor& lse_BQS,
+                                 const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD, const Tensor& dk_BSGD,
+                                 const Tensor& dv_BSGD) {
   const AttentionKernel choice = ctx.kernels().attention;
   if (choice != AttentionKernel::own) {
     std::string why;
     const CudnnAttentionOptions opts{ctx.kernels().deterministic_attention};
-    if (cudnn_attention_backward(ctx, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD, dk_BSGD, dv_BSGD,
-                                 opts, &why)) {
+    if (cudnn_attention_backward(ctx, q_BSQD, k_BSGD, v_BSGD, out_BSQD, lse_BQS, dout_BSQD, scale, dq_BSQD, dk_BSGD,
+                                 dv_BSGD, opts, &why)) {
       g_last_impl[1] = AttentionImpl::cudnn;
       return;
     }

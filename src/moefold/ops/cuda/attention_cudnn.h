@@ -1,6 +1,6 @@
 // cuDNN's fused attention (scaled dot-product attention, its flash-attention engines) for the
 // plain causal grouped-query ops of ops/ops.h on the GPU, and the choice between it and moefold's
-// own kernel (attention_ops.h). Same contracts as attention_ops.h: out, lse (f32, natural-log
+// own kernel (attention.h). Same contracts as attention.h: out, lse (f32, natural-log
 // log-sum-exp of each row of scale * q k^T over its visible keys, [B, Q, S]) WRITTEN by forward;
 // dq, dk, dv WRITTEN by backward. The _at variants (explicit positions) always use the own kernel.
 //
@@ -30,11 +30,12 @@ const char* attention_impl_name(AttentionImpl impl);
 
 // The GPU entry points of ops/ops.h's attention_forward / attention_backward: checks the tensors,
 // then runs the implementation kernels.attention picks (above).
-void attention_forward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
-                                const Tensor& out_BSQD, const Tensor& lse_BQS);
-void attention_backward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
-                                 const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale,
-                                 const Tensor& dq_BSQD, const Tensor& dk_BSGD, const Tensor& dv_BSGD);
+void attention_forward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD,
+                                const Tensor& v_BSGD, double scale, const Tensor& out_BSQD, const Tensor& lse_BQS);
+void attention_backward_dispatch(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD,
+                                 const Tensor& v_BSGD, const Tensor& out_BSQD, const Tensor& lse_BQS,
+                                 const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD, const Tensor& dk_BSGD,
+                                 const Tensor& dv_BSGD);
 // The implementation that served this process's last forward (backward = false) or backward
 // dispatch (own before any call).
 AttentionImpl last_attention_impl(bool backward);
@@ -62,15 +63,15 @@ struct CudnnAttentionProblem {
 // when not, the reason goes to *why. Pointer alignment is checked per call, not here.
 bool cudnn_attention_supported(const ExecContext& ctx, const CudnnAttentionProblem& p, std::string* why = nullptr);
 
-// cuDNN attention with the contracts of attention_ops.h's plain ops. The tensors are checked as
+// cuDNN attention with the contracts of attention.h's plain ops. The tensors are checked as
 // there (aborting on misuse); then, when cuDNN cannot serve the problem, they return false having
 // launched nothing, with the reason in *why (if given).
-bool cudnn_attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, double scale,
-                             const Tensor& out_BSQD, const Tensor& lse_BQS, const CudnnAttentionOptions& opts = {},
-                             std::string* why = nullptr);
-bool cudnn_attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD, const Tensor& out_BSQD,
-                              const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale, const Tensor& dq_BSQD,
-                              const Tensor& dk_BSGD, const Tensor& dv_BSGD, const CudnnAttentionOptions& opts = {},
-                              std::string* why = nullptr);
+bool cudnn_attention_forward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                             double scale, const Tensor& out_BSQD, const Tensor& lse_BQS,
+                             const CudnnAttentionOptions& opts = {}, std::string* why = nullptr);
+bool cudnn_attention_backward(const ExecContext& ctx, const Tensor& q_BSQD, const Tensor& k_BSGD, const Tensor& v_BSGD,
+                              const Tensor& out_BSQD, const Tensor& lse_BQS, const Tensor& dout_BSQD, double scale,
+                              const Tensor& dq_BSQD, const Tensor& dk_BSGD, const Tensor& dv_BSGD,
+                              const CudnnAttentionOptions& opts = {}, std::string* why = nullptr);
 
 }  // namespace moefold::cuda

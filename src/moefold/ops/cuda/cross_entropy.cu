@@ -1,13 +1,16 @@
-// CUDA softmax cross-entropy over the vocabulary (ops/ops.h): one block per row, an online
-// (running max, rescaled sum-exp) pass over the logits in float32, lse_N saved in f32; the row
-// losses are summed in float64 in a fixed order. Gradient rule: dlogits = grad_scale *
-// (softmax - onehot(target)), WRITTEN; ignored rows (kIgnoreTarget) get zeros.
+// CUDA softmax cross-entropy over the vocabulary (ops/ops.h, contracts in cross_entropy.h): one
+// block per row, an online (running max, rescaled sum-exp) pass over the logits in float32, lse_N
+// saved in f32; the row losses are summed in float64 in a fixed order. Also the phases of the
+// vocabulary-parallel form (parallel/vocab_parallel.cpp all-reduces between them): row max, row
+// sums of exp and the owned target logit, finish, and the shard backward. Gradient rule: dlogits
+// = grad_scale * (softmax - onehot(target)), WRITTEN; ignored rows (kIgnoreTarget) get zeros.
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "moefold/ops/cuda/common.cuh"
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/cross_entropy.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold::cuda {
@@ -200,9 +203,163 @@ void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, co
   MF_CHECK(lse.dtype() == DType::f32, what, ": lse ", lse.str(), " must be f32");
 }
 
+// ---- vocabulary-parallel shards -----------------------------------------------------------------
+
+unsigned rows_grid(int64_t n, const char* what) {
+  MF_CHECK(n <= INT32_MAX, what, ": ", n, " rows (one block each)");
+  return static_cast<unsigned>(n);
+}
+
+// Calls f(j, value) for this thread's share of row x[0, vl), in float; kVec: 16-byte loads.
+template <class T, bool kVec, class F>
+__device__ __forceinline__ void for_each_in_row(const T* x, int64_t vl, F&& f) {
+  if constexpr (kVec) {
+    constexpr int kN = kPack<T>;
+    for (int64_t p = threadIdx.x; p < vl / kN; p += blockDim.x) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + p * kN);
+      T e[kN];
+      memcpy(e, &raw, sizeof(raw));
+#pragma unroll
+      for (int i = 0; i < kN; ++i) f(p * kN + i, to_float(e[i]));
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < vl; j += blockDim.x) f(j, to_float(x[j]));
+  }
+}
+
+// Block reductions in a fixed order (deterministic); the result is valid in thread 0 only.
+// REQUIRES: blockDim.x a multiple of 32, at most 1024; every thread calls.
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float part[32];
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (unsigned w = 1; w < blockDim.x / 32; ++w) v = fmaxf(v, part[w]);
+  return v;
+}
+
+__device__ __forceinline__ double block_sum(double v) {
+  __shared__ double part[32];
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (unsigned w = 1; w < blockDim.x / 32; ++w) v += part[w];
+  return v;
+}
+
+// row_max[row] = max of the row's logits on this rank (exact: a logit, held in double).
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads) ce_row_max_kernel(const T* logits, int64_t vl, double* row_max) {
+  float m = -INFINITY;
+  for_each_in_row<T, kVec>(logits + blockIdx.x * vl, vl, [&](int64_t, float x) { m = fmaxf(m, x); });
+  m = block_max(m);
+  if (threadIdx.x == 0) row_max[blockIdx.x] = m;
+}
+
+// With the global row max: sums[row] = sum_j exp(x_j - max) over this rank's columns (f32 exps,
+// added in f64), sums[n + row] = the target logit where this rank owns the target (else 0), and
+// one count into sums[2n] per owned target (ignored rows: sum 1, logit 0, counted where
+// count_ignored, i.e. on TP rank 0). The count is an integer in double: atomics add it exactly.
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    ce_row_sums_kernel(const T* logits, const int32_t* targets, const double* row_max, int64_t n, int64_t vl,
+                       int64_t vocab_offset, bool count_ignored, double* sums) {
+  const int64_t row = blockIdx.x;
+  const int32_t t = targets[row];
+  if (t == kIgnoreTarget) {
+    if (threadIdx.x == 0) {
+      sums[row] = 1.0;
+      sums[n + row] = 0.0;
+      if (count_ignored) atomicAdd(sums + 2 * n, 1.0);
+    }
+    return;
+  }
+  if (t < 0) __trap();  // REQUIRES: 0 <= target < V or kIgnoreTarget (>= V: the found count fails)
+  const T* x = logits + row * vl;
+  const float m = static_cast<float>(row_max[row]);
+  double s = 0;
+  for_each_in_row<T, kVec>(x, vl, [&](int64_t, float v) { s += static_cast<double>(expf(v - m)); });
+  s = block_sum(s);
+  if (threadIdx.x != 0) return;
+  sums[row] = s;
+  const int64_t local = t - vocab_offset;
+  // A one-hot pick: exactly one rank contributes a non-zero, so the all-reduced sum is exact.
+  const bool mine = local >= 0 && local < vl;
+  sums[n + row] = mine ? static_cast<double>(to_float(x[local])) : 0.0;
+  if (mine) atomicAdd(sums + 2 * n, 1.0);
+}
+
+// One block: lse[row] = max + log(sum) (0 for ignored rows); out[0] = sum of the row losses
+// lse - target logit in a fixed order, out[1] = the found count.
+__global__ void __launch_bounds__(kSumThreads)
+    ce_finish_kernel(const int32_t* targets, const double* row_max, const double* sums, int64_t n, float* lse,
+                     double* out) {
+  double loss = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kSumThreads) {
+    if (targets[i] == kIgnoreTarget) {
+      lse[i] = 0.0f;
+      continue;
+    }
+    const double l = row_max[i] + log(sums[i]);
+    lse[i] = static_cast<float>(l);
+    loss += l - sums[n + i];
+  }
+  loss = block_sum(loss);
+  if (threadIdx.x == 0) {
+    out[0] = loss;
+    out[1] = sums[2 * n];
+  }
+}
+
+// dlogits = gs * exp(x - lse), minus gs at an owned target: the CPU's expression, in f32. Each
+// element is read and written by the same thread, so dlogits may be logits (in place).
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    ce_shard_backward_kernel(const T* logits, const int32_t* targets, const float* lse, float gs, int64_t vl,
+                             int64_t vocab_offset, T* dlogits) {
+  const int64_t row = blockIdx.x;
+  const int32_t t = targets[row];
+  const bool ignored = t == kIgnoreTarget;
+  if (!ignored && t < 0) __trap();  // REQUIRES: 0 <= target < V or kIgnoreTarget
+  const T* x = logits + row * vl;
+  T* d = dlogits + row * vl;
+  if (ignored) {
+    for (int64_t j = threadIdx.x; j < vl; j += kThreads) d[j] = from_float<T>(0.0f);
+    return;
+  }
+  const int64_t local = t - vocab_offset;  // outside [0, vl): another rank's target
+  const float l = lse[row];
+  if constexpr (kVec) {
+    constexpr int kN = kPack<T>;
+    for (int64_t p = threadIdx.x; p < vl / kN; p += kThreads) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + p * kN);
+      T e[kN];
+      memcpy(e, &raw, sizeof(raw));
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        float g = gs * expf(to_float(e[i]) - l);
+        if (p * kN + i == local) g -= gs;
+        e[i] = from_float<T>(g);
+      }
+      uint4 out;
+      memcpy(&out, e, sizeof(out));
+      *reinterpret_cast<uint4*>(d + p * kN) = out;
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < vl; j += kThreads) {
+      float g = gs * expf(to_float(x[j]) - l);
+      if (j == local) g -= gs;
+      d[j] = from_float<T>(g);
+    }
+  }
+}
+
 }  // namespace
 
-double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N) {
+double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
+                             const Tensor& lse_N) {
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_forward");
   const int64_t n = logits_NV.size(0), v = logits_NV.size(1);
   if (n == 0) return 0.0;
@@ -213,7 +370,7 @@ double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, co
     auto* kernel = packed_rows<T>(v, logits_NV.data(), logits_NV.data()) ? &ce_forward_kernel<T, true>
                                                                          : &ce_forward_kernel<T, false>;
     kernel<<<static_cast<unsigned>(n), kThreads, 0, stream_of(ctx)>>>(logits_NV.ptr<T>(), targets_N.ptr<int32_t>(),
-                                                                lse_N.ptr<float>(), scratch, v);
+                                                                      lse_N.ptr<float>(), scratch, v);
   });
   MF_CUDA_LAUNCHED("cross_entropy_forward rows");
   sum_kernel<<<1, kSumThreads, 0, stream_of(ctx)>>>(scratch, n, scratch + n);
@@ -224,8 +381,8 @@ double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, co
   return loss;
 }
 
-void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
-                            const Tensor& dlogits_NV) {
+void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
+                            const Tensor& lse_N, double grad_scale, const Tensor& dlogits_NV) {
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_backward");
   check_cuda_tensor(dlogits_NV, "cross_entropy_backward dlogits");
   check_shape(dlogits_NV, logits_NV.shape(), "cross_entropy_backward dlogits");
@@ -236,11 +393,72 @@ void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, con
   dispatch_cuda_float(logits_NV.dtype(), [&]<class T>() {
     auto* kernel = packed_rows<T>(v, logits_NV.data(), dlogits_NV.data()) ? &ce_backward_kernel<T, true>
                                                                           : &ce_backward_kernel<T, false>;
-    kernel<<<static_cast<unsigned>(n), kThreads, 0, stream_of(ctx)>>>(logits_NV.ptr<T>(), targets_N.ptr<int32_t>(),
-                                                                lse_N.ptr<float>(), static_cast<float>(grad_scale),
-                                                                dlogits_NV.ptr<T>(), v);
+    kernel<<<static_cast<unsigned>(n), kThreads, 0, stream_of(ctx)>>>(
+        logits_NV.ptr<T>(), targets_N.ptr<int32_t>(), lse_N.ptr<float>(), static_cast<float>(grad_scale),
+        dlogits_NV.ptr<T>(), v);
   });
   MF_CUDA_LAUNCHED("cross_entropy_backward");
+}
+
+// ---- vocabulary-parallel shards -----------------------------------------------------------------
+
+void cross_entropy_shard_row_max(const ExecContext& ctx, const Tensor& logits_shard_NVl, const Tensor& row_max_N) {
+  const int64_t n = logits_shard_NVl.size(0), vl = logits_shard_NVl.size(1);
+  const unsigned grid = rows_grid(n, "cross_entropy_shard_row_max");
+  dispatch_cuda_float(logits_shard_NVl.dtype(), [&]<class T>() {
+    const bool vec = packed_rows<T>(vl, logits_shard_NVl.data(), logits_shard_NVl.data());
+    auto* kernel = vec ? &ce_row_max_kernel<T, true> : &ce_row_max_kernel<T, false>;
+    kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(logits_shard_NVl.ptr<T>(), vl, row_max_N.ptr<double>());
+    MF_CUDA_LAUNCHED("cross_entropy_shard_row_max");
+  });
+}
+
+void cross_entropy_shard_sums(const ExecContext& ctx, const Tensor& logits_shard_NVl, const Tensor& targets_N,
+                              const Tensor& row_max_N, int64_t vocab_offset, bool count_ignored,
+                              const Tensor& sums_2N1) {
+  const int64_t n = logits_shard_NVl.size(0), vl = logits_shard_NVl.size(1);
+  const unsigned grid = rows_grid(n, "cross_entropy_shard_sums");
+  dispatch_cuda_float(logits_shard_NVl.dtype(), [&]<class T>() {
+    const bool vec = packed_rows<T>(vl, logits_shard_NVl.data(), logits_shard_NVl.data());
+    MF_CUDA_CHECK(cudaMemsetAsync(sums_2N1.ptr<double>() + 2 * n, 0, sizeof(double), stream_of(ctx)));  // the count
+    auto* kernel = vec ? &ce_row_sums_kernel<T, true> : &ce_row_sums_kernel<T, false>;
+    kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(logits_shard_NVl.ptr<T>(), targets_N.ptr<int32_t>(),
+                                                  row_max_N.ptr<double>(), n, vl, vocab_offset, count_ignored,
+                                                  sums_2N1.ptr<double>());
+    MF_CUDA_LAUNCHED("cross_entropy_shard_sums");
+  });
+}
+
+CrossEntropyShardTotals cross_entropy_shard_finish(const ExecContext& ctx, const Tensor& targets_N,
+                                                   const Tensor& row_max_N, const Tensor& sums_2N1, const Tensor& lse_N,
+                                                   const Tensor& result_2) {
+  const int64_t n = targets_N.size(0);
+  double* const out = result_2.ptr<double>();
+  ce_finish_kernel<<<1, kSumThreads, 0, stream_of(ctx)>>>(targets_N.ptr<int32_t>(), row_max_N.ptr<double>(),
+                                                          sums_2N1.ptr<double>(), n, lse_N.ptr<float>(), out);
+  MF_CUDA_LAUNCHED("cross_entropy_shard_finish");
+  double host[2] = {0, 0};
+  MF_CUDA_CHECK(cudaMemcpyAsync(host, out, sizeof(host), cudaMemcpyDeviceToHost, stream_of(ctx)));
+  MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+  return {host[0], host[1]};
+}
+
+void cross_entropy_shard_backward(const ExecContext& ctx, const Tensor& logits_shard_NVl, int64_t vocab_offset,
+                                  const Tensor& targets_N, const Tensor& lse_N, double grad_scale,
+                                  const Tensor& dlogits_shard_NVl) {
+  const char* what = "cross_entropy_shard_backward";
+  const int64_t n = logits_shard_NVl.size(0), vl = logits_shard_NVl.size(1);
+  if (n == 0) return;
+  const unsigned grid = rows_grid(n, what);
+  dispatch_cuda_float(logits_shard_NVl.dtype(), [&]<class T>() {
+    auto* kernel = packed_rows<T>(vl, logits_shard_NVl.data(), dlogits_shard_NVl.data())
+                       ? &ce_shard_backward_kernel<T, true>
+                       : &ce_shard_backward_kernel<T, false>;
+    kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(logits_shard_NVl.ptr<T>(), targets_N.ptr<int32_t>(),
+                                                  lse_N.ptr<float>(), static_cast<float>(grad_scale), vl, vocab_offset,
+                                                  dlogits_shard_NVl.ptr<T>());
+  });
+  MF_CUDA_LAUNCHED(what);
 }
 
 }  // namespace moefold::cuda

@@ -4,7 +4,7 @@
 
 #include "moefold/core/philox.h"
 #include "moefold/ops/cuda/common.cuh"
-#include "moefold/ops/cuda/cuda_ops.h"
+#include "moefold/ops/cuda/elementwise.h"
 
 namespace moefold::cuda {
 
@@ -83,7 +83,8 @@ void cast(const ExecContext& ctx, const Tensor& src, const Tensor& dst) {
   MF_CUDA_LAUNCHED("cast");
 }
 
-void fill_normal(const ExecContext& ctx, const Tensor& t, uint64_t seed, uint64_t rng_stream, double mean, double std, uint64_t first_index) {
+void fill_normal(const ExecContext& ctx, const Tensor& t, uint64_t seed, uint64_t rng_stream, double mean, double std,
+                 uint64_t first_index) {
   check_cuda_tensor(t, "fill_normal");
   MF_CHECK(t.contiguous(), "fill_normal: ", t.str(), " is not contiguous");
   const int64_t n = t.numel();
@@ -123,8 +124,9 @@ double sum_squares(const ExecContext& ctx, const Tensor& x) {
   if (n == 0) return 0.0;
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 1024));
   auto* partial = static_cast<double*>(ctx.scratch(ScratchSlot::sum_squares, blocks * sizeof(double)));
-  dispatch_cuda_float(
-      x.dtype(), [&]<class T>() { sum_squares_kernel<T><<<blocks, kThreads, 0, stream_of(ctx)>>>(x.ptr<T>(), n, partial); });
+  dispatch_cuda_float(x.dtype(), [&]<class T>() {
+    sum_squares_kernel<T><<<blocks, kThreads, 0, stream_of(ctx)>>>(x.ptr<T>(), n, partial);
+  });
   MF_CUDA_LAUNCHED("sum_squares");
   double host[1024];  // blocks <= 1024
   MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream_of(ctx)));

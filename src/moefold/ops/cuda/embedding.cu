@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "moefold/ops/cuda/common.cuh"
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/embedding.h"
 
 namespace moefold::cuda {
 
@@ -205,21 +205,21 @@ void check_call(const Tensor& ids_N, const Tensor& table_VC, const Tensor& rows_
   MF_CHECK(offset >= 0, what, ": vocab_offset ", offset);
 }
 
-void forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_VC, int64_t offset, bool shard, const Tensor& out_NC,
-             const char* what) {
+void forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_VC, int64_t offset, bool shard,
+             const Tensor& out_NC, const char* what) {
   check_call(ids_N, table_VC, out_NC, offset, what);
   const int64_t n = ids_N.size(0), v = table_VC.size(0), c = table_VC.size(1);
   MF_CHECK(out_NC.dtype() == table_VC.dtype(), what, ": out ", out_NC.str(), " vs table ", table_VC.str());
   if (n * c == 0) return;
   dispatch_cuda_float(table_VC.dtype(), [&]<class T>() {
-    embedding_forward_kernel<T><<<blocks_for(n * c), kThreads, 0, stream_of(ctx)>>>(ids_N.ptr<int32_t>(), table_VC.ptr<T>(),
-                                                                              out_NC.ptr<T>(), n, c, v, offset, shard);
+    embedding_forward_kernel<T><<<blocks_for(n * c), kThreads, 0, stream_of(ctx)>>>(
+        ids_N.ptr<int32_t>(), table_VC.ptr<T>(), out_NC.ptr<T>(), n, c, v, offset, shard);
   });
   MF_CUDA_LAUNCHED(what);
 }
 
-void backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC, int64_t offset, bool shard, const Tensor& dtable_VC,
-              const char* what) {
+void backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC, int64_t offset, bool shard,
+              const Tensor& dtable_VC, const char* what) {
   check_call(ids_N, dtable_VC, dout_NC, offset, what);
   const int64_t n = ids_N.size(0), v = dtable_VC.size(0), c = dtable_VC.size(1);
   MF_CHECK(dtable_VC.dtype() == dout_NC.dtype() || dtable_VC.dtype() == DType::f32, what, ": dtable ", dtable_VC.str(),
@@ -238,7 +238,7 @@ void backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC
     if (smem > 48 * 1024)
       MF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     kernel<<<static_cast<unsigned>(n), kThreads, smem, stream_of(ctx)>>>(ids_N.ptr<int32_t>(), dout_NC.ptr<T>(),
-                                                                   dtable_VC.ptr<G>(), n, c, v, offset, shard);
+                                                                         dtable_VC.ptr<G>(), n, c, v, offset, shard);
   };
   dispatch_cuda_float(dout_NC.dtype(), [&]<class T>() {
     if (dtable_VC.dtype() == dout_NC.dtype())
@@ -259,7 +259,8 @@ void embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tenso
   backward(ctx, ids_N, dout_NC, 0, false, dtable_VC, "embedding_backward");
 }
 
-void embedding_shard_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_VlC, int64_t vocab_offset, const Tensor& out_NC) {
+void embedding_shard_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_VlC, int64_t vocab_offset,
+                             const Tensor& out_NC) {
   forward(ctx, ids_N, table_VlC, vocab_offset, true, out_NC, "embedding_shard_forward");
 }
 

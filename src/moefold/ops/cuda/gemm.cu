@@ -1,4 +1,4 @@
-// GPU GEMMs through cuBLASLt (gemm_ops.h): the row-major wrapper, linear, grouped linear and
+// GPU GEMMs through cuBLASLt (gemm.h): the row-major wrapper, linear, grouped linear and
 // matmul on views. Gradient rule: activation grads (dx) written, parameter grads (dw) accumulated.
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, so cuBLASLt receives B as its
 // first operand and A as its second, each described by its stored (cols, rows, ld).
@@ -12,8 +12,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "moefold/ops/cuda/gemm_ops.h"
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/gemm.h"
+#include "moefold/ops/cuda/swiglu.h"
 
 namespace moefold::cuda {
 
@@ -250,8 +250,8 @@ std::vector<int64_t>& offsets_buffer() {
 
 }  // namespace
 
-void gemm(const ExecContext& ctx, const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans_b, const DeviceMatrix& c, double alpha,
-          double beta) {
+void gemm(const ExecContext& ctx, const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans_b,
+          const DeviceMatrix& c, double alpha, double beta) {
   check_matrix(a, "a");
   check_matrix(b, "b");
   check_matrix(c, "c");
@@ -304,8 +304,8 @@ void linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_
   gemm(ctx, device_matrix(x_NI), false, device_matrix(w_OI), true, device_matrix(y_NO), 1.0, 0.0);
 }
 
-void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
-                     const Tensor& dw_OI) {
+void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                     const Tensor& dx_NI, const Tensor& dw_OI) {
   check_linear(x_NI, w_OI, dy_NO, "linear_backward");
   check_cuda_tensor(dw_OI, "linear_backward dw");
   check_shape(dw_OI, w_OI.shape(), "linear_backward dw");
@@ -319,20 +319,23 @@ void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w
   gemm(ctx, device_matrix(dy_NO), true, device_matrix(x_NI), false, device_matrix(dw_OI), 1.0, 1.0);
 }
 
-void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO) {
+void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                            const Tensor& y_RO) {
   check_grouped(x_RI, w_EOI, offsets_E1, y_RO, "grouped_linear_forward");
-  if (ctx.kernels().grouped_gemm == GroupedGemmImpl::cutlass && cutlass_grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO)) return;
+  if (ctx.kernels().grouped_gemm == GroupedGemmImpl::cutlass &&
+      cutlass_grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO))
+    return;
   std::vector<int64_t>& off = offsets_buffer();
   download_offsets(ctx, offsets_E1, x_RI.size(0), off);
   for (int64_t e = 0; e < w_EOI.size(0); ++e) {
     if (off[e + 1] == off[e]) continue;
-    gemm(ctx, row_block(x_RI, off[e], off[e + 1]), false, expert_matrix(w_EOI, e), true, row_block(y_RO, off[e], off[e + 1]),
-         1.0, 0.0);
+    gemm(ctx, row_block(x_RI, off[e], off[e + 1]), false, expert_matrix(w_EOI, e), true,
+         row_block(y_RO, off[e], off[e + 1]), 1.0, 0.0);
   }
 }
 
-void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
-                             const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
+void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                             const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
   check_grouped(x_RI, w_EOI, offsets_E1, dy_RO, "grouped_linear_backward");
   if (dw_EOI.defined()) {
     check_cuda_tensor(dw_EOI, "grouped_linear_backward dw");
@@ -355,27 +358,30 @@ void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const T
     if (begin == end && (accumulate || !dw_EOI.defined())) continue;
     // dx = dy @ w (m x O @ O x I); dw += dy^T @ x (O x m @ m x I).
     if (dx_RI.defined() && begin != end)
-      gemm(ctx, row_block(dy_RO, begin, end), false, expert_matrix(w_EOI, e), false, row_block(dx_RI, begin, end), 1.0, 0.0);
+      gemm(ctx, row_block(dy_RO, begin, end), false, expert_matrix(w_EOI, e), false, row_block(dx_RI, begin, end), 1.0,
+           0.0);
     if (dw_EOI.defined())
       gemm(ctx, row_block(dy_RO, begin, end), true, row_block(x_RI, begin, end), false, expert_matrix(dw_EOI, e), 1.0,
            accumulate ? 1.0 : 0.0);
   }
 }
 
-void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
-                                   const Tensor& gu_R2F, const Tensor& h_RF) {
+void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI,
+                                   const Tensor& offsets_E1, const Tensor& gu_R2F, const Tensor& h_RF) {
   check_grouped(x_RI, w_E2FI, offsets_E1, gu_R2F, "grouped_linear_swiglu_forward");
   check_cuda_tensor(h_RF, "grouped_linear_swiglu_forward h");
   check_shape(h_RF, {gu_R2F.size(0), gu_R2F.size(1) / 2}, "grouped_linear_swiglu_forward h");
   check_same_dtype(h_RF, gu_R2F, "grouped_linear_swiglu_forward h");
-  if (ctx.kernels().grouped_gemm == GroupedGemmImpl::cutlass && cutlass_grouped_linear_swiglu_forward(ctx, x_RI, w_E2FI, offsets_E1, gu_R2F, h_RF))
+  if (ctx.kernels().grouped_gemm == GroupedGemmImpl::cutlass &&
+      cutlass_grouped_linear_swiglu_forward(ctx, x_RI, w_E2FI, offsets_E1, gu_R2F, h_RF))
     return;
   grouped_linear_forward(ctx, x_RI, w_E2FI, offsets_E1, gu_R2F);
   cuda::swiglu_forward(ctx, gu_R2F, h_RF, GateUp::pairs);  // qualified: ADL also finds moefold::swiglu_forward
 }
 
-void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
-                                         const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F) {
+void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF,
+                                         const Tensor& offsets_E1, const Tensor& gu_R2F, const Tensor& dh_RF,
+                                         const Tensor& dgu_R2F) {
   check_grouped(dh_RF, w_EOF, offsets_E1, dy_RO, "grouped_linear_swiglu_backward_data");
   for (const Tensor* t : {&gu_R2F, &dgu_R2F}) {
     check_cuda_tensor(*t, "grouped_linear_swiglu_backward_data gu / dgu");
@@ -390,8 +396,8 @@ void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& d
   cuda::swiglu_backward(ctx, gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
 }
 
-void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
-            double beta) {
+void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b,
+            const MatrixView& c, double alpha, double beta) {
   const auto view = [](const MatrixView& v, const char* what) {
     check_cuda_tensor(v.storage, what);
     return DeviceMatrix{

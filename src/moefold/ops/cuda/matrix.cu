@@ -1,8 +1,8 @@
-// CUDA matrix-view copies (2-D memcpy), sums and fills; see matrix_ops.h.
+// CUDA matrix-view copies (2-D memcpy), sums and fills; see matrix.h.
 #include <algorithm>
 
 #include "moefold/ops/cuda/common.cuh"
-#include "moefold/ops/cuda/matrix_ops.h"
+#include "moefold/ops/cuda/matrix.h"
 
 namespace moefold::cuda {
 
@@ -56,8 +56,8 @@ void fill_matrix(const ExecContext& ctx, const MatrixView& dst, double value) {
   const int64_t n = dst.rows * dst.cols;
   if (n == 0) return;
   auto launch = [&]<class T>(T v) {
-    fill_kernel<T>
-        <<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(dst.storage.ptr<T>() + dst.offset, dst.ld, dst.rows, dst.cols, v);
+    fill_kernel<T><<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(dst.storage.ptr<T>() + dst.offset, dst.ld, dst.rows,
+                                                                   dst.cols, v);
   };
   switch (dst.storage.dtype()) {
     case DType::i32:

@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "moefold/ops/cuda/common.cuh"
-#include "moefold/ops/cuda/cuda_ops.h"
+#include "moefold/ops/cuda/optimizer.h"
 
 namespace moefold::cuda {
 
@@ -68,8 +68,8 @@ bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 }  // namespace
 
-void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
-                  const Tensor& w_compute) {
+void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v,
+                  const AdamWStep& s, const Tensor& w_compute) {
   for (const Tensor* t : {&w, &g, &m, &v}) {
     check_cuda_tensor(*t, "adamw_update");
     MF_CHECK(t->dtype() == DType::f32 && t->shape() == w.shape(), "adamw_update: ", t->str(), " vs w ", w.str(),
@@ -100,11 +100,11 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
         a);
   } else if (!w_compute.defined()) {
     adamw_kernel<float><<<blocks, threads, 0, stream_of(ctx)>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(),
-                                                          v.ptr<float>(), nullptr, n, a);
+                                                                v.ptr<float>(), nullptr, n, a);
   } else {
     dispatch_cuda_float(w_compute.dtype(), [&]<class C>() {
-      adamw_kernel<C><<<blocks, threads, 0, stream_of(ctx)>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(), v.ptr<float>(),
-                                                        w_compute.ptr<C>(), n, a);
+      adamw_kernel<C><<<blocks, threads, 0, stream_of(ctx)>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(),
+                                                              v.ptr<float>(), w_compute.ptr<C>(), n, a);
     });
   }
   MF_CUDA_LAUNCHED("adamw_update");

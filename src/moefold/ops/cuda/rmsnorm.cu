@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "moefold/ops/cuda/common.cuh"
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/rmsnorm.h"
 
 namespace moefold::cuda {
 
@@ -184,7 +184,8 @@ void check_like(const Tensor& t, const Tensor& ref, const char* what) {
 
 }  // namespace
 
-void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC, const Tensor& rstd_N) {
+void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, double eps, const Tensor& y_NC,
+                     const Tensor& rstd_N) {
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_forward");
   check_like(y_NC, x_NC, "rmsnorm_forward y");
   const int64_t n = x_NC.size(0), c = x_NC.size(1);
@@ -198,7 +199,8 @@ void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w
       const auto e = static_cast<float>(eps);
       if (c <= kWarpRowMaxC)
         rmsnorm_forward_kernel<32, T, W>
-            <<<static_cast<unsigned>(ceil_div(n, kThreads / 32)), kThreads, 0, stream_of(ctx)>>>(x, w, e, y, rstd, n, c);
+            <<<static_cast<unsigned>(ceil_div(n, kThreads / 32)), kThreads, 0, stream_of(ctx)>>>(x, w, e, y, rstd, n,
+                                                                                                 c);
       else
         rmsnorm_forward_kernel<kThreads, T, W>
             <<<static_cast<unsigned>(n), kThreads, 0, stream_of(ctx)>>>(x, w, e, y, rstd, n, c);
@@ -207,8 +209,8 @@ void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w
   MF_CUDA_LAUNCHED("rmsnorm_forward");
 }
 
-void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N, const Tensor& dy_NC,
-                      const Tensor& dx_NC, const Tensor& dw_C) {
+void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N,
+                      const Tensor& dy_NC, const Tensor& dx_NC, const Tensor& dw_C) {
   check_rmsnorm(x_NC, w_C, rstd_N, "rmsnorm_backward");
   check_like(dy_NC, x_NC, "rmsnorm_backward dy");
   check_like(dx_NC, x_NC, "rmsnorm_backward dx");
@@ -216,7 +218,7 @@ void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& 
   check_shape(dw_C, w_C.shape(), "rmsnorm_backward dw");
   MF_CHECK(dw_C.dtype() == x_NC.dtype() || dw_C.dtype() == DType::f32, "rmsnorm_backward: dw ", dw_C.str(),
            " must have x's dtype or f32");
-  // dx's storage holds the dw partials until dx is written (see norm_ops.h).
+  // dx's storage holds the dw partials until dx is written (see rmsnorm.h).
   for (const Tensor* t : {&x_NC, &w_C, &rstd_N, &dy_NC, &dw_C})
     MF_CHECK(!overlaps(dx_NC, *t), "rmsnorm_backward: dx ", dx_NC.str(), " overlaps an input or dw ", t->str());
   const int64_t n = x_NC.size(0), c = x_NC.size(1);
@@ -256,7 +258,8 @@ void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& 
       T* dx = dx_NC.ptr<T>();
       if (c <= kWarpRowMaxC)
         rmsnorm_backward_dx_kernel<32, T, W>
-            <<<static_cast<unsigned>(ceil_div(n, kThreads / 32)), kThreads, 0, stream_of(ctx)>>>(x, w, rstd, dy, dx, n, c);
+            <<<static_cast<unsigned>(ceil_div(n, kThreads / 32)), kThreads, 0, stream_of(ctx)>>>(x, w, rstd, dy, dx, n,
+                                                                                                 c);
       else
         rmsnorm_backward_dx_kernel<kThreads, T, W>
             <<<static_cast<unsigned>(n), kThreads, 0, stream_of(ctx)>>>(x, w, rstd, dy, dx, n, c);

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "moefold/ops/cuda/common.cuh"
-#include "moefold/ops/cuda/norm_ops.h"
+#include "moefold/ops/cuda/rope.h"
 
 namespace moefold::cuda {
 
@@ -57,8 +57,8 @@ void check_table(const Tensor& x, const Tensor& cos, const Tensor& sin, const ch
 }
 
 template <bool kTranspose>
-void rope_launch(const ExecContext& ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, const int32_t* pos, bool interleaved,
-                 const char* what) {
+void rope_launch(const ExecContext& ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, const int32_t* pos,
+                 bool interleaved, const char* what) {
   const int64_t s = x.size(1), h = x.size(2), d = x.size(3);
   const int64_t pairs = x.size(0) * s * h * (d / 2);
   if (pairs == 0) return;
@@ -89,25 +89,27 @@ void check_positions(const Tensor& x, const Tensor& positions, const char* what)
 
 }  // namespace
 
-void rope_forward(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
+void rope_forward(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& cos_SD, const Tensor& sin_SD,
+                  bool interleaved) {
   check_rope(x_BSHD, cos_SD, sin_SD, "rope_forward");
   rope_launch<false>(ctx, x_BSHD, cos_SD, sin_SD, nullptr, interleaved, "rope_forward");
 }
 
-void rope_backward(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD, bool interleaved) {
+void rope_backward(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& cos_SD, const Tensor& sin_SD,
+                   bool interleaved) {
   check_rope(dx_BSHD, cos_SD, sin_SD, "rope_backward");
   rope_launch<true>(ctx, dx_BSHD, cos_SD, sin_SD, nullptr, interleaved, "rope_backward");
 }
 
-void rope_forward_at(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
-                     bool interleaved) {
+void rope_forward_at(const ExecContext& ctx, const Tensor& x_BSHD, const Tensor& positions_S, const Tensor& cos_PD,
+                     const Tensor& sin_PD, bool interleaved) {
   check_table(x_BSHD, cos_PD, sin_PD, "rope_forward_at");
   check_positions(x_BSHD, positions_S, "rope_forward_at");
   rope_launch<false>(ctx, x_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), interleaved, "rope_forward_at");
 }
 
-void rope_backward_at(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD, const Tensor& sin_PD,
-                      bool interleaved) {
+void rope_backward_at(const ExecContext& ctx, const Tensor& dx_BSHD, const Tensor& positions_S, const Tensor& cos_PD,
+                      const Tensor& sin_PD, bool interleaved) {
   check_table(dx_BSHD, cos_PD, sin_PD, "rope_backward_at");
   check_positions(dx_BSHD, positions_S, "rope_backward_at");
   rope_launch<true>(ctx, dx_BSHD, cos_PD, sin_PD, positions_S.ptr<int32_t>(), interleaved, "rope_backward_at");

@@ -7,8 +7,8 @@
 #include <type_traits>
 
 #include "moefold/ops/cuda/common.cuh"
-#include "moefold/ops/cuda/norm_ops.h"
 #include "moefold/ops/cuda/swiglu.cuh"
+#include "moefold/ops/cuda/swiglu.h"
 
 namespace moefold::cuda {
 
@@ -143,21 +143,23 @@ void swiglu_forward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& 
   if (const int units = vector_units(gu_N2F, h_NF, Tensor(), layout)) {
     const int64_t n = total / units;
     if (layout == GateUp::pairs)
-      swiglu_forward_pairs_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(gu8, static_cast<Bf16x4*>(h_NF.data()), n);
+      swiglu_forward_pairs_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(gu8,
+                                                                                  static_cast<Bf16x4*>(h_NF.data()), n);
     else
-      swiglu_forward_halves_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(gu8, static_cast<Bf16x8*>(h_NF.data()),
-                                                                             f / units, n);
+      swiglu_forward_halves_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(
+          gu8, static_cast<Bf16x8*>(h_NF.data()), f / units, n);
     MF_CUDA_LAUNCHED("swiglu_forward");
     return;
   }
   dispatch_cuda_float(h_NF.dtype(), [&]<class T>() {
     swiglu_forward_kernel<T><<<blocks_for(total), kThreads, 0, stream_of(ctx)>>>(gu_N2F.ptr<T>(), h_NF.ptr<T>(), f,
-                                                                           gate_up_columns(layout, f), total);
+                                                                                 gate_up_columns(layout, f), total);
   });
   MF_CUDA_LAUNCHED("swiglu_forward");
 }
 
-void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F, GateUp layout) {
+void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor& dh_NF, const Tensor& dgu_N2F,
+                     GateUp layout) {
   check_swiglu(gu_N2F, dh_NF, "swiglu_backward");
   check_cuda_tensor(dgu_N2F, "swiglu_backward dgu");
   check_shape(dgu_N2F, gu_N2F.shape(), "swiglu_backward dgu");

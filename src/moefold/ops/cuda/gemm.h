@@ -46,16 +46,16 @@ struct DeviceMatrix {
 // Any leading dimension and any element-aligned address (column blocks at odd offsets) work; the
 // heuristic is told each address's alignment, so 16-byte-aligned addresses and leading dimensions
 // get the fastest kernels. REQUIRES: c overlaps neither a nor b. Asynchronous on the context's stream.
-void gemm(const ExecContext& ctx, const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans_b, const DeviceMatrix& c, double alpha,
-          double beta);
+void gemm(const ExecContext& ctx, const DeviceMatrix& a, bool trans_a, const DeviceMatrix& b, bool trans_b,
+          const DeviceMatrix& c, double alpha, double beta);
 
 // ---- linear (ops.h): y_NO = x_NI @ w_OI^T; dx = dy @ w (written, skipped when undefined);
 // dw += dy^T @ x (accumulated) -------------------------------------------------------------------
 // x, w, y, dy, dx share one dtype, f32 or bf16; dw is that dtype or f32 (bf16 operands with an
 // fp32 gradient accumulator).
 void linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
-void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO, const Tensor& dx_NI,
-                     const Tensor& dw_OI);
+void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                     const Tensor& dx_NI, const Tensor& dw_OI);
 
 // ---- grouped linear (moe_ops.h): expert e owns rows [offsets_E1[e], offsets_E1[e+1]) ------------
 // y[rows of e] = x[rows of e] @ w_EOI[e]^T; dx written (skipped when undefined); dw_EOI[e] +=
@@ -66,19 +66,21 @@ void linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w
 // backward: dx and dw). Expert row counts change every step, so new shapes also pay the heuristic
 // query. The follow-up is a device-side grouped GEMM (CUTLASS grouped GEMM or cuBLASLt grouped)
 // that reads the offsets on the GPU: no host wait, one launch for all experts.
-void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& y_RO);
-void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1, const Tensor& dy_RO,
-                             const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate);
+void grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                            const Tensor& y_RO);
+void grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
+                             const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate);
 // The SwiGLU-fused pair (moe_ops.h): CUTLASS epilogues where they serve (bf16, grouped_gemm_cutlass.h),
 // else grouped_linear + swiglu (pairs).
-void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
-                                   const Tensor& gu_R2F, const Tensor& h_RF);
-void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
-                                         const Tensor& gu_R2F, const Tensor& dh_RF, const Tensor& dgu_R2F);
+void grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI,
+                                   const Tensor& offsets_E1, const Tensor& gu_R2F, const Tensor& h_RF);
+void grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF,
+                                         const Tensor& offsets_E1, const Tensor& gu_R2F, const Tensor& dh_RF,
+                                         const Tensor& dgu_R2F);
 
 // ---- matmul on matrix views (ops.h) --------------------------------------------------------------
 // The views' shapes, bounds and overlap are checked by moefold::matmul; dtypes as for gemm.
-void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b, const MatrixView& c, double alpha,
-            double beta);
+void matmul(const ExecContext& ctx, const MatrixView& a, bool trans_a, const MatrixView& b, bool trans_b,
+            const MatrixView& c, double alpha, double beta);
 
 }  // namespace moefold::cuda
