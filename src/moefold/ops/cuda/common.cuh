@@ -7,8 +7,8 @@
 
 #include "moefold/core/cuda_check.h"
 #include "moefold/core/device.h"
-#include "moefold/core/exec.h"
 #include "moefold/core/error.h"
+#include "moefold/core/exec.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold {

@@ -309,8 +309,8 @@ GemmTiles tiles_for(const ExecContext& ctx, Kind kind) {
 }
 
 // Calls run.template operator()<G>() with G the configuration of `kind` (Forward, Dgrad or Wgrad)
-// that the context's kernels.cutlass_tile picks and returns true; false (nothing run) for "small" when kSmall is false (the
-// SwiGLU kinds are not built with small tiles, to bound the compile time).
+// that the context's kernels.cutlass_tile picks and returns true; false (nothing run) for "small" when kSmall is false
+// (the SwiGLU kinds are not built with small tiles, to bound the compile time).
 template <template <class, class, class> class Config, bool kSmall = true, class Run>
 bool with_tiles(const ExecContext& ctx, Kind kind, const Run& run) {
   switch (tiles_for(ctx, kind)) {
@@ -456,9 +456,9 @@ typename G::Thread linear_combination(float beta) {
 
 // Builds the group arguments on the device and runs one grouped GEMM of kind kKind.
 template <class G, Kind kKind>
-void run_grouped(const ExecContext& ctx, int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& rows,
-                 const Tensor& rows2, const Tensor& w, void* out, const typename G::Thread& thread, const char* what,
-                 const void* src = nullptr) {
+void run_grouped(const ExecContext& ctx, int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1,
+                 const Tensor& rows, const Tensor& rows2, const Tensor& w, void* out, const typename G::Thread& thread,
+                 const char* what, const void* src = nullptr) {
   const size_t arg_bytes = Arrays<G>::bytes(e_n);
   void* arg_block = ctx.scratch(ScratchSlot::grouped_gemm_args, arg_bytes);
   Arrays<G> arr = Arrays<G>::carve(arg_block, e_n);
@@ -489,8 +489,8 @@ void run_grouped(const ExecContext& ctx, int64_t e_n, int64_t i_n, int64_t o_n, 
 
 }  // namespace
 
-bool cutlass_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
-                                    const Tensor& y_RO) {
+bool cutlass_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                    const Tensor& offsets_E1, const Tensor& y_RO) {
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   if (x_RI.dtype() != DType::bf16 || y_RO.dtype() != DType::bf16 || i_n % 8 != 0 || o_n % 8 != 0) return false;
   if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(y_RO.data())) return false;
@@ -503,8 +503,9 @@ bool cutlass_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, 
   return true;
 }
 
-bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI, const Tensor& offsets_E1,
-                                     const Tensor& dy_RO, const Tensor& dx_RI, const Tensor& dw_EOI, bool accumulate) {
+bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                     const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
+                                     const Tensor& dw_EOI, bool accumulate) {
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   const bool want_dw = dw_EOI.defined();
   if (x_RI.dtype() != DType::bf16 || dy_RO.dtype() != DType::bf16 || (want_dw && dw_EOI.dtype() != DType::f32) ||
@@ -534,8 +535,8 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
   if (!want_dw) return true;
   if (!accumulate) {
     const int64_t per = o_n * i_n;
-    zero_empty_experts<<<dim3(64, static_cast<unsigned>(e_n)), 256, 0, stream_of(ctx)>>>(dw_EOI.ptr<float>(),
-                                                                                   offsets_E1.ptr<int64_t>(), per);
+    zero_empty_experts<<<dim3(64, static_cast<unsigned>(e_n)), 256, 0, stream_of(ctx)>>>(
+        dw_EOI.ptr<float>(), offsets_E1.ptr<int64_t>(), per);
     MF_CUDA_LAUNCHED("grouped_linear_backward dw (zero empty experts)");
   }
   with_tiles<Wgrad>(ctx, Kind::wgrad, wgrad);
@@ -552,8 +553,8 @@ namespace {
 constexpr int64_t kFusedForwardMaxInputs = 2048;
 }  // namespace
 
-bool cutlass_grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI, const Tensor& offsets_E1,
-                                           const Tensor& gu_R2F, const Tensor& h_RF) {
+bool cutlass_grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_E2FI,
+                                           const Tensor& offsets_E1, const Tensor& gu_R2F, const Tensor& h_RF) {
   const SwigluFusion fusion = ctx.kernels().fused_swiglu;
   const int64_t e_n = w_E2FI.size(0), o_n = w_E2FI.size(1), i_n = w_E2FI.size(2);
   if (fusion == SwigluFusion::off || (fusion == SwigluFusion::automatic && i_n > kFusedForwardMaxInputs)) return false;
@@ -572,8 +573,9 @@ bool cutlass_grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor&
   return with_tiles<SwigluForward, false>(ctx, Kind::swiglu_forward, run);
 }
 
-bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF, const Tensor& offsets_E1,
-                                                 const Tensor& gu_R2F, const Tensor& dgu_R2F) {
+bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF,
+                                                 const Tensor& offsets_E1, const Tensor& gu_R2F,
+                                                 const Tensor& dgu_R2F) {
   if (ctx.kernels().fused_swiglu == SwigluFusion::off) return false;
   const int64_t e_n = w_EOF.size(0), o_n = w_EOF.size(1), f_n = w_EOF.size(2);
   if (dy_RO.dtype() != DType::bf16 || w_EOF.dtype() != DType::bf16 || gu_R2F.dtype() != DType::bf16 ||
@@ -594,16 +596,19 @@ bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext& ctx, const T
 #else  // built without CUTLASS's headers
 
 bool cutlass_grouped_gemm_built() { return false; }
-bool cutlass_grouped_linear_forward(const ExecContext& ctx, const Tensor&, const Tensor&, const Tensor&, const Tensor&) { return false; }
-bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                     const Tensor&, bool) {
+bool cutlass_grouped_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
   return false;
 }
-bool cutlass_grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+bool cutlass_grouped_linear_backward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&, bool) {
   return false;
 }
-bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                                 const Tensor&) {
+bool cutlass_grouped_linear_swiglu_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&,
+                                           const Tensor&, const Tensor&) {
+  return false;
+}
+bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext&, const Tensor&, const Tensor&, const Tensor&,
+                                                 const Tensor&, const Tensor&) {
   return false;
 }
 
