@@ -387,6 +387,7 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
 // in float64 on the GPU's inputs; gu is the plain grouped GEMM's output (bf16: 4e-3), h and dgu
 // come from the rounded gu / dh and are rounded once more (8e-3). `cutlass`: CUTLASS must serve
 // the call (its fused epilogues; asserted), else the unfused ops must.
+#ifdef MOEFOLD_WITH_CUDA  // used only by the CUDA build's test below
 void check_grouped_swiglu(const std::vector<int64_t>& counts, int64_t h_n, int64_t f_n, bool cutlass,
                           const ExecContext& ctx = testing::exec()) {
   SCOPED_TRACE(::testing::Message() << "experts " << counts.size() << " H " << h_n << " F " << f_n);
@@ -435,6 +436,7 @@ void check_grouped_swiglu(const std::vector<int64_t>& counts, int64_t h_n, int64
   swiglu_backward(ctx, testing::rounded(pool, gu, bf), testing::rounded(pool, dh_ref, bf), dgu_ref, GateUp::pairs);
   EXPECT_LE(testing::rel_error(testing::download(dgud), dgu_ref), 8e-3) << "dgu";
 }
+#endif
 
 TEST(CudaGroupedLinear, SwigluFusedMatchesCpu) {
   MF_REQUIRE_GPU();
