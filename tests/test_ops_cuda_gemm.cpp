@@ -326,11 +326,13 @@ KernelOptions with_grouped_gemm(GroupedGemmImpl impl) {
   k.grouped_gemm = impl;
   return k;
 }
+#ifdef MOEFOLD_WITH_CUDA  // used only by the CUDA build's tests below
 KernelOptions with_tiles(const char* tiles) {
   KernelOptions k;
   k.cutlass_tiles = parse_cutlass_tiles(tiles, "kernels.cutlass_tile");
   return k;
 }
+#endif
 
 // The cuBLASLt path (one GEMM per expert), which kernels.grouped_gemm = cublaslt selects.
 TEST(CudaGroupedLinear, UnevenAndEmptyExpertsMatchCpu) {

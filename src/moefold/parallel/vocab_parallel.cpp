@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "moefold/core/error.h"
+#include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
 #ifdef MOEFOLD_WITH_CUDA
 #include "moefold/ops/cuda/cross_entropy.h"
@@ -76,9 +77,7 @@ void check_found(Communicator& tp, double found, int64_t n, const char* what) {
 void vocab_parallel_embedding_forward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& table_shard_VlC,
                                       int64_t vocab_offset, const Tensor& out_partial_NC) {
   check_embedding(ids_N, table_shard_VlC, out_partial_NC, vocab_offset, false, "vocab_parallel_embedding_forward");
-#ifdef MOEFOLD_WITH_CUDA
-  if (on_gpu(ids_N)) return cuda::embedding_shard_forward(ctx, ids_N, table_shard_VlC, vocab_offset, out_partial_NC);
-#endif
+  MF_ON_GPU(ctx, ids_N, cuda::embedding_shard_forward(ctx, ids_N, table_shard_VlC, vocab_offset, out_partial_NC));
   const int64_t n = ids_N.size(0), vl = table_shard_VlC.size(0), c = table_shard_VlC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();
   dispatch_float(table_shard_VlC.dtype(), [&]<class T>() {
@@ -101,9 +100,7 @@ void vocab_parallel_embedding_forward(const ExecContext& ctx, const Tensor& ids_
 void vocab_parallel_embedding_backward(const ExecContext& ctx, const Tensor& ids_N, const Tensor& dout_NC,
                                        int64_t vocab_offset, const Tensor& dtable_shard_VlC) {
   check_embedding(ids_N, dtable_shard_VlC, dout_NC, vocab_offset, true, "vocab_parallel_embedding_backward");
-#ifdef MOEFOLD_WITH_CUDA
-  if (on_gpu(ids_N)) return cuda::embedding_shard_backward(ctx, ids_N, dout_NC, vocab_offset, dtable_shard_VlC);
-#endif
+  MF_ON_GPU(ctx, ids_N, cuda::embedding_shard_backward(ctx, ids_N, dout_NC, vocab_offset, dtable_shard_VlC));
   const int64_t n = ids_N.size(0), vl = dtable_shard_VlC.size(0), c = dtable_shard_VlC.size(1);
   const int32_t* ids = ids_N.ptr<int32_t>();
   dispatch_float(dtable_shard_VlC.dtype(), [&]<class T>() {
@@ -142,8 +139,8 @@ double vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator
   if (n == 0) return 0.0;
   const Tensor max_n = scratch.max_N.slice(0, n);
   const Tensor sums = scratch.sums_2N1.slice(0, 2 * n + 1);
+  if (runs_on_gpu(ctx, logits_shard_NVl, what)) {
 #ifdef MOEFOLD_WITH_CUDA
-  if (on_gpu(logits_shard_NVl)) {
     // With one rank an all-reduce is the identity (and the self communicator takes host tensors only).
     const bool reduce = tp.size() > 1;
     cuda::cross_entropy_shard_row_max(ctx, logits_shard_NVl, max_n);
@@ -154,8 +151,8 @@ double vocab_parallel_cross_entropy_forward(const ExecContext& ctx, Communicator
         cuda::cross_entropy_shard_finish(ctx, targets_N, max_n, sums, lse_N, scratch.result_2);
     check_found(tp, r.found, n, what);
     return r.loss;
-  }
 #endif
+  }
   double* row_max = max_n.ptr<double>();
   double* sum_exp = sums.ptr<double>();  // [0, n): sum of exp; [n, 2n): target logit; [2n]: hits
   double* target_logit = sum_exp + n;
@@ -217,11 +214,9 @@ void vocab_parallel_cross_entropy_backward(const ExecContext& ctx, const Tensor&
   MF_CHECK(dlogits_shard_NVl.dtype() == logits_shard_NVl.dtype() && dlogits_shard_NVl.contiguous() &&
                dlogits_shard_NVl.device() == logits_shard_NVl.device(),
            what, ": dlogits shard ", dlogits_shard_NVl.str(), " vs logits shard ", logits_shard_NVl.str());
-#ifdef MOEFOLD_WITH_CUDA
-  if (on_gpu(logits_shard_NVl))
-    return cuda::cross_entropy_shard_backward(ctx, logits_shard_NVl, vocab_offset, targets_N, lse_N, grad_scale,
-                                              dlogits_shard_NVl);
-#endif
+  MF_ON_GPU(ctx, logits_shard_NVl,
+            cuda::cross_entropy_shard_backward(ctx, logits_shard_NVl, vocab_offset, targets_N, lse_N, grad_scale,
+                                               dlogits_shard_NVl));
   const int64_t n = logits_shard_NVl.size(0), vl = logits_shard_NVl.size(1);
   const int32_t* targets = targets_N.ptr<int32_t>();
   dispatch_float(logits_shard_NVl.dtype(), [&]<class T>() {
