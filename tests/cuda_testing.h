@@ -125,7 +125,7 @@ inline Tensor rounded(Pool& pool, const Tensor& h, DType dtype) {
   return r;
 }
 
-// ||gpu - ref|| / ||ref|| (Frobenius), the error measure of ../shared: fp32 lands far under 1e-3;
+// ||gpu - ref|| / ||ref|| (Frobenius), the parity measure of every GPU test: fp32 lands far under 1e-3;
 // bf16 outputs between 1e-3 and 1e-2. Any NaN gives +inf.
 inline double rel_error(const std::vector<double>& gpu, const Tensor& ref) {
   double num = 0, den = 0;

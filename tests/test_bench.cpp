@@ -1,5 +1,5 @@
 // The benchmarks on the CPU at small shapes. `moefold bench moe-layer`: every (shape, routing) runs, the FLOP
-// count follows BENCHMARKS.md's formula, balanced routing is balanced, stages and GEMMs are all
+// count follows docs/benchmarks.md's formula, balanced routing is balanced, stages and GEMMs are all
 // timed, and the report names them. (Speed itself is never asserted: benchmarks measure it.)
 #include <gtest/gtest.h>
 
@@ -69,7 +69,7 @@ TEST(BenchMoeLayer, RunsEveryRoutingAndCountsFlops) {
 }
 
 // DeepSeek-V3's shared experts run beside the routed ones: two more stages, their FLOPs counted
-// (BENCHMARKS.md: + 6*T*H*F_shared).
+// (docs/benchmarks.md: + 6*T*H*F_shared).
 TEST(BenchMoeLayer, SharedExpertsAreTimedAndCounted) {
   MoeBenchOptions o = tiny_bench(
       32, 1, 0,

@@ -189,7 +189,7 @@ TEST(ModelSize, MatchesPublishedQwen3Sizes) {
   ModelSize s = model_size(c.model, c.moe, 4096);
   EXPECT_NEAR(s.total_params / 1e9, 30.53, 0.01);  // "30.5B total, 3.3B activated"
   EXPECT_NEAR(s.active_params / 1e9, 3.35, 0.01);
-  // BENCHMARKS.md formulas, by hand: per layer attention + MoE, plus the LM head.
+  // docs/benchmarks.md formulas, by hand: per layer attention + MoE, plus the LM head.
   const double h = 2048, q = 4096, kv = 512, S = 4096;
   const double per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * S * q + 2 * h * 128 + 6 * 8 * h * 768;
   EXPECT_DOUBLE_EQ(s.train_flops_per_token, 3 * (48 * per_layer + 2 * h * 151936));

@@ -25,7 +25,7 @@ namespace moefold {
 
 namespace {
 
-// ../shared/BENCHMARKS.md, measured on one H200 (2026-11-30): tokens per GPU of the MoE-layer
+// docs/benchmarks.md, measured on one H200 (2026-11-30): tokens per GPU of the MoE-layer
 // benchmark, the grouped-GEMM ceilings (fc1 forward, fc2 forward, fc1 forward+backward; TFLOP/s)
 // and the PyTorch bar (forward+backward TFLOP/s, balanced and real routing; the upper end of a
 // range, so a ratio never flatters).

@@ -1,5 +1,5 @@
 // `moefold bench moe-layer`: one MoE layer (router, dispatch, experts, combine) forward and
-// backward at the shapes of ../shared/BENCHMARKS.md, on random data, with balanced routing
+// backward at the shapes of docs/benchmarks.md, on random data, with balanced routing
 // (token t's k-th expert is (t*K + k) mod E) or the routing of the (random) router itself.
 // Times are medians of `reps` timed repetitions after `warmup` (CUDA events on the compute
 // stream; host clock on the CPU), per stage and in total, plus the expert grouped GEMMs alone
@@ -17,9 +17,9 @@
 namespace moefold {
 
 struct MoeBenchOptions {
-  std::vector<std::string> shapes;    // presets; empty: the four MoE shapes of BENCHMARKS.md
+  std::vector<std::string> shapes;    // presets; empty: the four MoE shapes of docs/benchmarks.md
   std::vector<std::string> routings;  // "balanced", "real"; empty: both
-  int64_t tokens = 0;                 // tokens per layer call; 0: BENCHMARKS.md's for the shape
+  int64_t tokens = 0;                 // tokens per layer call; 0: docs/benchmarks.md's for the shape
   int reps = 20, warmup = 3;
   Device device = Device::cuda;        // cuda: bf16 mixed precision; cpu: fp32 (small shapes)
   std::vector<std::string> overrides;  // section.key=value applied to every shape's config
@@ -35,7 +35,7 @@ struct BenchTime {
   std::string name;
   double ms = 0;       // median
   double tflops = 0;   // 0 when no FLOP count is given
-  double ceiling = 0;  // TFLOP/s of BENCHMARKS.md's ceiling for it (0: none)
+  double ceiling = 0;  // TFLOP/s of docs/benchmarks.md's ceiling for it (0: none)
 };
 
 struct MoeBenchResult {
@@ -44,7 +44,7 @@ struct MoeBenchResult {
   int64_t local_experts = 0;      // experts on this rank (E / EP)
   double flops = 0;               // forward + backward model FLOPs (3 x forward)
   BenchTime total;                // forward + backward of the layer
-  double bar = 0;                 // the PyTorch bar of BENCHMARKS.md (TFLOP/s; 0: none)
+  double bar = 0;                 // the PyTorch bar of docs/benchmarks.md (TFLOP/s; 0: none)
   std::vector<BenchTime> stages;  // router, dispatch, experts, combine and their backwards
   std::vector<BenchTime> gemms;   // the grouped GEMMs alone (same rows and offsets)
   // Phases inside the stages (ProfileScope names: the experts' pieces, expert parallelism's

@@ -20,7 +20,7 @@ namespace moefold {
 namespace fs = std::filesystem;
 
 namespace {
-constexpr double kPeakTflops = 989;  // H100/H200 SXM dense bf16 (datasheet), as BENCHMARKS.md quotes MFU
+constexpr double kPeakTflops = 989;  // H100/H200 SXM dense bf16 (datasheet), as docs/benchmarks.md quotes MFU
 
 std::string fmt(const char* f, double v) {
   char buf[64];

@@ -37,7 +37,7 @@ struct TrainBenchResult {
   double tokens_per_s = 0;      // all ranks together
   double flops_per_token = 0;   // model FLOPs of a training step per token (moefold info)
   double tflops_per_gpu = 0;    // model TFLOP/s per rank
-  double mfu = 0;               // against 989 TFLOP/s (H100/H200 SXM dense bf16, BENCHMARKS.md)
+  double mfu = 0;               // against 989 TFLOP/s (H100/H200 SXM dense bf16, docs/benchmarks.md)
   double peak_memory_mib = 0;   // planned device memory (0 on the CPU)
   double first_loss = 0, last_loss = 0;
   int ranks = 1;

@@ -67,13 +67,13 @@ Command add_bench(CLI::App& app) {
   cmd->require_subcommand(1);
 
   CLI::App* moe = a->moe_layer = cmd->add_subcommand(
-      "moe-layer", "one MoE layer forward+backward at BENCHMARKS.md's shapes, with its stage and GEMM breakdown");
+      "moe-layer", "one MoE layer forward+backward at docs/benchmarks.md's shapes, with its stage and GEMM breakdown");
   moe->add_option("--shape", a->moe.shapes,
                   "preset whose MoE shape to run (repeatable; default: qwen3-30b-a3b, qwen3-235b-a22b, "
                   "deepseek-v3, mixtral-8x7b)");
   moe->add_option("--routing", a->moe.routings, "balanced and/or real (repeatable; default both)")
       ->check(CLI::IsMember({"balanced", "real"}));
-  moe->add_option("--tokens", a->moe.tokens, "tokens per call (default: BENCHMARKS.md's for the shape)");
+  moe->add_option("--tokens", a->moe.tokens, "tokens per call (default: docs/benchmarks.md's for the shape)");
   moe->add_option("--reps", a->moe.reps, "timed repetitions (median reported)");
   moe->add_option("--warmup", a->moe.warmup, "untimed repetitions first");
   moe->add_option("--set", a->moe.overrides, "override a config key of every shape: section.key=value");

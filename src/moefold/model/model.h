@@ -2,7 +2,7 @@
 // attention (GQA or MLA) -> residual -> RMSNorm -> MoE (+ shared experts) or dense MLP ->
 // residual]; final RMSNorm; untied LM head; softmax cross-entropy.
 // forward() keeps every activation backward needs (one micro-batch); backward() accumulates
-// parameter gradients. The model knows nothing of parallelism (STYLE.md, item 4).
+// parameter gradients. The model knows nothing of parallelism: it comes in from outside.
 #pragma once
 
 #include <functional>
@@ -19,11 +19,11 @@
 
 namespace moefold {
 
-// Makes the dispatcher of MoE layer `layer` (expert parallelism comes in from outside, STYLE.md
-// item 4); an empty function or a null result means the local dispatcher.
+// Makes the dispatcher of MoE layer `layer` (expert parallelism comes in from outside); an empty function or a null
+// result means the local dispatcher.
 using DispatcherFactory = std::function<std::unique_ptr<Dispatcher>(int64_t layer)>;
 
-// What the model is handed from outside about parallelism (STYLE.md item 4).
+// What the model is handed from outside about parallelism.
 struct ModelParallel {
   DispatcherFactory dispatchers;   // expert parallelism (empty: local experts)
   Communicator* cp = nullptr;      // context-parallel group (null or size 1: whole sequences)

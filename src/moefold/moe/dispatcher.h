@@ -1,4 +1,4 @@
-// Token dispatchers (STYLE.md item 6): dispatch() moves each token's k assignments to
+// Token dispatchers (small strategy objects): dispatch() moves each token's k assignments to
 // expert-contiguous rows and returns a DispatchPlan; combine() consumes that plan to bring the
 // expert outputs back, weighted by the router's probabilities. Backends (local; all-to-all over
 // EP ranks; all-gather over ETP ranks) implement the same calls, so MoeLayer knows nothing of

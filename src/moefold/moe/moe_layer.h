@@ -1,5 +1,5 @@
 // The MoE layer that replaces a dense MLP: Router -> Dispatcher.dispatch -> Experts ->
-// Dispatcher.combine (DESIGN.md, "The job and the three walls"). Parallelism lives in the
+// Dispatcher.combine (docs/architecture.md, "What one training step does"). Parallelism lives in the
 // dispatcher, which comes in from outside (LocalDispatcher by default).
 // Gradient rule: dx written; parameter grads accumulated. Shape letters: T tokens, H hidden.
 #pragma once

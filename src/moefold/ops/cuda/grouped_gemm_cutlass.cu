@@ -271,7 +271,7 @@ using SwigluBackwardTree =
 enum class Kind : int { forward, dgrad, wgrad, swiglu_forward, swiglu_dgrad };
 
 // The tile configurations: "small" 128 x 128 x 64 in 1 x 1 clusters; "large" 128 x 256 x 64 in
-// 2 x 1 clusters (PyTorch's choice for large Hopper grouped GEMMs, which BENCHMARKS.md's ceilings
+// 2 x 1 clusters (PyTorch's choice for large Hopper grouped GEMMs, which docs/benchmarks.md's ceilings
 // used; measured best at every shape, the default); "pingpong" 64 x 256 x 64 tiles per consumer
 // warp group in 2 x 1 clusters (half the row padding when experts get few rows, e.g. real
 // routing at DeepSeek-V3's 256 rows per expert; the wgrad epilogue's f32 stores hidden behind

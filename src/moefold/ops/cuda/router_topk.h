@@ -1,7 +1,7 @@
 // The CUDA router scores and top-k of ops/moe_ops.h (router_topk.cu): the same names and
 // contracts, in namespace moefold::cuda; ops/cpu/router_topk.cpp dispatches here for CUDA
 // tensors. Gradient rule: dlogits WRITTEN. Every tensor a contiguous CUDA tensor; logits, scores,
-// topk_prob, dprob and dlogits f32 only (the router math stays fp32, DESIGN.md "Precision"),
+// topk_prob, dprob and dlogits f32 only (the router math stays fp32, docs/architecture.md "Backends"),
 // TopkRouting::bias_E f32, topk_idx i32. Both ops only enqueue work. Only in the CUDA build.
 // Numerics: the forward computes scores and the selection in f32 with the CPU reference's
 // operation order for each score (a correctly rounded exp, IEEE add and divide), so selection
