@@ -217,14 +217,14 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
         plan = &layer.dispatcher.dispatch(layer.x, balanced ? layer.balanced_idx : layer.router.topk_idx(),
                                           balanced ? layer.balanced_prob : layer.router.topk_prob());
       },
-      [&] { run_experts_forward(layer.dispatcher, *plan, layer.experts, layer.out.slice(0, plan->num_rows)); },
+      [&] { run_experts_forward(*plan, layer.experts, layer.out.slice(0, plan->num_rows)); },
       [&] { layer.dispatcher.combine(layer.out.slice(0, plan->num_rows), *plan, layer.y); },
       [&] {
         layer.dispatcher.combine_backward(layer.dy, layer.out.slice(0, plan->num_rows), *plan,
                                           layer.dout.slice(0, plan->num_rows), layer.dprob);
       },
       [&] {
-        run_experts_backward(layer.dispatcher, *plan, layer.experts, layer.dout.slice(0, plan->num_rows),
+        run_experts_backward(*plan, layer.experts, layer.dout.slice(0, plan->num_rows),
                              layer.drows.slice(0, plan->num_rows));
       },
       [&] { layer.dispatcher.dispatch_backward(layer.drows.slice(0, plan->num_rows), *plan, layer.dx); },

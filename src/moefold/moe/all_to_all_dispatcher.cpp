@@ -22,15 +22,18 @@ EpTransportChoice parse_ep_transport(const std::string& value) {
 
 AllToAllDispatcher::AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep,
                                        EpTransportChoice transport)
-    : transport_(transport), cfg_(cfg), ex_("AllToAllDispatcher", cfg, hidden, max_tokens, ep) {}
+    : transport_(transport),
+      cfg_(cfg),
+      ex_("AllToAllDispatcher", cfg, hidden, max_tokens, ep),
+      layout_(ep.size(), ex_.num_local(), cfg.ep_overlap_chunks) {}
 
 void AllToAllDispatcher::bind(Memory& mem) {
   ctx_ = &mem.exec();
   ex_.bind(mem);
-  const int64_t p_n = ex_.ep().size(), rounds = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
+  const int64_t p_n = ex_.ep().size();
   all_counts_PE_ = mem.host_act({p_n, cfg_.num_experts}, DType::i64);
   // Own halves and all own rows (one own piece on one rank), then a piece per peer and round.
-  piece_offsets_ = mem.mirrored({(p_n > 1 ? 3 : 1) + (p_n - 1) * rounds, ex_.num_local() + 1}, DType::i64);
+  piece_offsets_ = mem.mirrored({layout_.max_pieces(), ex_.num_local() + 1}, DType::i64);
   plan_ = AllToAllPlan{};
   outputs_left_ = drows_left_ = 0;
   mem_ = &mem;
@@ -50,47 +53,6 @@ void AllToAllDispatcher::choose_transport() {
             "' cannot map each other's memory (not one host, or no peer access)");
 }
 
-int64_t AllToAllDispatcher::sent(int from, int to) const {
-  const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local();
-  const int64_t* c = all_counts_PE_.ptr<int64_t>() + from * e_n + to * l_n;
-  int64_t n = 0;
-  for (int64_t l = 0; l < l_n; ++l) n += c[l];
-  return n;
-}
-
-std::pair<int64_t, int64_t> AllToAllDispatcher::part(int64_t n, int64_t j) const {
-  const int64_t c_n = cfg_.ep_overlap_chunks;
-  return {n * j / c_n, n * (j + 1) / c_n};
-}
-
-std::pair<int64_t, int64_t> AllToAllDispatcher::home_block(int r, int m) const {
-  const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local();
-  const int64_t* c = all_counts_PE_.ptr<int64_t>() + r * e_n;
-  int64_t h0 = 0;
-  for (int64_t e = 0; e < m * l_n; ++e) h0 += c[e];
-  return {h0, h0 + sent(r, m)};
-}
-
-std::pair<int64_t, int64_t> AllToAllDispatcher::home_part(int r, int m, int64_t j) const {
-  const int64_t h0 = home_block(r, m).first;
-  const auto [a, b] = part(sent(r, m), j);
-  return {h0 + a, h0 + b};
-}
-
-int64_t AllToAllDispatcher::piece_row(int r, int s, int64_t j) const {
-  const int p_n = ex_.ep().size();
-  int64_t row = sent(r, r);  // the own rows come first
-  for (int64_t j2 = 0; j2 <= j; ++j2)
-    for (int k = 1; k < p_n; ++k) {
-      const int s2 = (r + k) % p_n;
-      if (j2 == j && s2 == s) return row;
-      const auto [a, b] = part(sent(s2, r), j2);
-      row += b - a;
-    }
-  MF_CHECK(false, "piece_row: no piece from rank ", s, " in round ", j, " at rank ", r);
-  return row;
-}
-
 int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_RH) {
   const int me = ex_.ep().rank();
   const bool to_experts = leg == Leg::dispatch || leg == Leg::dout;
@@ -102,7 +64,7 @@ int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_R
     transfers.clear();
     for (const size_t i : sch.rounds[static_cast<size_t>(j)]) {
       const int q = sch.sources[i].peer;
-      const auto [a, b] = home_part(me, q, j);
+      const auto [a, b] = layout_.home_part(me, q, j);
       const RowPiece& piece = (*sch.pieces)[i];
       const Tensor home = home_SH.slice(a, b), rows = rows_RH.slice(piece.begin, piece.end);
       transfers.push_back(to_experts ? Transfer{q, home, rows} : Transfer{q, rows, home});
@@ -118,12 +80,13 @@ int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_R
     const int q = sch.sources[i].peer;
     const RowPiece& piece = (*sch.pieces)[i];
     const Tensor rows = rows_RH.slice(piece.begin, piece.end);
-    const size_t at_q = row_bytes * static_cast<size_t>(home_part(q, me, j).first);  // q's home rows for me
+    const size_t at_q = row_bytes * static_cast<size_t>(layout_.home_part(q, me, j).first);  // q's home rows for me
     switch (leg) {
       case Leg::dispatch: {
-        const auto [a, b] = home_part(me, q, j);
-        pushes_.push_back({q, ex_.own_SH().slice(a, b),
-                           peer_->offset_of(ex_.rows_RH()) + row_bytes * static_cast<size_t>(piece_row(q, me, j))});
+        const auto [a, b] = layout_.home_part(me, q, j);
+        pushes_.push_back(
+            {q, ex_.own_SH().slice(a, b),
+             peer_->offset_of(ex_.rows_RH()) + row_bytes * static_cast<size_t>(layout_.piece_row(q, me, j))});
         break;
       }
       case Leg::combine:
@@ -157,8 +120,10 @@ void AllToAllDispatcher::set_schedule(Schedule& s, std::vector<RowPiece>& pieces
   pieces.clear();
   s.sources.clear();
   for (const size_t i : order) {
-    pieces.push_back(layout_[i]);
-    s.sources.push_back(layout_sources_[i]);
+    const EpLayoutPiece& lp = laid_out_[i];
+    const int64_t l_n = ex_.num_local(), at = static_cast<int64_t>(i);
+    pieces.push_back(RowPiece{lp.begin, lp.end, piece_offsets_.dev.slice(at, at + 1).view({l_n + 1})});
+    s.sources.push_back(lp.source);
   }
   s.rounds.resize(static_cast<size_t>(c_n));
   for (std::vector<size_t>& r : s.rounds) r.clear();
@@ -169,6 +134,7 @@ void AllToAllDispatcher::set_schedule(Schedule& s, std::vector<RowPiece>& pieces
 const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK,
                                                  const Tensor& topk_prob_TK) {
   AllToAllPlan& p = plan_;
+  p.schedule = this;  // the rounds in flight: this dispatcher's PieceSchedule side
   const int me = ex_.ep().rank(), p_n = ex_.ep().size();
   const int64_t l_n = ex_.num_local(), c_n = p_n > 1 ? cfg_.ep_overlap_chunks : 0;
   // 1. This rank's tokens into home rows sorted by global expert, before any exchange (x is
@@ -182,58 +148,22 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
     ex_.gather_counts(all_counts_PE_, p);
   }
   p.recv_counts_PL = ex_.recv_counts().view({p_n, l_n});  // offsets_E1 stays undefined: see the pieces
-  const int64_t* home_counts = ex_.home_counts_host().ptr<int64_t>();
 
-  // 3. The pieces: rows laid out [own rows | round 0: the peers from me + 1 on | round 1 | ...];
-  //    the layout list names the own rows three times (first half, second half: forward; all:
-  //    backward). A piece is part [a, b) of a block of rows that is expert-major with counts_L;
-  //    its offsets are the counts clipped to the part.
-  const int64_t* recv_pl = ex_.recv_counts().ptr<int64_t>();
-  int64_t* offsets = piece_offsets_.host.ptr<int64_t>();
-  std::vector<RowPiece>& layout = layout_;
-  std::vector<Source>& layout_src = layout_sources_;
-  layout.clear();
-  layout_src.clear();
-  int64_t row = 0;
-  const auto add = [&](const Source& src, const int64_t* counts_L, int64_t a, int64_t b) {
-    int64_t* o = offsets + static_cast<int64_t>(layout.size()) * (l_n + 1);
-    o[0] = 0;
-    for (int64_t l = 0, start = 0; l < l_n; start += counts_L[l], ++l)
-      o[l + 1] = o[l] + std::max<int64_t>(0, std::min(start + counts_L[l], b) - std::max(start, a));
-    MF_CHECK(o[l_n] == b - a, "dispatch: piece offsets sum to ", o[l_n], ", the piece has ", b - a, " rows");
-    layout.push_back(RowPiece{row, row + (b - a), Tensor()});
-    layout_src.push_back(src);
-    row += b - a;
-  };
-  const auto [hs0, hs1] = home_block(me, me);
+  // 3. The pieces (EpLayout::lay_out): rows laid out [own rows | round 0: the peers from me + 1 on
+  //    | round 1 | ...]; the layout names the own rows three times (first half, second half:
+  //    forward; all: backward).
+  layout_.set_counts(all_counts_PE_.ptr<int64_t>());
+  const int64_t rows = layout_.lay_out(me, laid_out_, piece_offsets_.host.ptr<int64_t>());
+  MF_CHECK(rows == p.num_rows, "dispatch: pieces hold ", rows, " rows of ", p.num_rows);
+  const auto [hs0, hs1] = layout_.home_block(me, me);
   const int64_t n_self = hs1 - hs0;
-  // One rank: the own rows in one piece (exactly LocalDispatcher's GEMMs); else in two halves.
-  const int64_t self_cut = p_n > 1 ? n_self / 2 : n_self;
-  add(Source{me, -1, hs0}, home_counts + me * l_n, 0, self_cut);
-  if (p_n > 1) {
-    add(Source{me, -1, hs0 + self_cut}, home_counts + me * l_n, self_cut, n_self);
-    row = 0;  // layout 2: all own rows again (the backward's own piece)
-    add(Source{me, -1, hs0}, home_counts + me * l_n, 0, n_self);
-  }
-  for (int64_t j = 0; j < c_n; ++j)
-    for (int k = 1; k < p_n; ++k) {
-      const int q = (me + k) % p_n;
-      const int64_t n = p.recv_counts_P.ptr<int64_t>()[q];
-      MF_CHECK(row == piece_row(me, q, j), "dispatch: piece from rank ", q, " in round ", j, " at row ", row,
-               ", the peers place it at ", piece_row(me, q, j));
-      add(Source{q, j, 0}, recv_pl + q * l_n, n * j / c_n, n * (j + 1) / c_n);
-    }
-  MF_CHECK(row == p.num_rows, "dispatch: pieces hold ", row, " rows of ", p.num_rows);
-  piece_offsets_.to_device(static_cast<int64_t>(layout.size()), ctx_);
-  for (size_t i = 0; i < layout.size(); ++i)
-    layout[i].offsets_E1 =
-        piece_offsets_.dev.slice(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1).view({l_n + 1});
+  piece_offsets_.to_device(static_cast<int64_t>(laid_out_.size()), ctx_);
   // Forward: own half, the rounds, own half (layout 0, 3, 4, ..., 1): the first own half runs
   // while round 0 travels to the experts, the last one while the last round's outputs travel
   // home. Backward: all own rows as one piece (layout 2: fewer passes over the expert weight
   // gradients), then the rounds: dout of round 0 travels under the own rows, each round's drows
   // under its own weight gradient and the next round. One rank: the own rows, one piece.
-  const size_t n_layout = layout.size();
+  const size_t n_layout = laid_out_.size();
   order_.clear();
   if (p_n == 1) {
     order_.push_back(0);
@@ -284,7 +214,7 @@ void AllToAllDispatcher::piece_done(const Schedule& s, size_t piece, const Tenso
                                     std::vector<Round>& rounds, int64_t& left, const char* what) {
   check_piece(s, piece);
   ex_.check_rows(rows_RH, plan_, what);
-  const Source& src = s.sources[piece];
+  const EpPieceSource& src = s.sources[piece];
   --left;
   if (src.round < 0) return;  // own rows: written at home
   Round& r = rounds[static_cast<size_t>(src.round)];
@@ -297,7 +227,7 @@ Tensor AllToAllDispatcher::piece_rows(const Schedule& s, const DispatchPlan& pla
   ep_check_plan(plan, plan_, "piece_rows");
   check_piece(s, piece);
   const RowPiece& pc = (*s.pieces)[piece];
-  const Source& src = s.sources[piece];
+  const EpPieceSource& src = s.sources[piece];
   if (src.round < 0) return home_SH.slice(src.home, src.home + (pc.end - pc.begin));
   return rows_RH.slice(pc.begin, pc.end);
 }

@@ -34,6 +34,7 @@
 #include "moefold/core/memory.h"
 #include "moefold/moe/dispatcher.h"
 #include "moefold/moe/ep_exchange.h"
+#include "moefold/moe/ep_layout.h"
 #include "moefold/moe/moe_config.h"
 
 namespace moefold {
@@ -49,7 +50,7 @@ enum class EpTransportChoice : uint8_t { automatic, nccl, ipc };
 // "auto", "nccl" or "ipc" (anything else: Error naming parallel.ep_transport).
 EpTransportChoice parse_ep_transport(const std::string& value);
 
-class AllToAllDispatcher final : public Dispatcher {
+class AllToAllDispatcher final : public Dispatcher, private PieceSchedule {
  public:
   // EP rank r holds global experts [r*L, (r+1)*L). REQUIRES: cfg.validate() passes; E % EP == 0
   // (MF_CHECK; config validation reports it to users); every rank of `ep` constructs its
@@ -73,7 +74,8 @@ class AllToAllDispatcher final : public Dispatcher {
   Communicator& group() const { return ex_.ep(); }
 
   // Collective over the EP group (count exchange, then the rounds of rows are started): every EP
-  // rank calls it together. Returns before the rows of other ranks have arrived (rows_arrived).
+  // rank calls it together. Returns before the rows of other ranks have arrived: the plan's
+  // schedule says when each piece's have (PieceSchedule::rows_arrived).
   const DispatchPlan& dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK) override;
   // Collective. Waits for the outputs started home by outputs_done and keeps them at home for
   // combine_backward.
@@ -85,9 +87,11 @@ class AllToAllDispatcher final : public Dispatcher {
   // Collective. Waits for the drows started home by input_grads_done.
   void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) override;
 
-  // The own pieces' outputs go straight home (home_SH), their output gradients are read and
-  // their input gradients written at home (own_SH: each row's dout is dead once the experts'
-  // second linear layer has its gradients, before the first one writes drows).
+ private:
+  // Its plans' PieceSchedule (the rounds of rows in flight). The own pieces' outputs go straight
+  // home (home_SH), their output gradients are read and their input gradients written at home
+  // (own_SH: each row's dout is dead once the experts' second linear layer has its gradients,
+  // before the first one writes drows).
   Tensor output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const override;
   Tensor output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const override;
   Tensor input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const override;
@@ -96,16 +100,8 @@ class AllToAllDispatcher final : public Dispatcher {
   void output_grads_arrived(size_t piece) override;
   void input_grads_done(size_t piece, const Tensor& drows_RH) override;
 
- private:
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   EpTransportChoice transport_;
-  // Where a piece's rows come from: this rank (round -1; its rows are home rows [home, home + n))
-  // or a peer in a round.
-  struct Source {
-    int peer = 0;
-    int64_t round = -1;
-    int64_t home = 0;
-  };
   // One direction of one round in flight: the exchange's ticket, and the pieces still to finish
   // before it starts (outputs / drows) or whether the context's stream waited for it (rows / dout).
   struct Round {
@@ -115,14 +111,6 @@ class AllToAllDispatcher final : public Dispatcher {
   };
   // The four legs of a layer: x rows out, outputs back, output gradients out, input gradients back.
   enum class Leg : uint8_t { dispatch, combine, dout, drows };
-  // From every rank's home counts (all_counts_PE_): rows rank `from` sends to rank `to`'s
-  // experts; part j of n rows; rank r's home rows of part j of its block for rank m's experts;
-  // the first row, at rank r, of the piece from source s in round j.
-  int64_t sent(int from, int to) const;
-  std::pair<int64_t, int64_t> part(int64_t n, int64_t j) const;
-  std::pair<int64_t, int64_t> home_part(int r, int m, int64_t j) const;
-  std::pair<int64_t, int64_t> home_block(int r, int m) const;  // all of rank r's home rows for m's experts
-  int64_t piece_row(int r, int s, int64_t j) const;
   // Starts round j of `leg` between the home rows (own_SH / home_SH) and the round's pieces of
   // `rows_RH` (the experts' rows, outputs, output gradients or input gradients).
   int64_t start_round(int64_t j, Leg leg, const Tensor& rows_RH);
@@ -130,11 +118,11 @@ class AllToAllDispatcher final : public Dispatcher {
   // combine) runs plan_.pieces, backward (dout and drows) plan_.backward_pieces.
   struct Schedule {
     std::vector<RowPiece>* pieces = nullptr;
-    std::vector<Source> sources;              // by piece
+    std::vector<EpPieceSource> sources;       // by piece
     std::vector<std::vector<size_t>> rounds;  // by round: its pieces, one per peer
   };
   const Schedule& schedule(Leg leg) const { return leg == Leg::dispatch || leg == Leg::combine ? fwd_ : bwd_; }
-  // Fills `s` with the layout pieces `order` (indices into layout_ / layout_sources_).
+  // Fills `s` with the layout pieces `order` (indices into laid_out_).
   void set_schedule(Schedule& s, std::vector<RowPiece>& pieces, const std::vector<size_t>& order);
   // Picks the transport (collective; first dispatch after bind).
   void choose_transport();
@@ -157,12 +145,12 @@ class AllToAllDispatcher final : public Dispatcher {
   std::unique_ptr<PeerMemory> peer_;  // the direct transport; null: start_exchange
   bool transport_chosen_ = false;
   Tensor all_counts_PE_;    // i64 [P, E], host: every rank's home counts (last dispatch)
+  EpLayout layout_;         // where every row goes, from all_counts_PE_
   Mirrored piece_offsets_;  // i64 [pieces, L + 1]: every piece's expert offsets
   Schedule fwd_, bwd_;
   std::vector<Round> rows_, outputs_, douts_, drows_;  // by round
   // Scratch kept between dispatches (no allocation in a step once they have grown).
-  std::vector<RowPiece> layout_;
-  std::vector<Source> layout_sources_;
+  std::vector<EpLayoutPiece> laid_out_;
   std::vector<size_t> order_;
   std::vector<Transfer> transfers_;
   std::vector<PeerMemory::Push> pushes_;

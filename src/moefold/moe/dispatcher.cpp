@@ -5,23 +5,6 @@
 
 namespace moefold {
 
-namespace {
-Tensor piece_of(const std::vector<RowPiece>& pieces, size_t piece, const Tensor& t_RH) {
-  const RowPiece& p = pieces.at(piece);
-  return t_RH.slice(p.begin, p.end);
-}
-}  // namespace
-
-Tensor Dispatcher::output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const {
-  return piece_of(plan.pieces, piece, out_RH);
-}
-Tensor Dispatcher::output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const {
-  return piece_of(plan.backward_pieces, piece, dout_RH);
-}
-Tensor Dispatcher::input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const {
-  return piece_of(plan.backward_pieces, piece, drows_RH);
-}
-
 void set_single_piece(DispatchPlan& plan) {
   plan.pieces.assign(1, RowPiece{0, plan.num_rows, plan.offsets_E1});
   plan.backward_pieces = plan.pieces;

@@ -22,6 +22,32 @@ struct RowPiece {
   Tensor offsets_E1;  // i64 [E+1], relative to begin, on the rows' device
 };
 
+struct DispatchPlan;
+
+// How the experts run the pieces of a pipelined plan (expert parallelism: the all-to-all runs
+// beside the experts), owned by the dispatcher that made the plan (DispatchPlan::schedule).
+// dispatch() and combine_backward() may return before every piece's rows have arrived; whoever
+// runs the experts (run_experts_forward / run_experts_backward, moe_layer.h) calls, for piece i of
+// the plan: forward (pieces), rows_arrived(i) before reading its rows and outputs_done(i, out_RH)
+// once its outputs are written; backward (backward_pieces), output_grads_arrived(i) before
+// reading its dout rows and input_grads_done(i, drows_RH) once its drows are written. The
+// dispatcher's combine() and dispatch_backward() REQUIRE every piece's outputs_done /
+// input_grads_done.
+class PieceSchedule {
+ public:
+  virtual ~PieceSchedule() = default;
+  virtual void rows_arrived(size_t piece) = 0;
+  virtual void outputs_done(size_t piece, const Tensor& out_RH) = 0;
+  virtual void output_grads_arrived(size_t piece) = 0;
+  virtual void input_grads_done(size_t piece, const Tensor& drows_RH) = 0;
+  // Where the experts write piece i's outputs and input gradients and read its output gradients:
+  // the piece's rows of the caller's tensor, unless the schedule keeps them where they are needed
+  // next (AllToAllDispatcher: its own tokens' rows stay home).
+  virtual Tensor output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const = 0;
+  virtual Tensor output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const = 0;
+  virtual Tensor input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const = 0;
+};
+
 // Who goes where, computed once in forward and reused by combine and by backward. Views are
 // sized to the last dispatch (T tokens, R rows) and live in the dispatcher's bound buffers.
 struct DispatchPlan {
@@ -41,6 +67,9 @@ struct DispatchPlan {
   Tensor token_R;       // i64 [R]: source token of each row; -1 for a padding row
   Tensor rows_RH;       // [R, H]: the dispatched rows (padding rows are zero)
   Tensor topk_prob_TK;  // the combine weights given to dispatch() (a view of the caller's)
+  // The pipelining of the pieces (null: every piece's rows are here when dispatch() returns, and
+  // its outputs and gradients are its rows of the caller's tensors).
+  PieceSchedule* schedule = nullptr;
 };
 
 // Columns [first, first + size) of the expert FFN.
@@ -77,25 +106,6 @@ class Dispatcher {
                                 const Tensor& dout_RH, const Tensor& dprob_TK) = 0;
   // dx_TH[t] = sum_k drows_RH[row(t, k)]; dx written.
   virtual void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) = 0;
-
-  // Pipelining (expert parallelism: the all-to-all runs beside the experts). dispatch() and
-  // combine_backward() may return before every piece's rows have arrived; whoever runs the
-  // experts (run_experts_forward / run_experts_backward) calls, for piece i of the last plan:
-  // forward (pieces), rows_arrived(i) before reading its rows and outputs_done(i, out_RH) once
-  // its outputs are written; backward (backward_pieces), output_grads_arrived(i) before reading
-  // its dout rows and input_grads_done(i, drows_RH) once its drows are written. combine() and
-  // dispatch_backward() REQUIRE every piece's outputs_done / input_grads_done. The defaults do
-  // nothing.
-  virtual void rows_arrived(size_t piece) { (void)piece; }
-  virtual void outputs_done(size_t piece, const Tensor& out_RH) { (void)piece, (void)out_RH; }
-  virtual void output_grads_arrived(size_t piece) { (void)piece; }
-  virtual void input_grads_done(size_t piece, const Tensor& drows_RH) { (void)piece, (void)drows_RH; }
-  // Where the experts write piece i's outputs and input gradients and read its output gradients
-  // (`plan`: the last dispatch's): the piece's rows of the caller's tensor, unless the dispatcher
-  // keeps them where they are needed next (AllToAllDispatcher: its own tokens' rows stay home).
-  virtual Tensor output_rows(const DispatchPlan& plan, size_t piece, const Tensor& out_RH) const;
-  virtual Tensor output_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& dout_RH) const;
-  virtual Tensor input_grad_rows(const DispatchPlan& plan, size_t piece, const Tensor& drows_RH) const;
 };
 
 // The plan's rows as one expert-major piece (dispatchers that do not pipeline).

@@ -29,36 +29,41 @@ Experts make_experts(const MoeConfig& cfg, const Dispatcher& d, int64_t hidden, 
 }
 }  // namespace
 
-void run_experts_forward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& out_RH) {
+void run_experts_forward(const DispatchPlan& plan, Experts& experts, const Tensor& out_RH) {
   check_shape(out_RH, {plan.num_rows, out_RH.size(1)}, "run_experts_forward out");
+  PieceSchedule* s = plan.schedule;
   for (size_t i = 0; i < plan.pieces.size(); ++i) {
     const RowPiece& piece = plan.pieces[i];
-    d.rows_arrived(i);
+    if (s) s->rows_arrived(i);
     ProfileScope scope("moe experts piece forward");
-    experts.forward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, d.output_rows(plan, i, out_RH),
-                    piece.begin);
-    d.outputs_done(i, out_RH);
+    const Tensor out = s ? s->output_rows(plan, i, out_RH) : out_RH.slice(piece.begin, piece.end);
+    experts.forward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, out, piece.begin);
+    if (s) s->outputs_done(i, out_RH);
   }
 }
 
-void run_experts_backward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH,
-                          const Tensor& drows_RH) {
+void run_experts_backward(const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH, const Tensor& drows_RH) {
   check_shape(dout_RH, {plan.num_rows, dout_RH.size(1)}, "run_experts_backward dout");
   check_shape(drows_RH, plan.rows_RH.shape(), "run_experts_backward drows");
+  PieceSchedule* s = plan.schedule;
   // The callback captures one pointer, so std::function keeps it without a heap allocation.
   struct Done {
-    Dispatcher& d;
+    PieceSchedule* s;
     const Tensor& drows;
     size_t piece;
-  } done{d, drows_RH, 0};
+  } done{s, drows_RH, 0};
   for (size_t i = 0; i < plan.backward_pieces.size(); ++i) {
     const RowPiece& piece = plan.backward_pieces[i];
-    d.output_grads_arrived(i);
+    if (s) s->output_grads_arrived(i);
     ProfileScope scope("moe experts piece backward");
     done.piece = i;
-    experts.backward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, d.output_grad_rows(plan, i, dout_RH),
-                     d.input_grad_rows(plan, i, drows_RH), piece.begin,
-                     [&done] { done.d.input_grads_done(done.piece, done.drows); });
+    const Tensor dout = s ? s->output_grad_rows(plan, i, dout_RH) : dout_RH.slice(piece.begin, piece.end);
+    const Tensor drows = s ? s->input_grad_rows(plan, i, drows_RH) : drows_RH.slice(piece.begin, piece.end);
+    // The input gradients are reported between the two weight-gradient-free and weight-gradient
+    // GEMMs whether or not a schedule waits for them (one kernel order for every dispatcher).
+    experts.backward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, dout, drows, piece.begin, [&done] {
+      if (done.s) done.s->input_grads_done(done.piece, done.drows);
+    });
   }
 }
 
@@ -117,7 +122,7 @@ void MoeLayer::forward(const Tensor& x_TH, const Tensor& y_TH) {
   const Tensor out = out_RH_.slice(0, plan_->num_rows);
   {
     ProfileScope scope("moe experts forward");
-    run_experts_forward(*dispatcher_, *plan_, experts_, out);
+    run_experts_forward(*plan_, experts_, out);
   }
   ProfileScope scope("moe combine forward");
   dispatcher_->combine(out, *plan_, y_TH);
@@ -136,7 +141,7 @@ void MoeLayer::backward(const Tensor& dy_TH, const Tensor& dx_TH, double loss_sc
   }
   {
     ProfileScope scope("moe experts backward");
-    run_experts_backward(*dispatcher_, *plan_, experts_, dout, drows);
+    run_experts_backward(*plan_, experts_, dout, drows);
   }
   {
     ProfileScope scope("moe dispatch backward");

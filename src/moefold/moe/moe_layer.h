@@ -16,14 +16,13 @@
 
 namespace moefold {
 
-// The experts over the pieces of `plan` (the last dispatch of `d`), with the dispatcher's
-// pipelining calls around each piece: the outputs written where d.output_rows puts them (the
-// rows of out_RH, R rows, unless the dispatcher keeps some elsewhere). MoeLayer and the benchmark
-// run the experts through these.
-void run_experts_forward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& out_RH);
+// The experts over the pieces of `plan` (a dispatcher's last dispatch), with the calls of its
+// PieceSchedule (dispatcher.h) around each piece when it pipelines: the outputs written where the
+// schedule puts them (the rows of out_RH, R rows, unless it keeps some elsewhere). MoeLayer and
+// the benchmark run the experts through these.
+void run_experts_forward(const DispatchPlan& plan, Experts& experts, const Tensor& out_RH);
 // Backward, over plan.backward_pieces: drows_RH written, expert gradients as Experts::backward.
-void run_experts_backward(Dispatcher& d, const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH,
-                          const Tensor& drows_RH);
+void run_experts_backward(const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH, const Tensor& drows_RH);
 
 class MoeLayer {
  public:
