@@ -23,7 +23,6 @@ enum class ScratchSlot : int {
   cross_entropy,
   router_loss,
   permute_plan,
-  vocab_parallel,
   attention,
   grouped_gemm_args,
   grouped_gemm_workspace,
