@@ -59,8 +59,9 @@ void run_experts_backward(const DispatchPlan& plan, Experts& experts, const Tens
     done.piece = i;
     const Tensor dout = s ? s->output_grad_rows(plan, i, dout_RH) : dout_RH.slice(piece.begin, piece.end);
     const Tensor drows = s ? s->input_grad_rows(plan, i, drows_RH) : drows_RH.slice(piece.begin, piece.end);
-    // The input gradients are reported between the two weight-gradient-free and weight-gradient
-    // GEMMs whether or not a schedule waits for them (one kernel order for every dispatcher).
+    // Experts::backward splits its first layer's GEMMs (input gradient, then weight gradient)
+    // around the callback; it is passed whether or not a schedule waits, so every dispatcher runs
+    // the same kernels in the same order.
     experts.backward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, dout, drows, piece.begin, [&done] {
       if (done.s) done.s->input_grads_done(done.piece, done.drows);
     });
