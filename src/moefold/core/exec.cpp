@@ -23,11 +23,6 @@ struct ExecContext::Buffers {
   void* event = nullptr;  // wait_for's event, recorded on the other context's stream
 };
 
-void check_exec_device(const ExecContext& ctx, const Tensor& t, const char* what) {
-  MF_CHECK(!t.defined() || t.device() == ctx.device(), what, ": ", t.str(), " on a ",
-           ctx.device() == Device::cuda ? "CUDA" : "CPU", " execution context");
-}
-
 const ExecContext& ExecContext::standard(Device device) {
   static std::mutex m;
   static const ExecContext* contexts[2] = {nullptr, nullptr};  // never destroyed (see gemm.cu)

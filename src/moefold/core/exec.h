@@ -56,7 +56,6 @@ class ExecContext {
   const KernelOptions& kernels() const { return kernels_; }
   // The cudaStream_t (as void*, so this header needs no CUDA headers); null on the CPU.
   void* stream() const { return stream_; }
-  bool on_primary_stream() const { return !own_stream_; }
 
   // Device memory of `bytes` or more for `slot`, valid until the next call for that slot on this
   // context; only this context's stream may use it. REQUIRES: a CUDA context.
@@ -82,9 +81,5 @@ class ExecContext {
   bool own_stream_ = false;
   std::unique_ptr<Buffers> buffers_;  // scratch, library state, the event of wait_for
 };
-
-// Checks that `t` lives where `ctx` runs its ops (an op given tensors of another device fails
-// here, naming the op).
-void check_exec_device(const ExecContext& ctx, const Tensor& t, const char* what);
 
 }  // namespace moefold
