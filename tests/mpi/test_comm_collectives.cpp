@@ -238,6 +238,63 @@ TYPED_TEST(CommTyped, SendRecvRing) {
   }
 }
 
+// PeerMemory over MPI (host blocks, copies as messages): each rank pushes rows into every peer's
+// block at an offset that names the pair and pulls rows from every peer's block, in random sizes
+// and a shuffled order, twice; bytes outside the copies stay as they were.
+TEST(CommPeerMemory, PushAndPullAtOffsets) {
+  Communicator& w = test_world();
+  const int n = w.size(), r = w.rank();
+  const uint64_t seed = shared_seed(w);
+  SCOPED_TRACE(::testing::Message() << "MOEFOLD_TEST_SEED=" << seed);
+  const int64_t cols = 3, slot = 6;  // rows per pair: at most slot - 1 copied, the rest a guard
+  // Block rows [p * slot, +slot): pushed here by p; [(n + p) * slot, +slot): this rank's rows for
+  // p to pull.
+  std::vector<float> block(static_cast<size_t>(2 * n * slot * cols));
+  std::unique_ptr<PeerMemory> pm = w.map_peer_memory(block.data(), block.size() * sizeof(float));
+  ASSERT_NE(pm, nullptr);
+  const size_t row_bytes = cols * sizeof(float);
+  auto value = [](int trial, int from, int to, int64_t i) {
+    return static_cast<float>(1000 * trial + 100 * from + 10 * to + i);
+  };
+  for (int trial = 0; trial < 2; ++trial) {
+    std::mt19937_64 gen(seed + 7 + trial);
+    std::vector<int64_t> rows(static_cast<size_t>(n * n));  // rows[a * n + b]: a's rows for b
+    for (int64_t& k : rows) k = static_cast<int64_t>(gen() % slot);
+    std::fill(block.begin(), block.end(), -1.0f);
+    for (int p = 0; p < n; ++p)
+      for (int64_t i = 0; i < rows[r * n + p] * cols; ++i)
+        block[static_cast<size_t>((n + p) * slot * cols + i)] = value(trial, r, p, i);
+    std::vector<std::vector<float>> out(static_cast<size_t>(n)), in(static_cast<size_t>(n));
+    std::vector<PeerMemory::Push> pushes;
+    std::vector<PeerMemory::Pull> pulls;
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      const int64_t k = rows[r * n + p], m = rows[p * n + r];
+      out[p].resize(static_cast<size_t>(k * cols));
+      for (int64_t i = 0; i < k * cols; ++i) out[p][i] = value(trial, r, p, i) + 0.5f;
+      in[p].assign(static_cast<size_t>((m + 1) * cols), -2.0f);
+      pushes.push_back({p, Tensor(out[p].data(), DType::f32, {k, cols}), static_cast<size_t>(r * slot) * row_bytes});
+      pulls.push_back({p, static_cast<size_t>((n + r) * slot) * row_bytes,
+                       Tensor(in[p].data(), DType::f32, {m + 1, cols}).slice(0, m)});
+    }
+    std::shuffle(pushes.begin(), pushes.end(), gen);
+    std::shuffle(pulls.begin(), pulls.end(), gen);
+    pm->wait(pm->push(pushes));
+    pm->wait(pm->pull(pulls));
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      const int64_t k = rows[p * n + r];  // p's rows for this rank, pushed and pulled
+      for (int64_t i = 0; i < slot * cols; ++i)
+        ASSERT_EQ(block[static_cast<size_t>(p * slot * cols + i)], i < k * cols ? value(trial, p, r, i) + 0.5f : -1.0f)
+            << "pushed by " << p << " element " << i << " trial " << trial;
+      for (int64_t i = 0; i < (k + 1) * cols; ++i)
+        ASSERT_EQ(in[p][i], i < k * cols ? value(trial, p, r, i) : -2.0f)
+            << "pulled from " << p << " element " << i << " trial " << trial;
+    }
+    w.barrier();  // nobody rewrites its block before every peer has pulled from it
+  }
+}
+
 // Even/odd groups ordered by descending world rank; collectives inside the groups, then a split
 // of a subgroup.
 TEST(CommSplit, EvenOddReversedOrder) {

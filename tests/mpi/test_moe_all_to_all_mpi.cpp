@@ -14,7 +14,9 @@
 
 #include <algorithm>
 #include <memory>
+#include <ostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moe_rig.h"
@@ -52,6 +54,7 @@ struct Case {
   MoeConfig cfg;
   std::vector<double> bias_E;  // added to every element of gate row e; empty: unbiased router
 };
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }  // GoogleTest's failure lines
 
 // The knobs the cases turn (everything else: E = 8 experts, F = 5, no aux / z loss).
 struct Knobs {
@@ -120,10 +123,13 @@ using testing::draw_block;
 using testing::rel_err;
 using testing::sum_all;
 
-class AllToAll : public ::testing::TestWithParam<Case> {};
+// Every case by both transports: the exchange (MPI messages) and the peer copies (MPI's
+// PeerMemory: the same offsets a GPU's direct copies write to, as messages).
+class AllToAll : public ::testing::TestWithParam<std::tuple<Case, EpTransportChoice>> {};
 
 TEST_P(AllToAll, MatchesOneRankReference) {
-  const Case& c = GetParam();
+  const Case& c = std::get<0>(GetParam());
+  const EpTransportChoice transport = std::get<1>(GetParam());
   Communicator& world = test_world();
   const int ep = world.size(), rank = world.rank();
   if (kE % ep != 0) GTEST_SKIP() << kE << " experts over " << ep << " ranks";
@@ -147,7 +153,7 @@ TEST_P(AllToAll, MatchesOneRankReference) {
   }
 
   // This rank's EP layer: the whole router, experts [rank*L, (rank+1)*L).
-  auto disp_owned = std::make_unique<AllToAllDispatcher>(cfg, kH, max_t, world);
+  auto disp_owned = std::make_unique<AllToAllDispatcher>(cfg, kH, max_t, world, transport);
   const AllToAllDispatcher& disp = *disp_owned;
   Rig mine(cfg, max_t, std::move(disp_owned));
   ASSERT_EQ(disp.num_local_experts(), l_n);
@@ -163,6 +169,7 @@ TEST_P(AllToAll, MatchesOneRankReference) {
     mine.layer.forward(warm.x, y);
     mine.layer.backward(warm.dy, dx, loss_scale);
   }
+  ASSERT_STREQ(disp.transport().name(), transport == EpTransportChoice::ipc && ep > 1 ? "peer" : "exchange");
 
   // The EP step on this rank's block (outputs pre-filled with garbage: they must be written).
   const Block own = draw_block(pool, seed, rank, kH, biased, 0);
@@ -268,8 +275,13 @@ TEST_P(AllToAll, MatchesOneRankReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, AllToAll, ::testing::ValuesIn(all_cases()),
-                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+INSTANTIATE_TEST_SUITE_P(Cases, AllToAll,
+                         ::testing::Combine(::testing::ValuesIn(all_cases()),
+                                            ::testing::Values(EpTransportChoice::nccl, EpTransportChoice::ipc)),
+                         [](const ::testing::TestParamInfo<std::tuple<Case, EpTransportChoice>>& i) {
+                           return std::get<0>(i.param).name +
+                                  (std::get<1>(i.param) == EpTransportChoice::ipc ? "_peer" : "_exchange");
+                         });
 
 }  // namespace
 }  // namespace moefold

@@ -202,6 +202,28 @@ void twenty_steps_match_one_rank(const Config& base_) {
 TEST_F(Layouts, TwentyStepLossCurveMatchesOneRank) { twenty_steps_match_one_rank(base_); }
 TEST_F(Layouts, DeepSeekV3TwentyStepLossCurveMatchesOneRank) { twenty_steps_match_one_rank(deepseek_); }
 
+// parallel.ep_transport changes how the expert rows travel, never what is computed: the peer
+// copies (MPI's PeerMemory on CPU ranks) put every row where the exchange does, so three steps
+// with EP over the whole world give identical losses and gradient norms.
+TEST_F(Layouts, EpTransportsGiveIdenticalSteps) {
+  Communicator& world = testing::test_world();
+  if (world.size() == 1 || 8 % world.size() != 0) GTEST_SKIP() << "needs EP over 2, 4 or 8 ranks";
+  std::vector<std::vector<double>> losses;
+  for (const char* transport : {"nccl", "ipc"}) {
+    // 4 sequences per step: at most DP = 4 (TP = 2 on 8 ranks).
+    Config c = with_layout(base_, {world.size() == 8 ? 2 : 1, 1, world.size(), 1});
+    c.parallel.ep_transport = transport;
+    LayoutRun run(c, world);
+    std::vector<double>& got = losses.emplace_back();
+    for (int i = 0; i < 3; ++i) {
+      const StepMetrics m = run.trainer->train_step();
+      got.push_back(m.loss);
+      got.push_back(m.grad_norm);
+    }
+  }
+  EXPECT_EQ(losses[0], losses[1]) << "losses and gradient norms of steps 1-3, nccl then ipc";
+}
+
 // A directory every rank sees under the same name (rank 0's pid), removed at the end.
 std::filesystem::path shared_dir(Communicator& world, const std::string& tag) {
   int64_t id = ::getpid();

@@ -14,8 +14,9 @@ void check_buffer(const Tensor& t, const char* op, const char* what, bool gpu) {
   MF_CHECK(t.contiguous(), op, ": ", what, " ", t.str(), " is not contiguous");
   MF_CHECK(gpu || t.device() == Device::cpu, op, ": ", what, " ", t.str(), " is not on the cpu");
   const DType d = t.dtype();
-  MF_CHECK(d == DType::f32 || d == DType::f64 || d == DType::i32 || d == DType::i64 || (gpu && d == DType::bf16), op,
-           ": ", what, " ", t.str(), " has an unsupported dtype (f32, f64, i32, i64", gpu ? ", bf16)" : ")");
+  MF_CHECK(d == DType::f32 || d == DType::f64 || d == DType::i32 || d == DType::i64 || d == DType::u8 ||
+               (gpu && d == DType::bf16),
+           op, ": ", what, " ", t.str(), " has an unsupported dtype (f32, f64, i32, i64, u8", gpu ? ", bf16)" : ")");
 }
 
 static void check_rows_alike(const Tensor& a, const Tensor& b, const char* op) {

@@ -76,7 +76,8 @@ class Communicator {
   virtual void wait(int64_t ticket) { (void)ticket; }
   // Collective: maps every rank's peer-visible block (Memory::peer_block, `bytes` long on every
   // rank) into the others' address spaces, for direct copies (see PeerMemory). Null on every rank
-  // where the group cannot (host backends; GPUs on other hosts or without peer access).
+  // where the group cannot (one rank; GPUs on other hosts or without peer access). MPI groups
+  // (host blocks) give make_message_peer_memory: the same copies, as messages.
   virtual std::unique_ptr<PeerMemory> map_peer_memory(void* block, size_t bytes) {
     (void)block, (void)bytes;
     return nullptr;

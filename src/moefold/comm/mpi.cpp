@@ -66,6 +66,8 @@ MPI_Datatype mpi_type(DType t) {
       return MPI_INT32_T;
     case DType::i64:
       return MPI_INT64_T;
+    case DType::u8:
+      return MPI_UINT8_T;
     default:
       break;
   }
@@ -232,6 +234,11 @@ class MpiCommunicator final : public Communicator {
     MPI_Request req;
     MF_MPI_CHECK(MPI_Ibarrier(comm_, &req));
     wait(&req, "barrier");
+  }
+
+  // Host blocks: no process maps another's memory; the copies travel as messages.
+  std::unique_ptr<PeerMemory> map_peer_memory(void* block, size_t bytes) override {
+    return make_message_peer_memory(*this, block, bytes);
   }
 
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override {

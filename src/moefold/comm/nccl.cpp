@@ -79,6 +79,8 @@ ncclDataType_t nccl_type(DType t) {
       return ncclInt32;
     case DType::i64:
       return ncclInt64;
+    case DType::u8:
+      return ncclUint8;
     default:
       break;
   }

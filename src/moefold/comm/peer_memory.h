@@ -55,5 +55,10 @@ class PeerMemory {
 class Communicator;
 // The CUDA IPC implementation behind NcclCommunicator::map_peer_memory (CUDA builds only).
 std::unique_ptr<PeerMemory> make_cuda_peer_memory(Communicator& group, void* block, size_t bytes);
+// Host blocks (MpiCommunicator::map_peer_memory): each push or pull is an exchange of messages
+// over `group` after which every rank copies into or out of its own block, so the same offsets
+// reach the same bytes as the direct copies do; finished before it returns. Collective; checks
+// that every rank's block is `bytes` long.
+std::unique_ptr<PeerMemory> make_message_peer_memory(Communicator& group, void* block, size_t bytes);
 
 }  // namespace moefold

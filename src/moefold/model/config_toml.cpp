@@ -141,7 +141,8 @@ const std::vector<Field>& fields() {
                "start each layer's data-parallel gradient all-reduce as its backward ends"),
       MF_FIELD(parallel, "ep_transport", ep_transport,
                "expert-parallel exchange: \"auto\" (ipc where the EP GPUs can map each other's memory, else nccl), "
-               "\"nccl\" or \"ipc\""),
+               "\"nccl\" (the communicator's send/recv) or \"ipc\" (copies into the peers' memory; MPI messages "
+               "on CPU ranks)"),
       MF_FIELD(data, "path", path, ".tokens file or Megatron .bin/.idx prefix; empty: default corpus"),
       MF_FIELD(data, "valid_fraction", valid_fraction, "tail of the token stream held out for evaluation"),
       MF_FIELD(data, "default_corpus_dir", default_corpus_dir,

@@ -13,16 +13,9 @@
 
 namespace moefold {
 
-EpTransportChoice parse_ep_transport(const std::string& value) {
-  if (value == "auto") return EpTransportChoice::automatic;
-  if (value == "nccl") return EpTransportChoice::nccl;
-  if (value == "ipc") return EpTransportChoice::ipc;
-  MF_FAIL("parallel.ep_transport = \"", value, "\": expected one of auto, nccl, ipc");
-}
-
 AllToAllDispatcher::AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep,
                                        EpTransportChoice transport)
-    : transport_(transport),
+    : choice_(transport),
       cfg_(cfg),
       ex_("AllToAllDispatcher", cfg, hidden, max_tokens, ep),
       layout_(ep.size(), ex_.num_local(), cfg.ep_overlap_chunks) {}
@@ -37,77 +30,28 @@ void AllToAllDispatcher::bind(Memory& mem) {
   plan_ = AllToAllPlan{};
   outputs_left_ = drows_left_ = 0;
   mem_ = &mem;
-  peer_.reset();  // the block may be new: mapped again by the next dispatch
-  transport_chosen_ = false;
+  transport_.reset();  // the peer-visible block may be new: chosen (mapped) again by the next dispatch
 }
 
-void AllToAllDispatcher::choose_transport() {
-  transport_chosen_ = true;
-  Communicator& ep = ex_.ep();
-  // Collective: every rank maps, or none does.
-  int32_t try_ipc = transport_ != EpTransportChoice::nccl && ep.size() > 1 && mem_->device() == Device::cuda ? 1 : 0;
-  ep.all_reduce(Tensor(&try_ipc, DType::i32, {1}), ReduceOp::sum);
-  if (try_ipc == ep.size()) peer_ = ep.map_peer_memory(mem_->peer_block(), mem_->peer_block_bytes());
-  if (transport_ == EpTransportChoice::ipc && peer_ == nullptr && ep.size() > 1)
-    MF_FAIL("parallel.ep_transport = ipc: the GPUs of EP group '", ep.name(),
-            "' cannot map each other's memory (not one host, or no peer access)");
+const EpTransport& AllToAllDispatcher::transport() const {
+  MF_CHECK(transport_ != nullptr, "AllToAllDispatcher::transport: no dispatch since bind");
+  return *transport_;
 }
 
 int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_RH) {
   const int me = ex_.ep().rank();
-  const bool to_experts = leg == Leg::dispatch || leg == Leg::dout;
   const Schedule& sch = schedule(leg);
   // The home side: x rows out (own_SH), outputs in (home_SH), dout rows out and drows in (own_SH).
   const Tensor& home_SH = leg == Leg::combine ? ex_.home_SH() : ex_.own_SH();
-  if (peer_ == nullptr) {
-    std::vector<Transfer>& transfers = transfers_;
-    transfers.clear();
-    for (const size_t i : sch.rounds[static_cast<size_t>(j)]) {
-      const int q = sch.sources[i].peer;
-      const auto [a, b] = layout_.home_part(me, q, j);
-      const RowPiece& piece = (*sch.pieces)[i];
-      const Tensor home = home_SH.slice(a, b), rows = rows_RH.slice(piece.begin, piece.end);
-      transfers.push_back(to_experts ? Transfer{q, home, rows} : Transfer{q, rows, home});
-    }
-    return ex_.ep().start_exchange(transfers);
-  }
-  // Direct copies: the receiving side's rows are at offsets every rank computes from the counts.
-  // Pushes, except dout: its destination is the caller's buffer, so the expert rank pulls it.
-  const size_t row_bytes = static_cast<size_t>(home_SH.size(1)) * dtype_size(home_SH.dtype());
-  pushes_.clear();
-  pulls_.clear();
+  moves_.clear();
   for (const size_t i : sch.rounds[static_cast<size_t>(j)]) {
     const int q = sch.sources[i].peer;
+    const auto [a, b] = layout_.home_part(me, q, j);
     const RowPiece& piece = (*sch.pieces)[i];
-    const Tensor rows = rows_RH.slice(piece.begin, piece.end);
-    const size_t at_q = row_bytes * static_cast<size_t>(layout_.home_part(q, me, j).first);  // q's home rows for me
-    switch (leg) {
-      case Leg::dispatch: {
-        const auto [a, b] = layout_.home_part(me, q, j);
-        pushes_.push_back(
-            {q, ex_.own_SH().slice(a, b),
-             peer_->offset_of(ex_.rows_RH()) + row_bytes * static_cast<size_t>(layout_.piece_row(q, me, j))});
-        break;
-      }
-      case Leg::combine:
-        pushes_.push_back({q, rows, peer_->offset_of(ex_.home_SH()) + at_q});
-        break;
-      case Leg::dout:
-        pulls_.push_back({q, peer_->offset_of(ex_.own_SH()) + at_q, rows});
-        break;
-      case Leg::drows:
-        pushes_.push_back({q, rows, peer_->offset_of(ex_.own_SH()) + at_q});
-        break;
-    }
+    moves_.push_back(EpMove{q, home_SH.slice(a, b), rows_RH.slice(piece.begin, piece.end),
+                            layout_.home_part(q, me, j).first, layout_.piece_row(q, me, j)});
   }
-  return leg == Leg::dout ? peer_->pull(pulls_) : peer_->push(pushes_);
-}
-
-void AllToAllDispatcher::wait_ticket(int64_t ticket) {
-  if (peer_ != nullptr)
-    peer_->wait(ticket);
-  else
-    ex_.ep().wait(ticket);
+  return transport_->start(leg, moves_);
 }
 
 void AllToAllDispatcher::check_piece(const Schedule& s, size_t piece) const {
@@ -140,7 +84,7 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   // 1. This rank's tokens into home rows sorted by global expert, before any exchange (x is
   //    permuted below, straight into the rows that stay here).
   ex_.route_home(x_TH, topk_idx_TK, topk_prob_TK, p, false);
-  if (!transport_chosen_) choose_transport();
+  if (transport_ == nullptr) transport_ = choose_ep_transport(choice_, ex_.ep(), *mem_, ex_);
   // 2. Counts first: every rank's home counts to every rank (an all_gather): how many rows each
   //    peer sends to each local expert, and where every rank puts the rows it receives.
   {
@@ -205,7 +149,7 @@ void AllToAllDispatcher::wait_round(const Schedule& s, size_t piece, std::vector
   Round& r = rounds[static_cast<size_t>(j)];
   if (!r.waited) {
     ProfileScope scope(what);  // how long the context's stream waits: the exposed transfer
-    wait_ticket(r.ticket);
+    transport_->wait(r.ticket);
   }
   r.waited = true;
 }
@@ -258,7 +202,7 @@ void AllToAllDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan,
   // the rounds.
   {
     ProfileScope scope("moe ep wait outputs");
-    for (const Round& r : outputs_) wait_ticket(r.ticket);
+    for (const Round& r : outputs_) transport_->wait(r.ticket);
   }
   ex_.combine_home(p, y_TH);
 }
@@ -295,7 +239,7 @@ void AllToAllDispatcher::dispatch_backward(const Tensor& drows_RH, const Dispatc
            " pieces' drows were not reported by input_grads_done (run the experts with run_experts_backward)");
   {
     ProfileScope scope("moe ep wait drows");
-    for (const Round& r : drows_) wait_ticket(r.ticket);
+    for (const Round& r : drows_) transport_->wait(r.ticket);
   }
   ex_.dispatch_backward_home(p, dx_TH);
 }

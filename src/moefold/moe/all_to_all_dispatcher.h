@@ -12,10 +12,9 @@
 // On one rank the own rows are one piece. The own rows' outputs and gradients never leave home:
 // the experts write and read them there. Only the grouped GEMMs' row order differs from an
 // unpipelined dispatch: the experts' rows are grouped by source, each piece expert-major.
-// Transport: where the EP group's GPUs share a host and can map each other's memory, rounds are
-// direct copies into the peer's rows (PeerMemory: copy engines, no SMs taken from the experts'
-// GEMMs), else the communicator's start_exchange (NCCL send/recv). parallel.ep_transport = nccl
-// or ipc forces one (ipc fails where it cannot be had); auto (the default) takes ipc where it can.
+// Transport (EpTransport, chosen by parallel.ep_transport at the first dispatch): PeerMemory
+// copies into the peers' rows where the EP group's GPUs share a host (copy engines: no SMs taken
+// from the experts' GEMMs), else the communicator's start_exchange (NCCL send/recv).
 // Gradient rule: every backward WRITES its activation gradients (no parameters); each data
 // backward is the transpose of its forward path.
 // Shape letters: T tokens (this rank), H hidden, K top-k, E global experts, L = E / EP local
@@ -30,11 +29,11 @@
 #include <vector>
 
 #include "moefold/comm/communicator.h"
-#include "moefold/comm/peer_memory.h"
 #include "moefold/core/memory.h"
 #include "moefold/moe/dispatcher.h"
 #include "moefold/moe/ep_exchange.h"
 #include "moefold/moe/ep_layout.h"
+#include "moefold/moe/ep_transport.h"
 #include "moefold/moe/moe_config.h"
 
 namespace moefold {
@@ -44,11 +43,6 @@ namespace moefold {
 struct AllToAllPlan : EpPlan {
   Tensor recv_counts_PL;  // i64 [P, L]: rows peer p sent to local expert l (padding included)
 };
-
-// How the rows travel between EP ranks (parallel.ep_transport).
-enum class EpTransportChoice : uint8_t { automatic, nccl, ipc };
-// "auto", "nccl" or "ipc" (anything else: Error naming parallel.ep_transport).
-EpTransportChoice parse_ep_transport(const std::string& value);
 
 class AllToAllDispatcher final : public Dispatcher, private PieceSchedule {
  public:
@@ -72,6 +66,8 @@ class AllToAllDispatcher final : public Dispatcher, private PieceSchedule {
   // The EP view of the last dispatch (REQUIRES: after dispatch).
   const AllToAllPlan& plan() const { return plan_; }
   Communicator& group() const { return ex_.ep(); }
+  // The transport the rounds travel by (REQUIRES: after the first dispatch since bind).
+  const EpTransport& transport() const;
 
   // Collective over the EP group (count exchange, then the rounds of rows are started): every EP
   // rank calls it together. Returns before the rows of other ranks have arrived: the plan's
@@ -101,7 +97,7 @@ class AllToAllDispatcher final : public Dispatcher, private PieceSchedule {
   void input_grads_done(size_t piece, const Tensor& drows_RH) override;
 
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
-  EpTransportChoice transport_;
+  EpTransportChoice choice_;
   // One direction of one round in flight: the exchange's ticket, and the pieces still to finish
   // before it starts (outputs / drows) or whether the context's stream waited for it (rows / dout).
   struct Round {
@@ -109,8 +105,7 @@ class AllToAllDispatcher final : public Dispatcher, private PieceSchedule {
     int64_t pending = 0;
     bool waited = false;
   };
-  // The four legs of a layer: x rows out, outputs back, output gradients out, input gradients back.
-  enum class Leg : uint8_t { dispatch, combine, dout, drows };
+  using Leg = EpLeg;
   // Starts round j of `leg` between the home rows (own_SH / home_SH) and the round's pieces of
   // `rows_RH` (the experts' rows, outputs, output gradients or input gradients).
   int64_t start_round(int64_t j, Leg leg, const Tensor& rows_RH);
@@ -124,11 +119,8 @@ class AllToAllDispatcher final : public Dispatcher, private PieceSchedule {
   const Schedule& schedule(Leg leg) const { return leg == Leg::dispatch || leg == Leg::combine ? fwd_ : bwd_; }
   // Fills `s` with the layout pieces `order` (indices into laid_out_).
   void set_schedule(Schedule& s, std::vector<RowPiece>& pieces, const std::vector<size_t>& order);
-  // Picks the transport (collective; first dispatch after bind).
-  void choose_transport();
   void check_piece(const Schedule& s, size_t piece) const;
   // rows_arrived / output_grads_arrived: the context's stream waits for the piece's round once.
-  void wait_ticket(int64_t ticket);
   void wait_round(const Schedule& s, size_t piece, std::vector<Round>& rounds, const char* what);
   // outputs_done / input_grads_done: the piece's rows of rows_RH go home with the last piece of
   // their round (that round started); the own pieces' are home already.
@@ -142,19 +134,16 @@ class AllToAllDispatcher final : public Dispatcher, private PieceSchedule {
   EpExchange ex_;
   AllToAllPlan plan_;
   const Memory* mem_ = nullptr;
-  std::unique_ptr<PeerMemory> peer_;  // the direct transport; null: start_exchange
-  bool transport_chosen_ = false;
-  Tensor all_counts_PE_;    // i64 [P, E], host: every rank's home counts (last dispatch)
-  EpLayout layout_;         // where every row goes, from all_counts_PE_
-  Mirrored piece_offsets_;  // i64 [pieces, L + 1]: every piece's expert offsets
+  std::unique_ptr<EpTransport> transport_;  // null until the first dispatch after bind
+  Tensor all_counts_PE_;                    // i64 [P, E], host: every rank's home counts (last dispatch)
+  EpLayout layout_;                         // where every row goes, from all_counts_PE_
+  Mirrored piece_offsets_;                  // i64 [pieces, L + 1]: every piece's expert offsets
   Schedule fwd_, bwd_;
   std::vector<Round> rows_, outputs_, douts_, drows_;  // by round
   // Scratch kept between dispatches (no allocation in a step once they have grown).
   std::vector<EpLayoutPiece> laid_out_;
   std::vector<size_t> order_;
-  std::vector<Transfer> transfers_;
-  std::vector<PeerMemory::Push> pushes_;
-  std::vector<PeerMemory::Pull> pulls_;
+  std::vector<EpMove> moves_;
   int64_t outputs_left_ = 0, drows_left_ = 0;  // pieces not yet done this pass
 };
 

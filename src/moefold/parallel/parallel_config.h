@@ -21,8 +21,9 @@ struct ParallelConfig {
   // all-reduce as its backward ends, in the step's last micro-batch); false: one all-reduce per
   // parameter group after backward.
   bool overlap_grad_reduce = true;
-  // Expert-parallel token exchange: "ipc" (direct copies into the peers' GPU memory, where the EP
-  // group shares a host and can map it), "nccl" (send/recv), or "auto" (ipc where it can be had).
+  // Expert-parallel token exchange (moe/ep_transport.h): "ipc" (direct copies into the peers' GPU
+  // memory, where the EP group shares a host and can map it; on CPU ranks the same copies as MPI
+  // messages), "nccl" (the communicator's send/recv), or "auto" (ipc where GPUs can map).
   std::string ep_transport = "auto";
 
   // Static checks (positive sizes, pp == 1, a known ep_transport); world-dependent checks are in
