@@ -204,6 +204,28 @@ TYPED_TEST(CommTyped, StartExchangeRandomPeers) {
   }
 }
 
+// The distributed optimizer's in-place pair: start_reduce_scatter leaves block r of rank r the
+// sum of every rank's block r; start_all_gather then copies each rank's own block everywhere.
+TYPED_TEST(CommTyped, InPlaceReduceScatterThenAllGather) {
+  using T = TypeParam;
+  Communicator& w = test_world();
+  const int n = w.size(), r = w.rank();
+  for (const int64_t block : {int64_t{0}, int64_t{1}, int64_t{7}}) {
+    std::vector<T> buf(static_cast<size_t>(n * block));
+    for (int64_t i = 0; i < n * block; ++i) buf[i] = val<T>(r, i, 0);
+    w.wait(w.start_reduce_scatter(Tensor(buf.data(), dtype_of<T>(), {n * block}), ReduceOp::sum));
+    for (int64_t i = r * block; i < (r + 1) * block; ++i) {
+      T want = 0;
+      for (int s = 0; s < n; ++s) want += val<T>(s, i, 0);
+      ASSERT_EQ(buf[i], want) << "reduced element " << i << ", blocks of " << block;
+    }
+    for (int64_t i = 0; i < n * block; ++i) buf[i] = i / block == r ? val<T>(r, i, 1) : T(-7);
+    w.wait(w.start_all_gather(Tensor(buf.data(), dtype_of<T>(), {n * block})));
+    for (int64_t i = 0; i < n * block; ++i)
+      ASSERT_EQ(buf[i], val<T>(i / block, i, 1)) << "gathered element " << i << ", blocks of " << block;
+  }
+}
+
 TYPED_TEST(CommTyped, BroadcastFromLastRank) {
   using T = TypeParam;
   Communicator& w = test_world();

@@ -92,6 +92,31 @@ TEST_F(Nccl, AllReduceAllGatherReduceScatterBroadcast) {
   }
 }
 
+// The in-place pair of the distributed optimizer, started on the communicator's stream: after
+// start_reduce_scatter + wait block r of rank r is the sum of every rank's block r; after
+// start_all_gather every block p is rank p's.
+TEST_F(Nccl, InPlaceReduceScatterThenAllGather) {
+  const int r = nccl_->rank(), n = nccl_->size();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    testing::Pool pool;
+    DevicePool dev;
+    const int64_t block = 11;
+    Tensor a = filled(pool, dev, n * block, r, dt);
+    nccl_->wait(nccl_->start_reduce_scatter(a, ReduceOp::sum));
+    std::vector<double> got = testing::download(a);
+    for (int64_t i = r * block; i < (r + 1) * block; ++i) {
+      double want = 0;
+      for (int p = 0; p < n; ++p) want += value(p, i);
+      ASSERT_EQ(got[i], want) << i;
+    }
+    Tensor g = filled(pool, dev, n * block, r, dt);
+    nccl_->wait(nccl_->start_all_gather(g));
+    got = testing::download(g);
+    for (int64_t i = 0; i < n * block; ++i) ASSERT_EQ(got[i], value(static_cast<int>(i / block), i)) << i;
+  }
+}
+
 // Uneven blocks, empty ones included, rows of 3 elements: peer p gets (r + p) % 3 rows from r.
 TEST_F(Nccl, AllToAllVUnevenAndEmptyBlocks) {
   const int r = nccl_->rank(), n = nccl_->size();

@@ -44,4 +44,31 @@ int64_t Communicator::start_exchange(const std::vector<Transfer>& transfers) {
   return 0;
 }
 
+namespace {
+// buf as [size, numel / size] and its block of this rank.
+Tensor blocks_of(const Tensor& buf, int size, const char* op) {
+  comm_detail::check_buffer(buf, op, "buf");
+  MF_CHECK(buf.numel() % size == 0, op, ": ", buf.str(), " is not ", size, " equal blocks");
+  return buf.view({size, buf.numel() / size});
+}
+}  // namespace
+
+int64_t Communicator::start_reduce_scatter(const Tensor& buf, ReduceOp op) {
+  const Tensor all = blocks_of(buf, size(), "start_reduce_scatter");
+  std::vector<std::byte> mine(all.nbytes() / static_cast<size_t>(size()));
+  const Tensor out(mine.data(), buf.dtype(), {1, all.size(1)});
+  reduce_scatter(all, out, op);
+  all.slice(rank(), rank() + 1).copy_from(out);
+  return 0;
+}
+
+int64_t Communicator::start_all_gather(const Tensor& buf) {
+  const Tensor all = blocks_of(buf, size(), "start_all_gather");
+  std::vector<std::byte> mine(all.nbytes() / static_cast<size_t>(size()));
+  const Tensor in(mine.data(), buf.dtype(), {1, all.size(1)});
+  in.copy_from(all.slice(rank(), rank() + 1));
+  all_gather(in, all);
+  return 0;
+}
+
 }  // namespace moefold

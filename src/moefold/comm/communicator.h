@@ -73,6 +73,15 @@ class Communicator {
     all_reduce(buf, op);
     return 0;
   }
+  // Collective, in place (the distributed optimizer's gradient buckets): `buf` is size() equal
+  // blocks; block rank() of this rank's buf becomes op over every rank's block rank(), the other
+  // blocks keep unspecified values. Started like start_all_reduce. REQUIRES: numel % size() == 0.
+  // Host backends finish before returning (this default: reduce_scatter through a copy).
+  virtual int64_t start_reduce_scatter(const Tensor& buf, ReduceOp op);
+  // Collective, in place (the distributed optimizer's updated weights): block r of rank r's `buf`
+  // lands in block r of every rank's buf. Started like start_all_reduce. REQUIRES: numel %
+  // size() == 0. Host backends finish before returning (this default: all_gather from a copy).
+  virtual int64_t start_all_gather(const Tensor& buf);
   virtual void wait(int64_t ticket) { (void)ticket; }
   // Collective: maps every rank's peer-visible block (Memory::peer_block, `bytes` long on every
   // rank) into the others' address spaces, for direct copies (see PeerMemory). Null on every rank

@@ -199,6 +199,21 @@ class NcclCommunicator final : public Communicator {
     MF_NCCL(ncclAllReduce(buf.data(), buf.data(), buf.numel(), nccl_type(buf.dtype()), nccl_op(op), comm_, stream_));
     return ticket_after();
   }
+  int64_t start_reduce_scatter(const Tensor& buf, ReduceOp op) override {
+    const int64_t n = in_place_block(buf, "start_reduce_scatter");
+    char* base = static_cast<char*>(buf.data());
+    const size_t block_bytes = static_cast<size_t>(n) * dtype_size(buf.dtype());
+    MF_NCCL(
+        ncclReduceScatter(base, base + rank_ * block_bytes, n, nccl_type(buf.dtype()), nccl_op(op), comm_, stream_));
+    return ticket_after();
+  }
+  int64_t start_all_gather(const Tensor& buf) override {
+    const int64_t n = in_place_block(buf, "start_all_gather");
+    char* base = static_cast<char*>(buf.data());
+    const size_t block_bytes = static_cast<size_t>(n) * dtype_size(buf.dtype());
+    MF_NCCL(ncclAllGather(base + rank_ * block_bytes, base, n, nccl_type(buf.dtype()), comm_, stream_));
+    return ticket_after();
+  }
   void wait(int64_t ticket) override {
     MF_CHECK(ticket >= 0 && ticket < next_ticket_ && ticket >= next_ticket_ - kStarted, "wait on group '", name_,
              "': ticket ", ticket, " is not one of the last ", kStarted, " exchanges (", next_ticket_, " started)");
@@ -295,6 +310,17 @@ class NcclCommunicator final : public Communicator {
         if (o == t && t->device() == Device::cpu) t->copy_from(dev[i]);
       ++i;
     }
+  }
+
+  // The in-place collectives' checks and ordering: `buf` a GPU tensor of size_ equal blocks (the
+  // block's elements returned); the communicator's stream waits for the compute stream.
+  int64_t in_place_block(const Tensor& buf, const char* op) {
+    comm_detail::check_buffer(buf, op, "buf", true);
+    MF_CHECK(buf.device() == Device::cuda, op, " on group '", name_, "': ", buf.str(), " must be a GPU tensor");
+    MF_CHECK(buf.numel() % size_ == 0, op, " on group '", name_, "': ", buf.str(), " is not ", size_, " equal blocks");
+    MF_CUDA_CHECK(cudaEventRecord(before_, compute()));
+    MF_CUDA_CHECK(cudaStreamWaitEvent(stream_, before_, 0));
+    return buf.numel() / size_;
   }
 
   // A ticket for the work queued so far on the communicator's stream (start_exchange,
