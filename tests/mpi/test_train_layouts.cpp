@@ -224,6 +224,61 @@ TEST_F(Layouts, EpTransportsGiveIdenticalSteps) {
   EXPECT_EQ(losses[0], losses[1]) << "losses and gradient norms of steps 1-3, nccl then ipc";
 }
 
+// parallel.distributed_optimizer = true against false on every layout with a shard group of more
+// than one rank (DP x CP x TP for the dense parameters, DP x CP for TP shards, EDP for experts):
+// 20 steps of losses and then every master weight within 1e-6 (f32; only the gradient norm adds
+// its squares in another order), and the optimizer's bytes per rank those of one rank divided
+// by each group's shard count, up to each bucket's padding.
+void distributed_optimizer_matches(const Config& base_) {
+  Communicator& world = testing::test_world();
+  if (world.size() == 1) GTEST_SKIP() << "one rank: every shard group has one rank";
+  Config cfg = base_;
+  cfg.train.steps = 20;
+  int checked = 0;
+  for (const Layout& l : layouts(world.size())) {
+    SCOPED_TRACE(layout_name(l, world.size()));
+    Config off = with_layout(cfg, l), on = off;
+    on.parallel.distributed_optimizer = true;
+    LayoutRun a(off, world), b(on, world);
+    const Mesh& mesh = b.mesh;
+    if (mesh.dense->size() == 1 && mesh.edp->size() == 1) continue;
+    ++checked;
+    for (int i = 0; i < 20; ++i) {
+      const double want = a.trainer->train_step().loss, got = b.trainer->train_step().loss;
+      ASSERT_NEAR(got, want, 1e-6 * want) << "step " << i + 1;
+    }
+    b.trainer->gather_master_weights();
+    for (Param& p : b.trainer->params()) {
+      const Param& r = find_param(a.trainer->params(), p.name);
+      EXPECT_LE(testing::max_abs_diff(p.value, r.value), 1e-6 * std::max(testing::max_abs(r.value), 1e-30)) << p.name;
+    }
+    // Optimizer bytes: unsharded, master + two moments of every parameter; sharded, the slots'
+    // (and the full_master parameters' whole state, their master among the parameters).
+    const Memory& mem = b.trainer->memory();
+    const size_t sharded = AdamW::state_bytes(mem);
+    double want = 0, padding = 0;
+    for (int g = 0; g < kNumParamGroups; ++g) {
+      const ParamGroup group = static_cast<ParamGroup>(g);
+      const double n = static_cast<double>(mem.shards(group));
+      for (const Param& p : mem.params())
+        if (p.group == group) want += 12.0 * static_cast<double>(p.grad.numel()) / (p.full_master ? 1.0 : n);
+      for (const Param& p : mem.params())
+        if (p.group == group && p.full_master) want -= 4.0 * static_cast<double>(p.grad.numel());  // its value
+      // Per bucket: its start (a multiple of 64 bytes and n elements), its end (n elements) and
+      // the arena's rounding of three tensors; per parameter: the 64-byte alignment of its gradient.
+      padding += static_cast<double>(mem.grad_buckets(group).size()) * (3 * 64 + 12 * 2 * (16 + n));
+      for (const Param& p : mem.params())
+        if (p.group == group) padding += 12.0 * 16 / n;
+    }
+    EXPECT_GE(static_cast<double>(sharded), want);
+    EXPECT_LE(static_cast<double>(sharded), want + padding);
+  }
+  EXPECT_GT(checked, 0);
+}
+
+TEST_F(Layouts, DistributedOptimizerMatchesUnsharded) { distributed_optimizer_matches(base_); }
+TEST_F(Layouts, DeepSeekV3DistributedOptimizerMatchesUnsharded) { distributed_optimizer_matches(deepseek_); }
+
 // A directory every rank sees under the same name (rank 0's pid), removed at the end.
 std::filesystem::path shared_dir(Communicator& world, const std::string& tag) {
   int64_t id = ::getpid();

@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 
 #include "moefold/core/device.h"
 #include "moefold/core/rng.h"
@@ -50,6 +52,22 @@ Tensor Arena::take(DType dtype, Shape shape) {
   return Tensor(p, dtype, shape, device_);
 }
 
+Tensor Arena::take_at(DType dtype, Shape shape, size_t at) {
+  MF_CHECK(at >= offset_ && at % dtype_size(dtype) == 0, "Arena::take_at ", at, " below ", offset_, " or misaligned");
+  const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+  void* p = nullptr;
+  if (!measuring()) {
+    MF_CHECK(at + bytes <= capacity_, "arena overflow: ", at + bytes, " > ", capacity_);
+    p = base_ + at;
+  }
+  offset_ = at + bytes;
+  return Tensor(p, dtype, shape, device_);
+}
+
+void Arena::pad_to(size_t multiple) { offset_ = (offset_ + multiple - 1) / multiple * multiple; }
+
+void Arena::reserve_to(size_t bytes) { offset_ = std::max(offset_, bytes); }
+
 void Arena::zero() const {
   if (!base_) return;
   if (device_ == Device::cuda)
@@ -85,9 +103,16 @@ Tensor Memory::param(const ParamSpec& spec) {
   const int g = static_cast<int>(group);
   Param p;
   p.name = name;
-  p.value = params_arena_[g].take(master_dtype(), shape);
-  p.grad = grads_[g].take(master_dtype(), shape);
-  p.compute = mixed_precision() ? compute_[g].take(dtype_, shape) : p.value;
+  if (sharded_) {
+    if (params_.empty())  // a new pass: the buckets of the last one stay readable until now (planning)
+      for (std::vector<GradBucket>& b : buckets_) b.clear();
+    take_sharded(p, spec);
+  } else {
+    p.value = params_arena_[g].take(master_dtype(), shape);
+    p.grad = grads_[g].take(master_dtype(), shape);
+    p.compute = mixed_precision() ? compute_[g].take(dtype_, shape) : p.value;
+  }
+  p.full_master = spec.full_master;
   p.group = group;
   p.shard_offset = shard_offset;
   p.global_rows = global_rows > 0 ? global_rows : shape[0];
@@ -108,6 +133,40 @@ Tensor Memory::param(const ParamSpec& spec) {
   p.id = params_.size();
   params_.push_back(p);
   return p.compute;
+}
+
+void Memory::shard_layout(ShardLayout layout) {
+  MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::shard_layout after parameters were registered");
+  for (int64_t n : layout.shards) MF_CHECK(n >= 1, "Memory::shard_layout: ", n, " shards");
+  MF_CHECK(layout.bucket_of != nullptr, "Memory::shard_layout without bucket_of");
+  layout_ = std::move(layout);
+  sharded_ = true;
+}
+
+void Memory::take_sharded(Param& p, const ParamSpec& spec) {
+  const int g = static_cast<int>(spec.group);
+  const size_t esize = dtype_size(master_dtype());
+  const int64_t shards = layout_.shards[g];
+  std::vector<GradBucket>& buckets = buckets_[g];
+  const int64_t key = layout_.bucket_of(spec.name);
+  if (buckets.empty() || buckets.back().key != key || buckets.back().full_master != spec.full_master) {
+    // A new bucket starts at a multiple of the shard count (and of the arena's alignment).
+    grads_[g].pad_to(std::lcm(kAlign, static_cast<size_t>(shards) * esize));
+    buckets.push_back({key, static_cast<int64_t>(grads_[g].used() / esize), 0, spec.full_master});
+  }
+  const size_t at = grads_[g].used();  // bytes: the compute copy sits at the same element offset
+  p.grad = grads_[g].take(master_dtype(), spec.shape);
+  const int64_t end = static_cast<int64_t>(grads_[g].used() / esize);
+  buckets.back().end = (end + shards - 1) / shards * shards;
+  p.compute = compute_[g].take_at(dtype_, spec.shape, at / esize * dtype_size(dtype_));
+  p.value = spec.full_master ? params_arena_[g].take(master_dtype(), spec.shape) : p.grad;
+  if (spec.full_master && !mixed_precision()) p.compute = p.value;
+}
+
+Tensor Memory::compute_block(ParamGroup group) const {
+  MF_CHECK(sharded_, "Memory::compute_block without the distributed optimizer's layout");
+  const int g = static_cast<int>(group);
+  return Tensor(compute_[g].base(), dtype_, {block_elems(g)}, device_);
 }
 
 Shape Param::global_shape() const {
@@ -191,6 +250,11 @@ void Memory::allocate() {
   MF_CHECK(measuring(), "Memory::allocate called twice");
   const std::vector<const Arena*> all = arenas();
   for (size_t i = 0; i < all.size(); ++i) measured_[i] = all[i]->used();
+  for (int g = 0; g < kNumParamGroups && sharded_; ++g) {
+    // The last bucket's padding: room up to its end in the gradient and compute blocks.
+    grads_[g].reserve_to(static_cast<size_t>(block_elems(g)) * dtype_size(master_dtype()));
+    compute_[g].reserve_to(static_cast<size_t>(block_elems(g)) * dtype_size(dtype_));
+  }
   for (int g = 0; g < kNumParamGroups; ++g) {
     params_arena_[g].allocate();
     grads_[g].allocate();
@@ -265,7 +329,8 @@ void Memory::grad_written_by_backward(const std::string& name) {
 
 Tensor Memory::grad_block(ParamGroup group) const {
   const Arena& a = grads_[static_cast<int>(group)];
-  const int64_t n = static_cast<int64_t>(a.used() / dtype_size(master_dtype()));
+  const int64_t n =
+      sharded_ ? block_elems(static_cast<int>(group)) : static_cast<int64_t>(a.used() / dtype_size(master_dtype()));
   return Tensor(a.base(), master_dtype(), {n}, device_);
 }
 

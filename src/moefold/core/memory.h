@@ -36,6 +36,11 @@ class Arena {
   // Rewinds to the start (keeps the block).
   void rewind() { offset_ = 0; }
   Tensor take(DType dtype, Shape shape);
+  // A view at byte `at` (>= used(), a multiple of the dtype's size); used() moves past it.
+  Tensor take_at(DType dtype, Shape shape, size_t at);
+  // Moves used() up to the next multiple of `multiple` bytes / up to `bytes`.
+  void pad_to(size_t multiple);
+  void reserve_to(size_t bytes);
   size_t used() const { return offset_; }
   size_t capacity() const { return capacity_; }
   void* base() const { return base_; }
@@ -91,12 +96,21 @@ struct ParamSpec {
   int64_t shard_offset = 0;              // first global row (dim 0) held here
   int64_t global_rows = 0;               // dim 0 of the whole parameter (0: shape[0], unsharded)
   DimShard dim_shard = {};               // a second sharded dimension (none by default)
+  // With the distributed optimizer, keep the whole master weight on every rank (Param::value
+  // stays the master; its gradient is all-reduced and every rank updates all of it): for modules
+  // that read or write the master weight itself (the router's f32 gate, its expert bias).
+  bool full_master = false;
 };
 
 struct Param {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
-  Tensor value;      // master weight (the master dtype: f32, or f64 in gradient checks)
-  Tensor grad;       // same shape and dtype; accumulated by backward
+  // Master weight (the master dtype: f32, or f64 in gradient checks). With the distributed
+  // optimizer (Memory::shard_layout) the master lives in the optimizer's shards and `value` is a
+  // view of the gradient's storage: the whole master only between AdamW::gather_state and the
+  // next zero_grads, and what init and load write before AdamW::scatter_state (full_master
+  // parameters excepted: theirs is the master as without sharding).
+  Tensor value;
+  Tensor grad;  // same shape and dtype; accumulated by backward
   // The weight the forward reads: `value` itself, or with mixed precision (compute dtype bf16)
   // a bf16 copy that whoever changes `value` refreshes (the optimizer does it in its pass).
   Tensor compute;
@@ -108,6 +122,7 @@ struct Param {
   int64_t shard_offset = 0;  // global index (dim 0) of this rank's first row (expert parallel)
   int64_t global_rows = 0;   // size of dim 0 of the whole (unsharded) parameter
   DimShard dim_shard;        // a second sharded dimension (dim_shard.dim -1: none)
+  bool full_master = false;  // ParamSpec::full_master
   // Its backward writes the gradient at the step's first call instead of adding to zeros
   // (Memory::grad_written_by_backward): zero_grads leaves it alone.
   bool grad_written_by_backward = false;
@@ -144,6 +159,22 @@ struct Mirrored {
 
 // Physical memory of this machine in bytes (0 when unknown).
 size_t host_memory_bytes();
+
+// The distributed optimizer's layout of each parameter group's blocks (Memory::shard_layout).
+struct ShardLayout {
+  int64_t shards[kNumParamGroups] = {1, 1, 1};  // the ranks each group's optimizer state is split over
+  // Parameters of a group whose keys are equal in a row form one bucket (GradReducer: the point
+  // of backward at which their gradients are final). full_master parameters form their own.
+  std::function<int64_t(const std::string& param_name)> bucket_of;
+};
+// Elements [begin, end) of a group's gradient (and compute) block: begin and end are multiples of
+// the group's shard count, so rank k of the shard group owns slot [begin + k s, begin + (k + 1) s),
+// s = (end - begin) / shards. full_master: its parameters are ParamSpec::full_master (the bucket is
+// all-reduced and updated whole on every rank).
+struct GradBucket {
+  int64_t key = 0, begin = 0, end = 0;
+  bool full_master = false;
+};
 
 class Memory {
  public:
@@ -186,6 +217,18 @@ class Memory {
   void* peer_block() const { return peer_acts_.base(); }
   size_t peer_block_bytes() const { return peer_acts_.capacity(); }
 
+  // The distributed optimizer's layout (before the first bind): each group's gradients are cut
+  // into GradBuckets padded to multiples of its shard count, every compute copy (Param::compute)
+  // sits at its gradient's element offset in one compute block, and only full_master parameters
+  // get a master weight here (the others' live in the optimizer: see Param::value).
+  void shard_layout(ShardLayout layout);
+  bool sharded() const { return sharded_; }
+  int64_t shards(ParamGroup group) const { return layout_.shards[static_cast<int>(group)]; }
+  // The group's buckets in block order (sharded; empty when the group has no parameters).
+  const std::vector<GradBucket>& grad_buckets(ParamGroup group) const { return buckets_[static_cast<int>(group)]; }
+  // The group's compute copies as one flat tensor laid out like grad_block (sharded only).
+  Tensor compute_block(ParamGroup group) const;
+
   // The whole binding sequence: bind() measures, allocate(), bind() takes the real tensors,
   // finish_binding() checks that both passes agree. `bind` registers every module's tensors.
   void bind_twice(const std::function<void()>& bind);
@@ -227,7 +270,13 @@ class Memory {
   Arena host_acts_;  // always host memory; empty on a CPU run
   Arena peer_acts_;  // the peer-visible activations (peer_act)
   size_t measured_[3 * kNumParamGroups + 3] = {};
-  std::vector<const Arena*> arenas() const;  // every arena, in a fixed order
+  bool sharded_ = false;
+  ShardLayout layout_;
+  std::vector<GradBucket> buckets_[kNumParamGroups];  // sharded: each group's buckets
+  // Sharded: elements of group g's padded blocks (the last bucket's end).
+  int64_t block_elems(int g) const { return buckets_[g].empty() ? 0 : buckets_[g].back().end; }
+  std::vector<const Arena*> arenas() const;            // every arena, in a fixed order
+  void take_sharded(Param& p, const ParamSpec& spec);  // Memory::param's tensors with shard_layout
   std::vector<Param> params_;
 };
 

@@ -139,6 +139,8 @@ const std::vector<Field>& fields() {
       MF_FIELD(parallel, "timeout_s", timeout_s, "a rank waiting longer on another fails, naming both"),
       MF_FIELD(parallel, "overlap_grad_reduce", overlap_grad_reduce,
                "start each layer's data-parallel gradient all-reduce as its backward ends"),
+      MF_FIELD(parallel, "distributed_optimizer", distributed_optimizer,
+               "shard the master weights and AdamW moments over the ranks that reduce each gradient"),
       MF_FIELD(parallel, "ep_transport", ep_transport,
                "expert-parallel exchange: \"auto\" (ipc where the EP GPUs can map each other's memory, else nccl), "
                "\"nccl\" (the communicator's send/recv) or \"ipc\" (copies into the peers' memory; MPI messages "

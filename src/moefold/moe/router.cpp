@@ -24,14 +24,21 @@ Router::Router(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::st
 void Router::bind(Memory& mem) {
   ctx_ = &mem.exec();
   const int64_t e_n = cfg_.num_experts, k_n = cfg_.num_experts_per_tok;
-  gate_compute_EH_ = mem.param({.name = prefix_ + ".gate.weight", .shape = {e_n, hidden_}, .init_std = init_std_});
+  // Both keep their whole master on every rank with the distributed optimizer: the router reads
+  // the f32 gate and writes the bias itself.
+  gate_compute_EH_ = mem.param(
+      {.name = prefix_ + ".gate.weight", .shape = {e_n, hidden_}, .init_std = init_std_, .full_master = true});
   gate_EH_ = mem.params().back().value;  // the master weight
   dgate_EH_ = mem.grad(prefix_ + ".gate.weight");
   if (cfg_.expert_bias) {
     // Selection only (aux-loss-free balancing): nothing writes its gradient, so the gradient stays
     // at the zero the step's memset leaves, AdamW (zero moments, no decay) leaves the value
     // exactly as it is, and update_expert_bias is the one thing that moves it.
-    mem.param({.name = prefix_ + ".gate.e_score_correction_bias", .shape = {e_n}, .init = Init::zeros, .decay = false});
+    mem.param({.name = prefix_ + ".gate.e_score_correction_bias",
+               .shape = {e_n},
+               .init = Init::zeros,
+               .decay = false,
+               .full_master = true});
     bias_E_ = mem.params().back().value;
   }
   const DType rd = mem.master_dtype();  // the router's dtype: f32 (f64 in gradient checks)

@@ -21,6 +21,10 @@ struct ParallelConfig {
   // all-reduce as its backward ends, in the step's last micro-batch); false: one all-reduce per
   // parameter group after backward.
   bool overlap_grad_reduce = true;
+  // Distributed optimizer (train/optimizer.h): the f32 master weights and AdamW moments sharded
+  // over the ranks that reduce each gradient (dense over DP x CP x TP, TP shards over DP x CP,
+  // experts over EDP), gradients reduce-scattered, updated compute weights all-gathered.
+  bool distributed_optimizer = false;
   // Expert-parallel token exchange (moe/ep_transport.h): "ipc" (direct copies into the peers' GPU
   // memory, where the EP group shares a host and can map it; on CPU ranks the same copies as MPI
   // messages), "nccl" (the communicator's send/recv), or "auto" (ipc where GPUs can map).

@@ -28,6 +28,12 @@ GradReducer::GradReducer(const Memory& mem, int64_t num_layers, const std::vecto
     Plan plan{g.group, g.comm, mem.grad_block(g.group), {}};
     const int64_t n = plan.block.defined() ? plan.block.numel() : 0;
     if (n == 0) continue;
+    if (mem.sharded()) {  // Memory's buckets, padded to the shard count
+      for (const GradBucket& b : mem.grad_buckets(g.group))
+        plan.buckets.push_back({b.key, b.begin, b.end, !b.full_master});
+      plans_.push_back(std::move(plan));
+      continue;
+    }
     const int64_t esize = static_cast<int64_t>(dtype_size(plan.block.dtype()));
     const char* base = static_cast<const char*>(plan.block.data());
     std::vector<Bucket> params;  // one per parameter: its ready point and elements
@@ -55,7 +61,9 @@ GradReducer::GradReducer(const Memory& mem, int64_t num_layers, const std::vecto
 }
 
 void GradReducer::start(const Plan& p, const Bucket& b) {
-  const int64_t ticket = p.comm->start_all_reduce(p.block.slice(b.begin, b.end), ReduceOp::sum);
+  const Tensor part = p.block.slice(b.begin, b.end);
+  const int64_t ticket =
+      b.scatter ? p.comm->start_reduce_scatter(part, ReduceOp::sum) : p.comm->start_all_reduce(part, ReduceOp::sum);
   for (auto& [comm, t] : last_ticket_)
     if (comm == p.comm) {
       t = ticket;
@@ -78,7 +86,15 @@ void GradReducer::finish() {
 }
 
 void GradReducer::reduce_all() {
-  for (const Plan& p : plans_) p.comm->all_reduce(p.block, ReduceOp::sum);
+  for (const Plan& p : plans_) {
+    if (std::any_of(p.buckets.begin(), p.buckets.end(), [](const Bucket& b) { return b.scatter; })) {
+      for (const Bucket& b : p.buckets) start(p, b);  // sharded: each bucket as its kind says
+    } else {
+      p.comm->all_reduce(p.block, ReduceOp::sum);
+    }
+  }
+  for (const auto& [comm, ticket] : last_ticket_) comm->wait(ticket);
+  last_ticket_.clear();
 }
 
 std::vector<GradReducer::Bucket> GradReducer::buckets(ParamGroup group) const {

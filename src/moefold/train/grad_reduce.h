@@ -8,6 +8,9 @@
 // is queued, so its gradients travel on the communicators' streams while the layers below
 // compute; finish() starts the embedding's and orders the compute stream behind all of them. The
 // sums are those of one all-reduce per block (reduce_all, the path without overlap).
+// With the distributed optimizer (Memory::shard_layout) the buckets are Memory's GradBuckets and
+// each is reduce-scattered in place (every rank gets the sums of its slot: AdamW's shard), but
+// full_master buckets, which are all-reduced.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -32,9 +35,11 @@ class GradReducer {
     ParamGroup group;
     Communicator* comm;
   };
-  // Elements [begin, end) of a group's block, final at ready point `point` (grad_ready_point).
+  // Elements [begin, end) of a group's block, final at ready point `point` (grad_ready_point);
+  // scatter: reduce-scattered (the distributed optimizer), else all-reduced.
   struct Bucket {
     int64_t point, begin, end;
+    bool scatter = false;
   };
   // REQUIRES: mem allocated and bound (the gradients' places are final).
   GradReducer(const Memory& mem, int64_t num_layers, const std::vector<Group>& groups);
@@ -44,7 +49,7 @@ class GradReducer {
   void ready(int64_t point);
   // Starts the remaining buckets; the primary stream's later work waits for every bucket.
   void finish();
-  // Without overlap: each group's block in one all-reduce.
+  // Without overlap: each group's block in one all-reduce (sharded: every bucket, then a wait).
   void reduce_all();
 
   // Every bucket of `group` (tests; empty when the group is not reduced).

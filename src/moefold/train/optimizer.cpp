@@ -2,20 +2,45 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "moefold/ops/ops.h"
 
 namespace moefold {
 
+namespace {
+
+// A group's bucket slot of shard rank k: [begin + k s, begin + (k + 1) s), s = (end - begin) / n.
+std::pair<int64_t, int64_t> slot_of(const GradBucket& b, int64_t n, int64_t k) {
+  const int64_t s = (b.end - b.begin) / n;
+  return {b.begin + k * s, b.begin + (k + 1) * s};
+}
+
+// Elements of `p`'s gradient within its group's gradient block.
+std::pair<int64_t, int64_t> elements_of(const Param& p, const Tensor& grad_block) {
+  const auto at =
+      static_cast<int64_t>((static_cast<const char*>(p.grad.data()) - static_cast<const char*>(grad_block.data())) /
+                           static_cast<std::ptrdiff_t>(dtype_size(grad_block.dtype())));
+  return {at, at + p.grad.numel()};
+}
+
+}  // namespace
+
 void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
   ctx_ = &ctx;
+  params_ = &params;
+  sharded_ = false;
   if (!params.empty()) arena_.set_device(params.front().value.device());  // moments beside the weights
   auto take_all = [&] {
+    segments_.clear();
     exp_avg_.clear();
     exp_avg_sq_.clear();
-    for (const Param& p : params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Param& p = params[i];
       exp_avg_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
       exp_avg_sq_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
+      segments_.push_back({i, p.group, 0, p.value.numel(), p.value, exp_avg_.back(), exp_avg_sq_.back(), p.grad,
+                           p.compute.data() != p.value.data() ? p.compute : Tensor(), true});
     }
   };
   take_all();  // measure
@@ -23,20 +48,215 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
   take_all();
 }
 
+size_t AdamW::state_bytes(const Memory& mem) {
+  // Per group: master, m and v of each sharded slot; m and v of each full_master bucket (its
+  // master is the parameter's own). Unsharded: m and v of every parameter (arena rounding).
+  const size_t esize = dtype_size(mem.master_dtype());
+  auto round = [](size_t n) { return (n + 63) / 64 * 64; };
+  size_t n = 0;
+  if (!mem.sharded()) {
+    for (const Param& p : mem.params()) n += 2 * round(static_cast<size_t>(p.grad.numel()) * esize);
+    return n;
+  }
+  for (int g = 0; g < kNumParamGroups; ++g) {
+    const ParamGroup group = static_cast<ParamGroup>(g);
+    for (const GradBucket& b : mem.grad_buckets(group)) {
+      const auto len = static_cast<size_t>(b.end - b.begin);
+      n += b.full_master ? 2 * round(len * esize) : 3 * round(len / static_cast<size_t>(mem.shards(group)) * esize);
+    }
+  }
+  return n;
+}
+
+void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
+  if (!mem.sharded()) return bind(mem.exec(), mem.params());
+  ctx_ = &mem.exec();
+  params_ = &mem.params();
+  sharded_ = true;
+  mixed_ = mem.mixed_precision();
+  arena_.set_device(mem.device());
+  const DType dt = mem.master_dtype();
+  const std::vector<Param>& params = mem.params();
+  for (int g = 0; g < kNumParamGroups; ++g) {
+    const ParamGroup group = static_cast<ParamGroup>(g);
+    Group& gr = groups_[static_cast<size_t>(g)];
+    gr.buckets = mem.grad_buckets(group);
+    gr.comm = groups[static_cast<size_t>(g)];
+    if (gr.buckets.empty()) continue;
+    MF_CHECK(gr.comm != nullptr && gr.comm->size() == mem.shards(group), "AdamW: parameter group ", g,
+             " is laid out for ", mem.shards(group), " shards but its group has ", gr.comm ? gr.comm->size() : 0,
+             " ranks");
+    gr.grad_block = mem.grad_block(group);
+    gr.compute_block = mem.compute_block(group);
+  }
+  // One pass measures, the next takes: per bucket the slot's master, m and v (one tensor each,
+  // the slot's segments are views of it), or a full_master bucket's m and v.
+  auto take_all = [&] {
+    segments_.clear();
+    for (int g = 0; g < kNumParamGroups; ++g) {
+      const Group& gr = groups_[static_cast<size_t>(g)];
+      std::vector<std::pair<std::pair<int64_t, int64_t>, size_t>> ranges;  // the group's parameters
+      for (size_t i = 0; i < params.size() && !arena_.measuring(); ++i)
+        if (static_cast<int>(params[i].group) == g) ranges.push_back({elements_of(params[i], gr.grad_block), i});
+      for (const GradBucket& b : gr.buckets) {
+        const bool whole = b.full_master;
+        const auto [s0, s1] = whole ? std::pair{b.begin, b.end} : slot_of(b, gr.comm->size(), gr.comm->rank());
+        const Tensor master = whole ? Tensor() : arena_.take(dt, {s1 - s0});
+        const Tensor m = arena_.take(dt, {s1 - s0}), v = arena_.take(dt, {s1 - s0});
+        if (arena_.measuring()) continue;
+        for (const auto& [range, i] : ranges) {
+          const Param& p = params[i];
+          const int64_t a = std::max(range.first, s0), e = std::min(range.second, s1);
+          if (a >= e) continue;
+          Segment sg{i, p.group, a, e, {}, m.slice(a - s0, e - s0), v.slice(a - s0, e - s0), {}, {}, whole};
+          if (whole) {  // the parameter's own master; its compute copy where it has one
+            sg.master = p.value.view({p.value.numel()});
+            sg.grad = p.grad.view({p.grad.numel()});
+            if (p.compute.data() != p.value.data()) sg.compute = p.compute.view({p.compute.numel()});
+          } else {
+            sg.master = master.slice(a - s0, e - s0);
+            sg.grad = gr.grad_block.slice(a, e);
+            sg.compute = gr.compute_block.slice(a, e);
+          }
+          segments_.push_back(std::move(sg));
+        }
+      }
+    }
+  };
+  take_all();
+  arena_.allocate();
+  take_all();
+  MF_CHECK(arena_.capacity() == state_bytes(mem), "AdamW: state of ", arena_.capacity(), " bytes, planned ",
+           state_bytes(mem));
+}
+
 void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
-  MF_CHECK(params.size() == exp_avg_.size(), "optimizer bound to ", exp_avg_.size(), " parameters, stepping ",
-           params.size());
+  MF_CHECK(&params == params_ || (!sharded_ && params.size() == exp_avg_.size()), "optimizer bound to ",
+           params_ ? params_->size() : 0, " parameters, stepping ", params.size());
   ++steps_;
   const double b1 = cfg_.adam_beta1, b2 = cfg_.adam_beta2, eps = cfg_.adam_eps;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
-  for (size_t i = 0; i < params.size(); ++i) {
-    Param& p = params[i];
+  for (size_t k = 0; k < segments_.size(); ++k) {
+    const Segment& sg = segments_[k];
+    const Param& p = params[sg.param];
     const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2, grad_scale};
-    // With mixed precision the pass also refreshes the bf16 compute copy.
-    adamw_update(*ctx_, p.value, p.grad, exp_avg_[i], exp_avg_sq_[i], s,
-                 p.compute.data() != p.value.data() ? p.compute : Tensor());
+    if (!sharded_) {  // the caller's tensors (the optimizer may be bound to a copy of the list)
+      adamw_update(*ctx_, p.value, p.grad, exp_avg_[k], exp_avg_sq_[k], s,
+                   p.compute.data() != p.value.data() ? p.compute : Tensor());
+      continue;
+    }
+    // With mixed precision the pass also writes the bf16 compute copy; an f32 copy is copied.
+    const bool fused = mixed_ && sg.compute.defined();
+    adamw_update(*ctx_, sg.master, sg.grad, sg.m, sg.v, s, fused ? sg.compute : Tensor());
+    if (!fused && sg.compute.defined()) sg.compute.copy_from(sg.master, ctx_);
   }
+  if (!sharded_) return;
+  // Every rank's updated slots to every rank (each group's buckets in order on its stream).
+  for (const Group& gr : groups_) {
+    int64_t last = -1;
+    for (const GradBucket& b : gr.buckets)
+      if (!b.full_master) last = gr.comm->start_all_gather(gr.compute_block.slice(b.begin, b.end));
+    if (last >= 0) gr.comm->wait(last);
+  }
+}
+
+double AdamW::owned_grad_squares(ParamGroup group) const {
+  MF_CHECK(sharded_, "AdamW::owned_grad_squares without the distributed optimizer");
+  const Group& gr = groups_[static_cast<size_t>(group)];
+  double sq = 0;
+  for (const GradBucket& b : gr.buckets) {
+    if (b.full_master) {
+      if (gr.comm->rank() == 0) sq += sum_squares(*ctx_, gr.grad_block.slice(b.begin, b.end));
+      continue;
+    }
+    const auto [s0, s1] = slot_of(b, gr.comm->size(), gr.comm->rank());
+    sq += sum_squares(*ctx_, gr.grad_block.slice(s0, s1));
+  }
+  return sq;
+}
+
+void AdamW::gather_into_grad_blocks(int pick) {
+  for (const Segment& sg : segments_) {
+    const Tensor& src = pick == 0 ? sg.master : pick == 1 ? sg.m : sg.v;
+    if (pick == 0 && sg.whole) continue;  // Param::value is this master already
+    const Group& gr = groups_[static_cast<size_t>(sg.group)];
+    gr.grad_block.slice(sg.begin, sg.end).copy_from(src, ctx_);
+  }
+  for (const Group& gr : groups_) {
+    int64_t last = -1;
+    for (const GradBucket& b : gr.buckets)
+      if (!b.full_master) last = gr.comm->start_all_gather(gr.grad_block.slice(b.begin, b.end));
+    if (last >= 0) gr.comm->wait(last);
+  }
+}
+
+void AdamW::prepare_state() {
+  if (!sharded_) return;
+  for (int g = 0; g < kNumParamGroups; ++g) {
+    const size_t bytes = groups_[static_cast<size_t>(g)].grad_block.nbytes();
+    host_m_[static_cast<size_t>(g)].assign(bytes, std::byte{0});
+    host_v_[static_cast<size_t>(g)].assign(bytes, std::byte{0});
+  }
+}
+
+void AdamW::gather_state() {
+  if (!sharded_) return;
+  prepare_state();
+  // The gradient blocks carry each quantity in turn (the gradients are dead after the step):
+  // the moments on to host memory, the masters last, staying there as Param::value.
+  for (int pick : {1, 2}) {
+    gather_into_grad_blocks(pick);
+    for (int g = 0; g < kNumParamGroups; ++g) {
+      const Group& gr = groups_[static_cast<size_t>(g)];
+      std::vector<std::byte>& host = pick == 1 ? host_m_[static_cast<size_t>(g)] : host_v_[static_cast<size_t>(g)];
+      if (gr.grad_block.numel() > 0)
+        Tensor(host.data(), gr.grad_block.dtype(), gr.grad_block.shape()).copy_from(gr.grad_block, ctx_);
+    }
+  }
+  gather_into_grad_blocks(0);
+}
+
+void AdamW::scatter_state() {
+  const std::vector<Param>& params = *params_;
+  if (!sharded_) {  // the compute copies from the master weights
+    for (const Param& p : params)
+      if (p.compute.data() != p.value.data()) cast(*ctx_, p.value, p.compute);
+    return;
+  }
+  const bool moments = !host_m_[0].empty() || !host_m_[1].empty() || !host_m_[2].empty();
+  for (const Segment& sg : segments_) {
+    const Group& gr = groups_[static_cast<size_t>(sg.group)];
+    if (!sg.whole) sg.master.copy_from(gr.grad_block.slice(sg.begin, sg.end), ctx_);
+    if (!moments) continue;
+    const DType dt = gr.grad_block.dtype();
+    for (int pick : {1, 2}) {
+      const std::vector<std::byte>& host =
+          pick == 1 ? host_m_[static_cast<size_t>(sg.group)] : host_v_[static_cast<size_t>(sg.group)];
+      const Tensor all(const_cast<std::byte*>(host.data()), dt, gr.grad_block.shape());
+      (pick == 1 ? sg.m : sg.v).copy_from(all.slice(sg.begin, sg.end), ctx_);
+    }
+  }
+  // Every rank holds every value here: each compute copy is cast whole, no gather needed.
+  for (const Param& p : params)
+    if (p.compute.data() != p.value.data()) cast(*ctx_, p.value, p.compute);
+  release_state();
+}
+
+void AdamW::release_state() {
+  for (auto* hs : {&host_m_, &host_v_})
+    for (std::vector<std::byte>& h : *hs) std::vector<std::byte>().swap(h);
+}
+
+Tensor AdamW::moment(size_t i, int which) const {
+  if (!sharded_) return which == 0 ? exp_avg_.at(i) : exp_avg_sq_.at(i);
+  const Param& p = params_->at(i);
+  const size_t g = static_cast<size_t>(p.group);
+  const std::vector<std::byte>& host = which == 0 ? host_m_[g] : host_v_[g];
+  MF_CHECK(!host.empty(), "AdamW: the sharded moments of ", p.name, " are not gathered (gather_state)");
+  const Tensor& block = groups_[g].grad_block;
+  const auto [a, e] = elements_of(p, block);
+  return Tensor(const_cast<std::byte*>(host.data()), block.dtype(), block.shape()).slice(a, e).view(p.grad.shape());
 }
 
 double clip_factor(double norm, double max_norm) {

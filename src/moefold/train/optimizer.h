@@ -1,11 +1,24 @@
 // AdamW with decoupled weight decay (Loshchilov & Hutter, 2019) and fp32 (compute-dtype)
 // state, global-norm gradient clipping, and the warmup + cosine learning-rate schedule.
 // Weight decay is skipped for parameters registered with decay = false (norms, biases).
+//
+// Distributed optimizer (parallel.distributed_optimizer; Megatron-Core's
+// --use-distributed-optimizer): with Memory::shard_layout, each GradBucket of a group is split in
+// equal slots over the group's shard ranks (the ranks that reduce its gradients), and rank k
+// keeps the f32 master weights and both moments of slot k only. Backward's buckets are
+// reduce-scattered (GradReducer), each rank updates its slot (writing its compute copies there),
+// and the compute copies are all-gathered. full_master buckets (the router) are all-reduced and
+// updated whole on every rank, as without sharding. The updates are the same elementwise
+// arithmetic either way, so a sharded run equals an unsharded one but for the order in which the
+// gradient norm adds its squares.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
 #include "moefold/model/config.h"
 
@@ -15,23 +28,81 @@ class AdamW {
  public:
   explicit AdamW(const TrainConfig& cfg) : cfg_(cfg) {}
 
+  // The communicators each ParamGroup's state is split over (null: a group without parameters).
+  using ShardGroups = std::array<Communicator*, kNumParamGroups>;
+
   // Reserves first and second moments for every parameter (zero-initialised).
   void bind(const ExecContext& ctx, const std::vector<Param>& params);
+  // The same for `mem`'s parameters; with mem.sharded() the moments and master weights of this
+  // rank's slots. REQUIRES: mem allocated and bound; with sharding, groups[g] has mem.shards(g)
+  // ranks for every group with parameters, and they outlive the optimizer.
+  void bind(const Memory& mem, const ShardGroups& groups);
+  // Bytes bind(mem, ...) reserves: exact, from the buckets of mem's last binding pass (so the
+  // trainer can plan before allocating).
+  static size_t state_bytes(const Memory& mem);
+  size_t state_bytes() const { return arena_.capacity(); }
+
   // One update with learning rate `lr` from the gradients times grad_scale (clip_factor: global-
-  // norm clipping in the same pass, the gradients themselves left as they are); increments step().
+  // norm clipping in the same pass, the gradients themselves left as they are); increments
+  // step(). Sharded: collective over the shard groups (the updated compute copies are gathered).
   void step(std::vector<Param>& params, double lr, double grad_scale = 1.0);
+
+  // Sharded: the sum of squares of the gradients this rank updates (its slots; full_master
+  // buckets on shard rank 0 only), so that summing over the shard group counts each element
+  // once. REQUIRES: sharded, after the gradients were reduced.
+  double owned_grad_squares(ParamGroup group) const;
+
+  // The whole state as Param::value, exp_avg(i) and exp_avg_sq(i) show it (checkpoints). Without
+  // sharding both are no-ops but for scatter_state refreshing the compute copies. Sharded:
+  // gather_state (collective) assembles the master weights in Param::value and the moments in
+  // host memory; prepare_state gives exp_avg / exp_avg_sq host tensors to load into;
+  // scatter_state takes every rank's slots from them (the compute copies from the values) and
+  // frees the host copies; release_state frees them.
+  void gather_state();
+  void prepare_state();
+  void scatter_state();
+  void release_state();
 
   int64_t num_steps() const { return steps_; }
   void set_num_steps(int64_t t) { steps_ = t; }
-  // exp_avg / exp_avg_sq of parameter i (same order as bind's params).
-  const Tensor& exp_avg(size_t i) const { return exp_avg_[i]; }
-  const Tensor& exp_avg_sq(size_t i) const { return exp_avg_sq_[i]; }
+  // exp_avg / exp_avg_sq of parameter i (same order as bind's params), shaped like it.
+  // Sharded: between gather_state or prepare_state and scatter_state or release_state.
+  Tensor exp_avg(size_t i) const { return moment(i, 0); }
+  Tensor exp_avg_sq(size_t i) const { return moment(i, 1); }
 
  private:
+  // A contiguous run of one parameter's elements this rank updates: its master weight, moments,
+  // gradient and compute copy (undefined: none to write), and where it lies in its group's
+  // blocks (sharded). whole: the parameter's own tensors (no sharding, or a full_master bucket).
+  struct Segment {
+    size_t param = 0;
+    ParamGroup group = ParamGroup::dense;
+    int64_t begin = 0, end = 0;  // elements of the group's blocks (sharded)
+    Tensor master, m, v, grad, compute;
+    bool whole = true;
+  };
+  // Each group's sharded buckets and its communicator.
+  struct Group {
+    Communicator* comm = nullptr;
+    Tensor grad_block, compute_block;
+    std::vector<GradBucket> buckets;
+  };
+  Tensor moment(size_t i, int which) const;
+  // Sharded: `pick` of every segment (0 master, 1 m, 2 v) into the gradient blocks, then each
+  // bucket slot gathered there (Param::value shows the masters afterwards).
+  void gather_into_grad_blocks(int pick);
+
   const ExecContext* ctx_ = nullptr;  // where the update runs (bind)
   TrainConfig cfg_;
   Arena arena_;
-  std::vector<Tensor> exp_avg_, exp_avg_sq_;
+  std::vector<Segment> segments_;
+  const std::vector<Param>* params_ = nullptr;  // the parameters bound (bind)
+  bool sharded_ = false, mixed_ = false;
+  std::array<Group, kNumParamGroups> groups_;
+  // Sharded, between gather_state / prepare_state and scatter_state / release_state: each
+  // group's moments in host memory, laid out like its gradient block.
+  std::array<std::vector<std::byte>, kNumParamGroups> host_m_, host_v_;
+  std::vector<Tensor> exp_avg_, exp_avg_sq_;  // without sharding: by parameter
   int64_t steps_ = 0;
 };
 

@@ -39,6 +39,12 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
   const Shape bl{cfg.train.micro_batch_size, model_.local_seq_len()};
   const int64_t layers = model_.num_moe_layers(), experts = cfg.moe.num_experts;
+  if (cfg.parallel.distributed_optimizer) {
+    ShardLayout layout;
+    for (int g = 0; g < kNumParamGroups; ++g) layout.shards[g] = shard_groups()[static_cast<size_t>(g)]->size();
+    layout.bucket_of = [n = model_.num_layers()](const std::string& name) { return grad_ready_point(name, n); };
+    mem_.shard_layout(std::move(layout));
+  }
   auto bind_all = [&] {
     model_.bind(mem_);
     ids_BL_ = mem_.mirrored(bl, DType::i32);
@@ -51,8 +57,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
     counts_E_ = mem_.mirrored({experts}, DType::i64);
   };
   bind_all();  // measure
-  // Master weights (and compute copies), gradients, two AdamW moments of the gradients' size, activations.
-  planned_bytes_ = mem_.param_bytes() + 3 * mem_.grad_bytes() + mem_.act_bytes();
+  // Master weights (and compute copies), gradients, the optimizer's state, activations.
+  planned_bytes_ = mem_.param_bytes() + mem_.grad_bytes() + AdamW::state_bytes(mem_) + mem_.act_bytes();
   const size_t host = device == Device::cpu ? host_memory_bytes() : 0;  // a GPU fails its cudaMalloc by itself
   if (host > 0 && planned_bytes_ > host)
     MF_FAIL("the ", cfg.preset, " config needs ", planned_bytes_ >> 20, " MiB of planned memory (parameters, ",
@@ -61,7 +67,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   mem_.allocate();
   bind_all();
   mem_.finish_binding();
-  opt_.bind(exec_, mem_.params());
+  opt_.bind(mem_, shard_groups());
   grads_reducer_.emplace(mem_, model_.num_layers(), grad_groups());
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
@@ -88,6 +94,12 @@ void Trainer::reduce_dense(const Tensor& t) {
   if (mesh_.dp_cp->size() > 1) mesh_.dp_cp->all_reduce(t, ReduceOp::sum);
 }
 
+AdamW::ShardGroups Trainer::shard_groups() const {
+  AdamW::ShardGroups out{};
+  for (const GradReducer::Group& g : grad_groups()) out[static_cast<size_t>(g.group)] = g.comm;
+  return out;
+}
+
 std::vector<GradReducer::Group> Trainer::grad_groups() const {
   // Replicated parameters over DP x CP x TP (sequence parallelism gives each TP rank other
   // tokens), TP shards over DP x CP, experts over EDP.
@@ -96,28 +108,32 @@ std::vector<GradReducer::Group> Trainer::grad_groups() const {
           {ParamGroup::expert, mesh_.edp.get()}};
 }
 
-void Trainer::refresh_compute_weights() {
-  for (const Param& p : mem_.params())
-    if (p.compute.data() != p.value.data()) cast(exec_, p.value, p.compute);
-}
-
 void Trainer::init_fresh() {
   Model::init_params(exec_, mem_.params(), cfg_.train.seed);
-  refresh_compute_weights();
+  opt_.scatter_state();  // the compute copies (and, sharded, the master shards) from the values
   step_ = 0;
   loader_.set_position(0);
 }
 
 void Trainer::load(const std::string& ckpt) {
+  opt_.prepare_state();  // sharded: host tensors for the moments to load into
   TrainerState s = load_checkpoint(ckpt, mem_.params(), &opt_);
-  refresh_compute_weights();
+  opt_.scatter_state();
   step_ = s.step;
   loader_.set_position(s.data_position);
 }
 
-std::string Trainer::save(const std::string& checkpoints_dir) const {
+std::string Trainer::save(const std::string& checkpoints_dir) {
   TrainerState s{step_, loader_.position(), cfg_.train.seed};
-  return save_checkpoint(checkpoints_dir, mem_.params(), opt_, s, config_to_toml(cfg_), mesh_);
+  opt_.gather_state();  // sharded: the whole state where the checkpoint reads it
+  std::string dir = save_checkpoint(checkpoints_dir, mem_.params(), opt_, s, config_to_toml(cfg_), mesh_);
+  opt_.release_state();
+  return dir;
+}
+
+void Trainer::gather_master_weights() {
+  opt_.gather_state();
+  opt_.release_state();
 }
 
 void Trainer::accumulate_gradients() {
@@ -174,14 +190,29 @@ void Trainer::accumulate_gradients() {
   }
   // Global norm: every element once. Replicated gradients are identical on every rank after the
   // reduction; TP shards are disjoint over TP, expert shards over EP x ETP.
+  // Sharded: each rank's slots, summed over the shard group first.
   double dense_sq = 0, expert_sq = 0;
   {
     ProfileScope scope("grad norm");  // sum_squares returns to the host: waits for the stream
-    double sq[2] = {sum_squares(exec_, mem_.grad_block(ParamGroup::tensor_parallel)),
-                    sum_squares(exec_, mem_.grad_block(ParamGroup::expert))};
+    double sq[2] = {0, 0};
+    if (mem_.sharded()) {
+      const AdamW::ShardGroups groups = shard_groups();
+      double owned[kNumParamGroups];
+      for (int g = 0; g < kNumParamGroups; ++g) {
+        owned[g] = opt_.owned_grad_squares(static_cast<ParamGroup>(g));
+        Communicator* c = groups[static_cast<size_t>(g)];
+        if (c->size() > 1) c->all_reduce(Tensor(&owned[g], DType::f64, {1}), ReduceOp::sum);
+      }
+      sq[0] = owned[static_cast<int>(ParamGroup::tensor_parallel)];
+      sq[1] = owned[static_cast<int>(ParamGroup::expert)];
+      dense_sq = owned[static_cast<int>(ParamGroup::dense)];
+    } else {
+      sq[0] = sum_squares(exec_, mem_.grad_block(ParamGroup::tensor_parallel));
+      sq[1] = sum_squares(exec_, mem_.grad_block(ParamGroup::expert));
+      dense_sq = sum_squares(exec_, mem_.grad_block(ParamGroup::dense));
+    }
     if (mesh_.tp->size() > 1) mesh_.tp->all_reduce(Tensor(&sq[0], DType::f64, {1}), ReduceOp::sum);
     if (mesh_.ep_etp->size() > 1) mesh_.ep_etp->all_reduce(Tensor(&sq[1], DType::f64, {1}), ReduceOp::sum);
-    dense_sq = sum_squares(exec_, mem_.grad_block(ParamGroup::dense));
     expert_sq = sq[0] + sq[1];
   }
   {

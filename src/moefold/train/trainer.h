@@ -54,7 +54,11 @@ class Trainer {
   // Fresh parameters from cfg.train.seed, or the state of checkpoint directory `ckpt`.
   void init_fresh();
   void load(const std::string& ckpt);
-  std::string save(const std::string& checkpoints_dir) const;
+  // Collective (the distributed optimizer gathers its shards first).
+  std::string save(const std::string& checkpoints_dir);
+  // With parallel.distributed_optimizer: the whole master weights into Param::value (collective;
+  // they stay there until the next step's zero_grads). Without it a no-op.
+  void gather_master_weights();
 
   // Forward and backward over the global batch with the gradients reduced over the data-parallel
   // groups (not clipped); fills the loss, norm and load fields of metrics(). Does not step.
@@ -64,7 +68,7 @@ class Trainer {
   // Mean next-token loss over up to train.eval_batches held-out micro-batches (0 when none).
   double evaluate();
 
-  // Bytes reserved before step 0: parameters, gradients, activations, AdamW moments.
+  // Bytes reserved before step 0: parameters, gradients, activations, the optimizer's state.
   size_t planned_bytes() const { return planned_bytes_; }
   int64_t step() const { return step_; }
   const StepMetrics& metrics() const { return metrics_; }
@@ -74,12 +78,12 @@ class Trainer {
   int64_t num_valid_batches() const { return loader_.num_valid_batches(); }
 
  private:
-  // Mixed precision: the bf16 compute copies from the master weights (after init and load).
-  void refresh_compute_weights();
   // Sum over the dense data-parallel group (DP x CP) in place.
   void reduce_dense(const Tensor& t);
   // The gradient groups and the ranks that sum each (see GradReducer).
   std::vector<GradReducer::Group> grad_groups() const;
+  // The same communicators by ParamGroup: the distributed optimizer's shard groups.
+  AdamW::ShardGroups shard_groups() const;
   int64_t local_micro_batches() const;
   // ids_BL_/targets_BL_ = this context-parallel rank's positions of the full batch.
   void shard_batch();
