@@ -349,5 +349,60 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
   if (world.rank() == 0) fs::remove_all(dir);
 }
 
+// Checkpoints stay layout-independent with the distributed optimizer: saved sharded under
+// (dp 4, edp 2) on 4 ranks (dp 2, edp 1 on 2; dp 8, edp 4 on 8), resumed sharded under dp 2 and
+// dp 1 (TP takes the rest), unsharded, and sharded from an unsharded save; steps 5-8 match the
+// uninterrupted run. The moments travel too: a resume that lost them would drift.
+TEST_F(Layouts, DistributedOptimizerCheckpointsResumeUnderOtherLayouts) {
+  namespace fs = std::filesystem;
+  Communicator& world = testing::test_world();
+  const int n = world.size();
+  if (n == 1 || (n != 2 && n != 4 && n != 8)) GTEST_SKIP() << "needs 2, 4 or 8 ranks";
+  const fs::path dir = shared_dir(world, "dist_opt");
+  if (world.rank() == 0) fs::remove_all(dir);
+  world.barrier();
+  Config cfg = base_;
+  cfg.train.steps = 8;
+  cfg.train.checkpoint_interval = 4;
+  cfg.train.eval_interval = 0;
+  // At most DP = 4 (4 sequences per step): TP 2 on 8 ranks.
+  const Layout saved{n == 8 ? 2 : 1, 1, 2, 1};
+  Config sharded = with_layout(cfg, saved);
+  sharded.parallel.distributed_optimizer = true;
+  run_training(sharded, RunOptions{(dir / "full").string(), 8, false, true}, world);
+  Config plain = with_layout(cfg, saved);
+  run_training(plain, RunOptions{(dir / "plain").string(), 4, false, true}, world);
+  const std::vector<double> want = metric_losses(dir / "full");
+  ASSERT_EQ(want.size(), 8u);
+  struct Resume {
+    std::string name, from;
+    int64_t tp, cp;
+    bool distributed;
+  };
+  // dp 1 on 8 ranks: TP 4 x CP 2 (4 key-value heads).
+  const std::vector<Resume> resumes = {{"dp2", "full", n / 2, 1, true},
+                                       {"dp1", "full", n == 8 ? 4 : n, n == 8 ? 2 : 1, true},
+                                       {"unsharded", "full", n == 8 ? 2 : 1, 1, false},
+                                       {"from_unsharded", "plain", n == 8 ? 2 : 1, 1, true}};
+  for (const Resume& r : resumes) {
+    SCOPED_TRACE(cat("resume ", r.name, " on ", n, " ranks"));
+    const fs::path run = dir / r.name;
+    if (world.rank() == 0) {
+      fs::create_directories(run / "checkpoints");
+      fs::copy(dir / r.from / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004",
+               fs::copy_options::recursive);
+    }
+    world.barrier();
+    Config c = with_layout(cfg, {r.tp, r.cp, 2, 1});
+    c.parallel.distributed_optimizer = r.distributed;
+    run_training(c, RunOptions{run.string(), 8, true, true}, world);
+    const std::vector<double> got = metric_losses(run);
+    ASSERT_EQ(got.size(), 4u);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "step " << 5 + i;
+  }
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace moefold
