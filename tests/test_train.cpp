@@ -12,6 +12,7 @@
 #include "moefold/data/token_dataset.h"
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
+#include "sharding_check.h"
 #include "testing.h"
 #include "train_fixture.h"
 
@@ -144,6 +145,17 @@ TEST(Clip, FusedIntoAdamWMatchesClippingFirst) {
   b.step(first, 1e-2);
   EXPECT_LT(testing::max_abs_diff(fused[0].value, first[0].value), 1e-15);
   EXPECT_EQ(testing::max_abs_diff(fused[0].grad, g0), 0.0);
+}
+
+// The distributed optimizer on one rank (its whole path, shard groups of one): see sharding_check.h.
+TEST(Trainer, DistributedOptimizerOnOneRankChangesNothing) {
+  testing::expect_one_rank_sharding_changes_nothing(Device::cpu, {});
+  testing::expect_one_rank_sharding_changes_nothing(
+      Device::cpu, {"model.architecture=deepseek_v3", "model.num_attention_heads=2", "model.num_key_value_heads=2",
+                    "model.head_dim=4", "model.qk_rope_head_dim=4", "model.qk_nope_head_dim=4", "model.v_head_dim=8",
+                    "model.kv_lora_rank=8", "model.q_lora_rank=8", "model.first_k_dense_replace=1",
+                    "model.intermediate_size=32", "moe.n_shared_experts=1", "moe.scoring_func=sigmoid",
+                    "moe.expert_bias=true", "model.num_nextn_predict_layers=1"});
 }
 
 TEST(Trainer, StepLoopDoesNotAllocateAndLearns) {

@@ -16,6 +16,7 @@
 #include "cuda_testing.h"
 #include "moefold/core/device.h"
 #include "moefold/train/trainer.h"
+#include "sharding_check.h"
 #include "testing.h"
 #include "train_fixture.h"
 
@@ -142,6 +143,14 @@ TEST(TrainCuda, Qwen3MoeFp32StepMatchesCpu) {
 TEST(TrainCuda, DeepSeekV3Fp32StepMatchesCpu) {
   MF_REQUIRE_GPU();
   expect_gpu_fp32_step_matches_cpu(kDeepSeek);
+}
+
+// The distributed optimizer on one GPU (bf16 compute copies written by the sharded update, f32
+// master shards): bit-identical to the unsharded run (sharding_check.h).
+TEST(TrainCuda, DistributedOptimizerOnOneGpuChangesNothing) {
+  MF_REQUIRE_GPU();
+  testing::expect_one_rank_sharding_changes_nothing(Device::cuda, {});
+  testing::expect_one_rank_sharding_changes_nothing(Device::cuda, kDeepSeek);
 }
 
 // Requirement of the CUDA backend: no device allocation in the step loop. The first step sizes
