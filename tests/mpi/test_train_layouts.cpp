@@ -243,9 +243,16 @@ void distributed_optimizer_matches(const Config& base_) {
     const Mesh& mesh = b.mesh;
     if (mesh.dense->size() == 1 && mesh.edp->size() == 1) continue;
     ++checked;
+    // The first layout also without the overlapped gathers: the same bits.
+    Config late = on;
+    late.parallel.overlap_param_gather = false;
+    std::unique_ptr<LayoutRun> c = checked == 1 ? std::make_unique<LayoutRun>(late, world) : nullptr;
     for (int i = 0; i < 20; ++i) {
       const double want = a.trainer->train_step().loss, got = b.trainer->train_step().loss;
       ASSERT_NEAR(got, want, 1e-6 * want) << "step " << i + 1;
+      if (c) {
+        ASSERT_EQ(c->trainer->train_step().loss, got) << "overlap_param_gather = false, step " << i + 1;
+      }
     }
     b.trainer->gather_master_weights();
     for (Param& p : b.trainer->params()) {

@@ -365,8 +365,10 @@ class NcclCommunicator final : public Communicator {
   int world_rank_ = 0, rank_ = 0, size_ = 1;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t before_ = nullptr, after_ = nullptr;
-  // Completion events of the last kStarted start_exchange / start_all_reduce calls, by ticket.
-  static constexpr int64_t kStarted = 64;
+  // Completion events of the last kStarted started operations (start_exchange, start_all_reduce,
+  // start_reduce_scatter, start_all_gather), by ticket: a step of a deep model keeps a gather per
+  // layer pending until the next forward reaches it.
+  static constexpr int64_t kStarted = 256;
   std::array<cudaEvent_t, kStarted> started_{};
   int64_t next_ticket_ = 0;
   void* staging_ = nullptr;

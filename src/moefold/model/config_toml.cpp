@@ -141,6 +141,8 @@ const std::vector<Field>& fields() {
                "start each layer's data-parallel gradient all-reduce as its backward ends"),
       MF_FIELD(parallel, "distributed_optimizer", distributed_optimizer,
                "shard the master weights and AdamW moments over the ranks that reduce each gradient"),
+      MF_FIELD(parallel, "overlap_param_gather", overlap_param_gather,
+               "distributed optimizer: gather each layer's updated weights beside the next forward's earlier layers"),
       MF_FIELD(parallel, "ep_transport", ep_transport,
                "expert-parallel exchange: \"auto\" (ipc where the EP GPUs can map each other's memory, else nccl), "
                "\"nccl\" (the communicator's send/recv) or \"ipc\" (copies into the peers' memory; MPI messages "

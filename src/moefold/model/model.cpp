@@ -271,13 +271,22 @@ void Model::init_params(const ExecContext& ctx, std::vector<Param>& params, uint
   }
 }
 
-double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS) {
+double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS,
+                      const std::function<void(int64_t point)>& weights_needed) {
   check_shape(ids_BS, {batch_, local_seq_len_}, "model input ids");
   check_shape(targets_BS, {batch_, local_seq_len_}, "model targets");
+  auto needed = [&](int64_t point) {
+    if (weights_needed) weights_needed(point);
+  };
   ids_ = ids_BS.view({tokens_});
   targets_ = targets_BS.view({tokens_});
+  needed(-1);
   embed(ids_, res_[0]);
-  for (int64_t l = 0; l < num_layers(); ++l) layers_[l]->forward(res_[l], res_[l + 1]);
+  for (int64_t l = 0; l < num_layers(); ++l) {
+    needed(l);
+    layers_[l]->forward(res_[l], res_[l + 1]);
+  }
+  needed(num_layers());
   const double loss = head_forward(res_.back(), norm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_);
   const Tensor* prev = &res_.back();
   for (auto& d : mtp_) {

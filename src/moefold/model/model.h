@@ -102,8 +102,13 @@ class Model {
   static void init_params(const ExecContext& ctx, std::vector<Param>& params, uint64_t seed);
 
   // One micro-batch: ids/targets are i32 [B, local_seq_len()] (this rank's positions under
-  // context parallelism). Returns the SUM of the local token losses.
-  double forward(const Tensor& ids_BS, const Tensor& targets_BS);
+  // context parallelism). Returns the SUM of the local token losses. weights_needed, when given,
+  // is called before the parameters of a part are first read, with the part's point (the
+  // grad_ready_point of its parameters): -1 before the embedding, l before decoder layer l,
+  // num_layers() before the final norm, the head and the multi-token-prediction modules (the
+  // distributed optimizer's gathers of the updated weights wait there).
+  double forward(const Tensor& ids_BS, const Tensor& targets_BS,
+                 const std::function<void(int64_t point)>& weights_needed = nullptr);
   // lm_grad_scale multiplies d(sum of token losses); moe_loss_scale multiplies the router losses
   // of this micro-batch (1 / micro-batches per step). Multi-token prediction: depth k's token
   // losses get lm_grad_scale * mtp_loss_scaling_factor / depth * S / (S - k).

@@ -25,6 +25,9 @@ struct ParallelConfig {
   // over the ranks that reduce each gradient (dense over DP x CP x TP, TP shards over DP x CP,
   // experts over EDP), gradients reduce-scattered, updated compute weights all-gathered.
   bool distributed_optimizer = false;
+  // With it, each layer's gathered weights are waited for just before the next forward reaches
+  // the layer (the gathers run beside the layers before it); false: at the end of the step.
+  bool overlap_param_gather = true;
   // Expert-parallel token exchange (moe/ep_transport.h): "ipc" (direct copies into the peers' GPU
   // memory, where the EP group shares a host and can map it; on CPU ranks the same copies as MPI
   // messages), "nccl" (the communicator's send/recv), or "auto" (ipc where GPUs can map).

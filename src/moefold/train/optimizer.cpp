@@ -133,6 +133,7 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
 void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
   MF_CHECK(&params == params_ || (!sharded_ && params.size() == exp_avg_.size()), "optimizer bound to ",
            params_ ? params_->size() : 0, " parameters, stepping ", params.size());
+  wait_all_weights();  // the last step's gathers write the compute copies this one writes
   ++steps_;
   const double b1 = cfg_.adam_beta1, b2 = cfg_.adam_beta2, eps = cfg_.adam_eps;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
@@ -152,12 +153,30 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
     if (!fused && sg.compute.defined()) sg.compute.copy_from(sg.master, ctx_);
   }
   if (!sharded_) return;
-  // Every rank's updated slots to every rank (each group's buckets in order on its stream).
-  for (const Group& gr : groups_) {
-    int64_t last = -1;
+  // Every rank's updated slots to every rank, each group's buckets in forward order on its
+  // stream (the first layer's weights first).
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const Group& gr = groups_[g];
+    std::vector<const GradBucket*> order;
     for (const GradBucket& b : gr.buckets)
-      if (!b.full_master) last = gr.comm->start_all_gather(gr.compute_block.slice(b.begin, b.end));
-    if (last >= 0) gr.comm->wait(last);
+      if (!b.full_master) order.push_back(&b);
+    std::stable_sort(order.begin(), order.end(),
+                     [](const GradBucket* a, const GradBucket* b) { return a->key < b->key; });
+    for (const GradBucket* b : order)
+      pending_[g].emplace_back(b->key, gr.comm->start_all_gather(gr.compute_block.slice(b->begin, b->end)));
+  }
+  if (!overlap_gather_) wait_all_weights();
+}
+
+void AdamW::wait_weights(int64_t point) {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    std::vector<std::pair<int64_t, int64_t>>& pending = pending_[g];
+    // Started in key order: waiting for the last one at or below `point` waits for all before it.
+    size_t n = 0;
+    while (n < pending.size() && pending[n].first <= point) ++n;
+    if (n == 0) continue;
+    groups_[g].comm->wait(pending[n - 1].second);
+    pending.erase(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(n));
   }
 }
 
@@ -177,6 +196,7 @@ double AdamW::owned_grad_squares(ParamGroup group) const {
 }
 
 void AdamW::gather_into_grad_blocks(int pick) {
+  wait_all_weights();
   for (const Segment& sg : segments_) {
     const Tensor& src = pick == 0 ? sg.master : pick == 1 ? sg.m : sg.v;
     if (pick == 0 && sg.whole) continue;  // Param::value is this master already
@@ -219,6 +239,7 @@ void AdamW::gather_state() {
 
 void AdamW::scatter_state() {
   const std::vector<Param>& params = *params_;
+  wait_all_weights();
   if (!sharded_) {  // the compute copies from the master weights
     for (const Param& p : params)
       if (p.compute.data() != p.value.data()) cast(*ctx_, p.value, p.compute);

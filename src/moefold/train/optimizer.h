@@ -16,6 +16,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "moefold/comm/communicator.h"
@@ -44,8 +45,16 @@ class AdamW {
 
   // One update with learning rate `lr` from the gradients times grad_scale (clip_factor: global-
   // norm clipping in the same pass, the gradients themselves left as they are); increments
-  // step(). Sharded: collective over the shard groups (the updated compute copies are gathered).
+  // step(). Sharded: collective over the shard groups; the gathers of the updated compute copies
+  // are started bucket by bucket in forward order (GradBucket::key: -1, 0, 1, ...), and with
+  // overlap_gather the step returns without waiting for them (wait_weights does).
   void step(std::vector<Param>& params, double lr, double grad_scale = 1.0);
+  // parallel.overlap_param_gather: leave the gathers to wait_weights (default: step waits).
+  void set_overlap_gather(bool on) { overlap_gather_ = on; }
+  // The context's stream waits for the pending gathers of every bucket with key <= point (the
+  // model's weights_needed points), or of all of them. No-ops without pending gathers.
+  void wait_weights(int64_t point);
+  void wait_all_weights() { wait_weights(INT64_MAX); }
 
   // Sharded: the sum of squares of the gradients this rank updates (its slots; full_master
   // buckets on shard rank 0 only), so that summing over the shard group counts each element
@@ -103,6 +112,9 @@ class AdamW {
   // group's moments in host memory, laid out like its gradient block.
   std::array<std::vector<std::byte>, kNumParamGroups> host_m_, host_v_;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;  // without sharding: by parameter
+  bool overlap_gather_ = false;
+  // Sharded: each group's gathers not yet waited for, (bucket key, ticket) in the order started.
+  std::array<std::vector<std::pair<int64_t, int64_t>>, kNumParamGroups> pending_;
   int64_t steps_ = 0;
 };
 

@@ -68,6 +68,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   bind_all();
   mem_.finish_binding();
   opt_.bind(mem_, shard_groups());
+  opt_.set_overlap_gather(cfg.parallel.overlap_param_gather);
   grads_reducer_.emplace(mem_, model_.num_layers(), grad_groups());
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
@@ -160,7 +161,10 @@ void Trainer::accumulate_gradients() {
     }
     {
       ProfileScope scope("model forward");
-      stats[0] += model_.forward(ids_BL_.dev, targets_BL_.dev);
+      // The first forward waits for each layer's gathered weights as it reaches the layer.
+      stats[0] +=
+          model_.forward(ids_BL_.dev, targets_BL_.dev,
+                         i == 0 ? [this](int64_t point) { opt_.wait_weights(point); } : std::function<void(int64_t)>());
       stats[1] += model_.aux_loss();
       stats[2] += model_.z_loss();
       stats[3] += model_.mtp_loss();
@@ -276,6 +280,7 @@ const StepMetrics& Trainer::train_step() {
 double Trainer::evaluate() {
   const int64_t dp = mesh_.dims.dp, nv = loader_.num_valid_batches();
   if (nv == 0) return 0.0;
+  opt_.wait_all_weights();
   // Every rank runs the same number of forwards (expert parallelism exchanges tokens), so the
   // evaluated batches are rounded down to a multiple of dp (at least dp).
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);
