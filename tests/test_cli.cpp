@@ -122,6 +122,25 @@ TEST(Cli, KernelSwitches) {
   expect_one_line_error(run("config --set parallel.ep_transport=shm"), {"parallel.ep_transport", "auto, nccl, ipc"});
 }
 
+// `moefold plan` runs without a GPU: the per-rank bytes, the verdict, the parts, and the
+// distributed optimizer's effect on a layout with data parallelism; bad sizes, worlds and
+// layouts are one line each.
+TEST(Cli, PlanPrintsEachRanksBytes) {
+  Result r = run("plan --config qwen3-30b-a3b --world 8 --set parallel.ep=8 --set model.num_hidden_layers=4");
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const char* want : {"(tp, cp, dp, ep, etp) = (1, 1, 8, 8, 1)", "master weights (f32)", "optimizer state",
+                           "planned on the GPU", "layers.3", "with parallel.distributed_optimizer = true"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  Result tiny = run("plan --device cpu --gpu-memory 1TB");
+  EXPECT_EQ(tiny.code, 0) << tiny.err;
+  EXPECT_NE(tiny.out.find("planned on the host"), std::string::npos) << tiny.out;
+  EXPECT_NE(tiny.out.find(": fits"), std::string::npos) << tiny.out;
+  EXPECT_NE(run("plan --config qwen3-30b-a3b --gpu-memory 1GiB").out.find("DOES NOT FIT"), std::string::npos);
+  expect_one_line_error(run("plan --gpu-memory lots"), {"--gpu-memory lots", "141GiB"});
+  expect_one_line_error(run("plan --world 0"), {"--world 0"});
+  expect_one_line_error(run("plan --world 3 --set parallel.ep=2"), {"ep x etp = 2 x 1 = 2 does not divide"});
+}
+
 TEST(Cli, BadData) {
   testing::TempDir tmp("test_cli");
   const fs::path& d = tmp.path();

@@ -12,6 +12,7 @@
 
 #include "layout_testing.h"
 #include "moefold/comm/communicator.h"
+#include "moefold/train/memory_plan.h"
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
 #include "mpi_testing.h"
@@ -285,6 +286,46 @@ void distributed_optimizer_matches(const Config& base_) {
 
 TEST_F(Layouts, DistributedOptimizerMatchesUnsharded) { distributed_optimizer_matches(base_); }
 TEST_F(Layouts, DeepSeekV3DistributedOptimizerMatchesUnsharded) { distributed_optimizer_matches(deepseek_); }
+
+// moefold plan's numbers are the trainer's: for every layout (distributed optimizer on and off),
+// plan_memory for this rank (a shape-only mesh, nothing allocated) gives exactly the bytes the
+// rank's Trainer planned, part by part, and Mesh::plan gives every group the size and rank that
+// Mesh::build's splits gave.
+TEST_F(Layouts, PlanMatchesEveryRanksTrainer) {
+  Communicator& world = testing::test_world();
+  for (const Layout& l : layouts(world.size()))
+    for (const bool sharded : {false, true}) {
+      SCOPED_TRACE(cat(layout_name(l, world.size()), sharded ? ", distributed optimizer" : ""));
+      Config c = with_layout(deepseek_, l);
+      c.parallel.distributed_optimizer = sharded;
+      LayoutRun run(c, world);
+      const MemoryPlan p = plan_memory(c, world.size(), world.rank(), Device::cpu);
+      const Memory& mem = run.trainer->memory();
+      EXPECT_EQ(p.device_total(), run.trainer->planned_bytes());
+      EXPECT_EQ(p.master, mem.master_bytes());
+      EXPECT_EQ(p.compute_copies, mem.compute_bytes());
+      EXPECT_EQ(p.gradients, mem.grad_bytes());
+      EXPECT_EQ(p.optimizer, run.trainer->optimizer_bytes());
+      EXPECT_EQ(p.activations, mem.act_bytes());
+      const Mesh planned = Mesh::plan(run.mesh.dims, world.rank());
+      const std::pair<const char*, const Communicator*> groups[][2] = {
+          {{"tp", run.mesh.tp.get()}, {"tp", planned.tp.get()}},
+          {{"cp", run.mesh.cp.get()}, {"cp", planned.cp.get()}},
+          {{"dp", run.mesh.dp.get()}, {"dp", planned.dp.get()}},
+          {{"dp_cp", run.mesh.dp_cp.get()}, {"dp_cp", planned.dp_cp.get()}},
+          {{"tp_cp", run.mesh.tp_cp.get()}, {"tp_cp", planned.tp_cp.get()}},
+          {{"dense", run.mesh.dense.get()}, {"dense", planned.dense.get()}},
+          {{"etp", run.mesh.etp.get()}, {"etp", planned.etp.get()}},
+          {{"ep", run.mesh.ep.get()}, {"ep", planned.ep.get()}},
+          {{"edp", run.mesh.edp.get()}, {"edp", planned.edp.get()}},
+          {{"ep_etp", run.mesh.ep_etp.get()}, {"ep_etp", planned.ep_etp.get()}}};
+      for (const auto& g : groups) {
+        EXPECT_EQ(g[1].second->size(), g[0].second->size()) << g[0].first;
+        EXPECT_EQ(g[1].second->rank(), g[0].second->rank()) << g[0].first;
+        EXPECT_EQ(g[1].second->name(), g[0].second->name()) << g[0].first;
+      }
+    }
+}
 
 // A directory every rank sees under the same name (rank 0's pid), removed at the end.
 std::filesystem::path shared_dir(Communicator& world, const std::string& tag) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <iterator>
 #include <vector>
 
 #include "moefold/core/device.h"
@@ -114,7 +115,16 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
   r.flops_per_token = model_size(cfg.model, cfg.moe, cfg.train.seq_len).train_flops_per_token;
   r.tflops_per_gpu = r.tokens_per_s * r.flops_per_token / r.ranks / 1e12;
   r.mfu = r.tflops_per_gpu / kPeakTflops;
-  if (opts.device == Device::cuda) r.peak_memory_mib = static_cast<double>(device_bytes_peak()) / (1 << 20);
+  if (opts.device == Device::cuda) {
+    r.peak_memory_mib = static_cast<double>(device_bytes_peak()) / (1 << 20);
+    r.planned_mib = static_cast<double>(trainer.planned_bytes()) / (1 << 20);
+    static const char* const kSlots[] = {"sum_squares", "cross_entropy",     "router_loss",           "permute_plan",
+                                         "attention",   "grouped_gemm_args", "grouped_gemm_workspace"};
+    static_assert(std::size(kSlots) == static_cast<size_t>(ScratchSlot::count));
+    for (int i = 0; i < static_cast<int>(ScratchSlot::count); ++i)
+      r.scratch_mib.emplace_back(
+          kSlots[i], static_cast<double>(trainer.exec().scratch_bytes(static_cast<ScratchSlot>(i))) / (1 << 20));
+  }
   return r;
 }
 
@@ -126,6 +136,17 @@ std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, con
            fmt("%.1f", r.step_ms), " | ", fmt("%.0f", r.tokens_per_s), " | ", fmt("%.1f", r.tflops_per_gpu), " | ",
            fmt("%.3f", r.mfu), " | ", fmt("%.0f", r.peak_memory_mib), " | ", fmt("%.4f", r.first_loss), " -> ",
            fmt("%.4f", r.last_loss), " |\n");
+  if (r.peak_memory_mib > 0) {
+    double scratch = 0;
+    std::string slots;
+    for (const auto& [name, mib] : r.scratch_mib) {
+      scratch += mib;
+      if (mib >= 1) slots += cat(slots.empty() ? "" : ", ", name, " ", fmt("%.0f", mib));
+    }
+    s += cat("\nPeak device memory ", fmt("%.0f", r.peak_memory_mib), " MiB = planned (moefold plan) ",
+             fmt("%.0f", r.planned_mib), " + ops' scratch ", fmt("%.0f", scratch), " (", slots, ") + other ",
+             fmt("%.0f", r.peak_memory_mib - r.planned_mib - scratch), " (library workspaces, staging)\n");
+  }
   if (r.phases.empty()) return s;
   s += cat("\nWhere a step's time goes (means over the timed steps: ", fmt("%.1f", r.mean_step_ms),
            " ms per step; on a GPU, CUDA events on the compute stream, so a phase includes the stream's idle time "

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moefold/comm/communicator.h"
@@ -38,7 +39,11 @@ struct TrainBenchResult {
   double flops_per_token = 0;   // model FLOPs of a training step per token (moefold info)
   double tflops_per_gpu = 0;    // model TFLOP/s per rank
   double mfu = 0;               // against 989 TFLOP/s (H100/H200 SXM dense bf16, docs/benchmarks.md)
-  double peak_memory_mib = 0;   // planned device memory (0 on the CPU)
+  double peak_memory_mib = 0;   // device_malloc's high-water mark (0 on the CPU)
+  // What the peak holds (GPU): the trainer's planned bytes (moefold plan's), the ops' scratch by
+  // ScratchSlot, and the rest (library workspaces, communicator staging).
+  double planned_mib = 0;
+  std::vector<std::pair<std::string, double>> scratch_mib;
   double first_loss = 0, last_loss = 0;
   int ranks = 1;
   // Where the time goes (this rank's phases; empty without opts.breakdown). The

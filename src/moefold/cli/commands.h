@@ -48,6 +48,7 @@ Communicator& make_world(Device device, double timeout_s, World& w);
 
 Command add_train(CLI::App& app);
 Command add_info(CLI::App& app);
+Command add_plan(CLI::App& app);
 Command add_config(CLI::App& app);
 Command add_eval(CLI::App& app);
 Command add_convert(CLI::App& app);

@@ -13,8 +13,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   using namespace moefold::cli;
   // The order of `moefold --help`.
-  const Command commands[] = {add_train(app),   add_info(app),    add_config(app), add_eval(app),
-                              add_convert(app), add_prepare(app), add_bench(app)};
+  const Command commands[] = {add_train(app), add_info(app),    add_plan(app),    add_config(app),
+                              add_eval(app),  add_convert(app), add_prepare(app), add_bench(app)};
 
   CLI11_PARSE(app, argc, argv);
 

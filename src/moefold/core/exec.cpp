@@ -23,6 +23,8 @@ struct ExecContext::Buffers {
   void* event = nullptr;  // wait_for's event, recorded on the other context's stream
 };
 
+size_t ExecContext::scratch_bytes(ScratchSlot slot) const { return buffers_->scratch[static_cast<int>(slot)].bytes; }
+
 const ExecContext& ExecContext::standard(Device device) {
   static std::mutex m;
   static const ExecContext* contexts[2] = {nullptr, nullptr};  // never destroyed (see gemm.cu)
@@ -35,8 +37,8 @@ const ExecContext& ExecContext::standard(Device device) {
 #ifdef MOEFOLD_WITH_CUDA
 
 ExecContext::ExecContext(Device device, const KernelOptions& kernels, Stream stream)
-    : device_(device), kernels_(kernels), buffers_(std::make_unique<Buffers>()) {
-  if (device_ != Device::cuda) return;
+    : device_(device), kernels_(kernels), planning_(stream == Stream::none), buffers_(std::make_unique<Buffers>()) {
+  if (device_ != Device::cuda || planning_) return;
   MF_CHECK(cuda_device_count() > 0, "a CUDA execution context on a machine without a GPU");
   if (stream == Stream::own) {
     cudaStream_t s = nullptr;
@@ -49,7 +51,7 @@ ExecContext::ExecContext(Device device, const KernelOptions& kernels, Stream str
 }
 
 ExecContext::~ExecContext() {
-  if (device_ != Device::cuda) return;
+  if (device_ != Device::cuda || planning_) return;
   // Errors here (a failed kernel poisoned the context, or the driver is shutting down) are not
   // actionable: the error that caused them was reported where it happened.
   cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
@@ -60,7 +62,7 @@ ExecContext::~ExecContext() {
 }
 
 void* ExecContext::scratch(ScratchSlot slot, size_t bytes) const {
-  MF_CHECK(device_ == Device::cuda, "ExecContext::scratch on a CPU context");
+  MF_CHECK(device_ == Device::cuda && !planning_, "ExecContext::scratch on a CPU or planning context");
   Buffers::Scratch& b = buffers_->scratch[static_cast<int>(slot)];
   if (bytes > b.bytes) {
     if (b.p) {
@@ -74,11 +76,11 @@ void* ExecContext::scratch(ScratchSlot slot, size_t bytes) const {
 }
 
 void ExecContext::synchronize() const {
-  if (device_ == Device::cuda) MF_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+  if (device_ == Device::cuda && !planning_) MF_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
 }
 
 void ExecContext::wait_for(const ExecContext& other) const {
-  if (device_ != Device::cuda || other.device_ != Device::cuda || other.stream_ == stream_) return;
+  if (device_ != Device::cuda || other.device_ != Device::cuda || other.stream_ == stream_ || planning_) return;
   void*& e = buffers_->event;
   if (!e) MF_CUDA_CHECK(cudaEventCreateWithFlags(reinterpret_cast<cudaEvent_t*>(&e), cudaEventDisableTiming));
   MF_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(e), static_cast<cudaStream_t>(other.stream_)));
@@ -87,9 +89,9 @@ void ExecContext::wait_for(const ExecContext& other) const {
 
 #else  // CPU-only build
 
-ExecContext::ExecContext(Device device, const KernelOptions& kernels, Stream)
-    : device_(device), kernels_(kernels), buffers_(std::make_unique<Buffers>()) {
-  if (device_ == Device::cuda) MF_FAIL("this moefold was built without CUDA (no nvcc at build time)");
+ExecContext::ExecContext(Device device, const KernelOptions& kernels, Stream stream)
+    : device_(device), kernels_(kernels), planning_(stream == Stream::none), buffers_(std::make_unique<Buffers>()) {
+  if (device_ == Device::cuda && !planning_) MF_FAIL("this moefold was built without CUDA (no nvcc at build time)");
 }
 ExecContext::~ExecContext() = default;
 void* ExecContext::scratch(ScratchSlot, size_t) const {

@@ -40,7 +40,9 @@ class ExecContext {
  public:
   // Which stream a CUDA context runs on: the process's primary stream (the one tensor copies,
   // communicators and the profiler order themselves with: core/device.h), or a new one of its own.
-  enum class Stream : uint8_t { primary, own };
+  // none: a planning context (moefold plan): it names the device a Memory measures for and
+  // nothing may run on it (no GPU needed; scratch refuses).
+  enum class Stream : uint8_t { primary, own, none };
 
   // cpu: ops on the calling thread. cuda (REQUIRES: a CUDA build and a GPU): the current GPU.
   explicit ExecContext(Device device, const KernelOptions& kernels = {}, Stream stream = Stream::primary);
@@ -60,6 +62,8 @@ class ExecContext {
   // Device memory of `bytes` or more for `slot`, valid until the next call for that slot on this
   // context; only this context's stream may use it. REQUIRES: a CUDA context.
   void* scratch(ScratchSlot slot, size_t bytes) const;
+  // The bytes `slot`'s scratch holds now (0 before its first use).
+  size_t scratch_bytes(ScratchSlot slot) const;
   // This context's state of `library`, made by `make` on first use.
   ExecLibraryState& library(ExecLibrary library, std::unique_ptr<ExecLibraryState> (*make)(const ExecContext&)) const;
   template <class T>
@@ -79,6 +83,7 @@ class ExecContext {
   KernelOptions kernels_;
   void* stream_ = nullptr;
   bool own_stream_ = false;
+  bool planning_ = false;             // Stream::none
   std::unique_ptr<Buffers> buffers_;  // scratch, library state, the event of wait_for
 };
 

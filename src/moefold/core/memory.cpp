@@ -213,12 +213,33 @@ void fill_normal_shard(const Param& p, uint64_t seed, uint64_t stream, double me
          static_cast<uint64_t>(p.global_index(first)));
 }
 
-Tensor Memory::act(Shape shape) { return acts_.take(dtype_, shape); }
-Tensor Memory::act(Shape shape, DType dtype) { return acts_.take(dtype, shape); }
-Tensor Memory::host_act(Shape shape, DType dtype) {
-  return device_ == Device::cpu ? acts_.take(dtype, shape) : host_acts_.take(dtype, shape);
+void Memory::set_part(const std::string& part) {
+  if (!measuring()) return;
+  for (size_t i = 0; i < parts_.size(); ++i)
+    if (parts_[i].part == part) {
+      part_ = i;
+      return;
+    }
+  parts_.push_back({part, 0, 0});
+  part_ = parts_.size() - 1;
 }
-Tensor Memory::peer_act(Shape shape, DType dtype) { return peer_acts_.take(dtype, shape); }
+
+Tensor Memory::take_act(Arena& a, DType dtype, Shape shape, bool host) {
+  const size_t before = a.used();
+  Tensor t = a.take(dtype, shape);
+  if (measuring()) {
+    if (parts_.empty()) set_part("other");
+    (host ? parts_[part_].host : parts_[part_].device) += a.used() - before;
+  }
+  return t;
+}
+
+Tensor Memory::act(Shape shape) { return take_act(acts_, dtype_, shape, false); }
+Tensor Memory::act(Shape shape, DType dtype) { return take_act(acts_, dtype, shape, false); }
+Tensor Memory::host_act(Shape shape, DType dtype) {
+  return device_ == Device::cpu ? take_act(acts_, dtype, shape, false) : take_act(host_acts_, dtype, shape, true);
+}
+Tensor Memory::peer_act(Shape shape, DType dtype) { return take_act(peer_acts_, dtype, shape, false); }
 Mirrored Memory::mirrored(Shape shape, DType dtype) {
   if (device_ == Device::cpu) {
     const Tensor t = act(shape, dtype);
@@ -286,16 +307,26 @@ std::vector<const Arena*> Memory::arenas() const {
   return all;
 }
 
-size_t Memory::param_bytes() const {
+size_t Memory::param_bytes() const { return master_bytes() + compute_bytes(); }
+
+size_t Memory::master_bytes() const {
   size_t n = 0;
   for (const Arena& a : params_arena_) n += a.used();
-  for (const Arena& a : compute_) n += a.used();
+  return n;
+}
+
+// Sharded: up to the last bucket's padded end (what allocate reserves), also while measuring.
+size_t Memory::compute_bytes() const {
+  size_t n = 0;
+  for (int g = 0; g < kNumParamGroups; ++g)
+    n += std::max(compute_[g].used(), static_cast<size_t>(block_elems(g)) * dtype_size(dtype_));
   return n;
 }
 
 size_t Memory::grad_bytes() const {
   size_t n = 0;
-  for (const Arena& a : grads_) n += a.used();
+  for (int g = 0; g < kNumParamGroups; ++g)
+    n += std::max(grads_[g].used(), static_cast<size_t>(block_elems(g)) * dtype_size(master_dtype()));
   return n;
 }
 

@@ -229,6 +229,16 @@ class Memory {
   // The group's compute copies as one flat tensor laid out like grad_block (sharded only).
   Tensor compute_block(ParamGroup group) const;
 
+  // Names the part of the model whose workspace the next act / host_act / mirrored / peer_act
+  // calls take (moefold plan's breakdown: "embedding", "layers.3", "head", ...). The measuring
+  // pass counts their bytes per part, in order of first use.
+  void set_part(const std::string& part);
+  struct PartBytes {
+    std::string part;
+    size_t device = 0, host = 0;  // device: the run's device (the host on a CPU run)
+  };
+  const std::vector<PartBytes>& part_bytes() const { return parts_; }
+
   // The whole binding sequence: bind() measures, allocate(), bind() takes the real tensors,
   // finish_binding() checks that both passes agree. `bind` registers every module's tensors.
   void bind_twice(const std::function<void()>& bind);
@@ -256,7 +266,9 @@ class Memory {
   // All gradients of a group as one flat tensor (for one all-reduce); padding between
   // parameters is zero and stays zero. Empty when the group has no parameters.
   Tensor grad_block(ParamGroup group) const;
-  size_t param_bytes() const;
+  size_t param_bytes() const;    // master weights and compute copies
+  size_t master_bytes() const;   // the master weights (the optimizer's shards not included)
+  size_t compute_bytes() const;  // separate compute copies (mixed precision, or sharded)
   size_t grad_bytes() const;
   size_t act_bytes() const { return acts_.used() + peer_acts_.used(); }
   size_t host_act_bytes() const { return host_acts_.used(); }
@@ -272,6 +284,10 @@ class Memory {
   size_t measured_[3 * kNumParamGroups + 3] = {};
   bool sharded_ = false;
   ShardLayout layout_;
+  std::vector<PartBytes> parts_;  // measuring pass: workspace bytes by part
+  size_t part_ = 0;               // the current part's index in parts_
+  // Takes from `a`, counting the bytes under the current part while measuring.
+  Tensor take_act(Arena& a, DType dtype, Shape shape, bool host);
   std::vector<GradBucket> buckets_[kNumParamGroups];  // sharded: each group's buckets
   // Sharded: elements of group g's padded blocks (the last bucket's end).
   int64_t block_elems(int g) const { return buckets_[g].empty() ? 0 : buckets_[g].back().end; }

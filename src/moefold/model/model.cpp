@@ -206,6 +206,7 @@ void Model::bind(Memory& mem) {
                       .shard_offset = vocab_offset_,
                       .global_rows = cfg_.vocab_size});
   dembed_ = mem.grad("model.embed_tokens.weight");
+  mem.set_part("model (shared)");
   cos_SD_ = mem.act({seq_len_, cfg_.head_dim}, mem.master_dtype());  // f32 tables (f64 in gradient checks)
   sin_SD_ = mem.act({seq_len_, cfg_.head_dim}, mem.master_dtype());
   scratch_.bind(mem, cfg_, tokens_, local_seq_len_, cfg_.num_attention_heads / n * cfg_.head_dim,
@@ -215,8 +216,15 @@ void Model::bind(Memory& mem) {
   tmp_TH_ = mem.act({rows_, h});
   res_.clear();
   for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({rows_, h}));
-  for (auto& layer : layers_) layer->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
-  for (auto& d : mtp_) bind_mtp(mem, *d);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    mem.set_part(cat("layers.", l));
+    layers_[l]->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
+  }
+  for (size_t k = 0; k < mtp_.size(); ++k) {
+    mem.set_part(cat("mtp.", k));
+    bind_mtp(mem, *mtp_[k]);
+  }
+  mem.set_part("head");
   norm_ = mem.param({.name = "model.norm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm_ = mem.grad("model.norm.weight");
   lm_head_ = mem.param({.name = "lm_head.weight",

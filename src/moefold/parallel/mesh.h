@@ -27,6 +27,12 @@ struct Mesh {
 
   // Collective over `world`. REQUIRES: dims resolved for world->size() ranks.
   static Mesh build(Communicator& world, const ParallelConfig& dims);
+  // The mesh world rank `rank` of dims.world() ranks would have, without a world: every group
+  // knows its size and this rank's place (as build() would split them) and refuses to
+  // communicate (moefold plan binds a model on it). REQUIRES: dims resolved.
+  static Mesh plan(const ParallelConfig& dims, int rank);
+
+  std::unique_ptr<Communicator> owned_world;  // plan(): the shape-only world
 };
 
 }  // namespace moefold

@@ -12,7 +12,6 @@
 
 namespace moefold {
 
-namespace {
 DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
   if (mesh.dims.ep == 1 && mesh.dims.etp == 1) return {};
   // Rows of the residual stream per rank: sequences split over CP, then rows over TP.
@@ -25,7 +24,35 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
                                                 parse_ep_transport(cfg.parallel.ep_transport));
   };
 }
-}  // namespace
+
+void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model) {
+  const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
+  const Shape bl{cfg.train.micro_batch_size, model.local_seq_len()};
+  const int64_t layers = model.num_moe_layers(), experts = cfg.moe.num_experts;
+  mem.set_part("trainer");
+  ids_BL = mem.mirrored(bl, DType::i32);
+  targets_BL = mem.mirrored(bl, DType::i32);
+  // Host side whatever the device: token windows, statistics, loads.
+  full_ids_BS = mem.host_act(bs, DType::i32);
+  full_targets_BS = mem.host_act(bs, DType::i32);
+  load_sum_LE = mem.host_act({layers, experts}, DType::f64);
+  stats = mem.host_act({4}, DType::f64);
+  counts_E = mem.mirrored({experts}, DType::i64);
+}
+
+void bind_training(Memory& mem, Model& model, const Config& cfg, StepBuffers& buffers) {
+  model.bind(mem);
+  buffers.bind(mem, cfg, model);
+}
+
+ShardLayout shard_layout_for(const Mesh& mesh, const Model& model) {
+  ShardLayout layout;
+  layout.shards[static_cast<int>(ParamGroup::dense)] = mesh.dense->size();
+  layout.shards[static_cast<int>(ParamGroup::tensor_parallel)] = mesh.dp_cp->size();
+  layout.shards[static_cast<int>(ParamGroup::expert)] = mesh.edp->size();
+  layout.bucket_of = [n = model.num_layers()](const std::string& name) { return grad_ready_point(name, n); };
+  return layout;
+}
 
 Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device device, std::optional<DType> compute)
     : cfg_(cfg),
@@ -36,26 +63,9 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
       mem_(compute.value_or(device == Device::cuda ? DType::bf16 : DType::f32), exec_),  // GPU: bf16, f32 masters
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
-  const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
-  const Shape bl{cfg.train.micro_batch_size, model_.local_seq_len()};
-  const int64_t layers = model_.num_moe_layers(), experts = cfg.moe.num_experts;
-  if (cfg.parallel.distributed_optimizer) {
-    ShardLayout layout;
-    for (int g = 0; g < kNumParamGroups; ++g) layout.shards[g] = shard_groups()[static_cast<size_t>(g)]->size();
-    layout.bucket_of = [n = model_.num_layers()](const std::string& name) { return grad_ready_point(name, n); };
-    mem_.shard_layout(std::move(layout));
-  }
-  auto bind_all = [&] {
-    model_.bind(mem_);
-    ids_BL_ = mem_.mirrored(bl, DType::i32);
-    targets_BL_ = mem_.mirrored(bl, DType::i32);
-    // Host side whatever the device: token windows, statistics, loads.
-    full_ids_BS_ = mem_.host_act(bs, DType::i32);
-    full_targets_BS_ = mem_.host_act(bs, DType::i32);
-    load_sum_LE_ = mem_.host_act({layers, experts}, DType::f64);
-    stats_ = mem_.host_act({4}, DType::f64);
-    counts_E_ = mem_.mirrored({experts}, DType::i64);
-  };
+  const int64_t layers = model_.num_moe_layers();
+  if (cfg.parallel.distributed_optimizer) mem_.shard_layout(shard_layout_for(mesh, model_));
+  auto bind_all = [&] { bind_training(mem_, model_, cfg_, buf_); };
   bind_all();  // measure
   // Master weights (and compute copies), gradients, the optimizer's state, activations.
   planned_bytes_ = mem_.param_bytes() + mem_.grad_bytes() + AdamW::state_bytes(mem_) + mem_.act_bytes();
@@ -77,14 +87,14 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
 void Trainer::shard_batch() {
   const int c = static_cast<int>(mesh_.dims.cp);
   if (c == 1) {
-    ids_BL_.dev.copy_from(full_ids_BS_);
-    targets_BL_.dev.copy_from(full_targets_BS_);
+    buf_.ids_BL.dev.copy_from(buf_.full_ids_BS);
+    buf_.targets_BL.dev.copy_from(buf_.full_targets_BS);
     return;
   }
-  cp_shard_sequence(full_ids_BS_, c, mesh_.cp_rank, ids_BL_.host);
-  cp_shard_sequence(full_targets_BS_, c, mesh_.cp_rank, targets_BL_.host);
-  ids_BL_.to_device();
-  targets_BL_.to_device();
+  cp_shard_sequence(buf_.full_ids_BS, c, mesh_.cp_rank, buf_.ids_BL.host);
+  cp_shard_sequence(buf_.full_targets_BS, c, mesh_.cp_rank, buf_.targets_BL.host);
+  buf_.ids_BL.to_device();
+  buf_.targets_BL.to_device();
 }
 
 int64_t Trainer::local_micro_batches() const {
@@ -103,7 +113,7 @@ AdamW::ShardGroups Trainer::shard_groups() const {
 
 std::vector<GradReducer::Group> Trainer::grad_groups() const {
   // Replicated parameters over DP x CP x TP (sequence parallelism gives each TP rank other
-  // tokens), TP shards over DP x CP, experts over EDP.
+  // tokens), TP shards over DP x CP, experts over EDP (shard_layout_for: the same groups).
   return {{ParamGroup::dense, mesh_.dense.get()},
           {ParamGroup::tensor_parallel, mesh_.dp_cp.get()},
           {ParamGroup::expert, mesh_.edp.get()}};
@@ -143,27 +153,28 @@ void Trainer::accumulate_gradients() {
   const int64_t tokens = cfg_.train.global_batch_size * s;
   const int64_t layers = model_.num_moe_layers(), experts = cfg_.moe.num_experts;
   const int64_t position = loader_.position();
-  double* stats = stats_.ptr<double>();
-  double* load = load_sum_LE_.ptr<double>();
+  double* stats = buf_.stats.ptr<double>();
+  double* load = buf_.load_sum_LE.ptr<double>();
   {
     ProfileScope scope("zero grads");
     mem_.zero_grads();
-    load_sum_LE_.zero();
-    stats_.zero();
+    buf_.load_sum_LE.zero();
+    buf_.stats.zero();
   }
   for (int64_t i = 0; i < micro; ++i) {
     {
       ProfileScope scope("batch load");
       const int64_t first = position + (i * dp + mesh_.dp_rank) * m;  // global sample of this micro-batch
       for (int64_t b = 0; b < m; ++b)
-        loader_.train_sample(first + b, full_ids_BS_.ptr<int32_t>() + b * s, full_targets_BS_.ptr<int32_t>() + b * s);
+        loader_.train_sample(first + b, buf_.full_ids_BS.ptr<int32_t>() + b * s,
+                             buf_.full_targets_BS.ptr<int32_t>() + b * s);
       shard_batch();
     }
     {
       ProfileScope scope("model forward");
       // The first forward waits for each layer's gathered weights as it reaches the layer.
       stats[0] +=
-          model_.forward(ids_BL_.dev, targets_BL_.dev,
+          model_.forward(buf_.ids_BL.dev, buf_.targets_BL.dev,
                          i == 0 ? [this](int64_t point) { opt_.wait_weights(point); } : std::function<void(int64_t)>());
       stats[1] += model_.aux_loss();
       stats[2] += model_.z_loss();
@@ -172,8 +183,8 @@ void Trainer::accumulate_gradients() {
     {
       ProfileScope scope("expert loads read-back");
       for (int64_t l = 0; l < layers; ++l) {
-        counts_E_.host.copy_from(model_.moe(l).router().tokens_per_expert());  // from the GPU: waits
-        const int64_t* counts = counts_E_.host.ptr<int64_t>();
+        buf_.counts_E.host.copy_from(model_.moe(l).router().tokens_per_expert());  // from the GPU: waits
+        const int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
         for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
       }
     }
@@ -222,11 +233,11 @@ void Trainer::accumulate_gradients() {
   {
     // The LM loss is complete on every TP rank; router losses and expert loads are per TP rank.
     ProfileScope scope("stats all-reduce");
-    reduce_dense(stats_);
-    reduce_dense(load_sum_LE_);
+    reduce_dense(buf_.stats);
+    reduce_dense(buf_.load_sum_LE);
     if (mesh_.tp->size() > 1) {
-      mesh_.tp->all_reduce(stats_.slice(1, 3), ReduceOp::sum);
-      mesh_.tp->all_reduce(load_sum_LE_, ReduceOp::sum);
+      mesh_.tp->all_reduce(buf_.stats.slice(1, 3), ReduceOp::sum);
+      mesh_.tp->all_reduce(buf_.load_sum_LE, ReduceOp::sum);
     }
   }
 
@@ -262,13 +273,13 @@ const StepMetrics& Trainer::train_step() {
   }
   if (cfg_.moe.expert_bias) {  // aux-loss-free balancing from this step's loads (every rank's tokens)
     ProfileScope scope("expert bias update");
-    const double* load = load_sum_LE_.ptr<double>();
+    const double* load = buf_.load_sum_LE.ptr<double>();
     const int64_t experts = cfg_.moe.num_experts;
     for (int64_t l = 0; l < model_.num_moe_layers(); ++l) {
-      int64_t* counts = counts_E_.host.ptr<int64_t>();
+      int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
       for (int64_t e = 0; e < experts; ++e) counts[e] = static_cast<int64_t>(load[l * experts + e]);
-      counts_E_.to_device();
-      model_.moe(l).update_expert_bias(counts_E_.dev, cfg_.moe.expert_bias_update_rate);
+      buf_.counts_E.to_device();
+      model_.moe(l).update_expert_bias(buf_.counts_E.dev, cfg_.moe.expert_bias_update_rate);
     }
   }
   ++step_;
@@ -286,13 +297,14 @@ double Trainer::evaluate() {
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);
   double sum = 0;
   for (int64_t i = 0; i < per_rank; ++i) {
-    loader_.valid_batch((i * dp + mesh_.dp_rank) % nv, full_ids_BS_.ptr<int32_t>(), full_targets_BS_.ptr<int32_t>());
+    loader_.valid_batch((i * dp + mesh_.dp_rank) % nv, buf_.full_ids_BS.ptr<int32_t>(),
+                        buf_.full_targets_BS.ptr<int32_t>());
     shard_batch();
-    sum += model_.forward(ids_BL_.dev, targets_BL_.dev);
+    sum += model_.forward(buf_.ids_BL.dev, buf_.targets_BL.dev);
   }
-  stats_.ptr<double>()[0] = sum;
-  reduce_dense(stats_.slice(0, 1));
-  return stats_.ptr<double>()[0] /
+  buf_.stats.ptr<double>()[0] = sum;
+  reduce_dense(buf_.stats.slice(0, 1));
+  return buf_.stats.ptr<double>()[0] /
          static_cast<double>(per_rank * dp * cfg_.train.micro_batch_size * cfg_.train.seq_len);
 }
 

@@ -41,6 +41,24 @@ struct StepMetrics {
   std::vector<double> expert_load_mean;  // per MoE layer: mean tokens per expert / step
 };
 
+// What the trainer binds beside the model: one micro-batch's ids and targets (whole sequences
+// on the host, this rank's positions on the device), expert loads and step statistics.
+struct StepBuffers {
+  Tensor full_ids_BS, full_targets_BS;  // whole sequences (targets already shifted)
+  Mirrored ids_BL, targets_BL;          // this rank's positions of them (all of them without CP)
+  Mirrored counts_E;                    // i64 [experts]: one layer's routed tokens, or its step load (bias update)
+  Tensor load_sum_LE;                   // f64 [layers, experts]: tokens per expert over a step's micro-batches
+  Tensor stats;                         // f64 [4]: loss sum, aux, z, mtp (reduced together)
+  void bind(Memory& mem, const Config& cfg, const Model& model);
+};
+
+// A training rank's whole binding pass (the trainer's, and moefold plan's measuring one).
+void bind_training(Memory& mem, Model& model, const Config& cfg, StepBuffers& buffers);
+// The dispatchers of the model's MoE layers on `mesh` (empty: local experts). Keeps references.
+DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh);
+// The distributed optimizer's layout: each group sharded over the ranks that reduce it.
+ShardLayout shard_layout_for(const Mesh& mesh, const Model& model);
+
 class Trainer {
  public:
   // REQUIRES: cfg validated; `data` and `mesh` outlive the trainer; data fits the vocabulary.
@@ -70,9 +88,11 @@ class Trainer {
 
   // Bytes reserved before step 0: parameters, gradients, activations, the optimizer's state.
   size_t planned_bytes() const { return planned_bytes_; }
+  size_t optimizer_bytes() const { return opt_.state_bytes(); }
   int64_t step() const { return step_; }
   const StepMetrics& metrics() const { return metrics_; }
   Memory& memory() { return mem_; }
+  const ExecContext& exec() const { return exec_; }
   const Model& model() const { return model_; }
   std::vector<Param>& params() { return mem_.params(); }
   int64_t num_valid_batches() const { return loader_.num_valid_batches(); }
@@ -96,11 +116,7 @@ class Trainer {
   AdamW opt_;
   std::optional<GradReducer> grads_reducer_;  // built once the gradients have their places
   Loader loader_;
-  Tensor full_ids_BS_, full_targets_BS_;  // whole sequences (targets already shifted)
-  Mirrored ids_BL_, targets_BL_;          // this rank's positions of them (all of them without CP)
-  Mirrored counts_E_;                     // i64 [experts]: one layer's routed tokens, or its step load (bias update)
-  Tensor load_sum_LE_;                    // f64 [layers, experts]: tokens per expert over a step's micro-batches
-  Tensor stats_;                          // f64 [4]: loss sum, aux, z, mtp (reduced together)
+  StepBuffers buf_;
   StepMetrics metrics_;
   int64_t step_ = 0;
   size_t planned_bytes_ = 0;

@@ -1,0 +1,128 @@
+// `moefold plan`: the memory one training rank of a layout needs, from the trainer's own binding
+// pass (train/memory_plan.h), and whether it fits; when it does not, what the memory options
+// that exist give.
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <string>
+
+#include "moefold/cli/commands.h"
+#include "moefold/core/error.h"
+#include "moefold/train/memory_plan.h"
+
+namespace moefold::cli {
+
+namespace {
+
+struct PlanArgs {
+  ConfigOptions config;
+  int world = 1;
+  std::string gpu_memory = "141GiB", host_memory = "1TiB", device = "cuda";
+};
+
+// "141GiB", "80GB", "512MiB", "1TiB" or plain bytes; anything else: one line naming the option.
+size_t parse_bytes(const std::string& text, const char* option) {
+  size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  const std::string number = text.substr(0, i), unit = text.substr(i);
+  double scale = 0;
+  for (const auto& [name, s] : {std::pair<const char*, double>{"", 1.0},
+                                {"B", 1.0},
+                                {"KB", 1e3},
+                                {"MB", 1e6},
+                                {"GB", 1e9},
+                                {"TB", 1e12},
+                                {"KiB", 1024.0},
+                                {"MiB", 1024.0 * 1024},
+                                {"GiB", 1024.0 * 1024 * 1024},
+                                {"TiB", 1024.0 * 1024 * 1024 * 1024}})
+    if (unit == name) scale = s;
+  double value = 0;
+  try {
+    value = number.empty() ? -1 : std::stod(number);
+  } catch (const std::exception&) {
+    value = -1;
+  }
+  if (scale == 0 || value <= 0)
+    MF_FAIL(option, " ", text, ": expected a size such as 141GiB, 80GB, 512MiB or a number of bytes");
+  return static_cast<size_t>(value * scale);
+}
+
+std::string gib(size_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1024.0 * 1024 * 1024));
+  return buf;
+}
+
+void print_rank(const MemoryPlan& p, size_t gpu_bytes, size_t host_bytes) {
+  const bool gpu = p.device == Device::cuda;
+  std::printf("  master weights (f32)        %s\n", gib(p.master).c_str());
+  std::printf("  compute copies (%s)       %s\n", gpu ? "bf16" : "f32 ", gib(p.compute_copies).c_str());
+  std::printf("  gradients (f32)             %s\n", gib(p.gradients).c_str());
+  std::printf("  optimizer state             %s\n", gib(p.optimizer).c_str());
+  std::printf("  activations and workspaces  %s\n", gib(p.activations).c_str());
+  const size_t total = p.peak();
+  std::printf("  planned on the %s         %s\n", gpu ? "GPU " : "host", gib(p.device_total()).c_str());
+  if (gpu) std::printf("  library workspaces          %s (cuBLASLt; cuDNN attention's)\n", gib(p.runtime).c_str());
+  std::printf("  peak                        %s of %s: %s\n", gib(total).c_str(),
+              gib(gpu ? gpu_bytes : host_bytes).c_str(),
+              total <= (gpu ? gpu_bytes : host_bytes) ? "fits" : "DOES NOT FIT");
+  if (gpu)
+    std::printf("  host workspaces             %s of %s: %s\n", gib(p.host).c_str(), gib(host_bytes).c_str(),
+                p.host <= host_bytes ? "fits" : "DOES NOT FIT");
+}
+
+void run_plan(const PlanArgs& a) {
+  Config cfg = a.config.load();
+  const Device device = a.device == "cpu" ? Device::cpu : Device::cuda;
+  if (a.device != "cpu" && a.device != "cuda") MF_FAIL("--device ", a.device, ": expected cuda or cpu");
+  if (a.world < 1) MF_FAIL("--world ", a.world, ": expected at least 1 rank");
+  const size_t gpu_bytes = parse_bytes(a.gpu_memory, "--gpu-memory");
+  const size_t host_bytes = parse_bytes(a.host_memory, "--host-memory");
+  const MemoryPlan first = plan_memory(cfg, a.world, 0, device);
+  const MemoryPlan last = plan_memory(cfg, a.world, a.world - 1, device);
+  const ParallelConfig& l = first.layout;
+  std::printf("%s on %d rank(s): (tp, cp, dp, ep, etp) = (%lld, %lld, %lld, %lld, %lld), %s, %s\n", cfg.preset.c_str(),
+              a.world, static_cast<long long>(l.tp), static_cast<long long>(l.cp), static_cast<long long>(l.dp),
+              static_cast<long long>(l.ep), static_cast<long long>(l.etp),
+              device == Device::cuda ? "GPU (bf16 compute, f32 master weights and optimizer state)" : "CPU (f32)",
+              cfg.parallel.distributed_optimizer ? "distributed optimizer" : "optimizer state on every rank");
+  std::printf(
+      "per rank (%s); planned = what the trainer reserves before step 0 (its binding pass); the libraries\n"
+      "size their workspaces at the first step (docs/benchmarks.md: predicted vs measured peaks). Dropless\n"
+      "expert-parallel receive buffers are sized for the worst case (every peer's tokens on this rank's\n"
+      "experts); moe.capacity_factor bounds them.\n",
+      first.peak() == last.peak() ? "rank 0; every rank the same" : "rank 0");
+  print_rank(first, gpu_bytes, host_bytes);
+  if (first.peak() != last.peak()) {
+    std::printf("rank %d\n", a.world - 1);
+    print_rank(last, gpu_bytes, host_bytes);
+  }
+  std::printf("activations by part (rank 0):\n");
+  for (const Memory::PartBytes& part : first.parts)
+    std::printf("  %-26s  %s%s\n", part.part.c_str(), gib(part.device).c_str(),
+                part.host > 0 ? (" (+ " + gib(part.host) + " host)").c_str() : "");
+  // The options that exist and what they give (the cheapest first).
+  if (!cfg.parallel.distributed_optimizer && a.world > 1) {
+    Config sharded = cfg;
+    sharded.parallel.distributed_optimizer = true;
+    const MemoryPlan s = plan_memory(sharded, a.world, 0, device);
+    std::printf("with parallel.distributed_optimizer = true: peak %s per rank (%s)\n", gib(s.peak()).c_str(),
+                s.peak() <= (device == Device::cuda ? gpu_bytes : host_bytes) ? "fits" : "does not fit");
+  }
+}
+
+}  // namespace
+
+Command add_plan(CLI::App& app) {
+  auto a = std::make_shared<PlanArgs>();
+  CLI::App* cmd = app.add_subcommand("plan", "print the memory each rank of a layout needs, and whether it fits");
+  add_config_options(cmd, a->config);
+  cmd->add_option("--world", a->world, "ranks of the layout (default 1; parallel.* of the config lays them out)");
+  cmd->add_option("--gpu-memory", a->gpu_memory, "memory of one GPU (default 141GiB)");
+  cmd->add_option("--host-memory", a->host_memory, "host memory per rank (default 1TiB)");
+  cmd->add_option("--device", a->device, "cuda (default: bf16 mixed precision) or cpu (f32)");
+  return {cmd, [a](World&) { run_plan(*a); }};
+}
+
+}  // namespace moefold::cli

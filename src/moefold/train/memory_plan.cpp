@@ -1,0 +1,51 @@
+#include "moefold/train/memory_plan.h"
+
+#include "moefold/core/exec.h"
+#include "moefold/model/model.h"
+#include "moefold/parallel/mesh.h"
+#include "moefold/train/optimizer.h"
+#include "moefold/train/trainer.h"
+
+namespace moefold {
+
+MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
+  MemoryPlan p;
+  p.layout = cfg.resolve_layout(world);
+  p.rank = rank;
+  p.device = device;
+  p.compute = device == Device::cuda ? DType::bf16 : DType::f32;
+  Mesh mesh = Mesh::plan(p.layout, rank);
+  Model model(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
+              ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()});
+  const ExecContext ctx(device, cfg.kernels, ExecContext::Stream::none);
+  Memory mem(p.compute, ctx);
+  if (cfg.parallel.distributed_optimizer) mem.shard_layout(shard_layout_for(mesh, model));
+  StepBuffers buffers;
+  bind_training(mem, model, cfg, buffers);  // the measuring pass: sizes only
+  p.master = mem.master_bytes();
+  p.compute_copies = mem.compute_bytes();
+  p.gradients = mem.grad_bytes();
+  p.optimizer = AdamW::state_bytes(mem);
+  p.activations = mem.act_bytes();
+  p.host = mem.host_act_bytes();
+  p.parts = mem.part_bytes();
+  if (device == Device::cuda) {
+    // What the libraries took at the first step on an H200 (cuDNN 9; docs/benchmarks.md), per
+    // micro-batch of B sequences, H = heads / tp, S = seq_len, Sq = S / cp queries, D = head_dim:
+    // the deterministic backward 2 B H Sq S bytes (+ 4 B H Sq D with grouped-query heads), the
+    // other one 8 B H Sq D.
+    p.runtime = size_t{32} << 20;  // cuBLASLt's workspace (ops/cuda/gemm.cu)
+    const KernelOptions& k = cfg.kernels;
+    const auto b = static_cast<size_t>(cfg.train.micro_batch_size),
+               h = static_cast<size_t>(cfg.model.num_attention_heads / p.layout.tp),
+               s = static_cast<size_t>(cfg.train.seq_len), sq = s / static_cast<size_t>(p.layout.cp),
+               d = static_cast<size_t>(cfg.model.head_dim);
+    const bool grouped = cfg.model.num_key_value_heads < cfg.model.num_attention_heads;
+    if (k.attention != AttentionKernel::own)
+      p.runtime +=
+          k.deterministic_attention ? 2 * b * h * sq * s + (grouped ? 4 * b * h * sq * d : 0) : 8 * b * h * sq * d;
+  }
+  return p;
+}
+
+}  // namespace moefold
