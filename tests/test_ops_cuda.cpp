@@ -63,6 +63,32 @@ TEST(CudaAdamW, MatchesCpuAndWritesTheComputeCopy) {
   }
 }
 
+// bf16 moments (train.exp_avg_dtype / exp_avg_sq_dtype): the moments stored rounded, the weight
+// updated from the unrounded values, as the CPU op does; each mix of moment dtypes.
+TEST(CudaAdamW, Bf16MomentsMatchCpu) {
+  MF_REQUIRE_GPU();
+  const int64_t n = 70000;
+  for (const auto& [mt, vt] :
+       {std::pair{DType::bf16, DType::bf16}, std::pair{DType::bf16, DType::f32}, std::pair{DType::f32, DType::bf16}}) {
+    SCOPED_TRACE(std::string(dtype_name(mt)) + " / " + std::string(dtype_name(vt)));
+    Pool pool;
+    DevicePool dev;
+    Tensor w = pool.randn({n}, DType::f32), g = pool.randn({n}, DType::f32, 0.1);
+    Tensor m = pool.zeros({n}, mt), v = pool.zeros({n}, vt);
+    cast(testing::exec(), pool.randn({n}, DType::f32, 0.01), m);
+    cast(testing::exec(), pool.uniform({n}, 0.0, 0.01, DType::f32), v);
+    Tensor wd = dev.upload(w, DType::f32), gd = dev.upload(g, DType::f32), md = dev.upload(m, mt),
+           vd = dev.upload(v, vt), wc = dev.poisoned({n}, DType::bf16);
+    const AdamWStep s{3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - std::pow(0.9, 7), 1 - std::pow(0.95, 7), 0.25};
+    adamw_update(testing::exec(), w, g, m, v, s);
+    adamw_update(testing::exec(), wd, gd, md, vd, s, wc);
+    EXPECT_LE(testing::rel_error(testing::download(wd), w), 1e-6);
+    // A moment rounded to bf16 from values 1e-6 apart can land one bf16 step apart.
+    EXPECT_LE(testing::rel_error(testing::download(md), m), 8e-3);
+    EXPECT_LE(testing::rel_error(testing::download(vd), v), 8e-3);
+  }
+}
+
 }  // namespace
 // cast on the GPU: the same bits as the CPU cast (one rounding to nearest even).
 TEST(CudaCast, MatchesCpuBitForBit) {

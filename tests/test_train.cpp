@@ -107,6 +107,43 @@ TEST(AdamW, MatchesReferenceFormulaAndSkipsDecayOnNorms) {
   EXPECT_EQ(opt.num_steps(), 3);
 }
 
+// bf16 moments (train.exp_avg_dtype / exp_avg_sq_dtype): each update reads the stored moments,
+// updates them in f32, stores them rounded to bf16 and moves the weight with the unrounded
+// values; the reference does the same in double with the same roundings.
+TEST(AdamW, Bf16MomentsAreRoundedAfterEachUpdate) {
+  testing::Pool pool;
+  TrainConfig c;
+  c.weight_decay = 0.1;
+  c.exp_avg_dtype = c.exp_avg_sq_dtype = "bf16";
+  std::vector<Param> params(1);
+  params[0].name = "p";
+  params[0].value = pool.randn({9}, DType::f32);
+  params[0].grad = pool.randn({9}, DType::f32);
+  std::vector<double> w(9), m(9, 0.0), v(9, 0.0);
+  for (int j = 0; j < 9; ++j) w[j] = testing::value_at(params[0].value, j);
+  AdamW opt(c);
+  opt.bind(testing::exec(), params);
+  EXPECT_EQ(opt.exp_avg(0).dtype(), DType::bf16);
+  EXPECT_EQ(opt.exp_avg_sq(0).dtype(), DType::bf16);
+  auto bf16 = [](double x) { return static_cast<double>(bf16_to_f32(f32_to_bf16(static_cast<float>(x)))); };
+  for (int t = 1; t <= 3; ++t) {
+    const double lr = 0.01 * t;
+    opt.step(params, lr);
+    for (int j = 0; j < 9; ++j) {
+      const double g = testing::value_at(params[0].grad, j);
+      const double mj = c.adam_beta1 * m[j] + (1 - c.adam_beta1) * g,
+                   vj = c.adam_beta2 * v[j] + (1 - c.adam_beta2) * g * g;
+      w[j] = w[j] * (1 - lr * c.weight_decay) -
+             lr / (1 - std::pow(c.adam_beta1, t)) * mj / (std::sqrt(vj / (1 - std::pow(c.adam_beta2, t))) + c.adam_eps);
+      m[j] = bf16(mj);
+      v[j] = bf16(vj);
+      EXPECT_EQ(testing::value_at(opt.exp_avg(0), j), m[j]) << "step " << t << " element " << j;
+      EXPECT_EQ(testing::value_at(opt.exp_avg_sq(0), j), v[j]) << "step " << t << " element " << j;
+      EXPECT_NEAR(testing::value_at(params[0].value, j), w[j], 1e-6 * std::max(1.0, std::abs(w[j])));
+    }
+  }
+}
+
 TEST(Clip, ScalesToMaxNorm) {
   testing::Pool pool;
   std::vector<Param> params(2);
@@ -148,8 +185,12 @@ TEST(Clip, FusedIntoAdamWMatchesClippingFirst) {
 }
 
 // The distributed optimizer on one rank (its whole path, shard groups of one): see sharding_check.h.
+// With bf16 moments too: both runs keep them in bf16, checkpoints in f32, and every resume
+// continues with the same bits.
 TEST(Trainer, DistributedOptimizerOnOneRankChangesNothing) {
   testing::expect_one_rank_sharding_changes_nothing(Device::cpu, {});
+  testing::expect_one_rank_sharding_changes_nothing(Device::cpu,
+                                                    {"train.exp_avg_dtype=bf16", "train.exp_avg_sq_dtype=bf16"});
   testing::expect_one_rank_sharding_changes_nothing(
       Device::cpu, {"model.architecture=deepseek_v3", "model.num_attention_heads=2", "model.num_key_value_heads=2",
                     "model.head_dim=4", "model.qk_rope_head_dim=4", "model.qk_nope_head_dim=4", "model.v_head_dim=8",

@@ -263,7 +263,7 @@ void distributed_optimizer_matches(const Config& base_) {
     // Optimizer bytes: unsharded, master + two moments of every parameter; sharded, the slots'
     // (and the full_master parameters' whole state, their master among the parameters).
     const Memory& mem = b.trainer->memory();
-    const size_t sharded = AdamW::state_bytes(mem);
+    const size_t sharded = AdamW::state_bytes(mem, on.train);
     double want = 0, padding = 0;
     for (int g = 0; g < kNumParamGroups; ++g) {
       const ParamGroup group = static_cast<ParamGroup>(g);

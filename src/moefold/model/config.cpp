@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "moefold/core/error.h"
 
@@ -97,6 +98,9 @@ void TrainConfig::validate() const {
   if (!(adam_beta2 >= 0 && adam_beta2 < 1)) MF_FAIL("train.adam_beta2 = ", adam_beta2, " must be in [0, 1)");
   if (!(adam_eps > 0)) MF_FAIL("train.adam_eps = ", adam_eps, " must be > 0");
   if (!std::isfinite(grad_clip)) MF_FAIL("train.grad_clip = ", grad_clip, " must be finite");
+  for (const auto& [key, value] : {std::pair<const char*, const std::string&>{"exp_avg_dtype", exp_avg_dtype},
+                                   {"exp_avg_sq_dtype", exp_avg_sq_dtype}})
+    if (value != "f32" && value != "bf16") MF_FAIL("train.", key, " = '", value, "' is not supported (f32, bf16)");
   if (eval_interval < 0) MF_FAIL("train.eval_interval = ", eval_interval, " must be >= 0");
   if (checkpoint_interval < 0) MF_FAIL("train.checkpoint_interval = ", checkpoint_interval, " must be >= 0");
 }

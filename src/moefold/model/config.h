@@ -86,7 +86,11 @@ struct TrainConfig {
   double adam_beta1 = 0.9;
   double adam_beta2 = 0.95;
   double adam_eps = 1e-8;
-  double grad_clip = 1.0;             // global-norm clipping threshold (<= 0: off)
+  double grad_clip = 1.0;  // global-norm clipping threshold (<= 0: off)
+  // AdamW's moments in memory (Megatron's precision-aware optimizer): "f32", or "bf16" (half the
+  // bytes; each update reads them to f32 and stores them rounded). Checkpoints hold them in f32.
+  std::string exp_avg_dtype = "f32";
+  std::string exp_avg_sq_dtype = "f32";
   int64_t eval_interval = 100;        // evaluate every N steps (0: never, except at the end)
   int64_t eval_batches = 4;           // held-out micro-batches per evaluation
   int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)

@@ -38,7 +38,9 @@ void fill_normal_any(const ExecContext& ctx, const Tensor& t, uint64_t seed, uin
 // ---- AdamW (decoupled weight decay), one parameter tensor ----------------------------------------
 // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 // w = w (1 - lr wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), bc = 1 - beta^t.
-// w, g, m, v: the same dtype and shape (f32 on the GPU: fp32 master weights and moments).
+// w, g, m, v: the same shape; w and g one dtype (f32 on the GPU: fp32 master weights); m and v
+// each w's dtype or, beside f32 weights, bf16 (train.exp_avg_dtype / exp_avg_sq_dtype: read to
+// f32, updated, stored rounded to nearest even; the weight's update uses the unrounded values).
 // w_compute (optional, GPU): also written with the updated weight in its own dtype (bf16), so the
 // compute copy costs no extra pass.
 struct AdamWStep {

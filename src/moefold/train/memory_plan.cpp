@@ -25,7 +25,7 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
   p.master = mem.master_bytes();
   p.compute_copies = mem.compute_bytes();
   p.gradients = mem.grad_bytes();
-  p.optimizer = AdamW::state_bytes(mem);
+  p.optimizer = AdamW::state_bytes(mem, cfg.train);
   p.activations = mem.act_bytes();
   p.host = mem.host_act_bytes();
   p.parts = mem.part_bytes();

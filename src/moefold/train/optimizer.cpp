@@ -24,12 +24,18 @@ std::pair<int64_t, int64_t> elements_of(const Param& p, const Tensor& grad_block
   return {at, at + p.grad.numel()};
 }
 
+// A moment's dtype: bf16 where asked for beside f32 masters, else the master dtype.
+DType moment_dtype(const std::string& name, DType master) {
+  return master == DType::f32 && name == "bf16" ? DType::bf16 : master;
+}
+
 }  // namespace
 
 void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
   ctx_ = &ctx;
   params_ = &params;
   sharded_ = false;
+  exposed_ = false;
   if (!params.empty()) arena_.set_device(params.front().value.device());  // moments beside the weights
   auto take_all = [&] {
     segments_.clear();
@@ -37,10 +43,15 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
     exp_avg_sq_.clear();
     for (size_t i = 0; i < params.size(); ++i) {
       const Param& p = params[i];
-      exp_avg_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
-      exp_avg_sq_.push_back(arena_.take(p.value.dtype(), p.value.shape()));
-      segments_.push_back({i, p.group, 0, p.value.numel(), p.value, exp_avg_.back(), exp_avg_sq_.back(), p.grad,
-                           p.compute.data() != p.value.data() ? p.compute : Tensor(), true});
+      const int64_t n = p.value.numel();
+      m_dtype_ = moment_dtype(cfg_.exp_avg_dtype, p.value.dtype());
+      v_dtype_ = moment_dtype(cfg_.exp_avg_sq_dtype, p.value.dtype());
+      exp_avg_.push_back(arena_.take(m_dtype_, p.value.shape()));
+      exp_avg_sq_.push_back(arena_.take(v_dtype_, p.value.shape()));
+      segments_.push_back({i, p.group, 0, n, p.value.view({n}), exp_avg_.back().view({n}), exp_avg_sq_.back().view({n}),
+                           p.grad.view({n}),
+                           p.compute.defined() && p.compute.data() != p.value.data() ? p.compute.view({n}) : Tensor(),
+                           true});
     }
   };
   take_all();  // measure
@@ -48,34 +59,57 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
   take_all();
 }
 
-size_t AdamW::state_bytes(const Memory& mem) {
+size_t AdamW::state_bytes(const Memory& mem, const TrainConfig& cfg) {
   // Per group: master, m and v of each sharded slot; m and v of each full_master bucket (its
   // master is the parameter's own). Unsharded: m and v of every parameter (arena rounding).
-  const size_t esize = dtype_size(mem.master_dtype());
+  const DType master = mem.master_dtype();
+  const size_t esize = dtype_size(master), msize = dtype_size(moment_dtype(cfg.exp_avg_dtype, master)),
+               vsize = dtype_size(moment_dtype(cfg.exp_avg_sq_dtype, master));
   auto round = [](size_t n) { return (n + 63) / 64 * 64; };
   size_t n = 0;
   if (!mem.sharded()) {
-    for (const Param& p : mem.params()) n += 2 * round(static_cast<size_t>(p.grad.numel()) * esize);
+    for (const Param& p : mem.params()) {
+      const auto k = static_cast<size_t>(p.grad.numel());
+      n += round(k * msize) + round(k * vsize);
+    }
     return n;
   }
   for (int g = 0; g < kNumParamGroups; ++g) {
     const ParamGroup group = static_cast<ParamGroup>(g);
     for (const GradBucket& b : mem.grad_buckets(group)) {
       const auto len = static_cast<size_t>(b.end - b.begin);
-      n += b.full_master ? 2 * round(len * esize) : 3 * round(len / static_cast<size_t>(mem.shards(group)) * esize);
+      const size_t k = b.full_master ? len : len / static_cast<size_t>(mem.shards(group));
+      n += (b.full_master ? 0 : round(k * esize)) + round(k * msize) + round(k * vsize);
     }
   }
   return n;
 }
 
 void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
-  if (!mem.sharded()) return bind(mem.exec(), mem.params());
+  if (!mem.sharded()) {
+    bind(mem.exec(), mem.params());
+    // Each segment's place in its group's gradient block: where bf16 moments pass in f32.
+    for (int g = 0; g < kNumParamGroups; ++g)
+      groups_[static_cast<size_t>(g)].grad_block = mem.grad_block(static_cast<ParamGroup>(g));
+    for (Segment& sg : segments_) {
+      const auto [a, e] = elements_of(mem.params()[sg.param], groups_[static_cast<size_t>(sg.group)].grad_block);
+      sg.begin = a;
+      sg.end = e;
+    }
+    exposed_ = m_dtype_ != mem.master_dtype() || v_dtype_ != mem.master_dtype();
+    MF_CHECK(arena_.capacity() == state_bytes(mem, cfg_), "AdamW: state of ", arena_.capacity(), " bytes, planned ",
+             state_bytes(mem, cfg_));
+    return;
+  }
   ctx_ = &mem.exec();
   params_ = &mem.params();
   sharded_ = true;
+  exposed_ = true;
   mixed_ = mem.mixed_precision();
   arena_.set_device(mem.device());
   const DType dt = mem.master_dtype();
+  m_dtype_ = moment_dtype(cfg_.exp_avg_dtype, dt);
+  v_dtype_ = moment_dtype(cfg_.exp_avg_sq_dtype, dt);
   const std::vector<Param>& params = mem.params();
   for (int g = 0; g < kNumParamGroups; ++g) {
     const ParamGroup group = static_cast<ParamGroup>(g);
@@ -102,7 +136,7 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
         const bool whole = b.full_master;
         const auto [s0, s1] = whole ? std::pair{b.begin, b.end} : slot_of(b, gr.comm->size(), gr.comm->rank());
         const Tensor master = whole ? Tensor() : arena_.take(dt, {s1 - s0});
-        const Tensor m = arena_.take(dt, {s1 - s0}), v = arena_.take(dt, {s1 - s0});
+        const Tensor m = arena_.take(m_dtype_, {s1 - s0}), v = arena_.take(v_dtype_, {s1 - s0});
         if (arena_.measuring()) continue;
         for (const auto& [range, i] : ranges) {
           const Param& p = params[i];
@@ -126,8 +160,8 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
   take_all();
   arena_.allocate();
   take_all();
-  MF_CHECK(arena_.capacity() == state_bytes(mem), "AdamW: state of ", arena_.capacity(), " bytes, planned ",
-           state_bytes(mem));
+  MF_CHECK(arena_.capacity() == state_bytes(mem, cfg_), "AdamW: state of ", arena_.capacity(), " bytes, planned ",
+           state_bytes(mem, cfg_));
 }
 
 void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
@@ -201,7 +235,7 @@ void AdamW::gather_into_grad_blocks(int pick) {
     const Tensor& src = pick == 0 ? sg.master : pick == 1 ? sg.m : sg.v;
     if (pick == 0 && sg.whole) continue;  // Param::value is this master already
     const Group& gr = groups_[static_cast<size_t>(sg.group)];
-    gr.grad_block.slice(sg.begin, sg.end).copy_from(src, ctx_);
+    convert(src, gr.grad_block.slice(sg.begin, sg.end));
   }
   for (const Group& gr : groups_) {
     int64_t last = -1;
@@ -211,8 +245,15 @@ void AdamW::gather_into_grad_blocks(int pick) {
   }
 }
 
+void AdamW::convert(const Tensor& src, const Tensor& dst) const {
+  if (src.dtype() == dst.dtype())
+    dst.copy_from(src, ctx_);
+  else
+    cast(*ctx_, src, dst);
+}
+
 void AdamW::prepare_state() {
-  if (!sharded_) return;
+  if (!exposed_) return;
   for (int g = 0; g < kNumParamGroups; ++g) {
     const size_t bytes = groups_[static_cast<size_t>(g)].grad_block.nbytes();
     host_m_[static_cast<size_t>(g)].assign(bytes, std::byte{0});
@@ -221,7 +262,7 @@ void AdamW::prepare_state() {
 }
 
 void AdamW::gather_state() {
-  if (!sharded_) return;
+  if (!exposed_) return;
   prepare_state();
   // The gradient blocks carry each quantity in turn (the gradients are dead after the step):
   // the moments on to host memory, the masters last, staying there as Param::value.
@@ -234,33 +275,36 @@ void AdamW::gather_state() {
         Tensor(host.data(), gr.grad_block.dtype(), gr.grad_block.shape()).copy_from(gr.grad_block, ctx_);
     }
   }
-  gather_into_grad_blocks(0);
+  if (sharded_) gather_into_grad_blocks(0);
 }
 
 void AdamW::scatter_state() {
   const std::vector<Param>& params = *params_;
   wait_all_weights();
-  if (!sharded_) {  // the compute copies from the master weights
-    for (const Param& p : params)
-      if (p.compute.data() != p.value.data()) cast(*ctx_, p.value, p.compute);
-    return;
-  }
-  const bool moments = !host_m_[0].empty() || !host_m_[1].empty() || !host_m_[2].empty();
-  for (const Segment& sg : segments_) {
-    const Group& gr = groups_[static_cast<size_t>(sg.group)];
-    if (!sg.whole) sg.master.copy_from(gr.grad_block.slice(sg.begin, sg.end), ctx_);
-    if (!moments) continue;
-    const DType dt = gr.grad_block.dtype();
-    for (int pick : {1, 2}) {
-      const std::vector<std::byte>& host =
-          pick == 1 ? host_m_[static_cast<size_t>(sg.group)] : host_v_[static_cast<size_t>(sg.group)];
-      const Tensor all(const_cast<std::byte*>(host.data()), dt, gr.grad_block.shape());
-      (pick == 1 ? sg.m : sg.v).copy_from(all.slice(sg.begin, sg.end), ctx_);
-    }
-  }
-  // Every rank holds every value here: each compute copy is cast whole, no gather needed.
+  // Sharded: the master slots from Param::value (the gradients' storage), before anything else
+  // passes through that storage.
+  for (const Segment& sg : segments_)
+    if (sharded_ && !sg.whole)
+      sg.master.copy_from(groups_[static_cast<size_t>(sg.group)].grad_block.slice(sg.begin, sg.end), ctx_);
+  // Every rank holds every value: each compute copy is cast whole, no gather needed.
   for (const Param& p : params)
     if (p.compute.data() != p.value.data()) cast(*ctx_, p.value, p.compute);
+  const bool loaded = !host_m_[0].empty() || !host_m_[1].empty() || !host_m_[2].empty();
+  if (!exposed_ || !loaded) return release_state();
+  // The moments, each in turn, from host memory through the gradient blocks (f32) into the
+  // segments (converted to their dtype).
+  for (int pick : {1, 2}) {
+    for (int g = 0; g < kNumParamGroups; ++g) {
+      const Group& gr = groups_[static_cast<size_t>(g)];
+      const std::vector<std::byte>& host =
+          pick == 1 ? host_m_[static_cast<size_t>(g)] : host_v_[static_cast<size_t>(g)];
+      if (gr.grad_block.numel() > 0)
+        gr.grad_block.copy_from(
+            Tensor(const_cast<std::byte*>(host.data()), gr.grad_block.dtype(), gr.grad_block.shape()), ctx_);
+    }
+    for (const Segment& sg : segments_)
+      convert(groups_[static_cast<size_t>(sg.group)].grad_block.slice(sg.begin, sg.end), pick == 1 ? sg.m : sg.v);
+  }
   release_state();
 }
 
@@ -270,11 +314,11 @@ void AdamW::release_state() {
 }
 
 Tensor AdamW::moment(size_t i, int which) const {
-  if (!sharded_) return which == 0 ? exp_avg_.at(i) : exp_avg_sq_.at(i);
+  if (!exposed_) return which == 0 ? exp_avg_.at(i) : exp_avg_sq_.at(i);
   const Param& p = params_->at(i);
   const size_t g = static_cast<size_t>(p.group);
   const std::vector<std::byte>& host = which == 0 ? host_m_[g] : host_v_[g];
-  MF_CHECK(!host.empty(), "AdamW: the sharded moments of ", p.name, " are not gathered (gather_state)");
+  MF_CHECK(!host.empty(), "AdamW: the moments of ", p.name, " are not gathered (gather_state)");
   const Tensor& block = groups_[g].grad_block;
   const auto [a, e] = elements_of(p, block);
   return Tensor(const_cast<std::byte*>(host.data()), block.dtype(), block.shape()).slice(a, e).view(p.grad.shape());

@@ -38,9 +38,9 @@ class AdamW {
   // rank's slots. REQUIRES: mem allocated and bound; with sharding, groups[g] has mem.shards(g)
   // ranks for every group with parameters, and they outlive the optimizer.
   void bind(const Memory& mem, const ShardGroups& groups);
-  // Bytes bind(mem, ...) reserves: exact, from the buckets of mem's last binding pass (so the
-  // trainer can plan before allocating).
-  static size_t state_bytes(const Memory& mem);
+  // Bytes bind(mem, ...) reserves with cfg's moment dtypes: exact, from the buckets of mem's last
+  // binding pass (so the trainer can plan before allocating).
+  static size_t state_bytes(const Memory& mem, const TrainConfig& cfg);
   size_t state_bytes() const { return arena_.capacity(); }
 
   // One update with learning rate `lr` from the gradients times grad_scale (clip_factor: global-
@@ -61,12 +61,13 @@ class AdamW {
   // once. REQUIRES: sharded, after the gradients were reduced.
   double owned_grad_squares(ParamGroup group) const;
 
-  // The whole state as Param::value, exp_avg(i) and exp_avg_sq(i) show it (checkpoints). Without
-  // sharding both are no-ops but for scatter_state refreshing the compute copies. Sharded:
-  // gather_state (collective) assembles the master weights in Param::value and the moments in
-  // host memory; prepare_state gives exp_avg / exp_avg_sq host tensors to load into;
-  // scatter_state takes every rank's slots from them (the compute copies from the values) and
-  // frees the host copies; release_state frees them.
+  // The whole state as Param::value, exp_avg(i) and exp_avg_sq(i) show it (checkpoints). With f32
+  // moments and no sharding all are no-ops but for scatter_state refreshing the compute copies.
+  // Sharded or with bf16 moments: gather_state (collective) assembles the master weights in
+  // Param::value and the moments, in f32, in host memory (through the gradients' storage: call
+  // it after a step, never between backward and step); prepare_state gives exp_avg / exp_avg_sq
+  // host tensors to load into; scatter_state takes every rank's part from them (the compute
+  // copies from the values) and frees the host copies; release_state frees them.
   void gather_state();
   void prepare_state();
   void scatter_state();
@@ -74,8 +75,9 @@ class AdamW {
 
   int64_t num_steps() const { return steps_; }
   void set_num_steps(int64_t t) { steps_ = t; }
-  // exp_avg / exp_avg_sq of parameter i (same order as bind's params), shaped like it.
-  // Sharded: between gather_state or prepare_state and scatter_state or release_state.
+  // exp_avg / exp_avg_sq of parameter i (same order as bind's params), shaped like it; f32 host
+  // tensors, sharded or with bf16 moments, between gather_state or prepare_state and
+  // scatter_state or release_state.
   Tensor exp_avg(size_t i) const { return moment(i, 0); }
   Tensor exp_avg_sq(size_t i) const { return moment(i, 1); }
 
@@ -97,9 +99,11 @@ class AdamW {
     std::vector<GradBucket> buckets;
   };
   Tensor moment(size_t i, int which) const;
-  // Sharded: `pick` of every segment (0 master, 1 m, 2 v) into the gradient blocks, then each
-  // bucket slot gathered there (Param::value shows the masters afterwards).
+  // `pick` of every segment (0 master, 1 m, 2 v) into the gradient blocks (converted to their
+  // dtype), then, sharded, each bucket slot gathered there (Param::value shows the masters).
   void gather_into_grad_blocks(int pick);
+  // src into dst (same numel and device), converting the dtype where they differ.
+  void convert(const Tensor& src, const Tensor& dst) const;
 
   const ExecContext* ctx_ = nullptr;  // where the update runs (bind)
   TrainConfig cfg_;
@@ -107,6 +111,8 @@ class AdamW {
   std::vector<Segment> segments_;
   const std::vector<Param>* params_ = nullptr;  // the parameters bound (bind)
   bool sharded_ = false, mixed_ = false;
+  DType m_dtype_ = DType::f32, v_dtype_ = DType::f32;  // the moments' dtypes (bind)
+  bool exposed_ = false;  // checkpoints see the state through host copies (sharded, or bf16 moments)
   std::array<Group, kNumParamGroups> groups_;
   // Sharded, between gather_state / prepare_state and scatter_state / release_state: each
   // group's moments in host memory, laid out like its gradient block.

@@ -68,7 +68,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   auto bind_all = [&] { bind_training(mem_, model_, cfg_, buf_); };
   bind_all();  // measure
   // Master weights (and compute copies), gradients, the optimizer's state, activations.
-  planned_bytes_ = mem_.param_bytes() + mem_.grad_bytes() + AdamW::state_bytes(mem_) + mem_.act_bytes();
+  planned_bytes_ = mem_.param_bytes() + mem_.grad_bytes() + AdamW::state_bytes(mem_, cfg.train) + mem_.act_bytes();
   const size_t host = device == Device::cpu ? host_memory_bytes() : 0;  // a GPU fails its cudaMalloc by itself
   if (host > 0 && planned_bytes_ > host)
     MF_FAIL("the ", cfg.preset, " config needs ", planned_bytes_ >> 20, " MiB of planned memory (parameters, ",

@@ -53,25 +53,41 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
                   const AdamWStep& s, const Tensor& w_compute) {
   MF_ON_GPU(ctx, w, cuda::adamw_update(ctx, w, g, m, v, s, w_compute));
   for (const Tensor* t : {&g, &m, &v})
-    MF_CHECK(t->shape() == w.shape() && t->dtype() == w.dtype() && t->contiguous() && t->device() == Device::cpu,
-             "adamw_update: ", t->str(), " vs w ", w.str());
+    MF_CHECK(t->shape() == w.shape() && t->contiguous() && t->device() == Device::cpu, "adamw_update: ", t->str(),
+             " vs w ", w.str());
+  MF_CHECK(g.dtype() == w.dtype(), "adamw_update: gradient ", g.str(), " vs w ", w.str());
+  for (const Tensor* t : {&m, &v})  // the moments: the weights' dtype, or bf16 beside f32 weights
+    MF_CHECK(t->dtype() == w.dtype() || (t->dtype() == DType::bf16 && w.dtype() == DType::f32), "adamw_update: moment ",
+             t->str(), " vs w ", w.str(), " (the weights' dtype, or bf16 with f32 weights)");
   MF_CHECK(!w_compute.defined(), "adamw_update: a compute copy is a GPU feature");
   const int64_t n = w.numel();
   dispatch_float(w.dtype(), [&]<class T>() {
     T* wp = w.ptr<T>();
     const T* gp = g.ptr<T>();
-    T* mp = m.ptr<T>();
-    T* vp = v.ptr<T>();
     const T tb1 = static_cast<T>(s.beta1), tb2 = static_cast<T>(s.beta2);
     const T step_size = static_cast<T>(s.lr / s.bias_correction1);
     const T inv_sqrt_bc2 = static_cast<T>(1.0 / std::sqrt(s.bias_correction2));
     const T wd = static_cast<T>(1.0 - s.lr * s.weight_decay), teps = static_cast<T>(s.eps);
     const T gs = static_cast<T>(s.grad_scale);
+    // A moment is read into T and stored back in its own dtype (bf16: rounded to nearest even);
+    // the weight's update uses the unrounded values, as the CUDA kernel does.
+    auto load = [](const Tensor& t, int64_t j) -> T {
+      if (t.dtype() == DType::bf16) return static_cast<T>(bf16_to_f32(static_cast<const uint16_t*>(t.data())[j]));
+      return t.ptr<T>()[j];
+    };
+    auto store = [](const Tensor& t, int64_t j, T x) {
+      if (t.dtype() == DType::bf16)
+        static_cast<uint16_t*>(t.data())[j] = f32_to_bf16(static_cast<float>(x));
+      else
+        t.ptr<T>()[j] = x;
+    };
     for (int64_t j = 0; j < n; ++j) {
       const T gj = gp[j] * gs;
-      mp[j] = tb1 * mp[j] + (T(1) - tb1) * gj;
-      vp[j] = tb2 * vp[j] + (T(1) - tb2) * gj * gj;
-      wp[j] = wp[j] * wd - step_size * mp[j] / (std::sqrt(vp[j]) * inv_sqrt_bc2 + teps);
+      const T mj = tb1 * load(m, j) + (T(1) - tb1) * gj;
+      const T vj = tb2 * load(v, j) + (T(1) - tb2) * gj * gj;
+      store(m, j, mj);
+      store(v, j, vj);
+      wp[j] = wp[j] * wd - step_size * mj / (std::sqrt(vj) * inv_sqrt_bc2 + teps);
     }
   });
 }

@@ -22,14 +22,15 @@ __device__ __forceinline__ void adamw_element(const AdamWArgs& a, float g, float
   w = w * a.wd - a.step_size * m / (sqrtf(v) * a.inv_sqrt_bc2 + a.eps);
 }
 
-template <class C>
-__global__ void adamw_kernel(float* w, const float* g, float* m, float* v, C* wc, int64_t n, AdamWArgs a) {
+// M, V: the moments' types (float, or bf16: stored rounded, the weight updated from the unrounded values).
+template <class C, class M, class V>
+__global__ void adamw_kernel(float* w, const float* g, M* m, V* v, C* wc, int64_t n, AdamWArgs a) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float wi = w[i], mi = m[i], vi = v[i];
+    float wi = w[i], mi = to_float(m[i]), vi = to_float(v[i]);
     adamw_element(a, g[i] * a.gs, wi, mi, vi);
-    m[i] = mi;
-    v[i] = vi;
+    m[i] = from_float<M>(mi);
+    v[i] = from_float<V>(vi);
     w[i] = wi;
     if (wc) wc[i] = from_float<C>(wi);
   }
@@ -72,8 +73,9 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
                   const AdamWStep& s, const Tensor& w_compute) {
   for (const Tensor* t : {&w, &g, &m, &v}) {
     check_cuda_tensor(*t, "adamw_update");
-    MF_CHECK(t->dtype() == DType::f32 && t->shape() == w.shape(), "adamw_update: ", t->str(), " vs w ", w.str(),
-             " (f32 master weights, gradients and moments)");
+    const bool moment = t == &m || t == &v;
+    MF_CHECK((t->dtype() == DType::f32 || (moment && t->dtype() == DType::bf16)) && t->shape() == w.shape(),
+             "adamw_update: ", t->str(), " vs w ", w.str(), " (f32 master weights and gradients; f32 or bf16 moments)");
   }
   const int64_t n = w.numel();
   if (n == 0) return;
@@ -89,8 +91,9 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
     check_cuda_tensor(w_compute, "adamw_update w_compute");
     MF_CHECK(w_compute.numel() == n, "adamw_update: compute copy ", w_compute.str(), " vs w ", w.str());
   }
-  const bool vec = n % 4 == 0 && aligned(w.data(), 16) && aligned(g.data(), 16) && aligned(m.data(), 16) &&
-                   aligned(v.data(), 16) &&
+  const bool f32_moments = m.dtype() == DType::f32 && v.dtype() == DType::f32;
+  const bool vec = f32_moments && n % 4 == 0 && aligned(w.data(), 16) && aligned(g.data(), 16) &&
+                   aligned(m.data(), 16) && aligned(v.data(), 16) &&
                    (!w_compute.defined() || (w_compute.dtype() == DType::bf16 && aligned(w_compute.data(), 8)));
   if (vec) {
     const int vblocks = static_cast<int>(std::min<int64_t>(ceil_div(n / 4, threads), 65535 * 4));
@@ -98,13 +101,17 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
         static_cast<float4*>(w.data()), static_cast<const float4*>(g.data()), static_cast<float4*>(m.data()),
         static_cast<float4*>(v.data()), w_compute.defined() ? static_cast<Bf16x4*>(w_compute.data()) : nullptr, n / 4,
         a);
-  } else if (!w_compute.defined()) {
-    adamw_kernel<float><<<blocks, threads, 0, stream_of(ctx)>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(),
-                                                                v.ptr<float>(), nullptr, n, a);
   } else {
-    dispatch_cuda_float(w_compute.dtype(), [&]<class C>() {
-      adamw_kernel<C><<<blocks, threads, 0, stream_of(ctx)>>>(w.ptr<float>(), g.ptr<float>(), m.ptr<float>(),
-                                                              v.ptr<float>(), w_compute.ptr<C>(), n, a);
+    // The scalar path: any compute copy (none: float, never written), any moment dtypes.
+    const DType c_dtype = w_compute.defined() ? w_compute.dtype() : DType::f32;
+    dispatch_cuda_float(c_dtype, [&]<class C>() {
+      dispatch_cuda_float(m.dtype(), [&]<class M>() {
+        dispatch_cuda_float(v.dtype(), [&]<class V>() {
+          adamw_kernel<C, M, V><<<blocks, threads, 0, stream_of(ctx)>>>(
+              w.ptr<float>(), g.ptr<float>(), static_cast<M*>(m.data()), static_cast<V*>(v.data()),
+              w_compute.defined() ? static_cast<C*>(w_compute.data()) : nullptr, n, a);
+        });
+      });
     });
   }
   MF_CUDA_LAUNCHED("adamw_update");
