@@ -102,14 +102,42 @@ void run_plan(const PlanArgs& a) {
   for (const Memory::PartBytes& part : first.parts)
     std::printf("  %-26s  %s%s\n", part.part.c_str(), gib(part.device).c_str(),
                 part.host > 0 ? (" (+ " + gib(part.host) + " host)").c_str() : "");
-  // The options that exist and what they give (the cheapest first).
-  if (!cfg.parallel.distributed_optimizer && a.world > 1) {
-    Config sharded = cfg;
-    sharded.parallel.distributed_optimizer = true;
-    const MemoryPlan s = plan_memory(sharded, a.world, 0, device);
-    std::printf("with parallel.distributed_optimizer = true: peak %s per rank (%s)\n", gib(s.peak()).c_str(),
-                s.peak() <= (device == Device::cuda ? gpu_bytes : host_bytes) ? "fits" : "does not fit");
+  // The memory options that exist, added one by one in order of their throughput cost (measured
+  // on an H200, docs/benchmarks.md): bf16 moments (none: the update gets faster), cuDNN's
+  // non-deterministic attention backward (none; reruns differ in the last bits), then the
+  // distributed optimizer (its gathers; only with shard groups of several ranks).
+  struct Option {
+    const char* text;
+    bool applies;
+    void (*apply)(Config&);
+  };
+  const Option options[] = {
+      {"train.exp_avg_dtype = train.exp_avg_sq_dtype = bf16",
+       cfg.train.exp_avg_dtype != "bf16" || cfg.train.exp_avg_sq_dtype != "bf16",
+       [](Config& c) { c.train.exp_avg_dtype = c.train.exp_avg_sq_dtype = "bf16"; }},
+      {"kernels.deterministic_attention = false", device == Device::cuda && cfg.kernels.deterministic_attention,
+       [](Config& c) { c.kernels.deterministic_attention = false; }},
+      {"parallel.distributed_optimizer = true", !cfg.parallel.distributed_optimizer && a.world > 1,
+       [](Config& c) { c.parallel.distributed_optimizer = true; }},
+  };
+  const size_t limit = device == Device::cuda ? gpu_bytes : host_bytes;
+  Config with = cfg;
+  std::string added;
+  bool fits = first.peak() <= limit && last.peak() <= limit;
+  for (const Option& o : options) {
+    if (!o.applies) continue;
+    o.apply(with);
+    added += added.empty() ? o.text : std::string(", ") + o.text;
+    size_t peak = 0;
+    for (const int r : {0, a.world - 1}) peak = std::max(peak, plan_memory(with, a.world, r, device).peak());
+    std::printf("with %s: peak %s per rank (%s)%s\n", added.c_str(), gib(peak).c_str(),
+                peak <= limit ? "fits" : "does not fit", !fits && peak <= limit ? ": the cheapest set that fits" : "");
+    fits = fits || peak <= limit;
   }
+  if (!fits)
+    std::printf(
+        "no set of the memory options that exist fits: a smaller micro-batch, more ranks or a layout with more "
+        "tensor/expert parallelism\n");
 }
 
 }  // namespace
