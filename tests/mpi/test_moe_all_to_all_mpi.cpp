@@ -65,6 +65,7 @@ struct Knobs {
   double capacity = 0;   // capacity_factor
   bool pad = false;      // pad_to_capacity
   int64_t chunks = 2;    // ep_overlap_chunks: the rounds each peer's rows travel in
+  double recv = 0;       // ep_recv_factor: receive buffers as a multiple of the average (0: worst case)
 };
 
 Case make(std::string name, Knobs o, std::vector<double> bias_E = {}) {
@@ -78,7 +79,8 @@ Case make(std::string name, Knobs o, std::vector<double> bias_E = {}) {
                 .z_loss_coeff = o.aux ? 0.01 : 0.0,
                 .capacity_factor = o.capacity,
                 .pad_to_capacity = o.pad,
-                .ep_overlap_chunks = o.chunks};
+                .ep_overlap_chunks = o.chunks,
+                .ep_recv_factor = o.recv};
   return {std::move(name), cfg, std::move(bias_E)};
 }
 
@@ -114,6 +116,8 @@ std::vector<Case> all_cases() {
       make("three_rounds_imbalanced_softmax_k2_aux", {.aux = true, .chunks = 3}, rank0),
       make("seven_rounds_capacity_padded_softmax_k2", {.capacity = 0.75, .pad = true, .chunks = 7}),
       make("seven_rounds_idle_rank_sigmoid_k1", {.k = 1, .sigmoid = true, .norm = false, .chunks = 7}, idle),
+      // Receive buffers planned at 2.5 x the average instead of the worst case (P x the average).
+      make("recv_factor_balanced_softmax_k2", {.recv = 2.5}),
   };
 }
 
@@ -122,6 +126,32 @@ using testing::block_tokens;
 using testing::draw_block;
 using testing::rel_err;
 using testing::sum_all;
+
+// moe.ep_recv_factor too small for the routing (every token to expert 7, one rank's): every rank
+// of the group fails the dispatch with one message naming the key, none hangs.
+TEST(AllToAllDispatcher, RecvFactorOverflowFailsOnEveryRank) {
+  Communicator& world = testing::test_world();
+  const int ep = world.size();
+  if (ep == 1 || kE % ep != 0) GTEST_SKIP() << "needs EP > 1 dividing " << kE;
+  const uint64_t seed = shared_seed(world);
+  Case c = make("overflow", {.k = 1, .norm = false, .recv = 1.5}, {0, 0, 0, 0, 0, 0, 0, 5});
+  const int64_t max_t = testing::block_tokens(ep - 1);
+  Pool pool;
+  Rig rig(c.cfg, max_t, std::make_unique<AllToAllDispatcher>(c.cfg, kH, max_t, world));
+  int64_t stream = 1;
+  for (Param& p : rig.mem.params()) fill_normal(p.value, seed, stream++, 0.0, 0.5);
+  double* g = rig.param(".gate.weight").value.ptr<double>();
+  for (int64_t e = 0; e < kE; ++e)
+    for (int64_t i = 0; i < kH; ++i) g[e * kH + i] += c.bias_E[e];
+  const testing::Block own = testing::draw_block(pool, seed, world.rank(), kH, true, 0);
+  Tensor y = pool.zeros(own.x.shape());
+  try {
+    rig.layer.forward(own.x, y);
+    ADD_FAILURE() << "the dispatch did not fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("moe.ep_recv_factor = 1.5"), std::string::npos) << e.what();
+  }
+}
 
 // Every case by both transports: the exchange (MPI messages) and the peer copies (MPI's
 // PeerMemory: the same offsets a GPU's direct copies write to, as messages).

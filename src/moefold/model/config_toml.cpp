@@ -102,6 +102,8 @@ const std::vector<Field>& fields() {
                "mixed precision: router logits from fp32 operands (else bf16 operands, fp32 accumulation)"),
       MF_FIELD(moe, "ep_overlap_chunks", ep_overlap_chunks,
                "expert parallelism: pieces each EP peer's rows travel in, so the all-to-all overlaps the experts"),
+      MF_FIELD(moe, "ep_recv_factor", ep_recv_factor,
+               "expert parallelism: rows a rank's experts can receive, times the average T*K (0: the worst case)"),
       MF_FIELD(moe, "capacity_factor", capacity_factor,
                "<= 0: dropless; else capacity = ceil(cf * T * K / E) rows per expert"),
       MF_FIELD(moe, "pad_to_capacity", pad_to_capacity, "with a capacity: pad every expert to exactly its capacity"),

@@ -3,6 +3,7 @@
 #include "moefold/moe/ep_exchange.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "moefold/ops/moe_ops.h"
 
@@ -17,7 +18,11 @@ int64_t ep_max_recv_rows(const MoeConfig& cfg, int64_t max_tokens, int ep_size) 
   const int64_t cap = cfg.capacity(max_tokens);
   int64_t per_peer = dropless;
   if (cfg.capacity_factor > 0) per_peer = cfg.pad_to_capacity ? local * cap : std::min(dropless, local * cap);
-  return ep_size * per_peer;
+  const int64_t worst = ep_size * per_peer;
+  if (!(cfg.ep_recv_factor > 0)) return worst;
+  const auto planned =
+      static_cast<int64_t>(std::ceil(cfg.ep_recv_factor * static_cast<double>(max_tokens * cfg.num_experts_per_tok)));
+  return std::min(worst, planned);
 }
 
 void ep_check_plan(const DispatchPlan& plan, const EpPlan& mine, const char* op) {
@@ -136,6 +141,15 @@ void EpExchange::plan_counts(const Tensor& send_counts_PBL, EpPlan& p) {
   offsets[0] = 0;
   for (int64_t l = 0; l < l_n; ++l) offsets[l + 1] = offsets[l] + counts[l];
   const int64_t r_n = offsets[l_n];
+  if (cfg_.ep_recv_factor > 0) {  // the planned bound can be exceeded: every rank learns whether any rank did
+    int64_t most = r_n;
+    ep_.all_reduce(Tensor(&most, DType::i64, {1}), ReduceOp::max);
+    if (most > max_rows())
+      MF_FAIL("moe.ep_recv_factor = ", cfg_.ep_recv_factor, ": a rank of EP group '", ep_.name(), "' received ", most,
+              " expert rows in one dispatch, more than the ", max_rows(),
+              " its buffers were planned for; raise moe.ep_recv_factor (moefold plan shows what it costs) or set it "
+              "to 0 (the worst case)");
+  }
   // Holds unless a peer was built with a larger max_tokens or another config (a REQUIRES).
   MF_CHECK(r_n <= max_rows(), "dispatch: ", r_n, " rows received on rank ", ep_.rank(), " of group '", ep_.name(),
            "', buffers hold ", max_rows(), " (peers disagree on config or max_tokens?)");

@@ -23,6 +23,8 @@ void MoeConfig::validate() const {
     MF_FAIL("moe.z_loss_coeff = ", z_loss_coeff, " must be finite and >= 0");
   require_positive("moe", "n_group", n_group);
   require_positive("moe", "ep_overlap_chunks", ep_overlap_chunks);
+  if (!std::isfinite(ep_recv_factor) || (ep_recv_factor != 0 && ep_recv_factor < 1))
+    MF_FAIL("moe.ep_recv_factor = ", ep_recv_factor, " must be 0 (the worst case) or >= 1 (times the average)");
   require_positive("moe", "topk_group", topk_group);
   if (num_experts % n_group != 0) MF_FAIL("moe.n_group = ", n_group, " must divide moe.num_experts = ", num_experts);
   if (topk_group > n_group) MF_FAIL("moe.topk_group = ", topk_group, " must be <= moe.n_group = ", n_group);

@@ -34,6 +34,12 @@ struct MoeConfig {
   // Expert parallelism (AllToAllDispatcher): each EP peer's rows travel in this many pieces, so
   // that the all-to-all of one piece runs while the experts compute another (1: one per peer).
   int64_t ep_overlap_chunks = 2;
+  // Expert parallelism: the rows one rank's experts can receive per micro-batch, as a multiple of
+  // the average (T x K: every rank's tokens spread evenly); 0: the worst case (every peer's
+  // tokens on this rank's experts, P x T x min(K, L): P times the average). Every expert
+  // activation buffer follows it. A dispatch that would exceed it fails on every rank of the EP
+  // group with one line naming this key (checked at the counts exchange).
+  double ep_recv_factor = 0;
 
   // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 must be <=
   // moe.num_experts = 8").

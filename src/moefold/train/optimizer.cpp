@@ -122,6 +122,14 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
              " ranks");
     gr.grad_block = mem.grad_block(group);
     gr.compute_block = mem.compute_block(group);
+    // Decided once: the step loop allocates nothing.
+    gr.gather_order.clear();
+    for (size_t i = 0; i < gr.buckets.size(); ++i)
+      if (!gr.buckets[i].full_master) gr.gather_order.push_back(i);
+    std::sort(gr.gather_order.begin(), gr.gather_order.end(), [&](size_t a, size_t b) {
+      return gr.buckets[a].key != gr.buckets[b].key ? gr.buckets[a].key < gr.buckets[b].key : a < b;
+    });
+    pending_[static_cast<size_t>(g)].reserve(gr.gather_order.size());
   }
   // One pass measures, the next takes: per bucket the slot's master, m and v (one tensor each,
   // the slot's segments are views of it), or a full_master bucket's m and v.
@@ -191,13 +199,10 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
   // stream (the first layer's weights first).
   for (size_t g = 0; g < groups_.size(); ++g) {
     const Group& gr = groups_[g];
-    std::vector<const GradBucket*> order;
-    for (const GradBucket& b : gr.buckets)
-      if (!b.full_master) order.push_back(&b);
-    std::stable_sort(order.begin(), order.end(),
-                     [](const GradBucket* a, const GradBucket* b) { return a->key < b->key; });
-    for (const GradBucket* b : order)
-      pending_[g].emplace_back(b->key, gr.comm->start_all_gather(gr.compute_block.slice(b->begin, b->end)));
+    for (const size_t i : gr.gather_order) {
+      const GradBucket& b = gr.buckets[i];
+      pending_[g].emplace_back(b.key, gr.comm->start_all_gather(gr.compute_block.slice(b.begin, b.end)));
+    }
   }
   if (!overlap_gather_) wait_all_weights();
 }

@@ -97,6 +97,7 @@ class AdamW {
     Communicator* comm = nullptr;
     Tensor grad_block, compute_block;
     std::vector<GradBucket> buckets;
+    std::vector<size_t> gather_order;  // the buckets step() gathers, in forward order (by key)
   };
   Tensor moment(size_t i, int which) const;
   // `pick` of every segment (0 master, 1 m, 2 v) into the gradient blocks (converted to their

@@ -77,7 +77,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   mem_.allocate();
   bind_all();
   mem_.finish_binding();
-  opt_.bind(mem_, shard_groups());
+  shard_groups_ = shard_groups();  // kept: the step loop allocates nothing
+  opt_.bind(mem_, shard_groups_);
   opt_.set_overlap_gather(cfg.parallel.overlap_param_gather);
   grads_reducer_.emplace(mem_, model_.num_layers(), grad_groups());
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
@@ -211,7 +212,7 @@ void Trainer::accumulate_gradients() {
     ProfileScope scope("grad norm");  // sum_squares returns to the host: waits for the stream
     double sq[2] = {0, 0};
     if (mem_.sharded()) {
-      const AdamW::ShardGroups groups = shard_groups();
+      const AdamW::ShardGroups& groups = shard_groups_;
       double owned[kNumParamGroups];
       for (int g = 0; g < kNumParamGroups; ++g) {
         owned[g] = opt_.owned_grad_squares(static_cast<ParamGroup>(g));

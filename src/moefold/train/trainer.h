@@ -117,6 +117,7 @@ class Trainer {
   std::optional<GradReducer> grads_reducer_;  // built once the gradients have their places
   Loader loader_;
   StepBuffers buf_;
+  AdamW::ShardGroups shard_groups_{};  // shard_groups(), taken once
   StepMetrics metrics_;
   int64_t step_ = 0;
   size_t planned_bytes_ = 0;
