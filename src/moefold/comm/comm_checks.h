@@ -1,14 +1,21 @@
 // Argument checks shared by every Communicator backend, so that all backends accept and reject
-// the same calls (a layout that runs on one rank must not fail only on many).
+// the same calls (a layout that runs on one rank must not fail only on many), and the byte copy
+// the host backends pack with.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "moefold/comm/communicator.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold::comm_detail {
+
+// memcpy that allows empty ranges (whose pointers may be null): the packing of host exchanges.
+inline void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n);
+}
 
 // Elements per row of dimension 0 (product of the other dimensions).
 int64_t row_elems(const Tensor& t);

@@ -30,7 +30,7 @@ int64_t Communicator::start_exchange(const std::vector<Transfer>& transfers) {
   size_t off = 0;
   for (const Transfer* t : by_peer) {
     if (t == nullptr) continue;
-    std::memcpy(send.data() + off, t->send.data(), static_cast<size_t>(t->send.size(0)) * row_bytes);
+    comm_detail::copy_bytes(send.data() + off, t->send.data(), static_cast<size_t>(t->send.size(0)) * row_bytes);
     off += static_cast<size_t>(t->send.size(0)) * row_bytes;
   }
   all_to_all_v(Tensor(send.data(), dtype, {send_rows, row}), send_counts.data(),
@@ -38,7 +38,7 @@ int64_t Communicator::start_exchange(const std::vector<Transfer>& transfers) {
   off = 0;
   for (const Transfer* t : by_peer) {
     if (t == nullptr) continue;
-    std::memcpy(t->recv.data(), recv.data() + off, static_cast<size_t>(t->recv.size(0)) * row_bytes);
+    comm_detail::copy_bytes(t->recv.data(), recv.data() + off, static_cast<size_t>(t->recv.size(0)) * row_bytes);
     off += static_cast<size_t>(t->recv.size(0)) * row_bytes;
   }
   return 0;

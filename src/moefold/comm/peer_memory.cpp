@@ -6,6 +6,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "moefold/comm/comm_checks.h"
 #include "moefold/comm/communicator.h"
 #include "moefold/core/error.h"
 
@@ -40,13 +41,13 @@ class MessagePeerMemory final : public PeerMemory {
     std::vector<std::byte> out(total(copies)), in(total(arrived));
     size_t at = 0;
     for (const size_t i : order) {
-      std::memcpy(out.data() + at, pushes[i].src.data(), pushes[i].src.nbytes());
+      comm_detail::copy_bytes(out.data() + at, pushes[i].src.data(), pushes[i].src.nbytes());
       at += pushes[i].src.nbytes();
     }
     exchange_bytes(copies, out, arrived, in);
     at = 0;
     for (const Copy& c : arrived) {  // each into this rank's block where its sender aimed it
-      std::memcpy(static_cast<std::byte*>(block_) + c.offset, in.data() + at, static_cast<size_t>(c.bytes));
+      comm_detail::copy_bytes(static_cast<std::byte*>(block_) + c.offset, in.data() + at, static_cast<size_t>(c.bytes));
       at += static_cast<size_t>(c.bytes);
     }
     return ++tickets_;
@@ -59,13 +60,14 @@ class MessagePeerMemory final : public PeerMemory {
     std::vector<std::byte> out(total(wanted)), in(total(asked));
     size_t at = 0;
     for (const Copy& c : wanted) {
-      std::memcpy(out.data() + at, static_cast<const std::byte*>(block_) + c.offset, static_cast<size_t>(c.bytes));
+      comm_detail::copy_bytes(out.data() + at, static_cast<const std::byte*>(block_) + c.offset,
+                              static_cast<size_t>(c.bytes));
       at += static_cast<size_t>(c.bytes);
     }
     exchange_bytes(wanted, out, asked, in);
     at = 0;
     for (const size_t i : order) {
-      std::memcpy(pulls[i].dst.data(), in.data() + at, pulls[i].dst.nbytes());
+      comm_detail::copy_bytes(pulls[i].dst.data(), in.data() + at, pulls[i].dst.nbytes());
       at += pulls[i].dst.nbytes();
     }
     return ++tickets_;
