@@ -104,7 +104,8 @@ void run_plan(const PlanArgs& a) {
                 part.host > 0 ? (" (+ " + gib(part.host) + " host)").c_str() : "");
   // The memory options that exist, added one by one in order of their throughput cost (measured
   // on an H200, docs/benchmarks.md): bf16 moments (none: the update gets faster), cuDNN's
-  // non-deterministic attention backward (none; reruns differ in the last bits), then the
+  // non-deterministic attention backward (none; reruns differ in the last bits), expert-parallel
+  // receive buffers at twice the average (none; an imbalance past it stops the run), then the
   // distributed optimizer (its gathers; only with shard groups of several ranks).
   struct Option {
     const char* text;
@@ -117,6 +118,9 @@ void run_plan(const PlanArgs& a) {
        [](Config& c) { c.train.exp_avg_dtype = c.train.exp_avg_sq_dtype = "bf16"; }},
       {"kernels.deterministic_attention = false", device == Device::cuda && cfg.kernels.deterministic_attention,
        [](Config& c) { c.kernels.deterministic_attention = false; }},
+      // No throughput cost, but a dispatch past twice the average receive fails the run.
+      {"moe.ep_recv_factor = 2", first.layout.ep > 1 && !(cfg.moe.ep_recv_factor > 0),
+       [](Config& c) { c.moe.ep_recv_factor = 2; }},
       {"parallel.distributed_optimizer = true", !cfg.parallel.distributed_optimizer && a.world > 1,
        [](Config& c) { c.parallel.distributed_optimizer = true; }},
   };
