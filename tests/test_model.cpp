@@ -172,6 +172,10 @@ TEST(Config, BadKernelsValueIsOneLineNamingTheKey) {
       {"[kernels]\ndeterministic_attention = 1\n", "kernels.deterministic_attention must be true or false"},
       {"[kernels]\ngemm_smz = 1\n", "unknown key 'kernels.gemm_smz'"},
       {"[parallel]\nep_transport = \"shm\"\n", "parallel.ep_transport = 'shm' is not supported (auto, nccl, ipc)"},
+      {"[parallel]\ndistributed_optimizer = \"yes\"\n", "parallel.distributed_optimizer must be true or false"},
+      {"[train]\nexp_avg_dtype = \"fp8\"\n", "train.exp_avg_dtype = 'fp8' is not supported (f32, bf16)"},
+      {"[train]\nexp_avg_sq_dtype = \"f16\"\n", "train.exp_avg_sq_dtype = 'f16' is not supported (f32, bf16)"},
+      {"[moe]\nep_recv_factor = 0.5\n", "moe.ep_recv_factor = 0.5 must be 0 (the worst case) or >= 1"},
   };
   for (const auto& [text, needle] : cases) {
     const std::string e = err(text);
