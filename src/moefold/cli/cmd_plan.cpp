@@ -98,10 +98,20 @@ void run_plan(const PlanArgs& a) {
     std::printf("rank %d\n", a.world - 1);
     print_rank(last, gpu_bytes, host_bytes);
   }
+  // Runs of layers with equal bytes on one line ("layers.3-47  2.02 GiB each").
   std::printf("activations by part (rank 0):\n");
-  for (const Memory::PartBytes& part : first.parts)
-    std::printf("  %-26s  %s%s\n", part.part.c_str(), gib(part.device).c_str(),
-                part.host > 0 ? (" (+ " + gib(part.host) + " host)").c_str() : "");
+  const std::vector<Memory::PartBytes>& parts = first.parts;
+  for (size_t i = 0; i < parts.size();) {
+    size_t j = i + 1;
+    const bool layer = parts[i].part.rfind("layers.", 0) == 0;
+    while (layer && j < parts.size() && parts[j].part.rfind("layers.", 0) == 0 && parts[j].device == parts[i].device &&
+           parts[j].host == parts[i].host)
+      ++j;
+    const std::string name = j - i > 1 ? parts[i].part + "-" + parts[j - 1].part.substr(7) : parts[i].part;
+    std::printf("  %-26s  %s%s%s\n", name.c_str(), gib(parts[i].device).c_str(), j - i > 1 ? " each" : "",
+                parts[i].host > 0 ? (" (+ " + gib(parts[i].host) + " host)").c_str() : "");
+    i = j;
+  }
   // The memory options that exist, added one by one in order of their throughput cost (measured
   // on an H200, docs/benchmarks.md): bf16 moments (none: the update gets faster), cuDNN's
   // non-deterministic attention backward (none; reruns differ in the last bits), expert-parallel
