@@ -63,7 +63,8 @@ void print_rank(const MemoryPlan& p, size_t gpu_bytes, size_t host_bytes) {
   std::printf("  activations and workspaces  %s\n", gib(p.activations).c_str());
   const size_t total = p.peak();
   std::printf("  planned on the %s         %s\n", gpu ? "GPU " : "host", gib(p.device_total()).c_str());
-  if (gpu) std::printf("  library workspaces          %s (cuBLASLt; cuDNN attention's)\n", gib(p.runtime).c_str());
+  if (gpu)
+    std::printf("  library workspaces          %s (cuBLASLt, cuDNN attention, NCCL staging)\n", gib(p.runtime).c_str());
   std::printf("  peak                        %s of %s: %s\n", gib(total).c_str(),
               gib(gpu ? gpu_bytes : host_bytes).c_str(),
               total <= (gpu ? gpu_bytes : host_bytes) ? "fits" : "DOES NOT FIT");

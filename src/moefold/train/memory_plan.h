@@ -27,8 +27,8 @@ struct MemoryPlan {
   // Not planned by Memory: the libraries size these at the first step. cuBLASLt's workspace
   // (32 MiB, ops/cuda/gemm.cu) and, where cuDNN serves attention (kernels.attention auto or
   // cudnn), its backward's workspace as measured on an H200 (plan_memory; docs/benchmarks.md):
-  // 2 bytes per (sequence, head, query, key) of a micro-batch with kernels.deterministic_attention.
-  // Zero on the CPU.
+  // 2 bytes per (sequence, head, query, key) of a micro-batch with kernels.deterministic_attention;
+  // on several GPUs the NCCL communicators' staging buffers. Zero on the CPU.
   size_t runtime = 0;
   // The device bytes planned before step 0 (the arenas and the optimizer): what device_malloc
   // reserves before the first step.
