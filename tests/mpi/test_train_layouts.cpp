@@ -327,23 +327,43 @@ TEST_F(Layouts, PlanMatchesEveryRanksTrainer) {
     }
 }
 
-// A directory every rank sees under the same name (rank 0's pid), removed at the end.
-std::filesystem::path shared_dir(Communicator& world, const std::string& tag) {
+// An empty directory every rank sees under the same name (rank 0's pid); the test removes it.
+std::filesystem::path fresh_shared_dir(Communicator& world, const std::string& tag) {
   int64_t id = ::getpid();
   world.broadcast(Tensor(&id, DType::i64, {1}), 0);
-  return std::filesystem::temp_directory_path() / cat("moefold_", tag, "_", id);
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / cat("moefold_", tag, "_", id);
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
+  world.barrier();
+  return dir;
+}
+
+// The checkpoint tests' runs: 8 steps, a checkpoint at step 4, no evaluation.
+Config resume_config(Config c) {
+  c.train.steps = 8;
+  c.train.checkpoint_interval = 4;
+  c.train.eval_interval = 0;
+  return c;
+}
+
+// Run directory `to` starting from run `from`'s step-4 checkpoint (rank 0 copies it).
+void copy_step4(const std::filesystem::path& from, const std::filesystem::path& to) {
+  namespace fs = std::filesystem;
+  fs::create_directories(to / "checkpoints");
+  fs::copy(from / "checkpoints" / "step_00000004", to / "checkpoints" / "step_00000004", fs::copy_options::recursive);
+}
+
+// Run `run` resumed at step 4 logged steps 5..8 with the uninterrupted run's losses `want`.
+void expect_resumed_steps(const std::filesystem::path& run, const std::vector<double>& want) {
+  const std::vector<double> got = metric_losses(run);  // nothing before the checkpoint
+  ASSERT_EQ(got.size(), 4u);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "step " << 5 + i;
 }
 
 TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
   namespace fs = std::filesystem;
   Communicator& world = testing::test_world();
-  const fs::path dir = shared_dir(world, "reshard");
-  if (world.rank() == 0) fs::remove_all(dir);
-  world.barrier();
-  Config cfg = base_;
-  cfg.train.steps = 8;
-  cfg.train.checkpoint_interval = 4;
-  cfg.train.eval_interval = 0;
+  const fs::path dir = fresh_shared_dir(world, "reshard");
+  Config cfg = resume_config(base_);
   // Saved with the experts split both ways where the world allows (ep x etp = world) and TP = 2,
   // e.g. (tp, ep, etp) = (2, 2, 2) on 4 ranks; resumed with every EP, no ETP, TP 2 or 1, and on
   // one rank.
@@ -360,11 +380,7 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
     SCOPED_TRACE(
         cat("saved with ep=", max_ep, " etp=", save_etp, ", resumed with ep=", ep, " on ", world.size(), " ranks"));
     const fs::path run = dir / cat("ep", ep);
-    if (world.rank() == 0) {
-      fs::create_directories(run / "checkpoints");
-      fs::copy(dir / "full" / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004",
-               fs::copy_options::recursive);
-    }
+    if (world.rank() == 0) copy_step4(dir / "full", run);
     world.barrier();
     Config c = cfg;
     c.parallel.ep = ep;
@@ -373,25 +389,19 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
     c.parallel.tp = world.size() >= 2 && (ep <= world.size() / 2 || world.size() == 8) ? 2 : 1;
     SCOPED_TRACE(cat("tp=", c.parallel.tp));
     run_training(c, RunOptions{run.string(), 8, true, true}, world);
-    const std::vector<double> got = metric_losses(run);  // steps 5..8 (nothing before the checkpoint)
-    ASSERT_EQ(got.size(), 4u);
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "step " << 5 + i;
+    expect_resumed_steps(run, want);
   }
   if (world.rank() == 0) {
     const fs::path run = dir / "one";
-    fs::create_directories(run / "checkpoints");
-    fs::copy(dir / "full" / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004",
-             fs::copy_options::recursive);
+    copy_step4(dir / "full", run);
     std::unique_ptr<Communicator> self = make_self_communicator();
     Config c = cfg;
     c.parallel.ep = 1;
     c.parallel.etp = 1;
     c.parallel.tp = 1;
     run_training(c, RunOptions{run.string(), 8, true, true}, *self);
-    const std::vector<double> got = metric_losses(run);
-    ASSERT_EQ(got.size(), 4u);
-    for (size_t i = 0; i < got.size(); ++i)
-      EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "one rank, step " << 5 + i;
+    SCOPED_TRACE("one rank");
+    expect_resumed_steps(run, want);
   }
   world.barrier();
   if (world.rank() == 0) fs::remove_all(dir);
@@ -406,13 +416,8 @@ TEST_F(Layouts, DistributedOptimizerCheckpointsResumeUnderOtherLayouts) {
   Communicator& world = testing::test_world();
   const int n = world.size();
   if (n == 1 || (n != 2 && n != 4 && n != 8)) GTEST_SKIP() << "needs 2, 4 or 8 ranks";
-  const fs::path dir = shared_dir(world, "dist_opt");
-  if (world.rank() == 0) fs::remove_all(dir);
-  world.barrier();
-  Config cfg = base_;
-  cfg.train.steps = 8;
-  cfg.train.checkpoint_interval = 4;
-  cfg.train.eval_interval = 0;
+  const fs::path dir = fresh_shared_dir(world, "dist_opt");
+  Config cfg = resume_config(base_);
   // At most DP = 4 (4 sequences per step): TP 2 on 8 ranks.
   const Layout saved{n == 8 ? 2 : 1, 1, 2, 1};
   Config sharded = with_layout(cfg, saved);
@@ -435,18 +440,12 @@ TEST_F(Layouts, DistributedOptimizerCheckpointsResumeUnderOtherLayouts) {
   for (const Resume& r : resumes) {
     SCOPED_TRACE(cat("resume ", r.name, " on ", n, " ranks"));
     const fs::path run = dir / r.name;
-    if (world.rank() == 0) {
-      fs::create_directories(run / "checkpoints");
-      fs::copy(dir / r.from / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004",
-               fs::copy_options::recursive);
-    }
+    if (world.rank() == 0) copy_step4(dir / r.from, run);
     world.barrier();
     Config c = with_layout(cfg, {r.tp, r.cp, 2, 1});
     c.parallel.distributed_optimizer = r.distributed;
     run_training(c, RunOptions{run.string(), 8, true, true}, world);
-    const std::vector<double> got = metric_losses(run);
-    ASSERT_EQ(got.size(), 4u);
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "step " << 5 + i;
+    expect_resumed_steps(run, want);
   }
   world.barrier();
   if (world.rank() == 0) fs::remove_all(dir);
