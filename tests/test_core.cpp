@@ -166,6 +166,75 @@ TEST(Memory, RealPassMustMatchMeasuredPass) {
   EXPECT_DEATH(mem.finish_binding(), "differs from the measuring pass");
 }
 
+// Layers share one workspace: scratch() of every layer starts at the same byte (so layers overlap)
+// while one layer's scratch tensors never overlap each other; a layer recomputed whole keeps its
+// act()s in its slot of the recomputed layers' block (layers of one slot overlap, slots do not);
+// ScratchActs sends act() to scratch(); result() is always kept; the plan's parts name both blocks.
+TEST(Memory, LayersShareScratchAndRecomputedLayersShareTheirSlot) {
+  Memory mem(DType::f32);
+  struct Taken {
+    Tensor kept0, a0, b0, slot0, kept1, a1, slot1a, slot1b, redirected, result, c2, slot2;
+  };
+  auto bind = [&] {
+    Taken t;
+    mem.begin_layer();  // layer 0: kept
+    t.kept0 = mem.act({10});
+    t.a0 = mem.scratch({16});
+    t.b0 = mem.scratch({16});
+    mem.end_layer();
+    mem.begin_layer(0);  // layer 1: recomputed, slot 0
+    t.slot0 = mem.act({40});
+    t.a1 = mem.scratch({64});
+    {
+      const Memory::ScratchActs s(mem, true);
+      t.redirected = mem.act({8});
+    }
+    t.result = mem.result({2}, DType::i64);
+    mem.end_layer();
+    mem.begin_layer(1);  // layer 2: slot 1
+    t.slot1a = mem.act({20});
+    t.c2 = mem.scratch({4});
+    mem.end_layer();
+    mem.begin_layer(0);  // layer 3: slot 0 again
+    t.slot2 = mem.act({24});
+    t.slot1b = mem.act({24});
+    mem.end_layer();
+    t.kept1 = mem.scratch({3});  // outside a layer: kept
+    return t;
+  };
+  bind();
+  EXPECT_EQ(mem.scratch_bytes(), 64 * 4 + 64);  // layer 1's scratch: 64 floats, then 8
+  EXPECT_EQ(mem.recompute_bytes(), 256 + 128);  // slot 0: layer 3's two 96 B tensors (64 B aligned); slot 1
+  bool shared = false, recomputed = false;
+  for (const Memory::PartBytes& p : mem.part_bytes()) {
+    shared |= p.part == "layers' shared workspace" && p.device == mem.scratch_bytes();
+    recomputed |= p.part == "recomputed layers' block" && p.device == mem.recompute_bytes();
+  }
+  EXPECT_TRUE(shared && recomputed);
+  mem.allocate();
+  const Taken t = bind();
+  mem.finish_binding();
+  auto at = [](const Tensor& x) { return reinterpret_cast<uintptr_t>(x.data()); };
+  EXPECT_EQ(at(t.a0), at(t.a1));  // layers overlap in scratch
+  EXPECT_EQ(at(t.a0), at(t.c2));
+  EXPECT_EQ(at(t.b0), at(t.a0) + 64);  // within a layer they do not
+  EXPECT_EQ(at(t.redirected), at(t.a1) + 256);
+  EXPECT_EQ(at(t.slot0), at(t.slot2));         // one slot: overlaid
+  EXPECT_EQ(at(t.slot1a), at(t.slot0) + 256);  // the next slot starts after slot 0's largest layer
+  EXPECT_EQ(at(t.slot1b), at(t.slot2) + 128);
+  for (const Tensor* kept : {&t.kept0, &t.result, &t.kept1})
+    for (const Tensor* pooled : {&t.a0, &t.slot0, &t.slot1a}) EXPECT_NE(at(*kept), at(*pooled));
+  // The real pass must take from each slot what the measuring pass did.
+  Memory other(DType::f32);
+  other.begin_layer(0);
+  other.act({40});
+  other.end_layer();
+  other.allocate();
+  other.begin_layer(0);
+  EXPECT_DEATH(other.act({80}), "overflow");
+  EXPECT_DEATH(other.begin_layer(3), "inside a layer");
+}
+
 // peer_act: a block of its own, where two Memories that bind the same calls in the same order
 // (two ranks) put every peer_act at the same offset, whatever else they bind around them.
 TEST(Memory, PeerActsShareOffsetsAcrossMemories) {

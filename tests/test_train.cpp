@@ -12,6 +12,7 @@
 #include "moefold/data/token_dataset.h"
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
+#include "recompute_check.h"
 #include "sharding_check.h"
 #include "testing.h"
 #include "train_fixture.h"
@@ -197,6 +198,41 @@ TEST(Trainer, DistributedOptimizerOnOneRankChangesNothing) {
                     "model.kv_lora_rank=8", "model.q_lora_rank=8", "model.first_k_dense_replace=1",
                     "model.intermediate_size=32", "moe.n_shared_experts=1", "moe.scoring_func=sigmoid",
                     "moe.expert_bias=true", "model.num_nextn_predict_layers=1"});
+}
+
+// Recomputation (recompute_check.h) on one CPU rank, in f64 (exactly) and f32: the default
+// family (GQA with per-head q/k norms), DeepSeek-V3's (MLA with q-LoRA, a dense first layer, shared
+// experts, multi-token prediction) and OLMoE's (whole-projection q/k norms); three layers, so that
+// uniform chunks of 2 end with a chunk of one.
+TEST(Trainer, RecomputeChangesNothing) {
+  testing::TempDir dir("recompute");
+  const std::string path = testing::make_train_data(dir.path());
+  const TokenDataset data = open_token_dataset(path);
+  const std::vector<std::vector<std::string>> families = {
+      {},
+      {"model.architecture=deepseek_v3", "model.num_attention_heads=2", "model.num_key_value_heads=2",
+       "model.head_dim=4", "model.qk_rope_head_dim=4", "model.qk_nope_head_dim=4", "model.v_head_dim=8",
+       "model.kv_lora_rank=8", "model.q_lora_rank=8", "model.first_k_dense_replace=1", "model.intermediate_size=32",
+       "moe.n_shared_experts=1", "moe.scoring_func=sigmoid", "moe.expert_bias=true",
+       "model.num_nextn_predict_layers=1"},
+      {"model.architecture=olmoe"}};
+  for (const std::vector<std::string>& family : families)
+    for (const DType dtype : {DType::f64, DType::f32}) {
+      SCOPED_TRACE(cat(family.empty() ? "qwen3_moe" : family[0], ", ", dtype_name(dtype)));
+      std::vector<std::string> extra = family;
+      extra.push_back("model.num_hidden_layers=3");
+      const Config base = testing::small_train_config(path, extra);
+      std::vector<std::unique_ptr<OneRank>> ranks;
+      testing::expect_recompute_changes_nothing(
+          base,
+          [&](const Config& c) {
+            ranks.push_back(std::make_unique<OneRank>(c));
+            auto t = std::make_unique<Trainer>(c, data, ranks.back()->mesh, Device::cpu, dtype);
+            t->init_fresh();
+            return t;
+          },
+          testing::recompute_variants(dtype == DType::f64));
+    }
 }
 
 // With the distributed optimizer too (its path on shard groups of one rank).

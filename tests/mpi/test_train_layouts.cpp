@@ -16,6 +16,7 @@
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
 #include "mpi_testing.h"
+#include "recompute_check.h"
 #include "testing.h"
 #include "train_fixture.h"
 
@@ -223,6 +224,25 @@ TEST_F(Layouts, EpTransportsGiveIdenticalSteps) {
     }
   }
   EXPECT_EQ(losses[0], losses[1]) << "losses and gradient norms of steps 1-3, nccl then ipc";
+}
+
+// Recomputation under every layout (recompute_check.h: the combined variants, 2 steps): the
+// recomputed forwards gather over TP, pass the CP ring and exchange the expert rows over EP again,
+// and change no bit of the losses, the gradient norms or the weights (DeepSeek-V3's layers).
+TEST_F(Layouts, RecomputeChangesNothing) {
+  Communicator& world = testing::test_world();
+  std::vector<std::unique_ptr<LayoutRun>> runs;
+  for (const Layout& l : layouts(world.size())) {
+    SCOPED_TRACE(layout_name(l, world.size()));
+    testing::expect_recompute_changes_nothing(
+        with_layout(deepseek_, l),
+        [&](const Config& c) {
+          runs.push_back(std::make_unique<LayoutRun>(c, world));
+          return std::move(runs.back()->trainer);
+        },
+        testing::recompute_variants(false), 2);
+    runs.clear();
+  }
 }
 
 // parallel.distributed_optimizer = true against false on every layout with a shard group of more

@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "moefold/cli/commands.h"
 #include "moefold/core/error.h"
@@ -73,6 +75,13 @@ void print_rank(const MemoryPlan& p, size_t gpu_bytes, size_t host_bytes) {
                 p.host <= host_bytes ? "fits" : "DOES NOT FIT");
 }
 
+// Adds recompute modules to the config's (each once).
+void add_modules(Config& c, std::initializer_list<const char*> modules) {
+  std::vector<std::string>& m = c.train.recompute_modules;
+  for (const char* name : modules)
+    if (std::find(m.begin(), m.end(), name) == m.end()) m.emplace_back(name);
+}
+
 void run_plan(const PlanArgs& a) {
   Config cfg = a.config.load();
   const Device device = a.device == "cpu" ? Device::cpu : Device::cuda;
@@ -101,7 +110,20 @@ void run_plan(const PlanArgs& a) {
   }
   // Runs of layers with equal bytes on one line ("layers.3-47  2.02 GiB each").
   std::printf("activations by part (rank 0):\n");
-  const std::vector<Memory::PartBytes>& parts = first.parts;
+  // The workspace the layers share (and the recomputed layers' block) after the layers.
+  std::vector<Memory::PartBytes> parts;
+  for (int pass = 0; pass < 2; ++pass)
+    for (const Memory::PartBytes& p : first.parts) {
+      const bool pooled = p.part.rfind("layers' ", 0) == 0 || p.part.rfind("recomputed ", 0) == 0;
+      if (pooled != (pass == 1)) continue;
+      if (pass == 1) {  // pooled: right after the last layer
+        size_t at = parts.size();
+        while (at > 0 && parts[at - 1].part.rfind("layers.", 0) != 0) --at;
+        parts.insert(parts.begin() + static_cast<std::ptrdiff_t>(at > 0 ? at : parts.size()), p);
+      } else {
+        parts.push_back(p);
+      }
+    }
   for (size_t i = 0; i < parts.size();) {
     size_t j = i + 1;
     const bool layer = parts[i].part.rfind("layers.", 0) == 0;
@@ -117,7 +139,10 @@ void run_plan(const PlanArgs& a) {
   // on an H200, docs/benchmarks.md): bf16 moments (none: the update gets faster), cuDNN's
   // non-deterministic attention backward (none; reruns differ in the last bits), expert-parallel
   // receive buffers at twice the average (none; an imbalance past it stops the run), then the
-  // distributed optimizer (its gathers; only with shard groups of several ranks).
+  // distributed optimizer (its gathers; only with shard groups of several ranks); then, only while
+  // nothing fits, recomputation: the cheap modules (norms, the experts' SwiGLU, MLA's up
+  // projections), the attention core and the dense MLPs, the whole MoE block, and last the fewest
+  // whole layers (method block) that make it fit.
   struct Option {
     const char* text;
     bool applies;
@@ -134,20 +159,57 @@ void run_plan(const PlanArgs& a) {
        [](Config& c) { c.moe.ep_recv_factor = 2; }},
       {"parallel.distributed_optimizer = true", !cfg.parallel.distributed_optimizer && a.world > 1,
        [](Config& c) { c.parallel.distributed_optimizer = true; }},
+      {"train.recompute_modules += layernorm, moe_act, mla_up_proj", true,
+       [](Config& c) {
+         add_modules(c, {"layernorm", "moe_act", "mla_up_proj"});
+       }},
+      {"train.recompute_modules += core_attn, shared_experts, mlp", true,
+       [](Config& c) {
+         add_modules(c, {"core_attn", "shared_experts", "mlp"});
+       }},
+      {"train.recompute_modules += moe", true, [](Config& c) { add_modules(c, {"moe"}); }},
   };
+  const size_t recompute_options = 3;  // the last ones: tried only while nothing fits
   const size_t limit = device == Device::cuda ? gpu_bytes : host_bytes;
   Config with = cfg;
   std::string added;
   bool fits = first.peak() <= limit && last.peak() <= limit;
-  for (const Option& o : options) {
-    if (!o.applies) continue;
-    o.apply(with);
-    added += added.empty() ? o.text : std::string(", ") + o.text;
+  auto peak_of = [&](const Config& c) {
     size_t peak = 0;
-    for (const int r : {0, a.world - 1}) peak = std::max(peak, plan_memory(with, a.world, r, device).peak());
-    std::printf("with %s: peak %s per rank (%s)%s\n", added.c_str(), gib(peak).c_str(),
+    for (const int r : {0, a.world - 1}) peak = std::max(peak, plan_memory(c, a.world, r, device).peak());
+    return peak;
+  };
+  auto report = [&](const std::string& text, size_t peak) {
+    std::printf("with %s: peak %s per rank (%s)%s\n", text.c_str(), gib(peak).c_str(),
                 peak <= limit ? "fits" : "does not fit", !fits && peak <= limit ? ": the cheapest set that fits" : "");
     fits = fits || peak <= limit;
+  };
+  const size_t n_options = sizeof(options) / sizeof(options[0]);
+  for (size_t i = 0; i < n_options; ++i) {
+    const Option& o = options[i];
+    if (!o.applies || (fits && i + recompute_options >= n_options)) continue;
+    o.apply(with);
+    added += added.empty() ? o.text : std::string(", ") + o.text;
+    report(added, peak_of(with));
+  }
+  const int64_t layers = cfg.model.num_hidden_layers;
+  if (!fits && layers > 0) {  // whole layers, one by one from the first: the fewest that fit
+    auto whole = [&](int64_t n) {
+      Config c = with;
+      c.train.recompute_method = "block";
+      c.train.recompute_num_layers = n;
+      return c;
+    };
+    int64_t lo = 1, hi = layers;
+    if (peak_of(whole(hi)) <= limit)
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (peak_of(whole(mid)) <= limit)
+          hi = mid;
+        else
+          lo = mid + 1;
+      }
+    report(added + cat(", train.recompute_method = block, train.recompute_num_layers = ", hi), peak_of(whole(hi)));
   }
   if (!fits)
     std::printf(

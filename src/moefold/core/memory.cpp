@@ -76,6 +76,48 @@ void Arena::zero() const {
     std::memset(base_, 0, offset_);
 }
 
+void OverlayPool::begin(size_t slot) {
+  if (slot >= size_.size()) {
+    MF_CHECK(measuring(), "overlay slot ", slot, " was not measured");
+    size_.resize(slot + 1, 0);
+  }
+  slot_ = slot;
+  offset_ = 0;
+}
+
+Tensor OverlayPool::take(DType dtype, Shape shape) {
+  MF_CHECK(slot_ < size_.size(), "OverlayPool::take before begin");
+  const size_t bytes = round_up(static_cast<size_t>(shape.numel()) * dtype_size(dtype));
+  void* p = nullptr;
+  if (!measuring()) {
+    MF_CHECK(offset_ + bytes <= size_[slot_], "overlay slot ", slot_, " overflow: ", offset_ + bytes, " > ",
+             size_[slot_]);
+    p = static_cast<char*>(arena_.base()) + base_[slot_] + offset_;
+  }
+  offset_ += bytes;
+  std::vector<size_t>& most = measuring() ? size_ : real_;
+  most[slot_] = std::max(most[slot_], offset_);
+  return Tensor(p, dtype, shape, arena_.device());
+}
+
+void OverlayPool::allocate() {
+  base_.assign(size_.size(), 0);
+  size_t total = 0;
+  for (size_t i = 0; i < size_.size(); ++i) {
+    base_[i] = total;
+    total += size_[i];
+  }
+  arena_.reserve_to(total);
+  arena_.allocate();
+  real_.assign(size_.size(), 0);
+}
+
+size_t OverlayPool::bytes() const {
+  size_t n = 0;
+  for (size_t b : size_) n += b;
+  return n;
+}
+
 Memory::Memory(DType dtype, Device device) : Memory(dtype, ExecContext::standard(device)) {}
 
 Memory::Memory(DType dtype, const ExecContext& exec) : dtype_(dtype), device_(exec.device()), exec_(&exec) {
@@ -86,6 +128,8 @@ Memory::Memory(DType dtype, const ExecContext& exec) : dtype_(dtype), device_(ex
   for (Arena& a : compute_) a.set_device(device, stream);
   acts_.set_device(device, stream);
   peer_acts_.set_device(device, stream);
+  scratch_.set_device(device, stream);
+  recompute_.set_device(device, stream);
 }
 
 size_t host_memory_bytes() {
@@ -234,8 +278,49 @@ Tensor Memory::take_act(Arena& a, DType dtype, Shape shape, bool host) {
   return t;
 }
 
-Tensor Memory::act(Shape shape) { return take_act(acts_, dtype_, shape, false); }
-Tensor Memory::act(Shape shape, DType dtype) { return take_act(acts_, dtype, shape, false); }
+Tensor Memory::take_overlaid(OverlayPool& pool, DType dtype, Shape shape, const char* part) {
+  const size_t before = pool.bytes();
+  Tensor t = pool.take(dtype, shape);
+  if (measuring() && pool.bytes() > before) {
+    if (parts_.empty()) set_part("other");
+    const size_t current = part_;
+    set_part(part);
+    parts_[part_].device += pool.bytes() - before;
+    part_ = current;
+  }
+  return t;
+}
+
+namespace {
+constexpr const char* kScratchPart = "layers' shared workspace";
+constexpr const char* kRecomputePart = "recomputed layers' block";
+}  // namespace
+
+Tensor Memory::act(Shape shape) { return act(shape, dtype_); }
+Tensor Memory::act(Shape shape, DType dtype) {
+  if (in_layer_ && acts_in_scratch_) return take_overlaid(scratch_, dtype, shape, kScratchPart);
+  if (in_layer_ && recompute_slot_ >= 0) return take_overlaid(recompute_, dtype, shape, kRecomputePart);
+  return take_act(acts_, dtype, shape, false);
+}
+Tensor Memory::result(Shape shape, DType dtype) { return take_act(acts_, dtype, shape, false); }
+Tensor Memory::scratch(Shape shape) { return scratch(shape, dtype_); }
+Tensor Memory::scratch(Shape shape, DType dtype) {
+  return in_layer_ ? take_overlaid(scratch_, dtype, shape, kScratchPart) : take_act(acts_, dtype, shape, false);
+}
+
+void Memory::begin_layer(int recompute_slot) {
+  MF_CHECK(!in_layer_, "Memory::begin_layer inside a layer");
+  in_layer_ = true;
+  scratch_.begin(0);
+  recompute_slot_ = recompute_slot;
+  if (recompute_slot >= 0) recompute_.begin(static_cast<size_t>(recompute_slot));
+}
+
+void Memory::end_layer() {
+  MF_CHECK(in_layer_ && !acts_in_scratch_, "Memory::end_layer outside a layer (or under ScratchActs)");
+  in_layer_ = false;
+  recompute_slot_ = -1;
+}
 Tensor Memory::host_act(Shape shape, DType dtype) {
   return device_ == Device::cpu ? take_act(acts_, dtype, shape, false) : take_act(host_acts_, dtype, shape, true);
 }
@@ -284,6 +369,8 @@ void Memory::allocate() {
   acts_.allocate();
   host_acts_.allocate();
   peer_acts_.allocate();
+  scratch_.allocate();
+  recompute_.allocate();
   params_.clear();
 }
 
@@ -292,6 +379,8 @@ void Memory::finish_binding() const {
   const std::vector<const Arena*> all = arenas();
   for (size_t i = 0; i < all.size(); ++i)
     MF_CHECK(all[i]->used() == measured_[i], "the real binding pass differs from the measuring pass");
+  MF_CHECK(scratch_.matches_measured() && recompute_.matches_measured(),
+           "the real binding pass's overlaid workspace differs from the measuring pass's");
 }
 
 std::vector<const Arena*> Memory::arenas() const {

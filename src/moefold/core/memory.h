@@ -60,6 +60,30 @@ class Arena {
   size_t offset_ = 0;
 };
 
+// Blocks overlaid in slots: take() hands out consecutive tensors from the base of the slot named by
+// the last begin(); every begin() of a slot starts at that slot's base again, so scopes of one slot
+// overlap, and each slot is as large as the most any scope took from it (the measuring pass finds
+// it). Memory's workspace shared between layers (1 slot) and the recomputed layers' block (a slot per
+// position in a recomputed chunk) are OverlayPools.
+class OverlayPool {
+ public:
+  void set_device(Device device, void* stream) { arena_.set_device(device, stream); }
+  bool measuring() const { return arena_.measuring(); }
+  void begin(size_t slot);
+  Tensor take(DType dtype, Shape shape);
+  // Ends the measuring pass: reserves the sum of the slots' sizes.
+  void allocate();
+  // Whether the real pass took the same maximum from every slot as the measuring one.
+  bool matches_measured() const { return real_ == size_; }
+  size_t bytes() const;  // sum of the slots' sizes (so far, while measuring)
+
+ private:
+  Arena arena_;
+  std::vector<size_t> size_, real_;  // per slot: measured maximum; the real pass's maximum
+  std::vector<size_t> base_;         // per slot: byte offset in the block (after allocate)
+  size_t slot_ = 0, offset_ = 0;     // the current slot, and bytes taken from it in this scope
+};
+
 enum class Init : uint8_t { zeros, ones, normal };
 
 // Which ranks reduce a parameter's gradient (parallel folding). dense: replicated on every rank
@@ -200,9 +224,42 @@ class Memory {
   // the master weight itself, or its bf16 copy). Name the fields that differ from the defaults:
   //   mem.param({.name = p + ".norm.weight", .shape = {h}, .init = Init::ones, .decay = false})
   Tensor param(const ParamSpec& spec);
-  // Activation or workspace tensor (compute dtype unless given).
+  // Activation or workspace tensor (compute dtype unless given): kept for this module alone, unless
+  // the module binds inside a recomputed layer or under ScratchActs (below).
   Tensor act(Shape shape);
   Tensor act(Shape shape, DType dtype);
+  // A tensor read after the forward by others than its module (the router's expert counts, which
+  // the trainer reads after the whole forward): always kept, whatever act() takes from.
+  Tensor result(Shape shape, DType dtype);
+
+  // Workspace shared between layers. The decoder layers bind one at a time between begin_layer()
+  // and end_layer(); a tensor from scratch() is valid only during one call of its module (a
+  // forward, or a backward with the recomputation it starts with): the scratch of every layer
+  // starts at the same byte, so all layers share one block as large as the largest layer's
+  // (backward workspaces, forward temporaries, and what a module recomputes before its backward).
+  // Scratch tensors of one layer never overlap each other. Outside a layer scratch() is act().
+  Tensor scratch(Shape shape);
+  Tensor scratch(Shape shape, DType dtype);
+  // recompute_slot >= 0: the whole layer is recomputed before its backward (train.recompute_num_layers),
+  // and act() takes from slot `recompute_slot` of the recomputed layers' block (its position in its
+  // recomputed chunk): the layers of one slot overlap there as layers overlap in scratch.
+  void begin_layer(int recompute_slot = -1);
+  void end_layer();
+  // While one lives, act() takes scratch() (a module recomputed whole before its backward binds
+  // what it keeps so); `on` false: no change.
+  class ScratchActs {
+   public:
+    ScratchActs(Memory& mem, bool on) : mem_(mem), previous_(mem.acts_in_scratch_) {
+      mem.acts_in_scratch_ = previous_ || on;
+    }
+    ~ScratchActs() { mem_.acts_in_scratch_ = previous_; }
+    ScratchActs(const ScratchActs&) = delete;
+    ScratchActs& operator=(const ScratchActs&) = delete;
+
+   private:
+    Memory& mem_;
+    bool previous_;
+  };
   // Workspace the host reads or writes (plans from exchanged counts): in host memory whatever
   // the device (on a CPU run the same as act()).
   Tensor host_act(Shape shape, DType dtype);
@@ -270,7 +327,11 @@ class Memory {
   size_t master_bytes() const;   // the master weights (the optimizer's shards not included)
   size_t compute_bytes() const;  // separate compute copies (mixed precision, or sharded)
   size_t grad_bytes() const;
-  size_t act_bytes() const { return acts_.used() + peer_acts_.used(); }
+  // Device workspace: kept activations, the peer-visible block, the shared workspace and the
+  // recomputed layers' block.
+  size_t act_bytes() const { return acts_.used() + peer_acts_.used() + scratch_.bytes() + recompute_.bytes(); }
+  size_t scratch_bytes() const { return scratch_.bytes(); }      // the workspace shared between layers
+  size_t recompute_bytes() const { return recompute_.bytes(); }  // the recomputed layers' block
   size_t host_act_bytes() const { return host_acts_.used(); }
 
  private:
@@ -279,8 +340,11 @@ class Memory {
   const ExecContext* exec_;
   int64_t grad_generation_ = 0;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
-  Arena host_acts_;  // always host memory; empty on a CPU run
-  Arena peer_acts_;  // the peer-visible activations (peer_act)
+  Arena host_acts_;                  // always host memory; empty on a CPU run
+  Arena peer_acts_;                  // the peer-visible activations (peer_act)
+  OverlayPool scratch_, recompute_;  // shared between layers (1 slot); recomputed layers (a slot per position)
+  bool in_layer_ = false, acts_in_scratch_ = false;
+  int recompute_slot_ = -1;
   size_t measured_[3 * kNumParamGroups + 3] = {};
   bool sharded_ = false;
   ShardLayout layout_;
@@ -288,6 +352,8 @@ class Memory {
   size_t part_ = 0;               // the current part's index in parts_
   // Takes from `a`, counting the bytes under the current part while measuring.
   Tensor take_act(Arena& a, DType dtype, Shape shape, bool host);
+  // Takes from an overlay pool, counting its growth under the part named `part` while measuring.
+  Tensor take_overlaid(OverlayPool& pool, DType dtype, Shape shape, const char* part);
   std::vector<GradBucket> buckets_[kNumParamGroups];  // sharded: each group's buckets
   // Sharded: elements of group g's padded blocks (the last bucket's end).
   int64_t block_elems(int g) const { return buckets_[g].empty() ? 0 : buckets_[g].back().end; }

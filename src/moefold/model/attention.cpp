@@ -94,8 +94,9 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   k_rstd_ = mem.act({tokens_ * g}, mem.master_dtype());
   q_TQD_ = mem.act({tokens_, q * d});
   k_TGD_ = mem.act({tokens_, g * d});
-  out_TQD_ = mem.act({tokens_, q * d});
-  lse_BQS_ = mem.act({batch_, q, seq_len_}, mem.master_dtype());
+  out_TQD_ = recompute_core_ ? mem.scratch({tokens_, q * d}) : mem.act({tokens_, q * d});
+  lse_BQS_ = recompute_core_ ? mem.scratch({batch_, q, seq_len_}, mem.master_dtype())
+                             : mem.act({batch_, q, seq_len_}, mem.master_dtype());
   x_gathered_TH_ = mem.act({tp_ ? tokens_ : 0, h});
 }
 
@@ -122,21 +123,15 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
   }
   linear_forward(*ctx_, x_full_, wv_, v_TGD_);
   // RoPE in place.
-  Tensor q4 = q_TQD_.view({batch_, seq_len_, q, d}), k4 = k_TGD_.view({batch_, seq_len_, g, d}),
-         v4 = v_TGD_.view({batch_, seq_len_, g, d});
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const Tensor q4 = q_TQD_.view({batch_, seq_len_, q, d}), k4 = k_TGD_.view({batch_, seq_len_, g, d});
   if (cp_) {  // this rank's chunks of the sequence, against every key of the CP group
     rope_forward_at(*ctx_, q4, cp_->positions(), cos_, sin_);
     rope_forward_at(*ctx_, k4, cp_->positions(), cos_, sin_);
-    ProfileScope scope("attention core forward");
-    cp_->forward(q4, k4, v4, scale, out_TQD_.view({batch_, seq_len_, q, d}), lse_BQS_);
   } else {
     rope_forward(*ctx_, q4, cos_, sin_);
     rope_forward(*ctx_, k4, cos_, sin_);
-    ProfileScope scope("attention core forward");
-    attention_forward(*ctx_, q4, k4, v4, scale, out_TQD_.view({batch_, seq_len_, q, d}), lse_BQS_,
-                      scratch_->work_2SS.slice(0, seq_len_ * seq_len_));
   }
+  core_forward();
   if (tp_) {  // row-parallel: partial sums over the heads, summed and split back into rows
     linear_forward(*ctx_, out_TQD_, wo_, scratch_->partial_TH);
     tp_->reduce_scatter(scratch_->partial_TH, y_TH, ReduceOp::sum);
@@ -145,9 +140,25 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
   }
 }
 
+void Attention::core_forward() {
+  const int64_t d = cfg_.head_dim, q = q_heads_, g = kv_heads_;
+  const Tensor q4 = q_TQD_.view({batch_, seq_len_, q, d}), k4 = k_TGD_.view({batch_, seq_len_, g, d}),
+               v4 = v_TGD_.view({batch_, seq_len_, g, d}), out4 = out_TQD_.view({batch_, seq_len_, q, d});
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  ProfileScope scope("attention core forward");
+  if (cp_)
+    cp_->forward(q4, k4, v4, scale, out4, lse_BQS_);
+  else
+    attention_forward(*ctx_, q4, k4, v4, scale, out4, lse_BQS_, scratch_->work_2SS.slice(0, seq_len_ * seq_len_));
+}
+
 void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   const int64_t d = cfg_.head_dim, q = q_heads_, g = kv_heads_;
   AttentionScratch& w = *scratch_;
+  if (recompute_core_) {
+    ProfileScope scope("recompute attention core");
+    core_forward();
+  }
   Tensor dy = dy_TH;
   if (tp_) {
     dy = w.dy_full_TH;

@@ -40,6 +40,16 @@ class SelfAttention {
   virtual void forward(const Tensor& x_TH, const Tensor& y_TH) = 0;
   // dy_TH -> dx_TH (written).
   virtual void backward(const Tensor& dy_TH, const Tensor& dx_TH) = 0;
+  // What backward recomputes instead of keeping (Recompute, config.h): the attention core's output
+  // and log-sum-exp; MLA's up projections and the core's inputs (ignored by GQA attention).
+  // REQUIRES: before bind.
+  void set_recompute(bool core_attn, bool mla_up_proj) {
+    recompute_core_ = core_attn;
+    recompute_up_proj_ = mla_up_proj;
+  }
+
+ protected:
+  bool recompute_core_ = false, recompute_up_proj_ = false;
 };
 
 enum class QkNorm : uint8_t { none, per_head, whole };
@@ -70,7 +80,10 @@ class Attention : public SelfAttention {
   // saved for backward
   Tensor x_full_;         // the input of every TP rank's rows (x itself without TP)
   Tensor x_gathered_TH_;  // its buffer under tensor parallelism (this layer's own)
-  Tensor q_raw_TQD_, k_raw_TGD_, v_TGD_, q_rstd_, k_rstd_, q_TQD_, k_TGD_, out_TQD_, lse_BQS_;
+  Tensor q_raw_TQD_, k_raw_TGD_, v_TGD_, q_rstd_, k_rstd_, q_TQD_, k_TGD_;
+  Tensor out_TQD_, lse_BQS_;  // scratch when the core is recomputed
+  // The core: out and lse from q, k, v (after RoPE).
+  void core_forward();
 };
 
 }  // namespace moefold

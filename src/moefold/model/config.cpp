@@ -101,8 +101,32 @@ void TrainConfig::validate() const {
   for (const auto& [key, value] : {std::pair<const char*, const std::string&>{"exp_avg_dtype", exp_avg_dtype},
                                    {"exp_avg_sq_dtype", exp_avg_sq_dtype}})
     if (value != "f32" && value != "bf16") MF_FAIL("train.", key, " = '", value, "' is not supported (f32, bf16)");
+  for (const std::string& m : recompute_modules)
+    if (m != "layernorm" && m != "core_attn" && m != "mla_up_proj" && m != "moe_act" && m != "shared_experts" &&
+        m != "moe" && m != "mlp")
+      MF_FAIL("train.recompute_modules: unknown module '", m,
+              "' (layernorm, core_attn, mla_up_proj, moe_act, shared_experts, moe, mlp)");
+  if (recompute_num_layers < 0) MF_FAIL("train.recompute_num_layers = ", recompute_num_layers, " must be >= 0");
+  if (recompute_method != "uniform" && recompute_method != "block")
+    MF_FAIL("train.recompute_method = '", recompute_method, "' is not supported (uniform, block)");
   if (eval_interval < 0) MF_FAIL("train.eval_interval = ", eval_interval, " must be >= 0");
   if (checkpoint_interval < 0) MF_FAIL("train.checkpoint_interval = ", checkpoint_interval, " must be >= 0");
+}
+
+Recompute TrainConfig::recompute() const {
+  Recompute r;
+  r.num_layers = recompute_num_layers;
+  r.block = recompute_method == "block";
+  for (const std::string& m : recompute_modules) {
+    r.layernorm |= m == "layernorm";
+    r.core_attn |= m == "core_attn";
+    r.mla_up_proj |= m == "mla_up_proj";
+    r.moe_act |= m == "moe_act";
+    r.shared_experts |= m == "shared_experts";
+    r.moe |= m == "moe";
+    r.mlp |= m == "mlp";
+  }
+  return r;
 }
 
 void DataConfig::validate() const {
@@ -138,6 +162,9 @@ void Config::validate() const {
   if (model.num_nextn_predict_layers > 0 && p.cp > 1)
     MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers, " with parallel.cp = ", p.cp,
             ": multi-token prediction under context parallelism is not implemented");
+  if (train.recompute_num_layers > model.num_hidden_layers)
+    MF_FAIL("train.recompute_num_layers = ", train.recompute_num_layers,
+            " exceeds model.num_hidden_layers = ", model.num_hidden_layers);
   if (model.num_nextn_predict_layers >= train.seq_len)
     MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers,
             " must be < train.seq_len = ", train.seq_len);

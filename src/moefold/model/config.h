@@ -74,6 +74,22 @@ struct ModelConfig {
   void validate() const;
 };
 
+// What backward recomputes instead of keeping from the forward (TrainConfig::recompute()), with
+// Megatron-Core's meanings. Whole layers: method uniform cuts the decoder layers into chunks of
+// num_layers, each keeping only its input (the chunk's forward runs again before its backward);
+// method block recomputes the first num_layers layers one by one and keeps the rest. Modules
+// (selective, in the layers not recomputed whole): layernorm (the two RMSNorms' outputs), core_attn
+// (the attention core's output and log-sum-exp), mla_up_proj (MLA's up projections, RoPE and the
+// core's q/k/v), moe_act (the routed experts' SwiGLU output), shared_experts, moe (the whole MoE
+// block: router, dispatch, experts, combine) and mlp (the dense layers' MLP) run their forward again.
+struct Recompute {
+  int64_t num_layers = 0;  // 0: no layer recomputed whole
+  bool block = false;      // method block (else uniform)
+  bool layernorm = false, core_attn = false, mla_up_proj = false, moe_act = false, shared_experts = false, moe = false,
+       mlp = false;
+  bool any_module() const { return layernorm || core_attn || mla_up_proj || moe_act || shared_experts || moe || mlp; }
+};
+
 struct TrainConfig {
   int64_t seq_len = 128;           // tokens per sequence
   int64_t micro_batch_size = 8;    // sequences per forward/backward
@@ -91,12 +107,18 @@ struct TrainConfig {
   // bytes; each update reads them to f32 and stores them rounded). Checkpoints hold them in f32.
   std::string exp_avg_dtype = "f32";
   std::string exp_avg_sq_dtype = "f32";
+  // Recomputation (struct Recompute): module names, whole layers and their method.
+  std::vector<std::string> recompute_modules;
+  int64_t recompute_num_layers = 0;
+  std::string recompute_method = "uniform";
   int64_t eval_interval = 100;        // evaluate every N steps (0: never, except at the end)
   int64_t eval_batches = 4;           // held-out micro-batches per evaluation
   int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)
   uint64_t seed = 1234;               // init, data order
 
   void validate() const;
+  // The recompute_* keys parsed. REQUIRES: validate() passed.
+  Recompute recompute() const;
 };
 
 struct DataConfig {

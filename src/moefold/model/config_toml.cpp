@@ -131,6 +131,13 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "exp_avg_dtype", exp_avg_dtype, "AdamW first moment in memory: f32 or bf16 (checkpoints: f32)"),
       MF_FIELD(train, "exp_avg_sq_dtype", exp_avg_sq_dtype,
                "AdamW second moment in memory: f32 or bf16 (checkpoints: f32)"),
+      MF_FIELD(train, "recompute_modules", recompute_modules,
+               "recomputed in backward instead of kept: layernorm, core_attn, mla_up_proj, moe_act, shared_experts, "
+               "moe, mlp"),
+      MF_FIELD(train, "recompute_num_layers", recompute_num_layers,
+               "decoder layers recomputed whole (0: none): chunk size (uniform) or first N layers (block)"),
+      MF_FIELD(train, "recompute_method", recompute_method,
+               "uniform (every layer, chunks of recompute_num_layers) or block (the first recompute_num_layers)"),
       MF_FIELD(train, "eval_interval", eval_interval, "evaluate every N steps (0: only at the end)"),
       MF_FIELD(train, "eval_batches", eval_batches, "held-out micro-batches per evaluation"),
       MF_FIELD(train, "checkpoint_interval", checkpoint_interval, "checkpoint every N steps (0: only at the end)"),

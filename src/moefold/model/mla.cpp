@@ -99,39 +99,47 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   cq_raw_ = mem.act({nt, rq_});
   cq_ = mem.act({nt, rq_});
   cq_rstd_ = mem.act({rq_ > 0 ? nt : 0}, mem.master_dtype());
-  q_raw_ = mem.act({nt, q * dqk_});
   kv_a_ = mem.act({nt, rkv_ + dr_});
   ckv_raw_ = mem.act({nt, rkv_});
   ckv_ = mem.act({nt, rkv_});
   ckv_rstd_ = mem.act({nt}, mem.master_dtype());
-  kvb_ = mem.act({nt, q * (dn_ + dv_)});
-  q_pe_ = mem.act({batch_, seq_len_, q, dr_});
-  k_pe_ = mem.act({batch_, seq_len_, 1, dr_});
-  q4_ = mem.act({batch_, seq_len_, q, dp_});
-  k4_ = mem.act({batch_, seq_len_, q, dp_});
-  v4_ = mem.act({batch_, seq_len_, q, dp_});
-  out4_ = mem.act({batch_, seq_len_, q, dp_});
-  lse_ = mem.act({batch_, q, seq_len_}, mem.master_dtype());
-  o_in_ = mem.act({nt, q * dv_});
-  dy_full_ = mem.act({tp_ ? nt : 0, h});
-  do_in_ = mem.act({nt, q * dv_});
-  dout4_ = mem.act({batch_, seq_len_, q, dp_});
-  dq4_ = mem.act({batch_, seq_len_, q, dp_});
-  dk4_ = mem.act({batch_, seq_len_, q, dp_});
-  dv4_ = mem.act({batch_, seq_len_, q, dp_});
-  dq_raw_ = mem.act({nt, q * dqk_});
-  dcq_ = mem.act({nt, rq_});
-  dcq_raw_ = mem.act({nt, rq_});
-  dkvb_ = mem.act({nt, q * (dn_ + dv_)});
-  dckv_ = mem.act({nt, rkv_});
-  dckv_raw_ = mem.act({nt, rkv_});
-  dkv_a_ = mem.act({nt, rkv_ + dr_});
-  dx_part_ = mem.act({nt, h});
-  partial_ = mem.act({tp_ ? nt : 0, h});
+  {  // recomputed from the latents before backward (mla_up_proj)
+    auto take = [&](Shape shape) { return recompute_up_proj_ ? mem.scratch(shape) : mem.act(shape); };
+    q_raw_ = take({nt, q * dqk_});
+    kvb_ = take({nt, q * (dn_ + dv_)});
+    q_pe_ = take({batch_, seq_len_, q, dr_});
+    k_pe_ = take({batch_, seq_len_, 1, dr_});
+    q4_ = take({batch_, seq_len_, q, dp_});
+    k4_ = take({batch_, seq_len_, q, dp_});
+    v4_ = take({batch_, seq_len_, q, dp_});
+  }
+  {  // recomputed from q, k, v before backward (core_attn)
+    auto take = [&](Shape shape, DType dtype) {
+      return recompute_core_ ? mem.scratch(shape, dtype) : mem.act(shape, dtype);
+    };
+    out4_ = take({batch_, seq_len_, q, dp_}, mem.dtype());
+    lse_ = take({batch_, q, seq_len_}, mem.master_dtype());
+    o_in_ = take({nt, q * dv_}, mem.dtype());
+  }
+  dy_full_ = mem.scratch({tp_ ? nt : 0, h});
+  do_in_ = mem.scratch({nt, q * dv_});
+  dout4_ = mem.scratch({batch_, seq_len_, q, dp_});
+  dq4_ = mem.scratch({batch_, seq_len_, q, dp_});
+  dk4_ = mem.scratch({batch_, seq_len_, q, dp_});
+  dv4_ = mem.scratch({batch_, seq_len_, q, dp_});
+  dq_raw_ = mem.scratch({nt, q * dqk_});
+  dcq_ = mem.scratch({nt, rq_});
+  dcq_raw_ = mem.scratch({nt, rq_});
+  dkvb_ = mem.scratch({nt, q * (dn_ + dv_)});
+  dckv_ = mem.scratch({nt, rkv_});
+  dckv_raw_ = mem.scratch({nt, rkv_});
+  dkv_a_ = mem.scratch({nt, rkv_ + dr_});
+  dx_part_ = mem.scratch({nt, h});
+  partial_ = mem.scratch({tp_ ? nt : 0, h});
 }
 
 void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
-  const int64_t q = qh_, nt = tokens_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
+  const int64_t nt = tokens_, kvw = rkv_ + dr_;
   x_full_ = x_TH;
   if (tp_) {
     x_full_ = x_gathered_TH_;
@@ -140,16 +148,27 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
   if (rq_ > 0) {
     linear_forward(*ctx_, x_full_, wq_a_, cq_raw_);
     rmsnorm_forward(*ctx_, cq_raw_, q_a_norm_, cfg_.rms_norm_eps, cq_, cq_rstd_);
-    linear_forward(*ctx_, cq_, wq_b_, q_raw_);
-  } else {
-    linear_forward(*ctx_, x_full_, wq_b_, q_raw_);
   }
   linear_forward(*ctx_, x_full_, wkv_a_, kv_a_);
-  // Split kv_a into the latent and the rotary key; take the rotary part of every query head.
+  // kv_a = [latent, rotary key]: the latent normed.
   copy_matrix(*ctx_, view(kv_a_, nt, rkv_, kvw, 0), view(ckv_raw_, nt, rkv_, rkv_, 0));
+  rmsnorm_forward(*ctx_, ckv_raw_, kv_a_norm_, cfg_.rms_norm_eps, ckv_, ckv_rstd_);
+  up_forward();
+  core_forward();
+  if (tp_) {
+    linear_forward(*ctx_, o_in_, wo_, partial_);
+    tp_->reduce_scatter(partial_, y_TH, ReduceOp::sum);
+  } else {
+    linear_forward(*ctx_, o_in_, wo_, y_TH);
+  }
+}
+
+void MlaAttention::up_forward() {
+  const int64_t q = qh_, nt = tokens_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
+  linear_forward(*ctx_, rq_ > 0 ? cq_ : x_full_, wq_b_, q_raw_);
+  // The rotary key and every query head's rotary part, rotated; k_nope and v from the latent.
   copy_matrix(*ctx_, view(kv_a_, nt, dr_, kvw, rkv_), view(k_pe_, nt, dr_, dr_, 0));
   copy_matrix(*ctx_, view(q_raw_, nt * q, dr_, dqk_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));
-  rmsnorm_forward(*ctx_, ckv_raw_, kv_a_norm_, cfg_.rms_norm_eps, ckv_, ckv_rstd_);
   linear_forward(*ctx_, ckv_, wkv_b_, kvb_);
   const bool il = cfg_.rope_interleave;
   if (cp_) {
@@ -159,14 +178,23 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     rope_forward(*ctx_, q_pe_, cos_, sin_, il);
     rope_forward(*ctx_, k_pe_, cos_, sin_, il);
   }
-  // Heads for the core: q = [q_nope, q_rot], k = [k_nope, k_rot (shared)], v; the padding
-  // columns up to dp_ are never written, so they keep the zeros of the arena's allocation.
+  // Heads for the core: q = [q_nope, q_rot], k = [k_nope, k_rot (shared)], v, each padded with
+  // zeros up to dp_ (written every time: the buffers may be workspace other layers use).
+  if (dp_ > dqk_) {
+    fill_matrix(*ctx_, view(q4_, nt * q, dp_ - dqk_, dp_, dqk_), 0);
+    fill_matrix(*ctx_, view(k4_, nt * q, dp_ - dqk_, dp_, dqk_), 0);
+  }
+  if (dp_ > dv_) fill_matrix(*ctx_, view(v4_, nt * q, dp_ - dv_, dp_, dv_), 0);
   copy_matrix(*ctx_, view(q_raw_, nt * q, dn_, dqk_, 0), view(q4_, nt * q, dn_, dp_, 0));
   copy_matrix(*ctx_, view(q_pe_, nt * q, dr_, dr_, 0), view(q4_, nt * q, dr_, dp_, dn_));
   copy_matrix(*ctx_, view(kvb_, nt * q, dn_, kvbw, 0), view(k4_, nt * q, dn_, dp_, 0));
   for (int64_t hd = 0; hd < q; ++hd)
     copy_matrix(*ctx_, view(k_pe_, nt, dr_, dr_, 0), view(k4_, nt, dr_, q * dp_, hd * dp_ + dn_));
   copy_matrix(*ctx_, view(kvb_, nt * q, dv_, kvbw, dn_), view(v4_, nt * q, dv_, dp_, 0));
+}
+
+void MlaAttention::core_forward() {
+  const int64_t q = qh_, nt = tokens_;
   {
     ProfileScope scope("attention core forward");
     if (cp_)
@@ -175,23 +203,26 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
       attention_forward(*ctx_, q4_, k4_, v4_, scale_, out4_, lse_, work_.slice(0, seq_len_ * seq_len_));
   }
   copy_matrix(*ctx_, view(out4_, nt * q, dv_, dp_, 0), view(o_in_, nt * q, dv_, dv_, 0));
-  if (tp_) {
-    linear_forward(*ctx_, o_in_, wo_, partial_);
-    tp_->reduce_scatter(partial_, y_TH, ReduceOp::sum);
-  } else {
-    linear_forward(*ctx_, o_in_, wo_, y_TH);
-  }
 }
 
 void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   const int64_t q = qh_, nt = tokens_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
+  if (recompute_up_proj_) {
+    ProfileScope scope("recompute mla up projections");
+    up_forward();
+  }
+  if (recompute_core_) {
+    ProfileScope scope("recompute attention core");
+    core_forward();
+  }
   Tensor dy = dy_TH;
   if (tp_) {
     dy = dy_full_;
     tp_->all_gather(dy_TH, dy);
   }
   linear_backward(*ctx_, o_in_, wo_, dy, do_in_, dwo_);
-  copy_matrix(*ctx_, view(do_in_, nt * q, dv_, dv_, 0), view(dout4_, nt * q, dv_, dp_, 0));  // padding stays 0
+  if (dp_ > dv_) fill_matrix(*ctx_, view(dout4_, nt * q, dp_ - dv_, dp_, dv_), 0);  // workspace: zero padding
+  copy_matrix(*ctx_, view(do_in_, nt * q, dv_, dv_, 0), view(dout4_, nt * q, dv_, dp_, 0));
   {
     ProfileScope scope("attention core backward");
     if (cp_)

@@ -51,6 +51,10 @@ class MlaAttention : public SelfAttention {
   // parameters and gradients (q_a/q_a_norm/q_b with q-LoRA, else q_proj in wq_b_)
   Tensor wq_a_, q_a_norm_, wq_b_, wkv_a_, kv_a_norm_, wkv_b_, wo_;
   Tensor dwq_a_, dq_a_norm_, dwq_b_, dwkv_a_, dkv_a_norm_, dwkv_b_, dwo_;
+  // From the latents (and x without q-LoRA) to the core's q4_, k4_, v4_ (recomputed: mla_up_proj).
+  void up_forward();
+  // The core, and its output for o_proj (o_in_) (recomputed: core_attn).
+  void core_forward();
   // saved for backward
   Tensor x_full_, x_gathered_TH_;
   Tensor cq_raw_, cq_, cq_rstd_, q_raw_, kv_a_, ckv_raw_, ckv_, ckv_rstd_, kvb_;

@@ -3,6 +3,7 @@
 // step is an op, so the layer runs wherever its tensors are (CPU or GPU).
 #include "moefold/model/mlp.h"
 
+#include "moefold/core/profile.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -41,18 +42,23 @@ void DenseMlp::bind(Memory& mem, Communicator* tp) {
   dgate_FH_ = mem.grad(prefix_ + ".gate_proj.weight");
   dup_FH_ = mem.grad(prefix_ + ".up_proj.weight");
   ddown_HF_ = mem.grad(prefix_ + ".down_proj.weight");
-  x_gathered_NH_ = mem.act({tp_ ? tokens_ : 0, hidden_});
-  gu_N2F_ = mem.act({tokens_, 2 * ffn_here_});
-  h_NF_ = mem.act({tokens_, ffn_here_});
-  dy_full_NH_ = mem.act({tp_ ? tokens_ : 0, hidden_});
-  dh_NF_ = mem.act({tokens_, ffn_here_});
-  dgu_N2F_ = mem.act({tokens_, 2 * ffn_here_});
-  partial_NH_ = mem.act({tp_ ? tokens_ : 0, hidden_});
+  {
+    const Memory::ScratchActs recomputed(mem, recompute_);
+    x_gathered_NH_ = mem.act({tp_ ? tokens_ : 0, hidden_});
+    gu_N2F_ = mem.act({tokens_, 2 * ffn_here_});
+    h_NF_ = mem.act({tokens_, ffn_here_});
+  }
+  dy_full_NH_ = mem.scratch({tp_ ? tokens_ : 0, hidden_});
+  dh_NF_ = mem.scratch({tokens_, ffn_here_});
+  dgu_N2F_ = mem.scratch({tokens_, 2 * ffn_here_});
+  partial_NH_ = mem.scratch({tp_ ? tokens_ : 0, hidden_});
+  y_TH_ = mem.scratch({recompute_ ? rows_ : 0, hidden_});
 }
 
 void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
   check_shape(x_TH, {rows_, hidden_}, "DenseMlp x");
   check_shape(y_TH, {rows_, hidden_}, "DenseMlp y");
+  x_in_ = x_TH;
   x_full_ = x_TH;
   if (tp_) {
     x_full_ = x_gathered_NH_;
@@ -71,6 +77,10 @@ void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
 void DenseMlp::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   check_shape(dy_TH, {rows_, hidden_}, "DenseMlp dy");
   check_shape(dx_TH, {rows_, hidden_}, "DenseMlp dx");
+  if (recompute_) {
+    ProfileScope scope("recompute mlp forward");
+    forward(x_in_, y_TH_);
+  }
   Tensor dy = dy_TH;
   if (tp_) {
     dy = dy_full_NH_;

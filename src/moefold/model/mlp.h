@@ -22,6 +22,9 @@ class DenseMlp {
   // "model.layers.0.mlp" (parameters "<prefix>.gate_proj.weight", ".up_proj", ".down_proj").
   DenseMlp(int64_t hidden, int64_t ffn, int64_t rows, int64_t tokens, std::string prefix, double init_std);
 
+  // on: backward runs the forward again first instead of keeping its activations (Recompute's mlp
+  // and shared_experts). REQUIRES: before bind.
+  void set_recompute(bool on) { recompute_ = on; }
   // tp: the tensor-parallel group (null or size 1: the whole F here).
   void bind(Memory& mem, Communicator* tp);
   // x_TH -> y_TH (written). Keeps what backward needs (x_TH itself must not change until then).
@@ -36,9 +39,10 @@ class DenseMlp {
   std::string prefix_;
   double init_std_;
   Communicator* tp_ = nullptr;
+  bool recompute_ = false;
   Tensor gate_FH_, up_FH_, down_HF_, dgate_FH_, dup_FH_, ddown_HF_;
-  Tensor x_full_, x_gathered_NH_, gu_N2F_, h_NF_;  // saved for backward
-  Tensor dy_full_NH_, dh_NF_, dgu_N2F_, partial_NH_;
+  Tensor x_in_, x_full_, x_gathered_NH_, gu_N2F_, h_NF_;     // saved for backward (scratch when recomputed)
+  Tensor dy_full_NH_, dh_NF_, dgu_N2F_, partial_NH_, y_TH_;  // scratch (y_TH_: the recomputed output)
 };
 
 }  // namespace moefold

@@ -28,8 +28,9 @@ std::unique_ptr<SelfAttention> make_attention(const ModelConfig& m, int64_t batc
 }  // namespace
 
 DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows,
-                           int64_t tp, int64_t index, std::unique_ptr<Dispatcher> dispatcher)
-    : cfg_(m), rows_(rows), prefix_(cat("model.layers.", index)) {
+                           int64_t tp, int64_t index, std::unique_ptr<Dispatcher> dispatcher,
+                           const Recompute& recompute)
+    : cfg_(m), rows_(rows), prefix_(cat("model.layers.", index)), recompute_(recompute) {
   attn_ = make_attention(m, batch, seq_len, prefix_ + ".self_attn");
   const int64_t h = m.hidden_size;
   if (m.is_dense_layer(index)) {
@@ -47,29 +48,40 @@ DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t bat
 }
 
 void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-                        ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH) {
+                        ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH,
+                        bool whole) {
   ctx_ = &mem.exec();
   const int64_t h = cfg_.hidden_size;
+  const Recompute r = whole ? Recompute{} : recompute_;
+  norms_again_ = r.layernorm;
   norm1_ = mem.param({.name = prefix_ + ".input_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
+  attn_->set_recompute(r.core_attn, r.mla_up_proj);
   attn_->bind(mem, cos_SD, sin_SD, scratch, cp, tp);
   norm2_ = mem.param(
       {.name = prefix_ + ".post_attention_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm2_ = mem.grad(prefix_ + ".post_attention_layernorm.weight");
-  if (moe_) moe_->bind(mem);
-  if (mlp_) mlp_->bind(mem, tp);
+  if (moe_) {
+    moe_->set_recompute(r.moe_act, r.moe);
+    moe_->bind(mem);
+  }
+  if (mlp_) {
+    mlp_->set_recompute(moe_ ? r.shared_experts : r.mlp);
+    mlp_->bind(mem, tp);
+  }
   dn_TH_ = dn_TH;
   tmp_TH_ = tmp_TH;
-  n1_TH_ = mem.act({rows_, h});
+  auto norm_out = [&] { return norms_again_ ? mem.scratch({rows_, h}) : mem.act({rows_, h}); };
+  n1_TH_ = norm_out();
   rstd1_T_ = mem.act({rows_}, mem.master_dtype());
-  a_TH_ = mem.act({rows_, h});
   h_TH_ = mem.act({rows_, h});
-  n2_TH_ = mem.act({rows_, h});
+  n2_TH_ = norm_out();
   rstd2_T_ = mem.act({rows_}, mem.master_dtype());
-  m_TH_ = mem.act({rows_, h});
   const bool shared = moe_ && mlp_;
-  s_TH_ = mem.act({shared ? rows_ : 0, h});
-  ds_TH_ = mem.act({shared ? rows_ : 0, h});
+  a_TH_ = mem.scratch({rows_, h});
+  m_TH_ = mem.scratch({rows_, h});
+  s_TH_ = mem.scratch({shared ? rows_ : 0, h});
+  ds_TH_ = mem.scratch({shared ? rows_ : 0, h});
 }
 
 // Profile scopes: one name per part for every layer; the layer's own (self) time is its
@@ -116,6 +128,11 @@ void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
 
 void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
   ProfileScope layer("decoder layer backward");
+  if (norms_again_) {  // both outputs, from the kept inputs (the same op: the same bits)
+    ProfileScope scope("recompute rmsnorm forward");
+    rmsnorm_forward(*ctx_, h_TH_, norm2_, cfg_.rms_norm_eps, n2_TH_, rstd2_T_);
+    rmsnorm_forward(*ctx_, x_TH_, norm1_, cfg_.rms_norm_eps, n1_TH_, rstd1_T_);
+  }
   if (moe_) {
     {
       ProfileScope scope("moe backward");
@@ -149,7 +166,7 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
 }
 
 Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
-             const ModelParallel& parallel)
+             const ModelParallel& parallel, const Recompute& recompute)
     : cfg_(m), moe_cfg_(e), batch_(micro_batch), seq_len_(seq_len) {
   const int64_t c = parallel.cp ? parallel.cp->size() : 1, n = parallel.tp ? parallel.tp->size() : 1;
   MF_CHECK(seq_len % (c > 1 ? 2 * c : 1) == 0, "seq_len ", seq_len, " over ", c, " context-parallel ranks");
@@ -167,11 +184,18 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
     cpa_ = std::make_unique<ContextParallelAttention>(
         *parallel.cp, CpAttentionShape{micro_batch, seq_len, m.num_attention_heads / n, kv_heads / n, d});
   }
-  for (int64_t l = 0; l < m.num_hidden_layers; ++l) {
+  const int64_t chunk = recompute.num_layers, layers = m.num_hidden_layers;
+  MF_CHECK(chunk >= 0 && chunk <= layers, "recompute ", chunk, " of ", layers, " layers");
+  for (int64_t l = 0; l < layers; ++l) {  // uniform: chunks of `chunk` layers; block: the first `chunk`, one by one
+    const bool whole = chunk > 0 && (!recompute.block || l < chunk);
+    recompute_slot_.push_back(!whole ? -1 : recompute.block ? 0 : static_cast<int>(l % chunk));
+    chunk_first_.push_back(!whole || recompute.block ? l : l / chunk * chunk);
+  }
+  for (int64_t l = 0; l < layers; ++l) {
     const bool dense = m.is_dense_layer(l);
-    layers_.push_back(
-        std::make_unique<DecoderLayer>(m, e, micro_batch, local_seq_len_, rows_, n, l,
-                                       !dense && parallel.dispatchers ? parallel.dispatchers(l) : nullptr));
+    layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, local_seq_len_, rows_, n, l,
+                                                     !dense && parallel.dispatchers ? parallel.dispatchers(l) : nullptr,
+                                                     recompute));
     if (MoeLayer* moe = layers_.back()->moe()) {
       moe->set_token_group(parallel.tokens);
       // Sequence-level aux loss: this rank's rows are rows [tp_rank * T, +T) of B sequences of
@@ -214,11 +238,17 @@ void Model::bind(Memory& mem) {
   if (cpa_) cpa_->bind(mem);
   dn_TH_ = mem.act({rows_, h});
   tmp_TH_ = mem.act({rows_, h});
-  res_.clear();
-  for (int64_t l = 0; l <= num_layers(); ++l) res_.push_back(mem.act({rows_, h}));
+  // The residual stream: each layer's input, except inside a recomputed chunk, where a layer's
+  // input is part of its recomputed activations (its slot), and the model's output.
+  res_.assign(static_cast<size_t>(num_layers() + 1), Tensor());
+  for (int64_t l = 0; l <= num_layers(); ++l)
+    if (l == num_layers() || recompute_slot_[l] <= 0) res_[l] = mem.act({rows_, h});
   for (size_t l = 0; l < layers_.size(); ++l) {
     mem.set_part(cat("layers.", l));
-    layers_[l]->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
+    mem.begin_layer(recompute_slot_[l]);
+    if (recompute_slot_[l] > 0) res_[l] = mem.act({rows_, h});
+    layers_[l]->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_, recompute_slot_[l] >= 0);
+    mem.end_layer();
   }
   for (size_t k = 0; k < mtp_.size(); ++k) {
     mem.set_part(cat("mtp.", k));
@@ -380,6 +410,12 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
   if (!mtp_.empty()) add_inplace(*ctx_, dres_TH_, mtp_.front()->dprev_TH_);
   if (grads_ready) grads_ready(num_layers());
   for (int64_t l = num_layers() - 1; l >= 0; --l) {
+    if (recompute_slot_[l] >= 0 && (l + 1 == num_layers() || chunk_first_[l + 1] != chunk_first_[l])) {
+      // The last layer of a recomputed chunk: the chunk's forward again, from its kept input (the
+      // chunk's output lands on the next chunk's input, which no later step reads).
+      ProfileScope scope("recompute layers forward");
+      for (int64_t j = chunk_first_[l]; j <= l; ++j) layers_[j]->forward(res_[j], res_[j + 1]);
+    }
     layers_[l]->backward(dres_TH_, moe_loss_scale);
     if (grads_ready) grads_ready(l);
   }
@@ -411,7 +447,9 @@ void Model::bind_mtp(Memory& mem, MtpDepth& d) {
   d.dhnorm_ = mem.grad(p + ".hnorm.weight");
   d.deh_proj_ = mem.grad(p + ".eh_proj.weight");
   d.dhead_norm_ = mem.grad(p + ".shared_head.norm.weight");
+  mem.begin_layer();
   d.layer_->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
+  mem.end_layer();
   d.ids_ = mem.act({tokens_}, DType::i32);
   d.targets_ = mem.act({tokens_}, DType::i32);
   for (Tensor* t : {&d.emb_TH_, &d.en_TH_, &d.hn_TH_, &d.hp_TH_, &d.out_TH_, &d.nf_TH_, &d.dprev_TH_})

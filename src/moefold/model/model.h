@@ -35,10 +35,15 @@ class DecoderLayer {
  public:
   // seq_len: tokens per sequence here (S/c); rows: tokens of the residual stream here (B*S/c/tp);
   // tp: tensor-parallel size. A dense layer (ModelConfig::is_dense_layer) ignores `dispatcher`.
+  // `recompute`: the modules recomputed before their backward (its selective part).
   DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows, int64_t tp,
-               int64_t index, std::unique_ptr<Dispatcher> dispatcher);
+               int64_t index, std::unique_ptr<Dispatcher> dispatcher, const Recompute& recompute = {});
+  // REQUIRES: between mem.begin_layer() and mem.end_layer(). whole: the caller recomputes the whole
+  // layer before its backward (Memory::begin_layer with a recompute slot): no module recomputes
+  // itself then.
   void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-            ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH);
+            ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH,
+            bool whole = false);
   // x_TH -> out_TH (written); x_TH must stay unchanged until backward.
   void forward(const Tensor& x_TH, const Tensor& out_TH);
   // On entry dres_TH = d(out); on exit d(x). moe_loss_scale weights the router losses.
@@ -52,12 +57,15 @@ class DecoderLayer {
   ModelConfig cfg_;
   int64_t rows_;
   std::string prefix_;
+  Recompute recompute_;       // as configured
+  bool norms_again_ = false;  // this binding recomputes the two RMSNorms' outputs (layernorm)
   std::unique_ptr<SelfAttention> attn_;
   std::unique_ptr<MoeLayer> moe_;  // MoE layers
   std::unique_ptr<DenseMlp> mlp_;  // the dense layer's MLP, or the MoE layer's shared experts
   Tensor norm1_, norm2_, dnorm1_, dnorm2_;
   Tensor dn_TH_, tmp_TH_;  // shared backward workspaces
-  Tensor x_TH_, n1_TH_, rstd1_T_, a_TH_, h_TH_, n2_TH_, rstd2_T_, m_TH_, s_TH_, ds_TH_;
+  Tensor x_TH_, n1_TH_, rstd1_T_, h_TH_, n2_TH_, rstd2_T_;
+  Tensor a_TH_, m_TH_, s_TH_, ds_TH_;  // scratch: forward temporaries, backward workspace
 };
 
 // One multi-token-prediction depth k (DeepSeek-V3, sec. 2.2; Megatron-Core's MTP layer): from
@@ -93,8 +101,10 @@ class Model {
  public:
   // REQUIRES: valid configs (Config::validate). seq_len is the whole sequence; under context
   // parallelism this rank holds local_seq_len() = seq_len / cp of its tokens.
+  // recompute: what backward recomputes instead of keeping (TrainConfig::recompute()); the
+  // multi-token-prediction layers are never recomputed whole.
   Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
-        const ModelParallel& parallel = {});
+        const ModelParallel& parallel = {}, const Recompute& recompute = {});
 
   void bind(Memory& mem);
   // Fills every parameter from its init rule (GPU parameters drawn on `ctx`): element i of parameter p gets
@@ -155,6 +165,10 @@ class Model {
   // scale: of this depth's token losses; dnext_TH: the next depth's d(h_prev) (null for the last).
   void mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const Tensor* dnext_TH);
 
+  // Whole-layer recomputation: layer l's slot in the recomputed layers' block (its position in its
+  // chunk; -1: kept), and the first layer of its chunk.
+  std::vector<int> recompute_slot_;
+  std::vector<int64_t> chunk_first_;
   ModelConfig cfg_;
   MoeConfig moe_cfg_;
   int64_t batch_, seq_len_, local_seq_len_,

@@ -52,9 +52,9 @@ void Experts::bind(Memory& mem) {
   mem_ = &mem;
   written_generation_ = -1;
   gu_R2F_ = mem.act({max_rows_, 2 * ffn_});
-  h_RF_ = mem.act({max_rows_, ffn_});
-  dh_RF_ = mem.act({max_rows_, ffn_});
-  dgu_R2F_ = mem.act({max_rows_, 2 * ffn_});
+  h_RF_ = recompute_act_ ? mem.scratch({max_rows_, ffn_}) : mem.act({max_rows_, ffn_});
+  dh_RF_ = mem.scratch({max_rows_, ffn_});
+  dgu_R2F_ = mem.scratch({max_rows_, 2 * ffn_});
 }
 
 void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH, int64_t first_row) {
@@ -76,6 +76,8 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   const bool accumulate = mem_->grad_generation() == written_generation_;
   written_generation_ = mem_->grad_generation();
   grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
+  // The forward's h came from the stored gu (moe_ops.h): swiglu_forward on it gives the same bits.
+  if (recompute_act_) swiglu_forward(*ctx_, gu, h, GateUp::pairs);
   grouped_linear_backward(*ctx_, h, down_EHF_, offsets_E1, dout_RH, Tensor(), ddown_EHF_, accumulate);
   if (!input_grads_done) {
     grouped_linear_backward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_, accumulate);

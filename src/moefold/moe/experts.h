@@ -43,6 +43,9 @@ class Experts {
   // interleaved, i.e. rows [2 ffn_first, 2 (ffn_first + F)) of the whole (DimShard dim 1, 2
   // chunks of total_ffn), and down_proj columns [ffn_first, +F) (DimShard dim 2, 1 chunk).
   void bind(Memory& mem);
+  // on: the SwiGLU output is not kept; backward computes it again from the kept gate|up output
+  // (Recompute's moe_act). REQUIRES: before bind.
+  void set_recompute_act(bool on) { recompute_act_ = on; }
 
   // out_RH = experts(rows_RH) with expert e on rows [offsets_E1[e], offsets_E1[e+1]). Saves the
   // gate|up and SwiGLU activations as rows [first_row, first_row + R) of its saved buffers: a
@@ -68,8 +71,9 @@ class Experts {
   std::string prefix_;
   double init_std_;
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;
-  Tensor gu_R2F_, h_RF_;             // saved by forward (max_rows rows)
-  Tensor dh_RF_, dgu_R2F_;           // backward workspaces
+  bool recompute_act_ = false;
+  Tensor gu_R2F_, h_RF_;             // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
+  Tensor dh_RF_, dgu_R2F_;           // scratch: backward workspaces
   const Memory* mem_ = nullptr;      // for its gradient generation
   int64_t written_generation_ = -1;  // the generation whose gradients this backward last wrote
 };

@@ -92,15 +92,20 @@ void MoeLayer::set_init_std(double std) {
 
 void MoeLayer::bind(Memory& mem) {
   ctx_ = &mem.exec();
-  router_.bind(mem);
-  dispatcher_->bind(mem);
-  experts_.bind(mem);
   const int64_t r_max = dispatcher_->max_rows();
-  x_TH_ = mem.act({max_tokens_, hidden_});
-  out_RH_ = mem.act({r_max, hidden_});
-  dout_RH_ = mem.act({r_max, hidden_});
-  drows_RH_ = mem.act({r_max, hidden_});
-  dprob_TK_ = mem.act({max_tokens_, cfg_.num_experts_per_tok}, mem.master_dtype());  // the router's dtype
+  {  // recomputed whole: everything it keeps is workspace, refilled before backward
+    const Memory::ScratchActs recomputed(mem, recompute_whole_);
+    router_.bind(mem);
+    dispatcher_->bind(mem);
+    experts_.set_recompute_act(recompute_act_);
+    experts_.bind(mem);
+    out_RH_ = mem.act({r_max, hidden_});
+  }
+  dout_RH_ = mem.scratch({r_max, hidden_});
+  drows_RH_ = mem.scratch({r_max, hidden_});
+  dprob_TK_ = mem.scratch({max_tokens_, cfg_.num_experts_per_tok}, mem.master_dtype());  // the router's dtype
+  y_TH_ = mem.scratch({recompute_whole_ ? max_tokens_ : 0, hidden_});
+  x_TH_ = Tensor();
   plan_ = nullptr;
 }
 
@@ -110,8 +115,8 @@ void MoeLayer::forward(const Tensor& x_TH, const Tensor& y_TH) {
            " for hidden ", hidden_, ", max_tokens ", max_tokens_);
   check_shape(y_TH, x_TH.shape(), "MoeLayer y");
   num_tokens_ = t_n;
-  const Tensor x = x_TH_.slice(0, t_n);
-  x.copy_from(x_TH, ctx_);
+  x_TH_ = x_TH;
+  const Tensor& x = x_TH;
   {  // the router's losses come back to the host here
     ProfileScope scope("moe router forward");
     router_.forward(x);
@@ -131,11 +136,16 @@ void MoeLayer::forward(const Tensor& x_TH, const Tensor& y_TH) {
 
 void MoeLayer::backward(const Tensor& dy_TH, const Tensor& dx_TH, double loss_scale) {
   MF_CHECK(plan_ != nullptr, "MoeLayer::backward before forward");
+  if (recompute_whole_) {
+    ProfileScope scope("recompute moe forward");
+    const Tensor x = x_TH_;  // forward sets x_TH_ again
+    forward(x, y_TH_.slice(0, num_tokens_));
+  }
   const int64_t t_n = num_tokens_, r_n = plan_->num_rows;
   check_shape(dy_TH, {t_n, hidden_}, "MoeLayer dy");
   check_shape(dx_TH, {t_n, hidden_}, "MoeLayer dx");
-  const Tensor x = x_TH_.slice(0, t_n), out = out_RH_.slice(0, r_n), dout = dout_RH_.slice(0, r_n),
-               drows = drows_RH_.slice(0, r_n), dprob = dprob_TK_.slice(0, t_n);
+  const Tensor x = x_TH_, out = out_RH_.slice(0, r_n), dout = dout_RH_.slice(0, r_n), drows = drows_RH_.slice(0, r_n),
+               dprob = dprob_TK_.slice(0, t_n);
   {
     ProfileScope scope("moe combine backward");
     dispatcher_->combine_backward(dy_TH, out, *plan_, dout, dprob);

@@ -36,6 +36,13 @@ class MoeLayer {
 
   // Std of the Init::normal parameters (gate and experts); default 0.02. REQUIRES: before bind.
   void set_init_std(double std);
+  // What backward recomputes instead of keeping (Recompute, config.h): the experts' SwiGLU output
+  // (moe_act); the whole layer (moe): router, dispatch, experts and combine run again before its
+  // backward, from the kept input. REQUIRES: before bind.
+  void set_recompute(bool experts_act, bool whole) {
+    recompute_act_ = experts_act;
+    recompute_whole_ = whole;
+  }
   // Parameters and buffers; called in both binding passes of a Memory.
   void bind(Memory& mem);
   // See Router::set_token_group (context parallelism splits each sequence over a group).
@@ -50,7 +57,8 @@ class MoeLayer {
   // Hook for after parameter initialisation (nothing to derive on the CPU).
   void init_done() {}
 
-  // y_TH written. REQUIRES: T <= max_tokens, bound and allocated. Saves what backward needs.
+  // y_TH written. REQUIRES: T <= max_tokens, bound and allocated; x_TH unchanged until backward
+  // (a view of it is kept). Saves what else backward needs.
   void forward(const Tensor& x_TH, const Tensor& y_TH);
   // dx_TH written; parameter grads accumulated; includes the gradient of
   // loss_scale * (aux_loss_coeff * aux + z_loss_coeff * z). REQUIRES: after forward.
@@ -79,8 +87,11 @@ class MoeLayer {
   std::unique_ptr<Dispatcher> dispatcher_;
   Router router_;
   Experts experts_;
-  Tensor x_TH_;                                    // saved input (max_tokens rows)
-  Tensor out_RH_, dout_RH_, drows_RH_, dprob_TK_;  // max_rows / max_tokens rows
+  bool recompute_act_ = false, recompute_whole_ = false;
+  Tensor x_TH_;                           // the input (a view of the caller's)
+  Tensor out_RH_;                         // the experts' outputs (max_rows rows)
+  Tensor dout_RH_, drows_RH_, dprob_TK_;  // scratch: backward workspaces (max_rows / max_tokens rows)
+  Tensor y_TH_;                           // scratch: the recomputed output (moe)
   const DispatchPlan* plan_ = nullptr;
   int64_t num_tokens_ = 0;
 };

@@ -16,7 +16,8 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
   p.compute = device == Device::cuda ? DType::bf16 : DType::f32;
   Mesh mesh = Mesh::plan(p.layout, rank);
   Model model(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
-              ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()});
+              ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()},
+              cfg.train.recompute());
   const ExecContext ctx(device, cfg.kernels, ExecContext::Stream::none);
   Memory mem(p.compute, ctx);
   if (cfg.parallel.distributed_optimizer) mem.shard_layout(shard_layout_for(mesh, model));

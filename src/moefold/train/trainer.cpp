@@ -58,7 +58,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
     : cfg_(cfg),
       mesh_(mesh),
       model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
-             ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()}),
+             ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()},
+             cfg.train.recompute()),
       exec_(device, cfg.kernels),
       mem_(compute.value_or(device == Device::cuda ? DType::bf16 : DType::f32), exec_),  // GPU: bf16, f32 masters
       opt_(cfg.train),
