@@ -16,6 +16,7 @@
 #include "cuda_testing.h"
 #include "moefold/core/device.h"
 #include "moefold/train/trainer.h"
+#include "recompute_check.h"
 #include "sharding_check.h"
 #include "testing.h"
 #include "train_fixture.h"
@@ -151,6 +152,33 @@ TEST(TrainCuda, DistributedOptimizerOnOneGpuChangesNothing) {
   MF_REQUIRE_GPU();
   testing::expect_one_rank_sharding_changes_nothing(Device::cuda, {});
   testing::expect_one_rank_sharding_changes_nothing(Device::cuda, kDeepSeek);
+}
+
+// Recomputation on one GPU (bf16 compute, deterministic kernels: the default): every variant of
+// recompute_check.h gives the same bits as the run that keeps everything, for the default family
+// and DeepSeek-V3's layers (MLA, a dense first layer, shared experts, multi-token prediction).
+TEST(TrainCuda, RecomputeChangesNothing) {
+  MF_REQUIRE_GPU();
+  testing::TempDir dir("train_cuda_recompute");
+  const std::string path = testing::make_train_data(dir.path());
+  const TokenDataset data = open_token_dataset(path);
+  for (std::vector<std::string> extra : {std::vector<std::string>{}, kDeepSeek}) {
+    SCOPED_TRACE(extra.empty() ? "qwen3_moe" : "deepseek_v3");
+    extra.push_back("model.num_hidden_layers=3");
+    const Config base = testing::small_train_config(path, extra);
+    std::vector<std::unique_ptr<Communicator>> worlds;
+    std::vector<std::unique_ptr<Mesh>> meshes;
+    testing::expect_recompute_changes_nothing(
+        base,
+        [&](const Config& c) {
+          worlds.push_back(make_self_communicator());
+          meshes.push_back(std::make_unique<Mesh>(Mesh::build(*worlds.back(), c.resolve_layout(1))));
+          auto t = std::make_unique<Trainer>(c, data, *meshes.back(), Device::cuda);
+          t->init_fresh();
+          return t;
+        },
+        testing::recompute_variants());
+  }
 }
 
 // Requirement of the CUDA backend: no device allocation in the step loop. The first step sizes

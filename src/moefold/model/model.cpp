@@ -270,7 +270,6 @@ void Model::bind(Memory& mem) {
   rstdf_T_ = mem.act({rows_}, mem.master_dtype());
   logits_TV_ = mem.act({tokens_, v});
   lse_T_ = mem.act({tokens_}, mem.master_dtype());
-  dlogits_TV_ = mem.act({tokens_, v});
   dnf_TH_ = mem.act({rows_, h});
   dres_TH_ = mem.act({rows_, h});
   full_NH_ = mem.act({tp_ ? tokens_ : 0, h});
@@ -360,14 +359,15 @@ void Model::head_backward(const Tensor& h_TH, const Tensor& norm, const Tensor& 
   ProfileScope head("lm head + loss backward");
   {
     ProfileScope scope("cross entropy backward");
+    // In place: each logit's gradient over the logit (the largest tensor of a step, kept once).
     if (tp_)
-      vocab_parallel_cross_entropy_backward(*ctx_, logits_NV, vocab_offset_, targets_N, lse_N, scale, dlogits_TV_);
+      vocab_parallel_cross_entropy_backward(*ctx_, logits_NV, vocab_offset_, targets_N, lse_N, scale, logits_NV);
     else
-      cross_entropy_backward(*ctx_, logits_NV, targets_N, lse_N, scale, dlogits_TV_);
+      cross_entropy_backward(*ctx_, logits_NV, targets_N, lse_N, scale, logits_NV);
   }
   {
     ProfileScope scope("lm head gemm backward");
-    linear_backward(*ctx_, tp_ ? nf_full_NH : nf_TH, lm_head_, dlogits_TV_, tp_ ? partial_NH_ : dnf_TH_, dlm_head_);
+    linear_backward(*ctx_, tp_ ? nf_full_NH : nf_TH, lm_head_, logits_NV, tp_ ? partial_NH_ : dnf_TH_, dlm_head_);
   }
   if (tp_) tp_->reduce_scatter(partial_NH_, dnf_TH_, ReduceOp::sum);
   ProfileScope scope("final rmsnorm backward");

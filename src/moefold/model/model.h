@@ -143,7 +143,8 @@ class Model {
   const MoeLayer& moe(int64_t i) const { return *moe_layers_[i]; }
   MoeLayer& moe(int64_t i) { return *moe_layers_[i]; }
   int64_t tokens() const { return rows_; }
-  // Logits of the last forward: [B * local_seq_len(), V / tp] (this rank's vocabulary shard).
+  // Logits of the last forward: [B * local_seq_len(), V / tp] (this rank's vocabulary shard); backward
+  // overwrites them with their gradient.
   const Tensor& logits() const { return logits_TV_; }
   int64_t local_seq_len() const { return local_seq_len_; }
   // Global positions of the local tokens (i32 [local_seq_len()]); null without CP.
@@ -154,7 +155,7 @@ class Model {
   // Final norm + LM head + cross-entropy of rows h_TH (this rank's); returns the token-loss sum.
   double head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor& nf_TH, const Tensor& rstd_T,
                       const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N, const Tensor& targets_N);
-  // dh_TH written; dnorm and the LM head's gradient accumulated.
+  // dh_TH written; dnorm and the LM head's gradient accumulated; logits_NV overwritten with its gradient.
   void head_backward(const Tensor& h_TH, const Tensor& norm, const Tensor& dnorm, const Tensor& nf_TH,
                      const Tensor& rstd_T, const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N,
                      const Tensor& targets_N, double scale, const Tensor& dh_TH);
@@ -184,7 +185,7 @@ class Model {
   Tensor embed_, dembed_, norm_, dnorm_, lm_head_, dlm_head_;
   Tensor cos_SD_, sin_SD_;
   std::vector<Tensor> res_;  // residual stream: res_[l] is the input of layer l, res_[L] the output
-  Tensor ids_, targets_, nf_TH_, rstdf_T_, logits_TV_, lse_T_, dlogits_TV_, dnf_TH_, dres_TH_, dn_TH_, tmp_TH_;
+  Tensor ids_, targets_, nf_TH_, rstdf_T_, logits_TV_, lse_T_, dnf_TH_, dres_TH_, dn_TH_, tmp_TH_;
   Tensor full_NH_, partial_NH_;      // tensor parallelism: every TP rank's rows; partial sums
   VocabParallelScratch ce_scratch_;  // vocabulary-parallel cross-entropy
 };

@@ -174,7 +174,7 @@ inline constexpr int32_t kIgnoreTarget = -1;
 double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
                              const Tensor& lse_N);
 // dlogits = grad_scale * (softmax(logits) - onehot(target)); grad_scale is d(loss)/d(row loss),
-// e.g. 1 / (tokens in the global batch).
+// e.g. 1 / (tokens in the global batch). dlogits may be logits itself (in place: elementwise).
 void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
                             const Tensor& lse_N, double grad_scale, const Tensor& dlogits_NV);
 
