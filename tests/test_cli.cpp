@@ -138,6 +138,22 @@ TEST(Cli, PlanPrintsEachRanksBytes) {
   EXPECT_NE(tiny.out.find(": fits"), std::string::npos) << tiny.out;
   EXPECT_NE(run("plan --config qwen3-30b-a3b --gpu-memory 1GiB").out.find("DOES NOT FIT"), std::string::npos);
   expect_one_line_error(run("plan --gpu-memory lots"), {"--gpu-memory lots", "141GiB"});
+  // The memory options' bad values: one line each.
+  expect_one_line_error(run("plan --device cpu --set train.main_grads_dtype=bf16"),
+                        {"train.main_grads_dtype = 'bf16'", "CUDA"});
+  expect_one_line_error(run("info --set train.main_grads_dtype=fp16"), {"train.main_grads_dtype", "f32, bf16"});
+  expect_one_line_error(run("info --set train.main_grads_dtype=bf16 --set parallel.distributed_optimizer=true"),
+                        {"train.main_grads_dtype", "parallel.distributed_optimizer"});
+  expect_one_line_error(run("info --set 'train.recompute_modules=[\"layernorm\",\"attn\"]'"),
+                        {"train.recompute_modules", "'attn'", "core_attn"});
+  expect_one_line_error(run("info --set train.recompute_num_layers=99"),
+                        {"train.recompute_num_layers = 99", "model.num_hidden_layers"});
+  expect_one_line_error(run("info --set train.recompute_method=full"), {"train.recompute_method", "uniform, block"});
+  // The plan of a config with recomputation: the layers keep less, the workspace is shared.
+  Result re = run("plan --config qwen3-30b-a3b --set model.num_hidden_layers=4 --set train.recompute_num_layers=2");
+  EXPECT_EQ(re.code, 0) << re.err;
+  for (const char* want : {"layers' shared workspace", "recomputed layers' block"})
+    EXPECT_NE(re.out.find(want), std::string::npos) << want << "\n" << re.out;
   expect_one_line_error(run("plan --world 0"), {"--world 0"});
   expect_one_line_error(run("plan --world 3 --set parallel.ep=2"), {"ep x etp = 2 x 1 = 2 does not divide"});
 }

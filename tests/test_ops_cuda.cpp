@@ -89,6 +89,33 @@ TEST(CudaAdamW, Bf16MomentsMatchCpu) {
   }
 }
 
+// bf16 gradients (train.main_grads_dtype): the update reads them widened to f32, so it equals the
+// CPU op on the widened gradient (f32 and bf16 moments).
+TEST(CudaAdamW, Bf16GradientsMatchCpuOnTheWidenedGradient) {
+  MF_REQUIRE_GPU();
+  const int64_t n = 70000;
+  for (const DType mt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(mt));
+    Pool pool;
+    DevicePool dev;
+    Tensor w = pool.randn({n}, DType::f32), g16 = pool.zeros({n}, DType::bf16), g = pool.zeros({n}, DType::f32);
+    cast(testing::exec(), pool.randn({n}, DType::f32, 0.1), g16);
+    cast(testing::exec(), g16, g);  // exact
+    Tensor m = pool.zeros({n}, mt), v = pool.zeros({n}, mt);
+    cast(testing::exec(), pool.randn({n}, DType::f32, 0.01), m);
+    cast(testing::exec(), pool.uniform({n}, 0.0, 0.01, DType::f32), v);
+    Tensor wd = dev.upload(w, DType::f32), gd = dev.upload(g16, DType::bf16), md = dev.upload(m, mt),
+           vd = dev.upload(v, mt), wc = dev.poisoned({n}, DType::bf16);
+    const AdamWStep s{3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - std::pow(0.9, 7), 1 - std::pow(0.95, 7), 0.25};
+    adamw_update(testing::exec(), w, g, m, v, s);
+    adamw_update(testing::exec(), wd, gd, md, vd, s, wc);
+    EXPECT_LE(testing::rel_error(testing::download(wd), w), 1e-6);
+    EXPECT_LE(testing::rel_error(testing::download(md), m), mt == DType::f32 ? 1e-6 : 8e-3);
+    EXPECT_LE(testing::rel_error(testing::download(vd), v), mt == DType::f32 ? 1e-6 : 8e-3);
+    EXPECT_LE(testing::rel_error(testing::download(wc), w), 4e-3);
+  }
+}
+
 }  // namespace
 // cast on the GPU: the same bits as the CPU cast (one rounding to nearest even).
 TEST(CudaCast, MatchesCpuBitForBit) {

@@ -347,9 +347,9 @@ TEST(CudaGroupedLinear, UnevenAndEmptyExpertsMatchCpu) {
 }
 
 // The CUTLASS grouped GEMM (the default): the same checks and tolerances through it, where it
-// serves (bf16 operands, f32 dw, widths multiple of 8: asserted to run), in every tile
-// configuration and a mix of them, and the cuBLASLt fallback where it does not (odd widths, bf16
-// dw).
+// serves (bf16 operands, f32 or bf16 dw (train.main_grads_dtype), widths multiple of 8: asserted
+// to run), in every tile configuration and a mix of them, and the cuBLASLt fallback where it does
+// not (odd widths).
 TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
   MF_REQUIRE_GPU();
 #ifdef MOEFOLD_WITH_CUDA
@@ -365,6 +365,10 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
     const Tensor y = dev.poisoned({16, 32}, DType::bf16);
     EXPECT_TRUE(cuda::cutlass_grouped_linear_forward(testing::exec(), x, w, dev.upload(offsets, DType::i64), y))
         << "CUTLASS declined";
+    const Tensor dy = dev.upload(pool.randn({16, 32}), DType::bf16), dw16 = dev.poisoned({2, 32, 64}, DType::bf16);
+    EXPECT_TRUE(cuda::cutlass_grouped_linear_backward(testing::exec(), x, w, dev.upload(offsets, DType::i64), dy,
+                                                      Tensor(), dw16, false))
+        << "CUTLASS declined a bf16 weight gradient";
     EXPECT_FALSE(cuda::cutlass_grouped_linear_forward(
         testing::exec(), x.view({16, 64}), w, dev.upload(offsets, DType::i64), dev.poisoned({16, 32}, DType::f32)))
         << "an f32 output is not CUTLASS's";
@@ -376,9 +380,10 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
     check_grouped(DType::bf16, DType::f32, counts, 48, 40, ctx);
     check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3, 64}, 256, 128, ctx);
     check_grouped(DType::bf16, DType::f32, {0, 0, 0}, 16, 8, ctx);  // no rows at all
+    check_grouped(DType::bf16, DType::bf16, counts, 48, 40, ctx);
+    check_grouped(DType::bf16, DType::bf16, {300, 0, 129, 1000, 3, 64}, 256, 128, ctx);
   }
   check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: cuBLASLt
-  check_grouped(DType::bf16, DType::bf16, counts, 48, 40);                  // bf16 dw: cuBLASLt
 #endif
 }
 

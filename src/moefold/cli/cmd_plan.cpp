@@ -19,7 +19,7 @@ namespace {
 struct PlanArgs {
   ConfigOptions config;
   int world = 1;
-  std::string gpu_memory = "141GiB", host_memory = "1TiB", device = "cuda";
+  std::string gpu_memory = "139GiB", host_memory = "1TiB", device = "cuda";
 };
 
 // "141GiB", "80GB", "512MiB", "1TiB" or plain bytes; anything else: one line naming the option.
@@ -60,7 +60,8 @@ void print_rank(const MemoryPlan& p, size_t gpu_bytes, size_t host_bytes) {
   const bool gpu = p.device == Device::cuda;
   std::printf("  master weights (f32)        %s\n", gib(p.master).c_str());
   std::printf("  compute copies (%s)       %s\n", gpu ? "bf16" : "f32 ", gib(p.compute_copies).c_str());
-  std::printf("  gradients (f32)             %s\n", gib(p.gradients).c_str());
+  std::printf("  gradients (%s)%s%s\n", p.bf16_grads ? "bf16 and f32" : "f32", p.bf16_grads ? "    " : "             ",
+              gib(p.gradients).c_str());
   std::printf("  optimizer state             %s\n", gib(p.optimizer).c_str());
   std::printf("  activations and workspaces  %s\n", gib(p.activations).c_str());
   const size_t total = p.peak();
@@ -139,7 +140,8 @@ void run_plan(const PlanArgs& a) {
   // on an H200, docs/benchmarks.md): bf16 moments (none: the update gets faster), cuDNN's
   // non-deterministic attention backward (none; reruns differ in the last bits), expert-parallel
   // receive buffers at twice the average (none; an imbalance past it stops the run), then the
-  // distributed optimizer (its gathers; only with shard groups of several ranks); then, only while
+  // distributed optimizer (its gathers; only with shard groups of several ranks), bf16 gradient
+  // accumulators (none; one rank only); then, only while
   // nothing fits, recomputation: the cheap modules (norms, the experts' SwiGLU, MLA's up
   // projections), the attention core and the dense MLPs, the whole MoE block, and last the fewest
   // whole layers (method block) that make it fit.
@@ -159,6 +161,12 @@ void run_plan(const PlanArgs& a) {
        [](Config& c) { c.moe.ep_recv_factor = 2; }},
       {"parallel.distributed_optimizer = true", !cfg.parallel.distributed_optimizer && a.world > 1,
        [](Config& c) { c.parallel.distributed_optimizer = true; }},
+      // No throughput cost; the expert and tensor-parallel gradients accumulate in bf16 (one rank:
+      // with several, the distributed optimizer above shards them instead).
+      {"train.main_grads_dtype = bf16",
+       device == Device::cuda && cfg.train.main_grads_dtype != "bf16" && !cfg.parallel.distributed_optimizer &&
+           a.world == 1,
+       [](Config& c) { c.train.main_grads_dtype = "bf16"; }},
       {"train.recompute_modules += layernorm, moe_act, mla_up_proj", true,
        [](Config& c) {
          add_modules(c, {"layernorm", "moe_act", "mla_up_proj"});
@@ -224,7 +232,7 @@ Command add_plan(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("plan", "print the memory each rank of a layout needs, and whether it fits");
   add_config_options(cmd, a->config);
   cmd->add_option("--world", a->world, "ranks of the layout (default 1; parallel.* of the config lays them out)");
-  cmd->add_option("--gpu-memory", a->gpu_memory, "memory of one GPU (default 141GiB)");
+  cmd->add_option("--gpu-memory", a->gpu_memory, "memory one GPU can allocate (default 139GiB: an H200)");
   cmd->add_option("--host-memory", a->host_memory, "host memory per rank (default 1TiB)");
   cmd->add_option("--device", a->device, "cuda (default: bf16 mixed precision) or cpu (f32)");
   return {cmd, [a](World&) { run_plan(*a); }};

@@ -120,7 +120,8 @@ size_t OverlayPool::bytes() const {
 
 Memory::Memory(DType dtype, Device device) : Memory(dtype, ExecContext::standard(device)) {}
 
-Memory::Memory(DType dtype, const ExecContext& exec) : dtype_(dtype), device_(exec.device()), exec_(&exec) {
+Memory::Memory(DType dtype, const ExecContext& exec)
+    : dtype_(dtype), main_grads_dtype_(master_dtype()), device_(exec.device()), exec_(&exec) {
   const Device device = device_;
   void* stream = exec.stream();  // the arenas are zeroed in the order of the modules' ops
   for (Arena& a : params_arena_) a.set_device(device, stream);
@@ -153,7 +154,7 @@ Tensor Memory::param(const ParamSpec& spec) {
     take_sharded(p, spec);
   } else {
     p.value = params_arena_[g].take(master_dtype(), shape);
-    p.grad = grads_[g].take(master_dtype(), shape);
+    p.grad = grads_[g].take(grad_dtype(group), shape);
     p.compute = mixed_precision() ? compute_[g].take(dtype_, shape) : p.value;
   }
   p.full_master = spec.full_master;
@@ -179,8 +180,17 @@ Tensor Memory::param(const ParamSpec& spec) {
   return p.compute;
 }
 
+void Memory::set_main_grads_dtype(DType dtype) {
+  MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::set_main_grads_dtype after parameters were registered");
+  MF_CHECK(dtype == master_dtype() || (dtype == DType::bf16 && mixed_precision() && !sharded_), "main gradients in ",
+           dtype_name(dtype), " need bf16 compute and an unsharded optimizer");
+  main_grads_dtype_ = dtype;
+}
+
 void Memory::shard_layout(ShardLayout layout) {
   MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::shard_layout after parameters were registered");
+  MF_CHECK(main_grads_dtype_ == master_dtype(), "Memory::shard_layout with main gradients in ",
+           dtype_name(main_grads_dtype_));
   for (int64_t n : layout.shards) MF_CHECK(n >= 1, "Memory::shard_layout: ", n, " shards");
   MF_CHECK(layout.bucket_of != nullptr, "Memory::shard_layout without bucket_of");
   layout_ = std::move(layout);
@@ -449,9 +459,9 @@ void Memory::grad_written_by_backward(const std::string& name) {
 
 Tensor Memory::grad_block(ParamGroup group) const {
   const Arena& a = grads_[static_cast<int>(group)];
-  const int64_t n =
-      sharded_ ? block_elems(static_cast<int>(group)) : static_cast<int64_t>(a.used() / dtype_size(master_dtype()));
-  return Tensor(a.base(), master_dtype(), {n}, device_);
+  const DType dt = grad_dtype(group);
+  const int64_t n = sharded_ ? block_elems(static_cast<int>(group)) : static_cast<int64_t>(a.used() / dtype_size(dt));
+  return Tensor(a.base(), dt, {n}, device_);
 }
 
 const Param* Memory::find(const std::string& name) const {

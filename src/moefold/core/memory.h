@@ -212,6 +212,12 @@ class Memory {
 
   DType dtype() const { return dtype_; }
   DType master_dtype() const { return dtype_ == DType::bf16 ? DType::f32 : dtype_; }
+  // The dtype of a group's gradients: the master dtype, or for the expert and tensor-parallel
+  // groups what set_main_grads_dtype chose.
+  DType grad_dtype(ParamGroup group) const { return group == ParamGroup::dense ? master_dtype() : main_grads_dtype_; }
+  // bf16: the expert and tensor-parallel groups' gradients in bf16 (train.main_grads_dtype).
+  // REQUIRES: before the first bind; mixed precision; not sharded (shard_layout).
+  void set_main_grads_dtype(DType dtype);
   // Whether compute copies differ from the master weights (Param::compute != Param::value).
   bool mixed_precision() const { return master_dtype() != dtype_; }
   Device device() const { return device_; }
@@ -336,6 +342,7 @@ class Memory {
 
  private:
   DType dtype_;
+  DType main_grads_dtype_;
   Device device_ = Device::cpu;
   const ExecContext* exec_;
   int64_t grad_generation_ = 0;

@@ -99,7 +99,8 @@ void TrainConfig::validate() const {
   if (!(adam_eps > 0)) MF_FAIL("train.adam_eps = ", adam_eps, " must be > 0");
   if (!std::isfinite(grad_clip)) MF_FAIL("train.grad_clip = ", grad_clip, " must be finite");
   for (const auto& [key, value] : {std::pair<const char*, const std::string&>{"exp_avg_dtype", exp_avg_dtype},
-                                   {"exp_avg_sq_dtype", exp_avg_sq_dtype}})
+                                   {"exp_avg_sq_dtype", exp_avg_sq_dtype},
+                                   {"main_grads_dtype", main_grads_dtype}})
     if (value != "f32" && value != "bf16") MF_FAIL("train.", key, " = '", value, "' is not supported (f32, bf16)");
   for (const std::string& m : recompute_modules)
     if (m != "layernorm" && m != "core_attn" && m != "mla_up_proj" && m != "moe_act" && m != "shared_experts" &&
@@ -162,6 +163,10 @@ void Config::validate() const {
   if (model.num_nextn_predict_layers > 0 && p.cp > 1)
     MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers, " with parallel.cp = ", p.cp,
             ": multi-token prediction under context parallelism is not implemented");
+  if (train.main_grads_dtype == "bf16" && parallel.distributed_optimizer)
+    MF_FAIL(
+        "train.main_grads_dtype = 'bf16' with parallel.distributed_optimizer = true is not supported yet "
+        "(the sharded master weights stage through the f32 gradient buffers)");
   if (train.recompute_num_layers > model.num_hidden_layers)
     MF_FAIL("train.recompute_num_layers = ", train.recompute_num_layers,
             " exceeds model.num_hidden_layers = ", model.num_hidden_layers);

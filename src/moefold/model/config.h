@@ -107,6 +107,10 @@ struct TrainConfig {
   // bytes; each update reads them to f32 and stores them rounded). Checkpoints hold them in f32.
   std::string exp_avg_dtype = "f32";
   std::string exp_avg_sq_dtype = "f32";
+  // The gradient accumulators (Megatron's main grads) of the expert and tensor-parallel weights
+  // (all but the replicated norms, router and MLA down projections, which keep f32): "f32", or
+  // "bf16" (half the bytes; each micro-batch's gradient is added in f32 and rounded). GPU only.
+  std::string main_grads_dtype = "f32";
   // Recomputation (struct Recompute): module names, whole layers and their method.
   std::vector<std::string> recompute_modules;
   int64_t recompute_num_layers = 0;

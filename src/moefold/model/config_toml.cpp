@@ -131,6 +131,8 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "exp_avg_dtype", exp_avg_dtype, "AdamW first moment in memory: f32 or bf16 (checkpoints: f32)"),
       MF_FIELD(train, "exp_avg_sq_dtype", exp_avg_sq_dtype,
                "AdamW second moment in memory: f32 or bf16 (checkpoints: f32)"),
+      MF_FIELD(train, "main_grads_dtype", main_grads_dtype,
+               "gradient accumulators of the expert and tensor-parallel weights: f32 or bf16 (GPU only)"),
       MF_FIELD(train, "recompute_modules", recompute_modules,
                "recomputed in backward instead of kept: layernorm, core_attn, mla_up_proj, moe_act, shared_experts, "
                "moe, mlp"),

@@ -20,12 +20,14 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
               cfg.train.recompute());
   const ExecContext ctx(device, cfg.kernels, ExecContext::Stream::none);
   Memory mem(p.compute, ctx);
+  set_main_grads_dtype(mem, cfg.train);
   if (cfg.parallel.distributed_optimizer) mem.shard_layout(shard_layout_for(mesh, model));
   StepBuffers buffers;
   bind_training(mem, model, cfg, buffers);  // the measuring pass: sizes only
   p.master = mem.master_bytes();
   p.compute_copies = mem.compute_bytes();
   p.gradients = mem.grad_bytes();
+  p.bf16_grads = mem.grad_dtype(ParamGroup::expert) == DType::bf16;
   p.optimizer = AdamW::state_bytes(mem, cfg.train);
   p.activations = mem.act_bytes();
   p.host = mem.host_act_bytes();

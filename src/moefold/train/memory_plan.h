@@ -20,6 +20,7 @@ struct MemoryPlan {
   size_t master = 0;          // master weights kept whole (all, or the full_master ones when sharded)
   size_t compute_copies = 0;  // bf16 copies (mixed precision), or every weight (sharded)
   size_t gradients = 0;
+  bool bf16_grads = false;               // train.main_grads_dtype = bf16: the expert and tensor-parallel ones
   size_t optimizer = 0;                  // AdamW moments (and, sharded, the master shards)
   size_t activations = 0;                // every planned workspace on the device, peer-visible ones included
   size_t host = 0;                       // host workspaces of a GPU run (plans from counts, token windows)

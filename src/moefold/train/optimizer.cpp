@@ -257,10 +257,38 @@ void AdamW::convert(const Tensor& src, const Tensor& dst) const {
     cast(*ctx_, src, dst);
 }
 
+// The host copies of the moments are f32 whatever the gradient block's dtype (bf16 with
+// train.main_grads_dtype): a bf16 block passes through a host bf16 buffer, widened or narrowed here.
+void AdamW::block_to_host(const Tensor& block, std::vector<std::byte>& host) const {
+  if (block.numel() == 0) return;
+  if (block.dtype() != DType::bf16) {
+    Tensor(host.data(), block.dtype(), block.shape()).copy_from(block, ctx_);
+    return;
+  }
+  std::vector<uint16_t> narrow(static_cast<size_t>(block.numel()));
+  Tensor(narrow.data(), DType::bf16, block.shape()).copy_from(block, ctx_);
+  auto* wide = reinterpret_cast<float*>(host.data());
+  for (size_t i = 0; i < narrow.size(); ++i) wide[i] = bf16_to_f32(narrow[i]);
+}
+
+void AdamW::host_to_block(const std::vector<std::byte>& host, const Tensor& block) const {
+  if (block.numel() == 0) return;
+  if (block.dtype() != DType::bf16) {
+    block.copy_from(Tensor(const_cast<std::byte*>(host.data()), block.dtype(), block.shape()), ctx_);
+    return;
+  }
+  std::vector<uint16_t> narrow(static_cast<size_t>(block.numel()));
+  const auto* wide = reinterpret_cast<const float*>(host.data());
+  for (size_t i = 0; i < narrow.size(); ++i) narrow[i] = f32_to_bf16(wide[i]);
+  block.copy_from(Tensor(narrow.data(), DType::bf16, block.shape()), ctx_);
+}
+
 void AdamW::prepare_state() {
   if (!exposed_) return;
   for (int g = 0; g < kNumParamGroups; ++g) {
-    const size_t bytes = groups_[static_cast<size_t>(g)].grad_block.nbytes();
+    const Tensor& block = groups_[static_cast<size_t>(g)].grad_block;
+    const DType wide = block.dtype() == DType::bf16 ? DType::f32 : block.dtype();  // f32 for bf16 blocks
+    const size_t bytes = static_cast<size_t>(block.numel()) * dtype_size(wide);
     host_m_[static_cast<size_t>(g)].assign(bytes, std::byte{0});
     host_v_[static_cast<size_t>(g)].assign(bytes, std::byte{0});
   }
@@ -276,8 +304,7 @@ void AdamW::gather_state() {
     for (int g = 0; g < kNumParamGroups; ++g) {
       const Group& gr = groups_[static_cast<size_t>(g)];
       std::vector<std::byte>& host = pick == 1 ? host_m_[static_cast<size_t>(g)] : host_v_[static_cast<size_t>(g)];
-      if (gr.grad_block.numel() > 0)
-        Tensor(host.data(), gr.grad_block.dtype(), gr.grad_block.shape()).copy_from(gr.grad_block, ctx_);
+      block_to_host(gr.grad_block, host);
     }
   }
   if (sharded_) gather_into_grad_blocks(0);
@@ -303,9 +330,7 @@ void AdamW::scatter_state() {
       const Group& gr = groups_[static_cast<size_t>(g)];
       const std::vector<std::byte>& host =
           pick == 1 ? host_m_[static_cast<size_t>(g)] : host_v_[static_cast<size_t>(g)];
-      if (gr.grad_block.numel() > 0)
-        gr.grad_block.copy_from(
-            Tensor(const_cast<std::byte*>(host.data()), gr.grad_block.dtype(), gr.grad_block.shape()), ctx_);
+      host_to_block(host, gr.grad_block);
     }
     for (const Segment& sg : segments_)
       convert(groups_[static_cast<size_t>(sg.group)].grad_block.slice(sg.begin, sg.end), pick == 1 ? sg.m : sg.v);
@@ -326,7 +351,8 @@ Tensor AdamW::moment(size_t i, int which) const {
   MF_CHECK(!host.empty(), "AdamW: the moments of ", p.name, " are not gathered (gather_state)");
   const Tensor& block = groups_[g].grad_block;
   const auto [a, e] = elements_of(p, block);
-  return Tensor(const_cast<std::byte*>(host.data()), block.dtype(), block.shape()).slice(a, e).view(p.grad.shape());
+  const DType wide = block.dtype() == DType::bf16 ? DType::f32 : block.dtype();
+  return Tensor(const_cast<std::byte*>(host.data()), wide, block.shape()).slice(a, e).view(p.grad.shape());
 }
 
 double clip_factor(double norm, double max_norm) {

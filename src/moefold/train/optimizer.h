@@ -117,7 +117,10 @@ class AdamW {
   std::array<Group, kNumParamGroups> groups_;
   // Sharded, between gather_state / prepare_state and scatter_state / release_state: each
   // group's moments in host memory, laid out like its gradient block.
-  std::array<std::vector<std::byte>, kNumParamGroups> host_m_, host_v_;
+  std::array<std::vector<std::byte>, kNumParamGroups> host_m_, host_v_;  // f32 (or f64), a group's block each
+  // A gradient block to its host copy and back (f32 on the host; a bf16 block widened / rounded).
+  void block_to_host(const Tensor& block, std::vector<std::byte>& host) const;
+  void host_to_block(const std::vector<std::byte>& host, const Tensor& block) const;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;  // without sharding: by parameter
   bool overlap_gather_ = false;
   // Sharded: each group's gathers not yet waited for, (bucket key, ticket) in the order started.

@@ -45,6 +45,13 @@ void bind_training(Memory& mem, Model& model, const Config& cfg, StepBuffers& bu
   buffers.bind(mem, cfg, model);
 }
 
+void set_main_grads_dtype(Memory& mem, const TrainConfig& train) {
+  if (train.main_grads_dtype != "bf16") return;
+  if (!mem.mixed_precision())
+    MF_FAIL("train.main_grads_dtype = 'bf16' needs bf16 compute with f32 master weights (the CUDA device)");
+  mem.set_main_grads_dtype(DType::bf16);
+}
+
 ShardLayout shard_layout_for(const Mesh& mesh, const Model& model) {
   ShardLayout layout;
   layout.shards[static_cast<int>(ParamGroup::dense)] = mesh.dense->size();
@@ -65,6 +72,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
   const int64_t layers = model_.num_moe_layers();
+  set_main_grads_dtype(mem_, cfg.train);
   if (cfg.parallel.distributed_optimizer) mem_.shard_layout(shard_layout_for(mesh, model_));
   auto bind_all = [&] { bind_training(mem_, model_, cfg_, buf_); };
   bind_all();  // measure

@@ -52,6 +52,9 @@ struct StepBuffers {
   void bind(Memory& mem, const Config& cfg, const Model& model);
 };
 
+// train.main_grads_dtype on a Memory before its first bind (one clear line when it cannot be).
+void set_main_grads_dtype(Memory& mem, const TrainConfig& train);
+
 // A training rank's whole binding pass (the trainer's, and moefold plan's measuring one).
 void bind_training(Memory& mem, Model& model, const Config& cfg, StepBuffers& buffers);
 // The dispatchers of the model's MoE layers on `mesh` (empty: local experts). Keeps references.

@@ -292,6 +292,10 @@ using Dgrad =
     Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, Tile, Cluster, Schedule>;
 template <class Tile, class Cluster, class Schedule = Cooperative>
 using Wgrad = Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, Tile, Cluster, Schedule>;
+// bf16 weight gradients (train.main_grads_dtype = bf16): f32 accumulation, D = round(acc + beta * C).
+template <class Tile, class Cluster, class Schedule = Cooperative>
+using WgradBf16 =
+    Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, Tile, Cluster, Schedule>;
 // The SwiGLU kinds: forward as Forward (D = gu, bf16) plus h; backward data as Dgrad with C = gu
 // and D = dgu viewed as F float lanes per row.
 template <class Tile, class Cluster, class Schedule = Cooperative>
@@ -436,13 +440,14 @@ cutlass::KernelHardwareInfo hardware_info(const ExecContext& ctx) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // dw_e = 0 for every expert e without rows (blockIdx.y = e; the other experts' blocks exit).
-__global__ void zero_empty_experts(float* dw, const int64_t* __restrict__ off, int64_t per) {
+template <class T>
+__global__ void zero_empty_experts(T* dw, const int64_t* __restrict__ off, int64_t per) {
   const int64_t e = blockIdx.y;
   if (off[e + 1] != off[e]) return;
-  float* d = dw + e * per;
+  T* d = dw + e * per;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < per;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    d[i] = 0.0f;
+    d[i] = T(0.0f);
 }
 
 // The epilogue arguments of the default fusion: D = acc + beta * C.
@@ -508,8 +513,9 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
                                      const Tensor& dw_EOI, bool accumulate) {
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   const bool want_dw = dw_EOI.defined();
-  if (x_RI.dtype() != DType::bf16 || dy_RO.dtype() != DType::bf16 || (want_dw && dw_EOI.dtype() != DType::f32) ||
-      i_n % 8 != 0 || o_n % 8 != 0)
+  const bool dw16 = want_dw && dw_EOI.dtype() == DType::bf16;  // else f32
+  if (x_RI.dtype() != DType::bf16 || dy_RO.dtype() != DType::bf16 ||
+      (want_dw && !dw16 && dw_EOI.dtype() != DType::f32) || i_n % 8 != 0 || o_n % 8 != 0)
     return false;
   if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(dy_RO.data()) ||
       (want_dw && !aligned16(dw_EOI.data())) ||
@@ -535,11 +541,20 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
   if (!want_dw) return true;
   if (!accumulate) {
     const int64_t per = o_n * i_n;
-    zero_empty_experts<<<dim3(64, static_cast<unsigned>(e_n)), 256, 0, stream_of(ctx)>>>(
-        dw_EOI.ptr<float>(), offsets_E1.ptr<int64_t>(), per);
+    const dim3 grid(64, static_cast<unsigned>(e_n));
+    if (dw16)
+      zero_empty_experts<<<grid, 256, 0, stream_of(ctx)>>>(static_cast<__nv_bfloat16*>(dw_EOI.data()),
+                                                           offsets_E1.ptr<int64_t>(), per);
+    else
+      zero_empty_experts<<<grid, 256, 0, stream_of(ctx)>>>(dw_EOI.ptr<float>(), offsets_E1.ptr<int64_t>(), per);
     MF_CUDA_LAUNCHED("grouped_linear_backward dw (zero empty experts)");
   }
-  with_tiles<Wgrad>(ctx, Kind::wgrad, wgrad);
+  // bf16 gradients: the large and ping-pong tiles only (small falls back to large), to bound the compile time.
+  if (dw16) {
+    if (!with_tiles<WgradBf16, false>(ctx, Kind::wgrad, wgrad)) wgrad.template operator()<WgradBf16<LargeTile, Pair>>();
+  } else {
+    with_tiles<Wgrad>(ctx, Kind::wgrad, wgrad);
+  }
   return true;
 }
 

@@ -22,13 +22,14 @@ __device__ __forceinline__ void adamw_element(const AdamWArgs& a, float g, float
   w = w * a.wd - a.step_size * m / (sqrtf(v) * a.inv_sqrt_bc2 + a.eps);
 }
 
-// M, V: the moments' types (float, or bf16: stored rounded, the weight updated from the unrounded values).
-template <class C, class M, class V>
-__global__ void adamw_kernel(float* w, const float* g, M* m, V* v, C* wc, int64_t n, AdamWArgs a) {
+// M, V: the moments' types (float, or bf16: stored rounded, the weight updated from the unrounded
+// values); G: the gradient's (float, or bf16: train.main_grads_dtype).
+template <class C, class M, class V, class G>
+__global__ void adamw_kernel(float* w, const G* g, M* m, V* v, C* wc, int64_t n, AdamWArgs a) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float wi = w[i], mi = to_float(m[i]), vi = to_float(v[i]);
-    adamw_element(a, g[i] * a.gs, wi, mi, vi);
+    adamw_element(a, to_float(g[i]) * a.gs, wi, mi, vi);
     m[i] = from_float<M>(mi);
     v[i] = from_float<V>(vi);
     w[i] = wi;
@@ -73,9 +74,9 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
                   const AdamWStep& s, const Tensor& w_compute) {
   for (const Tensor* t : {&w, &g, &m, &v}) {
     check_cuda_tensor(*t, "adamw_update");
-    const bool moment = t == &m || t == &v;
-    MF_CHECK((t->dtype() == DType::f32 || (moment && t->dtype() == DType::bf16)) && t->shape() == w.shape(),
-             "adamw_update: ", t->str(), " vs w ", w.str(), " (f32 master weights and gradients; f32 or bf16 moments)");
+    const bool either = t != &w;  // moments and gradients: f32 or bf16
+    MF_CHECK((t->dtype() == DType::f32 || (either && t->dtype() == DType::bf16)) && t->shape() == w.shape(),
+             "adamw_update: ", t->str(), " vs w ", w.str(), " (f32 master weights; f32 or bf16 gradients and moments)");
   }
   const int64_t n = w.numel();
   if (n == 0) return;
@@ -92,8 +93,8 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
     MF_CHECK(w_compute.numel() == n, "adamw_update: compute copy ", w_compute.str(), " vs w ", w.str());
   }
   const bool f32_moments = m.dtype() == DType::f32 && v.dtype() == DType::f32;
-  const bool vec = f32_moments && n % 4 == 0 && aligned(w.data(), 16) && aligned(g.data(), 16) &&
-                   aligned(m.data(), 16) && aligned(v.data(), 16) &&
+  const bool vec = f32_moments && g.dtype() == DType::f32 && n % 4 == 0 && aligned(w.data(), 16) &&
+                   aligned(g.data(), 16) && aligned(m.data(), 16) && aligned(v.data(), 16) &&
                    (!w_compute.defined() || (w_compute.dtype() == DType::bf16 && aligned(w_compute.data(), 8)));
   if (vec) {
     const int vblocks = static_cast<int>(std::min<int64_t>(ceil_div(n / 4, threads), 65535 * 4));
@@ -102,14 +103,16 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
         static_cast<float4*>(v.data()), w_compute.defined() ? static_cast<Bf16x4*>(w_compute.data()) : nullptr, n / 4,
         a);
   } else {
-    // The scalar path: any compute copy (none: float, never written), any moment dtypes.
+    // The scalar path: any compute copy (none: float, never written), any moment and gradient dtypes.
     const DType c_dtype = w_compute.defined() ? w_compute.dtype() : DType::f32;
     dispatch_cuda_float(c_dtype, [&]<class C>() {
       dispatch_cuda_float(m.dtype(), [&]<class M>() {
         dispatch_cuda_float(v.dtype(), [&]<class V>() {
-          adamw_kernel<C, M, V><<<blocks, threads, 0, stream_of(ctx)>>>(
-              w.ptr<float>(), g.ptr<float>(), static_cast<M*>(m.data()), static_cast<V*>(v.data()),
-              w_compute.defined() ? static_cast<C*>(w_compute.data()) : nullptr, n, a);
+          dispatch_cuda_float(g.dtype(), [&]<class G>() {
+            adamw_kernel<C, M, V, G><<<blocks, threads, 0, stream_of(ctx)>>>(
+                w.ptr<float>(), static_cast<const G*>(g.data()), static_cast<M*>(m.data()), static_cast<V*>(v.data()),
+                w_compute.defined() ? static_cast<C*>(w_compute.data()) : nullptr, n, a);
+          });
         });
       });
     });
