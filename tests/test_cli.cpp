@@ -149,6 +149,18 @@ TEST(Cli, PlanPrintsEachRanksBytes) {
   expect_one_line_error(run("info --set train.recompute_num_layers=99"),
                         {"train.recompute_num_layers = 99", "model.num_hidden_layers"});
   expect_one_line_error(run("info --set train.recompute_method=full"), {"train.recompute_method", "uniform, block"});
+  expect_one_line_error(run("info --set train.optimizer_offload_fraction=1.5"),
+                        {"train.optimizer_offload_fraction = 1.5", "[0, 1]"});
+  expect_one_line_error(run("info --set train.optimizer_offload_fraction=0.5"),
+                        {"train.optimizer_offload_fraction = 0.5", "parallel.distributed_optimizer"});
+  expect_one_line_error(
+      run("plan --device cpu --set train.optimizer_offload_fraction=0.5 --set parallel.distributed_optimizer=true"),
+      {"train.optimizer_offload_fraction = 0.5", "CUDA"});
+  Result off =
+      run("plan --config qwen3-30b-a3b --set model.num_hidden_layers=4 --set parallel.distributed_optimizer=true "
+          "--set train.optimizer_offload_fraction=0.5");
+  EXPECT_EQ(off.code, 0) << off.err;
+  EXPECT_NE(off.out.find("optimizer state offloaded"), std::string::npos) << off.out;
   // The plan of a config with recomputation: the layers keep less, the workspace is shared.
   Result re = run("plan --config qwen3-30b-a3b --set model.num_hidden_layers=4 --set train.recompute_num_layers=2");
   EXPECT_EQ(re.code, 0) << re.err;

@@ -1,8 +1,10 @@
 // Core: tensor views, planned arenas, bf16 conversion, the counter-based RNG.
+#include <atomic>
 #include <cmath>
 #include <tuple>
 #include <vector>
 
+#include "moefold/core/host_threads.h"
 #include "moefold/core/memory.h"
 #include "moefold/core/rng.h"
 #include "testing.h"
@@ -105,6 +107,19 @@ TEST(Tensor, StepRowsAndRowStridedCopies) {
 // DimShard chunks interleave row by row: a rank holding rows [offset, offset + n) of each of 2
 // chunks holds the contiguous range [2 offset, 2 (offset + n)) of the whole dimension, and
 // fill_normal_shard gives it exactly those elements of the whole tensor's initialisation.
+// HostThreads runs every iteration exactly once, over several loops, with any thread count.
+TEST(HostThreads, EveryIterationRunsOnce) {
+  for (const int threads : {1, 2, 5}) {
+    HostThreads pool(threads);
+    EXPECT_EQ(pool.size(), threads);
+    for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}}) {
+      std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+      pool.parallel_for(n, [&](int64_t i) { ++hits[static_cast<size_t>(i)]; });
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)].load(), 1) << "iteration " << i;
+    }
+  }
+}
+
 TEST(Memory, DimShardOfInterleavedChunksIsAContiguousRange) {
   // Experts 1..2 of 3; rows 1..2 of each of the 2 chunks of 5 along dimension 1.
   Memory mem(DType::f32);

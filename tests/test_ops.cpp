@@ -7,6 +7,7 @@
 #include <complex>
 #include <vector>
 
+#include "moefold/core/host_threads.h"
 #include "moefold/ops/ops.h"
 #include "testing.h"
 
@@ -71,6 +72,42 @@ TEST(Elementwise, SumSquaresAndScale) {
 }
 
 // ---- embedding -------------------------------------------------------------------------------
+
+// The host AdamW of optimizer offload against the CPU op (f32 everything: the same update, the
+// order of its roundings aside), on one thread and on a pool; with bf16 gradients the CPU op on the
+// widened gradient, with bf16 moments within one bf16 step.
+TEST(AdamW, HostUpdateMatchesTheCpuOp) {
+  HostThreads pool(3);
+  const int64_t n = 150001;
+  for (const DType gt : {DType::f32, DType::bf16})
+    for (const DType mt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(cat("g ", dtype_name(gt), ", moments ", dtype_name(mt)));
+      Pool p;
+      Tensor w = p.randn({n}, DType::f32), g = p.zeros({n}, gt), g32 = p.zeros({n}, DType::f32);
+      cast(testing::exec(), p.randn({n}, DType::f32, 0.1), g);
+      cast(testing::exec(), g, g32);
+      Tensor m = p.zeros({n}, mt), v = p.zeros({n}, mt);
+      cast(testing::exec(), p.randn({n}, DType::f32, 0.01), m);
+      cast(testing::exec(), p.uniform({n}, 0.0, 0.01, DType::f32), v);
+      Tensor w2 = p.clone(w), m2 = p.clone(m), v2 = p.clone(v), wc = p.zeros({n}, DType::bf16);
+      const AdamWStep s{3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - std::pow(0.9, 7), 1 - std::pow(0.95, 7), 0.25};
+      adamw_update(testing::exec(), w, g32, m, v, s);
+      adamw_update_host(w2, g, m2, v2, s, wc, mt == DType::f32 ? &pool : nullptr);
+      auto rel = [&p](const Tensor& a, const Tensor& b) {  // bf16 widened first
+        auto wide = [&p](const Tensor& t) {
+          Tensor f = p.zeros(t.shape(), DType::f32);
+          cast(testing::exec(), t, f);
+          return f;
+        };
+        const Tensor fa = wide(a), fb = wide(b);
+        return testing::max_abs_diff(fa, fb) / testing::max_abs(fb);
+      };
+      EXPECT_LE(rel(w2, w), 1e-6);
+      EXPECT_LE(rel(m2, m), mt == DType::f32 ? 1e-6 : 8e-3);
+      EXPECT_LE(rel(v2, v), mt == DType::f32 ? 1e-6 : 8e-3);
+      EXPECT_LE(rel(wc, w), 4e-3);  // the bf16 compute copy
+    }
+}
 
 TEST(Embedding, ForwardGathersRows) {
   Pool pool;

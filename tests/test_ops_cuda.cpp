@@ -4,9 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "cuda_testing.h"
+#include "moefold/core/device.h"
+#include "moefold/core/host_threads.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -114,6 +118,38 @@ TEST(CudaAdamW, Bf16GradientsMatchCpuOnTheWidenedGradient) {
     EXPECT_LE(testing::rel_error(testing::download(vd), v), mt == DType::f32 ? 1e-6 : 8e-3);
     EXPECT_LE(testing::rel_error(testing::download(wc), w), 4e-3);
   }
+}
+
+// The host AdamW of optimizer offload (adamw_update_host) gives the CUDA kernel's bits for the
+// same inputs: every mix of gradient and moment dtypes, with and without the compute copy, on the
+// calling thread and on a pool of threads (the vectorised and the scalar kernel both).
+TEST(CudaAdamW, HostUpdateGivesTheKernelsBits) {
+  MF_REQUIRE_GPU();
+  HostThreads pool(4);
+  for (const int64_t n : {int64_t{200001}, int64_t{200000}})
+    for (const DType gt : {DType::f32, DType::bf16})
+      for (const DType mt : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE(cat("n ", n, ", g ", dtype_name(gt), ", moments ", dtype_name(mt)));
+        Pool host;
+        DevicePool dev;
+        Tensor w = host.randn({n}, DType::f32), g = host.zeros({n}, gt), m = host.zeros({n}, mt),
+               v = host.zeros({n}, mt), wc = host.zeros({n}, DType::bf16);
+        cast(testing::exec(), host.randn({n}, DType::f32, 0.1), g);
+        cast(testing::exec(), host.randn({n}, DType::f32, 0.01), m);
+        cast(testing::exec(), host.uniform({n}, 0.0, 0.01, DType::f32), v);
+        Tensor wd = dev.upload(w, DType::f32), gd = dev.upload(g, gt), md = dev.upload(m, mt), vd = dev.upload(v, mt),
+               wcd = dev.poisoned({n}, DType::bf16);
+        const AdamWStep s{3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - std::pow(0.9, 7), 1 - std::pow(0.95, 7), 0.25};
+        adamw_update(testing::exec(), wd, gd, md, vd, s, wcd);
+        adamw_update_host(w, g, m, v, s, wc, n % 2 ? nullptr : &pool);
+        for (const auto& [got, want, what] : {std::tuple{&wd, &w, "w"}, std::tuple{&md, &m, "m"},
+                                              std::tuple{&vd, &v, "v"}, std::tuple{&wcd, &wc, "compute copy"}}) {
+          std::vector<uint8_t> a(got->nbytes()), b(want->nbytes());
+          device_copy(a.data(), Device::cpu, got->data(), Device::cuda, a.size());
+          std::memcpy(b.data(), want->data(), b.size());
+          EXPECT_TRUE(a == b) << what << " differs from the kernel's";
+        }
+      }
 }
 
 }  // namespace

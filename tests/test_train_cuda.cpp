@@ -211,6 +211,52 @@ TEST(TrainCuda, Bf16MainGradsTrainAndResume) {
   for (int i = 0; i < 2; ++i) EXPECT_EQ(c.train_step().loss, b.train_step().loss) << "resumed, step " << i + 1;
 }
 
+// Optimizer offload (train.optimizer_offload_fraction) with the distributed optimizer on one GPU:
+// the host update gives the kernel's bits, so with 40% and with all of the state offloaded the
+// losses and master weights equal the run that keeps it on the GPU, bit for bit (f32 and bf16
+// moments); a checkpoint of the offloaded run resumes with and without offload with the
+// uninterrupted run's next losses.
+TEST(TrainCuda, OptimizerOffloadChangesNothing) {
+  MF_REQUIRE_GPU();
+  testing::TempDir dir("train_cuda_offload");
+  const std::string path = testing::make_train_data(dir.path());
+  const TokenDataset data = open_token_dataset(path);
+  for (const char* moments : {"f32", "bf16"}) {
+    SCOPED_TRACE(cat("moments ", moments));
+    const Config base =
+        testing::small_train_config(path, {"parallel.distributed_optimizer=true", cat("train.exp_avg_dtype=", moments),
+                                           cat("train.exp_avg_sq_dtype=", moments)});
+    std::vector<std::unique_ptr<OneRank>> ranks;
+    auto make = [&](double fraction) {
+      Config c = base;
+      c.train.optimizer_offload_fraction = fraction;
+      ranks.push_back(std::make_unique<OneRank>(c));
+      return std::make_unique<Trainer>(c, data, ranks.back()->mesh, Device::cuda);
+    };
+    std::unique_ptr<Trainer> ref = make(0), part = make(0.4), all = make(1.0);
+    for (Trainer* t : {ref.get(), part.get(), all.get()}) t->init_fresh();
+    EXPECT_LT(part->optimizer_bytes(), ref->optimizer_bytes());
+    for (int i = 0; i < 4; ++i) {
+      const double want = ref->train_step().loss;
+      EXPECT_EQ(part->train_step().loss, want) << "0.4 offloaded, step " << i + 1;
+      EXPECT_EQ(all->train_step().loss, want) << "all offloaded, step " << i + 1;
+    }
+    for (Trainer* t : {ref.get(), part.get(), all.get()}) t->gather_master_weights();
+    for (const Param& p : ref->params())
+      for (Trainer* t : {part.get(), all.get()})
+        EXPECT_TRUE(testing::value_bytes(t->memory().find(p.name)->value) == testing::value_bytes(p.value)) << p.name;
+    const std::string ckpt = part->save((dir.path() / cat("ckpt_", moments)).string());
+    std::unique_ptr<Trainer> on = make(0.4), off = make(0);
+    on->load(ckpt);
+    off->load(ckpt);
+    for (int i = 0; i < 2; ++i) {
+      const double want = ref->train_step().loss;
+      EXPECT_EQ(on->train_step().loss, want) << "resumed offloaded, step " << i + 1;
+      EXPECT_EQ(off->train_step().loss, want) << "resumed on the GPU, step " << i + 1;
+    }
+  }
+}
+
 // Requirement of the CUDA backend: no device allocation in the step loop. The first step sizes
 // the ops' grow-only scratch (core/device.h, device_scratch); from then on training steps and
 // evaluations call device_malloc no more and hold no more device memory.

@@ -63,6 +63,8 @@ void print_rank(const MemoryPlan& p, size_t gpu_bytes, size_t host_bytes) {
   std::printf("  gradients (%s)%s%s\n", p.bf16_grads ? "bf16 and f32" : "f32", p.bf16_grads ? "    " : "             ",
               gib(p.gradients).c_str());
   std::printf("  optimizer state             %s\n", gib(p.optimizer).c_str());
+  if (p.optimizer_host > 0)
+    std::printf("  optimizer state offloaded   %s (pinned host memory)\n", gib(p.optimizer_host).c_str());
   std::printf("  activations and workspaces  %s\n", gib(p.activations).c_str());
   const size_t total = p.peak();
   std::printf("  planned on the %s         %s\n", gpu ? "GPU " : "host", gib(p.device_total()).c_str());
@@ -72,8 +74,8 @@ void print_rank(const MemoryPlan& p, size_t gpu_bytes, size_t host_bytes) {
               gib(gpu ? gpu_bytes : host_bytes).c_str(),
               total <= (gpu ? gpu_bytes : host_bytes) ? "fits" : "DOES NOT FIT");
   if (gpu)
-    std::printf("  host workspaces             %s of %s: %s\n", gib(p.host).c_str(), gib(host_bytes).c_str(),
-                p.host <= host_bytes ? "fits" : "DOES NOT FIT");
+    std::printf("  host memory                 %s of %s: %s\n", gib(p.host + p.optimizer_host).c_str(),
+                gib(host_bytes).c_str(), p.host + p.optimizer_host <= host_bytes ? "fits" : "DOES NOT FIT");
 }
 
 // Adds recompute modules to the config's (each once).
@@ -143,8 +145,9 @@ void run_plan(const PlanArgs& a) {
   // distributed optimizer (its gathers; only with shard groups of several ranks), bf16 gradient
   // accumulators (none; one rank only); then, only while
   // nothing fits, recomputation: the cheap modules (norms, the experts' SwiGLU, MLA's up
-  // projections), the attention core and the dense MLPs, the whole MoE block, and last the fewest
-  // whole layers (method block) that make it fit.
+  // projections), the attention core and the dense MLPs, the whole MoE block, then the smallest
+  // optimizer offload (tenths; its host update is paid every step), and last the fewest whole
+  // layers (method block) that make it fit.
   struct Option {
     const char* text;
     bool applies;
@@ -199,6 +202,23 @@ void run_plan(const PlanArgs& a) {
     o.apply(with);
     added += added.empty() ? o.text : std::string(", ") + o.text;
     report(added, peak_of(with));
+  }
+  if (!fits && device == Device::cuda) {  // optimizer offload: the smallest tenth that fits
+    auto offload = [&](int tenths) {
+      Config c = with;
+      c.parallel.distributed_optimizer = true;  // the offloaded state is the optimizer's shards
+      c.train.main_grads_dtype = "f32";
+      c.train.optimizer_offload_fraction = tenths / 10.0;
+      return c;
+    };
+    for (int t = 1; t <= 10 && !fits; ++t) {
+      const size_t peak = peak_of(offload(t));
+      if (peak <= limit || t == 10)
+        report(added + cat(", parallel.distributed_optimizer = true, train.main_grads_dtype = f32, "
+                           "train.optimizer_offload_fraction = ",
+                           t / 10.0),
+               peak);
+    }
   }
   const int64_t layers = cfg.model.num_hidden_layers;
   if (!fits && layers > 0) {  // whole layers, one by one from the first: the fewest that fit

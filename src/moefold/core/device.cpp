@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 
 #include "moefold/core/error.h"
@@ -168,6 +169,39 @@ void device_zero(void* p, size_t bytes, void* on) {
   if (bytes) MF_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, on ? static_cast<cudaStream_t>(on) : stream()));
 }
 
+void* pinned_host_malloc(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t err = cudaHostAlloc(&p, bytes ? bytes : 64, cudaHostAllocDefault);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    MF_FAIL("out of pinned host memory: asked for ", bytes >> 20, " MiB (", cudaGetErrorString(err), ")");
+  }
+  return p;
+}
+void pinned_host_free(void* p) {
+  if (p) cudaFreeHost(p);  // errors at exit (driver shutting down) are not actionable
+}
+
+void device_copy_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes, void* on) {
+  if (bytes == 0) return;
+  if (dst_device == Device::cpu && src_device == Device::cpu) {
+    std::memmove(dst, src, bytes);
+    return;
+  }
+  MF_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, on ? static_cast<cudaStream_t>(on) : stream()));
+}
+
+StreamFence::~StreamFence() {
+  if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+}
+void StreamFence::record(void* on) {
+  if (!event_) MF_CUDA_CHECK(cudaEventCreateWithFlags(reinterpret_cast<cudaEvent_t*>(&event_), cudaEventDisableTiming));
+  MF_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event_), on ? static_cast<cudaStream_t>(on) : stream()));
+}
+void StreamFence::wait() const {
+  if (event_) MF_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)));
+}
+
 #else  // CPU-only build
 
 bool cuda_built() { return false; }
@@ -188,6 +222,18 @@ void pitched_device_copy(void*, size_t, Device, const void*, size_t, size_t, siz
 }
 }  // namespace
 void device_zero(void*, size_t, void*) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
+void* pinned_host_malloc(size_t bytes) {
+  void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 64) + 63) / 64 * 64);
+  MF_CHECK(p != nullptr, "out of host memory allocating ", bytes, " bytes");
+  return p;
+}
+void pinned_host_free(void* p) { std::free(p); }
+void device_copy_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes, void* on) {
+  device_copy(dst, dst_device, src, src_device, bytes, on);
+}
+StreamFence::~StreamFence() = default;
+void StreamFence::record(void*) {}
+void StreamFence::wait() const {}
 StreamTimer::StreamTimer() = default;
 StreamTimer::~StreamTimer() = default;
 void StreamTimer::start(Device device) {

@@ -40,6 +40,31 @@ void reset_device_bytes_peak();
 void* primary_stream();
 void device_synchronize();
 
+// Page-locked host memory (cudaHostAlloc; plain 64-byte aligned memory in a CPU-only build), so
+// that copies between it and the GPU run asynchronously on the copy engines.
+void* pinned_host_malloc(size_t bytes);
+void pinned_host_free(void* p);
+// device_copy without the host waiting, also to the host: the copy is done once a StreamFence
+// recorded on `stream` after it has been waited for. REQUIRES: host memory pinned (else CUDA
+// copies synchronously).
+void device_copy_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes, void* stream);
+// A point in a stream's work the host can wait for (a CUDA event; nothing to wait for without CUDA).
+class StreamFence {
+ public:
+  StreamFence() = default;
+  ~StreamFence();
+  StreamFence(const StreamFence&) = delete;
+  StreamFence& operator=(const StreamFence&) = delete;
+  StreamFence(StreamFence&& o) noexcept : event_(o.event_) { o.event_ = nullptr; }
+  // Marks the work queued on `stream` so far (the event is made on first use).
+  void record(void* stream);
+  // The host waits until the marked work is done (no-op before any record).
+  void wait() const;
+
+ private:
+  void* event_ = nullptr;
+};
+
 // Elapsed time of the work queued on the primary stream between two marks (CUDA events; on a
 // CPU-only build or for CPU work, host wall time): benchmarks, never the step loop.
 class StreamTimer {

@@ -20,6 +20,8 @@ size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 void Arena::Free::operator()(void* p) const {
   if (device == Device::cuda)
     device_free(p);
+  else if (pinned)
+    pinned_host_free(p);
   else
     std::free(p);
 }
@@ -32,11 +34,11 @@ void Arena::allocate() {
     p = device_malloc(capacity_ ? capacity_ : kAlign);
     device_zero(p, capacity_, stream_);
   } else {
-    p = std::aligned_alloc(kAlign, capacity_ ? capacity_ : kAlign);
+    p = pinned_ ? pinned_host_malloc(capacity_) : std::aligned_alloc(kAlign, capacity_ ? capacity_ : kAlign);
     MF_CHECK(p != nullptr, "out of host memory allocating ", capacity_, " bytes");
     std::memset(p, 0, capacity_);
   }
-  storage_ = std::unique_ptr<char, Free>(static_cast<char*>(p), Free{device_});
+  storage_ = std::unique_ptr<char, Free>(static_cast<char*>(p), Free{device_, pinned_ && device_ == Device::cpu});
   base_ = storage_.get();
   offset_ = 0;
 }

@@ -27,6 +27,9 @@ class Arena {
     stream_ = stream;
   }
   Device device() const { return device_; }
+  // Host arenas only: page-locked memory (pinned_host_malloc), for asynchronous copies to and from
+  // the GPU. REQUIRES: before allocate().
+  void set_pinned(bool pinned) { pinned_ = pinned; }
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
@@ -50,9 +53,11 @@ class Arena {
  private:
   struct Free {
     Device device;  // value-initialised: cpu (no member initialiser: unique_ptr needs it default-constructible)
+    bool pinned;
     void operator()(void* p) const;
   };
   Device device_ = Device::cpu;
+  bool pinned_ = false;
   void* stream_ = nullptr;
   std::unique_ptr<char, Free> storage_;
   char* base_ = nullptr;

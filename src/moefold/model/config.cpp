@@ -107,6 +107,8 @@ void TrainConfig::validate() const {
         m != "moe" && m != "mlp")
       MF_FAIL("train.recompute_modules: unknown module '", m,
               "' (layernorm, core_attn, mla_up_proj, moe_act, shared_experts, moe, mlp)");
+  if (!(optimizer_offload_fraction >= 0 && optimizer_offload_fraction <= 1))
+    MF_FAIL("train.optimizer_offload_fraction = ", optimizer_offload_fraction, " must be in [0, 1]");
   if (recompute_num_layers < 0) MF_FAIL("train.recompute_num_layers = ", recompute_num_layers, " must be >= 0");
   if (recompute_method != "uniform" && recompute_method != "block")
     MF_FAIL("train.recompute_method = '", recompute_method, "' is not supported (uniform, block)");
@@ -167,6 +169,9 @@ void Config::validate() const {
     MF_FAIL(
         "train.main_grads_dtype = 'bf16' with parallel.distributed_optimizer = true is not supported yet "
         "(the sharded master weights stage through the f32 gradient buffers)");
+  if (train.optimizer_offload_fraction > 0 && !parallel.distributed_optimizer)
+    MF_FAIL("train.optimizer_offload_fraction = ", train.optimizer_offload_fraction,
+            " needs parallel.distributed_optimizer = true (the offloaded state is the optimizer's shards)");
   if (train.recompute_num_layers > model.num_hidden_layers)
     MF_FAIL("train.recompute_num_layers = ", train.recompute_num_layers,
             " exceeds model.num_hidden_layers = ", model.num_hidden_layers);

@@ -111,6 +111,10 @@ struct TrainConfig {
   // (all but the replicated norms, router and MLA down projections, which keep f32): "f32", or
   // "bf16" (half the bytes; each micro-batch's gradient is added in f32 and rounded). GPU only.
   std::string main_grads_dtype = "f32";
+  // Optimizer offload: this fraction of each rank's optimizer shard (master weights and moments,
+  // the last elements of each parameter group's slots) lives in pinned host memory and is updated
+  // there by a multi-threaded host AdamW while the GPU updates the rest. GPU, distributed optimizer.
+  double optimizer_offload_fraction = 0;
   // Recomputation (struct Recompute): module names, whole layers and their method.
   std::vector<std::string> recompute_modules;
   int64_t recompute_num_layers = 0;

@@ -133,6 +133,9 @@ const std::vector<Field>& fields() {
                "AdamW second moment in memory: f32 or bf16 (checkpoints: f32)"),
       MF_FIELD(train, "main_grads_dtype", main_grads_dtype,
                "gradient accumulators of the expert and tensor-parallel weights: f32 or bf16 (GPU only)"),
+      MF_FIELD(train, "optimizer_offload_fraction", optimizer_offload_fraction,
+               "fraction of each rank's optimizer shard in pinned host memory, updated there (GPU runs with "
+               "parallel.distributed_optimizer)"),
       MF_FIELD(train, "recompute_modules", recompute_modules,
                "recomputed in backward instead of kept: layernorm, core_attn, mla_up_proj, moe_act, shared_experts, "
                "moe, mlp"),

@@ -43,6 +43,7 @@ void fill_normal_any(const ExecContext& ctx, const Tensor& t, uint64_t seed, uin
 // f32, updated, stored rounded to nearest even; the weight's update uses the unrounded values).
 // w_compute (optional, GPU): also written with the updated weight in its own dtype (bf16), so the
 // compute copy costs no extra pass.
+class HostThreads;  // core/host_threads.h
 struct AdamWStep {
   double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
   double bias_correction1 = 1, bias_correction2 = 1;
@@ -50,6 +51,11 @@ struct AdamWStep {
 };
 void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v,
                   const AdamWStep& s, const Tensor& w_compute = Tensor());
+// The same update on host tensors with the GPU kernel's arithmetic, bit for bit (f32, every
+// operation rounded on its own): w f32; g, m, v f32 or bf16; w_compute (optional) bf16. Spread
+// over `threads` (null: the calling thread) in blocks of 64 Ki elements (optimizer offload).
+void adamw_update_host(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
+                       const Tensor& w_compute, HostThreads* threads);
 
 // ---- embedding: out_NC[n] = table_VC[ids_N[n]] ---------------------------------------------
 // ids are i32; REQUIRES: 0 <= id < V (the data loader validates token ids).

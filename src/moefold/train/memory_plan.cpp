@@ -29,6 +29,10 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
   p.gradients = mem.grad_bytes();
   p.bf16_grads = mem.grad_dtype(ParamGroup::expert) == DType::bf16;
   p.optimizer = AdamW::state_bytes(mem, cfg.train);
+  p.optimizer_host = AdamW::host_state_bytes(mem, cfg.train);
+  if (p.optimizer_host > 0 && device != Device::cuda)
+    MF_FAIL("train.optimizer_offload_fraction = ", cfg.train.optimizer_offload_fraction,
+            " needs the CUDA device (it offloads GPU memory)");
   p.activations = mem.act_bytes();
   p.host = mem.host_act_bytes();
   p.parts = mem.part_bytes();

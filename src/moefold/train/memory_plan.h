@@ -21,7 +21,8 @@ struct MemoryPlan {
   size_t compute_copies = 0;  // bf16 copies (mixed precision), or every weight (sharded)
   size_t gradients = 0;
   bool bf16_grads = false;               // train.main_grads_dtype = bf16: the expert and tensor-parallel ones
-  size_t optimizer = 0;                  // AdamW moments (and, sharded, the master shards)
+  size_t optimizer = 0;                  // AdamW moments (and, sharded, the master shards) on the device
+  size_t optimizer_host = 0;             // their offloaded part, with its staging (pinned host memory)
   size_t activations = 0;                // every planned workspace on the device, peer-visible ones included
   size_t host = 0;                       // host workspaces of a GPU run (plans from counts, token windows)
   std::vector<Memory::PartBytes> parts;  // activations by part of the model

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <thread>
 #include <utility>
 
+#include "moefold/core/exec.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -15,6 +18,25 @@ std::pair<int64_t, int64_t> slot_of(const GradBucket& b, int64_t n, int64_t k) {
   const int64_t s = (b.end - b.begin) / n;
   return {b.begin + k * s, b.begin + (k + 1) * s};
 }
+
+// Optimizer offload: of each bucket of a group (block order), how many elements of this rank's slot
+// (len / shards; none of a full_master bucket) live on the host: the last round(fraction x total)
+// of the group's slot elements.
+std::vector<int64_t> host_elements(const std::vector<GradBucket>& buckets, int64_t shards, double fraction) {
+  int64_t total = 0;
+  for (const GradBucket& b : buckets)
+    if (!b.full_master) total += (b.end - b.begin) / shards;
+  int64_t device = total - std::llround(fraction * static_cast<double>(total));
+  std::vector<int64_t> out;
+  for (const GradBucket& b : buckets) {
+    const int64_t k = b.full_master ? 0 : (b.end - b.begin) / shards, kd = std::min(k, device);
+    device -= kd;
+    out.push_back(k - kd);
+  }
+  return out;
+}
+
+constexpr int64_t kPieceElements = int64_t{1} << 24;  // 64 MB of f32 gradient per copy
 
 // Elements of `p`'s gradient within its group's gradient block.
 std::pair<int64_t, int64_t> elements_of(const Param& p, const Tensor& grad_block) {
@@ -76,13 +98,36 @@ size_t AdamW::state_bytes(const Memory& mem, const TrainConfig& cfg) {
   }
   for (int g = 0; g < kNumParamGroups; ++g) {
     const ParamGroup group = static_cast<ParamGroup>(g);
-    for (const GradBucket& b : mem.grad_buckets(group)) {
+    const std::vector<GradBucket>& buckets = mem.grad_buckets(group);
+    const std::vector<int64_t> host = host_elements(buckets, mem.shards(group), cfg.optimizer_offload_fraction);
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      const GradBucket& b = buckets[i];
       const auto len = static_cast<size_t>(b.end - b.begin);
-      const size_t k = b.full_master ? len : len / static_cast<size_t>(mem.shards(group));
+      const size_t k = (b.full_master ? len : len / static_cast<size_t>(mem.shards(group))) - host[i];
       n += (b.full_master ? 0 : round(k * esize)) + round(k * msize) + round(k * vsize);
     }
   }
   return n;
+}
+
+size_t AdamW::host_state_bytes(const Memory& mem, const TrainConfig& cfg) {
+  if (!mem.sharded() || !(cfg.optimizer_offload_fraction > 0)) return 0;
+  const DType master = mem.master_dtype();
+  const size_t esize = dtype_size(master), msize = dtype_size(moment_dtype(cfg.exp_avg_dtype, master)),
+               vsize = dtype_size(moment_dtype(cfg.exp_avg_sq_dtype, master));
+  auto round = [](size_t n) { return (n + 63) / 64 * 64; };
+  size_t n = 0, staged = 0;
+  for (int g = 0; g < kNumParamGroups; ++g) {
+    const ParamGroup group = static_cast<ParamGroup>(g);
+    for (const int64_t k : host_elements(mem.grad_buckets(group), mem.shards(group), cfg.optimizer_offload_fraction)) {
+      if (k == 0) continue;
+      const auto kh = static_cast<size_t>(k);
+      n += round(kh * esize) + round(kh * msize) + round(kh * vsize);
+      staged += kh;
+    }
+  }
+  // The staging: the gradients (master dtype: sharded gradients are) and the compute copies.
+  return n + round(staged * esize) + round(staged * dtype_size(mem.dtype()));
 }
 
 void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
@@ -133,41 +178,91 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
   }
   // One pass measures, the next takes: per bucket the slot's master, m and v (one tensor each,
   // the slot's segments are views of it), or a full_master bucket's m and v.
+  const double fraction = cfg_.optimizer_offload_fraction;
+  if (fraction > 0 && mem.device() != Device::cuda)
+    MF_FAIL("train.optimizer_offload_fraction = ", fraction, " needs the CUDA device (it offloads GPU memory)");
+  host_arena_.set_device(Device::cpu);
+  host_arena_.set_pinned(true);
   auto take_all = [&] {
     segments_.clear();
+    pieces_.clear();
+    int64_t staged = 0;  // offloaded elements so far: the staging offset of the next
     for (int g = 0; g < kNumParamGroups; ++g) {
       const Group& gr = groups_[static_cast<size_t>(g)];
       std::vector<std::pair<std::pair<int64_t, int64_t>, size_t>> ranges;  // the group's parameters
       for (size_t i = 0; i < params.size() && !arena_.measuring(); ++i)
         if (static_cast<int>(params[i].group) == g) ranges.push_back({elements_of(params[i], gr.grad_block), i});
-      for (const GradBucket& b : gr.buckets) {
+      const std::vector<int64_t> host = host_elements(gr.buckets, gr.comm ? gr.comm->size() : 1, fraction);
+      for (size_t bi = 0; bi < gr.buckets.size(); ++bi) {
+        const GradBucket& b = gr.buckets[bi];
         const bool whole = b.full_master;
         const auto [s0, s1] = whole ? std::pair{b.begin, b.end} : slot_of(b, gr.comm->size(), gr.comm->rank());
-        const Tensor master = whole ? Tensor() : arena_.take(dt, {s1 - s0});
-        const Tensor m = arena_.take(m_dtype_, {s1 - s0}), v = arena_.take(v_dtype_, {s1 - s0});
+        const int64_t sp = s1 - host[bi];  // [s0, sp) on the device, [sp, s1) on the host
+        const Tensor master = whole ? Tensor() : arena_.take(dt, {sp - s0});
+        const Tensor m = arena_.take(m_dtype_, {sp - s0}), v = arena_.take(v_dtype_, {sp - s0});
+        Tensor hmaster, hm, hv;
+        if (sp < s1) {
+          hmaster = host_arena_.take(dt, {s1 - sp});
+          hm = host_arena_.take(m_dtype_, {s1 - sp});
+          hv = host_arena_.take(v_dtype_, {s1 - sp});
+        }
+        const int64_t staging = staged;
+        staged += s1 - sp;
         if (arena_.measuring()) continue;
+        for (int64_t p = sp; p < s1; p += kPieceElements)
+          pieces_.push_back({static_cast<size_t>(g), p, staging + (p - sp), std::min(kPieceElements, s1 - p)});
         for (const auto& [range, i] : ranges) {
           const Param& p = params[i];
-          const int64_t a = std::max(range.first, s0), e = std::min(range.second, s1);
-          if (a >= e) continue;
-          Segment sg{i, p.group, a, e, {}, m.slice(a - s0, e - s0), v.slice(a - s0, e - s0), {}, {}, whole};
-          if (whole) {  // the parameter's own master; its compute copy where it has one
-            sg.master = p.value.view({p.value.numel()});
-            sg.grad = p.grad.view({p.grad.numel()});
-            if (p.compute.data() != p.value.data()) sg.compute = p.compute.view({p.compute.numel()});
-          } else {
-            sg.master = master.slice(a - s0, e - s0);
-            sg.grad = gr.grad_block.slice(a, e);
-            sg.compute = gr.compute_block.slice(a, e);
+          const int64_t a = std::max(range.first, s0), e = std::min(range.second, sp);
+          if (a < e) {
+            Segment sg{i, p.group, a, e, {}, m.slice(a - s0, e - s0), v.slice(a - s0, e - s0), {}, {}, whole};
+            if (whole) {  // the parameter's own master; its compute copy where it has one
+              sg.master = p.value.view({p.value.numel()});
+              sg.grad = p.grad.view({p.grad.numel()});
+              if (p.compute.data() != p.value.data()) sg.compute = p.compute.view({p.compute.numel()});
+            } else {
+              sg.master = master.slice(a - s0, e - s0);
+              sg.grad = gr.grad_block.slice(a, e);
+              sg.compute = gr.compute_block.slice(a, e);
+            }
+            segments_.push_back(std::move(sg));
           }
-          segments_.push_back(std::move(sg));
+          const int64_t ha = std::max(range.first, sp), he = std::min(range.second, s1);
+          if (ha < he) {  // offloaded: its state on the host, its gradient and compute copy staged
+            Segment sg{i,
+                       p.group,
+                       ha,
+                       he,
+                       hmaster.slice(ha - sp, he - sp),
+                       hm.slice(ha - sp, he - sp),
+                       hv.slice(ha - sp, he - sp),
+                       gr.grad_block.slice(ha, he),
+                       gr.compute_block.slice(ha, he),
+                       false,
+                       true,
+                       staging + (ha - sp)};
+            segments_.push_back(std::move(sg));
+          }
         }
       }
+    }
+    if (fraction > 0) {
+      host_grad_ = host_arena_.take(dt, {staged});
+      host_compute_ = host_arena_.take(mem.dtype(), {staged});
     }
   };
   take_all();
   arena_.allocate();
+  if (fraction > 0) host_arena_.allocate();
   take_all();
+  if (fraction > 0) {
+    MF_CHECK(host_arena_.capacity() == host_state_bytes(mem, cfg_), "AdamW: host state of ", host_arena_.capacity(),
+             " bytes, planned ", host_state_bytes(mem, cfg_));
+    copy_ = std::make_unique<ExecContext>(Device::cuda, ctx_->kernels(), ExecContext::Stream::own);
+    threads_ = std::make_unique<HostThreads>(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    fences_.clear();
+    fences_.resize(pieces_.size());
+  }
   MF_CHECK(arena_.capacity() == state_bytes(mem, cfg_), "AdamW: state of ", arena_.capacity(), " bytes, planned ",
            state_bytes(mem, cfg_));
 }
@@ -180,8 +275,22 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
   const double b1 = cfg_.adam_beta1, b2 = cfg_.adam_beta2, eps = cfg_.adam_eps;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
+  // Offload: the offloaded gradients start towards the host while the GPU updates its part.
+  if (!pieces_.empty()) {
+    copy_->wait_for(*ctx_);
+    const size_t esize = dtype_size(host_grad_.dtype());
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      const Piece& pc = pieces_[i];
+      const Tensor& block = groups_[pc.group].grad_block;
+      device_copy_async(static_cast<char*>(host_grad_.data()) + static_cast<size_t>(pc.staging) * esize, Device::cpu,
+                        static_cast<const char*>(block.data()) + static_cast<size_t>(pc.begin) * esize, Device::cuda,
+                        static_cast<size_t>(pc.n) * esize, copy_->stream());
+      fences_[i].record(copy_->stream());
+    }
+  }
   for (size_t k = 0; k < segments_.size(); ++k) {
     const Segment& sg = segments_[k];
+    if (sg.host) continue;
     const Param& p = params[sg.param];
     const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2, grad_scale};
     if (!sharded_) {  // the caller's tensors (the optimizer may be bound to a copy of the list)
@@ -195,6 +304,7 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
     if (!fused && sg.compute.defined()) sg.compute.copy_from(sg.master, ctx_);
   }
   if (!sharded_) return;
+  if (!pieces_.empty()) step_host(params, AdamWStep{lr, b1, b2, eps, 0.0, bc1, bc2, grad_scale});
   // Every rank's updated slots to every rank, each group's buckets in forward order on its
   // stream (the first layer's weights first).
   for (size_t g = 0; g < groups_.size(); ++g) {
@@ -205,6 +315,39 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
     }
   }
   if (!overlap_gather_) wait_all_weights();
+}
+
+void AdamW::step_host(const std::vector<Param>& params, const AdamWStep& base) {
+  const size_t csize = dtype_size(host_compute_.dtype());
+  const bool bf16_compute = host_compute_.dtype() == DType::bf16;
+  size_t first = 0;  // the first offloaded segment that may still overlap a piece (both in staging order)
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const Piece& pc = pieces_[i];
+    fences_[i].wait();
+    const int64_t p0 = pc.staging, p1 = pc.staging + pc.n;
+    for (size_t k = first; k < segments_.size(); ++k) {
+      const Segment& sg = segments_[k];
+      if (!sg.host) continue;
+      const int64_t s0 = sg.staging, s1 = sg.staging + (sg.end - sg.begin);
+      if (s1 <= p0) {
+        first = k + 1;
+        continue;
+      }
+      if (s0 >= p1) break;
+      const int64_t lo = std::max(s0, p0), hi = std::min(s1, p1), a = lo - s0, e = hi - s0;
+      AdamWStep s = base;
+      s.weight_decay = params[sg.param].decay ? cfg_.weight_decay : 0.0;
+      const Tensor master = sg.master.slice(a, e), compute = host_compute_.slice(lo, hi);
+      adamw_update_host(master, host_grad_.slice(lo, hi), sg.m.slice(a, e), sg.v.slice(a, e), s,
+                        bf16_compute ? compute : Tensor(), threads_.get());
+      if (!bf16_compute) compute.copy_from(master);  // an f32 compute copy is the master itself
+    }
+    device_copy_async(
+        static_cast<char*>(groups_[pc.group].compute_block.data()) + static_cast<size_t>(pc.begin) * csize,
+        Device::cuda, static_cast<const char*>(host_compute_.data()) + static_cast<size_t>(p0) * csize, Device::cpu,
+        static_cast<size_t>(pc.n) * csize, copy_->stream());
+  }
+  ctx_->wait_for(*copy_);  // the gathers and the next forward read the copied compute copies
 }
 
 void AdamW::wait_weights(int64_t point) {
@@ -251,10 +394,27 @@ void AdamW::gather_into_grad_blocks(int pick) {
 }
 
 void AdamW::convert(const Tensor& src, const Tensor& dst) const {
-  if (src.dtype() == dst.dtype())
+  if (src.dtype() == dst.dtype()) {
     dst.copy_from(src, ctx_);
-  else
+    return;
+  }
+  if (src.device() == dst.device()) {
     cast(*ctx_, src, dst);
+    return;
+  }
+  // Across devices (offloaded state, checkpoints only): cast on the host.
+  const ExecContext& host = ExecContext::standard(Device::cpu);
+  const bool from_host = src.device() == Device::cpu;
+  const DType via = from_host ? dst.dtype() : src.dtype();
+  std::vector<std::byte> tmp(static_cast<size_t>(src.numel()) * dtype_size(via));
+  const Tensor t(tmp.data(), via, src.shape());
+  if (from_host) {
+    cast(host, src, t);
+    dst.copy_from(t, ctx_);
+  } else {
+    t.copy_from(src, ctx_);
+    cast(host, t, dst);
+  }
 }
 
 // The host copies of the moments are f32 whatever the gradient block's dtype (bf16 with

@@ -11,19 +11,31 @@
 // updated whole on every rank, as without sharding. The updates are the same elementwise
 // arithmetic either way, so a sharded run equals an unsharded one but for the order in which the
 // gradient norm adds its squares.
+//
+// Optimizer offload (train.optimizer_offload_fraction f, sharded only, GPU): in each parameter
+// group the last f of this rank's slot elements (full_master buckets never) keep their master
+// weights and moments in pinned host memory. step() copies their gradients to the host on a copy
+// stream in pieces while the GPU updates the rest, updates each piece as it lands
+// (adamw_update_host: the kernel's arithmetic, bit for bit, on a pool of host threads) and copies
+// its new compute copies back; the primary stream waits for those before the gathers.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "moefold/comm/communicator.h"
+#include "moefold/core/device.h"
+#include "moefold/core/host_threads.h"
 #include "moefold/core/memory.h"
 #include "moefold/model/config.h"
 
 namespace moefold {
+
+struct AdamWStep;  // ops/ops.h
 
 class AdamW {
  public:
@@ -42,6 +54,10 @@ class AdamW {
   // binding pass (so the trainer can plan before allocating).
   static size_t state_bytes(const Memory& mem, const TrainConfig& cfg);
   size_t state_bytes() const { return arena_.capacity(); }
+  // The offloaded part: pinned host bytes (master weights, moments, the gradient and compute-copy
+  // staging), exact like state_bytes.
+  static size_t host_state_bytes(const Memory& mem, const TrainConfig& cfg);
+  size_t host_state_bytes() const { return host_arena_.capacity(); }
 
   // One update with learning rate `lr` from the gradients times grad_scale (clip_factor: global-
   // norm clipping in the same pass, the gradients themselves left as they are); increments
@@ -91,7 +107,19 @@ class AdamW {
     int64_t begin = 0, end = 0;  // elements of the group's blocks (sharded)
     Tensor master, m, v, grad, compute;
     bool whole = true;
+    // Offloaded (master, m, v in host memory): its gradient and compute copy pass through the host
+    // staging at `staging` (elements).
+    bool host = false;
+    int64_t staging = 0;
   };
+  // A piece of the offloaded elements: block elements [begin, begin + n) of `group`, staging
+  // elements [staging, staging + n); the unit of the copies and of the host update's pipeline.
+  struct Piece {
+    size_t group = 0;
+    int64_t begin = 0, staging = 0, n = 0;
+  };
+  // The offloaded segments' update (step).
+  void step_host(const std::vector<Param>& params, const AdamWStep& base);
   // Each group's sharded buckets and its communicator.
   struct Group {
     Communicator* comm = nullptr;
@@ -122,6 +150,14 @@ class AdamW {
   void block_to_host(const Tensor& block, std::vector<std::byte>& host) const;
   void host_to_block(const std::vector<std::byte>& host, const Tensor& block) const;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;  // without sharding: by parameter
+  // Offload: the pinned host state and staging, its pieces and their fences, the copy stream and
+  // the host threads.
+  Arena host_arena_;
+  Tensor host_grad_, host_compute_;
+  std::vector<Piece> pieces_;
+  std::vector<StreamFence> fences_;
+  std::unique_ptr<ExecContext> copy_;
+  std::unique_ptr<HostThreads> threads_;
   bool overlap_gather_ = false;
   // Sharded: each group's gathers not yet waited for, (bucket key, ticket) in the order started.
   std::array<std::vector<std::pair<int64_t, int64_t>>, kNumParamGroups> pending_;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "moefold/ops/adamw_args.h"
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/optimizer.h"
 
@@ -11,15 +12,14 @@ namespace moefold::cuda {
 
 namespace {
 
-// The step's constants and one element's update (g already scaled by the clip factor).
-struct AdamWArgs {
-  float b1, b2, step_size, inv_sqrt_bc2, wd, eps, gs;
-};
-
+// One element's update (g already scaled by the clip factor), every operation rounded on its own
+// (the _rn intrinsics are never contracted into fused multiply-adds): the host's
+// adamw_update_host (ops/cpu/adamw_host.cpp) computes the same bits.
 __device__ __forceinline__ void adamw_element(const AdamWArgs& a, float g, float& w, float& m, float& v) {
-  m = a.b1 * m + (1.0f - a.b1) * g;
-  v = a.b2 * v + (1.0f - a.b2) * g * g;
-  w = w * a.wd - a.step_size * m / (sqrtf(v) * a.inv_sqrt_bc2 + a.eps);
+  m = __fadd_rn(__fmul_rn(a.b1, m), __fmul_rn(a.omb1, g));
+  v = __fadd_rn(__fmul_rn(a.b2, v), __fmul_rn(__fmul_rn(a.omb2, g), g));
+  const float den = __fadd_rn(__fmul_rn(__fsqrt_rn(v), a.inv_sqrt_bc2), a.eps);
+  w = __fsub_rn(__fmul_rn(w, a.wd), __fdiv_rn(__fmul_rn(a.step_size, m), den));
 }
 
 // M, V: the moments' types (float, or bf16: stored rounded, the weight updated from the unrounded
@@ -29,7 +29,7 @@ __global__ void adamw_kernel(float* w, const G* g, M* m, V* v, C* wc, int64_t n,
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float wi = w[i], mi = to_float(m[i]), vi = to_float(v[i]);
-    adamw_element(a, to_float(g[i]) * a.gs, wi, mi, vi);
+    adamw_element(a, __fmul_rn(to_float(g[i]), a.gs), wi, mi, vi);
     m[i] = from_float<M>(mi);
     v[i] = from_float<V>(vi);
     w[i] = wi;
@@ -56,7 +56,7 @@ __global__ void adamw_vec_kernel(float4* w, const float4* g, float4* m, float4* 
     Bf16x4 c;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      adamw_element(a, gp[k] * a.gs, wp[k], mp[k], vp[k]);
+      adamw_element(a, __fmul_rn(gp[k], a.gs), wp[k], mp[k], vp[k]);
       c.v[k] = __float2bfloat16(wp[k]);
     }
     m[i] = mv;
@@ -81,13 +81,7 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
   const int64_t n = w.numel();
   if (n == 0) return;
   const int threads = 256, blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), 65535 * 4));
-  const AdamWArgs a{static_cast<float>(s.beta1),
-                    static_cast<float>(s.beta2),
-                    static_cast<float>(s.lr / s.bias_correction1),
-                    static_cast<float>(1.0 / std::sqrt(s.bias_correction2)),
-                    static_cast<float>(1.0 - s.lr * s.weight_decay),
-                    static_cast<float>(s.eps),
-                    static_cast<float>(s.grad_scale)};
+  const AdamWArgs a = adamw_args(s);
   if (w_compute.defined()) {
     check_cuda_tensor(w_compute, "adamw_update w_compute");
     MF_CHECK(w_compute.numel() == n, "adamw_update: compute copy ", w_compute.str(), " vs w ", w.str());
