@@ -24,6 +24,7 @@ struct RecomputeVariant {
   std::vector<std::string> modules;
   int64_t num_layers = 0;
   std::string method = "uniform";
+  std::vector<std::string> offload;  // train.offload_modules (GPU)
 };
 
 // every: each module alone too (else only the combinations).
@@ -32,11 +33,26 @@ inline std::vector<RecomputeVariant> recompute_variants(bool every = true) {
                                         "shared_experts", "moe",       "mlp"};
   std::vector<RecomputeVariant> v;
   if (every)
-    for (const std::string& m : all) v.push_back({m, {m}});
-  v.push_back({"every module", all});
-  v.push_back({"whole layers, uniform 1", {}, 1, "uniform"});
-  v.push_back({"whole layers, uniform 2", {}, 2, "uniform"});
-  v.push_back({"whole layers, block 1, every module", all, 1, "block"});
+    for (const std::string& m : all) v.push_back({m, {m}, 0, "uniform", {}});
+  v.push_back({"every module", all, 0, "uniform", {}});
+  v.push_back({"whole layers, uniform 1", {}, 1, "uniform", {}});
+  v.push_back({"whole layers, uniform 2", {}, 2, "uniform", {}});
+  v.push_back({"whole layers, block 1, every module", all, 1, "block", {}});
+  return v;
+}
+
+// Activation offload (GPU): each module alone, all together, and all with every recompute module.
+inline std::vector<RecomputeVariant> offload_variants() {
+  const std::vector<std::string> all = {"attn_norm", "qkv_linear", "core_attn", "attn_proj",
+                                        "mlp_norm",  "expert_fc1", "moe_act"};
+  std::vector<RecomputeVariant> v;
+  for (const std::string& m : all) v.push_back({"offload " + m, {}, 0, "uniform", {m}});
+  v.push_back({"offload every module", {}, 0, "uniform", all});
+  v.push_back({"offload every module, recompute every module",
+               {"layernorm", "core_attn", "mla_up_proj", "moe_act", "shared_experts", "moe", "mlp"},
+               0,
+               "uniform",
+               all});
   return v;
 }
 
@@ -44,6 +60,7 @@ inline Config with_recompute(Config c, const RecomputeVariant& v) {
   c.train.recompute_modules = v.modules;
   c.train.recompute_num_layers = v.num_layers;
   c.train.recompute_method = v.method;
+  c.train.offload_modules = v.offload;
   c.validate();
   return c;
 }

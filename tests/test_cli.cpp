@@ -156,6 +156,17 @@ TEST(Cli, PlanPrintsEachRanksBytes) {
   expect_one_line_error(
       run("plan --device cpu --set train.optimizer_offload_fraction=0.5 --set parallel.distributed_optimizer=true"),
       {"train.optimizer_offload_fraction = 0.5", "CUDA"});
+  expect_one_line_error(run("info --set 'train.offload_modules=[\"qkv\"]'"),
+                        {"train.offload_modules", "'qkv'", "qkv_linear"});
+  expect_one_line_error(run("plan --device cpu --set 'train.offload_modules=[\"moe_act\"]'"),
+                        {"train.offload_modules", "CUDA"});
+  expect_one_line_error(run("info --set 'train.offload_modules=[\"moe_act\"]' --set train.recompute_num_layers=1"),
+                        {"train.offload_modules", "train.recompute_num_layers"});
+  Result acts =
+      run("plan --config qwen3-30b-a3b --set model.num_hidden_layers=4 "
+          "--set 'train.offload_modules=[\"moe_act\",\"expert_fc1\"]'");
+  EXPECT_EQ(acts.code, 0) << acts.err;
+  EXPECT_NE(acts.out.find("offloaded layers' slots"), std::string::npos) << acts.out;
   Result off =
       run("plan --config qwen3-30b-a3b --set model.num_hidden_layers=4 --set parallel.distributed_optimizer=true "
           "--set train.optimizer_offload_fraction=0.5");

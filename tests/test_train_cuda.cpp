@@ -181,6 +181,31 @@ TEST(TrainCuda, RecomputeChangesNothing) {
   }
 }
 
+// Activation offload on one GPU: each module's kept input through pinned host memory and back (the
+// offload_variants of recompute_check.h) gives the same bits as keeping it, for the default family
+// and DeepSeek-V3's layers, over five layers (the three offload slots wrap around).
+TEST(TrainCuda, ActivationOffloadChangesNothing) {
+  MF_REQUIRE_GPU();
+  testing::TempDir dir("train_cuda_offload_acts");
+  const std::string path = testing::make_train_data(dir.path());
+  const TokenDataset data = open_token_dataset(path);
+  for (std::vector<std::string> extra : {std::vector<std::string>{}, kDeepSeek}) {
+    SCOPED_TRACE(extra.empty() ? "qwen3_moe" : "deepseek_v3");
+    extra.push_back("model.num_hidden_layers=5");
+    const Config base = testing::small_train_config(path, extra);
+    std::vector<std::unique_ptr<OneRank>> ranks;
+    testing::expect_recompute_changes_nothing(
+        base,
+        [&](const Config& c) {
+          ranks.push_back(std::make_unique<OneRank>(c));
+          auto t = std::make_unique<Trainer>(c, data, ranks.back()->mesh, Device::cuda);
+          t->init_fresh();
+          return t;
+        },
+        testing::offload_variants());
+  }
+}
+
 // train.main_grads_dtype = bf16: the expert and tensor-parallel gradients in bf16 (the replicated
 // ones f32); 8 steps stay within 2% of the f32-gradient run's losses (the accumulation rounds),
 // and a checkpoint of it (bf16 moments too: the state passes through the bf16 gradient blocks)

@@ -3,7 +3,7 @@
 # checks (the host AdamW against the kernel, offloaded runs against the GPU-only run), then
 # qwen3-30b-a3b x 8 sequences (micro-batch 2) with a fraction of the optimizer state offloaded:
 # `moefold plan`'s peak against the measured one, and the step's speed.
-#   scripts/gpu/offload.sh [tests|measure]   (default: both)
+#   scripts/gpu/offload.sh [tests|measure|acts]   (default: tests and measure; acts: activation offload)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 source "$root/scripts/gpu/env.sh"
@@ -13,6 +13,9 @@ nproc
 if [ "${1:-}" != measure ]; then
   "$root/.gpu/bin/test_ops_cuda" --gtest_brief=1 --gtest_filter='CudaAdamW*' 2>&1 | tail -3
   "$root/.gpu/bin/test_train_cuda" --gtest_brief=1 --gtest_filter='*Offload*:*StepLoop*' 2>&1 | tail -3
+fi
+if [ "${1:-}" = acts ]; then
+  "$root/.gpu/bin/test_train_cuda" --gtest_brief=1 2>&1 | tail -3
 fi
 [ "${1:-}" = tests ] && exit 0
 check() {  # name, then config keys (section.key=value)
@@ -26,6 +29,15 @@ check() {  # name, then config keys (section.key=value)
   grep -E '^\| [a-z]' "$out/offload_$name.md" | tail -1
   grep -E '^Peak device memory|optimizer step' "$out/offload_$name.md" | head -3
 }
+if [ "${1:-}" = acts ]; then
+  a=(model.num_hidden_layers=8 train.global_batch_size=8 train.micro_batch_size=2 train.exp_avg_dtype=bf16
+    train.exp_avg_sq_dtype=bf16)
+  check acts_none "${a[@]}"
+  check acts_moe "${a[@]}" 'train.offload_modules=["expert_fc1","moe_act"]'
+  check acts_all "${a[@]}" \
+    'train.offload_modules=["attn_norm","qkv_linear","core_attn","attn_proj","mlp_norm","expert_fc1","moe_act"]'
+  exit 0
+fi
 q=(train.global_batch_size=8 train.micro_batch_size=2 train.exp_avg_dtype=bf16 train.exp_avg_sq_dtype=bf16
   parallel.distributed_optimizer=true kernels.deterministic_attention=false)
 check q8_off0 model.num_hidden_layers=8 "${q[@]}"

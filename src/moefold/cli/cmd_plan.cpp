@@ -117,7 +117,8 @@ void run_plan(const PlanArgs& a) {
   std::vector<Memory::PartBytes> parts;
   for (int pass = 0; pass < 2; ++pass)
     for (const Memory::PartBytes& p : first.parts) {
-      const bool pooled = p.part.rfind("layers' ", 0) == 0 || p.part.rfind("recomputed ", 0) == 0;
+      const bool pooled =
+          p.part.rfind("layers' ", 0) == 0 || p.part.rfind("recomputed ", 0) == 0 || p.part.rfind("offloaded ", 0) == 0;
       if (pooled != (pass == 1)) continue;
       if (pass == 1) {  // pooled: right after the last layer
         size_t at = parts.size();

@@ -114,6 +114,11 @@ void OverlayPool::allocate() {
   real_.assign(size_.size(), 0);
 }
 
+OverlayPool::Range OverlayPool::scope() const {
+  if (measuring() || slot_ >= size_.size()) return {nullptr, offset_};
+  return {static_cast<char*>(arena_.base()) + base_[slot_], offset_};
+}
+
 size_t OverlayPool::bytes() const {
   size_t n = 0;
   for (size_t b : size_) n += b;
@@ -133,6 +138,9 @@ Memory::Memory(DType dtype, const ExecContext& exec)
   peer_acts_.set_device(device, stream);
   scratch_.set_device(device, stream);
   recompute_.set_device(device, stream);
+  offload_.set_device(device, stream);
+  host_offload_.set_device(Device::cpu);
+  host_offload_.set_pinned(device == Device::cuda);  // a CPU run never offloads (nor pins)
 }
 
 size_t host_memory_bytes() {
@@ -306,7 +314,15 @@ Tensor Memory::take_overlaid(OverlayPool& pool, DType dtype, Shape shape, const 
 namespace {
 constexpr const char* kScratchPart = "layers' shared workspace";
 constexpr const char* kRecomputePart = "recomputed layers' block";
+constexpr const char* kOffloadPart = "offloaded layers' slots";
 }  // namespace
+
+Tensor Memory::offloaded(Shape shape) { return offloaded(shape, dtype_); }
+Tensor Memory::offloaded(Shape shape, DType dtype) {
+  if (in_layer_ && acts_in_scratch_) return take_overlaid(scratch_, dtype, shape, kScratchPart);  // recomputed
+  if (in_layer_ && offload_slot_ >= 0) return take_overlaid(offload_, dtype, shape, kOffloadPart);
+  return act(shape, dtype);
+}
 
 Tensor Memory::act(Shape shape) { return act(shape, dtype_); }
 Tensor Memory::act(Shape shape, DType dtype) {
@@ -320,18 +336,37 @@ Tensor Memory::scratch(Shape shape, DType dtype) {
   return in_layer_ ? take_overlaid(scratch_, dtype, shape, kScratchPart) : take_act(acts_, dtype, shape, false);
 }
 
-void Memory::begin_layer(int recompute_slot) {
+void Memory::begin_layer(int recompute_slot, int offload_slot) {
   MF_CHECK(!in_layer_, "Memory::begin_layer inside a layer");
   in_layer_ = true;
   scratch_.begin(0);
   recompute_slot_ = recompute_slot;
   if (recompute_slot >= 0) recompute_.begin(static_cast<size_t>(recompute_slot));
+  offload_slot_ = offload_slot;
+  if (offload_slot >= 0) offload_.begin(static_cast<size_t>(offload_slot));
 }
 
-void Memory::end_layer() {
+Memory::OffloadBlock Memory::end_layer() {
   MF_CHECK(in_layer_ && !acts_in_scratch_, "Memory::end_layer outside a layer (or under ScratchActs)");
   in_layer_ = false;
   recompute_slot_ = -1;
+  OffloadBlock block;
+  if (offload_slot_ >= 0) {
+    const OverlayPool::Range r = offload_.scope();
+    block.bytes = r.bytes;
+    block.device = r.data;
+    const size_t before = host_offload_.used();
+    const Tensor host = host_offload_.take(DType::u8, {static_cast<int64_t>(r.bytes)});
+    block.host = host.data();
+    if (measuring() && host_offload_.used() > before) {
+      const size_t current = part_;
+      set_part(kOffloadPart);
+      parts_[part_].host += host_offload_.used() - before;
+      part_ = current;
+    }
+  }
+  offload_slot_ = -1;
+  return block;
 }
 Tensor Memory::host_act(Shape shape, DType dtype) {
   return device_ == Device::cpu ? take_act(acts_, dtype, shape, false) : take_act(host_acts_, dtype, shape, true);
@@ -383,6 +418,8 @@ void Memory::allocate() {
   peer_acts_.allocate();
   scratch_.allocate();
   recompute_.allocate();
+  offload_.allocate();
+  host_offload_.allocate();
   params_.clear();
 }
 
@@ -391,7 +428,7 @@ void Memory::finish_binding() const {
   const std::vector<const Arena*> all = arenas();
   for (size_t i = 0; i < all.size(); ++i)
     MF_CHECK(all[i]->used() == measured_[i], "the real binding pass differs from the measuring pass");
-  MF_CHECK(scratch_.matches_measured() && recompute_.matches_measured(),
+  MF_CHECK(scratch_.matches_measured() && recompute_.matches_measured() && offload_.matches_measured(),
            "the real binding pass's overlaid workspace differs from the measuring pass's");
 }
 
@@ -405,6 +442,7 @@ std::vector<const Arena*> Memory::arenas() const {
   all.push_back(&acts_);
   all.push_back(&host_acts_);
   all.push_back(&peer_acts_);
+  all.push_back(&host_offload_);
   return all;
 }
 

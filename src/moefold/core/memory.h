@@ -81,6 +81,12 @@ class OverlayPool {
   // Whether the real pass took the same maximum from every slot as the measuring one.
   bool matches_measured() const { return real_ == size_; }
   size_t bytes() const;  // sum of the slots' sizes (so far, while measuring)
+  // What the current scope took: its first byte (null while measuring) and its bytes.
+  struct Range {
+    void* data;
+    size_t bytes;
+  };
+  Range scope() const;
 
  private:
   Arena arena_;
@@ -254,8 +260,22 @@ class Memory {
   // recompute_slot >= 0: the whole layer is recomputed before its backward (train.recompute_num_layers),
   // and act() takes from slot `recompute_slot` of the recomputed layers' block (its position in its
   // recomputed chunk): the layers of one slot overlap there as layers overlap in scratch.
-  void begin_layer(int recompute_slot = -1);
-  void end_layer();
+  // offload_slot >= 0: offloaded() takes from that slot of the offloaded layers' block (activation
+  // offload: a layer's offloaded tensors are one contiguous range there, with a pinned host copy).
+  void begin_layer(int recompute_slot = -1, int offload_slot = -1);
+  // A layer's offloaded tensors: `bytes` at `device` (its slot) and their pinned host copy at `host`
+  // (null pointers while measuring; bytes 0 without offload).
+  struct OffloadBlock {
+    void* device = nullptr;
+    void* host = nullptr;
+    size_t bytes = 0;
+  };
+  OffloadBlock end_layer();
+  // Inside a layer with an offload slot: a tensor of that slot (the kept input of an offloaded
+  // module: train.offload_modules), which the model copies to the host after the layer's forward and
+  // back before its backward; elsewhere act().
+  Tensor offloaded(Shape shape);
+  Tensor offloaded(Shape shape, DType dtype);
   // While one lives, act() takes scratch() (a module recomputed whole before its backward binds
   // what it keeps so); `on` false: no change.
   class ScratchActs {
@@ -340,10 +360,12 @@ class Memory {
   size_t grad_bytes() const;
   // Device workspace: kept activations, the peer-visible block, the shared workspace and the
   // recomputed layers' block.
-  size_t act_bytes() const { return acts_.used() + peer_acts_.used() + scratch_.bytes() + recompute_.bytes(); }
+  size_t act_bytes() const {
+    return acts_.used() + peer_acts_.used() + scratch_.bytes() + recompute_.bytes() + offload_.bytes();
+  }
   size_t scratch_bytes() const { return scratch_.bytes(); }      // the workspace shared between layers
   size_t recompute_bytes() const { return recompute_.bytes(); }  // the recomputed layers' block
-  size_t host_act_bytes() const { return host_acts_.used(); }
+  size_t host_act_bytes() const { return host_acts_.used() + host_offload_.used(); }  // offloaded copies too
 
  private:
   DType dtype_;
@@ -355,9 +377,11 @@ class Memory {
   Arena host_acts_;                  // always host memory; empty on a CPU run
   Arena peer_acts_;                  // the peer-visible activations (peer_act)
   OverlayPool scratch_, recompute_;  // shared between layers (1 slot); recomputed layers (a slot per position)
+  OverlayPool offload_;              // offloaded layers (a slot per layer index mod the model's slot count)
+  Arena host_offload_;               // pinned: each offloaded layer's host copy
   bool in_layer_ = false, acts_in_scratch_ = false;
-  int recompute_slot_ = -1;
-  size_t measured_[3 * kNumParamGroups + 3] = {};
+  int recompute_slot_ = -1, offload_slot_ = -1;
+  size_t measured_[3 * kNumParamGroups + 4] = {};
   bool sharded_ = false;
   ShardLayout layout_;
   std::vector<PartBytes> parts_;  // measuring pass: workspace bytes by part

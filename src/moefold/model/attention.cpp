@@ -89,15 +89,19 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   scratch_ = scratch;
   q_raw_TQD_ = mem.act({tokens_, q * d});
   k_raw_TGD_ = mem.act({tokens_, g * d});
-  v_TGD_ = mem.act({tokens_, g * d});
+  v_TGD_ = offload_core_ ? mem.offloaded({tokens_, g * d}) : mem.act({tokens_, g * d});
   q_rstd_ = mem.act({tokens_ * q}, mem.master_dtype());
   k_rstd_ = mem.act({tokens_ * g}, mem.master_dtype());
-  q_TQD_ = mem.act({tokens_, q * d});
-  k_TGD_ = mem.act({tokens_, g * d});
-  out_TQD_ = recompute_core_ ? mem.scratch({tokens_, q * d}) : mem.act({tokens_, q * d});
+  auto kept = [&mem](bool offload, Shape shape, DType dtype) {
+    return offload ? mem.offloaded(shape, dtype) : mem.act(shape, dtype);
+  };
+  const DType dt = mem.dtype();
+  q_TQD_ = kept(offload_core_, {tokens_, q * d}, dt);
+  k_TGD_ = kept(offload_core_, {tokens_, g * d}, dt);
+  out_TQD_ = recompute_core_ ? mem.scratch({tokens_, q * d}) : kept(offload_proj_, {tokens_, q * d}, dt);
   lse_BQS_ = recompute_core_ ? mem.scratch({batch_, q, seq_len_}, mem.master_dtype())
-                             : mem.act({batch_, q, seq_len_}, mem.master_dtype());
-  x_gathered_TH_ = mem.act({tp_ ? tokens_ : 0, h});
+                             : kept(offload_core_, {batch_, q, seq_len_}, mem.master_dtype());
+  x_gathered_TH_ = kept(offload_qkv_, {tp_ ? tokens_ : 0, h}, dt);
 }
 
 void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {

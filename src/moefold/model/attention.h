@@ -47,9 +47,18 @@ class SelfAttention {
     recompute_core_ = core_attn;
     recompute_up_proj_ = mla_up_proj;
   }
+  // What it keeps in the layer's offload slot (Offload, config.h): the projections' gathered input
+  // (tensor parallelism; else the caller's norm output is that input), the core's q, k, v and
+  // log-sum-exp (and MLA's core output), the output projection's input. REQUIRES: before bind.
+  void set_offload(bool qkv_linear, bool core_attn, bool attn_proj) {
+    offload_qkv_ = qkv_linear;
+    offload_core_ = core_attn;
+    offload_proj_ = attn_proj;
+  }
 
  protected:
   bool recompute_core_ = false, recompute_up_proj_ = false;
+  bool offload_qkv_ = false, offload_core_ = false, offload_proj_ = false;
 };
 
 enum class QkNorm : uint8_t { none, per_head, whole };

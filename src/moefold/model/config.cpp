@@ -109,6 +109,14 @@ void TrainConfig::validate() const {
               "' (layernorm, core_attn, mla_up_proj, moe_act, shared_experts, moe, mlp)");
   if (!(optimizer_offload_fraction >= 0 && optimizer_offload_fraction <= 1))
     MF_FAIL("train.optimizer_offload_fraction = ", optimizer_offload_fraction, " must be in [0, 1]");
+  for (const std::string& m : offload_modules)
+    if (m != "attn_norm" && m != "qkv_linear" && m != "core_attn" && m != "attn_proj" && m != "mlp_norm" &&
+        m != "expert_fc1" && m != "moe_act")
+      MF_FAIL("train.offload_modules: unknown module '", m,
+              "' (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act)");
+  if (!offload_modules.empty() && recompute_num_layers > 0)
+    MF_FAIL("train.offload_modules with train.recompute_num_layers = ", recompute_num_layers,
+            " is not supported yet (a recomputed chunk would overwrite the offload slots it shares)");
   if (recompute_num_layers < 0) MF_FAIL("train.recompute_num_layers = ", recompute_num_layers, " must be >= 0");
   if (recompute_method != "uniform" && recompute_method != "block")
     MF_FAIL("train.recompute_method = '", recompute_method, "' is not supported (uniform, block)");
@@ -130,6 +138,20 @@ Recompute TrainConfig::recompute() const {
     r.mlp |= m == "mlp";
   }
   return r;
+}
+
+Offload TrainConfig::offload() const {
+  Offload o;
+  for (const std::string& m : offload_modules) {
+    o.attn_norm |= m == "attn_norm";
+    o.qkv_linear |= m == "qkv_linear";
+    o.core_attn |= m == "core_attn";
+    o.attn_proj |= m == "attn_proj";
+    o.mlp_norm |= m == "mlp_norm";
+    o.expert_fc1 |= m == "expert_fc1";
+    o.moe_act |= m == "moe_act";
+  }
+  return o;
 }
 
 void DataConfig::validate() const {

@@ -90,6 +90,20 @@ struct Recompute {
   bool any_module() const { return layernorm || core_attn || mla_up_proj || moe_act || shared_experts || moe || mlp; }
 };
 
+// Activation offload (TrainConfig::offload(), GPU only), with Megatron-Core's module names: the kept
+// input of each named module goes to pinned host memory on a copy stream after the layer's forward
+// and comes back one layer ahead of its backward. attn_norm: the layer's input (the attention norm's);
+// qkv_linear: the q/k/v projections' input (the norm's output); core_attn: the attention core's q, k,
+// v and log-sum-exp; attn_proj: the output projection's input; mlp_norm: the pre-MLP norm's input;
+// expert_fc1: the experts' permuted input rows (the local dispatcher's: with expert parallelism the
+// received rows are peer-visible and stay); moe_act: the experts' first-layer output (the SwiGLU's input). What a
+// module recomputes is not offloaded.
+struct Offload {
+  bool attn_norm = false, qkv_linear = false, core_attn = false, attn_proj = false, mlp_norm = false,
+       expert_fc1 = false, moe_act = false;
+  bool any() const { return attn_norm || qkv_linear || core_attn || attn_proj || mlp_norm || expert_fc1 || moe_act; }
+};
+
 struct TrainConfig {
   int64_t seq_len = 128;           // tokens per sequence
   int64_t micro_batch_size = 8;    // sequences per forward/backward
@@ -115,6 +129,8 @@ struct TrainConfig {
   // the last elements of each parameter group's slots) lives in pinned host memory and is updated
   // there by a multi-threaded host AdamW while the GPU updates the rest. GPU, distributed optimizer.
   double optimizer_offload_fraction = 0;
+  // Activation offload (struct Offload): module names.
+  std::vector<std::string> offload_modules;
   // Recomputation (struct Recompute): module names, whole layers and their method.
   std::vector<std::string> recompute_modules;
   int64_t recompute_num_layers = 0;
@@ -127,6 +143,7 @@ struct TrainConfig {
   void validate() const;
   // The recompute_* keys parsed. REQUIRES: validate() passed.
   Recompute recompute() const;
+  Offload offload() const;  // offload_modules parsed
 };
 
 struct DataConfig {

@@ -136,6 +136,9 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "optimizer_offload_fraction", optimizer_offload_fraction,
                "fraction of each rank's optimizer shard in pinned host memory, updated there (GPU runs with "
                "parallel.distributed_optimizer)"),
+      MF_FIELD(train, "offload_modules", offload_modules,
+               "kept inputs moved to pinned host memory between forward and backward (GPU): attn_norm, qkv_linear, "
+               "core_attn, attn_proj, mlp_norm, expert_fc1, moe_act"),
       MF_FIELD(train, "recompute_modules", recompute_modules,
                "recomputed in backward instead of kept: layernorm, core_attn, mla_up_proj, moe_act, shared_experts, "
                "moe, mlp"),

@@ -95,7 +95,7 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   cos_ = cp ? cos_SD : cos_SD.slice(0, seq_len_);
   sin_ = cp ? sin_SD : sin_SD.slice(0, seq_len_);
   work_ = scratch->work_2SS;
-  x_gathered_TH_ = mem.act({tp_ ? nt : 0, h});
+  x_gathered_TH_ = offload_qkv_ ? mem.offloaded({tp_ ? nt : 0, h}) : mem.act({tp_ ? nt : 0, h});
   cq_raw_ = mem.act({nt, rq_});
   cq_ = mem.act({nt, rq_});
   cq_rstd_ = mem.act({rq_ > 0 ? nt : 0}, mem.master_dtype());
@@ -105,21 +105,26 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   ckv_rstd_ = mem.act({nt}, mem.master_dtype());
   {  // recomputed from the latents before backward (mla_up_proj)
     auto take = [&](Shape shape) { return recompute_up_proj_ ? mem.scratch(shape) : mem.act(shape); };
+    auto core_input = [&](Shape shape) {  // also offloadable (core_attn)
+      return recompute_up_proj_ ? mem.scratch(shape) : offload_core_ ? mem.offloaded(shape) : mem.act(shape);
+    };
     q_raw_ = take({nt, q * dqk_});
     kvb_ = take({nt, q * (dn_ + dv_)});
     q_pe_ = take({batch_, seq_len_, q, dr_});
     k_pe_ = take({batch_, seq_len_, 1, dr_});
-    q4_ = take({batch_, seq_len_, q, dp_});
-    k4_ = take({batch_, seq_len_, q, dp_});
-    v4_ = take({batch_, seq_len_, q, dp_});
+    q4_ = core_input({batch_, seq_len_, q, dp_});
+    k4_ = core_input({batch_, seq_len_, q, dp_});
+    v4_ = core_input({batch_, seq_len_, q, dp_});
   }
   {  // recomputed from q, k, v before backward (core_attn)
-    auto take = [&](Shape shape, DType dtype) {
-      return recompute_core_ ? mem.scratch(shape, dtype) : mem.act(shape, dtype);
+    auto take = [&](Shape shape, DType dtype, bool offload) {
+      return recompute_core_ ? mem.scratch(shape, dtype)
+             : offload       ? mem.offloaded(shape, dtype)
+                             : mem.act(shape, dtype);
     };
-    out4_ = take({batch_, seq_len_, q, dp_}, mem.dtype());
-    lse_ = take({batch_, q, seq_len_}, mem.master_dtype());
-    o_in_ = take({nt, q * dv_}, mem.dtype());
+    out4_ = take({batch_, seq_len_, q, dp_}, mem.dtype(), offload_core_);
+    lse_ = take({batch_, q, seq_len_}, mem.master_dtype(), offload_core_);
+    o_in_ = take({nt, q * dv_}, mem.dtype(), offload_proj_);
   }
   dy_full_ = mem.scratch({tp_ ? nt : 0, h});
   do_in_ = mem.scratch({nt, q * dv_});

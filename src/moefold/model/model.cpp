@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "moefold/core/device.h"
 #include "moefold/core/profile.h"
 #include "moefold/core/rng.h"
 #include "moefold/model/mla.h"
@@ -29,8 +30,8 @@ std::unique_ptr<SelfAttention> make_attention(const ModelConfig& m, int64_t batc
 
 DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows,
                            int64_t tp, int64_t index, std::unique_ptr<Dispatcher> dispatcher,
-                           const Recompute& recompute)
-    : cfg_(m), rows_(rows), prefix_(cat("model.layers.", index)), recompute_(recompute) {
+                           const Recompute& recompute, const Offload& offload)
+    : cfg_(m), rows_(rows), prefix_(cat("model.layers.", index)), recompute_(recompute), offload_(offload) {
   attn_ = make_attention(m, batch, seq_len, prefix_ + ".self_attn");
   const int64_t h = m.hidden_size;
   if (m.is_dense_layer(index)) {
@@ -53,16 +54,19 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   ctx_ = &mem.exec();
   const int64_t h = cfg_.hidden_size;
   const Recompute r = whole ? Recompute{} : recompute_;
+  const Offload& o = offload_;
   norms_again_ = r.layernorm;
   norm1_ = mem.param({.name = prefix_ + ".input_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
   attn_->set_recompute(r.core_attn, r.mla_up_proj);
+  attn_->set_offload(o.qkv_linear, o.core_attn, o.attn_proj);
   attn_->bind(mem, cos_SD, sin_SD, scratch, cp, tp);
   norm2_ = mem.param(
       {.name = prefix_ + ".post_attention_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm2_ = mem.grad(prefix_ + ".post_attention_layernorm.weight");
   if (moe_) {
     moe_->set_recompute(r.moe_act, r.moe);
+    moe_->set_offload(o.expert_fc1, o.moe_act);
     moe_->bind(mem);
   }
   if (mlp_) {
@@ -71,11 +75,10 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   }
   dn_TH_ = dn_TH;
   tmp_TH_ = tmp_TH;
-  auto norm_out = [&] { return norms_again_ ? mem.scratch({rows_, h}) : mem.act({rows_, h}); };
-  n1_TH_ = norm_out();
+  n1_TH_ = norms_again_ ? mem.scratch({rows_, h}) : o.qkv_linear ? mem.offloaded({rows_, h}) : mem.act({rows_, h});
   rstd1_T_ = mem.act({rows_}, mem.master_dtype());
-  h_TH_ = mem.act({rows_, h});
-  n2_TH_ = norm_out();
+  h_TH_ = o.mlp_norm ? mem.offloaded({rows_, h}) : mem.act({rows_, h});
+  n2_TH_ = norms_again_ ? mem.scratch({rows_, h}) : mem.act({rows_, h});
   rstd2_T_ = mem.act({rows_}, mem.master_dtype());
   const bool shared = moe_ && mlp_;
   a_TH_ = mem.scratch({rows_, h});
@@ -166,8 +169,9 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
 }
 
 Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
-             const ModelParallel& parallel, const Recompute& recompute)
-    : cfg_(m), moe_cfg_(e), batch_(micro_batch), seq_len_(seq_len) {
+             const ModelParallel& parallel, const Recompute& recompute, const Offload& offload)
+    : offload_(offload), cfg_(m), moe_cfg_(e), batch_(micro_batch), seq_len_(seq_len) {
+  MF_CHECK(!offload.any() || recompute.num_layers == 0, "activation offload with whole-layer recompute");
   const int64_t c = parallel.cp ? parallel.cp->size() : 1, n = parallel.tp ? parallel.tp->size() : 1;
   MF_CHECK(seq_len % (c > 1 ? 2 * c : 1) == 0, "seq_len ", seq_len, " over ", c, " context-parallel ranks");
   local_seq_len_ = seq_len / c;
@@ -195,7 +199,7 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
     const bool dense = m.is_dense_layer(l);
     layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, local_seq_len_, rows_, n, l,
                                                      !dense && parallel.dispatchers ? parallel.dispatchers(l) : nullptr,
-                                                     recompute));
+                                                     recompute, offload));
     if (MoeLayer* moe = layers_.back()->moe()) {
       moe->set_token_group(parallel.tokens);
       // Sequence-level aux loss: this rank's rows are rows [tp_rank * T, +T) of B sequences of
@@ -240,15 +244,23 @@ void Model::bind(Memory& mem) {
   tmp_TH_ = mem.act({rows_, h});
   // The residual stream: each layer's input, except inside a recomputed chunk, where a layer's
   // input is part of its recomputed activations (its slot), and the model's output.
+  // With attn_norm offloaded, each layer's input is in its offload slot.
   res_.assign(static_cast<size_t>(num_layers() + 1), Tensor());
   for (int64_t l = 0; l <= num_layers(); ++l)
-    if (l == num_layers() || recompute_slot_[l] <= 0) res_[l] = mem.act({rows_, h});
+    if (l == num_layers() || (recompute_slot_[l] <= 0 && !offload_.attn_norm)) res_[l] = mem.act({rows_, h});
+  offload_blocks_.clear();
   for (size_t l = 0; l < layers_.size(); ++l) {
     mem.set_part(cat("layers.", l));
-    mem.begin_layer(recompute_slot_[l]);
+    mem.begin_layer(recompute_slot_[l], offload_.any() ? static_cast<int>(l % kOffloadSlots) : -1);
     if (recompute_slot_[l] > 0) res_[l] = mem.act({rows_, h});
+    if (offload_.attn_norm) res_[l] = mem.offloaded({rows_, h});
     layers_[l]->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_, recompute_slot_[l] >= 0);
-    mem.end_layer();
+    offload_blocks_.push_back(mem.end_layer());
+  }
+  copy_.reset();
+  if (offload_.any() && !mem.measuring()) {
+    MF_CHECK(mem.device() == Device::cuda, "activation offload needs the CUDA device");
+    copy_ = std::make_unique<ExecContext>(Device::cuda, ctx_->kernels(), ExecContext::Stream::own);
   }
   for (size_t k = 0; k < mtp_.size(); ++k) {
     mem.set_part(cat("mtp.", k));
@@ -290,6 +302,18 @@ void Model::bind(Memory& mem) {
   }
 }
 
+void Model::offload_after_forward(int64_t layer) {
+  const Memory::OffloadBlock& b = offload_blocks_[static_cast<size_t>(layer)];
+  copy_->wait_for(*ctx_);
+  device_copy_async(b.host, Device::cpu, b.device, Device::cuda, b.bytes, copy_->stream());
+}
+
+void Model::fetch_before_backward(int64_t layer) {
+  const Memory::OffloadBlock& b = offload_blocks_[static_cast<size_t>(layer)];
+  copy_->wait_for(*ctx_);
+  device_copy_async(b.device, Device::cuda, b.host, Device::cpu, b.bytes, copy_->stream());
+}
+
 void Model::init_params(const ExecContext& ctx, std::vector<Param>& params, uint64_t seed) {
   for (Param& p : params) {
     if (p.init == Init::normal) {
@@ -318,11 +342,19 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS,
   ids_ = ids_BS.view({tokens_});
   targets_ = targets_BS.view({tokens_});
   needed(-1);
+  if (copy_) ctx_->wait_for(*copy_);  // the last backward's fetches into the slots
   embed(ids_, res_[0]);
   for (int64_t l = 0; l < num_layers(); ++l) {
     needed(l);
+    if (copy_ && l > 0) {
+      // Layer l and its output (layer l + 1's input) overwrite the slots of layers l - 3 and l - 2,
+      // whose copies to the host were started before this point; then layer l - 1's starts.
+      ctx_->wait_for(*copy_);
+      offload_after_forward(l - 1);
+    }
     layers_[l]->forward(res_[l], res_[l + 1]);
   }
+  if (copy_) offload_after_forward(num_layers() - 1);
   needed(num_layers());
   const double loss = head_forward(res_.back(), norm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_);
   const Tensor* prev = &res_.back();
@@ -409,7 +441,14 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
   }
   if (!mtp_.empty()) add_inplace(*ctx_, dres_TH_, mtp_.front()->dprev_TH_);
   if (grads_ready) grads_ready(num_layers());
+  if (copy_) fetch_before_backward(num_layers() - 1);
   for (int64_t l = num_layers() - 1; l >= 0; --l) {
+    if (copy_) {
+      // Layer l's block is back (fetched one layer ahead); layer l - 1's comes back during
+      // layer l's backward, into the slot layer l + 2's backward has finished with.
+      ctx_->wait_for(*copy_);
+      if (l > 0) fetch_before_backward(l - 1);
+    }
     if (recompute_slot_[l] >= 0 && (l + 1 == num_layers() || chunk_first_[l + 1] != chunk_first_[l])) {
       // The last layer of a recomputed chunk: the chunk's forward again, from its kept input (the
       // chunk's output lands on the next chunk's input, which no later step reads).

@@ -37,7 +37,8 @@ class DecoderLayer {
   // tp: tensor-parallel size. A dense layer (ModelConfig::is_dense_layer) ignores `dispatcher`.
   // `recompute`: the modules recomputed before their backward (its selective part).
   DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows, int64_t tp,
-               int64_t index, std::unique_ptr<Dispatcher> dispatcher, const Recompute& recompute = {});
+               int64_t index, std::unique_ptr<Dispatcher> dispatcher, const Recompute& recompute = {},
+               const Offload& offload = {});
   // REQUIRES: between mem.begin_layer() and mem.end_layer(). whole: the caller recomputes the whole
   // layer before its backward (Memory::begin_layer with a recompute slot): no module recomputes
   // itself then.
@@ -58,6 +59,7 @@ class DecoderLayer {
   int64_t rows_;
   std::string prefix_;
   Recompute recompute_;       // as configured
+  Offload offload_;           // the modules whose kept input goes to the layer's offload slot
   bool norms_again_ = false;  // this binding recomputes the two RMSNorms' outputs (layernorm)
   std::unique_ptr<SelfAttention> attn_;
   std::unique_ptr<MoeLayer> moe_;  // MoE layers
@@ -104,7 +106,7 @@ class Model {
   // recompute: what backward recomputes instead of keeping (TrainConfig::recompute()); the
   // multi-token-prediction layers are never recomputed whole.
   Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
-        const ModelParallel& parallel = {}, const Recompute& recompute = {});
+        const ModelParallel& parallel = {}, const Recompute& recompute = {}, const Offload& offload = {});
 
   void bind(Memory& mem);
   // Fills every parameter from its init rule (GPU parameters drawn on `ctx`): element i of parameter p gets
@@ -170,6 +172,14 @@ class Model {
   // chunk; -1: kept), and the first layer of its chunk.
   std::vector<int> recompute_slot_;
   std::vector<int64_t> chunk_first_;
+  // Activation offload: each layer's block (its slot: layer index mod kOffloadSlots, and its pinned
+  // host copy), and the copy stream (a GPU run's real binding).
+  static constexpr int kOffloadSlots = 3;
+  Offload offload_;
+  std::vector<Memory::OffloadBlock> offload_blocks_;
+  std::unique_ptr<ExecContext> copy_;
+  void offload_after_forward(int64_t layer);  // its block to the host (copy stream)
+  void fetch_before_backward(int64_t layer);  // its block back (copy stream)
   ModelConfig cfg_;
   MoeConfig moe_cfg_;
   int64_t batch_, seq_len_, local_seq_len_,

@@ -22,7 +22,7 @@ void LocalDispatcher::bind(Memory& mem) {
   offsets_E1_ = mem.act({e_n + 1}, DType::i64);
   row_TK_ = mem.act({max_tokens_, cfg_.num_experts_per_tok}, DType::i64);
   token_R_ = mem.act({r_max}, DType::i64);
-  rows_RH_ = mem.act({r_max, hidden_});
+  rows_RH_ = offload_rows_ ? mem.offloaded({r_max, hidden_}) : mem.act({r_max, hidden_});
   plan_ = DispatchPlan{};
 }
 

@@ -83,6 +83,10 @@ class Dispatcher {
 
   // Plans the dispatcher's buffers (plan, rows); called in both binding passes of a Memory.
   virtual void bind(Memory& mem) = 0;
+  // Activation offload (expert_fc1): the rows the experts read (DispatchPlan::rows_RH) go to the
+  // layer's offload slot (Memory::offloaded) where the dispatcher owns them in plain device
+  // memory; peer-visible rows (expert parallelism over peer copies) stay. REQUIRES: before bind.
+  void set_offload_rows(bool on) { offload_rows_ = on; }
   // Experts held here: the leading dimension of the expert weights fed by the rows.
   virtual int64_t num_local_experts() const = 0;
   // Global index of the first local expert (expert parallelism: this rank's block of experts).
@@ -106,6 +110,9 @@ class Dispatcher {
                                 const Tensor& dout_RH, const Tensor& dprob_TK) = 0;
   // dx_TH[t] = sum_k drows_RH[row(t, k)]; dx written.
   virtual void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) = 0;
+
+ protected:
+  bool offload_rows_ = false;
 };
 
 // The plan's rows as one expert-major piece (dispatchers that do not pipeline).

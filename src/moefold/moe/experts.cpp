@@ -51,7 +51,7 @@ void Experts::bind(Memory& mem) {
   mem.grad_written_by_backward(prefix_ + ".experts.down_proj");
   mem_ = &mem;
   written_generation_ = -1;
-  gu_R2F_ = mem.act({max_rows_, 2 * ffn_});
+  gu_R2F_ = offload_gu_ ? mem.offloaded({max_rows_, 2 * ffn_}) : mem.act({max_rows_, 2 * ffn_});
   h_RF_ = recompute_act_ ? mem.scratch({max_rows_, ffn_}) : mem.act({max_rows_, ffn_});
   dh_RF_ = mem.scratch({max_rows_, ffn_});
   dgu_R2F_ = mem.scratch({max_rows_, 2 * ffn_});

@@ -46,6 +46,8 @@ class Experts {
   // on: the SwiGLU output is not kept; backward computes it again from the kept gate|up output
   // (Recompute's moe_act). REQUIRES: before bind.
   void set_recompute_act(bool on) { recompute_act_ = on; }
+  // on: the gate|up output (the SwiGLU's input) is Memory::offloaded. REQUIRES: before bind.
+  void set_offload_gate_up(bool on) { offload_gu_ = on; }
 
   // out_RH = experts(rows_RH) with expert e on rows [offsets_E1[e], offsets_E1[e+1]). Saves the
   // gate|up and SwiGLU activations as rows [first_row, first_row + R) of its saved buffers: a
@@ -71,7 +73,7 @@ class Experts {
   std::string prefix_;
   double init_std_;
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;
-  bool recompute_act_ = false;
+  bool recompute_act_ = false, offload_gu_ = false;
   Tensor gu_R2F_, h_RF_;             // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
   Tensor dh_RF_, dgu_R2F_;           // scratch: backward workspaces
   const Memory* mem_ = nullptr;      // for its gradient generation

@@ -96,8 +96,10 @@ void MoeLayer::bind(Memory& mem) {
   {  // recomputed whole: everything it keeps is workspace, refilled before backward
     const Memory::ScratchActs recomputed(mem, recompute_whole_);
     router_.bind(mem);
+    dispatcher_->set_offload_rows(offload_rows_);
     dispatcher_->bind(mem);
     experts_.set_recompute_act(recompute_act_);
+    experts_.set_offload_gate_up(offload_gu_);
     experts_.bind(mem);
     out_RH_ = mem.act({r_max, hidden_});
   }

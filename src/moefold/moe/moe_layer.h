@@ -43,6 +43,13 @@ class MoeLayer {
     recompute_act_ = experts_act;
     recompute_whole_ = whole;
   }
+  // What it keeps in the layer's offload slot (Offload, config.h): the experts' permuted input rows
+  // (expert_fc1: where the dispatcher owns them, Dispatcher::set_offload_rows), their first layer's
+  // output (moe_act). REQUIRES: before bind.
+  void set_offload(bool expert_fc1, bool moe_act) {
+    offload_rows_ = expert_fc1;
+    offload_gu_ = moe_act;
+  }
   // Parameters and buffers; called in both binding passes of a Memory.
   void bind(Memory& mem);
   // See Router::set_token_group (context parallelism splits each sequence over a group).
@@ -87,7 +94,7 @@ class MoeLayer {
   std::unique_ptr<Dispatcher> dispatcher_;
   Router router_;
   Experts experts_;
-  bool recompute_act_ = false, recompute_whole_ = false;
+  bool recompute_act_ = false, recompute_whole_ = false, offload_rows_ = false, offload_gu_ = false;
   Tensor x_TH_;                           // the input (a view of the caller's)
   Tensor out_RH_;                         // the experts' outputs (max_rows rows)
   Tensor dout_RH_, drows_RH_, dprob_TK_;  // scratch: backward workspaces (max_rows / max_tokens rows)

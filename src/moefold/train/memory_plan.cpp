@@ -17,10 +17,12 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
   Mesh mesh = Mesh::plan(p.layout, rank);
   Model model(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
               ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()},
-              cfg.train.recompute());
+              cfg.train.recompute(), cfg.train.offload());
   const ExecContext ctx(device, cfg.kernels, ExecContext::Stream::none);
   Memory mem(p.compute, ctx);
   set_main_grads_dtype(mem, cfg.train);
+  if (cfg.train.offload().any() && device != Device::cuda)
+    MF_FAIL("train.offload_modules needs the CUDA device (it offloads GPU memory)");
   if (cfg.parallel.distributed_optimizer) mem.shard_layout(shard_layout_for(mesh, model));
   StepBuffers buffers;
   bind_training(mem, model, cfg, buffers);  // the measuring pass: sizes only

@@ -66,13 +66,15 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
       mesh_(mesh),
       model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
              ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()},
-             cfg.train.recompute()),
+             cfg.train.recompute(), cfg.train.offload()),
       exec_(device, cfg.kernels),
       mem_(compute.value_or(device == Device::cuda ? DType::bf16 : DType::f32), exec_),  // GPU: bf16, f32 masters
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
   const int64_t layers = model_.num_moe_layers();
   set_main_grads_dtype(mem_, cfg.train);
+  if (cfg.train.offload().any() && device != Device::cuda)
+    MF_FAIL("train.offload_modules needs the CUDA device (it offloads GPU memory)");
   if (cfg.parallel.distributed_optimizer) mem_.shard_layout(shard_layout_for(mesh, model_));
   auto bind_all = [&] { bind_training(mem_, model_, cfg_, buf_); };
   bind_all();  // measure
