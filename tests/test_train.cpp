@@ -235,13 +235,17 @@ TEST(Trainer, RecomputeChangesNothing) {
     }
 }
 
-// With the distributed optimizer too (its path on shard groups of one rank).
+// With the distributed optimizer too (its path on shard groups of one rank), and with every module
+// and then every layer recomputed (the recomputed forwards allocate nothing either).
 TEST(Trainer, StepLoopDoesNotAllocateAndLearns) {
-  for (const char* sharded : {"false", "true"}) {
-    SCOPED_TRACE(cat("parallel.distributed_optimizer = ", sharded));
+  const std::vector<std::string> variants = {
+      "parallel.distributed_optimizer=false", "parallel.distributed_optimizer=true",
+      R"(train.recompute_modules=["layernorm","core_attn","moe_act","moe","mlp"])", "train.recompute_num_layers=1"};
+  for (const std::string& variant : variants) {
+    SCOPED_TRACE(variant);
     testing::TempDir tmp("test_train");
     const fs::path& dir = tmp.path();
-    Config cfg = small_config(make_data(dir), {"train.lr=1e-2", cat("parallel.distributed_optimizer=", sharded)});
+    Config cfg = small_config(make_data(dir), {"train.lr=1e-2", variant});
     TokenDataset data = open_token_dataset(cfg.data.path);
     OneRank one(cfg);
     Trainer t(cfg, data, one.mesh);
