@@ -212,8 +212,24 @@ void run_plan(const PlanArgs& a) {
       c.train.optimizer_offload_fraction = tenths / 10.0;
       return c;
     };
+    auto host_of = [&](const Config& c) {  // the offloaded state must fit the host too
+      size_t bytes = 0;
+      for (const int r : {0, a.world - 1}) {
+        const MemoryPlan p = plan_memory(c, a.world, r, device);
+        bytes = std::max(bytes, p.host + p.optimizer_host);
+      }
+      return bytes;
+    };
     for (int t = 1; t <= 10 && !fits; ++t) {
-      const size_t peak = peak_of(offload(t));
+      const Config c = offload(t);
+      const size_t peak = peak_of(c), host = host_of(c);
+      if (host > host_bytes) {
+        std::printf(
+            "with %s, train.optimizer_offload_fraction = %.1f: %s of host memory, over the %s given "
+            "(--host-memory)\n",
+            added.c_str(), t / 10.0, gib(host).c_str(), gib(host_bytes).c_str());
+        break;
+      }
       if (peak <= limit || t == 10)
         report(added + cat(", parallel.distributed_optimizer = true, train.main_grads_dtype = f32, "
                            "train.optimizer_offload_fraction = ",
