@@ -225,8 +225,8 @@ void run_plan(const PlanArgs& a) {
       const size_t peak = peak_of(c), host = host_of(c);
       if (host > host_bytes) {
         std::printf(
-            "with %s, train.optimizer_offload_fraction = %.1f: %s of host memory, over the %s given "
-            "(--host-memory)\n",
+            "with %s, parallel.distributed_optimizer = true, train.main_grads_dtype = f32, "
+            "train.optimizer_offload_fraction = %.1f: %s of host memory, over the %s given (--host-memory)\n",
             added.c_str(), t / 10.0, gib(host).c_str(), gib(host_bytes).c_str());
         break;
       }
