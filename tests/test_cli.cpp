@@ -142,8 +142,9 @@ TEST(Cli, PlanPrintsEachRanksBytes) {
   expect_one_line_error(run("plan --device cpu --set train.main_grads_dtype=bf16"),
                         {"train.main_grads_dtype = 'bf16'", "CUDA"});
   expect_one_line_error(run("info --set train.main_grads_dtype=fp16"), {"train.main_grads_dtype", "f32, bf16"});
-  expect_one_line_error(run("info --set train.main_grads_dtype=bf16 --set parallel.distributed_optimizer=true"),
-                        {"train.main_grads_dtype", "parallel.distributed_optimizer"});
+  expect_one_line_error(run("info --set train.main_grads_dtype=bf16 --set parallel.distributed_optimizer=true "
+                            "--set train.optimizer_offload_fraction=0.5"),
+                        {"train.main_grads_dtype", "train.optimizer_offload_fraction"});
   expect_one_line_error(run("info --set 'train.recompute_modules=[\"layernorm\",\"attn\"]'"),
                         {"train.recompute_modules", "'attn'", "core_attn"});
   expect_one_line_error(run("info --set train.recompute_num_layers=99"),

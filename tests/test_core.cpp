@@ -107,6 +107,16 @@ TEST(Tensor, StepRowsAndRowStridedCopies) {
 // DimShard chunks interleave row by row: a rank holding rows [offset, offset + n) of each of 2
 // chunks holds the contiguous range [2 offset, 2 (offset + n)) of the whole dimension, and
 // fill_normal_shard gives it exactly those elements of the whole tensor's initialisation.
+// A large fill_normal (split over the cores) draws exactly the values one thread would.
+TEST(Rng, LargeFillNormalIsTheSequentialDraw) {
+  const int64_t n = (int64_t{1} << 22) + 12345;
+  std::vector<float> v(static_cast<size_t>(n));
+  fill_normal(Tensor(v.data(), DType::f32, {n}), 7, 99, 0.5, 0.02, 1000);
+  for (int64_t i = 0; i < n; i += 4099)
+    ASSERT_EQ(v[static_cast<size_t>(i)], static_cast<float>(0.5 + 0.02 * rng_normal(7, 99, 1000 + i))) << i;
+  ASSERT_EQ(v.back(), static_cast<float>(0.5 + 0.02 * rng_normal(7, 99, 1000 + n - 1)));
+}
+
 // HostThreads runs every iteration exactly once, over several loops, with any thread count.
 TEST(HostThreads, EveryIterationRunsOnce) {
   for (const int threads : {1, 2, 5}) {

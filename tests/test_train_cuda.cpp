@@ -152,6 +152,10 @@ TEST(TrainCuda, DistributedOptimizerOnOneGpuChangesNothing) {
   MF_REQUIRE_GPU();
   testing::expect_one_rank_sharding_changes_nothing(Device::cuda, {});
   testing::expect_one_rank_sharding_changes_nothing(Device::cuda, kDeepSeek);
+  // bf16 gradients: the sharded masters stage through host memory (Memory::master_staging).
+  testing::expect_one_rank_sharding_changes_nothing(Device::cuda, {"train.main_grads_dtype=bf16"});
+  testing::expect_one_rank_sharding_changes_nothing(
+      Device::cuda, {"train.main_grads_dtype=bf16", "train.exp_avg_dtype=bf16", "train.exp_avg_sq_dtype=bf16"});
 }
 
 // Recomputation on one GPU (bf16 compute, deterministic kernels: the default): every variant of

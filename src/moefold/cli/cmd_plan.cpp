@@ -144,7 +144,7 @@ void run_plan(const PlanArgs& a) {
   // non-deterministic attention backward (none; reruns differ in the last bits), expert-parallel
   // receive buffers at twice the average (none; an imbalance past it stops the run), then the
   // distributed optimizer (its gathers; only with shard groups of several ranks), bf16 gradient
-  // accumulators (none; one rank only); then, only while
+  // accumulators (none); then, only while
   // nothing fits, recomputation: the cheap modules (norms, the experts' SwiGLU, MLA's up
   // projections), the attention core and the dense MLPs, the whole MoE block, then the smallest
   // optimizer offload (tenths; its host update is paid every step), and last the fewest whole
@@ -165,11 +165,8 @@ void run_plan(const PlanArgs& a) {
        [](Config& c) { c.moe.ep_recv_factor = 2; }},
       {"parallel.distributed_optimizer = true", !cfg.parallel.distributed_optimizer && a.world > 1,
        [](Config& c) { c.parallel.distributed_optimizer = true; }},
-      // No throughput cost; the expert and tensor-parallel gradients accumulate in bf16 (one rank:
-      // with several, the distributed optimizer above shards them instead).
-      {"train.main_grads_dtype = bf16",
-       device == Device::cuda && cfg.train.main_grads_dtype != "bf16" && !cfg.parallel.distributed_optimizer &&
-           a.world == 1,
+      // No throughput cost; the expert and tensor-parallel gradients accumulate in bf16.
+      {"train.main_grads_dtype = bf16", device == Device::cuda && cfg.train.main_grads_dtype != "bf16",
        [](Config& c) { c.train.main_grads_dtype = "bf16"; }},
       {"train.recompute_modules += layernorm, moe_act, mla_up_proj", true,
        [](Config& c) {

@@ -192,15 +192,13 @@ Tensor Memory::param(const ParamSpec& spec) {
 
 void Memory::set_main_grads_dtype(DType dtype) {
   MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::set_main_grads_dtype after parameters were registered");
-  MF_CHECK(dtype == master_dtype() || (dtype == DType::bf16 && mixed_precision() && !sharded_), "main gradients in ",
+  MF_CHECK(dtype == master_dtype() || (dtype == DType::bf16 && mixed_precision()), "main gradients in ",
            dtype_name(dtype), " need bf16 compute and an unsharded optimizer");
   main_grads_dtype_ = dtype;
 }
 
 void Memory::shard_layout(ShardLayout layout) {
   MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::shard_layout after parameters were registered");
-  MF_CHECK(main_grads_dtype_ == master_dtype(), "Memory::shard_layout with main gradients in ",
-           dtype_name(main_grads_dtype_));
   for (int64_t n : layout.shards) MF_CHECK(n >= 1, "Memory::shard_layout: ", n, " shards");
   MF_CHECK(layout.bucket_of != nullptr, "Memory::shard_layout without bucket_of");
   layout_ = std::move(layout);
@@ -209,7 +207,7 @@ void Memory::shard_layout(ShardLayout layout) {
 
 void Memory::take_sharded(Param& p, const ParamSpec& spec) {
   const int g = static_cast<int>(spec.group);
-  const size_t esize = dtype_size(master_dtype());
+  const size_t esize = dtype_size(grad_dtype(spec.group));  // the block's elements
   const int64_t shards = layout_.shards[g];
   std::vector<GradBucket>& buckets = buckets_[g];
   const int64_t key = layout_.bucket_of(spec.name);
@@ -219,12 +217,23 @@ void Memory::take_sharded(Param& p, const ParamSpec& spec) {
     buckets.push_back({key, static_cast<int64_t>(grads_[g].used() / esize), 0, spec.full_master});
   }
   const size_t at = grads_[g].used();  // bytes: the compute copy sits at the same element offset
-  p.grad = grads_[g].take(master_dtype(), spec.shape);
+  p.grad = grads_[g].take(grad_dtype(spec.group), spec.shape);
   const int64_t end = static_cast<int64_t>(grads_[g].used() / esize);
   buckets.back().end = (end + shards - 1) / shards * shards;
   p.compute = compute_[g].take_at(dtype_, spec.shape, at / esize * dtype_size(dtype_));
-  p.value = spec.full_master ? params_arena_[g].take(master_dtype(), spec.shape) : p.grad;
+  if (spec.full_master)
+    p.value = params_arena_[g].take(master_dtype(), spec.shape);
+  else if (p.grad.dtype() == master_dtype())
+    p.value = p.grad;
+  else  // bf16 gradients: the master's staging in host memory, at the gradient's element offset
+    p.value = staging_[g].take_at(master_dtype(), spec.shape, at / esize * dtype_size(master_dtype()));
   if (spec.full_master && !mixed_precision()) p.compute = p.value;
+}
+
+Tensor Memory::master_staging(ParamGroup group) const {
+  const int g = static_cast<int>(group);
+  if (!sharded_ || grad_dtype(group) == master_dtype()) return Tensor();
+  return Tensor(staging_[g].base(), master_dtype(), {block_elems(g)}, Device::cpu);
 }
 
 Tensor Memory::compute_block(ParamGroup group) const {
@@ -405,13 +414,16 @@ void Memory::allocate() {
   for (size_t i = 0; i < all.size(); ++i) measured_[i] = all[i]->used();
   for (int g = 0; g < kNumParamGroups && sharded_; ++g) {
     // The last bucket's padding: room up to its end in the gradient and compute blocks.
-    grads_[g].reserve_to(static_cast<size_t>(block_elems(g)) * dtype_size(master_dtype()));
+    grads_[g].reserve_to(static_cast<size_t>(block_elems(g)) * dtype_size(grad_dtype(static_cast<ParamGroup>(g))));
+    if (grad_dtype(static_cast<ParamGroup>(g)) != master_dtype())
+      staging_[g].reserve_to(static_cast<size_t>(block_elems(g)) * dtype_size(master_dtype()));
     compute_[g].reserve_to(static_cast<size_t>(block_elems(g)) * dtype_size(dtype_));
   }
   for (int g = 0; g < kNumParamGroups; ++g) {
     params_arena_[g].allocate();
     grads_[g].allocate();
     compute_[g].allocate();
+    staging_[g].allocate();
   }
   acts_.allocate();
   host_acts_.allocate();
@@ -465,7 +477,8 @@ size_t Memory::compute_bytes() const {
 size_t Memory::grad_bytes() const {
   size_t n = 0;
   for (int g = 0; g < kNumParamGroups; ++g)
-    n += std::max(grads_[g].used(), static_cast<size_t>(block_elems(g)) * dtype_size(master_dtype()));
+    n += std::max(grads_[g].used(),
+                  static_cast<size_t>(block_elems(g)) * dtype_size(grad_dtype(static_cast<ParamGroup>(g))));
   return n;
 }
 

@@ -227,7 +227,8 @@ class Memory {
   // groups what set_main_grads_dtype chose.
   DType grad_dtype(ParamGroup group) const { return group == ParamGroup::dense ? master_dtype() : main_grads_dtype_; }
   // bf16: the expert and tensor-parallel groups' gradients in bf16 (train.main_grads_dtype).
-  // REQUIRES: before the first bind; mixed precision; not sharded (shard_layout).
+  // REQUIRES: before the first bind; mixed precision. Sharded, those groups' Param::value (the
+  // masters' staging) then lives in host memory (master_staging), not over the gradients.
   void set_main_grads_dtype(DType dtype);
   // Whether compute copies differ from the master weights (Param::compute != Param::value).
   bool mixed_precision() const { return master_dtype() != dtype_; }
@@ -316,6 +317,9 @@ class Memory {
   const std::vector<GradBucket>& grad_buckets(ParamGroup group) const { return buckets_[static_cast<int>(group)]; }
   // The group's compute copies as one flat tensor laid out like grad_block (sharded only).
   Tensor compute_block(ParamGroup group) const;
+  // Sharded with bf16 gradients: the group's f32 master staging in host memory, laid out like
+  // grad_block (Param::value views it); undefined otherwise (the gradients' storage stages).
+  Tensor master_staging(ParamGroup group) const;
 
   // Names the part of the model whose workspace the next act / host_act / mirrored / peer_act
   // calls take (moefold plan's breakdown: "embedding", "layers.3", "head", ...). The measuring
@@ -365,7 +369,12 @@ class Memory {
   }
   size_t scratch_bytes() const { return scratch_.bytes(); }      // the workspace shared between layers
   size_t recompute_bytes() const { return recompute_.bytes(); }  // the recomputed layers' block
-  size_t host_act_bytes() const { return host_acts_.used() + host_offload_.used(); }  // offloaded copies too
+  // Host workspaces: plans, offloaded activations' copies, the masters' staging (bf16 gradients, sharded).
+  size_t host_act_bytes() const {
+    size_t n = host_acts_.used() + host_offload_.used();
+    for (const Arena& a : staging_) n += a.used();
+    return n;
+  }
 
  private:
   DType dtype_;
@@ -374,6 +383,7 @@ class Memory {
   const ExecContext* exec_;
   int64_t grad_generation_ = 0;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
+  Arena staging_[kNumParamGroups];   // host: sharded masters' staging with bf16 gradients
   Arena host_acts_;                  // always host memory; empty on a CPU run
   Arena peer_acts_;                  // the peer-visible activations (peer_act)
   OverlayPool scratch_, recompute_;  // shared between layers (1 slot); recomputed layers (a slot per position)

@@ -1,6 +1,9 @@
 #include "moefold/core/rng.h"
 
+#include <algorithm>
 #include <cmath>
+#include <thread>
+#include <vector>
 
 #include "moefold/core/philox.h"
 
@@ -42,8 +45,27 @@ void fill(const Tensor& t, F&& value_of) {
 }
 }  // namespace
 
+// Large tensors are drawn by every core (each value depends only on its index: the same values in
+// any split): the host staging of sharded masters with bf16 gradients is initialised here.
 void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first_index) {
-  fill(t, [&](uint64_t i) { return mean + std * rng_normal(seed, stream, first_index + i); });
+  const int64_t n = t.numel();
+  const auto threads = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  if (n < (int64_t{1} << 22) || threads == 1 || !t.contiguous()) {
+    fill(t, [&](uint64_t i) { return mean + std * rng_normal(seed, stream, first_index + i); });
+    return;
+  }
+  const Tensor flat = t.view({n});
+  const int64_t per = (n + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  for (int64_t a = 0; a < n; a += per) {
+    const int64_t e = std::min(n, a + per);
+    pool.emplace_back([&, a, e] {
+      fill(flat.slice(a, e), [&](uint64_t i) {
+        return mean + std * rng_normal(seed, stream, first_index + static_cast<uint64_t>(a) + i);
+      });
+    });
+  }
+  for (std::thread& th : pool) th.join();
 }
 void fill_uniform(const Tensor& t, uint64_t seed, uint64_t stream, double lo, double hi) {
   fill(t, [&](uint64_t i) { return lo + (hi - lo) * rng_uniform(seed, stream, i); });

@@ -187,10 +187,8 @@ void Config::validate() const {
   if (model.num_nextn_predict_layers > 0 && p.cp > 1)
     MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers, " with parallel.cp = ", p.cp,
             ": multi-token prediction under context parallelism is not implemented");
-  if (train.main_grads_dtype == "bf16" && parallel.distributed_optimizer)
-    MF_FAIL(
-        "train.main_grads_dtype = 'bf16' with parallel.distributed_optimizer = true is not supported yet "
-        "(the sharded master weights stage through the f32 gradient buffers)");
+  if (train.main_grads_dtype == "bf16" && train.optimizer_offload_fraction > 0)
+    MF_FAIL("train.main_grads_dtype = 'bf16' with train.optimizer_offload_fraction > 0 is not supported yet");
   if (train.optimizer_offload_fraction > 0 && !parallel.distributed_optimizer)
     MF_FAIL("train.optimizer_offload_fraction = ", train.optimizer_offload_fraction,
             " needs parallel.distributed_optimizer = true (the offloaded state is the optimizer's shards)");

@@ -167,6 +167,7 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
              " ranks");
     gr.grad_block = mem.grad_block(group);
     gr.compute_block = mem.compute_block(group);
+    gr.stage = mem.master_staging(group);
     // Decided once: the step loop allocates nothing.
     gr.gather_order.clear();
     for (size_t i = 0; i < gr.buckets.size(); ++i)
@@ -181,6 +182,8 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
   const double fraction = cfg_.optimizer_offload_fraction;
   if (fraction > 0 && mem.device() != Device::cuda)
     MF_FAIL("train.optimizer_offload_fraction = ", fraction, " needs the CUDA device (it offloads GPU memory)");
+  if (fraction > 0 && mem.grad_dtype(ParamGroup::expert) != mem.master_dtype())
+    MF_FAIL("train.optimizer_offload_fraction with train.main_grads_dtype = 'bf16' is not supported yet");
   host_arena_.set_device(Device::cpu);
   host_arena_.set_pinned(true);
   auto take_all = [&] {
@@ -383,12 +386,12 @@ void AdamW::gather_into_grad_blocks(int pick) {
     const Tensor& src = pick == 0 ? sg.master : pick == 1 ? sg.m : sg.v;
     if (pick == 0 && sg.whole) continue;  // Param::value is this master already
     const Group& gr = groups_[static_cast<size_t>(sg.group)];
-    convert(src, gr.grad_block.slice(sg.begin, sg.end));
+    convert(src, gr.exposure().slice(sg.begin, sg.end));
   }
   for (const Group& gr : groups_) {
     int64_t last = -1;
     for (const GradBucket& b : gr.buckets)
-      if (!b.full_master) last = gr.comm->start_all_gather(gr.grad_block.slice(b.begin, b.end));
+      if (!b.full_master) last = gr.comm->start_all_gather(gr.exposure().slice(b.begin, b.end));
     if (last >= 0) gr.comm->wait(last);
   }
 }
@@ -446,7 +449,7 @@ void AdamW::host_to_block(const std::vector<std::byte>& host, const Tensor& bloc
 void AdamW::prepare_state() {
   if (!exposed_) return;
   for (int g = 0; g < kNumParamGroups; ++g) {
-    const Tensor& block = groups_[static_cast<size_t>(g)].grad_block;
+    const Tensor& block = groups_[static_cast<size_t>(g)].exposure();
     const DType wide = block.dtype() == DType::bf16 ? DType::f32 : block.dtype();  // f32 for bf16 blocks
     const size_t bytes = static_cast<size_t>(block.numel()) * dtype_size(wide);
     host_m_[static_cast<size_t>(g)].assign(bytes, std::byte{0});
@@ -464,7 +467,7 @@ void AdamW::gather_state() {
     for (int g = 0; g < kNumParamGroups; ++g) {
       const Group& gr = groups_[static_cast<size_t>(g)];
       std::vector<std::byte>& host = pick == 1 ? host_m_[static_cast<size_t>(g)] : host_v_[static_cast<size_t>(g)];
-      block_to_host(gr.grad_block, host);
+      block_to_host(gr.exposure(), host);
     }
   }
   if (sharded_) gather_into_grad_blocks(0);
@@ -477,10 +480,10 @@ void AdamW::scatter_state() {
   // passes through that storage.
   for (const Segment& sg : segments_)
     if (sharded_ && !sg.whole)
-      sg.master.copy_from(groups_[static_cast<size_t>(sg.group)].grad_block.slice(sg.begin, sg.end), ctx_);
+      sg.master.copy_from(groups_[static_cast<size_t>(sg.group)].exposure().slice(sg.begin, sg.end), ctx_);
   // Every rank holds every value: each compute copy is cast whole, no gather needed.
   for (const Param& p : params)
-    if (p.compute.data() != p.value.data()) cast(*ctx_, p.value, p.compute);
+    if (p.compute.data() != p.value.data()) convert(p.value, p.compute);
   const bool loaded = !host_m_[0].empty() || !host_m_[1].empty() || !host_m_[2].empty();
   if (!exposed_ || !loaded) return release_state();
   // The moments, each in turn, from host memory through the gradient blocks (f32) into the
@@ -490,10 +493,10 @@ void AdamW::scatter_state() {
       const Group& gr = groups_[static_cast<size_t>(g)];
       const std::vector<std::byte>& host =
           pick == 1 ? host_m_[static_cast<size_t>(g)] : host_v_[static_cast<size_t>(g)];
-      host_to_block(host, gr.grad_block);
+      host_to_block(host, gr.exposure());
     }
     for (const Segment& sg : segments_)
-      convert(groups_[static_cast<size_t>(sg.group)].grad_block.slice(sg.begin, sg.end), pick == 1 ? sg.m : sg.v);
+      convert(groups_[static_cast<size_t>(sg.group)].exposure().slice(sg.begin, sg.end), pick == 1 ? sg.m : sg.v);
   }
   release_state();
 }
@@ -509,8 +512,8 @@ Tensor AdamW::moment(size_t i, int which) const {
   const size_t g = static_cast<size_t>(p.group);
   const std::vector<std::byte>& host = which == 0 ? host_m_[g] : host_v_[g];
   MF_CHECK(!host.empty(), "AdamW: the moments of ", p.name, " are not gathered (gather_state)");
-  const Tensor& block = groups_[g].grad_block;
-  const auto [a, e] = elements_of(p, block);
+  const Tensor& block = groups_[g].exposure();
+  const auto [a, e] = elements_of(p, groups_[g].grad_block);
   const DType wide = block.dtype() == DType::bf16 ? DType::f32 : block.dtype();
   return Tensor(const_cast<std::byte*>(host.data()), wide, block.shape()).slice(a, e).view(p.grad.shape());
 }

@@ -124,6 +124,9 @@ class AdamW {
   struct Group {
     Communicator* comm = nullptr;
     Tensor grad_block, compute_block;
+    Tensor stage;  // bf16 gradients: the f32 host staging of the masters (Memory::master_staging)
+    // Where the exposed state passes (gather_state, scatter_state): the staging, else the gradients.
+    const Tensor& exposure() const { return stage.defined() ? stage : grad_block; }
     std::vector<GradBucket> buckets;
     std::vector<size_t> gather_order;  // the buckets step() gathers, in forward order (by key)
   };
