@@ -185,6 +185,24 @@ TEST(Clip, FusedIntoAdamWMatchesClippingFirst) {
   EXPECT_EQ(testing::max_abs_diff(fused[0].grad, g0), 0.0);
 }
 
+// DeepSeek-V3's layers at test size: MLA with q-LoRA, a dense first layer, shared experts, sigmoid
+// routing with a selection bias, multi-token prediction.
+const std::vector<std::string> kDeepSeek = {"model.architecture=deepseek_v3",
+                                            "model.num_attention_heads=2",
+                                            "model.num_key_value_heads=2",
+                                            "model.head_dim=4",
+                                            "model.qk_rope_head_dim=4",
+                                            "model.qk_nope_head_dim=4",
+                                            "model.v_head_dim=8",
+                                            "model.kv_lora_rank=8",
+                                            "model.q_lora_rank=8",
+                                            "model.first_k_dense_replace=1",
+                                            "model.intermediate_size=32",
+                                            "moe.n_shared_experts=1",
+                                            "moe.scoring_func=sigmoid",
+                                            "moe.expert_bias=true",
+                                            "model.num_nextn_predict_layers=1"};
+
 // The distributed optimizer on one rank (its whole path, shard groups of one): see sharding_check.h.
 // With bf16 moments too: both runs keep them in bf16, checkpoints in f32, and every resume
 // continues with the same bits.
@@ -192,12 +210,7 @@ TEST(Trainer, DistributedOptimizerOnOneRankChangesNothing) {
   testing::expect_one_rank_sharding_changes_nothing(Device::cpu, {});
   testing::expect_one_rank_sharding_changes_nothing(Device::cpu,
                                                     {"train.exp_avg_dtype=bf16", "train.exp_avg_sq_dtype=bf16"});
-  testing::expect_one_rank_sharding_changes_nothing(
-      Device::cpu, {"model.architecture=deepseek_v3", "model.num_attention_heads=2", "model.num_key_value_heads=2",
-                    "model.head_dim=4", "model.qk_rope_head_dim=4", "model.qk_nope_head_dim=4", "model.v_head_dim=8",
-                    "model.kv_lora_rank=8", "model.q_lora_rank=8", "model.first_k_dense_replace=1",
-                    "model.intermediate_size=32", "moe.n_shared_experts=1", "moe.scoring_func=sigmoid",
-                    "moe.expert_bias=true", "model.num_nextn_predict_layers=1"});
+  testing::expect_one_rank_sharding_changes_nothing(Device::cpu, kDeepSeek);
 }
 
 // Recomputation (recompute_check.h) on one CPU rank, in f64 (exactly) and f32: the default
@@ -208,14 +221,7 @@ TEST(Trainer, RecomputeChangesNothing) {
   testing::TempDir dir("recompute");
   const std::string path = testing::make_train_data(dir.path());
   const TokenDataset data = open_token_dataset(path);
-  const std::vector<std::vector<std::string>> families = {
-      {},
-      {"model.architecture=deepseek_v3", "model.num_attention_heads=2", "model.num_key_value_heads=2",
-       "model.head_dim=4", "model.qk_rope_head_dim=4", "model.qk_nope_head_dim=4", "model.v_head_dim=8",
-       "model.kv_lora_rank=8", "model.q_lora_rank=8", "model.first_k_dense_replace=1", "model.intermediate_size=32",
-       "moe.n_shared_experts=1", "moe.scoring_func=sigmoid", "moe.expert_bias=true",
-       "model.num_nextn_predict_layers=1"},
-      {"model.architecture=olmoe"}};
+  const std::vector<std::vector<std::string>> families = {{}, kDeepSeek, {"model.architecture=olmoe"}};
   for (const std::vector<std::string>& family : families)
     for (const DType dtype : {DType::f64, DType::f32}) {
       SCOPED_TRACE(cat(family.empty() ? "qwen3_moe" : family[0], ", ", dtype_name(dtype)));

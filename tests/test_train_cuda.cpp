@@ -158,56 +158,40 @@ TEST(TrainCuda, DistributedOptimizerOnOneGpuChangesNothing) {
       Device::cuda, {"train.main_grads_dtype=bf16", "train.exp_avg_dtype=bf16", "train.exp_avg_sq_dtype=bf16"});
 }
 
-// Recomputation on one GPU (bf16 compute, deterministic kernels: the default): every variant of
-// recompute_check.h gives the same bits as the run that keeps everything, for the default family
-// and DeepSeek-V3's layers (MLA, a dense first layer, shared experts, multi-token prediction).
-TEST(TrainCuda, RecomputeChangesNothing) {
-  MF_REQUIRE_GPU();
-  testing::TempDir dir("train_cuda_recompute");
+// recompute_check.h's variants on one GPU, for the default family and DeepSeek-V3's layers with
+// `layers` decoder layers: each gives the bits of the run that keeps everything.
+void expect_gpu_variants_change_nothing(int layers, const std::vector<testing::RecomputeVariant>& variants) {
+  testing::TempDir dir("train_cuda_variants");
   const std::string path = testing::make_train_data(dir.path());
   const TokenDataset data = open_token_dataset(path);
   for (std::vector<std::string> extra : {std::vector<std::string>{}, kDeepSeek}) {
     SCOPED_TRACE(extra.empty() ? "qwen3_moe" : "deepseek_v3");
-    extra.push_back("model.num_hidden_layers=3");
-    const Config base = testing::small_train_config(path, extra);
-    std::vector<std::unique_ptr<Communicator>> worlds;
-    std::vector<std::unique_ptr<Mesh>> meshes;
-    testing::expect_recompute_changes_nothing(
-        base,
-        [&](const Config& c) {
-          worlds.push_back(make_self_communicator());
-          meshes.push_back(std::make_unique<Mesh>(Mesh::build(*worlds.back(), c.resolve_layout(1))));
-          auto t = std::make_unique<Trainer>(c, data, *meshes.back(), Device::cuda);
-          t->init_fresh();
-          return t;
-        },
-        testing::recompute_variants());
-  }
-}
-
-// Activation offload on one GPU: each module's kept input through pinned host memory and back (the
-// offload_variants of recompute_check.h) gives the same bits as keeping it, for the default family
-// and DeepSeek-V3's layers, over five layers (the three offload slots wrap around).
-TEST(TrainCuda, ActivationOffloadChangesNothing) {
-  MF_REQUIRE_GPU();
-  testing::TempDir dir("train_cuda_offload_acts");
-  const std::string path = testing::make_train_data(dir.path());
-  const TokenDataset data = open_token_dataset(path);
-  for (std::vector<std::string> extra : {std::vector<std::string>{}, kDeepSeek}) {
-    SCOPED_TRACE(extra.empty() ? "qwen3_moe" : "deepseek_v3");
-    extra.push_back("model.num_hidden_layers=5");
-    const Config base = testing::small_train_config(path, extra);
+    extra.push_back(cat("model.num_hidden_layers=", layers));
     std::vector<std::unique_ptr<OneRank>> ranks;
     testing::expect_recompute_changes_nothing(
-        base,
+        testing::small_train_config(path, extra),
         [&](const Config& c) {
           ranks.push_back(std::make_unique<OneRank>(c));
           auto t = std::make_unique<Trainer>(c, data, ranks.back()->mesh, Device::cuda);
           t->init_fresh();
           return t;
         },
-        testing::offload_variants());
+        variants);
   }
+}
+
+// Recomputation on one GPU (bf16 compute, deterministic kernels: the default): every variant, three
+// layers (uniform chunks of 2 end with a chunk of one).
+TEST(TrainCuda, RecomputeChangesNothing) {
+  MF_REQUIRE_GPU();
+  expect_gpu_variants_change_nothing(3, testing::recompute_variants());
+}
+
+// Activation offload on one GPU: each module's kept input through pinned host memory and back, over
+// five layers (the three offload slots wrap around).
+TEST(TrainCuda, ActivationOffloadChangesNothing) {
+  MF_REQUIRE_GPU();
+  expect_gpu_variants_change_nothing(5, testing::offload_variants());
 }
 
 // train.main_grads_dtype = bf16: the expert and tensor-parallel gradients in bf16 (the replicated

@@ -80,6 +80,49 @@ void ModelConfig::validate() const {
     MF_FAIL("model.mtp_loss_scaling_factor = ", mtp_loss_scaling_factor, " must be finite and >= 0");
 }
 
+namespace {
+
+// The module names of train.recompute_modules and train.offload_modules, and the flag each sets.
+template <class S>
+struct ModuleName {
+  const char* name;
+  bool S::*flag;
+};
+constexpr ModuleName<Recompute> kRecomputeModules[] = {{"layernorm", &Recompute::layernorm},
+                                                       {"core_attn", &Recompute::core_attn},
+                                                       {"mla_up_proj", &Recompute::mla_up_proj},
+                                                       {"moe_act", &Recompute::moe_act},
+                                                       {"shared_experts", &Recompute::shared_experts},
+                                                       {"moe", &Recompute::moe},
+                                                       {"mlp", &Recompute::mlp}};
+constexpr ModuleName<Offload> kOffloadModules[] = {
+    {"attn_norm", &Offload::attn_norm}, {"qkv_linear", &Offload::qkv_linear}, {"core_attn", &Offload::core_attn},
+    {"attn_proj", &Offload::attn_proj}, {"mlp_norm", &Offload::mlp_norm},     {"expert_fc1", &Offload::expert_fc1},
+    {"moe_act", &Offload::moe_act}};
+
+// One line naming the first unknown module and the known ones.
+template <class S, size_t N>
+void check_modules(const char* key, const std::vector<std::string>& modules, const ModuleName<S> (&known)[N]) {
+  for (const std::string& m : modules) {
+    std::string names;
+    bool found = false;
+    for (const ModuleName<S>& k : known) {
+      found |= m == k.name;
+      names += names.empty() ? k.name : cat(", ", k.name);
+    }
+    if (!found) MF_FAIL(key, ": unknown module '", m, "' (", names, ")");
+  }
+}
+
+template <class S, size_t N>
+void set_modules(const std::vector<std::string>& modules, const ModuleName<S> (&known)[N], S& out) {
+  for (const std::string& m : modules)
+    for (const ModuleName<S>& k : known)
+      if (m == k.name) out.*k.flag = true;
+}
+
+}  // namespace
+
 void TrainConfig::validate() const {
   auto positive = [](const char* k, int64_t v) { require_positive("train", k, v); };
   positive("seq_len", seq_len);
@@ -102,18 +145,10 @@ void TrainConfig::validate() const {
                                    {"exp_avg_sq_dtype", exp_avg_sq_dtype},
                                    {"main_grads_dtype", main_grads_dtype}})
     if (value != "f32" && value != "bf16") MF_FAIL("train.", key, " = '", value, "' is not supported (f32, bf16)");
-  for (const std::string& m : recompute_modules)
-    if (m != "layernorm" && m != "core_attn" && m != "mla_up_proj" && m != "moe_act" && m != "shared_experts" &&
-        m != "moe" && m != "mlp")
-      MF_FAIL("train.recompute_modules: unknown module '", m,
-              "' (layernorm, core_attn, mla_up_proj, moe_act, shared_experts, moe, mlp)");
+  check_modules("train.recompute_modules", recompute_modules, kRecomputeModules);
   if (!(optimizer_offload_fraction >= 0 && optimizer_offload_fraction <= 1))
     MF_FAIL("train.optimizer_offload_fraction = ", optimizer_offload_fraction, " must be in [0, 1]");
-  for (const std::string& m : offload_modules)
-    if (m != "attn_norm" && m != "qkv_linear" && m != "core_attn" && m != "attn_proj" && m != "mlp_norm" &&
-        m != "expert_fc1" && m != "moe_act")
-      MF_FAIL("train.offload_modules: unknown module '", m,
-              "' (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act)");
+  check_modules("train.offload_modules", offload_modules, kOffloadModules);
   if (!offload_modules.empty() && recompute_num_layers > 0)
     MF_FAIL("train.offload_modules with train.recompute_num_layers = ", recompute_num_layers,
             " is not supported yet (a recomputed chunk would overwrite the offload slots it shares)");
@@ -128,29 +163,13 @@ Recompute TrainConfig::recompute() const {
   Recompute r;
   r.num_layers = recompute_num_layers;
   r.block = recompute_method == "block";
-  for (const std::string& m : recompute_modules) {
-    r.layernorm |= m == "layernorm";
-    r.core_attn |= m == "core_attn";
-    r.mla_up_proj |= m == "mla_up_proj";
-    r.moe_act |= m == "moe_act";
-    r.shared_experts |= m == "shared_experts";
-    r.moe |= m == "moe";
-    r.mlp |= m == "mlp";
-  }
+  set_modules(recompute_modules, kRecomputeModules, r);
   return r;
 }
 
 Offload TrainConfig::offload() const {
   Offload o;
-  for (const std::string& m : offload_modules) {
-    o.attn_norm |= m == "attn_norm";
-    o.qkv_linear |= m == "qkv_linear";
-    o.core_attn |= m == "core_attn";
-    o.attn_proj |= m == "attn_proj";
-    o.mlp_norm |= m == "mlp_norm";
-    o.expert_fc1 |= m == "expert_fc1";
-    o.moe_act |= m == "moe_act";
-  }
+  set_modules(offload_modules, kOffloadModules, o);
   return o;
 }
 

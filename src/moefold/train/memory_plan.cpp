@@ -20,9 +20,7 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
               cfg.train.recompute(), cfg.train.offload());
   const ExecContext ctx(device, cfg.kernels, ExecContext::Stream::none);
   Memory mem(p.compute, ctx);
-  set_main_grads_dtype(mem, cfg.train);
-  if (cfg.train.offload().any() && device != Device::cuda)
-    MF_FAIL("train.offload_modules needs the CUDA device (it offloads GPU memory)");
+  apply_memory_options(mem, cfg.train);
   if (cfg.parallel.distributed_optimizer) mem.shard_layout(shard_layout_for(mesh, model));
   StepBuffers buffers;
   bind_training(mem, model, cfg, buffers);  // the measuring pass: sizes only
@@ -32,9 +30,6 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
   p.bf16_grads = mem.grad_dtype(ParamGroup::expert) == DType::bf16;
   p.optimizer = AdamW::state_bytes(mem, cfg.train);
   p.optimizer_host = AdamW::host_state_bytes(mem, cfg.train);
-  if (p.optimizer_host > 0 && device != Device::cuda)
-    MF_FAIL("train.optimizer_offload_fraction = ", cfg.train.optimizer_offload_fraction,
-            " needs the CUDA device (it offloads GPU memory)");
   p.activations = mem.act_bytes();
   p.host = mem.host_act_bytes();
   p.parts = mem.part_bytes();

@@ -180,8 +180,7 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
   // One pass measures, the next takes: per bucket the slot's master, m and v (one tensor each,
   // the slot's segments are views of it), or a full_master bucket's m and v.
   const double fraction = cfg_.optimizer_offload_fraction;
-  if (fraction > 0 && mem.device() != Device::cuda)
-    MF_FAIL("train.optimizer_offload_fraction = ", fraction, " needs the CUDA device (it offloads GPU memory)");
+  MF_CHECK(fraction == 0 || mem.device() == Device::cuda, "optimizer offload on a CPU run");  // apply_memory_options
   if (fraction > 0 && mem.grad_dtype(ParamGroup::expert) != mem.master_dtype())
     MF_FAIL("train.optimizer_offload_fraction with train.main_grads_dtype = 'bf16' is not supported yet");
   host_arena_.set_device(Device::cpu);
@@ -476,8 +475,8 @@ void AdamW::gather_state() {
 void AdamW::scatter_state() {
   const std::vector<Param>& params = *params_;
   wait_all_weights();
-  // Sharded: the master slots from Param::value (the gradients' storage), before anything else
-  // passes through that storage.
+  // Sharded: the master slots from Param::value (the gradients' storage, or the host staging with
+  // bf16 gradients), before anything else passes through that storage.
   for (const Segment& sg : segments_)
     if (sharded_ && !sg.whole)
       sg.master.copy_from(groups_[static_cast<size_t>(sg.group)].exposure().slice(sg.begin, sg.end), ctx_);
@@ -486,8 +485,8 @@ void AdamW::scatter_state() {
     if (p.compute.data() != p.value.data()) convert(p.value, p.compute);
   const bool loaded = !host_m_[0].empty() || !host_m_[1].empty() || !host_m_[2].empty();
   if (!exposed_ || !loaded) return release_state();
-  // The moments, each in turn, from host memory through the gradient blocks (f32) into the
-  // segments (converted to their dtype).
+  // The moments, each in turn, from host memory through each group's exposure block (the gradients,
+  // or the f32 staging) into the segments (converted to their dtype).
   for (int pick : {1, 2}) {
     for (int g = 0; g < kNumParamGroups; ++g) {
       const Group& gr = groups_[static_cast<size_t>(g)];

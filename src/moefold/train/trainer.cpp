@@ -45,7 +45,13 @@ void bind_training(Memory& mem, Model& model, const Config& cfg, StepBuffers& bu
   buffers.bind(mem, cfg, model);
 }
 
-void set_main_grads_dtype(Memory& mem, const TrainConfig& train) {
+void apply_memory_options(Memory& mem, const TrainConfig& train) {
+  if (mem.device() != Device::cuda) {
+    if (!train.offload_modules.empty()) MF_FAIL("train.offload_modules needs the CUDA device (it offloads GPU memory)");
+    if (train.optimizer_offload_fraction > 0)
+      MF_FAIL("train.optimizer_offload_fraction = ", train.optimizer_offload_fraction,
+              " needs the CUDA device (it offloads GPU memory)");
+  }
   if (train.main_grads_dtype != "bf16") return;
   if (!mem.mixed_precision())
     MF_FAIL("train.main_grads_dtype = 'bf16' needs bf16 compute with f32 master weights (the CUDA device)");
@@ -72,9 +78,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
   const int64_t layers = model_.num_moe_layers();
-  set_main_grads_dtype(mem_, cfg.train);
-  if (cfg.train.offload().any() && device != Device::cuda)
-    MF_FAIL("train.offload_modules needs the CUDA device (it offloads GPU memory)");
+  apply_memory_options(mem_, cfg.train);
   if (cfg.parallel.distributed_optimizer) mem_.shard_layout(shard_layout_for(mesh, model_));
   auto bind_all = [&] { bind_training(mem_, model_, cfg_, buf_); };
   bind_all();  // measure

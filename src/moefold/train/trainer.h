@@ -52,8 +52,9 @@ struct StepBuffers {
   void bind(Memory& mem, const Config& cfg, const Model& model);
 };
 
-// train.main_grads_dtype on a Memory before its first bind (one clear line when it cannot be).
-void set_main_grads_dtype(Memory& mem, const TrainConfig& train);
+// The memory options on a Memory before its first bind: train.main_grads_dtype, and one clear line
+// for the options this device cannot take (offload and bf16 gradients need the CUDA device).
+void apply_memory_options(Memory& mem, const TrainConfig& train);
 
 // A training rank's whole binding pass (the trainer's, and moefold plan's measuring one).
 void bind_training(Memory& mem, Model& model, const Config& cfg, StepBuffers& buffers);
