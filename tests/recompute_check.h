@@ -53,6 +53,14 @@ inline std::vector<RecomputeVariant> offload_variants() {
                0,
                "uniform",
                all});
+  // Whole layers recomputed (the first one or two) keep only their input; the others offload.
+  v.push_back({"offload every module, block 1", {}, 1, "block", all});
+  v.push_back({"offload every module, block 2 + every module recomputed",
+               {"layernorm", "core_attn", "mla_up_proj", "moe_act", "shared_experts", "moe", "mlp"},
+               2,
+               "block",
+               all});
+  v.push_back({"offload every module, uniform 2 (nothing left to offload)", {}, 2, "uniform", all});
   return v;
 }
 

@@ -227,18 +227,18 @@ TEST(TrainCuda, Bf16MainGradsTrainAndResume) {
 // Optimizer offload (train.optimizer_offload_fraction) with the distributed optimizer on one GPU:
 // the host update gives the kernel's bits, so with 40% and with all of the state offloaded the
 // losses and master weights equal the run that keeps it on the GPU, bit for bit (f32 and bf16
-// moments); a checkpoint of the offloaded run resumes with and without offload with the
-// uninterrupted run's next losses.
+// moments, f32 and bf16 gradients: those stage to the host as bf16); a checkpoint of the offloaded
+// run resumes with and without offload with the uninterrupted run's next losses.
 TEST(TrainCuda, OptimizerOffloadChangesNothing) {
   MF_REQUIRE_GPU();
   testing::TempDir dir("train_cuda_offload");
   const std::string path = testing::make_train_data(dir.path());
   const TokenDataset data = open_token_dataset(path);
-  for (const char* moments : {"f32", "bf16"}) {
-    SCOPED_TRACE(cat("moments ", moments));
-    const Config base =
-        testing::small_train_config(path, {"parallel.distributed_optimizer=true", cat("train.exp_avg_dtype=", moments),
-                                           cat("train.exp_avg_sq_dtype=", moments)});
+  for (const auto& [moments, grads] : {std::pair{"f32", "f32"}, {"bf16", "f32"}, {"f32", "bf16"}, {"bf16", "bf16"}}) {
+    SCOPED_TRACE(cat("moments ", moments, ", gradients ", grads));
+    const Config base = testing::small_train_config(
+        path, {"parallel.distributed_optimizer=true", cat("train.exp_avg_dtype=", moments),
+               cat("train.exp_avg_sq_dtype=", moments), cat("train.main_grads_dtype=", grads)});
     std::vector<std::unique_ptr<OneRank>> ranks;
     auto make = [&](double fraction) {
       Config c = base;
@@ -258,7 +258,7 @@ TEST(TrainCuda, OptimizerOffloadChangesNothing) {
     for (const Param& p : ref->params())
       for (Trainer* t : {part.get(), all.get()})
         EXPECT_TRUE(testing::value_bytes(t->memory().find(p.name)->value) == testing::value_bytes(p.value)) << p.name;
-    const std::string ckpt = part->save((dir.path() / cat("ckpt_", moments)).string());
+    const std::string ckpt = part->save((dir.path() / cat("ckpt_", moments, "_", grads)).string());
     std::unique_ptr<Trainer> on = make(0.4), off = make(0);
     on->load(ckpt);
     off->load(ckpt);

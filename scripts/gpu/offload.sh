@@ -3,7 +3,8 @@
 # checks (the host AdamW against the kernel, offloaded runs against the GPU-only run), then
 # qwen3-30b-a3b x 8 sequences (micro-batch 2) with a fraction of the optimizer state offloaded:
 # `moefold plan`'s peak against the measured one, and the step's speed.
-#   scripts/gpu/offload.sh [tests|measure|acts]   (default: tests and measure; acts: activation offload)
+#   scripts/gpu/offload.sh [tests|measure|acts|combos]   (default: tests and measure; acts: activation
+#   offload; combos: optimizer offload with bf16 gradients, activation offload with whole layers recomputed)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 source "$root/scripts/gpu/env.sh"
@@ -14,7 +15,7 @@ if [ "${1:-}" != measure ]; then
   "$root/.gpu/bin/test_ops_cuda" --gtest_brief=1 --gtest_filter='CudaAdamW*' 2>&1 | tail -3
   "$root/.gpu/bin/test_train_cuda" --gtest_brief=1 --gtest_filter='*Offload*:*StepLoop*' 2>&1 | tail -3
 fi
-if [ "${1:-}" = acts ]; then
+if [ "${1:-}" = acts ] || [ "${1:-}" = combos ]; then
   "$root/.gpu/bin/test_train_cuda" --gtest_brief=1 2>&1 | tail -3
 fi
 [ "${1:-}" = tests ] && exit 0
@@ -35,6 +36,14 @@ if [ "${1:-}" = acts ]; then
   check acts_none "${a[@]}"
   check acts_moe "${a[@]}" 'train.offload_modules=["expert_fc1","moe_act"]'
   check acts_all "${a[@]}" \
+    'train.offload_modules=["attn_norm","qkv_linear","core_attn","attn_proj","mlp_norm","expert_fc1","moe_act"]'
+  exit 0
+fi
+if [ "${1:-}" = combos ]; then
+  c=(model.num_hidden_layers=8 train.global_batch_size=8 train.micro_batch_size=2 train.exp_avg_dtype=bf16
+    train.exp_avg_sq_dtype=bf16 parallel.distributed_optimizer=true kernels.deterministic_attention=false)
+  check q8_bf16g_off05 "${c[@]}" train.main_grads_dtype=bf16 train.optimizer_offload_fraction=0.5
+  check q8_acts_block2 "${c[@]}" train.recompute_method=block train.recompute_num_layers=2 \
     'train.offload_modules=["attn_norm","qkv_linear","core_attn","attn_proj","mlp_norm","expert_fc1","moe_act"]'
   exit 0
 fi

@@ -205,7 +205,6 @@ void run_plan(const PlanArgs& a) {
     auto offload = [&](int tenths) {
       Config c = with;
       c.parallel.distributed_optimizer = true;  // the offloaded state is the optimizer's shards
-      c.train.main_grads_dtype = "f32";
       c.train.optimizer_offload_fraction = tenths / 10.0;
       return c;
     };
@@ -217,21 +216,18 @@ void run_plan(const PlanArgs& a) {
       }
       return bytes;
     };
+    const std::string dist = with.parallel.distributed_optimizer ? "" : ", parallel.distributed_optimizer = true";
     for (int t = 1; t <= 10 && !fits; ++t) {
       const Config c = offload(t);
       const size_t peak = peak_of(c), host = host_of(c);
       if (host > host_bytes) {
         std::printf(
-            "with %s, parallel.distributed_optimizer = true, train.main_grads_dtype = f32, "
-            "train.optimizer_offload_fraction = %.1f: %s of host memory, over the %s given (--host-memory)\n",
-            added.c_str(), t / 10.0, gib(host).c_str(), gib(host_bytes).c_str());
+            "with %s%s, train.optimizer_offload_fraction = %.1f: %s of host memory, over the %s given "
+            "(--host-memory)\n",
+            added.c_str(), dist.c_str(), t / 10.0, gib(host).c_str(), gib(host_bytes).c_str());
         break;
       }
-      if (peak <= limit || t == 10)
-        report(added + cat(", parallel.distributed_optimizer = true, train.main_grads_dtype = f32, "
-                           "train.optimizer_offload_fraction = ",
-                           t / 10.0),
-               peak);
+      if (peak <= limit || t == 10) report(added + dist + cat(", train.optimizer_offload_fraction = ", t / 10.0), peak);
     }
   }
   const int64_t layers = cfg.model.num_hidden_layers;

@@ -149,9 +149,6 @@ void TrainConfig::validate() const {
   if (!(optimizer_offload_fraction >= 0 && optimizer_offload_fraction <= 1))
     MF_FAIL("train.optimizer_offload_fraction = ", optimizer_offload_fraction, " must be in [0, 1]");
   check_modules("train.offload_modules", offload_modules, kOffloadModules);
-  if (!offload_modules.empty() && recompute_num_layers > 0)
-    MF_FAIL("train.offload_modules with train.recompute_num_layers = ", recompute_num_layers,
-            " is not supported yet (a recomputed chunk would overwrite the offload slots it shares)");
   if (recompute_num_layers < 0) MF_FAIL("train.recompute_num_layers = ", recompute_num_layers, " must be >= 0");
   if (recompute_method != "uniform" && recompute_method != "block")
     MF_FAIL("train.recompute_method = '", recompute_method, "' is not supported (uniform, block)");
@@ -206,8 +203,6 @@ void Config::validate() const {
   if (model.num_nextn_predict_layers > 0 && p.cp > 1)
     MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers, " with parallel.cp = ", p.cp,
             ": multi-token prediction under context parallelism is not implemented");
-  if (train.main_grads_dtype == "bf16" && train.optimizer_offload_fraction > 0)
-    MF_FAIL("train.main_grads_dtype = 'bf16' with train.optimizer_offload_fraction > 0 is not supported yet");
   if (train.optimizer_offload_fraction > 0 && !parallel.distributed_optimizer)
     MF_FAIL("train.optimizer_offload_fraction = ", train.optimizer_offload_fraction,
             " needs parallel.distributed_optimizer = true (the offloaded state is the optimizer's shards)");

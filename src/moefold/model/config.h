@@ -97,7 +97,7 @@ struct Recompute {
 // v and log-sum-exp; attn_proj: the output projection's input; mlp_norm: the pre-MLP norm's input;
 // expert_fc1: the experts' permuted input rows (the local dispatcher's: with expert parallelism the
 // received rows are peer-visible and stay); moe_act: the experts' first-layer output (the SwiGLU's input). What a
-// module recomputes is not offloaded.
+// module recomputes is not offloaded, nor anything of a layer recomputed whole (train.recompute_num_layers).
 struct Offload {
   bool attn_norm = false, qkv_linear = false, core_attn = false, attn_proj = false, mlp_norm = false,
        expert_fc1 = false, moe_act = false;

@@ -54,7 +54,7 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   ctx_ = &mem.exec();
   const int64_t h = cfg_.hidden_size;
   const Recompute r = whole ? Recompute{} : recompute_;
-  const Offload& o = offload_;
+  const Offload o = whole ? Offload{} : offload_;  // a layer recomputed whole keeps only its input
   norms_again_ = r.layernorm;
   norm1_ = mem.param({.name = prefix_ + ".input_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
@@ -171,7 +171,6 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
 Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
              const ModelParallel& parallel, const Recompute& recompute, const Offload& offload)
     : offload_(offload), cfg_(m), moe_cfg_(e), batch_(micro_batch), seq_len_(seq_len) {
-  MF_CHECK(!offload.any() || recompute.num_layers == 0, "activation offload with whole-layer recompute");
   const int64_t c = parallel.cp ? parallel.cp->size() : 1, n = parallel.tp ? parallel.tp->size() : 1;
   MF_CHECK(seq_len % (c > 1 ? 2 * c : 1) == 0, "seq_len ", seq_len, " over ", c, " context-parallel ranks");
   local_seq_len_ = seq_len / c;
@@ -195,6 +194,9 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
     recompute_slot_.push_back(!whole ? -1 : recompute.block ? 0 : static_cast<int>(l % chunk));
     chunk_first_.push_back(!whole || recompute.block ? l : l / chunk * chunk);
   }
+  int offloading = 0;  // layers offloading so far
+  for (int64_t l = 0; l < layers; ++l)
+    offload_slot_.push_back(offload.any() && recompute_slot_[l] < 0 ? offloading++ % kOffloadSlots : -1);
   for (int64_t l = 0; l < layers; ++l) {
     const bool dense = m.is_dense_layer(l);
     layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, local_seq_len_, rows_, n, l,
@@ -244,16 +246,17 @@ void Model::bind(Memory& mem) {
   tmp_TH_ = mem.act({rows_, h});
   // The residual stream: each layer's input, except inside a recomputed chunk, where a layer's
   // input is part of its recomputed activations (its slot), and the model's output.
-  // With attn_norm offloaded, each layer's input is in its offload slot.
+  // With attn_norm offloaded, an offloading layer's input is in its offload slot.
   res_.assign(static_cast<size_t>(num_layers() + 1), Tensor());
+  auto offloaded_input = [&](int64_t l) { return offload_.attn_norm && offloads(l); };
   for (int64_t l = 0; l <= num_layers(); ++l)
-    if (l == num_layers() || (recompute_slot_[l] <= 0 && !offload_.attn_norm)) res_[l] = mem.act({rows_, h});
+    if (l == num_layers() || (recompute_slot_[l] <= 0 && !offloaded_input(l))) res_[l] = mem.act({rows_, h});
   offload_blocks_.clear();
   for (size_t l = 0; l < layers_.size(); ++l) {
     mem.set_part(cat("layers.", l));
-    mem.begin_layer(recompute_slot_[l], offload_.any() ? static_cast<int>(l % kOffloadSlots) : -1);
+    mem.begin_layer(recompute_slot_[l], offload_slot_[l]);
     if (recompute_slot_[l] > 0) res_[l] = mem.act({rows_, h});
-    if (offload_.attn_norm) res_[l] = mem.offloaded({rows_, h});
+    if (offloaded_input(static_cast<int64_t>(l))) res_[l] = mem.offloaded({rows_, h});
     layers_[l]->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_, recompute_slot_[l] >= 0);
     offload_blocks_.push_back(mem.end_layer());
   }
@@ -302,6 +305,12 @@ void Model::bind(Memory& mem) {
   }
 }
 
+int64_t Model::offloaded_before(int64_t layer) const {
+  for (int64_t l = layer - 1; l >= 0; --l)
+    if (offloads(l)) return l;
+  return -1;
+}
+
 void Model::offload_after_forward(int64_t layer) {
   const Memory::OffloadBlock& b = offload_blocks_[static_cast<size_t>(layer)];
   copy_->wait_for(*ctx_);
@@ -347,14 +356,15 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS,
   for (int64_t l = 0; l < num_layers(); ++l) {
     needed(l);
     if (copy_ && l > 0) {
-      // Layer l and its output (layer l + 1's input) overwrite the slots of layers l - 3 and l - 2,
-      // whose copies to the host were started before this point; then layer l - 1's starts.
+      // Layer l and its output (the next layer's input) overwrite the slots of the offloading layers
+      // three and two before them, whose copies to the host were started before this point; then
+      // layer l - 1's starts (where it offloads).
       ctx_->wait_for(*copy_);
-      offload_after_forward(l - 1);
+      if (offloads(l - 1)) offload_after_forward(l - 1);
     }
     layers_[l]->forward(res_[l], res_[l + 1]);
   }
-  if (copy_) offload_after_forward(num_layers() - 1);
+  if (copy_ && offloads(num_layers() - 1)) offload_after_forward(num_layers() - 1);
   needed(num_layers());
   const double loss = head_forward(res_.back(), norm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_);
   const Tensor* prev = &res_.back();
@@ -441,13 +451,13 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
   }
   if (!mtp_.empty()) add_inplace(*ctx_, dres_TH_, mtp_.front()->dprev_TH_);
   if (grads_ready) grads_ready(num_layers());
-  if (copy_) fetch_before_backward(num_layers() - 1);
+  if (copy_ && offloaded_before(num_layers()) >= 0) fetch_before_backward(offloaded_before(num_layers()));
   for (int64_t l = num_layers() - 1; l >= 0; --l) {
-    if (copy_) {
-      // Layer l's block is back (fetched one layer ahead); layer l - 1's comes back during
-      // layer l's backward, into the slot layer l + 2's backward has finished with.
+    if (copy_ && offloads(l)) {
+      // Layer l's block is back (fetched one offloading layer ahead); the next offloading layer's
+      // comes back during layer l's backward, into the slot whose layer's backward has finished.
       ctx_->wait_for(*copy_);
-      if (l > 0) fetch_before_backward(l - 1);
+      if (offloaded_before(l) >= 0) fetch_before_backward(offloaded_before(l));
     }
     if (recompute_slot_[l] >= 0 && (l + 1 == num_layers() || chunk_first_[l + 1] != chunk_first_[l])) {
       // The last layer of a recomputed chunk: the chunk's forward again, from its kept input (the

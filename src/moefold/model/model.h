@@ -172,14 +172,18 @@ class Model {
   // chunk; -1: kept), and the first layer of its chunk.
   std::vector<int> recompute_slot_;
   std::vector<int64_t> chunk_first_;
-  // Activation offload: each layer's block (its slot: layer index mod kOffloadSlots, and its pinned
-  // host copy), and the copy stream (a GPU run's real binding).
+  // Activation offload: the layers not recomputed whole offload their modules' inputs; each such
+  // layer's slot (its index among them mod kOffloadSlots; -1: none), its block (the slot's bytes
+  // and their pinned host copy), and the copy stream (a GPU run's real binding).
   static constexpr int kOffloadSlots = 3;
   Offload offload_;
+  std::vector<int> offload_slot_;
   std::vector<Memory::OffloadBlock> offload_blocks_;
   std::unique_ptr<ExecContext> copy_;
-  void offload_after_forward(int64_t layer);  // its block to the host (copy stream)
-  void fetch_before_backward(int64_t layer);  // its block back (copy stream)
+  bool offloads(int64_t layer) const { return offload_slot_[static_cast<size_t>(layer)] >= 0; }
+  int64_t offloaded_before(int64_t layer) const;  // the last offloading layer below `layer` (-1: none)
+  void offload_after_forward(int64_t layer);      // its block to the host (copy stream)
+  void fetch_before_backward(int64_t layer);      // its block back (copy stream)
   ModelConfig cfg_;
   MoeConfig moe_cfg_;
   int64_t batch_, seq_len_, local_seq_len_,

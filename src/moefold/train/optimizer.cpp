@@ -119,15 +119,19 @@ size_t AdamW::host_state_bytes(const Memory& mem, const TrainConfig& cfg) {
   size_t n = 0, staged = 0;
   for (int g = 0; g < kNumParamGroups; ++g) {
     const ParamGroup group = static_cast<ParamGroup>(g);
+    size_t group_staged = 0;
     for (const int64_t k : host_elements(mem.grad_buckets(group), mem.shards(group), cfg.optimizer_offload_fraction)) {
       if (k == 0) continue;
       const auto kh = static_cast<size_t>(k);
       n += round(kh * esize) + round(kh * msize) + round(kh * vsize);
-      staged += kh;
+      group_staged += kh;
     }
+    // The group's gradient staging, in its gradients' dtype (bf16 with train.main_grads_dtype).
+    if (group_staged > 0) n += round(group_staged * dtype_size(mem.grad_dtype(group)));
+    staged += group_staged;
   }
-  // The staging: the gradients (master dtype: sharded gradients are) and the compute copies.
-  return n + round(staged * esize) + round(staged * dtype_size(mem.dtype()));
+  // And the compute copies' staging.
+  return n + round(staged * dtype_size(mem.dtype()));
 }
 
 void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
@@ -181,8 +185,6 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
   // the slot's segments are views of it), or a full_master bucket's m and v.
   const double fraction = cfg_.optimizer_offload_fraction;
   MF_CHECK(fraction == 0 || mem.device() == Device::cuda, "optimizer offload on a CPU run");  // apply_memory_options
-  if (fraction > 0 && mem.grad_dtype(ParamGroup::expert) != mem.master_dtype())
-    MF_FAIL("train.optimizer_offload_fraction with train.main_grads_dtype = 'bf16' is not supported yet");
   host_arena_.set_device(Device::cpu);
   host_arena_.set_pinned(true);
   auto take_all = [&] {
@@ -190,7 +192,8 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
     pieces_.clear();
     int64_t staged = 0;  // offloaded elements so far: the staging offset of the next
     for (int g = 0; g < kNumParamGroups; ++g) {
-      const Group& gr = groups_[static_cast<size_t>(g)];
+      Group& gr = groups_[static_cast<size_t>(g)];
+      gr.staging_base = staged;
       std::vector<std::pair<std::pair<int64_t, int64_t>, size_t>> ranges;  // the group's parameters
       for (size_t i = 0; i < params.size() && !arena_.measuring(); ++i)
         if (static_cast<int>(params[i].group) == g) ranges.push_back({elements_of(params[i], gr.grad_block), i});
@@ -247,11 +250,12 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
           }
         }
       }
+      // The group's offloaded gradients land in its own staging, in the block's dtype.
+      gr.host_grad = staged > gr.staging_base
+                         ? host_arena_.take(mem.grad_dtype(static_cast<ParamGroup>(g)), {staged - gr.staging_base})
+                         : Tensor();
     }
-    if (fraction > 0) {
-      host_grad_ = host_arena_.take(dt, {staged});
-      host_compute_ = host_arena_.take(mem.dtype(), {staged});
-    }
+    if (fraction > 0) host_compute_ = host_arena_.take(mem.dtype(), {staged});
   };
   take_all();
   arena_.allocate();
@@ -280,13 +284,14 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
   // Offload: the offloaded gradients start towards the host while the GPU updates its part.
   if (!pieces_.empty()) {
     copy_->wait_for(*ctx_);
-    const size_t esize = dtype_size(host_grad_.dtype());
     for (size_t i = 0; i < pieces_.size(); ++i) {
       const Piece& pc = pieces_[i];
-      const Tensor& block = groups_[pc.group].grad_block;
-      device_copy_async(static_cast<char*>(host_grad_.data()) + static_cast<size_t>(pc.staging) * esize, Device::cpu,
-                        static_cast<const char*>(block.data()) + static_cast<size_t>(pc.begin) * esize, Device::cuda,
-                        static_cast<size_t>(pc.n) * esize, copy_->stream());
+      const Group& gr = groups_[pc.group];
+      const size_t esize = dtype_size(gr.grad_block.dtype());
+      device_copy_async(
+          static_cast<char*>(gr.host_grad.data()) + static_cast<size_t>(pc.staging - gr.staging_base) * esize,
+          Device::cpu, static_cast<const char*>(gr.grad_block.data()) + static_cast<size_t>(pc.begin) * esize,
+          Device::cuda, static_cast<size_t>(pc.n) * esize, copy_->stream());
       fences_[i].record(copy_->stream());
     }
   }
@@ -339,9 +344,10 @@ void AdamW::step_host(const std::vector<Param>& params, const AdamWStep& base) {
       const int64_t lo = std::max(s0, p0), hi = std::min(s1, p1), a = lo - s0, e = hi - s0;
       AdamWStep s = base;
       s.weight_decay = params[sg.param].decay ? cfg_.weight_decay : 0.0;
+      const Group& gr = groups_[static_cast<size_t>(sg.group)];
       const Tensor master = sg.master.slice(a, e), compute = host_compute_.slice(lo, hi);
-      adamw_update_host(master, host_grad_.slice(lo, hi), sg.m.slice(a, e), sg.v.slice(a, e), s,
-                        bf16_compute ? compute : Tensor(), threads_.get());
+      adamw_update_host(master, gr.host_grad.slice(lo - gr.staging_base, hi - gr.staging_base), sg.m.slice(a, e),
+                        sg.v.slice(a, e), s, bf16_compute ? compute : Tensor(), threads_.get());
       if (!bf16_compute) compute.copy_from(master);  // an f32 compute copy is the master itself
     }
     device_copy_async(

@@ -15,9 +15,9 @@
 // Optimizer offload (train.optimizer_offload_fraction f, sharded only, GPU): in each parameter
 // group the last f of this rank's slot elements (full_master buckets never) keep their master
 // weights and moments in pinned host memory. step() copies their gradients to the host on a copy
-// stream in pieces while the GPU updates the rest, updates each piece as it lands
-// (adamw_update_host: the kernel's arithmetic, bit for bit, on a pool of host threads) and copies
-// its new compute copies back; the primary stream waits for those before the gathers.
+// stream in pieces (in their own dtype: bf16 with train.main_grads_dtype) while the GPU updates the rest, updates each
+// piece as it lands (adamw_update_host: the kernel's arithmetic, bit for bit, on a pool of host threads) and copies its
+// new compute copies back; the primary stream waits for those before the gathers.
 #pragma once
 
 #include <array>
@@ -129,6 +129,10 @@ class AdamW {
     const Tensor& exposure() const { return stage.defined() ? stage : grad_block; }
     std::vector<GradBucket> buckets;
     std::vector<size_t> gather_order;  // the buckets step() gathers, in forward order (by key)
+    // Offload: the group's offloaded gradients on the host (the block's dtype), staging elements
+    // [staging_base, staging_base + host_grad.numel()) of the compute copies' staging.
+    Tensor host_grad;
+    int64_t staging_base = 0;
   };
   Tensor moment(size_t i, int which) const;
   // `pick` of every segment (0 master, 1 m, 2 v) into the gradient blocks (converted to their
@@ -156,7 +160,7 @@ class AdamW {
   // Offload: the pinned host state and staging, its pieces and their fences, the copy stream and
   // the host threads.
   Arena host_arena_;
-  Tensor host_grad_, host_compute_;
+  Tensor host_compute_;
   std::vector<Piece> pieces_;
   std::vector<StreamFence> fences_;
   std::unique_ptr<ExecContext> copy_;
