@@ -80,7 +80,18 @@ TEST(Config, BadInputNamesTheKey) {
   EXPECT_NE(err("[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\n").find("does not divide"), std::string::npos);
   EXPECT_NE(err("[model]\nhidden_size = \n").find("TOML syntax error"), std::string::npos);
   EXPECT_NE(err("[parallel]\ntp = 3\n").find("must both be divisible by parallel.tp = 3"), std::string::npos);
-  EXPECT_NE(err("[parallel]\npp = 2\n").find("pipeline parallelism is not implemented yet"), std::string::npos);
+  // Pipeline stages: 4 layers do not split into 3 stages, nor 1 + 2 + an even share of the rest.
+  EXPECT_NE(err("[parallel]\npp = 3\n").find("model.num_hidden_layers = 4 does not split into parallel.pp = 3"),
+            std::string::npos);
+  EXPECT_NE(err("[parallel]\npp = 3\nfirst_stage_layers = 1\nlast_stage_layers = 3\n")
+                .find("parallel.first_stage_layers = 1 and parallel.last_stage_layers = 3"),
+            std::string::npos);
+  EXPECT_EQ(err("[parallel]\npp = 3\nfirst_stage_layers = 2\n"), "");  // 2 + 1 + 1
+  EXPECT_NE(err("[parallel]\nfirst_stage_layers = 2\n").find("need parallel.pp > 1"), std::string::npos);
+  EXPECT_NE(err("[parallel]\npp = 2\nvpp = 2\n").find("interleaved pipeline stages are not implemented yet"),
+            std::string::npos);
+  EXPECT_NE(err("[parallel]\npipeline_schedule = \"gpipe\"\n").find("parallel.pipeline_schedule = 'gpipe'"),
+            std::string::npos);
   EXPECT_NE(err("[parallel]\ncp = 3\n").find("train.seq_len = 128 is not divisible by 2 x parallel.cp = 6"),
             std::string::npos);
   EXPECT_NE(err("[parallel]\nep = 3\n").find("moe.num_experts = 8 is not divisible by parallel.ep = 3"),

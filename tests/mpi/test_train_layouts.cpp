@@ -28,6 +28,11 @@ using testing::Layout;
 using testing::layout_name;
 using testing::LayoutRun;
 using testing::metric_losses;
+using testing::copy_step4;
+using testing::expect_resumed_steps;
+using testing::fresh_shared_dir;
+using testing::rel_err;
+using testing::resume_config;
 using testing::with_layout;
 
 // Layouts for the world size: pure DP; context parallelism (cp = 2, or the whole world); and EP
@@ -48,16 +53,6 @@ std::vector<Layout> layouts(int world) {
   return out;
 }
 
-// max |a_i - b[p.global_index(i)]| / max |b| over the local elements of `a` (p's value or grad
-// shard), `b_full` the one-rank tensor: any sharding (EP rows, ETP columns) compares alike.
-double rel_err(const Param& p, const Tensor& a, const Tensor& b_full) {
-  const float* x = a.ptr<float>();
-  const float* y = b_full.ptr<float>();
-  double diff = 0;
-  for (int64_t i = 0; i < a.numel(); ++i)
-    diff = std::max(diff, std::abs(static_cast<double>(x[i]) - static_cast<double>(y[p.global_index(i)])));
-  return diff / std::max(testing::max_abs(b_full), 1e-30);
-}
 
 class Layouts : public ::testing::Test {
  protected:
@@ -348,36 +343,9 @@ TEST_F(Layouts, PlanMatchesEveryRanksTrainer) {
 }
 
 // An empty directory every rank sees under the same name (rank 0's pid); the test removes it.
-std::filesystem::path fresh_shared_dir(Communicator& world, const std::string& tag) {
-  int64_t id = ::getpid();
-  world.broadcast(Tensor(&id, DType::i64, {1}), 0);
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / cat("moefold_", tag, "_", id);
-  if (world.rank() == 0) std::filesystem::remove_all(dir);
-  world.barrier();
-  return dir;
-}
 
-// The checkpoint tests' runs: 8 steps, a checkpoint at step 4, no evaluation.
-Config resume_config(Config c) {
-  c.train.steps = 8;
-  c.train.checkpoint_interval = 4;
-  c.train.eval_interval = 0;
-  return c;
-}
 
-// Run directory `to` starting from run `from`'s step-4 checkpoint (rank 0 copies it).
-void copy_step4(const std::filesystem::path& from, const std::filesystem::path& to) {
-  namespace fs = std::filesystem;
-  fs::create_directories(to / "checkpoints");
-  fs::copy(from / "checkpoints" / "step_00000004", to / "checkpoints" / "step_00000004", fs::copy_options::recursive);
-}
 
-// Run `run` resumed at step 4 logged steps 5..8 with the uninterrupted run's losses `want`.
-void expect_resumed_steps(const std::filesystem::path& run, const std::vector<double>& want) {
-  const std::vector<double> got = metric_losses(run);  // nothing before the checkpoint
-  ASSERT_EQ(got.size(), 4u);
-  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "step " << 5 + i;
-}
 
 TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
   namespace fs = std::filesystem;

@@ -154,6 +154,12 @@ Tensor Memory::param(const ParamSpec& spec) {
   const DimShard& dim_shard = spec.dim_shard;
   const ParamGroup group = spec.group;
   const int64_t shard_offset = spec.shard_offset, global_rows = spec.global_rows;
+  if (shared_params_) {
+    const Param* q = find(name);
+    MF_CHECK(q != nullptr && q->value.shape() == shape, "Memory::SharedParams: no parameter ", name, " of shape ",
+             shape.str());
+    return q->compute;
+  }
   for (const Param& p : params_) MF_CHECK(p.name != name, "parameter registered twice: ", name);
   const int g = static_cast<int>(group);
   Param p;
@@ -168,6 +174,7 @@ Tensor Memory::param(const ParamSpec& spec) {
     p.compute = mixed_precision() ? compute_[g].take(dtype_, shape) : p.value;
   }
   p.full_master = spec.full_master;
+  p.pipeline_copy = spec.pipeline_copy;
   p.group = group;
   p.shard_offset = shard_offset;
   p.global_rows = global_rows > 0 ? global_rows : shape[0];
@@ -501,13 +508,22 @@ void Memory::zero_grads() {
   }
 }
 
-void Memory::grad_written_by_backward(const std::string& name) {
-  for (Param& p : params_)
-    if (p.name == name) {
-      p.grad_written_by_backward = true;
-      return;
+size_t Memory::grad_written_by_backward(const std::string& name) {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].name == name) {
+      params_[i].grad_written_by_backward = true;
+      return i;
     }
   MF_FAIL("grad_written_by_backward: no parameter ", name);
+}
+
+bool Memory::accumulate_grad(size_t index) {
+  MF_CHECK(index < params_.size() && params_[index].grad_written_by_backward, "Memory::accumulate_grad: parameter ",
+           index, " is not written by its backward");
+  Param& p = params_[index];
+  const bool accumulate = p.written_generation == grad_generation_;
+  p.written_generation = grad_generation_;
+  return accumulate;
 }
 
 Tensor Memory::grad_block(ParamGroup group) const {

@@ -135,6 +135,7 @@ struct ParamSpec {
   // stays the master; its gradient is all-reduced and every rank updates all of it): for modules
   // that read or write the master weight itself (the router's f32 gate, its expert bias).
   bool full_master = false;
+  bool pipeline_copy = false;  // Param::pipeline_copy
 };
 
 struct Param {
@@ -161,6 +162,11 @@ struct Param {
   // Its backward writes the gradient at the step's first call instead of adding to zeros
   // (Memory::grad_written_by_backward): zero_grads leaves it alone.
   bool grad_written_by_backward = false;
+  int64_t written_generation = -1;  // the generation a backward last wrote it in (accumulate_grad)
+  // A copy of a parameter another pipeline stage owns (the embedding on the last stage, for
+  // multi-token prediction): its gradient is summed with the owner's, the gradient norm and
+  // checkpoints count the owner's only.
+  bool pipeline_copy = false;
 
   // Shape of the whole (unsharded) parameter.
   Shape global_shape() const;
@@ -242,6 +248,19 @@ class Memory {
   // the master weight itself, or its bf16 copy). Name the fields that differ from the defaults:
   //   mem.param({.name = p + ".norm.weight", .shape = {h}, .init = Init::ones, .decay = false})
   Tensor param(const ParamSpec& spec);
+  // While one lives, param() registers nothing and returns the view of the parameter registered
+  // under that name (same shape): a second binding of the same modules (another micro-batch in
+  // flight on a pipeline stage) takes activations of its own and shares weights and gradients.
+  class SharedParams {
+   public:
+    explicit SharedParams(Memory& mem) : mem_(mem) { mem.shared_params_ = true; }
+    ~SharedParams() { mem_.shared_params_ = false; }
+    SharedParams(const SharedParams&) = delete;
+    SharedParams& operator=(const SharedParams&) = delete;
+
+   private:
+    Memory& mem_;
+  };
   // Activation or workspace tensor (compute dtype unless given): kept for this module alone, unless
   // the module binds inside a recomputed layer or under ScratchActs (below).
   Tensor act(Shape shape);
@@ -349,10 +368,14 @@ class Memory {
   // grad_written_by_backward, and starts a new gradient generation.
   void zero_grads();
   // Marks registered parameter `name`: from now on zero_grads skips its gradient, and its
-  // backward must WRITE the gradient on its first call of each generation (when its last write
-  // was in an older generation) and ACCUMULATE after that. Saves a memset and a read of the
-  // whole gradient per step (the expert weights' f32 gradients: most of a MoE model's).
-  void grad_written_by_backward(const std::string& name);
+  // backward must WRITE the gradient on its first call of each generation and ACCUMULATE after
+  // that (accumulate_grad says which). Saves a memset and a read of the whole gradient per step
+  // (the expert weights' f32 gradients: most of a MoE model's). Returns the parameter's index.
+  size_t grad_written_by_backward(const std::string& name);
+  // For a parameter marked so (its index): whether this backward accumulates into its gradient
+  // (another backward wrote it in this generation already: every binding of the module shares
+  // the answer), recording the write.
+  bool accumulate_grad(size_t index);
   // Incremented by every zero_grads(): a backward compares it with the generation it last wrote.
   int64_t grad_generation() const { return grad_generation_; }
   // All gradients of a group as one flat tensor (for one all-reduce); padding between
@@ -389,7 +412,7 @@ class Memory {
   OverlayPool scratch_, recompute_;  // shared between layers (1 slot); recomputed layers (a slot per position)
   OverlayPool offload_;              // offloaded layers (a slot per layer index mod the model's slot count)
   Arena host_offload_;               // pinned: each offloaded layer's host copy
-  bool in_layer_ = false, acts_in_scratch_ = false;
+  bool in_layer_ = false, acts_in_scratch_ = false, shared_params_ = false;
   int recompute_slot_ = -1, offload_slot_ = -1;
   size_t measured_[3 * kNumParamGroups + 4] = {};
   bool sharded_ = false;

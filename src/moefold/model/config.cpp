@@ -203,6 +203,10 @@ void Config::validate() const {
   if (model.num_nextn_predict_layers > 0 && p.cp > 1)
     MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers, " with parallel.cp = ", p.cp,
             ": multi-token prediction under context parallelism is not implemented");
+  p.stage_layers(model.num_hidden_layers);  // fails with one line where the layers do not split
+  if (p.pp > 1 && !train.offload_modules.empty())
+    MF_FAIL("train.offload_modules with parallel.pp = ", p.pp,
+            " is not supported yet (the micro-batches in flight would share the offload slots)");
   if (train.optimizer_offload_fraction > 0 && !parallel.distributed_optimizer)
     MF_FAIL("train.optimizer_offload_fraction = ", train.optimizer_offload_fraction,
             " needs parallel.distributed_optimizer = true (the offloaded state is the optimizer's shards)");

@@ -187,8 +187,16 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
     cpa_ = std::make_unique<ContextParallelAttention>(
         *parallel.cp, CpAttentionShape{micro_batch, seq_len, m.num_attention_heads / n, kv_heads / n, d});
   }
-  const int64_t chunk = recompute.num_layers, layers = m.num_hidden_layers;
-  MF_CHECK(chunk >= 0 && chunk <= layers, "recompute ", chunk, " of ", layers, " layers");
+  const PipelineStage& stage = parallel.stage;
+  first_layer_ = stage.first_layer;
+  first_stage_ = stage.first;
+  last_stage_ = stage.last;
+  const int64_t layers = stage.num_layers < 0 ? m.num_hidden_layers : stage.num_layers;
+  MF_CHECK(first_layer_ >= 0 && first_layer_ + layers <= m.num_hidden_layers && (first_stage_ == (first_layer_ == 0)) &&
+               (last_stage_ == (first_layer_ + layers == m.num_hidden_layers)),
+           "pipeline stage of layers [", first_layer_, ", ", first_layer_ + layers, ") of ", m.num_hidden_layers);
+  const int64_t chunk = std::min(recompute.num_layers, layers);  // per stage (Megatron-Core's meaning)
+  MF_CHECK(chunk >= 0, "recompute ", chunk, " of ", layers, " layers");
   for (int64_t l = 0; l < layers; ++l) {  // uniform: chunks of `chunk` layers; block: the first `chunk`, one by one
     const bool whole = chunk > 0 && (!recompute.block || l < chunk);
     recompute_slot_.push_back(!whole ? -1 : recompute.block ? 0 : static_cast<int>(l % chunk));
@@ -198,9 +206,10 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
   for (int64_t l = 0; l < layers; ++l)
     offload_slot_.push_back(offload.any() && recompute_slot_[l] < 0 ? offloading++ % kOffloadSlots : -1);
   for (int64_t l = 0; l < layers; ++l) {
-    const bool dense = m.is_dense_layer(l);
-    layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, local_seq_len_, rows_, n, l,
-                                                     !dense && parallel.dispatchers ? parallel.dispatchers(l) : nullptr,
+    const int64_t g = first_layer_ + l;  // the whole model's index: names and dispatchers
+    const bool dense = m.is_dense_layer(g);
+    layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, local_seq_len_, rows_, n, g,
+                                                     !dense && parallel.dispatchers ? parallel.dispatchers(g) : nullptr,
                                                      recompute, offload));
     if (MoeLayer* moe = layers_.back()->moe()) {
       moe->set_token_group(parallel.tokens);
@@ -210,7 +219,7 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
       moe_layers_.push_back(moe);
     }
   }
-  for (int64_t k = 1; k <= m.num_nextn_predict_layers; ++k) {
+  for (int64_t k = 1; last_stage_ && k <= m.num_nextn_predict_layers; ++k) {
     MF_CHECK(c == 1, "multi-token prediction under context parallelism");
     mtp_.push_back(
         std::make_unique<MtpDepth>(m, e, micro_batch, local_seq_len_, rows_, tokens_, n, k,
@@ -228,14 +237,19 @@ void Model::bind(Memory& mem) {
   const int64_t v = cfg_.vocab_size / n;
   const double std = cfg_.initializer_range;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
-  // Vocabulary-parallel embedding and LM head: rows [vocab_offset_, + V/tp) here.
-  embed_ = mem.param({.name = "model.embed_tokens.weight",
-                      .shape = {v, h},
-                      .init_std = std,
-                      .group = tpg,
-                      .shard_offset = vocab_offset_,
-                      .global_rows = cfg_.vocab_size});
-  dembed_ = mem.grad("model.embed_tokens.weight");
+  // Vocabulary-parallel embedding and LM head: rows [vocab_offset_, + V/tp) here. The first stage
+  // embeds; the last one has a copy for multi-token prediction.
+  embed_ = dembed_ = Tensor();
+  if (first_stage_ || !mtp_.empty()) {
+    embed_ = mem.param({.name = "model.embed_tokens.weight",
+                        .shape = {v, h},
+                        .init_std = std,
+                        .group = tpg,
+                        .shard_offset = vocab_offset_,
+                        .global_rows = cfg_.vocab_size,
+                        .pipeline_copy = !first_stage_});
+    dembed_ = mem.grad("model.embed_tokens.weight");
+  }
   mem.set_part("model (shared)");
   cos_SD_ = mem.act({seq_len_, cfg_.head_dim}, mem.master_dtype());  // f32 tables (f64 in gradient checks)
   sin_SD_ = mem.act({seq_len_, cfg_.head_dim}, mem.master_dtype());
@@ -270,26 +284,28 @@ void Model::bind(Memory& mem) {
     bind_mtp(mem, *mtp_[k]);
   }
   mem.set_part("head");
-  norm_ = mem.param({.name = "model.norm.weight", .shape = {h}, .init = Init::ones, .decay = false});
-  dnorm_ = mem.grad("model.norm.weight");
-  lm_head_ = mem.param({.name = "lm_head.weight",
-                        .shape = {v, h},
-                        .init_std = std,
-                        .group = tpg,
-                        .shard_offset = vocab_offset_,
-                        .global_rows = cfg_.vocab_size});
-  dlm_head_ = mem.grad("lm_head.weight");
   ids_ = Tensor();
   targets_ = Tensor();
-  nf_TH_ = mem.act({rows_, h});
-  rstdf_T_ = mem.act({rows_}, mem.master_dtype());
-  logits_TV_ = mem.act({tokens_, v});
-  lse_T_ = mem.act({tokens_}, mem.master_dtype());
-  dnf_TH_ = mem.act({rows_, h});
+  if (last_stage_) {
+    norm_ = mem.param({.name = "model.norm.weight", .shape = {h}, .init = Init::ones, .decay = false});
+    dnorm_ = mem.grad("model.norm.weight");
+    lm_head_ = mem.param({.name = "lm_head.weight",
+                          .shape = {v, h},
+                          .init_std = std,
+                          .group = tpg,
+                          .shard_offset = vocab_offset_,
+                          .global_rows = cfg_.vocab_size});
+    dlm_head_ = mem.grad("lm_head.weight");
+    nf_TH_ = mem.act({rows_, h});
+    rstdf_T_ = mem.act({rows_}, mem.master_dtype());
+    logits_TV_ = mem.act({tokens_, v});
+    lse_T_ = mem.act({tokens_}, mem.master_dtype());
+    dnf_TH_ = mem.act({rows_, h});
+  }
   dres_TH_ = mem.act({rows_, h});
   full_NH_ = mem.act({tp_ ? tokens_ : 0, h});
   partial_NH_ = mem.act({tp_ ? tokens_ : 0, h});
-  if (tp_) ce_scratch_.bind(mem, tokens_);
+  if (tp_ && last_stage_) ce_scratch_.bind(mem, tokens_);
   if (!mem.measuring()) {
     double attention_factor = 1.0;
     const std::vector<double> inv_freq = rope_inv_freq(cfg_, &attention_factor);
@@ -350,11 +366,11 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS,
   };
   ids_ = ids_BS.view({tokens_});
   targets_ = targets_BS.view({tokens_});
-  needed(-1);
   if (copy_) ctx_->wait_for(*copy_);  // the last backward's fetches into the slots
-  embed(ids_, res_[0]);
+  if (first_stage_ || !mtp_.empty()) needed(-1);
+  if (first_stage_) embed(ids_, res_[0]);  // else the caller wrote input()
   for (int64_t l = 0; l < num_layers(); ++l) {
-    needed(l);
+    needed(first_layer_ + l);
     if (copy_ && l > 0) {
       // Layer l and its output (the next layer's input) overwrite the slots of the offloading layers
       // three and two before them, whose copies to the host were started before this point; then
@@ -365,7 +381,8 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS,
     layers_[l]->forward(res_[l], res_[l + 1]);
   }
   if (copy_ && offloads(num_layers() - 1)) offload_after_forward(num_layers() - 1);
-  needed(num_layers());
+  if (!last_stage_) return 0.0;  // the caller sends output() on
+  needed(total_layers());
   const double loss = head_forward(res_.back(), norm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_);
   const Tensor* prev = &res_.back();
   for (auto& d : mtp_) {
@@ -437,20 +454,7 @@ void Model::embed_backward(const Tensor& ids_N, const Tensor& dout_TH) {
 }
 
 void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::function<void(int64_t)>& grads_ready) {
-  head_backward(res_.back(), norm_, dnorm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_, lm_grad_scale,
-                dres_TH_);
-  // Multi-token prediction, deepest first: each depth's d(h_prev) flows into the one before it,
-  // the first into the main model's output.
-  for (int64_t i = static_cast<int64_t>(mtp_.size()) - 1; i >= 0; --i) {
-    MtpDepth& d = *mtp_[i];
-    const double scale = lm_grad_scale * cfg_.mtp_loss_scaling_factor / static_cast<double>(mtp_.size()) *
-                         static_cast<double>(seq_len_) / static_cast<double>(seq_len_ - d.depth_);
-    ProfileScope scope("mtp backward");
-    mtp_backward(d, scale, moe_loss_scale,
-                 i + 1 < static_cast<int64_t>(mtp_.size()) ? &mtp_[i + 1]->dprev_TH_ : nullptr);
-  }
-  if (!mtp_.empty()) add_inplace(*ctx_, dres_TH_, mtp_.front()->dprev_TH_);
-  if (grads_ready) grads_ready(num_layers());
+  if (last_stage_) backward_top(lm_grad_scale, moe_loss_scale, grads_ready);  // else the caller wrote stream_grad()
   if (copy_ && offloaded_before(num_layers()) >= 0) fetch_before_backward(offloaded_before(num_layers()));
   for (int64_t l = num_layers() - 1; l >= 0; --l) {
     if (copy_ && offloads(l)) {
@@ -466,9 +470,27 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
       for (int64_t j = chunk_first_[l]; j <= l; ++j) layers_[j]->forward(res_[j], res_[j + 1]);
     }
     layers_[l]->backward(dres_TH_, moe_loss_scale);
-    if (grads_ready) grads_ready(l);
+    if (grads_ready) grads_ready(first_layer_ + l);
   }
-  embed_backward(ids_, dres_TH_);
+  if (first_stage_) embed_backward(ids_, dres_TH_);  // else stream_grad() is d(input) for the caller
+}
+
+void Model::backward_top(double lm_grad_scale, double moe_loss_scale,
+                         const std::function<void(int64_t)>& grads_ready) {
+  head_backward(res_.back(), norm_, dnorm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_, lm_grad_scale,
+                dres_TH_);
+  // Multi-token prediction, deepest first: each depth's d(h_prev) flows into the one before it,
+  // the first into the main model's output.
+  for (int64_t i = static_cast<int64_t>(mtp_.size()) - 1; i >= 0; --i) {
+    MtpDepth& d = *mtp_[i];
+    const double scale = lm_grad_scale * cfg_.mtp_loss_scaling_factor / static_cast<double>(mtp_.size()) *
+                         static_cast<double>(seq_len_) / static_cast<double>(seq_len_ - d.depth_);
+    ProfileScope scope("mtp backward");
+    mtp_backward(d, scale, moe_loss_scale,
+                 i + 1 < static_cast<int64_t>(mtp_.size()) ? &mtp_[i + 1]->dprev_TH_ : nullptr);
+  }
+  if (!mtp_.empty()) add_inplace(*ctx_, dres_TH_, mtp_.front()->dprev_TH_);
+  if (grads_ready) grads_ready(total_layers());
 }
 
 MtpDepth::MtpDepth(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows,

@@ -23,12 +23,23 @@ namespace moefold {
 // result means the local dispatcher.
 using DispatcherFactory = std::function<std::unique_ptr<Dispatcher>(int64_t layer)>;
 
+// A pipeline stage's part of the model (pipeline parallelism): decoder layers [first_layer,
+// first_layer + num_layers) (num_layers < 0: every layer); the first stage embeds the tokens, the
+// last one holds the final norm, the LM head, the loss and the multi-token-prediction depths (and,
+// with those, a copy of the embedding: Param::pipeline_copy). Other stages take their input from
+// input() and leave their output in output() (the caller moves them between the stages).
+struct PipelineStage {
+  int64_t first_layer = 0, num_layers = -1;
+  bool first = true, last = true;
+};
+
 // What the model is handed from outside about parallelism.
 struct ModelParallel {
   DispatcherFactory dispatchers;   // expert parallelism (empty: local experts)
   Communicator* cp = nullptr;      // context-parallel group (null or size 1: whole sequences)
   Communicator* tp = nullptr;      // tensor-parallel group, with sequence parallelism
   Communicator* tokens = nullptr;  // the ranks splitting a micro-batch's tokens (TP x CP)
+  PipelineStage stage;             // the whole model by default
 };
 
 class DecoderLayer {
@@ -139,7 +150,21 @@ class Model {
   // depths of (sum of token losses) * S / (S - k), so that dividing by the global tokens B*S gives
   // the weighted mean of each depth's mean loss. 0 without MTP.
   double mtp_loss() const;
+  // Decoder layers of this stage (all of them without pipeline parallelism), the first one's
+  // index, and the whole model's count (ready points and weights_needed points are whole-model
+  // layer indices: grad_ready_point(name, total_layers())).
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t first_layer() const { return first_layer_; }
+  int64_t total_layers() const { return cfg_.num_hidden_layers; }
+  bool first_stage() const { return first_stage_; }
+  bool last_stage() const { return last_stage_; }
+  // Pipeline stages: the residual stream's rows [rows, H] entering this stage (a later stage's
+  // forward reads them; the caller writes them before), leaving it (the forward writes them), and
+  // the gradient: d(output) before backward on a stage before the last (the caller writes it),
+  // d(input) after it on a stage after the first.
+  const Tensor& input() const { return res_.front(); }
+  const Tensor& output() const { return res_.back(); }
+  const Tensor& stream_grad() const { return dres_TH_; }
   // The MoE layers (dense layers skipped), in depth order.
   int64_t num_moe_layers() const { return static_cast<int64_t>(moe_layers_.size()); }
   const MoeLayer& moe(int64_t i) const { return *moe_layers_[i]; }
@@ -161,6 +186,9 @@ class Model {
   void head_backward(const Tensor& h_TH, const Tensor& norm, const Tensor& dnorm, const Tensor& nf_TH,
                      const Tensor& rstd_T, const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N,
                      const Tensor& targets_N, double scale, const Tensor& dh_TH);
+  // The last stage's part of backward above the decoder layers: the head's and the multi-token
+  // prediction's, d(output) into dres_TH_.
+  void backward_top(double lm_grad_scale, double moe_loss_scale, const std::function<void(int64_t)>& grads_ready);
   void embed(const Tensor& ids_N, const Tensor& out_TH);
   void embed_backward(const Tensor& ids_N, const Tensor& dout_TH);
   void bind_mtp(Memory& mem, MtpDepth& d);
@@ -189,6 +217,8 @@ class Model {
   int64_t batch_, seq_len_, local_seq_len_,
       rows_;                    // batch, full sequence, local sequence, residual rows here (B*local_seq_len_/tp)
   int64_t tokens_ = 0;          // tokens of the local sequences (B*local_seq_len_): every TP rank's rows
+  int64_t first_layer_ = 0;     // pipeline stage: the first decoder layer's whole-model index
+  bool first_stage_ = true, last_stage_ = true;
   Communicator* tp_ = nullptr;  // size > 1 only
   int64_t vocab_offset_ = 0;    // first vocabulary row held here (tensor parallelism)
   std::unique_ptr<ContextParallelAttention> cpa_;  // shared by every layer (stateless between calls)

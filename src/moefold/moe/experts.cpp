@@ -47,10 +47,9 @@ void Experts::bind(Memory& mem) {
                          .dim_shard = down_shard});
   dgate_up_E2FH_ = mem.grad(prefix_ + ".experts.gate_up_proj");
   ddown_EHF_ = mem.grad(prefix_ + ".experts.down_proj");
-  mem.grad_written_by_backward(prefix_ + ".experts.gate_up_proj");
-  mem.grad_written_by_backward(prefix_ + ".experts.down_proj");
+  gate_up_index_ = mem.grad_written_by_backward(prefix_ + ".experts.gate_up_proj");
+  down_index_ = mem.grad_written_by_backward(prefix_ + ".experts.down_proj");
   mem_ = &mem;
-  written_generation_ = -1;
   gu_R2F_ = offload_gu_ ? mem.offloaded({max_rows_, 2 * ffn_}) : mem.act({max_rows_, 2 * ffn_});
   h_RF_ = recompute_act_ ? mem.scratch({max_rows_, ffn_}) : mem.act({max_rows_, ffn_});
   dh_RF_ = mem.scratch({max_rows_, ffn_});
@@ -73,8 +72,8 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   const Tensor gu = gu_R2F_.slice(r0, r1), h = h_RF_.slice(r0, r1);
   const Tensor dh = dh_RF_.slice(r0, r1), dgu = dgu_R2F_.slice(r0, r1);
   MF_CHECK(mem_ != nullptr, "Experts::backward before bind");
-  const bool accumulate = mem_->grad_generation() == written_generation_;
-  written_generation_ = mem_->grad_generation();
+  const bool accumulate = mem_->accumulate_grad(gate_up_index_);
+  MF_CHECK(mem_->accumulate_grad(down_index_) == accumulate, "Experts: gate_up_proj and down_proj written apart");
   grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
   // The forward's h came from the stored gu (moe_ops.h): swiglu_forward on it gives the same bits.
   if (recompute_act_) swiglu_forward(*ctx_, gu, h, GateUp::pairs);

@@ -76,8 +76,8 @@ class Experts {
   bool recompute_act_ = false, offload_gu_ = false;
   Tensor gu_R2F_, h_RF_;             // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
   Tensor dh_RF_, dgu_R2F_;           // scratch: backward workspaces
-  const Memory* mem_ = nullptr;      // for its gradient generation
-  int64_t written_generation_ = -1;  // the generation whose gradients this backward last wrote
+  Memory* mem_ = nullptr;            // for its gradients' generation (accumulate_grad)
+  size_t gate_up_index_ = 0, down_index_ = 0;  // the weights' parameter indices (Memory::accumulate_grad)
 };
 
 }  // namespace moefold

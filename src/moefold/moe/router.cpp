@@ -28,7 +28,7 @@ void Router::bind(Memory& mem) {
   // the f32 gate and writes the bias itself.
   gate_compute_EH_ = mem.param(
       {.name = prefix_ + ".gate.weight", .shape = {e_n, hidden_}, .init_std = init_std_, .full_master = true});
-  gate_EH_ = mem.params().back().value;  // the master weight
+  gate_EH_ = mem.find(prefix_ + ".gate.weight")->value;  // the master weight
   dgate_EH_ = mem.grad(prefix_ + ".gate.weight");
   if (cfg_.expert_bias) {
     // Selection only (aux-loss-free balancing): nothing writes its gradient, so the gradient stays
@@ -39,7 +39,7 @@ void Router::bind(Memory& mem) {
                .init = Init::zeros,
                .decay = false,
                .full_master = true});
-    bias_E_ = mem.params().back().value;
+    bias_E_ = mem.find(prefix_ + ".gate.e_score_correction_bias")->value;
   }
   const DType rd = mem.master_dtype();  // the router's dtype: f32 (f64 in gradient checks)
   mixed_ = mem.mixed_precision();

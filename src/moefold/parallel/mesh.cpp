@@ -16,7 +16,7 @@ struct GroupSpec {
   const char* name;
   std::unique_ptr<Communicator> Mesh::*member;
 };
-constexpr int kGroups = 10;
+constexpr int kGroups = 14;
 constexpr std::array<GroupSpec, kGroups> kGroupSpecs = {{{"tp", &Mesh::tp},
                                                          {"cp", &Mesh::cp},
                                                          {"dp", &Mesh::dp},
@@ -26,17 +26,24 @@ constexpr std::array<GroupSpec, kGroups> kGroupSpecs = {{{"tp", &Mesh::tp},
                                                          {"etp", &Mesh::etp},
                                                          {"ep", &Mesh::ep},
                                                          {"edp", &Mesh::edp},
-                                                         {"ep_etp", &Mesh::ep_etp}}};
+                                                         {"ep_etp", &Mesh::ep_etp},
+                                                         {"pp", &Mesh::pp},
+                                                         {"pp_even", &Mesh::pp_even},
+                                                         {"pp_odd", &Mesh::pp_odd},
+                                                         {"pp_ends", &Mesh::pp_ends}}};
 
 // The coordinates of world rank r and the (color, key) of each of its groups, in kGroupSpecs order.
 struct Coords {
-  int tp_rank, cp_rank, dp_rank, etp_rank, ep_rank, edp_rank;
+  int tp_rank, cp_rank, dp_rank, etp_rank, ep_rank, edp_rank, pp_rank;
   std::array<std::pair<int, int>, kGroups> split;
 };
-Coords coords_of(const ParallelConfig& d, int r) {
+Coords coords_of(const ParallelConfig& d, int world_rank) {
   const int tp = static_cast<int>(d.tp), cp = static_cast<int>(d.cp), etp = static_cast<int>(d.etp),
-            ep = static_cast<int>(d.ep);
+            ep = static_cast<int>(d.ep), pp = static_cast<int>(d.pp);
+  // Within the stage: rank r of n; the groups of the stage get colors of their own (s * n + ...).
+  const int n = static_cast<int>(d.world() / d.pp), s = world_rank / n, r = world_rank % n;
   Coords c{};
+  c.pp_rank = s;
   c.tp_rank = r % tp;
   c.cp_rank = r / tp % cp;
   c.dp_rank = r / (tp * cp);
@@ -52,7 +59,12 @@ Coords coords_of(const ParallelConfig& d, int r) {
               {c.edp_rank * ep + c.ep_rank, c.etp_rank},
               {c.edp_rank * etp + c.etp_rank, c.ep_rank},
               {c.ep_rank * etp + c.etp_rank, c.edp_rank},
-              {c.edp_rank, c.ep_rank * etp + c.etp_rank}}};
+              {c.edp_rank, c.ep_rank * etp + c.etp_rank},
+              {r, s},
+              {r + n * (s / 2), s},
+              {r + n * ((s + 1) / 2), s},
+              {s == 0 || s == pp - 1 ? r : n + world_rank, s}}};
+  for (int g = 0; g < 10; ++g) c.split[g].first += s * n;  // the stage's own groups
   return c;
 }
 
@@ -64,6 +76,7 @@ void set_ranks(Mesh& m, const Coords& c, int r) {
   m.etp_rank = c.etp_rank;
   m.ep_rank = c.ep_rank;
   m.edp_rank = c.edp_rank;
+  m.pp_rank = c.pp_rank;
 }
 
 // A group that only knows its shape (Mesh::plan): any communication is a programming error.
@@ -95,6 +108,16 @@ class ShapeCommunicator final : public Communicator {
 };
 
 }  // namespace
+
+Communicator* Mesh::pp_next() const {
+  if (last_stage()) return nullptr;
+  return (pp_rank % 2 == 0 ? pp_even : pp_odd).get();
+}
+
+Communicator* Mesh::pp_prev() const {
+  if (first_stage()) return nullptr;
+  return (pp_rank % 2 == 0 ? pp_odd : pp_even).get();
+}
 
 Mesh Mesh::build(Communicator& world, const ParallelConfig& d) {
   MF_CHECK(d.world() == world.size(), "mesh for ", d.world(), " ranks built on a world of ", world.size());

@@ -15,7 +15,31 @@ void ParallelConfig::validate() const {
   if (!(timeout_s > 0)) MF_FAIL("parallel.timeout_s = ", timeout_s, " must be > 0");
   if (ep_transport != "auto" && ep_transport != "nccl" && ep_transport != "ipc")
     MF_FAIL("parallel.ep_transport = '", ep_transport, "' is not supported (auto, nccl, ipc)");
-  if (pp != 1) MF_FAIL("parallel.pp = ", pp, ": pipeline parallelism is not implemented yet (use 1)");
+  if (pipeline_schedule != "1f1b")
+    MF_FAIL("parallel.pipeline_schedule = '", pipeline_schedule, "' is not supported (1f1b)");
+  positive("vpp", vpp);
+  if (vpp != 1) MF_FAIL("parallel.vpp = ", vpp, ": interleaved pipeline stages are not implemented yet (use 1)");
+  if (first_stage_layers < 0 || last_stage_layers < 0)
+    MF_FAIL("parallel.first_stage_layers = ", first_stage_layers, ", parallel.last_stage_layers = ", last_stage_layers,
+            ": must be >= 0 (0: an even share)");
+  if (pp == 1 && (first_stage_layers > 0 || last_stage_layers > 0))
+    MF_FAIL("parallel.first_stage_layers / last_stage_layers need parallel.pp > 1 (pp = 1)");
+}
+
+std::vector<int64_t> ParallelConfig::stage_layers(int64_t layers) const {
+  if (pp == 1) return {layers};
+  const int64_t first = first_stage_layers, last = last_stage_layers;
+  const int64_t even = pp - (first > 0) - (last > 0), rest = layers - first - last;
+  auto fail = [&] {
+    MF_FAIL("parallel: model.num_hidden_layers = ", layers, " does not split into parallel.pp = ", pp,
+            " stages of at least one layer with parallel.first_stage_layers = ", first,
+            " and parallel.last_stage_layers = ", last, " (the rest split evenly)");
+  };
+  if (rest < 0 || (even == 0 && rest != 0) || (even > 0 && (rest % even != 0 || rest / even == 0))) fail();
+  std::vector<int64_t> out(static_cast<size_t>(pp), even > 0 ? rest / even : 0);
+  if (first > 0) out.front() = first;
+  if (last > 0) out.back() = last;
+  return out;
 }
 
 ParallelConfig ParallelConfig::resolve(int64_t world) const {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moefold {
 
@@ -15,7 +16,13 @@ struct ParallelConfig {
   int64_t dp = 0;          // data parallel; 0: world / (pp * tp * cp)
   int64_t ep = 1;          // expert parallel
   int64_t etp = 1;         // expert tensor parallel
-  int64_t pp = 1;          // pipeline parallel (1 until pipeline parallelism exists)
+  int64_t pp = 1;          // pipeline parallel: stages of consecutive decoder layers (outermost)
+  // Pipeline stages (pp > 1): the first and the last stage's decoder layers (Megatron-Core's
+  // --decoder-first/last-pipeline-num-layers; 0: an even share), the rest split evenly over the
+  // other stages; the schedule ("1f1b"), and virtual stages per rank (1: not interleaved).
+  int64_t first_stage_layers = 0, last_stage_layers = 0;
+  std::string pipeline_schedule = "1f1b";
+  int64_t vpp = 1;
   double timeout_s = 300;  // longest wait for another rank in one communication call
   // Data-parallel gradient reduction overlapped with backward (each layer's gradients start their
   // all-reduce as its backward ends, in the step's last micro-batch); false: one all-reduce per
@@ -33,13 +40,16 @@ struct ParallelConfig {
   // messages), "nccl" (the communicator's send/recv), or "auto" (ipc where GPUs can map).
   std::string ep_transport = "auto";
 
-  // Static checks (positive sizes, pp == 1, a known ep_transport); world-dependent checks are in
+  // Static checks (positive sizes, a known schedule and ep_transport); world-dependent checks are in
   // resolve().
   void validate() const;
   // dp filled in for `world` ranks, and every layout constraint checked (Error naming the
   // numbers that do not divide): pp*dp*cp*tp == world; ep*etp divides dp*cp*tp.
   ParallelConfig resolve(int64_t world) const;
   int64_t world() const { return pp * dp * cp * tp; }
+  // Decoder layers of each stage (pp entries, each >= 1), or one line naming the keys whose
+  // numbers do not split `layers` (model.num_hidden_layers).
+  std::vector<int64_t> stage_layers(int64_t layers) const;
   int64_t edp() const { return dp * cp * tp / (ep * etp); }
 };
 

@@ -112,7 +112,10 @@ ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, cons
   for (size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
     const bool expert = p.group == ParamGroup::expert;
-    const bool mine = expert ? mesh.edp_rank == 0 && mesh.etp_rank == 0 : mesh.world_rank == 0;
+    if (p.pipeline_copy) continue;  // the stage that owns it writes it
+    // Dense parameters: the first rank of the stage (pipeline parallelism: each stage its own).
+    const bool first_of_stage = mesh.tp_rank == 0 && mesh.cp_rank == 0 && mesh.dp_rank == 0;
+    const bool mine = expert ? mesh.edp_rank == 0 && mesh.etp_rank == 0 : first_of_stage;
     Communicator& group = expert ? *mesh.etp : *mesh.tp;  // the group its slices are split over
     const bool sliced = group.size() > 1 && (expert ? p.dim_shard.dim >= 0 : p.group == ParamGroup::tensor_parallel);
     if (!mine && !sliced) continue;
@@ -152,7 +155,8 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
   const std::string name = step_name(state.step);
   const std::string final_dir = (fs::path(checkpoints_dir) / name).string();
   const std::string tmp_dir = (fs::path(checkpoints_dir) / (".tmp-" + name)).string();
-  const int n = static_cast<int>(mesh.dims.ep);  // one file per EP rank (ETP slices are gathered)
+  // One file per stage and EP rank (ETP slices are gathered).
+  const int n = static_cast<int>(mesh.dims.pp * mesh.dims.ep), k = mesh.pp_rank * static_cast<int>(mesh.dims.ep) + mesh.ep_rank;
   on_every_rank(world, "creating the checkpoint directory", [&] {
     if (mesh.world_rank != 0) return;
     std::error_code ec;
@@ -165,8 +169,8 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
   ShardedNames mine = entries_of(params, opt, mesh);
   on_every_rank(world, "writing the checkpoint", [&] {
     if (mesh.edp_rank != 0 || mesh.etp_rank != 0) return;
-    const std::string model = tmp_dir + "/" + shard_file("model", mesh.ep_rank, n);
-    const std::string moments = tmp_dir + "/" + shard_file("optimizer", mesh.ep_rank, n);
+    const std::string model = tmp_dir + "/" + shard_file("model", k, n);
+    const std::string moments = tmp_dir + "/" + shard_file("optimizer", k, n);
     write_safetensors(model, mine.weights, {{"format", "pt"}});
     write_safetensors(moments, mine.moments, {{"optimizer", "adamw"}});
     fsync_path(model);
@@ -176,8 +180,8 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
     if (mesh.world_rank != 0) return;
     nlohmann::json sums = nlohmann::json::object();
     for (const char* stem : {"model", "optimizer"}) {
-      for (int k = 0; k < n; ++k) {
-        const std::string file = shard_file(stem, k, n);
+      for (int f = 0; f < n; ++f) {
+        const std::string file = shard_file(stem, f, n);
         sums[file] = file_checksum(tmp_dir + "/" + file);
       }
       const std::string index = std::string(stem) + ".safetensors.index.json";
@@ -192,6 +196,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
                                  {"optimizer_steps", opt.num_steps()},
                                  {"layout",
                                   {{"world", mesh.dims.world()},
+                                   {"pp", mesh.dims.pp},
                                    {"tp", mesh.dims.tp},
                                    {"cp", mesh.dims.cp},
                                    {"dp", mesh.dims.dp},
@@ -285,20 +290,27 @@ class ShardSet {
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
 };
 
-// Tensors the whole (unsharded) model has on disk.
-size_t global_tensor_count(const std::vector<Param>& params) {
+// Tensors the whole (unsharded) model has on disk: `params`' (copies of other stages' left out),
+// summed over the pipeline stages.
+size_t global_tensor_count(const std::vector<Param>& params, Communicator* stages) {
   size_t n = 0;
   for (const Param& p : params) {
+    if (p.pipeline_copy) continue;
     const size_t views = hf_views(p).size();
     const int64_t rows = p.value.size(0);
     n += p.group == ParamGroup::expert ? views / static_cast<size_t>(rows) * static_cast<size_t>(p.global_rows) : views;
+  }
+  if (stages != nullptr && stages->size() > 1) {
+    int64_t all = static_cast<int64_t>(n);
+    stages->all_reduce(Tensor(&all, DType::i64, {1}), ReduceOp::sum);
+    n = static_cast<size_t>(all);
   }
   return n;
 }
 
 }  // namespace
 
-TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params, AdamW* opt) {
+TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params, AdamW* opt, Communicator* stages) {
   const std::string meta_path = dir + "/trainer.json";
   nlohmann::json j = read_json(meta_path);
   TrainerState s;
@@ -322,7 +334,7 @@ TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params,
       MF_FAIL(path, ": checksum mismatch (file corrupt or modified after saving)");
   }
   ShardSet weights(dir, "model", sums);
-  const size_t expected = global_tensor_count(params);
+  const size_t expected = global_tensor_count(params, stages);
   if (weights.size() != expected)
     MF_FAIL(dir, "/model.safetensors.index.json: holds ", weights.size(), " tensors, the model has ", expected,
             " (different architecture or layer count?)");

@@ -25,7 +25,8 @@ struct TrainerState {
 
 // Writes checkpoint `step` under `checkpoints_dir` (created if needed); returns its path.
 // Collective over mesh.world: every rank calls it; the first EDP replica of each EP rank writes
-// its shard, rank 0 the rest. A failure on any rank fails every rank.
+// its shard, each stage's first rank the stage's other parameters (one file per pipeline stage and
+// EP rank), rank 0 the index. A failure on any rank fails every rank.
 std::string save_checkpoint(const std::string& checkpoints_dir, const std::vector<Param>& params, const AdamW& opt,
                             const TrainerState& state, const std::string& config_toml, const Mesh& mesh);
 
@@ -34,7 +35,9 @@ std::string latest_checkpoint(const std::string& checkpoints_dir);
 
 // Loads this rank's weights (and optimizer state when `opt` is not null) from checkpoint
 // directory `dir` into `params`, whatever layout wrote it; verifies checksums, names and
-// shapes. Returns the trainer state.
-TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params, AdamW* opt);
+// shapes. Returns the trainer state. Pipeline parallelism: `stages` (Mesh::pp) sums the stages'
+// tensor counts for the check that the checkpoint holds the whole model (collective over it).
+TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params, AdamW* opt,
+                             Communicator* stages = nullptr);
 
 }  // namespace moefold

@@ -15,15 +15,13 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
   p.device = device;
   p.compute = device == Device::cuda ? DType::bf16 : DType::f32;
   Mesh mesh = Mesh::plan(p.layout, rank);
-  Model model(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
-              ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()},
-              cfg.train.recompute(), cfg.train.offload());
+  std::vector<std::unique_ptr<Model>> models = make_models(cfg, mesh);  // one per micro-batch in flight
   const ExecContext ctx(device, cfg.kernels, ExecContext::Stream::none);
   Memory mem(p.compute, ctx);
   apply_memory_options(mem, cfg.train);
-  if (cfg.parallel.distributed_optimizer) mem.shard_layout(shard_layout_for(mesh, model));
+  if (cfg.parallel.distributed_optimizer) mem.shard_layout(shard_layout_for(mesh, *models.front()));
   StepBuffers buffers;
-  bind_training(mem, model, cfg, buffers);  // the measuring pass: sizes only
+  bind_training(mem, models, cfg, buffers);  // the measuring pass: sizes only
   p.master = mem.master_bytes();
   p.compute_copies = mem.compute_bytes();
   p.gradients = mem.grad_bytes();
@@ -39,9 +37,9 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
     // the deterministic backward 2 B H Sq S bytes (+ 4 B H Sq D with grouped-query heads), the
     // other one 8 B H Sq D.
     p.runtime = size_t{32} << 20;  // cuBLASLt's workspace (ops/cuda/gemm.cu)
-    // Several GPUs: each NCCL communicator (the world and the mesh's ten groups) stages host
+    // Several GPUs: each NCCL communicator (the world and the mesh's fourteen groups) stages host
     // tensors in 8 MiB of its own (comm/nccl.cpp; NCCL's internal buffers are not device_malloc's).
-    if (world > 1) p.runtime += size_t{11} * (size_t{8} << 20);
+    if (world > 1) p.runtime += size_t{15} * (size_t{8} << 20);
     const KernelOptions& k = cfg.kernels;
     const auto b = static_cast<size_t>(cfg.train.micro_batch_size),
                h = static_cast<size_t>(cfg.model.num_attention_heads / p.layout.tp),

@@ -382,6 +382,8 @@ double AdamW::owned_grad_squares(ParamGroup group) const {
     const auto [s0, s1] = slot_of(b, gr.comm->size(), gr.comm->rank());
     sq += sum_squares(*ctx_, gr.grad_block.slice(s0, s1));
   }
+  for (const Segment& sg : segments_)  // a copy of another stage's parameter: its owner counts it
+    if (sg.group == group && (*params_)[sg.param].pipeline_copy) sq -= sum_squares(*ctx_, sg.grad);
   return sq;
 }
 

@@ -25,13 +25,53 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
   };
 }
 
-void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model) {
+int64_t moe_layers_before(const ModelConfig& m, int64_t layer) {
+  int64_t n = 0;
+  for (int64_t l = 0; l < layer; ++l) n += m.is_dense_layer(l) ? 0 : 1;
+  return n;
+}
+
+int64_t moe_layers_total(const ModelConfig& m) {
+  return moe_layers_before(m, m.num_hidden_layers) + m.num_nextn_predict_layers;
+}
+
+PipelineStage pipeline_stage(const Config& cfg, const Mesh& mesh) {
+  const std::vector<int64_t> counts = mesh.dims.stage_layers(cfg.model.num_hidden_layers);
+  PipelineStage st;
+  for (int s = 0; s < mesh.pp_rank; ++s) st.first_layer += counts[static_cast<size_t>(s)];
+  st.num_layers = counts[static_cast<size_t>(mesh.pp_rank)];
+  st.first = mesh.first_stage();
+  st.last = mesh.last_stage();
+  return st;
+}
+
+int64_t micro_batches_in_flight(const Config& cfg, const Mesh& mesh) {
+  const int64_t micro = cfg.train.global_batch_size / (cfg.train.micro_batch_size * mesh.dims.dp);
+  return std::max<int64_t>(1, std::min<int64_t>(mesh.dims.pp - mesh.pp_rank, micro));
+}
+
+std::vector<std::unique_ptr<Model>> make_models(const Config& cfg, Mesh& mesh) {
+  std::vector<std::unique_ptr<Model>> out;
+  const PipelineStage stage = pipeline_stage(cfg, mesh);
+  for (int64_t k = 0; k < micro_batches_in_flight(cfg, mesh); ++k)
+    out.push_back(std::make_unique<Model>(
+        cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
+        ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get(), stage},
+        cfg.train.recompute(), cfg.train.offload()));
+  return out;
+}
+
+void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model, size_t models) {
   const Shape bs{cfg.train.micro_batch_size, cfg.train.seq_len};
   const Shape bl{cfg.train.micro_batch_size, model.local_seq_len()};
-  const int64_t layers = model.num_moe_layers(), experts = cfg.moe.num_experts;
+  const int64_t layers = moe_layers_total(cfg.model), experts = cfg.moe.num_experts;
   mem.set_part("trainer");
-  ids_BL = mem.mirrored(bl, DType::i32);
-  targets_BL = mem.mirrored(bl, DType::i32);
+  ids_BL.clear();
+  targets_BL.clear();
+  for (size_t k = 0; k < models; ++k) {
+    ids_BL.push_back(mem.mirrored(bl, DType::i32));
+    targets_BL.push_back(mem.mirrored(bl, DType::i32));
+  }
   // Host side whatever the device: token windows, statistics, loads.
   full_ids_BS = mem.host_act(bs, DType::i32);
   full_targets_BS = mem.host_act(bs, DType::i32);
@@ -40,9 +80,13 @@ void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model) {
   counts_E = mem.mirrored({experts}, DType::i64);
 }
 
-void bind_training(Memory& mem, Model& model, const Config& cfg, StepBuffers& buffers) {
-  model.bind(mem);
-  buffers.bind(mem, cfg, model);
+void bind_training(Memory& mem, std::vector<std::unique_ptr<Model>>& models, const Config& cfg, StepBuffers& buffers) {
+  models.front()->bind(mem);
+  buffers.bind(mem, cfg, *models.front(), models.size());
+  for (size_t k = 1; k < models.size(); ++k) {  // more micro-batches in flight: activations of their own
+    Memory::SharedParams shared(mem);
+    models[k]->bind(mem);
+  }
 }
 
 void apply_memory_options(Memory& mem, const TrainConfig& train) {
@@ -63,24 +107,24 @@ ShardLayout shard_layout_for(const Mesh& mesh, const Model& model) {
   layout.shards[static_cast<int>(ParamGroup::dense)] = mesh.dense->size();
   layout.shards[static_cast<int>(ParamGroup::tensor_parallel)] = mesh.dp_cp->size();
   layout.shards[static_cast<int>(ParamGroup::expert)] = mesh.edp->size();
-  layout.bucket_of = [n = model.num_layers()](const std::string& name) { return grad_ready_point(name, n); };
+  layout.bucket_of = [n = model.total_layers()](const std::string& name) { return grad_ready_point(name, n); };
   return layout;
 }
 
 Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device device, std::optional<DType> compute)
     : cfg_(cfg),
       mesh_(mesh),
-      model_(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
-             ModelParallel{dispatchers_for(cfg_, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get()},
-             cfg.train.recompute(), cfg.train.offload()),
+      models_(make_models(cfg_, mesh)),
+      model_(*models_.front()),
+      moe_offset_(moe_layers_before(cfg.model, model_.first_layer())),
       exec_(device, cfg.kernels),
       mem_(compute.value_or(device == Device::cuda ? DType::bf16 : DType::f32), exec_),  // GPU: bf16, f32 masters
       opt_(cfg.train),
       loader_(data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.valid_fraction) {
-  const int64_t layers = model_.num_moe_layers();
+  const int64_t layers = moe_layers_total(cfg.model);
   apply_memory_options(mem_, cfg.train);
   if (cfg.parallel.distributed_optimizer) mem_.shard_layout(shard_layout_for(mesh, model_));
-  auto bind_all = [&] { bind_training(mem_, model_, cfg_, buf_); };
+  auto bind_all = [&] { bind_training(mem_, models_, cfg_, buf_); };
   bind_all();  // measure
   // Master weights (and compute copies), gradients, the optimizer's state, activations.
   planned_bytes_ = mem_.param_bytes() + mem_.grad_bytes() + AdamW::state_bytes(mem_, cfg.train) + mem_.act_bytes();
@@ -95,23 +139,121 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   shard_groups_ = shard_groups();  // kept: the step loop allocates nothing
   opt_.bind(mem_, shard_groups_);
   opt_.set_overlap_gather(cfg.parallel.overlap_param_gather);
-  grads_reducer_.emplace(mem_, model_.num_layers(), grad_groups());
+  grads_reducer_.emplace(mem_, model_.total_layers(), grad_groups());
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
 }
 
-void Trainer::shard_batch() {
+void Trainer::shard_batch(size_t slot) {
   const int c = static_cast<int>(mesh_.dims.cp);
+  const Mirrored &ids = buf_.ids_BL[slot], &targets = buf_.targets_BL[slot];
   if (c == 1) {
-    buf_.ids_BL.dev.copy_from(buf_.full_ids_BS);
-    buf_.targets_BL.dev.copy_from(buf_.full_targets_BS);
+    ids.dev.copy_from(buf_.full_ids_BS);
+    targets.dev.copy_from(buf_.full_targets_BS);
     return;
   }
-  cp_shard_sequence(buf_.full_ids_BS, c, mesh_.cp_rank, buf_.ids_BL.host);
-  cp_shard_sequence(buf_.full_targets_BS, c, mesh_.cp_rank, buf_.targets_BL.host);
-  buf_.ids_BL.to_device();
-  buf_.targets_BL.to_device();
+  cp_shard_sequence(buf_.full_ids_BS, c, mesh_.cp_rank, ids.host);
+  cp_shard_sequence(buf_.full_targets_BS, c, mesh_.cp_rank, targets.host);
+  ids.to_device();
+  targets.to_device();
 }
+
+void Trainer::load_micro_batch(int64_t position, int64_t i, size_t slot) {
+  ProfileScope scope("batch load");
+  const int64_t m = cfg_.train.micro_batch_size, s = cfg_.train.seq_len;
+  const int64_t first = position + (i * mesh_.dims.dp + mesh_.dp_rank) * m;  // global sample of this micro-batch
+  for (int64_t b = 0; b < m; ++b)
+    loader_.train_sample(first + b, buf_.full_ids_BS.ptr<int32_t>() + b * s, buf_.full_targets_BS.ptr<int32_t>() + b * s);
+  shard_batch(slot);
+}
+
+void Trainer::forward_micro_batch(int64_t i, size_t slot) {
+  Model& model = *models_[slot];
+  double* stats = buf_.stats.ptr<double>();
+  {
+    ProfileScope scope("model forward");
+    // The first forward waits for each layer's gathered weights as it reaches the layer.
+    stats[0] += model.forward(
+        buf_.ids_BL[slot].dev, buf_.targets_BL[slot].dev,
+        i == 0 ? [this](int64_t point) { opt_.wait_weights(point); } : std::function<void(int64_t)>());
+    stats[1] += model.aux_loss();
+    stats[2] += model.z_loss();
+    stats[3] += model.mtp_loss();
+  }
+  ProfileScope scope("expert loads read-back");
+  const int64_t experts = cfg_.moe.num_experts;
+  double* load = buf_.load_sum_LE.ptr<double>() + moe_offset_ * experts;
+  for (int64_t l = 0; l < model.num_moe_layers(); ++l) {
+    buf_.counts_E.host.copy_from(model.moe(l).router().tokens_per_expert());  // from the GPU: waits
+    const int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
+    for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
+  }
+}
+
+void Trainer::backward_micro_batch(int64_t i, size_t slot) {
+  // Loss = sum of token losses / global tokens + mean over all micro-batches of the router losses.
+  // The last micro-batch starts each layer's gradient reduction as its backward ends.
+  ProfileScope scope("model backward");
+  const int64_t micro = local_micro_batches(), all_micro = micro * mesh_.dims.dp;
+  const int64_t tokens = cfg_.train.global_batch_size * cfg_.train.seq_len;
+  const bool overlap = cfg_.parallel.overlap_grad_reduce && i + 1 == micro;
+  models_[slot]->backward(
+      1.0 / static_cast<double>(tokens), 1.0 / static_cast<double>(all_micro),
+      overlap ? [this](int64_t point) { grads_reducer_->ready(point); } : std::function<void(int64_t)>());
+}
+
+void Trainer::exchange(Communicator* pair, const Tensor& send, const Tensor& recv) {
+  ProfileScope scope("pipeline send/recv");
+  MF_CHECK(pair != nullptr && pair->size() == 2, "pipeline exchange without a neighbouring stage");
+  const Tensor& any = send.defined() ? send : recv;
+  const Tensor none = any.slice(0, 0);
+  pair->wait(pair->start_exchange({{1 - pair->rank(), send.defined() ? send : none, recv.defined() ? recv : none}}));
+}
+
+// Megatron-Core's 1F1B: w = min(pp - stage - 1, m) warm-up forwards, m - w steady steps (a forward,
+// then a backward), w cool-down backwards. Each exchange below is matched by the neighbour's
+// exchange of the same step (its send is this one's receive): the pairs go through their steps
+// in the same order on both sides.
+void Trainer::run_pipeline(int64_t position) {
+  const int64_t m = local_micro_batches(), p = mesh_.dims.pp, s = mesh_.pp_rank;
+  const int64_t w = std::min(p - s - 1, m), r = m - w;
+  const size_t k = models_.size();
+  Communicator *prev = mesh_.pp_prev(), *next = mesh_.pp_next();
+  auto slot = [k](int64_t j) { return static_cast<size_t>(j) % k; };
+  auto model = [&](int64_t j) -> Model& { return *models_[slot(j)]; };
+  auto forward = [&](int64_t j) {
+    load_micro_batch(position, j, slot(j));
+    forward_micro_batch(j, slot(j));
+  };
+  const Tensor none;
+  for (int64_t j = 0; j < w; ++j) {
+    if (prev) exchange(prev, none, model(j).input());
+    forward(j);
+    if (next) exchange(next, model(j).output(), none);
+  }
+  if (r > 0 && prev) exchange(prev, none, model(w).input());
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t jf = w + i, jb = i;
+    forward(jf);
+    if (next) exchange(next, model(jf).output(), model(jb).stream_grad());
+    backward_micro_batch(jb, slot(jb));
+    if (prev) exchange(prev, model(jb).stream_grad(), i + 1 < r ? model(jf + 1).input() : none);
+  }
+  for (int64_t i = 0; i < w; ++i) {
+    const int64_t jb = r + i;
+    if (next) exchange(next, none, model(jb).stream_grad());
+    backward_micro_batch(jb, slot(jb));
+    if (prev) exchange(prev, model(jb).stream_grad(), none);
+  }
+}
+
+void Trainer::reduce_embedding_copies() {
+  if (mesh_.dims.pp == 1 || cfg_.model.num_nextn_predict_layers == 0) return;
+  if (!mesh_.first_stage() && !mesh_.last_stage()) return;
+  ProfileScope scope("embedding copies all-reduce");
+  mesh_.pp_ends->all_reduce(mem_.grad("model.embed_tokens.weight"), ReduceOp::sum);
+}
+
 
 int64_t Trainer::local_micro_batches() const {
   return cfg_.train.global_batch_size / (cfg_.train.micro_batch_size * mesh_.dims.dp);
@@ -144,7 +286,7 @@ void Trainer::init_fresh() {
 
 void Trainer::load(const std::string& ckpt) {
   opt_.prepare_state();  // sharded: host tensors for the moments to load into
-  TrainerState s = load_checkpoint(ckpt, mem_.params(), &opt_);
+  TrainerState s = load_checkpoint(ckpt, mem_.params(), &opt_, mesh_.pp.get());
   opt_.scatter_state();
   step_ = s.step;
   loader_.set_position(s.data_position);
@@ -164,10 +306,10 @@ void Trainer::gather_master_weights() {
 }
 
 void Trainer::accumulate_gradients() {
-  const int64_t m = cfg_.train.micro_batch_size, s = cfg_.train.seq_len, dp = mesh_.dims.dp;
+  const int64_t s = cfg_.train.seq_len, dp = mesh_.dims.dp;
   const int64_t micro = local_micro_batches(), all_micro = micro * dp;
   const int64_t tokens = cfg_.train.global_batch_size * s;
-  const int64_t layers = model_.num_moe_layers(), experts = cfg_.moe.num_experts;
+  const int64_t layers = moe_layers_total(cfg_.model), experts = cfg_.moe.num_experts;
   const int64_t position = loader_.position();
   double* stats = buf_.stats.ptr<double>();
   double* load = buf_.load_sum_LE.ptr<double>();
@@ -177,41 +319,17 @@ void Trainer::accumulate_gradients() {
     buf_.load_sum_LE.zero();
     buf_.stats.zero();
   }
-  for (int64_t i = 0; i < micro; ++i) {
-    {
-      ProfileScope scope("batch load");
-      const int64_t first = position + (i * dp + mesh_.dp_rank) * m;  // global sample of this micro-batch
-      for (int64_t b = 0; b < m; ++b)
-        loader_.train_sample(first + b, buf_.full_ids_BS.ptr<int32_t>() + b * s,
-                             buf_.full_targets_BS.ptr<int32_t>() + b * s);
-      shard_batch();
+  if (mesh_.dims.pp > 1) {
+    run_pipeline(position);
+  } else {
+    for (int64_t i = 0; i < micro; ++i) {
+      load_micro_batch(position, i, 0);
+      forward_micro_batch(i, 0);
+      backward_micro_batch(i, 0);
     }
-    {
-      ProfileScope scope("model forward");
-      // The first forward waits for each layer's gathered weights as it reaches the layer.
-      stats[0] +=
-          model_.forward(buf_.ids_BL.dev, buf_.targets_BL.dev,
-                         i == 0 ? [this](int64_t point) { opt_.wait_weights(point); } : std::function<void(int64_t)>());
-      stats[1] += model_.aux_loss();
-      stats[2] += model_.z_loss();
-      stats[3] += model_.mtp_loss();
-    }
-    {
-      ProfileScope scope("expert loads read-back");
-      for (int64_t l = 0; l < layers; ++l) {
-        buf_.counts_E.host.copy_from(model_.moe(l).router().tokens_per_expert());  // from the GPU: waits
-        const int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
-        for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
-      }
-    }
-    // Loss = sum of token losses / global tokens + mean over all micro-batches of the router losses.
-    // The last micro-batch starts each layer's gradient reduction as its backward ends.
-    ProfileScope scope("model backward");
-    const bool overlap = cfg_.parallel.overlap_grad_reduce && i + 1 == micro;
-    model_.backward(1.0 / static_cast<double>(tokens), 1.0 / static_cast<double>(all_micro),
-                    overlap ? [this](int64_t point) { grads_reducer_->ready(point); } : std::function<void(int64_t)>());
   }
   loader_.set_position(position + cfg_.train.global_batch_size);
+  reduce_embedding_copies();
   {
     ProfileScope scope("gradient all-reduce");  // with overlap: the rest, and the wait for all
     if (cfg_.parallel.overlap_grad_reduce)
@@ -239,12 +357,20 @@ void Trainer::accumulate_gradients() {
       dense_sq = owned[static_cast<int>(ParamGroup::dense)];
     } else {
       sq[0] = sum_squares(exec_, mem_.grad_block(ParamGroup::tensor_parallel));
+      for (const Param& p : mem_.params())  // the embedding's copy on the last stage: its owner counts it
+        if (p.pipeline_copy) sq[0] -= sum_squares(exec_, p.grad);
       sq[1] = sum_squares(exec_, mem_.grad_block(ParamGroup::expert));
       dense_sq = sum_squares(exec_, mem_.grad_block(ParamGroup::dense));
     }
     if (mesh_.tp->size() > 1) mesh_.tp->all_reduce(Tensor(&sq[0], DType::f64, {1}), ReduceOp::sum);
     if (mesh_.ep_etp->size() > 1) mesh_.ep_etp->all_reduce(Tensor(&sq[1], DType::f64, {1}), ReduceOp::sum);
     expert_sq = sq[0] + sq[1];
+    if (mesh_.dims.pp > 1) {  // every stage's parameters (an embedding copy counted by its owner only)
+      double both[2] = {dense_sq, expert_sq};
+      mesh_.pp->all_reduce(Tensor(both, DType::f64, {2}), ReduceOp::sum);
+      dense_sq = both[0];
+      expert_sq = both[1];
+    }
   }
   {
     // The LM loss is complete on every TP rank; router losses and expert loads are per TP rank.
@@ -254,6 +380,10 @@ void Trainer::accumulate_gradients() {
     if (mesh_.tp->size() > 1) {
       mesh_.tp->all_reduce(buf_.stats.slice(1, 3), ReduceOp::sum);
       mesh_.tp->all_reduce(buf_.load_sum_LE, ReduceOp::sum);
+    }
+    if (mesh_.dims.pp > 1) {  // each stage's losses and its layers' loads
+      mesh_.pp->all_reduce(buf_.stats, ReduceOp::sum);
+      mesh_.pp->all_reduce(buf_.load_sum_LE, ReduceOp::sum);
     }
   }
 
@@ -291,9 +421,9 @@ const StepMetrics& Trainer::train_step() {
     ProfileScope scope("expert bias update");
     const double* load = buf_.load_sum_LE.ptr<double>();
     const int64_t experts = cfg_.moe.num_experts;
-    for (int64_t l = 0; l < model_.num_moe_layers(); ++l) {
+    for (int64_t l = 0; l < model_.num_moe_layers(); ++l) {  // this stage's (the bias is shared by its models)
       int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
-      for (int64_t e = 0; e < experts; ++e) counts[e] = static_cast<int64_t>(load[l * experts + e]);
+      for (int64_t e = 0; e < experts; ++e) counts[e] = static_cast<int64_t>(load[(moe_offset_ + l) * experts + e]);
       buf_.counts_E.to_device();
       model_.moe(l).update_expert_bias(buf_.counts_E.dev, cfg_.moe.expert_bias_update_rate);
     }
@@ -312,14 +442,18 @@ double Trainer::evaluate() {
   // evaluated batches are rounded down to a multiple of dp (at least dp).
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);
   double sum = 0;
+  Communicator *prev = mesh_.pp_prev(), *next = mesh_.pp_next();
   for (int64_t i = 0; i < per_rank; ++i) {
     loader_.valid_batch((i * dp + mesh_.dp_rank) % nv, buf_.full_ids_BS.ptr<int32_t>(),
                         buf_.full_targets_BS.ptr<int32_t>());
-    shard_batch();
-    sum += model_.forward(buf_.ids_BL.dev, buf_.targets_BL.dev);
+    shard_batch(0);
+    if (prev) exchange(prev, Tensor(), model_.input());  // pipeline: forward only, stage by stage
+    sum += model_.forward(buf_.ids_BL[0].dev, buf_.targets_BL[0].dev);
+    if (next) exchange(next, model_.output(), Tensor());
   }
   buf_.stats.ptr<double>()[0] = sum;
   reduce_dense(buf_.stats.slice(0, 1));
+  if (mesh_.dims.pp > 1) mesh_.pp->all_reduce(buf_.stats.slice(0, 1), ReduceOp::sum);  // the last stage's
   return buf_.stats.ptr<double>()[0] /
          static_cast<double>(per_rank * dp * cfg_.train.micro_batch_size * cfg_.train.seq_len);
 }

@@ -6,6 +6,14 @@
 // Layout invariance: micro-batch j of a step (j = i * dp + dp_rank for local micro-step i) is
 // global samples [position + j * micro, +micro), so every layout sees the same micro-batches,
 // and losses are sums over the global batch divided once.
+//
+// Pipeline parallelism (parallel.pp > 1): each rank runs its stage's layers (PipelineStage) in
+// the 1F1B schedule (Megatron-Core's non-interleaved one: pp - stage - 1 warm-up forwards, then
+// one forward and one backward in turn, then the remaining backwards), moving the residual stream
+// and its gradient to the neighbouring stages with one exchange per step of the schedule on the
+// pair's communicator (Mesh::pp_next / pp_prev). A stage keeps the activations of up to
+// min(pp - stage, micro-batches) micro-batches: one Model per micro-batch in flight, bound through
+// one Memory (the first registers the parameters, the others share them: Memory::SharedParams).
 #pragma once
 
 #include <cstdint>
@@ -41,23 +49,35 @@ struct StepMetrics {
   std::vector<double> expert_load_mean;  // per MoE layer: mean tokens per expert / step
 };
 
-// What the trainer binds beside the model: one micro-batch's ids and targets (whole sequences
-// on the host, this rank's positions on the device), expert loads and step statistics.
+// What the trainer binds beside the models: each in-flight micro-batch's ids and targets (whole
+// sequences on the host, this rank's positions on the device), expert loads and step statistics.
 struct StepBuffers {
-  Tensor full_ids_BS, full_targets_BS;  // whole sequences (targets already shifted)
-  Mirrored ids_BL, targets_BL;          // this rank's positions of them (all of them without CP)
-  Mirrored counts_E;                    // i64 [experts]: one layer's routed tokens, or its step load (bias update)
-  Tensor load_sum_LE;                   // f64 [layers, experts]: tokens per expert over a step's micro-batches
-  Tensor stats;                         // f64 [4]: loss sum, aux, z, mtp (reduced together)
-  void bind(Memory& mem, const Config& cfg, const Model& model);
+  Tensor full_ids_BS, full_targets_BS;       // whole sequences (targets already shifted)
+  std::vector<Mirrored> ids_BL, targets_BL;  // per model: this rank's positions (all of them without CP)
+  Mirrored counts_E;  // i64 [experts]: one layer's routed tokens, or its step load (bias update)
+  Tensor load_sum_LE;  // f64 [MoE layers of the whole model, experts]: tokens per expert over a step's micro-batches
+  Tensor stats;        // f64 [4]: loss sum, aux, z, mtp (reduced together)
+  void bind(Memory& mem, const Config& cfg, const Model& model, size_t models);
 };
+
+// The MoE layers of the whole model (multi-token-prediction depths included) before decoder layer
+// `layer` (model.num_hidden_layers: all of them but the MTP depths').
+int64_t moe_layers_before(const ModelConfig& m, int64_t layer);
+int64_t moe_layers_total(const ModelConfig& m);
+// This rank's pipeline stage (parallel.stage_layers) and how many micro-batches it keeps in flight
+// (1 without pipeline parallelism).
+PipelineStage pipeline_stage(const Config& cfg, const Mesh& mesh);
+int64_t micro_batches_in_flight(const Config& cfg, const Mesh& mesh);
+// A rank's models: one per micro-batch in flight (micro_batches_in_flight), each its stage's.
+std::vector<std::unique_ptr<Model>> make_models(const Config& cfg, Mesh& mesh);
 
 // The memory options on a Memory before its first bind: train.main_grads_dtype, and one clear line
 // for the options this device cannot take (offload and bf16 gradients need the CUDA device).
 void apply_memory_options(Memory& mem, const TrainConfig& train);
 
-// A training rank's whole binding pass (the trainer's, and moefold plan's measuring one).
-void bind_training(Memory& mem, Model& model, const Config& cfg, StepBuffers& buffers);
+// A training rank's whole binding pass (the trainer's, and moefold plan's measuring one): the first
+// model registers the parameters, the others share them.
+void bind_training(Memory& mem, std::vector<std::unique_ptr<Model>>& models, const Config& cfg, StepBuffers& buffers);
 // The dispatchers of the model's MoE layers on `mesh` (empty: local experts). Keeps references.
 DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh);
 // The distributed optimizer's layout: each group sharded over the ranks that reduce it.
@@ -97,7 +117,7 @@ class Trainer {
   const StepMetrics& metrics() const { return metrics_; }
   Memory& memory() { return mem_; }
   const ExecContext& exec() const { return exec_; }
-  const Model& model() const { return model_; }
+  const Model& model() const { return *models_.front(); }
   std::vector<Param>& params() { return mem_.params(); }
   int64_t num_valid_batches() const { return loader_.num_valid_batches(); }
 
@@ -109,12 +129,28 @@ class Trainer {
   // The same communicators by ParamGroup: the distributed optimizer's shard groups.
   AdamW::ShardGroups shard_groups() const;
   int64_t local_micro_batches() const;
-  // ids_BL_/targets_BL_ = this context-parallel rank's positions of the full batch.
-  void shard_batch();
+  // Model `slot`'s ids and targets = this context-parallel rank's positions of the full batch.
+  void shard_batch(size_t slot);
+  // Local micro-batch i (0-based) of the step into model `slot`'s buffers.
+  void load_micro_batch(int64_t position, int64_t i, size_t slot);
+  // Local micro-batch i's forward on model `slot` (its statistics and expert loads added), and
+  // its backward (the last one starts the overlapped gradient reduction).
+  void forward_micro_batch(int64_t i, size_t slot);
+  void backward_micro_batch(int64_t i, size_t slot);
+  // The 1F1B schedule of this stage over the step's local micro-batches (pipeline parallelism).
+  void run_pipeline(int64_t position);
+  // One exchange with a neighbouring stage (pair communicator `pair`): `send` goes, `recv` comes
+  // (either undefined: none); the compute stream waits for it.
+  void exchange(Communicator* pair, const Tensor& send, const Tensor& recv);
+  // The embedding's gradient summed over its copies (the first and last stage, with multi-token
+  // prediction under pipeline parallelism); the norm counts it once.
+  void reduce_embedding_copies();
 
   Config cfg_;
   Mesh& mesh_;
-  Model model_;
+  std::vector<std::unique_ptr<Model>> models_;  // one per micro-batch in flight (make_models)
+  Model& model_;                                // the first
+  int64_t moe_offset_ = 0;                      // the whole model's MoE layers before this stage's
   ExecContext exec_;  // where every op of the run goes: the device, its stream, the [kernels] choices
   Memory mem_;
   AdamW opt_;
