@@ -128,7 +128,7 @@ TEST(Cli, KernelSwitches) {
 TEST(Cli, PlanPrintsEachRanksBytes) {
   Result r = run("plan --config qwen3-30b-a3b --world 8 --set parallel.ep=8 --set model.num_hidden_layers=4");
   EXPECT_EQ(r.code, 0) << r.err;
-  for (const char* want : {"(tp, cp, dp, ep, etp) = (1, 1, 8, 8, 1)", "master weights (f32)", "optimizer state",
+  for (const char* want : {"(pp, tp, cp, dp, ep, etp) = (1, 1, 1, 8, 8, 1)", "master weights (f32)", "optimizer state",
                            "planned on the GPU", "layers.0-3 ", "parallel.distributed_optimizer = true: peak",
                            "with train.exp_avg_dtype = train.exp_avg_sq_dtype = bf16: peak"})
     EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
@@ -224,6 +224,17 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
                  "train.seq_len = 18 is not divisible by 2 x parallel.cp = 4");
   expect_on_both("--set train.global_batch_size=2",
                  "train.global_batch_size = 2 is not divisible by train.micro_batch_size x parallel.dp = 2 x 2 = 4");
+  // Pipeline stages: one decoder layer does not split into two stages; ep over a stage's one rank.
+  expect_on_both("--set parallel.pp=2", "model.num_hidden_layers = 1 does not split into parallel.pp = 2 stages");
+  expect_on_both("--set parallel.pp=2 --set model.num_hidden_layers=2 --set parallel.ep=2",
+                 "ep x etp = 2 x 1 = 2 does not divide dp x cp x tp = 1 x 1 x 1 = 1");
+  // Two stages train and write a shard each.
+  Result stages = run_mpi(
+      2, cat("train --run-dir pp --steps 2 --set data.path=data.tokens ", kSmall, " --set parallel.pp=2 ",
+             "--set model.num_hidden_layers=2"),
+      d);
+  EXPECT_EQ(stages.code, 0) << stages.err;
+  EXPECT_TRUE(fs::exists(d / "pp" / "checkpoints" / "step_00000002" / "model-00002-of-00002.safetensors"));
   // And the good layout trains, writing one shard per EP rank.
   Result ok = run_mpi(2,
                       cat("train --run-dir good --steps 2 --set data.path=data.tokens ", kSmall,

@@ -23,14 +23,14 @@
 namespace moefold {
 namespace {
 
+using testing::copy_step4;
+using testing::expect_resumed_steps;
 using testing::find_param;
+using testing::fresh_shared_dir;
 using testing::Layout;
 using testing::layout_name;
 using testing::LayoutRun;
 using testing::metric_losses;
-using testing::copy_step4;
-using testing::expect_resumed_steps;
-using testing::fresh_shared_dir;
 using testing::rel_err;
 using testing::resume_config;
 using testing::with_layout;
@@ -52,7 +52,6 @@ std::vector<Layout> layouts(int world) {
     }
   return out;
 }
-
 
 class Layouts : public ::testing::Test {
  protected:
@@ -343,9 +342,6 @@ TEST_F(Layouts, PlanMatchesEveryRanksTrainer) {
 }
 
 // An empty directory every rank sees under the same name (rank 0's pid); the test removes it.
-
-
-
 
 TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
   namespace fs = std::filesystem;

@@ -13,6 +13,7 @@
 
 #include "layout_testing.h"
 #include "moefold/comm/communicator.h"
+#include "moefold/train/memory_plan.h"
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
 #include "mpi_testing.h"
@@ -58,8 +59,8 @@ std::vector<PipeLayout> pipe_layouts(int world) {
     case 2:
       return {{2, 1, 1, 1, 1}, {2, 1, 1, 1, 1, 1, 0}, {2, 1, 1, 1, 1, 0, 0, true}};
     case 4:
-      return {{2, 2, 1, 1, 1},          {2, 1, 1, 2, 1, 0, 0, true}, {2, 1, 2, 1, 1}, {4, 1, 1, 1, 1},
-              {2, 1, 1, 1, 1, 3, 0},    {2, 1, 1, 2, 1, 1, 0}};
+      return {{2, 2, 1, 1, 1}, {2, 1, 1, 2, 1, 0, 0, true}, {2, 1, 2, 1, 1},
+              {4, 1, 1, 1, 1}, {2, 1, 1, 1, 1, 3, 0},       {2, 1, 1, 2, 1, 1, 0}};
     case 8:
       return {{2, 2, 1, 2, 2}, {4, 1, 1, 2, 1, 0, 0, true}, {2, 2, 2, 4, 1}};
     default:
@@ -80,13 +81,13 @@ class Pipeline : public ::testing::Test {
     base.push_back("model.num_key_value_heads=4");
     base_ = testing::small_train_config(testing::make_train_data(dir_->path()), base);
     std::vector<std::string> ds = common;
-    for (const char* s : {"model.architecture=deepseek_v3", "model.num_key_value_heads=8", "model.qk_rope_head_dim=4",
-                          "model.qk_nope_head_dim=2", "model.v_head_dim=8", "model.kv_lora_rank=8",
-                          "model.q_lora_rank=6", "model.first_k_dense_replace=1", "model.intermediate_size=24",
-                          "model.num_nextn_predict_layers=1", "moe.n_shared_experts=1", "moe.scoring_func=sigmoid",
-                          "moe.n_group=4", "moe.topk_group=2", "moe.expert_bias=true",
-                          "moe.expert_bias_update_rate=0.01", "moe.seq_aux_loss_coef=0.05",
-                          "moe.router_aux_loss_coef=0"})
+    for (const char* s :
+         {"model.architecture=deepseek_v3", "model.num_key_value_heads=8", "model.qk_rope_head_dim=4",
+          "model.qk_nope_head_dim=2", "model.v_head_dim=8", "model.kv_lora_rank=8", "model.q_lora_rank=6",
+          "model.first_k_dense_replace=1", "model.intermediate_size=24", "model.num_nextn_predict_layers=1",
+          "moe.n_shared_experts=1", "moe.scoring_func=sigmoid", "moe.n_group=4", "moe.topk_group=2",
+          "moe.expert_bias=true", "moe.expert_bias_update_rate=0.01", "moe.seq_aux_loss_coef=0.05",
+          "moe.router_aux_loss_coef=0"})
       ds.push_back(s);
     deepseek_ = testing::small_train_config(base_.data.path, ds);
   }
@@ -164,6 +165,45 @@ void twenty_steps_match_one_rank(Config cfg, bool mtp) {
 
 TEST_F(Pipeline, TwentyStepsMatchOneRank) { twenty_steps_match_one_rank(base_, false); }
 TEST_F(Pipeline, DeepSeekV3TwentyStepsMatchOneRank) { twenty_steps_match_one_rank(deepseek_, true); }
+
+// moefold plan binds what each rank's trainer binds (its stage's layers, and one set of activations
+// per micro-batch in flight: more on the first stage than the last), and Mesh::plan's pipeline groups
+// are the ones Mesh::build splits.
+TEST_F(Pipeline, PlanMatchesEveryRanksTrainer) {
+  Communicator& world = testing::test_world();
+  for (const PipeLayout& l : pipe_layouts(world.size())) {
+    if (l.cp > 1) continue;
+    SCOPED_TRACE(name_of(l, world.size()));
+    const Config c = with_pipe(deepseek_, l);
+    LayoutRun run(c, world);
+    const MemoryPlan p = plan_memory(c, world.size(), world.rank(), Device::cpu);
+    const Memory& mem = run.trainer->memory();
+    EXPECT_EQ(p.device_total(), run.trainer->planned_bytes());
+    EXPECT_EQ(p.gradients, mem.grad_bytes());
+    EXPECT_EQ(p.optimizer, run.trainer->optimizer_bytes());
+    EXPECT_EQ(p.activations, mem.act_bytes());
+    EXPECT_EQ(micro_batches_in_flight(c, run.mesh),
+              std::min<int64_t>(l.pp - run.mesh.pp_rank, c.train.global_batch_size / run.mesh.dims.dp));
+    const Mesh planned = Mesh::plan(run.mesh.dims, world.rank());
+    EXPECT_EQ(planned.pp_rank, run.mesh.pp_rank);
+    for (const auto& [a, b] : {std::pair{run.mesh.pp.get(), planned.pp.get()},
+                               {run.mesh.pp_even.get(), planned.pp_even.get()},
+                               {run.mesh.pp_odd.get(), planned.pp_odd.get()},
+                               {run.mesh.pp_ends.get(), planned.pp_ends.get()}}) {
+      EXPECT_EQ(b->size(), a->size()) << a->name();
+      EXPECT_EQ(b->rank(), a->rank()) << a->name();
+    }
+    // The neighbours: pairs of consecutive stages; the first and the last stage together.
+    EXPECT_EQ(run.mesh.pp->size(), l.pp);
+    EXPECT_EQ(run.mesh.pp->rank(), run.mesh.pp_rank);
+    EXPECT_EQ(run.mesh.pp_next() != nullptr, !run.mesh.last_stage());
+    EXPECT_EQ(run.mesh.pp_prev() != nullptr, !run.mesh.first_stage());
+    for (const Communicator* pair : {run.mesh.pp_next(), run.mesh.pp_prev()}) {
+      EXPECT_TRUE(pair == nullptr || pair->size() == 2);
+    }
+    EXPECT_EQ(run.mesh.pp_ends->size(), run.mesh.first_stage() || run.mesh.last_stage() ? 2 : 1);
+  }
+}
 
 // Saved under pp = 2 (DeepSeek-V3's layers: the embedding's copy on the last stage is not saved
 // twice), resumed under pp = 1 on every rank, under pp = 4 (4 ranks or more), and on one rank.

@@ -95,11 +95,21 @@ void run_plan(const PlanArgs& a) {
   const MemoryPlan first = plan_memory(cfg, a.world, 0, device);
   const MemoryPlan last = plan_memory(cfg, a.world, a.world - 1, device);
   const ParallelConfig& l = first.layout;
-  std::printf("%s on %d rank(s): (tp, cp, dp, ep, etp) = (%lld, %lld, %lld, %lld, %lld), %s, %s\n", cfg.preset.c_str(),
-              a.world, static_cast<long long>(l.tp), static_cast<long long>(l.cp), static_cast<long long>(l.dp),
-              static_cast<long long>(l.ep), static_cast<long long>(l.etp),
+  std::printf("%s on %d rank(s): (pp, tp, cp, dp, ep, etp) = (%lld, %lld, %lld, %lld, %lld, %lld), %s, %s\n",
+              cfg.preset.c_str(), a.world, static_cast<long long>(l.pp), static_cast<long long>(l.tp),
+              static_cast<long long>(l.cp), static_cast<long long>(l.dp), static_cast<long long>(l.ep),
+              static_cast<long long>(l.etp),
               device == Device::cuda ? "GPU (bf16 compute, f32 master weights and optimizer state)" : "CPU (f32)",
               cfg.parallel.distributed_optimizer ? "distributed optimizer" : "optimizer state on every rank");
+  if (l.pp > 1) {  // each stage's layers; 1F1B keeps more micro-batches in flight on the earlier stages
+    std::string counts;
+    for (const int64_t n : l.stage_layers(cfg.model.num_hidden_layers)) counts += cat(counts.empty() ? "" : ", ", n);
+    const int64_t micro = cfg.train.global_batch_size / (cfg.train.micro_batch_size * l.dp);
+    std::printf("pipeline (%s): decoder layers per stage %s; micro-batches in flight (activations kept): %lld on the "
+                "first stage, 1 on the last\n",
+                cfg.parallel.pipeline_schedule.c_str(), counts.c_str(),
+                static_cast<long long>(std::min<int64_t>(l.pp, micro)));
+  }
   std::printf(
       "per rank (%s); planned = what the trainer reserves before step 0 (its binding pass); the libraries\n"
       "size their workspaces at the first step (docs/benchmarks.md: predicted vs measured peaks). Dropless\n"

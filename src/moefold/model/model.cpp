@@ -475,8 +475,7 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
   if (first_stage_) embed_backward(ids_, dres_TH_);  // else stream_grad() is d(input) for the caller
 }
 
-void Model::backward_top(double lm_grad_scale, double moe_loss_scale,
-                         const std::function<void(int64_t)>& grads_ready) {
+void Model::backward_top(double lm_grad_scale, double moe_loss_scale, const std::function<void(int64_t)>& grads_ready) {
   head_backward(res_.back(), norm_, dnorm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_, lm_grad_scale,
                 dres_TH_);
   // Multi-token prediction, deepest first: each depth's d(h_prev) flows into the one before it,

@@ -215,12 +215,12 @@ class Model {
   ModelConfig cfg_;
   MoeConfig moe_cfg_;
   int64_t batch_, seq_len_, local_seq_len_,
-      rows_;                    // batch, full sequence, local sequence, residual rows here (B*local_seq_len_/tp)
-  int64_t tokens_ = 0;          // tokens of the local sequences (B*local_seq_len_): every TP rank's rows
-  int64_t first_layer_ = 0;     // pipeline stage: the first decoder layer's whole-model index
+      rows_;                 // batch, full sequence, local sequence, residual rows here (B*local_seq_len_/tp)
+  int64_t tokens_ = 0;       // tokens of the local sequences (B*local_seq_len_): every TP rank's rows
+  int64_t first_layer_ = 0;  // pipeline stage: the first decoder layer's whole-model index
   bool first_stage_ = true, last_stage_ = true;
-  Communicator* tp_ = nullptr;  // size > 1 only
-  int64_t vocab_offset_ = 0;    // first vocabulary row held here (tensor parallelism)
+  Communicator* tp_ = nullptr;                     // size > 1 only
+  int64_t vocab_offset_ = 0;                       // first vocabulary row held here (tensor parallelism)
   std::unique_ptr<ContextParallelAttention> cpa_;  // shared by every layer (stateless between calls)
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::vector<MoeLayer*> moe_layers_;

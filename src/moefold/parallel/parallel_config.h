@@ -11,12 +11,12 @@
 namespace moefold {
 
 struct ParallelConfig {
-  int64_t tp = 1;          // tensor parallel (attention, dense layers)
-  int64_t cp = 1;          // context parallel (sequence split for attention)
-  int64_t dp = 0;          // data parallel; 0: world / (pp * tp * cp)
-  int64_t ep = 1;          // expert parallel
-  int64_t etp = 1;         // expert tensor parallel
-  int64_t pp = 1;          // pipeline parallel: stages of consecutive decoder layers (outermost)
+  int64_t tp = 1;   // tensor parallel (attention, dense layers)
+  int64_t cp = 1;   // context parallel (sequence split for attention)
+  int64_t dp = 0;   // data parallel; 0: world / (pp * tp * cp)
+  int64_t ep = 1;   // expert parallel
+  int64_t etp = 1;  // expert tensor parallel
+  int64_t pp = 1;   // pipeline parallel: stages of consecutive decoder layers (outermost)
   // Pipeline stages (pp > 1): the first and the last stage's decoder layers (Megatron-Core's
   // --decoder-first/last-pipeline-num-layers; 0: an even share), the rest split evenly over the
   // other stages; the schedule ("1f1b"), and virtual stages per rank (1: not interleaved).

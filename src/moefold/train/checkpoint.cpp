@@ -156,7 +156,8 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
   const std::string final_dir = (fs::path(checkpoints_dir) / name).string();
   const std::string tmp_dir = (fs::path(checkpoints_dir) / (".tmp-" + name)).string();
   // One file per stage and EP rank (ETP slices are gathered).
-  const int n = static_cast<int>(mesh.dims.pp * mesh.dims.ep), k = mesh.pp_rank * static_cast<int>(mesh.dims.ep) + mesh.ep_rank;
+  const int n = static_cast<int>(mesh.dims.pp * mesh.dims.ep),
+            k = mesh.pp_rank * static_cast<int>(mesh.dims.ep) + mesh.ep_rank;
   on_every_rank(world, "creating the checkpoint directory", [&] {
     if (mesh.world_rank != 0) return;
     std::error_code ec;

@@ -163,7 +163,8 @@ void Trainer::load_micro_batch(int64_t position, int64_t i, size_t slot) {
   const int64_t m = cfg_.train.micro_batch_size, s = cfg_.train.seq_len;
   const int64_t first = position + (i * mesh_.dims.dp + mesh_.dp_rank) * m;  // global sample of this micro-batch
   for (int64_t b = 0; b < m; ++b)
-    loader_.train_sample(first + b, buf_.full_ids_BS.ptr<int32_t>() + b * s, buf_.full_targets_BS.ptr<int32_t>() + b * s);
+    loader_.train_sample(first + b, buf_.full_ids_BS.ptr<int32_t>() + b * s,
+                         buf_.full_targets_BS.ptr<int32_t>() + b * s);
   shard_batch(slot);
 }
 
@@ -173,9 +174,9 @@ void Trainer::forward_micro_batch(int64_t i, size_t slot) {
   {
     ProfileScope scope("model forward");
     // The first forward waits for each layer's gathered weights as it reaches the layer.
-    stats[0] += model.forward(
-        buf_.ids_BL[slot].dev, buf_.targets_BL[slot].dev,
-        i == 0 ? [this](int64_t point) { opt_.wait_weights(point); } : std::function<void(int64_t)>());
+    stats[0] +=
+        model.forward(buf_.ids_BL[slot].dev, buf_.targets_BL[slot].dev,
+                      i == 0 ? [this](int64_t point) { opt_.wait_weights(point); } : std::function<void(int64_t)>());
     stats[1] += model.aux_loss();
     stats[2] += model.z_loss();
     stats[3] += model.mtp_loss();
@@ -253,7 +254,6 @@ void Trainer::reduce_embedding_copies() {
   ProfileScope scope("embedding copies all-reduce");
   mesh_.pp_ends->all_reduce(mem_.grad("model.embed_tokens.weight"), ReduceOp::sum);
 }
-
 
 int64_t Trainer::local_micro_batches() const {
   return cfg_.train.global_batch_size / (cfg_.train.micro_batch_size * mesh_.dims.dp);

@@ -54,7 +54,7 @@ struct StepMetrics {
 struct StepBuffers {
   Tensor full_ids_BS, full_targets_BS;       // whole sequences (targets already shifted)
   std::vector<Mirrored> ids_BL, targets_BL;  // per model: this rank's positions (all of them without CP)
-  Mirrored counts_E;  // i64 [experts]: one layer's routed tokens, or its step load (bias update)
+  Mirrored counts_E;                         // i64 [experts]: one layer's routed tokens, or its step load (bias update)
   Tensor load_sum_LE;  // f64 [MoE layers of the whole model, experts]: tokens per expert over a step's micro-batches
   Tensor stats;        // f64 [4]: loss sum, aux, z, mtp (reduced together)
   void bind(Memory& mem, const Config& cfg, const Model& model, size_t models);
