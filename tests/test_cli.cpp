@@ -229,10 +229,10 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
   expect_on_both("--set parallel.pp=2 --set model.num_hidden_layers=2 --set parallel.ep=2",
                  "ep x etp = 2 x 1 = 2 does not divide dp x cp x tp = 1 x 1 x 1 = 1");
   // Two stages train and write a shard each.
-  Result stages = run_mpi(
-      2, cat("train --run-dir pp --steps 2 --set data.path=data.tokens ", kSmall, " --set parallel.pp=2 ",
-             "--set model.num_hidden_layers=2"),
-      d);
+  Result stages = run_mpi(2,
+                          cat("train --run-dir pp --steps 2 --set data.path=data.tokens ", kSmall,
+                              " --set parallel.pp=2 ", "--set model.num_hidden_layers=2"),
+                          d);
   EXPECT_EQ(stages.code, 0) << stages.err;
   EXPECT_TRUE(fs::exists(d / "pp" / "checkpoints" / "step_00000002" / "model-00002-of-00002.safetensors"));
   // And the good layout trains, writing one shard per EP rank.

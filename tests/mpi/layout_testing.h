@@ -22,16 +22,18 @@
 namespace moefold::testing {
 
 struct Layout {
-  int64_t tp, cp, ep, etp;  // dp = world / (tp * cp)
+  int64_t tp, cp, ep, etp;  // dp = world / (pp * tp * cp)
+  int64_t pp = 1;
 };
 
-// "(tp, cp, dp, ep, etp) = (...) on N ranks" (or "GPUs").
+// "(tp, cp, dp, ep, etp) = (...) on N ranks" (or "GPUs"), "(pp, tp, ...)" with pipeline stages.
 inline std::string layout_name(const Layout& l, int world, const char* unit = "ranks") {
-  return cat("(tp, cp, dp, ep, etp) = (", l.tp, ", ", l.cp, ", ", world / (l.tp * l.cp), ", ", l.ep, ", ", l.etp,
-             ") on ", world, " ", unit);
+  return cat(l.pp > 1 ? cat("(pp, tp, cp, dp, ep, etp) = (", l.pp, ", ") : std::string("(tp, cp, dp, ep, etp) = ("),
+             l.tp, ", ", l.cp, ", ", world / (l.pp * l.tp * l.cp), ", ", l.ep, ", ", l.etp, ") on ", world, " ", unit);
 }
 
 inline Config with_layout(Config c, const Layout& l) {
+  c.parallel.pp = l.pp;
   c.parallel.tp = l.tp;
   c.parallel.cp = l.cp;
   c.parallel.ep = l.ep;

@@ -1,5 +1,5 @@
 // Parallel layouts on GPUs: one GPU per rank, ranks joined by NCCL (bootstrapped over MPI). For
-// every two-rank layout (DP, TP with sequence parallelism, CP, EP, ETP, TP x EP) the loss and
+// every two-rank layout (DP, TP with sequence parallelism, CP, EP, ETP, TP x EP, PP) the loss and
 // every gradient of one fp32 step, and a 20-step bf16 mixed-precision loss curve, match a one-GPU
 // run that each rank computes itself on its own GPU. A checkpoint saved under TP = EP = 2
 // resumes under DP = 2. Skipped unless every rank has a GPU of its own.
@@ -39,9 +39,10 @@ using testing::LayoutRun;
 using testing::metric_losses;
 using testing::with_layout;
 
-// Every layout of two ranks: DP, TP (+ SP), CP, EP, ETP, and attention TP with experts over EP.
+// Every layout of two ranks: DP, TP (+ SP), CP, EP, ETP, attention TP with experts over EP, and two
+// pipeline stages (1F1B; the stages' activations and gradients over NCCL).
 std::vector<Layout> layouts() {
-  return {{1, 1, 1, 1}, {2, 1, 1, 1}, {1, 2, 1, 1}, {1, 1, 2, 1}, {1, 1, 1, 2}, {2, 1, 2, 1}};
+  return {{1, 1, 1, 1}, {2, 1, 1, 1}, {1, 2, 1, 1}, {1, 1, 2, 1}, {1, 1, 1, 2}, {2, 1, 2, 1}, {1, 1, 1, 1, 2}};
 }
 
 std::vector<float> to_host(const Tensor& t) {

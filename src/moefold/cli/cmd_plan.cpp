@@ -105,10 +105,10 @@ void run_plan(const PlanArgs& a) {
     std::string counts;
     for (const int64_t n : l.stage_layers(cfg.model.num_hidden_layers)) counts += cat(counts.empty() ? "" : ", ", n);
     const int64_t micro = cfg.train.global_batch_size / (cfg.train.micro_batch_size * l.dp);
-    std::printf("pipeline (%s): decoder layers per stage %s; micro-batches in flight (activations kept): %lld on the "
-                "first stage, 1 on the last\n",
-                cfg.parallel.pipeline_schedule.c_str(), counts.c_str(),
-                static_cast<long long>(std::min<int64_t>(l.pp, micro)));
+    std::printf(
+        "pipeline (%s): decoder layers per stage %s; micro-batches in flight (activations kept): %lld on the "
+        "first stage, 1 on the last\n",
+        cfg.parallel.pipeline_schedule.c_str(), counts.c_str(), static_cast<long long>(std::min<int64_t>(l.pp, micro)));
   }
   std::printf(
       "per rank (%s); planned = what the trainer reserves before step 0 (its binding pass); the libraries\n"
