@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "moefold/bench/moe_layer_bench.h"
+#include "moefold/bench/train_bench.h"
+#include "moefold/model/config.h"
 #include "mpi_testing.h"
 
 namespace moefold {
@@ -33,6 +35,29 @@ TEST(BenchMoeLayerEp, RowsOfAllRanksAreEveryAssignment) {
     EXPECT_GT(x.total.ms, 0);
     ASSERT_EQ(x.gemms.size(), 8u);
   }
+}
+
+// `moefold bench train` with pipeline stages over the ranks: every rank's share of the step in the
+// stage exchanges, beside 1F1B's bubble in theory: (pp - 1) / (m + pp - 1), m = 4 micro-batches.
+TEST(BenchTrainPipeline, ReportsEachRanksBubble) {
+  Communicator& world = testing::test_world();
+  if (world.size() == 1 || 4 % world.size() != 0) GTEST_SKIP() << "needs 2 or 4 ranks: one layer per stage";
+  const Config cfg =
+      load_config("tiny", {"model.num_hidden_layers=4", "train.global_batch_size=4", "train.micro_batch_size=1",
+                           "train.seq_len=32", cat("parallel.pp=", world.size())});
+  TrainBenchOptions o;
+  o.steps = 2;
+  o.warmup = 1;
+  o.device = Device::cpu;
+  const TrainBenchResult r = bench_train(cfg, world, o);
+  ASSERT_EQ(r.bubble.size(), static_cast<size_t>(world.size()));
+  const double pp = world.size();
+  EXPECT_DOUBLE_EQ(r.bubble_theory, (pp - 1) / (4 + pp - 1));
+  for (const double b : r.bubble) {
+    EXPECT_GT(b, 0);
+    EXPECT_LT(b, 1);
+  }
+  EXPECT_NE(format_train_bench(cfg, r, "header").find("Pipeline bubble"), std::string::npos);
 }
 
 }  // namespace

@@ -104,6 +104,16 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
       r.untimed_ms -= p.top_level_ms / steps;
     }
     profile_disable();
+    if (layout.pp > 1) {  // every rank's share of the step in the stage exchanges, gathered
+      double mine = 0;
+      for (const StepPhase& p : r.phases)
+        if (p.name == "pipeline send/recv") mine = r.mean_step_ms > 0 ? p.ms / r.mean_step_ms : 0;
+      r.bubble.assign(static_cast<size_t>(world.size()), 0.0);
+      world.all_gather(Tensor(&mine, DType::f64, {1}), Tensor(r.bubble.data(), DType::f64, {world.size()}));
+      const double m = static_cast<double>(cfg.train.global_batch_size / (cfg.train.micro_batch_size * layout.dp)),
+                   pp = static_cast<double>(layout.pp);
+      r.bubble_theory = (pp - 1) / (m + pp - 1);
+    }
   }
   world.barrier();
   if (world.rank() == 0 && opts.scratch_dir.empty()) fs::remove_all(dir);
@@ -146,6 +156,13 @@ std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, con
     s += cat("\nPeak device memory ", fmt("%.0f", r.peak_memory_mib), " MiB = planned (moefold plan) ",
              fmt("%.0f", r.planned_mib), " + ops' scratch ", fmt("%.0f", scratch), " (", slots, ") + other ",
              fmt("%.0f", r.peak_memory_mib - r.planned_mib - scratch), " (library workspaces, staging)\n");
+  }
+  if (!r.bubble.empty()) {
+    std::string each;
+    for (size_t k = 0; k < r.bubble.size(); ++k)
+      each += cat(k ? ", " : "", "rank ", k, " ", fmt("%.1f%%", 100 * r.bubble[k]));
+    s += cat("\nPipeline bubble (share of the step in the stage exchanges, transfers included): ", each,
+             "; 1F1B in theory (pp - 1) / (m + pp - 1) = ", fmt("%.1f%%", 100 * r.bubble_theory), "\n");
   }
   if (r.phases.empty()) return s;
   s += cat("\nWhere a step's time goes (means over the timed steps: ", fmt("%.1f", r.mean_step_ms),

@@ -51,6 +51,11 @@ struct TrainBenchResult {
   std::vector<StepPhase> phases;  // in the order first seen
   double mean_step_ms = 0;        // mean of the timed steps
   double untimed_ms = 0;          // mean_step_ms minus every phase's top_level_ms
+  // Pipeline parallelism (with the breakdown): each rank's share of the mean step spent in the
+  // stage exchanges ("pipeline send/recv": waiting for the neighbouring stage, the transfers
+  // included), and the 1F1B bubble in theory, (pp - 1) / (m + pp - 1) for m micro-batches.
+  std::vector<double> bubble;
+  double bubble_theory = 0;
 };
 
 // Collective over `world` (every rank calls it). Throws moefold::Error on bad options.
