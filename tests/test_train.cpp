@@ -1,15 +1,20 @@
 // Training: schedule, AdamW against its formula, clipping, a step loop that does not
 // allocate, bit-identical resume, and checkpoints that refuse to load when corrupt or mismatched.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <new>
 #include <nlohmann/json.hpp>
+#include <tuple>
+#include <vector>
 
 #include "moefold/core/rng.h"
 #include "moefold/data/token_dataset.h"
+#include "moefold/train/pipeline_schedule.h"
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
 #include "recompute_check.h"
@@ -60,6 +65,149 @@ std::vector<nlohmann::json> read_metrics(const fs::path& run) {
   std::string line;
   while (std::getline(f, line)) out.push_back(nlohmann::json::parse(line));
   return out;
+}
+
+// Every rank of a pipeline runs its pipeline_actions with the real dependencies (a forward needs
+// the previous virtual stage's forward of its micro-batch, a backward the next virtual stage's
+// backward), forwards taking 1 / vpp and backwards 2 / vpp time units (a chunk is 1 / vpp of the
+// stage): the step must finish (no rank waits forever), every link direction must carry its
+// messages in the order the receiver consumes them, and the makespan must be the schedule's:
+// (m + pp - 1) x 3 units for 1F1B, (m + (pp - 1) / vpp) x 3 for the interleaved one.
+struct PipelineRun {
+  double makespan = 0;
+  bool fifo = true;
+};
+PipelineRun simulate_pipeline(int64_t pp, int64_t vpp, int64_t m) {
+  const int64_t stages = pp * vpp;  // virtual stages
+  std::vector<std::vector<PipelineAction>> acts;
+  for (int64_t s = 0; s < pp; ++s) acts.push_back(pipeline_actions(pp, vpp, s, m));
+  // done[virtual stage][micro]: finish time of its forward / backward (-1: not yet).
+  std::vector<std::vector<double>> fdone(stages, std::vector<double>(m, -1)), bdone = fdone;
+  std::vector<size_t> next(pp, 0);
+  std::vector<double> clock(pp, 0);
+  // Per link direction: the virtual stages' (micro, sender order) as sent, and as consumed.
+  std::map<std::pair<int64_t, bool>, std::vector<std::pair<int64_t, int64_t>>> sent, consumed;
+  PipelineRun r;
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t s = 0; s < pp; ++s) {
+      if (next[s] == acts[s].size()) continue;
+      const PipelineAction& a = acts[s][next[s]];
+      const int64_t v = a.chunk * pp + s;
+      double ready = clock[s];
+      if (a.forward && v > 0) {
+        if (fdone[v - 1][a.micro] < 0) continue;
+        ready = std::max(ready, fdone[v - 1][a.micro]);
+        consumed[{(s + pp - 1) % pp, true}].push_back({v - 1, a.micro});
+      }
+      if (!a.forward && v + 1 < stages) {
+        if (bdone[v + 1][a.micro] < 0) continue;
+        ready = std::max(ready, bdone[v + 1][a.micro]);
+        consumed[{s, false}].push_back({v + 1, a.micro});
+      }
+      clock[s] = ready + (a.forward ? 1.0 : 2.0) / static_cast<double>(vpp);
+      (a.forward ? fdone : bdone)[v][a.micro] = clock[s];
+      if (a.forward && v + 1 < stages) sent[{s, true}].push_back({v, a.micro});
+      if (!a.forward && v > 0) sent[{(s + pp - 1) % pp, false}].push_back({v, a.micro});
+      ++next[s];
+      progress = true;
+    }
+  }
+  for (int64_t s = 0; s < pp; ++s) EXPECT_EQ(next[s], acts[s].size()) << "stage " << s << " waits forever";
+  for (const auto& [link, order] : sent) r.fifo = r.fifo && consumed[link] == order;
+  r.makespan = *std::max_element(clock.begin(), clock.end());
+  return r;
+}
+
+TEST(PipelineSchedule, EveryStageFinishesInOrderWithTheTheoreticalBubble) {
+  for (const auto& [pp, vpp, m] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {2, 1, 1}, {2, 1, 4}, {4, 1, 2}, {4, 1, 8}, {3, 1, 5}, {2, 2, 2}, {2, 2, 4}, {4, 2, 4}, {4, 2, 8},
+           {4, 3, 12}, {3, 2, 6}, {8, 4, 16}}) {
+    SCOPED_TRACE(cat("pp ", pp, ", vpp ", vpp, ", ", m, " micro-batches"));
+    for (int64_t s = 0; s < pp; ++s) {  // every (chunk, micro-batch) once each way, forward first
+      std::map<std::pair<int64_t, int64_t>, int> seen;
+      for (const PipelineAction& a : pipeline_actions(pp, vpp, s, m)) {
+        int& n = seen[{a.chunk, a.micro}];
+        EXPECT_EQ(n, a.forward ? 0 : 1);
+        n += 1;
+      }
+      EXPECT_EQ(seen.size(), static_cast<size_t>(vpp * m));
+      if (vpp == 1) {
+        EXPECT_EQ(micro_batches_in_flight(pipeline_actions(pp, 1, s, m), 1), std::vector<int64_t>{std::min(pp - s, m)});
+      }
+    }
+    const PipelineRun r = simulate_pipeline(pp, vpp, m);
+    EXPECT_TRUE(r.fifo);
+    const double want = vpp == 1 ? 3.0 * static_cast<double>(m + pp - 1)
+                                 : 3.0 * (static_cast<double>(m) + static_cast<double>(pp - 1) / static_cast<double>(vpp));
+    EXPECT_NEAR(r.makespan, want, 1e-9);
+  }
+}
+
+// Every rank runs its pipeline_ops with rendezvous messages (a send completes only once its
+// receive is posted, a receive once its send is): the step finishes on every rank, and each
+// receive gets the (virtual stage, micro-batch) it expects.
+TEST(PipelineSchedule, OpsFinishWithRendezvousMessages) {
+  using K = PipelineOpKind;
+  for (const auto& [pp, vpp, m] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {2, 1, 1}, {2, 1, 4}, {4, 1, 2}, {4, 1, 8}, {3, 1, 5}, {2, 2, 2}, {2, 2, 4}, {4, 2, 4}, {4, 2, 8},
+           {4, 3, 12}, {3, 2, 6}, {8, 4, 16}}) {
+    SCOPED_TRACE(cat("pp ", pp, ", vpp ", vpp, ", ", m, " micro-batches"));
+    std::vector<std::vector<PipelineOp>> ops;
+    for (int64_t s = 0; s < pp; ++s) ops.push_back(pipeline_ops(pp, vpp, s, m));
+    // Channels by (activations?, sending stage): what was sent and what each receive expects.
+    using Msg = std::pair<int64_t, int64_t>;  // (virtual stage, micro-batch)
+    std::map<std::pair<bool, int64_t>, std::vector<Msg>> sends, recvs;
+    std::vector<std::map<std::tuple<bool, int64_t, int64_t>, size_t>> recv_at(pp), send_at(pp);  // by (act, chunk, j|model)
+    std::vector<size_t> next(pp, 0);
+    int64_t forwards = 0, backwards = 0;
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (int64_t s = 0; s < pp; ++s) {
+        if (next[s] == ops[s].size()) continue;
+        const PipelineOp& o = ops[s][next[s]];
+        const int64_t v = o.chunk * pp + s;
+        const bool act = o.kind == K::post_recv_activations || o.kind == K::wait_recv_activations ||
+                         o.kind == K::wait_send_activations || o.kind == K::send_activations;
+        const std::pair<bool, int64_t> in{act, act ? (s + pp - 1) % pp : (s + 1) % pp}, out{act, s};
+        switch (o.kind) {
+          case K::post_recv_activations:
+          case K::post_recv_grads:
+            recv_at[s][{act, o.chunk, o.micro}] = recvs[in].size();
+            recvs[in].push_back({act ? v - 1 : v + 1, o.micro});
+            break;
+          case K::wait_recv_activations:
+          case K::wait_recv_grads: {
+            const size_t n = recv_at[s].at({act, o.chunk, o.micro});
+            if (sends[in].size() <= n) continue;  // not sent yet
+            EXPECT_EQ(sends[in][n], recvs[in][n]);
+            break;
+          }
+          case K::send_activations:
+          case K::send_grads:
+            send_at[s][{act, o.chunk, o.model}] = sends[out].size();
+            sends[out].push_back({v, o.micro});
+            break;
+          case K::wait_send_activations:
+          case K::wait_send_grads:
+            if (recvs[out].size() <= send_at[s].at({act, o.chunk, o.model})) continue;  // not received yet
+            break;
+          case K::forward:
+            ++forwards;
+            break;
+          case K::backward:
+            ++backwards;
+            break;
+        }
+        ++next[s];
+        progress = true;
+      }
+    }
+    for (int64_t s = 0; s < pp; ++s) EXPECT_EQ(next[s], ops[s].size()) << "stage " << s << " waits forever";
+    EXPECT_EQ(forwards, pp * vpp * m);
+    EXPECT_EQ(backwards, pp * vpp * m);
+    for (const auto& [link, sent] : sends) EXPECT_EQ(recvs[link].size(), sent.size());
+  }
 }
 
 TEST(Schedule, WarmupThenCosine) {

@@ -31,12 +31,14 @@ struct PipeLayout {
   int64_t pp, tp, cp, ep, etp;
   int64_t first_stage_layers = 0, last_stage_layers = 0;
   bool distributed_optimizer = false;
+  int64_t vpp = 1;
 };
 
 std::string name_of(const PipeLayout& l, int world) {
   return cat("(pp, tp, cp, dp, ep, etp) = (", l.pp, ", ", l.tp, ", ", l.cp, ", ", world / (l.pp * l.tp * l.cp), ", ",
              l.ep, ", ", l.etp, "), stage layers first ", l.first_stage_layers, " last ", l.last_stage_layers,
-             l.distributed_optimizer ? ", distributed optimizer" : "", " on ", world, " ranks");
+             l.distributed_optimizer ? ", distributed optimizer" : "", l.vpp > 1 ? cat(", vpp ", l.vpp) : "", " on ",
+             world, " ranks");
 }
 
 Config with_pipe(Config c, const PipeLayout& l) {
@@ -48,21 +50,24 @@ Config with_pipe(Config c, const PipeLayout& l) {
   c.parallel.first_stage_layers = l.first_stage_layers;
   c.parallel.last_stage_layers = l.last_stage_layers;
   c.parallel.distributed_optimizer = l.distributed_optimizer;
+  c.parallel.vpp = l.vpp;
   c.validate();
   return c;
 }
 
 // 4 decoder layers, 4 sequences per step in micro-batches of 1: pp 4 with dp 1 runs 4 micro-batches
-// (warm-up, steady and cool-down phases on every stage), pp 2 with dp 2 two.
+// (warm-up, steady and cool-down phases on every stage), pp 2 with dp 2 two; vpp 2: two chunks of
+// one layer per rank (the interleaved schedule; with 2 micro-batches on 2 stages all forwards first).
 std::vector<PipeLayout> pipe_layouts(int world) {
   switch (world) {
     case 2:
-      return {{2, 1, 1, 1, 1}, {2, 1, 1, 1, 1, 1, 0}, {2, 1, 1, 1, 1, 0, 0, true}};
+      return {{2, 1, 1, 1, 1}, {2, 1, 1, 1, 1, 1, 0}, {2, 1, 1, 1, 1, 0, 0, true}, {2, 1, 1, 1, 1, 0, 0, false, 2}};
     case 4:
-      return {{2, 2, 1, 1, 1}, {2, 1, 1, 2, 1, 0, 0, true}, {2, 1, 2, 1, 1},
-              {4, 1, 1, 1, 1}, {2, 1, 1, 1, 1, 3, 0},       {2, 1, 1, 2, 1, 1, 0}};
+      return {{2, 2, 1, 1, 1},       {2, 1, 1, 2, 1, 0, 0, true}, {2, 1, 2, 1, 1},
+              {4, 1, 1, 1, 1},       {2, 1, 1, 1, 1, 3, 0},       {2, 1, 1, 2, 1, 1, 0},
+              {2, 1, 1, 2, 1, 0, 0, false, 2}, {2, 2, 1, 1, 1, 0, 0, true, 2}};
     case 8:
-      return {{2, 2, 1, 2, 2}, {4, 1, 1, 2, 1, 0, 0, true}, {2, 2, 2, 4, 1}};
+      return {{2, 2, 1, 2, 2}, {4, 1, 1, 2, 1, 0, 0, true}, {2, 2, 2, 4, 1}, {2, 2, 1, 2, 2, 0, 0, false, 2}};
     default:
       return {};
   }
@@ -182,25 +187,34 @@ TEST_F(Pipeline, PlanMatchesEveryRanksTrainer) {
     EXPECT_EQ(p.gradients, mem.grad_bytes());
     EXPECT_EQ(p.optimizer, run.trainer->optimizer_bytes());
     EXPECT_EQ(p.activations, mem.act_bytes());
-    EXPECT_EQ(micro_batches_in_flight(c, run.mesh),
-              std::min<int64_t>(l.pp - run.mesh.pp_rank, c.train.global_batch_size / run.mesh.dims.dp));
+    if (l.vpp == 1) {
+      EXPECT_EQ(micro_batches_in_flight(c, run.mesh),
+                std::vector<int64_t>{std::min<int64_t>(l.pp - run.mesh.pp_rank, c.train.global_batch_size / run.mesh.dims.dp)});
+    }
     const Mesh planned = Mesh::plan(run.mesh.dims, world.rank());
     EXPECT_EQ(planned.pp_rank, run.mesh.pp_rank);
     for (const auto& [a, b] : {std::pair{run.mesh.pp.get(), planned.pp.get()},
-                               {run.mesh.pp_even.get(), planned.pp_even.get()},
-                               {run.mesh.pp_odd.get(), planned.pp_odd.get()},
-                               {run.mesh.pp_ends.get(), planned.pp_ends.get()}}) {
+                               {run.mesh.pp_ends.get(), planned.pp_ends.get()},
+                               {run.mesh.pp_link_f0.get(), planned.pp_link_f0.get()},
+                               {run.mesh.pp_link_f1.get(), planned.pp_link_f1.get()},
+                               {run.mesh.pp_link_f2.get(), planned.pp_link_f2.get()},
+                               {run.mesh.pp_link_b0.get(), planned.pp_link_b0.get()},
+                               {run.mesh.pp_link_b1.get(), planned.pp_link_b1.get()},
+                               {run.mesh.pp_link_b2.get(), planned.pp_link_b2.get()}}) {
       EXPECT_EQ(b->size(), a->size()) << a->name();
       EXPECT_EQ(b->rank(), a->rank()) << a->name();
     }
-    // The neighbours: pairs of consecutive stages; the first and the last stage together.
+    // The links: two ranks each, this stage first where it sends activations; the first and the last
+    // stage together.
     EXPECT_EQ(run.mesh.pp->size(), l.pp);
     EXPECT_EQ(run.mesh.pp->rank(), run.mesh.pp_rank);
-    EXPECT_EQ(run.mesh.pp_next() != nullptr, !run.mesh.last_stage());
-    EXPECT_EQ(run.mesh.pp_prev() != nullptr, !run.mesh.first_stage());
-    for (const Communicator* pair : {run.mesh.pp_next(), run.mesh.pp_prev()}) {
-      EXPECT_TRUE(pair == nullptr || pair->size() == 2);
-    }
+    for (const Communicator* link : {run.mesh.activations_out(), run.mesh.activations_in(), run.mesh.grads_out(),
+                                     run.mesh.grads_in()})
+      EXPECT_EQ(link->size(), 2);
+    EXPECT_EQ(run.mesh.activations_out()->rank(), 0);
+    EXPECT_EQ(run.mesh.grads_in()->rank(), 0);
+    EXPECT_EQ(run.mesh.activations_in()->rank(), 1);
+    EXPECT_EQ(run.mesh.grads_out()->rank(), 1);
     EXPECT_EQ(run.mesh.pp_ends->size(), run.mesh.first_stage() || run.mesh.last_stage() ? 2 : 1);
   }
 }

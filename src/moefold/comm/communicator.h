@@ -82,6 +82,20 @@ class Communicator {
   // lands in block r of every rank's buf. Started like start_all_reduce. REQUIRES: numel %
   // size() == 0. Host backends finish before returning (this default: all_gather from a copy).
   virtual int64_t start_all_gather(const Tensor& buf);
+  // Point to point without blocking (the pipeline's stages): `buf` goes to `peer` / comes from
+  // `peer`; between two ranks the sends of one and the receives of the other match in the order
+  // they were started (one communicator per direction where both directions flow). Started after
+  // the compute stream's work so far (GPU backends: on the communicator's stream; host backends: a
+  // non-blocking message); `buf` must not be touched until wait(ticket). This default blocks
+  // (send / recv): sound only where the peer's matching call is already under way.
+  virtual int64_t start_send(const Tensor& buf, int peer) {
+    send(buf, peer, 0);
+    return 0;
+  }
+  virtual int64_t start_recv(const Tensor& buf, int peer) {
+    recv(buf, peer, 0);
+    return 0;
+  }
   virtual void wait(int64_t ticket) { (void)ticket; }
   // Collective: maps every rank's peer-visible block (Memory::peer_block, `bytes` long on every
   // rank) into the others' address spaces, for direct copies (see PeerMemory). Null on every rank

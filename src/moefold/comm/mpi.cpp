@@ -230,6 +230,42 @@ class MpiCommunicator final : public Communicator {
              buf.str(), ")");
   }
 
+  int64_t start_send(const Tensor& buf, int peer) override {
+    check_p2p(buf, peer, kP2pTag, "start_send");
+    const int n = to_int_count(buf.numel(), "start_send", "buf");
+    Pending p{next_ticket_++, {}, peer, n, buf.dtype(), true};
+    MF_MPI_CHECK(MPI_Isend(buf.data(), n, mpi_type(buf.dtype()), peer, kP2pTag, comm_, &p.req));
+    pending_.push_back(p);
+    return p.ticket;
+  }
+
+  int64_t start_recv(const Tensor& buf, int peer) override {
+    check_p2p(buf, peer, kP2pTag, "start_recv");
+    const int n = to_int_count(buf.numel(), "start_recv", "buf");
+    Pending p{next_ticket_++, {}, peer, n, buf.dtype(), false};
+    MF_MPI_CHECK(MPI_Irecv(buf.data(), n, mpi_type(buf.dtype()), peer, kP2pTag, comm_, &p.req));
+    pending_.push_back(p);
+    return p.ticket;
+  }
+
+  // The collectives finish before they return (ticket 0); a point-to-point ticket waits for its
+  // message (any other ticket: nothing to wait for).
+  void wait(int64_t ticket) override {
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      if (pending_[i].ticket != ticket) continue;
+      Pending p = pending_[i];
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      const MPI_Status st = wait(&p.req, p.send ? "send" : "recv", p.peer);
+      if (!p.send) {
+        int got = 0;
+        MF_MPI_CHECK(MPI_Get_count(&st, mpi_type(p.dtype), &got));
+        MF_CHECK(got == p.elems, "recv on group '", name_, "' from peer ", p.peer, ": got ", got,
+                 " elements, expected ", p.elems);
+      }
+      return;
+    }
+  }
+
   void barrier() override {
     MPI_Request req;
     MF_MPI_CHECK(MPI_Ibarrier(comm_, &req));
@@ -277,6 +313,17 @@ class MpiCommunicator final : public Communicator {
   std::string name_;
   double timeout_s_;
   int rank_ = 0, size_ = 1, world_rank_ = 0;
+  // start_send / start_recv not yet waited for (tickets from 1: the collectives' are 0).
+  static constexpr int kP2pTag = 17;
+  struct Pending {
+    int64_t ticket;
+    MPI_Request req;
+    int peer, elems;
+    DType dtype;
+    bool send;
+  };
+  std::vector<Pending> pending_;
+  int64_t next_ticket_ = 1;
 };
 
 }  // namespace

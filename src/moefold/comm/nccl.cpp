@@ -190,6 +190,8 @@ class NcclCommunicator final : public Communicator {
     MF_NCCL(ncclGroupEnd());
     return ticket_after();
   }
+  int64_t start_send(const Tensor& buf, int peer) override { return start_p2p(buf, peer, true); }
+  int64_t start_recv(const Tensor& buf, int peer) override { return start_p2p(buf, peer, false); }
   int64_t start_all_reduce(const Tensor& buf, ReduceOp op) override {
     comm_detail::check_buffer(buf, "start_all_reduce", "buf", true);
     MF_CHECK(buf.device() == Device::cuda, "start_all_reduce on group '", name_, "': ", buf.str(),
@@ -321,6 +323,20 @@ class NcclCommunicator final : public Communicator {
     MF_CUDA_CHECK(cudaEventRecord(before_, compute()));
     MF_CUDA_CHECK(cudaStreamWaitEvent(stream_, before_, 0));
     return buf.numel() / size_;
+  }
+
+  int64_t start_p2p(const Tensor& buf, int peer, bool send) {
+    const char* op = send ? "start_send" : "start_recv";
+    comm_detail::check_buffer(buf, op, "buf", true);
+    MF_CHECK(buf.device() == Device::cuda && peer >= 0 && peer < size_ && peer != rank_, op, " on group '", name_,
+             "': ", buf.str(), " to peer ", peer, " (a GPU tensor, another rank of the group)");
+    MF_CUDA_CHECK(cudaEventRecord(before_, compute()));
+    MF_CUDA_CHECK(cudaStreamWaitEvent(stream_, before_, 0));
+    if (send)
+      MF_NCCL(ncclSend(buf.data(), buf.numel(), nccl_type(buf.dtype()), peer, comm_, stream_));
+    else
+      MF_NCCL(ncclRecv(buf.data(), buf.numel(), nccl_type(buf.dtype()), peer, comm_, stream_));
+    return ticket_after();
   }
 
   // A ticket for the work queued so far on the communicator's stream (start_exchange,

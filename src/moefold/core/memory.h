@@ -253,13 +253,15 @@ class Memory {
   // flight on a pipeline stage) takes activations of its own and shares weights and gradients.
   class SharedParams {
    public:
-    explicit SharedParams(Memory& mem) : mem_(mem) { mem.shared_params_ = true; }
-    ~SharedParams() { mem_.shared_params_ = false; }
+    // `on` false: no change.
+    SharedParams(Memory& mem, bool on) : mem_(mem), previous_(mem.shared_params_) { mem.shared_params_ = previous_ || on; }
+    ~SharedParams() { mem_.shared_params_ = previous_; }
     SharedParams(const SharedParams&) = delete;
     SharedParams& operator=(const SharedParams&) = delete;
 
    private:
     Memory& mem_;
+    bool previous_;
   };
   // Activation or workspace tensor (compute dtype unless given): kept for this module alone, unless
   // the module binds inside a recomputed layer or under ScratchActs (below).

@@ -235,6 +235,11 @@ ParallelConfig Config::resolve_layout(int64_t world) const {
   if (train.global_batch_size % (train.micro_batch_size * p.dp) != 0)
     MF_FAIL("train.global_batch_size = ", train.global_batch_size, " is not divisible by train.micro_batch_size x ",
             "parallel.dp = ", train.micro_batch_size, " x ", p.dp, " = ", train.micro_batch_size * p.dp);
+  const int64_t micro = train.global_batch_size / (train.micro_batch_size * p.dp);
+  if (p.vpp > 1 && micro % p.pp != 0)
+    MF_FAIL("parallel.vpp = ", p.vpp, ": the interleaved schedule needs the micro-batches per step (",
+            "train.global_batch_size / (train.micro_batch_size x parallel.dp) = ", micro,
+            ") to be a multiple of parallel.pp = ", p.pp);
   return p;
 }
 

@@ -16,7 +16,7 @@ struct GroupSpec {
   const char* name;
   std::unique_ptr<Communicator> Mesh::*member;
 };
-constexpr int kGroups = 14;
+constexpr int kGroups = 18;
 constexpr std::array<GroupSpec, kGroups> kGroupSpecs = {{{"tp", &Mesh::tp},
                                                          {"cp", &Mesh::cp},
                                                          {"dp", &Mesh::dp},
@@ -28,9 +28,19 @@ constexpr std::array<GroupSpec, kGroups> kGroupSpecs = {{{"tp", &Mesh::tp},
                                                          {"edp", &Mesh::edp},
                                                          {"ep_etp", &Mesh::ep_etp},
                                                          {"pp", &Mesh::pp},
-                                                         {"pp_even", &Mesh::pp_even},
-                                                         {"pp_odd", &Mesh::pp_odd},
-                                                         {"pp_ends", &Mesh::pp_ends}}};
+                                                         {"pp_ends", &Mesh::pp_ends},
+                                                         {"pp_link_f0", &Mesh::pp_link_f0},
+                                                         {"pp_link_f1", &Mesh::pp_link_f1},
+                                                         {"pp_link_f2", &Mesh::pp_link_f2},
+                                                         {"pp_link_b0", &Mesh::pp_link_b0},
+                                                         {"pp_link_b1", &Mesh::pp_link_b1},
+                                                         {"pp_link_b2", &Mesh::pp_link_b2}}};
+
+// The groups a layout has: the pipeline's (from "pp" on) only with pp > 1.
+int groups_of(const ParallelConfig& d) { return d.pp > 1 ? kGroups : 10; }
+
+// The round of link l (stage l to l + 1 mod pp): even links, odd links, and for an odd pp the last.
+int link_round(int l, int pp) { return pp % 2 == 1 && l == pp - 1 ? 2 : l % 2; }
 
 // The coordinates of world rank r and the (color, key) of each of its groups, in kGroupSpecs order.
 struct Coords {
@@ -61,10 +71,16 @@ Coords coords_of(const ParallelConfig& d, int world_rank) {
               {c.ep_rank * etp + c.etp_rank, c.edp_rank},
               {c.edp_rank, c.ep_rank * etp + c.etp_rank},
               {r, s},
-              {r + n * (s / 2), s},
-              {r + n * ((s + 1) / 2), s},
               {s == 0 || s == pp - 1 ? r : n + world_rank, s}}};
   for (int g = 0; g < 10; ++g) c.split[g].first += s * n;  // the stage's own groups
+  // The links: round R's communicator joins stage l (key 0) and l + 1 (key 1) for each link l of R.
+  for (int round = 0; round < 3; ++round) {
+    std::pair<int, int> split{n * pp + world_rank, 0};  // alone
+    const int prev = (s + pp - 1) % pp;
+    if (pp > 1 && link_round(s, pp) == round) split = {r + n * s, 0};
+    if (pp > 1 && link_round(prev, pp) == round) split = {r + n * prev, 1};
+    c.split[12 + round] = c.split[15 + round] = split;
+  }
   return c;
 }
 
@@ -109,14 +125,30 @@ class ShapeCommunicator final : public Communicator {
 
 }  // namespace
 
-Communicator* Mesh::pp_next() const {
-  if (last_stage()) return nullptr;
-  return (pp_rank % 2 == 0 ? pp_even : pp_odd).get();
+namespace {
+// The link communicator of `round` in one direction.
+Communicator* link(const Mesh& m, int round, bool activations) {
+  const std::unique_ptr<Communicator>* f[] = {&m.pp_link_f0, &m.pp_link_f1, &m.pp_link_f2};
+  const std::unique_ptr<Communicator>* b[] = {&m.pp_link_b0, &m.pp_link_b1, &m.pp_link_b2};
+  return (activations ? f : b)[round]->get();
 }
+}  // namespace
 
-Communicator* Mesh::pp_prev() const {
-  if (first_stage()) return nullptr;
-  return (pp_rank % 2 == 0 ? pp_odd : pp_even).get();
+Communicator* Mesh::activations_out() const {
+  const int pp = static_cast<int>(dims.pp);
+  return pp == 1 ? nullptr : link(*this, link_round(pp_rank, pp), true);
+}
+Communicator* Mesh::activations_in() const {
+  const int pp = static_cast<int>(dims.pp);
+  return pp == 1 ? nullptr : link(*this, link_round((pp_rank + pp - 1) % pp, pp), true);
+}
+Communicator* Mesh::grads_out() const {
+  const int pp = static_cast<int>(dims.pp);
+  return pp == 1 ? nullptr : link(*this, link_round((pp_rank + pp - 1) % pp, pp), false);
+}
+Communicator* Mesh::grads_in() const {
+  const int pp = static_cast<int>(dims.pp);
+  return pp == 1 ? nullptr : link(*this, link_round(pp_rank, pp), false);
 }
 
 Mesh Mesh::build(Communicator& world, const ParallelConfig& d) {
@@ -127,7 +159,7 @@ Mesh Mesh::build(Communicator& world, const ParallelConfig& d) {
   const int r = world.rank();
   const Coords c = coords_of(d, r);
   set_ranks(m, c, r);
-  for (int g = 0; g < kGroups; ++g)
+  for (int g = 0; g < groups_of(d); ++g)
     m.*kGroupSpecs[g].member = world.split(c.split[g].first, c.split[g].second, kGroupSpecs[g].name);
   return m;
 }
@@ -142,7 +174,7 @@ Mesh Mesh::plan(const ParallelConfig& d, int rank) {
   const Coords c = coords_of(d, rank);
   set_ranks(m, c, rank);
   // Each group's size and this rank's place in it, as split would order them.
-  for (int g = 0; g < kGroups; ++g) {
+  for (int g = 0; g < groups_of(d); ++g) {
     int size = 0, below = 0;
     for (int q = 0; q < n; ++q) {
       const std::pair<int, int> s = coords_of(d, q).split[g];

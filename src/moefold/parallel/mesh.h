@@ -27,13 +27,21 @@ struct Mesh {
   std::unique_ptr<Communicator> dense;              // DP x CP x TP: reduces replicated gradients
   std::unique_ptr<Communicator> etp, ep, edp;       // MoE groups; edp reduces expert gradients
   std::unique_ptr<Communicator> ep_etp;             // the ranks whose expert shards are disjoint
-  // Pipeline: the stages at this rank's place within a stage (pp ranks); the pairs of neighbouring
-  // stages (stage 2k with 2k + 1, and 2k + 1 with 2k + 2; a stage without a partner there is alone);
-  // the first and the last stage (the embedding's copies, with multi-token prediction).
-  std::unique_ptr<Communicator> pp, pp_even, pp_odd, pp_ends;
-  // The pair with the next / previous stage (null for the last / first stage).
-  Communicator* pp_next() const;
-  Communicator* pp_prev() const;
+  // Pipeline (null with pp = 1): the stages at this rank's place within a stage (pp ranks), and the
+  // first and the last stage (the embedding's copies, with multi-token prediction).
+  std::unique_ptr<Communicator> pp, pp_ends;
+  // The links of the pipeline ring, stage l to stage l + 1 mod pp (the last stage's to the first:
+  // interleaved chunks), each direction a communicator of its own (two ranks, stage l first), so
+  // that its messages match in order: activations forward (f), gradients back (b). Three rounds of
+  // links (a rank is in at most one link per round): even links, odd links, and for an odd pp the
+  // last one. Members of no link of a round are alone in its communicator.
+  std::unique_ptr<Communicator> pp_link_f0, pp_link_f1, pp_link_f2, pp_link_b0, pp_link_b1, pp_link_b2;
+  // This rank's ends of them (null with pp = 1): activations to the next stage / from the previous
+  // one, gradients to the previous stage / from the next one (the peer: the other rank, 1 - rank()).
+  Communicator* activations_out() const;
+  Communicator* activations_in() const;
+  Communicator* grads_out() const;
+  Communicator* grads_in() const;
   bool first_stage() const { return pp_rank == 0; }
   bool last_stage() const { return pp_rank + 1 == dims.pp; }
 

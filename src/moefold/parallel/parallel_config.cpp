@@ -18,7 +18,11 @@ void ParallelConfig::validate() const {
   if (pipeline_schedule != "1f1b")
     MF_FAIL("parallel.pipeline_schedule = '", pipeline_schedule, "' is not supported (1f1b)");
   positive("vpp", vpp);
-  if (vpp != 1) MF_FAIL("parallel.vpp = ", vpp, ": interleaved pipeline stages are not implemented yet (use 1)");
+  if (vpp > 1 && pp == 1) MF_FAIL("parallel.vpp = ", vpp, " needs parallel.pp > 1 (pp = 1)");
+  if (vpp > 1 && (first_stage_layers > 0 || last_stage_layers > 0))
+    MF_FAIL("parallel.vpp = ", vpp,
+            " with parallel.first_stage_layers / last_stage_layers is not supported (interleaved stages split the "
+            "layers evenly)");
   if (first_stage_layers < 0 || last_stage_layers < 0)
     MF_FAIL("parallel.first_stage_layers = ", first_stage_layers, ", parallel.last_stage_layers = ", last_stage_layers,
             ": must be >= 0 (0: an even share)");
@@ -28,6 +32,13 @@ void ParallelConfig::validate() const {
 
 std::vector<int64_t> ParallelConfig::stage_layers(int64_t layers) const {
   if (pp == 1) return {layers};
+  if (vpp > 1) {  // virtual stages: an even split
+    const int64_t v = pp * vpp;
+    if (layers % v != 0)
+      MF_FAIL("parallel: model.num_hidden_layers = ", layers, " does not split evenly into parallel.pp x parallel.vpp = ",
+              pp, " x ", vpp, " = ", v, " virtual stages");
+    return std::vector<int64_t>(static_cast<size_t>(v), layers / v);
+  }
   const int64_t first = first_stage_layers, last = last_stage_layers;
   const int64_t even = pp - (first > 0) - (last > 0), rest = layers - first - last;
   auto fail = [&] {

@@ -47,7 +47,8 @@ struct ParallelConfig {
   // numbers that do not divide): pp*dp*cp*tp == world; ep*etp divides dp*cp*tp.
   ParallelConfig resolve(int64_t world) const;
   int64_t world() const { return pp * dp * cp * tp; }
-  // Decoder layers of each stage (pp entries, each >= 1), or one line naming the keys whose
+  // Decoder layers of each stage (pp entries, each >= 1; with vpp > 1 each virtual stage's, pp x vpp
+  // entries, virtual stage c * pp + s being chunk c of stage s), or one line naming the keys whose
   // numbers do not split `layers` (model.num_hidden_layers).
   std::vector<int64_t> stage_layers(int64_t layers) const;
   int64_t edp() const { return dp * cp * tp / (ep * etp); }

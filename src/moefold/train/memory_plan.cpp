@@ -37,9 +37,10 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
     // the deterministic backward 2 B H Sq S bytes (+ 4 B H Sq D with grouped-query heads), the
     // other one 8 B H Sq D.
     p.runtime = size_t{32} << 20;  // cuBLASLt's workspace (ops/cuda/gemm.cu)
-    // Several GPUs: each NCCL communicator (the world and the mesh's fourteen groups) stages host
-    // tensors in 8 MiB of its own (comm/nccl.cpp; NCCL's internal buffers are not device_malloc's).
-    if (world > 1) p.runtime += size_t{15} * (size_t{8} << 20);
+    // Several GPUs: each NCCL communicator (the world and the mesh's ten groups, eighteen with
+    // pipeline stages) stages host tensors in 8 MiB of its own (comm/nccl.cpp; NCCL's internal
+    // buffers are not device_malloc's).
+    if (world > 1) p.runtime += size_t{p.layout.pp > 1 ? 19u : 11u} * (size_t{8} << 20);
     const KernelOptions& k = cfg.kernels;
     const auto b = static_cast<size_t>(cfg.train.micro_batch_size),
                h = static_cast<size_t>(cfg.model.num_attention_heads / p.layout.tp),

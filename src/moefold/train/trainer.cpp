@@ -9,6 +9,7 @@
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/ops/ops.h"
 #include "moefold/parallel/context_parallel.h"
+#include "moefold/train/pipeline_schedule.h"
 
 namespace moefold {
 
@@ -35,29 +36,38 @@ int64_t moe_layers_total(const ModelConfig& m) {
   return moe_layers_before(m, m.num_hidden_layers) + m.num_nextn_predict_layers;
 }
 
-PipelineStage pipeline_stage(const Config& cfg, const Mesh& mesh) {
+std::vector<PipelineStage> pipeline_chunks(const Config& cfg, const Mesh& mesh) {
   const std::vector<int64_t> counts = mesh.dims.stage_layers(cfg.model.num_hidden_layers);
-  PipelineStage st;
-  for (int s = 0; s < mesh.pp_rank; ++s) st.first_layer += counts[static_cast<size_t>(s)];
-  st.num_layers = counts[static_cast<size_t>(mesh.pp_rank)];
-  st.first = mesh.first_stage();
-  st.last = mesh.last_stage();
-  return st;
+  const int64_t pp = mesh.dims.pp, vpp = mesh.dims.vpp, last = pp * vpp - 1;
+  std::vector<PipelineStage> out;
+  for (int64_t c = 0; c < vpp; ++c) {
+    const int64_t v = c * pp + mesh.pp_rank;  // the chunk's virtual stage
+    PipelineStage st;
+    for (int64_t u = 0; u < v; ++u) st.first_layer += counts[static_cast<size_t>(u)];
+    st.num_layers = counts[static_cast<size_t>(v)];
+    st.first = v == 0;
+    st.last = v == last;
+    out.push_back(st);
+  }
+  return out;
 }
 
-int64_t micro_batches_in_flight(const Config& cfg, const Mesh& mesh) {
+std::vector<int64_t> micro_batches_in_flight(const Config& cfg, const Mesh& mesh) {
+  if (mesh.dims.pp == 1) return {1};
   const int64_t micro = cfg.train.global_batch_size / (cfg.train.micro_batch_size * mesh.dims.dp);
-  return std::max<int64_t>(1, std::min<int64_t>(mesh.dims.pp - mesh.pp_rank, micro));
+  return micro_batches_in_flight(pipeline_actions(mesh.dims.pp, mesh.dims.vpp, mesh.pp_rank, micro), mesh.dims.vpp);
 }
 
 std::vector<std::unique_ptr<Model>> make_models(const Config& cfg, Mesh& mesh) {
   std::vector<std::unique_ptr<Model>> out;
-  const PipelineStage stage = pipeline_stage(cfg, mesh);
-  for (int64_t k = 0; k < micro_batches_in_flight(cfg, mesh); ++k)
-    out.push_back(std::make_unique<Model>(
-        cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
-        ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get(), stage},
-        cfg.train.recompute(), cfg.train.offload()));
+  const std::vector<PipelineStage> chunks = pipeline_chunks(cfg, mesh);
+  const std::vector<int64_t> in_flight = micro_batches_in_flight(cfg, mesh);
+  for (size_t c = 0; c < chunks.size(); ++c)
+    for (int64_t k = 0; k < in_flight[c]; ++k)
+      out.push_back(std::make_unique<Model>(
+          cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
+          ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get(), chunks[c]},
+          cfg.train.recompute(), cfg.train.offload()));
   return out;
 }
 
@@ -83,8 +93,10 @@ void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model, size_
 void bind_training(Memory& mem, std::vector<std::unique_ptr<Model>>& models, const Config& cfg, StepBuffers& buffers) {
   models.front()->bind(mem);
   buffers.bind(mem, cfg, *models.front(), models.size());
-  for (size_t k = 1; k < models.size(); ++k) {  // more micro-batches in flight: activations of their own
-    Memory::SharedParams shared(mem);
+  for (size_t k = 1; k < models.size(); ++k) {
+    // A chunk's first model registers its parameters; more micro-batches in flight take activations
+    // of their own and share them.
+    Memory::SharedParams shared(mem, models[k]->first_layer() == models[k - 1]->first_layer());
     models[k]->bind(mem);
   }
 }
@@ -116,7 +128,6 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
       mesh_(mesh),
       models_(make_models(cfg_, mesh)),
       model_(*models_.front()),
-      moe_offset_(moe_layers_before(cfg.model, model_.first_layer())),
       exec_(device, cfg.kernels),
       mem_(compute.value_or(device == Device::cuda ? DType::bf16 : DType::f32), exec_),  // GPU: bf16, f32 masters
       opt_(cfg.train),
@@ -140,6 +151,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   opt_.bind(mem_, shard_groups_);
   opt_.set_overlap_gather(cfg.parallel.overlap_param_gather);
   grads_reducer_.emplace(mem_, model_.total_layers(), grad_groups());
+  for (size_t k = 0; k < models_.size(); ++k)
+    if (k == 0 || models_[k]->first_layer() != models_[k - 1]->first_layer()) chunk_base_.push_back(k);
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
 }
@@ -183,7 +196,7 @@ void Trainer::forward_micro_batch(int64_t i, size_t slot) {
   }
   ProfileScope scope("expert loads read-back");
   const int64_t experts = cfg_.moe.num_experts;
-  double* load = buf_.load_sum_LE.ptr<double>() + moe_offset_ * experts;
+  double* load = buf_.load_sum_LE.ptr<double>() + moe_layers_before(cfg_.model, model.first_layer()) * experts;
   for (int64_t l = 0; l < model.num_moe_layers(); ++l) {
     buf_.counts_E.host.copy_from(model.moe(l).router().tokens_per_expert());  // from the GPU: waits
     const int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
@@ -203,48 +216,58 @@ void Trainer::backward_micro_batch(int64_t i, size_t slot) {
       overlap ? [this](int64_t point) { grads_reducer_->ready(point); } : std::function<void(int64_t)>());
 }
 
-void Trainer::exchange(Communicator* pair, const Tensor& send, const Tensor& recv) {
-  ProfileScope scope("pipeline send/recv");
-  MF_CHECK(pair != nullptr && pair->size() == 2, "pipeline exchange without a neighbouring stage");
-  const Tensor& any = send.defined() ? send : recv;
-  const Tensor none = any.slice(0, 0);
-  pair->wait(pair->start_exchange({{1 - pair->rank(), send.defined() ? send : none, recv.defined() ? recv : none}}));
-}
-
-// Megatron-Core's 1F1B: w = min(pp - stage - 1, m) warm-up forwards, m - w steady steps (a forward,
-// then a backward), w cool-down backwards. Each exchange below is matched by the neighbour's
-// exchange of the same step (its send is this one's receive): the pairs go through their steps
-// in the same order on both sides.
+// The ops of pipeline_ops, one by one: receives posted ahead, waited for before their use; sends
+// started after the computation that fills them, waited for before their buffer is written again.
 void Trainer::run_pipeline(int64_t position) {
-  const int64_t m = local_micro_batches(), p = mesh_.dims.pp, s = mesh_.pp_rank;
-  const int64_t w = std::min(p - s - 1, m), r = m - w;
-  const size_t k = models_.size();
-  Communicator *prev = mesh_.pp_prev(), *next = mesh_.pp_next();
-  auto slot = [k](int64_t j) { return static_cast<size_t>(j) % k; };
-  auto model = [&](int64_t j) -> Model& { return *models_[slot(j)]; };
-  auto forward = [&](int64_t j) {
-    load_micro_batch(position, j, slot(j));
-    forward_micro_batch(j, slot(j));
+  using K = PipelineOpKind;
+  Communicator *act_in = mesh_.activations_in(), *act_out = mesh_.activations_out(), *grad_in = mesh_.grads_in(),
+               *grad_out = mesh_.grads_out();
+  struct Tickets {  // each model's messages under way
+    int64_t recv_act = -1, recv_grad = -1, send_act = -1, send_grad = -1;
   };
-  const Tensor none;
-  for (int64_t j = 0; j < w; ++j) {
-    if (prev) exchange(prev, none, model(j).input());
-    forward(j);
-    if (next) exchange(next, model(j).output(), none);
-  }
-  if (r > 0 && prev) exchange(prev, none, model(w).input());
-  for (int64_t i = 0; i < r; ++i) {
-    const int64_t jf = w + i, jb = i;
-    forward(jf);
-    if (next) exchange(next, model(jf).output(), model(jb).stream_grad());
-    backward_micro_batch(jb, slot(jb));
-    if (prev) exchange(prev, model(jb).stream_grad(), i + 1 < r ? model(jf + 1).input() : none);
-  }
-  for (int64_t i = 0; i < w; ++i) {
-    const int64_t jb = r + i;
-    if (next) exchange(next, none, model(jb).stream_grad());
-    backward_micro_batch(jb, slot(jb));
-    if (prev) exchange(prev, model(jb).stream_grad(), none);
+  std::vector<Tickets> t(models_.size());
+  auto peer = [](Communicator* c) { return 1 - c->rank(); };
+  auto wait = [](Communicator* c, int64_t ticket) {
+    ProfileScope scope("pipeline send/recv");
+    c->wait(ticket);
+  };
+  for (const PipelineOp& o : pipeline_ops(mesh_.dims.pp, mesh_.dims.vpp, mesh_.pp_rank, local_micro_batches())) {
+    const size_t k = model_index(o.chunk, o.model);
+    Model& model = *models_[k];
+    Tickets& tk = t[k];
+    switch (o.kind) {
+      case K::post_recv_activations:
+        tk.recv_act = act_in->start_recv(model.input(), peer(act_in));
+        break;
+      case K::post_recv_grads:
+        tk.recv_grad = grad_in->start_recv(model.stream_grad(), peer(grad_in));
+        break;
+      case K::wait_recv_activations:
+        wait(act_in, tk.recv_act);
+        break;
+      case K::wait_recv_grads:
+        wait(grad_in, tk.recv_grad);
+        break;
+      case K::wait_send_activations:
+        wait(act_out, tk.send_act);
+        break;
+      case K::wait_send_grads:
+        wait(grad_out, tk.send_grad);
+        break;
+      case K::forward:
+        load_micro_batch(position, o.micro, k);
+        forward_micro_batch(o.micro, k);
+        break;
+      case K::backward:
+        backward_micro_batch(o.micro, k);
+        break;
+      case K::send_activations:
+        tk.send_act = act_out->start_send(model.output(), peer(act_out));
+        break;
+      case K::send_grads:
+        tk.send_grad = grad_out->start_send(model.stream_grad(), peer(grad_out));
+        break;
+    }
   }
 }
 
@@ -421,11 +444,15 @@ const StepMetrics& Trainer::train_step() {
     ProfileScope scope("expert bias update");
     const double* load = buf_.load_sum_LE.ptr<double>();
     const int64_t experts = cfg_.moe.num_experts;
-    for (int64_t l = 0; l < model_.num_moe_layers(); ++l) {  // this stage's (the bias is shared by its models)
-      int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
-      for (int64_t e = 0; e < experts; ++e) counts[e] = static_cast<int64_t>(load[(moe_offset_ + l) * experts + e]);
-      buf_.counts_E.to_device();
-      model_.moe(l).update_expert_bias(buf_.counts_E.dev, cfg_.moe.expert_bias_update_rate);
+    for (const size_t base : chunk_base_) {  // each chunk's layers (a chunk's models share the bias)
+      Model& model = *models_[base];
+      const int64_t first = moe_layers_before(cfg_.model, model.first_layer());
+      for (int64_t l = 0; l < model.num_moe_layers(); ++l) {
+        int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
+        for (int64_t e = 0; e < experts; ++e) counts[e] = static_cast<int64_t>(load[(first + l) * experts + e]);
+        buf_.counts_E.to_device();
+        model.moe(l).update_expert_bias(buf_.counts_E.dev, cfg_.moe.expert_bias_update_rate);
+      }
     }
   }
   ++step_;
@@ -442,15 +469,26 @@ double Trainer::evaluate() {
   // evaluated batches are rounded down to a multiple of dp (at least dp).
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);
   double sum = 0;
-  Communicator *prev = mesh_.pp_prev(), *next = mesh_.pp_next();
+  // Pipeline: forward only, each batch through the chunks in order (virtual stage by virtual stage).
+  Communicator *in = mesh_.activations_in(), *out = mesh_.activations_out();
+  std::vector<int64_t> sending(chunk_base_.size(), -1);
+  const int64_t last = mesh_.dims.pp * mesh_.dims.vpp - 1;
   for (int64_t i = 0; i < per_rank; ++i) {
     loader_.valid_batch((i * dp + mesh_.dp_rank) % nv, buf_.full_ids_BS.ptr<int32_t>(),
                         buf_.full_targets_BS.ptr<int32_t>());
-    shard_batch(0);
-    if (prev) exchange(prev, Tensor(), model_.input());  // pipeline: forward only, stage by stage
-    sum += model_.forward(buf_.ids_BL[0].dev, buf_.targets_BL[0].dev);
-    if (next) exchange(next, model_.output(), Tensor());
+    for (size_t c = 0; c < chunk_base_.size(); ++c) {
+      const size_t k = chunk_base_[c];
+      Model& model = *models_[k];
+      const int64_t v = static_cast<int64_t>(c) * mesh_.dims.pp + mesh_.pp_rank;
+      shard_batch(k);
+      if (v > 0) in->wait(in->start_recv(model.input(), 1 - in->rank()));
+      if (sending[c] >= 0) out->wait(sending[c]);  // the output is written again
+      sum += model.forward(buf_.ids_BL[k].dev, buf_.targets_BL[k].dev);
+      sending[c] = v < last ? out->start_send(model.output(), 1 - out->rank()) : -1;
+    }
   }
+  for (const int64_t ticket : sending)
+    if (ticket >= 0) out->wait(ticket);
   buf_.stats.ptr<double>()[0] = sum;
   reduce_dense(buf_.stats.slice(0, 1));
   if (mesh_.dims.pp > 1) mesh_.pp->all_reduce(buf_.stats.slice(0, 1), ReduceOp::sum);  // the last stage's

@@ -8,12 +8,13 @@
 // and losses are sums over the global batch divided once.
 //
 // Pipeline parallelism (parallel.pp > 1): each rank runs its stage's layers (PipelineStage) in
-// the 1F1B schedule (Megatron-Core's non-interleaved one: pp - stage - 1 warm-up forwards, then
-// one forward and one backward in turn, then the remaining backwards), moving the residual stream
-// and its gradient to the neighbouring stages with one exchange per step of the schedule on the
-// pair's communicator (Mesh::pp_next / pp_prev). A stage keeps the activations of up to
-// min(pp - stage, micro-batches) micro-batches: one Model per micro-batch in flight, bound through
-// one Memory (the first registers the parameters, the others share them: Memory::SharedParams).
+// the 1F1B schedule, or with parallel.vpp > 1 the interleaved one over vpp model chunks per rank
+// (train/pipeline_schedule.h), moving the residual stream and its gradient between the stages with
+// non-blocking messages on the pipeline's link communicators (Mesh::activations_out, ...: posted one
+// action ahead, waited for where needed, so transfers overlap the computation). A chunk keeps the
+// activations of the micro-batches it has in flight (1F1B: up to pp - stage): one Model each, bound
+// through one Memory (the first registers the parameters, the others share them:
+// Memory::SharedParams).
 #pragma once
 
 #include <cstdint>
@@ -64,11 +65,11 @@ struct StepBuffers {
 // `layer` (model.num_hidden_layers: all of them but the MTP depths').
 int64_t moe_layers_before(const ModelConfig& m, int64_t layer);
 int64_t moe_layers_total(const ModelConfig& m);
-// This rank's pipeline stage (parallel.stage_layers) and how many micro-batches it keeps in flight
-// (1 without pipeline parallelism).
-PipelineStage pipeline_stage(const Config& cfg, const Mesh& mesh);
-int64_t micro_batches_in_flight(const Config& cfg, const Mesh& mesh);
-// A rank's models: one per micro-batch in flight (micro_batches_in_flight), each its stage's.
+// This rank's model chunks (one; parallel.vpp with interleaving: chunk c is virtual stage
+// c * pp + pp_rank) and how many micro-batches each keeps in flight (1 without pipeline parallelism).
+std::vector<PipelineStage> pipeline_chunks(const Config& cfg, const Mesh& mesh);
+std::vector<int64_t> micro_batches_in_flight(const Config& cfg, const Mesh& mesh);
+// A rank's models: per chunk, one per micro-batch in flight (micro_batches_in_flight), chunk by chunk.
 std::vector<std::unique_ptr<Model>> make_models(const Config& cfg, Mesh& mesh);
 
 // The memory options on a Memory before its first bind: train.main_grads_dtype, and one clear line
@@ -76,7 +77,7 @@ std::vector<std::unique_ptr<Model>> make_models(const Config& cfg, Mesh& mesh);
 void apply_memory_options(Memory& mem, const TrainConfig& train);
 
 // A training rank's whole binding pass (the trainer's, and moefold plan's measuring one): the first
-// model registers the parameters, the others share them.
+// model of each chunk registers the chunk's parameters, the others share them.
 void bind_training(Memory& mem, std::vector<std::unique_ptr<Model>>& models, const Config& cfg, StepBuffers& buffers);
 // The dispatchers of the model's MoE layers on `mesh` (empty: local experts). Keeps references.
 DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh);
@@ -137,20 +138,21 @@ class Trainer {
   // its backward (the last one starts the overlapped gradient reduction).
   void forward_micro_batch(int64_t i, size_t slot);
   void backward_micro_batch(int64_t i, size_t slot);
-  // The 1F1B schedule of this stage over the step's local micro-batches (pipeline parallelism).
+  // This stage's schedule over the step's local micro-batches (pipeline parallelism).
   void run_pipeline(int64_t position);
-  // One exchange with a neighbouring stage (pair communicator `pair`): `send` goes, `recv` comes
-  // (either undefined: none); the compute stream waits for it.
-  void exchange(Communicator* pair, const Tensor& send, const Tensor& recv);
+  // Model `k` of chunk `chunk` (its index in models_).
+  size_t model_index(int64_t chunk, int64_t k) const {
+    return chunk_base_[static_cast<size_t>(chunk)] + static_cast<size_t>(k);
+  }
   // The embedding's gradient summed over its copies (the first and last stage, with multi-token
   // prediction under pipeline parallelism); the norm counts it once.
   void reduce_embedding_copies();
 
   Config cfg_;
   Mesh& mesh_;
-  std::vector<std::unique_ptr<Model>> models_;  // one per micro-batch in flight (make_models)
+  std::vector<std::unique_ptr<Model>> models_;  // per chunk, one per micro-batch in flight (make_models)
   Model& model_;                                // the first
-  int64_t moe_offset_ = 0;                      // the whole model's MoE layers before this stage's
+  std::vector<size_t> chunk_base_;              // each chunk's first model in models_
   ExecContext exec_;  // where every op of the run goes: the device, its stream, the [kernels] choices
   Memory mem_;
   AdamW opt_;
