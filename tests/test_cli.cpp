@@ -228,6 +228,9 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
   expect_on_both("--set parallel.pp=2", "model.num_hidden_layers = 1 does not split into parallel.pp = 2 stages");
   expect_on_both("--set parallel.pp=2 --set model.num_hidden_layers=2 --set parallel.ep=2",
                  "ep x etp = 2 x 1 = 2 does not divide dp x cp x tp = 1 x 1 x 1 = 1");
+  // Interleaving needs the micro-batches per step to be a multiple of pp: 2 sequences are one here.
+  expect_on_both("--set parallel.pp=2 --set parallel.vpp=2 --set model.num_hidden_layers=4",
+                 "the interleaved schedule needs the micro-batches per step");
   // Two stages train and write a shard each.
   Result stages = run_mpi(2,
                           cat("train --run-dir pp --steps 2 --set data.path=data.tokens ", kSmall,

@@ -88,7 +88,11 @@ TEST(Config, BadInputNamesTheKey) {
             std::string::npos);
   EXPECT_EQ(err("[parallel]\npp = 3\nfirst_stage_layers = 2\n"), "");  // 2 + 1 + 1
   EXPECT_NE(err("[parallel]\nfirst_stage_layers = 2\n").find("need parallel.pp > 1"), std::string::npos);
-  EXPECT_NE(err("[parallel]\npp = 2\nvpp = 2\n").find("interleaved pipeline stages are not implemented yet"),
+  // Interleaving: 4 layers in 2 x 4 virtual stages; 4 sequences of one micro-batch of 8 are 1 micro-batch.
+  EXPECT_NE(err("[parallel]\npp = 2\nvpp = 4\n").find("does not split evenly into parallel.pp x parallel.vpp = 2 x 4"),
+            std::string::npos);
+  EXPECT_NE(err("[parallel]\nvpp = 2\n").find("parallel.vpp = 2 needs parallel.pp > 1"), std::string::npos);
+  EXPECT_NE(err("[parallel]\npp = 2\nvpp = 2\nfirst_stage_layers = 1\n").find("split the layers evenly"),
             std::string::npos);
   EXPECT_NE(err("[parallel]\npipeline_schedule = \"gpipe\"\n").find("parallel.pipeline_schedule = 'gpipe'"),
             std::string::npos);

@@ -120,9 +120,18 @@ PipelineRun simulate_pipeline(int64_t pp, int64_t vpp, int64_t m) {
 }
 
 TEST(PipelineSchedule, EveryStageFinishesInOrderWithTheTheoreticalBubble) {
-  for (const auto& [pp, vpp, m] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
-           {2, 1, 1}, {2, 1, 4}, {4, 1, 2}, {4, 1, 8}, {3, 1, 5}, {2, 2, 2}, {2, 2, 4}, {4, 2, 4}, {4, 2, 8},
-           {4, 3, 12}, {3, 2, 6}, {8, 4, 16}}) {
+  for (const auto& [pp, vpp, m] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{2, 1, 1},
+                                                                                     {2, 1, 4},
+                                                                                     {4, 1, 2},
+                                                                                     {4, 1, 8},
+                                                                                     {3, 1, 5},
+                                                                                     {2, 2, 2},
+                                                                                     {2, 2, 4},
+                                                                                     {4, 2, 4},
+                                                                                     {4, 2, 8},
+                                                                                     {4, 3, 12},
+                                                                                     {3, 2, 6},
+                                                                                     {8, 4, 16}}) {
     SCOPED_TRACE(cat("pp ", pp, ", vpp ", vpp, ", ", m, " micro-batches"));
     for (int64_t s = 0; s < pp; ++s) {  // every (chunk, micro-batch) once each way, forward first
       std::map<std::pair<int64_t, int64_t>, int> seen;
@@ -138,8 +147,9 @@ TEST(PipelineSchedule, EveryStageFinishesInOrderWithTheTheoreticalBubble) {
     }
     const PipelineRun r = simulate_pipeline(pp, vpp, m);
     EXPECT_TRUE(r.fifo);
-    const double want = vpp == 1 ? 3.0 * static_cast<double>(m + pp - 1)
-                                 : 3.0 * (static_cast<double>(m) + static_cast<double>(pp - 1) / static_cast<double>(vpp));
+    const double want = vpp == 1
+                            ? 3.0 * static_cast<double>(m + pp - 1)
+                            : 3.0 * (static_cast<double>(m) + static_cast<double>(pp - 1) / static_cast<double>(vpp));
     EXPECT_NEAR(r.makespan, want, 1e-9);
   }
 }
@@ -149,16 +159,26 @@ TEST(PipelineSchedule, EveryStageFinishesInOrderWithTheTheoreticalBubble) {
 // receive gets the (virtual stage, micro-batch) it expects.
 TEST(PipelineSchedule, OpsFinishWithRendezvousMessages) {
   using K = PipelineOpKind;
-  for (const auto& [pp, vpp, m] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
-           {2, 1, 1}, {2, 1, 4}, {4, 1, 2}, {4, 1, 8}, {3, 1, 5}, {2, 2, 2}, {2, 2, 4}, {4, 2, 4}, {4, 2, 8},
-           {4, 3, 12}, {3, 2, 6}, {8, 4, 16}}) {
+  for (const auto& [pp, vpp, m] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{2, 1, 1},
+                                                                                     {2, 1, 4},
+                                                                                     {4, 1, 2},
+                                                                                     {4, 1, 8},
+                                                                                     {3, 1, 5},
+                                                                                     {2, 2, 2},
+                                                                                     {2, 2, 4},
+                                                                                     {4, 2, 4},
+                                                                                     {4, 2, 8},
+                                                                                     {4, 3, 12},
+                                                                                     {3, 2, 6},
+                                                                                     {8, 4, 16}}) {
     SCOPED_TRACE(cat("pp ", pp, ", vpp ", vpp, ", ", m, " micro-batches"));
     std::vector<std::vector<PipelineOp>> ops;
     for (int64_t s = 0; s < pp; ++s) ops.push_back(pipeline_ops(pp, vpp, s, m));
     // Channels by (activations?, sending stage): what was sent and what each receive expects.
     using Msg = std::pair<int64_t, int64_t>;  // (virtual stage, micro-batch)
     std::map<std::pair<bool, int64_t>, std::vector<Msg>> sends, recvs;
-    std::vector<std::map<std::tuple<bool, int64_t, int64_t>, size_t>> recv_at(pp), send_at(pp);  // by (act, chunk, j|model)
+    std::vector<std::map<std::tuple<bool, int64_t, int64_t>, size_t>> recv_at(pp),
+        send_at(pp);  // by (act, chunk, j|model)
     std::vector<size_t> next(pp, 0);
     int64_t forwards = 0, backwards = 0;
     for (bool progress = true; progress;) {

@@ -63,9 +63,14 @@ std::vector<PipeLayout> pipe_layouts(int world) {
     case 2:
       return {{2, 1, 1, 1, 1}, {2, 1, 1, 1, 1, 1, 0}, {2, 1, 1, 1, 1, 0, 0, true}, {2, 1, 1, 1, 1, 0, 0, false, 2}};
     case 4:
-      return {{2, 2, 1, 1, 1},       {2, 1, 1, 2, 1, 0, 0, true}, {2, 1, 2, 1, 1},
-              {4, 1, 1, 1, 1},       {2, 1, 1, 1, 1, 3, 0},       {2, 1, 1, 2, 1, 1, 0},
-              {2, 1, 1, 2, 1, 0, 0, false, 2}, {2, 2, 1, 1, 1, 0, 0, true, 2}};
+      return {{2, 2, 1, 1, 1},
+              {2, 1, 1, 2, 1, 0, 0, true},
+              {2, 1, 2, 1, 1},
+              {4, 1, 1, 1, 1},
+              {2, 1, 1, 1, 1, 3, 0},
+              {2, 1, 1, 2, 1, 1, 0},
+              {2, 1, 1, 2, 1, 0, 0, false, 2},
+              {2, 2, 1, 1, 1, 0, 0, true, 2}};
     case 8:
       return {{2, 2, 1, 2, 2}, {4, 1, 1, 2, 1, 0, 0, true}, {2, 2, 2, 4, 1}, {2, 2, 1, 2, 2, 0, 0, false, 2}};
     default:
@@ -189,7 +194,8 @@ TEST_F(Pipeline, PlanMatchesEveryRanksTrainer) {
     EXPECT_EQ(p.activations, mem.act_bytes());
     if (l.vpp == 1) {
       EXPECT_EQ(micro_batches_in_flight(c, run.mesh),
-                std::vector<int64_t>{std::min<int64_t>(l.pp - run.mesh.pp_rank, c.train.global_batch_size / run.mesh.dims.dp)});
+                std::vector<int64_t>{
+                    std::min<int64_t>(l.pp - run.mesh.pp_rank, c.train.global_batch_size / run.mesh.dims.dp)});
     }
     const Mesh planned = Mesh::plan(run.mesh.dims, world.rank());
     EXPECT_EQ(planned.pp_rank, run.mesh.pp_rank);
@@ -208,8 +214,8 @@ TEST_F(Pipeline, PlanMatchesEveryRanksTrainer) {
     // stage together.
     EXPECT_EQ(run.mesh.pp->size(), l.pp);
     EXPECT_EQ(run.mesh.pp->rank(), run.mesh.pp_rank);
-    for (const Communicator* link : {run.mesh.activations_out(), run.mesh.activations_in(), run.mesh.grads_out(),
-                                     run.mesh.grads_in()})
+    for (const Communicator* link :
+         {run.mesh.activations_out(), run.mesh.activations_in(), run.mesh.grads_out(), run.mesh.grads_in()})
       EXPECT_EQ(link->size(), 2);
     EXPECT_EQ(run.mesh.activations_out()->rank(), 0);
     EXPECT_EQ(run.mesh.grads_in()->rank(), 0);

@@ -92,8 +92,18 @@ void run_plan(const PlanArgs& a) {
   if (a.world < 1) MF_FAIL("--world ", a.world, ": expected at least 1 rank");
   const size_t gpu_bytes = parse_bytes(a.gpu_memory, "--gpu-memory");
   const size_t host_bytes = parse_bytes(a.host_memory, "--host-memory");
+  // The ranks whose plans can differ: the first of each pipeline stage (their layers and
+  // micro-batches in flight differ) and the last rank (the last expert-parallel shard).
+  const ParallelConfig layout = cfg.resolve_layout(a.world);
+  std::vector<int> ranks;
+  for (int64_t s = 0; s < layout.pp; ++s) ranks.push_back(static_cast<int>(s * (layout.world() / layout.pp)));
+  if (ranks.back() != a.world - 1) ranks.push_back(a.world - 1);
   const MemoryPlan first = plan_memory(cfg, a.world, 0, device);
-  const MemoryPlan last = plan_memory(cfg, a.world, a.world - 1, device);
+  MemoryPlan last = first;  // the largest of the others
+  for (size_t i = 1; i < ranks.size(); ++i) {
+    MemoryPlan p = plan_memory(cfg, a.world, ranks[i], device);
+    if (i == 1 || p.peak() > last.peak()) last = std::move(p);
+  }
   const ParallelConfig& l = first.layout;
   std::printf("%s on %d rank(s): (pp, tp, cp, dp, ep, etp) = (%lld, %lld, %lld, %lld, %lld, %lld), %s, %s\n",
               cfg.preset.c_str(), a.world, static_cast<long long>(l.pp), static_cast<long long>(l.tp),
@@ -118,7 +128,9 @@ void run_plan(const PlanArgs& a) {
       first.peak() == last.peak() ? "rank 0; every rank the same" : "rank 0");
   print_rank(first, gpu_bytes, host_bytes);
   if (first.peak() != last.peak()) {
-    std::printf("rank %d\n", a.world - 1);
+    std::printf(
+        "rank %d%s\n", last.rank,
+        l.pp > 1 ? cat(" (stage ", last.rank / (l.world() / l.pp), ": the largest of the others)").c_str() : "");
     print_rank(last, gpu_bytes, host_bytes);
   }
   // Runs of layers with equal bytes on one line ("layers.3-47  2.02 GiB each").
@@ -195,7 +207,7 @@ void run_plan(const PlanArgs& a) {
   bool fits = first.peak() <= limit && last.peak() <= limit;
   auto peak_of = [&](const Config& c) {
     size_t peak = 0;
-    for (const int r : {0, a.world - 1}) peak = std::max(peak, plan_memory(c, a.world, r, device).peak());
+    for (const int r : ranks) peak = std::max(peak, plan_memory(c, a.world, r, device).peak());
     return peak;
   };
   auto report = [&](const std::string& text, size_t peak) {
@@ -220,7 +232,7 @@ void run_plan(const PlanArgs& a) {
     };
     auto host_of = [&](const Config& c) {  // the offloaded state must fit the host too
       size_t bytes = 0;
-      for (const int r : {0, a.world - 1}) {
+      for (const int r : ranks) {
         const MemoryPlan p = plan_memory(c, a.world, r, device);
         bytes = std::max(bytes, p.host + p.optimizer_host);
       }

@@ -254,7 +254,9 @@ class Memory {
   class SharedParams {
    public:
     // `on` false: no change.
-    SharedParams(Memory& mem, bool on) : mem_(mem), previous_(mem.shared_params_) { mem.shared_params_ = previous_ || on; }
+    SharedParams(Memory& mem, bool on) : mem_(mem), previous_(mem.shared_params_) {
+      mem.shared_params_ = previous_ || on;
+    }
     ~SharedParams() { mem_.shared_params_ = previous_; }
     SharedParams(const SharedParams&) = delete;
     SharedParams& operator=(const SharedParams&) = delete;

@@ -7,8 +7,8 @@
 namespace moefold {
 
 std::vector<PipelineAction> pipeline_actions(int64_t pp, int64_t vpp, int64_t stage, int64_t micro) {
-  MF_CHECK(pp >= 1 && vpp >= 1 && stage >= 0 && stage < pp && micro >= 1, "pipeline schedule of stage ", stage,
-           " of ", pp, ", ", vpp, " chunks, ", micro, " micro-batches");
+  MF_CHECK(pp >= 1 && vpp >= 1 && stage >= 0 && stage < pp && micro >= 1, "pipeline schedule of stage ", stage, " of ",
+           pp, ", ", vpp, " chunks, ", micro, " micro-batches");
   MF_CHECK(vpp == 1 || micro % pp == 0, "interleaved pipeline schedule: ", micro,
            " micro-batches are not a multiple of pp = ", pp);
   const int64_t total = micro * vpp;
