@@ -1,10 +1,10 @@
 // Checkpoints: DIR/step_NNNNNNNN/ holds the weights under Hugging Face names in fp32 as one
-// model.safetensors, or (expert parallel) one shard per EP rank, model-0000k-of-0000n.safetensors,
-// with the Hugging Face index model.safetensors.index.json; the AdamW moments the same way
-// (optimizer*.safetensors, tensors named "<weight>.exp_avg" / ".exp_avg_sq"); trainer.json
-// (step, data position, seed, optimizer step, layout, checksums of every file) and config.toml.
-// Tensors are stored whole per expert, so any layout loads any checkpoint. A checkpoint is
-// written to a temporary directory and renamed into place: a crash never leaves a partial one.
+// model.safetensors, or (expert or pipeline parallel) one shard per stage and EP rank,
+// model-0000k-of-0000n.safetensors, with the Hugging Face index model.safetensors.index.json; the AdamW moments the
+// same way (optimizer*.safetensors, tensors named "<weight>.exp_avg" / ".exp_avg_sq"); trainer.json (step, data
+// position, seed, optimizer step, layout, checksums of every file) and config.toml. Tensors are stored whole per
+// expert, so any layout loads any checkpoint. A checkpoint is written to a temporary directory and renamed into place:
+// a crash never leaves a partial one.
 #pragma once
 
 #include <cstdint>
