@@ -260,6 +260,36 @@ TYPED_TEST(CommTyped, SendRecvRing) {
   }
 }
 
+// start_send / start_recv (the pipeline's messages): every rank posts its receives from the
+// previous rank first, then its sends to the next (no rank blocks on a send: the ring cannot
+// deadlock), three messages of eager and rendezvous sizes each way; they arrive in the order
+// started, and waiting in another order than started works.
+TYPED_TEST(CommTyped, NonBlockingSendRecvKeepTheirOrder) {
+  using T = TypeParam;
+  Communicator& w = test_world();
+  const int n = w.size(), r = w.rank();
+  if (n == 1) GTEST_SKIP() << "no peers on one rank";
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  const std::vector<int64_t> rows = {2, int64_t{1} << 16, 3};
+  std::vector<std::vector<T>> out, in;
+  std::vector<int64_t> sends, recvs;
+  for (size_t m = 0; m < rows.size(); ++m) {
+    in.emplace_back(rows[m] * kCols, T(-7));
+    recvs.push_back(w.start_recv(view(in[m], rows[m], kCols), prev));
+  }
+  for (size_t m = 0; m < rows.size(); ++m) {
+    out.emplace_back(rows[m] * kCols);
+    for (int64_t i = 0; i < rows[m] * kCols; ++i)
+      out[m][i] = val<T>(r, static_cast<int64_t>(m), i % 1000);
+    sends.push_back(w.start_send(view(out[m], rows[m], kCols), next));
+  }
+  for (size_t m = rows.size(); m-- > 0;) w.wait(recvs[m]);  // the last first
+  for (const int64_t t : sends) w.wait(t);
+  for (size_t m = 0; m < rows.size(); ++m)
+    for (int64_t i = 0; i < rows[m] * kCols; ++i)
+      ASSERT_EQ(in[m][i], val<T>(prev, static_cast<int64_t>(m), i % 1000)) << "message " << m << ", element " << i;
+}
+
 // PeerMemory over MPI (host blocks, copies as messages): each rank pushes rows into every peer's
 // block at an offset that names the pair and pulls rows from every peer's block, in random sizes
 // and a shuffled order, twice; bytes outside the copies stay as they were.

@@ -177,6 +177,38 @@ TEST_F(Nccl, StartExchangeRoundsAndWait) {
   }
 }
 
+// start_send / start_recv as the pipeline's links use them: one direction per communicator (rank 0
+// to 1 on the world, 1 to 0 on a second communicator of the same ranks), three messages each way
+// started before any wait, waited for in another order: they arrive in the order started.
+TEST_F(Nccl, NonBlockingSendRecvOneDirectionPerCommunicator) {
+  const int r = nccl_->rank(), n = nccl_->size();
+  if (n != 2) GTEST_SKIP() << "needs 2 ranks";
+  std::unique_ptr<Communicator> back = nccl_->split(0, r, "back");
+  Communicator& out_comm = r == 0 ? *nccl_ : *back;  // this rank sends here
+  Communicator& in_comm = r == 0 ? *back : *nccl_;   // and receives here
+  testing::Pool pool;
+  DevicePool dev;
+  const std::vector<int64_t> rows = {3, 1 << 15, 5};
+  std::vector<Tensor> in;
+  std::vector<int64_t> recvs, sends;
+  for (const int64_t n_rows : rows) {
+    in.push_back(dev.poisoned({n_rows, 8}, DType::bf16));
+    recvs.push_back(in_comm.start_recv(in.back(), 1 - r));
+  }
+  for (size_t m = 0; m < rows.size(); ++m) {
+    Tensor h = pool.zeros({rows[m], 8});
+    for (int64_t i = 0; i < rows[m] * 8; ++i) testing::set_value_at(h, i, value(r, i + static_cast<int64_t>(m)));
+    sends.push_back(out_comm.start_send(dev.upload(h, DType::bf16), 1 - r));
+  }
+  for (size_t m = rows.size(); m-- > 0;) in_comm.wait(recvs[m]);
+  for (const int64_t t : sends) out_comm.wait(t);
+  for (size_t m = 0; m < rows.size(); ++m) {
+    const std::vector<double> got = testing::download(in[m]);
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_EQ(got[i], value(1 - r, static_cast<int64_t>(i + m))) << "message " << m << " element " << i;
+  }
+}
+
 // PeerMemory (GPUs of one host; the test skips where the group cannot map): each rank pushes
 // rows into every peer's block at an offset that names the pair, pulls rows from every peer's
 // block, twice in a row (sequence numbers move on), and reads them after wait.
