@@ -279,8 +279,7 @@ TYPED_TEST(CommTyped, NonBlockingSendRecvKeepTheirOrder) {
   }
   for (size_t m = 0; m < rows.size(); ++m) {
     out.emplace_back(rows[m] * kCols);
-    for (int64_t i = 0; i < rows[m] * kCols; ++i)
-      out[m][i] = val<T>(r, static_cast<int64_t>(m), i % 1000);
+    for (int64_t i = 0; i < rows[m] * kCols; ++i) out[m][i] = val<T>(r, static_cast<int64_t>(m), i % 1000);
     sends.push_back(w.start_send(view(out[m], rows[m], kCols), next));
   }
   for (size_t m = rows.size(); m-- > 0;) w.wait(recvs[m]);  // the last first

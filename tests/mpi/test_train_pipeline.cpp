@@ -17,6 +17,7 @@
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
 #include "mpi_testing.h"
+#include "recompute_check.h"
 #include "testing.h"
 #include "train_fixture.h"
 
@@ -222,6 +223,26 @@ TEST_F(Pipeline, PlanMatchesEveryRanksTrainer) {
     EXPECT_EQ(run.mesh.activations_in()->rank(), 1);
     EXPECT_EQ(run.mesh.grads_out()->rank(), 1);
     EXPECT_EQ(run.mesh.pp_ends->size(), run.mesh.first_stage() || run.mesh.last_stage() ? 2 : 1);
+  }
+}
+
+// Recompute on pipeline stages (whole layers per stage, Megatron-Core's meaning; modules): bit for
+// bit the run that keeps everything, with 1F1B and interleaved.
+TEST_F(Pipeline, RecomputeChangesNothing) {
+  Communicator& world = testing::test_world();
+  std::vector<std::unique_ptr<LayoutRun>> runs;
+  const int64_t tp = world.size() == 8 ? 2 : 1;  // at least 2 micro-batches per step for interleaving
+  for (const PipeLayout& l : {PipeLayout{world.size(), 1, 1, 1, 1}, PipeLayout{2, tp, 1, 1, 1, 0, 0, false, 2}}) {
+    if (l.pp * l.vpp > 4 || world.size() % l.pp != 0) continue;
+    SCOPED_TRACE(name_of(l, world.size()));
+    testing::expect_recompute_changes_nothing(
+        with_pipe(deepseek_, l),
+        [&](const Config& c) {
+          runs.push_back(std::make_unique<LayoutRun>(c, world));
+          return std::move(runs.back()->trainer);
+        },
+        testing::recompute_variants(false), 2);
+    runs.clear();
   }
 }
 
