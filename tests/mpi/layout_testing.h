@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "moefold/train/trainer.h"
+#include "recompute_check.h"
 #include "testing.h"
 
 namespace moefold::testing {
@@ -59,6 +60,18 @@ inline const Param& find_param(std::vector<Param>& params, const std::string& na
     if (p.name == name) return p;
   ADD_FAILURE() << "no parameter " << name;
   return params.front();
+}
+
+// recompute_check.h's variants (the combinations, 2 steps) on `world` laid out as cfg says.
+inline void expect_layout_recompute_changes_nothing(const Config& cfg, Communicator& world) {
+  std::vector<std::unique_ptr<LayoutRun>> runs;
+  expect_recompute_changes_nothing(
+      cfg,
+      [&](const Config& c) {
+        runs.push_back(std::make_unique<LayoutRun>(c, world));
+        return std::move(runs.back()->trainer);
+      },
+      recompute_variants(false), 2);
 }
 
 // The "loss" of every line of a run directory's metrics.jsonl.
