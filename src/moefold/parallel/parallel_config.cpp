@@ -35,8 +35,8 @@ std::vector<int64_t> ParallelConfig::stage_layers(int64_t layers) const {
   if (vpp > 1) {  // virtual stages: an even split
     const int64_t v = pp * vpp;
     if (layers % v != 0)
-      MF_FAIL("parallel: model.num_hidden_layers = ", layers, " does not split evenly into parallel.pp x parallel.vpp = ",
-              pp, " x ", vpp, " = ", v, " virtual stages");
+      MF_FAIL("parallel: model.num_hidden_layers = ", layers,
+              " does not split evenly into parallel.pp x parallel.vpp = ", pp, " x ", vpp, " = ", v, " virtual stages");
     return std::vector<int64_t>(static_cast<size_t>(v), layers / v);
   }
   const int64_t first = first_stage_layers, last = last_stage_layers;
