@@ -137,6 +137,7 @@ Memory::Memory(DType dtype, const ExecContext& exec)
   acts_.set_device(device, stream);
   peer_acts_.set_device(device, stream);
   scratch_.set_device(device, stream);
+  exchange_scratch_.set_device(device, stream);
   recompute_.set_device(device, stream);
   offload_.set_device(device, stream);
   host_offload_.set_device(Device::cpu);
@@ -330,6 +331,7 @@ Tensor Memory::take_overlaid(OverlayPool& pool, DType dtype, Shape shape, const 
 namespace {
 constexpr const char* kScratchPart = "layers' shared workspace";
 constexpr const char* kRecomputePart = "recomputed layers' block";
+constexpr const char* kExchangePart = "layers' exchange workspace";
 constexpr const char* kOffloadPart = "offloaded layers' slots";
 }  // namespace
 
@@ -351,11 +353,16 @@ Tensor Memory::scratch(Shape shape) { return scratch(shape, dtype_); }
 Tensor Memory::scratch(Shape shape, DType dtype) {
   return in_layer_ ? take_overlaid(scratch_, dtype, shape, kScratchPart) : take_act(acts_, dtype, shape, false);
 }
+Tensor Memory::exchange_scratch(Shape shape, DType dtype) {
+  return in_layer_ ? take_overlaid(exchange_scratch_, dtype, shape, kExchangePart)
+                   : take_act(acts_, dtype, shape, false);
+}
 
 void Memory::begin_layer(int recompute_slot, int offload_slot) {
   MF_CHECK(!in_layer_, "Memory::begin_layer inside a layer");
   in_layer_ = true;
   scratch_.begin(0);
+  exchange_scratch_.begin(0);
   recompute_slot_ = recompute_slot;
   if (recompute_slot >= 0) recompute_.begin(static_cast<size_t>(recompute_slot));
   offload_slot_ = offload_slot;
@@ -436,6 +443,7 @@ void Memory::allocate() {
   host_acts_.allocate();
   peer_acts_.allocate();
   scratch_.allocate();
+  exchange_scratch_.allocate();
   recompute_.allocate();
   offload_.allocate();
   host_offload_.allocate();
@@ -447,7 +455,8 @@ void Memory::finish_binding() const {
   const std::vector<const Arena*> all = arenas();
   for (size_t i = 0; i < all.size(); ++i)
     MF_CHECK(all[i]->used() == measured_[i], "the real binding pass differs from the measuring pass");
-  MF_CHECK(scratch_.matches_measured() && recompute_.matches_measured() && offload_.matches_measured(),
+  MF_CHECK(scratch_.matches_measured() && exchange_scratch_.matches_measured() && recompute_.matches_measured() &&
+               offload_.matches_measured(),
            "the real binding pass's overlaid workspace differs from the measuring pass's");
 }
 

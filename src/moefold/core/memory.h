@@ -281,6 +281,11 @@ class Memory {
   // Scratch tensors of one layer never overlap each other. Outside a layer scratch() is act().
   Tensor scratch(Shape shape);
   Tensor scratch(Shape shape, DType dtype);
+  // Like scratch(), in a block of its own that only these take from: what a layer's backward keeps
+  // from one of its phases to the next while another micro-batch's layer runs in between
+  // (parallel.overlap_moe_a2a: the MoE layer's output and input gradient rows, which an exchange
+  // fills), which scratch() of that layer would overwrite. Outside a layer act().
+  Tensor exchange_scratch(Shape shape, DType dtype);
   // recompute_slot >= 0: the whole layer is recomputed before its backward (train.recompute_num_layers),
   // and act() takes from slot `recompute_slot` of the recomputed layers' block (its position in its
   // recomputed chunk): the layers of one slot overlap there as layers overlap in scratch.
@@ -392,7 +397,8 @@ class Memory {
   // Device workspace: kept activations, the peer-visible block, the shared workspace and the
   // recomputed layers' block.
   size_t act_bytes() const {
-    return acts_.used() + peer_acts_.used() + scratch_.bytes() + recompute_.bytes() + offload_.bytes();
+    return acts_.used() + peer_acts_.used() + scratch_.bytes() + exchange_scratch_.bytes() + recompute_.bytes() +
+           offload_.bytes();
   }
   size_t scratch_bytes() const { return scratch_.bytes(); }      // the workspace shared between layers
   size_t recompute_bytes() const { return recompute_.bytes(); }  // the recomputed layers' block
@@ -414,6 +420,7 @@ class Memory {
   Arena host_acts_;                  // always host memory; empty on a CPU run
   Arena peer_acts_;                  // the peer-visible activations (peer_act)
   OverlayPool scratch_, recompute_;  // shared between layers (1 slot); recomputed layers (a slot per position)
+  OverlayPool exchange_scratch_;     // exchange_scratch (1 slot)
   OverlayPool offload_;              // offloaded layers (a slot per layer index mod the model's slot count)
   Arena host_offload_;               // pinned: each offloaded layer's host copy
   bool in_layer_ = false, acts_in_scratch_ = false, shared_params_ = false;

@@ -91,6 +91,16 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
 // residual copies and adds.
 void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
   ProfileScope layer("decoder layer forward");
+  forward_attention(x_TH, out_TH);
+  if (!moe_) return;
+  {
+    ProfileScope scope("moe forward");
+    moe_->forward(n2_TH_, m_TH_);
+  }
+  forward_tail(out_TH);
+}
+
+void DecoderLayer::forward_attention(const Tensor& x_TH, const Tensor& out_TH) {
   x_TH_ = x_TH;
   {
     ProfileScope scope("rmsnorm forward");
@@ -107,48 +117,72 @@ void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
     rmsnorm_forward(*ctx_, h_TH_, norm2_, cfg_.rms_norm_eps, n2_TH_, rstd2_T_);
   }
   out_TH.copy_from(h_TH_, ctx_);
-  if (moe_) {
-    {
-      ProfileScope scope("moe forward");
-      moe_->forward(n2_TH_, m_TH_);
-    }
-    add_inplace(*ctx_, out_TH, m_TH_);
-    if (mlp_) {  // shared experts see every token
-      {
-        ProfileScope scope("shared experts forward");
-        mlp_->forward(n2_TH_, s_TH_);
-      }
-      add_inplace(*ctx_, out_TH, s_TH_);
-    }
-  } else {
-    {
-      ProfileScope scope("dense mlp forward");
-      mlp_->forward(n2_TH_, m_TH_);
-    }
-    add_inplace(*ctx_, out_TH, m_TH_);
+  if (moe_) return;
+  {
+    ProfileScope scope("dense mlp forward");
+    mlp_->forward(n2_TH_, m_TH_);
   }
+  add_inplace(*ctx_, out_TH, m_TH_);
+}
+
+void DecoderLayer::forward_tail(const Tensor& out_TH) {
+  add_inplace(*ctx_, out_TH, m_TH_);
+  if (mlp_) {  // shared experts see every token
+    {
+      ProfileScope scope("shared experts forward");
+      mlp_->forward(n2_TH_, s_TH_);
+    }
+    add_inplace(*ctx_, out_TH, s_TH_);
+  }
+}
+
+void DecoderLayer::forward_begin(const Tensor& x_TH, const Tensor& out_TH) {
+  forward_attention(x_TH, out_TH);
+  if (!moe_) return;
+  ProfileScope scope("moe forward");
+  moe_->forward_dispatch(n2_TH_);
+}
+
+void DecoderLayer::forward_experts() {
+  if (!moe_) return;
+  ProfileScope scope("moe forward");
+  moe_->forward_experts();
+}
+
+void DecoderLayer::forward_end(const Tensor& out_TH) {
+  if (!moe_) return;
+  {
+    ProfileScope scope("moe forward");
+    moe_->forward_combine(m_TH_);
+  }
+  forward_tail(out_TH);
 }
 
 void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
   ProfileScope layer("decoder layer backward");
-  if (norms_again_) {  // both outputs, from the kept inputs (the same op: the same bits)
-    ProfileScope scope("recompute rmsnorm forward");
-    rmsnorm_forward(*ctx_, h_TH_, norm2_, cfg_.rms_norm_eps, n2_TH_, rstd2_T_);
-    rmsnorm_forward(*ctx_, x_TH_, norm1_, cfg_.rms_norm_eps, n1_TH_, rstd1_T_);
-  }
+  recompute_norms();
   if (moe_) {
+    ProfileScope scope("moe backward");
+    moe_->backward(dres_TH, dn_TH_, moe_loss_scale);
+  }
+  backward_tail(dres_TH);
+}
+
+void DecoderLayer::recompute_norms() {
+  if (!norms_again_) return;  // both outputs, from the kept inputs (the same op: the same bits)
+  ProfileScope scope("recompute rmsnorm forward");
+  rmsnorm_forward(*ctx_, h_TH_, norm2_, cfg_.rms_norm_eps, n2_TH_, rstd2_T_);
+  rmsnorm_forward(*ctx_, x_TH_, norm1_, cfg_.rms_norm_eps, n1_TH_, rstd1_T_);
+}
+
+void DecoderLayer::backward_tail(const Tensor& dres_TH) {
+  if (moe_ && mlp_) {
     {
-      ProfileScope scope("moe backward");
-      moe_->backward(dres_TH, dn_TH_, moe_loss_scale);
+      ProfileScope scope("shared experts backward");
+      mlp_->backward(dres_TH, ds_TH_);
     }
-    if (mlp_) {
-      {
-        ProfileScope scope("shared experts backward");
-        mlp_->backward(dres_TH, ds_TH_);
-      }
-      add_inplace(*ctx_, dn_TH_, ds_TH_);
-    }
-  } else {
+    add_inplace(*ctx_, dn_TH_, ds_TH_);
+  } else if (!moe_) {
     ProfileScope scope("dense mlp backward");
     mlp_->backward(dres_TH, dn_TH_);
   }
@@ -166,6 +200,27 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
     rmsnorm_backward(*ctx_, x_TH_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
   }
   add_inplace(*ctx_, dres_TH, tmp_TH_);  // d(x)
+}
+
+void DecoderLayer::backward_begin(const Tensor& dres_TH) {
+  recompute_norms();
+  if (!moe_) return;
+  ProfileScope scope("moe backward");
+  moe_->backward_combine(dres_TH);
+}
+
+void DecoderLayer::backward_experts() {
+  if (!moe_) return;
+  ProfileScope scope("moe backward");
+  moe_->backward_experts();
+}
+
+void DecoderLayer::backward_end(const Tensor& dres_TH, double moe_loss_scale) {
+  if (moe_) {
+    ProfileScope scope("moe backward");
+    moe_->backward_dispatch(dn_TH_, moe_loss_scale);
+  }
+  backward_tail(dres_TH);
 }
 
 Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,

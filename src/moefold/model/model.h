@@ -60,6 +60,19 @@ class DecoderLayer {
   void forward(const Tensor& x_TH, const Tensor& out_TH);
   // On entry dres_TH = d(out); on exit d(x). moe_loss_scale weights the router losses.
   void backward(const Tensor& dres_TH, double moe_loss_scale);
+  // forward and backward in the MoE layer's three phases (MoeLayer): begin (through the dispatch /
+  // the combine's backward), experts, end; a dense layer does all in forward_begin / backward_end.
+  // Between two phases another micro-batch's layer may run (parallel.overlap_moe_a2a: set_phased
+  // before bind; the layer then keeps its backward rows in Memory::exchange_scratch).
+  void forward_begin(const Tensor& x_TH, const Tensor& out_TH);
+  void forward_experts();
+  void forward_end(const Tensor& out_TH);
+  void backward_begin(const Tensor& dres_TH);
+  void backward_experts();
+  void backward_end(const Tensor& dres_TH, double moe_loss_scale);
+  void set_phased(bool on) {
+    if (moe_) moe_->set_phased(on);
+  }
   // Null for a dense layer.
   const MoeLayer* moe() const { return moe_.get(); }
   MoeLayer* moe() { return moe_.get(); }
@@ -79,6 +92,13 @@ class DecoderLayer {
   Tensor dn_TH_, tmp_TH_;  // shared backward workspaces
   Tensor x_TH_, n1_TH_, rstd1_T_, h_TH_, n2_TH_, rstd2_T_;
   Tensor a_TH_, m_TH_, s_TH_, ds_TH_;  // scratch: forward temporaries, backward workspace
+  // forward's norms, attention and residual (a dense layer's MLP too); after the MoE output: its
+  // residual and the shared experts. backward's norms recomputed (layernorm); after the MoE
+  // backward: the shared experts (or the dense MLP), norms and attention.
+  void forward_attention(const Tensor& x_TH, const Tensor& out_TH);
+  void forward_tail(const Tensor& out_TH);
+  void recompute_norms();
+  void backward_tail(const Tensor& dres_TH);
 };
 
 // One multi-token-prediction depth k (DeepSeek-V3, sec. 2.2; Megatron-Core's MTP layer): from

@@ -103,40 +103,56 @@ void MoeLayer::bind(Memory& mem) {
     experts_.bind(mem);
     out_RH_ = mem.act({r_max, hidden_});
   }
-  dout_RH_ = mem.scratch({r_max, hidden_});
-  drows_RH_ = mem.scratch({r_max, hidden_});
-  dprob_TK_ = mem.scratch({max_tokens_, cfg_.num_experts_per_tok}, mem.master_dtype());  // the router's dtype
+  MF_CHECK(!phased_ || !recompute_whole_, "MoeLayer: phased with the whole layer recomputed");
+  auto kept_across_phases = [&](Shape shape, DType dtype) {
+    return phased_ ? mem.exchange_scratch(shape, dtype) : mem.scratch(shape, dtype);
+  };
+  dout_RH_ = kept_across_phases({r_max, hidden_}, mem.dtype());
+  drows_RH_ = kept_across_phases({r_max, hidden_}, mem.dtype());
+  dprob_TK_ = kept_across_phases({max_tokens_, cfg_.num_experts_per_tok}, mem.master_dtype());  // the router's dtype
   y_TH_ = mem.scratch({recompute_whole_ ? max_tokens_ : 0, hidden_});
   x_TH_ = Tensor();
   plan_ = nullptr;
 }
 
 void MoeLayer::forward(const Tensor& x_TH, const Tensor& y_TH) {
+  forward_dispatch(x_TH);
+  forward_experts();
+  forward_combine(y_TH);
+}
+
+void MoeLayer::forward_dispatch(const Tensor& x_TH) {
   const int64_t t_n = x_TH.size(0);
   MF_CHECK(x_TH.ndim() == 2 && x_TH.size(1) == hidden_ && t_n <= max_tokens_, "MoeLayer: x ", x_TH.str(),
            " for hidden ", hidden_, ", max_tokens ", max_tokens_);
-  check_shape(y_TH, x_TH.shape(), "MoeLayer y");
   num_tokens_ = t_n;
   x_TH_ = x_TH;
-  const Tensor& x = x_TH;
   {  // the router's losses come back to the host here
     ProfileScope scope("moe router forward");
-    router_.forward(x);
+    router_.forward(x_TH);
   }
-  {
-    ProfileScope scope("moe dispatch forward");
-    plan_ = &dispatcher_->dispatch(x, router_.topk_idx(), router_.topk_prob());
-  }
-  const Tensor out = out_RH_.slice(0, plan_->num_rows);
-  {
-    ProfileScope scope("moe experts forward");
-    run_experts_forward(*plan_, experts_, out);
-  }
+  ProfileScope scope("moe dispatch forward");
+  plan_ = &dispatcher_->dispatch(x_TH, router_.topk_idx(), router_.topk_prob());
+}
+
+void MoeLayer::forward_experts() {
+  ProfileScope scope("moe experts forward");
+  run_experts_forward(*plan_, experts_, out_RH_.slice(0, plan_->num_rows));
+}
+
+void MoeLayer::forward_combine(const Tensor& y_TH) {
+  check_shape(y_TH, x_TH_.shape(), "MoeLayer y");
   ProfileScope scope("moe combine forward");
-  dispatcher_->combine(out, *plan_, y_TH);
+  dispatcher_->combine(out_RH_.slice(0, plan_->num_rows), *plan_, y_TH);
 }
 
 void MoeLayer::backward(const Tensor& dy_TH, const Tensor& dx_TH, double loss_scale) {
+  backward_combine(dy_TH);
+  backward_experts();
+  backward_dispatch(dx_TH, loss_scale);
+}
+
+void MoeLayer::backward_combine(const Tensor& dy_TH) {
   MF_CHECK(plan_ != nullptr, "MoeLayer::backward before forward");
   if (recompute_whole_) {
     ProfileScope scope("recompute moe forward");
@@ -145,23 +161,25 @@ void MoeLayer::backward(const Tensor& dy_TH, const Tensor& dx_TH, double loss_sc
   }
   const int64_t t_n = num_tokens_, r_n = plan_->num_rows;
   check_shape(dy_TH, {t_n, hidden_}, "MoeLayer dy");
+  ProfileScope scope("moe combine backward");
+  dispatcher_->combine_backward(dy_TH, out_RH_.slice(0, r_n), *plan_, dout_RH_.slice(0, r_n), dprob_TK_.slice(0, t_n));
+}
+
+void MoeLayer::backward_experts() {
+  const int64_t r_n = plan_->num_rows;
+  ProfileScope scope("moe experts backward");
+  run_experts_backward(*plan_, experts_, dout_RH_.slice(0, r_n), drows_RH_.slice(0, r_n));
+}
+
+void MoeLayer::backward_dispatch(const Tensor& dx_TH, double loss_scale) {
+  const int64_t t_n = num_tokens_;
   check_shape(dx_TH, {t_n, hidden_}, "MoeLayer dx");
-  const Tensor x = x_TH_, out = out_RH_.slice(0, r_n), dout = dout_RH_.slice(0, r_n), drows = drows_RH_.slice(0, r_n),
-               dprob = dprob_TK_.slice(0, t_n);
-  {
-    ProfileScope scope("moe combine backward");
-    dispatcher_->combine_backward(dy_TH, out, *plan_, dout, dprob);
-  }
-  {
-    ProfileScope scope("moe experts backward");
-    run_experts_backward(*plan_, experts_, dout, drows);
-  }
   {
     ProfileScope scope("moe dispatch backward");
-    dispatcher_->dispatch_backward(drows, *plan_, dx_TH);
+    dispatcher_->dispatch_backward(drows_RH_.slice(0, plan_->num_rows), *plan_, dx_TH);
   }
   ProfileScope scope("moe router backward");
-  router_.backward(x, dprob, loss_scale, dx_TH);  // adds the router branch to dx
+  router_.backward(x_TH_, dprob_TK_.slice(0, t_n), loss_scale, dx_TH);  // adds the router branch to dx
 }
 
 }  // namespace moefold

@@ -50,6 +50,10 @@ class MoeLayer {
     offload_rows_ = expert_fc1;
     offload_gu_ = moe_act;
   }
+  // parallel.overlap_moe_a2a: another micro-batch's modules run between the phases below, so the
+  // backward's output and input gradient rows live in Memory::exchange_scratch instead of the
+  // shared scratch. REQUIRES: before bind; not with recompute of the whole layer.
+  void set_phased(bool on) { phased_ = on; }
   // Parameters and buffers; called in both binding passes of a Memory.
   void bind(Memory& mem);
   // See Router::set_token_group (context parallelism splits each sequence over a group).
@@ -70,6 +74,17 @@ class MoeLayer {
   // dx_TH written; parameter grads accumulated; includes the gradient of
   // loss_scale * (aux_loss_coeff * aux + z_loss_coeff * z). REQUIRES: after forward.
   void backward(const Tensor& dy_TH, const Tensor& dx_TH, double loss_scale);
+
+  // forward and backward in three phases each, split where rows start to travel (expert
+  // parallelism): forward = router and dispatch | experts | combine; backward = combine's backward
+  // | experts | dispatch's and the router's backward. In between, only exchanges of this layer
+  // and kept tensors are in flight (no scratch), so another micro-batch's modules may run there.
+  void forward_dispatch(const Tensor& x_TH);
+  void forward_experts();
+  void forward_combine(const Tensor& y_TH);
+  void backward_combine(const Tensor& dy_TH);
+  void backward_experts();
+  void backward_dispatch(const Tensor& dx_TH, double loss_scale);
 
   // From the last forward, already multiplied by their coefficients.
   double aux_loss() const { return router_.aux_loss(); }
@@ -95,10 +110,12 @@ class MoeLayer {
   Router router_;
   Experts experts_;
   bool recompute_act_ = false, recompute_whole_ = false, offload_rows_ = false, offload_gu_ = false;
-  Tensor x_TH_;                           // the input (a view of the caller's)
-  Tensor out_RH_;                         // the experts' outputs (max_rows rows)
-  Tensor dout_RH_, drows_RH_, dprob_TK_;  // scratch: backward workspaces (max_rows / max_tokens rows)
-  Tensor y_TH_;                           // scratch: the recomputed output (moe)
+  bool phased_ = false;
+  Tensor x_TH_;    // the input (a view of the caller's)
+  Tensor out_RH_;  // the experts' outputs (max_rows rows)
+  Tensor dout_RH_, drows_RH_,
+      dprob_TK_;  // scratch (or exchange_scratch): backward workspaces (max_rows / max_tokens rows)
+  Tensor y_TH_;   // scratch: the recomputed output (moe)
   const DispatchPlan* plan_ = nullptr;
   int64_t num_tokens_ = 0;
 };
