@@ -25,6 +25,7 @@ struct RecomputeVariant {
   int64_t num_layers = 0;
   std::string method = "uniform";
   std::vector<std::string> offload;  // train.offload_modules (GPU)
+  bool overlap = false;              // parallel.overlap_moe_a2a
 };
 
 // every: each module alone too (else only the combinations).
@@ -38,6 +39,15 @@ inline std::vector<RecomputeVariant> recompute_variants(bool every = true) {
   v.push_back({"whole layers, uniform 1", {}, 1, "uniform", {}});
   v.push_back({"whole layers, uniform 2", {}, 2, "uniform", {}});
   v.push_back({"whole layers, block 1, every module", all, 1, "block", {}});
+  // The forward of one micro-batch interleaved with the backward of another, in their phases, alone
+  // and with the modules that recompute within one phase.
+  v.push_back({"overlap_moe_a2a", {}, 0, "uniform", {}, true});
+  v.push_back({"overlap_moe_a2a, core_attn, mla_up_proj, moe_act, shared_experts, mlp",
+               {"core_attn", "mla_up_proj", "moe_act", "shared_experts", "mlp"},
+               0,
+               "uniform",
+               {},
+               true});
   return v;
 }
 
@@ -69,6 +79,7 @@ inline Config with_recompute(Config c, const RecomputeVariant& v) {
   c.train.recompute_num_layers = v.num_layers;
   c.train.recompute_method = v.method;
   c.train.offload_modules = v.offload;
+  c.parallel.overlap_moe_a2a = v.overlap;
   c.validate();
   return c;
 }

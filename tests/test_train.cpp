@@ -77,10 +77,10 @@ struct PipelineRun {
   double makespan = 0;
   bool fifo = true;
 };
-PipelineRun simulate_pipeline(int64_t pp, int64_t vpp, int64_t m) {
+PipelineRun simulate_pipeline(int64_t pp, int64_t vpp, int64_t m, bool overlap = false) {
   const int64_t stages = pp * vpp;  // virtual stages
   std::vector<std::vector<PipelineAction>> acts;
-  for (int64_t s = 0; s < pp; ++s) acts.push_back(pipeline_actions(pp, vpp, s, m));
+  for (int64_t s = 0; s < pp; ++s) acts.push_back(pipeline_actions(pp, vpp, s, m, overlap));
   // done[virtual stage][micro]: finish time of its forward / backward (-1: not yet).
   std::vector<std::vector<double>> fdone(stages, std::vector<double>(m, -1)), bdone = fdone;
   std::vector<size_t> next(pp, 0);
@@ -147,6 +147,9 @@ TEST(PipelineSchedule, EveryStageFinishesInOrderWithTheTheoreticalBubble) {
     }
     const PipelineRun r = simulate_pipeline(pp, vpp, m);
     EXPECT_TRUE(r.fifo);
+    if (vpp == 1) {  // with overlap (one more warm-up forward): still finishes, in order
+      EXPECT_TRUE(simulate_pipeline(pp, 1, m, true).fifo);
+    }
     const double want = vpp == 1
                             ? 3.0 * static_cast<double>(m + pp - 1)
                             : 3.0 * (static_cast<double>(m) + static_cast<double>(pp - 1) / static_cast<double>(vpp));
@@ -171,63 +174,78 @@ TEST(PipelineSchedule, OpsFinishWithRendezvousMessages) {
                                                                                      {4, 3, 12},
                                                                                      {3, 2, 6},
                                                                                      {8, 4, 16}}) {
-    SCOPED_TRACE(cat("pp ", pp, ", vpp ", vpp, ", ", m, " micro-batches"));
-    std::vector<std::vector<PipelineOp>> ops;
-    for (int64_t s = 0; s < pp; ++s) ops.push_back(pipeline_ops(pp, vpp, s, m));
-    // Channels by (activations?, sending stage): what was sent and what each receive expects.
-    using Msg = std::pair<int64_t, int64_t>;  // (virtual stage, micro-batch)
-    std::map<std::pair<bool, int64_t>, std::vector<Msg>> sends, recvs;
-    std::vector<std::map<std::tuple<bool, int64_t, int64_t>, size_t>> recv_at(pp),
-        send_at(pp);  // by (act, chunk, j|model)
-    std::vector<size_t> next(pp, 0);
-    int64_t forwards = 0, backwards = 0;
-    for (bool progress = true; progress;) {
-      progress = false;
-      for (int64_t s = 0; s < pp; ++s) {
-        if (next[s] == ops[s].size()) continue;
-        const PipelineOp& o = ops[s][next[s]];
-        const int64_t v = o.chunk * pp + s;
-        const bool act = o.kind == K::post_recv_activations || o.kind == K::wait_recv_activations ||
-                         o.kind == K::wait_send_activations || o.kind == K::send_activations;
-        const std::pair<bool, int64_t> in{act, act ? (s + pp - 1) % pp : (s + 1) % pp}, out{act, s};
-        switch (o.kind) {
-          case K::post_recv_activations:
-          case K::post_recv_grads:
-            recv_at[s][{act, o.chunk, o.micro}] = recvs[in].size();
-            recvs[in].push_back({act ? v - 1 : v + 1, o.micro});
-            break;
-          case K::wait_recv_activations:
-          case K::wait_recv_grads: {
-            const size_t n = recv_at[s].at({act, o.chunk, o.micro});
-            if (sends[in].size() <= n) continue;  // not sent yet
-            EXPECT_EQ(sends[in][n], recvs[in][n]);
-            break;
+    for (const bool overlap : {false, true}) {
+      if (overlap && vpp > 1) continue;
+      SCOPED_TRACE(cat("pp ", pp, ", vpp ", vpp, ", ", m, " micro-batches", overlap ? ", overlap" : ""));
+      std::vector<std::vector<PipelineOp>> ops;
+      for (int64_t s = 0; s < pp; ++s) ops.push_back(pipeline_ops(pp, vpp, s, m, overlap));
+      // Channels by (activations?, sending stage): what was sent and what each receive expects.
+      using Msg = std::pair<int64_t, int64_t>;  // (virtual stage, micro-batch)
+      std::map<std::pair<bool, int64_t>, std::vector<Msg>> sends, recvs;
+      std::vector<std::map<std::tuple<bool, int64_t, int64_t>, size_t>> recv_at(pp),
+          send_at(pp);  // by (act, chunk, j|model)
+      std::vector<size_t> next(pp, 0);
+      int64_t forwards = 0, backwards = 0;
+      for (bool progress = true; progress;) {
+        progress = false;
+        for (int64_t s = 0; s < pp; ++s) {
+          if (next[s] == ops[s].size()) continue;
+          const PipelineOp& o = ops[s][next[s]];
+          const int64_t v = o.chunk * pp + s;
+          const bool act = o.kind == K::post_recv_activations || o.kind == K::wait_recv_activations ||
+                           o.kind == K::wait_send_activations || o.kind == K::send_activations;
+          const std::pair<bool, int64_t> in{act, act ? (s + pp - 1) % pp : (s + 1) % pp}, out{act, s};
+          switch (o.kind) {
+            case K::post_recv_activations:
+            case K::post_recv_grads:
+              recv_at[s][{act, o.chunk, o.micro}] = recvs[in].size();
+              recvs[in].push_back({act ? v - 1 : v + 1, o.micro});
+              break;
+            case K::wait_recv_activations:
+            case K::wait_recv_grads: {
+              const size_t n = recv_at[s].at({act, o.chunk, o.micro});
+              if (sends[in].size() <= n) continue;  // not sent yet
+              EXPECT_EQ(sends[in][n], recvs[in][n]);
+              break;
+            }
+            case K::send_activations:
+            case K::send_grads:
+              send_at[s][{act, o.chunk, o.model}] = sends[out].size();
+              sends[out].push_back({v, o.micro});
+              break;
+            case K::wait_send_activations:
+            case K::wait_send_grads:
+              if (recvs[out].size() <= send_at[s].at({act, o.chunk, o.model})) continue;  // not received yet
+              break;
+            case K::forward:
+              ++forwards;
+              break;
+            case K::backward:
+              ++backwards;
+              break;
+            case K::forward_backward:  // two micro-batches of one chunk, one of them forward
+              EXPECT_NE(o.micro, o.micro2);
+              EXPECT_NE(o.model, o.model2);
+              ++forwards;
+              ++backwards;
+              break;
           }
-          case K::send_activations:
-          case K::send_grads:
-            send_at[s][{act, o.chunk, o.model}] = sends[out].size();
-            sends[out].push_back({v, o.micro});
-            break;
-          case K::wait_send_activations:
-          case K::wait_send_grads:
-            if (recvs[out].size() <= send_at[s].at({act, o.chunk, o.model})) continue;  // not received yet
-            break;
-          case K::forward:
-            ++forwards;
-            break;
-          case K::backward:
-            ++backwards;
-            break;
+          ++next[s];
+          progress = true;
         }
-        ++next[s];
-        progress = true;
       }
+      for (int64_t s = 0; s < pp; ++s) EXPECT_EQ(next[s], ops[s].size()) << "stage " << s << " waits forever";
+      EXPECT_EQ(forwards, pp * vpp * m);
+      EXPECT_EQ(backwards, pp * vpp * m);
+      for (const auto& [link, sent] : sends) EXPECT_EQ(recvs[link].size(), sent.size());
     }
-    for (int64_t s = 0; s < pp; ++s) EXPECT_EQ(next[s], ops[s].size()) << "stage " << s << " waits forever";
-    EXPECT_EQ(forwards, pp * vpp * m);
-    EXPECT_EQ(backwards, pp * vpp * m);
-    for (const auto& [link, sent] : sends) EXPECT_EQ(recvs[link].size(), sent.size());
   }
+  // pp = 1 with overlap: after the first forward, each forward with the previous micro-batch's backward.
+  const std::vector<PipelineOp> one = pipeline_ops(1, 1, 0, 4, true);
+  std::vector<PipelineOpKind> kinds;
+  for (const PipelineOp& o : one) kinds.push_back(o.kind);
+  EXPECT_EQ(kinds, (std::vector<PipelineOpKind>{K::forward, K::forward_backward, K::forward_backward,
+                                                K::forward_backward, K::backward}));
 }
 
 TEST(Schedule, WarmupThenCosine) {

@@ -204,6 +204,13 @@ void Config::validate() const {
     MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers, " with parallel.cp = ", p.cp,
             ": multi-token prediction under context parallelism is not implemented");
   p.stage_layers(model.num_hidden_layers);  // fails with one line where the layers do not split
+  if (p.overlap_moe_a2a) {                  // what a layer keeps between its phases must not be shared workspace
+    const Recompute r = train.recompute();
+    if (r.num_layers > 0 || r.moe || r.layernorm || !train.offload_modules.empty())
+      MF_FAIL(
+          "parallel.overlap_moe_a2a with train.recompute_num_layers, train.recompute_modules 'moe' or "
+          "'layernorm', or train.offload_modules is not supported yet");
+  }
   if (p.pp > 1 && !train.offload_modules.empty())
     MF_FAIL("train.offload_modules with parallel.pp = ", p.pp,
             " is not supported yet (the micro-batches in flight would share the offload slots)");

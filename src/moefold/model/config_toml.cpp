@@ -162,6 +162,9 @@ const std::vector<Field>& fields() {
                "decoder layers of the last pipeline stage (0: an even share)"),
       MF_FIELD(parallel, "pipeline_schedule", pipeline_schedule, "pipeline schedule: \"1f1b\""),
       MF_FIELD(parallel, "vpp", vpp, "virtual pipeline stages per rank (1: not interleaved)"),
+      MF_FIELD(parallel, "overlap_moe_a2a", overlap_moe_a2a,
+               "interleave one micro-batch's forward with another's backward so each one's expert all-to-all "
+               "runs beside the other's computation (1F1B; pp = 1 too)"),
       MF_FIELD(parallel, "timeout_s", timeout_s, "a rank waiting longer on another fails, naming both"),
       MF_FIELD(parallel, "overlap_grad_reduce", overlap_grad_reduce,
                "start each layer's data-parallel gradient all-reduce as its backward ends"),

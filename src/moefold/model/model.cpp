@@ -266,6 +266,7 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
     layers_.push_back(std::make_unique<DecoderLayer>(m, e, micro_batch, local_seq_len_, rows_, n, g,
                                                      !dense && parallel.dispatchers ? parallel.dispatchers(g) : nullptr,
                                                      recompute, offload));
+    layers_.back()->set_phased(parallel.phased);
     if (MoeLayer* moe = layers_.back()->moe()) {
       moe->set_token_group(parallel.tokens);
       // Sequence-level aux loss: this rank's rows are rows [tp_rank * T, +T) of B sequences of
@@ -545,6 +546,44 @@ void Model::backward_top(double lm_grad_scale, double moe_loss_scale, const std:
   }
   if (!mtp_.empty()) add_inplace(*ctx_, dres_TH_, mtp_.front()->dprev_TH_);
   if (grads_ready) grads_ready(total_layers());
+}
+
+double Model::forward_backward(Model& fwd, const Tensor& ids_BS, const Tensor& targets_BS, Model& bwd,
+                               double lm_grad_scale, double moe_loss_scale) {
+  MF_CHECK(&fwd != &bwd && fwd.first_layer_ == bwd.first_layer_ && fwd.num_layers() == bwd.num_layers() && !fwd.copy_ &&
+               !bwd.copy_,
+           "Model::forward_backward: two models of one stage (without activation offload)");
+  for (const Model* m : {&fwd, &bwd})
+    for (int64_t l = 0; l < m->num_layers(); ++l)
+      MF_CHECK(m->recompute_slot_[static_cast<size_t>(l)] < 0, "Model::forward_backward with layers recomputed whole");
+  check_shape(ids_BS, {fwd.batch_, fwd.local_seq_len_}, "model input ids");
+  check_shape(targets_BS, {fwd.batch_, fwd.local_seq_len_}, "model targets");
+  fwd.ids_ = ids_BS.view({fwd.tokens_});
+  fwd.targets_ = targets_BS.view({fwd.tokens_});
+  if (bwd.last_stage_) bwd.backward_top(lm_grad_scale, moe_loss_scale, nullptr);  // else its caller wrote stream_grad()
+  if (fwd.first_stage_) fwd.embed(fwd.ids_, fwd.res_[0]);                         // else its caller wrote input()
+  const int64_t n = fwd.num_layers();
+  for (int64_t t = 0; t < n; ++t) {
+    ProfileScope scope("forward and backward interleaved");
+    DecoderLayer &f = *fwd.layers_[static_cast<size_t>(t)], &b = *bwd.layers_[static_cast<size_t>(n - 1 - t)];
+    b.backward_begin(bwd.dres_TH_);
+    f.forward_begin(fwd.res_[static_cast<size_t>(t)], fwd.res_[static_cast<size_t>(t) + 1]);
+    b.backward_experts();
+    f.forward_experts();
+    b.backward_end(bwd.dres_TH_, moe_loss_scale);
+    f.forward_end(fwd.res_[static_cast<size_t>(t) + 1]);
+  }
+  if (bwd.first_stage_) bwd.embed_backward(bwd.ids_, bwd.dres_TH_);
+  if (!fwd.last_stage_) return 0.0;
+  const double loss = fwd.head_forward(fwd.res_.back(), fwd.norm_, fwd.nf_TH_, fwd.rstdf_T_, fwd.full_NH_,
+                                       fwd.logits_TV_, fwd.lse_T_, fwd.targets_);
+  const Tensor* prev = &fwd.res_.back();
+  for (auto& d : fwd.mtp_) {
+    ProfileScope scope("mtp forward");
+    fwd.mtp_forward(*d, *prev);
+    prev = &d->out_TH_;
+  }
+  return loss;
 }
 
 MtpDepth::MtpDepth(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows,

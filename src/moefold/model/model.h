@@ -40,6 +40,9 @@ struct ModelParallel {
   Communicator* tp = nullptr;      // tensor-parallel group, with sequence parallelism
   Communicator* tokens = nullptr;  // the ranks splitting a micro-batch's tokens (TP x CP)
   PipelineStage stage;             // the whole model by default
+  // parallel.overlap_moe_a2a: the layers run in phases (DecoderLayer::set_phased) so that
+  // forward_backward can interleave two micro-batches.
+  bool phased = false;
 };
 
 class DecoderLayer {
@@ -161,6 +164,15 @@ class Model {
   // layer l (last layer first); the embedding's are final when backward returns.
   void backward(double lm_grad_scale, double moe_loss_scale,
                 const std::function<void(int64_t point)>& grads_ready = nullptr);
+  // parallel.overlap_moe_a2a: `fwd`'s forward of one micro-batch and `bwd`'s backward of another
+  // (two models of one stage, phased), layer by layer in opposite directions, each layer in its
+  // phases so that each one's expert-parallel rows travel while the other computes: per pair of
+  // layers, bwd's combine backward, fwd's attention and dispatch, bwd's experts, fwd's experts,
+  // bwd's dispatch backward and attention, fwd's combine. Every number is the one forward and
+  // backward give; returns fwd's loss sum. No weights_needed or grads_ready points (neither the
+  // step's first forward nor its last backward is paired).
+  static double forward_backward(Model& fwd, const Tensor& ids_BS, const Tensor& targets_BS, Model& bwd,
+                                 double lm_grad_scale, double moe_loss_scale);
 
   // Router losses of the last forward, summed over layers (already times their coefficients);
   // aux_loss holds both load-balancing losses (Switch and sequence-level).

@@ -23,6 +23,8 @@ void ParallelConfig::validate() const {
     MF_FAIL("parallel.vpp = ", vpp,
             " with parallel.first_stage_layers / last_stage_layers is not supported (interleaved stages split the "
             "layers evenly)");
+  if (overlap_moe_a2a && vpp > 1)
+    MF_FAIL("parallel.overlap_moe_a2a with parallel.vpp = ", vpp, " is not supported yet (1F1B only)");
   if (first_stage_layers < 0 || last_stage_layers < 0)
     MF_FAIL("parallel.first_stage_layers = ", first_stage_layers, ", parallel.last_stage_layers = ", last_stage_layers,
             ": must be >= 0 (0: an even share)");

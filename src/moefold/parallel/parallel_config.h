@@ -23,6 +23,10 @@ struct ParallelConfig {
   int64_t first_stage_layers = 0, last_stage_layers = 0;
   std::string pipeline_schedule = "1f1b";
   int64_t vpp = 1;
+  // The forward of one micro-batch and the backward of another interleaved layer by layer, split
+  // where the expert-parallel rows travel, so each one's dispatch and combine run beside the other's
+  // computation (Megatron-Core's 1F1B all-to-all overlap); with pp = 1 too (two micro-batches in flight).
+  bool overlap_moe_a2a = false;
   double timeout_s = 300;  // longest wait for another rank in one communication call
   // Data-parallel gradient reduction overlapped with backward (each layer's gradients start their
   // all-reduce as its backward ends, in the step's last micro-batch); false: one all-reduce per

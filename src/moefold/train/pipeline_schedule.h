@@ -11,6 +11,10 @@
 // on chunk vpp - 1 - (k / pp) % vpp. Warm-up: (pp - s - 1) * 2 + (vpp - 1) * pp forwards (all of
 // them when m == pp), then one forward and one backward in turn. REQUIRES m % pp == 0.
 //
+// With overlap (parallel.overlap_moe_a2a; 1F1B only) each stage warms up with one forward more,
+// min(pp - s, m), so that each steady forward k + w has a backward k of another micro-batch to run
+// interleaved with (pipeline_ops pairs them); pp = 1 then keeps two micro-batches in flight.
+//
 // Both keep the order in which a stage sends to a neighbour equal to the order in which the
 // neighbour consumes (forward k of chunk c on stage s feeds forward k of chunk c on stage s + 1, or
 // forward k + pp of chunk c + 1 on stage 0 from the last stage; backwards the other way), so each
@@ -24,13 +28,15 @@ namespace moefold {
 
 struct PipelineAction {
   bool forward = true;
-  int64_t chunk = 0;  // the rank's model chunk (0 without interleaving)
-  int64_t micro = 0;  // the step's local micro-batch
+  int64_t chunk = 0;    // the rank's model chunk (0 without interleaving)
+  int64_t micro = 0;    // the step's local micro-batch
+  bool steady = false;  // of the steady phase (one forward, then one backward)
 };
 
 // Rank `stage`'s actions for one step of `micro` micro-batches: every (chunk, micro-batch) once
 // forward, once backward, the forward first.
-std::vector<PipelineAction> pipeline_actions(int64_t pp, int64_t vpp, int64_t stage, int64_t micro);
+std::vector<PipelineAction> pipeline_actions(int64_t pp, int64_t vpp, int64_t stage, int64_t micro,
+                                             bool overlap = false);
 
 // Per chunk, the most micro-batches whose forward ran and backward did not yet (the activations a
 // chunk keeps at once: one model per micro-batch in flight).
@@ -52,13 +58,17 @@ enum class PipelineOpKind : uint8_t {
   wait_send_grads,
   forward,
   backward,
+  forward_backward,  // the forward of (chunk, micro, model) interleaved with the backward of (micro2, model2)
   send_activations,
   send_grads,
 };
 struct PipelineOp {
   PipelineOpKind kind;
   int64_t chunk = 0, micro = 0, model = 0;  // model: the chunk's model (0 .. in flight - 1)
+  int64_t micro2 = -1, model2 = -1;         // forward_backward: the backward's
 };
-std::vector<PipelineOp> pipeline_ops(int64_t pp, int64_t vpp, int64_t stage, int64_t micro);
+// overlap: each steady forward with the backward after it as one forward_backward, their receives
+// waited for before it, their sends started after it.
+std::vector<PipelineOp> pipeline_ops(int64_t pp, int64_t vpp, int64_t stage, int64_t micro, bool overlap = false);
 
 }  // namespace moefold

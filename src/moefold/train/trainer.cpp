@@ -53,9 +53,10 @@ std::vector<PipelineStage> pipeline_chunks(const Config& cfg, const Mesh& mesh) 
 }
 
 std::vector<int64_t> micro_batches_in_flight(const Config& cfg, const Mesh& mesh) {
-  if (mesh.dims.pp == 1) return {1};
+  if (mesh.dims.pp == 1 && !cfg.parallel.overlap_moe_a2a) return {1};
   const int64_t micro = cfg.train.global_batch_size / (cfg.train.micro_batch_size * mesh.dims.dp);
-  return micro_batches_in_flight(pipeline_actions(mesh.dims.pp, mesh.dims.vpp, mesh.pp_rank, micro), mesh.dims.vpp);
+  return micro_batches_in_flight(
+      pipeline_actions(mesh.dims.pp, mesh.dims.vpp, mesh.pp_rank, micro, cfg.parallel.overlap_moe_a2a), mesh.dims.vpp);
 }
 
 std::vector<std::unique_ptr<Model>> make_models(const Config& cfg, Mesh& mesh) {
@@ -64,10 +65,10 @@ std::vector<std::unique_ptr<Model>> make_models(const Config& cfg, Mesh& mesh) {
   const std::vector<int64_t> in_flight = micro_batches_in_flight(cfg, mesh);
   for (size_t c = 0; c < chunks.size(); ++c)
     for (int64_t k = 0; k < in_flight[c]; ++k)
-      out.push_back(std::make_unique<Model>(
-          cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
-          ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(), mesh.tp_cp.get(), chunks[c]},
-          cfg.train.recompute(), cfg.train.offload()));
+      out.push_back(std::make_unique<Model>(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
+                                            ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(),
+                                                          mesh.tp_cp.get(), chunks[c], cfg.parallel.overlap_moe_a2a},
+                                            cfg.train.recompute(), cfg.train.offload()));
   return out;
 }
 
@@ -182,18 +183,24 @@ void Trainer::load_micro_batch(int64_t position, int64_t i, size_t slot) {
 }
 
 void Trainer::forward_micro_batch(int64_t i, size_t slot) {
-  Model& model = *models_[slot];
-  double* stats = buf_.stats.ptr<double>();
+  double loss = 0;
   {
     ProfileScope scope("model forward");
     // The first forward waits for each layer's gathered weights as it reaches the layer.
-    stats[0] +=
-        model.forward(buf_.ids_BL[slot].dev, buf_.targets_BL[slot].dev,
-                      i == 0 ? [this](int64_t point) { opt_.wait_weights(point); } : std::function<void(int64_t)>());
-    stats[1] += model.aux_loss();
-    stats[2] += model.z_loss();
-    stats[3] += model.mtp_loss();
+    loss = models_[slot]->forward(
+        buf_.ids_BL[slot].dev, buf_.targets_BL[slot].dev,
+        i == 0 ? [this](int64_t point) { opt_.wait_weights(point); } : std::function<void(int64_t)>());
   }
+  add_forward_results(slot, loss);
+}
+
+void Trainer::add_forward_results(size_t slot, double loss) {
+  Model& model = *models_[slot];
+  double* stats = buf_.stats.ptr<double>();
+  stats[0] += loss;
+  stats[1] += model.aux_loss();
+  stats[2] += model.z_loss();
+  stats[3] += model.mtp_loss();
   ProfileScope scope("expert loads read-back");
   const int64_t experts = cfg_.moe.num_experts;
   double* load = buf_.load_sum_LE.ptr<double>() + moe_layers_before(cfg_.model, model.first_layer()) * experts;
@@ -231,7 +238,8 @@ void Trainer::run_pipeline(int64_t position) {
     ProfileScope scope("pipeline send/recv");
     c->wait(ticket);
   };
-  for (const PipelineOp& o : pipeline_ops(mesh_.dims.pp, mesh_.dims.vpp, mesh_.pp_rank, local_micro_batches())) {
+  for (const PipelineOp& o : pipeline_ops(mesh_.dims.pp, mesh_.dims.vpp, mesh_.pp_rank, local_micro_batches(),
+                                          cfg_.parallel.overlap_moe_a2a)) {
     const size_t k = model_index(o.chunk, o.model);
     Model& model = *models_[k];
     Tickets& tk = t[k];
@@ -261,6 +269,21 @@ void Trainer::run_pipeline(int64_t position) {
       case K::backward:
         backward_micro_batch(o.micro, k);
         break;
+      case K::forward_backward: {
+        const size_t kb = model_index(o.chunk, o.model2);
+        MF_CHECK(o.micro2 + 1 < local_micro_batches(), "the step's last backward is never paired");
+        load_micro_batch(position, o.micro, k);
+        const int64_t tokens = cfg_.train.global_batch_size * cfg_.train.seq_len;
+        double loss = 0;
+        {
+          ProfileScope scope("model forward and backward");
+          loss = Model::forward_backward(model, buf_.ids_BL[k].dev, buf_.targets_BL[k].dev, *models_[kb],
+                                         1.0 / static_cast<double>(tokens),
+                                         1.0 / static_cast<double>(local_micro_batches() * mesh_.dims.dp));
+        }
+        add_forward_results(k, loss);
+        break;
+      }
       case K::send_activations:
         tk.send_act = act_out->start_send(model.output(), peer(act_out));
         break;
@@ -342,7 +365,7 @@ void Trainer::accumulate_gradients() {
     buf_.load_sum_LE.zero();
     buf_.stats.zero();
   }
-  if (mesh_.dims.pp > 1) {
+  if (mesh_.dims.pp > 1 || cfg_.parallel.overlap_moe_a2a) {
     run_pipeline(position);
   } else {
     for (int64_t i = 0; i < micro; ++i) {

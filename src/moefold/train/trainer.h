@@ -137,6 +137,8 @@ class Trainer {
   // Local micro-batch i's forward on model `slot` (its statistics and expert loads added), and
   // its backward (the last one starts the overlapped gradient reduction).
   void forward_micro_batch(int64_t i, size_t slot);
+  // A forward's loss sum, router losses and expert loads into the step's statistics.
+  void add_forward_results(size_t slot, double loss);
   void backward_micro_batch(int64_t i, size_t slot);
   // This stage's schedule over the step's local micro-batches (pipeline parallelism).
   void run_pipeline(int64_t position);
