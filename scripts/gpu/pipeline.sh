@@ -3,8 +3,9 @@
 # (targets test_comm_nccl test_train_layouts_cuda): pipeline parallelism over NCCL (issue 17, issue 23
 # item 3) in one call: the non-blocking link messages and the two-GPU layouts with pp = 2 against one
 # GPU, then `bench train` of qwen3-30b-a3b cut to 8 layers on pp = 2 (1F1B, and vpp = 2) for m = 4, 8
-# and 16 micro-batches: each rank's bubble beside (pp - 1) / (m + pp - 1). Full outputs land in $OUT.
-#   scripts/gpu/pipeline.sh [tests|bench]   (default: both)
+# and 16 micro-batches: each rank's bubble beside (pp - 1) / (m + pp - 1); then EP = 2 training with
+# parallel.overlap_moe_a2a off and on (the exposed all-to-all, throughput). Full outputs land in $OUT.
+#   scripts/gpu/pipeline.sh [tests|bench|overlap]   (default: all)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
@@ -17,6 +18,16 @@ if [ "${1:-}" != bench ]; then
   mpi "$root/.gpu/bin/test_train_layouts_cuda" --gtest_brief=1 2>&1 | grep -E "pp, tp|PASSED|FAILED|largest" | tail -12
 fi
 [ "${1:-}" = tests ] && exit 0
+if [ "${1:-}" != bench ]; then
+  for ov in false true false true; do
+    echo "== ep2 overlap_moe_a2a=$ov"
+    mpi "$B" bench train --config qwen3-30b-a3b --set model.num_hidden_layers=4 --set train.global_batch_size=16 \
+      --set train.micro_batch_size=2 --set parallel.ep=2 --set train.exp_avg_dtype=bf16 --set train.exp_avg_sq_dtype=bf16 \
+      --set parallel.overlap_moe_a2a="$ov" --steps 4 --warmup 1 > "$out/ep2_overlap_$ov.md" 2>&1
+    grep -E "^\| qwen|Exposed|moefold:" "$out/ep2_overlap_$ov.md" | head -3
+  done
+fi
+[ "${1:-}" = overlap ] && exit 0
 q=(--config qwen3-30b-a3b --set model.num_hidden_layers=8 --set train.micro_batch_size=2 --set parallel.pp=2
   --set train.exp_avg_dtype=bf16 --set train.exp_avg_sq_dtype=bf16 --set kernels.deterministic_attention=false)
 for vpp in 1 2; do

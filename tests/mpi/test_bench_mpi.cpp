@@ -60,5 +60,28 @@ TEST(BenchTrainPipeline, ReportsEachRanksBubble) {
   EXPECT_NE(format_train_bench(cfg, r, "header").find("Pipeline bubble"), std::string::npos);
 }
 
+// With expert parallelism over the ranks, the report says how long the compute stream waited on
+// the all-to-all, with parallel.overlap_moe_a2a off and on (the same losses either way).
+TEST(BenchTrainEp, ReportsTheExposedAllToAll) {
+  Communicator& world = testing::test_world();
+  if (world.size() == 1) GTEST_SKIP() << "one rank: no expert parallelism";
+  double loss[2] = {0, 0};
+  for (const bool overlap : {false, true}) {
+    const Config cfg =
+        load_config("tiny", {"model.num_hidden_layers=2", "train.global_batch_size=" + std::to_string(4 * world.size()),
+                             "train.micro_batch_size=1", "train.seq_len=32", cat("parallel.ep=", world.size()),
+                             cat("parallel.overlap_moe_a2a=", overlap ? "true" : "false")});
+    TrainBenchOptions o;
+    o.steps = 2;
+    o.warmup = 1;
+    o.device = Device::cpu;
+    const TrainBenchResult r = bench_train(cfg, world, o);
+    EXPECT_GT(r.exposed_a2a_ms, 0);
+    EXPECT_NE(format_train_bench(cfg, r, "header").find("Exposed expert all-to-all"), std::string::npos);
+    loss[overlap ? 1 : 0] = r.last_loss;
+  }
+  EXPECT_EQ(loss[0], loss[1]);
+}
+
 }  // namespace
 }  // namespace moefold

@@ -102,6 +102,7 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
       r.phases.push_back(StepPhase{p.name, p.depth, p.ms / steps, p.self_ms / steps, p.top_level_ms / steps,
                                    static_cast<double>(p.calls) / steps});
       r.untimed_ms -= p.top_level_ms / steps;
+      if (p.name.rfind("moe ep ", 0) == 0) r.exposed_a2a_ms += p.ms / steps;
     }
     profile_disable();
     if (layout.pp > 1) {  // every rank's share of the step in the stage exchanges, gathered
@@ -164,6 +165,12 @@ std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, con
     s += cat("\nPipeline bubble (share of the step in the stage exchanges, transfers included): ", each,
              "; 1F1B in theory (pp - 1) / (m + pp - 1) = ", fmt("%.1f%%", 100 * r.bubble_theory), "\n");
   }
+  if (r.exposed_a2a_ms > 0)
+    s +=
+        cat("\nExposed expert all-to-all (the compute stream waiting on the EP counts and rounds, \"moe ep\" phases): ",
+            fmt("%.3f", r.exposed_a2a_ms), " ms per step (",
+            fmt("%.1f%%", r.mean_step_ms > 0 ? 100 * r.exposed_a2a_ms / r.mean_step_ms : 0), ")",
+            cfg.parallel.overlap_moe_a2a ? ", parallel.overlap_moe_a2a on" : "", "\n");
   if (r.phases.empty()) return s;
   s += cat("\nWhere a step's time goes (means over the timed steps: ", fmt("%.1f", r.mean_step_ms),
            " ms per step; on a GPU, CUDA events on the compute stream, so a phase includes the stream's idle time "

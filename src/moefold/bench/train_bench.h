@@ -56,6 +56,10 @@ struct TrainBenchResult {
   // included), and the 1F1B bubble in theory, (pp - 1) / (m + pp - 1) for m micro-batches.
   std::vector<double> bubble;
   double bubble_theory = 0;
+  // Expert parallelism (with the breakdown): the exposed all-to-all, ms per step in which this rank's
+  // compute stream waits on the EP counts exchange and rounds (the "moe ep ..." phases); what
+  // parallel.overlap_moe_a2a hides.
+  double exposed_a2a_ms = 0;
 };
 
 // Collective over `world` (every rank calls it). Throws moefold::Error on bad options.
