@@ -96,6 +96,14 @@ TEST(Config, BadInputNamesTheKey) {
             std::string::npos);
   EXPECT_NE(err("[parallel]\npipeline_schedule = \"gpipe\"\n").find("parallel.pipeline_schedule = 'gpipe'"),
             std::string::npos);
+  // The all-to-all overlap keeps nothing recomputed across its phases, and runs 1F1B only.
+  EXPECT_NE(err("[parallel]\noverlap_moe_a2a = true\n[train]\nrecompute_num_layers = 1\n")
+                .find("parallel.overlap_moe_a2a with train.recompute_num_layers"),
+            std::string::npos);
+  EXPECT_NE(err("[parallel]\noverlap_moe_a2a = true\n[train]\nrecompute_modules = [\"moe\"]\n")
+                .find("parallel.overlap_moe_a2a"),
+            std::string::npos);
+  EXPECT_NE(err("[parallel]\npp = 2\nvpp = 2\noverlap_moe_a2a = true\n").find("1F1B only"), std::string::npos);
   EXPECT_NE(err("[parallel]\ncp = 3\n").find("train.seq_len = 128 is not divisible by 2 x parallel.cp = 6"),
             std::string::npos);
   EXPECT_NE(err("[parallel]\nep = 3\n").find("moe.num_experts = 8 is not divisible by parallel.ep = 3"),
