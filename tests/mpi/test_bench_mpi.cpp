@@ -58,6 +58,11 @@ TEST(BenchTrainPipeline, ReportsEachRanksBubble) {
     EXPECT_LT(b, 1);
   }
   EXPECT_NE(format_train_bench(cfg, r, "header").find("Pipeline bubble"), std::string::npos);
+  if (world.size() == 2) {  // interleaved, 2 chunks of one layer per rank: the bubble halves
+    Config c = cfg;
+    c.parallel.vpp = 2;
+    EXPECT_DOUBLE_EQ(bench_train(c, world, o).bubble_theory, (pp - 1) / (4 + pp - 1) / 2);
+  }
 }
 
 // With expert parallelism over the ranks, the report says how long the compute stream waited on

@@ -113,7 +113,7 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
       world.all_gather(Tensor(&mine, DType::f64, {1}), Tensor(r.bubble.data(), DType::f64, {world.size()}));
       const double m = static_cast<double>(cfg.train.global_batch_size / (cfg.train.micro_batch_size * layout.dp)),
                    pp = static_cast<double>(layout.pp);
-      r.bubble_theory = (pp - 1) / (m + pp - 1);
+      r.bubble_theory = (pp - 1) / (m + pp - 1) / static_cast<double>(layout.vpp);  // interleaving divides it
     }
   }
   world.barrier();
@@ -163,7 +163,8 @@ std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, con
     for (size_t k = 0; k < r.bubble.size(); ++k)
       each += cat(k ? ", " : "", "rank ", k, " ", fmt("%.1f%%", 100 * r.bubble[k]));
     s += cat("\nPipeline bubble (share of the step in the stage exchanges, transfers included): ", each,
-             "; 1F1B in theory (pp - 1) / (m + pp - 1) = ", fmt("%.1f%%", 100 * r.bubble_theory), "\n");
+             "; in theory (pp - 1) / (m + pp - 1)", cfg.parallel.vpp > 1 ? " / vpp" : "", " = ",
+             fmt("%.1f%%", 100 * r.bubble_theory), "\n");
   }
   if (r.exposed_a2a_ms > 0)
     s +=

@@ -53,7 +53,8 @@ struct TrainBenchResult {
   double untimed_ms = 0;          // mean_step_ms minus every phase's top_level_ms
   // Pipeline parallelism (with the breakdown): each rank's share of the mean step spent in the
   // stage exchanges ("pipeline send/recv": waiting for the neighbouring stage, the transfers
-  // included), and the 1F1B bubble in theory, (pp - 1) / (m + pp - 1) for m micro-batches.
+  // included), and the bubble in theory, (pp - 1) / (m + pp - 1) for m micro-batches (1F1B; divided
+  // by vpp when interleaved).
   std::vector<double> bubble;
   double bubble_theory = 0;
   // Expert parallelism (with the breakdown): the exposed all-to-all, ms per step in which this rank's
