@@ -11,6 +11,7 @@
 #include "moefold/cli/commands.h"
 #include "moefold/core/error.h"
 #include "moefold/train/memory_plan.h"
+#include "moefold/train/pipeline_schedule.h"
 
 namespace moefold::cli {
 
@@ -111,14 +112,20 @@ void run_plan(const PlanArgs& a) {
               static_cast<long long>(l.etp),
               device == Device::cuda ? "GPU (bf16 compute, f32 master weights and optimizer state)" : "CPU (f32)",
               cfg.parallel.distributed_optimizer ? "distributed optimizer" : "optimizer state on every rank");
-  if (l.pp > 1) {  // each stage's layers; 1F1B keeps more micro-batches in flight on the earlier stages
-    std::string counts;
+  if (l.pp > 1 || cfg.parallel.overlap_moe_a2a) {  // each stage's layers, and the micro-batches it keeps
+    std::string counts, first, last;
     for (const int64_t n : l.stage_layers(cfg.model.num_hidden_layers)) counts += cat(counts.empty() ? "" : ", ", n);
     const int64_t micro = cfg.train.global_batch_size / (cfg.train.micro_batch_size * l.dp);
+    const bool ov = cfg.parallel.overlap_moe_a2a;
+    for (const int64_t n : micro_batches_in_flight(pipeline_actions(l.pp, l.vpp, 0, micro, ov), l.vpp))
+      first += cat(first.empty() ? "" : " + ", n);
+    for (const int64_t n : micro_batches_in_flight(pipeline_actions(l.pp, l.vpp, l.pp - 1, micro, ov), l.vpp))
+      last += cat(last.empty() ? "" : " + ", n);
     std::printf(
-        "pipeline (%s): decoder layers per stage %s; micro-batches in flight (activations kept): %lld on the "
-        "first stage, 1 on the last\n",
-        cfg.parallel.pipeline_schedule.c_str(), counts.c_str(), static_cast<long long>(std::min<int64_t>(l.pp, micro)));
+        "pipeline (%s%s%s): decoder layers per %sstage %s; micro-batches in flight (activations kept, per "
+        "chunk): %s on the first stage, %s on the last\n",
+        cfg.parallel.pipeline_schedule.c_str(), l.vpp > 1 ? ", interleaved" : "", ov ? ", all-to-all overlap" : "",
+        l.vpp > 1 ? "virtual " : "", counts.c_str(), first.c_str(), last.c_str());
   }
   std::printf(
       "per rank (%s); planned = what the trainer reserves before step 0 (its binding pass); the libraries\n"
