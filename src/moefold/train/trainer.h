@@ -14,7 +14,8 @@
 // action ahead, waited for where needed, so transfers overlap the computation). A chunk keeps the
 // activations of the micro-batches it has in flight (1F1B: up to pp - stage): one Model each, bound
 // through one Memory (the first registers the parameters, the others share them:
-// Memory::SharedParams).
+// Memory::SharedParams). With parallel.overlap_moe_a2a each steady forward runs interleaved with the
+// backward after it (Model::forward_backward), pp = 1 included (two micro-batches in flight).
 #pragma once
 
 #include <cstdint>
@@ -66,7 +67,8 @@ struct StepBuffers {
 int64_t moe_layers_before(const ModelConfig& m, int64_t layer);
 int64_t moe_layers_total(const ModelConfig& m);
 // This rank's model chunks (one; parallel.vpp with interleaving: chunk c is virtual stage
-// c * pp + pp_rank) and how many micro-batches each keeps in flight (1 without pipeline parallelism).
+// c * pp + pp_rank) and how many micro-batches each keeps in flight (1 without pipeline parallelism
+// and without parallel.overlap_moe_a2a).
 std::vector<PipelineStage> pipeline_chunks(const Config& cfg, const Mesh& mesh);
 std::vector<int64_t> micro_batches_in_flight(const Config& cfg, const Mesh& mesh);
 // A rank's models: per chunk, one per micro-batch in flight (micro_batches_in_flight), chunk by chunk.
@@ -140,7 +142,8 @@ class Trainer {
   // A forward's loss sum, router losses and expert loads into the step's statistics.
   void add_forward_results(size_t slot, double loss);
   void backward_micro_batch(int64_t i, size_t slot);
-  // This stage's schedule over the step's local micro-batches (pipeline parallelism).
+  // This stage's schedule over the step's local micro-batches (pipeline parallelism, or the
+  // all-to-all overlap).
   void run_pipeline(int64_t position);
   // Model `k` of chunk `chunk` (its index in models_).
   size_t model_index(int64_t chunk, int64_t k) const {
