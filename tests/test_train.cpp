@@ -67,6 +67,12 @@ std::vector<nlohmann::json> read_metrics(const fs::path& run) {
   return out;
 }
 
+// (pp, vpp, micro-batches) the schedule tests run: 1F1B with fewer, as many and more micro-batches
+// than stages (an odd pp too), and interleaved ones.
+const std::vector<std::tuple<int64_t, int64_t, int64_t>> kPipelineShapes = {
+    {2, 1, 1}, {2, 1, 4}, {4, 1, 2}, {4, 1, 8},  {3, 1, 5}, {2, 2, 2},
+    {2, 2, 4}, {4, 2, 4}, {4, 2, 8}, {4, 3, 12}, {3, 2, 6}, {8, 4, 16}};
+
 // Every rank of a pipeline runs its pipeline_actions with the real dependencies (a forward needs
 // the previous virtual stage's forward of its micro-batch, a backward the next virtual stage's
 // backward), forwards taking 1 / vpp and backwards 2 / vpp time units (a chunk is 1 / vpp of the
@@ -120,18 +126,7 @@ PipelineRun simulate_pipeline(int64_t pp, int64_t vpp, int64_t m, bool overlap =
 }
 
 TEST(PipelineSchedule, EveryStageFinishesInOrderWithTheTheoreticalBubble) {
-  for (const auto& [pp, vpp, m] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{2, 1, 1},
-                                                                                     {2, 1, 4},
-                                                                                     {4, 1, 2},
-                                                                                     {4, 1, 8},
-                                                                                     {3, 1, 5},
-                                                                                     {2, 2, 2},
-                                                                                     {2, 2, 4},
-                                                                                     {4, 2, 4},
-                                                                                     {4, 2, 8},
-                                                                                     {4, 3, 12},
-                                                                                     {3, 2, 6},
-                                                                                     {8, 4, 16}}) {
+  for (const auto& [pp, vpp, m] : kPipelineShapes) {
     SCOPED_TRACE(cat("pp ", pp, ", vpp ", vpp, ", ", m, " micro-batches"));
     for (int64_t s = 0; s < pp; ++s) {  // every (chunk, micro-batch) once each way, forward first
       std::map<std::pair<int64_t, int64_t>, int> seen;
@@ -162,18 +157,7 @@ TEST(PipelineSchedule, EveryStageFinishesInOrderWithTheTheoreticalBubble) {
 // receive gets the (virtual stage, micro-batch) it expects.
 TEST(PipelineSchedule, OpsFinishWithRendezvousMessages) {
   using K = PipelineOpKind;
-  for (const auto& [pp, vpp, m] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{2, 1, 1},
-                                                                                     {2, 1, 4},
-                                                                                     {4, 1, 2},
-                                                                                     {4, 1, 8},
-                                                                                     {3, 1, 5},
-                                                                                     {2, 2, 2},
-                                                                                     {2, 2, 4},
-                                                                                     {4, 2, 4},
-                                                                                     {4, 2, 8},
-                                                                                     {4, 3, 12},
-                                                                                     {3, 2, 6},
-                                                                                     {8, 4, 16}}) {
+  for (const auto& [pp, vpp, m] : kPipelineShapes) {
     for (const bool overlap : {false, true}) {
       if (overlap && vpp > 1) continue;
       SCOPED_TRACE(cat("pp ", pp, ", vpp ", vpp, ", ", m, " micro-batches", overlap ? ", overlap" : ""));

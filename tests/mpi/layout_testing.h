@@ -62,6 +62,17 @@ inline const Param& find_param(std::vector<Param>& params, const std::string& na
   return params.front();
 }
 
+// One step's losses, gradient norm and expert loads against the one-rank run's (1e-5 relative).
+inline void expect_step_matches(const StepMetrics& got, const StepMetrics& want) {
+  EXPECT_NEAR(got.lm_loss, want.lm_loss, 1e-5 * want.lm_loss);
+  EXPECT_NEAR(got.aux_loss, want.aux_loss, 1e-5 * want.aux_loss);
+  EXPECT_NEAR(got.z_loss, want.z_loss, 1e-5 * want.z_loss);
+  EXPECT_NEAR(got.mtp_loss, want.mtp_loss, 1e-5 * want.mtp_loss);
+  EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm);
+  EXPECT_EQ(got.expert_load_max, want.expert_load_max);
+  EXPECT_EQ(got.expert_load_mean, want.expert_load_mean);
+}
+
 // recompute_check.h's variants (the combinations, 2 steps) on `world` laid out as cfg says.
 inline void expect_layout_recompute_changes_nothing(const Config& cfg, Communicator& world) {
   std::vector<std::unique_ptr<LayoutRun>> runs;

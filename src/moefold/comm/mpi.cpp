@@ -230,23 +230,8 @@ class MpiCommunicator final : public Communicator {
              buf.str(), ")");
   }
 
-  int64_t start_send(const Tensor& buf, int peer) override {
-    check_p2p(buf, peer, kP2pTag, "start_send");
-    const int n = to_int_count(buf.numel(), "start_send", "buf");
-    Pending p{next_ticket_++, {}, peer, n, buf.dtype(), true};
-    MF_MPI_CHECK(MPI_Isend(buf.data(), n, mpi_type(buf.dtype()), peer, kP2pTag, comm_, &p.req));
-    pending_.push_back(p);
-    return p.ticket;
-  }
-
-  int64_t start_recv(const Tensor& buf, int peer) override {
-    check_p2p(buf, peer, kP2pTag, "start_recv");
-    const int n = to_int_count(buf.numel(), "start_recv", "buf");
-    Pending p{next_ticket_++, {}, peer, n, buf.dtype(), false};
-    MF_MPI_CHECK(MPI_Irecv(buf.data(), n, mpi_type(buf.dtype()), peer, kP2pTag, comm_, &p.req));
-    pending_.push_back(p);
-    return p.ticket;
-  }
+  int64_t start_send(const Tensor& buf, int peer) override { return start_p2p(buf, peer, true); }
+  int64_t start_recv(const Tensor& buf, int peer) override { return start_p2p(buf, peer, false); }
 
   // The collectives finish before they return (ticket 0); a point-to-point ticket waits for its
   // message (any other ticket: nothing to wait for).
@@ -295,6 +280,19 @@ class MpiCommunicator final : public Communicator {
     MF_CHECK(0 <= peer && peer < size_ && peer != rank_, op, " on group '", name_, "' (rank ", rank_, " of ", size_,
              "): bad peer ", peer);
     MF_CHECK(tag >= 0 && tag <= 32767, op, " on group '", name_, "': tag ", tag, " outside [0, 32767]");
+  }
+
+  int64_t start_p2p(const Tensor& buf, int peer, bool send) {
+    const char* op = send ? "start_send" : "start_recv";
+    check_p2p(buf, peer, kP2pTag, op);
+    const int n = to_int_count(buf.numel(), op, "buf");
+    Pending p{next_ticket_++, {}, peer, n, buf.dtype(), send};
+    if (send)
+      MF_MPI_CHECK(MPI_Isend(buf.data(), n, mpi_type(buf.dtype()), peer, kP2pTag, comm_, &p.req));
+    else
+      MF_MPI_CHECK(MPI_Irecv(buf.data(), n, mpi_type(buf.dtype()), peer, kP2pTag, comm_, &p.req));
+    pending_.push_back(p);
+    return p.ticket;
   }
 
   MPI_Status wait(MPI_Request* req, const char* op, int peer = -1) const {

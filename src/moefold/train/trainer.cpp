@@ -154,6 +154,11 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   grads_reducer_.emplace(mem_, model_.total_layers(), grad_groups());
   for (size_t k = 0; k < models_.size(); ++k)
     if (k == 0 || models_[k]->first_layer() != models_[k - 1]->first_layer()) chunk_base_.push_back(k);
+  if (mesh_.dims.pp > 1 || cfg_.parallel.overlap_moe_a2a) {  // decided once: the step loop allocates nothing
+    pipeline_ops_ = pipeline_ops(mesh_.dims.pp, mesh_.dims.vpp, mesh_.pp_rank, local_micro_batches(),
+                                 cfg_.parallel.overlap_moe_a2a);
+    tickets_.resize(models_.size());
+  }
   metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
   metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
 }
@@ -229,17 +234,13 @@ void Trainer::run_pipeline(int64_t position) {
   using K = PipelineOpKind;
   Communicator *act_in = mesh_.activations_in(), *act_out = mesh_.activations_out(), *grad_in = mesh_.grads_in(),
                *grad_out = mesh_.grads_out();
-  struct Tickets {  // each model's messages under way
-    int64_t recv_act = -1, recv_grad = -1, send_act = -1, send_grad = -1;
-  };
-  std::vector<Tickets> t(models_.size());
+  std::vector<Tickets>& t = tickets_;
   auto peer = [](Communicator* c) { return 1 - c->rank(); };
   auto wait = [](Communicator* c, int64_t ticket) {
     ProfileScope scope("pipeline send/recv");
     c->wait(ticket);
   };
-  for (const PipelineOp& o : pipeline_ops(mesh_.dims.pp, mesh_.dims.vpp, mesh_.pp_rank, local_micro_batches(),
-                                          cfg_.parallel.overlap_moe_a2a)) {
+  for (const PipelineOp& o : pipeline_ops_) {
     const size_t k = model_index(o.chunk, o.model);
     Model& model = *models_[k];
     Tickets& tk = t[k];

@@ -33,6 +33,7 @@
 #include "moefold/train/checkpoint.h"
 #include "moefold/train/grad_reduce.h"
 #include "moefold/train/optimizer.h"
+#include "moefold/train/pipeline_schedule.h"
 
 namespace moefold {
 
@@ -158,6 +159,11 @@ class Trainer {
   std::vector<std::unique_ptr<Model>> models_;  // per chunk, one per micro-batch in flight (make_models)
   Model& model_;                                // the first
   std::vector<size_t> chunk_base_;              // each chunk's first model in models_
+  std::vector<PipelineOp> pipeline_ops_;        // run_pipeline's ops (pipeline_ops), the same every step
+  struct Tickets {                              // a model's messages under way (run_pipeline)
+    int64_t recv_act = -1, recv_grad = -1, send_act = -1, send_grad = -1;
+  };
+  std::vector<Tickets> tickets_;
   ExecContext exec_;  // where every op of the run goes: the device, its stream, the [kernels] choices
   Memory mem_;
   AdamW opt_;
