@@ -411,12 +411,14 @@ TEST(Trainer, RecomputeChangesNothing) {
     }
 }
 
-// With the distributed optimizer too (its path on shard groups of one rank), and with every module
-// and then every layer recomputed (the recomputed forwards allocate nothing either).
+// With the distributed optimizer too (its path on shard groups of one rank), with every module
+// and then every layer recomputed (the recomputed forwards allocate nothing either), and with the
+// all-to-all overlap (the schedule's ops are decided once).
 TEST(Trainer, StepLoopDoesNotAllocateAndLearns) {
   const std::vector<std::string> variants = {
       "parallel.distributed_optimizer=false", "parallel.distributed_optimizer=true",
-      R"(train.recompute_modules=["layernorm","core_attn","moe_act","moe","mlp"])", "train.recompute_num_layers=1"};
+      R"(train.recompute_modules=["layernorm","core_attn","moe_act","moe","mlp"])", "train.recompute_num_layers=1",
+      "parallel.overlap_moe_a2a=true"};
   for (const std::string& variant : variants) {
     SCOPED_TRACE(variant);
     testing::TempDir tmp("test_train");
