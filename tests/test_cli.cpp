@@ -154,6 +154,9 @@ TEST(Cli, PlanPrintsEachRanksBytes) {
   expect_one_line_error(
       run("plan --device cpu --set train.optimizer_offload_fraction=0.5 --set parallel.distributed_optimizer=true"),
       {"train.optimizer_offload_fraction = 0.5", "CUDA"});
+  expect_one_line_error(run("info --set train.fp8=e4m3"), {"train.fp8 = 'e4m3'", "none, blockwise"});
+  expect_one_line_error(run("info --set 'train.fp8_exclude=[\"router\"]'"),
+                        {"train.fp8_exclude", "'router'", "shared_experts"});
   expect_one_line_error(run("info --set 'train.offload_modules=[\"qkv\"]'"),
                         {"train.offload_modules", "'qkv'", "qkv_linear"});
   expect_one_line_error(run("plan --device cpu --set 'train.offload_modules=[\"moe_act\"]'"),

@@ -26,6 +26,9 @@ struct MoeBenchOptions {
   // false: every repetition is a step's first micro-batch (expert weight gradients written);
   // true: a later one (added to the gradients of the repetitions before it).
   bool accumulate_grads = false;
+  // The experts' (and shared experts') GEMMs in FP8 (train.fp8 = blockwise); the GEMM table then
+  // also times the FP8 grouped GEMMs alone and their operands' quantization.
+  bool fp8 = false;
   // Expert parallelism over these ranks (every rank runs the benchmark with its own `tokens`;
   // the experts are split, tokens travel all-to-all); null or one rank: all experts here.
   Communicator* ep = nullptr;

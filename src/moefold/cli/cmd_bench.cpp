@@ -33,8 +33,8 @@ void bench_moe(BenchArgs& a, World& w) {
   if (world.rank() == 0)
     std::fputs(format_moe_bench(
                    r, cat("MoE layer forward+backward on ", where,
-                          world.size() > 1 ? cat(", EP = ", world.size(), " (rank 0's times)") : "", ", median of ",
-                          o.reps, " after ", o.warmup,
+                          world.size() > 1 ? cat(", EP = ", world.size(), " (rank 0's times)") : "",
+                          o.fp8 ? ", experts in FP8 (blockwise)" : "", ", median of ", o.reps, " after ", o.warmup,
                           o.accumulate_grads ? " warm-up; each repetition is a later micro-batch of a step (expert "
                                                "weight gradients added to in fp32)"
                                              : " warm-up; each repetition is a step's first micro-batch (expert weight "
@@ -79,6 +79,8 @@ Command add_bench(CLI::App& app) {
   moe->add_option("--set", a->moe.overrides, "override a config key of every shape: section.key=value");
   moe->add_flag("--accumulate-grads", a->moe.accumulate_grads,
                 "time a step's later micro-batches (expert weight gradients added to, not written)");
+  moe->add_flag("--fp8", a->moe.fp8,
+                "the experts' GEMMs in FP8 (train.fp8 = blockwise), plus the FP8 GEMMs and quantization alone");
   moe->add_option("--device", a->moe_device, "cuda (bf16), cpu (fp32) or auto")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 

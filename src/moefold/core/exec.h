@@ -26,6 +26,10 @@ enum class ScratchSlot : int {
   attention,
   grouped_gemm_args,
   grouped_gemm_workspace,
+  fp8_operand_a,  // an FP8 GEMM's quantized A operand and its scales (ops/cuda/fp8_gemm_cutlass.cu)
+  fp8_operand_b,  // its quantized B operand and scales
+  fp8_gemm_args,  // its per-group CUTLASS arguments
+  fp8_tile_map,   // the row tiles of fp8_quantize_cols' segments (ops/cuda/fp8_quantize.cu)
   count
 };
 
@@ -34,7 +38,7 @@ enum class ScratchSlot : int {
 struct ExecLibraryState {
   virtual ~ExecLibraryState() = default;
 };
-enum class ExecLibrary : int { cublaslt, cudnn, cutlass, count };
+enum class ExecLibrary : int { cublaslt, cudnn, cutlass, cutlass_fp8, count };
 
 class ExecContext {
  public:

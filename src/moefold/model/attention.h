@@ -55,8 +55,15 @@ class SelfAttention {
     offload_core_ = core_attn;
     offload_proj_ = attn_proj;
   }
+  // Which projections run in FP8 (Fp8Linears, config.h: qkv incl. MLA's down and up projections;
+  // the output projection). REQUIRES: before bind.
+  void set_fp8(bool qkv, bool proj) {
+    fp8_qkv_ = qkv;
+    fp8_proj_ = proj;
+  }
 
  protected:
+  bool fp8_qkv_ = false, fp8_proj_ = false;
   bool recompute_core_ = false, recompute_up_proj_ = false;
   bool offload_qkv_ = false, offload_core_ = false, offload_proj_ = false;
 };

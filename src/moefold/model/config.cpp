@@ -99,6 +99,9 @@ constexpr ModuleName<Offload> kOffloadModules[] = {
     {"attn_norm", &Offload::attn_norm}, {"qkv_linear", &Offload::qkv_linear}, {"core_attn", &Offload::core_attn},
     {"attn_proj", &Offload::attn_proj}, {"mlp_norm", &Offload::mlp_norm},     {"expert_fc1", &Offload::expert_fc1},
     {"moe_act", &Offload::moe_act}};
+constexpr ModuleName<Fp8Linears> kFp8Modules[] = {
+    {"qkv", &Fp8Linears::qkv},         {"attn_proj", &Fp8Linears::attn_proj},           {"mlp", &Fp8Linears::mlp},
+    {"experts", &Fp8Linears::experts}, {"shared_experts", &Fp8Linears::shared_experts}, {"mtp", &Fp8Linears::mtp}};
 
 // One line naming the first unknown module and the known ones.
 template <class S, size_t N>
@@ -152,6 +155,8 @@ void TrainConfig::validate() const {
   if (recompute_num_layers < 0) MF_FAIL("train.recompute_num_layers = ", recompute_num_layers, " must be >= 0");
   if (recompute_method != "uniform" && recompute_method != "block")
     MF_FAIL("train.recompute_method = '", recompute_method, "' is not supported (uniform, block)");
+  if (fp8 != "none" && fp8 != "blockwise") MF_FAIL("train.fp8 = '", fp8, "' is not supported (none, blockwise)");
+  check_modules("train.fp8_exclude", fp8_exclude, kFp8Modules);
   if (eval_interval < 0) MF_FAIL("train.eval_interval = ", eval_interval, " must be >= 0");
   if (checkpoint_interval < 0) MF_FAIL("train.checkpoint_interval = ", checkpoint_interval, " must be >= 0");
 }
@@ -168,6 +173,15 @@ Offload TrainConfig::offload() const {
   Offload o;
   set_modules(offload_modules, kOffloadModules, o);
   return o;
+}
+
+Fp8Linears TrainConfig::fp8_linears() const {
+  Fp8Linears f;
+  if (fp8 == "none") return f;
+  Fp8Linears excluded;
+  set_modules(fp8_exclude, kFp8Modules, excluded);
+  for (const auto& m : kFp8Modules) f.*m.flag = !(excluded.*m.flag);
+  return f;
 }
 
 void DataConfig::validate() const {

@@ -104,6 +104,16 @@ struct Offload {
   bool any() const { return attn_norm || qkv_linear || core_attn || attn_proj || mlp_norm || expert_fc1 || moe_act; }
 };
 
+// FP8 training (train.fp8 = blockwise, ops/fp8.h): which linear layers run their GEMMs in FP8, by the
+// module names of train.fp8_exclude (the router, norms, attention core, LM head and optimizer never do).
+// qkv: the attention's input projections (q, k, v; MLA's down and up projections); attn_proj: its
+// output projection; mlp: the dense layers' MLP; experts: the routed experts' fc1 and fc2;
+// shared_experts: the shared experts' MLP; mtp: the multi-token-prediction projection (eh_proj).
+struct Fp8Linears {
+  bool qkv = false, attn_proj = false, mlp = false, experts = false, shared_experts = false, mtp = false;
+  bool any() const { return qkv || attn_proj || mlp || experts || shared_experts || mtp; }
+};
+
 struct TrainConfig {
   int64_t seq_len = 128;           // tokens per sequence
   int64_t micro_batch_size = 8;    // sequences per forward/backward
@@ -135,6 +145,9 @@ struct TrainConfig {
   std::vector<std::string> recompute_modules;
   int64_t recompute_num_layers = 0;
   std::string recompute_method = "uniform";
+  // FP8: "none" or "blockwise" (struct Fp8Linears; fp8_exclude: module names kept in bf16).
+  std::string fp8 = "none";
+  std::vector<std::string> fp8_exclude;
   int64_t eval_interval = 100;        // evaluate every N steps (0: never, except at the end)
   int64_t eval_batches = 4;           // held-out micro-batches per evaluation
   int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)
@@ -143,7 +156,8 @@ struct TrainConfig {
   void validate() const;
   // The recompute_* keys parsed. REQUIRES: validate() passed.
   Recompute recompute() const;
-  Offload offload() const;  // offload_modules parsed
+  Offload offload() const;         // offload_modules parsed
+  Fp8Linears fp8_linears() const;  // fp8 and fp8_exclude parsed (all false with fp8 = "none")
 };
 
 struct DataConfig {

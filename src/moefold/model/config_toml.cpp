@@ -146,6 +146,11 @@ const std::vector<Field>& fields() {
                "decoder layers recomputed whole (0: none): chunk size (uniform) or first N layers (block)"),
       MF_FIELD(train, "recompute_method", recompute_method,
                "uniform (every layer, chunks of recompute_num_layers) or block (the first recompute_num_layers)"),
+      MF_FIELD(train, "fp8", fp8,
+               "FP8 GEMMs of the linear layers: none or blockwise (E4M3, scales per 1 x 128 tile of activations and "
+               "gradients and per 128 x 128 block of weights; DeepSeek-V3's recipe)"),
+      MF_FIELD(train, "fp8_exclude", fp8_exclude,
+               "with fp8 = blockwise, linear layers kept in bf16: qkv, attn_proj, mlp, experts, shared_experts, mtp"),
       MF_FIELD(train, "eval_interval", eval_interval, "evaluate every N steps (0: only at the end)"),
       MF_FIELD(train, "eval_batches", eval_batches, "held-out micro-batches per evaluation"),
       MF_FIELD(train, "checkpoint_interval", checkpoint_interval, "checkpoint every N steps (0: only at the end)"),

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "moefold/core/profile.h"
+#include "moefold/ops/fp8.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -151,30 +152,30 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     tp_->all_gather(x_TH, x_full_);
   }
   if (rq_ > 0) {
-    linear_forward(*ctx_, x_full_, wq_a_, cq_raw_);
+    linear_forward_in(*ctx_, fp8_qkv_, x_full_, wq_a_, cq_raw_);
     rmsnorm_forward(*ctx_, cq_raw_, q_a_norm_, cfg_.rms_norm_eps, cq_, cq_rstd_);
   }
-  linear_forward(*ctx_, x_full_, wkv_a_, kv_a_);
+  linear_forward_in(*ctx_, fp8_qkv_, x_full_, wkv_a_, kv_a_);
   // kv_a = [latent, rotary key]: the latent normed.
   copy_matrix(*ctx_, view(kv_a_, nt, rkv_, kvw, 0), view(ckv_raw_, nt, rkv_, rkv_, 0));
   rmsnorm_forward(*ctx_, ckv_raw_, kv_a_norm_, cfg_.rms_norm_eps, ckv_, ckv_rstd_);
   up_forward();
   core_forward();
   if (tp_) {
-    linear_forward(*ctx_, o_in_, wo_, partial_);
+    linear_forward_in(*ctx_, fp8_proj_, o_in_, wo_, partial_);
     tp_->reduce_scatter(partial_, y_TH, ReduceOp::sum);
   } else {
-    linear_forward(*ctx_, o_in_, wo_, y_TH);
+    linear_forward_in(*ctx_, fp8_proj_, o_in_, wo_, y_TH);
   }
 }
 
 void MlaAttention::up_forward() {
   const int64_t q = qh_, nt = tokens_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
-  linear_forward(*ctx_, rq_ > 0 ? cq_ : x_full_, wq_b_, q_raw_);
+  linear_forward_in(*ctx_, fp8_qkv_, rq_ > 0 ? cq_ : x_full_, wq_b_, q_raw_);
   // The rotary key and every query head's rotary part, rotated; k_nope and v from the latent.
   copy_matrix(*ctx_, view(kv_a_, nt, dr_, kvw, rkv_), view(k_pe_, nt, dr_, dr_, 0));
   copy_matrix(*ctx_, view(q_raw_, nt * q, dr_, dqk_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));
-  linear_forward(*ctx_, ckv_, wkv_b_, kvb_);
+  linear_forward_in(*ctx_, fp8_qkv_, ckv_, wkv_b_, kvb_);
   const bool il = cfg_.rope_interleave;
   if (cp_) {
     rope_forward_at(*ctx_, q_pe_, cp_->positions(), cos_, sin_, il);
@@ -225,7 +226,7 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     dy = dy_full_;
     tp_->all_gather(dy_TH, dy);
   }
-  linear_backward(*ctx_, o_in_, wo_, dy, do_in_, dwo_);
+  linear_backward_in(*ctx_, fp8_proj_, o_in_, wo_, dy, do_in_, dwo_);
   if (dp_ > dv_) fill_matrix(*ctx_, view(dout4_, nt * q, dp_ - dv_, dp_, dv_), 0);  // workspace: zero padding
   copy_matrix(*ctx_, view(do_in_, nt * q, dv_, dv_, 0), view(dout4_, nt * q, dv_, dp_, 0));
   {
@@ -252,20 +253,20 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     rope_backward(*ctx_, q_pe_, cos_, sin_, il);
     rope_backward(*ctx_, k_pe_, cos_, sin_, il);
   }
-  linear_backward(*ctx_, ckv_, wkv_b_, dkvb_, dckv_, dwkv_b_);
+  linear_backward_in(*ctx_, fp8_qkv_, ckv_, wkv_b_, dkvb_, dckv_, dwkv_b_);
   rmsnorm_backward(*ctx_, ckv_raw_, kv_a_norm_, ckv_rstd_, dckv_, dckv_raw_, dkv_a_norm_);
   copy_matrix(*ctx_, view(dckv_raw_, nt, rkv_, rkv_, 0), view(dkv_a_, nt, rkv_, kvw, 0));
   copy_matrix(*ctx_, view(k_pe_, nt, dr_, dr_, 0), view(dkv_a_, nt, dr_, kvw, rkv_));
   copy_matrix(*ctx_, view(q_pe_, nt * q, dr_, dr_, 0), view(dq_raw_, nt * q, dr_, dqk_, dn_));
   const Tensor dx_full = tp_ ? partial_ : dx_TH;
   if (rq_ > 0) {
-    linear_backward(*ctx_, cq_, wq_b_, dq_raw_, dcq_, dwq_b_);
+    linear_backward_in(*ctx_, fp8_qkv_, cq_, wq_b_, dq_raw_, dcq_, dwq_b_);
     rmsnorm_backward(*ctx_, cq_raw_, q_a_norm_, cq_rstd_, dcq_, dcq_raw_, dq_a_norm_);
-    linear_backward(*ctx_, x_full_, wq_a_, dcq_raw_, dx_full, dwq_a_);
+    linear_backward_in(*ctx_, fp8_qkv_, x_full_, wq_a_, dcq_raw_, dx_full, dwq_a_);
   } else {
-    linear_backward(*ctx_, x_full_, wq_b_, dq_raw_, dx_full, dwq_b_);
+    linear_backward_in(*ctx_, fp8_qkv_, x_full_, wq_b_, dq_raw_, dx_full, dwq_b_);
   }
-  linear_backward(*ctx_, x_full_, wkv_a_, dkv_a_, dx_part_, dwkv_a_);
+  linear_backward_in(*ctx_, fp8_qkv_, x_full_, wkv_a_, dkv_a_, dx_part_, dwkv_a_);
   add_inplace(*ctx_, dx_full, dx_part_);
   if (tp_) tp_->reduce_scatter(dx_full, dx_TH, ReduceOp::sum);
 }

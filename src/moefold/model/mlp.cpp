@@ -4,6 +4,7 @@
 #include "moefold/model/mlp.h"
 
 #include "moefold/core/profile.h"
+#include "moefold/ops/fp8.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -53,6 +54,24 @@ void DenseMlp::bind(Memory& mem, Communicator* tp) {
   dgu_N2F_ = mem.scratch({tokens_, 2 * ffn_here_});
   partial_NH_ = mem.scratch({tp_ ? tokens_ : 0, hidden_});
   y_TH_ = mem.scratch({recompute_ ? rows_ : 0, hidden_});
+  dx_up_NH_ = mem.scratch({fp8_ ? tokens_ : 0, hidden_});
+}
+
+void DenseMlp::fp8_gate_up_forward() {
+  // h is free until the SwiGLU writes it.
+  fp8_linear_forward(*ctx_, x_full_, gate_FH_, h_NF_);
+  copy_matrix(*ctx_, as_matrix(h_NF_), column_block(gu_N2F_, 0, ffn_here_));
+  fp8_linear_forward(*ctx_, x_full_, up_FH_, h_NF_);
+  copy_matrix(*ctx_, as_matrix(h_NF_), column_block(gu_N2F_, ffn_here_, 2 * ffn_here_));
+}
+
+void DenseMlp::fp8_gate_up_backward(const Tensor& dx) {
+  // dh is free once the SwiGLU's backward has read it.
+  copy_matrix(*ctx_, column_block(dgu_N2F_, 0, ffn_here_), as_matrix(dh_NF_));
+  fp8_linear_backward(*ctx_, x_full_, gate_FH_, dh_NF_, dx, dgate_FH_);
+  copy_matrix(*ctx_, column_block(dgu_N2F_, ffn_here_, 2 * ffn_here_), as_matrix(dh_NF_));
+  fp8_linear_backward(*ctx_, x_full_, up_FH_, dh_NF_, dx_up_NH_, dup_FH_);
+  add_inplace(*ctx_, dx, dx_up_NH_);
 }
 
 void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
@@ -66,11 +85,15 @@ void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
   }
   const Tensor y = tp_ ? partial_NH_ : y_TH;
   // gu[:, :F] = x @ gate^T, gu[:, F:] = x @ up^T
-  matmul(*ctx_, as_matrix(x_full_), false, as_matrix(gate_FH_), true, column_block(gu_N2F_, 0, ffn_here_), 1, 0);
-  matmul(*ctx_, as_matrix(x_full_), false, as_matrix(up_FH_), true, column_block(gu_N2F_, ffn_here_, 2 * ffn_here_), 1,
-         0);
+  if (fp8_) {
+    fp8_gate_up_forward();
+  } else {
+    matmul(*ctx_, as_matrix(x_full_), false, as_matrix(gate_FH_), true, column_block(gu_N2F_, 0, ffn_here_), 1, 0);
+    matmul(*ctx_, as_matrix(x_full_), false, as_matrix(up_FH_), true, column_block(gu_N2F_, ffn_here_, 2 * ffn_here_),
+           1, 0);
+  }
   swiglu_forward(*ctx_, gu_N2F_, h_NF_);
-  linear_forward(*ctx_, h_NF_, down_HF_, y);
+  linear_forward_in(*ctx_, fp8_, h_NF_, down_HF_, y);
   if (tp_) tp_->reduce_scatter(partial_NH_, y_TH, ReduceOp::sum);
 }
 
@@ -86,9 +109,14 @@ void DenseMlp::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     dy = dy_full_NH_;
     tp_->all_gather(dy_TH, dy);
   }
-  linear_backward(*ctx_, h_NF_, down_HF_, dy, dh_NF_, ddown_HF_);
+  linear_backward_in(*ctx_, fp8_, h_NF_, down_HF_, dy, dh_NF_, ddown_HF_);
   swiglu_backward(*ctx_, gu_N2F_, dh_NF_, dgu_N2F_);
   const Tensor dx = tp_ ? partial_NH_ : dx_TH;
+  if (fp8_) {
+    fp8_gate_up_backward(dx);
+    if (tp_) tp_->reduce_scatter(partial_NH_, dx_TH, ReduceOp::sum);
+    return;
+  }
   // dgate += dgu[:, :F]^T x; dup += dgu[:, F:]^T x; dx = dgu[:, :F] gate + dgu[:, F:] up
   const MatrixView dg = column_block(dgu_N2F_, 0, ffn_here_), du = column_block(dgu_N2F_, ffn_here_, 2 * ffn_here_);
   matmul(*ctx_, dg, true, as_matrix(x_full_), false, as_matrix(dgate_FH_), 1, 1);

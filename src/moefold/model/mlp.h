@@ -25,6 +25,8 @@ class DenseMlp {
   // on: backward runs the forward again first instead of keeping its activations (Recompute's mlp
   // and shared_experts). REQUIRES: before bind.
   void set_recompute(bool on) { recompute_ = on; }
+  // on: its three projections run in FP8 (Fp8Linears, config.h). REQUIRES: before bind.
+  void set_fp8(bool on) { fp8_ = on; }
   // tp: the tensor-parallel group (null or size 1: the whole F here).
   void bind(Memory& mem, Communicator* tp);
   // x_TH -> y_TH (written). Keeps what backward needs (x_TH itself must not change until then).
@@ -39,10 +41,16 @@ class DenseMlp {
   std::string prefix_;
   double init_std_;
   Communicator* tp_ = nullptr;
-  bool recompute_ = false;
+  bool recompute_ = false, fp8_ = false;
   Tensor gate_FH_, up_FH_, down_HF_, dgate_FH_, dup_FH_, ddown_HF_;
   Tensor x_in_, x_full_, x_gathered_NH_, gu_N2F_, h_NF_;     // saved for backward (scratch when recomputed)
   Tensor dy_full_NH_, dh_NF_, dgu_N2F_, partial_NH_, y_TH_;  // scratch (y_TH_: the recomputed output)
+  Tensor dx_up_NH_;  // FP8: the up projection's data gradient (the FP8 GEMMs write theirs)
+
+  // FP8: gate and up each into a contiguous [N, F] buffer, copied into their half of gu (the FP8
+  // GEMMs write whole contiguous outputs); backward takes each half of dgu through `tmp_NF`.
+  void fp8_gate_up_forward();
+  void fp8_gate_up_backward(const Tensor& dx);
 };
 
 }  // namespace moefold

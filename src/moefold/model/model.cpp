@@ -6,6 +6,7 @@
 #include "moefold/core/profile.h"
 #include "moefold/core/rng.h"
 #include "moefold/model/mla.h"
+#include "moefold/ops/fp8.h"
 #include "moefold/ops/ops.h"
 #include "moefold/parallel/vocab_parallel.h"
 
@@ -60,6 +61,7 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   dnorm1_ = mem.grad(prefix_ + ".input_layernorm.weight");
   attn_->set_recompute(r.core_attn, r.mla_up_proj);
   attn_->set_offload(o.qkv_linear, o.core_attn, o.attn_proj);
+  attn_->set_fp8(fp8_.qkv, fp8_.attn_proj);
   attn_->bind(mem, cos_SD, sin_SD, scratch, cp, tp);
   norm2_ = mem.param(
       {.name = prefix_ + ".post_attention_layernorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
@@ -67,10 +69,12 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   if (moe_) {
     moe_->set_recompute(r.moe_act, r.moe);
     moe_->set_offload(o.expert_fc1, o.moe_act);
+    moe_->set_fp8(fp8_.experts);
     moe_->bind(mem);
   }
   if (mlp_) {
     mlp_->set_recompute(moe_ ? r.shared_experts : r.mlp);
+    mlp_->set_fp8(moe_ ? fp8_.shared_experts : fp8_.mlp);
     mlp_->bind(mem, tp);
   }
   dn_TH_ = dn_TH;
@@ -224,8 +228,8 @@ void DecoderLayer::backward_end(const Tensor& dres_TH, double moe_loss_scale) {
 }
 
 Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
-             const ModelParallel& parallel, const Recompute& recompute, const Offload& offload)
-    : offload_(offload), cfg_(m), moe_cfg_(e), batch_(micro_batch), seq_len_(seq_len) {
+             const ModelParallel& parallel, const Recompute& recompute, const Offload& offload, const Fp8Linears& fp8)
+    : offload_(offload), fp8_mtp_(fp8.mtp), cfg_(m), moe_cfg_(e), batch_(micro_batch), seq_len_(seq_len) {
   const int64_t c = parallel.cp ? parallel.cp->size() : 1, n = parallel.tp ? parallel.tp->size() : 1;
   MF_CHECK(seq_len % (c > 1 ? 2 * c : 1) == 0, "seq_len ", seq_len, " over ", c, " context-parallel ranks");
   local_seq_len_ = seq_len / c;
@@ -267,6 +271,7 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
                                                      !dense && parallel.dispatchers ? parallel.dispatchers(g) : nullptr,
                                                      recompute, offload));
     layers_.back()->set_phased(parallel.phased);
+    layers_.back()->set_fp8(fp8);
     if (MoeLayer* moe = layers_.back()->moe()) {
       moe->set_token_group(parallel.tokens);
       // Sequence-level aux loss: this rank's rows are rows [tp_rank * T, +T) of B sequences of
@@ -280,6 +285,7 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
     mtp_.push_back(
         std::make_unique<MtpDepth>(m, e, micro_batch, local_seq_len_, rows_, tokens_, n, k,
                                    parallel.dispatchers ? parallel.dispatchers(m.num_hidden_layers + k - 1) : nullptr));
+    mtp_.back()->layer().set_fp8(fp8);
     MoeLayer* moe = mtp_.back()->layer().moe();
     moe->set_token_group(parallel.tokens);
     moe->set_sequences(micro_batch, local_seq_len_, (n > 1 ? parallel.tp->rank() : 0) * rows_, seq_len);
@@ -641,7 +647,7 @@ void Model::mtp_forward(MtpDepth& d, const Tensor& prev_TH) {
   rmsnorm_forward(*ctx_, prev_TH, d.hnorm_, cfg_.rms_norm_eps, d.hn_TH_, d.hn_rstd_);
   copy_matrix(*ctx_, as_matrix(d.en_TH_), column_block(d.cat_T2H_, 0, h));
   copy_matrix(*ctx_, as_matrix(d.hn_TH_), column_block(d.cat_T2H_, h, 2 * h));
-  linear_forward(*ctx_, d.cat_T2H_, d.eh_proj_, d.hp_TH_);
+  linear_forward_in(*ctx_, fp8_mtp_, d.cat_T2H_, d.eh_proj_, d.hp_TH_);
   d.layer_->forward(d.hp_TH_, d.out_TH_);
   d.loss_sum_ =
       head_forward(d.out_TH_, d.head_norm_, d.nf_TH_, d.nf_rstd_, d.nf_full_NH_, d.logits_NV_, d.lse_N_, d.targets_);
@@ -654,7 +660,7 @@ void Model::mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const
                 d.targets_, scale, d.dprev_TH_);
   if (dnext_TH) add_inplace(*ctx_, d.dprev_TH_, *dnext_TH);
   d.layer_->backward(d.dprev_TH_, moe_loss_scale);  // now d(h')
-  linear_backward(*ctx_, d.cat_T2H_, d.eh_proj_, d.dprev_TH_, d.dcat_T2H_, d.deh_proj_);
+  linear_backward_in(*ctx_, fp8_mtp_, d.cat_T2H_, d.eh_proj_, d.dprev_TH_, d.dcat_T2H_, d.deh_proj_);
   // The normed values are not needed any more: en_TH_ and hn_TH_ take their gradients.
   copy_matrix(*ctx_, column_block(d.dcat_T2H_, 0, h), as_matrix(d.en_TH_));
   copy_matrix(*ctx_, column_block(d.dcat_T2H_, h, 2 * h), as_matrix(d.hn_TH_));

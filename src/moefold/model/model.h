@@ -53,6 +53,8 @@ class DecoderLayer {
   DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq_len, int64_t rows, int64_t tp,
                int64_t index, std::unique_ptr<Dispatcher> dispatcher, const Recompute& recompute = {},
                const Offload& offload = {});
+  // Which of its linear layers run in FP8 (Fp8Linears, config.h). REQUIRES: before bind.
+  void set_fp8(const Fp8Linears& fp8) { fp8_ = fp8; }
   // REQUIRES: between mem.begin_layer() and mem.end_layer(). whole: the caller recomputes the whole
   // layer before its backward (Memory::begin_layer with a recompute slot): no module recomputes
   // itself then.
@@ -87,6 +89,7 @@ class DecoderLayer {
   std::string prefix_;
   Recompute recompute_;       // as configured
   Offload offload_;           // the modules whose kept input goes to the layer's offload slot
+  Fp8Linears fp8_;            // its linear layers in FP8
   bool norms_again_ = false;  // this binding recomputes the two RMSNorms' outputs (layernorm)
   std::unique_ptr<SelfAttention> attn_;
   std::unique_ptr<MoeLayer> moe_;  // MoE layers
@@ -140,7 +143,8 @@ class Model {
   // recompute: what backward recomputes instead of keeping (TrainConfig::recompute()); the
   // multi-token-prediction layers are never recomputed whole.
   Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int64_t seq_len,
-        const ModelParallel& parallel = {}, const Recompute& recompute = {}, const Offload& offload = {});
+        const ModelParallel& parallel = {}, const Recompute& recompute = {}, const Offload& offload = {},
+        const Fp8Linears& fp8 = {});
 
   void bind(Memory& mem);
   // Fills every parameter from its init rule (GPU parameters drawn on `ctx`): element i of parameter p gets
@@ -237,6 +241,7 @@ class Model {
   // and their pinned host copy), and the copy stream (a GPU run's real binding).
   static constexpr int kOffloadSlots = 3;
   Offload offload_;
+  bool fp8_mtp_ = false;  // the multi-token-prediction projections in FP8 (Fp8Linears::mtp)
   std::vector<int> offload_slot_;
   std::vector<Memory::OffloadBlock> offload_blocks_;
   std::unique_ptr<ExecContext> copy_;

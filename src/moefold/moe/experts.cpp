@@ -4,6 +4,7 @@
 
 #include <utility>
 
+#include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
 #include "moefold/ops/ops.h"
 
@@ -61,6 +62,12 @@ void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Ten
   MF_CHECK(first_row >= 0 && first_row + r_n <= max_rows_, "Experts: rows [", first_row, ", ", first_row + r_n,
            ") past max_rows ", max_rows_);
   const Tensor gu = gu_R2F_.slice(first_row, first_row + r_n), h = h_RF_.slice(first_row, first_row + r_n);
+  if (fp8_) {
+    fp8_grouped_linear_forward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, gu);
+    swiglu_forward(*ctx_, gu, h, GateUp::pairs);
+    fp8_grouped_linear_forward(*ctx_, h, down_EHF_, offsets_E1, out_RH);
+    return;
+  }
   grouped_linear_swiglu_forward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, gu, h);
   grouped_linear_forward(*ctx_, h, down_EHF_, offsets_E1, out_RH);
 }
@@ -74,17 +81,30 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   MF_CHECK(mem_ != nullptr, "Experts::backward before bind");
   const bool accumulate = mem_->accumulate_grad(gate_up_index_);
   MF_CHECK(mem_->accumulate_grad(down_index_) == accumulate, "Experts: gate_up_proj and down_proj written apart");
-  grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
+  // grouped_linear_backward in this layer's precision.
+  const auto linear_backward = [&](const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
+                                   const Tensor& dw) {
+    if (fp8_)
+      fp8_grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
+    else
+      grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
+  };
+  if (fp8_) {  // dh = dout @ down in FP8, then the SwiGLU's backward apart
+    linear_backward(h, down_EHF_, dout_RH, dh, Tensor());
+    swiglu_backward(*ctx_, gu, dh, dgu, GateUp::pairs);
+  } else {
+    grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
+  }
   // The forward's h came from the stored gu (moe_ops.h): swiglu_forward on it gives the same bits.
   if (recompute_act_) swiglu_forward(*ctx_, gu, h, GateUp::pairs);
-  grouped_linear_backward(*ctx_, h, down_EHF_, offsets_E1, dout_RH, Tensor(), ddown_EHF_, accumulate);
+  linear_backward(h, down_EHF_, dout_RH, Tensor(), ddown_EHF_);
   if (!input_grads_done) {
-    grouped_linear_backward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, dgate_up_E2FH_, accumulate);
+    linear_backward(rows_RH, gate_up_E2FH_, dgu, drows_RH, dgate_up_E2FH_);
     return;
   }
-  grouped_linear_backward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, Tensor(), accumulate);
+  linear_backward(rows_RH, gate_up_E2FH_, dgu, drows_RH, Tensor());
   input_grads_done();
-  grouped_linear_backward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, dgu, Tensor(), dgate_up_E2FH_, accumulate);
+  linear_backward(rows_RH, gate_up_E2FH_, dgu, Tensor(), dgate_up_E2FH_);
 }
 
 }  // namespace moefold

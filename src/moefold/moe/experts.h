@@ -48,6 +48,8 @@ class Experts {
   void set_recompute_act(bool on) { recompute_act_ = on; }
   // on: the gate|up output (the SwiGLU's input) is Memory::offloaded. REQUIRES: before bind.
   void set_offload_gate_up(bool on) { offload_gu_ = on; }
+  // on: both grouped linears run in FP8 (ops/fp8.h; the SwiGLU then runs apart from the GEMMs).
+  void set_fp8(bool on) { fp8_ = on; }
 
   // out_RH = experts(rows_RH) with expert e on rows [offsets_E1[e], offsets_E1[e+1]). Saves the
   // gate|up and SwiGLU activations as rows [first_row, first_row + R) of its saved buffers: a
@@ -73,7 +75,7 @@ class Experts {
   std::string prefix_;
   double init_std_;
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;
-  bool recompute_act_ = false, offload_gu_ = false;
+  bool recompute_act_ = false, offload_gu_ = false, fp8_ = false;
   Tensor gu_R2F_, h_RF_;                       // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
   Tensor dh_RF_, dgu_R2F_;                     // scratch: backward workspaces
   Memory* mem_ = nullptr;                      // for its gradients' generation (accumulate_grad)

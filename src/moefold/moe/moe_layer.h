@@ -50,6 +50,8 @@ class MoeLayer {
     offload_rows_ = expert_fc1;
     offload_gu_ = moe_act;
   }
+  // on: the experts' GEMMs run in FP8 (Experts::set_fp8). REQUIRES: before bind.
+  void set_fp8(bool on) { experts_.set_fp8(on); }
   // parallel.overlap_moe_a2a: another micro-batch's modules run between the phases below, so the
   // backward's output and input gradient rows live in Memory::exchange_scratch instead of the
   // shared scratch. REQUIRES: before bind; not with recompute of the whole layer.

@@ -68,7 +68,7 @@ std::vector<std::unique_ptr<Model>> make_models(const Config& cfg, Mesh& mesh) {
       out.push_back(std::make_unique<Model>(cfg.model, cfg.moe, cfg.train.micro_batch_size, cfg.train.seq_len,
                                             ModelParallel{dispatchers_for(cfg, mesh), mesh.cp.get(), mesh.tp.get(),
                                                           mesh.tp_cp.get(), chunks[c], cfg.parallel.overlap_moe_a2a},
-                                            cfg.train.recompute(), cfg.train.offload()));
+                                            cfg.train.recompute(), cfg.train.offload(), cfg.train.fp8_linears()));
   return out;
 }
 

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# On the GPU machine after scripts/gpu/bundle.sh with MOEFOLD_GPU_EXTRA_TARGETS=moefold and
+# test_ops_cuda_fp8 among the targets: FP8 (train.fp8 = blockwise) against bf16 in one call.
+#   scripts/gpu/fp8.sh [tests|layer|train|curves|all] (default all)
+# tests: the FP8 GPU parity tests; layer: bench moe-layer, bf16 then --fp8 (qwen3-30b-a3b and
+# deepseek-v3, balanced routing); train: bench train, bf16 then FP8 (qwen3-30b-a3b 8 layers x 8
+# sequences, micro-batch 2; deepseek-v3 3 layers, 1 dense, 32 experts); curves: 1000 steps of a
+# small Qwen3-MoE and a small DeepSeek-V3-shaped model on the default corpus, bf16 and FP8
+# (metrics.jsonl of each in $OUT/curves/).
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+out="${OUT:-/tmp}"
+source "$root/scripts/gpu/env.sh"
+B="$root/.gpu/bin/moefold"
+what="${1:-all}"
+status=0
+strip_table() { grep -v "^|---\|^$"; }
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  echo "== test_ops_cuda_fp8"
+  timeout 300 "$root/.gpu/bin/test_ops_cuda_fp8" 2>&1 | tail -15
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ "$what" = layer ] || [ "$what" = all ]; then
+  for mode in "" --fp8; do
+    echo "== moe-layer ${mode:-bf16}"
+    timeout 150 "$B" bench moe-layer --shape qwen3-30b-a3b --shape deepseek-v3 --routing balanced --reps 10 \
+      --warmup 2 $mode > "$out/moe_layer${mode:+_fp8}.md" 2>&1 || status=1
+    strip_table < "$out/moe_layer${mode:+_fp8}.md" | sed -n 1,4p
+    grep "FP8\|fc1 forward+backward\|experts" "$out/moe_layer${mode:+_fp8}.md" | head -24
+  done
+fi
+if [ "$what" = train ] || [ "$what" = all ]; then
+  bench() {  # name, args...
+    local name=$1; shift
+    echo "== train $name"
+    timeout 150 "$B" bench train "$@" --steps 4 --warmup 2 > "$out/train_$name.md" 2>&1 || status=1
+    strip_table < "$out/train_$name.md" | sed -n 1,4p
+  }
+  q=(--config qwen3-30b-a3b --set model.num_hidden_layers=8 --set train.global_batch_size=8
+     --set train.micro_batch_size=2)
+  d=(--config deepseek-v3 --set model.num_hidden_layers=3 --set model.first_k_dense_replace=1
+     --set moe.num_experts=32 --set model.num_nextn_predict_layers=0 --set train.global_batch_size=1
+     --set train.micro_batch_size=1)
+  bench qwen3_bf16 "${q[@]}"
+  bench qwen3_fp8 "${q[@]}" --set train.fp8=blockwise
+  bench deepseek_bf16 "${d[@]}"
+  bench deepseek_fp8 "${d[@]}" --set train.fp8=blockwise
+fi
+if [ "$what" = curves ] || [ "$what" = all ]; then
+  ds=(--set model.architecture=deepseek_v3 --set model.q_lora_rank=64 --set model.kv_lora_rank=64
+      --set model.qk_nope_head_dim=32 --set model.qk_rope_head_dim=16 --set model.v_head_dim=32
+      --set model.first_k_dense_replace=1 --set model.intermediate_size=256 --set moe.n_shared_experts=1
+      --set moe.scoring_func=sigmoid --set moe.expert_bias=true --set model.num_nextn_predict_layers=1)
+  for fam in qwen3 deepseek; do
+    for fp8 in none blockwise; do
+      name="${fam}_$fp8"
+      dir="/tmp/moefold-runs/$name"
+      rm -rf "$dir"
+      extra=()
+      [ "$fam" = deepseek ] && extra=("${ds[@]}")
+      echo "== curve $name"
+      timeout 280 "$B" train --quiet --device cuda --steps 1000 --run-dir "$dir" --set train.fp8=$fp8 \
+        --set train.eval_interval=100 "${extra[@]}" 2>&1 | tail -3
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      mkdir -p "$out/curves/$name" && cp "$dir/metrics.jsonl" "$out/curves/$name/" 2>/dev/null
+    done
+  done
+  python3 - "$out/curves" <<'PY' || status=1
+import json, sys, os
+base = sys.argv[1]
+for fam in ("qwen3", "deepseek"):
+    rows = {}
+    for fp8 in ("none", "blockwise"):
+        p = os.path.join(base, f"{fam}_{fp8}", "metrics.jsonl")
+        rows[fp8] = [json.loads(l) for l in open(p)] if os.path.exists(p) else []
+    def last(rs, key):
+        vals = [r[key] for r in rs if key in r]
+        return vals[-1] if vals else float("nan")
+    a, b = last(rows["none"], "loss"), last(rows["blockwise"], "loss")
+    ea, eb = last(rows["none"], "eval_loss"), last(rows["blockwise"], "eval_loss")
+    print(f"{fam}: final loss bf16 {a:.4f} fp8 {b:.4f} ({(b - a) / a * 100:+.2f}%), eval {ea:.4f} / {eb:.4f} ({(eb - ea) / ea * 100:+.2f}%)")
+PY
+fi
+exit $status

@@ -1,0 +1,512 @@
+// CPU reference of FP8 blockwise quantization and the FP8 linear layers (ops/fp8.h): the E4M3
+// conversions, the three tilings (rows, cols per segment, 128 x 128 blocks) and the GEMMs emulated
+// as quantize -> dequantize -> GEMM in the operands' dtype (f32; f64 for gradient checks, read
+// through f32 as the GPU reads bf16 through f32). CUDA tensors go to ops/cuda/fp8*.cu after the
+// checks here.
+#include "moefold/ops/fp8.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "moefold/ops/dispatch.h"
+#include "moefold/ops/gemm.h"
+#include "moefold/ops/moe_ops.h"
+#include "moefold/ops/ops.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/fp8.h"
+#endif
+
+namespace moefold {
+
+// ---- E4M3 and the tile scale ------------------------------------------------------------------
+
+uint8_t e4m3_from_float(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const float a = std::fabs(x);
+  if (a >= kFp8E4m3Max) return sign | 0x7e;  // saturate (infinities too)
+  // Subnormals: multiples of 2^-9 below 2^-6; a * 512 is exact, nearbyint rounds ties to even
+  // (the default rounding mode). 8 * 2^-9 = 2^-6 is code 8, the smallest normal: no special case.
+  if (a < 0.015625f) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));
+  int k = 0;
+  const float f = std::frexp(a, &k);  // a = f * 2^k, f in [0.5, 1): exponent k - 1
+  int e = k - 1;
+  int m = static_cast<int>(std::nearbyint((2.0f * f - 1.0f) * 8.0f));  // exact before the rounding
+  if (m == 8) {
+    m = 0;
+    ++e;
+  }
+  return sign | static_cast<uint8_t>(((e + 7) << 3) | m);  // e <= 8: below 448 the code stays < 0x7f
+}
+
+float e4m3_to_float(uint8_t q) {
+  const int e = (q >> 3) & 0xf, m = q & 7;
+  float v;
+  if (e == 15 && m == 7)
+    v = NAN;
+  else if (e == 0)
+    v = std::ldexp(static_cast<float>(m), -9);
+  else
+    v = std::ldexp(static_cast<float>(8 + m), e - 10);
+  return (q & 0x80) ? -v : v;
+}
+
+float fp8_tile_scale(float amax) {
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return 1.0f;
+  // amax = f * 2^k; 448 = 0.875 * 2^9: amax <= 448 * 2^e iff e >= k - 9 (f <= 0.875) or k - 8.
+  int k = 0;
+  const float f = std::frexp(amax, &k);
+  const int e = std::clamp(k - 9 + (f > 0.875f ? 1 : 0), -126, 127);  // s and 1 / s stay normal floats
+  return std::ldexp(1.0f, e);
+}
+
+namespace {
+
+// ---- host tiles -------------------------------------------------------------------------------
+
+// One float element of a host tensor of dtype f32, f64 or bf16.
+float load(const void* base, DType t, int64_t i) {
+  switch (t) {
+    case DType::f32:
+      return static_cast<const float*>(base)[i];
+    case DType::f64:
+      return static_cast<float>(static_cast<const double*>(base)[i]);
+    case DType::bf16:
+      return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    default:
+      MF_FAIL("fp8: dtype ", dtype_name(t), " (f32, f64 or bf16)");
+  }
+}
+
+void store(void* base, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::f32:
+      static_cast<float*>(base)[i] = v;
+      return;
+    case DType::f64:
+      static_cast<double*>(base)[i] = v;
+      return;
+    case DType::bf16:
+      static_cast<uint16_t*>(base)[i] = f32_to_bf16(v);
+      return;
+    default:
+      MF_FAIL("fp8: dtype ", dtype_name(t), " (f32, f64 or bf16)");
+  }
+}
+
+// Quantizes one tile of n elements, element j at flat index idx(j) of x: returns the scale and
+// calls put(j, code).
+template <class Idx, class Put>
+float quantize_tile(const void* x, DType t, int64_t n, const Idx& idx, const Put& put) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t j = 0; j < n; ++j) {
+    const float a = std::fabs(load(x, t, idx(j)));
+    if (!std::isfinite(a)) finite = false;
+    amax = std::max(amax, a);
+  }
+  const float s = finite ? fp8_tile_scale(amax) : 1.0f;
+  for (int64_t j = 0; j < n; ++j) put(j, e4m3_from_float(load(x, t, idx(j)) / s));
+  return s;
+}
+
+// The tiles of each layout, calling tile(count, idx, scale_index) with idx(j) the flat index of the
+// tile's element j in x (w) and scale_index the flat index of its scale in the scale tensor.
+template <class Tile>
+void for_row_tiles(int64_t rows, int64_t k, const Tile& tile) {
+  const int64_t nb = (k + kFp8Tile - 1) / kFp8Tile;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t k0 = b * kFp8Tile;
+      tile(
+          std::min(kFp8Tile, k - k0), [=](int64_t j) { return r * k + k0 + j; }, b * rows + r);
+    }
+}
+
+// Segment j's first column of the transposed layout (p_j in fp8.h), for every j (S + 1 entries).
+std::vector<int64_t> padded_starts(const int64_t* off, int64_t segments) {
+  std::vector<int64_t> p(static_cast<size_t>(segments + 1), 0);
+  for (int64_t j = 0; j < segments; ++j) p[j + 1] = p[j] + (off[j + 1] - off[j] + kFp8Tile - 1) / kFp8Tile * kFp8Tile;
+  return p;
+}
+
+// cols: tile(count, idx, scale_index, column c, first padded column p, first row r0).
+template <class Tile>
+void for_col_tiles(int64_t cols, const int64_t* off, int64_t segments, const Tile& tile) {
+  const std::vector<int64_t> p = padded_starts(off, segments);
+  for (int64_t s = 0; s < segments; ++s)
+    for (int64_t t0 = 0; t0 < off[s + 1] - off[s]; t0 += kFp8Tile) {
+      const int64_t r0 = off[s] + t0, n = std::min(kFp8Tile, off[s + 1] - r0), pb = (p[s] + t0) / kFp8Tile;
+      for (int64_t c = 0; c < cols; ++c)
+        tile(
+            n, [=](int64_t j) { return (r0 + j) * cols + c; }, pb * cols + c, c, p[s] + t0, r0);
+    }
+}
+
+// blocks of matrix e of [E, O, I]: tile(count, idx, scale_index, o0, i0, rows of the block, cols).
+template <class Tile>
+void for_blocks(int64_t e_n, int64_t o_n, int64_t i_n, const Tile& tile) {
+  const int64_t ob = (o_n + kFp8Tile - 1) / kFp8Tile, ib = (i_n + kFp8Tile - 1) / kFp8Tile;
+  for (int64_t e = 0; e < e_n; ++e)
+    for (int64_t bo = 0; bo < ob; ++bo)
+      for (int64_t bi = 0; bi < ib; ++bi) {
+        const int64_t o0 = bo * kFp8Tile, i0 = bi * kFp8Tile;
+        const int64_t h = std::min(kFp8Tile, o_n - o0), w = std::min(kFp8Tile, i_n - i0);
+        const int64_t base = e * o_n * i_n + o0 * i_n + i0;
+        tile(
+            h * w, [=](int64_t j) { return base + (j / w) * i_n + j % w; }, (e * ob + bo) * ib + bi, e, o0, i0, h, w);
+      }
+}
+
+// ---- argument checks --------------------------------------------------------------------------
+
+bool is_float(DType t) { return t == DType::f32 || t == DType::f64 || t == DType::bf16; }
+
+void check_same_device(std::initializer_list<const Tensor*> ts, const char* what) {
+  const Device d = (*ts.begin())->device();
+  for (const Tensor* t : ts)
+    if (t->defined()) MF_CHECK(t->device() == d, what, ": tensors on different devices (", t->str(), ")");
+}
+
+void check_quant(const Tensor& x, const Tensor& q, const Tensor& s, const Shape& s_shape, const char* what) {
+  MF_CHECK(x.contiguous() && q.contiguous() && s.contiguous(), what, ": not contiguous");
+  MF_CHECK(is_float(x.dtype()), what, ": x ", x.str(), " (f32, f64 or bf16)");
+  MF_CHECK(q.dtype() == DType::u8, what, ": q ", q.str(), " (u8 E4M3)");
+  MF_CHECK(s.dtype() == DType::f32, what, ": scales ", s.str(), " (f32)");
+  check_shape(s, s_shape, what);
+}
+
+int64_t tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
+
+// O and I of a weight [O, I] or [E, O, I] (indices spelled out: GCC's -Warray-bounds cannot see
+// that ndim() >= 2 here).
+int64_t matrix_rows(const Tensor& w) { return w.size(w.ndim() == 3 ? 1 : 0); }
+int64_t matrix_cols(const Tensor& w) { return w.size(w.ndim() == 3 ? 2 : 1); }
+
+Shape block_scale_shape(const Tensor& w, bool transposed) {
+  const int64_t o_n = matrix_rows(w), i_n = matrix_cols(w);
+  const int64_t a = transposed ? tiles(i_n) : tiles(o_n), b = transposed ? tiles(o_n) : tiles(i_n);
+  return w.ndim() == 3 ? Shape{w.size(0), a, b} : Shape{a, b};
+}
+
+Shape transposed_shape(const Tensor& w) {
+  const int64_t o_n = matrix_rows(w), i_n = matrix_cols(w);
+  return w.ndim() == 3 ? Shape{w.size(0), i_n, o_n} : Shape{i_n, o_n};
+}
+
+void check_offsets(const Tensor& offsets, int64_t rows, const char* what) {
+  MF_CHECK(offsets.ndim() == 1 && offsets.numel() >= 2 && offsets.dtype() == DType::i64 && offsets.contiguous(), what,
+           ": offsets ", offsets.str(), " (i64 [S + 1])");
+  if (offsets.device() != Device::cpu) return;  // the GPU trusts them (they come from the permutation plan)
+  const int64_t* off = offsets.ptr<int64_t>();
+  const int64_t s_n = offsets.numel() - 1;
+  MF_CHECK(off[0] == 0 && off[s_n] == rows, what, ": offsets span [", off[0], ", ", off[s_n], ") for ", rows, " rows");
+  for (int64_t j = 0; j < s_n; ++j) MF_CHECK(off[j] <= off[j + 1], what, ": offsets decrease");
+}
+
+void check_cols(const Tensor& x_RC, const Tensor& offsets, const Tensor& qT, const Tensor& sT, const char* what) {
+  MF_CHECK(x_RC.ndim() == 2 && qT.ndim() == 2 && qT.size(0) == x_RC.size(1) && qT.size(1) % kFp8Tile == 0, what, ": x ",
+           x_RC.str(), ", qT ", qT.str(), " ([C, P], P a multiple of 128)");
+  check_offsets(offsets, x_RC.size(0), what);
+  MF_CHECK(qT.size(1) >= fp8_cols_width(x_RC.size(0), offsets.numel() - 1) || offsets.device() == Device::cpu, what,
+           ": qT ", qT.str(), " narrower than fp8_cols_width");
+  if (offsets.device() == Device::cpu) {
+    const std::vector<int64_t> p = padded_starts(offsets.ptr<int64_t>(), offsets.numel() - 1);
+    MF_CHECK(p.back() <= qT.size(1), what, ": qT ", qT.str(), " has fewer than the ", p.back(), " columns needed");
+  }
+  check_quant(x_RC, qT, sT, {qT.size(1) / kFp8Tile, x_RC.size(1)}, what);
+  check_same_device({&x_RC, &offsets, &qT, &sT}, what);
+}
+
+void check_blocks(const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT, const Tensor& sT,
+                  const char* what) {
+  MF_CHECK(w.ndim() == 2 || w.ndim() == 3, what, ": w ", w.str(), " ([O, I] or [E, O, I])");
+  check_shape(q, w.shape(), what);
+  check_quant(w, q, s, block_scale_shape(w, false), what);
+  if (qT.defined()) {
+    check_shape(qT, transposed_shape(w), what);
+    check_quant(w, qT, sT, block_scale_shape(w, true), what);
+  } else {
+    MF_CHECK(!sT.defined(), what, ": sT without qT");
+  }
+  check_same_device({&w, &q, &s, &qT, &sT}, what);
+}
+
+}  // namespace
+
+// ---- quantization ops ---------------------------------------------------------------------------
+
+void fp8_quantize_rows(const ExecContext& ctx, const Tensor& x_RK, const Tensor& q_RK, const Tensor& s_BR) {
+  MF_CHECK(x_RK.ndim() == 2, "fp8_quantize_rows: x ", x_RK.str());
+  check_shape(q_RK, x_RK.shape(), "fp8_quantize_rows q");
+  check_quant(x_RK, q_RK, s_BR, {tiles(x_RK.size(1)), x_RK.size(0)}, "fp8_quantize_rows");
+  check_same_device({&x_RK, &q_RK, &s_BR}, "fp8_quantize_rows");
+  MF_ON_GPU(ctx, x_RK, cuda::fp8_quantize_rows(ctx, x_RK, q_RK, s_BR));
+  uint8_t* q = q_RK.ptr<uint8_t>();
+  float* s = s_BR.ptr<float>();
+  for_row_tiles(x_RK.size(0), x_RK.size(1), [&](int64_t n, const auto& idx, int64_t si) {
+    s[si] = quantize_tile(x_RK.data(), x_RK.dtype(), n, idx, [&](int64_t j, uint8_t c) { q[idx(j)] = c; });
+  });
+}
+
+void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor& offsets_S1, const Tensor& qT_CP,
+                       const Tensor& sT_BC) {
+  check_cols(x_RC, offsets_S1, qT_CP, sT_BC, "fp8_quantize_cols");
+  MF_ON_GPU(ctx, x_RC, cuda::fp8_quantize_cols(ctx, x_RC, offsets_S1, qT_CP, sT_BC));
+  uint8_t* q = qT_CP.ptr<uint8_t>();
+  float* s = sT_BC.ptr<float>();
+  const int64_t p_n = qT_CP.size(1);
+  for_col_tiles(x_RC.size(1), offsets_S1.ptr<int64_t>(), offsets_S1.numel() - 1,
+                [&](int64_t n, const auto& idx, int64_t si, int64_t c, int64_t p0, int64_t) {
+                  s[si] = quantize_tile(x_RC.data(), x_RC.dtype(), n, idx,
+                                        [&](int64_t j, uint8_t code) { q[c * p_n + p0 + j] = code; });
+                });
+}
+
+void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
+                         const Tensor& sT) {
+  check_blocks(w, q, s, qT, sT, "fp8_quantize_blocks");
+  MF_ON_GPU(ctx, w, cuda::fp8_quantize_blocks(ctx, w, q, s, qT, sT));
+  const int64_t e_n = w.ndim() == 3 ? w.size(0) : 1, o_n = matrix_rows(w), i_n = matrix_cols(w);
+  uint8_t* qd = q.ptr<uint8_t>();
+  float* sd = s.ptr<float>();
+  uint8_t* qt = qT.defined() ? qT.ptr<uint8_t>() : nullptr;
+  float* st = sT.defined() ? sT.ptr<float>() : nullptr;
+  const int64_t ob = tiles(o_n), ib = tiles(i_n);
+  for_blocks(e_n, o_n, i_n,
+             [&](int64_t n, const auto& idx, int64_t si, int64_t e, int64_t o0, int64_t i0, int64_t, int64_t bw) {
+               const float scale = quantize_tile(w.data(), w.dtype(), n, idx, [&](int64_t j, uint8_t c) {
+                 qd[idx(j)] = c;
+                 if (qt) qt[e * o_n * i_n + (i0 + j % bw) * o_n + o0 + j / bw] = c;
+               });
+               sd[si] = scale;
+               if (st) st[(e * ib + i0 / kFp8Tile) * ob + o0 / kFp8Tile] = scale;
+             });
+}
+
+void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK) {
+  MF_CHECK(x_RK.ndim() == 2, "fp8_dequantize_rows: x ", x_RK.str());
+  check_shape(q_RK, x_RK.shape(), "fp8_dequantize_rows q");
+  check_quant(x_RK, q_RK, s_BR, {tiles(x_RK.size(1)), x_RK.size(0)}, "fp8_dequantize_rows");
+  check_same_device({&x_RK, &q_RK, &s_BR}, "fp8_dequantize_rows");
+  MF_ON_GPU(ctx, x_RK, cuda::fp8_dequantize_rows(ctx, q_RK, s_BR, x_RK));
+  const uint8_t* q = q_RK.ptr<uint8_t>();
+  const float* s = s_BR.ptr<float>();
+  for_row_tiles(x_RK.size(0), x_RK.size(1), [&](int64_t n, const auto& idx, int64_t si) {
+    for (int64_t j = 0; j < n; ++j) store(x_RK.data(), x_RK.dtype(), idx(j), e4m3_to_float(q[idx(j)]) * s[si]);
+  });
+}
+
+void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
+                         const Tensor& x_RC) {
+  check_cols(x_RC, offsets_S1, qT_CP, sT_BC, "fp8_dequantize_cols");
+  MF_ON_GPU(ctx, x_RC, cuda::fp8_dequantize_cols(ctx, qT_CP, sT_BC, offsets_S1, x_RC));
+  const uint8_t* q = qT_CP.ptr<uint8_t>();
+  const float* s = sT_BC.ptr<float>();
+  const int64_t p_n = qT_CP.size(1);
+  for_col_tiles(x_RC.size(1), offsets_S1.ptr<int64_t>(), offsets_S1.numel() - 1,
+                [&](int64_t n, const auto& idx, int64_t si, int64_t c, int64_t p0, int64_t) {
+                  for (int64_t j = 0; j < n; ++j)
+                    store(x_RC.data(), x_RC.dtype(), idx(j), e4m3_to_float(q[c * p_n + p0 + j]) * s[si]);
+                });
+}
+
+void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w) {
+  check_blocks(w, q, s, Tensor(), Tensor(), "fp8_dequantize_blocks");
+  MF_ON_GPU(ctx, w, cuda::fp8_dequantize_blocks(ctx, q, s, w));
+  const int64_t e_n = w.ndim() == 3 ? w.size(0) : 1, o_n = matrix_rows(w), i_n = matrix_cols(w);
+  const uint8_t* qd = q.ptr<uint8_t>();
+  const float* sd = s.ptr<float>();
+  for_blocks(e_n, o_n, i_n, [&](int64_t n, const auto& idx, int64_t si, auto...) {
+    for (int64_t j = 0; j < n; ++j) store(w.data(), w.dtype(), idx(j), e4m3_to_float(qd[idx(j)]) * sd[si]);
+  });
+}
+
+// ---- the FP8 linear layers ------------------------------------------------------------------------
+
+namespace {
+
+// Host copies of an operand quantized and dequantized in its layout (the CPU's emulation).
+template <class T>
+std::vector<T> fake_rows(const Tensor& x) {
+  const int64_t r_n = x.size(0), k = x.size(1);
+  std::vector<uint8_t> q(static_cast<size_t>(x.numel()));
+  std::vector<float> s(static_cast<size_t>(tiles(k) * r_n));
+  const ExecContext& cpu = ExecContext::standard(Device::cpu);
+  fp8_quantize_rows(cpu, x, Tensor(q.data(), DType::u8, x.shape()), Tensor(s.data(), DType::f32, {tiles(k), r_n}));
+  std::vector<T> out(q.size());
+  for_row_tiles(r_n, k, [&](int64_t n, const auto& idx, int64_t si) {
+    for (int64_t j = 0; j < n; ++j) out[idx(j)] = static_cast<T>(e4m3_to_float(q[idx(j)]) * s[si]);
+  });
+  return out;
+}
+
+template <class T>
+std::vector<T> fake_cols(const Tensor& x, const Tensor& offsets) {
+  const int64_t s_n = offsets.numel() - 1, c_n = x.size(1);
+  const int64_t p_n = padded_starts(offsets.ptr<int64_t>(), s_n).back();
+  std::vector<uint8_t> q(static_cast<size_t>(std::max<int64_t>(p_n, kFp8Tile) * c_n));
+  std::vector<float> s(q.size() / kFp8Tile);
+  const Tensor qT(q.data(), DType::u8, {c_n, std::max<int64_t>(p_n, kFp8Tile)});
+  const Tensor sT(s.data(), DType::f32, {qT.size(1) / kFp8Tile, c_n});
+  const ExecContext& cpu = ExecContext::standard(Device::cpu);
+  fp8_quantize_cols(cpu, x, offsets, qT, sT);
+  std::vector<T> out(static_cast<size_t>(x.numel()));
+  for_col_tiles(c_n, offsets.ptr<int64_t>(), s_n,
+                [&](int64_t n, const auto& idx, int64_t si, int64_t c, int64_t p0, int64_t) {
+                  for (int64_t j = 0; j < n; ++j)
+                    out[idx(j)] = static_cast<T>(e4m3_to_float(q[c * qT.size(1) + p0 + j]) * s[si]);
+                });
+  return out;
+}
+
+template <class T>
+std::vector<T> fake_blocks(const Tensor& w) {
+  std::vector<uint8_t> q(static_cast<size_t>(w.numel()));
+  const Shape ss = block_scale_shape(w, false);
+  std::vector<float> s(static_cast<size_t>(ss.numel()));
+  const ExecContext& cpu = ExecContext::standard(Device::cpu);
+  fp8_quantize_blocks(cpu, w, Tensor(q.data(), DType::u8, w.shape()), Tensor(s.data(), DType::f32, ss), Tensor(),
+                      Tensor());
+  const int64_t e_n = w.ndim() == 3 ? w.size(0) : 1, o_n = matrix_rows(w), i_n = matrix_cols(w);
+  std::vector<T> out(q.size());
+  for_blocks(e_n, o_n, i_n, [&](int64_t n, const auto& idx, int64_t si, auto...) {
+    for (int64_t j = 0; j < n; ++j) out[idx(j)] = static_cast<T>(e4m3_to_float(q[idx(j)]) * s[si]);
+  });
+  return out;
+}
+
+// The checks every FP8 linear entry point shares (both devices): x [R, I], w [(E,) O, I], y [R, O].
+void check_fp8_linear(const Tensor& x, const Tensor& w, const Tensor& y, int64_t w_dims, const char* what) {
+  MF_CHECK(x.ndim() == 2 && w.ndim() == w_dims && x.size(1) == w.size(w_dims - 1), what, ": x ", x.str(), ", w ",
+           w.str());
+  check_shape(y, {x.size(0), w.size(w_dims - 2)}, what);
+  MF_CHECK(is_float(x.dtype()) && x.dtype() == w.dtype() && y.dtype() == x.dtype(), what, ": dtypes ", x.str(), " ",
+           w.str(), " ", y.str());
+  MF_CHECK(x.contiguous() && w.contiguous() && y.contiguous(), what, ": not contiguous");
+  check_same_device({&x, &w, &y}, what);
+}
+
+void check_fp8_grads(const Tensor& x, const Tensor& w, const Tensor& dx, const Tensor& dw, const char* what) {
+  if (dx.defined()) {
+    check_shape(dx, x.shape(), what);
+    MF_CHECK(dx.dtype() == x.dtype() && dx.contiguous(), what, ": dx ", dx.str());
+  }
+  if (dw.defined()) {
+    check_shape(dw, w.shape(), what);
+    MF_CHECK((dw.dtype() == w.dtype() || dw.dtype() == DType::f32) && dw.contiguous(), what, ": dw ", dw.str());
+  }
+  check_same_device({&x, &dx, &dw}, what);
+}
+
+// The CPU's wgrad: dw (+)= Q_cols(dy)^T @ Q_cols(x) with the segments of `offsets`.
+template <class T>
+void emulated_wgrad(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw, bool accumulate) {
+  const int64_t e_n = dw.ndim() == 3 ? dw.size(0) : 1, o_n = dy.size(1), i_n = x.size(1);
+  const std::vector<T> qx = fake_cols<T>(x, offsets), qdy = fake_cols<T>(dy, offsets);
+  const int64_t* off = offsets.ptr<int64_t>();
+  T* d = dw.ptr<T>();
+  if (!accumulate) std::fill(d, d + dw.numel(), T(0));
+  for (int64_t e = 0; e < e_n; ++e) {
+    const int64_t m = off[e + 1] - off[e];
+    if (m == 0) continue;
+    gemm<T>(true, false, o_n, i_n, m, T(1), qdy.data() + off[e] * o_n, o_n, qx.data() + off[e] * i_n, i_n, T(1),
+            d + e * o_n * i_n, i_n);
+  }
+}
+
+}  // namespace
+
+void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
+  check_fp8_linear(x_NI, w_OI, y_NO, 2, "fp8_linear_forward");
+  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_forward(ctx, x_NI, w_OI, y_NO));
+  const int64_t n = x_NI.size(0), in = x_NI.size(1), out = w_OI.size(0);
+  dispatch_float(x_NI.dtype(), [&]<class T>() {
+    const std::vector<T> qx = fake_rows<T>(x_NI), qw = fake_blocks<T>(w_OI);
+    gemm<T>(false, true, n, out, in, T(1), qx.data(), in, qw.data(), in, T(0), y_NO.ptr<T>(), out);
+  });
+}
+
+void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate) {
+  check_fp8_linear(x_NI, w_OI, dy_NO, 2, "fp8_linear_backward");
+  check_fp8_grads(x_NI, w_OI, dx_NI, dw_OI, "fp8_linear_backward");
+  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, accumulate));
+  const int64_t n = x_NI.size(0), in = x_NI.size(1), out = w_OI.size(0);
+  dispatch_float(x_NI.dtype(), [&]<class T>() {
+    if (dx_NI.defined()) {
+      const std::vector<T> qdy = fake_rows<T>(dy_NO), qw = fake_blocks<T>(w_OI);
+      gemm<T>(false, false, n, in, out, T(1), qdy.data(), out, qw.data(), in, T(0), dx_NI.ptr<T>(), in);
+    }
+    if (dw_OI.defined()) {
+      int64_t off[2] = {0, n};
+      emulated_wgrad<T>(x_NI, dy_NO, Tensor(off, DType::i64, {2}), dw_OI, accumulate);
+    }
+  });
+}
+
+void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                const Tensor& offsets_E1, const Tensor& y_RO) {
+  check_fp8_linear(x_RI, w_EOI, y_RO, 3, "fp8_grouped_linear_forward");
+  check_offsets(offsets_E1, x_RI.size(0), "fp8_grouped_linear_forward");
+  MF_CHECK(offsets_E1.numel() == w_EOI.size(0) + 1, "fp8_grouped_linear_forward: offsets ", offsets_E1.str(), " for ",
+           w_EOI.size(0), " experts");
+  MF_ON_GPU(ctx, x_RI, cuda::fp8_grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO));
+  const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
+  const int64_t* off = offsets_E1.ptr<int64_t>();
+  dispatch_float(x_RI.dtype(), [&]<class T>() {
+    const std::vector<T> qx = fake_rows<T>(x_RI), qw = fake_blocks<T>(w_EOI);
+    for (int64_t e = 0; e < e_n; ++e) {
+      const int64_t m = off[e + 1] - off[e];
+      if (m == 0) continue;
+      gemm<T>(false, true, m, o_n, i_n, T(1), qx.data() + off[e] * i_n, i_n, qw.data() + e * o_n * i_n, i_n, T(0),
+              y_RO.ptr<T>() + off[e] * o_n, o_n);
+    }
+  });
+}
+
+void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                 const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
+                                 const Tensor& dw_EOI, bool accumulate) {
+  check_fp8_linear(x_RI, w_EOI, dy_RO, 3, "fp8_grouped_linear_backward");
+  check_fp8_grads(x_RI, w_EOI, dx_RI, dw_EOI, "fp8_grouped_linear_backward");
+  check_offsets(offsets_E1, x_RI.size(0), "fp8_grouped_linear_backward");
+  MF_CHECK(offsets_E1.numel() == w_EOI.size(0) + 1, "fp8_grouped_linear_backward: offsets ", offsets_E1.str(), " for ",
+           w_EOI.size(0), " experts");
+  MF_ON_GPU(ctx, x_RI,
+            cuda::fp8_grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate));
+  const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
+  const int64_t* off = offsets_E1.ptr<int64_t>();
+  dispatch_float(x_RI.dtype(), [&]<class T>() {
+    if (dx_RI.defined()) {
+      const std::vector<T> qdy = fake_rows<T>(dy_RO), qw = fake_blocks<T>(w_EOI);
+      for (int64_t e = 0; e < e_n; ++e) {
+        const int64_t m = off[e + 1] - off[e];
+        if (m == 0) continue;
+        gemm<T>(false, false, m, i_n, o_n, T(1), qdy.data() + off[e] * o_n, o_n, qw.data() + e * o_n * i_n, i_n, T(0),
+                dx_RI.ptr<T>() + off[e] * i_n, i_n);
+      }
+    }
+    if (dw_EOI.defined()) emulated_wgrad<T>(x_RI, dy_RO, offsets_E1, dw_EOI, accumulate);
+  });
+}
+
+void linear_forward_in(const ExecContext& ctx, bool fp8, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
+  if (fp8)
+    fp8_linear_forward(ctx, x_NI, w_OI, y_NO);
+  else
+    linear_forward(ctx, x_NI, w_OI, y_NO);
+}
+
+void linear_backward_in(const ExecContext& ctx, bool fp8, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                        const Tensor& dx_NI, const Tensor& dw_OI) {
+  if (fp8)
+    fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI);
+  else
+    linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI);
+}
+
+}  // namespace moefold

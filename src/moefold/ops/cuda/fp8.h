@@ -1,0 +1,64 @@
+// The CUDA side of FP8 blockwise training (ops/fp8.h): the quantize / dequantize kernels
+// (fp8_quantize.cu, bit for bit as the CPU reference) and the FP8 linear layers on CUTLASS's
+// Hopper blockwise-scaled grouped GEMM (fp8_gemm_cutlass.cu). Same names and contracts as the ops
+// in ops/fp8.h, whose entry points check the arguments and dispatch CUDA tensors here. Only in the
+// CUDA build.
+//
+// GPU-specific conditions, checked here: inputs f32 or bf16 (no f64 on the GPU); the GEMMs take
+// bf16 x, w, dy (y and dx bf16; dw f32 or bf16), I and O multiples of 16 (TMA moves rows of 16
+// bytes of E4M3) and 16-byte aligned tensors, and need a build with CUTLASS's headers.
+#pragma once
+
+#include <cstdint>
+
+#include "moefold/core/exec.h"
+#include "moefold/core/tensor.h"
+
+namespace moefold::cuda {
+
+// Whether this build has CUTLASS's headers (MOEFOLD_WITH_CUTLASS): without them the FP8 GEMMs
+// fail with a clear error; the quantize ops work either way.
+bool fp8_gemm_built();
+
+// ---- quantization (ops/fp8.h; REQUIRES: the entry point's checks passed) -------------------------
+void fp8_quantize_rows(const ExecContext& ctx, const Tensor& x_RK, const Tensor& q_RK, const Tensor& s_BR);
+void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor& offsets_S1, const Tensor& qT_CP,
+                       const Tensor& sT_BC);
+void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
+                         const Tensor& sT);
+void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK);
+void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
+                         const Tensor& x_RC);
+void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w);
+
+// ---- FP8 linear layers (ops/fp8.h; y, dx WRITTEN; dw ACCUMULATED unless accumulate == false) ----
+void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
+void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate);
+void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                const Tensor& offsets_E1, const Tensor& y_RO);
+void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                 const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
+                                 const Tensor& dw_EOI, bool accumulate);
+
+// ---- raw launchers (fp8_quantize.cu), shared with the GEMMs' operand preparation -----------------
+// x: device data of dtype f32 or bf16; outputs as in ops/fp8.h; everything on ctx's stream.
+
+// The rows layout of x [rows, k]. group_offsets == nullptr: ops/fp8.h's scales s[b * rows + r].
+// Else (device, [G + 1], rows grouped as by an expert offsets array): the GEMM's grouped layout,
+// row r of group g (off[g] <= r < off[g + 1], m_g rows) has its tile b's scale at
+// s[off[g] * B + b * m_g + (r - off[g])] (B = ceil(k / 128)): each group's scales are a packed
+// [B, m_g] block, the per-group layout CUTLASS's grouped blockwise mainloop derives from the
+// problem shape (fp8_gemm_cutlass.cu). One group of all rows is the plain layout.
+void launch_fp8_quantize_rows(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t k, uint8_t* q,
+                              float* s, const int64_t* group_offsets, int64_t groups);
+// The cols layout of x [rows, cols] into qT [cols, p] and sT [p / 128, cols], segments from the
+// device offsets [segments + 1] (nullptr: one segment of all rows). REQUIRES: p % 128 == 0 and
+// p >= the padded width the segments need (fp8_cols_width(rows, segments) suffices).
+void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
+                              const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT);
+// The blocks layout of w [e, o, i]; any of q, s, qT, sT may be null (not written).
+void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dtype, int64_t e, int64_t o, int64_t i,
+                                uint8_t* q, float* s, uint8_t* qT, float* sT);
+
+}  // namespace moefold::cuda

@@ -1,0 +1,426 @@
+// The FP8 linear layers on the GPU (ops/fp8.h fp8_linear_* and fp8_grouped_linear_*): the
+// operands quantized into scratch (fp8_quantize.cu), then CUTLASS's Hopper blockwise-scaled
+// grouped GEMM (TMA + warp-specialised wgmma on E4M3, each 128-long block of the reduction summed
+// in the tensor cores and promoted into an f32 accumulator with its two scales: DeepSeek-V3's
+// recipe), one persistent launch for all experts; a dense layer is one group. Built when CMake
+// found CUTLASS's headers (MOEFOLD_WITH_CUTLASS).
+//
+// Per expert e with rows [off[e], off[e+1]) (m_e of them), every operand K-major ("TN"), as CUTLASS
+// sees each group (M, N, K) and its scales (SFA per 1 x 128 tile of A, SFB per GranN x 128 of B):
+//   forward  y_e  = x_e @ w_e^T      (m_e, O, I): A = rows of x, B = blocks of w (q), D = y bf16;
+//   dgrad    dx_e = dy_e @ w_e       (m_e, I, O): A = rows of dy, B = blocks of w (qT), D = dx bf16;
+//   wgrad    dw_e += dy_e^T @ x_e    (O, I, m_e): A = cols of dy (qT), B = cols of x (qT), GranN = 1,
+//                                                 C = D = dw_e (f32 or bf16), beta 1 or 0.
+// Scale layouts. CUTLASS 4.2's grouped blockwise mainloop ignores the layout_SFA / layout_SFB
+// arrays it is given and derives each group's scale layout from its problem shape: MN-major and
+// packed, i.e. scale (mn, kb) of group e at ptr_SF[e][mn / Gran + kb * ceil(MN / Gran)]. So:
+//   SFA of forward / dgrad: the rows scales in the grouped layout of launch_fp8_quantize_rows
+//     (group e's [ceil(K/128), m_e] block at off[e] * ceil(K/128)); a dense layer's one group is
+//     ops/fp8.h's rows layout itself;
+//   SFB of forward: the blocks' transposed scales sT [ceil(I/128), ceil(O/128)] of expert e (N = O);
+//   SFB of dgrad: the blocks' scales s [ceil(O/128), ceil(I/128)] of expert e (N = I);
+//   SFA / SFB of wgrad: the cols scales sT_BC as they are (segment e's tiles from row p_e / 128,
+//     C = O or I between tiles: exactly the packed stride M or N).
+// The layout arrays are still filled with those same layouts (for a CUTLASS that reads them).
+// The K tail: a group's K need not be a multiple of 128 (nor 16: wgrad's K = m_e): its TMA
+// descriptor takes the group's K as the tensor's extent and zero-fills past it, and only the row
+// stride (I, O or the cols width P, all multiples of 16) and the base address need 16 bytes;
+// can_implement checks K % 16 only for problem shapes given on the host, which these calls never
+// pass (the shapes live on the device).
+#include <algorithm>
+#include <cstdint>
+
+#include "moefold/ops/cuda/common.cuh"
+#include "moefold/ops/cuda/fp8.h"
+#include "moefold/ops/fp8.h"
+
+#ifdef MOEFOLD_WITH_CUTLASS
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#endif
+
+namespace moefold::cuda {
+
+#ifdef MOEFOLD_WITH_CUTLASS
+
+bool fp8_gemm_built() { return true; }
+
+namespace {
+
+using namespace cute;
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+using Problem = ProblemShape::UnderlyingProblemShape;
+
+// One FP8 grouped GEMM configuration: E4M3 A (M x K) and B (N x K), both K-major; f32 accumulation
+// with the blockwise promotion; scales per 1 x 128 of A and kGranN x 128 of B (MN-major);
+// D = acc + beta * C in ElementOut. 128 x 128 x 128 CTA tiles (one scale block of K per k-tile, as
+// the mainloop requires) in 2 x 1 clusters: the two CTAs of adjacent M tiles share B's tile loads
+// through TMA multicast (the weights in forward and dgrad), as the bf16 grouped GEMM's default.
+template <int kGranN, class ElementOut>
+struct Fp8Grouped {
+  using ElementIn = cutlass::float_e4m3_t;
+  using Out = ElementOut;  // C and D
+  using Acc = float;
+  static constexpr int kAlignIn = 16;  // 16 bytes of E4M3
+  static constexpr int kAlignOut = 16 / static_cast<int>(sizeof(ElementOut));
+  using TileShape = cute::Shape<_128, _128, _128>;
+  using ClusterShape = cute::Shape<_2, _1, _1>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGranN, 128>;  // MN-major SFA and SFB
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc, ElementOut, cutlass::layout::RowMajor*, kAlignOut,
+      ElementOut, cutlass::layout::RowMajor*, kAlignOut, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn,
+      cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignIn, ElementIn,
+      cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignIn, Acc, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;  // (lda, 1, 0): K contiguous
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Thread = decltype(std::declval<typename Gemm::Arguments>().epilogue.thread);
+};
+
+// The three kernels: forward and dgrad share one (rows x blocks, bf16 out); wgrad (cols x cols)
+// writes f32 or bf16 weight gradients (train.main_grads_dtype).
+using RowsBlocks = Fp8Grouped<128, cutlass::bfloat16_t>;
+using ColsF32 = Fp8Grouped<1, float>;
+using ColsBf16 = Fp8Grouped<1, cutlass::bfloat16_t>;
+
+enum class Kind : int { forward, dgrad, wgrad };
+
+// The per-group argument arrays of one call, carved from one scratch block.
+template <class G>
+struct Arrays {
+  using In = typename G::ElementIn;
+  using Out = typename G::Out;
+  Problem* problems;
+  const In** a;
+  const In** b;
+  const float** sfa;
+  const float** sfb;
+  const Out** c;
+  Out** d;
+  typename G::StrideA* sa;
+  typename G::StrideB* sb;
+  typename G::StrideC* sc;
+  typename G::StrideD* sd;
+  typename G::LayoutSFA* lsfa;
+  typename G::LayoutSFB* lsfb;
+
+  static constexpr size_t kArrays = 13;
+  static size_t bytes(int64_t e_n) {
+    const size_t n = static_cast<size_t>(e_n);
+    return n * (sizeof(Problem) + 6 * sizeof(void*) + sizeof(typename G::StrideA) + sizeof(typename G::StrideB) +
+                sizeof(typename G::StrideC) + sizeof(typename G::StrideD) + sizeof(typename G::LayoutSFA) +
+                sizeof(typename G::LayoutSFB)) +
+           16 * kArrays;  // alignment slack
+  }
+  static Arrays carve(void* base, int64_t e_n) {
+    char* p = static_cast<char*>(base);
+    auto take = [&](size_t size) {
+      p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t{15});
+      char* r = p;
+      p += size * static_cast<size_t>(e_n);
+      return r;
+    };
+    Arrays a;
+    a.problems = reinterpret_cast<Problem*>(take(sizeof(Problem)));
+    a.a = reinterpret_cast<const In**>(take(sizeof(void*)));
+    a.b = reinterpret_cast<const In**>(take(sizeof(void*)));
+    a.sfa = reinterpret_cast<const float**>(take(sizeof(void*)));
+    a.sfb = reinterpret_cast<const float**>(take(sizeof(void*)));
+    a.c = reinterpret_cast<const Out**>(take(sizeof(void*)));
+    a.d = reinterpret_cast<Out**>(take(sizeof(void*)));
+    a.sa = reinterpret_cast<typename G::StrideA*>(take(sizeof(typename G::StrideA)));
+    a.sb = reinterpret_cast<typename G::StrideB*>(take(sizeof(typename G::StrideB)));
+    a.sc = reinterpret_cast<typename G::StrideC*>(take(sizeof(typename G::StrideC)));
+    a.sd = reinterpret_cast<typename G::StrideD*>(take(sizeof(typename G::StrideD)));
+    a.lsfa = reinterpret_cast<typename G::LayoutSFA*>(take(sizeof(typename G::LayoutSFA)));
+    a.lsfb = reinterpret_cast<typename G::LayoutSFB*>(take(sizeof(typename G::LayoutSFB)));
+    return a;
+  }
+};
+
+// The quantized operands of one GEMM kind (device pointers) and the shapes that place each group.
+struct Operands {
+  const uint8_t* a = nullptr;  // rows: [R, K]; cols: qT [M, p]
+  const float* sfa = nullptr;
+  const uint8_t* b = nullptr;  // blocks: [E, N, K]; cols: qT [N, p]
+  const float* sfb = nullptr;
+  void* d = nullptr;              // y, dx or dw
+  const int64_t* off = nullptr;   // [e_n + 1] on the device, or nullptr: one group of `rows` rows
+  int64_t rows = 0;               // R
+  int64_t p = 0;                  // wgrad: the cols layout's width
+  int e_n = 0, i_n = 0, o_n = 0;  // groups (experts), the weight's I and O
+};
+
+// Group e's (M, N, K), operands, scales, leading dimensions (elements) and layouts. `skip`: no tiles.
+template <class G>
+__device__ void set_group(const Arrays<G>& arr, int e, int m, int n, int k, const uint8_t* a, int64_t lda,
+                          const float* sfa, const uint8_t* b, int64_t ldb, const float* sfb, typename G::Out* d,
+                          bool skip) {
+  arr.problems[e] = Problem(skip ? 0 : m, n, k);
+  arr.a[e] = reinterpret_cast<const typename G::ElementIn*>(a);
+  arr.b[e] = reinterpret_cast<const typename G::ElementIn*>(b);
+  arr.sfa[e] = sfa;
+  arr.sfb[e] = sfb;
+  arr.c[e] = d;
+  arr.d[e] = d;
+  arr.sa[e] = cute::make_stride(lda, cute::Int<1>{}, cute::Int<0>{});
+  arr.sb[e] = cute::make_stride(ldb, cute::Int<1>{}, cute::Int<0>{});
+  arr.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(m, n, 1));
+  arr.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(m, n, 1));
+  arr.lsfa[e] = G::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
+  arr.lsfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+}
+
+__device__ __forceinline__ int64_t tiles_of(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
+
+// One thread per group.
+template <class G, Kind kKind>
+__global__ void build_fp8_args(Arrays<G> arr, Operands op) {
+  const int e = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (e >= op.e_n) return;
+  const int64_t begin = op.off != nullptr ? op.off[e] : 0;
+  const int m = static_cast<int>(op.off != nullptr ? op.off[e + 1] - begin : op.rows);
+  const int64_t ib = tiles_of(op.i_n), ob = tiles_of(op.o_n);
+  const int64_t we = static_cast<int64_t>(e) * op.o_n * op.i_n;  // expert e's weight matrix
+  auto* d = static_cast<typename G::Out*>(op.d);
+  if constexpr (kKind == Kind::forward) {  // y_e = x_e @ w_e^T: (m, O, I)
+    set_group<G>(arr, e, m, op.o_n, op.i_n, op.a + begin * op.i_n, op.i_n, op.sfa + begin * ib, op.b + we, op.i_n,
+                 op.sfb + e * ib * ob, d + begin * op.o_n, false);
+  } else if constexpr (kKind == Kind::dgrad) {  // dx_e = dy_e @ w_e: (m, I, O), B = w_e^T stored [I, O]
+    set_group<G>(arr, e, m, op.i_n, op.o_n, op.a + begin * op.o_n, op.o_n, op.sfa + begin * ob, op.b + we, op.o_n,
+                 op.sfb + e * ob * ib, d + begin * op.i_n, false);
+  } else {  // dw_e += dy_e^T @ x_e: (O, I, m); segment e starts at column p_e of the cols layout
+    int64_t p_e = 0;
+    if (op.off != nullptr)
+      for (int j = 0; j < e; ++j) p_e += tiles_of(op.off[j + 1] - op.off[j]) * kFp8Tile;
+    set_group<G>(arr, e, op.o_n, op.i_n, m, op.a + p_e, op.p, op.sfa + p_e / kFp8Tile * op.o_n, op.b + p_e, op.p,
+                 op.sfb + p_e / kFp8Tile * op.i_n, d + we, m == 0);
+  }
+}
+
+// The SMs the persistent GEMMs spread over: all, or kernels.gemm_sms (as the bf16 grouped GEMM).
+struct HardwareState final : ExecLibraryState {
+  explicit HardwareState(const ExecContext& ctx) {
+    MF_CUDA_CHECK(cudaGetDevice(&info.device_id));
+    info.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(info.device_id);
+    if (const int n = ctx.kernels().gemm_sms; n > 0) {
+      if (n > info.sm_count) MF_FAIL("kernels.gemm_sms = ", n, ": this GPU has ", info.sm_count, " SMs");
+      info.sm_count = n;
+    }
+  }
+  cutlass::KernelHardwareInfo info;
+};
+cutlass::KernelHardwareInfo hardware_info(const ExecContext& ctx) {
+  return ctx.library<HardwareState>(ExecLibrary::cutlass_fp8).info;
+}
+
+// Builds the group arguments on the device and runs one grouped GEMM of kind kKind.
+template <class G, Kind kKind>
+void run_fp8(const ExecContext& ctx, const Operands& op, float beta, const char* what) {
+  Arrays<G> arr = Arrays<G>::carve(ctx.scratch(ScratchSlot::fp8_gemm_args, Arrays<G>::bytes(op.e_n)), op.e_n);
+  constexpr int kThreads = 128;
+  build_fp8_args<G, kKind><<<static_cast<unsigned>(ceil_div(op.e_n, kThreads)), kThreads, 0, stream_of(ctx)>>>(arr, op);
+  MF_CUDA_LAUNCHED(what);
+  typename G::Thread thread;
+  thread.alpha = 1.0f;
+  thread.beta = beta;
+  typename G::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                   {op.e_n, arr.problems, nullptr},
+                                   {arr.a, arr.sa, arr.b, arr.sb, arr.sfa, arr.lsfa, arr.sfb, arr.lsfb},
+                                   {thread, arr.c, arr.sc, arr.d, arr.sd},
+                                   hardware_info(ctx)};
+  typename G::Gemm gemm;
+  const cutlass::Status ok = gemm.can_implement(args);
+  MF_CHECK(ok == cutlass::Status::kSuccess, what, ": CUTLASS cannot run this FP8 grouped GEMM (",
+           cutlassGetStatusString(ok), ")");
+  const size_t ws_bytes = G::Gemm::get_workspace_size(args);
+  void* ws = ctx.scratch(ScratchSlot::grouped_gemm_workspace, ws_bytes);
+  const cutlass::Status init = gemm.initialize(args, ws, stream_of(ctx));
+  MF_CHECK(init == cutlass::Status::kSuccess, what, ": CUTLASS initialize: ", cutlassGetStatusString(init));
+  const cutlass::Status run = gemm.run(stream_of(ctx));
+  MF_CHECK(run == cutlass::Status::kSuccess, what, ": CUTLASS run: ", cutlassGetStatusString(run));
+  MF_CUDA_LAUNCHED(what);
+}
+
+// dw_e = 0 for every expert e without rows (blockIdx.y = e; the other experts' blocks exit).
+template <class T>
+__global__ void zero_empty_experts(T* dw, const int64_t* __restrict__ off, int64_t per) {
+  const int64_t e = blockIdx.y;
+  if (off[e + 1] != off[e]) return;
+  T* d = dw + e * per;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < per;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    d[i] = T(0.0f);
+}
+
+// ---- operands in scratch -----------------------------------------------------------------------
+
+constexpr size_t kAlign = 256;
+size_t padded(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// A quantized operand: `codes` bytes of E4M3 and `scales` floats, in one scratch slot.
+struct Quantized {
+  uint8_t* q;
+  float* s;
+};
+Quantized quantized_scratch(const ExecContext& ctx, ScratchSlot slot, int64_t codes, int64_t scales) {
+  const size_t qb = padded(static_cast<size_t>(codes));
+  char* base = static_cast<char*>(ctx.scratch(slot, qb + padded(static_cast<size_t>(scales) * sizeof(float))));
+  return {reinterpret_cast<uint8_t*>(base), reinterpret_cast<float*>(base + qb)};
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The GPU's conditions on one FP8 linear call (the entry point checked shapes and devices): the
+// dtypes and widths are the model's (an Error naming them); alignment is the allocator's.
+void check_gpu_operands(const Tensor& x, const Tensor& w, const Tensor& dy_or_y, const Tensor& dx, const Tensor& dw,
+                        const char* what) {
+  const int64_t o_n = w.size(w.ndim() == 3 ? 1 : 0), i_n = x.size(1);
+  if (x.dtype() != DType::bf16 || w.dtype() != DType::bf16 || dy_or_y.dtype() != DType::bf16)
+    MF_FAIL(what, " on the GPU: x ", x.str(), ", w ", w.str(), ", y / dy ", dy_or_y.str(),
+            " (the FP8 GEMMs take bf16; f32 and f64 run on the CPU)");
+  if (dw.defined() && dw.dtype() != DType::f32 && dw.dtype() != DType::bf16)
+    MF_FAIL(what, " on the GPU: dw ", dw.str(), " (f32 or bf16)");
+  if (i_n % 16 != 0 || o_n % 16 != 0)
+    MF_FAIL(what, " on the GPU: I = ", i_n, " and O = ", o_n,
+            " must be multiples of 16 (TMA moves rows of 16-byte multiples of E4M3)");
+  for (const Tensor* t : {&x, &w, &dy_or_y, &dx, &dw})
+    MF_CHECK(!t->defined() || aligned16(t->data()), what, " on the GPU: ", t->str(), " is not 16-byte aligned");
+}
+
+// y = x @ w^T per group (off: [e_n + 1] device offsets, or nullptr: one group of all rows).
+void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n, const Tensor& y,
+             const char* what) {
+  check_gpu_operands(x, w, y, Tensor(), Tensor(), what);
+  const int64_t r_n = x.size(0), i_n = x.size(1), o_n = w.size(w.ndim() == 3 ? 1 : 0);
+  if (r_n == 0 || e_n == 0) return;
+  const int64_t ib = ceil_div(i_n, kFp8Tile), ob = ceil_div(o_n, kFp8Tile);
+  const Quantized qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * i_n, ib * r_n);
+  launch_fp8_quantize_rows(ctx, x.data(), x.dtype(), r_n, i_n, qx.q, qx.s, off, e_n);
+  const Quantized qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, e_n * ib * ob);
+  launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, qw.q, nullptr, nullptr, qw.s);  // sT
+  Operands op;
+  op.a = qx.q, op.sfa = qx.s, op.b = qw.q, op.sfb = qw.s, op.d = y.data(), op.off = off, op.rows = r_n;
+  op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
+  run_fp8<RowsBlocks, Kind::forward>(ctx, op, 0.0f, what);
+}
+
+// dx = dy @ w and dw (+)= dy^T @ x per group; dx or dw undefined: skipped.
+void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n,
+              const Tensor& dy, const Tensor& dx, const Tensor& dw, bool accumulate, const char* what) {
+  check_gpu_operands(x, w, dy, dx, dw, what);
+  const int64_t r_n = x.size(0), i_n = x.size(1), o_n = w.size(w.ndim() == 3 ? 1 : 0);
+  if (e_n == 0) return;
+  if (r_n == 0) {
+    if (dw.defined() && !accumulate) MF_CUDA_CHECK(cudaMemsetAsync(dw.data(), 0, dw.nbytes(), stream_of(ctx)));
+    return;
+  }
+  const int64_t ib = ceil_div(i_n, kFp8Tile), ob = ceil_div(o_n, kFp8Tile);
+  Operands op;
+  op.off = off, op.rows = r_n;
+  op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
+  if (dx.defined()) {
+    const Quantized qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * o_n, ob * r_n);
+    launch_fp8_quantize_rows(ctx, dy.data(), dy.dtype(), r_n, o_n, qdy.q, qdy.s, off, e_n);
+    const Quantized qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, e_n * ob * ib);
+    launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, nullptr, qw.s, qw.q, nullptr);  // qT, s
+    op.a = qdy.q, op.sfa = qdy.s, op.b = qw.q, op.sfb = qw.s, op.d = dx.data();
+    run_fp8<RowsBlocks, Kind::dgrad>(ctx, op, 0.0f, what);
+  }
+  if (!dw.defined()) return;
+  const bool dw16 = dw.dtype() == DType::bf16;
+  // Written (beta = 0: the epilogue does not read dw): an expert without rows gets no tiles, so
+  // its dw is zeroed here (the offsets are read on the device).
+  if (!accumulate && off != nullptr) {
+    const dim3 grid(64, static_cast<unsigned>(e_n));
+    if (dw16)
+      zero_empty_experts<<<grid, 256, 0, stream_of(ctx)>>>(static_cast<__nv_bfloat16*>(dw.data()), off, o_n * i_n);
+    else
+      zero_empty_experts<<<grid, 256, 0, stream_of(ctx)>>>(dw.ptr<float>(), off, o_n * i_n);
+    MF_CUDA_LAUNCHED("fp8 wgrad (zero empty experts)");
+  }
+  // The slots of dgrad's operands are reused: this stream ran (or queued) dgrad before.
+  const int64_t p = fp8_cols_width(r_n, off != nullptr ? e_n : 1);
+  const Quantized qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, o_n * p, p / kFp8Tile * o_n);
+  launch_fp8_quantize_cols(ctx, dy.data(), dy.dtype(), r_n, o_n, off, off != nullptr ? e_n : 1, p, qdy.q, qdy.s);
+  const Quantized qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, i_n * p, p / kFp8Tile * i_n);
+  launch_fp8_quantize_cols(ctx, x.data(), x.dtype(), r_n, i_n, off, off != nullptr ? e_n : 1, p, qx.q, qx.s);
+  op.a = qdy.q, op.sfa = qdy.s, op.b = qx.q, op.sfb = qx.s, op.d = dw.data(), op.p = p;
+  if (dw16)
+    run_fp8<ColsBf16, Kind::wgrad>(ctx, op, accumulate ? 1.0f : 0.0f, what);
+  else
+    run_fp8<ColsF32, Kind::wgrad>(ctx, op, accumulate ? 1.0f : 0.0f, what);
+}
+
+}  // namespace
+
+void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
+  forward(ctx, x_NI, w_OI, nullptr, 1, y_NO, "fp8_linear_forward");
+}
+
+void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate) {
+  backward(ctx, x_NI, w_OI, nullptr, 1, dy_NO, dx_NI, dw_OI, accumulate, "fp8_linear_backward");
+}
+
+void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                const Tensor& offsets_E1, const Tensor& y_RO) {
+  forward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), y_RO, "fp8_grouped_linear_forward");
+}
+
+void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                 const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
+                                 const Tensor& dw_EOI, bool accumulate) {
+  backward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), dy_RO, dx_RI, dw_EOI, accumulate,
+           "fp8_grouped_linear_backward");
+}
+
+#else  // built without CUTLASS's headers
+
+bool fp8_gemm_built() { return false; }
+
+namespace {
+[[noreturn]] void no_cutlass(const char* what) {
+  MF_FAIL(what,
+          ": train.fp8 = blockwise on the GPU needs a build with CUTLASS's headers (CMake fetches the nvidia-cutlass "
+          "wheel when MOEFOLD_CUTLASS is ON; this build has MOEFOLD_WITH_CUTLASS off)");
+}
+}  // namespace
+
+void fp8_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cutlass("fp8_linear_forward");
+}
+void fp8_linear_backward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                         bool) {
+  no_cutlass("fp8_linear_backward");
+}
+void fp8_grouped_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cutlass("fp8_grouped_linear_forward");
+}
+void fp8_grouped_linear_backward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, const Tensor&, bool) {
+  no_cutlass("fp8_grouped_linear_backward");
+}
+
+#endif
+
+}  // namespace moefold::cuda

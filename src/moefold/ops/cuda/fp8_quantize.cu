@@ -1,0 +1,532 @@
+// FP8 quantization on the GPU (ops/fp8.h's rows, cols and blocks layouts and their inverses), bit
+// for bit as the CPU reference (ops/cpu/fp8.cpp): the tile's amax over |x| in f32, its power-of-two
+// scale read off amax's exponent bits (never a log), x / s computed as x * 2^-e (exact: the same
+// correctly rounded quotient), and one rounding to E4M3 by the hardware's cvt.rn.satfinite.
+//
+// Memory-bound passes: rows give each warp one 128-element tile (a coalesced 256 / 512-byte row
+// segment, a warp max); cols stage a 128-row x 64-column tile per block and write its transpose
+// from shared memory, 128 contiguous bytes per column; blocks read a 128 x 128 block row by row and
+// write its transpose (qT) through shared memory the same way.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cub/block/block_scan.cuh>
+
+#include "moefold/ops/cuda/common.cuh"
+#include "moefold/ops/cuda/fp8.h"
+#include "moefold/ops/fp8.h"
+
+namespace moefold::cuda {
+namespace {
+
+constexpr int kTile = static_cast<int>(kFp8Tile);
+constexpr int kThreads = 256;  // every kernel here: 8 warps
+constexpr int kWarps = kThreads / 32;
+static_assert(kTile == 128, "the kernels map 32 lanes x 4 elements onto one tile");
+
+constexpr uint32_t kInfBits = 0x7f800000u;
+
+// |x| as the bits of a non-negative float: for those, integer order is float order and NaN's bits
+// exceed infinity's, so an integer max (one warp instruction) gives amax and flags non-finite tiles.
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+// A tile's scale s = 2^e and 1 / s, as fp8_tile_scale (ops/fp8.h): the smallest e in [-126, 127]
+// with amax <= 448 * 2^e. amax = 1.m * 2^(E - 127) (E its biased exponent) and 448 = 1.75 * 2^8, so
+// e = E - 135 when 1.m <= 1.75 (mantissa bits <= 0x600000), else E - 134; a subnormal amax clamps
+// to -126. amax == 0 or non-finite: s = 1 (non-finite values take e4m3_special's path).
+struct TileScale {
+  float scale;
+  float inv;    // 2^-e exactly (2^-127 is a subnormal, still exact)
+  bool finite;  // every value of the tile is finite
+};
+
+__device__ __forceinline__ TileScale tile_scale(uint32_t amax_bits) {
+  if (amax_bits >= kInfBits) return {1.0f, 1.0f, false};
+  if (amax_bits == 0) return {1.0f, 1.0f, true};
+  const int exp_field = static_cast<int>(amax_bits >> 23);
+  int e = exp_field == 0 ? -126 : exp_field - 135 + ((amax_bits & 0x7fffffu) > 0x600000u ? 1 : 0);
+  e = max(-126, min(127, e));
+  const float s = __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+  const float inv = e == 127 ? __uint_as_float(0x00400000u) : __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
+  return {s, inv, true};
+}
+
+// e4m3_from_float's rule for any float: NaN -> 0x7f (the hardware might keep a NaN's sign),
+// infinities -> +-448 (0x7e / 0xfe) spelled out rather than trusted to satfinite; finite values as
+// the hardware rounds them (to nearest even, saturating at +-448).
+__device__ __forceinline__ uint32_t e4m3_special(float v) {
+  const uint32_t a = abs_bits(v);
+  if (a > kInfBits) return 0x7fu;
+  if (a == kInfBits) return v < 0.0f ? 0xfeu : 0x7eu;
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+// Four values already divided by their scale, as four codes (byte j: value j). In a finite tile
+// every value is finite and the paired conversion serves.
+__device__ __forceinline__ uint32_t e4m3x4(const float v[4], bool finite) {
+  if (!finite)
+    return e4m3_special(v[0]) | e4m3_special(v[1]) << 8 | e4m3_special(v[2]) << 16 | e4m3_special(v[3]) << 24;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0], v[1]), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2], v[3]), __NV_SATFINITE, __NV_E4M3);
+  return lo | hi << 16;
+}
+__device__ __forceinline__ uint8_t e4m3(float v, bool finite) {
+  return static_cast<uint8_t>(finite ? __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3) : e4m3_special(v));
+}
+
+// An E4M3 code as a float (exact: E4M3 is a subset of f16); 0x7f / 0xff give NaN.
+__device__ __forceinline__ float e4m3_value(uint8_t q) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(q, __NV_E4M3)));
+}
+
+// Four consecutive elements (16-byte f32 / 8-byte bf16 loads; REQUIRES that alignment).
+__device__ __forceinline__ void load4(const float* p, float v[4]) {
+  const float4 t = *reinterpret_cast<const float4*>(p);
+  v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+}
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float v[4]) {
+  const uint2 t = *reinterpret_cast<const uint2*>(p);  // a bf16 is the high half of its float
+  v[0] = __uint_as_float(t.x << 16), v[1] = __uint_as_float(t.x & 0xffff0000u);
+  v[2] = __uint_as_float(t.y << 16), v[3] = __uint_as_float(t.y & 0xffff0000u);
+}
+
+// The largest g < groups with off[g] <= r: row r's group (empty groups share an offset with the
+// next one; the last of equals is the one whose range holds r).
+__device__ __forceinline__ int find_group(const int64_t* __restrict__ off, int groups, int64_t r) {
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (off[mid] <= r)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// ---- rows ------------------------------------------------------------------------------------------
+
+// Warp w of block (bx, b) quantizes tile b of row 8 bx + w; lane l holds its elements 4l .. 4l + 3.
+// kVec: k % 4 == 0 with aligned x and q (vector loads, one 32-bit store of 4 codes per lane).
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    quantize_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t k, uint8_t* __restrict__ q,
+                         float* __restrict__ s, const int64_t* __restrict__ off, int groups) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t r = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
+  if (r >= rows) return;  // whole warps
+  const int64_t b = blockIdx.y, k0 = b * kTile + 4 * lane;
+  const T* xr = x + r * k;
+  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if constexpr (kVec) {
+    if (k0 < k) load4(xr + k0, v);
+  } else {
+    for (int j = 0; j < 4; ++j)
+      if (k0 + j < k) v[j] = to_float(xr[k0 + j]);
+  }
+  uint32_t m = max(max(abs_bits(v[0]), abs_bits(v[1])), max(abs_bits(v[2]), abs_bits(v[3])));
+  m = __reduce_max_sync(0xffffffffu, m);
+  const TileScale ts = tile_scale(m);
+  const float scaled[4] = {v[0] * ts.inv, v[1] * ts.inv, v[2] * ts.inv, v[3] * ts.inv};
+  const uint32_t codes = e4m3x4(scaled, ts.finite);
+  uint8_t* qr = q + r * k;
+  if constexpr (kVec) {
+    if (k0 < k) *reinterpret_cast<uint32_t*>(qr + k0) = codes;
+  } else {
+    for (int j = 0; j < 4; ++j)
+      if (k0 + j < k) qr[k0 + j] = static_cast<uint8_t>(codes >> (8 * j));
+  }
+  if (lane == 0) {
+    if (off == nullptr) {
+      s[b * rows + r] = ts.scale;
+    } else {
+      const int g = find_group(off, groups, r);
+      const int64_t begin = off[g];
+      s[begin * gridDim.y + b * (off[g + 1] - begin) + (r - begin)] = ts.scale;
+    }
+  }
+}
+
+// x [rows, k] = q * s in x's dtype, one thread per element.
+template <class T>
+__global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q, const float* __restrict__ s, int64_t rows,
+                                       int64_t k, T* __restrict__ x) {
+  const int64_t n = rows * k;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / k, c = i % k;
+    x[i] = from_float<T>(e4m3_value(q[i]) * s[(c / kTile) * rows + r]);
+  }
+}
+
+// ---- cols ------------------------------------------------------------------------------------------
+
+// Padded tile pt of the cols layout (qT's columns [128 pt, 128 pt + 128)): rows [r0, r0 + n) of x,
+// n <= 128; n == 0 for the tiles past the last segment's.
+struct ColTile {
+  int64_t r0;
+  int64_t n;
+};
+
+// One block: each segment's tiles from an exclusive scan of ceil(n_j / 128) over the segments
+// (p_j / 128 in ops/fp8.h), in rounds of kThreads segments.
+__global__ void __launch_bounds__(kThreads) col_tiles_kernel(const int64_t* __restrict__ off, int64_t segments,
+                                                             int64_t rows, int64_t tiles, ColTile* __restrict__ map) {
+  using Scan = cub::BlockScan<int64_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int64_t done;  // tiles of the segments before this round
+  if (threadIdx.x == 0) done = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < segments; base += kThreads) {
+    const int64_t j = base + threadIdx.x;
+    int64_t begin = 0, end = 0;
+    if (j < segments) {
+      begin = off != nullptr ? off[j] : 0;
+      end = off != nullptr ? off[j + 1] : rows;
+    }
+    const int64_t count = (end - begin + kTile - 1) / kTile;
+    int64_t first = 0, total = 0;
+    Scan(scan_storage).ExclusiveSum(count, first, total);
+    first += done;
+    for (int64_t t = 0; t < count && first + t < tiles; ++t)
+      map[first + t] = {begin + t * kTile, std::min<int64_t>(kTile, end - begin - t * kTile)};
+    __syncthreads();  // every thread has read `done` and left the scan's storage
+    if (threadIdx.x == 0) done += total;
+    __syncthreads();
+  }
+  for (int64_t pt = done + threadIdx.x; pt < tiles; pt += kThreads) map[pt] = {0, 0};
+}
+
+constexpr int kColChunk = 64;           // columns per block: a warp reads 64 contiguous elements of a row
+constexpr int kCodeStride = kTile + 4;  // bytes per column of staged codes: 4-byte aligned, banks spread
+
+// Block (cx, pt): columns [64 cx, 64 cx + 64) of padded tile pt. Lane l of warp w loads columns 2l
+// and 2l + 1 of rows w, w + 8, ..., w + 120; the column maxima meet in shared memory; the codes are
+// staged transposed and leave as 128 contiguous bytes of qT per column. kVec: column pairs as one
+// load (cols even, x aligned).
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    quantize_cols_kernel(const T* __restrict__ x, int64_t cols, int64_t p, const ColTile* __restrict__ map,
+                         uint8_t* __restrict__ qT, float* __restrict__ sT) {
+  const int64_t pt = blockIdx.y;
+  const ColTile tile = map[pt];
+  if (tile.n == 0) return;
+  const int n = static_cast<int>(tile.n);
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int64_t c0 = blockIdx.x * static_cast<int64_t>(kColChunk);
+  const int64_t c = c0 + 2 * lane;
+  __shared__ uint32_t partial[kWarps][kColChunk];
+  __shared__ float inv_of[kColChunk];
+  __shared__ bool finite_of[kColChunk];
+  __shared__ __align__(16) uint8_t codes[kColChunk][kCodeStride];
+
+  float v[kTile / kWarps][2];
+  uint32_t m0 = 0, m1 = 0;
+#pragma unroll
+  for (int i = 0; i < kTile / kWarps; ++i) {
+    const int t = warp + kWarps * i;
+    v[i][0] = v[i][1] = 0.0f;
+    if (t < n) {
+      const T* row = x + (tile.r0 + t) * cols;
+      if constexpr (kVec) {
+        if (c < cols) {
+          if constexpr (sizeof(T) == 4) {
+            const float2 pair = *reinterpret_cast<const float2*>(row + c);
+            v[i][0] = pair.x, v[i][1] = pair.y;
+          } else {
+            const uint32_t pair = *reinterpret_cast<const uint32_t*>(row + c);
+            v[i][0] = __uint_as_float(pair << 16), v[i][1] = __uint_as_float(pair & 0xffff0000u);
+          }
+        }
+      } else {
+        if (c < cols) v[i][0] = to_float(row[c]);
+        if (c + 1 < cols) v[i][1] = to_float(row[c + 1]);
+      }
+    }
+    m0 = max(m0, abs_bits(v[i][0]));
+    m1 = max(m1, abs_bits(v[i][1]));
+  }
+  partial[warp][2 * lane] = m0;
+  partial[warp][2 * lane + 1] = m1;
+  __syncthreads();
+  if (threadIdx.x < kColChunk) {
+    uint32_t m = 0;
+    for (int w = 0; w < kWarps; ++w) m = max(m, partial[w][threadIdx.x]);
+    const TileScale ts = tile_scale(m);
+    inv_of[threadIdx.x] = ts.inv;
+    finite_of[threadIdx.x] = ts.finite;
+    if (c0 + threadIdx.x < cols) sT[pt * cols + c0 + threadIdx.x] = ts.scale;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kTile / kWarps; ++i) {
+    const int t = warp + kWarps * i;
+    if (t < n)
+      for (int h = 0; h < 2; ++h) {
+        const int cl = 2 * lane + h;
+        codes[cl][t] = e4m3(v[i][h] * inv_of[cl], finite_of[cl]);
+      }
+  }
+  __syncthreads();
+  const int t = 4 * lane;
+  for (int cl = warp; cl < kColChunk && c0 + cl < cols; cl += kWarps) {
+    uint8_t* dst = qT + (c0 + cl) * p + pt * kTile;  // p % 128 == 0: 4-byte aligned with qT
+    if (t + 3 < n) {
+      *reinterpret_cast<uint32_t*>(dst + t) = *reinterpret_cast<const uint32_t*>(&codes[cl][t]);
+    } else {
+      for (int j = 0; j < 4; ++j)
+        if (t + j < n) dst[t + j] = codes[cl][t + j];
+    }
+  }
+}
+
+// Block (cx, pt): thread j writes column 256 cx + j of padded tile pt's rows (x's rows coalesced;
+// qT read a byte at a time: the inverse serves tests and the CPU-style emulation, not training).
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_cols_kernel(const uint8_t* __restrict__ qT, const float* __restrict__ sT, int64_t cols, int64_t p,
+                           const ColTile* __restrict__ map, T* __restrict__ x) {
+  const int64_t pt = blockIdx.y, c = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  const ColTile tile = map[pt];
+  if (c >= cols) return;
+  const float s = sT[pt * cols + c];
+  const uint8_t* src = qT + c * p + pt * kTile;
+  for (int64_t t = 0; t < tile.n; ++t) x[(tile.r0 + t) * cols + c] = from_float<T>(e4m3_value(src[t]) * s);
+}
+
+// ---- blocks ----------------------------------------------------------------------------------------
+
+// Block (bi, bo, e): the 128 x 128 block (bo, bi) of matrix e. Lane l of warp w holds columns
+// 4l .. 4l + 3 of rows w, w + 8, ..., w + 120. kVec: i % 4 == 0 with aligned w and q (vector
+// loads and 32-bit stores); vec_t: o % 4 == 0 with qT aligned (32-bit stores of qT's rows).
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    quantize_blocks_kernel(const T* __restrict__ w, int64_t o_n, int64_t i_n, uint8_t* __restrict__ q,
+                           float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, bool vec_t) {
+  const int64_t e = blockIdx.z, bo = blockIdx.y, bi = blockIdx.x, ob = gridDim.y, ib = gridDim.x;
+  const int64_t o0 = bo * kTile, i0 = bi * kTile;
+  const int h = static_cast<int>(std::min<int64_t>(kTile, o_n - o0)),
+            wd = static_cast<int>(std::min<int64_t>(kTile, i_n - i0));
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int c = 4 * lane;
+  const int64_t base = e * o_n * i_n + o0 * i_n + i0;  // element (o0, i0) of matrix e
+  __shared__ uint32_t partial[kWarps];
+  __shared__ __align__(16) uint8_t codes[kTile][kCodeStride];  // [column][row]: qT's rows
+
+  float v[kTile / kWarps][4];
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < kTile / kWarps; ++i) {
+    const int o = warp + kWarps * i;
+    v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.0f;
+    if (o < h) {
+      const T* row = w + base + o * i_n;
+      if constexpr (kVec) {
+        if (c < wd) load4(row + c, v[i]);
+      } else {
+        for (int j = 0; j < 4; ++j)
+          if (c + j < wd) v[i][j] = to_float(row[c + j]);
+      }
+    }
+    m = max(m, max(max(abs_bits(v[i][0]), abs_bits(v[i][1])), max(abs_bits(v[i][2]), abs_bits(v[i][3]))));
+  }
+  m = __reduce_max_sync(0xffffffffu, m);
+  if (lane == 0) partial[warp] = m;
+  __syncthreads();
+  m = partial[0];
+  for (int j = 1; j < kWarps; ++j) m = max(m, partial[j]);
+  const TileScale ts = tile_scale(m);
+  if (threadIdx.x == 0) {
+    if (s != nullptr) s[(e * ob + bo) * ib + bi] = ts.scale;
+    if (sT != nullptr) sT[(e * ib + bi) * ob + bo] = ts.scale;
+  }
+#pragma unroll
+  for (int i = 0; i < kTile / kWarps; ++i) {
+    const int o = warp + kWarps * i;
+    if (o >= h) continue;
+    const float scaled[4] = {v[i][0] * ts.inv, v[i][1] * ts.inv, v[i][2] * ts.inv, v[i][3] * ts.inv};
+    const uint32_t c4 = e4m3x4(scaled, ts.finite);
+    if (q != nullptr) {
+      uint8_t* dst = q + base + o * i_n + c;
+      if constexpr (kVec) {
+        if (c < wd) *reinterpret_cast<uint32_t*>(dst) = c4;
+      } else {
+        for (int j = 0; j < 4; ++j)
+          if (c + j < wd) dst[j] = static_cast<uint8_t>(c4 >> (8 * j));
+      }
+    }
+    if (qT != nullptr)
+      for (int j = 0; j < 4; ++j)
+        if (c + j < wd) codes[c + j][o] = static_cast<uint8_t>(c4 >> (8 * j));
+  }
+  if (qT == nullptr) return;  // uniform over the block
+  __syncthreads();
+  const int t = 4 * lane;
+  for (int cl = warp; cl < wd; cl += kWarps) {
+    uint8_t* dst = qT + e * i_n * o_n + (i0 + cl) * o_n + o0;
+    if (vec_t && t + 3 < h) {
+      *reinterpret_cast<uint32_t*>(dst + t) = *reinterpret_cast<const uint32_t*>(&codes[cl][t]);
+    } else {
+      for (int j = 0; j < 4; ++j)
+        if (t + j < h) dst[t + j] = codes[cl][t + j];
+    }
+  }
+}
+
+// w [e, o, i] = q * s, one thread per element.
+template <class T>
+__global__ void dequantize_blocks_kernel(const uint8_t* __restrict__ q, const float* __restrict__ s, int64_t e_n,
+                                         int64_t o_n, int64_t i_n, T* __restrict__ w) {
+  const int64_t n = e_n * o_n * i_n, ob = (o_n + kTile - 1) / kTile, ib = (i_n + kTile - 1) / kTile;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % i_n, o = (idx / i_n) % o_n, e = idx / (i_n * o_n);
+    w[idx] = from_float<T>(e4m3_value(q[idx]) * s[(e * ob + o / kTile) * ib + i / kTile]);
+  }
+}
+
+// ---- launch helpers --------------------------------------------------------------------------------
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Calls f.template operator()<T>() for a GPU input dtype (f32, bf16); f64 and others fail clearly.
+template <class F>
+void with_input_dtype(DType dtype, const char* what, F&& f) {
+  if (dtype == DType::f32) return f.template operator()<float>();
+  if (dtype == DType::bf16) return f.template operator()<__nv_bfloat16>();
+  MF_FAIL(what, " on the GPU: ", dtype_name(dtype), " values (the GPU quantizes f32 or bf16; f64 is CPU-only)");
+}
+
+// Blocks for an elementwise grid-stride loop over n elements.
+unsigned elementwise_blocks(int64_t n) {
+  return static_cast<unsigned>(std::clamp<int64_t>(ceil_div(n, kThreads), 1, 65536));
+}
+
+unsigned grid_dim_yz(int64_t n, const char* what) {
+  if (n > 65535) MF_FAIL(what, " on the GPU: ", n, " tiles along a grid dimension limited to 65535");
+  return static_cast<unsigned>(n);
+}
+
+// The cols layout's tile map for `segments` segments (offsets on the device, or nullptr: one of
+// all `rows`), in fp8_tile_map scratch.
+const ColTile* col_tiles(const ExecContext& ctx, const int64_t* offsets, int64_t segments, int64_t rows,
+                         int64_t tiles) {
+  auto* map =
+      static_cast<ColTile*>(ctx.scratch(ScratchSlot::fp8_tile_map, static_cast<size_t>(tiles) * sizeof(ColTile)));
+  col_tiles_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(offsets, segments, rows, tiles, map);
+  MF_CUDA_LAUNCHED("fp8 cols (tile map)");
+  return map;
+}
+
+}  // namespace
+
+// ---- raw launchers ---------------------------------------------------------------------------------
+
+void launch_fp8_quantize_rows(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t k, uint8_t* q,
+                              float* s, const int64_t* group_offsets, int64_t groups) {
+  if (rows == 0 || k == 0) return;
+  const dim3 grid(static_cast<unsigned>(ceil_div(rows, kWarps)), grid_dim_yz(ceil_div(k, kTile), "fp8_quantize_rows"));
+  with_input_dtype(dtype, "fp8_quantize_rows", [&]<class T>() {
+    const T* xt = static_cast<const T*>(x);
+    const bool vec = k % 4 == 0 && aligned(x, 4 * sizeof(T)) && aligned(q, 4);
+    if (vec)
+      quantize_rows_kernel<T, true>
+          <<<grid, kThreads, 0, stream_of(ctx)>>>(xt, rows, k, q, s, group_offsets, static_cast<int>(groups));
+    else
+      quantize_rows_kernel<T, false>
+          <<<grid, kThreads, 0, stream_of(ctx)>>>(xt, rows, k, q, s, group_offsets, static_cast<int>(groups));
+  });
+  MF_CUDA_LAUNCHED("fp8_quantize_rows");
+}
+
+void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
+                              const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT) {
+  MF_CHECK(p % kTile == 0, "fp8_quantize_cols: qT's width ", p, " is not a multiple of 128");
+  if (rows == 0 || cols == 0 || p == 0) return;
+  const int64_t tiles = p / kTile;
+  const ColTile* map = col_tiles(ctx, offsets, segments, rows, tiles);
+  const dim3 grid(static_cast<unsigned>(ceil_div(cols, kColChunk)), grid_dim_yz(tiles, "fp8_quantize_cols"));
+  MF_CHECK(aligned(qT, 4), "fp8_quantize_cols: qT is not 4-byte aligned");
+  with_input_dtype(dtype, "fp8_quantize_cols", [&]<class T>() {
+    const T* xt = static_cast<const T*>(x);
+    if (cols % 2 == 0 && aligned(x, 2 * sizeof(T)))
+      quantize_cols_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT);
+    else
+      quantize_cols_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT);
+  });
+  MF_CUDA_LAUNCHED("fp8_quantize_cols");
+}
+
+void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dtype, int64_t e, int64_t o, int64_t i,
+                                uint8_t* q, float* s, uint8_t* qT, float* sT) {
+  if (e == 0 || o == 0 || i == 0) return;
+  const dim3 grid(static_cast<unsigned>(ceil_div(i, kTile)), grid_dim_yz(ceil_div(o, kTile), "fp8_quantize_blocks"),
+                  grid_dim_yz(e, "fp8_quantize_blocks"));
+  const bool vec_t = o % 4 == 0 && aligned(qT, 4);
+  with_input_dtype(dtype, "fp8_quantize_blocks", [&]<class T>() {
+    const T* wt = static_cast<const T*>(w);
+    if (i % 4 == 0 && aligned(w, 4 * sizeof(T)) && aligned(q, 4))
+      quantize_blocks_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t);
+    else
+      quantize_blocks_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t);
+  });
+  MF_CUDA_LAUNCHED("fp8_quantize_blocks");
+}
+
+// ---- the ops ---------------------------------------------------------------------------------------
+
+void fp8_quantize_rows(const ExecContext& ctx, const Tensor& x_RK, const Tensor& q_RK, const Tensor& s_BR) {
+  launch_fp8_quantize_rows(ctx, x_RK.data(), x_RK.dtype(), x_RK.size(0), x_RK.size(1), q_RK.ptr<uint8_t>(),
+                           s_BR.ptr<float>(), nullptr, 1);
+}
+
+void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor& offsets_S1, const Tensor& qT_CP,
+                       const Tensor& sT_BC) {
+  launch_fp8_quantize_cols(ctx, x_RC.data(), x_RC.dtype(), x_RC.size(0), x_RC.size(1), offsets_S1.ptr<int64_t>(),
+                           offsets_S1.numel() - 1, qT_CP.size(1), qT_CP.ptr<uint8_t>(), sT_BC.ptr<float>());
+}
+
+void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
+                         const Tensor& sT) {
+  const bool batched = w.ndim() == 3;
+  launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), batched ? w.size(0) : 1, w.size(batched ? 1 : 0),
+                             w.size(batched ? 2 : 1), q.ptr<uint8_t>(), s.ptr<float>(),
+                             qT.defined() ? qT.ptr<uint8_t>() : nullptr, sT.defined() ? sT.ptr<float>() : nullptr);
+}
+
+void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK) {
+  const int64_t rows = x_RK.size(0), k = x_RK.size(1);
+  if (rows == 0 || k == 0) return;
+  with_input_dtype(x_RK.dtype(), "fp8_dequantize_rows", [&]<class T>() {
+    dequantize_rows_kernel<T><<<elementwise_blocks(rows * k), kThreads, 0, stream_of(ctx)>>>(
+        q_RK.ptr<uint8_t>(), s_BR.ptr<float>(), rows, k, static_cast<T*>(x_RK.data()));
+  });
+  MF_CUDA_LAUNCHED("fp8_dequantize_rows");
+}
+
+void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
+                         const Tensor& x_RC) {
+  const int64_t rows = x_RC.size(0), cols = x_RC.size(1), p = qT_CP.size(1);
+  if (rows == 0 || cols == 0) return;
+  const ColTile* map = col_tiles(ctx, offsets_S1.ptr<int64_t>(), offsets_S1.numel() - 1, rows, p / kTile);
+  const dim3 grid(static_cast<unsigned>(ceil_div(cols, kThreads)), grid_dim_yz(p / kTile, "fp8_dequantize_cols"));
+  with_input_dtype(x_RC.dtype(), "fp8_dequantize_cols", [&]<class T>() {
+    dequantize_cols_kernel<T><<<grid, kThreads, 0, stream_of(ctx)>>>(qT_CP.ptr<uint8_t>(), sT_BC.ptr<float>(), cols, p,
+                                                                     map, static_cast<T*>(x_RC.data()));
+  });
+  MF_CUDA_LAUNCHED("fp8_dequantize_cols");
+}
+
+void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w) {
+  const bool batched = w.ndim() == 3;
+  const int64_t e = batched ? w.size(0) : 1, o = w.size(batched ? 1 : 0), i = w.size(batched ? 2 : 1);
+  if (e * o * i == 0) return;
+  with_input_dtype(w.dtype(), "fp8_dequantize_blocks", [&]<class T>() {
+    dequantize_blocks_kernel<T><<<elementwise_blocks(e * o * i), kThreads, 0, stream_of(ctx)>>>(
+        q.ptr<uint8_t>(), s.ptr<float>(), e, o, i, static_cast<T*>(w.data()));
+  });
+  MF_CUDA_LAUNCHED("fp8_dequantize_blocks");
+}
+
+}  // namespace moefold::cuda

@@ -1,0 +1,90 @@
+// FP8 training (train.fp8 = blockwise, DeepSeek-V3's recipe): E4M3 values with f32 scales, one
+// scale per 1 x 128 tile of activations and gradients (along each GEMM's reduction dimension) and
+// per 128 x 128 block of weights; the FP8 GEMMs of the linear layers built on them. The CPU
+// reference (ops/cpu/fp8.cpp) defines every result; the CUDA ops (ops/cuda/fp8*.cu) quantize bit
+// for bit as it does and run the GEMMs on Hopper's FP8 tensor cores (CUTLASS's blockwise-scaled
+// grouped GEMM), the CPU emulates them (quantize, dequantize, f32 GEMM: the same tiling of scales).
+//
+// Scales are powers of two: a tile's scale is the smallest 2^e with amax / 2^e <= 448 (E4M3's
+// largest finite value), so x / s and q * s are exact and the quantized value is x / s rounded
+// once to E4M3 (to nearest, ties to even). amax == 0 (an all-zero tile) gives scale 1.
+//
+// Layouts (letters as in ops.h; B = ceil(K / 128) tiles along a row; all contiguous):
+//   rows   q_RK (u8, x's shape), s_BR (f32) [ceil(K/128), R]: the scale of row r's tile b at s[b][r].
+//   cols   the transpose, tiled along the rows within row segments (one per expert):
+//          qT_CP (u8) [C, P], sT_BC (f32) [P / 128, C]. Segment j = rows [off[j], off[j+1]) starts
+//          at column p_j = 128 * sum_{i<j} ceil(n_i / 128) of qT (each segment on a 128 boundary);
+//          its rows form tiles of 128 from off[j] (the last may be shorter): qT[c][p_j + t] holds
+//          x[off[j] + t][c] quantized with the scale sT[p_j / 128 + t / 128][c]. Columns between
+//          segments are not written. P >= fp8_cols_width(R, S) always suffices.
+//   blocks each matrix [O, I] of w ([O, I] or [E, O, I]) in 128 x 128 blocks (the last row and
+//          column of blocks may be smaller): q (u8, w's shape), s (f32) [(E,) ceil(O/128),
+//          ceil(I/128)]; optionally the transposed data qT [(E,) I, O] and scales sT [(E,)
+//          ceil(I/128), ceil(O/128)] (the data gradient's operand).
+#pragma once
+
+#include <cstdint>
+
+#include "moefold/core/exec.h"
+#include "moefold/core/tensor.h"
+
+namespace moefold {
+
+inline constexpr int64_t kFp8Tile = 128;
+inline constexpr float kFp8E4m3Max = 448.0f;
+
+// E4M3 ("fn" variant: no infinities, 0x7f / 0xff are NaN). Round to nearest even; finite values
+// beyond +-448 saturate to +-448 (as __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)); NaN
+// gives 0x7f; infinities saturate.
+uint8_t e4m3_from_float(float x);
+float e4m3_to_float(uint8_t q);
+// The scale of a tile whose largest magnitude is amax (the header's rule; non-finite amax: 1, the
+// values saturate).
+float fp8_tile_scale(float amax);
+// Columns of qT that fp8_quantize_cols needs at most for R rows in S segments.
+inline int64_t fp8_cols_width(int64_t rows, int64_t segments) {
+  return (rows + segments * (kFp8Tile - 1) + kFp8Tile - 1) / kFp8Tile * kFp8Tile;
+}
+
+// ---- quantization (x, w: f32, f64 (CPU) or bf16; q u8; scales f32; all on one device) ----------
+void fp8_quantize_rows(const ExecContext& ctx, const Tensor& x_RK, const Tensor& q_RK, const Tensor& s_BR);
+// offsets_S1: i64 [S + 1], on x's device, off[0] = 0, off[S] = R, non-decreasing (the GPU trusts them).
+void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor& offsets_S1, const Tensor& qT_CP,
+                       const Tensor& sT_BC);
+// qT and sT may be undefined (not wanted).
+void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
+                         const Tensor& sT);
+// The inverses (x = q * s, written in x's float dtype): for the tests and the CPU's emulation.
+void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK);
+void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
+                         const Tensor& x_RC);
+void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w);
+
+// ---- FP8 linear layers (same shapes and gradient rule as linear_* and grouped_linear_*) ---------
+// Q_rows / Q_cols / Q_blocks: quantized as above and dequantized. Every product of two E4M3 values
+// is exact; the GPU sums each 128-long block of the reduction in the tensor cores, multiplies the
+// block's partial sum by the two scales and adds it to an f32 accumulator (the "promotion" of
+// DeepSeek-V3's recipe); the CPU sums the dequantized operands in f32 (or f64).
+//   forward  y_NO  = Q_rows(x, along I) @ Q_blocks(w)^T
+//   dgrad    dx_NI = Q_rows(dy, along O) @ Q_blocks(w)          (WRITTEN)
+//   wgrad    dw_OI += Q_cols(dy)^T @ Q_cols(x), the reduction over tokens tiled per 128 rows
+//            (per expert segment in the grouped ops); accumulate == false: written.
+// y, dx: x's dtype (bf16 on the GPU); w: x's dtype; dw: f32 or w's dtype. dx or dw undefined:
+// skipped. The grouped ops take the experts' row segments from offsets_E1 as grouped_linear_*.
+// GPU: I and O multiples of 16; needs a build with CUTLASS (else a clear error).
+void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
+void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate = true);
+void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                const Tensor& offsets_E1, const Tensor& y_RO);
+void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
+                                 const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
+                                 const Tensor& dw_EOI, bool accumulate = true);
+
+// A module's linear layer in its train.fp8 choice: linear_forward / linear_backward (ops.h), or
+// the FP8 ops above when `fp8`.
+void linear_forward_in(const ExecContext& ctx, bool fp8, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
+void linear_backward_in(const ExecContext& ctx, bool fp8, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
+                        const Tensor& dx_NI, const Tensor& dw_OI);
+
+}  // namespace moefold

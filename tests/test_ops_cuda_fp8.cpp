@@ -1,0 +1,499 @@
+// GPU parity of the FP8 ops (ops/fp8.h; CUDA side ops/cuda/fp8_quantize.cu and
+// fp8_gemm_cutlass.cu) against the CPU reference (ops/cpu/fp8.cpp).
+//
+// Quantization: every layout (rows; cols in segments of 0, 1, 127, 128, 129 and 300 rows; blocks
+// with and without the transposed copy) on f32 and bf16 inputs must match the CPU bit for bit,
+// codes and scales, on values spanning ~200 binades with zeros, subnormals, all-zero and all-tiny
+// tiles, ties of E4M3's rounding, amax on the 448 * 2^e boundary and non-finite tiles; bytes the
+// layout leaves unwritten (the columns between segments) must keep their poison. The inverses
+// must match bit for bit too.
+//
+// GEMMs, against f64 products of the operands quantized and dequantized by the CPU ops (the GPU
+// quantizes bit for bit the same, so only the GEMM's own arithmetic differs), on experts with 0,
+// 1, 16, 127, 128, 129 and 300 rows (wgrad's K = a group's rows: K tails below 16), O = 80 and 192
+// (not multiples of 128), Qwen3-30B-A3B's expert shapes, both accumulate modes and f32 / bf16 dw.
+// Tolerances (Frobenius relative error, tests/cuda_testing.h):
+// - y, dx and bf16 dw: 4e-3. Products of E4M3 values are exact and the accumulation is f32-like,
+//   so the result is one rounding to bf16 away from the f64 value (2^-9 relative at worst, ~1.7e-3
+//   in practice, as test_ops_cuda_gemm.cpp's table). Measured on an H200: 1.64e-3..1.69e-3.
+// - f32 dw: 3e-4. Hopper's FP8 wgmma keeps only about 14 bits while it sums a block's products
+//   (DeepSeek-V3, section 3.3.2), which is why the recipe promotes every 128 terms into f32; the
+//   error is of that order per block. Measured: 1.05e-4..1.24e-4 (1.1e-5 with 3 tokens), while
+//   an f32 sum would be ~1e-7: a bound of 1e-5 fails.
+// - Against the plain bf16 ops: 0.08. Each operand's E4M3 rounding errs by up to 2^-4 relative
+//   (~0.026 rms over a binade) and the two add in quadrature (~0.037; measured 0.037..0.038); a
+//   wrong scale or layout gives errors of order 1.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_testing.h"
+#include "moefold/ops/fp8.h"
+#include "moefold/ops/gemm.h"
+#include "moefold/ops/moe_ops.h"
+#include "moefold/ops/ops.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include "moefold/ops/cuda/fp8.h"
+#endif
+
+namespace moefold {
+namespace {
+
+using testing::DevicePool;
+
+// ---- host buffers ----------------------------------------------------------------------------------
+
+// A host tensor owning its bytes (moves keep the storage; no copies).
+struct Host {
+  std::vector<uint8_t> bytes;
+  Tensor t;
+  Host(Shape shape, DType dt, uint8_t fill = 0)
+      : bytes(static_cast<size_t>(shape.numel()) * dtype_size(dt), fill), t(bytes.data(), dt, shape) {}
+  Host(Host&&) = default;
+  Host(const Host&) = delete;
+  Host& operator=(const Host&) = delete;
+};
+
+void set_float(Host& h, int64_t i, float v) {
+  if (h.t.dtype() == DType::bf16) {
+    const uint16_t b = f32_to_bf16(v);
+    std::memcpy(h.bytes.data() + 2 * i, &b, 2);
+  } else {
+    std::memcpy(h.bytes.data() + 4 * i, &v, 4);
+  }
+}
+
+Tensor to_device(DevicePool& dev, const Host& h) {
+  Tensor d = dev.empty(h.t.shape(), h.t.dtype());
+  d.copy_from(h.t);
+  return d;
+}
+
+// A device tensor whose bytes all hold `fill` (outputs whose unwritten bytes are checked).
+Tensor filled(DevicePool& dev, Shape shape, DType dt, uint8_t fill) {
+  Tensor d = dev.empty(shape, dt);
+  std::vector<uint8_t> bytes(d.nbytes(), fill);
+  device_copy(d.data(), Device::cuda, bytes.data(), Device::cpu, bytes.size());
+  return d;
+}
+
+std::vector<uint8_t> bytes_of(const Tensor& t) {
+  std::vector<uint8_t> out(t.nbytes());
+  device_copy(out.data(), Device::cpu, t.data(), t.device(), out.size());
+  return out;
+}
+
+// The first differing byte of two equally long buffers, or -1.
+int64_t first_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return static_cast<int64_t>(i);
+  return a.size() == b.size() ? -1 : static_cast<int64_t>(std::min(a.size(), b.size()));
+}
+
+#define EXPECT_SAME_BYTES(gpu, cpu, what)                                                                     \
+  do {                                                                                                        \
+    const std::vector<uint8_t> g_ = (gpu), c_ = (cpu);                                                        \
+    const int64_t at_ = first_difference(g_, c_);                                                             \
+    EXPECT_EQ(at_, -1) << (what) << ": first difference at byte " << at_ << " of " << c_.size() << " (gpu "   \
+                       << (at_ >= 0 && at_ < static_cast<int64_t>(g_.size()) ? int(g_[at_]) : -1) << ", cpu " \
+                       << (at_ >= 0 && at_ < static_cast<int64_t>(c_.size()) ? int(c_[at_]) : -1) << ")";     \
+  } while (0)
+
+// ---- awkward values ----------------------------------------------------------------------------------
+
+// x [rows, cols] of dtype dt: runs of 37 elements share a base binade in [-100, 100] (so tiles mix
+// binades and scales span the range), each value that base times 2^[-24, 0], a mantissa with 5
+// bits (1 + j / 32: E4M3's rounding meets ties; 1.75 puts amax on a 448 * 2^e boundary) and a
+// random sign; 1 in 16 exactly zero. Row 0 and column 1 are zero (all-zero tiles in every
+// layout), row 2 holds f32 subnormals (amax below 2^-126: the clamped scale), row 3 values near
+// f32's largest.
+Host awkward(std::mt19937_64& rng, int64_t rows, int64_t cols, DType dt) {
+  Host h({rows, cols}, dt);
+  std::uniform_int_distribution<int> base(-100, 100), spread(-24, 0), mant(0, 31), coin(0, 15);
+  int b = 0;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    if (i % 37 == 0) b = base(rng);
+    const int64_t r = i / cols, c = i % cols;
+    float v = std::ldexp(1.0f + static_cast<float>(mant(rng)) / 32.0f, b + spread(rng));
+    if (coin(rng) & 1) v = -v;
+    if (coin(rng) == 0 || r == 0 || c == 1) v = 0.0f;
+    if (r == 2) v = std::ldexp(static_cast<float>(mant(rng) + 1), -149 + (c % 8));  // subnormals
+    if (r == 3) v = std::ldexp(1.0f + static_cast<float>(mant(rng)) / 32.0f, 120 + (c % 7));
+    set_float(h, i, v);
+  }
+  return h;
+}
+
+// Puts NaN, +inf and -inf into a few elements (non-finite tiles: scale 1, saturated values).
+void add_non_finite(Host& h) {
+  const int64_t n = h.t.numel();
+  if (n > 5) set_float(h, 5, NAN);
+  if (n > 300) set_float(h, 300, INFINITY);
+  if (n > 1000) set_float(h, 1000, -INFINITY);
+}
+
+const ExecContext& cpu() { return ExecContext::standard(Device::cpu); }
+
+Host offsets_of(const std::vector<int64_t>& counts) {
+  Host h({static_cast<int64_t>(counts.size()) + 1}, DType::i64);
+  int64_t* off = h.t.ptr<int64_t>();
+  for (size_t j = 0; j < counts.size(); ++j) off[j + 1] = off[j] + counts[j];
+  return h;
+}
+
+int64_t tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
+
+constexpr DType kInputs[] = {DType::f32, DType::bf16};
+
+// ---- quantization: bit for bit -------------------------------------------------------------------
+
+void check_rows(std::mt19937_64& rng, int64_t r, int64_t k, DType dt, bool non_finite = false) {
+  SCOPED_TRACE(::testing::Message() << "rows " << dtype_name(dt) << " [" << r << ", " << k << "]");
+  DevicePool dev;
+  Host x = awkward(rng, r, k, dt);
+  if (non_finite) add_non_finite(x);
+  Host q({r, k}, DType::u8, 0xab), s({tiles(k), r}, DType::f32, 0xab);
+  fp8_quantize_rows(cpu(), x.t, q.t, s.t);
+  const Tensor xd = to_device(dev, x), qd = filled(dev, {r, k}, DType::u8, 0xab),
+               sd = filled(dev, {tiles(k), r}, DType::f32, 0xab);
+  fp8_quantize_rows(testing::exec(), xd, qd, sd);
+  EXPECT_SAME_BYTES(bytes_of(qd), q.bytes, "codes");
+  EXPECT_SAME_BYTES(bytes_of(sd), s.bytes, "scales");
+  if (non_finite) return;  // NaN codes dequantize to NaN bit patterns of either side's choosing
+  for (DType out : kInputs) {
+    Host back({r, k}, out);
+    fp8_dequantize_rows(cpu(), q.t, s.t, back.t);
+    const Tensor back_d = dev.poisoned({r, k}, out);
+    fp8_dequantize_rows(testing::exec(), qd, sd, back_d);
+    EXPECT_SAME_BYTES(bytes_of(back_d), back.bytes, "dequantized as " + std::string(dtype_name(out)));
+  }
+}
+
+TEST(CudaFp8, QuantizeRowsMatchesCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  for (DType dt : kInputs) {
+    check_rows(rng, 1, 1, dt);
+    check_rows(rng, 5, 130, dt);     // k % 4 != 0: the scalar path; a 2-element last tile
+    check_rows(rng, 37, 128, dt);    // one whole tile per row
+    check_rows(rng, 64, 300, dt);    // vector path with a 44-element last tile
+    check_rows(rng, 129, 2048, dt);  // training-like rows
+    check_rows(rng, 9, 500, dt, true);
+  }
+}
+
+void check_cols(std::mt19937_64& rng, const std::vector<int64_t>& counts, int64_t c, DType dt, int64_t extra_p,
+                bool non_finite = false) {
+  const Host off = offsets_of(counts);
+  const int64_t r = off.t.ptr<int64_t>()[counts.size()], s_n = static_cast<int64_t>(counts.size());
+  const int64_t p = fp8_cols_width(r, s_n) + extra_p;
+  SCOPED_TRACE(::testing::Message() << "cols " << dtype_name(dt) << " R " << r << " C " << c << " segments " << s_n
+                                    << " P " << p);
+  DevicePool dev;
+  Host x = awkward(rng, r, c, dt);
+  if (non_finite) add_non_finite(x);
+  Host q({c, p}, DType::u8, 0xab), s({p / kFp8Tile, c}, DType::f32, 0xab);
+  fp8_quantize_cols(cpu(), x.t, off.t, q.t, s.t);
+  const Tensor xd = to_device(dev, x), offd = to_device(dev, off), qd = filled(dev, {c, p}, DType::u8, 0xab),
+               sd = filled(dev, {p / kFp8Tile, c}, DType::f32, 0xab);
+  fp8_quantize_cols(testing::exec(), xd, offd, qd, sd);
+  EXPECT_SAME_BYTES(bytes_of(qd), q.bytes, "codes (and the unwritten columns' poison)");
+  EXPECT_SAME_BYTES(bytes_of(sd), s.bytes, "scales");
+  if (non_finite) return;
+  for (DType out : kInputs) {
+    Host back({r, c}, out);
+    fp8_dequantize_cols(cpu(), q.t, s.t, off.t, back.t);
+    const Tensor back_d = dev.poisoned({r, c}, out);
+    fp8_dequantize_cols(testing::exec(), qd, sd, offd, back_d);
+    EXPECT_SAME_BYTES(bytes_of(back_d), back.bytes, "dequantized as " + std::string(dtype_name(out)));
+  }
+}
+
+TEST(CudaFp8, QuantizeColsMatchesCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  const std::vector<int64_t> segments = {0, 1, 127, 0, 128, 129, 300, 0};
+  for (DType dt : kInputs) {
+    check_cols(rng, segments, 64, dt, 0);
+    check_cols(rng, segments, 130, dt, 256);  // a partial column chunk; spare columns stay poisoned
+    check_cols(rng, segments, 5, dt, 0);      // odd C: the scalar path
+    check_cols(rng, {700}, 96, dt, 0);        // one segment (the dense layer's wgrad)
+    check_cols(rng, {0, 0}, 8, dt, 128);      // no rows at all
+    check_cols(rng, {3, 250}, 40, dt, 0, true);
+  }
+}
+
+void check_blocks(std::mt19937_64& rng, int64_t e, int64_t o, int64_t i, DType dt, bool transposed,
+                  bool non_finite = false) {
+  SCOPED_TRACE(::testing::Message() << "blocks " << dtype_name(dt) << " E " << e << " O " << o << " I " << i
+                                    << (transposed ? " with qT" : ""));
+  DevicePool dev;
+  Host wm = awkward(rng, e * o, i, dt);
+  if (non_finite) add_non_finite(wm);
+  const Shape ws = e > 1 ? Shape{e, o, i} : Shape{o, i}, wts = e > 1 ? Shape{e, i, o} : Shape{i, o};
+  const Shape ss = e > 1 ? Shape{e, tiles(o), tiles(i)} : Shape{tiles(o), tiles(i)};
+  const Shape sts = e > 1 ? Shape{e, tiles(i), tiles(o)} : Shape{tiles(i), tiles(o)};
+  const Tensor w = wm.t.view(ws);
+  Host q(ws, DType::u8, 0xab), s(ss, DType::f32, 0xab), qt(wts, DType::u8, 0xab), st(sts, DType::f32, 0xab);
+  fp8_quantize_blocks(cpu(), w, q.t, s.t, transposed ? qt.t : Tensor(), transposed ? st.t : Tensor());
+  const Tensor wd = to_device(dev, wm).view(ws), qd = filled(dev, ws, DType::u8, 0xab),
+               sd = filled(dev, ss, DType::f32, 0xab), qtd = filled(dev, wts, DType::u8, 0xab),
+               std_ = filled(dev, sts, DType::f32, 0xab);
+  fp8_quantize_blocks(testing::exec(), wd, qd, sd, transposed ? qtd : Tensor(), transposed ? std_ : Tensor());
+  EXPECT_SAME_BYTES(bytes_of(qd), q.bytes, "codes");
+  EXPECT_SAME_BYTES(bytes_of(sd), s.bytes, "scales");
+  EXPECT_SAME_BYTES(bytes_of(qtd), qt.bytes, "transposed codes");
+  EXPECT_SAME_BYTES(bytes_of(std_), st.bytes, "transposed scales");
+  if (non_finite) return;
+  for (DType out : kInputs) {
+    Host back(ws, out);
+    fp8_dequantize_blocks(cpu(), q.t, s.t, back.t);
+    const Tensor back_d = dev.poisoned(ws, out);
+    fp8_dequantize_blocks(testing::exec(), qd, sd, back_d);
+    EXPECT_SAME_BYTES(bytes_of(back_d), back.bytes, "dequantized as " + std::string(dtype_name(out)));
+  }
+}
+
+TEST(CudaFp8, QuantizeBlocksMatchesCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  for (DType dt : kInputs) {
+    for (bool t : {false, true}) {
+      check_blocks(rng, 1, 1, 1, dt, t);
+      check_blocks(rng, 1, 130, 70, dt, t);   // partial blocks; O, I % 4 != 0: the scalar paths
+      check_blocks(rng, 1, 192, 256, dt, t);  // O not a multiple of 128
+      check_blocks(rng, 3, 130, 301, dt, t);  // experts, odd I
+      check_blocks(rng, 2, 256, 384, dt, t);
+    }
+    check_blocks(rng, 2, 100, 200, dt, true, true);
+  }
+}
+
+TEST(CudaFp8, GpuQuantizeRejectsF64) {
+  MF_REQUIRE_GPU();
+  DevicePool dev;
+  const Tensor x = dev.empty({4, 8}, DType::f64), q = dev.empty({4, 8}, DType::u8), s = dev.empty({1, 4}, DType::f32);
+  EXPECT_NE(testing::error_of([&] { fp8_quantize_rows(testing::exec(), x, q, s); }).find("f64"), std::string::npos);
+}
+
+// ---- GEMMs ---------------------------------------------------------------------------------------------
+
+// Q(x) dequantized by the CPU ops, as f64 (rows along K; cols per segment; blocks).
+std::vector<double> fake_rows(const Host& x) {
+  const int64_t r = x.t.size(0), k = x.t.size(1);
+  Host q({r, k}, DType::u8), s({tiles(k), r}, DType::f32), out({r, k}, DType::f64);
+  fp8_quantize_rows(cpu(), x.t, q.t, s.t);
+  fp8_dequantize_rows(cpu(), q.t, s.t, out.t);
+  const double* v = out.t.ptr<double>();
+  return std::vector<double>(v, v + r * k);
+}
+
+std::vector<double> fake_cols(const Host& x, const Host& off) {
+  const int64_t r = x.t.size(0), c = x.t.size(1), p = fp8_cols_width(r, off.t.numel() - 1);
+  Host q({c, p}, DType::u8), s({p / kFp8Tile, c}, DType::f32), out({r, c}, DType::f64);
+  fp8_quantize_cols(cpu(), x.t, off.t, q.t, s.t);
+  fp8_dequantize_cols(cpu(), q.t, s.t, off.t, out.t);
+  const double* v = out.t.ptr<double>();
+  return std::vector<double>(v, v + r * c);
+}
+
+std::vector<double> fake_blocks(const Host& w, Shape shape) {
+  const int64_t e = shape.ndim == 3 ? shape[0] : 1, o = shape[shape.ndim - 2], i = shape[shape.ndim - 1];
+  const Tensor wv = w.t.view(shape);
+  const Shape ss = shape.ndim == 3 ? Shape{e, tiles(o), tiles(i)} : Shape{tiles(o), tiles(i)};
+  Host q(shape, DType::u8), s(ss, DType::f32), out(shape, DType::f64);
+  fp8_quantize_blocks(cpu(), wv, q.t, s.t, Tensor(), Tensor());
+  fp8_dequantize_blocks(cpu(), q.t, s.t, out.t);
+  const double* v = out.t.ptr<double>();
+  return std::vector<double>(v, v + e * o * i);
+}
+
+// Normal(0, 1) values rounded to bf16 (a host copy).
+Host gaussian_bf16(std::mt19937_64& rng, int64_t rows, int64_t cols) {
+  Host h({rows, cols}, DType::bf16);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (int64_t i = 0; i < rows * cols; ++i) set_float(h, i, n(rng));
+  return h;
+}
+
+std::vector<double> values_of(const Host& h) {
+  std::vector<double> v(static_cast<size_t>(h.t.numel()));
+  for (int64_t i = 0; i < h.t.numel(); ++i) v[static_cast<size_t>(i)] = testing::value_at(h.t, i);
+  return v;
+}
+
+double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+constexpr double kBf16Out = 4e-3;  // y, dx, bf16 dw (the header's table)
+constexpr double kF32Dw = 3e-4;
+constexpr double kVsBf16 = 0.08;
+
+// One (grouped or dense) FP8 linear layer's forward and backward on the GPU against the f64
+// products of the CPU's quantized operands, and against the plain bf16 ops. counts: rows per
+// expert (grouped), or one entry with `dense` set (fp8_linear_*, w [O, I]).
+void check_fp8_linear(std::mt19937_64& rng, const std::vector<int64_t>& counts, int64_t in, int64_t out, DType dw_dt,
+                      bool accumulate, bool dense = false) {
+  const int64_t e_n = static_cast<int64_t>(counts.size());
+  const Host off = offsets_of(counts);
+  const int64_t r = off.t.ptr<int64_t>()[e_n];
+  SCOPED_TRACE(::testing::Message() << (dense ? "dense" : "grouped") << " experts " << e_n << " R " << r << " I " << in
+                                    << " O " << out << " dw " << dtype_name(dw_dt) << " accumulate " << accumulate);
+  DevicePool dev;
+  const Host x = gaussian_bf16(rng, r, in), w = gaussian_bf16(rng, e_n * out, in), dy = gaussian_bf16(rng, r, out);
+  Host dw0({e_n * out, in}, dw_dt);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (int64_t i = 0; i < dw0.t.numel(); ++i) set_float(dw0, i, n(rng));
+  const Shape w_shape = dense ? Shape{out, in} : Shape{e_n, out, in};
+
+  // The reference: f64 products of the dequantized operands, per expert.
+  const std::vector<double> qx = fake_rows(x), qdy = fake_rows(dy), qw = fake_blocks(w, w_shape),
+                            cx = fake_cols(x, off), cdy = fake_cols(dy, off);
+  std::vector<double> y_ref(static_cast<size_t>(r * out)), dx_ref(static_cast<size_t>(r * in)), dw_ref = values_of(dw0);
+  if (!accumulate) std::fill(dw_ref.begin(), dw_ref.end(), 0.0);
+  const int64_t* o = off.t.ptr<int64_t>();
+  for (int64_t e = 0; e < e_n; ++e) {
+    const int64_t m = o[e + 1] - o[e];
+    if (m == 0) continue;
+    const double* we = qw.data() + e * out * in;
+    gemm<double>(false, true, m, out, in, 1.0, qx.data() + o[e] * in, in, we, in, 0.0, y_ref.data() + o[e] * out, out);
+    gemm<double>(false, false, m, in, out, 1.0, qdy.data() + o[e] * out, out, we, in, 0.0, dx_ref.data() + o[e] * in,
+                 in);
+    gemm<double>(true, false, out, in, m, 1.0, cdy.data() + o[e] * out, out, cx.data() + o[e] * in, in, 1.0,
+                 dw_ref.data() + e * out * in, in);
+  }
+
+  const Tensor xd = to_device(dev, x), wd = to_device(dev, w).view(w_shape), dyd = to_device(dev, dy),
+               offd = to_device(dev, off);
+  const Tensor dwd = accumulate ? to_device(dev, dw0).view(w_shape) : dev.poisoned(w_shape, dw_dt);
+  const Tensor yd = dev.poisoned({r, out}, DType::bf16), dxd = dev.poisoned({r, in}, DType::bf16);
+  if (dense) {
+    fp8_linear_forward(testing::exec(), xd, wd, yd);
+    fp8_linear_backward(testing::exec(), xd, wd, dyd, dxd, dwd, accumulate);
+  } else {
+    fp8_grouped_linear_forward(testing::exec(), xd, wd, offd, yd);
+    fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, dyd, dxd, dwd, accumulate);
+  }
+  const std::vector<double> y = testing::download(yd), dx = testing::download(dxd), dw = testing::download(dwd);
+  const double dw_tol = dw_dt == DType::f32 ? kF32Dw : kBf16Out;
+  EXPECT_LE(rel_err(y, y_ref), kBf16Out) << "y";
+  EXPECT_LE(rel_err(dx, dx_ref), kBf16Out) << "dx";
+  EXPECT_LE(rel_err(dw, dw_ref), dw_tol) << "dw";
+  // Per expert: a non-empty expert's dw on its own; an empty one's unchanged (accumulate) or zero.
+  const int64_t per = out * in;
+  const std::vector<double> dw_before = values_of(dw0);
+  for (int64_t e = 0; e < e_n; ++e) {
+    const auto at = [&](const std::vector<double>& v) {
+      return std::vector<double>(v.begin() + e * per, v.begin() + (e + 1) * per);
+    };
+    if (counts[static_cast<size_t>(e)] != 0) {
+      EXPECT_LE(rel_err(at(dw), at(dw_ref)), dw_tol) << "dw of expert " << e;
+    } else if (accumulate) {
+      EXPECT_EQ(at(dw), at(dw_before)) << "dw of empty expert " << e << " changed";
+    } else {
+      EXPECT_EQ(at(dw), std::vector<double>(static_cast<size_t>(per), 0.0)) << "dw of empty expert " << e;
+    }
+  }
+
+  // Against the plain bf16 ops on the same inputs (a loose bound: E4M3's rounding of both operands).
+  const Tensor y16 = dev.poisoned({r, out}, DType::bf16), dx16 = dev.poisoned({r, in}, DType::bf16);
+  testing::Pool pool;
+  const Tensor dw16 = dev.upload(pool.zeros(w_shape), DType::f32);
+  if (dense) {
+    linear_forward(testing::exec(), xd, wd, y16);
+    linear_backward(testing::exec(), xd, wd, dyd, dx16, dw16);
+  } else {
+    grouped_linear_forward(testing::exec(), xd, wd, offd, y16);
+    grouped_linear_backward(testing::exec(), xd, wd, offd, dyd, dx16, dw16);
+  }
+  EXPECT_LE(rel_err(y, testing::download(y16)), kVsBf16) << "y vs bf16";
+  EXPECT_LE(rel_err(dx, testing::download(dx16)), kVsBf16) << "dx vs bf16";
+  if (!accumulate) {
+    EXPECT_LE(rel_err(dw, testing::download(dw16)), kVsBf16) << "dw vs bf16";
+  }
+}
+
+#ifdef MOEFOLD_WITH_CUDA
+#define MF_REQUIRE_FP8_GEMM()                                                                              \
+  do {                                                                                                     \
+    MF_REQUIRE_GPU();                                                                                      \
+    if (!cuda::fp8_gemm_built()) GTEST_SKIP() << "built without CUTLASS's headers (MOEFOLD_WITH_CUTLASS)"; \
+  } while (0)
+#else
+#define MF_REQUIRE_FP8_GEMM() MF_REQUIRE_GPU()
+#endif
+
+TEST(CudaFp8Linear, DenseMatchesF64OfQuantizedOperands) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  for (bool acc : {true, false}) {
+    check_fp8_linear(rng, {257}, 256, 192, DType::f32, acc, true);  // O not a multiple of 128
+    check_fp8_linear(rng, {100}, 144, 80, DType::f32, acc, true);   // K tails of 16 (forward) and 80 (dgrad)
+    check_fp8_linear(rng, {1000}, 512, 384, DType::bf16, acc, true);
+  }
+  check_fp8_linear(rng, {3}, 2048, 768, DType::f32, true, true);  // wgrad over 3 tokens (K = 3)
+}
+
+TEST(CudaFp8Linear, GroupedMatchesF64OfQuantizedOperands) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  const std::vector<int64_t> awkward_counts = {0, 37, 1, 0, 300, 128, 129, 127, 0, 16};
+  for (bool acc : {true, false}) {
+    check_fp8_linear(rng, awkward_counts, 256, 192, DType::f32, acc);
+    check_fp8_linear(rng, awkward_counts, 144, 80, DType::bf16, acc);
+    check_fp8_linear(rng, {0, 0, 0}, 128, 64, DType::f32, acc);  // no rows at all
+  }
+  // Qwen3-30B-A3B's experts: fc1 (gate and up, 2 x 768 from 2048) and fc2 (2048 from 768).
+  const std::vector<int64_t> routed = {211, 0, 97, 350, 5, 128, 64, 190};
+  check_fp8_linear(rng, routed, 2048, 1536, DType::f32, true);
+  check_fp8_linear(rng, routed, 768, 2048, DType::f32, false);
+  check_fp8_linear(rng, routed, 768, 2048, DType::bf16, true);
+}
+
+TEST(CudaFp8Linear, BackwardIsDeterministic) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  DevicePool dev;
+  const Host off = offsets_of({300, 0, 1000, 77});
+  const Host x = gaussian_bf16(rng, 1377, 512), w = gaussian_bf16(rng, 4 * 256, 512),
+             dy = gaussian_bf16(rng, 1377, 256);
+  const Tensor xd = to_device(dev, x), wd = to_device(dev, w).view({4, 256, 512}), dyd = to_device(dev, dy),
+               offd = to_device(dev, off);
+  std::vector<uint8_t> first_dx, first_dw;
+  for (int run = 0; run < 2; ++run) {
+    const Tensor dx = dev.poisoned({1377, 512}, DType::bf16), dw = dev.poisoned({4, 256, 512}, DType::f32);
+    fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, dyd, dx, dw, false);
+    if (run == 0) {
+      first_dx = bytes_of(dx), first_dw = bytes_of(dw);
+    } else {
+      EXPECT_SAME_BYTES(bytes_of(dx), first_dx, "dx");
+      EXPECT_SAME_BYTES(bytes_of(dw), first_dw, "dw");
+    }
+  }
+}
+
+TEST(CudaFp8Linear, RejectsWidthsTmaCannotMove) {
+  MF_REQUIRE_FP8_GEMM();
+  DevicePool dev;
+  const Tensor x = dev.empty({8, 24}, DType::bf16), w = dev.empty({32, 24}, DType::bf16),
+               y = dev.empty({8, 32}, DType::bf16);
+  EXPECT_NE(testing::error_of([&] { fp8_linear_forward(testing::exec(), x, w, y); }).find("multiples of 16"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace moefold

@@ -1,0 +1,389 @@
+// FP8 blockwise quantization and the FP8 linear layers on the CPU (ops/fp8.h): E4M3 conversion
+// against an independent nearest-value search, the power-of-two tile scales, the three tilings
+// and their layouts (cols and blocks checked against rows-tiling of transposed copies), and the
+// emulated FP8 GEMMs against f64 GEMMs of the dequantized operands (tight) and against the plain
+// ops (bounded: E4M3 keeps 3 mantissa bits, each operand element is off by at most 2^-4 relative,
+// so a long dot product of random operands is off by ~2^-4 * sqrt(2/3) ~ 5% relative).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "moefold/ops/fp8.h"
+#include "moefold/ops/moe_ops.h"
+#include "moefold/ops/ops.h"
+#include "testing.h"
+
+namespace moefold {
+namespace {
+
+using testing::Pool;
+using testing::set_value_at;
+using testing::value_at;
+
+const ExecContext& cpu() { return ExecContext::standard(Device::cpu); }
+
+// The E4M3 value nearest to a (|a| <= 448), ties to the even code: a brute-force search over the
+// 127 non-negative finite codes (independent of e4m3_from_float's arithmetic).
+uint8_t nearest_code(float x) {
+  const double a = std::fabs(static_cast<double>(x));
+  int best = 0;
+  double best_d = INFINITY;
+  for (int c = 0; c <= 0x7e; ++c) {
+    const double v = e4m3_to_float(static_cast<uint8_t>(c));
+    const double d = std::fabs(v - a);
+    if (d < best_d || (d == best_d && c % 2 == 0)) {
+      best = c;
+      best_d = d;
+    }
+  }
+  return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
+}
+
+TEST(Fp8E4m3, EveryCodeRoundTrips) {
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(e4m3_to_float(static_cast<uint8_t>(c))));
+      continue;
+    }
+    EXPECT_EQ(e4m3_from_float(e4m3_to_float(static_cast<uint8_t>(c))), c) << c;
+  }
+  EXPECT_EQ(e4m3_to_float(0x7e), 448.0f);
+  EXPECT_EQ(e4m3_to_float(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(e4m3_to_float(0x08), std::ldexp(1.0f, -6));
+  EXPECT_EQ(e4m3_to_float(0x38), 1.0f);
+}
+
+TEST(Fp8E4m3, RoundsToNearestEvenAndSaturates) {
+  // Midpoints and their neighbours between every pair of adjacent codes, and random values over
+  // every binade, against the brute-force search.
+  for (int c = 0; c < 0x7e; ++c) {
+    const float lo = e4m3_to_float(static_cast<uint8_t>(c)), hi = e4m3_to_float(static_cast<uint8_t>(c + 1));
+    const float mid = 0.5f * (lo + hi);
+    for (float v : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f), lo, hi}) {
+      EXPECT_EQ(e4m3_from_float(v), nearest_code(v)) << v;
+      EXPECT_EQ(e4m3_from_float(-v), nearest_code(-v)) << -v;
+    }
+  }
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(-14, 8);
+  for (int i = 0; i < 20000; ++i) {
+    const float v = std::ldexp(mant(rng), expo(rng));
+    if (v > 448.0f) continue;
+    ASSERT_EQ(e4m3_from_float(v), nearest_code(v)) << v;
+  }
+  for (float v : {448.0f, 448.5f, 464.0f, 480.0f, 1e30f, std::numeric_limits<float>::infinity()}) {
+    EXPECT_EQ(e4m3_from_float(v), 0x7e) << v;
+    EXPECT_EQ(e4m3_from_float(-v), 0xfe) << -v;
+  }
+  EXPECT_EQ(e4m3_from_float(std::nanf("")), 0x7f);
+  EXPECT_EQ(e4m3_from_float(-0.0f), 0x80);
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.0f, -10)), 0x00);         // half the smallest subnormal: tie to 0
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.5f, -9)), 0x02);          // tie between codes 1 and 2: even
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.0f, -30)), 0x00);         // underflow
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.0f, -6) * 0.99f), 0x08);  // rounds up into the normals
+}
+
+TEST(Fp8Scale, SmallestPowerOfTwoThatFits) {
+  EXPECT_EQ(fp8_tile_scale(448.0f), 1.0f);
+  EXPECT_EQ(fp8_tile_scale(std::nextafter(448.0f, 1e9f)), 2.0f);
+  EXPECT_EQ(fp8_tile_scale(224.0f), 0.5f);
+  EXPECT_EQ(fp8_tile_scale(1.0f), std::ldexp(1.0f, -8));
+  EXPECT_EQ(fp8_tile_scale(0.0f), 1.0f);
+  EXPECT_EQ(fp8_tile_scale(std::numeric_limits<float>::infinity()), 1.0f);
+  EXPECT_EQ(fp8_tile_scale(1e-44f), std::ldexp(1.0f, -126));  // clamped: 1 / s stays finite
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(-100, 100);
+  for (int i = 0; i < 10000; ++i) {
+    const float a = std::ldexp(mant(rng), expo(rng)), s = fp8_tile_scale(a);
+    int k = 0;
+    EXPECT_EQ(std::frexp(s, &k), 0.5f) << a;  // a power of two
+    EXPECT_LE(a / s, 448.0f) << a;
+    EXPECT_GT(a / (s / 2), 448.0f) << a;
+  }
+}
+
+// Values over many binades with some exact zeros and all-zero rows.
+Tensor awkward(Pool& pool, Shape shape, DType dtype, uint32_t seed) {
+  Tensor t = pool.zeros(shape, dtype);
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> g(0, 1);
+  std::uniform_int_distribution<int> e(-20, 12);
+  const int64_t cols = shape[-1];
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const int64_t row = i / cols;
+    if (row % 7 == 3 || i % 11 == 0) continue;  // zero rows (all-zero tiles) and scattered zeros
+    set_value_at(t, i, std::ldexp(g(rng), e(rng) / (row % 5 == 0 ? 1 : 4)));
+  }
+  return t;
+}
+
+float tile_amax(const Tensor& x, const std::vector<int64_t>& idx) {
+  float a = 0;
+  for (int64_t i : idx) a = std::max(a, static_cast<float>(std::fabs(value_at(x, i))));
+  return a;
+}
+
+TEST(Fp8Quantize, RowsFollowTheLayoutAndTheRule) {
+  Pool pool;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const int64_t r_n = 9, k = 300;  // three tiles, the last of 44
+    const Tensor x = awkward(pool, {r_n, k}, dt, 11);
+    const Tensor q = pool.zeros({r_n, k}, DType::u8), s = pool.zeros({3, r_n}, DType::f32);
+    fp8_quantize_rows(cpu(), x, q, s);
+    for (int64_t r = 0; r < r_n; ++r)
+      for (int64_t b = 0; b < 3; ++b) {
+        std::vector<int64_t> idx;
+        for (int64_t j = b * 128; j < std::min<int64_t>(k, b * 128 + 128); ++j) idx.push_back(r * k + j);
+        const float sc = fp8_tile_scale(tile_amax(x, idx));
+        ASSERT_EQ(s.ptr<float>()[b * r_n + r], sc) << r << " " << b;
+        for (int64_t i : idx)
+          ASSERT_EQ(q.ptr<uint8_t>()[i], e4m3_from_float(static_cast<float>(value_at(x, i)) / sc)) << i;
+      }
+    // Dequantized: within 2^-4 relative of each element above the tile's subnormal range.
+    const Tensor back = pool.zeros({r_n, k}, DType::f32);
+    fp8_dequantize_rows(cpu(), q, s, back);
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const double v = value_at(x, i), d = value_at(back, i);
+      const double sc = s.ptr<float>()[(i % k) / 128 * r_n + i / k];
+      EXPECT_LE(std::fabs(v - d), std::max(std::fabs(v) / 16, sc * std::ldexp(1.0, -10))) << i;
+    }
+  }
+}
+
+TEST(Fp8Quantize, ColsAreRowsTilingOfEachSegmentTransposed) {
+  Pool pool;
+  const std::vector<int64_t> sizes = {0, 1, 127, 128, 129, 300, 0};
+  int64_t r_n = 0;
+  std::vector<int64_t> off = {0};
+  for (int64_t n : sizes) off.push_back(r_n += n);
+  const int64_t c_n = 40, s_n = static_cast<int64_t>(sizes.size());
+  const int64_t p_n = fp8_cols_width(r_n, s_n);
+  const Tensor x = awkward(pool, {r_n, c_n}, DType::f32, 5);
+  const Tensor offsets(off.data(), DType::i64, {s_n + 1});
+  const Tensor qT = pool.zeros({c_n, p_n}, DType::u8), sT = pool.zeros({p_n / 128, c_n}, DType::f32);
+  fp8_quantize_cols(cpu(), x, offsets, qT, sT);
+  int64_t p = 0;
+  for (int64_t j = 0; j < s_n; ++j) {
+    const int64_t n = sizes[j];
+    if (n > 0) {
+      // The segment transposed, tiled as rows.
+      const Tensor xt = pool.zeros({c_n, n}, DType::f32);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = 0; c < c_n; ++c) set_value_at(xt, c * n + t, value_at(x, (off[j] + t) * c_n + c));
+      const int64_t b_n = (n + 127) / 128;
+      const Tensor q = pool.zeros({c_n, n}, DType::u8), s = pool.zeros({b_n, c_n}, DType::f32);
+      fp8_quantize_rows(cpu(), xt, q, s);
+      for (int64_t c = 0; c < c_n; ++c) {
+        for (int64_t t = 0; t < n; ++t)
+          ASSERT_EQ(qT.ptr<uint8_t>()[c * p_n + p + t], q.ptr<uint8_t>()[c * n + t]) << j << " " << c << " " << t;
+        for (int64_t b = 0; b < b_n; ++b)
+          ASSERT_EQ(sT.ptr<float>()[(p / 128 + b) * c_n + c], s.ptr<float>()[b * c_n + c]) << j << " " << b;
+      }
+    }
+    p += (n + 127) / 128 * 128;
+  }
+  EXPECT_LE(p, p_n);
+  // The inverse puts every element back where it came from: within 2^-4 relative above its tile's
+  // subnormal range.
+  const Tensor back = pool.zeros({r_n, c_n}, DType::f32);
+  fp8_dequantize_cols(cpu(), qT, sT, offsets, back);
+  p = 0;
+  for (int64_t j = 0; j < s_n; ++j) {
+    for (int64_t t = 0; t < sizes[j]; ++t)
+      for (int64_t c = 0; c < c_n; ++c) {
+        const int64_t i = (off[j] + t) * c_n + c;
+        const double sc = sT.ptr<float>()[((p + t) / 128) * c_n + c];
+        ASSERT_LE(std::fabs(value_at(back, i) - value_at(x, i)), std::max(std::fabs(value_at(x, i)) / 16, sc / 1024))
+            << i;
+      }
+    p += (sizes[j] + 127) / 128 * 128;
+  }
+  // Too narrow a qT for these segments is refused.
+  const Tensor narrow = pool.zeros({c_n, 640}, DType::u8), narrow_s = pool.zeros({5, c_n}, DType::f32);
+  EXPECT_DEATH(fp8_quantize_cols(cpu(), x, offsets, narrow, narrow_s), "fewer than the 1024 columns needed");
+}
+
+TEST(Fp8Quantize, BlocksAndTheirTranspose) {
+  Pool pool;
+  const int64_t e_n = 2, o_n = 200, i_n = 130;  // 2 x 2 blocks per expert, ragged edges
+  const Tensor w = awkward(pool, {e_n, o_n, i_n}, DType::bf16, 9);
+  const Tensor q = pool.zeros({e_n, o_n, i_n}, DType::u8), s = pool.zeros({e_n, 2, 2}, DType::f32);
+  const Tensor qT = pool.zeros({e_n, i_n, o_n}, DType::u8), sT = pool.zeros({e_n, 2, 2}, DType::f32);
+  fp8_quantize_blocks(cpu(), w, q, s, qT, sT);
+  for (int64_t e = 0; e < e_n; ++e)
+    for (int64_t bo = 0; bo < 2; ++bo)
+      for (int64_t bi = 0; bi < 2; ++bi) {
+        std::vector<int64_t> idx;
+        for (int64_t o = bo * 128; o < std::min<int64_t>(o_n, bo * 128 + 128); ++o)
+          for (int64_t i = bi * 128; i < std::min<int64_t>(i_n, bi * 128 + 128); ++i)
+            idx.push_back((e * o_n + o) * i_n + i);
+        const float sc = fp8_tile_scale(tile_amax(w, idx));
+        ASSERT_EQ(s.ptr<float>()[(e * 2 + bo) * 2 + bi], sc);
+        ASSERT_EQ(sT.ptr<float>()[(e * 2 + bi) * 2 + bo], sc);
+        for (int64_t f : idx) {
+          const int64_t o = f / i_n % o_n, i = f % i_n;
+          const uint8_t code = e4m3_from_float(static_cast<float>(value_at(w, f)) / sc);
+          ASSERT_EQ(q.ptr<uint8_t>()[f], code);
+          ASSERT_EQ(qT.ptr<uint8_t>()[(e * i_n + i) * o_n + o], code);
+        }
+      }
+  const Tensor back = pool.zeros({e_n, o_n, i_n}, DType::f32);
+  fp8_dequantize_blocks(cpu(), q, s, back);
+  for (int64_t f = 0; f < w.numel(); ++f)
+    EXPECT_EQ(value_at(back, f), e4m3_to_float(q.ptr<uint8_t>()[f]) *
+                                     s.ptr<float>()[(f / (o_n * i_n) * 2 + f / i_n % o_n / 128) * 2 + f % i_n / 128]);
+}
+
+// ---- the FP8 linear layers ----------------------------------------------------------------------
+
+// An operand quantized in `how` and dequantized, in f64 (the tight reference's input).
+enum class Tiling { rows, blocks };
+Tensor dequantized(Pool& pool, const Tensor& x, Tiling how) {
+  const Tensor back = pool.zeros(x.shape(), DType::f64);
+  const Tensor q = pool.zeros(x.shape(), DType::u8);
+  if (how == Tiling::rows) {
+    const Tensor s = pool.zeros({(x.size(1) + 127) / 128, x.size(0)}, DType::f32);
+    fp8_quantize_rows(cpu(), x, q, s);
+    fp8_dequantize_rows(cpu(), q, s, back);
+  } else {
+    const int64_t d = x.ndim();
+    Shape ss = x.shape();
+    ss.dims[d - 2] = (ss[d - 2] + 127) / 128;
+    ss.dims[d - 1] = (ss[d - 1] + 127) / 128;
+    const Tensor s = pool.zeros(ss, DType::f32);
+    fp8_quantize_blocks(cpu(), x, q, s, Tensor(), Tensor());
+    fp8_dequantize_blocks(cpu(), q, s, back);
+  }
+  return back;
+}
+
+Tensor dequantized_cols(Pool& pool, const Tensor& x, const Tensor& offsets) {
+  const int64_t p_n = fp8_cols_width(x.size(0), offsets.numel() - 1);
+  const Tensor qT = pool.zeros({x.size(1), p_n}, DType::u8), sT = pool.zeros({p_n / 128, x.size(1)}, DType::f32);
+  fp8_quantize_cols(cpu(), x, offsets, qT, sT);
+  const Tensor back = pool.zeros(x.shape(), DType::f64);
+  fp8_dequantize_cols(cpu(), qT, sT, offsets, back);
+  return back;
+}
+
+double rel_err(const Tensor& got, const Tensor& want) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double d = value_at(got, i) - value_at(want, i);
+    num += d * d;
+    den += value_at(want, i) * value_at(want, i);
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+Tensor to_f64(Pool& pool, const Tensor& t) {
+  const Tensor out = pool.zeros(t.shape(), DType::f64);
+  for (int64_t i = 0; i < t.numel(); ++i) set_value_at(out, i, value_at(t, i));
+  return out;
+}
+
+// Per expert: y_e = a_e @ b_e^T (trans_b) or a_e @ b_e, over rows [off[e], off[e+1]) of a.
+Tensor grouped_f64(Pool& pool, const Tensor& a, const Tensor& b, const std::vector<int64_t>& off, bool trans_b) {
+  const int64_t e_n = static_cast<int64_t>(off.size()) - 1, k = a.size(1);
+  const int64_t n = trans_b ? b.size(b.ndim() - 2) : b.size(b.ndim() - 1);
+  const int64_t per = b.size(b.ndim() - 2) * b.size(b.ndim() - 1);
+  const Tensor y = pool.zeros({a.size(0), n}, DType::f64);
+  for (int64_t e = 0; e < e_n; ++e)
+    for (int64_t r = off[e]; r < off[e + 1]; ++r)
+      for (int64_t j = 0; j < n; ++j) {
+        double acc = 0;
+        for (int64_t t = 0; t < k; ++t)
+          acc += value_at(a, r * k + t) * value_at(b, e * per + (trans_b ? j * k + t : t * n + j));
+        set_value_at(y, r * n + j, acc);
+      }
+  return y;
+}
+
+// dw_e = dy_e^T @ x_e per expert.
+Tensor wgrad_f64(Pool& pool, const Tensor& dy, const Tensor& x, const std::vector<int64_t>& off) {
+  const int64_t e_n = static_cast<int64_t>(off.size()) - 1, o_n = dy.size(1), i_n = x.size(1);
+  const Tensor dw = pool.zeros({e_n, o_n, i_n}, DType::f64);
+  for (int64_t e = 0; e < e_n; ++e)
+    for (int64_t o = 0; o < o_n; ++o)
+      for (int64_t i = 0; i < i_n; ++i) {
+        double acc = 0;
+        for (int64_t r = off[e]; r < off[e + 1]; ++r) acc += value_at(dy, r * o_n + o) * value_at(x, r * i_n + i);
+        set_value_at(dw, (e * o_n + o) * i_n + i, acc);
+      }
+  return dw;
+}
+
+TEST(Fp8Linear, GroupedMatchesDequantizedOperandsAndStaysNearThePlainOp) {
+  Pool pool;
+  const std::vector<int64_t> sizes = {70, 0, 129, 1, 200};
+  std::vector<int64_t> off = {0};
+  for (int64_t n : sizes) off.push_back(off.back() + n);
+  const int64_t e_n = 5, r_n = off.back(), i_n = 160, o_n = 144;
+  const Tensor offsets(off.data(), DType::i64, {e_n + 1});
+  const Tensor x = pool.randn({r_n, i_n}, DType::f32), w = pool.randn({e_n, o_n, i_n}, DType::f32, 0.05);
+  const Tensor dy = pool.randn({r_n, o_n}, DType::f32);
+  const Tensor y = pool.zeros({r_n, o_n}, DType::f32), dx = pool.zeros({r_n, i_n}, DType::f32);
+  const Tensor dw = pool.randn({e_n, o_n, i_n}, DType::f32);  // accumulated into
+  const Tensor dw0 = pool.clone(dw);
+  fp8_grouped_linear_forward(cpu(), x, w, offsets, y);
+  fp8_grouped_linear_backward(cpu(), x, w, offsets, dy, dx, dw);
+
+  const Tensor qx = dequantized(pool, x, Tiling::rows), qw = dequantized(pool, w, Tiling::blocks);
+  const Tensor qdy = dequantized(pool, dy, Tiling::rows);
+  EXPECT_LT(rel_err(y, grouped_f64(pool, qx, qw, off, true)), 1e-6);
+  EXPECT_LT(rel_err(dx, grouped_f64(pool, qdy, qw, off, false)), 1e-6);
+  const Tensor want_dw = wgrad_f64(pool, dequantized_cols(pool, dy, offsets), dequantized_cols(pool, x, offsets), off);
+  const Tensor got_dw = pool.zeros(dw.shape(), DType::f64);
+  for (int64_t i = 0; i < dw.numel(); ++i) set_value_at(got_dw, i, value_at(dw, i) - value_at(dw0, i));
+  EXPECT_LT(rel_err(got_dw, want_dw), 1e-5);
+  // Experts without rows keep their gradient (accumulated) or get zeros (written).
+  for (int64_t i = o_n * i_n; i < 2 * o_n * i_n; ++i) ASSERT_EQ(value_at(dw, i), value_at(dw0, i));
+  fp8_grouped_linear_backward(cpu(), x, w, offsets, dy, Tensor(), dw, false);
+  for (int64_t i = o_n * i_n; i < 2 * o_n * i_n; ++i) ASSERT_EQ(value_at(dw, i), 0.0);
+  EXPECT_LT(rel_err(to_f64(pool, dw), want_dw), 1e-5);
+
+  // Against the unquantized products.
+  EXPECT_LT(rel_err(y, grouped_f64(pool, x, w, off, true)), 0.1);
+  EXPECT_LT(rel_err(dx, grouped_f64(pool, dy, w, off, false)), 0.1);
+  EXPECT_LT(rel_err(dw, wgrad_f64(pool, dy, x, off)), 0.1);
+}
+
+TEST(Fp8Linear, DenseIsOneSegment) {
+  Pool pool;
+  const int64_t n = 300, i_n = 96, o_n = 64;
+  const Tensor x = pool.randn({n, i_n}, DType::f64), w = pool.randn({o_n, i_n}, DType::f64, 0.1);
+  const Tensor dy = pool.randn({n, o_n}, DType::f64);
+  const Tensor y = pool.zeros({n, o_n}, DType::f64), dx = pool.zeros({n, i_n}, DType::f64);
+  const Tensor dw = pool.zeros({o_n, i_n}, DType::f64);
+  fp8_linear_forward(cpu(), x, w, y);
+  fp8_linear_backward(cpu(), x, w, dy, dx, dw);
+  // The grouped op with one expert computes the same.
+  int64_t off[2] = {0, n};
+  const Tensor offsets(off, DType::i64, {2});
+  const Tensor w3 = w.view({1, o_n, i_n});
+  const Tensor gy = pool.zeros({n, o_n}, DType::f64), gdx = pool.zeros({n, i_n}, DType::f64);
+  const Tensor gdw = pool.zeros({1, o_n, i_n}, DType::f64);
+  fp8_grouped_linear_forward(cpu(), x, w3, offsets, gy);
+  fp8_grouped_linear_backward(cpu(), x, w3, offsets, dy, gdx, gdw);
+  EXPECT_EQ(testing::max_abs_diff(y, gy), 0.0);
+  EXPECT_EQ(testing::max_abs_diff(dx, gdx), 0.0);
+  EXPECT_EQ(testing::max_abs_diff(dw, gdw.view({o_n, i_n})), 0.0);
+  // linear_*_in picks the plain op without fp8.
+  const Tensor py = pool.zeros({n, o_n}, DType::f64), ry = pool.zeros({n, o_n}, DType::f64);
+  linear_forward_in(cpu(), false, x, w, py);
+  linear_forward(cpu(), x, w, ry);
+  EXPECT_EQ(testing::max_abs_diff(py, ry), 0.0);
+  linear_forward_in(cpu(), true, x, w, py);
+  EXPECT_EQ(testing::max_abs_diff(py, y), 0.0);
+  EXPECT_GT(testing::max_abs_diff(py, ry), 0.0);  // quantization changed something
+  EXPECT_LT(rel_err(py, ry), 0.1);
+}
+
+}  // namespace
+}  // namespace moefold
