@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
 # On the GPU machine after scripts/gpu/bundle.sh with MOEFOLD_GPU_EXTRA_TARGETS=moefold and
 # test_ops_cuda_fp8 among the targets: FP8 (train.fp8 = blockwise) against bf16 in one call.
-#   scripts/gpu/fp8.sh [tests|layer|train|curves|all] (default all)
+#   scripts/gpu/fp8.sh [tests] [layer] [train] [curves]   (none: all four)
 # tests: the FP8 GPU parity tests; layer: bench moe-layer, bf16 then --fp8 (qwen3-30b-a3b and
 # deepseek-v3, balanced routing); train: bench train, bf16 then FP8 (qwen3-30b-a3b 8 layers x 8
 # sequences, micro-batch 2; deepseek-v3 3 layers, 1 dense, 32 experts); curves: 1000 steps of a
 # small Qwen3-MoE and a small DeepSeek-V3-shaped model on the default corpus, bf16 and FP8
-# (metrics.jsonl of each in $OUT/curves/).
+# (metrics.jsonl of each in $OUT/curves/; FP8_FAMILIES="deepseek" runs one family).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
 source "$root/scripts/gpu/env.sh"
 B="$root/.gpu/bin/moefold"
-what="${1:-all}"
+parts="${*:-tests layer train curves}"
+want() { [[ " $parts " == *" $1 "* ]]; }
 status=0
 strip_table() { grep -v "^|---\|^$"; }
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if want tests; then
   echo "== test_ops_cuda_fp8"
   timeout 300 "$root/.gpu/bin/test_ops_cuda_fp8" 2>&1 | tail -15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-if [ "$what" = layer ] || [ "$what" = all ]; then
+if want layer; then
   for mode in "" --fp8; do
     echo "== moe-layer ${mode:-bf16}"
     timeout 150 "$B" bench moe-layer --shape qwen3-30b-a3b --shape deepseek-v3 --routing balanced --reps 10 \
@@ -29,7 +30,7 @@ if [ "$what" = layer ] || [ "$what" = all ]; then
     grep "FP8\|fc1 forward+backward\|experts" "$out/moe_layer${mode:+_fp8}.md" | head -24
   done
 fi
-if [ "$what" = train ] || [ "$what" = all ]; then
+if want train; then
   bench() {  # name, args...
     local name=$1; shift
     echo "== train $name"
@@ -46,12 +47,13 @@ if [ "$what" = train ] || [ "$what" = all ]; then
   bench deepseek_bf16 "${d[@]}"
   bench deepseek_fp8 "${d[@]}" --set train.fp8=blockwise
 fi
-if [ "$what" = curves ] || [ "$what" = all ]; then
+if want curves; then
   ds=(--set model.architecture=deepseek_v3 --set model.q_lora_rank=64 --set model.kv_lora_rank=64
-      --set model.qk_nope_head_dim=32 --set model.qk_rope_head_dim=16 --set model.v_head_dim=32
+      --set model.qk_nope_head_dim=32 --set model.qk_rope_head_dim=16 --set model.head_dim=16 --set model.v_head_dim=32
+      --set model.num_key_value_heads=4
       --set model.first_k_dense_replace=1 --set model.intermediate_size=256 --set moe.n_shared_experts=1
       --set moe.scoring_func=sigmoid --set moe.expert_bias=true --set model.num_nextn_predict_layers=1)
-  for fam in qwen3 deepseek; do
+  for fam in ${FP8_FAMILIES:-qwen3 deepseek}; do
     for fp8 in none blockwise; do
       name="${fam}_$fp8"
       dir="/tmp/moefold-runs/$name"

@@ -273,7 +273,11 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     // A new step's gradients (untimed): the experts' backward writes its weight gradients, as in
     // the first micro-batch of a training step (Memory::grad_written_by_backward). With
     // accumulate_grads only before the first repetition: the others add to the gradients.
-    if (!opts.accumulate_grads || i == 0) mem.zero_grads();
+    // A new step also means new weights: FP8 quantizes them again (Fp8WeightCache).
+    if (!opts.accumulate_grads || i == 0) {
+      mem.zero_grads();
+      mem.weights_changed();
+    }
     timers.back().start(opts.device);
     for (size_t s = 0; s < stages.size(); ++s) {
       timers[s].start(opts.device);

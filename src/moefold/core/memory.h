@@ -243,6 +243,11 @@ class Memory {
   // bind, as they keep the communicators they are given.
   const ExecContext& exec() const { return *exec_; }
   bool measuring() const { return acts_.measuring(); }
+  // Counts the points where the weights may have changed since (the Trainer calls weights_changed()
+  // before each step's and each evaluation's forwards: the optimizer, a checkpoint load or an
+  // initialisation ran in between); FP8 weight caches (ops/fp8.h) quantize again when it moved.
+  uint64_t weights_version() const { return weights_version_; }
+  void weights_changed() { ++weights_version_; }
 
   // Registers a parameter (and its gradient); returns the view the forward reads (Param::compute:
   // the master weight itself, or its bf16 copy). Name the fields that differ from the defaults:
@@ -424,6 +429,7 @@ class Memory {
   OverlayPool offload_;              // offloaded layers (a slot per layer index mod the model's slot count)
   Arena host_offload_;               // pinned: each offloaded layer's host copy
   bool in_layer_ = false, acts_in_scratch_ = false, shared_params_ = false;
+  uint64_t weights_version_ = 0;
   int recompute_slot_ = -1, offload_slot_ = -1;
   size_t measured_[3 * kNumParamGroups + 4] = {};
   bool sharded_ = false;

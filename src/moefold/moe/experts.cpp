@@ -55,6 +55,8 @@ void Experts::bind(Memory& mem) {
   h_RF_ = recompute_act_ ? mem.scratch({max_rows_, ffn_}) : mem.act({max_rows_, ffn_});
   dh_RF_ = mem.scratch({max_rows_, ffn_});
   dgu_R2F_ = mem.scratch({max_rows_, 2 * ffn_});
+  fp8_gate_up_.bind(mem, gate_up_E2FH_, fp8_);
+  fp8_down_.bind(mem, down_EHF_, fp8_);
 }
 
 void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH, int64_t first_row) {
@@ -63,9 +65,9 @@ void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Ten
            ") past max_rows ", max_rows_);
   const Tensor gu = gu_R2F_.slice(first_row, first_row + r_n), h = h_RF_.slice(first_row, first_row + r_n);
   if (fp8_) {
-    fp8_grouped_linear_forward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, gu);
+    fp8_grouped_linear_forward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, gu, fp8_gate_up_.get());
     swiglu_forward(*ctx_, gu, h, GateUp::pairs);
-    fp8_grouped_linear_forward(*ctx_, h, down_EHF_, offsets_E1, out_RH);
+    fp8_grouped_linear_forward(*ctx_, h, down_EHF_, offsets_E1, out_RH, fp8_down_.get());
     return;
   }
   grouped_linear_swiglu_forward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, gu, h);
@@ -85,7 +87,8 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   const auto linear_backward = [&](const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
                                    const Tensor& dw) {
     if (fp8_)
-      fp8_grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
+      fp8_grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate,
+                                  (w.data() == gate_up_E2FH_.data() ? fp8_gate_up_ : fp8_down_).get());
     else
       grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
   };

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "moefold/core/memory.h"
+#include "moefold/ops/fp8.h"
 
 namespace moefold {
 
@@ -76,6 +77,7 @@ class Experts {
   double init_std_;
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;
   bool recompute_act_ = false, offload_gu_ = false, fp8_ = false;
+  Fp8WeightCache fp8_gate_up_, fp8_down_;      // FP8: the weights quantized once per step
   Tensor gu_R2F_, h_RF_;                       // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
   Tensor dh_RF_, dgu_R2F_;                     // scratch: backward workspaces
   Memory* mem_ = nullptr;                      // for its gradients' generation (accumulate_grad)

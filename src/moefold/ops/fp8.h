@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "moefold/core/exec.h"
+#include "moefold/core/memory.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold {
@@ -60,6 +61,13 @@ void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tens
                          const Tensor& x_RC);
 void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w);
 
+// A weight quantized once for several GEMMs: fp8_quantize_blocks's four outputs (the forward reads
+// q and sT, the data gradient qT and s). Undefined (q undefined): quantize w at each call.
+struct Fp8Weight {
+  Tensor q, s, qT, sT;
+  bool defined() const { return q.defined(); }
+};
+
 // ---- FP8 linear layers (same shapes and gradient rule as linear_* and grouped_linear_*) ---------
 // Q_rows / Q_cols / Q_blocks: quantized as above and dequantized. Every product of two E4M3 values
 // is exact; the GPU sums each 128-long block of the reduction in the tensor cores, multiplies the
@@ -72,14 +80,38 @@ void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor
 // y, dx: x's dtype (bf16 on the GPU); w: x's dtype; dw: f32 or w's dtype. dx or dw undefined:
 // skipped. The grouped ops take the experts' row segments from offsets_E1 as grouped_linear_*.
 // GPU: I and O multiples of 16; needs a build with CUTLASS (else a clear error).
-void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
+// wq: w already quantized (an Fp8WeightCache's; REQUIRES: fp8_quantize_blocks of this w), or null.
+void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
+                        const Fp8Weight* wq = nullptr);
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
-                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate = true);
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate = true,
+                         const Fp8Weight* wq = nullptr);
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
-                                const Tensor& offsets_E1, const Tensor& y_RO);
+                                const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq = nullptr);
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate = true);
+                                 const Tensor& dw_EOI, bool accumulate = true, const Fp8Weight* wq = nullptr);
+
+// One weight's FP8 copy for the GEMMs of a step: quantized (both orientations) at its first use
+// after Memory::weights_changed() and reused by every later forward and backward until the next
+// (a step's micro-batches, recomputed forwards). Its tensors are Memory::result()s (kept whatever
+// act() takes from; each binding of a module has its own): 2 bytes per weight element plus scales.
+class Fp8WeightCache {
+ public:
+  // on: takes its tensors for weight `w` (the compute tensor the GEMMs read); off: nothing.
+  // REQUIRES: called from the module's bind.
+  void bind(Memory& mem, const Tensor& w, bool on);
+  // The quantized weight (quantized now on mem.exec() if the weights may have changed), or null
+  // when bound off.
+  const Fp8Weight* get();
+
+ private:
+  Memory* mem_ = nullptr;
+  Tensor w_;
+  Fp8Weight q_;
+  uint64_t version_ = 0;
+  bool fresh_ = false;  // q_ holds w_ of version_
+};
 
 // A module's linear layer in its train.fp8 choice: linear_forward / linear_backward (ops.h), or
 // the FP8 ops above when `fp8`.

@@ -456,6 +456,7 @@ void Trainer::accumulate_gradients() {
 
 const StepMetrics& Trainer::train_step() {
   auto t0 = std::chrono::steady_clock::now();
+  mem_.weights_changed();  // the optimizer, a load or an initialisation may have run since the last forward
   accumulate_gradients();
   StepMetrics& out = metrics_;
   out.lr = learning_rate(cfg_.train, step_);
@@ -489,6 +490,7 @@ double Trainer::evaluate() {
   const int64_t dp = mesh_.dims.dp, nv = loader_.num_valid_batches();
   if (nv == 0) return 0.0;
   opt_.wait_all_weights();
+  mem_.weights_changed();
   // Every rank runs the same number of forwards (expert parallelism exchanges tokens), so the
   // evaluated batches are rounded down to a multiple of dp (at least dp).
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);

@@ -363,20 +363,39 @@ std::vector<T> fake_cols(const Tensor& x, const Tensor& offsets) {
   return out;
 }
 
+// wq (if given and defined) already holds w quantized: its q and s are read instead.
 template <class T>
-std::vector<T> fake_blocks(const Tensor& w) {
-  std::vector<uint8_t> q(static_cast<size_t>(w.numel()));
-  const Shape ss = block_scale_shape(w, false);
-  std::vector<float> s(static_cast<size_t>(ss.numel()));
-  const ExecContext& cpu = ExecContext::standard(Device::cpu);
-  fp8_quantize_blocks(cpu, w, Tensor(q.data(), DType::u8, w.shape()), Tensor(s.data(), DType::f32, ss), Tensor(),
-                      Tensor());
+std::vector<T> fake_blocks(const Tensor& w, const Fp8Weight* wq) {
+  std::vector<uint8_t> own_q;
+  std::vector<float> own_s;
+  const uint8_t* q = nullptr;
+  const float* s = nullptr;
+  if (wq != nullptr && wq->defined()) {
+    q = wq->q.ptr<uint8_t>();
+    s = wq->s.ptr<float>();
+  } else {
+    own_q.resize(static_cast<size_t>(w.numel()));
+    const Shape ss = block_scale_shape(w, false);
+    own_s.resize(static_cast<size_t>(ss.numel()));
+    const ExecContext& cpu = ExecContext::standard(Device::cpu);
+    fp8_quantize_blocks(cpu, w, Tensor(own_q.data(), DType::u8, w.shape()), Tensor(own_s.data(), DType::f32, ss),
+                        Tensor(), Tensor());
+    q = own_q.data();
+    s = own_s.data();
+  }
   const int64_t e_n = w.ndim() == 3 ? w.size(0) : 1, o_n = matrix_rows(w), i_n = matrix_cols(w);
-  std::vector<T> out(q.size());
+  std::vector<T> out(static_cast<size_t>(w.numel()));
   for_blocks(e_n, o_n, i_n, [&](int64_t n, const auto& idx, int64_t si, auto...) {
     for (int64_t j = 0; j < n; ++j) out[idx(j)] = static_cast<T>(e4m3_to_float(q[idx(j)]) * s[si]);
   });
   return out;
+}
+
+// A given quantized weight: all four tensors, in w's shapes and on its device.
+void check_wq(const Tensor& w, const Fp8Weight* wq, const char* what) {
+  if (wq == nullptr || !wq->defined()) return;
+  MF_CHECK(wq->qT.defined(), what, ": a quantized weight without its transpose");
+  check_blocks(w, wq->q, wq->s, wq->qT, wq->sT, what);
 }
 
 // The checks every FP8 linear entry point shares (both devices): x [R, I], w [(E,) O, I], y [R, O].
@@ -420,25 +439,28 @@ void emulated_wgrad(const Tensor& x, const Tensor& dy, const Tensor& offsets, co
 
 }  // namespace
 
-void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
+void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
+                        const Fp8Weight* wq) {
   check_fp8_linear(x_NI, w_OI, y_NO, 2, "fp8_linear_forward");
-  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_forward(ctx, x_NI, w_OI, y_NO));
+  check_wq(w_OI, wq, "fp8_linear_forward");
+  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_forward(ctx, x_NI, w_OI, y_NO, wq));
   const int64_t n = x_NI.size(0), in = x_NI.size(1), out = w_OI.size(0);
   dispatch_float(x_NI.dtype(), [&]<class T>() {
-    const std::vector<T> qx = fake_rows<T>(x_NI), qw = fake_blocks<T>(w_OI);
+    const std::vector<T> qx = fake_rows<T>(x_NI), qw = fake_blocks<T>(w_OI, wq);
     gemm<T>(false, true, n, out, in, T(1), qx.data(), in, qw.data(), in, T(0), y_NO.ptr<T>(), out);
   });
 }
 
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
-                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate) {
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq) {
   check_fp8_linear(x_NI, w_OI, dy_NO, 2, "fp8_linear_backward");
   check_fp8_grads(x_NI, w_OI, dx_NI, dw_OI, "fp8_linear_backward");
-  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, accumulate));
+  check_wq(w_OI, wq, "fp8_linear_backward");
+  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, accumulate, wq));
   const int64_t n = x_NI.size(0), in = x_NI.size(1), out = w_OI.size(0);
   dispatch_float(x_NI.dtype(), [&]<class T>() {
     if (dx_NI.defined()) {
-      const std::vector<T> qdy = fake_rows<T>(dy_NO), qw = fake_blocks<T>(w_OI);
+      const std::vector<T> qdy = fake_rows<T>(dy_NO), qw = fake_blocks<T>(w_OI, wq);
       gemm<T>(false, false, n, in, out, T(1), qdy.data(), out, qw.data(), in, T(0), dx_NI.ptr<T>(), in);
     }
     if (dw_OI.defined()) {
@@ -449,16 +471,17 @@ void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tenso
 }
 
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
-                                const Tensor& offsets_E1, const Tensor& y_RO) {
+                                const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq) {
   check_fp8_linear(x_RI, w_EOI, y_RO, 3, "fp8_grouped_linear_forward");
   check_offsets(offsets_E1, x_RI.size(0), "fp8_grouped_linear_forward");
   MF_CHECK(offsets_E1.numel() == w_EOI.size(0) + 1, "fp8_grouped_linear_forward: offsets ", offsets_E1.str(), " for ",
            w_EOI.size(0), " experts");
-  MF_ON_GPU(ctx, x_RI, cuda::fp8_grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO));
+  check_wq(w_EOI, wq, "fp8_grouped_linear_forward");
+  MF_ON_GPU(ctx, x_RI, cuda::fp8_grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO, wq));
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   const int64_t* off = offsets_E1.ptr<int64_t>();
   dispatch_float(x_RI.dtype(), [&]<class T>() {
-    const std::vector<T> qx = fake_rows<T>(x_RI), qw = fake_blocks<T>(w_EOI);
+    const std::vector<T> qx = fake_rows<T>(x_RI), qw = fake_blocks<T>(w_EOI, wq);
     for (int64_t e = 0; e < e_n; ++e) {
       const int64_t m = off[e + 1] - off[e];
       if (m == 0) continue;
@@ -470,19 +493,20 @@ void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, cons
 
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate) {
+                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq) {
   check_fp8_linear(x_RI, w_EOI, dy_RO, 3, "fp8_grouped_linear_backward");
   check_fp8_grads(x_RI, w_EOI, dx_RI, dw_EOI, "fp8_grouped_linear_backward");
   check_offsets(offsets_E1, x_RI.size(0), "fp8_grouped_linear_backward");
   MF_CHECK(offsets_E1.numel() == w_EOI.size(0) + 1, "fp8_grouped_linear_backward: offsets ", offsets_E1.str(), " for ",
            w_EOI.size(0), " experts");
+  check_wq(w_EOI, wq, "fp8_grouped_linear_backward");
   MF_ON_GPU(ctx, x_RI,
-            cuda::fp8_grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate));
+            cuda::fp8_grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate, wq));
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   const int64_t* off = offsets_E1.ptr<int64_t>();
   dispatch_float(x_RI.dtype(), [&]<class T>() {
     if (dx_RI.defined()) {
-      const std::vector<T> qdy = fake_rows<T>(dy_RO), qw = fake_blocks<T>(w_EOI);
+      const std::vector<T> qdy = fake_rows<T>(dy_RO), qw = fake_blocks<T>(w_EOI, wq);
       for (int64_t e = 0; e < e_n; ++e) {
         const int64_t m = off[e + 1] - off[e];
         if (m == 0) continue;
@@ -492,6 +516,28 @@ void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, con
     }
     if (dw_EOI.defined()) emulated_wgrad<T>(x_RI, dy_RO, offsets_E1, dw_EOI, accumulate);
   });
+}
+
+void Fp8WeightCache::bind(Memory& mem, const Tensor& w, bool on) {
+  mem_ = &mem;
+  w_ = w;
+  fresh_ = false;
+  q_ = Fp8Weight{};
+  if (!on) return;
+  q_.q = mem.result(w.shape(), DType::u8);
+  q_.qT = mem.result(transposed_shape(w), DType::u8);
+  q_.s = mem.result(block_scale_shape(w, false), DType::f32);
+  q_.sT = mem.result(block_scale_shape(w, true), DType::f32);
+}
+
+const Fp8Weight* Fp8WeightCache::get() {
+  if (!q_.defined()) return nullptr;
+  if (!fresh_ || version_ != mem_->weights_version()) {
+    fp8_quantize_blocks(mem_->exec(), w_, q_.q, q_.s, q_.qT, q_.sT);
+    version_ = mem_->weights_version();
+    fresh_ = true;
+  }
+  return &q_;
 }
 
 void linear_forward_in(const ExecContext& ctx, bool fp8, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {

@@ -13,6 +13,7 @@
 
 #include "moefold/core/exec.h"
 #include "moefold/core/tensor.h"
+#include "moefold/ops/fp8.h"
 
 namespace moefold::cuda {
 
@@ -32,14 +33,16 @@ void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tens
 void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w);
 
 // ---- FP8 linear layers (ops/fp8.h; y, dx WRITTEN; dw ACCUMULATED unless accumulate == false) ----
-void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
+// wq: the weight already quantized (null or undefined: quantized here into scratch).
+void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
+                        const Fp8Weight* wq);
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
-                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate);
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq);
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
-                                const Tensor& offsets_E1, const Tensor& y_RO);
+                                const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq);
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate);
+                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq);
 
 // ---- raw launchers (fp8_quantize.cu), shared with the GEMMs' operand preparation -----------------
 // x: device data of dtype f32 or bf16; outputs as in ops/fp8.h; everything on ctx's stream.

@@ -309,15 +309,20 @@ void check_gpu_operands(const Tensor& x, const Tensor& w, const Tensor& dy_or_y,
 
 // y = x @ w^T per group (off: [e_n + 1] device offsets, or nullptr: one group of all rows).
 void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n, const Tensor& y,
-             const char* what) {
+             const Fp8Weight* wq, const char* what) {
   check_gpu_operands(x, w, y, Tensor(), Tensor(), what);
   const int64_t r_n = x.size(0), i_n = x.size(1), o_n = w.size(w.ndim() == 3 ? 1 : 0);
   if (r_n == 0 || e_n == 0) return;
   const int64_t ib = ceil_div(i_n, kFp8Tile), ob = ceil_div(o_n, kFp8Tile);
   const Quantized qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * i_n, ib * r_n);
   launch_fp8_quantize_rows(ctx, x.data(), x.dtype(), r_n, i_n, qx.q, qx.s, off, e_n);
-  const Quantized qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, e_n * ib * ob);
-  launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, qw.q, nullptr, nullptr, qw.s);  // sT
+  Quantized qw;
+  if (wq != nullptr && wq->defined()) {
+    qw = Quantized{wq->q.ptr<uint8_t>(), wq->sT.ptr<float>()};  // as quantize_blocks below writes them
+  } else {
+    qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, e_n * ib * ob);
+    launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, qw.q, nullptr, nullptr, qw.s);  // sT
+  }
   Operands op;
   op.a = qx.q, op.sfa = qx.s, op.b = qw.q, op.sfb = qw.s, op.d = y.data(), op.off = off, op.rows = r_n;
   op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
@@ -326,7 +331,8 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
 
 // dx = dy @ w and dw (+)= dy^T @ x per group; dx or dw undefined: skipped.
 void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n,
-              const Tensor& dy, const Tensor& dx, const Tensor& dw, bool accumulate, const char* what) {
+              const Tensor& dy, const Tensor& dx, const Tensor& dw, bool accumulate, const Fp8Weight* wq,
+              const char* what) {
   check_gpu_operands(x, w, dy, dx, dw, what);
   const int64_t r_n = x.size(0), i_n = x.size(1), o_n = w.size(w.ndim() == 3 ? 1 : 0);
   if (e_n == 0) return;
@@ -341,8 +347,13 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   if (dx.defined()) {
     const Quantized qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * o_n, ob * r_n);
     launch_fp8_quantize_rows(ctx, dy.data(), dy.dtype(), r_n, o_n, qdy.q, qdy.s, off, e_n);
-    const Quantized qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, e_n * ob * ib);
-    launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, nullptr, qw.s, qw.q, nullptr);  // qT, s
+    Quantized qw;
+    if (wq != nullptr && wq->defined()) {
+      qw = Quantized{wq->qT.ptr<uint8_t>(), wq->s.ptr<float>()};
+    } else {
+      qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, e_n * ob * ib);
+      launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, nullptr, qw.s, qw.q, nullptr);  // qT, s
+    }
     op.a = qdy.q, op.sfa = qdy.s, op.b = qw.q, op.sfb = qw.s, op.d = dx.data();
     run_fp8<RowsBlocks, Kind::dgrad>(ctx, op, 0.0f, what);
   }
@@ -373,24 +384,25 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
 
 }  // namespace
 
-void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
-  forward(ctx, x_NI, w_OI, nullptr, 1, y_NO, "fp8_linear_forward");
+void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
+                        const Fp8Weight* wq) {
+  forward(ctx, x_NI, w_OI, nullptr, 1, y_NO, wq, "fp8_linear_forward");
 }
 
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
-                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate) {
-  backward(ctx, x_NI, w_OI, nullptr, 1, dy_NO, dx_NI, dw_OI, accumulate, "fp8_linear_backward");
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq) {
+  backward(ctx, x_NI, w_OI, nullptr, 1, dy_NO, dx_NI, dw_OI, accumulate, wq, "fp8_linear_backward");
 }
 
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
-                                const Tensor& offsets_E1, const Tensor& y_RO) {
-  forward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), y_RO, "fp8_grouped_linear_forward");
+                                const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq) {
+  forward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), y_RO, wq, "fp8_grouped_linear_forward");
 }
 
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate) {
-  backward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), dy_RO, dx_RI, dw_EOI, accumulate,
+                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq) {
+  backward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), dy_RO, dx_RI, dw_EOI, accumulate, wq,
            "fp8_grouped_linear_backward");
 }
 
@@ -406,18 +418,19 @@ namespace {
 }
 }  // namespace
 
-void fp8_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&) {
+void fp8_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Fp8Weight*) {
   no_cutlass("fp8_linear_forward");
 }
 void fp8_linear_backward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         bool) {
+                         bool, const Fp8Weight*) {
   no_cutlass("fp8_linear_backward");
 }
-void fp8_grouped_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+void fp8_grouped_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Fp8Weight*) {
   no_cutlass("fp8_grouped_linear_forward");
 }
 void fp8_grouped_linear_backward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const Tensor&, const Tensor&, bool) {
+                                 const Tensor&, const Tensor&, bool, const Fp8Weight*) {
   no_cutlass("fp8_grouped_linear_backward");
 }
 
