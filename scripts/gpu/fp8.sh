@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine after scripts/gpu/bundle.sh with MOEFOLD_GPU_EXTRA_TARGETS=moefold and
 # test_ops_cuda_fp8 among the targets: FP8 (train.fp8 = blockwise) against bf16 in one call.
-#   scripts/gpu/fp8.sh [tests] [layer] [train] [curves]   (none: all four)
+#   scripts/gpu/fp8.sh [tests] [layer] [train] [curves] [ablate]   (none: the first four)
 # tests: the FP8 GPU parity tests; layer: bench moe-layer, bf16 then --fp8 (qwen3-30b-a3b and
 # deepseek-v3, balanced routing); train: bench train, bf16 then FP8 (qwen3-30b-a3b 8 layers x 8
 # sequences, micro-batch 2; deepseek-v3 3 layers, 1 dense, 32 experts); curves: 1000 steps of a
@@ -13,6 +13,8 @@ out="${OUT:-/tmp}"
 source "$root/scripts/gpu/env.sh"
 B="$root/.gpu/bin/moefold"
 parts="${*:-tests layer train curves}"
+# ablate: the DeepSeek-V3-shaped curve with FP8 on every module but one (train.fp8_exclude), final
+# and last-100-step mean losses against bf16 (which module costs the accuracy).
 want() { [[ " $parts " == *" $1 "* ]]; }
 status=0
 strip_table() { grep -v "^|---\|^$"; }
@@ -22,12 +24,15 @@ if want tests; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want layer; then
-  for mode in "" --fp8; do
-    echo "== moe-layer ${mode:-bf16}"
-    timeout 150 "$B" bench moe-layer --shape qwen3-30b-a3b --shape deepseek-v3 --routing balanced --reps 10 \
-      --warmup 2 $mode > "$out/moe_layer${mode:+_fp8}.md" 2>&1 || status=1
-    strip_table < "$out/moe_layer${mode:+_fp8}.md" | sed -n 1,4p
-    grep "FP8\|fc1 forward+backward\|experts" "$out/moe_layer${mode:+_fp8}.md" | head -24
+  for shape in qwen3-30b-a3b deepseek-v3; do
+    for mode in "" --fp8; do
+      f="$out/moe_layer_${shape}${mode:+_fp8}.md"
+      echo "== moe-layer $shape ${mode:-bf16}"
+      timeout 150 "$B" bench moe-layer --shape "$shape" --routing balanced --reps 10 --warmup 2 $mode > "$f" 2>&1 ||
+        status=1
+      strip_table < "$f" | sed -n 3p
+      grep "FP8\|fc1 forward+backward\|experts\|error" "$f" | head -14
+    done
   done
 fi
 if want train; then
@@ -47,12 +52,14 @@ if want train; then
   bench deepseek_bf16 "${d[@]}"
   bench deepseek_fp8 "${d[@]}" --set train.fp8=blockwise
 fi
+# The small DeepSeek-V3-shaped model of the curves (the tiny preset's widths, MLA, a dense first
+# layer, a shared expert, sigmoid routing with a selection bias, multi-token prediction).
+ds=(--set model.architecture=deepseek_v3 --set model.q_lora_rank=64 --set model.kv_lora_rank=64
+    --set model.qk_nope_head_dim=32 --set model.qk_rope_head_dim=16 --set model.head_dim=16 --set model.v_head_dim=32
+    --set model.num_key_value_heads=4 --set model.first_k_dense_replace=1 --set model.intermediate_size=256
+    --set moe.n_shared_experts=1 --set moe.scoring_func=sigmoid --set moe.expert_bias=true
+    --set model.num_nextn_predict_layers=1)
 if want curves; then
-  ds=(--set model.architecture=deepseek_v3 --set model.q_lora_rank=64 --set model.kv_lora_rank=64
-      --set model.qk_nope_head_dim=32 --set model.qk_rope_head_dim=16 --set model.head_dim=16 --set model.v_head_dim=32
-      --set model.num_key_value_heads=4
-      --set model.first_k_dense_replace=1 --set model.intermediate_size=256 --set moe.n_shared_experts=1
-      --set moe.scoring_func=sigmoid --set moe.expert_bias=true --set model.num_nextn_predict_layers=1)
   for fam in ${FP8_FAMILIES:-qwen3 deepseek}; do
     for fp8 in none blockwise; do
       name="${fam}_$fp8"
@@ -82,5 +89,22 @@ for fam in ("qwen3", "deepseek"):
     ea, eb = last(rows["none"], "eval_loss"), last(rows["blockwise"], "eval_loss")
     print(f"{fam}: final loss bf16 {a:.4f} fp8 {b:.4f} ({(b - a) / a * 100:+.2f}%), eval {ea:.4f} / {eb:.4f} ({(eb - ea) / ea * 100:+.2f}%)")
 PY
+fi
+if want ablate; then
+  for m in none qkv attn_proj mlp experts shared_experts mtp; do
+    dir="/tmp/moefold-runs/ablate_$m"
+    rm -rf "$dir"
+    mode=(--set train.fp8=blockwise --set "train.fp8_exclude=[\"$m\"]")
+    [ "$m" = none ] && mode=(--set train.fp8=none)
+    timeout 100 "$B" train --quiet --device cuda --steps 1000 --run-dir "$dir" "${mode[@]}" \
+      --set train.eval_interval=100 "${ds[@]}" > /dev/null 2>&1 || status=1
+    [ "$m" = none ] && exclude="(bf16)" || exclude="fp8 but $m"
+    python3 - "$dir/metrics.jsonl" "$exclude" <<'PY' || status=1
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+ev = [r["eval_loss"] for r in rows if "eval_loss" in r]
+print(f"{sys.argv[2]:>24}: final {rows[-1]['loss']:.4f}, mean of the last 100 {sum(r['loss'] for r in rows[-100:]) / 100:.4f}, last eval {ev[-1]:.4f}")
+PY
+  done
 fi
 exit $status

@@ -105,7 +105,7 @@ struct Layer {
   Tensor balanced_idx, balanced_prob;  // [T, K]: balanced routing
   Tensor gu, h, dgu, dh, drows2;       // the grouped GEMMs alone
   Tensor dgate_up;
-  Tensor q_rows, s_rows, q_w, s_w, qT_w, sT_w;  // FP8: the quantized fc1 input and weight
+  Tensor q_rows, s_rows;  // FP8: the quantized fc1 input
   Layer(const Config& c, int64_t t, Communicator* ep)
       : router(c.moe, c.model.hidden_size, t, "bench", c.model.initializer_range),
         dispatcher_ptr(make_dispatcher(c, t, ep)),
@@ -147,13 +147,8 @@ struct Layer {
     drows2 = mem.act({r, h_n});
     dgate_up = mem.grad("bench.experts.gate_up_proj");
     const bool fp8 = experts_fp8;
-    const int64_t e_n = dispatcher.num_local_experts();
     q_rows = mem.act({fp8 ? r : 0, h_n}, DType::u8);
     s_rows = mem.act({fp8 ? (h_n + kFp8Tile - 1) / kFp8Tile * r : 0}, DType::f32);  // viewed [H / 128, R]
-    q_w = mem.act({fp8 ? e_n : 0, 2 * f, h_n}, DType::u8);
-    qT_w = mem.act({fp8 ? e_n : 0, h_n, 2 * f}, DType::u8);
-    s_w = mem.act({fp8 ? e_n : 0, (2 * f + kFp8Tile - 1) / kFp8Tile, (h_n + kFp8Tile - 1) / kFp8Tile}, DType::f32);
-    sT_w = mem.act({fp8 ? e_n : 0, (h_n + kFp8Tile - 1) / kFp8Tile, (2 * f + kFp8Tile - 1) / kFp8Tile}, DType::f32);
   }
   bool experts_fp8 = false;
 };
@@ -371,27 +366,33 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     fc1_backward(off, a, b);
   });
   if (!opts.fp8) return res;
-  // FP8 (ops/fp8.h): the grouped GEMMs with their operands' quantization, and the quantization
-  // passes alone (the GEMMs' own time is the difference).
-  gemm("FP8 fc1 forward (quantize x and w, grouped GEMM)", fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    fp8_grouped_linear_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b));
+  // FP8 (ops/fp8.h): the grouped GEMMs with their activations' quantization, the weights quantized
+  // once per step as in training (Experts::fp8_gate_up); the quantization passes alone (the GEMMs'
+  // own time is the difference).
+  gemm("FP8 fc1 forward (quantize x, grouped GEMM)", fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
+    fp8_grouped_linear_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b), layer.experts.fp8_gate_up());
   });
-  gemm("FP8 fc2 forward (quantize h and w, grouped GEMM)", fc2, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    fp8_grouped_linear_forward(ctx, h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b));
+  gemm("FP8 fc2 forward (quantize h, grouped GEMM)", fc2, 0, [&](const Tensor& off, int64_t a, int64_t b) {
+    fp8_grouped_linear_forward(ctx, h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b),
+                               layer.experts.fp8_down());
   });
-  gemm("FP8 fc1 backward (dx + dw, with quantization)", 2 * fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    fp8_grouped_linear_backward(ctx, rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up);
-  });
+  const auto fp8_fc1_backward = [&](const Tensor& off, int64_t a, int64_t b) {
+    fp8_grouped_linear_backward(ctx, rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up,
+                                true, layer.experts.fp8_gate_up());
+  };
+  gemm("FP8 fc1 backward (dx + dw, quantize dy and x)", 2 * fc1, 0, fp8_fc1_backward);
   gemm("FP8 fc1 forward+backward", 3 * fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    fp8_grouped_linear_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b));
-    fp8_grouped_linear_backward(ctx, rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up);
+    fp8_grouped_linear_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b), layer.experts.fp8_gate_up());
+    fp8_fc1_backward(off, a, b);
   });
   const int64_t kb = (h_n + kFp8Tile - 1) / kFp8Tile;
   gemm("FP8 quantize fc1 input rows (1 x 128 tiles)", 0, 0, [&](const Tensor&, int64_t a, int64_t) {
     if (a == 0) fp8_quantize_rows(ctx, rows, layer.q_rows.slice(0, r), layer.s_rows.slice(0, kb * r).view({kb, r}));
   });
-  gemm("FP8 quantize fc1 weight (128 x 128 blocks, + transposed)", 0, 0, [&](const Tensor&, int64_t, int64_t) {
-    fp8_quantize_blocks(ctx, w1, layer.q_w, layer.s_w, layer.qT_w, layer.sT_w);
+  gemm("FP8 quantize fc1 weight (once per step: blocks and transpose)", 0, 0, [&](const Tensor&, int64_t a, int64_t) {
+    if (a != 0) return;
+    mem.weights_changed();
+    layer.experts.fp8_gate_up();
   });
   return res;
 }

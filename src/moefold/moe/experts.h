@@ -66,6 +66,10 @@ class Experts {
                 int64_t first_row = 0, const std::function<void()>& input_grads_done = {});
 
   const Tensor& gate_up_proj() const { return gate_up_E2FH_; }
+  // FP8 (set_fp8): the weights' copies for this step, quantized now if the weights changed
+  // (Fp8WeightCache); null without FP8.
+  const Fp8Weight* fp8_gate_up() { return fp8_gate_up_.get(); }
+  const Fp8Weight* fp8_down() { return fp8_down_.get(); }
   const Tensor& down_proj() const { return down_EHF_; }
   int64_t ffn() const { return ffn_; }              // F held here
   int64_t ffn_first() const { return ffn_first_; }  // first of total_ffn held here
