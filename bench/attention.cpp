@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "moefold/core/device.h"
 #include "moefold/core/dtype.h"
 #include "moefold/core/error.h"
@@ -27,6 +28,10 @@
 
 namespace moefold {
 namespace {
+
+using bench::DeviceTensor;
+using bench::fill_random;
+using bench::time_ms;
 
 struct Shape4 {
   const char* name;
@@ -46,36 +51,6 @@ struct Options {
   int runs = 25, warmup = 3;
   std::vector<std::string> shapes;  // empty: all
 };
-
-// A device tensor that frees itself.
-class DeviceTensor {
- public:
-  DeviceTensor(Shape shape, DType dtype)
-      : p_(device_malloc(static_cast<size_t>(shape.numel()) * dtype_size(dtype))), t_(p_, dtype, shape, Device::cuda) {}
-  ~DeviceTensor() { device_free(p_); }
-  DeviceTensor(const DeviceTensor&) = delete;
-  DeviceTensor& operator=(const DeviceTensor&) = delete;
-  const Tensor& operator*() const { return t_; }
-
- private:
-  void* p_;
-  Tensor t_;
-};
-
-// Uniform on [-sqrt(3), sqrt(3)] (unit variance), rounded to bf16: xorshift64*, fast enough for
-// the 10^8 elements of the largest shape.
-void fill_random(const Tensor& t, uint64_t seed) {
-  std::vector<uint16_t> h(static_cast<size_t>(t.numel()));
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (uint16_t& v : h) {
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    const double u = static_cast<double>((x * 0x2545F4914F6CDD1Dull) >> 11) * 0x1.0p-53;  // [0, 1)
-    v = f32_to_bf16(static_cast<float>((2 * u - 1) * std::sqrt(3.0)));
-  }
-  device_copy(t.data(), Device::cuda, h.data(), Device::cpu, h.size() * 2);
-}
 
 std::vector<double> download(const Tensor& t) {
   std::vector<double> out(static_cast<size_t>(t.numel()));
@@ -101,22 +76,6 @@ double rel_diff(const Tensor& a, const Tensor& b) {
     den += y[i] * y[i];
   }
   return std::sqrt(num / std::max(den, 1e-300));
-}
-
-// Median milliseconds of `runs` timed calls of f after `warmup` untimed ones.
-double time_ms(const Options& opt, const std::function<void()>& f) {
-  for (int i = 0; i < opt.warmup; ++i) f();
-  StreamTimer timer;
-  std::vector<double> ms;
-  for (int i = 0; i < opt.runs; ++i) {
-    timer.start(Device::cuda);
-    f();
-    timer.stop();
-    ms.push_back(timer.elapsed_ms());
-  }
-  std::sort(ms.begin(), ms.end());
-  const size_t n = ms.size();
-  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
 }
 
 void report(const Shape4& sh, const char* impl, const char* direction, double ms, double flops) {
@@ -147,17 +106,20 @@ void bench_shape(const Shape4& sh, const Options& opt) {
   fill_random(*dout, 4);
   const ExecContext& ctx = ExecContext::standard(Device::cuda);
 
-  report(sh, "own", "forward", time_ms(opt, [&] { cuda::attention_forward(ctx, *q, *k, *v, scale, *out, *lse); }),
+  report(sh, "own", "forward",
+         time_ms(opt.runs, opt.warmup, [&] { cuda::attention_forward(ctx, *q, *k, *v, scale, *out, *lse); }),
          fwd_flops);
   report(sh, "own", "backward",
-         time_ms(opt, [&] { cuda::attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq, *dk, *dv); }),
+         time_ms(opt.runs, opt.warmup,
+                 [&] { cuda::attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq, *dk, *dv); }),
          bwd_flops);
 
   std::string why;
   const bool fwd_ok = cuda::cudnn_attention_forward(ctx, *q, *k, *v, scale, *out2, *lse2, {}, &why);
   if (fwd_ok) {
     report(sh, "cudnn", "forward",
-           time_ms(opt, [&] { cuda::cudnn_attention_forward(ctx, *q, *k, *v, scale, *out2, *lse2); }), fwd_flops);
+           time_ms(opt.runs, opt.warmup, [&] { cuda::cudnn_attention_forward(ctx, *q, *k, *v, scale, *out2, *lse2); }),
+           fwd_flops);
     std::printf("%-24s cudnn vs own (forward): out %.2e lse %.2e\n", sh.name, rel_diff(*out2, *out),
                 rel_diff(*lse2, *lse));
   } else {
@@ -173,7 +135,7 @@ void bench_shape(const Shape4& sh, const Options& opt) {
     }
     report(sh, name, "backward",
            time_ms(
-               opt,
+               opt.runs, opt.warmup,
                [&] { cuda::cudnn_attention_backward(ctx, *q, *k, *v, *out, *lse, *dout, scale, *dq2, *dk2, *dv2, o); }),
            bwd_flops);
     std::printf("%-24s %s vs own (backward): dq %.2e dk %.2e dv %.2e\n", sh.name, name, rel_diff(*dq2, *dq),
