@@ -329,16 +329,6 @@ std::vector<double> values_of(const Host& h) {
   return v;
 }
 
-double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 constexpr double kBf16Out = 4e-3;  // y, dx, bf16 dw (the header's table)
 constexpr double kF32Dw = 3e-4;
 constexpr double kVsBf16 = 0.08;
@@ -390,9 +380,9 @@ void check_fp8_linear(std::mt19937_64& rng, const std::vector<int64_t>& counts, 
   }
   const std::vector<double> y = testing::download(yd), dx = testing::download(dxd), dw = testing::download(dwd);
   const double dw_tol = dw_dt == DType::f32 ? kF32Dw : kBf16Out;
-  EXPECT_LE(rel_err(y, y_ref), kBf16Out) << "y";
-  EXPECT_LE(rel_err(dx, dx_ref), kBf16Out) << "dx";
-  EXPECT_LE(rel_err(dw, dw_ref), dw_tol) << "dw";
+  EXPECT_LE(testing::rel_error(y, y_ref), kBf16Out) << "y";
+  EXPECT_LE(testing::rel_error(dx, dx_ref), kBf16Out) << "dx";
+  EXPECT_LE(testing::rel_error(dw, dw_ref), dw_tol) << "dw";
   // Per expert: a non-empty expert's dw on its own; an empty one's unchanged (accumulate) or zero.
   const int64_t per = out * in;
   const std::vector<double> dw_before = values_of(dw0);
@@ -401,7 +391,7 @@ void check_fp8_linear(std::mt19937_64& rng, const std::vector<int64_t>& counts, 
       return std::vector<double>(v.begin() + e * per, v.begin() + (e + 1) * per);
     };
     if (counts[static_cast<size_t>(e)] != 0) {
-      EXPECT_LE(rel_err(at(dw), at(dw_ref)), dw_tol) << "dw of expert " << e;
+      EXPECT_LE(testing::rel_error(at(dw), at(dw_ref)), dw_tol) << "dw of expert " << e;
     } else if (accumulate) {
       EXPECT_EQ(at(dw), at(dw_before)) << "dw of empty expert " << e << " changed";
     } else {
@@ -420,10 +410,10 @@ void check_fp8_linear(std::mt19937_64& rng, const std::vector<int64_t>& counts, 
     grouped_linear_forward(testing::exec(), xd, wd, offd, y16);
     grouped_linear_backward(testing::exec(), xd, wd, offd, dyd, dx16, dw16);
   }
-  EXPECT_LE(rel_err(y, testing::download(y16)), kVsBf16) << "y vs bf16";
-  EXPECT_LE(rel_err(dx, testing::download(dx16)), kVsBf16) << "dx vs bf16";
+  EXPECT_LE(testing::rel_error(y, testing::download(y16)), kVsBf16) << "y vs bf16";
+  EXPECT_LE(testing::rel_error(dx, testing::download(dx16)), kVsBf16) << "dx vs bf16";
   if (!accumulate) {
-    EXPECT_LE(rel_err(dw, testing::download(dw16)), kVsBf16) << "dw vs bf16";
+    EXPECT_LE(testing::rel_error(dw, testing::download(dw16)), kVsBf16) << "dw vs bf16";
   }
 }
 

@@ -35,17 +35,6 @@ namespace {
 using testing::DevicePool;
 using testing::Pool;
 
-// ||got - want|| / ||want|| over two equally long lists; any non-finite value gives +inf.
-double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 // The tolerance for an output of dtype `out` from operands of dtype `in` summed over k terms (the
 // header's table; bf16 operands into f32 get the f32 bound where it is looser, for very long K).
 double tolerance(DType in, DType out, int64_t k) {
@@ -127,7 +116,7 @@ void check_case(const GemmCase& g, bool through_wrapper = false) {
     }
   }
   EXPECT_EQ(outside_changed, 0) << "elements outside c's view were written";
-  EXPECT_LE(rel_err(got_view, want_view), tolerance(g.ab, g.c, g.k));
+  EXPECT_LE(testing::rel_error(got_view, want_view), tolerance(g.ab, g.c, g.k));
 }
 
 struct DtypeCombo {
@@ -299,7 +288,8 @@ void check_grouped(DType dt, DType dw_dt, const std::vector<int64_t>& counts, in
     if (counts[static_cast<size_t>(e)] == 0)
       EXPECT_EQ(got, before) << "dw of empty expert " << e << " changed";
     else
-      EXPECT_LE(rel_err(got, want), tolerance(dt, dw_dt, counts[static_cast<size_t>(e)])) << "dw of expert " << e;
+      EXPECT_LE(testing::rel_error(got, want), tolerance(dt, dw_dt, counts[static_cast<size_t>(e)]))
+          << "dw of expert " << e;
   }
   // Written (accumulate = false): the first micro-batch's dw, whatever the buffer held; experts
   // without rows get zeros.

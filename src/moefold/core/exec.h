@@ -38,7 +38,7 @@ enum class ScratchSlot : int {
 struct ExecLibraryState {
   virtual ~ExecLibraryState() = default;
 };
-enum class ExecLibrary : int { cublaslt, cudnn, cutlass, cutlass_fp8, count };
+enum class ExecLibrary : int { cublaslt, cudnn, cutlass, count };
 
 class ExecContext {
  public:

@@ -45,6 +45,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "moefold/ops/cuda/cutlass_grouped.cuh"
 #endif
 
 namespace moefold::cuda {
@@ -123,36 +124,28 @@ struct Arrays {
   typename G::LayoutSFA* lsfa;
   typename G::LayoutSFB* lsfb;
 
-  static constexpr size_t kArrays = 13;
   static size_t bytes(int64_t e_n) {
-    const size_t n = static_cast<size_t>(e_n);
-    return n * (sizeof(Problem) + 6 * sizeof(void*) + sizeof(typename G::StrideA) + sizeof(typename G::StrideB) +
-                sizeof(typename G::StrideC) + sizeof(typename G::StrideD) + sizeof(typename G::LayoutSFA) +
-                sizeof(typename G::LayoutSFB)) +
-           16 * kArrays;  // alignment slack
+    return cutlass_grouped::ArgCarver::bytes(
+        e_n, {sizeof(Problem), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(void*),
+              sizeof(typename G::StrideA), sizeof(typename G::StrideB), sizeof(typename G::StrideC),
+              sizeof(typename G::StrideD), sizeof(typename G::LayoutSFA), sizeof(typename G::LayoutSFB)});
   }
   static Arrays carve(void* base, int64_t e_n) {
-    char* p = static_cast<char*>(base);
-    auto take = [&](size_t size) {
-      p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t{15});
-      char* r = p;
-      p += size * static_cast<size_t>(e_n);
-      return r;
-    };
+    cutlass_grouped::ArgCarver arrays(base, e_n);
     Arrays a;
-    a.problems = reinterpret_cast<Problem*>(take(sizeof(Problem)));
-    a.a = reinterpret_cast<const In**>(take(sizeof(void*)));
-    a.b = reinterpret_cast<const In**>(take(sizeof(void*)));
-    a.sfa = reinterpret_cast<const float**>(take(sizeof(void*)));
-    a.sfb = reinterpret_cast<const float**>(take(sizeof(void*)));
-    a.c = reinterpret_cast<const Out**>(take(sizeof(void*)));
-    a.d = reinterpret_cast<Out**>(take(sizeof(void*)));
-    a.sa = reinterpret_cast<typename G::StrideA*>(take(sizeof(typename G::StrideA)));
-    a.sb = reinterpret_cast<typename G::StrideB*>(take(sizeof(typename G::StrideB)));
-    a.sc = reinterpret_cast<typename G::StrideC*>(take(sizeof(typename G::StrideC)));
-    a.sd = reinterpret_cast<typename G::StrideD*>(take(sizeof(typename G::StrideD)));
-    a.lsfa = reinterpret_cast<typename G::LayoutSFA*>(take(sizeof(typename G::LayoutSFA)));
-    a.lsfb = reinterpret_cast<typename G::LayoutSFB*>(take(sizeof(typename G::LayoutSFB)));
+    a.problems = arrays.take<Problem>();
+    a.a = arrays.take<const In*>();
+    a.b = arrays.take<const In*>();
+    a.sfa = arrays.take<const float*>();
+    a.sfb = arrays.take<const float*>();
+    a.c = arrays.take<const Out*>();
+    a.d = arrays.take<Out*>();
+    a.sa = arrays.take<typename G::StrideA>();
+    a.sb = arrays.take<typename G::StrideB>();
+    a.sc = arrays.take<typename G::StrideC>();
+    a.sd = arrays.take<typename G::StrideD>();
+    a.lsfa = arrays.take<typename G::LayoutSFA>();
+    a.lsfb = arrays.take<typename G::LayoutSFB>();
     return a;
   }
 };
@@ -217,22 +210,6 @@ __global__ void build_fp8_args(Arrays<G> arr, Operands op) {
   }
 }
 
-// The SMs the persistent GEMMs spread over: all, or kernels.gemm_sms (as the bf16 grouped GEMM).
-struct HardwareState final : ExecLibraryState {
-  explicit HardwareState(const ExecContext& ctx) {
-    MF_CUDA_CHECK(cudaGetDevice(&info.device_id));
-    info.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(info.device_id);
-    if (const int n = ctx.kernels().gemm_sms; n > 0) {
-      if (n > info.sm_count) MF_FAIL("kernels.gemm_sms = ", n, ": this GPU has ", info.sm_count, " SMs");
-      info.sm_count = n;
-    }
-  }
-  cutlass::KernelHardwareInfo info;
-};
-cutlass::KernelHardwareInfo hardware_info(const ExecContext& ctx) {
-  return ctx.library<HardwareState>(ExecLibrary::cutlass_fp8).info;
-}
-
 // Builds the group arguments on the device and runs one grouped GEMM of kind kKind.
 template <class G, Kind kKind>
 void run_fp8(const ExecContext& ctx, const Operands& op, float beta, const char* what) {
@@ -247,29 +224,8 @@ void run_fp8(const ExecContext& ctx, const Operands& op, float beta, const char*
                                    {op.e_n, arr.problems, nullptr},
                                    {arr.a, arr.sa, arr.b, arr.sb, arr.sfa, arr.lsfa, arr.sfb, arr.lsfb},
                                    {thread, arr.c, arr.sc, arr.d, arr.sd},
-                                   hardware_info(ctx)};
-  typename G::Gemm gemm;
-  const cutlass::Status ok = gemm.can_implement(args);
-  MF_CHECK(ok == cutlass::Status::kSuccess, what, ": CUTLASS cannot run this FP8 grouped GEMM (",
-           cutlassGetStatusString(ok), ")");
-  const size_t ws_bytes = G::Gemm::get_workspace_size(args);
-  void* ws = ctx.scratch(ScratchSlot::grouped_gemm_workspace, ws_bytes);
-  const cutlass::Status init = gemm.initialize(args, ws, stream_of(ctx));
-  MF_CHECK(init == cutlass::Status::kSuccess, what, ": CUTLASS initialize: ", cutlassGetStatusString(init));
-  const cutlass::Status run = gemm.run(stream_of(ctx));
-  MF_CHECK(run == cutlass::Status::kSuccess, what, ": CUTLASS run: ", cutlassGetStatusString(run));
-  MF_CUDA_LAUNCHED(what);
-}
-
-// dw_e = 0 for every expert e without rows (blockIdx.y = e; the other experts' blocks exit).
-template <class T>
-__global__ void zero_empty_experts(T* dw, const int64_t* __restrict__ off, int64_t per) {
-  const int64_t e = blockIdx.y;
-  if (off[e + 1] != off[e]) return;
-  T* d = dw + e * per;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < per;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    d[i] = T(0.0f);
+                                   cutlass_grouped::hardware_info(ctx)};
+  cutlass_grouped::run_gemm<typename G::Gemm>(ctx, args, what);
 }
 
 // ---- operands in scratch -----------------------------------------------------------------------
@@ -362,12 +318,11 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   // Written (beta = 0: the epilogue does not read dw): an expert without rows gets no tiles, so
   // its dw is zeroed here (the offsets are read on the device).
   if (!accumulate && off != nullptr) {
-    const dim3 grid(64, static_cast<unsigned>(e_n));
+    const char* zero = "fp8 wgrad (zero empty experts)";
     if (dw16)
-      zero_empty_experts<<<grid, 256, 0, stream_of(ctx)>>>(static_cast<__nv_bfloat16*>(dw.data()), off, o_n * i_n);
+      cutlass_grouped::zero_empty_experts(ctx, static_cast<__nv_bfloat16*>(dw.data()), off, e_n, o_n * i_n, zero);
     else
-      zero_empty_experts<<<grid, 256, 0, stream_of(ctx)>>>(dw.ptr<float>(), off, o_n * i_n);
-    MF_CUDA_LAUNCHED("fp8 wgrad (zero empty experts)");
+      cutlass_grouped::zero_empty_experts(ctx, dw.ptr<float>(), off, e_n, o_n * i_n, zero);
   }
   // The slots of dgrad's operands are reused: this stream ran (or queued) dgrad before.
   const int64_t p = fp8_cols_width(r_n, off != nullptr ? e_n : 1);

@@ -32,6 +32,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "moefold/ops/cuda/cutlass_grouped.cuh"
 #endif
 
 namespace moefold::cuda {
@@ -350,29 +351,22 @@ struct Arrays {
   typename G::StrideD* sd;
 
   static size_t bytes(int64_t e_n) {
-    const size_t n = static_cast<size_t>(e_n);
-    return n * (sizeof(Problem) + 4 * sizeof(void*) + sizeof(typename G::StrideA) + sizeof(typename G::StrideB) +
-                sizeof(typename G::StrideC) + sizeof(typename G::StrideD)) +
-           16 * 9;  // alignment slack
+    return cutlass_grouped::ArgCarver::bytes(
+        e_n, {sizeof(Problem), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(typename G::StrideA),
+              sizeof(typename G::StrideB), sizeof(typename G::StrideC), sizeof(typename G::StrideD)});
   }
   static Arrays carve(void* base, int64_t e_n) {
-    char* p = static_cast<char*>(base);
-    auto take = [&](size_t size) {
-      p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t{15});
-      char* r = p;
-      p += size * static_cast<size_t>(e_n);
-      return r;
-    };
+    cutlass_grouped::ArgCarver arrays(base, e_n);
     Arrays a;
-    a.problems = reinterpret_cast<Problem*>(take(sizeof(Problem)));
-    a.a = reinterpret_cast<const In**>(take(sizeof(void*)));
-    a.b = reinterpret_cast<const In**>(take(sizeof(void*)));
-    a.c = reinterpret_cast<const Out**>(take(sizeof(void*)));
-    a.d = reinterpret_cast<Out**>(take(sizeof(void*)));
-    a.sa = reinterpret_cast<typename G::StrideA*>(take(sizeof(typename G::StrideA)));
-    a.sb = reinterpret_cast<typename G::StrideB*>(take(sizeof(typename G::StrideB)));
-    a.sc = reinterpret_cast<typename G::StrideC*>(take(sizeof(typename G::StrideC)));
-    a.sd = reinterpret_cast<typename G::StrideD*>(take(sizeof(typename G::StrideD)));
+    a.problems = arrays.take<Problem>();
+    a.a = arrays.take<const In*>();
+    a.b = arrays.take<const In*>();
+    a.c = arrays.take<const Out*>();
+    a.d = arrays.take<Out*>();
+    a.sa = arrays.take<typename G::StrideA>();
+    a.sb = arrays.take<typename G::StrideB>();
+    a.sc = arrays.take<typename G::StrideC>();
+    a.sd = arrays.take<typename G::StrideD>();
     return a;
   }
 };
@@ -419,36 +413,9 @@ __global__ void build_group_args(Arrays<G> arr, const int64_t* __restrict__ off,
     set_group<G>(arr, e, o_n, i_n, m, rows + begin * o_n, rows2 + begin * i_n, o + we, m == 0);
 }
 
-// The SMs the persistent grouped GEMMs spread over: all of them, or kernels.gemm_sms to leave
-// some to a transfer running beside them (expert parallelism: NCCL's blocks take SMs, and a
-// persistent kernel whose blocks wait for them finishes late). Queried once per context.
-struct HardwareState final : ExecLibraryState {
-  explicit HardwareState(const ExecContext& ctx) {
-    MF_CUDA_CHECK(cudaGetDevice(&info.device_id));
-    info.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(info.device_id);
-    if (const int n = ctx.kernels().gemm_sms; n > 0) {
-      if (n > info.sm_count) MF_FAIL("kernels.gemm_sms = ", n, ": this GPU has ", info.sm_count, " SMs");
-      info.sm_count = n;
-    }
-  }
-  cutlass::KernelHardwareInfo info;
-};
-cutlass::KernelHardwareInfo hardware_info(const ExecContext& ctx) {
-  return ctx.library<HardwareState>(ExecLibrary::cutlass).info;
-}
+using cutlass_grouped::hardware_info;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// dw_e = 0 for every expert e without rows (blockIdx.y = e; the other experts' blocks exit).
-template <class T>
-__global__ void zero_empty_experts(T* dw, const int64_t* __restrict__ off, int64_t per) {
-  const int64_t e = blockIdx.y;
-  if (off[e + 1] != off[e]) return;
-  T* d = dw + e * per;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < per;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    d[i] = T(0.0f);
-}
 
 // The epilogue arguments of the default fusion: D = acc + beta * C.
 template <class G>
@@ -479,17 +446,7 @@ void run_grouped(const ExecContext& ctx, int64_t e_n, int64_t i_n, int64_t o_n, 
                                    {arr.a, arr.sa, arr.b, arr.sb},
                                    {thread, arr.c, arr.sc, arr.d, arr.sd},
                                    hardware_info(ctx)};
-  typename G::Gemm gemm;
-  const cutlass::Status ok = gemm.can_implement(args);
-  MF_CHECK(ok == cutlass::Status::kSuccess, what, ": CUTLASS cannot run this grouped GEMM (",
-           cutlassGetStatusString(ok), ")");
-  const size_t ws_bytes = G::Gemm::get_workspace_size(args);
-  void* ws = ctx.scratch(ScratchSlot::grouped_gemm_workspace, ws_bytes);
-  const cutlass::Status init = gemm.initialize(args, ws, stream_of(ctx));
-  MF_CHECK(init == cutlass::Status::kSuccess, what, ": CUTLASS initialize: ", cutlassGetStatusString(init));
-  const cutlass::Status run = gemm.run(stream_of(ctx));
-  MF_CHECK(run == cutlass::Status::kSuccess, what, ": CUTLASS run: ", cutlassGetStatusString(run));
-  MF_CUDA_LAUNCHED(what);
+  cutlass_grouped::run_gemm<typename G::Gemm>(ctx, args, what);
 }
 
 }  // namespace
@@ -541,13 +498,12 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
   if (!want_dw) return true;
   if (!accumulate) {
     const int64_t per = o_n * i_n;
-    const dim3 grid(64, static_cast<unsigned>(e_n));
+    const char* what = "grouped_linear_backward dw (zero empty experts)";
     if (dw16)
-      zero_empty_experts<<<grid, 256, 0, stream_of(ctx)>>>(static_cast<__nv_bfloat16*>(dw_EOI.data()),
-                                                           offsets_E1.ptr<int64_t>(), per);
+      cutlass_grouped::zero_empty_experts(ctx, static_cast<__nv_bfloat16*>(dw_EOI.data()), offsets_E1.ptr<int64_t>(),
+                                          e_n, per, what);
     else
-      zero_empty_experts<<<grid, 256, 0, stream_of(ctx)>>>(dw_EOI.ptr<float>(), offsets_E1.ptr<int64_t>(), per);
-    MF_CUDA_LAUNCHED("grouped_linear_backward dw (zero empty experts)");
+      cutlass_grouped::zero_empty_experts(ctx, dw_EOI.ptr<float>(), offsets_E1.ptr<int64_t>(), e_n, per, what);
   }
   // bf16 gradients: the large and ping-pong tiles only (small falls back to large), to bound the compile time.
   if (dw16) {
