@@ -48,7 +48,7 @@ class DenseMlp {
   Tensor dx_up_NH_;  // FP8: the up projection's data gradient (the FP8 GEMMs write theirs)
 
   // FP8: gate and up each into a contiguous [N, F] buffer, copied into their half of gu (the FP8
-  // GEMMs write whole contiguous outputs); backward takes each half of dgu through `tmp_NF`.
+  // GEMMs write whole contiguous outputs); backward copies each half of dgu into dh_NF_ (free by then).
   void fp8_gate_up_forward();
   void fp8_gate_up_backward(const Tensor& dx);
 };

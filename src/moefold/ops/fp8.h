@@ -7,7 +7,9 @@
 //
 // Scales are powers of two: a tile's scale is the smallest 2^e with amax / 2^e <= 448 (E4M3's
 // largest finite value), so x / s and q * s are exact and the quantized value is x / s rounded
-// once to E4M3 (to nearest, ties to even). amax == 0 (an all-zero tile) gives scale 1.
+// once to E4M3 (to nearest, ties to even). amax == 0 (an all-zero tile) gives scale 1; the
+// exponent is clamped to [-126, 127], so s and 1 / s stay normal floats (the GPU clamps alike).
+// A tile holding NaN or an infinity gets scale 1 (its values saturate; NaN stays NaN).
 //
 // Layouts (letters as in ops.h; B = ceil(K / 128) tiles along a row; all contiguous):
 //   rows   q_RK (u8, x's shape), s_BR (f32) [ceil(K/128), R]: the scale of row r's tile b at s[b][r].
