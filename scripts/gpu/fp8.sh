@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine after scripts/gpu/bundle.sh with MOEFOLD_GPU_EXTRA_TARGETS=moefold and
 # test_ops_cuda_fp8 among the targets: FP8 (train.fp8 = blockwise) against bf16 in one call.
-#   scripts/gpu/fp8.sh [tests] [layer] [train] [curves] [ablate]   (none: the first four)
+#   scripts/gpu/fp8.sh [tests] [layer] [train] [curves] [ablate] [width]   (none: the first four)
 # tests: the FP8 GPU parity tests; layer: bench moe-layer, bf16 then --fp8 (qwen3-30b-a3b and
 # deepseek-v3, balanced routing); train: bench train, bf16 then FP8 (qwen3-30b-a3b 8 layers x 8
 # sequences, micro-batch 2; deepseek-v3 3 layers, 1 dense, 32 experts); curves: 1000 steps of a
@@ -14,7 +14,8 @@ source "$root/scripts/gpu/env.sh"
 B="$root/.gpu/bin/moefold"
 parts="${*:-tests layer train curves}"
 # ablate: the DeepSeek-V3-shaped curve with FP8 on every module but one (train.fp8_exclude), final
-# and last-100-step mean losses against bf16 (which module costs the accuracy).
+# and last-100-step mean losses against bf16 (which module costs the accuracy); width: that model at
+# hidden 256 and 512, bf16 and FP8 (does the gap shrink with width?).
 want() { [[ " $parts " == *" $1 "* ]]; }
 status=0
 strip_table() { grep -v "^|---\|^$"; }
@@ -105,6 +106,25 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 ev = [r["eval_loss"] for r in rows if "eval_loss" in r]
 print(f"{sys.argv[2]:>24}: final {rows[-1]['loss']:.4f}, mean of the last 100 {sum(r['loss'] for r in rows[-100:]) / 100:.4f}, last eval {ev[-1]:.4f}")
 PY
+  done
+fi
+summary() {  # metrics.jsonl, label
+  python3 - "$1" "$2" <<'PY' || status=1
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+ev = [r["eval_loss"] for r in rows if "eval_loss" in r]
+print(f"{sys.argv[2]:>24}: final {rows[-1]['loss']:.4f}, mean of the last 100 {sum(r['loss'] for r in rows[-100:]) / 100:.4f}, last eval {ev[-1]:.4f}")
+PY
+}
+if want width; then
+  for h in 256 512; do
+    for fp8 in none blockwise; do
+      dir="/tmp/moefold-runs/width_${h}_$fp8"
+      rm -rf "$dir"
+      timeout 100 "$B" train --quiet --device cuda --steps 1000 --run-dir "$dir" --set train.fp8=$fp8 \
+        --set model.hidden_size=$h --set train.eval_interval=100 "${ds[@]}" > /dev/null 2>&1 || status=1
+      summary "$dir/metrics.jsonl" "hidden $h, fp8 $fp8"
+    done
   done
 fi
 exit $status
