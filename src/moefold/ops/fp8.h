@@ -108,11 +108,11 @@ class Fp8WeightCache {
   const Fp8Weight* get();
 
  private:
+  static constexpr uint64_t kNever = ~uint64_t{0};  // q_ holds no quantized weight yet
   Memory* mem_ = nullptr;
   Tensor w_;
   Fp8Weight q_;
-  uint64_t version_ = 0;
-  bool fresh_ = false;  // q_ holds w_ of version_
+  uint64_t version_ = kNever;  // the weights version q_ was quantized at
 };
 
 // A module's linear layer in its train.fp8 choice: linear_forward / linear_backward (ops.h), or

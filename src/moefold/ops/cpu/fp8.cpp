@@ -521,7 +521,7 @@ void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, con
 void Fp8WeightCache::bind(Memory& mem, const Tensor& w, bool on) {
   mem_ = &mem;
   w_ = w;
-  fresh_ = false;
+  version_ = kNever;
   q_ = Fp8Weight{};
   if (!on) return;
   q_.q = mem.result(w.shape(), DType::u8);
@@ -532,10 +532,9 @@ void Fp8WeightCache::bind(Memory& mem, const Tensor& w, bool on) {
 
 const Fp8Weight* Fp8WeightCache::get() {
   if (!q_.defined()) return nullptr;
-  if (!fresh_ || version_ != mem_->weights_version()) {
+  if (version_ != mem_->weights_version()) {
     fp8_quantize_blocks(mem_->exec(), w_, q_.q, q_.s, q_.qT, q_.sT);
     version_ = mem_->weights_version();
-    fresh_ = true;
   }
   return &q_;
 }
