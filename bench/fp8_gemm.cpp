@@ -8,21 +8,27 @@
 // its rows (the grouped GEMMs' ideal). Random unit-variance data; unit scales for cuBLASLt (its
 // speed does not depend on them). Times: CUDA events on the primary stream (every GEMM runs
 // there), median of --runs after --warmup.
-//   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N]
+// Then the experts' grouped GEMMs (bench_grouped). Both by default.
+// --probe-layouts: which scale layouts cuBLASLt's block scaling reads (probe_layouts), nothing else.
+//   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--grouped-only | --dense-only | --probe-layouts]
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_util.h"
 #include "moefold/core/error.h"
 #include "moefold/core/exec.h"
 #include "moefold/ops/fp8.h"
+#include "moefold/ops/moe_ops.h"
 
 namespace moefold {
 namespace {
@@ -67,9 +73,12 @@ const char* mode_name(Mode m) {
 
 // One cuBLASLt GEMM, column-major D[N, M] = W[K, N]^T X[K, M] ("TN": both K-major), timed; 0 when
 // cuBLASLt has no algorithm for it (prints why).
+// fp8_block's scale modes of A (w) and B (x): 128 x 128 blocks and 1 x 128 tiles unless given
+// (the layout probe also runs 1 x 128 x 1 x 128, the weight gradient's pairing).
 double time_lt(cublasLtHandle_t lt, cudaStream_t stream, void* ws, size_t ws_bytes, Mode mode, const GemmShape& s,
-               const void* w, const void* x, void* y, const float* w_scale, const float* x_scale, int runs,
-               int warmup) {
+               const void* w, const void* x, void* y, const float* w_scale, const float* x_scale, int runs, int warmup,
+               int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+               int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) {
   const bool fp8 = mode != Mode::bf16;
   const cudaDataType_t in = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
   cublasLtMatmulDesc_t op;
@@ -84,8 +93,6 @@ double time_lt(cublasLtHandle_t lt, cudaStream_t stream, void* ws, size_t ws_byt
     LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
   }
   if (mode == Mode::fp8_block) {
-    const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
-                  b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof a_mode));
     LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof b_mode));
   }
@@ -125,17 +132,204 @@ void report(const GemmShape& s, const char* impl, double ms) {
   std::fflush(stdout);
 }
 
+// Which scale layouts cuBLASLt's block scaling reads (for the dense FP8 linears): y = x w^T with
+// moefold's quantized operands (ops/fp8.h: x rows, scales [K/128, M]; w blocks, s [N/128, K/128]
+// and sT [K/128, N/128]) and each candidate layout of the scales (the rows scales as they are or
+// transposed; s or sT), against moefold's CUTLASS result; then dw = dy^T x with both operands in
+// the cols layout (1 x 128 x 1 x 128, the weight gradient's pairing), scales [P/128, C] or
+// transposed, against moefold's. A relative error ~1e-3 (bf16 output) names the layout.
+void probe_layouts(cublasLtHandle_t lt, void* ws, size_t ws_bytes) {
+  const ExecContext& ctx = ExecContext::standard(Device::cuda);
+  const cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream());
+  const int64_t m = 384, n = 256, k = 640, kb = k / kFp8Tile, nb = n / kFp8Tile, mb = m / kFp8Tile;
+  const auto transposed = [&](const Tensor& t) {  // a [r, c] f32 device tensor as [c, r]
+    std::vector<float> h(static_cast<size_t>(t.numel())), o(h.size());
+    device_copy(h.data(), Device::cpu, t.data(), Device::cuda, h.size() * 4);
+    const int64_t r = t.size(0), c = t.size(1);
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t j = 0; j < c; ++j) o[static_cast<size_t>(j * r + i)] = h[static_cast<size_t>(i * c + j)];
+    auto out = std::make_unique<DeviceTensor>(Shape{c, r}, DType::f32);
+    device_copy((**out).data(), Device::cuda, o.data(), Device::cpu, o.size() * 4);
+    return out;
+  };
+  const auto rel = [&](const Tensor& a, const Tensor& b) {
+    std::vector<uint16_t> ha(static_cast<size_t>(a.numel())), hb(ha.size());
+    device_copy(ha.data(), Device::cpu, a.data(), Device::cuda, ha.size() * 2);
+    device_copy(hb.data(), Device::cpu, b.data(), Device::cuda, hb.size() * 2);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ha.size(); ++i) {
+      const double x = bf16_to_f32(ha[i]), y = bf16_to_f32(hb[i]);
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+  };
+  {  // forward: D[N, M] (column-major) = W^T X with W [K, N], X [K, M] column-major = w [N, K], x [M, K]
+    const GemmShape s{"probe forward", m, n, k};
+    DeviceTensor x({m, k}, DType::bf16), w({n, k}, DType::bf16), y({m, n}, DType::bf16), ref({m, n}, DType::bf16);
+    bench::fill_random(*x, 7);
+    bench::fill_random(*w, 8);
+    DeviceTensor qx({m, k}, DType::u8), sx({kb, m}, DType::f32), qw({n, k}, DType::u8), sw({nb, kb}, DType::f32),
+        qwT({k, n}, DType::u8), swT({kb, nb}, DType::f32);
+    fp8_quantize_rows(ctx, *x, *qx, *sx);
+    fp8_quantize_blocks(ctx, *w, *qw, *sw, *qwT, *swT);
+    const Fp8Weight wq{*qw, *sw, *qwT, *swT};
+    fp8_linear_forward(ctx, *x, *w, *ref, &wq);
+    const auto sxT = transposed(*sx);
+    for (const auto& [wname, wscale] : {std::pair{"w s [N/128, K/128]", &*sw}, std::pair{"w sT [K/128, N/128]", &*swT}})
+      for (const auto& [xname, xscale] : {std::pair{"x [K/128, M]", &*sx}, std::pair{"x [M, K/128]", &**sxT}}) {
+        const double ms = time_lt(lt, stream, ws, ws_bytes, Mode::fp8_block, s, (*qw).data(), (*qx).data(), (*y).data(),
+                                  wscale->ptr<float>(), xscale->ptr<float>(), 1, 0);
+        std::printf("probe forward  A %-22s B %-14s %s rel error %.3g\n", wname, xname, ms > 0 ? "ran" : "none",
+                    ms > 0 ? rel(*y, *ref) : -1.0);
+      }
+  }
+  {  // wgrad: dw[O, I] = dy^T x; cuBLASLt D[I, O] column-major = X^T DY, X = x cols qT [I, P], DY = dy cols [O, P]
+    const int64_t o_n = n, i_n = k, r_n = m, p = fp8_cols_width(r_n, 1);
+    const GemmShape s{"probe wgrad", o_n, i_n, p};  // cuBLASLt's M = O (B = dy), N = I (A = x), K = P
+    DeviceTensor x({r_n, i_n}, DType::bf16), w({o_n, i_n}, DType::bf16), dy({r_n, o_n}, DType::bf16),
+        dw({o_n, i_n}, DType::bf16), ref({o_n, i_n}, DType::bf16);
+    bench::fill_random(*x, 9);
+    bench::fill_random(*dy, 10);
+    int64_t off[2] = {0, r_n};
+    DeviceTensor offsets({2}, DType::i64);
+    device_copy((*offsets).data(), Device::cuda, off, Device::cpu, sizeof off);
+    DeviceTensor qxT({i_n, p}, DType::u8), sxT({p / kFp8Tile, i_n}, DType::f32), qdyT({o_n, p}, DType::u8),
+        sdyT({p / kFp8Tile, o_n}, DType::f32);
+    for (const Tensor* t : {&*qxT, &*sxT, &*qdyT, &*sdyT}) {  // the columns past the rows: zero codes and scales
+      const std::vector<uint8_t> zeros(t->nbytes(), 0);
+      device_copy(t->data(), Device::cuda, zeros.data(), Device::cpu, zeros.size());
+    }
+    fp8_quantize_cols(ctx, *x, *offsets, *qxT, *sxT);
+    fp8_quantize_cols(ctx, *dy, *offsets, *qdyT, *sdyT);
+    fp8_linear_backward(ctx, *x, *w, *dy, Tensor(), *ref, false);
+    const auto sxT2 = transposed(*sxT), sdyT2 = transposed(*sdyT);
+    for (const auto& [aname, ascale] : {std::pair{"x [P/128, I]", &*sxT}, std::pair{"x [I, P/128]", &**sxT2}})
+      for (const auto& [bname, bscale] : {std::pair{"dy [P/128, O]", &*sdyT}, std::pair{"dy [O, P/128]", &**sdyT2}}) {
+        const double ms = time_lt(lt, stream, ws, ws_bytes, Mode::fp8_block, s, (*qxT).data(), (*qdyT).data(),
+                                  (*dw).data(), ascale->ptr<float>(), bscale->ptr<float>(), 1, 0,
+                                  CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+        std::printf("probe wgrad    A %-22s B %-14s %s rel error %.3g\n", aname, bname, ms > 0 ? "ran" : "none",
+                    ms > 0 ? rel(*dw, *ref) : -1.0);
+      }
+  }
+  (void)mb;
+  std::fflush(stdout);
+}
+
+// The experts' grouped GEMMs of one layer under balanced routing (E experts of m rows each):
+// forward y = x w^T, dgrad dx = dy w, wgrad dw = dy^T x (f32, written), FP8 in each of
+// kernels.fp8_tile's configurations against the bf16 grouped GEMM (kernels.cutlass_tile's
+// defaults). FP8 times exclude the activations' quantization (timed apart and subtracted; the
+// weight is quantized beforehand, as Fp8WeightCache does once a step).
+struct GroupedShape {
+  const char* name;
+  int64_t e, m, o, i;
+};
+const GroupedShape kGrouped[] = {
+    {"qwen3-30b-a3b fc1", 128, 1024, 1536, 2048},
+    {"qwen3-30b-a3b fc2", 128, 1024, 2048, 768},
+    {"deepseek-v3 fc1", 256, 256, 4096, 7168},
+    {"deepseek-v3 fc2", 256, 256, 7168, 2048},
+};
+
+void report_grouped(const GroupedShape& g, const char* kind, const char* impl, double ms) {
+  const double flops = 2.0 * static_cast<double>(g.e * g.m) * g.o * g.i;
+  std::printf("grouped %-20s %-6s E=%-4lld m=%-5lld O=%-5lld I=%-5lld %-34s %8.3f ms %7.1f TFLOP/s\n", g.name, kind,
+              static_cast<long long>(g.e), static_cast<long long>(g.m), static_cast<long long>(g.o),
+              static_cast<long long>(g.i), impl, ms, flops / ms * 1e-9);
+  std::fflush(stdout);
+}
+
+void bench_grouped(int runs, int warmup) {
+  const ExecContext& ctx = ExecContext::standard(Device::cuda);
+  for (const GroupedShape& g : kGrouped) {
+    const int64_t r = g.e * g.m;
+    DeviceTensor x({r, g.i}, DType::bf16), w({g.e, g.o, g.i}, DType::bf16), y({r, g.o}, DType::bf16),
+        dy({r, g.o}, DType::bf16), dx({r, g.i}, DType::bf16), dw({g.e, g.o, g.i}, DType::f32);
+    bench::fill_random(*x, 3);
+    bench::fill_random(*w, 4);
+    bench::fill_random(*dy, 5);
+    std::vector<int64_t> off(static_cast<size_t>(g.e + 1));
+    for (int64_t e = 0; e <= g.e; ++e) off[static_cast<size_t>(e)] = e * g.m;
+    DeviceTensor offsets({g.e + 1}, DType::i64);
+    device_copy((*offsets).data(), Device::cuda, off.data(), Device::cpu, off.size() * sizeof(int64_t));
+    const int64_t ib = (g.i + kFp8Tile - 1) / kFp8Tile, ob = (g.o + kFp8Tile - 1) / kFp8Tile;
+    DeviceTensor qw({g.e, g.o, g.i}, DType::u8), sw({g.e, ob, ib}, DType::f32), qwT({g.e, g.i, g.o}, DType::u8),
+        swT({g.e, ib, ob}, DType::f32);
+    fp8_quantize_blocks(ctx, *w, *qw, *sw, *qwT, *swT);
+    const Fp8Weight wq{*qw, *sw, *qwT, *swT};
+    // The activations' quantization passes, timed apart.
+    const int64_t p = fp8_cols_width(r, g.e);
+    DeviceTensor qx({r, g.i}, DType::u8), sx({ib, r}, DType::f32), qdy({r, g.o}, DType::u8), sdy({ob, r}, DType::f32),
+        qxT({g.i, p}, DType::u8), sxT({p / kFp8Tile, g.i}, DType::f32), qdyT({g.o, p}, DType::u8),
+        sdyT({p / kFp8Tile, g.o}, DType::f32);
+    const double q_fwd = bench::time_ms(runs, warmup, [&] { fp8_quantize_rows(ctx, *x, *qx, *sx); });
+    const double q_dgrad = bench::time_ms(runs, warmup, [&] { fp8_quantize_rows(ctx, *dy, *qdy, *sdy); });
+    const double q_wgrad = bench::time_ms(runs, warmup, [&] {
+      fp8_quantize_cols(ctx, *dy, *offsets, *qdyT, *sdyT);
+      fp8_quantize_cols(ctx, *x, *offsets, *qxT, *sxT);
+    });
+    report_grouped(g, "fwd", "bf16 (CUTLASS grouped)",
+                   bench::time_ms(runs, warmup, [&] { grouped_linear_forward(ctx, *x, *w, *offsets, *y); }));
+    report_grouped(g, "dgrad", "bf16 (CUTLASS grouped)", bench::time_ms(runs, warmup, [&] {
+                     grouped_linear_backward(ctx, *x, *w, *offsets, *dy, *dx, Tensor(), false);
+                   }));
+    report_grouped(g, "wgrad", "bf16 (CUTLASS grouped)", bench::time_ms(runs, warmup, [&] {
+                     grouped_linear_backward(ctx, *x, *w, *offsets, *dy, Tensor(), *dw, false);
+                   }));
+    for (const char* tile : {"cooperative", "cooperative_1x1", "pingpong", "pingpong_1x1"}) {
+      KernelOptions k;
+      k.fp8_tiles = parse_fp8_tiles(tile, "kernels.fp8_tile");
+      const ExecContext c(Device::cuda, k);
+      const std::string name = std::string("FP8 ") + tile;
+      report_grouped(g, "fwd", name.c_str(), bench::time_ms(runs, warmup, [&] {
+                                               fp8_grouped_linear_forward(c, *x, *w, *offsets, *y, &wq);
+                                             }) - q_fwd);
+      report_grouped(g, "dgrad", name.c_str(), bench::time_ms(runs, warmup, [&] {
+                                                 fp8_grouped_linear_backward(c, *x, *w, *offsets, *dy, *dx, Tensor(),
+                                                                             false, &wq);
+                                               }) - q_dgrad);
+      report_grouped(g, "wgrad", name.c_str(), bench::time_ms(runs, warmup, [&] {
+                                                 fp8_grouped_linear_backward(c, *x, *w, *offsets, *dy, Tensor(), *dw,
+                                                                             false, &wq);
+                                               }) - q_wgrad);
+    }
+    std::printf("grouped %-20s quantize ms: x rows %.3f, dy rows %.3f, dy + x cols %.3f\n", g.name, q_fwd, q_dgrad,
+                q_wgrad);
+  }
+}
+
 int run(int argc, char** argv) {
   int runs = 20, warmup = 3;
+  bool dense = true, grouped = true, probe = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--runs" && i + 1 < argc)
+    if (a == "--probe-layouts")
+      probe = true;
+    else if (a == "--grouped-only")
+      dense = false;
+    else if (a == "--dense-only")
+      grouped = false;
+    else if (a == "--runs" && i + 1 < argc)
       runs = std::atoi(argv[++i]);
     else if (a == "--warmup" && i + 1 < argc)
       warmup = std::atoi(argv[++i]);
     else
-      MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] (got '", a, "')");
+      MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--grouped-only | --dense-only | --probe-layouts] (got '",
+              a, "')");
   }
+  if (probe) {
+    cublasLtHandle_t lt;
+    LT_CHECK(cublasLtCreate(&lt));
+    const size_t ws_bytes = size_t{32} << 20;
+    DeviceTensor ws({static_cast<int64_t>(ws_bytes)}, DType::u8);
+    probe_layouts(lt, (*ws).data(), ws_bytes);
+    cublasLtDestroy(lt);
+    return 0;
+  }
+  if (grouped) bench_grouped(runs, warmup);
+  if (!dense) return 0;
   MF_CHECK(cuda_device_count() > 0, "bench_fp8_gemm needs a GPU");
   const ExecContext& ctx = ExecContext::standard(Device::cuda);
   cublasLtHandle_t lt;

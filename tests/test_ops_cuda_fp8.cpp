@@ -31,6 +31,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_testing.h"
@@ -186,6 +187,40 @@ TEST(CudaFp8, QuantizeRowsMatchesCpuBitForBit) {
     check_rows(rng, 64, 300, dt);    // vector path with a 44-element last tile
     check_rows(rng, 129, 2048, dt);  // training-like rows
     check_rows(rng, 9, 500, dt, true);
+  }
+}
+
+// Packed rows (moe.fp8_dispatch's): bytes, padding included, as the CPU's; dequantized alike.
+void check_packed(std::mt19937_64& rng, int64_t r, int64_t k, DType dt, bool non_finite = false) {
+  SCOPED_TRACE(::testing::Message() << "packed " << dtype_name(dt) << " [" << r << ", " << k << "]");
+  DevicePool dev;
+  Host x = awkward(rng, r, k, dt);
+  if (non_finite) add_non_finite(x);
+  const int64_t w = fp8_packed_width(k);
+  Host p({r, w}, DType::u8, 0xab);
+  fp8_quantize_packed(cpu(), x.t, p.t);
+  const Tensor xd = to_device(dev, x), pd = filled(dev, {r, w}, DType::u8, 0xab);
+  fp8_quantize_packed(testing::exec(), xd, pd);
+  EXPECT_SAME_BYTES(bytes_of(pd), p.bytes, "packed rows");
+  if (non_finite) return;
+  for (DType out : kInputs) {
+    Host back({r, k}, out);
+    fp8_dequantize_packed(cpu(), p.t, back.t);
+    const Tensor back_d = dev.poisoned({r, k}, out);
+    fp8_dequantize_packed(testing::exec(), pd, back_d);
+    EXPECT_SAME_BYTES(bytes_of(back_d), back.bytes, "dequantized as " + std::string(dtype_name(out)));
+  }
+}
+
+TEST(CudaFp8, QuantizePackedMatchesCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  for (DType dt : kInputs) {
+    check_packed(rng, 1, 16, dt);
+    check_packed(rng, 5, 144, dt);     // a 16-element last tile, scales padded
+    check_packed(rng, 64, 300, dt);    // k % 16 != 0: padding before the scales
+    check_packed(rng, 129, 2048, dt);  // Qwen3-30B-A3B's hidden size
+    check_packed(rng, 9, 512, dt, true);
   }
 }
 
@@ -452,6 +487,41 @@ TEST(CudaFp8Linear, GroupedMatchesF64OfQuantizedOperands) {
   check_fp8_linear(rng, routed, 2048, 1536, DType::f32, true);
   check_fp8_linear(rng, routed, 768, 2048, DType::f32, false);
   check_fp8_linear(rng, routed, 768, 2048, DType::bf16, true);
+}
+
+// x as packed FP8 rows (moe.fp8_dispatch): y and dx bit for bit those of bf16 x (the same
+// operand), dw bit for bit that of x's dequantized values (the GPU dequantizes them into bf16,
+// exactly, and quantizes those along the rows).
+TEST(CudaFp8Linear, PackedInputIsTheSameOperand) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  DevicePool dev;
+  for (const auto& [counts, in, out] :
+       {std::tuple{std::vector<int64_t>{300, 0, 129, 77, 1}, int64_t{256}, int64_t{192}},
+        std::tuple{std::vector<int64_t>{211, 97, 350, 5}, int64_t{2048}, int64_t{1536}}}) {
+    const Host off = offsets_of(counts);
+    const int64_t e_n = static_cast<int64_t>(counts.size()), r = off.t.ptr<int64_t>()[e_n];
+    SCOPED_TRACE(::testing::Message() << "R " << r << " I " << in << " O " << out);
+    const Host x = gaussian_bf16(rng, r, in), w = gaussian_bf16(rng, e_n * out, in), dy = gaussian_bf16(rng, r, out);
+    const Tensor xd = to_device(dev, x), wd = to_device(dev, w).view({e_n, out, in}), dyd = to_device(dev, dy),
+                 offd = to_device(dev, off);
+    const Tensor pd = dev.poisoned({r, fp8_packed_width(in)}, DType::u8), xv = dev.poisoned({r, in}, DType::bf16);
+    fp8_quantize_packed(testing::exec(), xd, pd);
+    fp8_dequantize_packed(testing::exec(), pd, xv);
+    std::vector<std::vector<uint8_t>> got[2];
+    for (int packed = 0; packed < 2; ++packed) {
+      const Tensor y = dev.poisoned({r, out}, DType::bf16), dx = dev.poisoned({r, in}, DType::bf16),
+                   dw = dev.poisoned({e_n, out, in}, DType::f32), dwv = dev.poisoned({e_n, out, in}, DType::f32);
+      const Tensor& xin = packed ? pd : xd;
+      fp8_grouped_linear_forward(testing::exec(), xin, wd, offd, y);
+      fp8_grouped_linear_backward(testing::exec(), xin, wd, offd, dyd, dx, dw, false);
+      fp8_grouped_linear_backward(testing::exec(), xv, wd, offd, dyd, Tensor(), dwv, false);
+      got[packed] = {bytes_of(y), bytes_of(dx), bytes_of(dw), bytes_of(dwv)};
+    }
+    EXPECT_SAME_BYTES(got[1][0], got[0][0], "y");
+    EXPECT_SAME_BYTES(got[1][1], got[0][1], "dx");
+    EXPECT_SAME_BYTES(got[1][2], got[1][3], "dw (packed) vs dw of the dequantized values");
+  }
 }
 
 TEST(CudaFp8Linear, BackwardIsDeterministic) {

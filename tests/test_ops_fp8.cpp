@@ -156,6 +156,48 @@ TEST(Fp8Quantize, RowsFollowTheLayoutAndTheRule) {
   }
 }
 
+// Packed rows hold exactly the rows layout's codes and scales, each row one block of bytes (its
+// codes, then its scales from fp8_packed_scales_at, zeros between and after), and dequantize alike.
+TEST(Fp8Quantize, PackedRowsAreRowsWithTheirScalesBeside) {
+  Pool pool;
+  EXPECT_EQ(fp8_packed_width(2048), 2048 + 64);
+  EXPECT_EQ(fp8_packed_width(7168), 7168 + 224);
+  EXPECT_EQ(fp8_packed_width(300), 304 + 16);  // scales from byte 304, 3 of them padded to 16 bytes
+  for (DType dt : {DType::f32, DType::bf16, DType::f64})
+    for (int64_t k : {int64_t{16}, int64_t{300}, int64_t{384}}) {
+      const int64_t r_n = 9, b_n = (k + 127) / 128, w_n = fp8_packed_width(k), at = fp8_packed_scales_at(k);
+      const Tensor x = awkward(pool, {r_n, k}, dt, 13);
+      const Tensor q = pool.zeros({r_n, k}, DType::u8), sc = pool.zeros({b_n, r_n}, DType::f32);
+      fp8_quantize_rows(cpu(), x, q, sc);
+      const Tensor p = pool.zeros({r_n, w_n}, DType::u8);
+      std::memset(p.data(), 0xab, p.nbytes());  // every byte is written
+      fp8_quantize_packed(cpu(), x, p);
+      for (int64_t r = 0; r < r_n; ++r) {
+        const uint8_t* row = p.ptr<uint8_t>() + r * w_n;
+        for (int64_t j = 0; j < k; ++j) ASSERT_EQ(row[j], q.ptr<uint8_t>()[r * k + j]) << r << " " << j;
+        for (int64_t j = k; j < at; ++j) ASSERT_EQ(row[j], 0) << j;
+        for (int64_t b = 0; b < b_n; ++b) {
+          float v;
+          std::memcpy(&v, row + at + 4 * b, 4);
+          ASSERT_EQ(v, sc.ptr<float>()[b * r_n + r]) << r << " " << b;
+        }
+        for (int64_t j = at + 4 * b_n; j < w_n; ++j) ASSERT_EQ(row[j], 0) << j;
+      }
+      const Tensor back = pool.zeros({r_n, k}, dt), want = pool.zeros({r_n, k}, dt);
+      fp8_dequantize_packed(cpu(), p, back);
+      fp8_dequantize_rows(cpu(), q, sc, want);
+      EXPECT_EQ(std::memcmp(back.data(), want.data(), back.nbytes()), 0);
+      // Quantizing the dequantized rows again gives the same values (what the FP8 GEMMs rely on
+      // when x comes packed): scales may halve where a tile's largest code is 224, the codes double.
+      const Tensor again = pool.zeros({r_n, w_n}, DType::u8), back2 = pool.zeros({r_n, k}, dt);
+      fp8_quantize_packed(cpu(), back, again);
+      fp8_dequantize_packed(cpu(), again, back2);
+      EXPECT_EQ(std::memcmp(back2.data(), back.data(), back.nbytes()), 0);
+    }
+  const Tensor x = pool.zeros({4, 256}, DType::f32), narrow = pool.zeros({4, 256}, DType::u8);
+  EXPECT_DEATH(fp8_quantize_packed(cpu(), x, narrow), "fp8_quantize_packed");
+}
+
 TEST(Fp8Quantize, ColsAreRowsTilingOfEachSegmentTransposed) {
   Pool pool;
   const std::vector<int64_t> sizes = {0, 1, 127, 128, 129, 300, 0};
@@ -352,6 +394,68 @@ TEST(Fp8Linear, GroupedMatchesDequantizedOperandsAndStaysNearThePlainOp) {
   EXPECT_LT(rel_err(y, grouped_f64(pool, x, w, off, true)), 0.1);
   EXPECT_LT(rel_err(dx, grouped_f64(pool, dy, w, off, false)), 0.1);
   EXPECT_LT(rel_err(dw, wgrad_f64(pool, dy, x, off)), 0.1);
+}
+
+// x given as packed FP8 rows (moe.fp8_dispatch): the forward and the data gradient are those of x
+// itself bit for bit (the forward's operand is Q_rows(x) either way); the weight gradient is that
+// of x's dequantized values (DeepSeek-V3's requantization of dispatched tokens), within the FP8
+// bound of the plain one.
+TEST(Fp8Linear, PackedInputIsTheSameOperand) {
+  Pool pool;
+  const std::vector<int64_t> off = {0, 70, 70, 199, 200, 400};
+  const int64_t e_n = 5, r_n = off.back(), i_n = 160, o_n = 144;
+  const Tensor offsets(const_cast<int64_t*>(off.data()), DType::i64, {e_n + 1});
+  for (DType dt : {DType::f32, DType::f64}) {
+    const Tensor x = pool.randn({r_n, i_n}, dt), w = pool.randn({e_n, o_n, i_n}, dt, 0.05);
+    const Tensor dy = pool.randn({r_n, o_n}, dt);
+    const Tensor p = pool.zeros({r_n, fp8_packed_width(i_n)}, DType::u8), xv = pool.zeros({r_n, i_n}, dt);
+    fp8_quantize_packed(cpu(), x, p);
+    fp8_dequantize_packed(cpu(), p, xv);
+    const Tensor y = pool.zeros({r_n, o_n}, dt), py = pool.zeros({r_n, o_n}, dt);
+    fp8_grouped_linear_forward(cpu(), x, w, offsets, y);
+    fp8_grouped_linear_forward(cpu(), p, w, offsets, py);
+    EXPECT_EQ(testing::max_abs_diff(py, y), 0.0);
+    const Tensor dx = pool.zeros({r_n, i_n}, dt), pdx = pool.zeros({r_n, i_n}, dt);
+    const Tensor dw = pool.zeros({e_n, o_n, i_n}, dt), pdw = pool.zeros({e_n, o_n, i_n}, dt);
+    const Tensor vdw = pool.zeros({e_n, o_n, i_n}, dt);
+    fp8_grouped_linear_backward(cpu(), x, w, offsets, dy, dx, dw, false);
+    fp8_grouped_linear_backward(cpu(), p, w, offsets, dy, pdx, pdw, false);
+    fp8_grouped_linear_backward(cpu(), xv, w, offsets, dy, Tensor(), vdw, false);
+    EXPECT_EQ(testing::max_abs_diff(pdx, dx), 0.0);
+    EXPECT_EQ(testing::max_abs_diff(pdw, vdw), 0.0);
+    EXPECT_LT(rel_err(pdw, dw), 0.05);
+    // The dense op alike.
+    const Tensor w2 = w.slice(0, 1).view({o_n, i_n}), dy2 = pool.randn({r_n, o_n}, dt);
+    const Tensor y2 = pool.zeros({r_n, o_n}, dt), py2 = pool.zeros({r_n, o_n}, dt);
+    fp8_linear_forward(cpu(), x, w2, y2);
+    fp8_linear_forward(cpu(), p, w2, py2);
+    EXPECT_EQ(testing::max_abs_diff(py2, y2), 0.0);
+    const Tensor pdw2 = pool.zeros({o_n, i_n}, dt), vdw2 = pool.zeros({o_n, i_n}, dt);
+    fp8_linear_backward(cpu(), p, w2, dy2, Tensor(), pdw2, false);
+    fp8_linear_backward(cpu(), xv, w2, dy2, Tensor(), vdw2, false);
+    EXPECT_EQ(testing::max_abs_diff(pdw2, vdw2), 0.0);
+  }
+  // Packed rows of another width are refused.
+  const Tensor w = pool.randn({1, o_n, i_n}, DType::f32);
+  const Tensor bad = pool.zeros({8, fp8_packed_width(i_n) + 16}, DType::u8), y = pool.zeros({8, o_n}, DType::f32);
+  int64_t one[2] = {0, 8};
+  EXPECT_DEATH(fp8_grouped_linear_forward(cpu(), bad, w, Tensor(one, DType::i64, {2}), y),
+               "fp8_grouped_linear_forward");
+}
+
+// Byte rows (packed FP8) permute bit for bit, padding rows zero.
+TEST(Fp8Quantize, PackedRowsPermuteAsBytes) {
+  Pool pool;
+  const int64_t t_n = 5, k = 256, w_n = fp8_packed_width(k);
+  const Tensor x = awkward(pool, {t_n, k}, DType::f32, 17), p = pool.zeros({t_n, w_n}, DType::u8);
+  fp8_quantize_packed(cpu(), x, p);
+  int64_t token[4] = {3, -1, 0, 3};
+  const Tensor rows = pool.zeros({4, w_n}, DType::u8);
+  std::memset(rows.data(), 0xcd, rows.nbytes());
+  moe_permute(cpu(), p, Tensor(token, DType::i64, {4}), rows);
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t j = 0; j < w_n; ++j)
+      ASSERT_EQ(rows.ptr<uint8_t>()[r * w_n + j], token[r] < 0 ? 0 : p.ptr<uint8_t>()[token[r] * w_n + j]) << r;
 }
 
 TEST(Fp8Linear, DenseIsOneSegment) {

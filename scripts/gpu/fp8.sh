@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine after scripts/gpu/bundle.sh with MOEFOLD_GPU_EXTRA_TARGETS=moefold and
 # test_ops_cuda_fp8 among the targets: FP8 (train.fp8 = blockwise) against bf16 in one call.
-#   scripts/gpu/fp8.sh [tests] [layer] [train] [curves] [ablate] [width]   (none: the first four)
-# tests: the FP8 GPU parity tests; layer: bench moe-layer, bf16 then --fp8 (qwen3-30b-a3b and
-# deepseek-v3, balanced routing); train: bench train, bf16 then FP8 (qwen3-30b-a3b 8 layers x 8
+#   scripts/gpu/fp8.sh [tests] [layer] [gemm] [train] [curves] [ablate] [width]   (none: tests layer
+#   train curves)
+# tests: the FP8 GPU parity tests; layer: bench moe-layer, bf16, --fp8 and --fp8 with
+# moe.fp8_dispatch (qwen3-30b-a3b and deepseek-v3, balanced routing); gemm: bench_fp8_gemm (needs it
+# among MOEFOLD_GPU_EXTRA_TARGETS; dense ceilings and the grouped GEMMs per kernels.fp8_tile); train: bench train, bf16 then FP8 (qwen3-30b-a3b 8 layers x 8
 # sequences, micro-batch 2; deepseek-v3 3 layers, 1 dense, 32 experts); curves: 1000 steps of a
 # small Qwen3-MoE and a small DeepSeek-V3-shaped model on the default corpus, bf16 and FP8
 # (metrics.jsonl of each in $OUT/curves/; FP8_FAMILIES="deepseek" runs one family).
@@ -26,15 +28,23 @@ if want tests; then
 fi
 if want layer; then
   for shape in qwen3-30b-a3b deepseek-v3; do
-    for mode in "" --fp8; do
-      f="$out/moe_layer_${shape}${mode:+_fp8}.md"
-      echo "== moe-layer $shape ${mode:-bf16}"
-      timeout 150 "$B" bench moe-layer --shape "$shape" --routing balanced --reps 10 --warmup 2 $mode > "$f" 2>&1 ||
+    for mode in bf16 fp8 fp8_dispatch; do
+      f="$out/moe_layer_${shape}_$mode.md"
+      args=()
+      [ "$mode" != bf16 ] && args=(--fp8)
+      [ "$mode" = fp8_dispatch ] && args+=(--set train.fp8=blockwise --set moe.fp8_dispatch=true)
+      echo "== moe-layer $shape $mode"
+      timeout 150 "$B" bench moe-layer --shape "$shape" --routing balanced --reps 10 --warmup 2 "${args[@]}" > "$f" 2>&1 ||
         status=1
       strip_table < "$f" | sed -n 3p
       grep "FP8\|fc1 forward+backward\|experts\|error" "$f" | head -14
     done
   done
+fi
+if want gemm; then  # the FP8 GEMM ceilings and the grouped GEMMs in every kernels.fp8_tile configuration
+  echo "== bench_fp8_gemm"
+  timeout 400 "$root/.gpu/bin/bench_fp8_gemm" --runs 10 --warmup 2 2>&1 | tee "$out/fp8_gemm.txt" | tail -80
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want train; then
   bench() {  # name, args...
@@ -52,6 +62,10 @@ if want train; then
   bench qwen3_fp8 "${q[@]}" --set train.fp8=blockwise
   bench deepseek_bf16 "${d[@]}"
   bench deepseek_fp8 "${d[@]}" --set train.fp8=blockwise
+  if [ -n "${FP8_DISPATCH:-1}" ]; then
+    bench qwen3_fp8_dispatch "${q[@]}" --set train.fp8=blockwise --set moe.fp8_dispatch=true
+    bench deepseek_fp8_dispatch "${d[@]}" --set train.fp8=blockwise --set moe.fp8_dispatch=true
+  fi
 fi
 # The small DeepSeek-V3-shaped model of the curves (the tiny preset's widths, MLA, a dense first
 # layer, a shared expert, sigmoid routing with a selection bias, multi-token prediction).

@@ -171,7 +171,11 @@ void fp8_step_matches_one_rank(Config base) {
 
 TEST_F(Layouts, Fp8OneStepMatchesOneRank) {
   fp8_step_matches_one_rank(base_);
-  fp8_step_matches_one_rank(deepseek_);
+  // The DeepSeek-V3-shaped model with moe.fp8_dispatch: packed FP8 rows through the all-to-all and
+  // all-gather dispatchers (their byte-row views of the exchange buffers).
+  Config c = deepseek_;
+  c.moe.fp8_dispatch = true;
+  fp8_step_matches_one_rank(c);
 }
 TEST_F(Layouts, DeepSeekV3OneStepLossAndEveryGradientMatchOneRank) { one_step_matches_one_rank(deepseek_); }
 TEST_F(Layouts, DeepSeekV3WithMultiTokenPredictionMatchesOneRank) {

@@ -106,6 +106,7 @@ struct Layer {
   Tensor gu, h, dgu, dh, drows2;       // the grouped GEMMs alone
   Tensor dgate_up;
   Tensor q_rows, s_rows;  // FP8: the quantized fc1 input
+  Tensor packed;          // moe.fp8_dispatch: the tokens quantized for dispatch (as MoeLayer's)
   Layer(const Config& c, int64_t t, Communicator* ep)
       : router(c.moe, c.model.hidden_size, t, "bench", c.model.initializer_range),
         dispatcher_ptr(make_dispatcher(c, t, ep)),
@@ -125,7 +126,9 @@ struct Layer {
     const int64_t h_n = c.model.hidden_size, k = c.moe.num_experts_per_tok, f = c.moe.moe_intermediate_size;
     const int64_t r = dispatcher.max_rows();
     router.bind(mem);
+    dispatcher.set_fp8_rows(experts_fp8 && c.moe.fp8_dispatch);
     dispatcher.bind(mem);
+    packed = mem.act({dispatcher.fp8_rows() ? t : 0, fp8_packed_width(h_n)}, DType::u8);
     experts.bind(mem);
     if (shared) shared->bind(mem, nullptr);
     y_shared = mem.act({shared ? t : 0, h_n});
@@ -225,7 +228,12 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   std::vector<std::function<void()>> stages = {
       [&] { layer.router.forward(layer.x); },
       [&] {
-        plan = &layer.dispatcher.dispatch(layer.x, balanced ? layer.balanced_idx : layer.router.topk_idx(),
+        Tensor tokens = layer.x;
+        if (layer.dispatcher.fp8_rows()) {  // moe.fp8_dispatch: quantized once, as MoeLayer does
+          tokens = layer.packed;
+          fp8_quantize_packed(ctx, layer.x, tokens);
+        }
+        plan = &layer.dispatcher.dispatch(tokens, balanced ? layer.balanced_idx : layer.router.topk_idx(),
                                           balanced ? layer.balanced_prob : layer.router.topk_prob());
       },
       [&] { run_experts_forward(*plan, layer.experts, layer.out.slice(0, plan->num_rows)); },
@@ -314,7 +322,12 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
 
   // The expert GEMMs alone, on the last plan's rows, piece by piece as the experts ran them.
   const int64_t r = plan->num_rows;
-  const Tensor rows = plan->rows_RH;
+  // The rows as values (with moe.fp8_dispatch the plan's are packed FP8: their values, for the
+  // bf16 GEMMs and the quantization pass below; the FP8 GEMMs read the packed rows as the experts do).
+  const Tensor packed_rows = plan->rows_RH.dtype() == DType::u8 ? plan->rows_RH : Tensor();
+  const Tensor rows = packed_rows.defined() ? layer.dout.slice(0, r) : plan->rows_RH;  // dout: free by now
+  if (packed_rows.defined()) fp8_dequantize_packed(ctx, packed_rows, rows);
+  const Tensor fp8_rows = packed_rows.defined() ? packed_rows : rows;
   const Tensor gu = layer.gu.slice(0, r), h = layer.h.slice(0, r), dgu = layer.dgu.slice(0, r);
   const Tensor out = layer.out.slice(0, r), drows2 = layer.drows2.slice(0, r);
   fill(gu, 1.0, ++salt);
@@ -369,20 +382,22 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   // FP8 (ops/fp8.h): the grouped GEMMs with their activations' quantization, the weights quantized
   // once per step as in training (Experts::fp8_gate_up); the quantization passes alone (the GEMMs'
   // own time is the difference).
-  gemm("FP8 fc1 forward (quantize x, grouped GEMM)", fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    fp8_grouped_linear_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b), layer.experts.fp8_gate_up());
-  });
+  gemm(packed_rows.defined() ? "FP8 fc1 forward (packed rows, grouped GEMM)"
+                             : "FP8 fc1 forward (quantize x, grouped GEMM)",
+       fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
+         fp8_grouped_linear_forward(ctx, fp8_rows.slice(a, b), w1, off, gu.slice(a, b), layer.experts.fp8_gate_up());
+       });
   gemm("FP8 fc2 forward (quantize h, grouped GEMM)", fc2, 0, [&](const Tensor& off, int64_t a, int64_t b) {
     fp8_grouped_linear_forward(ctx, h.slice(a, b), layer.experts.down_proj(), off, out.slice(a, b),
                                layer.experts.fp8_down());
   });
   const auto fp8_fc1_backward = [&](const Tensor& off, int64_t a, int64_t b) {
-    fp8_grouped_linear_backward(ctx, rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up,
+    fp8_grouped_linear_backward(ctx, fp8_rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up,
                                 true, layer.experts.fp8_gate_up());
   };
   gemm("FP8 fc1 backward (dx + dw, quantize dy and x)", 2 * fc1, 0, fp8_fc1_backward);
   gemm("FP8 fc1 forward+backward", 3 * fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
-    fp8_grouped_linear_forward(ctx, rows.slice(a, b), w1, off, gu.slice(a, b), layer.experts.fp8_gate_up());
+    fp8_grouped_linear_forward(ctx, fp8_rows.slice(a, b), w1, off, gu.slice(a, b), layer.experts.fp8_gate_up());
     fp8_fc1_backward(off, a, b);
   });
   const int64_t kb = (h_n + kFp8Tile - 1) / kFp8Tile;

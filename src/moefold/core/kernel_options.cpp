@@ -44,11 +44,68 @@ constexpr std::pair<const char*, AttentionKernel> kAttention[] = {
     {"auto", AttentionKernel::automatic}, {"own", AttentionKernel::own}, {"cudnn", AttentionKernel::cudnn}};
 constexpr std::pair<const char*, GemmTiles> kTiles[] = {
     {"small", GemmTiles::small}, {"large", GemmTiles::large}, {"pingpong", GemmTiles::pingpong}};
-// The kinds of CutlassTiles, in the order of its members.
+constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {{"cooperative", Fp8Tile::cooperative},
+                                                         {"cooperative_1x1", Fp8Tile::cooperative_1x1},
+                                                         {"pingpong", Fp8Tile::pingpong},
+                                                         {"pingpong_1x1", Fp8Tile::pingpong_1x1}};
+// The kinds of CutlassTiles and Fp8Tiles, in the order of their members.
 constexpr const char* kKinds[] = {"forward", "dgrad", "wgrad", "swiglu_forward", "swiglu_dgrad"};
+constexpr const char* kFp8Kinds[] = {"rows", "cols"};
 GemmTiles* kind_member(CutlassTiles& t, size_t i) {
   GemmTiles* members[] = {&t.forward, &t.dgrad, &t.wgrad, &t.swiglu_forward, &t.swiglu_dgrad};
   return members[i];
+}
+Fp8Tile* kind_member(Fp8Tiles& t, size_t i) {
+  Fp8Tile* members[] = {&t.rows, &t.cols};
+  return members[i];
+}
+
+// A per-kind tile choice: "" (defaults), one value for every kind, or "kind=value" items
+// separated by commas (kinds not named keep their defaults).
+template <class Tiles, class V, size_t NK, size_t NV>
+Tiles parse_per_kind(const std::string& value, const std::string& key, const char* const (&kinds)[NK],
+                     const std::pair<const char*, V> (&names)[NV]) {
+  Tiles t;
+  if (value.empty()) return t;
+  if (value.find('=') == std::string::npos) {
+    const V all = parse_one(value, key, names);
+    for (size_t i = 0; i < NK; ++i) *kind_member(t, i) = all;
+    return t;
+  }
+  std::string kind_list;
+  for (const char* k : kinds) kind_list += kind_list.empty() ? k : cat(", ", k);
+  bool named[NK] = {};
+  for (size_t begin = 0; begin <= value.size();) {
+    const size_t end = std::min(value.find(',', begin), value.size()), eq = value.find('=', begin);
+    if (eq >= end) MF_FAIL(key, " = \"", value, "\": expected kind=tiles items separated by commas");
+    const std::string kind = value.substr(begin, eq - begin);
+    size_t i = 0;
+    while (i < NK && kind != kinds[i]) ++i;
+    if (i == NK) MF_FAIL(key, " = \"", value, "\": unknown kind \"", kind, "\" (", kind_list, ")");
+    if (named[i]) MF_FAIL(key, " = \"", value, "\": kind \"", kind, "\" named twice");
+    named[i] = true;
+    const std::string tiles = value.substr(eq + 1, end - eq - 1);
+    const V* chosen = find_one(tiles, names);
+    if (chosen == nullptr)
+      MF_FAIL(key, " = \"", value, "\": tiles \"", tiles, "\" for ", kind, ": expected one of ", known_names(names));
+    *kind_member(t, i) = *chosen;
+    begin = end + 1;
+  }
+  return t;
+}
+
+// The canonical text of a per-kind choice: "" when every kind has its default, else every kind named.
+template <class Tiles, class V, size_t NK, size_t NV>
+std::string per_kind_text(const Tiles& t, const char* const (&kinds)[NK],
+                          const std::pair<const char*, V> (&names)[NV]) {
+  Tiles copy = t, defaults;
+  std::string text;
+  bool all_default = true;
+  for (size_t i = 0; i < NK; ++i) {
+    all_default = all_default && *kind_member(copy, i) == *kind_member(defaults, i);
+    text += cat(i ? "," : "", kinds[i], "=", name_of(*kind_member(copy, i), names));
+  }
+  return all_default ? std::string() : text;
 }
 }  // namespace
 
@@ -67,44 +124,12 @@ const char* attention_kernel_name(AttentionKernel v) { return name_of(v, kAttent
 const char* gemm_tiles_name(GemmTiles v) { return name_of(v, kTiles); }
 
 CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& key) {
-  CutlassTiles t;
-  if (value.empty()) return t;
-  if (value.find('=') == std::string::npos) {
-    const GemmTiles all = parse_one(value, key, kTiles);
-    for (size_t i = 0; i < std::size(kKinds); ++i) *kind_member(t, i) = all;
-    return t;
-  }
-  bool named[std::size(kKinds)] = {};
-  for (size_t begin = 0; begin <= value.size();) {
-    const size_t end = std::min(value.find(',', begin), value.size()), eq = value.find('=', begin);
-    if (eq >= end) MF_FAIL(key, " = \"", value, "\": expected kind=tiles items separated by commas");
-    const std::string kind = value.substr(begin, eq - begin);
-    size_t i = 0;
-    while (i < std::size(kKinds) && kind != kKinds[i]) ++i;
-    if (i == std::size(kKinds))
-      MF_FAIL(key, " = \"", value, "\": unknown kind \"", kind,
-              "\" (forward, dgrad, wgrad, swiglu_forward, swiglu_dgrad)");
-    if (named[i]) MF_FAIL(key, " = \"", value, "\": kind \"", kind, "\" named twice");
-    named[i] = true;
-    const std::string tiles = value.substr(eq + 1, end - eq - 1);
-    const GemmTiles* chosen = find_one(tiles, kTiles);
-    if (chosen == nullptr)
-      MF_FAIL(key, " = \"", value, "\": tiles \"", tiles, "\" for ", kind, ": expected one of ", known_names(kTiles));
-    *kind_member(t, i) = *chosen;
-    begin = end + 1;
-  }
-  return t;
+  return parse_per_kind<CutlassTiles>(value, key, kKinds, kTiles);
 }
-
-std::string cutlass_tiles_text(const CutlassTiles& t) {
-  CutlassTiles copy = t, defaults;
-  std::string text;
-  bool all_default = true;
-  for (size_t i = 0; i < std::size(kKinds); ++i) {
-    all_default = all_default && *kind_member(copy, i) == *kind_member(defaults, i);
-    text += cat(i ? "," : "", kKinds[i], "=", gemm_tiles_name(*kind_member(copy, i)));
-  }
-  return all_default ? std::string() : text;
+std::string cutlass_tiles_text(const CutlassTiles& t) { return per_kind_text(t, kKinds, kTiles); }
+Fp8Tiles parse_fp8_tiles(const std::string& value, const std::string& key) {
+  return parse_per_kind<Fp8Tiles>(value, key, kFp8Kinds, kFp8Tiles);
 }
+std::string fp8_tiles_text(const Fp8Tiles& t) { return per_kind_text(t, kFp8Kinds, kFp8Tiles); }
 
 }  // namespace moefold

@@ -29,6 +29,20 @@ struct CutlassTiles {
   GemmTiles swiglu_dgrad = GemmTiles::large;       // fc2's dgrad with SwiGLU's backward in the epilogue
 };
 
+// CUTLASS configurations of the FP8 blockwise-scaled GEMMs (ops/cuda/fp8_gemm_cutlass.cu; K tile
+// 128, one scale block): cooperative (128 x 128 tiles, both consumer warp groups on one tile) or
+// ping-pong (64 x 128 tiles, one warp group's epilogue beside the other's math), each in a 2 x 1
+// cluster (two M tiles share B's loads) or alone (_1x1).
+enum class Fp8Tile : uint8_t { cooperative, cooperative_1x1, pingpong, pingpong_1x1 };
+
+// One configuration per FP8 GEMM kernel: rows (forward and dgrad: 1 x 128 rows x 128 x 128 weight
+// blocks) and cols (wgrad: both operands transposed 1 x 128 tiles). Defaults: measured
+// (docs/benchmarks.md, "FP8").
+struct Fp8Tiles {
+  Fp8Tile rows = Fp8Tile::cooperative;
+  Fp8Tile cols = Fp8Tile::cooperative;
+};
+
 // SwiGLU fused into the experts' grouped GEMM epilogues: automatic (the backward always, the
 // forward for inputs of at most 2048 columns, where it was measured faster), on (both
 // everywhere), off (separate SwiGLU kernels).
@@ -41,6 +55,7 @@ enum class AttentionKernel : uint8_t { automatic, own, cudnn };
 struct KernelOptions {
   GroupedGemmImpl grouped_gemm = GroupedGemmImpl::cutlass;
   CutlassTiles cutlass_tiles;  // config text: see parse_cutlass_tiles
+  Fp8Tiles fp8_tiles;          // config text: see parse_fp8_tiles
   int gemm_sms = 0;            // SMs the persistent grouped GEMMs spread over (0: all of them)
   SwigluFusion fused_swiglu = SwigluFusion::automatic;
   AttentionKernel attention = AttentionKernel::automatic;
@@ -58,11 +73,15 @@ AttentionKernel parse_attention_kernel(const std::string& value, const std::stri
 // "forward=large,dgrad=small,wgrad=...,swiglu_forward=pingpong,swiglu_dgrad=large" (kinds not
 // named keep their defaults).
 CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& key);
+// "" (defaults), one of "cooperative" | "cooperative_1x1" | "pingpong" | "pingpong_1x1" (both
+// kinds), or per kind "rows=...,cols=...".
+Fp8Tiles parse_fp8_tiles(const std::string& value, const std::string& key);
 const char* grouped_gemm_name(GroupedGemmImpl v);
 const char* swiglu_fusion_name(SwigluFusion v);
 const char* attention_kernel_name(AttentionKernel v);
 const char* gemm_tiles_name(GemmTiles v);
 // The canonical text of a tile choice: "" when every kind has its default, else every kind named.
 std::string cutlass_tiles_text(const CutlassTiles& t);
+std::string fp8_tiles_text(const Fp8Tiles& t);
 
 }  // namespace moefold

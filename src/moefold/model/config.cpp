@@ -217,6 +217,11 @@ void Config::validate() const {
   if (model.num_nextn_predict_layers > 0 && p.cp > 1)
     MF_FAIL("model.num_nextn_predict_layers = ", model.num_nextn_predict_layers, " with parallel.cp = ", p.cp,
             ": multi-token prediction under context parallelism is not implemented");
+  if (moe.fp8_dispatch && !train.fp8_linears().experts)
+    MF_FAIL(
+        "moe.fp8_dispatch = true needs the experts in FP8 (train.fp8 = \"blockwise\" without \"experts\" in "
+        "train.fp8_exclude; train.fp8 = \"",
+        train.fp8, "\")");
   p.stage_layers(model.num_hidden_layers);  // fails with one line where the layers do not split
   if (p.overlap_moe_a2a) {                  // what a layer keeps between its phases must not be shared workspace
     const Recompute r = train.recompute();

@@ -22,12 +22,14 @@ namespace {
 // throws Error naming `key` and the accepted values).
 void parse_text(const std::string& s, const std::string& key, GroupedGemmImpl* p) { *p = parse_grouped_gemm(s, key); }
 void parse_text(const std::string& s, const std::string& key, CutlassTiles* p) { *p = parse_cutlass_tiles(s, key); }
+void parse_text(const std::string& s, const std::string& key, Fp8Tiles* p) { *p = parse_fp8_tiles(s, key); }
 void parse_text(const std::string& s, const std::string& key, SwigluFusion* p) { *p = parse_swiglu_fusion(s, key); }
 void parse_text(const std::string& s, const std::string& key, AttentionKernel* p) {
   *p = parse_attention_kernel(s, key);
 }
 std::string text_of(GroupedGemmImpl v) { return grouped_gemm_name(v); }
 std::string text_of(const CutlassTiles& v) { return cutlass_tiles_text(v); }
+std::string text_of(const Fp8Tiles& v) { return fp8_tiles_text(v); }
 std::string text_of(SwigluFusion v) { return swiglu_fusion_name(v); }
 std::string text_of(AttentionKernel v) { return attention_kernel_name(v); }
 template <class T>
@@ -36,7 +38,8 @@ concept TextCoded = requires(const T& v) {
 };
 
 using Ref = std::variant<int64_t*, uint64_t*, int*, double*, bool*, std::string*, ScoreFunc*, std::vector<int64_t>*,
-                         std::vector<std::string>*, GroupedGemmImpl*, CutlassTiles*, SwigluFusion*, AttentionKernel*>;
+                         std::vector<std::string>*, GroupedGemmImpl*, CutlassTiles*, Fp8Tiles*, SwigluFusion*,
+                         AttentionKernel*>;
 
 struct Field {
   const char* section;
@@ -104,6 +107,9 @@ const std::vector<Field>& fields() {
                "expert parallelism: pieces each EP peer's rows travel in, so the all-to-all overlaps the experts"),
       MF_FIELD(moe, "ep_recv_factor", ep_recv_factor,
                "expert parallelism: rows a rank's experts can receive, times the average T*K (0: the worst case)"),
+      MF_FIELD(moe, "fp8_dispatch", fp8_dispatch,
+               "with train.fp8 = blockwise: tokens travel to the experts as FP8 plus 1 x 128 scales (combine "
+               "and gradients stay bf16)"),
       MF_FIELD(moe, "capacity_factor", capacity_factor,
                "<= 0: dropless; else capacity = ceil(cf * T * K / E) rows per expert"),
       MF_FIELD(moe, "pad_to_capacity", pad_to_capacity, "with a capacity: pad every expert to exactly its capacity"),
@@ -191,6 +197,9 @@ const std::vector<Field>& fields() {
       MF_FIELD(kernels, "cutlass_tile", cutlass_tiles,
                "CUTLASS tiles: \"\" (per-kind defaults), \"small\", \"large\", \"pingpong\" or per kind "
                "\"forward=..,dgrad=..,wgrad=..,swiglu_forward=..,swiglu_dgrad=..\""),
+      MF_FIELD(kernels, "fp8_tile", fp8_tiles,
+               "FP8 GEMM configurations (train.fp8): \"\" (defaults), \"cooperative\", \"cooperative_1x1\", "
+               "\"pingpong\", \"pingpong_1x1\" or per kind \"rows=..,cols=..\" (rows: forward and dgrad; cols: wgrad)"),
       MF_FIELD(kernels, "gemm_sms", gemm_sms,
                "SMs the persistent grouped GEMMs use (0: all; fewer leave some to a transfer beside them)"),
       MF_FIELD(kernels, "fused_swiglu", fused_swiglu,

@@ -20,7 +20,7 @@ AllGatherDispatcher::AllGatherDispatcher(const MoeConfig& cfg, int64_t hidden, i
 
 void AllGatherDispatcher::bind(Memory& mem) {
   ctx_ = &mem.exec();
-  ex_.bind(mem);
+  ex_.bind(mem, fp8_rows_);
   const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local(), p_n = ex_.ep().size(), g_n = etp_.size();
   const int64_t gs_max = g_n * ex_.s_max();
   home_counts_GE_ = mem.host_act({g_n * e_n}, DType::i64);
@@ -82,16 +82,21 @@ const DispatchPlan& AllGatherDispatcher::dispatch(const Tensor& x_TH, const Tens
   set_single_piece(p);
   p.recv_counts_PGL = ex_.recv_counts().view({p_n, g_n, l_n});
   // 4. Rows: all-gathered over ETP, sent over EP, reordered expert-major.
-  rows_out(ex_.own_SH(), p.rows_RH);
+  rows_out(ex_.own_rows(), p.rows_RH);
   return p;
 }
 
 void AllGatherDispatcher::rows_out(const Tensor& home_SH, const Tensor& rows_RH) {
   const AllGatherPlan& p = plan_;
+  // The rows' format (x rows, maybe packed FP8, or output gradients) in the staging buffers.
+  const int64_t width = rows_RH.size(1);
+  const DType dtype = rows_RH.dtype();
+  check_row_format(home_SH, width, dtype, "AllGatherDispatcher home rows");
+  const Tensor gathered = rows_view(gathered_GSH_, gathered_GSH_.size(0), width, dtype);
   // Rows of home_SH past this rank's S travel in the all-gather but pack_X never reads them.
-  etp_.all_gather(home_SH, gathered_GSH_);
-  const Tensor send = send_XH_.slice(0, p.num_send_rows);
-  moe_permute(*ctx_, gathered_GSH_, p.pack_X, send);
+  etp_.all_gather(home_SH, gathered);
+  const Tensor send = rows_view(send_XH_, p.num_send_rows, width, dtype);
+  moe_permute(*ctx_, gathered, p.pack_X, send);
   ex_.to_experts(send, p, rows_RH);
 }
 

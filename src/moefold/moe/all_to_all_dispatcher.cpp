@@ -22,7 +22,7 @@ AllToAllDispatcher::AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int
 
 void AllToAllDispatcher::bind(Memory& mem) {
   ctx_ = &mem.exec();
-  ex_.bind(mem);
+  ex_.bind(mem, fp8_rows_);
   const int64_t p_n = ex_.ep().size();
   all_counts_PE_ = mem.host_act({p_n, cfg_.num_experts}, DType::i64);
   // Own halves and all own rows (one own piece on one rank), then a piece per peer and round.
@@ -41,8 +41,9 @@ const EpTransport& AllToAllDispatcher::transport() const {
 int64_t AllToAllDispatcher::start_round(int64_t j, Leg leg, const Tensor& rows_RH) {
   const int me = ex_.ep().rank();
   const Schedule& sch = schedule(leg);
-  // The home side: x rows out (own_SH), outputs in (home_SH), dout rows out and drows in (own_SH).
-  const Tensor& home_SH = leg == Leg::combine ? ex_.home_SH() : ex_.own_SH();
+  // The home side: x rows out (own_SH as the dispatched rows), outputs in (home_SH), dout rows out
+  // and drows in (own_SH).
+  const Tensor& home_SH = leg == Leg::combine ? ex_.home_SH() : leg == Leg::dispatch ? ex_.own_rows() : ex_.own_SH();
   moves_.clear();
   for (const size_t i : sch.rounds[static_cast<size_t>(j)]) {
     const int q = sch.sources[i].peer;
@@ -133,7 +134,7 @@ const DispatchPlan& AllToAllDispatcher::dispatch(const Tensor& x_TH, const Tenso
   // 4. x into the rows: the own block straight into the experts' rows, the others' blocks into the
   //    home rows that travel; then every round is started.
   p.rows_RH = ex_.rows_RH().slice(0, p.num_rows);
-  const Tensor own = ex_.own_SH();
+  const Tensor own = ex_.own_rows();
   const int64_t s_n = p.num_home_rows;
   if (hs0 > 0) moe_permute(*ctx_, x_TH, p.token_R.slice(0, hs0), own.slice(0, hs0));
   if (s_n > hs1) moe_permute(*ctx_, x_TH, p.token_R.slice(hs1, s_n), own.slice(hs1, s_n));

@@ -1,9 +1,24 @@
 // LocalDispatcher: permute / combine on one process through the moe_ops reference ops.
 #include "moefold/moe/dispatcher.h"
 
+#include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
 
 namespace moefold {
+
+int64_t Dispatcher::row_width(int64_t hidden) const { return fp8_rows_ ? fp8_packed_width(hidden) : hidden; }
+
+Tensor rows_view(const Tensor& buf, int64_t rows, int64_t width, DType dtype) {
+  const size_t bytes = static_cast<size_t>(rows * width) * dtype_size(dtype);
+  MF_CHECK(buf.contiguous() && bytes <= buf.nbytes(), "rows_view: ", rows, " x ", width, " ", dtype_name(dtype), " in ",
+           buf.str());
+  return Tensor(buf.data(), dtype, {rows, width}, buf.device());
+}
+
+void check_row_format(const Tensor& rows, int64_t width, DType dtype, const char* what) {
+  MF_CHECK(rows.ndim() == 2 && rows.size(1) == width && rows.dtype() == dtype, what, ": rows ", rows.str(),
+           " where [R, ", width, "] ", dtype_name(dtype), " rows were expected");
+}
 
 void set_single_piece(DispatchPlan& plan) {
   plan.pieces.assign(1, RowPiece{0, plan.num_rows, plan.offsets_E1});
@@ -22,15 +37,17 @@ void LocalDispatcher::bind(Memory& mem) {
   offsets_E1_ = mem.act({e_n + 1}, DType::i64);
   row_TK_ = mem.act({max_tokens_, cfg_.num_experts_per_tok}, DType::i64);
   token_R_ = mem.act({r_max}, DType::i64);
-  rows_RH_ = offload_rows_ ? mem.offloaded({r_max, hidden_}) : mem.act({r_max, hidden_});
+  rows_dtype_ = row_dtype(mem.dtype());
+  const Shape rows{r_max, row_width(hidden_)};
+  rows_RH_ = offload_rows_ ? mem.offloaded(rows, rows_dtype_) : mem.act(rows, rows_dtype_);
   plan_ = DispatchPlan{};
 }
 
 const DispatchPlan& LocalDispatcher::dispatch(const Tensor& x_TH, const Tensor& topk_idx_TK,
                                               const Tensor& topk_prob_TK) {
   const int64_t t_n = x_TH.size(0);
-  MF_CHECK(x_TH.ndim() == 2 && x_TH.size(1) == hidden_ && t_n <= max_tokens_, "dispatch: x ", x_TH.str(),
-           " for hidden ", hidden_, ", max_tokens ", max_tokens_);
+  MF_CHECK(t_n <= max_tokens_, "dispatch: x ", x_TH.str(), " for max_tokens ", max_tokens_);
+  check_row_format(x_TH, row_width(hidden_), rows_dtype_, "dispatch x");
   check_shape(topk_idx_TK, {t_n, cfg_.num_experts_per_tok}, "dispatch topk_idx");
   DispatchPlan& p = plan_;
   p.num_tokens = t_n;

@@ -87,6 +87,12 @@ class Dispatcher {
   // layer's offload slot (Memory::offloaded) where the dispatcher owns them in plain device
   // memory; peer-visible rows (expert parallelism over peer copies) stay. REQUIRES: before bind.
   void set_offload_rows(bool on) { offload_rows_ = on; }
+  // moe.fp8_dispatch: dispatch() takes its tokens as packed FP8 rows (ops/fp8.h: u8
+  // [T, fp8_packed_width(hidden)], fp8_quantize_packed's) and hands them to the experts so
+  // (DispatchPlan::rows_RH), through every exchange; combine and the backwards keep the model's
+  // dtype. REQUIRES: before bind.
+  void set_fp8_rows(bool on) { fp8_rows_ = on; }
+  bool fp8_rows() const { return fp8_rows_; }
   // Experts held here: the leading dimension of the expert weights fed by the rows.
   virtual int64_t num_local_experts() const = 0;
   // Global index of the first local expert (expert parallelism: this rank's block of experts).
@@ -113,7 +119,17 @@ class Dispatcher {
 
  protected:
   bool offload_rows_ = false;
+  bool fp8_rows_ = false;
+  // The rows dispatch() moves: their width and dtype for `hidden` in a memory of dtype `dtype`.
+  int64_t row_width(int64_t hidden) const;
+  DType row_dtype(DType dtype) const { return fp8_rows_ ? DType::u8 : dtype; }
 };
+
+// The memory of buf ([S, H] rows of any dtype) as `rows` rows [rows, width] of `dtype` (the
+// dispatch leg's view of a buffer the other legs use in the model's dtype). REQUIRES: they fit.
+Tensor rows_view(const Tensor& buf, int64_t rows, int64_t width, DType dtype);
+// REQUIRES: rows is [R, width] of `dtype` (the rows a dispatcher was given or hands out).
+void check_row_format(const Tensor& rows, int64_t width, DType dtype, const char* what);
 
 // The plan's rows as one expert-major piece (dispatchers that do not pipeline).
 void set_single_piece(DispatchPlan& plan);
@@ -141,6 +157,7 @@ class LocalDispatcher final : public Dispatcher {
   int64_t max_tokens_;
   // Buffers sized for max_tokens; plan_ holds views of their first T / R rows.
   Tensor counts_E_, offsets_E1_, row_TK_, token_R_, rows_RH_;
+  DType rows_dtype_ = DType::f32;  // of x and the rows (row_dtype of the memory's)
   DispatchPlan plan_;
 };
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
 
 namespace moefold {
@@ -52,8 +53,10 @@ EpExchange::EpExchange(const char* who, const MoeConfig& cfg, int64_t hidden, in
   s_max_ = cfg.max_rows(max_tokens);
 }
 
-void EpExchange::bind(Memory& mem) {
+void EpExchange::bind(Memory& mem, bool fp8_rows) {
   ctx_ = &mem.exec();
+  row_width_ = fp8_rows ? fp8_packed_width(hidden_) : hidden_;
+  row_dtype_ = fp8_rows ? DType::u8 : mem.dtype();
   const int64_t e_n = cfg_.num_experts, l_n = num_local_, p_n = ep_.size(), r_max = max_rows();
   // Counts and the plans built from them are host arrays (the host plans the exchange and the
   // communicator reads counts on the host); the device gets what its kernels read.
@@ -74,15 +77,16 @@ void EpExchange::bind(Memory& mem) {
   own_SH_ = mem.peer_act({s_max_, hidden_});
   home_SH_ = mem.peer_act({s_max_, hidden_});
   recv_RH_ = mem.act({r_reorder, hidden_});
-  rows_RH_ = mem.peer_act({r_max, hidden_});
+  rows_RH_ = mem.peer_act({r_max, row_width_}, row_dtype_);
+  own_rows_ = rows_view(own_SH_, s_max_, row_width_, row_dtype_);
   combined_ = false;
 }
 
 void EpExchange::route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK, EpPlan& p,
                             bool permute_x) {
   const int64_t t_n = x_TH.size(0);
-  MF_CHECK(x_TH.ndim() == 2 && x_TH.size(1) == hidden_ && t_n <= max_tokens_, "dispatch: x ", x_TH.str(),
-           " for hidden ", hidden_, ", max_tokens ", max_tokens_);
+  MF_CHECK(t_n <= max_tokens_, "dispatch: x ", x_TH.str(), " for max_tokens ", max_tokens_);
+  check_row_format(x_TH, row_width_, row_dtype_, "dispatch x");
   check_shape(topk_idx_TK, {t_n, cfg_.num_experts_per_tok}, "dispatch topk_idx");
   combined_ = false;
   p.num_tokens = t_n;
@@ -95,7 +99,7 @@ void EpExchange::route_home(const Tensor& x_TH, const Tensor& topk_idx_TK, const
   home_counts_E_.to_host(-1, ctx_);
   p.token_R = home_token_S_.slice(0, p.num_home_rows);
   p.topk_prob_TK = topk_prob_TK;
-  if (permute_x) moe_permute(*ctx_, x_TH, p.token_R, own_SH_.slice(0, p.num_home_rows));
+  if (permute_x) moe_permute(*ctx_, x_TH, p.token_R, own_rows_.slice(0, p.num_home_rows));
 }
 
 void EpExchange::exchange_counts(const Tensor& send_counts_PBL, EpPlan& p) {
@@ -189,7 +193,7 @@ void EpExchange::plan_reorder(EpPlan& p) {
 }
 
 void EpExchange::to_experts(const Tensor& send_XH, const EpPlan& p, const Tensor& rows_RH) {
-  const Tensor recv = recv_RH_.slice(0, p.num_rows);
+  const Tensor recv = rows_view(recv_RH_, p.num_rows, rows_RH.size(1), rows_RH.dtype());
   ep_.all_to_all_v(send_XH, p.send_counts_P.ptr<int64_t>(), recv, p.recv_counts_P.ptr<int64_t>());
   moe_permute(*ctx_, recv, p.gather_R, rows_RH);
 }

@@ -50,8 +50,10 @@ class EpExchange {
   EpExchange(const char* who, const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep,
              const Communicator* etp = nullptr);
 
-  // Plans the shared buffers (index buffers, then own/home/recv/rows rows).
-  void bind(Memory& mem);
+  // Plans the shared buffers (index buffers, then own/home/recv/rows rows). fp8_rows: the dispatch
+  // leg moves packed FP8 rows (Dispatcher::set_fp8_rows): rows_RH holds them, and own_rows views
+  // own_SH's memory as them; the other legs keep the model's dtype.
+  void bind(Memory& mem, bool fp8_rows = false);
   int64_t num_local() const { return num_local_; }
   int64_t s_max() const { return s_max_; }
   // B * ep_max_recv_rows: every source of every peer sends all its rows here in the worst case.
@@ -62,8 +64,14 @@ class EpExchange {
   const Tensor& own_SH() const { return own_SH_; }
   // [S max, H]: the (summed) expert outputs at home, kept from combine to combine_backward.
   const Tensor& home_SH() const { return home_SH_; }
-  // [max_rows, H]: the rows handed to the experts (kept until their backward).
+  // [max_rows, H] (fp8_rows: [max_rows, W] packed): the rows handed to the experts (kept until
+  // their backward).
   const Tensor& rows_RH() const { return rows_RH_; }
+  // own_SH's memory as [S max] rows of the dispatched format (the x rows in dispatch).
+  const Tensor& own_rows() const { return own_rows_; }
+  // The width and dtype of the dispatched rows (x's).
+  int64_t row_width() const { return row_width_; }
+  DType row_dtype() const { return row_dtype_; }
   // i64 [P * B * L], host: rows from (peer p, source b) to local expert l (after exchange_counts).
   const Tensor& recv_counts() const { return recv_counts_PBL_; }
   // i64 [E], host: home_counts_E of the last route_home.
@@ -85,7 +93,8 @@ class EpExchange {
   //    gather_R, scatter_R, rows_RH (received source-major, (q, b, l) blocks; expert l's rows from
   //    earlier sources come first).
   void plan_reorder(EpPlan& p);
-  // 3. Collective: send_XH (peer-major, send_counts_P) -> rows_RH, expert-major.
+  // 3. Collective: send_XH (peer-major, send_counts_P) -> rows_RH, expert-major. Rows of any
+  //    width and dtype (x rows or output gradients); send and rows agree.
   void to_experts(const Tensor& send_XH, const EpPlan& p, const Tensor& rows_RH);
   // The transpose of to_experts: rows_RH -> send_XH.
   void from_experts(const Tensor& rows_RH, const EpPlan& p, const Tensor& send_XH);
@@ -115,7 +124,9 @@ class EpExchange {
   // Row buffers: own_SH_ (x rows in dispatch; then dy / dx rows in the backwards), home_SH_
   // (expert outputs back home), recv_RH_ (source-major staging of the reorder), rows_RH_
   // (the experts' input, kept until their backward).
-  Tensor own_SH_, home_SH_, recv_RH_, rows_RH_;
+  Tensor own_SH_, home_SH_, recv_RH_, rows_RH_, own_rows_;
+  int64_t row_width_ = 0;
+  DType row_dtype_ = DType::f32;
   // Step 2's plan from send_counts_PBL and the received recv_counts_PBL_.
   void plan_counts(const Tensor& send_counts_PBL, EpPlan& p);
   bool reorders_ = false;

@@ -40,6 +40,12 @@ struct MoeConfig {
   // activation buffer follows it. A dispatch that would exceed it fails on every rank of the EP
   // group with one line naming this key (checked at the counts exchange).
   double ep_recv_factor = 0;
+  // FP8 dispatch (with train.fp8 = blockwise and the experts in FP8): each token is quantized once
+  // (1 x 128 tiles along H, the experts' fc1 operand) before the permutation and travels to the
+  // experts as FP8 codes plus scales (half the bytes of bf16); fc1 reads them as they are, its
+  // weight gradient requantizes their values along the rows. The combine and every gradient stay
+  // in the model's dtype (as DeepEP).
+  bool fp8_dispatch = false;
 
   // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 must be <=
   // moe.num_experts = 8").

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "moefold/core/profile.h"
+#include "moefold/ops/fp8.h"
 
 namespace moefold {
 
@@ -44,7 +45,7 @@ void run_experts_forward(const DispatchPlan& plan, Experts& experts, const Tenso
 
 void run_experts_backward(const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH, const Tensor& drows_RH) {
   check_shape(dout_RH, {plan.num_rows, dout_RH.size(1)}, "run_experts_backward dout");
-  check_shape(drows_RH, plan.rows_RH.shape(), "run_experts_backward drows");
+  check_shape(drows_RH, {plan.num_rows, drows_RH.size(1)}, "run_experts_backward drows");
   PieceSchedule* s = plan.schedule;
   // The callback captures one pointer, so std::function keeps it without a heap allocation.
   struct Done {
@@ -97,7 +98,9 @@ void MoeLayer::bind(Memory& mem) {
     const Memory::ScratchActs recomputed(mem, recompute_whole_);
     router_.bind(mem);
     dispatcher_->set_offload_rows(offload_rows_);
+    dispatcher_->set_fp8_rows(fp8_rows_);
     dispatcher_->bind(mem);
+    packed_TW_ = fp8_rows_ ? mem.scratch({max_tokens_, fp8_packed_width(hidden_)}, DType::u8) : Tensor();
     experts_.set_recompute_act(recompute_act_);
     experts_.set_offload_gate_up(offload_gu_);
     experts_.bind(mem);
@@ -132,7 +135,12 @@ void MoeLayer::forward_dispatch(const Tensor& x_TH) {
     router_.forward(x_TH);
   }
   ProfileScope scope("moe dispatch forward");
-  plan_ = &dispatcher_->dispatch(x_TH, router_.topk_idx(), router_.topk_prob());
+  Tensor tokens = x_TH;
+  if (fp8_rows_) {  // each token quantized once, before it is copied to its k experts
+    tokens = packed_TW_.slice(0, t_n);
+    fp8_quantize_packed(*ctx_, x_TH, tokens);
+  }
+  plan_ = &dispatcher_->dispatch(tokens, router_.topk_idx(), router_.topk_prob());
 }
 
 void MoeLayer::forward_experts() {

@@ -50,8 +50,12 @@ class MoeLayer {
     offload_rows_ = expert_fc1;
     offload_gu_ = moe_act;
   }
-  // on: the experts' GEMMs run in FP8 (Experts::set_fp8). REQUIRES: before bind.
-  void set_fp8(bool on) { experts_.set_fp8(on); }
+  // on: the experts' GEMMs run in FP8 (Experts::set_fp8), and with moe.fp8_dispatch the tokens
+  // travel to them as packed FP8 rows (Dispatcher::set_fp8_rows). REQUIRES: before bind.
+  void set_fp8(bool on) {
+    experts_.set_fp8(on);
+    fp8_rows_ = on && cfg_.fp8_dispatch;
+  }
   // parallel.overlap_moe_a2a: another micro-batch's modules run between the phases below, so the
   // backward's output and input gradient rows live in Memory::exchange_scratch instead of the
   // shared scratch. REQUIRES: before bind; not with recompute of the whole layer.
@@ -113,8 +117,10 @@ class MoeLayer {
   Experts experts_;
   bool recompute_act_ = false, recompute_whole_ = false, offload_rows_ = false, offload_gu_ = false;
   bool phased_ = false;
-  Tensor x_TH_;    // the input (a view of the caller's)
-  Tensor out_RH_;  // the experts' outputs (max_rows rows)
+  bool fp8_rows_ = false;  // moe.fp8_dispatch in effect
+  Tensor packed_TW_;       // fp8_rows_: the tokens quantized for dispatch (scratch)
+  Tensor x_TH_;            // the input (a view of the caller's)
+  Tensor out_RH_;          // the experts' outputs (max_rows rows)
   Tensor dout_RH_, drows_RH_,
       dprob_TK_;  // scratch (or exchange_scratch): backward workspaces (max_rows / max_tokens rows)
   Tensor y_TH_;   // scratch: the recomputed output (moe)

@@ -23,6 +23,10 @@
 //          column of blocks may be smaller): q (u8, w's shape), s (f32) [(E,) ceil(O/128),
 //          ceil(I/128)]; optionally the transposed data qT [(E,) I, O] and scales sT [(E,)
 //          ceil(I/128), ceil(O/128)] (the data gradient's operand).
+//   packed the rows layout with each row's scales beside its codes, so that a row is one block of
+//          bytes (moe.fp8_dispatch: tokens permuted and exchanged as FP8): u8 [R, W],
+//          W = fp8_packed_width(K); row r holds its K codes at bytes [0, K), its ceil(K/128) f32
+//          scales from byte fp8_packed_scales_at(K), zeros elsewhere. Same codes and scales as rows.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +53,12 @@ inline int64_t fp8_cols_width(int64_t rows, int64_t segments) {
   return (rows + segments * (kFp8Tile - 1) + kFp8Tile - 1) / kFp8Tile * kFp8Tile;
 }
 
+// The packed layout's scale offset and row width (bytes; multiples of 16).
+inline int64_t fp8_packed_scales_at(int64_t k) { return (k + 15) / 16 * 16; }
+inline int64_t fp8_packed_width(int64_t k) {
+  return fp8_packed_scales_at(k) + (4 * ((k + kFp8Tile - 1) / kFp8Tile) + 15) / 16 * 16;
+}
+
 // ---- quantization (x, w: f32, f64 (CPU) or bf16; q u8; scales f32; all on one device) ----------
 void fp8_quantize_rows(const ExecContext& ctx, const Tensor& x_RK, const Tensor& q_RK, const Tensor& s_BR);
 // offsets_S1: i64 [S + 1], on x's device, off[0] = 0, off[S] = R, non-decreasing (the GPU trusts them).
@@ -57,7 +67,10 @@ void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor&
 // qT and sT may be undefined (not wanted).
 void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
                          const Tensor& sT);
+// x_RK [R, K] into the packed layout p_RW (u8 [R, fp8_packed_width(K)]).
+void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tensor& p_RW);
 // The inverses (x = q * s, written in x's float dtype): for the tests and the CPU's emulation.
+void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK);
 void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK);
 void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
                          const Tensor& x_RC);
@@ -82,6 +95,10 @@ struct Fp8Weight {
 // y, dx: x's dtype (bf16 on the GPU); w: x's dtype; dw: f32 or w's dtype. dx or dw undefined:
 // skipped. The grouped ops take the experts' row segments from offsets_E1 as grouped_linear_*.
 // GPU: I and O multiples of 16; needs a build with CUTLASS (else a clear error).
+// x may come quantized already: packed rows (u8 [R, fp8_packed_width(I)], fp8_quantize_packed's),
+// the forward's operand as it is (the same codes and scales that Q_rows(x) would give), and the
+// weight gradient's Q_cols of its dequantized values (an exact dequantization: DeepSeek-V3's
+// requantization of dispatched FP8 tokens). y and dx then take w's dtype.
 // wq: w already quantized (an Fp8WeightCache's; REQUIRES: fp8_quantize_blocks of this w), or null.
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
                         const Fp8Weight* wq = nullptr);

@@ -300,6 +300,51 @@ void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tenso
   });
 }
 
+namespace {
+void check_packed(const Tensor& x_RK, const Tensor& p_RW, const char* what) {
+  MF_CHECK(x_RK.ndim() == 2, what, ": x ", x_RK.str());
+  check_shape(p_RW, {x_RK.size(0), fp8_packed_width(x_RK.size(1))}, what);
+  MF_CHECK(x_RK.contiguous() && p_RW.contiguous(), what, ": not contiguous");
+  MF_CHECK(is_float(x_RK.dtype()), what, ": x ", x_RK.str(), " (f32, f64 or bf16)");
+  MF_CHECK(p_RW.dtype() == DType::u8, what, ": packed rows ", p_RW.str(), " (u8)");
+  check_same_device({&x_RK, &p_RW}, what);
+}
+// Row r's tile b of a packed row: tile(count, idx, r, b) with idx(j) x's flat index of element j
+// (the code's byte in row r is idx(j) - r * K).
+template <class Tile>
+void for_packed_tiles(int64_t rows, int64_t k, const Tile& tile) {
+  for_row_tiles(rows, k, [&](int64_t n, const auto& idx, int64_t si) { tile(n, idx, si % rows, si / rows); });
+}
+}  // namespace
+
+void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tensor& p_RW) {
+  check_packed(x_RK, p_RW, "fp8_quantize_packed");
+  MF_ON_GPU(ctx, x_RK, cuda::fp8_quantize_packed(ctx, x_RK, p_RW));
+  const int64_t k = x_RK.size(1), w = p_RW.size(1), at = fp8_packed_scales_at(k);
+  uint8_t* p = p_RW.ptr<uint8_t>();
+  std::fill(p, p + p_RW.numel(), uint8_t{0});
+  for_packed_tiles(x_RK.size(0), k, [&](int64_t n, const auto& idx, int64_t r, int64_t b) {
+    uint8_t* row = p + r * w;
+    const float scale =
+        quantize_tile(x_RK.data(), x_RK.dtype(), n, idx, [&](int64_t j, uint8_t c) { row[idx(j) - r * k] = c; });
+    std::memcpy(row + at + 4 * b, &scale, sizeof scale);
+  });
+}
+
+void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK) {
+  check_packed(x_RK, p_RW, "fp8_dequantize_packed");
+  MF_ON_GPU(ctx, x_RK, cuda::fp8_dequantize_packed(ctx, p_RW, x_RK));
+  const int64_t k = x_RK.size(1), w = p_RW.size(1), at = fp8_packed_scales_at(k);
+  const uint8_t* p = p_RW.ptr<uint8_t>();
+  for_packed_tiles(x_RK.size(0), k, [&](int64_t n, const auto& idx, int64_t r, int64_t b) {
+    const uint8_t* row = p + r * w;
+    float scale;
+    std::memcpy(&scale, row + at + 4 * b, sizeof scale);
+    for (int64_t j = 0; j < n; ++j)
+      store(x_RK.data(), x_RK.dtype(), idx(j), e4m3_to_float(row[idx(j) - r * k]) * scale);
+  });
+}
+
 void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
                          const Tensor& x_RC) {
   check_cols(x_RC, offsets_S1, qT_CP, sT_BC, "fp8_dequantize_cols");
@@ -328,6 +373,21 @@ void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor
 // ---- the FP8 linear layers ------------------------------------------------------------------------
 
 namespace {
+
+// Whether x is packed FP8 rows (fp8.h) rather than values.
+bool is_packed(const Tensor& x) { return x.dtype() == DType::u8; }
+
+// x as values: x itself, or packed rows (of I columns) dequantized into `own`, in T (w's dtype).
+// Q_rows of the dequantized rows gives them back (requantizing a tile of E4M3 values times a
+// power of two reproduces the values), so the forward sees the dispatched codes as they are.
+template <class T>
+Tensor values(const Tensor& x, int64_t i_n, std::vector<T>& own) {
+  if (!is_packed(x)) return x;
+  own.resize(static_cast<size_t>(x.size(0) * i_n));
+  const Tensor v(own.data(), dtype_of<T>(), {x.size(0), i_n});
+  fp8_dequantize_packed(ExecContext::standard(Device::cpu), x, v);
+  return v;
+}
 
 // Host copies of an operand quantized and dequantized in its layout (the CPU's emulation).
 template <class T>
@@ -398,21 +458,23 @@ void check_wq(const Tensor& w, const Fp8Weight* wq, const char* what) {
   check_blocks(w, wq->q, wq->s, wq->qT, wq->sT, what);
 }
 
-// The checks every FP8 linear entry point shares (both devices): x [R, I], w [(E,) O, I], y [R, O].
+// The checks every FP8 linear entry point shares (both devices): x [R, I] (or packed rows
+// [R, fp8_packed_width(I)]), w [(E,) O, I], y [R, O].
 void check_fp8_linear(const Tensor& x, const Tensor& w, const Tensor& y, int64_t w_dims, const char* what) {
-  MF_CHECK(x.ndim() == 2 && w.ndim() == w_dims && x.size(1) == w.size(w_dims - 1), what, ": x ", x.str(), ", w ",
-           w.str());
+  const int64_t i_n = w.ndim() == w_dims ? w.size(w_dims - 1) : -1;
+  MF_CHECK(x.ndim() == 2 && w.ndim() == w_dims && x.size(1) == (is_packed(x) ? fp8_packed_width(i_n) : i_n), what,
+           ": x ", x.str(), ", w ", w.str());
   check_shape(y, {x.size(0), w.size(w_dims - 2)}, what);
-  MF_CHECK(is_float(x.dtype()) && x.dtype() == w.dtype() && y.dtype() == x.dtype(), what, ": dtypes ", x.str(), " ",
-           w.str(), " ", y.str());
+  MF_CHECK(is_float(w.dtype()) && (is_packed(x) || x.dtype() == w.dtype()) && y.dtype() == w.dtype(), what, ": dtypes ",
+           x.str(), " ", w.str(), " ", y.str());
   MF_CHECK(x.contiguous() && w.contiguous() && y.contiguous(), what, ": not contiguous");
   check_same_device({&x, &w, &y}, what);
 }
 
 void check_fp8_grads(const Tensor& x, const Tensor& w, const Tensor& dx, const Tensor& dw, const char* what) {
   if (dx.defined()) {
-    check_shape(dx, x.shape(), what);
-    MF_CHECK(dx.dtype() == x.dtype() && dx.contiguous(), what, ": dx ", dx.str());
+    check_shape(dx, {x.size(0), matrix_cols(w)}, what);
+    MF_CHECK(dx.dtype() == w.dtype() && dx.contiguous(), what, ": dx ", dx.str());
   }
   if (dw.defined()) {
     check_shape(dw, w.shape(), what);
@@ -444,9 +506,10 @@ void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor
   check_fp8_linear(x_NI, w_OI, y_NO, 2, "fp8_linear_forward");
   check_wq(w_OI, wq, "fp8_linear_forward");
   MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_forward(ctx, x_NI, w_OI, y_NO, wq));
-  const int64_t n = x_NI.size(0), in = x_NI.size(1), out = w_OI.size(0);
-  dispatch_float(x_NI.dtype(), [&]<class T>() {
-    const std::vector<T> qx = fake_rows<T>(x_NI), qw = fake_blocks<T>(w_OI, wq);
+  const int64_t n = x_NI.size(0), in = w_OI.size(1), out = w_OI.size(0);
+  dispatch_float(w_OI.dtype(), [&]<class T>() {
+    std::vector<T> own;
+    const std::vector<T> qx = fake_rows<T>(values<T>(x_NI, in, own)), qw = fake_blocks<T>(w_OI, wq);
     gemm<T>(false, true, n, out, in, T(1), qx.data(), in, qw.data(), in, T(0), y_NO.ptr<T>(), out);
   });
 }
@@ -457,15 +520,16 @@ void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tenso
   check_fp8_grads(x_NI, w_OI, dx_NI, dw_OI, "fp8_linear_backward");
   check_wq(w_OI, wq, "fp8_linear_backward");
   MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, accumulate, wq));
-  const int64_t n = x_NI.size(0), in = x_NI.size(1), out = w_OI.size(0);
-  dispatch_float(x_NI.dtype(), [&]<class T>() {
+  const int64_t n = x_NI.size(0), in = w_OI.size(1), out = w_OI.size(0);
+  dispatch_float(w_OI.dtype(), [&]<class T>() {
     if (dx_NI.defined()) {
       const std::vector<T> qdy = fake_rows<T>(dy_NO), qw = fake_blocks<T>(w_OI, wq);
       gemm<T>(false, false, n, in, out, T(1), qdy.data(), out, qw.data(), in, T(0), dx_NI.ptr<T>(), in);
     }
     if (dw_OI.defined()) {
       int64_t off[2] = {0, n};
-      emulated_wgrad<T>(x_NI, dy_NO, Tensor(off, DType::i64, {2}), dw_OI, accumulate);
+      std::vector<T> own;
+      emulated_wgrad<T>(values<T>(x_NI, in, own), dy_NO, Tensor(off, DType::i64, {2}), dw_OI, accumulate);
     }
   });
 }
@@ -480,8 +544,9 @@ void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, cons
   MF_ON_GPU(ctx, x_RI, cuda::fp8_grouped_linear_forward(ctx, x_RI, w_EOI, offsets_E1, y_RO, wq));
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   const int64_t* off = offsets_E1.ptr<int64_t>();
-  dispatch_float(x_RI.dtype(), [&]<class T>() {
-    const std::vector<T> qx = fake_rows<T>(x_RI), qw = fake_blocks<T>(w_EOI, wq);
+  dispatch_float(w_EOI.dtype(), [&]<class T>() {
+    std::vector<T> own;
+    const std::vector<T> qx = fake_rows<T>(values<T>(x_RI, i_n, own)), qw = fake_blocks<T>(w_EOI, wq);
     for (int64_t e = 0; e < e_n; ++e) {
       const int64_t m = off[e + 1] - off[e];
       if (m == 0) continue;
@@ -504,7 +569,7 @@ void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, con
             cuda::fp8_grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate, wq));
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   const int64_t* off = offsets_E1.ptr<int64_t>();
-  dispatch_float(x_RI.dtype(), [&]<class T>() {
+  dispatch_float(w_EOI.dtype(), [&]<class T>() {
     if (dx_RI.defined()) {
       const std::vector<T> qdy = fake_rows<T>(dy_RO), qw = fake_blocks<T>(w_EOI, wq);
       for (int64_t e = 0; e < e_n; ++e) {
@@ -514,7 +579,10 @@ void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, con
                 dx_RI.ptr<T>() + off[e] * i_n, i_n);
       }
     }
-    if (dw_EOI.defined()) emulated_wgrad<T>(x_RI, dy_RO, offsets_E1, dw_EOI, accumulate);
+    if (dw_EOI.defined()) {
+      std::vector<T> own;
+      emulated_wgrad<T>(values<T>(x_RI, i_n, own), dy_RO, offsets_E1, dw_EOI, accumulate);
+    }
   });
 }
 

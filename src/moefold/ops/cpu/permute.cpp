@@ -29,6 +29,13 @@ void check_row_map(const Tensor& row_TK, int64_t t_n, const char* what) {
 
 void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_RH) {
   check_rows(rows_RH, x_TH, "moe_permute");
+  if (x_TH.dtype() == DType::u8) {  // bytes (packed FP8 rows, ops/fp8.h): moved as f32 words, bit for bit
+    const int64_t w = x_TH.size(1);
+    MF_CHECK(w % 4 == 0 && x_TH.contiguous() && rows_RH.contiguous(), "moe_permute: byte rows ", x_TH.str(),
+             " (contiguous, a multiple of 4 wide)");
+    return moe_permute(ctx, Tensor(x_TH.data(), DType::f32, {x_TH.size(0), w / 4}, x_TH.device()), token_R,
+                       Tensor(rows_RH.data(), DType::f32, {rows_RH.size(0), w / 4}, rows_RH.device()));
+  }
   check_dtype(token_R, DType::i64, "moe_permute token");
   const int64_t r_n = rows_RH.size(0), h_n = rows_RH.size(1), t_n = x_TH.size(0);
   MF_CHECK(token_R.contiguous() && token_R.numel() >= r_n, "moe_permute: token ", token_R.str(), " for ", r_n, " rows");

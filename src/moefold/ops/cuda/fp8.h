@@ -27,7 +27,9 @@ void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor&
                        const Tensor& sT_BC);
 void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
                          const Tensor& sT);
+void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tensor& p_RW);
 void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK);
+void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK);
 void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
                          const Tensor& x_RC);
 void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w);
@@ -55,6 +57,13 @@ void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, con
 // problem shape (fp8_gemm_cutlass.cu). One group of all rows is the plain layout.
 void launch_fp8_quantize_rows(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t k, uint8_t* q,
                               float* s, const int64_t* group_offsets, int64_t groups);
+// The scales of packed rows p [rows, fp8_packed_width(k)] into s in the rows layout with group
+// offsets as above (the forward's SFA when x arrives packed).
+void launch_fp8_packed_scales(const ExecContext& ctx, const uint8_t* p, int64_t rows, int64_t k, float* s,
+                              const int64_t* group_offsets, int64_t groups);
+// Packed rows p [rows, fp8_packed_width(k)] dequantized into x [rows, k] of dtype (f32, bf16).
+void launch_fp8_dequantize_packed(const ExecContext& ctx, const uint8_t* p, int64_t rows, int64_t k, DType dtype,
+                                  void* x);
 // The cols layout of x [rows, cols] into qT [cols, p] and sT [p / 128, cols], segments from the
 // device offsets [segments + 1] (nullptr: one segment of all rows). REQUIRES: p % 128 == 0 and
 // p >= the padded width the segments need (fp8_cols_width(rows, segments) suffices).

@@ -60,34 +60,49 @@ using namespace cute;
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 using Problem = ProblemShape::UnderlyingProblemShape;
 
+// Kernel schedules (core/kernel_options.h Fp8Tile): cooperative (both consumer warp groups share a
+// 128-row tile) or ping-pong (each consumer warp group owns a 64-row tile; one's epilogue runs
+// beside the other's mainloop).
+struct Cooperative {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using Tile = cute::Shape<_128, _128, _128>;
+};
+struct PingPong {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using Tile = cute::Shape<_64, _128, _128>;
+};
+using Pair = cute::Shape<_2, _1, _1>;  // two CTAs of adjacent M tiles share B's tile loads (TMA multicast)
+using One = cute::Shape<_1, _1, _1>;
+
 // One FP8 grouped GEMM configuration: E4M3 A (M x K) and B (N x K), both K-major; f32 accumulation
 // with the blockwise promotion; scales per 1 x 128 of A and kGranN x 128 of B (MN-major);
-// D = acc + beta * C in ElementOut. 128 x 128 x 128 CTA tiles (one scale block of K per k-tile, as
-// the mainloop requires) in 2 x 1 clusters: the two CTAs of adjacent M tiles share B's tile loads
-// through TMA multicast (the weights in forward and dgrad), as the bf16 grouped GEMM's default.
-template <int kGranN, class ElementOut>
+// D = acc + beta * C in ElementOut. The K tile is 128 (one scale block per k-tile, as the
+// mainloop requires); the M x N tile and the cluster come from the schedule and kernels.fp8_tile.
+template <int kGranN, class ElementOut, class Schedule, class ClusterShape_>
 struct Fp8Grouped {
   using ElementIn = cutlass::float_e4m3_t;
   using Out = ElementOut;  // C and D
   using Acc = float;
   static constexpr int kAlignIn = 16;  // 16 bytes of E4M3
   static constexpr int kAlignOut = 16 / static_cast<int>(sizeof(ElementOut));
-  using TileShape = cute::Shape<_128, _128, _128>;
-  using ClusterShape = cute::Shape<_2, _1, _1>;
+  using TileShape = typename Schedule::Tile;
+  using ClusterShape = ClusterShape_;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGranN, 128>;  // MN-major SFA and SFB
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc, ElementOut, cutlass::layout::RowMajor*, kAlignOut,
-      ElementOut, cutlass::layout::RowMajor*, kAlignOut, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      ElementOut, cutlass::layout::RowMajor*, kAlignOut, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn,
       cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignIn, ElementIn,
       cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignIn, Acc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+      typename Schedule::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;  // (lda, 1, 0): K contiguous
@@ -97,11 +112,20 @@ struct Fp8Grouped {
   using Thread = decltype(std::declval<typename Gemm::Arguments>().epilogue.thread);
 };
 
-// The three kernels: forward and dgrad share one (rows x blocks, bf16 out); wgrad (cols x cols)
-// writes f32 or bf16 weight gradients (train.main_grads_dtype).
-using RowsBlocks = Fp8Grouped<128, cutlass::bfloat16_t>;
-using ColsF32 = Fp8Grouped<1, float>;
-using ColsBf16 = Fp8Grouped<1, cutlass::bfloat16_t>;
+// Calls run.template operator()<Fp8Grouped<kGranN, Out, ...>>() in configuration `tile`.
+template <int kGranN, class Out, class Run>
+void with_fp8_tile(Fp8Tile tile, const Run& run) {
+  switch (tile) {
+    case Fp8Tile::cooperative:
+      return run.template operator()<Fp8Grouped<kGranN, Out, Cooperative, Pair>>();
+    case Fp8Tile::cooperative_1x1:
+      return run.template operator()<Fp8Grouped<kGranN, Out, Cooperative, One>>();
+    case Fp8Tile::pingpong:
+      return run.template operator()<Fp8Grouped<kGranN, Out, PingPong, Pair>>();
+    case Fp8Tile::pingpong_1x1:
+      return run.template operator()<Fp8Grouped<kGranN, Out, PingPong, One>>();
+  }
+}
 
 enum class Kind : int { forward, dgrad, wgrad };
 
@@ -152,7 +176,8 @@ struct Arrays {
 
 // The quantized operands of one GEMM kind (device pointers) and the shapes that place each group.
 struct Operands {
-  const uint8_t* a = nullptr;  // rows: [R, K]; cols: qT [M, p]
+  const uint8_t* a = nullptr;  // rows: [R, K] (row stride lda); cols: qT [M, p]
+  int64_t lda = 0;             // forward: A's row stride (K, or the packed rows' width)
   const float* sfa = nullptr;
   const uint8_t* b = nullptr;  // blocks: [E, N, K]; cols: qT [N, p]
   const float* sfb = nullptr;
@@ -196,7 +221,7 @@ __global__ void build_fp8_args(Arrays<G> arr, Operands op) {
   const int64_t we = static_cast<int64_t>(e) * op.o_n * op.i_n;  // expert e's weight matrix
   auto* d = static_cast<typename G::Out*>(op.d);
   if constexpr (kKind == Kind::forward) {  // y_e = x_e @ w_e^T: (m, O, I)
-    set_group<G>(arr, e, m, op.o_n, op.i_n, op.a + begin * op.i_n, op.i_n, op.sfa + begin * ib, op.b + we, op.i_n,
+    set_group<G>(arr, e, m, op.o_n, op.i_n, op.a + begin * op.lda, op.lda, op.sfa + begin * ib, op.b + we, op.i_n,
                  op.sfb + e * ib * ob, d + begin * op.o_n, false);
   } else if constexpr (kKind == Kind::dgrad) {  // dx_e = dy_e @ w_e: (m, I, O), B = w_e^T stored [I, O]
     set_group<G>(arr, e, m, op.i_n, op.o_n, op.a + begin * op.o_n, op.o_n, op.sfa + begin * ob, op.b + we, op.o_n,
@@ -246,12 +271,18 @@ Quantized quantized_scratch(const ExecContext& ctx, ScratchSlot slot, int64_t co
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// x given as packed FP8 rows (ops/fp8.h) rather than bf16 values.
+bool packed(const Tensor& x) { return x.dtype() == DType::u8; }
+// O and I of a weight [O, I] or [E, O, I].
+int64_t matrix_rows(const Tensor& w) { return w.size(w.ndim() == 3 ? 1 : 0); }
+int64_t matrix_cols(const Tensor& w) { return w.size(w.ndim() == 3 ? 2 : 1); }
+
 // The GPU's conditions on one FP8 linear call (the entry point checked shapes and devices): the
 // dtypes and widths are the model's (an Error naming them); alignment is the allocator's.
 void check_gpu_operands(const Tensor& x, const Tensor& w, const Tensor& dy_or_y, const Tensor& dx, const Tensor& dw,
                         const char* what) {
-  const int64_t o_n = w.size(w.ndim() == 3 ? 1 : 0), i_n = x.size(1);
-  if (x.dtype() != DType::bf16 || w.dtype() != DType::bf16 || dy_or_y.dtype() != DType::bf16)
+  const int64_t o_n = matrix_rows(w), i_n = matrix_cols(w);
+  if ((x.dtype() != DType::bf16 && !packed(x)) || w.dtype() != DType::bf16 || dy_or_y.dtype() != DType::bf16)
     MF_FAIL(what, " on the GPU: x ", x.str(), ", w ", w.str(), ", y / dy ", dy_or_y.str(),
             " (the FP8 GEMMs take bf16; f32 and f64 run on the CPU)");
   if (dw.defined() && dw.dtype() != DType::f32 && dw.dtype() != DType::bf16)
@@ -267,11 +298,20 @@ void check_gpu_operands(const Tensor& x, const Tensor& w, const Tensor& dy_or_y,
 void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n, const Tensor& y,
              const Fp8Weight* wq, const char* what) {
   check_gpu_operands(x, w, y, Tensor(), Tensor(), what);
-  const int64_t r_n = x.size(0), i_n = x.size(1), o_n = w.size(w.ndim() == 3 ? 1 : 0);
+  const int64_t r_n = x.size(0), i_n = matrix_cols(w), o_n = matrix_rows(w);
   if (r_n == 0 || e_n == 0) return;
   const int64_t ib = ceil_div(i_n, kFp8Tile), ob = ceil_div(o_n, kFp8Tile);
-  const Quantized qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * i_n, ib * r_n);
-  launch_fp8_quantize_rows(ctx, x.data(), x.dtype(), r_n, i_n, qx.q, qx.s, off, e_n);
+  Quantized qx;
+  int64_t lda = i_n;
+  if (packed(x)) {  // the codes as they are (row stride: the packed width), the scales regrouped
+    qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, 0, ib * r_n);
+    qx.q = x.ptr<uint8_t>();
+    lda = x.size(1);
+    launch_fp8_packed_scales(ctx, qx.q, r_n, i_n, qx.s, off, e_n);
+  } else {
+    qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * i_n, ib * r_n);
+    launch_fp8_quantize_rows(ctx, x.data(), x.dtype(), r_n, i_n, qx.q, qx.s, off, e_n);
+  }
   Quantized qw;
   if (wq != nullptr && wq->defined()) {
     qw = Quantized{wq->q.ptr<uint8_t>(), wq->sT.ptr<float>()};  // as quantize_blocks below writes them
@@ -280,9 +320,10 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
     launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, qw.q, nullptr, nullptr, qw.s);  // sT
   }
   Operands op;
-  op.a = qx.q, op.sfa = qx.s, op.b = qw.q, op.sfb = qw.s, op.d = y.data(), op.off = off, op.rows = r_n;
+  op.a = qx.q, op.lda = lda, op.sfa = qx.s, op.b = qw.q, op.sfb = qw.s, op.d = y.data(), op.off = off, op.rows = r_n;
   op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
-  run_fp8<RowsBlocks, Kind::forward>(ctx, op, 0.0f, what);
+  with_fp8_tile<128, cutlass::bfloat16_t>(ctx.kernels().fp8_tiles.rows,
+                                          [&]<class G>() { run_fp8<G, Kind::forward>(ctx, op, 0.0f, what); });
 }
 
 // dx = dy @ w and dw (+)= dy^T @ x per group; dx or dw undefined: skipped.
@@ -290,7 +331,7 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
               const Tensor& dy, const Tensor& dx, const Tensor& dw, bool accumulate, const Fp8Weight* wq,
               const char* what) {
   check_gpu_operands(x, w, dy, dx, dw, what);
-  const int64_t r_n = x.size(0), i_n = x.size(1), o_n = w.size(w.ndim() == 3 ? 1 : 0);
+  const int64_t r_n = x.size(0), i_n = matrix_cols(w), o_n = matrix_rows(w);
   if (e_n == 0) return;
   if (r_n == 0) {
     if (dw.defined() && !accumulate) MF_CUDA_CHECK(cudaMemsetAsync(dw.data(), 0, dw.nbytes(), stream_of(ctx)));
@@ -311,7 +352,8 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
       launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, nullptr, qw.s, qw.q, nullptr);  // qT, s
     }
     op.a = qdy.q, op.sfa = qdy.s, op.b = qw.q, op.sfb = qw.s, op.d = dx.data();
-    run_fp8<RowsBlocks, Kind::dgrad>(ctx, op, 0.0f, what);
+    with_fp8_tile<128, cutlass::bfloat16_t>(ctx.kernels().fp8_tiles.rows,
+                                            [&]<class G>() { run_fp8<G, Kind::dgrad>(ctx, op, 0.0f, what); });
   }
   if (!dw.defined()) return;
   const bool dw16 = dw.dtype() == DType::bf16;
@@ -329,12 +371,19 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   const Quantized qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, o_n * p, p / kFp8Tile * o_n);
   launch_fp8_quantize_cols(ctx, dy.data(), dy.dtype(), r_n, o_n, off, off != nullptr ? e_n : 1, p, qdy.q, qdy.s);
   const Quantized qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, i_n * p, p / kFp8Tile * i_n);
-  launch_fp8_quantize_cols(ctx, x.data(), x.dtype(), r_n, i_n, off, off != nullptr ? e_n : 1, p, qx.q, qx.s);
+  const void* x_values = x.data();
+  if (packed(x)) {  // Q_cols of the packed rows' values (exact in bf16: E4M3 times a power of two)
+    void* v = ctx.scratch(ScratchSlot::fp8_values, static_cast<size_t>(r_n * i_n) * dtype_size(DType::bf16));
+    launch_fp8_dequantize_packed(ctx, x.ptr<uint8_t>(), r_n, i_n, DType::bf16, v);
+    x_values = v;
+  }
+  launch_fp8_quantize_cols(ctx, x_values, DType::bf16, r_n, i_n, off, off != nullptr ? e_n : 1, p, qx.q, qx.s);
   op.a = qdy.q, op.sfa = qdy.s, op.b = qx.q, op.sfb = qx.s, op.d = dw.data(), op.p = p;
+  const auto wgrad = [&]<class G>() { run_fp8<G, Kind::wgrad>(ctx, op, accumulate ? 1.0f : 0.0f, what); };
   if (dw16)
-    run_fp8<ColsBf16, Kind::wgrad>(ctx, op, accumulate ? 1.0f : 0.0f, what);
+    with_fp8_tile<1, cutlass::bfloat16_t>(ctx.kernels().fp8_tiles.cols, wgrad);
   else
-    run_fp8<ColsF32, Kind::wgrad>(ctx, op, accumulate ? 1.0f : 0.0f, what);
+    with_fp8_tile<1, float>(ctx.kernels().fp8_tiles.cols, wgrad);
 }
 
 }  // namespace

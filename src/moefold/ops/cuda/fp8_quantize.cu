@@ -109,10 +109,13 @@ __device__ __forceinline__ int find_group(const int64_t* __restrict__ off, int g
 
 // Warp w of block (bx, b) quantizes tile b of row 8 bx + w; lane l holds its elements 4l .. 4l + 3.
 // kVec: k % 4 == 0 with aligned x and q (vector loads, one 32-bit store of 4 codes per lane).
+// Packed (packed_at >= 0): row r's codes at q + r * ldq, its scales at byte packed_at of the row
+// (s unused), the row's other bytes zeroed by tile 0's warp; else ldq == k.
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     quantize_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t k, uint8_t* __restrict__ q,
-                         float* __restrict__ s, const int64_t* __restrict__ off, int groups) {
+                         float* __restrict__ s, const int64_t* __restrict__ off, int groups, int64_t ldq,
+                         int64_t packed_at) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t r = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
   if (r >= rows) return;  // whole warps
@@ -130,12 +133,21 @@ __global__ void __launch_bounds__(kThreads)
   const TileScale ts = tile_scale(m);
   const float scaled[4] = {v[0] * ts.inv, v[1] * ts.inv, v[2] * ts.inv, v[3] * ts.inv};
   const uint32_t codes = e4m3x4(scaled, ts.finite);
-  uint8_t* qr = q + r * k;
+  uint8_t* qr = q + r * ldq;
   if constexpr (kVec) {
     if (k0 < k) *reinterpret_cast<uint32_t*>(qr + k0) = codes;
   } else {
     for (int j = 0; j < 4; ++j)
       if (k0 + j < k) qr[k0 + j] = static_cast<uint8_t>(codes >> (8 * j));
+  }
+  if (packed_at >= 0) {
+    if (lane == 0) reinterpret_cast<float*>(qr + packed_at)[b] = ts.scale;
+    if (b == 0) {  // the padding bytes: [k, packed_at) and past the scales
+      const int64_t tail = packed_at + 4 * static_cast<int64_t>(gridDim.y);
+      for (int64_t i = k + lane; i < packed_at; i += 32) qr[i] = 0;
+      for (int64_t i = tail + lane; i < ldq; i += 32) qr[i] = 0;
+    }
+    return;
   }
   if (lane == 0) {
     if (off == nullptr) {
@@ -157,6 +169,34 @@ __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q, const floa
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / k, c = i % k;
     x[i] = from_float<T>(e4m3_value(q[i]) * s[(c / kTile) * rows + r]);
+  }
+}
+
+// x [rows, k] = the packed rows p [rows, w] dequantized, one thread per element.
+template <class T>
+__global__ void dequantize_packed_kernel(const uint8_t* __restrict__ p, int64_t rows, int64_t k, int64_t w, int64_t at,
+                                         T* __restrict__ x) {
+  const int64_t n = rows * k;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / k, c = i % k;
+    const uint8_t* row = p + r * w;
+    x[i] = from_float<T>(e4m3_value(row[c]) * reinterpret_cast<const float*>(row + at)[c / kTile]);
+  }
+}
+
+// The packed rows' scales into the GEMM's grouped rows layout (launch_fp8_quantize_rows's with
+// group offsets), one thread per (row, tile).
+__global__ void packed_scales_kernel(const uint8_t* __restrict__ p, int64_t rows, int64_t tiles, int64_t w, int64_t at,
+                                     const int64_t* __restrict__ off, int groups, float* __restrict__ s) {
+  const int64_t n = rows * tiles;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / tiles, b = i % tiles;
+    const float v = reinterpret_cast<const float*>(p + r * w + at)[b];
+    const int g = off != nullptr ? find_group(off, groups, r) : 0;
+    const int64_t begin = off != nullptr ? off[g] : 0, m = off != nullptr ? off[g + 1] - begin : rows;
+    s[begin * tiles + b * m + (r - begin)] = v;
   }
 }
 
@@ -423,21 +463,48 @@ const ColTile* col_tiles(const ExecContext& ctx, const int64_t* offsets, int64_t
 
 // ---- raw launchers ---------------------------------------------------------------------------------
 
-void launch_fp8_quantize_rows(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t k, uint8_t* q,
-                              float* s, const int64_t* group_offsets, int64_t groups) {
+namespace {
+// Rows (packed_at < 0: q [rows, k], scales s) or packed rows (q [rows, ldq], scales in the rows).
+void quantize_rows(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t k, uint8_t* q, float* s,
+                   const int64_t* group_offsets, int64_t groups, int64_t ldq, int64_t packed_at) {
   if (rows == 0 || k == 0) return;
   const dim3 grid(static_cast<unsigned>(ceil_div(rows, kWarps)), grid_dim_yz(ceil_div(k, kTile), "fp8_quantize_rows"));
   with_input_dtype(dtype, "fp8_quantize_rows", [&]<class T>() {
     const T* xt = static_cast<const T*>(x);
-    const bool vec = k % 4 == 0 && aligned(x, 4 * sizeof(T)) && aligned(q, 4);
+    const bool vec = k % 4 == 0 && ldq % 4 == 0 && aligned(x, 4 * sizeof(T)) && aligned(q, 4);
     if (vec)
-      quantize_rows_kernel<T, true>
-          <<<grid, kThreads, 0, stream_of(ctx)>>>(xt, rows, k, q, s, group_offsets, static_cast<int>(groups));
+      quantize_rows_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, rows, k, q, s, group_offsets,
+                                                                           static_cast<int>(groups), ldq, packed_at);
     else
-      quantize_rows_kernel<T, false>
-          <<<grid, kThreads, 0, stream_of(ctx)>>>(xt, rows, k, q, s, group_offsets, static_cast<int>(groups));
+      quantize_rows_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, rows, k, q, s, group_offsets,
+                                                                            static_cast<int>(groups), ldq, packed_at);
   });
   MF_CUDA_LAUNCHED("fp8_quantize_rows");
+}
+}  // namespace
+
+void launch_fp8_quantize_rows(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t k, uint8_t* q,
+                              float* s, const int64_t* group_offsets, int64_t groups) {
+  quantize_rows(ctx, x, dtype, rows, k, q, s, group_offsets, groups, k, -1);
+}
+
+void launch_fp8_packed_scales(const ExecContext& ctx, const uint8_t* p, int64_t rows, int64_t k, float* s,
+                              const int64_t* group_offsets, int64_t groups) {
+  if (rows == 0 || k == 0) return;
+  const int64_t tiles = ceil_div(k, kTile);
+  packed_scales_kernel<<<elementwise_blocks(rows * tiles), kThreads, 0, stream_of(ctx)>>>(
+      p, rows, tiles, fp8_packed_width(k), fp8_packed_scales_at(k), group_offsets, static_cast<int>(groups), s);
+  MF_CUDA_LAUNCHED("fp8 packed rows' scales");
+}
+
+void launch_fp8_dequantize_packed(const ExecContext& ctx, const uint8_t* p, int64_t rows, int64_t k, DType dtype,
+                                  void* x) {
+  if (rows == 0 || k == 0) return;
+  with_input_dtype(dtype, "fp8_dequantize_packed", [&]<class T>() {
+    dequantize_packed_kernel<T><<<elementwise_blocks(rows * k), kThreads, 0, stream_of(ctx)>>>(
+        p, rows, k, fp8_packed_width(k), fp8_packed_scales_at(k), static_cast<T*>(x));
+  });
+  MF_CUDA_LAUNCHED("fp8_dequantize_packed");
 }
 
 void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
@@ -479,6 +546,16 @@ void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dty
 void fp8_quantize_rows(const ExecContext& ctx, const Tensor& x_RK, const Tensor& q_RK, const Tensor& s_BR) {
   launch_fp8_quantize_rows(ctx, x_RK.data(), x_RK.dtype(), x_RK.size(0), x_RK.size(1), q_RK.ptr<uint8_t>(),
                            s_BR.ptr<float>(), nullptr, 1);
+}
+
+void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tensor& p_RW) {
+  const int64_t k = x_RK.size(1);
+  quantize_rows(ctx, x_RK.data(), x_RK.dtype(), x_RK.size(0), k, p_RW.ptr<uint8_t>(), nullptr, nullptr, 1, p_RW.size(1),
+                fp8_packed_scales_at(k));
+}
+
+void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK) {
+  launch_fp8_dequantize_packed(ctx, p_RW.ptr<uint8_t>(), x_RK.size(0), x_RK.size(1), x_RK.dtype(), x_RK.data());
 }
 
 void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor& offsets_S1, const Tensor& qT_CP,
