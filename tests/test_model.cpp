@@ -125,6 +125,8 @@ TEST(Config, BadInputNamesTheKey) {
 void expect_same_switches(const Config& a, const Config& b) {
   EXPECT_EQ(a.kernels.grouped_gemm, b.kernels.grouped_gemm);
   EXPECT_EQ(cutlass_tiles_text(a.kernels.cutlass_tiles), cutlass_tiles_text(b.kernels.cutlass_tiles));
+  EXPECT_EQ(fp8_tiles_text(a.kernels.fp8_tiles), fp8_tiles_text(b.kernels.fp8_tiles));
+  EXPECT_EQ(a.kernels.fp8_dense_gemm, b.kernels.fp8_dense_gemm);
   EXPECT_EQ(a.kernels.gemm_sms, b.kernels.gemm_sms);
   EXPECT_EQ(a.kernels.fused_swiglu, b.kernels.fused_swiglu);
   EXPECT_EQ(a.kernels.attention, b.kernels.attention);
@@ -137,6 +139,8 @@ TEST(Config, KernelsSectionAndEpTransport) {
   const Config d = load_config("tiny", {});
   EXPECT_EQ(d.kernels.grouped_gemm, GroupedGemmImpl::cutlass);
   EXPECT_EQ(cutlass_tiles_text(d.kernels.cutlass_tiles), "");
+  EXPECT_EQ(fp8_tiles_text(d.kernels.fp8_tiles), "");
+  EXPECT_EQ(d.kernels.fp8_dense_gemm, Fp8DenseGemm::cublaslt);
   EXPECT_EQ(d.kernels.gemm_sms, 0);
   EXPECT_EQ(d.kernels.fused_swiglu, SwigluFusion::automatic);
   EXPECT_EQ(d.kernels.attention, AttentionKernel::automatic);
@@ -147,21 +151,26 @@ TEST(Config, KernelsSectionAndEpTransport) {
   want.kernels.grouped_gemm = GroupedGemmImpl::cublaslt;
   want.kernels.cutlass_tiles.forward = GemmTiles::small;  // the other kinds keep their defaults
   want.kernels.cutlass_tiles.swiglu_forward = GemmTiles::large;
+  want.kernels.fp8_tiles.cols = Fp8Tile::pingpong;  // rows keeps its default
+  want.kernels.fp8_dense_gemm = Fp8DenseGemm::cutlass;
   want.kernels.gemm_sms = 120;
   want.kernels.fused_swiglu = SwigluFusion::off;
   want.kernels.attention = AttentionKernel::cudnn;
   want.kernels.deterministic_attention = false;
   want.parallel.ep_transport = "ipc";
-  const Config f = load_config(write_file("kernels.toml",
-                                          "[kernels]\ngrouped_gemm = \"cublaslt\"\ncutlass_tile = "
-                                          "\"forward=small,swiglu_forward=large\"\ngemm_sms = 120\nfused_swiglu = "
-                                          "\"off\"\nattention = \"cudnn\"\ndeterministic_attention = false\n"
-                                          "[parallel]\nep_transport = \"ipc\"\n"),
-                               {});
+  const Config f =
+      load_config(write_file("kernels.toml",
+                             "[kernels]\ngrouped_gemm = \"cublaslt\"\ncutlass_tile = "
+                             "\"forward=small,swiglu_forward=large\"\nfp8_tile = \"cols=pingpong\"\nfp8_dense_gemm = "
+                             "\"cutlass\"\ngemm_sms = 120\nfused_swiglu = "
+                             "\"off\"\nattention = \"cudnn\"\ndeterministic_attention = false\n"
+                             "[parallel]\nep_transport = \"ipc\"\n"),
+                  {});
   expect_same_switches(f, want);
   const Config s =
       load_config("tiny", {"kernels.grouped_gemm=cublaslt", "kernels.cutlass_tile=forward=small,swiglu_forward=large",
-                           "kernels.gemm_sms=120", "kernels.fused_swiglu=off", "kernels.attention=cudnn",
+                           "kernels.fp8_tile=cols=pingpong", "kernels.fp8_dense_gemm=cutlass", "kernels.gemm_sms=120",
+                           "kernels.fused_swiglu=off", "kernels.attention=cudnn",
                            "kernels.deterministic_attention=false", "parallel.ep_transport=ipc"});
   expect_same_switches(s, want);
   // config_to_toml records every switch (a run directory's config.toml) and reads back the same.
@@ -186,6 +195,13 @@ TEST(Config, BadKernelsValueIsOneLineNamingTheKey) {
        "bad_kernels.toml:2: kernels.cutlass_tile = \"huge\": expected one of small, large, pingpong"},
       {"[kernels]\ncutlass_tile = \"forward=huge\"\n", "kernels.cutlass_tile = \"forward=huge\": tiles \"huge\""},
       {"[kernels]\ncutlass_tile = \"backward=large\"\n", "kernels.cutlass_tile = \"backward=large\": unknown kind"},
+      {"[kernels]\nfp8_tile = \"wide\"\n",
+       "kernels.fp8_tile = \"wide\": expected one of cooperative, cooperative_1x1, pingpong"},
+      {"[kernels]\nfp8_tile = \"forward=pingpong\"\n",
+       "kernels.fp8_tile = \"forward=pingpong\": unknown kind \"forward\" (rows, cols)"},
+      {"[kernels]\nfp8_dense_gemm = \"cublas\"\n",
+       "kernels.fp8_dense_gemm = \"cublas\": expected one of cublaslt, cutlass"},
+      {"[moe]\nfp8_dispatch = true\n", "moe.fp8_dispatch = true needs the experts in FP8"},
       {"[kernels]\ngemm_sms = -1\n", "bad_kernels.toml: kernels.gemm_sms = -1 must be >= 0 (0: every SM)"},
       {"[kernels]\ngemm_sms = 1.5\n", "kernels.gemm_sms must be an integer"},
       {"[kernels]\ngemm_sms = 9999999999\n", "kernels.gemm_sms = 9999999999 is out of range"},

@@ -471,6 +471,49 @@ TEST(CudaFp8Linear, DenseMatchesF64OfQuantizedOperands) {
     check_fp8_linear(rng, {1000}, 512, 384, DType::bf16, acc, true);
   }
   check_fp8_linear(rng, {3}, 2048, 768, DType::f32, true, true);  // wgrad over 3 tokens (K = 3)
+  // Shapes cuBLASLt's block scaling serves (kernels.fp8_dense_gemm's default; the ones above run on
+  // CUTLASS): K, the rows for the weight gradient, multiples of 128.
+  for (bool acc : {true, false}) {
+    check_fp8_linear(rng, {1024}, 512, 384, DType::f32, acc, true);
+    check_fp8_linear(rng, {256}, 2048, 640, DType::bf16, acc, true);
+  }
+}
+
+// The GEMMs cuBLASLt's block scaling ran so far (kernels.fp8_dense_gemm).
+int64_t lt_calls() {
+#ifdef MOEFOLD_WITH_CUDA
+  return cuda::lt_fp8_gemm_calls();
+#else
+  return 0;
+#endif
+}
+
+// kernels.fp8_dense_gemm: cuBLASLt and CUTLASS agree to the bf16 output's rounding on a dense
+// layer cuBLASLt serves (each against f64 in the test above; here against each other).
+TEST(CudaFp8Linear, DenseCublasLtAgreesWithCutlass) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  DevicePool dev;
+  const int64_t r = 512, in = 1024, out = 768;
+  const Host x = gaussian_bf16(rng, r, in), w = gaussian_bf16(rng, out, in), dy = gaussian_bf16(rng, r, out);
+  const Tensor xd = to_device(dev, x), wd = to_device(dev, w).view({out, in}), dyd = to_device(dev, dy);
+  std::vector<std::vector<double>> got[2];
+  for (int impl = 0; impl < 2; ++impl) {
+    const int64_t calls = lt_calls();
+    KernelOptions k;
+    k.fp8_dense_gemm = impl == 0 ? Fp8DenseGemm::cublaslt : Fp8DenseGemm::cutlass;
+    const ExecContext ctx(Device::cuda, k);
+    const Tensor y = dev.poisoned({r, out}, DType::bf16), dx = dev.poisoned({r, in}, DType::bf16),
+                 dw = dev.poisoned({out, in}, DType::f32);
+    fp8_linear_forward(ctx, xd, wd, y);
+    fp8_linear_backward(ctx, xd, wd, dyd, dx, dw, false);
+    got[impl] = {testing::download(y), testing::download(dx), testing::download(dw)};
+    // cuBLASLt served all three GEMMs, or none.
+    EXPECT_EQ(lt_calls() - calls, impl == 0 ? 3 : 0) << "kernels.fp8_dense_gemm " << impl;
+  }
+  EXPECT_LE(testing::rel_error(got[0][0], got[1][0]), kBf16Out) << "y";
+  EXPECT_LE(testing::rel_error(got[0][1], got[1][1]), kBf16Out) << "dx";
+  EXPECT_LE(testing::rel_error(got[0][2], got[1][2]), kF32Dw) << "dw";
 }
 
 TEST(CudaFp8Linear, GroupedMatchesF64OfQuantizedOperands) {
@@ -521,6 +564,41 @@ TEST(CudaFp8Linear, PackedInputIsTheSameOperand) {
     EXPECT_SAME_BYTES(got[1][0], got[0][0], "y");
     EXPECT_SAME_BYTES(got[1][1], got[0][1], "dx");
     EXPECT_SAME_BYTES(got[1][2], got[1][3], "dw (packed) vs dw of the dequantized values");
+  }
+}
+
+// kernels.fp8_tile changes how the tiles are scheduled, not what is summed: every configuration's
+// y, dx and dw (f32 and bf16) are the default's bit for bit.
+TEST(CudaFp8Linear, EveryTileConfigurationGivesTheSameBits) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  DevicePool dev;
+  const std::vector<int64_t> counts = {300, 0, 1000, 77, 129, 1};
+  const Host off = offsets_of(counts);
+  const int64_t e_n = 6, r = off.t.ptr<int64_t>()[e_n], in = 512, out = 384;
+  const Host x = gaussian_bf16(rng, r, in), w = gaussian_bf16(rng, e_n * out, in), dy = gaussian_bf16(rng, r, out);
+  const Tensor xd = to_device(dev, x), wd = to_device(dev, w).view({e_n, out, in}), dyd = to_device(dev, dy),
+               offd = to_device(dev, off);
+  std::vector<std::vector<uint8_t>> want;
+  for (const char* tile : {"cooperative", "cooperative_1x1", "pingpong"}) {
+    SCOPED_TRACE(tile);
+    KernelOptions k;
+    k.fp8_tiles = parse_fp8_tiles(tile, "kernels.fp8_tile");
+    const ExecContext ctx(Device::cuda, k);
+    const Tensor y = dev.poisoned({r, out}, DType::bf16), dx = dev.poisoned({r, in}, DType::bf16),
+                 dw = dev.poisoned({e_n, out, in}, DType::f32), dw16 = dev.poisoned({e_n, out, in}, DType::bf16);
+    fp8_grouped_linear_forward(ctx, xd, wd, offd, y);
+    fp8_grouped_linear_backward(ctx, xd, wd, offd, dyd, dx, dw, false);
+    fp8_grouped_linear_backward(ctx, xd, wd, offd, dyd, Tensor(), dw16, false);
+    const std::vector<std::vector<uint8_t>> got = {bytes_of(y), bytes_of(dx), bytes_of(dw), bytes_of(dw16)};
+    if (want.empty()) {
+      want = got;
+      continue;
+    }
+    EXPECT_SAME_BYTES(got[0], want[0], "y");
+    EXPECT_SAME_BYTES(got[1], want[1], "dx");
+    EXPECT_SAME_BYTES(got[2], want[2], "f32 dw");
+    EXPECT_SAME_BYTES(got[3], want[3], "bf16 dw");
   }
 }
 

@@ -30,7 +30,6 @@ enum class ScratchSlot : int {
   fp8_operand_b,  // its quantized B operand and scales
   fp8_gemm_args,  // its per-group CUTLASS arguments
   fp8_tile_map,   // the row tiles of fp8_quantize_cols' segments (ops/cuda/fp8_quantize.cu)
-  fp8_values,     // packed FP8 rows dequantized (the weight gradient's input when x came packed)
   count
 };
 
@@ -39,7 +38,7 @@ enum class ScratchSlot : int {
 struct ExecLibraryState {
   virtual ~ExecLibraryState() = default;
 };
-enum class ExecLibrary : int { cublaslt, cudnn, cutlass, count };
+enum class ExecLibrary : int { cublaslt, cublaslt_fp8, cudnn, cutlass, count };
 
 class ExecContext {
  public:

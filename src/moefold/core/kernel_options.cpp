@@ -38,6 +38,8 @@ const char* name_of(T v, const std::pair<const char*, T> (&names)[N]) {
 }
 constexpr std::pair<const char*, GroupedGemmImpl> kGroupedGemm[] = {{"cutlass", GroupedGemmImpl::cutlass},
                                                                     {"cublaslt", GroupedGemmImpl::cublaslt}};
+constexpr std::pair<const char*, Fp8DenseGemm> kFp8Dense[] = {{"cublaslt", Fp8DenseGemm::cublaslt},
+                                                              {"cutlass", Fp8DenseGemm::cutlass}};
 constexpr std::pair<const char*, SwigluFusion> kSwiglu[] = {
     {"auto", SwigluFusion::automatic}, {"on", SwigluFusion::on}, {"off", SwigluFusion::off}};
 constexpr std::pair<const char*, AttentionKernel> kAttention[] = {
@@ -46,8 +48,7 @@ constexpr std::pair<const char*, GemmTiles> kTiles[] = {
     {"small", GemmTiles::small}, {"large", GemmTiles::large}, {"pingpong", GemmTiles::pingpong}};
 constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {{"cooperative", Fp8Tile::cooperative},
                                                          {"cooperative_1x1", Fp8Tile::cooperative_1x1},
-                                                         {"pingpong", Fp8Tile::pingpong},
-                                                         {"pingpong_1x1", Fp8Tile::pingpong_1x1}};
+                                                         {"pingpong", Fp8Tile::pingpong}};
 // The kinds of CutlassTiles and Fp8Tiles, in the order of their members.
 constexpr const char* kKinds[] = {"forward", "dgrad", "wgrad", "swiglu_forward", "swiglu_dgrad"};
 constexpr const char* kFp8Kinds[] = {"rows", "cols"};
@@ -112,6 +113,9 @@ std::string per_kind_text(const Tiles& t, const char* const (&kinds)[NK],
 GroupedGemmImpl parse_grouped_gemm(const std::string& value, const std::string& key) {
   return parse_one(value, key, kGroupedGemm);
 }
+Fp8DenseGemm parse_fp8_dense_gemm(const std::string& value, const std::string& key) {
+  return parse_one(value, key, kFp8Dense);
+}
 SwigluFusion parse_swiglu_fusion(const std::string& value, const std::string& key) {
   return parse_one(value, key, kSwiglu);
 }
@@ -120,6 +124,7 @@ AttentionKernel parse_attention_kernel(const std::string& value, const std::stri
 }
 const char* grouped_gemm_name(GroupedGemmImpl v) { return name_of(v, kGroupedGemm); }
 const char* swiglu_fusion_name(SwigluFusion v) { return name_of(v, kSwiglu); }
+const char* fp8_dense_gemm_name(Fp8DenseGemm v) { return name_of(v, kFp8Dense); }
 const char* attention_kernel_name(AttentionKernel v) { return name_of(v, kAttention); }
 const char* gemm_tiles_name(GemmTiles v) { return name_of(v, kTiles); }
 

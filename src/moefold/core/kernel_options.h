@@ -30,14 +30,16 @@ struct CutlassTiles {
 };
 
 // CUTLASS configurations of the FP8 blockwise-scaled GEMMs (ops/cuda/fp8_gemm_cutlass.cu; K tile
-// 128, one scale block): cooperative (128 x 128 tiles, both consumer warp groups on one tile) or
-// ping-pong (64 x 128 tiles, one warp group's epilogue beside the other's math), each in a 2 x 1
-// cluster (two M tiles share B's loads) or alone (_1x1).
-enum class Fp8Tile : uint8_t { cooperative, cooperative_1x1, pingpong, pingpong_1x1 };
+// 128, one scale block): cooperative (128 x 128 tiles, both consumer warp groups on one tile, in
+// 2 x 1 clusters: two M tiles share B's loads), cooperative_1x1 (the same without clusters) or
+// pingpong (64 x 128 tiles, one warp group's epilogue beside the other's math, 2 x 1 clusters).
+// All sum alike: the same bits (tests/test_ops_cuda_fp8.cpp).
+enum class Fp8Tile : uint8_t { cooperative, cooperative_1x1, pingpong };
 
 // One configuration per FP8 GEMM kernel: rows (forward and dgrad: 1 x 128 rows x 128 x 128 weight
 // blocks) and cols (wgrad: both operands transposed 1 x 128 tiles). Defaults: measured
-// (docs/benchmarks.md, "FP8").
+// (docs/benchmarks.md, "FP8": cooperative and cooperative_1x1 within noise of each other at the
+// expert shapes, pingpong slower but at Qwen3-30B-A3B's fc2).
 struct Fp8Tiles {
   Fp8Tile rows = Fp8Tile::cooperative;
   Fp8Tile cols = Fp8Tile::cooperative;
@@ -52,8 +54,14 @@ enum class SwigluFusion : uint8_t { automatic, on, off };
 // serves the problem, else moefold's own), own, cudnn (a problem cuDNN cannot serve fails).
 enum class AttentionKernel : uint8_t { automatic, own, cudnn };
 
+// The dense FP8 linear layers' GEMMs (train.fp8, ops/fp8.h fp8_linear_*): cuBLASLt's block
+// scaling where it serves the shape (K a multiple of 128, M and N of 16; else CUTLASS), or
+// CUTLASS's blockwise kernel (a dense layer as one group) everywhere.
+enum class Fp8DenseGemm : uint8_t { cublaslt, cutlass };
+
 struct KernelOptions {
   GroupedGemmImpl grouped_gemm = GroupedGemmImpl::cutlass;
+  Fp8DenseGemm fp8_dense_gemm = Fp8DenseGemm::cublaslt;
   CutlassTiles cutlass_tiles;  // config text: see parse_cutlass_tiles
   Fp8Tiles fp8_tiles;          // config text: see parse_fp8_tiles
   int gemm_sms = 0;            // SMs the persistent grouped GEMMs spread over (0: all of them)
@@ -67,16 +75,18 @@ struct KernelOptions {
 // Config text of each switch, and back (parse_* throw moefold::Error naming `key` and the
 // accepted values).
 GroupedGemmImpl parse_grouped_gemm(const std::string& value, const std::string& key);
+Fp8DenseGemm parse_fp8_dense_gemm(const std::string& value, const std::string& key);
 SwigluFusion parse_swiglu_fusion(const std::string& value, const std::string& key);
 AttentionKernel parse_attention_kernel(const std::string& value, const std::string& key);
 // "" (every default), "small" | "large" | "pingpong" (every kind), or per kind
 // "forward=large,dgrad=small,wgrad=...,swiglu_forward=pingpong,swiglu_dgrad=large" (kinds not
 // named keep their defaults).
 CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& key);
-// "" (defaults), one of "cooperative" | "cooperative_1x1" | "pingpong" | "pingpong_1x1" (both
-// kinds), or per kind "rows=...,cols=...".
+// "" (defaults), one of "cooperative" | "cooperative_1x1" | "pingpong" (both kinds), or per kind
+// "rows=...,cols=...".
 Fp8Tiles parse_fp8_tiles(const std::string& value, const std::string& key);
 const char* grouped_gemm_name(GroupedGemmImpl v);
+const char* fp8_dense_gemm_name(Fp8DenseGemm v);
 const char* swiglu_fusion_name(SwigluFusion v);
 const char* attention_kernel_name(AttentionKernel v);
 const char* gemm_tiles_name(GemmTiles v);

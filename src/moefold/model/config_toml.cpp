@@ -21,6 +21,7 @@ namespace {
 // Keys stored as an enum (or a struct) and written as a string: their text, and back (parse_text
 // throws Error naming `key` and the accepted values).
 void parse_text(const std::string& s, const std::string& key, GroupedGemmImpl* p) { *p = parse_grouped_gemm(s, key); }
+void parse_text(const std::string& s, const std::string& key, Fp8DenseGemm* p) { *p = parse_fp8_dense_gemm(s, key); }
 void parse_text(const std::string& s, const std::string& key, CutlassTiles* p) { *p = parse_cutlass_tiles(s, key); }
 void parse_text(const std::string& s, const std::string& key, Fp8Tiles* p) { *p = parse_fp8_tiles(s, key); }
 void parse_text(const std::string& s, const std::string& key, SwigluFusion* p) { *p = parse_swiglu_fusion(s, key); }
@@ -28,6 +29,7 @@ void parse_text(const std::string& s, const std::string& key, AttentionKernel* p
   *p = parse_attention_kernel(s, key);
 }
 std::string text_of(GroupedGemmImpl v) { return grouped_gemm_name(v); }
+std::string text_of(Fp8DenseGemm v) { return fp8_dense_gemm_name(v); }
 std::string text_of(const CutlassTiles& v) { return cutlass_tiles_text(v); }
 std::string text_of(const Fp8Tiles& v) { return fp8_tiles_text(v); }
 std::string text_of(SwigluFusion v) { return swiglu_fusion_name(v); }
@@ -38,8 +40,8 @@ concept TextCoded = requires(const T& v) {
 };
 
 using Ref = std::variant<int64_t*, uint64_t*, int*, double*, bool*, std::string*, ScoreFunc*, std::vector<int64_t>*,
-                         std::vector<std::string>*, GroupedGemmImpl*, CutlassTiles*, Fp8Tiles*, SwigluFusion*,
-                         AttentionKernel*>;
+                         std::vector<std::string>*, GroupedGemmImpl*, Fp8DenseGemm*, CutlassTiles*, Fp8Tiles*,
+                         SwigluFusion*, AttentionKernel*>;
 
 struct Field {
   const char* section;
@@ -197,9 +199,12 @@ const std::vector<Field>& fields() {
       MF_FIELD(kernels, "cutlass_tile", cutlass_tiles,
                "CUTLASS tiles: \"\" (per-kind defaults), \"small\", \"large\", \"pingpong\" or per kind "
                "\"forward=..,dgrad=..,wgrad=..,swiglu_forward=..,swiglu_dgrad=..\""),
+      MF_FIELD(kernels, "fp8_dense_gemm", fp8_dense_gemm,
+               "dense FP8 linears (train.fp8): \"cublaslt\" (block scaling where it serves the shape, else "
+               "CUTLASS) or \"cutlass\""),
       MF_FIELD(kernels, "fp8_tile", fp8_tiles,
                "FP8 GEMM configurations (train.fp8): \"\" (defaults), \"cooperative\", \"cooperative_1x1\", "
-               "\"pingpong\", \"pingpong_1x1\" or per kind \"rows=..,cols=..\" (rows: forward and dgrad; cols: wgrad)"),
+               "\"pingpong\" or per kind \"rows=..,cols=..\" (rows: forward and dgrad; cols: wgrad)"),
       MF_FIELD(kernels, "gemm_sms", gemm_sms,
                "SMs the persistent grouped GEMMs use (0: all; fewer leave some to a transfer beside them)"),
       MF_FIELD(kernels, "fused_swiglu", fused_swiglu,

@@ -46,6 +46,24 @@ void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, con
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
                                  const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq);
 
+// ---- cuBLASLt's block-scaled FP8 GEMM (fp8_gemm_cublaslt.cu; the dense layers) -----------------
+// out[m, n] (row-major, ld n; bf16 or f32) = a[m, K] b[n, K]^T + beta * out, both operands K-major
+// E4M3 with row strides lda, ldb (bytes); a's scales per 1 x 128 tile along K ([K/128, m], m
+// contiguous: the rows and cols layouts of ops/fp8.h); b's per 128 x 128 block (b_blocks: the
+// blocks layout [ceil(n/128), ceil(K/128)] with its row stride padded to fp8_lt_block_ld, see
+// fp8_lt_block_scales) or per 1 x 128 tile like a's. Returns false, running nothing, for shapes
+// outside lt_fp8_gemm_serves or without a cuBLASLt algorithm (the caller runs CUTLASS).
+bool lt_fp8_gemm_serves(int64_t m, int64_t n, int64_t k);
+bool lt_fp8_gemm(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, const uint8_t* a, int64_t lda,
+                 const float* sa, const uint8_t* b, int64_t ldb, const float* sb, bool b_blocks, void* out,
+                 DType out_dtype, float beta);
+// GEMMs lt_fp8_gemm ran in this process (the tests' evidence of which kernel served a call).
+int64_t lt_fp8_gemm_calls();
+// The row stride cuBLASLt reads 128 x 128 block scales with: the blocks per row rounded up to 4.
+inline int64_t fp8_lt_block_ld(int64_t cols) { return (cols + 3) / 4 * 4; }
+// Block scales s [rows, cols] copied into padded [rows, fp8_lt_block_ld(cols)] (on ctx's stream).
+void fp8_lt_block_scales(const ExecContext& ctx, const float* s, int64_t rows, int64_t cols, float* padded);
+
 // ---- raw launchers (fp8_quantize.cu), shared with the GEMMs' operand preparation -----------------
 // x: device data of dtype f32 or bf16; outputs as in ops/fp8.h; everything on ctx's stream.
 
@@ -69,6 +87,10 @@ void launch_fp8_dequantize_packed(const ExecContext& ctx, const uint8_t* p, int6
 // p >= the padded width the segments need (fp8_cols_width(rows, segments) suffices).
 void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
                               const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT);
+// The cols layout of packed rows x [rows, fp8_packed_width(cols)]'s values (the weight gradient's
+// operand when x came packed; values exact, as launch_fp8_quantize_cols of their dequantization).
+void launch_fp8_quantize_cols_packed(const ExecContext& ctx, const uint8_t* x, int64_t rows, int64_t cols,
+                                     const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT);
 // The blocks layout of w [e, o, i]; any of q, s, qT, sT may be null (not written).
 void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dtype, int64_t e, int64_t o, int64_t i,
                                 uint8_t* q, float* s, uint8_t* qT, float* sT);

@@ -122,8 +122,6 @@ void with_fp8_tile(Fp8Tile tile, const Run& run) {
       return run.template operator()<Fp8Grouped<kGranN, Out, Cooperative, One>>();
     case Fp8Tile::pingpong:
       return run.template operator()<Fp8Grouped<kGranN, Out, PingPong, Pair>>();
-    case Fp8Tile::pingpong_1x1:
-      return run.template operator()<Fp8Grouped<kGranN, Out, PingPong, One>>();
   }
 }
 
@@ -294,6 +292,22 @@ void check_gpu_operands(const Tensor& x, const Tensor& w, const Tensor& dy_or_y,
     MF_CHECK(!t->defined() || aligned16(t->data()), what, " on the GPU: ", t->str(), " is not 16-byte aligned");
 }
 
+// Whether a dense layer's GEMM out[m, n] (K = k) runs on cuBLASLt's block scaling.
+bool dense_on_cublaslt(const ExecContext& ctx, const int64_t* off, int64_t m, int64_t n, int64_t k) {
+  return off == nullptr && ctx.kernels().fp8_dense_gemm == Fp8DenseGemm::cublaslt && lt_fp8_gemm_serves(m, n, k);
+}
+
+// out[m, n] = a[m, k] b[n, k]^T on cuBLASLt with b a weight in 128 x 128 blocks (scales
+// s_blocks [n/128, k/128], padded here into scratch); false: nothing ran.
+bool lt_blocks(const ExecContext& ctx, const uint8_t* a, int64_t lda, const float* sa, int64_t m, const uint8_t* b,
+               int64_t ldb, const float* s_blocks, int64_t n, int64_t k, const Tensor& out, float beta) {
+  const int64_t nb = ceil_div(n, kFp8Tile), kb = ceil_div(k, kFp8Tile);
+  auto* padded = static_cast<float*>(
+      ctx.scratch(ScratchSlot::fp8_gemm_args, static_cast<size_t>(nb * fp8_lt_block_ld(kb)) * sizeof(float)));
+  fp8_lt_block_scales(ctx, s_blocks, nb, kb, padded);
+  return lt_fp8_gemm(ctx, m, n, k, a, lda, sa, b, ldb, padded, true, out.data(), out.dtype(), beta);
+}
+
 // y = x @ w^T per group (off: [e_n + 1] device offsets, or nullptr: one group of all rows).
 void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n, const Tensor& y,
              const Fp8Weight* wq, const char* what) {
@@ -312,13 +326,21 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
     qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * i_n, ib * r_n);
     launch_fp8_quantize_rows(ctx, x.data(), x.dtype(), r_n, i_n, qx.q, qx.s, off, e_n);
   }
+  // A dense layer on cuBLASLt (kernels.fp8_dense_gemm) reads the weight's blocks with scales s,
+  // CUTLASS with sT.
+  const bool lt = dense_on_cublaslt(ctx, off, r_n, o_n, i_n);
   Quantized qw;
+  const float* s_blocks = nullptr;
   if (wq != nullptr && wq->defined()) {
     qw = Quantized{wq->q.ptr<uint8_t>(), wq->sT.ptr<float>()};  // as quantize_blocks below writes them
+    s_blocks = wq->s.ptr<float>();
   } else {
-    qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, e_n * ib * ob);
-    launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, qw.q, nullptr, nullptr, qw.s);  // sT
+    qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, 2 * e_n * ib * ob);
+    s_blocks = qw.s + e_n * ib * ob;
+    launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, qw.q, lt ? qw.s + e_n * ib * ob : nullptr,
+                               nullptr, qw.s);  // sT (and s)
   }
+  if (lt && lt_blocks(ctx, qx.q, lda, qx.s, r_n, qw.q, i_n, s_blocks, o_n, i_n, y, 0.0f)) return;
   Operands op;
   op.a = qx.q, op.lda = lda, op.sfa = qx.s, op.b = qw.q, op.sfb = qw.s, op.d = y.data(), op.off = off, op.rows = r_n;
   op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
@@ -344,16 +366,23 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   if (dx.defined()) {
     const Quantized qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * o_n, ob * r_n);
     launch_fp8_quantize_rows(ctx, dy.data(), dy.dtype(), r_n, o_n, qdy.q, qdy.s, off, e_n);
+    const bool lt = dense_on_cublaslt(ctx, off, r_n, i_n, o_n);
     Quantized qw;
+    const float* sT_blocks = nullptr;  // cuBLASLt's scales of qT
     if (wq != nullptr && wq->defined()) {
       qw = Quantized{wq->qT.ptr<uint8_t>(), wq->s.ptr<float>()};
+      sT_blocks = wq->sT.ptr<float>();
     } else {
-      qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, e_n * ob * ib);
-      launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, nullptr, qw.s, qw.q, nullptr);  // qT, s
+      qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, 2 * e_n * ob * ib);
+      sT_blocks = qw.s + e_n * ob * ib;
+      launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, nullptr, qw.s, qw.q,
+                                 lt ? qw.s + e_n * ob * ib : nullptr);  // qT, s (and sT)
     }
-    op.a = qdy.q, op.sfa = qdy.s, op.b = qw.q, op.sfb = qw.s, op.d = dx.data();
-    with_fp8_tile<128, cutlass::bfloat16_t>(ctx.kernels().fp8_tiles.rows,
-                                            [&]<class G>() { run_fp8<G, Kind::dgrad>(ctx, op, 0.0f, what); });
+    if (!lt || !lt_blocks(ctx, qdy.q, o_n, qdy.s, r_n, qw.q, o_n, sT_blocks, i_n, o_n, dx, 0.0f)) {
+      op.a = qdy.q, op.sfa = qdy.s, op.b = qw.q, op.sfb = qw.s, op.d = dx.data();
+      with_fp8_tile<128, cutlass::bfloat16_t>(ctx.kernels().fp8_tiles.rows,
+                                              [&]<class G>() { run_fp8<G, Kind::dgrad>(ctx, op, 0.0f, what); });
+    }
   }
   if (!dw.defined()) return;
   const bool dw16 = dw.dtype() == DType::bf16;
@@ -371,13 +400,15 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   const Quantized qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, o_n * p, p / kFp8Tile * o_n);
   launch_fp8_quantize_cols(ctx, dy.data(), dy.dtype(), r_n, o_n, off, off != nullptr ? e_n : 1, p, qdy.q, qdy.s);
   const Quantized qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, i_n * p, p / kFp8Tile * i_n);
-  const void* x_values = x.data();
-  if (packed(x)) {  // Q_cols of the packed rows' values (exact in bf16: E4M3 times a power of two)
-    void* v = ctx.scratch(ScratchSlot::fp8_values, static_cast<size_t>(r_n * i_n) * dtype_size(DType::bf16));
-    launch_fp8_dequantize_packed(ctx, x.ptr<uint8_t>(), r_n, i_n, DType::bf16, v);
-    x_values = v;
-  }
-  launch_fp8_quantize_cols(ctx, x_values, DType::bf16, r_n, i_n, off, off != nullptr ? e_n : 1, p, qx.q, qx.s);
+  if (packed(x))  // Q_cols of the packed rows' values, read from the codes and scales
+    launch_fp8_quantize_cols_packed(ctx, x.ptr<uint8_t>(), r_n, i_n, off, off != nullptr ? e_n : 1, p, qx.q, qx.s);
+  else
+    launch_fp8_quantize_cols(ctx, x.data(), x.dtype(), r_n, i_n, off, off != nullptr ? e_n : 1, p, qx.q, qx.s);
+  // Dense on cuBLASLt: dw[O, I] = dy^T x, both operands' cols layouts as they are (1 x 128 tiles
+  // along the tokens), K = the rows (whole tiles only: the columns past them are not written).
+  if (dense_on_cublaslt(ctx, off, o_n, i_n, r_n) && lt_fp8_gemm(ctx, o_n, i_n, r_n, qdy.q, p, qdy.s, qx.q, p, qx.s,
+                                                                false, dw.data(), dw.dtype(), accumulate ? 1.0f : 0.0f))
+    return;
   op.a = qdy.q, op.sfa = qdy.s, op.b = qx.q, op.sfb = qx.s, op.d = dw.data(), op.p = p;
   const auto wgrad = [&]<class G>() { run_fp8<G, Kind::wgrad>(ctx, op, accumulate ? 1.0f : 0.0f, what); };
   if (dw16)

@@ -245,10 +245,12 @@ constexpr int kCodeStride = kTile + 4;  // bytes per column of staged codes: 4-b
 // and 2l + 1 of rows w, w + 8, ..., w + 120; the column maxima meet in shared memory; the codes are
 // staged transposed and leave as 128 contiguous bytes of qT per column. kVec: column pairs as one
 // load (cols even, x aligned).
-template <class T, bool kVec>
+// Packed x (T = uint8_t, ops/fp8.h's packed rows): row pitch ldx bytes, each value its code times
+// the row tile's scale at byte `at` (c and c + 1 share a tile: c is even). Else ldx == cols.
+template <class T, bool kVec, bool kPacked = false>
 __global__ void __launch_bounds__(kThreads)
     quantize_cols_kernel(const T* __restrict__ x, int64_t cols, int64_t p, const ColTile* __restrict__ map,
-                         uint8_t* __restrict__ qT, float* __restrict__ sT) {
+                         uint8_t* __restrict__ qT, float* __restrict__ sT, int64_t ldx, int64_t at) {
   const int64_t pt = blockIdx.y;
   const ColTile tile = map[pt];
   if (tile.n == 0) return;
@@ -268,8 +270,14 @@ __global__ void __launch_bounds__(kThreads)
     const int t = warp + kWarps * i;
     v[i][0] = v[i][1] = 0.0f;
     if (t < n) {
-      const T* row = x + (tile.r0 + t) * cols;
-      if constexpr (kVec) {
+      const T* row = x + (tile.r0 + t) * ldx;
+      if constexpr (kPacked) {
+        if (c < cols) {
+          const float scale = reinterpret_cast<const float*>(row + at)[c / kTile];
+          v[i][0] = e4m3_value(row[c]) * scale;
+          if (c + 1 < cols) v[i][1] = e4m3_value(row[c + 1]) * scale;
+        }
+      } else if constexpr (kVec) {
         if (c < cols) {
           if constexpr (sizeof(T) == 4) {
             const float2 pair = *reinterpret_cast<const float2*>(row + c);
@@ -507,22 +515,42 @@ void launch_fp8_dequantize_packed(const ExecContext& ctx, const uint8_t* p, int6
   MF_CUDA_LAUNCHED("fp8_dequantize_packed");
 }
 
-void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
-                              const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT) {
+namespace {
+// The cols layout's launches: the checks, the tile map and the grid, then launch(grid, map).
+template <class Launch>
+void quantize_cols(const ExecContext& ctx, int64_t rows, int64_t cols, const int64_t* offsets, int64_t segments,
+                   int64_t p, const uint8_t* qT, const char* what, const Launch& launch) {
   MF_CHECK(p % kTile == 0, "fp8_quantize_cols: qT's width ", p, " is not a multiple of 128");
   if (rows == 0 || cols == 0 || p == 0) return;
   const int64_t tiles = p / kTile;
   const ColTile* map = col_tiles(ctx, offsets, segments, rows, tiles);
   const dim3 grid(static_cast<unsigned>(ceil_div(cols, kColChunk)), grid_dim_yz(tiles, "fp8_quantize_cols"));
   MF_CHECK(aligned(qT, 4), "fp8_quantize_cols: qT is not 4-byte aligned");
-  with_input_dtype(dtype, "fp8_quantize_cols", [&]<class T>() {
-    const T* xt = static_cast<const T*>(x);
-    if (cols % 2 == 0 && aligned(x, 2 * sizeof(T)))
-      quantize_cols_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT);
-    else
-      quantize_cols_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT);
+  launch(grid, map);
+  MF_CUDA_LAUNCHED(what);
+}
+}  // namespace
+
+void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
+                              const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT) {
+  quantize_cols(ctx, rows, cols, offsets, segments, p, qT, "fp8_quantize_cols", [&](dim3 grid, const ColTile* map) {
+    with_input_dtype(dtype, "fp8_quantize_cols", [&]<class T>() {
+      const T* xt = static_cast<const T*>(x);
+      if (cols % 2 == 0 && aligned(x, 2 * sizeof(T)))
+        quantize_cols_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT, cols, 0);
+      else
+        quantize_cols_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT, cols, 0);
+    });
   });
-  MF_CUDA_LAUNCHED("fp8_quantize_cols");
+}
+
+void launch_fp8_quantize_cols_packed(const ExecContext& ctx, const uint8_t* x, int64_t rows, int64_t cols,
+                                     const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT) {
+  quantize_cols(ctx, rows, cols, offsets, segments, p, qT, "fp8_quantize_cols (packed rows)",
+                [&](dim3 grid, const ColTile* map) {
+                  quantize_cols_kernel<uint8_t, false, true><<<grid, kThreads, 0, stream_of(ctx)>>>(
+                      x, cols, p, map, qT, sT, fp8_packed_width(cols), fp8_packed_scales_at(cols));
+                });
 }
 
 void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dtype, int64_t e, int64_t o, int64_t i,
