@@ -224,6 +224,32 @@ TEST(CudaFp8, QuantizePackedMatchesCpuBitForBit) {
   }
 }
 
+// The fused SwiGLU quantization (the FP8 experts' fc2 input): the bytes of swiglu_forward (pairs)
+// followed by fp8_quantize_packed, on the GPU and against the CPU's composition.
+TEST(CudaFp8, SwigluPackedIsSwigluThenQuantize) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  for (const auto& [r, f] : {std::pair<int64_t, int64_t>{7, 768}, {129, 144}, {33, 130}, {1, 16}}) {
+    SCOPED_TRACE(::testing::Message() << "R " << r << " F " << f);
+    DevicePool dev;
+    Host gu = awkward(rng, r, 2 * f, DType::bf16);
+    const int64_t w = fp8_packed_width(f);
+    const Tensor gud = to_device(dev, gu), fused = dev.poisoned({r, w}, DType::u8),
+                 split = dev.poisoned({r, w}, DType::u8), h = dev.poisoned({r, f}, DType::bf16);
+    fp8_swiglu_packed(testing::exec(), gud, fused);
+    swiglu_forward(testing::exec(), gud, h, GateUp::pairs);
+    fp8_quantize_packed(testing::exec(), h, split);
+    EXPECT_SAME_BYTES(bytes_of(fused), bytes_of(split), "fused vs swiglu_forward + fp8_quantize_packed");
+    Host h_gpu({r, f}, DType::bf16), cpu_from_gpu_h({r, w}, DType::u8);
+    h_gpu.t.copy_from(h);
+    fp8_quantize_packed(cpu(), h_gpu.t, cpu_from_gpu_h.t);
+    // The GPU's SwiGLU (tanh.approx sigmoid) may round h differently from the CPU's: the quantization
+    // of the GPU's h is the CPU's bit for bit.
+    EXPECT_SAME_BYTES(bytes_of(fused), cpu_from_gpu_h.bytes,
+                      "GPU packed rows vs the CPU's quantization of the GPU's h");
+  }
+}
+
 void check_cols(std::mt19937_64& rng, const std::vector<int64_t>& counts, int64_t c, DType dt, int64_t extra_p,
                 bool non_finite = false) {
   const Host off = offsets_of(counts);

@@ -443,6 +443,23 @@ TEST(Fp8Linear, PackedInputIsTheSameOperand) {
                "fp8_grouped_linear_forward");
 }
 
+// The SwiGLU's output straight into packed rows: swiglu_forward (pairs) then fp8_quantize_packed.
+TEST(Fp8Quantize, SwigluPackedIsSwigluThenQuantize) {
+  Pool pool;
+  for (DType dt : {DType::f32, DType::f64}) {
+    const int64_t r_n = 6, f = 200;
+    const Tensor gu = awkward(pool, {r_n, 2 * f}, dt, 19), h = pool.zeros({r_n, f}, dt);
+    const Tensor want = pool.zeros({r_n, fp8_packed_width(f)}, DType::u8),
+                 got = pool.zeros({r_n, fp8_packed_width(f)}, DType::u8);
+    swiglu_forward(cpu(), gu, h, GateUp::pairs);
+    fp8_quantize_packed(cpu(), h, want);
+    fp8_swiglu_packed(cpu(), gu, got);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0);
+  }
+  const Tensor odd = pool.zeros({2, 7}, DType::f32), p = pool.zeros({2, 16}, DType::u8);
+  EXPECT_DEATH(fp8_swiglu_packed(cpu(), odd, p), "fp8_swiglu_packed");
+}
+
 // Byte rows (packed FP8) permute bit for bit, padding rows zero.
 TEST(Fp8Quantize, PackedRowsPermuteAsBytes) {
   Pool pool;

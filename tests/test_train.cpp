@@ -489,6 +489,24 @@ TEST(Trainer, Fp8BlockwiseChangesLittleAndEveryModuleIsWired) {
   }
 }
 
+// FP8 with the experts' SwiGLU recomputed (its packed FP8 output rebuilt from the kept gate|up
+// output) or the whole MoE layer recomputed, with and without FP8 dispatch: the same losses.
+TEST(Trainer, Fp8RecomputeChangesNothing) {
+  testing::TempDir tmp("test_train_fp8_recompute");
+  const std::string path = make_data(tmp.path());
+  for (const char* dispatch : {"moe.fp8_dispatch=false", "moe.fp8_dispatch=true"}) {
+    SCOPED_TRACE(dispatch);
+    std::vector<std::string> base = kDeepSeek;
+    base.insert(base.end(), {"train.fp8=blockwise", dispatch});
+    const std::vector<double> plain = step_losses(testing::small_train_config(path, base), 3);
+    for (const char* r : {"train.recompute_modules=[\"moe_act\"]", "train.recompute_modules=[\"moe\"]"}) {
+      std::vector<std::string> with = base;
+      with.push_back(r);
+      EXPECT_EQ(step_losses(testing::small_train_config(path, with), 3), plain) << r;
+    }
+  }
+}
+
 // moe.fp8_dispatch: the tokens travel to the experts as packed FP8 rows. The forward is the FP8
 // run's bit for bit (each token's 1 x 128 tiles are the fc1 operand's tiles wherever it is
 // quantized), and so is every gradient but the experts' fc1 weight gradient, which requantizes the

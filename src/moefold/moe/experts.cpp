@@ -52,7 +52,10 @@ void Experts::bind(Memory& mem) {
   down_index_ = mem.grad_written_by_backward(prefix_ + ".experts.down_proj");
   mem_ = &mem;
   gu_R2F_ = offload_gu_ ? mem.offloaded({max_rows_, 2 * ffn_}) : mem.act({max_rows_, 2 * ffn_});
-  h_RF_ = recompute_act_ ? mem.scratch({max_rows_, ffn_}) : mem.act({max_rows_, ffn_});
+  // FP8: the SwiGLU's output is kept as fc2's packed FP8 operand (fp8_swiglu_packed), half the bytes.
+  const Shape h_shape = fp8_ ? Shape{max_rows_, fp8_packed_width(ffn_)} : Shape{max_rows_, ffn_};
+  const DType h_dtype = fp8_ ? DType::u8 : mem.dtype();
+  h_RF_ = recompute_act_ ? mem.scratch(h_shape, h_dtype) : mem.act(h_shape, h_dtype);
   dh_RF_ = mem.scratch({max_rows_, ffn_});
   dgu_R2F_ = mem.scratch({max_rows_, 2 * ffn_});
   fp8_gate_up_.bind(mem, gate_up_E2FH_, fp8_);
@@ -66,7 +69,7 @@ void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Ten
   const Tensor gu = gu_R2F_.slice(first_row, first_row + r_n), h = h_RF_.slice(first_row, first_row + r_n);
   if (fp8_) {
     fp8_grouped_linear_forward(*ctx_, rows_RH, gate_up_E2FH_, offsets_E1, gu, fp8_gate_up_.get());
-    swiglu_forward(*ctx_, gu, h, GateUp::pairs);
+    fp8_swiglu_packed(*ctx_, gu, h);  // h quantized where it is produced
     fp8_grouped_linear_forward(*ctx_, h, down_EHF_, offsets_E1, out_RH, fp8_down_.get());
     return;
   }
@@ -99,7 +102,12 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
     grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
   }
   // The forward's h came from the stored gu (moe_ops.h): swiglu_forward on it gives the same bits.
-  if (recompute_act_) swiglu_forward(*ctx_, gu, h, GateUp::pairs);
+  if (recompute_act_) {
+    if (fp8_)
+      fp8_swiglu_packed(*ctx_, gu, h);
+    else
+      swiglu_forward(*ctx_, gu, h, GateUp::pairs);
+  }
   linear_backward(h, down_EHF_, dout_RH, Tensor(), ddown_EHF_);
   if (!input_grads_done) {
     linear_backward(rows_RH, gate_up_E2FH_, dgu, drows_RH, dgate_up_E2FH_);

@@ -49,7 +49,8 @@ class Experts {
   void set_recompute_act(bool on) { recompute_act_ = on; }
   // on: the gate|up output (the SwiGLU's input) is Memory::offloaded. REQUIRES: before bind.
   void set_offload_gate_up(bool on) { offload_gu_ = on; }
-  // on: both grouped linears run in FP8 (ops/fp8.h; the SwiGLU then runs apart from the GEMMs).
+  // on: both grouped linears run in FP8 (ops/fp8.h; the SwiGLU then runs apart from the GEMMs and
+  // writes its output as fc2's packed FP8 operand, kept so for the backward: fp8_swiglu_packed).
   void set_fp8(bool on) { fp8_ = on; }
 
   // out_RH = experts(rows_RH) with expert e on rows [offsets_E1[e], offsets_E1[e+1]). Saves the

@@ -69,6 +69,10 @@ void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& 
                          const Tensor& sT);
 // x_RK [R, K] into the packed layout p_RW (u8 [R, fp8_packed_width(K)]).
 void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tensor& p_RW);
+// h = swiglu(gu) (GateUp::pairs, ops.h swiglu_forward: rounded to gu's dtype) into the packed layout
+// p_RW (u8 [R, fp8_packed_width(F)]): what swiglu_forward followed by fp8_quantize_packed gives,
+// in one pass on the GPU (bf16 gu; the FP8 experts' fc2 input).
+void fp8_swiglu_packed(const ExecContext& ctx, const Tensor& gu_R2F, const Tensor& p_RW);
 // The inverses (x = q * s, written in x's float dtype): for the tests and the CPU's emulation.
 void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK);
 void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK);

@@ -331,6 +331,20 @@ void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tenso
   });
 }
 
+void fp8_swiglu_packed(const ExecContext& ctx, const Tensor& gu_R2F, const Tensor& p_RW) {
+  MF_CHECK(gu_R2F.ndim() == 2 && gu_R2F.size(1) % 2 == 0, "fp8_swiglu_packed: gu ", gu_R2F.str());
+  const int64_t r_n = gu_R2F.size(0), f = gu_R2F.size(1) / 2;
+  check_shape(p_RW, {r_n, fp8_packed_width(f)}, "fp8_swiglu_packed");
+  MF_CHECK(p_RW.dtype() == DType::u8 && p_RW.contiguous() && gu_R2F.contiguous() && is_float(gu_R2F.dtype()),
+           "fp8_swiglu_packed: gu ", gu_R2F.str(), ", packed rows ", p_RW.str());
+  check_same_device({&gu_R2F, &p_RW}, "fp8_swiglu_packed");
+  MF_ON_GPU(ctx, gu_R2F, cuda::fp8_swiglu_packed(ctx, gu_R2F, p_RW));
+  std::vector<uint8_t> h(static_cast<size_t>(r_n * f) * dtype_size(gu_R2F.dtype()));
+  const Tensor h_RF(h.data(), gu_R2F.dtype(), {r_n, f});
+  swiglu_forward(ctx, gu_R2F, h_RF, GateUp::pairs);
+  fp8_quantize_packed(ctx, h_RF, p_RW);
+}
+
 void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK) {
   check_packed(x_RK, p_RW, "fp8_dequantize_packed");
   MF_ON_GPU(ctx, x_RK, cuda::fp8_dequantize_packed(ctx, p_RW, x_RK));

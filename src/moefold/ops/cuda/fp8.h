@@ -30,6 +30,7 @@ void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& 
 void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tensor& p_RW);
 void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK);
 void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK);
+void fp8_swiglu_packed(const ExecContext& ctx, const Tensor& gu_R2F, const Tensor& p_RW);
 void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
                          const Tensor& x_RC);
 void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w);

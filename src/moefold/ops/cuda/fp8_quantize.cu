@@ -12,9 +12,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
+#include <type_traits>
 
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/fp8.h"
+#include "moefold/ops/cuda/swiglu.cuh"
 #include "moefold/ops/fp8.h"
 
 namespace moefold::cuda {
@@ -111,7 +113,10 @@ __device__ __forceinline__ int find_group(const int64_t* __restrict__ off, int g
 // kVec: k % 4 == 0 with aligned x and q (vector loads, one 32-bit store of 4 codes per lane).
 // Packed (packed_at >= 0): row r's codes at q + r * ldq, its scales at byte packed_at of the row
 // (s unused), the row's other bytes zeroed by tile 0's warp; else ldq == k.
-template <class T, bool kVec>
+// kSwiglu (T = bf16): x is a SwiGLU's input gu [rows, 2k] with gate and up interleaved (GateUp::
+// pairs) and the quantized values are h = swiglu(g, u) rounded to bf16, as swiglu_forward writes
+// them (ops/cuda/swiglu.cu): the fused form of swiglu_forward then this quantization.
+template <class T, bool kVec, bool kSwiglu = false>
 __global__ void __launch_bounds__(kThreads)
     quantize_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t k, uint8_t* __restrict__ q,
                          float* __restrict__ s, const int64_t* __restrict__ off, int groups, int64_t ldq,
@@ -120,11 +125,25 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
   if (r >= rows) return;  // whole warps
   const int64_t b = blockIdx.y, k0 = b * kTile + 4 * lane;
-  const T* xr = x + r * k;
   float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  if constexpr (kVec) {
+  if constexpr (kSwiglu) {
+    static_assert(std::is_same_v<T, __nv_bfloat16>, "the fused SwiGLU quantization reads bf16");
+    const T* gu = x + r * 2 * k;
+    alignas(16) __nv_bfloat16 pairs[8];  // this lane's 4 (g, u) pairs
+    if constexpr (kVec) {
+      if (k0 < k) *reinterpret_cast<uint4*>(pairs) = *reinterpret_cast<const uint4*>(gu + 2 * k0);  // 16 bytes
+    } else {
+      for (int j = 0; j < 8; ++j) pairs[j] = k0 + j / 2 < k ? gu[2 * k0 + j] : __float2bfloat16(0.0f);
+    }
+    for (int j = 0; j < 4; ++j)
+      if (k0 + j < k)
+        v[j] = __bfloat162float(
+            __float2bfloat16(swiglu<true>(__bfloat162float(pairs[2 * j]), __bfloat162float(pairs[2 * j + 1]))));
+  } else if constexpr (kVec) {
+    const T* xr = x + r * k;
     if (k0 < k) load4(xr + k0, v);
   } else {
+    const T* xr = x + r * k;
     for (int j = 0; j < 4; ++j)
       if (k0 + j < k) v[j] = to_float(xr[k0 + j]);
   }
@@ -473,9 +492,24 @@ const ColTile* col_tiles(const ExecContext& ctx, const int64_t* offsets, int64_t
 
 namespace {
 // Rows (packed_at < 0: q [rows, k], scales s) or packed rows (q [rows, ldq], scales in the rows).
+// swiglu: x is bf16 gu [rows, 2k] (GateUp::pairs) and the rows quantized are swiglu(gu).
 void quantize_rows(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t k, uint8_t* q, float* s,
-                   const int64_t* group_offsets, int64_t groups, int64_t ldq, int64_t packed_at) {
+                   const int64_t* group_offsets, int64_t groups, int64_t ldq, int64_t packed_at, bool swiglu = false) {
   if (rows == 0 || k == 0) return;
+  if (swiglu) {
+    const dim3 grid(static_cast<unsigned>(ceil_div(rows, kWarps)),
+                    grid_dim_yz(ceil_div(k, kTile), "fp8_swiglu_packed"));
+    if (dtype != DType::bf16) MF_FAIL("fp8_swiglu_packed on the GPU: ", dtype_name(dtype), " gu (bf16 only)");
+    const auto* gu = static_cast<const __nv_bfloat16*>(x);
+    if (k % 4 == 0 && ldq % 4 == 0 && aligned(x, 16) && aligned(q, 4))
+      quantize_rows_kernel<__nv_bfloat16, true, true><<<grid, kThreads, 0, stream_of(ctx)>>>(
+          gu, rows, k, q, s, group_offsets, static_cast<int>(groups), ldq, packed_at);
+    else
+      quantize_rows_kernel<__nv_bfloat16, false, true><<<grid, kThreads, 0, stream_of(ctx)>>>(
+          gu, rows, k, q, s, group_offsets, static_cast<int>(groups), ldq, packed_at);
+    MF_CUDA_LAUNCHED("fp8_swiglu_packed");
+    return;
+  }
   const dim3 grid(static_cast<unsigned>(ceil_div(rows, kWarps)), grid_dim_yz(ceil_div(k, kTile), "fp8_quantize_rows"));
   with_input_dtype(dtype, "fp8_quantize_rows", [&]<class T>() {
     const T* xt = static_cast<const T*>(x);
@@ -580,6 +614,12 @@ void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tenso
   const int64_t k = x_RK.size(1);
   quantize_rows(ctx, x_RK.data(), x_RK.dtype(), x_RK.size(0), k, p_RW.ptr<uint8_t>(), nullptr, nullptr, 1, p_RW.size(1),
                 fp8_packed_scales_at(k));
+}
+
+void fp8_swiglu_packed(const ExecContext& ctx, const Tensor& gu_R2F, const Tensor& p_RW) {
+  const int64_t f = gu_R2F.size(1) / 2;
+  quantize_rows(ctx, gu_R2F.data(), gu_R2F.dtype(), gu_R2F.size(0), f, p_RW.ptr<uint8_t>(), nullptr, nullptr, 1,
+                p_RW.size(1), fp8_packed_scales_at(f), true);
 }
 
 void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK) {
