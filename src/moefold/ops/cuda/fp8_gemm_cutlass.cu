@@ -2,8 +2,10 @@
 // operands quantized into scratch (fp8_quantize.cu), then CUTLASS's Hopper blockwise-scaled
 // grouped GEMM (TMA + warp-specialised wgmma on E4M3, each 128-long block of the reduction summed
 // in the tensor cores and promoted into an f32 accumulator with its two scales: DeepSeek-V3's
-// recipe), one persistent launch for all experts; a dense layer is one group. Built when CMake
-// found CUTLASS's headers (MOEFOLD_WITH_CUTLASS).
+// recipe), one persistent launch for all experts; a dense layer is one group, unless cuBLASLt's
+// block scaling serves it (kernels.fp8_dense_gemm, fp8_gemm_cublaslt.cu). x may also come as packed
+// FP8 rows (moe.fp8_dispatch, the experts' fc2 input). Built when CMake found CUTLASS's headers
+// (MOEFOLD_WITH_CUTLASS).
 //
 // Per expert e with rows [off[e], off[e+1]) (m_e of them), every operand K-major ("TN"), as CUTLASS
 // sees each group (M, N, K) and its scales (SFA per 1 x 128 tile of A, SFB per GranN x 128 of B):
