@@ -62,7 +62,7 @@ if want train; then
   bench qwen3_fp8 "${q[@]}" --set train.fp8=blockwise
   bench deepseek_bf16 "${d[@]}"
   bench deepseek_fp8 "${d[@]}" --set train.fp8=blockwise
-  if [ -n "${FP8_DISPATCH:-1}" ]; then
+  if [ "${FP8_DISPATCH:-1}" != 0 ]; then  # FP8_DISPATCH=0: without the fp8_dispatch runs
     bench qwen3_fp8_dispatch "${q[@]}" --set train.fp8=blockwise --set moe.fp8_dispatch=true
     bench deepseek_fp8_dispatch "${d[@]}" --set train.fp8=blockwise --set moe.fp8_dispatch=true
   fi
