@@ -80,9 +80,6 @@ void launch_fp8_quantize_rows(const ExecContext& ctx, const void* x, DType dtype
 // offsets as above (the forward's SFA when x arrives packed).
 void launch_fp8_packed_scales(const ExecContext& ctx, const uint8_t* p, int64_t rows, int64_t k, float* s,
                               const int64_t* group_offsets, int64_t groups);
-// Packed rows p [rows, fp8_packed_width(k)] dequantized into x [rows, k] of dtype (f32, bf16).
-void launch_fp8_dequantize_packed(const ExecContext& ctx, const uint8_t* p, int64_t rows, int64_t k, DType dtype,
-                                  void* x);
 // The cols layout of x [rows, cols] into qT [cols, p] and sT [p / 128, cols], segments from the
 // device offsets [segments + 1] (nullptr: one segment of all rows). REQUIRES: p % 128 == 0 and
 // p >= the padded width the segments need (fp8_cols_width(rows, segments) suffices).

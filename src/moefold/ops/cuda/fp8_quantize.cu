@@ -539,16 +539,6 @@ void launch_fp8_packed_scales(const ExecContext& ctx, const uint8_t* p, int64_t 
   MF_CUDA_LAUNCHED("fp8 packed rows' scales");
 }
 
-void launch_fp8_dequantize_packed(const ExecContext& ctx, const uint8_t* p, int64_t rows, int64_t k, DType dtype,
-                                  void* x) {
-  if (rows == 0 || k == 0) return;
-  with_input_dtype(dtype, "fp8_dequantize_packed", [&]<class T>() {
-    dequantize_packed_kernel<T><<<elementwise_blocks(rows * k), kThreads, 0, stream_of(ctx)>>>(
-        p, rows, k, fp8_packed_width(k), fp8_packed_scales_at(k), static_cast<T*>(x));
-  });
-  MF_CUDA_LAUNCHED("fp8_dequantize_packed");
-}
-
 namespace {
 // The cols layout's launches: the checks, the tile map and the grid, then launch(grid, map).
 template <class Launch>
@@ -623,7 +613,13 @@ void fp8_swiglu_packed(const ExecContext& ctx, const Tensor& gu_R2F, const Tenso
 }
 
 void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK) {
-  launch_fp8_dequantize_packed(ctx, p_RW.ptr<uint8_t>(), x_RK.size(0), x_RK.size(1), x_RK.dtype(), x_RK.data());
+  const int64_t rows = x_RK.size(0), k = x_RK.size(1);
+  if (rows == 0 || k == 0) return;
+  with_input_dtype(x_RK.dtype(), "fp8_dequantize_packed", [&]<class T>() {
+    dequantize_packed_kernel<T><<<elementwise_blocks(rows * k), kThreads, 0, stream_of(ctx)>>>(
+        p_RW.ptr<uint8_t>(), rows, k, p_RW.size(1), fp8_packed_scales_at(k), static_cast<T*>(x_RK.data()));
+  });
+  MF_CUDA_LAUNCHED("fp8_dequantize_packed");
 }
 
 void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor& offsets_S1, const Tensor& qT_CP,
