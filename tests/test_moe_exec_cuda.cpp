@@ -54,7 +54,7 @@ struct GpuLayer {
     for (size_t i = 0; i < v.params.size(); ++i) {
       Param& p = mem.params()[i];
       p.value.copy_from(v.params[i], &ctx);
-      if (p.compute.data() != p.value.data()) cast(ctx, p.value, p.compute);
+      if (p.has_compute_copy()) cast(ctx, p.value, p.compute);
     }
     stage.copy_from(v.x, &ctx);
     cast(ctx, stage, x);

@@ -495,12 +495,16 @@ TEST(Fp8Linear, DenseIsOneSegment) {
   EXPECT_EQ(testing::max_abs_diff(y, gy), 0.0);
   EXPECT_EQ(testing::max_abs_diff(dx, gdx), 0.0);
   EXPECT_EQ(testing::max_abs_diff(dw, gdw.view({o_n, i_n})), 0.0);
-  // linear_*_in picks the plain op without fp8.
+  // linear_*_in picks the plain op without an FP8 copy of w, the FP8 op with one.
   const Tensor py = pool.zeros({n, o_n}, DType::f64), ry = pool.zeros({n, o_n}, DType::f64);
-  linear_forward_in(cpu(), false, x, w, py);
+  linear_forward_in(cpu(), nullptr, x, w, py);
   linear_forward(cpu(), x, w, ry);
   EXPECT_EQ(testing::max_abs_diff(py, ry), 0.0);
-  linear_forward_in(cpu(), true, x, w, py);
+  const Fp8Weight wq{pool.zeros(w.shape(), DType::u8), pool.zeros(fp8_block_scale_shape(w.shape(), false), DType::f32),
+                     pool.zeros(fp8_transposed_shape(w.shape()), DType::u8),
+                     pool.zeros(fp8_block_scale_shape(w.shape(), true), DType::f32)};
+  fp8_quantize_blocks(cpu(), w, wq.q, wq.s, wq.qT, wq.sT);
+  linear_forward_in(cpu(), &wq, x, w, py);
   EXPECT_EQ(testing::max_abs_diff(py, y), 0.0);
   EXPECT_GT(testing::max_abs_diff(py, ry), 0.0);  // quantization changed something
   EXPECT_LT(rel_err(py, ry), 0.1);
@@ -512,28 +516,36 @@ TEST(Fp8Linear, DenseIsOneSegment) {
 namespace moefold {
 namespace {
 
-// The FP8 weight cache: quantized at the first get() of each weights version, reused until the
-// next (a changed weight without Memory::weights_changed() keeps its old codes: the Trainer calls
-// it before every step and evaluation); the FP8 GEMMs give the same bits with it as without.
-TEST(Fp8WeightCache, QuantizesOncePerWeightsVersionAndChangesNothing) {
+// A weight's FP8 copy (Fp8Param): quantized at the first get() of each weights version, reused
+// until the next (a changed weight without Memory::weights_changed() keeps its old codes: the
+// Trainer calls it before every step and evaluation); the FP8 GEMMs give the same bits with it as
+// without. A second binding of the module (Memory::SharedParams) shares the copy.
+TEST(Fp8Param, QuantizesOncePerWeightsVersionAndChangesNothing) {
   Memory mem(DType::f32, cpu());
-  Tensor w;
-  Fp8WeightCache cache, off;
+  Tensor w, w2;
+  Fp8Param cache, off, shared;
   const auto bind = [&] {
-    w = mem.param({.name = "w", .shape = {3, 144, 160}, .init_std = 0.05});
-    cache.bind(mem, w, true);
-    off.bind(mem, w, false);
+    w = cache.param(mem, {.name = "w", .shape = {3, 144, 160}, .init_std = 0.05}, true);
+    off.param(mem, {.name = "v", .shape = {144, 160}}, false);
+    Memory::SharedParams again(mem, true);
+    w2 = shared.param(mem, {.name = "w", .shape = {3, 144, 160}, .init_std = 0.05}, true);
   };
   bind();
   mem.allocate();
   bind();
   mem.finish_binding();
+  EXPECT_EQ(w2.data(), w.data());
+  const auto codes = static_cast<size_t>(2 * w.numel());  // q, qT; then s, sT: 48 bytes each, aligned
+  EXPECT_GE(mem.fp8_bytes(), codes + 96);
+  EXPECT_LE(mem.fp8_bytes(), codes + 4 * 64);
+  EXPECT_FALSE(mem.find("v")->fp8.defined());
   Pool pool;
   const Tensor init = pool.randn({3, 144, 160}, DType::f32, 0.05);
   w.copy_from(init);
   EXPECT_EQ(off.get(), nullptr);
   const Fp8Weight* q = cache.get();
   ASSERT_NE(q, nullptr);
+  EXPECT_EQ(shared.get(), q);  // one copy for both bindings
   const Tensor q0 = pool.zeros(w.shape(), DType::u8), s0 = pool.zeros({3, 2, 2}, DType::f32);
   const Tensor qT0 = pool.zeros({3, 160, 144}, DType::u8), sT0 = pool.zeros({3, 2, 2}, DType::f32);
   fp8_quantize_blocks(cpu(), w, q0, s0, qT0, sT0);
@@ -557,8 +569,75 @@ TEST(Fp8WeightCache, QuantizesOncePerWeightsVersionAndChangesNothing) {
   scale_inplace(cpu(), w, 2.0);
   EXPECT_EQ(cache.get()->s.ptr<float>()[0], s0.ptr<float>()[0]);
   mem.weights_changed();
-  EXPECT_EQ(cache.get()->s.ptr<float>()[0], 2 * s0.ptr<float>()[0]);
+  EXPECT_EQ(shared.get()->s.ptr<float>()[0], 2 * s0.ptr<float>()[0]);
   EXPECT_EQ(std::memcmp(cache.get()->q.data(), q0.data(), q0.nbytes()), 0);
+}
+
+// via_bf16: an f32 weight quantized as its bf16 rounding would be, bit for bit (values chosen so
+// that rounding to bf16 moves many of them across E4M3 rounding boundaries and one block's amax).
+TEST(Fp8Quantize, BlocksViaBf16AreTheBlocksOfTheBf16Rounding) {
+  Pool pool;
+  const Tensor w = pool.randn({2, 130, 200}, DType::f32, 0.3);
+  float* wd = w.ptr<float>();
+  wd[0] = 447.99f;  // rounds to 448 in bf16: the block's scale changes
+  const Tensor r = pool.zeros(w.shape(), DType::f32);
+  for (int64_t i = 0; i < w.numel(); ++i) r.ptr<float>()[i] = bf16_to_f32(f32_to_bf16(wd[i]));
+  const Shape ss = fp8_block_scale_shape(w.shape(), false), st = fp8_block_scale_shape(w.shape(), true);
+  const Shape ts = fp8_transposed_shape(w.shape());
+  const Tensor q1 = pool.zeros(w.shape(), DType::u8), s1 = pool.zeros(ss, DType::f32);
+  const Tensor qT1 = pool.zeros(ts, DType::u8), sT1 = pool.zeros(st, DType::f32);
+  const Tensor q2 = pool.zeros(w.shape(), DType::u8), s2 = pool.zeros(ss, DType::f32);
+  const Tensor qT2 = pool.zeros(ts, DType::u8), sT2 = pool.zeros(st, DType::f32);
+  fp8_quantize_blocks(cpu(), w, q1, s1, qT1, sT1, true);
+  fp8_quantize_blocks(cpu(), r, q2, s2, qT2, sT2);
+  for (const auto& [got, want] : {std::pair{q1, q2}, {s1, s2}, {qT1, qT2}, {sT1, sT2}})
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0);
+  // and differ from quantizing the f32 values themselves
+  fp8_quantize_blocks(cpu(), w, q2, s2, qT2, sT2);
+  EXPECT_NE(std::memcmp(q1.data(), q2.data(), q2.nbytes()), 0);
+}
+
+// train.fp8_param (Memory::set_fp8_params) with bf16 compute: an FP8 weight gets no bf16 copy (its
+// compute tensor has a shape and no data; compute_bytes shrink by its 2 bytes an element), and its
+// FP8 copy, quantized from the f32 master, holds exactly the codes and scales the bf16 copy gives.
+// Other weights keep their bf16 copies. The FP8 ops refuse such a weight without its copy.
+TEST(Fp8Param, KeptOnlyInFp8IsQuantizedFromTheMasterAsItsBf16Copy) {
+  Memory with(DType::bf16, cpu()), without(DType::bf16, cpu());
+  with.set_fp8_params(true);
+  Fp8Param a, b;
+  Tensor wa, wb, na, nb;
+  const auto bind = [](Memory& mem, Fp8Param& h, Tensor& w, Tensor& n) {
+    w = h.param(mem, {.name = "w", .shape = {144, 272}, .init_std = 0.05}, true);
+    n = mem.param({.name = "n", .shape = {16}});
+  };
+  for (auto* m : {&with, &without}) {
+    Fp8Param& h = m == &with ? a : b;
+    Tensor& w = m == &with ? wa : wb;
+    Tensor& n = m == &with ? na : nb;
+    bind(*m, h, w, n);
+    m->allocate();
+    bind(*m, h, w, n);
+    m->finish_binding();
+  }
+  EXPECT_EQ(wa.data(), nullptr);
+  EXPECT_EQ(wa.shape(), wb.shape());
+  EXPECT_NE(na.data(), nullptr);
+  EXPECT_FALSE(with.find("w")->has_compute_copy());
+  EXPECT_TRUE(with.find("n")->has_compute_copy());
+  EXPECT_EQ(without.compute_bytes() - with.compute_bytes(), static_cast<size_t>(2 * wb.numel()));
+  EXPECT_EQ(with.fp8_bytes(), without.fp8_bytes());
+  Pool pool;
+  const Tensor master = pool.randn({144, 272}, DType::f32, 0.05);
+  with.find("w")->value.copy_from(master);
+  without.find("w")->value.copy_from(master);
+  auto* bf = static_cast<uint16_t*>(wb.data());  // the bf16 copy the optimizer would write
+  for (int64_t i = 0; i < master.numel(); ++i) bf[i] = f32_to_bf16(master.ptr<float>()[i]);
+  const Fp8Weight *qa = a.get(), *qb = b.get();
+  for (const auto& [got, want] : {std::pair{qa->q, qb->q}, {qa->s, qb->s}, {qa->qT, qb->qT}, {qa->sT, qb->sT}})
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0);
+  const Tensor x = pool.zeros({4, 272}, DType::bf16), y = pool.zeros({4, 144}, DType::bf16);
+  EXPECT_DEATH(fp8_linear_forward(cpu(), x, wa, y), "kept only in FP8");
+  EXPECT_DEATH(with.set_fp8_params(false), "after parameters were registered");
 }
 
 }  // namespace

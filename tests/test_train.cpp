@@ -758,20 +758,49 @@ TEST(Trainer, ResumeIsBitIdentical) {
 }
 
 // FP8 too: the resumed run quantizes its loaded weights afresh, so the uninterrupted one matches it
-// only if every step quantizes the weights the optimizer just wrote (Fp8WeightCache is keyed on
-// Memory::weights_version, which the trainer must move before each step's forwards).
+// only if every step quantizes the weights the optimizer just wrote (Fp8Param is keyed on
+// Memory::weights_version, which the trainer must move before each step's forwards); with
+// train.fp8_param too (the FP8 copies then come from the loaded masters).
 TEST(Trainer, Fp8ResumeIsBitIdentical) {
-  testing::TempDir tmp("test_train");
-  const fs::path& dir = tmp.path();
-  Config cfg = small_config(make_data(dir), {"train.fp8=blockwise", "train.eval_interval=0"});
-  run_training(cfg, RunOptions{(dir / "full").string(), 6, false, true});
-  run_training(cfg, RunOptions{(dir / "part").string(), 3, false, true});
-  run_training(cfg, RunOptions{(dir / "part").string(), 6, true, true});
-  auto a = read_metrics(dir / "full"), b = read_metrics(dir / "part");
-  ASSERT_EQ(a.size(), 6u);
-  ASSERT_EQ(b.size(), 6u);
-  for (size_t i = 0; i < a.size(); ++i)
-    EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
+  for (const char* param : {"train.fp8_param=false", "train.fp8_param=true"}) {
+    SCOPED_TRACE(param);
+    testing::TempDir tmp("test_train");
+    const fs::path& dir = tmp.path();
+    Config cfg = small_config(make_data(dir), {"train.fp8=blockwise", "train.eval_interval=0", param});
+    run_training(cfg, RunOptions{(dir / "full").string(), 6, false, true});
+    run_training(cfg, RunOptions{(dir / "part").string(), 3, false, true});
+    run_training(cfg, RunOptions{(dir / "part").string(), 6, true, true});
+    auto a = read_metrics(dir / "full"), b = read_metrics(dir / "part");
+    ASSERT_EQ(a.size(), 6u);
+    ASSERT_EQ(b.size(), 6u);
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
+  }
+}
+
+// train.fp8_param: the FP8 linears read only their FP8 copies (on the CPU, f32 compute, the copies
+// come from the masters themselves; the bf16 case is TrainCuda.Fp8ParamChangesNothing): the same
+// losses as plain FP8, for every kind of linear layer, with and without FP8 dispatch. Refused in
+// one line without FP8 or with the distributed optimizer.
+TEST(Trainer, Fp8ParamChangesNothing) {
+  testing::TempDir tmp("test_train_fp8_param");
+  const std::string path = make_data(tmp.path());
+  for (const std::vector<std::string>& family : {kDeepSeek, std::vector<std::string>{}})
+    for (const char* dispatch : {"moe.fp8_dispatch=false", "moe.fp8_dispatch=true"}) {
+      SCOPED_TRACE(cat(family.empty() ? "qwen3_moe " : "deepseek_v3 ", dispatch));
+      std::vector<std::string> base = family;
+      base.insert(base.end(), {"train.fp8=blockwise", dispatch});
+      const std::vector<double> plain = step_losses(testing::small_train_config(path, base), 3);
+      base.push_back("train.fp8_param=true");
+      EXPECT_EQ(step_losses(testing::small_train_config(path, base), 3), plain);
+    }
+  const auto refusal = [&](const std::vector<std::string>& extra) {
+    return testing::error_of([&] { testing::small_train_config(path, extra); });
+  };
+  EXPECT_NE(refusal({"train.fp8_param=true"}).find("train.fp8_param = true needs train.fp8"), std::string::npos);
+  EXPECT_NE(refusal({"train.fp8=blockwise", "train.fp8_param=true", "parallel.distributed_optimizer=true"})
+                .find("not supported yet"),
+            std::string::npos);
 }
 
 TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {

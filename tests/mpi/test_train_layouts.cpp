@@ -349,6 +349,7 @@ TEST_F(Layouts, PlanMatchesEveryRanksTrainer) {
       EXPECT_EQ(p.device_total(), run.trainer->planned_bytes());
       EXPECT_EQ(p.master, mem.master_bytes());
       EXPECT_EQ(p.compute_copies, mem.compute_bytes());
+      EXPECT_EQ(p.fp8_copies, mem.fp8_bytes());
       EXPECT_EQ(p.gradients, mem.grad_bytes());
       EXPECT_EQ(p.optimizer, run.trainer->optimizer_bytes());
       EXPECT_EQ(p.activations, mem.act_bytes());

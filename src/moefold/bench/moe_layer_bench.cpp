@@ -201,7 +201,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   int64_t salt = 0;
   for (const Param& p : mem.params()) {
     fill(p.value, p.init == Init::normal ? p.init_std : 0.0, ++salt);
-    if (p.compute.data() != p.value.data()) cast(ctx, p.value, p.compute);
+    if (p.has_compute_copy()) cast(ctx, p.value, p.compute);
   }
   fill(layer.x, 1.0, ++salt);
   fill(layer.dy, 1.0 / static_cast<double>(t), ++salt);
@@ -276,7 +276,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     // A new step's gradients (untimed): the experts' backward writes its weight gradients, as in
     // the first micro-batch of a training step (Memory::grad_written_by_backward). With
     // accumulate_grads only before the first repetition: the others add to the gradients.
-    // A new step also means new weights: FP8 quantizes them again (Fp8WeightCache).
+    // A new step also means new weights: FP8 quantizes them again (Fp8Param).
     if (!opts.accumulate_grads || i == 0) {
       mem.zero_grads();
       mem.weights_changed();

@@ -61,6 +61,7 @@ void print_rank(const MemoryPlan& p, size_t gpu_bytes, size_t host_bytes) {
   const bool gpu = p.device == Device::cuda;
   std::printf("  master weights (f32)        %s\n", gib(p.master).c_str());
   std::printf("  compute copies (%s)       %s\n", gpu ? "bf16" : "f32 ", gib(p.compute_copies).c_str());
+  if (p.fp8_copies > 0) std::printf("  FP8 weight copies           %s\n", gib(p.fp8_copies).c_str());
   std::printf("  gradients (%s)%s%s\n", p.bf16_grads ? "bf16 and f32" : "f32", p.bf16_grads ? "    " : "             ",
               gib(p.gradients).c_str());
   std::printf("  optimizer state             %s\n", gib(p.optimizer).c_str());

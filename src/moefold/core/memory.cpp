@@ -134,6 +134,7 @@ Memory::Memory(DType dtype, const ExecContext& exec)
   for (Arena& a : params_arena_) a.set_device(device, stream);
   for (Arena& a : grads_) a.set_device(device, stream);
   for (Arena& a : compute_) a.set_device(device, stream);
+  fp8_.set_device(device, stream);
   acts_.set_device(device, stream);
   peer_acts_.set_device(device, stream);
   scratch_.set_device(device, stream);
@@ -172,7 +173,18 @@ Tensor Memory::param(const ParamSpec& spec) {
   } else {
     p.value = params_arena_[g].take(master_dtype(), shape);
     p.grad = grads_[g].take(grad_dtype(group), shape);
-    p.compute = mixed_precision() ? compute_[g].take(dtype_, shape) : p.value;
+    if (!mixed_precision())
+      p.compute = p.value;
+    else if (spec.fp8 && fp8_params_)  // kept only in FP8: a shape, no data
+      p.compute = Tensor(nullptr, dtype_, shape, device_);
+    else
+      p.compute = compute_[g].take(dtype_, shape);
+  }
+  if (spec.fp8) {
+    p.fp8.q = fp8_.take(DType::u8, shape);
+    p.fp8.s = fp8_.take(DType::f32, fp8_block_scale_shape(shape, false));
+    p.fp8.qT = fp8_.take(DType::u8, fp8_transposed_shape(shape));
+    p.fp8.sT = fp8_.take(DType::f32, fp8_block_scale_shape(shape, true));
   }
   p.full_master = spec.full_master;
   p.pipeline_copy = spec.pipeline_copy;
@@ -198,6 +210,27 @@ Tensor Memory::param(const ParamSpec& spec) {
   return p.compute;
 }
 
+void Memory::set_fp8_params(bool on) {
+  MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::set_fp8_params after parameters were registered");
+  MF_CHECK(!on || !sharded_, "FP8-only weights (train.fp8_param) with the distributed optimizer");
+  fp8_params_ = on;
+}
+
+Shape fp8_block_scale_shape(const Shape& w, bool transposed) {
+  MF_CHECK(w.ndim == 2 || w.ndim == 3, "an FP8 weight of shape ", w.str(), " ([O, I] or [E, O, I])");
+  constexpr int64_t kBlock = 128;  // ops/fp8.h's kFp8Tile
+  const int64_t o_n = w[w.ndim - 2], i_n = w[w.ndim - 1];
+  const int64_t ob = (o_n + kBlock - 1) / kBlock, ib = (i_n + kBlock - 1) / kBlock;
+  const int64_t a = transposed ? ib : ob, b = transposed ? ob : ib;
+  return w.ndim == 3 ? Shape{w[0], a, b} : Shape{a, b};
+}
+
+Shape fp8_transposed_shape(const Shape& w) {
+  MF_CHECK(w.ndim == 2 || w.ndim == 3, "an FP8 weight of shape ", w.str(), " ([O, I] or [E, O, I])");
+  const int64_t o_n = w[w.ndim - 2], i_n = w[w.ndim - 1];
+  return w.ndim == 3 ? Shape{w[0], i_n, o_n} : Shape{i_n, o_n};
+}
+
 void Memory::set_main_grads_dtype(DType dtype) {
   MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::set_main_grads_dtype after parameters were registered");
   MF_CHECK(dtype == master_dtype() || (dtype == DType::bf16 && mixed_precision()), "main gradients in ",
@@ -209,6 +242,7 @@ void Memory::shard_layout(ShardLayout layout) {
   MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::shard_layout after parameters were registered");
   for (int64_t n : layout.shards) MF_CHECK(n >= 1, "Memory::shard_layout: ", n, " shards");
   MF_CHECK(layout.bucket_of != nullptr, "Memory::shard_layout without bucket_of");
+  MF_CHECK(!fp8_params_, "FP8-only weights (train.fp8_param) with the distributed optimizer");
   layout_ = std::move(layout);
   sharded_ = true;
 }
@@ -439,6 +473,7 @@ void Memory::allocate() {
     compute_[g].allocate();
     staging_[g].allocate();
   }
+  fp8_.allocate();
   acts_.allocate();
   host_acts_.allocate();
   peer_acts_.allocate();
@@ -467,6 +502,7 @@ std::vector<const Arena*> Memory::arenas() const {
     all.push_back(&grads_[g]);
     all.push_back(&compute_[g]);
   }
+  all.push_back(&fp8_);
   all.push_back(&acts_);
   all.push_back(&host_acts_);
   all.push_back(&peer_acts_);
@@ -474,7 +510,7 @@ std::vector<const Arena*> Memory::arenas() const {
   return all;
 }
 
-size_t Memory::param_bytes() const { return master_bytes() + compute_bytes(); }
+size_t Memory::param_bytes() const { return master_bytes() + compute_bytes() + fp8_bytes(); }
 
 size_t Memory::master_bytes() const {
   size_t n = 0;
@@ -489,6 +525,8 @@ size_t Memory::compute_bytes() const {
     n += std::max(compute_[g].used(), static_cast<size_t>(block_elems(g)) * dtype_size(dtype_));
   return n;
 }
+
+size_t Memory::fp8_bytes() const { return fp8_.used(); }
 
 size_t Memory::grad_bytes() const {
   size_t n = 0;

@@ -136,7 +136,22 @@ struct ParamSpec {
   // that read or write the master weight itself (the router's f32 gate, its expert bias).
   bool full_master = false;
   bool pipeline_copy = false;  // Param::pipeline_copy
+  // The forward reads it as FP8 128 x 128 blocks (train.fp8, ops/fp8.h): Memory keeps its FP8 copy
+  // (Param::fp8), and with set_fp8_params no bf16 compute copy.
+  bool fp8 = false;
 };
+
+// A weight quantized to FP8 128 x 128 blocks (ops/fp8.h's blocks layout, fp8_quantize_blocks's
+// four outputs: the forward reads q and sT, the data gradient qT and s). Undefined (q undefined):
+// the FP8 ops quantize the weight at each call.
+struct Fp8Weight {
+  Tensor q, s, qT, sT;
+  bool defined() const { return q.defined(); }
+};
+// The shapes of a weight's ([O, I] or [E, O, I]) block scales, s [(E,) ceil(O/128), ceil(I/128)]
+// (transposed: sT [(E,) ceil(I/128), ceil(O/128)]), and of its transposed data qT [(E,) I, O].
+Shape fp8_block_scale_shape(const Shape& w, bool transposed);
+Shape fp8_transposed_shape(const Shape& w);
 
 struct Param {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
@@ -167,6 +182,14 @@ struct Param {
   // multi-token prediction): its gradient is summed with the owner's, the gradient norm and
   // checkpoints count the owner's only.
   bool pipeline_copy = false;
+  // ParamSpec::fp8: the weight's FP8 copy (u8 codes and f32 scales, in Memory's FP8 block), and the
+  // Memory::weights_version it was quantized at (ops/fp8.h's Fp8Param refreshes it). With
+  // Memory::set_fp8_params and mixed precision, `compute` then has a shape and no data: the
+  // forward reads the FP8 copy only, which the master refreshes.
+  Fp8Weight fp8;
+  uint64_t fp8_version = ~uint64_t{0};
+  // Whether `compute` is a separate copy the writers of `value` refresh.
+  bool has_compute_copy() const { return compute.data() != nullptr && compute.data() != value.data(); }
 
   // Shape of the whole (unsharded) parameter.
   Shape global_shape() const;
@@ -248,6 +271,11 @@ class Memory {
   // initialisation ran in between); FP8 weight caches (ops/fp8.h) quantize again when it moved.
   uint64_t weights_version() const { return weights_version_; }
   void weights_changed() { ++weights_version_; }
+  // train.fp8_param: parameters registered with ParamSpec::fp8 get no bf16 compute copy (mixed
+  // precision; their FP8 copy is quantized from the master, rounded to bf16 first, so the FP8
+  // codes are the ones the copy would give). REQUIRES: before the first bind; not sharded.
+  void set_fp8_params(bool on);
+  bool fp8_params() const { return fp8_params_; }
 
   // Registers a parameter (and its gradient); returns the view the forward reads (Param::compute:
   // the master weight itself, or its bf16 copy). Name the fields that differ from the defaults:
@@ -395,9 +423,10 @@ class Memory {
   // All gradients of a group as one flat tensor (for one all-reduce); padding between
   // parameters is zero and stays zero. Empty when the group has no parameters.
   Tensor grad_block(ParamGroup group) const;
-  size_t param_bytes() const;    // master weights and compute copies
+  size_t param_bytes() const;    // master weights, compute copies and FP8 copies
   size_t master_bytes() const;   // the master weights (the optimizer's shards not included)
   size_t compute_bytes() const;  // separate compute copies (mixed precision, or sharded)
+  size_t fp8_bytes() const;      // the FP8 copies of ParamSpec::fp8 weights (train.fp8)
   size_t grad_bytes() const;
   // Device workspace: kept activations, the peer-visible block, the shared workspace and the
   // recomputed layers' block.
@@ -421,6 +450,7 @@ class Memory {
   const ExecContext* exec_;
   int64_t grad_generation_ = 0;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
+  Arena fp8_;                        // the FP8 weight copies (Param::fp8)
   Arena staging_[kNumParamGroups];   // host: sharded masters' staging with bf16 gradients
   Arena host_acts_;                  // always host memory; empty on a CPU run
   Arena peer_acts_;                  // the peer-visible activations (peer_act)
@@ -428,10 +458,10 @@ class Memory {
   OverlayPool exchange_scratch_;     // exchange_scratch (1 slot)
   OverlayPool offload_;              // offloaded layers (a slot per layer index mod the model's slot count)
   Arena host_offload_;               // pinned: each offloaded layer's host copy
-  bool in_layer_ = false, acts_in_scratch_ = false, shared_params_ = false;
+  bool in_layer_ = false, acts_in_scratch_ = false, shared_params_ = false, fp8_params_ = false;
   uint64_t weights_version_ = 0;
   int recompute_slot_ = -1, offload_slot_ = -1;
-  size_t measured_[3 * kNumParamGroups + 4] = {};
+  size_t measured_[3 * kNumParamGroups + 5] = {};
   bool sharded_ = false;
   ShardLayout layout_;
   std::vector<PartBytes> parts_;  // measuring pass: workspace bytes by part

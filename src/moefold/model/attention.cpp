@@ -45,31 +45,39 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   const double std = cfg_.initializer_range;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
   // Column-parallel: this rank's heads are rows [r * heads * D, ...) of each projection.
-  wq_ = mem.param({.name = prefix_ + ".q_proj.weight",
-                   .shape = {q * d, h},
-                   .init_std = std,
-                   .group = tpg,
-                   .shard_offset = r * q * d,
-                   .global_rows = n * q * d});
-  wk_ = mem.param({.name = prefix_ + ".k_proj.weight",
-                   .shape = {g * d, h},
-                   .init_std = std,
-                   .group = tpg,
-                   .shard_offset = r * g * d,
-                   .global_rows = n * g * d});
-  wv_ = mem.param({.name = prefix_ + ".v_proj.weight",
-                   .shape = {g * d, h},
-                   .init_std = std,
-                   .group = tpg,
-                   .shard_offset = r * g * d,
-                   .global_rows = n * g * d});
+  wq_ = fp8_wq_.param(mem,
+                      {.name = prefix_ + ".q_proj.weight",
+                       .shape = {q * d, h},
+                       .init_std = std,
+                       .group = tpg,
+                       .shard_offset = r * q * d,
+                       .global_rows = n * q * d},
+                      fp8_qkv_);
+  wk_ = fp8_wk_.param(mem,
+                      {.name = prefix_ + ".k_proj.weight",
+                       .shape = {g * d, h},
+                       .init_std = std,
+                       .group = tpg,
+                       .shard_offset = r * g * d,
+                       .global_rows = n * g * d},
+                      fp8_qkv_);
+  wv_ = fp8_wv_.param(mem,
+                      {.name = prefix_ + ".v_proj.weight",
+                       .shape = {g * d, h},
+                       .init_std = std,
+                       .group = tpg,
+                       .shard_offset = r * g * d,
+                       .global_rows = n * g * d},
+                      fp8_qkv_);
   // Row-parallel: this rank's heads are columns of the output projection.
-  wo_ = mem.param({.name = prefix_ + ".o_proj.weight",
-                   .shape = {h, q * d},
-                   .init_std = std,
-                   .group = tpg,
-                   .global_rows = h,
-                   .dim_shard = n > 1 ? DimShard{1, r * q * d, n * q * d, 1} : DimShard{}});
+  wo_ = fp8_wo_.param(mem,
+                      {.name = prefix_ + ".o_proj.weight",
+                       .shape = {h, q * d},
+                       .init_std = std,
+                       .group = tpg,
+                       .global_rows = h,
+                       .dim_shard = n > 1 ? DimShard{1, r * q * d, n * q * d, 1} : DimShard{}},
+                      fp8_proj_);
   if (qk_norm_ != QkNorm::none) {  // OLMoE's whole-projection norms need every head here (no TP)
     const bool whole = qk_norm_ == QkNorm::whole;
     MF_CHECK(!whole || n == 1, prefix_, ": whole-projection q/k norms under tensor parallelism");
@@ -113,11 +121,11 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     tp_->all_gather(x_TH, x_full_);
   }
   if (qk_norm_ == QkNorm::none) {
-    linear_forward_in(*ctx_, fp8_qkv_, x_full_, wq_, q_TQD_);
-    linear_forward_in(*ctx_, fp8_qkv_, x_full_, wk_, k_TGD_);
+    linear_forward_in(*ctx_, fp8_wq_.get(), x_full_, wq_, q_TQD_);
+    linear_forward_in(*ctx_, fp8_wk_.get(), x_full_, wk_, k_TGD_);
   } else {
-    linear_forward_in(*ctx_, fp8_qkv_, x_full_, wq_, q_raw_TQD_);
-    linear_forward_in(*ctx_, fp8_qkv_, x_full_, wk_, k_raw_TGD_);
+    linear_forward_in(*ctx_, fp8_wq_.get(), x_full_, wq_, q_raw_TQD_);
+    linear_forward_in(*ctx_, fp8_wk_.get(), x_full_, wk_, k_raw_TGD_);
     // RMSNorm on q and k: per head (Qwen3) or over the whole projection (OLMoE).
     const int64_t qr = qk_norm_ == QkNorm::whole ? tokens_ : tokens_ * q,
                   kr = qk_norm_ == QkNorm::whole ? tokens_ : tokens_ * g;
@@ -126,7 +134,7 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     rmsnorm_forward(*ctx_, k_raw_TGD_.view({kr, tokens_ * g * d / kr}), k_norm_, cfg_.rms_norm_eps,
                     k_TGD_.view({kr, tokens_ * g * d / kr}), k_rstd_.slice(0, kr));
   }
-  linear_forward_in(*ctx_, fp8_qkv_, x_full_, wv_, v_TGD_);
+  linear_forward_in(*ctx_, fp8_wv_.get(), x_full_, wv_, v_TGD_);
   // RoPE in place.
   const Tensor q4 = q_TQD_.view({batch_, seq_len_, q, d}), k4 = k_TGD_.view({batch_, seq_len_, g, d});
   if (cp_) {  // this rank's chunks of the sequence, against every key of the CP group
@@ -138,10 +146,10 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
   }
   core_forward();
   if (tp_) {  // row-parallel: partial sums over the heads, summed and split back into rows
-    linear_forward_in(*ctx_, fp8_proj_, out_TQD_, wo_, scratch_->partial_TH);
+    linear_forward_in(*ctx_, fp8_wo_.get(), out_TQD_, wo_, scratch_->partial_TH);
     tp_->reduce_scatter(scratch_->partial_TH, y_TH, ReduceOp::sum);
   } else {
-    linear_forward_in(*ctx_, fp8_proj_, out_TQD_, wo_, y_TH);
+    linear_forward_in(*ctx_, fp8_wo_.get(), out_TQD_, wo_, y_TH);
   }
 }
 
@@ -169,7 +177,7 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     dy = w.dy_full_TH;
     tp_->all_gather(dy_TH, dy);
   }
-  linear_backward_in(*ctx_, fp8_proj_, out_TQD_, wo_, dy, w.dout_TQD, dwo_);
+  linear_backward_in(*ctx_, fp8_wo_.get(), out_TQD_, wo_, dy, w.dout_TQD, dwo_);
   auto q4 = [&](const Tensor& t) { return t.view({batch_, seq_len_, q, d}); };
   auto g4 = [&](const Tensor& t) { return t.view({batch_, seq_len_, g, d}); };
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -204,10 +212,10 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   }
   // d(x) over every row: this rank's heads' part, summed over TP and split back into rows.
   const Tensor dx_full = tp_ ? w.partial_TH : dx_TH;
-  linear_backward_in(*ctx_, fp8_qkv_, x_full_, wq_, dq_raw, dx_full, dwq_);
-  linear_backward_in(*ctx_, fp8_qkv_, x_full_, wk_, dk_raw, w.dx_TH, dwk_);
+  linear_backward_in(*ctx_, fp8_wq_.get(), x_full_, wq_, dq_raw, dx_full, dwq_);
+  linear_backward_in(*ctx_, fp8_wk_.get(), x_full_, wk_, dk_raw, w.dx_TH, dwk_);
   add_inplace(*ctx_, dx_full, w.dx_TH);
-  linear_backward_in(*ctx_, fp8_qkv_, x_full_, wv_, w.dv_TGD, w.dx_TH, dwv_);
+  linear_backward_in(*ctx_, fp8_wv_.get(), x_full_, wv_, w.dv_TGD, w.dx_TH, dwv_);
   add_inplace(*ctx_, dx_full, w.dx_TH);
   if (tp_) tp_->reduce_scatter(dx_full, dx_TH, ReduceOp::sum);
 }

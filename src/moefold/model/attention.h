@@ -15,6 +15,7 @@
 #include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
 #include "moefold/model/config.h"
+#include "moefold/ops/fp8.h"
 #include "moefold/parallel/context_parallel.h"
 
 namespace moefold {
@@ -88,6 +89,7 @@ class Attention : public SelfAttention {
   std::string prefix_;
   QkNorm qk_norm_ = QkNorm::per_head;
   Tensor wq_, wk_, wv_, wo_, q_norm_, k_norm_;
+  Fp8Param fp8_wq_, fp8_wk_, fp8_wv_, fp8_wo_;  // their FP8 copies (set_fp8)
   Tensor dwq_, dwk_, dwv_, dwo_, dq_norm_, dk_norm_;
   Tensor cos_, sin_;
   AttentionScratch* scratch_ = nullptr;

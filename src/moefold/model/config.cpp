@@ -222,6 +222,12 @@ void Config::validate() const {
         "moe.fp8_dispatch = true needs the experts in FP8 (train.fp8 = \"blockwise\" without \"experts\" in "
         "train.fp8_exclude; train.fp8 = \"",
         train.fp8, "\")");
+  if (train.fp8_param && train.fp8 != "blockwise")
+    MF_FAIL("train.fp8_param = true needs train.fp8 = \"blockwise\" (train.fp8 = \"", train.fp8, "\")");
+  if (train.fp8_param && p.distributed_optimizer)
+    MF_FAIL(
+        "train.fp8_param = true with parallel.distributed_optimizer = true is not supported yet (the optimizer's "
+        "shards would have to hold whole 128 x 128 weight blocks and gather FP8 codes)");
   p.stage_layers(model.num_hidden_layers);  // fails with one line where the layers do not split
   if (p.overlap_moe_a2a) {                  // what a layer keeps between its phases must not be shared workspace
     const Recompute r = train.recompute();

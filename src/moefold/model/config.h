@@ -148,6 +148,9 @@ struct TrainConfig {
   // FP8: "none" or "blockwise" (struct Fp8Linears; fp8_exclude: module names kept in bf16).
   std::string fp8 = "none";
   std::vector<std::string> fp8_exclude;
+  // FP8 weights only: the FP8 linears' weights kept as their FP8 copies (quantized from the f32
+  // masters), without bf16 compute copies (Memory::set_fp8_params). Same results.
+  bool fp8_param = false;
   int64_t eval_interval = 100;        // evaluate every N steps (0: never, except at the end)
   int64_t eval_batches = 4;           // held-out micro-batches per evaluation
   int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)

@@ -52,42 +52,51 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   const ParamGroup tpg = ParamGroup::tensor_parallel;
   auto grad = [&](const char* name) { return mem.grad(prefix_ + name); };
   if (rq_ > 0) {
-    wq_a_ = mem.param({.name = prefix_ + ".q_a_proj.weight", .shape = {rq_, h}, .init_std = std});
+    wq_a_ = fp8_wq_a_.param(mem, {.name = prefix_ + ".q_a_proj.weight", .shape = {rq_, h}, .init_std = std}, fp8_qkv_);
     q_a_norm_ =
         mem.param({.name = prefix_ + ".q_a_layernorm.weight", .shape = {rq_}, .init = Init::ones, .decay = false});
-    wq_b_ = mem.param({.name = prefix_ + ".q_b_proj.weight",
-                       .shape = {q * dqk_, rq_},
-                       .init_std = std,
-                       .group = tpg,
-                       .shard_offset = r * q * dqk_,
-                       .global_rows = n * q * dqk_});
+    wq_b_ = fp8_wq_b_.param(mem,
+                            {.name = prefix_ + ".q_b_proj.weight",
+                             .shape = {q * dqk_, rq_},
+                             .init_std = std,
+                             .group = tpg,
+                             .shard_offset = r * q * dqk_,
+                             .global_rows = n * q * dqk_},
+                            fp8_qkv_);
     dwq_a_ = grad(".q_a_proj.weight");
     dq_a_norm_ = grad(".q_a_layernorm.weight");
     dwq_b_ = grad(".q_b_proj.weight");
   } else {
-    wq_b_ = mem.param({.name = prefix_ + ".q_proj.weight",
-                       .shape = {q * dqk_, h},
-                       .init_std = std,
-                       .group = tpg,
-                       .shard_offset = r * q * dqk_,
-                       .global_rows = n * q * dqk_});
+    wq_b_ = fp8_wq_b_.param(mem,
+                            {.name = prefix_ + ".q_proj.weight",
+                             .shape = {q * dqk_, h},
+                             .init_std = std,
+                             .group = tpg,
+                             .shard_offset = r * q * dqk_,
+                             .global_rows = n * q * dqk_},
+                            fp8_qkv_);
     dwq_b_ = grad(".q_proj.weight");
   }
-  wkv_a_ = mem.param({.name = prefix_ + ".kv_a_proj_with_mqa.weight", .shape = {rkv_ + dr_, h}, .init_std = std});
+  wkv_a_ = fp8_wkv_a_.param(
+      mem, {.name = prefix_ + ".kv_a_proj_with_mqa.weight", .shape = {rkv_ + dr_, h}, .init_std = std}, fp8_qkv_);
   kv_a_norm_ =
       mem.param({.name = prefix_ + ".kv_a_layernorm.weight", .shape = {rkv_}, .init = Init::ones, .decay = false});
-  wkv_b_ = mem.param({.name = prefix_ + ".kv_b_proj.weight",
-                      .shape = {q * (dn_ + dv_), rkv_},
-                      .init_std = std,
-                      .group = tpg,
-                      .shard_offset = r * q * (dn_ + dv_),
-                      .global_rows = n * q * (dn_ + dv_)});
-  wo_ = mem.param({.name = prefix_ + ".o_proj.weight",
-                   .shape = {h, q * dv_},
-                   .init_std = std,
-                   .group = tpg,
-                   .global_rows = h,
-                   .dim_shard = n > 1 ? DimShard{1, r * q * dv_, n * q * dv_, 1} : DimShard{}});
+  wkv_b_ = fp8_wkv_b_.param(mem,
+                            {.name = prefix_ + ".kv_b_proj.weight",
+                             .shape = {q * (dn_ + dv_), rkv_},
+                             .init_std = std,
+                             .group = tpg,
+                             .shard_offset = r * q * (dn_ + dv_),
+                             .global_rows = n * q * (dn_ + dv_)},
+                            fp8_qkv_);
+  wo_ = fp8_wo_.param(mem,
+                      {.name = prefix_ + ".o_proj.weight",
+                       .shape = {h, q * dv_},
+                       .init_std = std,
+                       .group = tpg,
+                       .global_rows = h,
+                       .dim_shard = n > 1 ? DimShard{1, r * q * dv_, n * q * dv_, 1} : DimShard{}},
+                      fp8_proj_);
   dwkv_a_ = grad(".kv_a_proj_with_mqa.weight");
   dkv_a_norm_ = grad(".kv_a_layernorm.weight");
   dwkv_b_ = grad(".kv_b_proj.weight");
@@ -152,30 +161,30 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     tp_->all_gather(x_TH, x_full_);
   }
   if (rq_ > 0) {
-    linear_forward_in(*ctx_, fp8_qkv_, x_full_, wq_a_, cq_raw_);
+    linear_forward_in(*ctx_, fp8_wq_a_.get(), x_full_, wq_a_, cq_raw_);
     rmsnorm_forward(*ctx_, cq_raw_, q_a_norm_, cfg_.rms_norm_eps, cq_, cq_rstd_);
   }
-  linear_forward_in(*ctx_, fp8_qkv_, x_full_, wkv_a_, kv_a_);
+  linear_forward_in(*ctx_, fp8_wkv_a_.get(), x_full_, wkv_a_, kv_a_);
   // kv_a = [latent, rotary key]: the latent normed.
   copy_matrix(*ctx_, view(kv_a_, nt, rkv_, kvw, 0), view(ckv_raw_, nt, rkv_, rkv_, 0));
   rmsnorm_forward(*ctx_, ckv_raw_, kv_a_norm_, cfg_.rms_norm_eps, ckv_, ckv_rstd_);
   up_forward();
   core_forward();
   if (tp_) {
-    linear_forward_in(*ctx_, fp8_proj_, o_in_, wo_, partial_);
+    linear_forward_in(*ctx_, fp8_wo_.get(), o_in_, wo_, partial_);
     tp_->reduce_scatter(partial_, y_TH, ReduceOp::sum);
   } else {
-    linear_forward_in(*ctx_, fp8_proj_, o_in_, wo_, y_TH);
+    linear_forward_in(*ctx_, fp8_wo_.get(), o_in_, wo_, y_TH);
   }
 }
 
 void MlaAttention::up_forward() {
   const int64_t q = qh_, nt = tokens_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
-  linear_forward_in(*ctx_, fp8_qkv_, rq_ > 0 ? cq_ : x_full_, wq_b_, q_raw_);
+  linear_forward_in(*ctx_, fp8_wq_b_.get(), rq_ > 0 ? cq_ : x_full_, wq_b_, q_raw_);
   // The rotary key and every query head's rotary part, rotated; k_nope and v from the latent.
   copy_matrix(*ctx_, view(kv_a_, nt, dr_, kvw, rkv_), view(k_pe_, nt, dr_, dr_, 0));
   copy_matrix(*ctx_, view(q_raw_, nt * q, dr_, dqk_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));
-  linear_forward_in(*ctx_, fp8_qkv_, ckv_, wkv_b_, kvb_);
+  linear_forward_in(*ctx_, fp8_wkv_b_.get(), ckv_, wkv_b_, kvb_);
   const bool il = cfg_.rope_interleave;
   if (cp_) {
     rope_forward_at(*ctx_, q_pe_, cp_->positions(), cos_, sin_, il);
@@ -226,7 +235,7 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     dy = dy_full_;
     tp_->all_gather(dy_TH, dy);
   }
-  linear_backward_in(*ctx_, fp8_proj_, o_in_, wo_, dy, do_in_, dwo_);
+  linear_backward_in(*ctx_, fp8_wo_.get(), o_in_, wo_, dy, do_in_, dwo_);
   if (dp_ > dv_) fill_matrix(*ctx_, view(dout4_, nt * q, dp_ - dv_, dp_, dv_), 0);  // workspace: zero padding
   copy_matrix(*ctx_, view(do_in_, nt * q, dv_, dv_, 0), view(dout4_, nt * q, dv_, dp_, 0));
   {
@@ -253,20 +262,20 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     rope_backward(*ctx_, q_pe_, cos_, sin_, il);
     rope_backward(*ctx_, k_pe_, cos_, sin_, il);
   }
-  linear_backward_in(*ctx_, fp8_qkv_, ckv_, wkv_b_, dkvb_, dckv_, dwkv_b_);
+  linear_backward_in(*ctx_, fp8_wkv_b_.get(), ckv_, wkv_b_, dkvb_, dckv_, dwkv_b_);
   rmsnorm_backward(*ctx_, ckv_raw_, kv_a_norm_, ckv_rstd_, dckv_, dckv_raw_, dkv_a_norm_);
   copy_matrix(*ctx_, view(dckv_raw_, nt, rkv_, rkv_, 0), view(dkv_a_, nt, rkv_, kvw, 0));
   copy_matrix(*ctx_, view(k_pe_, nt, dr_, dr_, 0), view(dkv_a_, nt, dr_, kvw, rkv_));
   copy_matrix(*ctx_, view(q_pe_, nt * q, dr_, dr_, 0), view(dq_raw_, nt * q, dr_, dqk_, dn_));
   const Tensor dx_full = tp_ ? partial_ : dx_TH;
   if (rq_ > 0) {
-    linear_backward_in(*ctx_, fp8_qkv_, cq_, wq_b_, dq_raw_, dcq_, dwq_b_);
+    linear_backward_in(*ctx_, fp8_wq_b_.get(), cq_, wq_b_, dq_raw_, dcq_, dwq_b_);
     rmsnorm_backward(*ctx_, cq_raw_, q_a_norm_, cq_rstd_, dcq_, dcq_raw_, dq_a_norm_);
-    linear_backward_in(*ctx_, fp8_qkv_, x_full_, wq_a_, dcq_raw_, dx_full, dwq_a_);
+    linear_backward_in(*ctx_, fp8_wq_a_.get(), x_full_, wq_a_, dcq_raw_, dx_full, dwq_a_);
   } else {
-    linear_backward_in(*ctx_, fp8_qkv_, x_full_, wq_b_, dq_raw_, dx_full, dwq_b_);
+    linear_backward_in(*ctx_, fp8_wq_b_.get(), x_full_, wq_b_, dq_raw_, dx_full, dwq_b_);
   }
-  linear_backward_in(*ctx_, fp8_qkv_, x_full_, wkv_a_, dkv_a_, dx_part_, dwkv_a_);
+  linear_backward_in(*ctx_, fp8_wkv_a_.get(), x_full_, wkv_a_, dkv_a_, dx_part_, dwkv_a_);
   add_inplace(*ctx_, dx_full, dx_part_);
   if (tp_) tp_->reduce_scatter(dx_full, dx_TH, ReduceOp::sum);
 }

@@ -22,24 +22,30 @@ void DenseMlp::bind(Memory& mem, Communicator* tp) {
   tp_ = n > 1 ? tp : nullptr;
   ffn_here_ = ffn_ / n;
   const ParamGroup tpg = ParamGroup::tensor_parallel;
-  gate_FH_ = mem.param({.name = prefix_ + ".gate_proj.weight",
-                        .shape = {ffn_here_, hidden_},
-                        .init_std = init_std_,
-                        .group = tpg,
-                        .shard_offset = r * ffn_here_,
-                        .global_rows = ffn_});
-  up_FH_ = mem.param({.name = prefix_ + ".up_proj.weight",
-                      .shape = {ffn_here_, hidden_},
-                      .init_std = init_std_,
-                      .group = tpg,
-                      .shard_offset = r * ffn_here_,
-                      .global_rows = ffn_});
-  down_HF_ = mem.param({.name = prefix_ + ".down_proj.weight",
-                        .shape = {hidden_, ffn_here_},
-                        .init_std = init_std_,
-                        .group = tpg,
-                        .global_rows = hidden_,
-                        .dim_shard = n > 1 ? DimShard{1, r * ffn_here_, ffn_, 1} : DimShard{}});
+  gate_FH_ = fp8_gate_.param(mem,
+                             {.name = prefix_ + ".gate_proj.weight",
+                              .shape = {ffn_here_, hidden_},
+                              .init_std = init_std_,
+                              .group = tpg,
+                              .shard_offset = r * ffn_here_,
+                              .global_rows = ffn_},
+                             fp8_);
+  up_FH_ = fp8_up_.param(mem,
+                         {.name = prefix_ + ".up_proj.weight",
+                          .shape = {ffn_here_, hidden_},
+                          .init_std = init_std_,
+                          .group = tpg,
+                          .shard_offset = r * ffn_here_,
+                          .global_rows = ffn_},
+                         fp8_);
+  down_HF_ = fp8_down_.param(mem,
+                             {.name = prefix_ + ".down_proj.weight",
+                              .shape = {hidden_, ffn_here_},
+                              .init_std = init_std_,
+                              .group = tpg,
+                              .global_rows = hidden_,
+                              .dim_shard = n > 1 ? DimShard{1, r * ffn_here_, ffn_, 1} : DimShard{}},
+                             fp8_);
   dgate_FH_ = mem.grad(prefix_ + ".gate_proj.weight");
   dup_FH_ = mem.grad(prefix_ + ".up_proj.weight");
   ddown_HF_ = mem.grad(prefix_ + ".down_proj.weight");
@@ -59,18 +65,18 @@ void DenseMlp::bind(Memory& mem, Communicator* tp) {
 
 void DenseMlp::fp8_gate_up_forward() {
   // h is free until the SwiGLU writes it.
-  fp8_linear_forward(*ctx_, x_full_, gate_FH_, h_NF_);
+  fp8_linear_forward(*ctx_, x_full_, gate_FH_, h_NF_, fp8_gate_.get());
   copy_matrix(*ctx_, as_matrix(h_NF_), column_block(gu_N2F_, 0, ffn_here_));
-  fp8_linear_forward(*ctx_, x_full_, up_FH_, h_NF_);
+  fp8_linear_forward(*ctx_, x_full_, up_FH_, h_NF_, fp8_up_.get());
   copy_matrix(*ctx_, as_matrix(h_NF_), column_block(gu_N2F_, ffn_here_, 2 * ffn_here_));
 }
 
 void DenseMlp::fp8_gate_up_backward(const Tensor& dx) {
   // dh is free once the SwiGLU's backward has read it.
   copy_matrix(*ctx_, column_block(dgu_N2F_, 0, ffn_here_), as_matrix(dh_NF_));
-  fp8_linear_backward(*ctx_, x_full_, gate_FH_, dh_NF_, dx, dgate_FH_);
+  fp8_linear_backward(*ctx_, x_full_, gate_FH_, dh_NF_, dx, dgate_FH_, true, fp8_gate_.get());
   copy_matrix(*ctx_, column_block(dgu_N2F_, ffn_here_, 2 * ffn_here_), as_matrix(dh_NF_));
-  fp8_linear_backward(*ctx_, x_full_, up_FH_, dh_NF_, dx_up_NH_, dup_FH_);
+  fp8_linear_backward(*ctx_, x_full_, up_FH_, dh_NF_, dx_up_NH_, dup_FH_, true, fp8_up_.get());
   add_inplace(*ctx_, dx, dx_up_NH_);
 }
 
@@ -93,7 +99,7 @@ void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
            1, 0);
   }
   swiglu_forward(*ctx_, gu_N2F_, h_NF_);
-  linear_forward_in(*ctx_, fp8_, h_NF_, down_HF_, y);
+  linear_forward_in(*ctx_, fp8_down_.get(), h_NF_, down_HF_, y);
   if (tp_) tp_->reduce_scatter(partial_NH_, y_TH, ReduceOp::sum);
 }
 
@@ -109,7 +115,7 @@ void DenseMlp::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     dy = dy_full_NH_;
     tp_->all_gather(dy_TH, dy);
   }
-  linear_backward_in(*ctx_, fp8_, h_NF_, down_HF_, dy, dh_NF_, ddown_HF_);
+  linear_backward_in(*ctx_, fp8_down_.get(), h_NF_, down_HF_, dy, dh_NF_, ddown_HF_);
   swiglu_backward(*ctx_, gu_N2F_, dh_NF_, dgu_N2F_);
   const Tensor dx = tp_ ? partial_NH_ : dx_TH;
   if (fp8_) {

@@ -13,6 +13,7 @@
 
 #include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
+#include "moefold/ops/fp8.h"
 
 namespace moefold {
 
@@ -43,6 +44,7 @@ class DenseMlp {
   Communicator* tp_ = nullptr;
   bool recompute_ = false, fp8_ = false;
   Tensor gate_FH_, up_FH_, down_HF_, dgate_FH_, dup_FH_, ddown_HF_;
+  Fp8Param fp8_gate_, fp8_up_, fp8_down_;                    // their FP8 copies (set_fp8)
   Tensor x_in_, x_full_, x_gathered_NH_, gu_N2F_, h_NF_;     // saved for backward (scratch when recomputed)
   Tensor dy_full_NH_, dh_NF_, dgu_N2F_, partial_NH_, y_TH_;  // scratch (y_TH_: the recomputed output)
   Tensor dx_up_NH_;  // FP8: the up projection's data gradient (the FP8 GEMMs write theirs)

@@ -611,7 +611,8 @@ void Model::bind_mtp(Memory& mem, MtpDepth& d) {
   const std::string& p = d.prefix_;
   d.enorm_ = mem.param({.name = p + ".enorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   d.hnorm_ = mem.param({.name = p + ".hnorm.weight", .shape = {h}, .init = Init::ones, .decay = false});
-  d.eh_proj_ = mem.param({.name = p + ".eh_proj.weight", .shape = {h, 2 * h}, .init_std = cfg_.initializer_range});
+  d.eh_proj_ = d.fp8_eh_proj_.param(
+      mem, {.name = p + ".eh_proj.weight", .shape = {h, 2 * h}, .init_std = cfg_.initializer_range}, fp8_mtp_);
   d.head_norm_ = mem.param({.name = p + ".shared_head.norm.weight", .shape = {h}, .init = Init::ones, .decay = false});
   d.denorm_ = mem.grad(p + ".enorm.weight");
   d.dhnorm_ = mem.grad(p + ".hnorm.weight");
@@ -647,7 +648,7 @@ void Model::mtp_forward(MtpDepth& d, const Tensor& prev_TH) {
   rmsnorm_forward(*ctx_, prev_TH, d.hnorm_, cfg_.rms_norm_eps, d.hn_TH_, d.hn_rstd_);
   copy_matrix(*ctx_, as_matrix(d.en_TH_), column_block(d.cat_T2H_, 0, h));
   copy_matrix(*ctx_, as_matrix(d.hn_TH_), column_block(d.cat_T2H_, h, 2 * h));
-  linear_forward_in(*ctx_, fp8_mtp_, d.cat_T2H_, d.eh_proj_, d.hp_TH_);
+  linear_forward_in(*ctx_, d.fp8_eh_proj_.get(), d.cat_T2H_, d.eh_proj_, d.hp_TH_);
   d.layer_->forward(d.hp_TH_, d.out_TH_);
   d.loss_sum_ =
       head_forward(d.out_TH_, d.head_norm_, d.nf_TH_, d.nf_rstd_, d.nf_full_NH_, d.logits_NV_, d.lse_N_, d.targets_);
@@ -660,7 +661,7 @@ void Model::mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const
                 d.targets_, scale, d.dprev_TH_);
   if (dnext_TH) add_inplace(*ctx_, d.dprev_TH_, *dnext_TH);
   d.layer_->backward(d.dprev_TH_, moe_loss_scale);  // now d(h')
-  linear_backward_in(*ctx_, fp8_mtp_, d.cat_T2H_, d.eh_proj_, d.dprev_TH_, d.dcat_T2H_, d.deh_proj_);
+  linear_backward_in(*ctx_, d.fp8_eh_proj_.get(), d.cat_T2H_, d.eh_proj_, d.dprev_TH_, d.dcat_T2H_, d.deh_proj_);
   // The normed values are not needed any more: en_TH_ and hn_TH_ take their gradients.
   copy_matrix(*ctx_, column_block(d.dcat_T2H_, 0, h), as_matrix(d.en_TH_));
   copy_matrix(*ctx_, column_block(d.dcat_T2H_, h, 2 * h), as_matrix(d.hn_TH_));

@@ -127,6 +127,7 @@ class MtpDepth {
   std::string prefix_;
   std::unique_ptr<DecoderLayer> layer_;
   Tensor enorm_, hnorm_, eh_proj_, head_norm_, denorm_, dhnorm_, deh_proj_, dhead_norm_;
+  Fp8Param fp8_eh_proj_;  // eh_proj's FP8 copy (Fp8Linears::mtp)
   Tensor ids_, targets_;  // i32 [n]: ids and targets k positions ahead (kIgnoreTarget past the end)
   Tensor emb_TH_, en_TH_, en_rstd_, hn_TH_, hn_rstd_, cat_T2H_, hp_TH_, out_TH_, nf_TH_, nf_rstd_;
   Tensor logits_NV_, lse_N_;

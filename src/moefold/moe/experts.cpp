@@ -32,20 +32,24 @@ void Experts::bind(Memory& mem) {
   const bool sharded = ffn_ != total_ffn_;
   const DimShard gate_up_shard = sharded ? DimShard{1, ffn_first_, total_ffn_, 2} : DimShard{};
   const DimShard down_shard = sharded ? DimShard{2, ffn_first_, total_ffn_, 1} : DimShard{};
-  gate_up_E2FH_ = mem.param({.name = prefix_ + ".experts.gate_up_proj",
-                             .shape = {num_experts_, 2 * ffn_, hidden_},
-                             .init_std = init_std_,
-                             .group = ParamGroup::expert,
-                             .shard_offset = first_expert_,
-                             .global_rows = total_experts_,
-                             .dim_shard = gate_up_shard});
-  down_EHF_ = mem.param({.name = prefix_ + ".experts.down_proj",
-                         .shape = {num_experts_, hidden_, ffn_},
-                         .init_std = init_std_,
-                         .group = ParamGroup::expert,
-                         .shard_offset = first_expert_,
-                         .global_rows = total_experts_,
-                         .dim_shard = down_shard});
+  gate_up_E2FH_ = fp8_gate_up_.param(mem,
+                                     {.name = prefix_ + ".experts.gate_up_proj",
+                                      .shape = {num_experts_, 2 * ffn_, hidden_},
+                                      .init_std = init_std_,
+                                      .group = ParamGroup::expert,
+                                      .shard_offset = first_expert_,
+                                      .global_rows = total_experts_,
+                                      .dim_shard = gate_up_shard},
+                                     fp8_);
+  down_EHF_ = fp8_down_.param(mem,
+                              {.name = prefix_ + ".experts.down_proj",
+                               .shape = {num_experts_, hidden_, ffn_},
+                               .init_std = init_std_,
+                               .group = ParamGroup::expert,
+                               .shard_offset = first_expert_,
+                               .global_rows = total_experts_,
+                               .dim_shard = down_shard},
+                              fp8_);
   dgate_up_E2FH_ = mem.grad(prefix_ + ".experts.gate_up_proj");
   ddown_EHF_ = mem.grad(prefix_ + ".experts.down_proj");
   gate_up_index_ = mem.grad_written_by_backward(prefix_ + ".experts.gate_up_proj");
@@ -58,8 +62,6 @@ void Experts::bind(Memory& mem) {
   h_RF_ = recompute_act_ ? mem.scratch(h_shape, h_dtype) : mem.act(h_shape, h_dtype);
   dh_RF_ = mem.scratch({max_rows_, ffn_});
   dgu_R2F_ = mem.scratch({max_rows_, 2 * ffn_});
-  fp8_gate_up_.bind(mem, gate_up_E2FH_, fp8_);
-  fp8_down_.bind(mem, down_EHF_, fp8_);
 }
 
 void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH, int64_t first_row) {
@@ -86,17 +88,16 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   MF_CHECK(mem_ != nullptr, "Experts::backward before bind");
   const bool accumulate = mem_->accumulate_grad(gate_up_index_);
   MF_CHECK(mem_->accumulate_grad(down_index_) == accumulate, "Experts: gate_up_proj and down_proj written apart");
-  // grouped_linear_backward in this layer's precision.
-  const auto linear_backward = [&](const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
-                                   const Tensor& dw) {
+  // grouped_linear_backward in this layer's precision (wq: w's FP8 copy).
+  const auto linear_backward = [&](const Tensor& x, const Tensor& w, const Fp8Param& wq, const Tensor& dy,
+                                   const Tensor& dx, const Tensor& dw) {
     if (fp8_)
-      fp8_grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate,
-                                  (w.data() == gate_up_E2FH_.data() ? fp8_gate_up_ : fp8_down_).get());
+      fp8_grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate, wq.get());
     else
       grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
   };
   if (fp8_) {  // dh = dout @ down in FP8, then the SwiGLU's backward apart
-    linear_backward(h, down_EHF_, dout_RH, dh, Tensor());
+    linear_backward(h, down_EHF_, fp8_down_, dout_RH, dh, Tensor());
     swiglu_backward(*ctx_, gu, dh, dgu, GateUp::pairs);
   } else {
     grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
@@ -108,14 +109,14 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
     else
       swiglu_forward(*ctx_, gu, h, GateUp::pairs);
   }
-  linear_backward(h, down_EHF_, dout_RH, Tensor(), ddown_EHF_);
+  linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
   if (!input_grads_done) {
-    linear_backward(rows_RH, gate_up_E2FH_, dgu, drows_RH, dgate_up_E2FH_);
+    linear_backward(rows_RH, gate_up_E2FH_, fp8_gate_up_, dgu, drows_RH, dgate_up_E2FH_);
     return;
   }
-  linear_backward(rows_RH, gate_up_E2FH_, dgu, drows_RH, Tensor());
+  linear_backward(rows_RH, gate_up_E2FH_, fp8_gate_up_, dgu, drows_RH, Tensor());
   input_grads_done();
-  linear_backward(rows_RH, gate_up_E2FH_, dgu, Tensor(), dgate_up_E2FH_);
+  linear_backward(rows_RH, gate_up_E2FH_, fp8_gate_up_, dgu, Tensor(), dgate_up_E2FH_);
 }
 
 }  // namespace moefold

@@ -68,7 +68,7 @@ class Experts {
 
   const Tensor& gate_up_proj() const { return gate_up_E2FH_; }
   // FP8 (set_fp8): the weights' copies for this step, quantized now if the weights changed
-  // (Fp8WeightCache); null without FP8.
+  // (Fp8Param); null without FP8.
   const Fp8Weight* fp8_gate_up() { return fp8_gate_up_.get(); }
   const Fp8Weight* fp8_down() { return fp8_down_.get(); }
   const Tensor& down_proj() const { return down_EHF_; }
@@ -82,7 +82,7 @@ class Experts {
   double init_std_;
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;
   bool recompute_act_ = false, offload_gu_ = false, fp8_ = false;
-  Fp8WeightCache fp8_gate_up_, fp8_down_;      // FP8: the weights quantized once per step
+  Fp8Param fp8_gate_up_, fp8_down_;            // the weights' FP8 copies (quantized once per step)
   Tensor gu_R2F_, h_RF_;                       // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
   Tensor dh_RF_, dgu_R2F_;                     // scratch: backward workspaces
   Memory* mem_ = nullptr;                      // for its gradients' generation (accumulate_grad)

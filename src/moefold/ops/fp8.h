@@ -64,9 +64,10 @@ void fp8_quantize_rows(const ExecContext& ctx, const Tensor& x_RK, const Tensor&
 // offsets_S1: i64 [S + 1], on x's device, off[0] = 0, off[S] = R, non-decreasing (the GPU trusts them).
 void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor& offsets_S1, const Tensor& qT_CP,
                        const Tensor& sT_BC);
-// qT and sT may be undefined (not wanted).
+// qT and sT may be undefined (not wanted). via_bf16: w's values rounded to bf16 first (an f32
+// master quantized into the codes its bf16 copy would give: train.fp8_param).
 void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
-                         const Tensor& sT);
+                         const Tensor& sT, bool via_bf16 = false);
 // x_RK [R, K] into the packed layout p_RW (u8 [R, fp8_packed_width(K)]).
 void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tensor& p_RW);
 // h = swiglu(gu) (GateUp::pairs, ops.h swiglu_forward: rounded to gu's dtype) into the packed layout
@@ -79,13 +80,6 @@ void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tenso
 void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
                          const Tensor& x_RC);
 void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w);
-
-// A weight quantized once for several GEMMs: fp8_quantize_blocks's four outputs (the forward reads
-// q and sT, the data gradient qT and s). Undefined (q undefined): quantize w at each call.
-struct Fp8Weight {
-  Tensor q, s, qT, sT;
-  bool defined() const { return q.defined(); }
-};
 
 // ---- FP8 linear layers (same shapes and gradient rule as linear_* and grouped_linear_*) ---------
 // Q_rows / Q_cols / Q_blocks: quantized as above and dequantized. Every product of two E4M3 values
@@ -103,7 +97,8 @@ struct Fp8Weight {
 // the forward's operand as it is (the same codes and scales that Q_rows(x) would give), and the
 // weight gradient's Q_cols of its dequantized values (an exact dequantization: DeepSeek-V3's
 // requantization of dispatched FP8 tokens). y and dx then take w's dtype.
-// wq: w already quantized (an Fp8WeightCache's; REQUIRES: fp8_quantize_blocks of this w), or null.
+// wq: w already quantized (an Fp8Param's; REQUIRES: fp8_quantize_blocks of this w), or null. A weight
+// kept only in FP8 (train.fp8_param: w has no data) needs it.
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
                         const Fp8Weight* wq = nullptr);
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
@@ -115,31 +110,32 @@ void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, con
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
                                  const Tensor& dw_EOI, bool accumulate = true, const Fp8Weight* wq = nullptr);
 
-// One weight's FP8 copy for the GEMMs of a step: quantized (both orientations) at its first use
-// after Memory::weights_changed() and reused by every later forward and backward until the next
-// (a step's micro-batches, recomputed forwards). Its tensors are Memory::result()s (kept whatever
-// act() takes from; each binding of a module has its own): 2 bytes per weight element plus scales.
-class Fp8WeightCache {
+// A weight the forward reads in FP8 (a module's FP8 linear): registers the parameter with
+// ParamSpec::fp8 and hands out its FP8 copy (Param::fp8, shared by every binding of the module),
+// quantized at its first use after Memory::weights_changed() and reused by every later forward and
+// backward until the next (a step's micro-batches, recomputed forwards). The copy is quantized from
+// the compute copy, or, where Memory::set_fp8_params left none, from the master rounded to the
+// compute dtype: the same codes and scales either way.
+class Fp8Param {
  public:
-  // on: takes its tensors for weight `w` (the compute tensor the GEMMs read); off: nothing.
-  // REQUIRES: called from the module's bind.
-  void bind(Memory& mem, const Tensor& w, bool on);
+  // Registers `spec` (with fp8 = on) as mem.param does and returns its compute tensor (with
+  // train.fp8_param a shape without data: read only through get()). REQUIRES: from the module's bind.
+  Tensor param(Memory& mem, ParamSpec spec, bool on);
   // The quantized weight (quantized now on mem.exec() if the weights may have changed), or null
-  // when bound off.
-  const Fp8Weight* get();
+  // when registered off.
+  const Fp8Weight* get() const;
 
  private:
-  static constexpr uint64_t kNever = ~uint64_t{0};  // q_ holds no quantized weight yet
   Memory* mem_ = nullptr;
-  Tensor w_;
-  Fp8Weight q_;
-  uint64_t version_ = kNever;  // the weights version q_ was quantized at
+  size_t index_ = 0;  // in mem_->params()
+  bool on_ = false;
 };
 
 // A module's linear layer in its train.fp8 choice: linear_forward / linear_backward (ops.h), or
-// the FP8 ops above when `fp8`.
-void linear_forward_in(const ExecContext& ctx, bool fp8, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO);
-void linear_backward_in(const ExecContext& ctx, bool fp8, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
-                        const Tensor& dx_NI, const Tensor& dw_OI);
+// the FP8 ops above with the weight's FP8 copy when wq is given (Fp8Param::get()).
+void linear_forward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
+                       const Tensor& y_NO);
+void linear_backward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
+                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI);
 
 }  // namespace moefold

@@ -24,6 +24,7 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
   bind_training(mem, models, cfg, buffers);  // the measuring pass: sizes only
   p.master = mem.master_bytes();
   p.compute_copies = mem.compute_bytes();
+  p.fp8_copies = mem.fp8_bytes();
   p.gradients = mem.grad_bytes();
   p.bf16_grads = mem.grad_dtype(ParamGroup::expert) == DType::bf16;
   p.optimizer = AdamW::state_bytes(mem, cfg.train);

@@ -19,6 +19,7 @@ struct MemoryPlan {
   DType compute = DType::bf16;
   size_t master = 0;          // master weights kept whole (all, or the full_master ones when sharded)
   size_t compute_copies = 0;  // bf16 copies (mixed precision), or every weight (sharded)
+  size_t fp8_copies = 0;      // the FP8 linears' weights as FP8 codes and scales (train.fp8)
   size_t gradients = 0;
   bool bf16_grads = false;               // train.main_grads_dtype = bf16: the expert and tensor-parallel ones
   size_t optimizer = 0;                  // AdamW moments (and, sharded, the master shards) on the device
@@ -34,7 +35,7 @@ struct MemoryPlan {
   size_t runtime = 0;
   // The device bytes planned before step 0 (the arenas and the optimizer): what device_malloc
   // reserves before the first step.
-  size_t device_total() const { return master + compute_copies + gradients + optimizer + activations; }
+  size_t device_total() const { return master + compute_copies + fp8_copies + gradients + optimizer + activations; }
   // The predicted peak of device_malloc's bytes.
   size_t peak() const { return device_total() + runtime; }
 };

@@ -72,7 +72,7 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
       exp_avg_sq_.push_back(arena_.take(v_dtype_, p.value.shape()));
       segments_.push_back({i, p.group, 0, n, p.value.view({n}), exp_avg_.back().view({n}), exp_avg_sq_.back().view({n}),
                            p.grad.view({n}),
-                           p.compute.defined() && p.compute.data() != p.value.data() ? p.compute.view({n}) : Tensor(),
+                           p.has_compute_copy() ? p.compute.view({n}) : Tensor(),
                            true});
     }
   };
@@ -224,7 +224,7 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
             if (whole) {  // the parameter's own master; its compute copy where it has one
               sg.master = p.value.view({p.value.numel()});
               sg.grad = p.grad.view({p.grad.numel()});
-              if (p.compute.data() != p.value.data()) sg.compute = p.compute.view({p.compute.numel()});
+              if (p.has_compute_copy()) sg.compute = p.compute.view({p.compute.numel()});
             } else {
               sg.master = master.slice(a - s0, e - s0);
               sg.grad = gr.grad_block.slice(a, e);
@@ -302,7 +302,7 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
     const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2, grad_scale};
     if (!sharded_) {  // the caller's tensors (the optimizer may be bound to a copy of the list)
       adamw_update(*ctx_, p.value, p.grad, exp_avg_[k], exp_avg_sq_[k], s,
-                   p.compute.data() != p.value.data() ? p.compute : Tensor());
+                   p.has_compute_copy() ? p.compute : Tensor());
       continue;
     }
     // With mixed precision the pass also writes the bf16 compute copy; an f32 copy is copied.
@@ -490,7 +490,7 @@ void AdamW::scatter_state() {
       sg.master.copy_from(groups_[static_cast<size_t>(sg.group)].exposure().slice(sg.begin, sg.end), ctx_);
   // Every rank holds every value: each compute copy is cast whole, no gather needed.
   for (const Param& p : params)
-    if (p.compute.data() != p.value.data()) convert(p.value, p.compute);
+    if (p.has_compute_copy()) convert(p.value, p.compute);
   const bool loaded = !host_m_[0].empty() || !host_m_[1].empty() || !host_m_[2].empty();
   if (!exposed_ || !loaded) return release_state();
   // The moments, each in turn, from host memory through each group's exposure block (the gradients,

@@ -109,6 +109,7 @@ void apply_memory_options(Memory& mem, const TrainConfig& train) {
       MF_FAIL("train.optimizer_offload_fraction = ", train.optimizer_offload_fraction,
               " needs the CUDA device (it offloads GPU memory)");
   }
+  mem.set_fp8_params(train.fp8_param);
   if (train.main_grads_dtype != "bf16") return;
   if (!mem.mixed_precision())
     MF_FAIL("train.main_grads_dtype = 'bf16' needs bf16 compute with f32 master weights (the CUDA device)");

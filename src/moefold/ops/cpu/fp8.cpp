@@ -100,16 +100,20 @@ void store(void* base, DType t, int64_t i, float v) {
 // Quantizes one tile of n elements, element j at flat index idx(j) of x: returns the scale and
 // calls put(j, code).
 template <class Idx, class Put>
-float quantize_tile(const void* x, DType t, int64_t n, const Idx& idx, const Put& put) {
+float quantize_tile(const void* x, DType t, int64_t n, const Idx& idx, const Put& put, bool via_bf16 = false) {
+  const auto value = [&](int64_t j) {
+    const float v = load(x, t, idx(j));
+    return via_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+  };
   float amax = 0.0f;
   bool finite = true;
   for (int64_t j = 0; j < n; ++j) {
-    const float a = std::fabs(load(x, t, idx(j)));
+    const float a = std::fabs(value(j));
     if (!std::isfinite(a)) finite = false;
     amax = std::max(amax, a);
   }
   const float s = finite ? fp8_tile_scale(amax) : 1.0f;
-  for (int64_t j = 0; j < n; ++j) put(j, e4m3_from_float(load(x, t, idx(j)) / s));
+  for (int64_t j = 0; j < n; ++j) put(j, e4m3_from_float(value(j) / s));
   return s;
 }
 
@@ -186,16 +190,7 @@ int64_t tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
 int64_t matrix_rows(const Tensor& w) { return w.size(w.ndim() == 3 ? 1 : 0); }
 int64_t matrix_cols(const Tensor& w) { return w.size(w.ndim() == 3 ? 2 : 1); }
 
-Shape block_scale_shape(const Tensor& w, bool transposed) {
-  const int64_t o_n = matrix_rows(w), i_n = matrix_cols(w);
-  const int64_t a = transposed ? tiles(i_n) : tiles(o_n), b = transposed ? tiles(o_n) : tiles(i_n);
-  return w.ndim() == 3 ? Shape{w.size(0), a, b} : Shape{a, b};
-}
-
-Shape transposed_shape(const Tensor& w) {
-  const int64_t o_n = matrix_rows(w), i_n = matrix_cols(w);
-  return w.ndim() == 3 ? Shape{w.size(0), i_n, o_n} : Shape{i_n, o_n};
-}
+Shape block_scale_shape(const Tensor& w, bool transposed) { return fp8_block_scale_shape(w.shape(), transposed); }
 
 void check_offsets(const Tensor& offsets, int64_t rows, const char* what) {
   MF_CHECK(offsets.ndim() == 1 && offsets.numel() >= 2 && offsets.dtype() == DType::i64 && offsets.contiguous(), what,
@@ -227,7 +222,7 @@ void check_blocks(const Tensor& w, const Tensor& q, const Tensor& s, const Tenso
   check_shape(q, w.shape(), what);
   check_quant(w, q, s, block_scale_shape(w, false), what);
   if (qT.defined()) {
-    check_shape(qT, transposed_shape(w), what);
+    check_shape(qT, fp8_transposed_shape(w.shape()), what);
     check_quant(w, qT, sT, block_scale_shape(w, true), what);
   } else {
     MF_CHECK(!sT.defined(), what, ": sT without qT");
@@ -267,9 +262,9 @@ void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor&
 }
 
 void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
-                         const Tensor& sT) {
+                         const Tensor& sT, bool via_bf16) {
   check_blocks(w, q, s, qT, sT, "fp8_quantize_blocks");
-  MF_ON_GPU(ctx, w, cuda::fp8_quantize_blocks(ctx, w, q, s, qT, sT));
+  MF_ON_GPU(ctx, w, cuda::fp8_quantize_blocks(ctx, w, q, s, qT, sT, via_bf16));
   const int64_t e_n = w.ndim() == 3 ? w.size(0) : 1, o_n = matrix_rows(w), i_n = matrix_cols(w);
   uint8_t* qd = q.ptr<uint8_t>();
   float* sd = s.ptr<float>();
@@ -278,10 +273,13 @@ void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& 
   const int64_t ob = tiles(o_n), ib = tiles(i_n);
   for_blocks(e_n, o_n, i_n,
              [&](int64_t n, const auto& idx, int64_t si, int64_t e, int64_t o0, int64_t i0, int64_t, int64_t bw) {
-               const float scale = quantize_tile(w.data(), w.dtype(), n, idx, [&](int64_t j, uint8_t c) {
-                 qd[idx(j)] = c;
-                 if (qt) qt[e * o_n * i_n + (i0 + j % bw) * o_n + o0 + j / bw] = c;
-               });
+               const float scale = quantize_tile(
+                   w.data(), w.dtype(), n, idx,
+                   [&](int64_t j, uint8_t c) {
+                     qd[idx(j)] = c;
+                     if (qt) qt[e * o_n * i_n + (i0 + j % bw) * o_n + o0 + j / bw] = c;
+                   },
+                   via_bf16);
                sd[si] = scale;
                if (st) st[(e * ib + i0 / kFp8Tile) * ob + o0 / kFp8Tile] = scale;
              });
@@ -467,7 +465,10 @@ std::vector<T> fake_blocks(const Tensor& w, const Fp8Weight* wq) {
 
 // A given quantized weight: all four tensors, in w's shapes and on its device.
 void check_wq(const Tensor& w, const Fp8Weight* wq, const char* what) {
-  if (wq == nullptr || !wq->defined()) return;
+  if (wq == nullptr || !wq->defined()) {
+    MF_CHECK(w.data() != nullptr, what, ": a weight kept only in FP8 (train.fp8_param) without its FP8 copy");
+    return;
+  }
   MF_CHECK(wq->qT.defined(), what, ": a quantized weight without its transpose");
   check_blocks(w, wq->q, wq->s, wq->qT, wq->sT, what);
 }
@@ -600,38 +601,45 @@ void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, con
   });
 }
 
-void Fp8WeightCache::bind(Memory& mem, const Tensor& w, bool on) {
+Tensor Fp8Param::param(Memory& mem, ParamSpec spec, bool on) {
+  spec.fp8 = on;
+  const std::string name = spec.name;
+  const Tensor w = mem.param(spec);
   mem_ = &mem;
-  w_ = w;
-  version_ = kNever;
-  q_ = Fp8Weight{};
-  if (!on) return;
-  q_.q = mem.result(w.shape(), DType::u8);
-  q_.qT = mem.result(transposed_shape(w), DType::u8);
-  q_.s = mem.result(block_scale_shape(w, false), DType::f32);
-  q_.sT = mem.result(block_scale_shape(w, true), DType::f32);
+  on_ = on;
+  const Param* p = mem.find(name);
+  MF_CHECK(p != nullptr, "Fp8Param: no parameter ", name);
+  index_ = static_cast<size_t>(p - mem.params().data());
+  MF_CHECK(!on || p->fp8.defined(), "Fp8Param: ", name, " was registered without its FP8 copy (ParamSpec::fp8)");
+  return w;
 }
 
-const Fp8Weight* Fp8WeightCache::get() {
-  if (!q_.defined()) return nullptr;
-  if (version_ != mem_->weights_version()) {
-    fp8_quantize_blocks(mem_->exec(), w_, q_.q, q_.s, q_.qT, q_.sT);
-    version_ = mem_->weights_version();
+const Fp8Weight* Fp8Param::get() const {
+  if (!on_) return nullptr;
+  Param& p = mem_->params()[index_];
+  if (p.fp8_version != mem_->weights_version()) {
+    // Kept only in FP8: from the master, rounded as its bf16 copy would be.
+    const bool from_master = p.compute.data() == nullptr;
+    const bool via_bf16 = from_master && mem_->dtype() == DType::bf16 && p.value.dtype() != DType::bf16;
+    fp8_quantize_blocks(mem_->exec(), from_master ? p.value : p.compute, p.fp8.q, p.fp8.s, p.fp8.qT, p.fp8.sT,
+                        via_bf16);
+    p.fp8_version = mem_->weights_version();
   }
-  return &q_;
+  return &p.fp8;
 }
 
-void linear_forward_in(const ExecContext& ctx, bool fp8, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO) {
-  if (fp8)
-    fp8_linear_forward(ctx, x_NI, w_OI, y_NO);
+void linear_forward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
+                       const Tensor& y_NO) {
+  if (wq != nullptr)
+    fp8_linear_forward(ctx, x_NI, w_OI, y_NO, wq);
   else
     linear_forward(ctx, x_NI, w_OI, y_NO);
 }
 
-void linear_backward_in(const ExecContext& ctx, bool fp8, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
-                        const Tensor& dx_NI, const Tensor& dw_OI) {
-  if (fp8)
-    fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI);
+void linear_backward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
+                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI) {
+  if (wq != nullptr)
+    fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, true, wq);
   else
     linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI);
 }

@@ -26,7 +26,7 @@ void fp8_quantize_rows(const ExecContext& ctx, const Tensor& x_RK, const Tensor&
 void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor& offsets_S1, const Tensor& qT_CP,
                        const Tensor& sT_BC);
 void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
-                         const Tensor& sT);
+                         const Tensor& sT, bool via_bf16);
 void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tensor& p_RW);
 void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK);
 void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK);
@@ -89,8 +89,9 @@ void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype
 // operand when x came packed; values exact, as launch_fp8_quantize_cols of their dequantization).
 void launch_fp8_quantize_cols_packed(const ExecContext& ctx, const uint8_t* x, int64_t rows, int64_t cols,
                                      const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT);
-// The blocks layout of w [e, o, i]; any of q, s, qT, sT may be null (not written).
+// The blocks layout of w [e, o, i]; any of q, s, qT, sT may be null (not written). via_bf16: w's
+// values rounded to bf16 first.
 void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dtype, int64_t e, int64_t o, int64_t i,
-                                uint8_t* q, float* s, uint8_t* qT, float* sT);
+                                uint8_t* q, float* s, uint8_t* qT, float* sT, bool via_bf16);
 
 }  // namespace moefold::cuda

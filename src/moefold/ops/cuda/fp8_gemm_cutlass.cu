@@ -340,7 +340,7 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
     qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, 2 * e_n * ib * ob);
     s_blocks = qw.s + e_n * ib * ob;
     launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, qw.q, lt ? qw.s + e_n * ib * ob : nullptr,
-                               nullptr, qw.s);  // sT (and s)
+                               nullptr, qw.s, false);  // sT (and s)
   }
   if (lt && lt_blocks(ctx, qx.q, lda, qx.s, r_n, qw.q, i_n, s_blocks, o_n, i_n, y, 0.0f)) return;
   Operands op;
@@ -378,7 +378,7 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
       qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, 2 * e_n * ob * ib);
       sT_blocks = qw.s + e_n * ob * ib;
       launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, nullptr, qw.s, qw.q,
-                                 lt ? qw.s + e_n * ob * ib : nullptr);  // qT, s (and sT)
+                                 lt ? qw.s + e_n * ob * ib : nullptr, false);  // qT, s (and sT)
     }
     if (!lt || !lt_blocks(ctx, qdy.q, o_n, qdy.s, r_n, qw.q, o_n, sT_blocks, i_n, o_n, dx, 0.0f)) {
       op.a = qdy.q, op.sfa = qdy.s, op.b = qw.q, op.sfb = qw.s, op.d = dx.data();

@@ -370,7 +370,8 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     quantize_blocks_kernel(const T* __restrict__ w, int64_t o_n, int64_t i_n, uint8_t* __restrict__ q,
-                           float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, bool vec_t) {
+                           float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, bool vec_t,
+                           bool via_bf16) {
   const int64_t e = blockIdx.z, bo = blockIdx.y, bi = blockIdx.x, ob = gridDim.y, ib = gridDim.x;
   const int64_t o0 = bo * kTile, i0 = bi * kTile;
   const int h = static_cast<int>(std::min<int64_t>(kTile, o_n - o0)),
@@ -395,6 +396,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < 4; ++j)
           if (c + j < wd) v[i][j] = to_float(row[c + j]);
       }
+      if (via_bf16)  // an f32 master quantized as its bf16 copy would be (uniform over the grid)
+        for (int j = 0; j < 4; ++j) v[i][j] = __bfloat162float(__float2bfloat16_rn(v[i][j]));
     }
     m = max(m, max(max(abs_bits(v[i][0]), abs_bits(v[i][1])), max(abs_bits(v[i][2]), abs_bits(v[i][3]))));
   }
@@ -578,7 +581,7 @@ void launch_fp8_quantize_cols_packed(const ExecContext& ctx, const uint8_t* x, i
 }
 
 void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dtype, int64_t e, int64_t o, int64_t i,
-                                uint8_t* q, float* s, uint8_t* qT, float* sT) {
+                                uint8_t* q, float* s, uint8_t* qT, float* sT, bool via_bf16) {
   if (e == 0 || o == 0 || i == 0) return;
   const dim3 grid(static_cast<unsigned>(ceil_div(i, kTile)), grid_dim_yz(ceil_div(o, kTile), "fp8_quantize_blocks"),
                   grid_dim_yz(e, "fp8_quantize_blocks"));
@@ -586,9 +589,9 @@ void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dty
   with_input_dtype(dtype, "fp8_quantize_blocks", [&]<class T>() {
     const T* wt = static_cast<const T*>(w);
     if (i % 4 == 0 && aligned(w, 4 * sizeof(T)) && aligned(q, 4))
-      quantize_blocks_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t);
+      quantize_blocks_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t, via_bf16);
     else
-      quantize_blocks_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t);
+      quantize_blocks_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t, via_bf16);
   });
   MF_CUDA_LAUNCHED("fp8_quantize_blocks");
 }
@@ -629,11 +632,12 @@ void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor&
 }
 
 void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
-                         const Tensor& sT) {
+                         const Tensor& sT, bool via_bf16) {
   const bool batched = w.ndim() == 3;
   launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), batched ? w.size(0) : 1, w.size(batched ? 1 : 0),
                              w.size(batched ? 2 : 1), q.ptr<uint8_t>(), s.ptr<float>(),
-                             qT.defined() ? qT.ptr<uint8_t>() : nullptr, sT.defined() ? sT.ptr<float>() : nullptr);
+                             qT.defined() ? qT.ptr<uint8_t>() : nullptr, sT.defined() ? sT.ptr<float>() : nullptr,
+                             via_bf16);
 }
 
 void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK) {
