@@ -71,9 +71,7 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
       exp_avg_.push_back(arena_.take(m_dtype_, p.value.shape()));
       exp_avg_sq_.push_back(arena_.take(v_dtype_, p.value.shape()));
       segments_.push_back({i, p.group, 0, n, p.value.view({n}), exp_avg_.back().view({n}), exp_avg_sq_.back().view({n}),
-                           p.grad.view({n}),
-                           p.has_compute_copy() ? p.compute.view({n}) : Tensor(),
-                           true});
+                           p.grad.view({n}), p.has_compute_copy() ? p.compute.view({n}) : Tensor(), true});
     }
   };
   take_all();  // measure
@@ -301,8 +299,7 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
     const Param& p = params[sg.param];
     const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2, grad_scale};
     if (!sharded_) {  // the caller's tensors (the optimizer may be bound to a copy of the list)
-      adamw_update(*ctx_, p.value, p.grad, exp_avg_[k], exp_avg_sq_[k], s,
-                   p.has_compute_copy() ? p.compute : Tensor());
+      adamw_update(*ctx_, p.value, p.grad, exp_avg_[k], exp_avg_sq_[k], s, p.has_compute_copy() ? p.compute : Tensor());
       continue;
     }
     // With mixed precision the pass also writes the bf16 compute copy; an f32 copy is copied.
