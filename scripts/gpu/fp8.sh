@@ -202,7 +202,9 @@ for fam in sorted({f for f, _ in runs}):
         a, b = means["none"], means["blockwise"]
         print(f"{fam}: FP8 - bf16: last-100 mean {(b[0] - a[0]) / a[0] * 100:+.2f}%, eval {(b[1] - a[1]) / a[1] * 100:+.2f}%")
         for i, what in ((0, "last-100 mean"), (1, "eval")):
-            d = [v["blockwise"][i] - v["none"][i] for (f, _), v in sorted(by_seed.items()) if f == fam and len(v) == 2]
+            d = [v["blockwise"][i] - v["none"][i]
+                 for (f, _), v in sorted(by_seed.items(), key=lambda kv: (kv[0][0], int(kv[0][1])))
+                 if f == fam and len(v) == 2]  # in seed order
             if len(d) > 1:
                 se = st.stdev(d) / len(d) ** 0.5
                 print(f"{fam}: paired by seed, {what}: {' '.join(f'{x:+.4f}' for x in d)}; mean {st.mean(d):+.4f} "
