@@ -292,9 +292,9 @@ TEST(CudaFp8, QuantizeColsMatchesCpuBitForBit) {
 }
 
 void check_blocks(std::mt19937_64& rng, int64_t e, int64_t o, int64_t i, DType dt, bool transposed,
-                  bool non_finite = false) {
+                  bool non_finite = false, bool via_bf16 = false) {
   SCOPED_TRACE(::testing::Message() << "blocks " << dtype_name(dt) << " E " << e << " O " << o << " I " << i
-                                    << (transposed ? " with qT" : ""));
+                                    << (transposed ? " with qT" : "") << (via_bf16 ? " via bf16" : ""));
   DevicePool dev;
   Host wm = awkward(rng, e * o, i, dt);
   if (non_finite) add_non_finite(wm);
@@ -303,11 +303,11 @@ void check_blocks(std::mt19937_64& rng, int64_t e, int64_t o, int64_t i, DType d
   const Shape sts = e > 1 ? Shape{e, tiles(i), tiles(o)} : Shape{tiles(i), tiles(o)};
   const Tensor w = wm.t.view(ws);
   Host q(ws, DType::u8, 0xab), s(ss, DType::f32, 0xab), qt(wts, DType::u8, 0xab), st(sts, DType::f32, 0xab);
-  fp8_quantize_blocks(cpu(), w, q.t, s.t, transposed ? qt.t : Tensor(), transposed ? st.t : Tensor());
+  fp8_quantize_blocks(cpu(), w, q.t, s.t, transposed ? qt.t : Tensor(), transposed ? st.t : Tensor(), via_bf16);
   const Tensor wd = to_device(dev, wm).view(ws), qd = filled(dev, ws, DType::u8, 0xab),
                sd = filled(dev, ss, DType::f32, 0xab), qtd = filled(dev, wts, DType::u8, 0xab),
                std_ = filled(dev, sts, DType::f32, 0xab);
-  fp8_quantize_blocks(testing::exec(), wd, qd, sd, transposed ? qtd : Tensor(), transposed ? std_ : Tensor());
+  fp8_quantize_blocks(testing::exec(), wd, qd, sd, transposed ? qtd : Tensor(), transposed ? std_ : Tensor(), via_bf16);
   EXPECT_SAME_BYTES(bytes_of(qd), q.bytes, "codes");
   EXPECT_SAME_BYTES(bytes_of(sd), s.bytes, "scales");
   EXPECT_SAME_BYTES(bytes_of(qtd), qt.bytes, "transposed codes");
@@ -335,6 +335,9 @@ TEST(CudaFp8, QuantizeBlocksMatchesCpuBitForBit) {
     }
     check_blocks(rng, 2, 100, 200, dt, true, true);
   }
+  // f32 masters quantized as their bf16 copies would be (train.fp8_param): scalar and vector paths.
+  check_blocks(rng, 3, 130, 301, DType::f32, true, false, true);
+  check_blocks(rng, 2, 256, 384, DType::f32, true, false, true);
 }
 
 TEST(CudaFp8, GpuQuantizeRejectsF64) {

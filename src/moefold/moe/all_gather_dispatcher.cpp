@@ -20,7 +20,7 @@ AllGatherDispatcher::AllGatherDispatcher(const MoeConfig& cfg, int64_t hidden, i
 
 void AllGatherDispatcher::bind(Memory& mem) {
   ctx_ = &mem.exec();
-  ex_.bind(mem, fp8_rows_);
+  ex_.bind(mem, row_width(ex_.hidden()), row_dtype(mem.dtype()));
   const int64_t e_n = cfg_.num_experts, l_n = ex_.num_local(), p_n = ex_.ep().size(), g_n = etp_.size();
   const int64_t gs_max = g_n * ex_.s_max();
   home_counts_GE_ = mem.host_act({g_n * e_n}, DType::i64);

@@ -22,7 +22,7 @@ AllToAllDispatcher::AllToAllDispatcher(const MoeConfig& cfg, int64_t hidden, int
 
 void AllToAllDispatcher::bind(Memory& mem) {
   ctx_ = &mem.exec();
-  ex_.bind(mem, fp8_rows_);
+  ex_.bind(mem, row_width(ex_.hidden()), row_dtype(mem.dtype()));
   const int64_t p_n = ex_.ep().size();
   all_counts_PE_ = mem.host_act({p_n, cfg_.num_experts}, DType::i64);
   // Own halves and all own rows (one own piece on one rank), then a piece per peer and round.

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
 
 namespace moefold {
@@ -53,10 +52,10 @@ EpExchange::EpExchange(const char* who, const MoeConfig& cfg, int64_t hidden, in
   s_max_ = cfg.max_rows(max_tokens);
 }
 
-void EpExchange::bind(Memory& mem, bool fp8_rows) {
+void EpExchange::bind(Memory& mem, int64_t row_width, DType row_dtype) {
   ctx_ = &mem.exec();
-  row_width_ = fp8_rows ? fp8_packed_width(hidden_) : hidden_;
-  row_dtype_ = fp8_rows ? DType::u8 : mem.dtype();
+  row_width_ = row_width;
+  row_dtype_ = row_dtype;
   const int64_t e_n = cfg_.num_experts, l_n = num_local_, p_n = ep_.size(), r_max = max_rows();
   // Counts and the plans built from them are host arrays (the host plans the exchange and the
   // communicator reads counts on the host); the device gets what its kernels read.

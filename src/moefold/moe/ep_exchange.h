@@ -50,10 +50,12 @@ class EpExchange {
   EpExchange(const char* who, const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep,
              const Communicator* etp = nullptr);
 
-  // Plans the shared buffers (index buffers, then own/home/recv/rows rows). fp8_rows: the dispatch
-  // leg moves packed FP8 rows (Dispatcher::set_fp8_rows): rows_RH holds them, and own_rows views
-  // own_SH's memory as them; the other legs keep the model's dtype.
-  void bind(Memory& mem, bool fp8_rows = false);
+  // Plans the shared buffers (index buffers, then own/home/recv/rows rows). row_width, row_dtype:
+  // the rows the dispatch leg moves (Dispatcher::row_width / row_dtype: [*, H] in the model's
+  // dtype, or packed FP8 rows with moe.fp8_dispatch): rows_RH holds them, and own_rows views
+  // own_SH's memory as them; the other legs keep [*, H] in the model's dtype.
+  void bind(Memory& mem, int64_t row_width, DType row_dtype);
+  int64_t hidden() const { return hidden_; }
   int64_t num_local() const { return num_local_; }
   int64_t s_max() const { return s_max_; }
   // B * ep_max_recv_rows: every source of every peer sends all its rows here in the worst case.
@@ -69,9 +71,6 @@ class EpExchange {
   const Tensor& rows_RH() const { return rows_RH_; }
   // own_SH's memory as [S max] rows of the dispatched format (the x rows in dispatch).
   const Tensor& own_rows() const { return own_rows_; }
-  // The width and dtype of the dispatched rows (x's).
-  int64_t row_width() const { return row_width_; }
-  DType row_dtype() const { return row_dtype_; }
   // i64 [P * B * L], host: rows from (peer p, source b) to local expert l (after exchange_counts).
   const Tensor& recv_counts() const { return recv_counts_PBL_; }
   // i64 [E], host: home_counts_E of the last route_home.

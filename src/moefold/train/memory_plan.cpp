@@ -38,6 +38,9 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
     // the deterministic backward 2 B H Sq S bytes (+ 4 B H Sq D with grouped-query heads), the
     // other one 8 B H Sq D.
     p.runtime = size_t{32} << 20;  // cuBLASLt's workspace (ops/cuda/gemm.cu)
+    // and FP8's own, where cuBLASLt's block scaling serves the dense layers (fp8_gemm_cublaslt.cu)
+    if (cfg.train.fp8 == "blockwise" && cfg.kernels.fp8_dense_gemm == Fp8DenseGemm::cublaslt)
+      p.runtime += size_t{32} << 20;
     // Several GPUs: each NCCL communicator (the world and the mesh's ten groups, eighteen with
     // pipeline stages) stages host tensors in 8 MiB of its own (comm/nccl.cpp; NCCL's internal
     // buffers are not device_malloc's).

@@ -28,10 +28,10 @@ struct MemoryPlan {
   size_t host = 0;                       // host workspaces of a GPU run (plans from counts, token windows)
   std::vector<Memory::PartBytes> parts;  // activations by part of the model
   // Not planned by Memory: the libraries size these at the first step. cuBLASLt's workspace
-  // (32 MiB, ops/cuda/gemm.cu) and, where cuDNN serves attention (kernels.attention auto or
-  // cudnn), its backward's workspace as measured on an H200 (plan_memory; docs/benchmarks.md):
-  // 2 bytes per (sequence, head, query, key) of a micro-batch with kernels.deterministic_attention;
-  // on several GPUs the NCCL communicators' staging buffers. Zero on the CPU.
+  // (32 MiB, ops/cuda/gemm.cu; another 32 MiB for FP8's dense GEMMs on cuBLASLt) and, where cuDNN serves attention
+  // (kernels.attention auto or cudnn), its backward's workspace as measured on an H200 (plan_memory;
+  // docs/benchmarks.md): 2 bytes per (sequence, head, query, key) of a micro-batch with
+  // kernels.deterministic_attention; on several GPUs the NCCL communicators' staging buffers. Zero on the CPU.
   size_t runtime = 0;
   // The device bytes planned before step 0 (the arenas and the optimizer): what device_malloc
   // reserves before the first step.

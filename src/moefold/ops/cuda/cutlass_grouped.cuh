@@ -7,7 +7,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 
 #include "moefold/core/error.h"
 #include "moefold/core/exec.h"
@@ -15,26 +14,24 @@
 
 namespace moefold::cuda::cutlass_grouped {
 
-// Arrays of `groups` entries each, every one 16-byte aligned, taken in turn from one block.
+// Arrays of `groups` entries each, every one 16-byte aligned, taken in turn from one block. A
+// carver of a null base measures: bytes() after the same takes is what a block needs.
 class ArgCarver {
  public:
-  ArgCarver(void* base, int64_t groups) : p_(static_cast<char*>(base)), n_(static_cast<size_t>(groups)) {}
+  ArgCarver(void* base, int64_t groups)
+      : base_(reinterpret_cast<uintptr_t>(base)), p_(base_), n_(static_cast<size_t>(groups)) {}
   template <class T>
   T* take() {
-    p_ = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p_) + 15) & ~uintptr_t{15});
+    p_ = (p_ + 15) & ~uintptr_t{15};
     T* r = reinterpret_cast<T*>(p_);
     p_ += sizeof(T) * n_;
     return r;
   }
-  // The bytes a block needs for arrays of these entry sizes (alignment slack included).
-  static size_t bytes(int64_t groups, std::initializer_list<size_t> entry_sizes) {
-    size_t b = 0;
-    for (size_t s : entry_sizes) b += s * static_cast<size_t>(groups) + 16;
-    return b;
-  }
+  // The bytes taken so far, with the slack a base that is not 16-byte aligned needs.
+  size_t bytes() const { return static_cast<size_t>(p_ - base_) + 15; }
 
  private:
-  char* p_;
+  uintptr_t base_, p_;
   size_t n_;
 };
 

@@ -149,13 +149,16 @@ struct Arrays {
   typename G::LayoutSFB* lsfb;
 
   static size_t bytes(int64_t e_n) {
-    return cutlass_grouped::ArgCarver::bytes(
-        e_n, {sizeof(Problem), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(void*),
-              sizeof(typename G::StrideA), sizeof(typename G::StrideB), sizeof(typename G::StrideC),
-              sizeof(typename G::StrideD), sizeof(typename G::LayoutSFA), sizeof(typename G::LayoutSFB)});
+    cutlass_grouped::ArgCarver measure(nullptr, e_n);
+    take(measure);
+    return measure.bytes();
   }
   static Arrays carve(void* base, int64_t e_n) {
     cutlass_grouped::ArgCarver arrays(base, e_n);
+    return take(arrays);
+  }
+  // Every array, in one order for measuring and carving.
+  static Arrays take(cutlass_grouped::ArgCarver& arrays) {
     Arrays a;
     a.problems = arrays.take<Problem>();
     a.a = arrays.take<const In*>();
@@ -310,13 +313,36 @@ bool lt_blocks(const ExecContext& ctx, const uint8_t* a, int64_t lda, const floa
   return lt_fp8_gemm(ctx, m, n, k, a, lda, sa, b, ldb, padded, true, out.data(), out.dtype(), beta);
 }
 
+// The weight's operand for the forward (q; CUTLASS reads it with the transposed block scales sT,
+// cuBLASLt with s) or, transposed, for the data gradient (qT; CUTLASS with s, cuBLASLt with sT):
+// the cached copy wq's (Fp8Param), or w quantized into scratch now (s_lt only when `lt`).
+struct WeightOperand {
+  const uint8_t* q;
+  const float* s;     // CUTLASS's scales
+  const float* s_lt;  // cuBLASLt's
+};
+WeightOperand weight_operand(const ExecContext& ctx, const Tensor& w, const Fp8Weight* wq, int64_t e_n, int64_t o_n,
+                             int64_t i_n, bool transposed, bool lt) {
+  if (wq != nullptr && wq->defined())
+    return transposed ? WeightOperand{wq->qT.ptr<uint8_t>(), wq->s.ptr<float>(), wq->sT.ptr<float>()}
+                      : WeightOperand{wq->q.ptr<uint8_t>(), wq->sT.ptr<float>(), wq->s.ptr<float>()};
+  const int64_t n = e_n * ceil_div(o_n, kFp8Tile) * ceil_div(i_n, kFp8Tile);  // scales of one orientation
+  const Quantized qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, 2 * n);
+  float* s_lt = lt ? qw.s + n : nullptr;
+  if (transposed)  // qT with s (and sT)
+    launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, nullptr, qw.s, qw.q, s_lt, false);
+  else  // q with sT (and s)
+    launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, qw.q, s_lt, nullptr, qw.s, false);
+  return {qw.q, qw.s, s_lt};
+}
+
 // y = x @ w^T per group (off: [e_n + 1] device offsets, or nullptr: one group of all rows).
 void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n, const Tensor& y,
              const Fp8Weight* wq, const char* what) {
   check_gpu_operands(x, w, y, Tensor(), Tensor(), what);
   const int64_t r_n = x.size(0), i_n = matrix_cols(w), o_n = matrix_rows(w);
   if (r_n == 0 || e_n == 0) return;
-  const int64_t ib = ceil_div(i_n, kFp8Tile), ob = ceil_div(o_n, kFp8Tile);
+  const int64_t ib = ceil_div(i_n, kFp8Tile);
   Quantized qx;
   int64_t lda = i_n;
   if (packed(x)) {  // the codes as they are (row stride: the packed width), the scales regrouped
@@ -328,21 +354,9 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
     qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * i_n, ib * r_n);
     launch_fp8_quantize_rows(ctx, x.data(), x.dtype(), r_n, i_n, qx.q, qx.s, off, e_n);
   }
-  // A dense layer on cuBLASLt (kernels.fp8_dense_gemm) reads the weight's blocks with scales s,
-  // CUTLASS with sT.
   const bool lt = dense_on_cublaslt(ctx, off, r_n, o_n, i_n);
-  Quantized qw;
-  const float* s_blocks = nullptr;
-  if (wq != nullptr && wq->defined()) {
-    qw = Quantized{wq->q.ptr<uint8_t>(), wq->sT.ptr<float>()};  // as quantize_blocks below writes them
-    s_blocks = wq->s.ptr<float>();
-  } else {
-    qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, 2 * e_n * ib * ob);
-    s_blocks = qw.s + e_n * ib * ob;
-    launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, qw.q, lt ? qw.s + e_n * ib * ob : nullptr,
-                               nullptr, qw.s, false);  // sT (and s)
-  }
-  if (lt && lt_blocks(ctx, qx.q, lda, qx.s, r_n, qw.q, i_n, s_blocks, o_n, i_n, y, 0.0f)) return;
+  const WeightOperand qw = weight_operand(ctx, w, wq, e_n, o_n, i_n, false, lt);
+  if (lt && lt_blocks(ctx, qx.q, lda, qx.s, r_n, qw.q, i_n, qw.s_lt, o_n, i_n, y, 0.0f)) return;
   Operands op;
   op.a = qx.q, op.lda = lda, op.sfa = qx.s, op.b = qw.q, op.sfb = qw.s, op.d = y.data(), op.off = off, op.rows = r_n;
   op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
@@ -361,7 +375,7 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
     if (dw.defined() && !accumulate) MF_CUDA_CHECK(cudaMemsetAsync(dw.data(), 0, dw.nbytes(), stream_of(ctx)));
     return;
   }
-  const int64_t ib = ceil_div(i_n, kFp8Tile), ob = ceil_div(o_n, kFp8Tile);
+  const int64_t ob = ceil_div(o_n, kFp8Tile);
   Operands op;
   op.off = off, op.rows = r_n;
   op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
@@ -369,18 +383,8 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
     const Quantized qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * o_n, ob * r_n);
     launch_fp8_quantize_rows(ctx, dy.data(), dy.dtype(), r_n, o_n, qdy.q, qdy.s, off, e_n);
     const bool lt = dense_on_cublaslt(ctx, off, r_n, i_n, o_n);
-    Quantized qw;
-    const float* sT_blocks = nullptr;  // cuBLASLt's scales of qT
-    if (wq != nullptr && wq->defined()) {
-      qw = Quantized{wq->qT.ptr<uint8_t>(), wq->s.ptr<float>()};
-      sT_blocks = wq->sT.ptr<float>();
-    } else {
-      qw = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, e_n * o_n * i_n, 2 * e_n * ob * ib);
-      sT_blocks = qw.s + e_n * ob * ib;
-      launch_fp8_quantize_blocks(ctx, w.data(), w.dtype(), e_n, o_n, i_n, nullptr, qw.s, qw.q,
-                                 lt ? qw.s + e_n * ob * ib : nullptr, false);  // qT, s (and sT)
-    }
-    if (!lt || !lt_blocks(ctx, qdy.q, o_n, qdy.s, r_n, qw.q, o_n, sT_blocks, i_n, o_n, dx, 0.0f)) {
+    const WeightOperand qw = weight_operand(ctx, w, wq, e_n, o_n, i_n, true, lt);
+    if (!lt || !lt_blocks(ctx, qdy.q, o_n, qdy.s, r_n, qw.q, o_n, qw.s_lt, i_n, o_n, dx, 0.0f)) {
       op.a = qdy.q, op.sfa = qdy.s, op.b = qw.q, op.sfb = qw.s, op.d = dx.data();
       with_fp8_tile<128, cutlass::bfloat16_t>(ctx.kernels().fp8_tiles.rows,
                                               [&]<class G>() { run_fp8<G, Kind::dgrad>(ctx, op, 0.0f, what); });

@@ -499,32 +499,26 @@ namespace {
 void quantize_rows(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t k, uint8_t* q, float* s,
                    const int64_t* group_offsets, int64_t groups, int64_t ldq, int64_t packed_at, bool swiglu = false) {
   if (rows == 0 || k == 0) return;
-  if (swiglu) {
-    const dim3 grid(static_cast<unsigned>(ceil_div(rows, kWarps)),
-                    grid_dim_yz(ceil_div(k, kTile), "fp8_swiglu_packed"));
-    if (dtype != DType::bf16) MF_FAIL("fp8_swiglu_packed on the GPU: ", dtype_name(dtype), " gu (bf16 only)");
-    const auto* gu = static_cast<const __nv_bfloat16*>(x);
-    if (k % 4 == 0 && ldq % 4 == 0 && aligned(x, 16) && aligned(q, 4))
-      quantize_rows_kernel<__nv_bfloat16, true, true><<<grid, kThreads, 0, stream_of(ctx)>>>(
-          gu, rows, k, q, s, group_offsets, static_cast<int>(groups), ldq, packed_at);
-    else
-      quantize_rows_kernel<__nv_bfloat16, false, true><<<grid, kThreads, 0, stream_of(ctx)>>>(
-          gu, rows, k, q, s, group_offsets, static_cast<int>(groups), ldq, packed_at);
-    MF_CUDA_LAUNCHED("fp8_swiglu_packed");
-    return;
-  }
-  const dim3 grid(static_cast<unsigned>(ceil_div(rows, kWarps)), grid_dim_yz(ceil_div(k, kTile), "fp8_quantize_rows"));
-  with_input_dtype(dtype, "fp8_quantize_rows", [&]<class T>() {
+  const char* what = swiglu ? "fp8_swiglu_packed" : "fp8_quantize_rows";
+  const dim3 grid(static_cast<unsigned>(ceil_div(rows, kWarps)), grid_dim_yz(ceil_div(k, kTile), what));
+  const auto launch = [&]<class T, bool kSwiglu>() {
     const T* xt = static_cast<const T*>(x);
-    const bool vec = k % 4 == 0 && ldq % 4 == 0 && aligned(x, 4 * sizeof(T)) && aligned(q, 4);
+    // A lane reads 4 elements (SwiGLU: 4 gate-up pairs, 16 bytes of bf16) and writes 4 codes.
+    const bool vec = k % 4 == 0 && ldq % 4 == 0 && aligned(x, (kSwiglu ? 8 : 4) * sizeof(T)) && aligned(q, 4);
     if (vec)
-      quantize_rows_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, rows, k, q, s, group_offsets,
-                                                                           static_cast<int>(groups), ldq, packed_at);
+      quantize_rows_kernel<T, true, kSwiglu><<<grid, kThreads, 0, stream_of(ctx)>>>(
+          xt, rows, k, q, s, group_offsets, static_cast<int>(groups), ldq, packed_at);
     else
-      quantize_rows_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, rows, k, q, s, group_offsets,
-                                                                            static_cast<int>(groups), ldq, packed_at);
-  });
-  MF_CUDA_LAUNCHED("fp8_quantize_rows");
+      quantize_rows_kernel<T, false, kSwiglu><<<grid, kThreads, 0, stream_of(ctx)>>>(
+          xt, rows, k, q, s, group_offsets, static_cast<int>(groups), ldq, packed_at);
+  };
+  if (swiglu) {
+    if (dtype != DType::bf16) MF_FAIL("fp8_swiglu_packed on the GPU: ", dtype_name(dtype), " gu (bf16 only)");
+    launch.template operator()<__nv_bfloat16, true>();
+  } else {
+    with_input_dtype(dtype, what, [&]<class T>() { launch.template operator()<T, false>(); });
+  }
+  MF_CUDA_LAUNCHED(what);
 }
 }  // namespace
 

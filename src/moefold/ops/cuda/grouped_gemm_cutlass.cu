@@ -351,12 +351,16 @@ struct Arrays {
   typename G::StrideD* sd;
 
   static size_t bytes(int64_t e_n) {
-    return cutlass_grouped::ArgCarver::bytes(
-        e_n, {sizeof(Problem), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(void*), sizeof(typename G::StrideA),
-              sizeof(typename G::StrideB), sizeof(typename G::StrideC), sizeof(typename G::StrideD)});
+    cutlass_grouped::ArgCarver measure(nullptr, e_n);
+    take(measure);
+    return measure.bytes();
   }
   static Arrays carve(void* base, int64_t e_n) {
     cutlass_grouped::ArgCarver arrays(base, e_n);
+    return take(arrays);
+  }
+  // Every array, in one order for measuring and carving.
+  static Arrays take(cutlass_grouped::ArgCarver& arrays) {
     Arrays a;
     a.problems = arrays.take<Problem>();
     a.a = arrays.take<const In*>();
