@@ -10,10 +10,14 @@
 // there), median of --runs after --warmup.
 // Then the experts' grouped GEMMs (bench_grouped). Both by default.
 // --probe-layouts: which scale layouts cuBLASLt's block scaling reads (probe_layouts), nothing else.
-//   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--grouped-only | --dense-only | --probe-layouts]
+//   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
+//                              --probe-layouts]
+// --tiles: the kernels.fp8_tile values the grouped GEMMs run in, in turn (default
+// "cooperative;rows=own;cooperative;rows=own").
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -268,7 +272,7 @@ void report_grouped(const GroupedShape& g, const char* kind, const char* impl, d
   std::fflush(stdout);
 }
 
-void bench_grouped(int runs, int warmup) {
+void bench_grouped(int runs, int warmup, const std::vector<std::string>& tiles) {
   const ExecContext& ctx = ExecContext::standard(Device::cuda);
   for (const GroupedShape& g : kGrouped) {
     const int64_t r = g.e * g.m;
@@ -306,13 +310,13 @@ void bench_grouped(int runs, int warmup) {
                      grouped_linear_backward(ctx, *x, *w, *offsets, *dy, Tensor(), *dw, false);
                    }));
     // Each configuration twice, in turn: the first FP8 runs after the bf16 ones measured slower
-    // whichever configuration it was (an order effect of up to 15%, 2026-12-02).
-    for (const char* tile :
-         {"cooperative", "cooperative_1x1", "pingpong", "cooperative", "cooperative_1x1", "pingpong"}) {
+    // whichever configuration it was (an order effect of up to 15%, 2026-12-02). rows=own changes
+    // only the forward and dgrad (its wgrad is cooperative's).
+    for (const std::string& tile : tiles) {
       KernelOptions k;
       k.fp8_tiles = parse_fp8_tiles(tile, "kernels.fp8_tile");
       const ExecContext c(Device::cuda, k);
-      const std::string name = std::string("FP8 ") + tile;
+      const std::string name = "FP8 " + tile;
       report_grouped(g, "fwd", name.c_str(), bench::time_ms(runs, warmup, [&] {
                                                fp8_grouped_linear_forward(c, *x, *w, *offsets, *y, &wq);
                                              }) - q_fwd);
@@ -320,10 +324,11 @@ void bench_grouped(int runs, int warmup) {
                                                  fp8_grouped_linear_backward(c, *x, *w, *offsets, *dy, *dx, Tensor(),
                                                                              false, &wq);
                                                }) - q_dgrad);
-      report_grouped(g, "wgrad", name.c_str(), bench::time_ms(runs, warmup, [&] {
-                                                 fp8_grouped_linear_backward(c, *x, *w, *offsets, *dy, Tensor(), *dw,
-                                                                             false, &wq);
-                                               }) - q_wgrad);
+      if (k.fp8_tiles.cols != Fp8Tile::cooperative || k.fp8_tiles.rows == Fp8Tile::cooperative)
+        report_grouped(g, "wgrad", name.c_str(), bench::time_ms(runs, warmup, [&] {
+                                                   fp8_grouped_linear_backward(c, *x, *w, *offsets, *dy, Tensor(), *dw,
+                                                                               false, &wq);
+                                                 }) - q_wgrad);
     }
     std::printf("grouped %-20s quantize ms: x rows %.3f, dy rows %.3f, dy + x cols %.3f\n", g.name, q_fwd, q_dgrad,
                 q_wgrad);
@@ -333,9 +338,18 @@ void bench_grouped(int runs, int warmup) {
 int run(int argc, char** argv) {
   int runs = 20, warmup = 3;
   bool dense = true, grouped = true, probe = false;
+  std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--probe-layouts")
+    if (a == "--tiles" && i + 1 < argc) {  // kernels.fp8_tile values separated by ';'
+      tiles.clear();
+      std::string list = argv[++i];
+      for (size_t at = 0; at <= list.size();) {
+        const size_t semi = std::min(list.find(';', at), list.size());
+        tiles.push_back(list.substr(at, semi - at));
+        at = semi + 1;
+      }
+    } else if (a == "--probe-layouts")
       probe = true;
     else if (a == "--grouped-only")
       dense = false;
@@ -346,8 +360,8 @@ int run(int argc, char** argv) {
     else if (a == "--warmup" && i + 1 < argc)
       warmup = std::atoi(argv[++i]);
     else
-      MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--grouped-only | --dense-only | --probe-layouts] (got '",
-              a, "')");
+      MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only | ",
+              "--probe-layouts] (got '", a, "')");
   }
   if (probe) {
     cublasLtHandle_t lt;
@@ -358,7 +372,7 @@ int run(int argc, char** argv) {
     cublasLtDestroy(lt);
     return 0;
   }
-  if (grouped) bench_grouped(runs, warmup);
+  if (grouped) bench_grouped(runs, warmup, tiles);
   if (!dense) return 0;
   MF_CHECK(cuda_device_count() > 0, "bench_fp8_gemm needs a GPU");
   const ExecContext& ctx = ExecContext::standard(Device::cuda);

@@ -609,7 +609,7 @@ TEST(CudaFp8Linear, EveryTileConfigurationGivesTheSameBits) {
   const Tensor xd = to_device(dev, x), wd = to_device(dev, w).view({e_n, out, in}), dyd = to_device(dev, dy),
                offd = to_device(dev, off);
   std::vector<std::vector<uint8_t>> want;
-  for (const char* tile : {"cooperative", "cooperative_1x1", "pingpong"}) {
+  for (const char* tile : {"cooperative", "cooperative_1x1", "pingpong", "rows=own"}) {
     SCOPED_TRACE(tile);
     KernelOptions k;
     k.fp8_tiles = parse_fp8_tiles(tile, "kernels.fp8_tile");
@@ -629,6 +629,58 @@ TEST(CudaFp8Linear, EveryTileConfigurationGivesTheSameBits) {
     EXPECT_SAME_BYTES(got[2], want[2], "f32 dw");
     EXPECT_SAME_BYTES(got[3], want[3], "bf16 dw");
   }
+}
+
+// kernels.fp8_tile rows = own (fp8_grouped_gemm.cu: one TMA descriptor for every expert, tiles
+// that start at each expert's first row and read past its end) sums as CUTLASS does: y and dx bit
+// for bit CUTLASS's, over empty experts, experts of 1 row and of 127 / 128 / 129, K tails, N not a
+// multiple of 128, packed FP8 rows as x, and a dense layer (one group) where cuBLASLt is off.
+TEST(CudaFp8Linear, OwnKernelGivesCutlassBits) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  DevicePool dev;
+  const std::vector<int64_t> awkward = {0, 37, 1, 0, 300, 128, 129, 127, 0, 16};
+  struct Case {
+    std::vector<int64_t> counts;  // empty: a dense layer of `dense_rows`
+    int64_t in, out, dense_rows;
+  };
+  for (const Case& c :
+       {Case{awkward, 256, 192, 0}, Case{awkward, 144, 80, 0}, Case{{211, 0, 97, 350, 5}, 2048, 1536, 0},
+        Case{{211, 0, 97, 350, 5}, 768, 2048, 0}, Case{{}, 384, 272, 1000}, Case{{}, 144, 48, 37}}) {
+    const bool dense = c.counts.empty();
+    const Host off = offsets_of(dense ? std::vector<int64_t>{c.dense_rows} : c.counts);
+    const int64_t e_n = dense ? 1 : static_cast<int64_t>(c.counts.size()), r = off.t.ptr<int64_t>()[e_n];
+    SCOPED_TRACE(::testing::Message() << "R " << r << " E " << e_n << " I " << c.in << " O " << c.out);
+    const Host x = gaussian_bf16(rng, r, c.in), w = gaussian_bf16(rng, e_n * c.out, c.in),
+               dy = gaussian_bf16(rng, r, c.out);
+    const Tensor xd = to_device(dev, x), dyd = to_device(dev, dy), offd = to_device(dev, off);
+    const Tensor wd = dense ? to_device(dev, w).view({c.out, c.in}) : to_device(dev, w).view({e_n, c.out, c.in});
+    const Tensor pd = dev.poisoned({r, fp8_packed_width(c.in)}, DType::u8);
+    fp8_quantize_packed(testing::exec(), xd, pd);
+    std::vector<std::vector<uint8_t>> got[2];
+    for (int own = 0; own < 2; ++own) {
+      KernelOptions k;
+      k.fp8_dense_gemm = Fp8DenseGemm::cutlass;
+      k.fp8_tiles = parse_fp8_tiles(own ? "rows=own" : "cooperative", "kernels.fp8_tile");
+      const ExecContext ctx(Device::cuda, k);
+      const Tensor y = dev.poisoned({r, c.out}, DType::bf16), yp = dev.poisoned({r, c.out}, DType::bf16),
+                   dx = dev.poisoned({r, c.in}, DType::bf16);
+      if (dense) {
+        fp8_linear_forward(ctx, xd, wd, y);
+        fp8_linear_forward(ctx, pd, wd, yp);
+        fp8_linear_backward(ctx, xd, wd, dyd, dx, Tensor(), false);
+      } else {
+        fp8_grouped_linear_forward(ctx, xd, wd, offd, y);
+        fp8_grouped_linear_forward(ctx, pd, wd, offd, yp);
+        fp8_grouped_linear_backward(ctx, xd, wd, offd, dyd, dx, Tensor(), false);
+      }
+      got[own] = {bytes_of(y), bytes_of(yp), bytes_of(dx)};
+    }
+    EXPECT_SAME_BYTES(got[1][0], got[0][0], "y");
+    EXPECT_SAME_BYTES(got[1][1], got[0][1], "y of packed x");
+    EXPECT_SAME_BYTES(got[1][2], got[0][2], "dx");
+  }
+  EXPECT_NE(testing::error_of([] { parse_fp8_tiles("own", "kernels.fp8_tile"); }).find("rows only"), std::string::npos);
 }
 
 TEST(CudaFp8Linear, BackwardIsDeterministic) {

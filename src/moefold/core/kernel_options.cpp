@@ -48,7 +48,8 @@ constexpr std::pair<const char*, GemmTiles> kTiles[] = {
     {"small", GemmTiles::small}, {"large", GemmTiles::large}, {"pingpong", GemmTiles::pingpong}};
 constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {{"cooperative", Fp8Tile::cooperative},
                                                          {"cooperative_1x1", Fp8Tile::cooperative_1x1},
-                                                         {"pingpong", Fp8Tile::pingpong}};
+                                                         {"pingpong", Fp8Tile::pingpong},
+                                                         {"own", Fp8Tile::own}};
 // The kinds of CutlassTiles and Fp8Tiles, in the order of their members.
 constexpr const char* kKinds[] = {"forward", "dgrad", "wgrad", "swiglu_forward", "swiglu_dgrad"};
 constexpr const char* kFp8Kinds[] = {"rows", "cols"};
@@ -133,7 +134,11 @@ CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& ke
 }
 std::string cutlass_tiles_text(const CutlassTiles& t) { return per_kind_text(t, kKinds, kTiles); }
 Fp8Tiles parse_fp8_tiles(const std::string& value, const std::string& key) {
-  return parse_per_kind<Fp8Tiles>(value, key, kFp8Kinds, kFp8Tiles);
+  const Fp8Tiles t = parse_per_kind<Fp8Tiles>(value, key, kFp8Kinds, kFp8Tiles);
+  if (t.cols == Fp8Tile::own)
+    MF_FAIL(key, " = \"", value, "\": own serves rows only (forward and dgrad, e.g. \"rows=own\"); the weight ",
+            "gradient (cols) runs on CUTLASS");
+  return t;
 }
 std::string fp8_tiles_text(const Fp8Tiles& t) { return per_kind_text(t, kFp8Kinds, kFp8Tiles); }
 

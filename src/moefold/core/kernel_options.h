@@ -33,8 +33,9 @@ struct CutlassTiles {
 // 128, one scale block): cooperative (128 x 128 tiles, both consumer warp groups on one tile, in
 // 2 x 1 clusters: two M tiles share B's loads), cooperative_1x1 (the same without clusters) or
 // pingpong (64 x 128 tiles, one warp group's epilogue beside the other's math, 2 x 1 clusters).
-// All sum alike: the same bits (tests/test_ops_cuda_fp8.cpp).
-enum class Fp8Tile : uint8_t { cooperative, cooperative_1x1, pingpong };
+// own: moefold's kernel (ops/cuda/fp8_grouped_gemm.cu; rows only: 128 x 128 tiles, one TMA
+// descriptor for every expert). All sum alike: the same bits (tests/test_ops_cuda_fp8.cpp).
+enum class Fp8Tile : uint8_t { cooperative, cooperative_1x1, pingpong, own };
 
 // One configuration per FP8 GEMM kernel: rows (forward and dgrad: 1 x 128 rows x 128 x 128 weight
 // blocks) and cols (wgrad: both operands transposed 1 x 128 tiles). Defaults: measured

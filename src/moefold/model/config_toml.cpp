@@ -207,7 +207,8 @@ const std::vector<Field>& fields() {
                "CUTLASS) or \"cutlass\""),
       MF_FIELD(kernels, "fp8_tile", fp8_tiles,
                "FP8 GEMM configurations (train.fp8): \"\" (defaults), \"cooperative\", \"cooperative_1x1\", "
-               "\"pingpong\" or per kind \"rows=..,cols=..\" (rows: forward and dgrad; cols: wgrad)"),
+               "\"pingpong\" or per kind \"rows=..,cols=..\" (rows: forward and dgrad; cols: wgrad); rows may also be "
+               "\"own\" (moefold's grouped kernel)"),
       MF_FIELD(kernels, "gemm_sms", gemm_sms,
                "SMs the persistent grouped GEMMs use (0: all; fewer leave some to a transfer beside them)"),
       MF_FIELD(kernels, "fused_swiglu", fused_swiglu,

@@ -65,6 +65,17 @@ inline int64_t fp8_lt_block_ld(int64_t cols) { return (cols + 3) / 4 * 4; }
 // Block scales s [rows, cols] copied into padded [rows, fp8_lt_block_ld(cols)] (on ctx's stream).
 void fp8_lt_block_scales(const ExecContext& ctx, const float* s, int64_t rows, int64_t cols, float* padded);
 
+// ---- moefold's own grouped FP8 GEMM (fp8_grouped_gemm.cu; kernels.fp8_tile rows = own) ---------
+// d[r, n] (bf16, [rows, n]) = a[r, :] b_e[n, :]^T for the rows r of group e (off: [groups + 1]
+// device offsets, or nullptr: one group of all rows): a [rows, k] E4M3 with row stride lda (bytes)
+// and scales sfa in launch_fp8_quantize_rows' grouped layout; b [groups, n, k] E4M3 with block
+// scales sfb [groups, ceil(k / 128), ceil(n / 128)]. The bits of CUTLASS's blockwise kernel.
+// REQUIRES: own_fp8_gemm_serves; a, b, d 16-byte aligned; an sm_90a GPU.
+bool own_fp8_gemm_serves(int64_t groups, int64_t n, int64_t k, int64_t lda);
+void own_fp8_grouped_gemm(const ExecContext& ctx, const uint8_t* a, int64_t lda, const float* sfa, int64_t rows,
+                          const int64_t* off, int64_t groups, const uint8_t* b, const float* sfb, int64_t n, int64_t k,
+                          void* d, const char* what);
+
 // ---- raw launchers (fp8_quantize.cu), shared with the GEMMs' operand preparation -----------------
 // x: device data of dtype f32 or bf16; outputs as in ops/fp8.h; everything on ctx's stream.
 

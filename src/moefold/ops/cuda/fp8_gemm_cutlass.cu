@@ -124,6 +124,8 @@ void with_fp8_tile(Fp8Tile tile, const Run& run) {
       return run.template operator()<Fp8Grouped<kGranN, Out, Cooperative, One>>();
     case Fp8Tile::pingpong:
       return run.template operator()<Fp8Grouped<kGranN, Out, PingPong, Pair>>();
+    case Fp8Tile::own:  // a shape the own kernel does not serve
+      return run.template operator()<Fp8Grouped<kGranN, Out, Cooperative, Pair>>();
   }
 }
 
@@ -313,6 +315,12 @@ bool lt_blocks(const ExecContext& ctx, const uint8_t* a, int64_t lda, const floa
   return lt_fp8_gemm(ctx, m, n, k, a, lda, sa, b, ldb, padded, true, out.data(), out.dtype(), beta);
 }
 
+// Whether a rows GEMM (forward or dgrad: n output columns, reduction k, A's row stride lda) runs
+// on moefold's own kernel (kernels.fp8_tile rows = own; shapes it does not serve stay on CUTLASS).
+bool own_rows(const ExecContext& ctx, int64_t e_n, int64_t n, int64_t k, int64_t lda) {
+  return ctx.kernels().fp8_tiles.rows == Fp8Tile::own && own_fp8_gemm_serves(e_n, n, k, lda);
+}
+
 // The weight's operand for the forward (q; CUTLASS reads it with the transposed block scales sT,
 // cuBLASLt with s) or, transposed, for the data gradient (qT; CUTLASS with s, cuBLASLt with sT):
 // the cached copy wq's (Fp8Param), or w quantized into scratch now (s_lt only when `lt`).
@@ -357,6 +365,8 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
   const bool lt = dense_on_cublaslt(ctx, off, r_n, o_n, i_n);
   const WeightOperand qw = weight_operand(ctx, w, wq, e_n, o_n, i_n, false, lt);
   if (lt && lt_blocks(ctx, qx.q, lda, qx.s, r_n, qw.q, i_n, qw.s_lt, o_n, i_n, y, 0.0f)) return;
+  if (own_rows(ctx, e_n, o_n, i_n, lda))
+    return own_fp8_grouped_gemm(ctx, qx.q, lda, qx.s, r_n, off, e_n, qw.q, qw.s, o_n, i_n, y.data(), what);
   Operands op;
   op.a = qx.q, op.lda = lda, op.sfa = qx.s, op.b = qw.q, op.sfb = qw.s, op.d = y.data(), op.off = off, op.rows = r_n;
   op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
@@ -384,7 +394,11 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
     launch_fp8_quantize_rows(ctx, dy.data(), dy.dtype(), r_n, o_n, qdy.q, qdy.s, off, e_n);
     const bool lt = dense_on_cublaslt(ctx, off, r_n, i_n, o_n);
     const WeightOperand qw = weight_operand(ctx, w, wq, e_n, o_n, i_n, true, lt);
-    if (!lt || !lt_blocks(ctx, qdy.q, o_n, qdy.s, r_n, qw.q, o_n, qw.s_lt, i_n, o_n, dx, 0.0f)) {
+    if (lt && lt_blocks(ctx, qdy.q, o_n, qdy.s, r_n, qw.q, o_n, qw.s_lt, i_n, o_n, dx, 0.0f)) {
+      // done on cuBLASLt
+    } else if (own_rows(ctx, e_n, i_n, o_n, o_n)) {
+      own_fp8_grouped_gemm(ctx, qdy.q, o_n, qdy.s, r_n, off, e_n, qw.q, qw.s, i_n, o_n, dx.data(), what);
+    } else {
       op.a = qdy.q, op.sfa = qdy.s, op.b = qw.q, op.sfb = qw.s, op.d = dx.data();
       with_fp8_tile<128, cutlass::bfloat16_t>(ctx.kernels().fp8_tiles.rows,
                                               [&]<class G>() { run_fp8<G, Kind::dgrad>(ctx, op, 0.0f, what); });
