@@ -153,13 +153,16 @@ fi
 # mean over seeds of each run's last-100-step mean loss and last eval, their spread (min..max) and
 # FP8's relative difference of the means, and the paired (same seed) differences' mean and standard
 # error (issue 18's 0.5% target needs it beyond one seed's noise). FP8_JOBS runs share the GPU at once
-# (default 1; these models are far too small to fill it).
+# (default 1; these models are far too small to fill it). FP8_ARMS: the arms run (default "none
+# blockwise"; runs are deterministic per seed, so an arm measured before need not run again);
+# FP8_EXCLUDE: train.fp8_exclude of the FP8 arm, a TOML array such as '["qkv"]'.
 if want seeds; then
   seed_run() {  # family, fp8, seed
     local dir="/tmp/moefold-runs/seeds_$1_$2_$3" extra=()
     rm -rf "$dir"
     [ "$1" = deepseek ] && extra=("${ds[@]}")
     [ -n "${FP8_WIDTH:-}" ] && extra+=(--set model.hidden_size=$FP8_WIDTH)
+    [ "$2" = blockwise ] && [ -n "${FP8_EXCLUDE:-}" ] && extra+=(--set "train.fp8_exclude=$FP8_EXCLUDE")
     timeout 300 "$B" train --quiet --device cuda --steps 1000 --run-dir "$dir" --set train.fp8=$2 \
       --set train.seed=$((1000 + $3)) --set train.eval_interval=100 "${extra[@]}" > /dev/null 2>&1 || return 1
     mkdir -p "$out/seeds/$1_$2_$3" && cp "$dir/metrics.jsonl" "$out/seeds/$1_$2_$3/"
@@ -168,7 +171,7 @@ if want seeds; then
   for fam in ${FP8_FAMILIES:-qwen3 deepseek}; do
     first=${FP8_SEED_FIRST:-1}
     for seed in $(seq "$first" $((first + ${FP8_SEEDS:-3} - 1))); do
-      for fp8 in none blockwise; do
+      for fp8 in ${FP8_ARMS:-none blockwise}; do
         seed_run "$fam" "$fp8" "$seed" &
         jobs_n=$((jobs_n + 1))
         if [ "$jobs_n" -ge "${FP8_JOBS:-1}" ]; then wait -n || status=1; jobs_n=$((jobs_n - 1)); fi
@@ -198,6 +201,10 @@ for fam in sorted({f for f, _ in runs}):
         means[fp8] = (st.mean(l100), st.mean(evs))
         line.append(f"{fp8}: last-100 mean {st.mean(l100):.4f} ({min(l100):.4f}..{max(l100):.4f}), eval {st.mean(evs):.4f} ({min(evs):.4f}..{max(evs):.4f}), {len(v)} seeds")
     print(f"{fam}: " + "; ".join(line))
+    for fp8 in ("none", "blockwise"):  # per seed, for pairing with an arm measured in another call
+        per = sorted((int(s), v[fp8]) for (f, s), v in by_seed.items() if f == fam and fp8 in v)
+        if per:
+            print(f"{fam} {fp8} per seed (last-100 mean / eval): " + " ".join(f"{s}:{a:.4f}/{b:.4f}" for s, (a, b) in per))
     if len(means) == 2:
         a, b = means["none"], means["blockwise"]
         print(f"{fam}: FP8 - bf16: last-100 mean {(b[0] - a[0]) / a[0] * 100:+.2f}%, eval {(b[1] - a[1]) / a[1] * 100:+.2f}%")
