@@ -803,6 +803,70 @@ TEST(Trainer, Fp8ParamChangesNothing) {
             std::string::npos);
 }
 
+// train.on_nonfinite: a NaN planted in a weight makes step 3's loss and gradients NaN. "stop"
+// throws naming the step and the first parameter with a non-finite gradient; "skip" leaves every
+// weight as it was and moves the data on: with the NaN taken out again, step 4 computes exactly what
+// a run that only accumulated (no update) over step 3's batch computes next.
+TEST(Trainer, NonFiniteStepStopsOrIsSkipped) {
+  testing::TempDir tmp("test_train_nonfinite");
+  const std::string path = make_data(tmp.path());
+  const TokenDataset data = open_token_dataset(path);
+  const auto weight = [](Trainer& t, const std::string& name) -> float& {
+    for (Param& p : t.params())
+      if (p.name == name) return p.value.ptr<float>()[0];
+    throw Error("no parameter " + name);
+  };
+  const std::string planted = "model.norm.weight";
+  {
+    const Config cfg = small_config(path);  // stop: the default
+    OneRank one(cfg);
+    Trainer t(cfg, data, one.mesh, Device::cpu, DType::f32);
+    t.init_fresh();
+    t.train_step();
+    t.train_step();
+    weight(t, planted) = std::nanf("");
+    const std::string e = error_of([&] { t.train_step(); });
+    EXPECT_NE(e.find("step 3: loss nan"), std::string::npos) << e;
+    EXPECT_NE(e.find("first non-finite gradient on rank 0: model.embed_tokens.weight"), std::string::npos) << e;
+  }
+  const Config cfg = small_config(path, {"train.on_nonfinite=skip"});
+  double skip_next_loss = 0, skip_next_norm = 0;
+  {
+    OneRank one(cfg);
+    Trainer t(cfg, data, one.mesh, Device::cpu, DType::f32);
+    t.init_fresh();
+    t.train_step();
+    EXPECT_FALSE(t.train_step().skipped);
+    std::vector<std::vector<float>> before;
+    for (const Param& p : t.params()) before.emplace_back(p.value.ptr<float>(), p.value.ptr<float>() + p.value.numel());
+    const float kept = weight(t, planted);
+    weight(t, planted) = std::nanf("");
+    const StepMetrics& m = t.train_step();
+    EXPECT_TRUE(m.skipped);
+    EXPECT_FALSE(std::isfinite(m.loss));
+    EXPECT_EQ(t.step(), 3);
+    weight(t, planted) = kept;
+    for (size_t i = 0; i < t.params().size(); ++i) {
+      const Param& p = t.params()[i];
+      EXPECT_EQ(std::vector<float>(p.value.ptr<float>(), p.value.ptr<float>() + p.value.numel()), before[i])
+          << p.name << " changed in a skipped step";
+    }
+    const StepMetrics& next = t.train_step();
+    EXPECT_FALSE(next.skipped);
+    EXPECT_TRUE(std::isfinite(next.loss));
+    skip_next_loss = next.loss, skip_next_norm = next.grad_norm;
+  }
+  OneRank one(cfg);
+  Trainer t(cfg, data, one.mesh, Device::cpu, DType::f32);
+  t.init_fresh();
+  t.train_step();
+  t.train_step();
+  t.accumulate_gradients();  // step 3's batch consumed, no update
+  const StepMetrics& m = t.train_step();
+  EXPECT_EQ(m.loss, skip_next_loss);
+  EXPECT_EQ(m.grad_norm, skip_next_norm);
+}
+
 TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {
   testing::TempDir tmp("test_train");
   const fs::path& dir = tmp.path();

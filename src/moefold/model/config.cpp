@@ -144,6 +144,8 @@ void TrainConfig::validate() const {
   if (!(adam_beta2 >= 0 && adam_beta2 < 1)) MF_FAIL("train.adam_beta2 = ", adam_beta2, " must be in [0, 1)");
   if (!(adam_eps > 0)) MF_FAIL("train.adam_eps = ", adam_eps, " must be > 0");
   if (!std::isfinite(grad_clip)) MF_FAIL("train.grad_clip = ", grad_clip, " must be finite");
+  if (on_nonfinite != "stop" && on_nonfinite != "skip")
+    MF_FAIL("train.on_nonfinite = '", on_nonfinite, "' is not supported (stop, skip)");
   for (const auto& [key, value] : {std::pair<const char*, const std::string&>{"exp_avg_dtype", exp_avg_dtype},
                                    {"exp_avg_sq_dtype", exp_avg_sq_dtype},
                                    {"main_grads_dtype", main_grads_dtype}})

@@ -127,6 +127,10 @@ struct TrainConfig {
   double adam_beta2 = 0.95;
   double adam_eps = 1e-8;
   double grad_clip = 1.0;  // global-norm clipping threshold (<= 0: off)
+  // A step whose loss or gradient norm is not finite: "stop" (an error naming the step and the
+  // first parameter with a non-finite gradient) or "skip" (no optimizer step and no expert-bias
+  // update; the data position and the step count advance; StepMetrics::skipped).
+  std::string on_nonfinite = "stop";
   // AdamW's moments in memory (Megatron's precision-aware optimizer): "f32", or "bf16" (half the
   // bytes; each update reads them to f32 and stores them rounded). Checkpoints hold them in f32.
   std::string exp_avg_dtype = "f32";

@@ -136,6 +136,9 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "adam_beta2", adam_beta2, "AdamW beta2"),
       MF_FIELD(train, "adam_eps", adam_eps, "AdamW epsilon"),
       MF_FIELD(train, "grad_clip", grad_clip, "global gradient-norm clipping threshold (<= 0: off)"),
+      MF_FIELD(train, "on_nonfinite", on_nonfinite,
+               "a non-finite loss or gradient norm: \"stop\" (an error naming the step and the first parameter with a "
+               "non-finite gradient) or \"skip\" (no update; the data and the step count move on)"),
       MF_FIELD(train, "exp_avg_dtype", exp_avg_dtype, "AdamW first moment in memory: f32 or bf16 (checkpoints: f32)"),
       MF_FIELD(train, "exp_avg_sq_dtype", exp_avg_sq_dtype,
                "AdamW second moment in memory: f32 or bf16 (checkpoints: f32)"),

@@ -162,6 +162,7 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                         {"z_loss", m.z_loss},
                         {"mtp_loss", m.mtp_loss},
                         {"grad_norm", m.grad_norm},
+                        {"skipped", m.skipped},
                         {"lr", m.lr},
                         {"tokens", m.tokens},
                         {"tokens_per_s", m.tokens / m.seconds},

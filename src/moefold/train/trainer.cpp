@@ -461,12 +461,15 @@ const StepMetrics& Trainer::train_step() {
   accumulate_gradients();
   StepMetrics& out = metrics_;
   out.lr = learning_rate(cfg_.train, step_);
-  {
+  // The loss and the norm are global (reduced over every rank): every rank decides alike.
+  out.skipped = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
+  if (out.skipped && cfg_.train.on_nonfinite == "stop") fail_nonfinite();
+  if (!out.skipped) {
     // Global-norm clipping inside the optimizer's pass (one read of the gradients, not three).
     ProfileScope scope("optimizer step");
     opt_.step(mem_.params(), out.lr, clip_factor(out.grad_norm, cfg_.train.grad_clip));
   }
-  if (cfg_.moe.expert_bias) {  // aux-loss-free balancing from this step's loads (every rank's tokens)
+  if (cfg_.moe.expert_bias && !out.skipped) {  // aux-loss-free balancing from this step's loads (every rank's tokens)
     ProfileScope scope("expert bias update");
     const double* load = buf_.load_sum_LE.ptr<double>();
     const int64_t experts = cfg_.moe.num_experts;
@@ -485,6 +488,19 @@ const StepMetrics& Trainer::train_step() {
   out.step = step_;
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
+}
+
+void Trainer::fail_nonfinite() const {
+  const StepMetrics& m = metrics_;
+  std::string first = "none on this rank";
+  for (const Param& p : mem_.params())
+    if (!std::isfinite(sum_squares(exec_, p.grad))) {
+      first = p.name;
+      break;
+    }
+  MF_FAIL("step ", step_ + 1, ": loss ", m.loss, ", gradient norm ", m.grad_norm,
+          " (train.on_nonfinite = \"stop\"; \"skip\" drops such steps); first non-finite gradient on rank ",
+          mesh_.world_rank, ": ", first);
 }
 
 double Trainer::evaluate() {

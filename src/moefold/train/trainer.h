@@ -45,6 +45,8 @@ struct StepMetrics {
   double z_loss = 0;    // router z-loss (times its coefficient), summed over layers
   double mtp_loss = 0;  // multi-token prediction: scaling factor x mean over depths of each depth's mean loss
   double grad_norm = 0;  // before clipping
+  // The loss or the gradient norm was not finite and train.on_nonfinite = "skip": no update.
+  bool skipped = false;
   double lr = 0;
   double seconds = 0;                    // wall time of the step
   int64_t tokens = 0;                    // tokens in the global batch
@@ -128,6 +130,9 @@ class Trainer {
  private:
   // Sum over the dense data-parallel group (DP x CP) in place.
   void reduce_dense(const Tensor& t);
+  // train.on_nonfinite = "stop": throws naming the step, the loss and norm, and this rank's first
+  // parameter (registration order) whose gradient is not finite.
+  [[noreturn]] void fail_nonfinite() const;
   // The gradient groups and the ranks that sum each (see GradReducer).
   std::vector<GradReducer::Group> grad_groups() const;
   // The same communicators by ParamGroup: the distributed optimizer's shard groups.
