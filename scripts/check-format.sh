@@ -3,5 +3,5 @@
 # by CTest as `format`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-find src tests \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) -print0 | sort -z |
+find src tests fuzz bench \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) -print0 | sort -z |
   xargs -0 clang-format --dry-run -Werror

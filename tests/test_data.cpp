@@ -13,6 +13,7 @@
 #include "moefold/core/rng.h"
 #include "moefold/data/byte_tokenizer.h"
 #include "moefold/data/loader.h"
+#include "moefold/data/npy.h"
 #include "moefold/data/prepare.h"
 #include "moefold/data/token_dataset.h"
 #include "testing.h"
@@ -273,6 +274,33 @@ TEST(PlainTokens, CorruptFilesNameTheFile) {
   std::string text = dir.file("notes.txt");
   write_bytes(text, "hello");
   expect_error([&] { open_token_dataset(text); }, text, "not a token dataset");
+}
+
+// .npy shapes from elsewhere (issue 22's fuzzing found the unchecked product): a shape whose
+// element count overflows, or a dimension too long to be a number, is one line naming the file;
+// an empty array reads as empty.
+TEST(Npy, HostileShapesNameTheFile) {
+  TempDir dir;
+  const std::string path = dir.file("a.npy");
+  const auto npy = [](const std::string& descr, const std::string& shape, const std::string& data) {
+    std::string header = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
+    header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
+    header += '\n';
+    const char len[2] = {static_cast<char>(header.size() & 0xff), static_cast<char>(header.size() >> 8)};
+    return std::string("\x93NUMPY\x01\x00", 8) + std::string(len, 2) + header + data;
+  };
+  write_bytes(path, npy("<f4", "(4294967296, 4294967296)", ""));
+  expect_error([&] { read_npy_f32(path); }, path, "more elements than memory can hold");
+  write_bytes(path, npy("<i4", "(4294967296, 4294967297)", "abcd"));
+  expect_error([&] { read_npy_tokens(path); }, path, "more elements than memory can hold");
+  write_bytes(path, npy("<f4", "(2, 99999999999999999999)", ""));
+  expect_error([&] { read_npy_f32(path); }, path, "a dimension of 20 digits");
+  write_bytes(path, npy("<f4", "(3, 2)", std::string(20, '\0')));
+  expect_error([&] { read_npy_f32(path); }, path, "needs 6 x 4 data bytes, file has 20");
+  write_bytes(path, npy("<f4", "(0, 3)", ""));
+  EXPECT_TRUE(read_npy_f32(path).values.empty());
+  write_bytes(path, npy("<i4", "(2, 2)", std::string(16, '\1')));
+  EXPECT_EQ(read_npy_tokens(path).tokens.size(), 4u);
 }
 
 TEST(PlainTokens, CheckVocab) {

@@ -217,6 +217,7 @@ TEST(Config, BadKernelsValueIsOneLineNamingTheKey) {
       {"[parallel]\ndistributed_optimizer = \"yes\"\n", "parallel.distributed_optimizer must be true or false"},
       {"[train]\nexp_avg_dtype = \"fp8\"\n", "train.exp_avg_dtype = 'fp8' is not supported (f32, bf16)"},
       {"[train]\non_nonfinite = \"ignore\"\n", "train.on_nonfinite = 'ignore' is not supported (stop, skip)"},
+      {"[model]\nnum_hidden_layers = 68888888888\n", "model.num_hidden_layers = 68888888888 is more than 16384 layers"},
       {"[train]\nexp_avg_sq_dtype = \"f16\"\n", "train.exp_avg_sq_dtype = 'f16' is not supported (f32, bf16)"},
       {"[moe]\nep_recv_factor = 0.5\n", "moe.ep_recv_factor = 0.5 must be 0 (the worst case) or >= 1"},
   };

@@ -54,10 +54,25 @@ NpyHeader read_header(const std::string& path, const uint8_t* p, size_t n) {
   if (order != "False") MF_FAIL(path, ": Fortran-ordered arrays are not supported (save with C order)");
   const std::string dims = h.shape_text.substr(1, h.shape_text.size() - 2);
   const std::regex number(R"(\d+)");
-  for (std::sregex_iterator it(dims.begin(), dims.end(), number), e; it != e; ++it)
+  for (std::sregex_iterator it(dims.begin(), dims.end(), number), e; it != e; ++it) {
+    if (it->length() > 15) MF_FAIL(path, ": shape ", h.shape_text, " has a dimension of ", it->length(), " digits");
     h.shape.push_back(std::stoll(it->str()));
+  }
   h.data = start + header_len;
   return h;
+}
+
+// The elements of h's shape, each `elem` bytes, checked to be exactly the file's data after the
+// header (`n` bytes in all): overflow-safe, so no shape can make a reader allocate or copy more.
+size_t checked_elements(const std::string& path, const NpyHeader& h, size_t elem, size_t n) {
+  size_t count = 1, bytes = 0;
+  for (const int64_t d : h.shape)
+    if (__builtin_mul_overflow(count, static_cast<size_t>(d), &count))
+      MF_FAIL(path, ": shape ", h.shape_text, " has more elements than memory can hold");
+  if (__builtin_mul_overflow(count, elem, &bytes) || n - h.data != bytes)
+    MF_FAIL(path, ": truncated or oversized: shape ", h.shape_text, " needs ", count, " x ", elem,
+            " data bytes, file has ", n - h.data);
+  return count;
 }
 
 void write_npy(const std::string& path, const char* descr, const std::vector<int64_t>& shape, const void* data,
@@ -95,13 +110,10 @@ NpyTokens read_npy_tokens(const std::string& path) {
     MF_FAIL(path, ": dtype ", h.descr, " is not supported (expected int32 '<i4' or int64 '<i8')");
   if (h.shape.size() != 2) MF_FAIL(path, ": expected a 2-D array (one sequence per row), shape is ", h.shape_text);
   NpyTokens out;
+  const size_t count = checked_elements(path, h, static_cast<size_t>(elem), n), data = h.data;
   out.rows = h.shape[0];
   out.cols = h.shape[1];
-  const size_t data = h.data, want = static_cast<size_t>(out.rows * out.cols) * static_cast<size_t>(elem);
-  if (n - data != want)
-    MF_FAIL(path, ": truncated or oversized: shape ", h.shape_text, " needs ", want, " data bytes, file has ",
-            n - data);
-  out.tokens.resize(static_cast<size_t>(out.rows * out.cols));
+  out.tokens.resize(count);
   for (size_t i = 0; i < out.tokens.size(); ++i) {
     if (elem == 4) {
       std::memcpy(&out.tokens[i], p + data + 4 * i, 4);
@@ -122,12 +134,9 @@ NpyFloats read_npy_f32(const std::string& path) {
   if (h.descr != "'<f4'") MF_FAIL(path, ": dtype ", h.descr, " is not supported (expected float32 '<f4')");
   NpyFloats out;
   out.shape = h.shape;
-  size_t count = 1;
-  for (int64_t d : h.shape) count *= static_cast<size_t>(d);
-  if (f.size() - h.data != 4 * count)
-    MF_FAIL(path, ": truncated or oversized: shape ", h.shape_text, " needs ", 4 * count, " data bytes");
+  const size_t count = checked_elements(path, h, 4, f.size());
   out.values.resize(count);
-  std::memcpy(out.values.data(), f.data() + h.data, 4 * count);
+  if (count > 0) std::memcpy(out.values.data(), f.data() + h.data, 4 * count);
   return out;
 }
 

@@ -25,6 +25,10 @@ void ModelConfig::validate() const {
   positive("vocab_size", vocab_size);
   positive("hidden_size", hidden_size);
   positive("num_hidden_layers", num_hidden_layers);
+  // Far past any model (the largest have ~100 layers); the per-layer checks below loop over them.
+  constexpr int64_t kMaxLayers = int64_t{1} << 14;
+  if (num_hidden_layers > kMaxLayers)
+    MF_FAIL("model.num_hidden_layers = ", num_hidden_layers, " is more than ", kMaxLayers, " layers");
   positive("num_attention_heads", num_attention_heads);
   positive("num_key_value_heads", num_key_value_heads);
   positive("head_dim", head_dim);

@@ -36,10 +36,16 @@ inline void store(float x, float& to) { to = x; }
 inline void store(float x, uint16_t& to) { to = narrow(x); }
 
 // AVX2 where the CPU has it (chosen at load time), else the x86-64 baseline: the same roundings.
+// (GCC's multiversioning; clang's does not take templates, so a clang build, scripts/fuzz.sh's,
+// keeps the baseline.)
+#if defined(__clang__)
+#define MOEFOLD_AVX2_CLONES
+#else
+#define MOEFOLD_AVX2_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 template <bool kCompute, class G, class M, class V>
-__attribute__((target_clones("avx2", "default"))) void update_run(const AdamWArgs a, float* __restrict w,
-                                                                  const G* __restrict g, M* __restrict m,
-                                                                  V* __restrict v, uint16_t* __restrict wc, int64_t n) {
+MOEFOLD_AVX2_CLONES void update_run(const AdamWArgs a, float* __restrict w, const G* __restrict g, M* __restrict m,
+                                    V* __restrict v, uint16_t* __restrict wc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float gi = widen(g[i]) * a.gs;
     const float mi = a.b1 * widen(m[i]) + a.omb1 * gi;
