@@ -7,13 +7,16 @@
 //
 // d[r, n] (bf16) = sum over 128-long blocks kb of (sum_{k in kb} a[r, k] b_e[n, k]) * sa[r, kb] * sb_e[kb, n / 128]
 //
-// for each row r of expert e. Per CTA tile (128 rows of one expert x 128 columns): one producer
-// warp loads A and B tiles of 128 x 128 bytes per K block with TMA (128-byte swizzle) into a ring of
-// kStages stages; two consumer warp groups (64 rows each) sum each K block with four
-// wgmma.m64n128k32 (E4M3, f32 accumulators in the tensor cores), then promote: acc += part * sa *
-// sb (DeepSeek-V3's recipe; the same instructions in the same order as CUTLASS's blockwise
-// mainloop, so the same bits). A tile's rows past its expert's end belong to the next expert (or
-// are past the tensor: TMA fills zeros): they are computed with the wrong weight and never stored.
+// for each row r of expert e. Per CTA tile (128 rows of one expert x 128 columns), in the producer
+// warp group: one thread loads the A and B tiles of 128 x 128 bytes per K block with TMA (128-byte
+// swizzle) into a ring of kStages stages, and a scale warp copies each stage's 128 A scales and its
+// B scale into shared memory (cp.async, landing on the stage's barrier); two consumer warp groups
+// (64 rows each) sum each K block with four wgmma.m64n128k32 (E4M3, f32 accumulators in the tensor
+// cores), then promote: acc += part * sa * sb (DeepSeek-V3's recipe; the same instructions in the
+// same order as CUTLASS's blockwise mainloop, so the same bits), and stage the bf16 output in
+// shared memory for 16-byte row stores. A tile's rows past its expert's end belong to the next
+// expert (or are past the tensor: TMA fills zeros): they are computed with the wrong weight and
+// never stored.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
