@@ -324,7 +324,7 @@ void bench_grouped(int runs, int warmup, const std::vector<std::string>& tiles) 
                                                  fp8_grouped_linear_backward(c, *x, *w, *offsets, *dy, *dx, Tensor(),
                                                                              false, &wq);
                                                }) - q_dgrad);
-      if (k.fp8_tiles.cols != Fp8Tile::cooperative || k.fp8_tiles.rows == Fp8Tile::cooperative)
+      if (k.fp8_tiles.rows != Fp8Tile::own)
         report_grouped(g, "wgrad", name.c_str(), bench::time_ms(runs, warmup, [&] {
                                                    fp8_grouped_linear_backward(c, *x, *w, *offsets, *dy, Tensor(), *dw,
                                                                                false, &wq);
