@@ -86,17 +86,161 @@ struct WaitSite {
   double timeout_s;
 };
 
+// Liveness: naming the rank that was lost. While a rank waits in wait_or_abort it answers every
+// other rank's "are you there?" (on a private duplicate of MPI_COMM_WORLD); a wait near its
+// deadline asks every rank, and at the deadline the ranks that have not answered are named: they
+// died or hang. Ranks doing work answer when they next wait. Calls here ignore MPI's error codes
+// on purpose: a dead peer may make them fail, which only means no answer.
+class Liveness {
+ public:
+  bool active() const { return comm_ != MPI_COMM_NULL; }
+  // Collective over MPI_COMM_WORLD (once, from make_mpi_world).
+  void start(MPI_Comm world, int rank, int size) {
+    if (active()) return;
+    MF_MPI_CHECK(MPI_Comm_dup(world, &comm_));
+    MF_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    rank_ = rank;
+    size_ = size;
+    replies_.assign(static_cast<size_t>(size), MPI_REQUEST_NULL);
+    reply_buf_.assign(static_cast<size_t>(size), 0);
+    answer_buf_.assign(static_cast<size_t>(size), 0);
+    answered_.assign(static_cast<size_t>(size), 0);
+    post_incoming();
+  }
+  // Answers the questions that have arrived.
+  void serve() {
+    if (!active()) return;
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Test(&incoming_, &flag, &st) != MPI_SUCCESS || !flag) return;
+      int& echo = answer_buf_[static_cast<size_t>(st.MPI_SOURCE)];
+      echo = incoming_buf_;  // the asker's round
+      MPI_Request r;
+      if (MPI_Isend(&echo, 1, MPI_INT, st.MPI_SOURCE, kAnswer, comm_, &r) == MPI_SUCCESS)
+        MPI_Request_free(&r);
+      post_incoming();
+    }
+  }
+  // Asks every other rank (a new round; answers to an earlier one do not count).
+  void ask() {
+    if (!active() || asking_) return;
+    asking_ = true;
+    ++round_;
+    std::fill(answered_.begin(), answered_.end(), 0);
+    answered_[static_cast<size_t>(rank_)] = 1;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      MPI_Request r;
+      if (MPI_Isend(&round_, 1, MPI_INT, p, kAsk, comm_, &r) == MPI_SUCCESS) MPI_Request_free(&r);
+      if (replies_[static_cast<size_t>(p)] == MPI_REQUEST_NULL) post_reply(p);
+    }
+  }
+  // Collects the answers that have arrived.
+  void collect() {
+    if (!asking_) return;
+    for (int p = 0; p < size_; ++p) {
+      MPI_Request& r = replies_[static_cast<size_t>(p)];
+      if (r == MPI_REQUEST_NULL) continue;
+      int flag = 0;
+      if (MPI_Test(&r, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || !flag) continue;
+      if (reply_buf_[static_cast<size_t>(p)] == round_) {
+        answered_[static_cast<size_t>(p)] = 1;
+      } else {
+        post_reply(p);  // a late answer to an earlier round
+      }
+    }
+  }
+  // The round is over (the wait ended): the receives of answers still missing stay posted for
+  // the next round, which ignores what they bring from this one.
+  void end_round() { asking_ = false; }
+  // The world ranks that have not answered this round, as text ("" when all have).
+  std::string silent() const {
+    std::string out;
+    int n = 0;
+    for (int p = 0; p < size_; ++p) {
+      if (answered_[static_cast<size_t>(p)]) continue;
+      if (++n <= 8) out += (out.empty() ? "" : ", ") + std::to_string(p);
+    }
+    if (n > 8) out += ", and " + std::to_string(n - 8) + " more";
+    return out;
+  }
+  bool asking() const { return asking_; }
+  void stop() {
+    if (!active()) return;
+    auto cancel = [](MPI_Request& r) {
+      if (r == MPI_REQUEST_NULL) return;
+      MPI_Cancel(&r);
+      MPI_Wait(&r, MPI_STATUS_IGNORE);
+    };
+    cancel(incoming_);
+    for (MPI_Request& r : replies_) cancel(r);
+    MPI_Comm_free(&comm_);
+    comm_ = MPI_COMM_NULL;
+  }
+
+ private:
+  static constexpr int kAsk = 1, kAnswer = 2;
+  void post_incoming() {
+    if (MPI_Irecv(&incoming_buf_, 1, MPI_INT, MPI_ANY_SOURCE, kAsk, comm_, &incoming_) != MPI_SUCCESS)
+      incoming_ = MPI_REQUEST_NULL;
+  }
+  void post_reply(int p) {
+    MPI_Request& r = replies_[static_cast<size_t>(p)];
+    if (MPI_Irecv(&reply_buf_[static_cast<size_t>(p)], 1, MPI_INT, p, kAnswer, comm_, &r) != MPI_SUCCESS)
+      r = MPI_REQUEST_NULL;
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+  MPI_Request incoming_ = MPI_REQUEST_NULL;
+  int incoming_buf_ = 0;
+  std::vector<int> answer_buf_;  // by asker
+  int round_ = 0;
+  bool asking_ = false;
+  std::vector<MPI_Request> replies_;
+  std::vector<int> reply_buf_;
+  std::vector<char> answered_;
+};
+
+Liveness g_liveness;
+
+}  // namespace
+
+void liveness_poll(double seconds_left, double timeout_s) {
+  g_liveness.serve();
+  if (seconds_left < std::min(5.0, timeout_s / 4)) {
+    g_liveness.ask();
+    g_liveness.collect();
+  }
+}
+
+void liveness_end_wait() { g_liveness.end_round(); }
+
+std::string liveness_verdict() {
+  if (!g_liveness.asking()) return "";
+  g_liveness.collect();
+  const std::string silent = g_liveness.silent();
+  return silent.empty() ? "; every rank answers (do they wait in different operations?)"
+                        : "; world rank " + silent + " does not answer (lost: died or hangs?)";
+}
+
+namespace {
+
 [[noreturn]] void timed_out(const WaitSite& w) {
   char peer_txt[32] = "";
   if (w.peer >= 0) std::snprintf(peer_txt, sizeof peer_txt, ", peer %d", w.peer);
-  std::fprintf(stderr, "moefold: rank %d: timeout after %gs in %s on group '%s' (rank %d of %d%s)\n",
-               world_rank_or_minus_one(), w.timeout_s, w.op, w.group.c_str(), w.rank, w.size, peer_txt);
+  std::fprintf(stderr, "moefold: rank %d: timeout after %gs in %s on group '%s' (rank %d of %d%s)%s\n",
+               world_rank_or_minus_one(), w.timeout_s, w.op, w.group.c_str(), w.rank, w.size, peer_txt,
+               liveness_verdict().c_str());
   std::fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, 3);
   std::_Exit(3);
 }
 
-// Polls `req` until done; past the deadline prints the one-line diagnosis and aborts the job.
+// Polls `req` until done, answering the liveness questions of other ranks meanwhile (and asking
+// them near the deadline, liveness_poll); past the deadline prints the one-line diagnosis, with
+// the ranks that did not answer, and aborts the job.
 MPI_Status wait_or_abort(MPI_Request* req, const WaitSite& site) {
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration<double>(site.timeout_s);
@@ -107,11 +251,16 @@ MPI_Status wait_or_abort(MPI_Request* req, const WaitSite& site) {
   for (int polls = 0;; ++polls) {
     int done = 0;
     MF_MPI_CHECK(MPI_Test(req, &done, &st));
-    if (done) return st;
-    if (Clock::now() > deadline) timed_out(site);
+    if (done) {
+      liveness_end_wait();
+      return st;
+    }
+    const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    if (left < 0) timed_out(site);
     if (polls < 64) {
       std::this_thread::yield();
     } else {
+      liveness_poll(left, site.timeout_s);
       nap = std::min(std::chrono::microseconds(1000), nap + std::chrono::microseconds(20));
       std::this_thread::sleep_for(nap);
     }
@@ -358,6 +507,7 @@ std::unique_ptr<Communicator> make_mpi_world(double timeout_s) {
   const std::string group = "world";
   wait_or_abort(&req, {"make_mpi_world", group, world_rank, world_size, -1, timeout_s});
   MF_MPI_CHECK(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN));
+  g_liveness.start(MPI_COMM_WORLD, world_rank, world_size);
   return std::make_unique<MpiCommunicator>(dup, "world", timeout_s);
 }
 
@@ -365,7 +515,10 @@ void mpi_finalize() {
   int init = 0, fin = 0;
   MF_MPI_CHECK(MPI_Initialized(&init));
   MF_MPI_CHECK(MPI_Finalized(&fin));
-  if (init && !fin && g_we_initialized) MF_MPI_CHECK(MPI_Finalize());
+  if (init && !fin && g_we_initialized) {
+    g_liveness.stop();
+    MF_MPI_CHECK(MPI_Finalize());
+  }
 }
 
 }  // namespace moefold

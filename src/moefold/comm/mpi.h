@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "moefold/comm/communicator.h"
 
@@ -18,6 +19,15 @@ bool launched_by_mpi();
 // duplicate of MPI_COMM_WORLD. May be called again (for another timeout); each call returns a new
 // group. Groups split from it inherit its timeout. REQUIRES: timeout_s > 0; MPI not finalized.
 std::unique_ptr<Communicator> make_mpi_world(double timeout_s);
+
+// Naming a lost rank. While a rank waits on a communicator it calls liveness_poll, which answers
+// the other ranks' "are you there?" and, in the last quarter of the wait (at most 5 s), asks every
+// rank of the MPI world; liveness_verdict is what the timeout line adds: the world ranks that
+// did not answer (died or hang), or that every rank answers. The NCCL communicators use them too
+// when MPI bootstrapped them. Without an MPI world (make_mpi_world): no-ops, "".
+void liveness_poll(double seconds_left, double timeout_s);
+void liveness_end_wait();  // the wait ended: answers still due do not count for the next one
+std::string liveness_verdict();
 
 // Finalizes MPI when this process initialised it and it is not finalized yet; otherwise a no-op
 // (safe without MPI). Communicators still alive afterwards must only be destroyed.

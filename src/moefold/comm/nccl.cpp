@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "moefold/comm/comm_checks.h"
+#include "moefold/comm/mpi.h"
 #include "moefold/comm/peer_memory.h"
 #include "moefold/core/device.h"
 
@@ -353,25 +354,28 @@ class NcclCommunicator final : public Communicator {
     const auto spin_until = Clock::now() + std::chrono::milliseconds(2);
     while (true) {
       const cudaError_t q = cudaEventQuery(after_);
-      if (q == cudaSuccess) return;
+      if (q == cudaSuccess) return liveness_end_wait();
       MF_CHECK(q == cudaErrorNotReady, what, " on group '", name_, "': ", cudaGetErrorString(q));
       ncclResult_t async = ncclSuccess;
       ncclCommGetAsyncError(comm_, &async);
       if (async != ncclSuccess && async != ncclInProgress)
         MF_FAIL(what, " on group '", name_, "': NCCL: ", ncclGetErrorString(async));
-      if (Clock::now() > deadline) {
-        std::fprintf(stderr, "moefold: rank %d: timeout after %gs in %s on group '%s' (rank %d of %d, NCCL)\n",
-                     world_rank_, timeout_s_, what, name_.c_str(), rank_, size_);
+      const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+      if (left < 0) {
+        std::fprintf(stderr, "moefold: rank %d: timeout after %gs in %s on group '%s' (rank %d of %d, NCCL)%s\n",
+                     world_rank_, timeout_s_, what, name_.c_str(), rank_, size_, liveness_verdict().c_str());
         std::fflush(stderr);
         ncclCommAbort(comm_);
         std::_Exit(3);
       }
       // The first milliseconds spin (the counts of every EP dispatch wait here, and the GPU idles
       // until the host goes on); a long wait sleeps between polls.
-      if (Clock::now() < spin_until)
+      if (Clock::now() < spin_until) {
         std::this_thread::yield();
-      else
+      } else {
+        liveness_poll(left, timeout_s_);  // answers other ranks; asks them near the deadline
         std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
     }
   }
 

@@ -25,8 +25,6 @@ void ModelConfig::validate() const {
   positive("vocab_size", vocab_size);
   positive("hidden_size", hidden_size);
   positive("num_hidden_layers", num_hidden_layers);
-  // Far past any model (the largest have ~100 layers); the per-layer checks below loop over them.
-  constexpr int64_t kMaxLayers = int64_t{1} << 14;
   if (num_hidden_layers > kMaxLayers)
     MF_FAIL("model.num_hidden_layers = ", num_hidden_layers, " is more than ", kMaxLayers, " layers");
   positive("num_attention_heads", num_attention_heads);
@@ -85,6 +83,40 @@ void ModelConfig::validate() const {
 }
 
 namespace {
+
+// Every buffer holds a product of the sizes (Shape::numel and the arenas' byte counts are plain
+// int64/size_t arithmetic), so sizes that multiply past 2^63 (a config file from elsewhere, a
+// checkpoint's config.toml) would plan buffers that wrap to a few bytes and are then written in
+// full. Bounded here on an over-estimate of the parameters and of the values one micro-batch of
+// max_position_embeddings tokens keeps, computed in double (these products cannot overflow it),
+// by far more than any machine holds. REQUIRES: each section validated (sizes positive, factors
+// finite).
+void check_sizes(const Config& c) {
+  const ModelConfig& m = c.model;
+  const MoeConfig& e = c.moe;
+  constexpr double kMaxValues = 0x1p50;
+  const double h = m.hidden_size, v = m.vocab_size, p = m.max_position_embeddings, ne = e.num_experts;
+  const double layers = static_cast<double>(m.num_hidden_layers) + m.num_nextn_predict_layers + 1;
+  // One token's attention widths (q, k, v, output; MLA's latents) and its MoE rows' widths.
+  const double attn = static_cast<double>(m.num_attention_heads) *
+                          (m.head_dim + m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) +
+                      2.0 * m.num_key_value_heads * m.head_dim + m.q_lora_rank + m.kv_lora_rank;
+  const double ffn = 3.0 * e.moe_intermediate_size, dense = 3.0 * m.intermediate_size;
+  const double tokens = static_cast<double>(c.train.micro_batch_size) * p;
+  const double rows = tokens * e.num_experts_per_tok * std::max({1.0, e.capacity_factor, e.ep_recv_factor}) + ne;
+  const double params = layers * (4.0 * (h + m.q_lora_rank + m.kv_lora_rank) * attn +
+                                  h * ffn * (ne + e.n_shared_experts) + h * dense + ne * (h + 1) + 2.0 * h * h) +
+                        2.0 * v * h;
+  const double values =
+      layers * (tokens * (4.0 * h + attn + ne + dense + ffn * e.n_shared_experts) + rows * (h + ffn) + 2.0 * p * p) +
+      2.0 * tokens * v + static_cast<double>(c.train.global_batch_size) * c.train.seq_len;  // + a step's tokens
+  if (!(params <= kMaxValues && values <= kMaxValues))
+    MF_FAIL("the model's sizes multiply to ~", params, " parameters and ~", values,
+            " activation values, more than 2^50 (model.vocab_size = ", m.vocab_size,
+            ", model.hidden_size = ", m.hidden_size, ", model.max_position_embeddings = ", m.max_position_embeddings,
+            ", moe.num_experts = ", e.num_experts, ", moe.moe_intermediate_size = ", e.moe_intermediate_size,
+            ", train.micro_batch_size = ", c.train.micro_batch_size, ")");
+}
 
 // The module names of train.recompute_modules and train.offload_modules, and the flag each sets.
 template <class S>
@@ -165,6 +197,9 @@ void TrainConfig::validate() const {
   check_modules("train.fp8_exclude", fp8_exclude, kFp8Modules);
   if (eval_interval < 0) MF_FAIL("train.eval_interval = ", eval_interval, " must be >= 0");
   if (checkpoint_interval < 0) MF_FAIL("train.checkpoint_interval = ", checkpoint_interval, " must be >= 0");
+  if (keep_checkpoints < 0) MF_FAIL("train.keep_checkpoints = ", keep_checkpoints, " must be >= 0");
+  if (on_save_error != "stop" && on_save_error != "continue")
+    MF_FAIL("train.on_save_error = '", on_save_error, "' is not supported (stop, continue)");
 }
 
 Recompute TrainConfig::recompute() const {
@@ -201,6 +236,7 @@ void Config::validate() const {
   train.validate();
   data.validate();
   parallel.validate();
+  check_sizes(*this);  // before the products below
   if (kernels.gemm_sms < 0) MF_FAIL("kernels.gemm_sms = ", kernels.gemm_sms, " must be >= 0 (0: every SM)");
   const ParallelConfig& p = parallel;
   if (moe.num_experts % p.ep != 0)

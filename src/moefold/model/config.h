@@ -67,6 +67,9 @@ struct ModelConfig {
   // DeepSeek-V3's router in float32), by name without the "model.layers.N." prefix.
   std::vector<std::string> float32_tensors;
 
+  // Far past any model (the largest have ~100 layers); validation loops over the layers.
+  static constexpr int64_t kMaxLayers = int64_t{1} << 14;
+
   bool is_mla() const { return architecture == "deepseek_v3"; }
   bool is_dense_layer(int64_t layer) const;
   // Query/key width of one head for the attention core (MLA: nope + rope).
@@ -158,7 +161,13 @@ struct TrainConfig {
   int64_t eval_interval = 100;        // evaluate every N steps (0: never, except at the end)
   int64_t eval_batches = 4;           // held-out micro-batches per evaluation
   int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)
-  uint64_t seed = 1234;               // init, data order
+  // Checkpoints (train/checkpoint.h): written by a background thread from a pinned host copy of
+  // the state while training goes on; at most keep_checkpoints complete ones kept (0: all); a
+  // failed save stops the run or, "continue", is reported and training goes on.
+  bool async_checkpoint = false;
+  int64_t keep_checkpoints = 0;
+  std::string on_save_error = "stop";
+  uint64_t seed = 1234;  // init, data order
 
   void validate() const;
   // The recompute_* keys parsed. REQUIRES: validate() passed.

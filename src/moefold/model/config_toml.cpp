@@ -168,6 +168,14 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "eval_interval", eval_interval, "evaluate every N steps (0: only at the end)"),
       MF_FIELD(train, "eval_batches", eval_batches, "held-out micro-batches per evaluation"),
       MF_FIELD(train, "checkpoint_interval", checkpoint_interval, "checkpoint every N steps (0: only at the end)"),
+      MF_FIELD(train, "async_checkpoint", async_checkpoint,
+               "checkpoints copied to pinned host memory and written by a background thread while training goes on "
+               "(still atomic: a temporary directory, fsync, rename)"),
+      MF_FIELD(train, "keep_checkpoints", keep_checkpoints,
+               "complete checkpoints kept (0: all); older ones are removed once a newer one is durable"),
+      MF_FIELD(train, "on_save_error", on_save_error,
+               "a checkpoint that cannot be written (a full disk): \"stop\" (an error) or \"continue\" (one line; the "
+               "previous checkpoints stay, training goes on)"),
       MF_FIELD(train, "seed", seed, "seed of the init and the data order"),
       MF_FIELD(parallel, "tp", tp, "tensor-parallel size (attention and dense layers)"),
       MF_FIELD(parallel, "cp", cp, "context-parallel size (sequence split for attention)"),

@@ -3,14 +3,20 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "moefold/comm/agree.h"
+#include "moefold/core/device.h"
+#include "moefold/core/fault_points.h"
 #include "moefold/io/mapped_file.h"
 #include "moefold/io/safetensors.h"
 #include "moefold/model/hf_names.h"
@@ -39,14 +45,20 @@ std::string shard_file(const std::string& stem, int k, int n) {
 }
 
 // FNV-1a over the whole file: detects any corruption of a checkpoint file.
-std::string file_checksum(const std::string& path) {
+uint64_t fnv1a(const std::string& path) {
   MappedFile f(path);
   uint64_t h = 1469598103934665603ull;
   for (size_t i = 0; i < f.size(); ++i) h = (h ^ f.data()[i]) * 1099511628211ull;
+  return h;
+}
+
+std::string checksum_text(uint64_t h) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
   return buf;
 }
+
+std::string file_checksum(const std::string& path) { return checksum_text(fnv1a(path)); }
 
 void fsync_path(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY);
@@ -74,40 +86,89 @@ nlohmann::json read_json(const std::string& path) {
   }
 }
 
+// The tensors one rank writes, as contiguous host tensors: views of the live state where it is
+// contiguous host memory (a synchronous save), else copies: in `storage`, or in `pool` when given
+// (an asynchronous save: every tensor copied, the state may change once save() returns).
 struct ShardedNames {
   std::vector<SafetensorsEntry> weights, moments;
-  std::vector<std::vector<float>> storage;  // whole tensors assembled from ETP slices
+  std::vector<std::vector<float>> storage;
 };
 
-// The whole Hugging Face tensor of view `v` as a contiguous host tensor (kept in `storage` when
-// copied: GPU weights and moments and row-strided views are written through host memory): the
-// view itself, or (tensor or expert tensor parallelism) its slices gathered over `group`, in
-// offset order (rank r holds offset r * size). Collective over `group` when v.dim >= 0.
-Tensor whole_tensor(const NamedView& v, Communicator& group, std::vector<std::vector<float>>& storage) {
-  if (v.dim < 0) return contiguous_host(v.value, storage);
+}  // namespace
+
+// The snapshot's host memory: chunks (pinned on a GPU run, for fast copies from the GPU) kept
+// from one save to the next, first-fit.
+struct SnapshotPool {
+  explicit SnapshotPool(bool pinned) : pinned(pinned) {}
+  ~SnapshotPool() {
+    for (const Chunk& c : chunks) pinned ? pinned_host_free(c.p) : std::free(c.p);
+  }
+  void reset() {
+    for (Chunk& c : chunks) c.used = 0;
+  }
+  // An f32 host tensor of `shape` holding a copy of `src` (any device, row-strided views too).
+  Tensor copy(const Tensor& src) {
+    MF_CHECK(src.dtype() == DType::f32, src.str());
+    const size_t bytes = (src.nbytes() + 63) / 64 * 64;
+    auto take = [&](Chunk& c) {
+      Tensor t(static_cast<char*>(c.p) + c.used, DType::f32, src.shape());
+      c.used += bytes;
+      t.copy_from(src);
+      return t;
+    };
+    for (Chunk& c : chunks)
+      if (c.bytes - c.used >= bytes) return take(c);
+    const size_t n = std::max<size_t>(bytes, size_t{64} << 20);
+    void* p = pinned ? pinned_host_malloc(n) : std::aligned_alloc(64, n);
+    if (p == nullptr) MF_FAIL("out of host memory for a checkpoint's copy (", n >> 20, " MiB)");
+    chunks.push_back({p, n, 0});
+    return take(chunks.back());
+  }
+
+  struct Chunk {
+    void* p;
+    size_t bytes, used;
+  };
+  bool pinned;
+  std::vector<Chunk> chunks;
+};
+
+namespace {
+
+// The whole Hugging Face tensor of view `v` as a contiguous host tensor: the view itself, or a
+// copy (kept in `storage`, or in `pool` when given); under tensor or expert tensor parallelism its
+// slices gathered over `group`, in offset order (rank r holds offset r * size). Collective over
+// `group` when v.dim >= 0.
+Tensor whole_tensor(const NamedView& v, Communicator& group, std::vector<std::vector<float>>& storage,
+                    SnapshotPool* pool) {
+  if (v.dim < 0) return pool ? pool->copy(v.value) : contiguous_host(v.value, storage);
   const int64_t g = group.size(), rows = v.value.size(0), cols = v.value.size(1);
   MF_CHECK(v.value.dtype() == DType::f32 && v.value.ndim() == 2 && v.global_size == g * v.value.size(v.dim), v.name);
   std::vector<float> gathered(static_cast<size_t>(g * rows * cols));
   group.all_gather(contiguous_host(v.value, storage).view({1, rows * cols}),
                    Tensor(gathered.data(), DType::f32, {g, rows * cols}));
+  std::vector<float> whole;
   if (v.dim == 0) {
-    storage.push_back(std::move(gathered));
-    return Tensor(storage.back().data(), DType::f32, {g * rows, cols});
+    whole = std::move(gathered);
+  } else {
+    whole.resize(gathered.size());  // [rows, g * cols] from g blocks of [rows, cols]
+    for (int64_t r = 0; r < g; ++r)
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j)
+          whole[static_cast<size_t>(i * g * cols + r * cols + j)] =
+              gathered[static_cast<size_t>((r * rows + i) * cols + j)];
   }
-  std::vector<float> whole(gathered.size());  // [rows, g * cols] from g blocks of [rows, cols]
-  for (int64_t r = 0; r < g; ++r)
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j)
-        whole[static_cast<size_t>(i * g * cols + r * cols + j)] =
-            gathered[static_cast<size_t>((r * rows + i) * cols + j)];
+  const Shape shape = v.dim == 0 ? Shape{g * rows, cols} : Shape{rows, g * cols};
+  if (pool) return pool->copy(Tensor(whole.data(), DType::f32, shape));
   storage.push_back(std::move(whole));
-  return Tensor(storage.back().data(), DType::f32, {rows, g * cols});
+  return Tensor(storage.back().data(), DType::f32, shape);
 }
 
 // What this rank writes: dense parameters on rank 0 (TP shards gathered first), expert shards on
 // the first EDP replica (ETP rank 0, after gathering the FFN slices). Every rank calls it (the
 // gathers are collective).
-ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, const Mesh& mesh) {
+ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, const Mesh& mesh,
+                        SnapshotPool* pool) {
   ShardedNames out;
   for (size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
@@ -121,7 +182,7 @@ ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, cons
     if (!mine && !sliced) continue;
     auto add = [&](const Tensor& of, const char* suffix, std::vector<SafetensorsEntry>& to) {
       for (const NamedView& v : hf_views(p, of)) {
-        Tensor whole = whole_tensor(v, group, out.storage);
+        Tensor whole = whole_tensor(v, group, out.storage, mine ? pool : nullptr);
         if (mine) to.push_back({v.name + suffix, whole, DType::f32});
       }
     };
@@ -147,91 +208,259 @@ nlohmann::json make_index(const std::string& dir, const std::string& stem, int n
   return {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
 }
 
+// Complete checkpoints (step_N holding trainer.json), oldest first.
+std::vector<fs::path> complete_checkpoints(const std::string& checkpoints_dir) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  if (!fs::is_directory(checkpoints_dir, ec)) return out;
+  for (const auto& e : fs::directory_iterator(checkpoints_dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.starts_with(kStepPrefix) && fs::exists(e.path() / "trainer.json", ec)) out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());  // step_%08lld: names sort as steps
+  return out;
+}
+
+// Removes a directory so that a crash midway never leaves something that looks like a checkpoint:
+// renamed to ".del-NAME" first (atomic), then deleted.
+void remove_dir(const fs::path& dir) {
+  std::error_code ec;
+  const fs::path doomed = dir.parent_path() / (".del-" + dir.filename().string());
+  fs::remove_all(doomed, ec);
+  fs::rename(dir, doomed, ec);
+  if (ec) MF_FAIL(dir.string(), ": cannot remove: ", ec.message());
+  fsync_path(dir.parent_path().string());
+  (void)fault_point("checkpoint.prune");
+  fs::remove_all(doomed, ec);
+}
+
 }  // namespace
 
-std::string save_checkpoint(const std::string& checkpoints_dir, const std::vector<Param>& params, const AdamW& opt,
-                            const TrainerState& state, const std::string& config_toml, const Mesh& mesh) {
-  Communicator& world = *mesh.world;
+// One save between its snapshot and its completion.
+struct CheckpointWriter::Pending {
+  TrainerState state;
+  int64_t optimizer_steps = 0;
+  std::string config_toml, final_dir, tmp_dir;
+  int n = 1, k = 0;       // files per kind, and this rank's
+  bool writes = false;    // this rank writes file k
+  ShardedNames entries;   // what it writes
+  // The write's outcome (async: set by the thread, read after `done`).
+  std::atomic<bool> done{false};
+  std::string error;
+  uint64_t sums[2] = {0, 0};  // FNV-1a of the model and optimizer files
+  std::thread thread;
+
+  void write() {
+    try {
+      const std::string model = tmp_dir + "/" + shard_file("model", k, n);
+      const std::string moments = tmp_dir + "/" + shard_file("optimizer", k, n);
+      write_safetensors(model, entries.weights, {{"format", "pt"}});
+      write_safetensors(moments, entries.moments, {{"optimizer", "adamw"}});
+      (void)fault_point("checkpoint.fsync");
+      fsync_path(model);
+      fsync_path(moments);
+      sums[0] = fnv1a(model);
+      sums[1] = fnv1a(moments);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    entries = ShardedNames();  // the views and copies are no longer needed
+    done = true;
+  }
+};
+
+CheckpointWriter::CheckpointWriter(std::string checkpoints_dir, const Mesh& mesh, CheckpointOptions opts)
+    : dir_(std::move(checkpoints_dir)), mesh_(mesh), opts_(opts) {
+  if (opts_.async) pool_ = std::make_unique<SnapshotPool>(opts_.device == Device::cuda);
+}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (pending_ && pending_->thread.joinable()) pending_->thread.join();
+}
+
+std::string CheckpointWriter::save(const std::vector<Param>& params, const AdamW& opt, const TrainerState& state,
+                                   const std::string& config_toml) {
+  finish(true);
+  Communicator& world = *mesh_.world;
+  auto p = std::make_unique<Pending>();
+  p->state = state;
+  p->optimizer_steps = opt.num_steps();
+  p->config_toml = config_toml;
   const std::string name = step_name(state.step);
-  const std::string final_dir = (fs::path(checkpoints_dir) / name).string();
-  const std::string tmp_dir = (fs::path(checkpoints_dir) / (".tmp-" + name)).string();
-  // One file per stage and EP rank (ETP slices are gathered).
-  const int n = static_cast<int>(mesh.dims.pp * mesh.dims.ep),
-            k = mesh.pp_rank * static_cast<int>(mesh.dims.ep) + mesh.ep_rank;
+  p->final_dir = (fs::path(dir_) / name).string();
+  p->tmp_dir = (fs::path(dir_) / (".tmp-" + name)).string();
+  // One file per stage and EP rank (ETP slices are gathered), written by its first EDP replica.
+  p->n = static_cast<int>(mesh_.dims.pp * mesh_.dims.ep);
+  p->k = mesh_.pp_rank * static_cast<int>(mesh_.dims.ep) + mesh_.ep_rank;
+  p->writes = mesh_.edp_rank == 0 && mesh_.etp_rank == 0;
   on_every_rank(world, "creating the checkpoint directory", [&] {
-    if (mesh.world_rank != 0) return;
+    if (mesh_.world_rank != 0) return;
     std::error_code ec;
-    fs::create_directories(checkpoints_dir, ec);
-    if (ec) MF_FAIL(checkpoints_dir, ": cannot create checkpoint directory: ", ec.message());
-    fs::remove_all(tmp_dir, ec);
-    fs::create_directories(tmp_dir, ec);
-    if (ec) MF_FAIL(tmp_dir, ": cannot create: ", ec.message());
+    fs::create_directories(dir_, ec);
+    if (ec) MF_FAIL(dir_, ": cannot create checkpoint directory: ", ec.message());
+    fs::remove_all(p->tmp_dir, ec);
+    fs::create_directories(p->tmp_dir, ec);
+    if (ec) MF_FAIL(p->tmp_dir, ": cannot create: ", ec.message());
   });
-  ShardedNames mine = entries_of(params, opt, mesh);
-  on_every_rank(world, "writing the checkpoint", [&] {
-    if (mesh.edp_rank != 0 || mesh.etp_rank != 0) return;
-    const std::string model = tmp_dir + "/" + shard_file("model", k, n);
-    const std::string moments = tmp_dir + "/" + shard_file("optimizer", k, n);
-    write_safetensors(model, mine.weights, {{"format", "pt"}});
-    write_safetensors(moments, mine.moments, {{"optimizer", "adamw"}});
-    fsync_path(model);
-    fsync_path(moments);
-  });
-  on_every_rank(world, "finishing the checkpoint", [&] {
-    if (mesh.world_rank != 0) return;
-    nlohmann::json sums = nlohmann::json::object();
-    for (const char* stem : {"model", "optimizer"}) {
-      for (int f = 0; f < n; ++f) {
-        const std::string file = shard_file(stem, f, n);
-        sums[file] = file_checksum(tmp_dir + "/" + file);
-      }
-      const std::string index = std::string(stem) + ".safetensors.index.json";
-      write_text(tmp_dir + "/" + index, make_index(tmp_dir, stem, n).dump(2) + "\n");
-      sums[index] = file_checksum(tmp_dir + "/" + index);
-    }
-    write_text(tmp_dir + "/config.toml", config_toml);
-    const nlohmann::json meta = {{"format_version", kFormatVersion},
-                                 {"step", state.step},
-                                 {"data_position", state.data_position},
-                                 {"seed", state.seed},
-                                 {"optimizer_steps", opt.num_steps()},
-                                 {"layout",
-                                  {{"world", mesh.dims.world()},
-                                   {"pp", mesh.dims.pp},
-                                   {"tp", mesh.dims.tp},
-                                   {"cp", mesh.dims.cp},
-                                   {"dp", mesh.dims.dp},
-                                   {"ep", mesh.dims.ep},
-                                   {"etp", mesh.dims.etp}}},
-                                 {"checksums", sums}};
-    write_text(tmp_dir + "/trainer.json", meta.dump(2) + "\n");  // last: marks the checkpoint complete
-    // Replace an existing checkpoint of the same step only after the new one is complete.
+  try {
+    on_every_rank(world, "copying the checkpoint's state", [&] {
+      if (pool_) pool_->reset();
+      p->entries = entries_of(params, opt, mesh_, pool_.get());
+      (void)fault_point("checkpoint.snapshot");
+    });
+  } catch (const Error& e) {
     std::error_code ec;
-    const std::string old_dir = (fs::path(checkpoints_dir) / (".old-" + name)).string();
-    const bool had_old = fs::exists(final_dir);
-    if (had_old) {
-      fs::remove_all(old_dir, ec);
-      fs::rename(final_dir, old_dir, ec);
-      if (ec) MF_FAIL(final_dir, ": cannot move the previous checkpoint aside: ", ec.message());
-    }
-    fs::rename(tmp_dir, final_dir, ec);
-    if (ec) MF_FAIL(final_dir, ": cannot rename checkpoint into place: ", ec.message());
-    fsync_path(checkpoints_dir);
-    if (had_old) fs::remove_all(old_dir, ec);
-  });
+    if (mesh_.world_rank == 0) fs::remove_all(p->tmp_dir, ec);
+    throw Error(cat("checkpoint ", name, " not saved: ", e.what()));
+  }
+  if (!p->writes) {
+    p->entries = ShardedNames();
+    p->done = true;
+  } else if (opts_.async) {
+    p->thread = std::thread([raw = p.get()] { raw->write(); });
+  } else {
+    p->write();
+  }
+  pending_ = std::move(p);
+  const std::string final_dir = pending_->final_dir;
+  if (!opts_.async) finish(true);
   return final_dir;
 }
 
-std::string latest_checkpoint(const std::string& checkpoints_dir) {
-  std::error_code ec;
-  if (!fs::is_directory(checkpoints_dir, ec)) return "";
-  std::string best;
-  for (const auto& e : fs::directory_iterator(checkpoints_dir, ec)) {
-    std::string n = e.path().filename().string();
-    if (!n.starts_with(kStepPrefix) || !fs::exists(e.path() / "trainer.json")) continue;
-    if (best.empty() || n > fs::path(best).filename().string()) best = e.path().string();
+int64_t CheckpointWriter::finish(bool wait) {
+  if (!pending_) return -1;
+  Pending& p = *pending_;
+  Communicator& world = *mesh_.world;
+  if (wait && p.thread.joinable()) p.thread.join();
+  // Every rank's state: [still writing, failed world rank + 1] (max over the world).
+  int64_t flags[2] = {p.done ? 0 : 1, p.done && !p.error.empty() ? mesh_.world_rank + 1 : 0};
+  if (world.size() > 1) world.all_reduce(Tensor(flags, DType::i64, {2}), ReduceOp::max);
+  if (flags[0] != 0 && flags[1] == 0) return -1;  // written elsewhere still (never when waiting)
+  if (p.thread.joinable()) p.thread.join();  // done: the thread has returned or is returning
+  const std::unique_ptr<Pending> owned = std::move(pending_);
+  const std::string what = cat("checkpoint ", step_name(p.state.step), " not saved: ");
+  if (flags[1] != 0) {
+    if (world.size() > 1) world.barrier();  // every rank's writer has stopped: the directory can go
+    std::error_code ec;
+    if (mesh_.world_rank == 0) fs::remove_all(p.tmp_dir, ec);
+    if (!p.error.empty()) throw Error(what + p.error);
+    MF_FAIL(what, "writing failed on rank ", flags[1] - 1, " (its message is in its output)");
   }
-  return best;
+  // Rank 0 names each file's checksum in trainer.json: [file index or -1, model sum, optimizer sum].
+  const int64_t mine[3] = {p.writes ? p.k : -1, static_cast<int64_t>(p.sums[0]), static_cast<int64_t>(p.sums[1])};
+  std::vector<int64_t> sums(static_cast<size_t>(3 * world.size()));
+  if (world.size() > 1)
+    world.all_gather(Tensor(const_cast<int64_t*>(mine), DType::i64, {1, 3}),
+                     Tensor(sums.data(), DType::i64, {world.size(), 3}));
+  else
+    std::copy(mine, mine + 3, sums.begin());
+  on_every_rank(world, "finishing the checkpoint", [&] {
+    if (mesh_.world_rank != 0) return;
+    try {
+      finalize(p, sums);
+    } catch (const Error& e) {
+      std::error_code ec;
+      fs::remove_all(p.tmp_dir, ec);
+      throw Error(what + e.what());
+    }
+  });
+  return p.state.step;
+}
+
+void CheckpointWriter::finalize(const Pending& p, const std::vector<int64_t>& sums_by_rank) {
+  std::vector<uint64_t> file_sums(static_cast<size_t>(2 * p.n), 0);
+  for (size_t r = 0; r + 2 < sums_by_rank.size(); r += 3) {
+    const int64_t k = sums_by_rank[r];
+    if (k < 0) continue;
+    file_sums[static_cast<size_t>(2 * k)] = static_cast<uint64_t>(sums_by_rank[r + 1]);
+    file_sums[static_cast<size_t>(2 * k + 1)] = static_cast<uint64_t>(sums_by_rank[r + 2]);
+  }
+  nlohmann::json sums = nlohmann::json::object();
+  for (int kind = 0; kind < 2; ++kind) {
+    const std::string stem = kind == 0 ? "model" : "optimizer";
+    for (int f = 0; f < p.n; ++f) sums[shard_file(stem, f, p.n)] = checksum_text(file_sums[2 * f + kind]);
+    const std::string index = stem + ".safetensors.index.json";
+    write_text(p.tmp_dir + "/" + index, make_index(p.tmp_dir, stem, p.n).dump(2) + "\n");
+    sums[index] = file_checksum(p.tmp_dir + "/" + index);
+  }
+  (void)fault_point("checkpoint.index");
+  write_text(p.tmp_dir + "/config.toml", p.config_toml);
+  const Mesh& m = mesh_;
+  const nlohmann::json meta = {
+      {"format_version", kFormatVersion},
+      {"step", p.state.step},
+      {"data_position", p.state.data_position},
+      {"seed", p.state.seed},
+      {"optimizer_steps", p.optimizer_steps},
+      {"layout",
+       {{"world", m.dims.world()},
+        {"pp", m.dims.pp},
+        {"tp", m.dims.tp},
+        {"cp", m.dims.cp},
+        {"dp", m.dims.dp},
+        {"ep", m.dims.ep},
+        {"etp", m.dims.etp}}},
+      {"checksums", sums}};
+  write_text(p.tmp_dir + "/trainer.json", meta.dump(2) + "\n");  // last: marks the checkpoint complete
+  fsync_path(p.tmp_dir);
+  (void)fault_point("checkpoint.rename");
+  // Replace an existing checkpoint of the same step only after the new one is complete.
+  std::error_code ec;
+  const fs::path final_dir = p.final_dir, old_dir = fs::path(dir_) / (".old-" + final_dir.filename().string());
+  const bool had_old = fs::exists(final_dir);
+  if (had_old) {
+    fs::remove_all(old_dir, ec);
+    fs::rename(final_dir, old_dir, ec);
+    if (ec) MF_FAIL(p.final_dir, ": cannot move the previous checkpoint aside: ", ec.message());
+  }
+  fs::rename(p.tmp_dir, final_dir, ec);
+  if (ec) MF_FAIL(p.final_dir, ": cannot rename checkpoint into place: ", ec.message());
+  fsync_path(dir_);
+  if (had_old) fs::remove_all(old_dir, ec);
+  // Durable now: the oldest checkpoints past `keep` go.
+  if (opts_.keep > 0) {
+    std::vector<fs::path> all = complete_checkpoints(dir_);
+    std::erase(all, final_dir);
+    for (size_t i = 0; i + static_cast<size_t>(opts_.keep) - 1 < all.size(); ++i) remove_dir(all[i]);
+  }
+}
+
+std::string save_checkpoint(const std::string& checkpoints_dir, const std::vector<Param>& params, const AdamW& opt,
+                            const TrainerState& state, const std::string& config_toml, const Mesh& mesh) {
+  CheckpointWriter writer(checkpoints_dir, mesh);
+  return writer.save(params, opt, state, config_toml);
+}
+
+void tidy_checkpoints(const std::string& checkpoints_dir) {
+  std::error_code ec;
+  if (!fs::is_directory(checkpoints_dir, ec)) return;
+  std::vector<fs::path> entries;
+  for (const auto& e : fs::directory_iterator(checkpoints_dir, ec)) entries.push_back(e.path());
+  bool changed = false;
+  for (const fs::path& e : entries) {
+    const std::string n = e.filename().string();
+    if (n.starts_with(".tmp-") || n.starts_with(".del-")) {
+      fs::remove_all(e, ec);
+      changed = true;
+    } else if (n.starts_with(".old-")) {
+      // Moved aside for a replacement of the same step: back, unless the replacement is complete.
+      const fs::path target = e.parent_path() / n.substr(5);
+      if (fs::exists(target / "trainer.json", ec)) {
+        fs::remove_all(e, ec);
+      } else {
+        fs::remove_all(target, ec);
+        fs::rename(e, target, ec);
+        if (ec) MF_FAIL(e.string(), ": cannot move back to ", target.string(), ": ", ec.message());
+      }
+      changed = true;
+    }
+  }
+  if (changed) fsync_path(checkpoints_dir);
+}
+
+std::string latest_checkpoint(const std::string& checkpoints_dir) {
+  const std::vector<fs::path> all = complete_checkpoints(checkpoints_dir);
+  return all.empty() ? "" : all.back().string();
 }
 
 namespace {

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -11,6 +12,7 @@
 
 #include "moefold/comm/agree.h"
 #include "moefold/core/device.h"
+#include "moefold/core/fault_points.h"
 #include "moefold/data/prepare.h"
 #include "moefold/data/token_dataset.h"
 #include "moefold/parallel/mesh.h"
@@ -86,6 +88,7 @@ void truncate_metrics(const std::string& path, int64_t step) {
 int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator& world) {
   RunOptions opts = opts_in;
   const bool lead = world.rank() == 0;
+  set_fault_rank(world.rank());
   if (!lead) opts.quiet = true;
   // Every setup step runs under on_every_rank: a user error on any rank fails every rank with a
   // message instead of leaving the others waiting in their next collective.
@@ -95,6 +98,9 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
   const std::string ckpt_dir = (fs::path(opts.run_dir) / "checkpoints").string();
   const std::string metrics_path = (fs::path(opts.run_dir) / "metrics.jsonl").string();
   std::string resume_from;
+  on_every_rank(world, "tidying the checkpoints", [&] {
+    if (lead) tidy_checkpoints(ckpt_dir);  // what interrupted saves left
+  });
   on_every_rank(world, "opening the run directory", [&] {
     std::error_code ec;
     if (lead) fs::create_directories(opts.run_dir, ec);
@@ -151,8 +157,28 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
   double elapsed = 0;
   int64_t steps_done = 0;
   int64_t last_saved = -1;
+  CheckpointWriter writer(ckpt_dir, mesh, {cfg.train.async_checkpoint, cfg.train.keep_checkpoints, opts.device});
+  // A save that fails (a full disk) stops the run, or with on_save_error = continue is reported
+  // in one line and training goes on (the earlier checkpoints are intact either way).
+  auto saving = [&](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      if (cfg.train.on_save_error != "continue") throw;
+      std::fprintf(stderr, "%smoefold: warning: %s; training goes on (train.on_save_error = continue)\n",
+                   tty && !opts.quiet ? "\n" : "", e.what());
+    }
+  };
+  auto report_saved = [&](int64_t step, double blocking_s) {
+    if (step < 0 || opts.quiet) return;
+    std::fprintf(stderr, "%smoefold: checkpoint step %lld saved (training waited %.2f s)\n", tty ? "\n" : "",
+                 static_cast<long long>(step), blocking_s);
+  };
+  double save_blocking_s = 0;  // of the save in flight
   while (trainer.step() < stop) {
     const StepMetrics& m = trainer.train_step();
+    if (writer.in_flight())  // an asynchronous save completes once every rank has written its files
+      saving([&] { report_saved(writer.finish(false), save_blocking_s); });
     elapsed += m.seconds;
     ++steps_done;
     nlohmann::json j = {{"step", m.step},
@@ -187,10 +213,17 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
       }
     }
     if ((cfg.train.checkpoint_interval > 0 && m.step % cfg.train.checkpoint_interval == 0) || last) {
-      trainer.save(ckpt_dir);
+      saving([&] {
+        if (writer.in_flight()) report_saved(writer.finish(true), save_blocking_s);  // one save at a time
+        const auto t0 = std::chrono::steady_clock::now();
+        trainer.save(writer);
+        save_blocking_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (!writer.in_flight()) report_saved(m.step, save_blocking_s);
+      });
       last_saved = m.step;
     }
   }
+  saving([&] { report_saved(writer.finish(true), save_blocking_s); });  // the last save made durable
   if (last_saved != trainer.step() && steps_done == 0 && !opts.quiet)
     std::fprintf(stderr, "moefold: already at step %lld; nothing to do\n", static_cast<long long>(trainer.step()));
   if (!opts.quiet && tty) std::fprintf(stderr, "\n");

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "moefold/core/fault_points.h"
 #include "moefold/core/profile.h"
 #include "moefold/moe/all_gather_dispatcher.h"
 #include "moefold/moe/all_to_all_dispatcher.h"
@@ -340,12 +341,23 @@ void Trainer::load(const std::string& ckpt) {
   loader_.set_position(s.data_position);
 }
 
-std::string Trainer::save(const std::string& checkpoints_dir) {
+std::string Trainer::save(CheckpointWriter& writer) {
   TrainerState s{step_, loader_.position(), cfg_.train.seed};
   opt_.gather_state();  // sharded: the whole state where the checkpoint reads it
-  std::string dir = save_checkpoint(checkpoints_dir, mem_.params(), opt_, s, config_to_toml(cfg_), mesh_);
+  std::string dir;
+  try {
+    dir = writer.save(mem_.params(), opt_, s, config_to_toml(cfg_));
+  } catch (const Error&) {
+    opt_.release_state();
+    throw;
+  }
   opt_.release_state();
   return dir;
+}
+
+std::string Trainer::save(const std::string& checkpoints_dir) {
+  CheckpointWriter writer(checkpoints_dir, mesh_);
+  return save(writer);
 }
 
 void Trainer::gather_master_weights() {
@@ -456,6 +468,7 @@ void Trainer::accumulate_gradients() {
 }
 
 const StepMetrics& Trainer::train_step() {
+  (void)fault_point("train.step");
   auto t0 = std::chrono::steady_clock::now();
   mem_.weights_changed();  // the optimizer, a load or an initialisation may have run since the last forward
   accumulate_gradients();

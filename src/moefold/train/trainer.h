@@ -102,7 +102,10 @@ class Trainer {
   // Fresh parameters from cfg.train.seed, or the state of checkpoint directory `ckpt`.
   void init_fresh();
   void load(const std::string& ckpt);
-  // Collective (the distributed optimizer gathers its shards first).
+  // Collective (the distributed optimizer gathers its shards first): checkpoint step() through
+  // `writer` (async: copied on return, written in the background), or synchronously into
+  // `checkpoints_dir`. Returns its directory.
+  std::string save(CheckpointWriter& writer);
   std::string save(const std::string& checkpoints_dir);
   // With parallel.distributed_optimizer: the whole master weights into Param::value (collective;
   // they stay there until the next step's zero_grads). Without it a no-op.
