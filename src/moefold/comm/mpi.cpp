@@ -117,8 +117,7 @@ class Liveness {
       int& echo = answer_buf_[static_cast<size_t>(st.MPI_SOURCE)];
       echo = incoming_buf_;  // the asker's round
       MPI_Request r;
-      if (MPI_Isend(&echo, 1, MPI_INT, st.MPI_SOURCE, kAnswer, comm_, &r) == MPI_SUCCESS)
-        MPI_Request_free(&r);
+      if (MPI_Isend(&echo, 1, MPI_INT, st.MPI_SOURCE, kAnswer, comm_, &r) == MPI_SUCCESS) MPI_Request_free(&r);
       post_incoming();
     }
   }
@@ -221,8 +220,10 @@ std::string liveness_verdict() {
   if (!g_liveness.asking()) return "";
   g_liveness.collect();
   const std::string silent = g_liveness.silent();
-  return silent.empty() ? "; every rank answers (do they wait in different operations?)"
-                        : "; world rank " + silent + " does not answer (lost: died or hangs?)";
+  if (silent.empty()) return "; every rank answers (do they wait in different operations?)";
+  if (silent.find(',') == std::string::npos)
+    return "; world rank " + silent + " does not answer (lost: died or hangs?)";
+  return "; world ranks " + silent + " do not answer (lost: died or hang?)";
 }
 
 namespace {

@@ -28,9 +28,7 @@ Spec parse(const char* text) {
   Spec s;
   if (text == nullptr || *text == '\0') return s;
   const std::string v = text;
-  auto bad = [&] {
-    MF_FAIL("MOEFOLD_FAULT = '", v, "' is not <point>:<n>:<kill|hang|enospc>[@<world rank>]");
-  };
+  auto bad = [&] { MF_FAIL("MOEFOLD_FAULT = '", v, "' is not <point>:<n>:<kill|hang|enospc>[@<world rank>]"); };
   const size_t a = v.find(':'), b = a == std::string::npos ? a : v.find(':', a + 1);
   if (a == std::string::npos || b == std::string::npos || a == 0) bad();
   s.point = v.substr(0, a);

@@ -167,8 +167,7 @@ Tensor whole_tensor(const NamedView& v, Communicator& group, std::vector<std::ve
 // What this rank writes: dense parameters on rank 0 (TP shards gathered first), expert shards on
 // the first EDP replica (ETP rank 0, after gathering the FFN slices). Every rank calls it (the
 // gathers are collective).
-ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, const Mesh& mesh,
-                        SnapshotPool* pool) {
+ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, const Mesh& mesh, SnapshotPool* pool) {
   ShardedNames out;
   for (size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
@@ -241,9 +240,9 @@ struct CheckpointWriter::Pending {
   TrainerState state;
   int64_t optimizer_steps = 0;
   std::string config_toml, final_dir, tmp_dir;
-  int n = 1, k = 0;       // files per kind, and this rank's
-  bool writes = false;    // this rank writes file k
-  ShardedNames entries;   // what it writes
+  int n = 1, k = 0;      // files per kind, and this rank's
+  bool writes = false;   // this rank writes file k
+  ShardedNames entries;  // what it writes
   // The write's outcome (async: set by the thread, read after `done`).
   std::atomic<bool> done{false};
   std::string error;
@@ -336,7 +335,7 @@ int64_t CheckpointWriter::finish(bool wait) {
   int64_t flags[2] = {p.done ? 0 : 1, p.done && !p.error.empty() ? mesh_.world_rank + 1 : 0};
   if (world.size() > 1) world.all_reduce(Tensor(flags, DType::i64, {2}), ReduceOp::max);
   if (flags[0] != 0 && flags[1] == 0) return -1;  // written elsewhere still (never when waiting)
-  if (p.thread.joinable()) p.thread.join();  // done: the thread has returned or is returning
+  if (p.thread.joinable()) p.thread.join();       // done: the thread has returned or is returning
   const std::unique_ptr<Pending> owned = std::move(pending_);
   const std::string what = cat("checkpoint ", step_name(p.state.step), " not saved: ");
   if (flags[1] != 0) {
@@ -386,21 +385,20 @@ void CheckpointWriter::finalize(const Pending& p, const std::vector<int64_t>& su
   (void)fault_point("checkpoint.index");
   write_text(p.tmp_dir + "/config.toml", p.config_toml);
   const Mesh& m = mesh_;
-  const nlohmann::json meta = {
-      {"format_version", kFormatVersion},
-      {"step", p.state.step},
-      {"data_position", p.state.data_position},
-      {"seed", p.state.seed},
-      {"optimizer_steps", p.optimizer_steps},
-      {"layout",
-       {{"world", m.dims.world()},
-        {"pp", m.dims.pp},
-        {"tp", m.dims.tp},
-        {"cp", m.dims.cp},
-        {"dp", m.dims.dp},
-        {"ep", m.dims.ep},
-        {"etp", m.dims.etp}}},
-      {"checksums", sums}};
+  const nlohmann::json meta = {{"format_version", kFormatVersion},
+                               {"step", p.state.step},
+                               {"data_position", p.state.data_position},
+                               {"seed", p.state.seed},
+                               {"optimizer_steps", p.optimizer_steps},
+                               {"layout",
+                                {{"world", m.dims.world()},
+                                 {"pp", m.dims.pp},
+                                 {"tp", m.dims.tp},
+                                 {"cp", m.dims.cp},
+                                 {"dp", m.dims.dp},
+                                 {"ep", m.dims.ep},
+                                 {"etp", m.dims.etp}}},
+                               {"checksums", sums}};
   write_text(p.tmp_dir + "/trainer.json", meta.dump(2) + "\n");  // last: marks the checkpoint complete
   fsync_path(p.tmp_dir);
   (void)fault_point("checkpoint.rename");
@@ -465,6 +463,37 @@ std::string latest_checkpoint(const std::string& checkpoints_dir) {
 
 namespace {
 
+// `file` of checkpoint `dir` (a plain name: nothing outside the directory is ever read) exists and
+// has the checksum trainer.json's `sums` gives it; `named_by` is the file that named it.
+void check_file(const std::string& dir, const std::string& file, const nlohmann::json& sums,
+                const std::string& named_by) {
+  if (file.empty() || file == "." || file == ".." || file.find('/') != std::string::npos)
+    MF_FAIL(named_by, ": names '", file, "', which is not a file of the checkpoint directory");
+  const std::string path = dir + "/" + file;
+  if (!fs::exists(path)) MF_FAIL(path, ": missing (named by ", named_by, ")");
+  const auto it = sums.find(file);
+  if (it == sums.end() || !it->is_string() || file_checksum(path) != it->get<std::string>())
+    MF_FAIL(path, ": checksum mismatch (file corrupt or modified after saving)");
+}
+
+// trainer.json of checkpoint `dir`, with its fields checked.
+nlohmann::json read_trainer_json(const std::string& dir) {
+  const std::string meta_path = dir + "/trainer.json";
+  nlohmann::json j = read_json(meta_path);
+  try {
+    if (j.at("format_version").get<int>() != kFormatVersion)
+      MF_FAIL(meta_path, ": format_version ", j.at("format_version").dump(), " is not ", kFormatVersion);
+    j.at("step").get<int64_t>();
+    j.at("data_position").get<int64_t>();
+    j.at("seed").get<uint64_t>();
+    j.at("optimizer_steps").get<int64_t>();
+    j.at("checksums").get<nlohmann::json::object_t>();
+  } catch (const nlohmann::json::exception& e) {
+    MF_FAIL(meta_path, ": missing or malformed field (", e.what(), ")");
+  }
+  return j;
+}
+
 // The tensors of one kind ("model" or "optimizer") of a checkpoint, found through its index.
 class ShardSet {
  public:
@@ -507,10 +536,8 @@ class ShardSet {
   SafetensorsReader& reader(const std::string& file) {
     auto it = readers_.find(file);
     if (it != readers_.end()) return *it->second;
+    check_file(dir_, file, checksums_, index_);
     const std::string path = dir_ + "/" + file;
-    if (!fs::exists(path)) MF_FAIL(path, ": missing (named by ", index_, ")");
-    if (!checksums_.contains(file) || file_checksum(path) != checksums_[file].get<std::string>())
-      MF_FAIL(path, ": checksum mismatch (file corrupt or modified after saving)");
     return *readers_.emplace(file, std::make_unique<SafetensorsReader>(path)).first->second;
   }
 
@@ -542,27 +569,15 @@ size_t global_tensor_count(const std::vector<Param>& params, Communicator* stage
 
 TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params, AdamW* opt, Communicator* stages) {
   const std::string meta_path = dir + "/trainer.json";
-  nlohmann::json j = read_json(meta_path);
+  const nlohmann::json j = read_trainer_json(dir);
   TrainerState s;
-  int64_t opt_steps = 0;
-  try {
-    if (j.at("format_version").get<int>() != kFormatVersion)
-      MF_FAIL(meta_path, ": format_version ", j.at("format_version").dump(), " is not ", kFormatVersion);
-    s.step = j.at("step").get<int64_t>();
-    s.data_position = j.at("data_position").get<int64_t>();
-    s.seed = j.at("seed").get<uint64_t>();
-    opt_steps = j.at("optimizer_steps").get<int64_t>();
-    j.at("checksums").get<nlohmann::json::object_t>();
-  } catch (const nlohmann::json::exception& e) {
-    MF_FAIL(meta_path, ": missing or malformed field (", e.what(), ")");
-  }
+  s.step = j["step"].get<int64_t>();
+  s.data_position = j["data_position"].get<int64_t>();
+  s.seed = j["seed"].get<uint64_t>();
+  const int64_t opt_steps = j["optimizer_steps"].get<int64_t>();
   const nlohmann::json& sums = j["checksums"];
-  for (const char* index : {"model.safetensors.index.json", "optimizer.safetensors.index.json"}) {
-    const std::string path = dir + "/" + index;
-    if (!fs::exists(path)) MF_FAIL(path, ": missing");
-    if (!sums.contains(index) || file_checksum(path) != sums[index].get<std::string>())
-      MF_FAIL(path, ": checksum mismatch (file corrupt or modified after saving)");
-  }
+  for (const char* index : {"model.safetensors.index.json", "optimizer.safetensors.index.json"})
+    check_file(dir, index, sums, meta_path);
   ShardSet weights(dir, "model", sums);
   const size_t expected = global_tensor_count(params, stages);
   if (weights.size() != expected)
@@ -579,6 +594,14 @@ TrainerState load_checkpoint(const std::string& dir, std::vector<Param>& params,
     opt->set_num_steps(opt_steps);
   }
   return s;
+}
+
+void verify_checkpoint(const std::string& dir) {
+  const nlohmann::json j = read_trainer_json(dir);
+  const nlohmann::json& sums = j["checksums"];
+  for (const auto& [file, sum] : sums.items()) check_file(dir, file, sums, dir + "/trainer.json");
+  for (const char* index : {"model.safetensors.index.json", "optimizer.safetensors.index.json"})
+    if (!sums.contains(index)) MF_FAIL(dir, "/trainer.json: no checksum for ", index);
 }
 
 }  // namespace moefold

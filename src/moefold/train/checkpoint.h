@@ -27,8 +27,8 @@ struct TrainerState {
 struct SnapshotPool;  // checkpoint.cpp
 
 struct CheckpointOptions {
-  bool async = false;          // train.async_checkpoint: written by a background thread
-  int64_t keep = 0;            // train.keep_checkpoints: complete checkpoints kept (0: all)
+  bool async = false;           // train.async_checkpoint: written by a background thread
+  int64_t keep = 0;             // train.keep_checkpoints: complete checkpoints kept (0: all)
   Device device = Device::cpu;  // the run's: cuda takes the asynchronous copies in pinned memory
 };
 
@@ -82,6 +82,10 @@ void tidy_checkpoints(const std::string& checkpoints_dir);
 
 // The complete checkpoint with the highest step under `checkpoints_dir`; "" when none.
 std::string latest_checkpoint(const std::string& checkpoints_dir);
+
+// Checks that `dir` is a complete checkpoint: trainer.json valid and every file it names present
+// with its checksum. Throws Error naming the file.
+void verify_checkpoint(const std::string& dir);
 
 // Loads this rank's weights (and optimizer state when `opt` is not null) from checkpoint
 // directory `dir` into `params`, whatever layout wrote it; verifies checksums, names and
