@@ -26,10 +26,11 @@ run_one() {
     "$build/fuzzer_$t" -max_total_time="$seconds" -rss_limit_mb=4096 -max_len=65536 -timeout=10 \
     -print_final_stats=1 "$work" "$root/fuzz/corpus/$t" > "$build/$t.log" 2>&1) || true
   "$build/fuzzer_$t" -merge=1 "$root/fuzz/corpus/$t" "$work" > "$build/$t.merge.log" 2>&1 || true
-  # The committed corpus: the seeds, every finding (its replay fails until it is fixed) and the 200
-  # smallest inputs with coverage of their own.
+  # The committed corpus: the seeds, every finding (its replay fails until it is fixed), the inputs
+  # crafted by the audit of the readers (audit-*, docs/faults.md) and the 200 smallest inputs with
+  # coverage of their own.
   cp "$found"/* "$root/fuzz/corpus/$t/" 2> /dev/null || true
-  ls -S -r "$root/fuzz/corpus/$t" | grep -vE "^(seed_|crash-|timeout-|leak-|oom-)" | tail -n +201 |
+  ls -S -r "$root/fuzz/corpus/$t" | grep -vE "^(seed_|crash-|timeout-|leak-|oom-|audit-)" | tail -n +201 |
     while read -r f; do rm "$root/fuzz/corpus/$t/$f"; done
   local execs rate
   execs=$(grep -m1 "stat::number_of_executed_units" "$build/$t.log" | awk '{print $2}')

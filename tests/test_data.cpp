@@ -279,16 +279,18 @@ TEST(PlainTokens, CorruptFilesNameTheFile) {
 // .npy shapes from elsewhere (issue 22's fuzzing found the unchecked product): a shape whose
 // element count overflows, or a dimension too long to be a number, is one line naming the file;
 // an empty array reads as empty.
+// A version 1.0 .npy file by hand (a header of at most 64 kB).
+std::string npy(const std::string& descr, const std::string& shape, const std::string& data) {
+  std::string header = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
+  header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
+  header += '\n';
+  const char len[2] = {static_cast<char>(header.size() & 0xff), static_cast<char>(header.size() >> 8)};
+  return std::string("\x93NUMPY\x01\x00", 8) + std::string(len, 2) + header + data;
+}
+
 TEST(Npy, HostileShapesNameTheFile) {
   TempDir dir;
   const std::string path = dir.file("a.npy");
-  const auto npy = [](const std::string& descr, const std::string& shape, const std::string& data) {
-    std::string header = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
-    header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
-    header += '\n';
-    const char len[2] = {static_cast<char>(header.size() & 0xff), static_cast<char>(header.size() >> 8)};
-    return std::string("\x93NUMPY\x01\x00", 8) + std::string(len, 2) + header + data;
-  };
   write_bytes(path, npy("<f4", "(4294967296, 4294967296)", ""));
   expect_error([&] { read_npy_f32(path); }, path, "more elements than memory can hold");
   write_bytes(path, npy("<i4", "(4294967296, 4294967297)", "abcd"));
@@ -301,6 +303,28 @@ TEST(Npy, HostileShapesNameTheFile) {
   EXPECT_TRUE(read_npy_f32(path).values.empty());
   write_bytes(path, npy("<i4", "(2, 2)", std::string(16, '\1')));
   EXPECT_EQ(read_npy_tokens(path).tokens.size(), 4u);
+}
+
+// Found by the audit of the readers (docs/faults.md, "Untrusted files"): the header dict was read
+// with std::regex, which recursed once per character matched and overflowed the stack on a 40 kB
+// 'descr'; and the shape's digits were picked out of any text, so "(-2, -2)" read as (2, 2).
+TEST(Npy, HostileHeadersNameTheFile) {
+  TempDir dir;
+  const std::string path = dir.file("h.npy");
+  write_bytes(path, npy(std::string(40000, 'a'), "(1, 1)", std::string(4, '\0')));
+  expect_error([&] { read_npy_f32(path); }, path, "is not supported (expected float32 '<f4')");
+  for (const char* shape : {"(-2, -2)", "(2, 2.0)", "(2, x)", "(2,, 2)", "(,)"}) {
+    write_bytes(path, npy("<i4", shape, std::string(16, '\1')));
+    expect_error([&] { read_npy_tokens(path); }, path,
+                 cat("shape ", shape, " is not a tuple of non-negative integers"));
+  }
+  // What numpy writes still reads: "(4,)", "()" and Python 2's "2L".
+  write_bytes(path, npy("<f4", "(4,)", std::string(16, '\0')));
+  EXPECT_EQ(read_npy_f32(path).shape, std::vector<int64_t>{4});
+  write_bytes(path, npy("<f4", "()", std::string(4, '\0')));
+  EXPECT_EQ(read_npy_f32(path).values.size(), 1u);
+  write_bytes(path, npy("<i4", "(2L, 2L)", std::string(16, '\1')));
+  EXPECT_EQ(read_npy_tokens(path).rows, 2);
 }
 
 TEST(PlainTokens, CheckVocab) {
@@ -459,7 +483,9 @@ TEST(Loader, DeterministicAndResumable) {
   std::vector<int32_t> one(S), one_t(S);
   a.train_sample(4 * B + 1, one.data(), one_t.data());
   EXPECT_TRUE(std::equal(one.begin(), one.end(), history[4].begin() + S));
-  expect_error([&] { r.set_position(-1); }, ds.path(), "must not be negative");
+  expect_error([&] { r.set_position(-1); }, ds.path(), "data position -1 must be in [0, 2^62]");
+  // A checkpoint's data position that next_train would overflow (trainer.json is a file).
+  expect_error([&] { r.set_position(INT64_MAX - 1); }, ds.path(), "must be in [0, 2^62]");
 }
 
 TEST(Loader, ValidBatchesAreHeldOutAndDisjoint) {

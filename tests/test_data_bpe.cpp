@@ -473,6 +473,30 @@ TEST(BpeTokenizer, BadFilesNameFileAndKey) {
       "added_tokens[0].content", "missing");
 }
 
+// Found by the audit of the readers (docs/faults.md, "Untrusted files"): a value nested 100,000
+// deep overflowed the stack (nlohmann dumps and copies values recursively; dump() wrote the error
+// message), and so did 100,000 Split pre-tokenizers (encode recursed once per stage).
+TEST(BpeTokenizer, HostileFilesNameTheFile) {
+  TempDir dir("bpe");
+  std::string text = tiny({"a"}, {}).dump();
+  const size_t at = text.find("\"merges\":[]");
+  ASSERT_NE(at, std::string::npos);
+  text.insert(at + 10, std::string(100000, '[') + std::string(100000, ']'));
+  const std::string deep = dir.file("deep.json");
+  write_bytes(deep, text);
+  expect_error([&] { BpeTokenizer t(deep); }, deep, "JSON nested deeper than 64 levels");
+
+  const json split = {{"type", "Split"}, {"pattern", {{"String", "a"}}}, {"behavior", "Isolated"}};
+  json j = tiny({"a", "b"}, {});
+  j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", json::array()}};
+  for (int i = 0; i < 63; ++i) j["pre_tokenizer"]["pretokenizers"].push_back(split);
+  j["pre_tokenizer"]["pretokenizers"].push_back(byte_level());
+  EXPECT_EQ(BpeTokenizer(save(dir, j, "64.json")).encode("aba"), (std::vector<int32_t>{0, 1, 0}));
+  j["pre_tokenizer"]["pretokenizers"].insert(j["pre_tokenizer"]["pretokenizers"].begin(), split);
+  const std::string many = save(dir, j, "65.json");
+  expect_error([&] { BpeTokenizer t(many); }, many, "pre_tokenizer.pretokenizers: 65 pre-tokenizers, more than the 64");
+}
+
 // ---- prepare --tokenizer ----
 
 TEST(BpePrepare, TokensAreEncodePlusEos) {

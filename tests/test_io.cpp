@@ -1,5 +1,6 @@
 // io: safetensors round trips (f32, bf16, metadata) and every malformed-file case, each of
 // which must be a moefold::Error whose message names the file.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -8,6 +9,7 @@
 #include <fstream>
 
 #include "moefold/core/rng.h"
+#include "moefold/io/mapped_file.h"
 #include "moefold/io/safetensors.h"
 #include "testing.h"
 
@@ -184,6 +186,32 @@ TEST(Safetensors, MalformedFilesNameTheFile) {
   expect_bad_file(p, raw_file(R"({"__metadata__":{"k":1}})", 0), "'__metadata__' key 'k'");
   expect_error([&] { SafetensorsReader r(dir.file("absent.safetensors")); }, dir.file("absent.safetensors"),
                "cannot open");
+}
+
+// Headers from elsewhere that the audit of the readers found (docs/faults.md, "Untrusted files"):
+// JSON nested 100,000 deep overflowed the stack (nlohmann copies values recursively), and a shape
+// whose partial products pass 2^63 before a 0 dimension was accepted, then multiplied in int64 by
+// SafetensorsTensor::numel(). Both are now one line naming the file.
+TEST(Safetensors, HostileHeadersNameTheFile) {
+  TempDir dir;
+  const std::string p = dir.file("hostile.safetensors");
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  expect_bad_file(p, raw_file(R"({"a":{"dtype":"F32","shape":)" + deep + R"(,"data_offsets":[0,0]}})", 0),
+                  "JSON nested deeper than 64 levels");
+  expect_bad_file(p, raw_file(R"({"a":{"dtype":"F32","shape":[4294967296,2147483649,0],"data_offsets":[0,0]}})", 0),
+                  "tensor 'a': shape [4294967296, 2147483649, 0] of F32 needs an overflowing number of bytes");
+  // Nesting up to the limit is fine (the error is then about the shape, not the depth).
+  expect_bad_file(p, raw_file(R"({"a":{"dtype":"F32","shape":[[[1]]],"data_offsets":[0,4]}})", 4),
+                  "'shape' must be an array of non-negative integers");
+}
+
+// A file name that a file gives (a checkpoint's index) may name a FIFO: opening it must fail at
+// once, not wait for a writer.
+TEST(MappedFile, FifoFailsAtOnce) {
+  TempDir dir;
+  const std::string p = dir.file("fifo");
+  ASSERT_EQ(::mkfifo(p.c_str(), 0600), 0);
+  expect_error([&] { MappedFile f(p); }, p, "not a regular file");
 }
 
 TEST(Safetensors, TruncatedWrittenFile) {

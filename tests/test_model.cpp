@@ -183,6 +183,30 @@ TEST(Config, KernelsSectionAndEpTransport) {
   EXPECT_NE(config_to_toml(f).find("\n[kernels]\ngrouped_gemm = 'cublaslt'  # "), std::string::npos);
 }
 
+// Found by the audit of the readers (docs/faults.md, "Untrusted files"): sizes whose products pass
+// 2^63 (a config.toml or a checkpoint's from elsewhere) planned buffers that wrapped to a few bytes
+// (Shape::numel is plain int64). The sizes' products are now bounded by 2^50, one line.
+TEST(Config, SizesThatMultiplyPastMemoryAreRefused) {
+  auto err = [](const std::string& text) {
+    std::string p = write_file("huge.toml", text);
+    return error_of([&] { load_config(p, {}); });
+  };
+  const std::pair<std::string, std::string> cases[] = {
+      {"[model]\nvocab_size = 4611686018427387904\nhidden_size = 4\n",
+       "huge.toml: the model's sizes multiply to ~3.68935e+19 parameters"},
+      {"[model]\nhidden_size = 1048576\n[moe]\nnum_experts = 1048576\nmoe_intermediate_size = 1048576\n",
+       "more than 2^50 (model.vocab_size = 320, model.hidden_size = 1048576"},
+      {"[moe]\ncapacity_factor = 1e300\n", "activation values, more than 2^50"},
+      {"[model]\nmax_position_embeddings = 4294967296\n", "model.max_position_embeddings = 4294967296"},
+      {"[train]\nglobal_batch_size = 9223372036854775800\nmicro_batch_size = 8\n", "more than 2^50"},
+  };
+  for (const auto& [text, needle] : cases) {
+    const std::string e = err(text);
+    EXPECT_NE(e.find(needle), std::string::npos) << text << " gave: " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+}
+
 TEST(Config, BadKernelsValueIsOneLineNamingTheKey) {
   auto err = [](const std::string& text) {
     std::string p = write_file("bad_kernels.toml", text);

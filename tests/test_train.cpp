@@ -14,6 +14,7 @@
 
 #include "moefold/core/rng.h"
 #include "moefold/data/token_dataset.h"
+#include "moefold/train/hf_import.h"
 #include "moefold/train/pipeline_schedule.h"
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
@@ -906,6 +907,37 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {
   std::ofstream(bad / "trainer.json") << "{ not json";
   EXPECT_NE(load_err(cfg, bad).find("trainer.json: not valid JSON"), std::string::npos);
   EXPECT_NE(load_err(cfg, dir / "nothing").find("cannot open"), std::string::npos);
+  // Hostile metadata (the audit, docs/faults.md): numbers that are not integers below 2^63 or are
+  // negative, a checksum that is not a string, an index naming a file outside the checkpoint.
+  const std::string meta = testing::read_bytes((ck / "trainer.json").string());
+  auto edited = [&](const std::string& from, const std::string& to) {
+    fs::remove_all(bad);
+    fs::copy(ck, bad, fs::copy_options::recursive);
+    std::string text = meta;
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) text.replace(at, from.size(), to);
+    testing::write_bytes((bad / "trainer.json").string(), text);
+    return load_err(cfg, bad);
+  };
+  EXPECT_NE(edited("\"step\": 2", "\"step\": 1e300").find("trainer.json: 'step' must be an integer below 2^63"),
+            std::string::npos);
+  EXPECT_NE(edited("\"data_position\": ", "\"data_position\": -").find("'data_position' must be >= 0"),
+            std::string::npos);
+  EXPECT_NE(edited("\"seed\": ", "\"seed\": -").find("'seed' must be an unsigned integer"), std::string::npos);
+  EXPECT_NE(edited("\"model.safetensors.index.json\": \"", "\"model.safetensors.index.json\": 7, \"x\": \"")
+                .find("model.safetensors.index.json: checksum mismatch"),
+            std::string::npos);
+  edited("\"step\"", "\"step\"");  // a fresh copy, with trainer.json naming a file outside it
+  {
+    std::string text = testing::read_bytes((bad / "trainer.json").string());
+    text.replace(text.find("\"checksums\": {") + 14, 0, "\n    \"../run/config.toml\": \"0\",");
+    testing::write_bytes((bad / "trainer.json").string(), text);
+  }
+  EXPECT_NE(error_of([&] {
+              verify_checkpoint(bad.string());
+            }).find("names '../run/config.toml', which is not a file of the checkpoint directory"),
+            std::string::npos);
   // A run directory with checkpoints is never overwritten by a fresh run.
   EXPECT_NE(error_of([&] {
               run_training(cfg, RunOptions{(dir / "run").string(), 2, false, true});
@@ -915,6 +947,58 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {
               run_training(cfg, RunOptions{(dir / "empty").string(), 2, true, true});
             }).find("no checkpoint"),
             std::string::npos);
+}
+
+// Hugging Face directories from elsewhere (the audit of the readers, docs/faults.md "Untrusted
+// files"): rope_parameters nested 100,000 deep (config_from_hf copies it, and copies recurse), a
+// size given as a float (get<int64_t>() of 1e300 is undefined behaviour), num_hidden_layers far too
+// large for the loop over the layers that ran before validation, and an index naming a shard
+// outside its directory.
+TEST(HfImport, HostileFilesNameTheFileAndKey) {
+  testing::TempDir tmp("test_train");
+  const fs::path d = tmp.path() / "hf";
+  fs::copy(fs::path(MOEFOLD_SOURCE_DIR) / "tests" / "fixtures" / "hf" / "qwen3_moe_a", d, fs::copy_options::recursive);
+  const std::string cfg_path = (d / "config.json").string(), cfg = testing::read_bytes(cfg_path);
+  ASSERT_EQ(error_of([&] { config_from_hf(d.string()); }), "");
+  auto config_error = [&](const std::vector<std::pair<std::string, std::string>>& edits) {
+    std::string text = cfg;
+    for (const auto& [from, to] : edits) {
+      const size_t at = text.find(from);
+      EXPECT_NE(at, std::string::npos) << from;
+      if (at != std::string::npos) text.replace(at, from.size(), to);
+    }
+    testing::write_bytes(cfg_path, text);
+    return error_of([&] { config_from_hf(d.string()); });
+  };
+  const std::pair<std::vector<std::pair<std::string, std::string>>, std::string> cases[] = {
+      {{{"\"rope_type\": \"default\"",
+         "\"rope_type\": \"default\", \"deep\": " + std::string(100000, '[') + std::string(100000, ']')}},
+       "config.json: JSON nested deeper than 64 levels"},
+      {{{"\"vocab_size\": 61", "\"vocab_size\": 1e300"}},
+       "config.json: 'vocab_size' must be an integer below 2^63, got 1e+300"},
+      {{{"\"num_hidden_layers\": 2", "\"num_hidden_layers\": 68888888888"},
+        {"\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 2"}},
+       "config.json: num_hidden_layers = 68888888888 is more than 16384 layers"},
+      {{{"\"mlp_only_layers\": []", "\"mlp_only_layers\": [1.5]"}},
+       "config.json: 'mlp_only_layers' must be an integer"},
+      {{{"\"head_dim\": 8", "\"head_dim\": 18446744073709551615"}},
+       "config.json: 'head_dim' must be an integer below 2^63"},
+  };
+  for (const auto& [edits, needle] : cases) {
+    const std::string e = config_error(edits);
+    EXPECT_NE(e.find(needle), std::string::npos) << needle << " gave: " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+  testing::write_bytes(cfg_path, cfg);
+  const std::string index = (d / "model.safetensors.index.json").string();
+  for (const char* file : {"../elsewhere.safetensors", "/dev/zero", ".."}) {
+    testing::write_bytes(index, nlohmann::json{{"weight_map", {{"model.norm.weight", file}}}}.dump());
+    const std::string e = error_of([&] { hf_mtp_depth(d.string(), 2); });
+    EXPECT_NE(
+        e.find(cat(index, ": weight_map['model.norm.weight'] = '", file, "' is not a file name beside the index")),
+        std::string::npos)
+        << e;
+  }
 }
 
 }  // namespace

@@ -24,6 +24,8 @@
 namespace moefold {
 namespace {
 
+namespace fs = std::filesystem;
+
 struct OneRank {
   std::unique_ptr<Communicator> world = make_self_communicator();
   Mesh mesh;
@@ -156,6 +158,36 @@ TEST(TrainCuda, DistributedOptimizerOnOneGpuChangesNothing) {
   testing::expect_one_rank_sharding_changes_nothing(Device::cuda, {"train.main_grads_dtype=bf16"});
   testing::expect_one_rank_sharding_changes_nothing(
       Device::cuda, {"train.main_grads_dtype=bf16", "train.exp_avg_dtype=bf16", "train.exp_avg_sq_dtype=bf16"});
+}
+
+// An asynchronous checkpoint of a GPU run (the state copied into pinned host memory, written by a
+// background thread while two more steps train) holds the bytes of a synchronous one: plain, and
+// with the distributed optimizer's bf16 moments gathered through host memory.
+TEST(TrainCuda, AsyncCheckpointEqualsSyncWhileTrainingGoesOn) {
+  MF_REQUIRE_GPU();
+  testing::TempDir dir("train_cuda_async");
+  const std::string path = testing::make_train_data(dir.path());
+  const TokenDataset data = open_token_dataset(path);
+  const std::vector<std::string> sharded = {"parallel.distributed_optimizer=true", "train.exp_avg_dtype=bf16",
+                                            "train.exp_avg_sq_dtype=bf16"};
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{}, sharded, kDeepSeek}) {
+    SCOPED_TRACE(extra.empty() ? "plain" : extra[0]);
+    const Config cfg = testing::small_train_config(path, extra);
+    OneRank r(cfg);
+    Trainer gpu(cfg, data, r.mesh, Device::cuda);
+    gpu.init_fresh();
+    for (int i = 0; i < 3; ++i) gpu.train_step();
+    const fs::path sync = gpu.save((dir.path() / "sync" / std::to_string(extra.size())).string());
+    CheckpointWriter writer((dir.path() / "async" / std::to_string(extra.size())).string(), r.mesh,
+                            {true, 0, Device::cuda});
+    const fs::path async = gpu.save(writer);
+    EXPECT_TRUE(writer.in_flight());
+    gpu.train_step();
+    gpu.train_step();
+    EXPECT_EQ(writer.finish(true), 3);
+    for (const char* f : {"model.safetensors", "optimizer.safetensors", "trainer.json"})
+      EXPECT_TRUE(testing::read_bytes((sync / f).string()) == testing::read_bytes((async / f).string())) << f;
+  }
 }
 
 // recompute_check.h's variants on one GPU, for the default family and DeepSeek-V3's layers with

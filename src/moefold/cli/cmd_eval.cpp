@@ -28,6 +28,9 @@ void eval(const EvalArgs& a) {
   } else {
     if (a.seq_len < 2) MF_FAIL("--seq-len ", a.seq_len, ": a token file needs --seq-len >= 2");
     TokenDataset data = open_token_dataset(a.tokens);
+    // Every id must survive the int32 copy below (an int64 Megatron file may hold 2^32 + 5, which
+    // would read as 5); evaluate_checkpoint then checks the ids against the checkpoint's vocabulary.
+    data.check_vocab(int64_t{1} << 31);
     cols = a.seq_len;
     rows = data.num_tokens() / cols;
     tokens.resize(static_cast<size_t>(rows * cols));

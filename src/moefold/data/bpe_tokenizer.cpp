@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "moefold/core/error.h"
+#include "moefold/io/json_limits.h"
 
 namespace moefold {
 
@@ -548,6 +549,11 @@ void BpeTokenizer::Impl::load_pre_tokenizer(const Keys& k, const json& p) {
   } else {
     steps.emplace_back(&p, "pre_tokenizer");
   }
+  // encode() recurses once per stage (pre_tokenize); real files have at most a handful.
+  constexpr size_t kMaxPreTokenizers = 64;
+  if (steps.size() > kMaxPreTokenizers)
+    k.fail("pre_tokenizer.pretokenizers",
+           cat(steps.size(), " pre-tokenizers, more than the ", kMaxPreTokenizers, " supported"));
   for (size_t i = 0; i < steps.size(); ++i) {
     const json& s = *steps[i].first;
     const std::string& key = steps[i].second;
@@ -764,7 +770,7 @@ BpeTokenizer::BpeTokenizer(const std::string& path) : impl_(std::make_unique<Imp
   if (!in) MF_FAIL(path, ": cannot read the tokenizer file");
   json j;
   try {
-    j = json::parse(in);
+    j = parse_json_limited<json>(path, in);
   } catch (const json::exception& e) {
     std::string what = e.what();
     std::replace(what.begin(), what.end(), '\n', ' ');

@@ -13,8 +13,8 @@
 // Supported:
 //   normalizer     null, NFC, NFD, NFKC, NFKD, Sequence of these (empty included)
 //   pre_tokenizer  ByteLevel, or a Sequence of Split (Regex or String pattern, behavior
-//                  "Isolated", invert false) ending in ByteLevel; ByteLevel's
-//                  add_prefix_space must be false
+//                  "Isolated", invert false) ending in ByteLevel, at most 64 in all;
+//                  ByteLevel's add_prefix_space must be false
 //   model          BPE: vocab, merges ("a b" strings or ["a","b"] pairs), ignore_merges,
 //                  unk_token/fuse_unk; byte_fallback false, no dropout, no subword prefix or
 //                  end-of-word suffix

@@ -44,7 +44,11 @@ void Loader::next_train(int32_t* inputs_BS, int32_t* targets_BS) {
 }
 
 void Loader::set_position(int64_t position) {
-  if (position < 0) MF_FAIL("data '", data_.path(), "': data position ", position, " must not be negative");
+  // From a checkpoint's trainer.json. Bounded so that position + batch (next_train) cannot
+  // overflow: 2^62 samples is beyond any run.
+  constexpr int64_t kMaxPosition = int64_t{1} << 62;
+  if (position < 0 || position > kMaxPosition)
+    MF_FAIL("data '", data_.path(), "': data position ", position, " must be in [0, 2^62]");
   position_ = position;
 }
 

@@ -1,9 +1,11 @@
 #include "moefold/data/npy.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <fstream>
 #include <limits>
-#include <regex>
+#include <string_view>
 
 #include "moefold/core/error.h"
 #include "moefold/io/mapped_file.h"
@@ -12,11 +14,26 @@ namespace moefold {
 
 namespace {
 
-// The value of 'key' in the header dict (a Python literal), or "" when absent.
+bool is_space(char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; }
+
+// The value of 'key' in the header dict (a Python literal: a quoted string, True, False or a
+// tuple), or "" when absent. Scanned by hand: std::regex recursed once per character matched, so a
+// 40 kB descr overflowed the stack.
 std::string dict_value(const std::string& header, const std::string& key) {
-  std::smatch m;
-  const std::regex re("'" + key + R"('\s*:\s*('[^']*'|True|False|\([^)]*\)))");
-  return std::regex_search(header, m, re) ? m[1].str() : std::string();
+  const std::string quoted = "'" + key + "'";
+  for (size_t at = header.find(quoted); at != std::string::npos; at = header.find(quoted, at + 1)) {
+    size_t i = at + quoted.size();
+    while (i < header.size() && is_space(header[i])) ++i;
+    if (i == header.size() || header[i] != ':') continue;
+    for (++i; i < header.size() && is_space(header[i]);) ++i;
+    const std::string_view rest = std::string_view(header).substr(i);
+    if (rest.starts_with("True")) return "True";
+    if (rest.starts_with("False")) return "False";
+    const char close = rest.starts_with('\'') ? '\'' : rest.starts_with('(') ? ')' : '\0';
+    const size_t end = close == '\0' ? std::string_view::npos : rest.find(close, 1);
+    if (end != std::string_view::npos) return std::string(rest.substr(0, end + 1));
+  }
+  return "";
 }
 
 }  // namespace
@@ -52,11 +69,22 @@ NpyHeader read_header(const std::string& path, const uint8_t* p, size_t n) {
   const std::string order = dict_value(header, "fortran_order");
   if (h.descr.empty() || order.empty() || h.shape_text.empty()) MF_FAIL(path, ": malformed .npy header: ", header);
   if (order != "False") MF_FAIL(path, ": Fortran-ordered arrays are not supported (save with C order)");
+  // The tuple's items as numpy writes them: "(4, 17)", "(4,)", "()" (Python 2: "4L"). A sign, a
+  // fraction or a name is refused rather than read around ("(-2, 3)" is not (2, 3)).
   const std::string dims = h.shape_text.substr(1, h.shape_text.size() - 2);
-  const std::regex number(R"(\d+)");
-  for (std::sregex_iterator it(dims.begin(), dims.end(), number), e; it != e; ++it) {
-    if (it->length() > 15) MF_FAIL(path, ": shape ", h.shape_text, " has a dimension of ", it->length(), " digits");
-    h.shape.push_back(std::stoll(it->str()));
+  for (size_t begin = 0; begin <= dims.size();) {
+    const size_t end = std::min(dims.find(',', begin), dims.size());
+    size_t b = begin, e = end;
+    while (b < e && is_space(dims[b])) ++b;
+    while (e > b && is_space(dims[e - 1])) --e;
+    if (e - b > 1 && dims[e - 1] == 'L') --e;
+    const std::string_view item(dims.data() + b, e - b);
+    if (item.empty() && end == dims.size()) break;  // "()", or the trailing comma of "(4,)"
+    if (item.empty() || !std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      MF_FAIL(path, ": shape ", h.shape_text, " is not a tuple of non-negative integers");
+    if (item.size() > 15) MF_FAIL(path, ": shape ", h.shape_text, " has a dimension of ", item.size(), " digits");
+    h.shape.push_back(std::stoll(std::string(item)));
+    begin = end + 1;
   }
   h.data = start + header_len;
   return h;

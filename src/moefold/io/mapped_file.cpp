@@ -14,7 +14,9 @@
 namespace moefold {
 
 MappedFile::MappedFile(std::string path) : path_(std::move(path)) {
-  int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO (a name a checkpoint's index may give) would otherwise wait for a
+  // writer; it opens at once and fails the regular-file check below. No effect on regular files.
+  int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) MF_FAIL(path_, ": cannot open: ", std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {

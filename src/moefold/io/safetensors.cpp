@@ -10,6 +10,8 @@
 #include <unordered_set>
 
 #include "moefold/core/error.h"
+#include "moefold/core/fault_points.h"
+#include "moefold/io/json_limits.h"
 
 namespace moefold {
 
@@ -153,6 +155,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
   constexpr int64_t kChunk = 1 << 16;  // elements converted per write
   std::vector<uint8_t> buf;
   for (const auto& e : entries) {
+    if (int err = fault_point("safetensors.tensor")) MF_FAIL(path, ": write failed: ", std::strerror(err));
     const Tensor& t = e.tensor;
     const auto* src = static_cast<const uint8_t*>(t.data());
     if (t.dtype() == e.dtype) {
@@ -185,7 +188,7 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path) {
 
   ordered_json header;
   try {
-    header = ordered_json::parse(base + 8, base + 8 + n);
+    header = parse_json_limited<ordered_json>(path, base + 8, base + 8 + n);
   } catch (const nlohmann::json::exception& e) {
     MF_FAIL(path, ": header is not valid JSON: ", e.what());
   }
@@ -214,13 +217,14 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path) {
     auto sh = value.find("shape");
     if (sh == value.end() || !sh->is_array())
       MF_FAIL(path, ": tensor '", key, "': 'shape' must be an array of non-negative integers");
-    uint64_t numel = 1;
+    // int64, as SafetensorsTensor::numel() multiplies: every partial product must fit it.
+    int64_t numel = 1;
     bool overflow = false;
     for (const auto& d : *sh) {
       if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
         MF_FAIL(path, ": tensor '", key, "': 'shape' must be an array of non-negative integers, got ", sh->dump());
       t.shape.push_back(d.get<int64_t>());
-      overflow |= __builtin_mul_overflow(numel, d.get<uint64_t>(), &numel);
+      overflow |= __builtin_mul_overflow(numel, d.get<int64_t>(), &numel);
     }
     auto off = value.find("data_offsets");
     if (off == value.end() || !off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() ||
@@ -228,7 +232,7 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path) {
       MF_FAIL(path, ": tensor '", key, "': 'data_offsets' must be [begin, end] with 0 <= begin <= end");
     Range r{(*off)[0].get<uint64_t>(), (*off)[1].get<uint64_t>()};
     uint64_t want = 0;
-    overflow |= __builtin_mul_overflow(numel, dtype_size(t.dtype), &want);
+    overflow |= __builtin_mul_overflow(static_cast<uint64_t>(numel), dtype_size(t.dtype), &want);
     if (overflow || want != r.end - r.begin)
       MF_FAIL(path, ": tensor '", key, "': shape ", t.shape_str(), " of ", dtype_name(t.dtype), " needs ",
               overflow ? std::string("an overflowing number of") : std::to_string(want), " bytes, data_offsets [",

@@ -17,6 +17,7 @@
 #include "moefold/comm/agree.h"
 #include "moefold/core/device.h"
 #include "moefold/core/fault_points.h"
+#include "moefold/io/json_limits.h"
 #include "moefold/io/mapped_file.h"
 #include "moefold/io/safetensors.h"
 #include "moefold/model/hf_names.h"
@@ -80,7 +81,7 @@ nlohmann::json read_json(const std::string& path) {
   std::ifstream f(path);
   if (!f) MF_FAIL(path, ": cannot open (not a moefold checkpoint?)");
   try {
-    return nlohmann::json::parse(f);
+    return parse_json_limited<nlohmann::json>(path, f);
   } catch (const nlohmann::json::exception& e) {
     MF_FAIL(path, ": not valid JSON (", e.what(), ")");
   }
@@ -481,12 +482,11 @@ nlohmann::json read_trainer_json(const std::string& dir) {
   const std::string meta_path = dir + "/trainer.json";
   nlohmann::json j = read_json(meta_path);
   try {
-    if (j.at("format_version").get<int>() != kFormatVersion)
+    if (json_int64(j.at("format_version"), meta_path, "format_version") != kFormatVersion)
       MF_FAIL(meta_path, ": format_version ", j.at("format_version").dump(), " is not ", kFormatVersion);
-    j.at("step").get<int64_t>();
-    j.at("data_position").get<int64_t>();
-    j.at("seed").get<uint64_t>();
-    j.at("optimizer_steps").get<int64_t>();
+    for (const char* key : {"step", "data_position", "optimizer_steps"})
+      if (json_int64(j.at(key), meta_path, key) < 0) MF_FAIL(meta_path, ": '", key, "' must be >= 0");
+    if (!j.at("seed").is_number_unsigned()) MF_FAIL(meta_path, ": 'seed' must be an unsigned integer");
     j.at("checksums").get<nlohmann::json::object_t>();
   } catch (const nlohmann::json::exception& e) {
     MF_FAIL(meta_path, ": missing or malformed field (", e.what(), ")");

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moefold/comm/communicator.h"
+#include "moefold/io/json_limits.h"
 #include "moefold/io/safetensors.h"
 #include "moefold/model/hf_names.h"
 #include "moefold/model/model.h"
@@ -29,7 +30,7 @@ nlohmann::json read_json_file(const std::string& path) {
   std::ifstream f(path);
   if (!f) MF_FAIL(path, ": cannot open");
   try {
-    return nlohmann::json::parse(f);
+    return parse_json_limited<nlohmann::json>(path, f);
   } catch (const nlohmann::json::exception& e) {
     MF_FAIL(path, ": not valid JSON (", e.what(), ")");
   }
@@ -68,8 +69,9 @@ Config config_from_hf(const std::string& hf_dir) {
     if (!j.contains(key) || j[key].is_null()) MF_FAIL(path, ": missing key '", key, "'");
     return j.at(key);
   };
+  auto req_int = [&](const char* key) { return json_int64(req(key), path, key); };
   auto int_or = [&](const char* key, int64_t dflt) {
-    return j.contains(key) && !j[key].is_null() ? j[key].get<int64_t>() : dflt;
+    return j.contains(key) && !j[key].is_null() ? json_int64(j[key], path, key) : dflt;
   };
   auto refuse_if = [&](bool cond, const std::string& what) {
     if (cond) MF_FAIL(path, ": ", what, " is not supported");
@@ -86,13 +88,13 @@ Config config_from_hf(const std::string& hf_dir) {
     if (std::none_of(families().begin(), families().end(), [&](const auto& f) { return f.first == arch; }))
       MF_FAIL(path, ": architecture '", arch, "' is not supported (supported: ", known, ")");
     const std::string& a = m.architecture;
-    m.vocab_size = req("vocab_size").get<int64_t>();
-    m.hidden_size = req("hidden_size").get<int64_t>();
-    m.num_hidden_layers = req("num_hidden_layers").get<int64_t>();
-    m.num_attention_heads = req("num_attention_heads").get<int64_t>();
+    m.vocab_size = req_int("vocab_size");
+    m.hidden_size = req_int("hidden_size");
+    m.num_hidden_layers = req_int("num_hidden_layers");
+    m.num_attention_heads = req_int("num_attention_heads");
     m.num_key_value_heads = int_or("num_key_value_heads", m.num_attention_heads);
     m.head_dim = int_or("head_dim", m.hidden_size / std::max<int64_t>(1, m.num_attention_heads));
-    m.max_position_embeddings = req("max_position_embeddings").get<int64_t>();
+    m.max_position_embeddings = req_int("max_position_embeddings");
     m.rms_norm_eps = req("rms_norm_eps").get<double>();
     m.initializer_range = j.value("initializer_range", m.initializer_range);
     const std::string dtype = j.contains("dtype") && !j["dtype"].is_null() ? j["dtype"].get<std::string>()
@@ -111,7 +113,8 @@ Config config_from_hf(const std::string& hf_dir) {
     if (rope_type == "yarn") {
       m.rope_type = "yarn";
       m.rope_factor = rope.at("factor").get<double>();
-      m.rope_original_max_position_embeddings = rope.at("original_max_position_embeddings").get<int64_t>();
+      m.rope_original_max_position_embeddings =
+          json_int64(rope.at("original_max_position_embeddings"), path, "original_max_position_embeddings");
       auto num = [&](const char* k, double d) {
         return rope.contains(k) && !rope[k].is_null() ? rope[k].get<double>() : d;
       };
@@ -133,36 +136,44 @@ Config config_from_hf(const std::string& hf_dir) {
                   (a == "mixtral" && j.contains("sliding_window") && !j["sliding_window"].is_null()),
               "sliding-window attention");
     m.num_nextn_predict_layers = 0;  // set by import_hf from the tensors present
-    e.num_experts_per_tok = req("num_experts_per_tok").get<int64_t>();
+    e.num_experts_per_tok = req_int("num_experts_per_tok");
     e.aux_loss_coeff = j.value("router_aux_loss_coef", 0.0);
     e.scoring_func = ScoreFunc::softmax;
     if (a == "qwen3_moe") {
       e.num_experts =
-          j.contains("num_experts") ? j["num_experts"].get<int64_t>() : req("num_local_experts").get<int64_t>();
-      e.moe_intermediate_size = req("moe_intermediate_size").get<int64_t>();
+          j.contains("num_experts") ? json_int64(j["num_experts"], path, "num_experts") : req_int("num_local_experts");
+      e.moe_intermediate_size = req_int("moe_intermediate_size");
       e.norm_topk_prob = j.value("norm_topk_prob", false);
       m.intermediate_size = int_or("intermediate_size", 0);
       // HF: layer l is sparse iff l is not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0.
       const int64_t step = int_or("decoder_sparse_step", 1);
       refuse_if(step < 1, "decoder_sparse_step < 1");
-      std::vector<int64_t> only = j.value("mlp_only_layers", std::vector<int64_t>{});
+      std::vector<int64_t> only;
+      if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
+        if (!j["mlp_only_layers"].is_array()) MF_FAIL(path, ": 'mlp_only_layers' must be an array of integers");
+        for (const auto& l : j["mlp_only_layers"]) only.push_back(json_int64(l, path, "mlp_only_layers"));
+      }
+      // Bounded before this loop (validate() bounds it too, but last).
+      if (m.num_hidden_layers > ModelConfig::kMaxLayers)
+        MF_FAIL(path, ": num_hidden_layers = ", m.num_hidden_layers, " is more than ", ModelConfig::kMaxLayers,
+                " layers");
       for (int64_t l = 0; l < m.num_hidden_layers; ++l)
         if ((l + 1) % step != 0 && std::find(only.begin(), only.end(), l) == only.end()) only.push_back(l);
       std::sort(only.begin(), only.end());
       m.mlp_only_layers = only;
     } else if (a == "mixtral") {
-      e.num_experts = req("num_local_experts").get<int64_t>();
-      e.moe_intermediate_size = req("intermediate_size").get<int64_t>();  // Mixtral's experts' width
+      e.num_experts = req_int("num_local_experts");
+      e.moe_intermediate_size = req_int("intermediate_size");  // Mixtral's experts' width
       e.norm_topk_prob = true;  // softmax over the top-k logits = renormalised top-k of the softmax
       refuse_if(j.value("router_jitter_noise", 0.0) != 0.0, "router_jitter_noise != 0");
     } else if (a == "olmoe") {
-      e.num_experts = req("num_experts").get<int64_t>();
-      e.moe_intermediate_size = req("intermediate_size").get<int64_t>();
+      e.num_experts = req_int("num_experts");
+      e.moe_intermediate_size = req_int("intermediate_size");
       e.norm_topk_prob = j.value("norm_topk_prob", false);
       refuse_if(j.contains("clip_qkv") && !j["clip_qkv"].is_null(), "clip_qkv");
     } else {  // deepseek_v3
-      e.num_experts = req("n_routed_experts").get<int64_t>();
-      e.moe_intermediate_size = req("moe_intermediate_size").get<int64_t>();
+      e.num_experts = req_int("n_routed_experts");
+      e.moe_intermediate_size = req_int("moe_intermediate_size");
       e.norm_topk_prob = j.value("norm_topk_prob", true);
       e.scoring_func = ScoreFunc::sigmoid;
       refuse_if(j.value("scoring_func", std::string("sigmoid")) != "sigmoid", "scoring_func other than sigmoid");
@@ -174,13 +185,13 @@ Config config_from_hf(const std::string& hf_dir) {
       e.n_shared_experts = int_or("n_shared_experts", 0);
       e.aux_loss_coeff = 0.0;
       e.seq_aux_loss_coeff = j.value("seq_aux", false) ? j.value("aux_loss_alpha", 0.0) : 0.0;
-      m.intermediate_size = req("intermediate_size").get<int64_t>();
+      m.intermediate_size = req_int("intermediate_size");
       m.first_k_dense_replace = int_or("first_k_dense_replace", 0);
       m.q_lora_rank = int_or("q_lora_rank", 0);
-      m.kv_lora_rank = req("kv_lora_rank").get<int64_t>();
-      m.qk_nope_head_dim = req("qk_nope_head_dim").get<int64_t>();
-      m.qk_rope_head_dim = req("qk_rope_head_dim").get<int64_t>();
-      m.v_head_dim = req("v_head_dim").get<int64_t>();
+      m.kv_lora_rank = req_int("kv_lora_rank");
+      m.qk_nope_head_dim = req_int("qk_nope_head_dim");
+      m.qk_rope_head_dim = req_int("qk_rope_head_dim");
+      m.v_head_dim = req_int("v_head_dim");
       m.head_dim = m.qk_rope_head_dim;
       m.rope_interleave = j.value("rope_interleave", true);
     }
@@ -297,6 +308,10 @@ std::map<std::string, std::string> hf_tensor_files(const std::string& hf_dir) {
     } catch (const nlohmann::json::exception& e) {
       MF_FAIL(index, ": malformed index (", e.what(), ")");
     }
+    // Shards lie beside the index: a name with a directory ("../x", "/dev/...") would read elsewhere.
+    for (const auto& [t, f] : where)
+      if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos)
+        MF_FAIL(index, ": weight_map['", t, "'] = '", f, "' is not a file name beside the index");
   } else if (fs::exists(hf_dir + "/model.safetensors")) {
     SafetensorsReader r(hf_dir + "/model.safetensors");
     for (const SafetensorsTensor& t : r.tensors()) where[t.name] = "model.safetensors";
