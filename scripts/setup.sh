@@ -2,7 +2,7 @@
 # Installs the Debian packages moefold builds with, when missing (README: "Dependencies").
 set -euo pipefail
 packages=(build-essential cmake pkg-config clang-format libopenblas-dev nlohmann-json3-dev libtomlplusplus-dev
-          libcli11-dev libgtest-dev libopenmpi-dev openmpi-bin libpcre2-dev libutf8proc-dev
+          libcli11-dev libgtest-dev libopenmpi-dev openmpi-bin libpcre2-dev libutf8proc-dev libxxhash-dev
           python3-pip)  # pip: CMake fetches cuDNN's header-only C++ frontend from PyPI (CUDA builds)
 missing=()
 for p in "${packages[@]}"; do

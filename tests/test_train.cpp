@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <map>
 #include <new>
 #include <nlohmann/json.hpp>
@@ -946,6 +947,34 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailClearly) {
   EXPECT_NE(error_of([&] {
               run_training(cfg, RunOptions{(dir / "empty").string(), 2, true, true});
             }).find("no checkpoint"),
+            std::string::npos);
+}
+
+// Checkpoints written before trainer.json named its checksum algorithm hold FNV-1a 64 checksums:
+// they still load; an unknown algorithm is one line.
+TEST(Checkpoint, OlderChecksumsStillLoad) {
+  testing::TempDir tmp("test_train");
+  const fs::path& dir = tmp.path();
+  Config cfg = small_config(make_data(dir), {"train.checkpoint_interval=0"});
+  run_training(cfg, RunOptions{(dir / "run").string(), 2, false, true});
+  const fs::path ck = dir / "run" / "checkpoints" / "step_00000002";
+  nlohmann::json meta = nlohmann::json::parse(testing::read_bytes((ck / "trainer.json").string()));
+  ASSERT_EQ(meta["checksum"], "xxh3-64");
+  meta.erase("checksum");
+  for (auto& [file, sum] : meta["checksums"].items()) {
+    uint64_t h = 1469598103934665603ull;
+    for (unsigned char c : testing::read_bytes((ck / file).string())) h = (h ^ c) * 1099511628211ull;
+    sum = cat(std::hex, std::setw(16), std::setfill('0'), h);
+  }
+  testing::write_bytes((ck / "trainer.json").string(), meta.dump(2));
+  TokenDataset data = open_token_dataset(cfg.data.path);
+  OneRank one(cfg);
+  Trainer t(cfg, data, one.mesh);
+  EXPECT_EQ(error_of([&] { t.load(ck.string()); }), "");
+  EXPECT_EQ(t.step(), 2);
+  meta["checksum"] = "md5";
+  testing::write_bytes((ck / "trainer.json").string(), meta.dump(2));
+  EXPECT_NE(error_of([&] { t.load(ck.string()); }).find("trainer.json: checksum \"md5\" is not xxh3-64 or fnv1a-64"),
             std::string::npos);
 }
 

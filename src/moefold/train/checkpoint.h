@@ -58,6 +58,8 @@ class CheckpointWriter {
   // Returns the step made durable, or -1 (none in flight, or still writing).
   int64_t finish(bool wait);
   bool in_flight() const { return pending_ != nullptr; }
+  // Seconds from the start of the last completed save to its completion.
+  double last_save_s() const { return last_save_s_; }
 
  private:
   struct Pending;
@@ -68,6 +70,7 @@ class CheckpointWriter {
   CheckpointOptions opts_;
   std::unique_ptr<SnapshotPool> pool_;  // async: the snapshot's host memory, reused
   std::unique_ptr<Pending> pending_;
+  double last_save_s_ = 0;
 };
 
 // Writes checkpoint `state.step` under `checkpoints_dir` synchronously (a CheckpointWriter with

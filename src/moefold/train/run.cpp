@@ -171,8 +171,8 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
   };
   auto report_saved = [&](int64_t step, double blocking_s) {
     if (step < 0 || opts.quiet) return;
-    std::fprintf(stderr, "%smoefold: checkpoint step %lld saved (training waited %.2f s)\n", tty ? "\n" : "",
-                 static_cast<long long>(step), blocking_s);
+    std::fprintf(stderr, "%smoefold: checkpoint step %lld saved in %.2f s (training waited %.2f s)\n", tty ? "\n" : "",
+                 static_cast<long long>(step), writer.last_save_s(), blocking_s);
   };
   double save_blocking_s = 0;  // of the save in flight
   while (trainer.step() < stop) {
@@ -213,9 +213,11 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
       }
     }
     if ((cfg.train.checkpoint_interval > 0 && m.step % cfg.train.checkpoint_interval == 0) || last) {
+      const auto t0 = std::chrono::steady_clock::now();  // training waits from here (for the save before too)
       saving([&] {
         if (writer.in_flight()) report_saved(writer.finish(true), save_blocking_s);  // one save at a time
-        const auto t0 = std::chrono::steady_clock::now();
+      });
+      saving([&] {
         trainer.save(writer);
         save_blocking_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (!writer.in_flight()) report_saved(m.step, save_blocking_s);
