@@ -59,7 +59,7 @@ for ((t = 1; t <= trials; ++t)); do
   mode=false
   ((t % 2 == 0)) && mode=true
   rm -rf trial && mkdir trial
-  delay=$(python3 -c "import random; print(round(random.uniform(0.05, $span), 3))")
+  delay=$(python3 -c "import random; print(round(random.uniform(0.25 * $span, $span), 3))")
   (cd trial && exec "$bin" "${args[@]}" --run-dir run --set train.async_checkpoint=$mode) &
   pid=$!
   sleep "$delay"
