@@ -28,6 +28,7 @@ for _ in range(20000):
     print(" ".join(random.choice(words) for _ in range(14)))
 EOF
 "$bin" prepare corpus.txt -o data.tokens >/dev/null
+head -50 corpus.txt > few.txt && "$bin" prepare few.txt -o few.tokens >/dev/null  # what eval loads a checkpoint on
 
 # Large enough that a save (about 10 MB) takes a good share of a step.
 args=(train --steps 12 --quiet --set data.path=../data.tokens --set model.hidden_size=128
@@ -70,7 +71,7 @@ for ((t = 1; t <= trials; ++t)); do
   status=ok
   if [[ -n "$newest" ]]; then
     # The newest complete checkpoint loads (checksums, names, shapes).
-    if ! (cd trial && "$bin" eval --checkpoint "../$newest" --tokens ../data.tokens --seq-len 64 >/dev/null 2>eval.err); then
+    if ! (cd trial && "$bin" eval --checkpoint "../$newest" --tokens ../few.tokens --seq-len 64 >/dev/null 2>eval.err); then
       status="newest checkpoint does not load: $(cat trial/eval.err)"
     fi
     resume=(--resume)
