@@ -7,7 +7,8 @@
 // only, when given) do <action>:
 //   kill    SIGKILL to itself (a crash at that instant: nothing flushed, no destructors);
 //   hang    stop responding for good (a rank lost without dying: it sleeps forever);
-//   enospc  fault_point returns ENOSPC: the caller fails as if the disk were full.
+//   enospc  fault_point returns ENOSPC: the caller fails as if the disk were full (only
+//           safetensors.tensor acts on it; the other points ignore what fault_point returns).
 // A malformed value is an Error naming it. Points in use: checkpoint.snapshot,
 // safetensors.tensor (before each tensor write_safetensors writes), checkpoint.fsync,
 // checkpoint.index, checkpoint.rename, checkpoint.prune, train.step.
