@@ -573,6 +573,103 @@ TEST(Router, ExpertBiasIsAParameterWithoutGradientThatSteersSelection) {
   EXPECT_FALSE(rig0.router.expert_bias().defined());
 }
 
+// A router that starts collapsed, as full-size models do at their initialisation
+// (docs/expert-load.md): the tokens' router inputs share one large common component u, and expert
+// 0's gate row points along it, so every token's score for expert 0 is far above the rest; the
+// tokens differ only in a small part of their own. Returns the inputs [T, H] and sets the gate.
+Tensor collapsed_router(Pool& pool, RouterRig& rig, int64_t t_n, double lead) {
+  const int64_t h_n = rig.gate().size(1), e_n = rig.gate().size(0);
+  Tensor u = pool.randn({h_n});
+  const double norm = std::sqrt(dot(u, u));
+  for (int64_t h = 0; h < h_n; ++h) testing::set_value_at(u, h, testing::value_at(u, h) / norm);
+  Tensor gate = pool.randn({e_n, h_n}, DType::f64, 0.3);
+  for (int64_t h = 0; h < h_n; ++h)
+    testing::set_value_at(gate, h, testing::value_at(gate, h) + lead * testing::value_at(u, h));
+  rig.gate().copy_from(gate);
+  Tensor x = pool.randn({t_n, h_n}, DType::f64, 0.1);  // the tokens' own parts
+  for (int64_t t = 0; t < t_n; ++t)
+    for (int64_t h = 0; h < h_n; ++h)
+      testing::set_value_at(x, t * h_n + h, testing::value_at(x, t * h_n + h) + testing::value_at(u, h));
+  return x;
+}
+
+double busiest_over_mean(const Tensor& counts_E) {
+  double most = 0, total = 0;
+  for (int64_t e = 0; e < counts_E.numel(); ++e) {
+    most = std::max(most, testing::value_at(counts_E, e));
+    total += testing::value_at(counts_E, e);
+  }
+  return most * static_cast<double>(counts_E.numel()) / total;
+}
+
+// Aux-loss-free balancing undoes a collapse: with the selection bias moving by `rate` per step
+// (group-limited sigmoid routing, as DeepSeek-V3), the busiest expert falls from every token
+// (E / K = 4 x the mean) to <= 1.5 x the mean once the bias has made up expert 0's lead in score
+// (~0.4 here; expert 0's bias falls by rate per step while the idle experts' rise by rate: ~20
+// steps at rate 0.01; within 60 stated), and stays <= 2 x after. Not within 10 steps: the bias is
+// the one thing that moves, by rate per step. Red if the bias moved the wrong way, were added to
+// anything but the scores the selection ranks, or ranked the groups without it.
+TEST(Router, ExpertBiasBalancesACollapsedRouter) {
+  const int64_t h_n = 32, t_n = 512, e_n = 16, k_n = 4;
+  const MoeConfig cfg{.num_experts = e_n,
+                      .num_experts_per_tok = k_n,
+                      .scoring_func = ScoreFunc::sigmoid,
+                      .aux_loss_coeff = 0,
+                      .n_group = 4,
+                      .topk_group = 2,
+                      .expert_bias = true};
+  Pool pool;
+  RouterRig rig(pool, cfg, h_n, t_n);
+  const Tensor x = collapsed_router(pool, rig, t_n, 6.0);
+  const double rate = 0.01;
+  int balanced_at = 0;
+  double worst_after = 0;
+  for (int step = 1; step <= 120; ++step) {
+    rig.router.forward(x);
+    const double load = busiest_over_mean(rig.router.tokens_per_expert());
+    if (step == 1) {
+      EXPECT_EQ(load, 4.0) << "every token picks expert 0 at first";
+    }
+    if (step <= 10) {
+      EXPECT_GT(load, 2.0) << "step " << step << ": balanced before the bias can have made up the lead";
+    }
+    if (balanced_at > 0) worst_after = std::max(worst_after, load);
+    if (balanced_at == 0 && load <= 1.5) balanced_at = step;
+    rig.router.update_expert_bias(rig.router.tokens_per_expert(), rate);
+  }
+  EXPECT_GT(balanced_at, 0) << "never balanced within 120 steps";
+  EXPECT_LE(balanced_at, 60);
+  EXPECT_LE(worst_after, 2.0);
+}
+
+// The Switch load-balancing loss undoes a collapse on its own: plain gradient descent of the gate
+// on coeff * aux alone (softmax top-K) takes the busiest expert from every token to <= 1.5 x the
+// mean within 30 steps (11 here). Red if the aux loss's gradient pointed the wrong way or went
+// missing.
+TEST(Router, AuxLossBalancesACollapsedRouter) {
+  const int64_t h_n = 32, t_n = 512, e_n = 16, k_n = 4;
+  const MoeConfig cfg{.num_experts = e_n, .num_experts_per_tok = k_n, .aux_loss_coeff = 1.0};
+  Pool pool;
+  RouterRig rig(pool, cfg, h_n, t_n);
+  const Tensor x = collapsed_router(pool, rig, t_n, 6.0);
+  const Tensor dprob = pool.zeros({t_n, k_n}), dx = pool.zeros({t_n, h_n});
+  const Param* gate = rig.mem.find(kPrefix + ".gate.weight");
+  int balanced_at = 0;
+  for (int step = 1; step <= 30 && balanced_at == 0; ++step) {
+    rig.router.forward(x);
+    const double load = busiest_over_mean(rig.router.tokens_per_expert());
+    if (step == 1) {
+      EXPECT_EQ(load, 4.0) << "every token picks expert 0 at first";
+    }
+    if (load <= 1.5) balanced_at = step;
+    rig.mem.zero_grads();
+    rig.router.backward(x, dprob, 1.0, dx);
+    for (int64_t i = 0; i < gate->value.numel(); ++i)
+      testing::set_value_at(gate->value, i, testing::value_at(gate->value, i) - 2.0 * testing::value_at(gate->grad, i));
+  }
+  EXPECT_GT(balanced_at, 0) << "never balanced within 30 steps";
+}
+
 TEST(Router, SequenceAuxLossGradientMatchesFiniteDifferences) {
   const int64_t h_n = 5, e_n = 6, b_n = 3, s_n = 5;
   for (ScoreFunc f : {ScoreFunc::softmax, ScoreFunc::sigmoid}) {

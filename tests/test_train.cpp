@@ -559,9 +559,9 @@ TEST(Trainer, Fp8DispatchChangesAtMostTheExpertsInputWeightGradient) {
             std::string::npos);
 }
 
-// Aux-loss-free balancing: each step moves every router's selection bias by exactly +-rate or 0
-// per expert, against that step's loads (never all 0: the loads are not uniform); nothing else
-// moves it.
+// Aux-loss-free balancing: each step moves every router's selection bias by exactly
+// rate * sign(mean load - load) per expert, the loads of the whole step (both micro-batches: the
+// trainer's expert_loads, which the metrics' max and mean agree with); nothing else moves it.
 TEST(Trainer, ExpertBiasFollowsTheStepLoads) {
   testing::TempDir tmp("test_train");
   Config cfg = small_config(make_data(tmp.path()),
@@ -575,20 +575,64 @@ TEST(Trainer, ExpertBiasFollowsTheStepLoads) {
     if (p.name.ends_with("e_score_correction_bias")) biases.push_back(&p);
   ASSERT_EQ(biases.size(), 2u);  // one per MoE layer
   std::vector<std::vector<float>> before(biases.size(), std::vector<float>(4, 0.0f));
+  ASSERT_EQ(cfg.train.global_batch_size, 2 * cfg.train.micro_batch_size);
   for (int step = 1; step <= 3; ++step) {
-    t.train_step();
+    const StepMetrics& m = t.train_step();
+    const Tensor& loads = t.expert_loads();
+    ASSERT_EQ(loads.shape(), (Shape{2, 4}));
     for (size_t i = 0; i < biases.size(); ++i) {
+      const double* load = loads.ptr<double>() + i * 4;
+      double total = 0, most = 0;
+      for (int64_t e = 0; e < 4; ++e) {
+        total += load[e];
+        most = std::max(most, load[e]);
+      }
+      // Every token of both micro-batches (2 x 2 sequences x 16 tokens) routed to K = 2 experts.
+      EXPECT_EQ(total, 4.0 * 16 * 2) << biases[i]->name;
+      EXPECT_EQ(most, m.expert_load_max[i]);
+      EXPECT_EQ(total / 4, m.expert_load_mean[i]);
       int moved = 0;
       for (int64_t e = 0; e < 4; ++e) {
         const float now = biases[i]->value.ptr<float>()[e];
         const double delta = (now - before[i][e]) / 0.125;
-        EXPECT_TRUE(delta == 0 || delta == 1 || delta == -1) << biases[i]->name << " expert " << e << ": " << delta;
+        const double gap = total / 4 - load[e];
+        EXPECT_EQ(delta, (gap > 0) - (gap < 0)) << biases[i]->name << " expert " << e << " at step " << step;
         moved += delta != 0;
         before[i][e] = now;
       }
       EXPECT_GT(moved, 0) << biases[i]->name << ": the bias did not move at step " << step;
     }
   }
+}
+
+// moe.router_init_std sets the standard deviation of the routers' initial weights alone (0: the
+// model's initializer_range, as every other matrix); a negative value is one line naming it.
+TEST(Trainer, RouterInitStdSetsTheGatesAlone) {
+  testing::TempDir tmp("test_train");
+  const std::string data = make_data(tmp.path());
+  auto stds = [&](const std::vector<std::string>& extra) {
+    Config cfg = small_config(data, extra);
+    TokenDataset ds = open_token_dataset(cfg.data.path);
+    OneRank one(cfg);
+    Trainer t(cfg, ds, one.mesh);
+    t.init_fresh();
+    std::map<std::string, double> out;  // "gate" and "other": the largest |value| seen
+    for (const Param& p : t.params()) {
+      if (p.value.ndim() != 2) continue;
+      const std::string kind = p.name.ends_with("mlp.gate.weight") ? "gate" : "other";
+      out[kind] = std::max(out[kind], testing::max_abs(p.value));
+    }
+    return out;
+  };
+  const auto plain = stds({}), wide = stds({"moe.router_init_std=0.5"});
+  EXPECT_LT(plain.at("gate"), 0.02 * 6);
+  EXPECT_GT(wide.at("gate"), 0.5 * 2);  // 128 draws of N(0, 0.5^2): the largest is > 1 (p ~ 0.997)
+  EXPECT_LT(wide.at("gate"), 0.5 * 6);
+  EXPECT_EQ(wide.at("other"), plain.at("other"));
+  Config bad = small_config(data, {});
+  bad.moe.router_init_std = -1;
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("moe.router_init_std = -1 must be finite and >= 0"),
+            std::string::npos);
 }
 
 TEST(GradReducer, LayerOfAParameterName) {
@@ -976,6 +1020,31 @@ TEST(Checkpoint, OlderChecksumsStillLoad) {
   testing::write_bytes((ck / "trainer.json").string(), meta.dump(2));
   EXPECT_NE(error_of([&] { t.load(ck.string()); }).find("trainer.json: checksum \"md5\" is not xxh3-64 or fnv1a-64"),
             std::string::npos);
+}
+
+// checkpoint_bytes (what `moefold plan` prints and a save checks against the free space) bounds
+// the files a save writes, from above and within 25 % for these small models (headers are a large
+// share of them; at real sizes the tensors are all of it): both families, MTP and the selection
+// bias included.
+TEST(Checkpoint, SizeIsKnownBeforeTheSave) {
+  testing::TempDir tmp("test_train");
+  const fs::path& dir = tmp.path();
+  std::vector<std::string> deepseek = kDeepSeek;
+  deepseek.insert(deepseek.end(), {"model.num_nextn_predict_layers=1", "train.checkpoint_interval=0"});
+  for (const std::vector<std::string>& family : {deepseek, std::vector<std::string>{"train.checkpoint_interval=0"}}) {
+    Config cfg = small_config(make_data(dir), family);
+    SCOPED_TRACE(cfg.model.architecture);
+    const fs::path run = dir / cfg.model.architecture;
+    run_training(cfg, RunOptions{run.string(), 1, false, true});
+    int64_t written = 0;
+    for (const auto& f : fs::recursive_directory_iterator(run / "checkpoints" / "step_00000001"))
+      if (f.is_regular_file()) written += static_cast<int64_t>(f.file_size());
+    const int64_t planned = checkpoint_bytes(cfg);
+    const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
+    EXPECT_LE(12 * (size.total_params + size.mtp_params), written);  // the counts are the tensors written
+    EXPECT_GE(planned, written);
+    EXPECT_LE(static_cast<double>(planned), 1.25 * static_cast<double>(written) + (1 << 20));
+  }
 }
 
 // Hugging Face directories from elsewhere (the audit of the readers, docs/faults.md "Untrusted

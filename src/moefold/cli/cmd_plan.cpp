@@ -10,6 +10,7 @@
 
 #include "moefold/cli/commands.h"
 #include "moefold/core/error.h"
+#include "moefold/train/checkpoint.h"
 #include "moefold/train/memory_plan.h"
 #include "moefold/train/pipeline_schedule.h"
 
@@ -135,6 +136,8 @@ void run_plan(const PlanArgs& a) {
       "experts); moe.capacity_factor bounds them.\n",
       first.peak() == last.peak() ? "rank 0; every rank the same" : "rank 0");
   print_rank(first, gpu_bytes, host_bytes);
+  std::printf("checkpoint on disk: %s per save (f32 weights and AdamW moments of the whole model)\n",
+              gib(static_cast<size_t>(checkpoint_bytes(cfg))).c_str());
   if (first.peak() != last.peak()) {
     std::printf(
         "rank %d%s\n", last.rank,

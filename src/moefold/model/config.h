@@ -161,6 +161,7 @@ struct TrainConfig {
   int64_t eval_interval = 100;        // evaluate every N steps (0: never, except at the end)
   int64_t eval_batches = 4;           // held-out micro-batches per evaluation
   int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)
+  bool save_checkpoints = true;       // false: no checkpoint at all, not even at the end (experiments)
   // Checkpoints (train/checkpoint.h): written by a background thread from a pinned host copy of
   // the state while training goes on; at most keep_checkpoints complete ones kept (0: all); a
   // failed save stops the run or, "continue", is reported and training goes on.

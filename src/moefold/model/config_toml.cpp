@@ -103,6 +103,8 @@ const std::vector<Field>& fields() {
       MF_FIELD(moe, "router_aux_loss_coef", aux_loss_coeff,
                "load-balancing loss weight (Switch/GShard; 1.0 = uniform routing)"),
       MF_FIELD(moe, "router_z_loss_coef", z_loss_coeff, "router z-loss weight (ST-MoE)"),
+      MF_FIELD(moe, "router_init_std", router_init_std,
+               "standard deviation of the router's initial weights (0: model.initializer_range)"),
       MF_FIELD(moe, "router_fp32_gemm", router_fp32_gemm,
                "mixed precision: router logits from fp32 operands (else bf16 operands, fp32 accumulation)"),
       MF_FIELD(moe, "ep_overlap_chunks", ep_overlap_chunks,
@@ -168,6 +170,8 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "eval_interval", eval_interval, "evaluate every N steps (0: only at the end)"),
       MF_FIELD(train, "eval_batches", eval_batches, "held-out micro-batches per evaluation"),
       MF_FIELD(train, "checkpoint_interval", checkpoint_interval, "checkpoint every N steps (0: only at the end)"),
+      MF_FIELD(train, "save_checkpoints", save_checkpoints,
+               "false: no checkpoint is written, not even at the end (experiments, measurements)"),
       MF_FIELD(train, "async_checkpoint", async_checkpoint,
                "checkpoints copied to pinned host memory and written by a background thread while training goes on "
                "(still atomic: a temporary directory, fsync, rename)"),

@@ -36,6 +36,8 @@ void MoeConfig::validate() const {
   // (DeepSeek-V3 pairs them, section 2.1.2).
   if (expert_bias && scoring_func != ScoreFunc::sigmoid)
     MF_FAIL("moe.expert_bias = true requires moe.scoring_func = \"sigmoid\"");
+  if (!(router_init_std >= 0) || !std::isfinite(router_init_std))
+    MF_FAIL("moe.router_init_std = ", router_init_std, " must be finite and >= 0");
   if (!(expert_bias_update_rate >= 0) || !std::isfinite(expert_bias_update_rate))
     MF_FAIL("moe.expert_bias_update_rate = ", expert_bias_update_rate, " must be finite and >= 0");
   if (!(seq_aux_loss_coeff >= 0) || !std::isfinite(seq_aux_loss_coeff))

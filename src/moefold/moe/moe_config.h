@@ -18,6 +18,7 @@ struct MoeConfig {
   double routed_scaling_factor = 1.0;           // multiplies the (renormalised) top-k probabilities
   double aux_loss_coeff = 1e-2;                 // Switch/GShard load-balancing loss weight (HF: router_aux_loss_coef)
   double z_loss_coeff = 0.0;                    // router z-loss weight (ST-MoE)
+  double router_init_std = 0.0;                 // the gate's init std; 0: the model's initializer_range
   double capacity_factor = 0.0;                 // <= 0: dropless; else capacity = ceil(cf * T * K / E) per expert
   bool pad_to_capacity = false;                 // with a capacity: every expert gets exactly `capacity` rows
   int64_t n_group = 1;                          // DeepSeek-V3 group-limited routing: contiguous expert groups

@@ -205,6 +205,35 @@ ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, cons
   return out;
 }
 
+// Bytes of the two files a writing rank writes: the tensors plus each file's header (its JSON
+// bounded by 256 bytes per tensor: name, dtype, shape and offsets).
+int64_t checkpoint_file_bytes(const ShardedNames& e) {
+  int64_t bytes = 2 * (8 + 4096);
+  for (const auto* list : {&e.weights, &e.moments})
+    for (const SafetensorsEntry& t : *list) bytes += t.tensor.numel() * 4 + 256 + static_cast<int64_t>(t.name.size());
+  return bytes;
+}
+
+std::string format_bytes(double bytes) {
+  const char* unit = bytes >= 1e9 ? "GB" : bytes >= 1e6 ? "MB" : "kB";
+  const double scale = bytes >= 1e9 ? 1e9 : bytes >= 1e6 ? 1e6 : 1e3;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f %s", bytes / scale, unit);
+  return buf;
+}
+
+// Throws naming the directory when its file system has less than `bytes` (+ 1 %) available.
+void check_free_space(const std::string& dir, int64_t bytes) {
+  std::error_code ec;
+  const fs::space_info s = fs::space(dir, ec);
+  if (ec) return;  // unknown: the write itself reports a full disk
+  const double need = static_cast<double>(bytes) * 1.01;
+  if (need > static_cast<double>(s.available))
+    MF_FAIL("it needs ", format_bytes(static_cast<double>(bytes)), " and ", dir, " has ",
+            format_bytes(static_cast<double>(s.available)),
+            " free (nothing was written; free space, set train.keep_checkpoints, or use another --run-dir)");
+}
+
 // Hugging Face's sharded-checkpoint index: {"metadata": {"total_size": N}, "weight_map": {...}}.
 nlohmann::json make_index(const std::string& dir, const std::string& stem, int n) {
   nlohmann::json map = nlohmann::json::object();
@@ -291,6 +320,16 @@ CheckpointWriter::~CheckpointWriter() {
   if (pending_ && pending_->thread.joinable()) pending_->thread.join();
 }
 
+int64_t checkpoint_bytes(const Config& cfg) {
+  const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
+  const int64_t params = size.total_params + size.mtp_params;
+  // Header JSON per tensor (name, dtype, shape, offsets: < 256 bytes) in the model file and twice
+  // in the optimizer's, one index line each; at most 16 + 3 E tensors per decoder layer.
+  const int64_t layers = cfg.model.num_hidden_layers + cfg.model.num_nextn_predict_layers;
+  const int64_t tensors = 8 + layers * (16 + 3 * cfg.moe.num_experts);
+  return params * 12 + tensors * 4 * 256 + (int64_t{1} << 20);
+}
+
 std::string CheckpointWriter::save(const std::vector<Param>& params, const AdamW& opt, const TrainerState& state,
                                    const std::string& config_toml) {
   finish(true);
@@ -320,6 +359,19 @@ std::string CheckpointWriter::save(const std::vector<Param>& params, const AdamW
       if (pool_) pool_->reset();
       p->entries = entries_of(params, opt, mesh_, pool_.get());
       (void)fault_point("checkpoint.snapshot");
+    });
+  } catch (const Error& e) {
+    std::error_code ec;
+    if (mesh_.world_rank == 0) fs::remove_all(p->tmp_dir, ec);
+    throw Error(cat("checkpoint ", name, " not saved: ", e.what()));
+  }
+  // Nothing is written unless the directory's file system can hold the whole checkpoint (every
+  // rank's files go into the one directory rank 0 renames).
+  int64_t bytes = p->writes ? checkpoint_file_bytes(p->entries) : 0;
+  if (world.size() > 1) world.all_reduce(Tensor(&bytes, DType::i64, {1}), ReduceOp::sum);
+  try {
+    on_every_rank(world, "checking the checkpoint's disk space", [&] {
+      if (mesh_.world_rank == 0) check_free_space(dir_, bytes);
     });
   } catch (const Error& e) {
     std::error_code ec;

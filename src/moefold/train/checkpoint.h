@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "moefold/core/memory.h"
+#include "moefold/model/config.h"
 #include "moefold/parallel/mesh.h"
 #include "moefold/train/optimizer.h"
 
@@ -72,6 +73,12 @@ class CheckpointWriter {
   std::unique_ptr<Pending> pending_;
   double last_save_s_ = 0;
 };
+
+// Bytes one checkpoint of cfg's model takes on disk: every parameter's f32 weight and both AdamW
+// moments (model_size's counts, multi-token prediction included) plus a bound on the files'
+// headers, indexes, trainer.json and config.toml. `moefold plan` prints it; a run warns at start
+// when its directory has less free; CheckpointWriter::save refuses before the first byte.
+int64_t checkpoint_bytes(const Config& cfg);
 
 // Writes checkpoint `state.step` under `checkpoints_dir` synchronously (a CheckpointWriter with
 // the default options); returns its path.

@@ -140,6 +140,17 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                  static_cast<long long>(layout.dp), static_cast<long long>(layout.ep),
                  static_cast<long long>(layout.etp), static_cast<long long>(layout.edp()));
 
+  if (lead && !opts.quiet && cfg.train.save_checkpoints) {  // a save refuses to start without the space
+    std::error_code ec;
+    const fs::space_info space = fs::space(opts.run_dir, ec);
+    const int64_t need = checkpoint_bytes(cfg);
+    if (!ec && static_cast<double>(space.available) < static_cast<double>(need))
+      std::fprintf(stderr,
+                   "moefold: warning: a checkpoint takes %.2f GB and %s has %.2f GB free: saves will fail "
+                   "(train.on_save_error = %s)\n",
+                   static_cast<double>(need) / 1e9, opts.run_dir.c_str(), static_cast<double>(space.available) / 1e9,
+                   cfg.train.on_save_error.c_str());
+  }
   const int64_t stop = opts.stop_step >= 0 ? opts.stop_step : cfg.train.steps;
   const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
   if (!opts.quiet)
@@ -212,7 +223,8 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                      static_cast<long long>(m.step));
       }
     }
-    if ((cfg.train.checkpoint_interval > 0 && m.step % cfg.train.checkpoint_interval == 0) || last) {
+    if (cfg.train.save_checkpoints &&
+        ((cfg.train.checkpoint_interval > 0 && m.step % cfg.train.checkpoint_interval == 0) || last)) {
       const auto t0 = std::chrono::steady_clock::now();  // training waits from here (for the save before too)
       saving([&] {
         if (writer.in_flight()) report_saved(writer.finish(true), save_blocking_s);  // one save at a time

@@ -124,6 +124,9 @@ class Trainer {
   size_t optimizer_bytes() const { return opt_.state_bytes(); }
   int64_t step() const { return step_; }
   const StepMetrics& metrics() const { return metrics_; }
+  // f64 [MoE layers of the whole model, experts]: the last step's tokens per expert, summed over its
+  // micro-batches and every rank (what the expert-bias update and metrics' expert_load_* read).
+  const Tensor& expert_loads() const { return buf_.load_sum_LE; }
   Memory& memory() { return mem_; }
   const ExecContext& exec() const { return exec_; }
   const Model& model() const { return *models_.front(); }
