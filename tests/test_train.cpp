@@ -1040,6 +1040,12 @@ TEST(Checkpoint, SizeIsKnownBeforeTheSave) {
     for (const auto& f : fs::recursive_directory_iterator(run / "checkpoints" / "step_00000001"))
       if (f.is_regular_file()) written += static_cast<int64_t>(f.file_size());
     const int64_t planned = checkpoint_bytes(cfg);
+    // train.save_checkpoints = false: the same run writes none, not even at the end.
+    Config none = cfg;
+    none.train.save_checkpoints = false;
+    run_training(none, RunOptions{(run / "none").string(), 1, false, true});
+    EXPECT_TRUE(latest_checkpoint((run / "none" / "checkpoints").string()).empty());
+    EXPECT_EQ(read_metrics(run / "none").size(), 1u);
     const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
     EXPECT_LE(12 * (size.total_params + size.mtp_params), written);  // the counts are the tensors written
     EXPECT_GE(planned, written);

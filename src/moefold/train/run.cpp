@@ -140,7 +140,7 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                  static_cast<long long>(layout.dp), static_cast<long long>(layout.ep),
                  static_cast<long long>(layout.etp), static_cast<long long>(layout.edp()));
 
-  if (lead && !opts.quiet && cfg.train.save_checkpoints) {  // a save refuses to start without the space
+  if (lead && cfg.train.save_checkpoints) {  // a save refuses to start without the space
     std::error_code ec;
     const fs::space_info space = fs::space(opts.run_dir, ec);
     const int64_t need = checkpoint_bytes(cfg);
@@ -242,10 +242,11 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
     std::fprintf(stderr, "moefold: already at step %lld; nothing to do\n", static_cast<long long>(trainer.step()));
   if (!opts.quiet && tty) std::fprintf(stderr, "\n");
   if (!opts.quiet && steps_done > 0)
-    std::fprintf(stderr, "moefold: done at step %lld: %.1f s, %.0f tokens/s; checkpoints in %s\n",
+    std::fprintf(stderr, "moefold: done at step %lld: %.1f s, %.0f tokens/s; %s%s\n",
                  static_cast<long long>(trainer.step()), elapsed,
                  static_cast<double>(cfg.train.global_batch_size * cfg.train.seq_len) * steps_done / elapsed,
-                 ckpt_dir.c_str());
+                 cfg.train.save_checkpoints ? "checkpoints in " : "no checkpoints (train.save_checkpoints = false)",
+                 cfg.train.save_checkpoints ? ckpt_dir.c_str() : "");
   return trainer.step();
 }
 
