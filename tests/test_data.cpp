@@ -305,6 +305,48 @@ TEST(Npy, HostileShapesNameTheFile) {
   EXPECT_EQ(read_npy_tokens(path).tokens.size(), 4u);
 }
 
+// NpyAppender (expert_load.npy): a complete array after every append; reopened, it keeps the
+// slices asked for and cuts off the rest, a slice torn by a crash (bytes written, header not yet)
+// included; a file of another slice shape or dtype is one line naming it.
+TEST(Npy, AppenderGrowsACompleteArrayAndResumes) {
+  TempDir dir;
+  const std::string path = dir.file("loads.npy");
+  std::vector<float> slice(6);
+  auto fill = [&](int k) {
+    for (size_t i = 0; i < slice.size(); ++i) slice[i] = static_cast<float>(10 * k + static_cast<int>(i));
+  };
+  {
+    NpyAppender a(path, {2, 3}, 0);
+    EXPECT_EQ(read_npy_f32(path).shape, (std::vector<int64_t>{0, 2, 3}));
+    for (int k = 0; k < 3; ++k) {
+      fill(k);
+      a.append(slice.data());
+      const NpyFloats f = read_npy_f32(path);  // as numpy would read it now
+      EXPECT_EQ(f.shape, (std::vector<int64_t>{k + 1, 2, 3}));
+      EXPECT_EQ(f.values[static_cast<size_t>(6 * k + 5)], static_cast<float>(10 * k + 5));
+    }
+  }
+  std::ofstream(path, std::ios::binary | std::ios::app).write("torn", 4);  // a crash mid-append
+  {
+    NpyAppender a(path, {2, 3}, 99);  // keeps all 3 complete slices, cuts the torn bytes
+    EXPECT_EQ(a.size(), 3);
+    EXPECT_EQ(read_npy_f32(path).shape, (std::vector<int64_t>{3, 2, 3}));
+  }
+  {
+    NpyAppender a(path, {2, 3}, 2);  // a run resumed after the 2nd slice
+    EXPECT_EQ(a.size(), 2);
+    fill(7);
+    a.append(slice.data());
+    const NpyFloats f = read_npy_f32(path);
+    EXPECT_EQ(f.shape, (std::vector<int64_t>{3, 2, 3}));
+    EXPECT_EQ(f.values[6], 10.0f);   // slice 1 kept
+    EXPECT_EQ(f.values[12], 70.0f);  // slice 2 replaced
+  }
+  expect_error([&] { NpyAppender(path, {3, 2}, 1); }, path, "not the float32 slices (3, 2)");
+  EXPECT_EQ(NpyAppender(path, {3, 2}, 0).size(), 0);  // keep 0: a new file
+  EXPECT_EQ(read_npy_f32(path).shape, (std::vector<int64_t>{0, 3, 2}));
+}
+
 // Found by the audit of the readers (docs/faults.md, "Untrusted files"): the header dict was read
 // with std::regex, which recursed once per character matched and overflowed the stack on a 40 kB
 // 'descr'; and the shape's digits were picked out of any text, so "(-2, -2)" read as (2, 2).

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "moefold/core/rng.h"
+#include "moefold/data/npy.h"
 #include "moefold/data/token_dataset.h"
 #include "moefold/train/hf_import.h"
 #include "moefold/train/pipeline_schedule.h"
@@ -603,6 +604,44 @@ TEST(Trainer, ExpertBiasFollowsTheStepLoads) {
       EXPECT_GT(moved, 0) << biases[i]->name << ": the bias did not move at step " << step;
     }
   }
+}
+
+// Expert-load statistics: metrics.jsonl has each MoE layer's p50 <= p90 <= p99 <= max load as
+// multiples of the mean (the max = expert_load_max / expert_load_mean); expert_load.npy grows by
+// one [MoE layers, experts] slice of tokens per expert every train.expert_load_interval steps
+// (each layer's slice summing to tokens x K), and a run stopped at step 4 and resumed ends with
+// the same file as one run straight through.
+TEST(Trainer, ExpertLoadStatisticsAndTheirFileSurviveAResume) {
+  testing::TempDir tmp("test_train");
+  const fs::path& dir = tmp.path();
+  Config cfg = small_config(make_data(dir), {"train.expert_load_interval=2", "train.checkpoint_interval=0"});
+  run_training(cfg, RunOptions{(dir / "straight").string(), 6, false, true});
+  run_training(cfg, RunOptions{(dir / "resumed").string(), 4, false, true});
+  run_training(cfg, RunOptions{(dir / "resumed").string(), 6, true, true});
+  const NpyFloats loads = read_npy_f32((dir / "straight" / "expert_load.npy").string());
+  ASSERT_EQ(loads.shape, (std::vector<int64_t>{3, 2, 4}));
+  for (int64_t s = 0; s < 3; ++s)
+    for (int64_t l = 0; l < 2; ++l) {
+      float sum = 0;
+      for (int64_t e = 0; e < 4; ++e) sum += loads.values[static_cast<size_t>((s * 2 + l) * 4 + e)];
+      EXPECT_EQ(sum, 4.0f * 16 * 2) << "slice " << s << " layer " << l;
+    }
+  EXPECT_EQ(testing::read_bytes((dir / "resumed" / "expert_load.npy").string()),
+            testing::read_bytes((dir / "straight" / "expert_load.npy").string()));
+  const std::vector<nlohmann::json> rows = read_metrics(dir / "straight");
+  ASSERT_EQ(rows.size(), 6u);
+  for (const nlohmann::json& r : rows)
+    for (size_t l = 0; l < 2; ++l) {
+      const double p50 = r["expert_load_p50"][l], p90 = r["expert_load_p90"][l], p99 = r["expert_load_p99"][l];
+      const double top = r["expert_load_max_over_mean"][l];
+      EXPECT_LE(p50, p90);
+      EXPECT_LE(p90, p99);
+      EXPECT_LE(p99, top);
+      EXPECT_DOUBLE_EQ(top, r["expert_load_max"][l].get<double>() / r["expert_load_mean"][l].get<double>());
+    }
+  Config bad = cfg;
+  bad.train.expert_load_interval = -1;
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("train.expert_load_interval = -1 must be >= 0"), std::string::npos);
 }
 
 // moe.router_init_std sets the standard deviation of the routers' initial weights alone (0: the

@@ -1,8 +1,13 @@
 #include "moefold/data/npy.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <string_view>
@@ -103,12 +108,16 @@ size_t checked_elements(const std::string& path, const NpyHeader& h, size_t elem
   return count;
 }
 
-void write_npy(const std::string& path, const char* descr, const std::vector<int64_t>& shape, const void* data,
-               size_t bytes) {
-  std::string dims;  // numpy's own spelling: (4, 17) and (4,)
+std::string shape_text(const std::vector<int64_t>& shape) {  // numpy's own spelling: (4, 17) and (4,)
+  std::string dims;
   for (size_t i = 0; i < shape.size(); ++i) dims += cat(i ? ", " : "", shape[i]);
   if (shape.size() == 1) dims += ",";
-  std::string header = cat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (", dims, "), }");
+  return cat("(", dims, ")");
+}
+
+void write_npy(const std::string& path, const char* descr, const std::vector<int64_t>& shape, const void* data,
+               size_t bytes) {
+  std::string header = cat("{'descr': '", descr, "', 'fortran_order': False, 'shape': ", shape_text(shape), ", }");
   const size_t total = 10 + header.size() + 1;
   header.append((64 - total % 64) % 64, ' ');
   header += '\n';
@@ -173,6 +182,72 @@ void write_npy_f32(const std::string& path, const std::vector<float>& values, co
   for (int64_t d : shape) count *= static_cast<size_t>(d);
   MF_CHECK(values.size() == count, "npy: ", values.size(), " values for the shape");
   write_npy(path, "<f4", shape, values.data(), 4 * count);
+}
+
+namespace {
+constexpr size_t kAppenderHeader = 128;  // magic, version, length and the padded dict: room for any n
+
+void write_all(int fd, const void* data, size_t bytes, off_t at, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t w = ::pwrite(fd, p, bytes, at);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) MF_FAIL(path, ": write failed: ", std::strerror(errno));
+    p += w;
+    bytes -= static_cast<size_t>(w);
+    at += w;
+  }
+}
+}  // namespace
+
+NpyAppender::NpyAppender(std::string path, std::vector<int64_t> slice_shape, int64_t keep)
+    : path_(std::move(path)), slice_shape_(std::move(slice_shape)) {
+  size_t count = 1;
+  for (int64_t d : slice_shape_) {
+    MF_CHECK(d >= 0, "NpyAppender: slice dimension ", d);
+    count *= static_cast<size_t>(d);
+  }
+  slice_bytes_ = 4 * count;
+  if (keep > 0 && std::filesystem::is_regular_file(path_)) {
+    MappedFile f(path_);
+    const NpyHeader h = read_header(path_, f.data(), f.size());
+    const std::vector<int64_t> have(h.shape.begin() + (h.shape.empty() ? 0 : 1), h.shape.end());
+    if (h.descr != "'<f4'" || h.shape.empty() || have != slice_shape_ || h.data != kAppenderHeader)
+      MF_FAIL(path_, ": holds ", h.descr, " ", h.shape_text, ", not the float32 slices ", shape_text(slice_shape_),
+              " this run appends (move it away to start a new one)");
+    const size_t whole = slice_bytes_ > 0 ? (f.size() - h.data) / slice_bytes_ : static_cast<size_t>(h.shape[0]);
+    n_ = std::min({keep, h.shape[0], static_cast<int64_t>(whole)});
+  }
+  fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) MF_FAIL(path_, ": cannot open: ", std::strerror(errno));
+  if (::ftruncate(fd_, static_cast<off_t>(kAppenderHeader + static_cast<size_t>(n_) * slice_bytes_)) != 0)
+    MF_FAIL(path_, ": cannot truncate: ", std::strerror(errno));
+  write_header();
+}
+
+NpyAppender::~NpyAppender() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void NpyAppender::write_header() {
+  std::vector<int64_t> shape = {n_};
+  shape.insert(shape.end(), slice_shape_.begin(), slice_shape_.end());
+  std::string header = cat("{'descr': '<f4', 'fortran_order': False, 'shape': ", shape_text(shape), ", }");
+  MF_CHECK(10 + header.size() + 1 <= kAppenderHeader, "NpyAppender: header ", header);
+  header.append(kAppenderHeader - 10 - header.size() - 1, ' ');
+  header += '\n';
+  std::string bytes("\x93NUMPY\x01\x00", 8);
+  bytes += static_cast<char>(header.size() & 0xff);
+  bytes += static_cast<char>(header.size() >> 8);
+  bytes += header;
+  write_all(fd_, bytes.data(), bytes.size(), 0, path_);
+}
+
+void NpyAppender::append(const float* slice) {
+  write_all(fd_, slice, slice_bytes_, static_cast<off_t>(kAppenderHeader + static_cast<size_t>(n_) * slice_bytes_),
+            path_);
+  ++n_;
+  write_header();
 }
 
 void write_npy_tokens(const std::string& path, const std::vector<int32_t>& tokens, int64_t rows, int64_t cols) {

@@ -158,8 +158,11 @@ struct TrainConfig {
   // FP8 weights only: the FP8 linears' weights kept as their FP8 copies (quantized from the f32
   // masters), without bf16 compute copies (Memory::set_fp8_params). Same results.
   bool fp8_param = false;
-  int64_t eval_interval = 100;        // evaluate every N steps (0: never, except at the end)
-  int64_t eval_batches = 4;           // held-out micro-batches per evaluation
+  int64_t eval_interval = 100;  // evaluate every N steps (0: never, except at the end)
+  int64_t eval_batches = 4;     // held-out micro-batches per evaluation
+  // Every N steps the run directory's expert_load.npy grows by one [MoE layers, experts] slice of
+  // the step's tokens per expert (float32, summed over micro-batches and ranks); 0: never.
+  int64_t expert_load_interval = 10;
   int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)
   bool save_checkpoints = true;       // false: no checkpoint at all, not even at the end (experiments)
   // Checkpoints (train/checkpoint.h): written by a background thread from a pinned host copy of

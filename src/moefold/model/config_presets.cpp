@@ -24,6 +24,7 @@ Config full_size_base(const std::string& name) {
   t.steps = 100000;
   t.eval_interval = 1000;
   t.checkpoint_interval = 1000;
+  t.expert_load_interval = 100;
   return c;
 }
 

@@ -13,6 +13,7 @@
 #include "moefold/comm/agree.h"
 #include "moefold/core/device.h"
 #include "moefold/core/fault_points.h"
+#include "moefold/data/npy.h"
 #include "moefold/data/prepare.h"
 #include "moefold/data/token_dataset.h"
 #include "moefold/parallel/mesh.h"
@@ -163,6 +164,16 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                  opts.run_dir.c_str());
   std::ofstream metrics;
   if (lead) metrics.open(metrics_path, std::ios::app);
+  // expert_load.npy: a slice every expert_load_interval steps, those past the resumed step cut off.
+  std::unique_ptr<NpyAppender> loads_file;
+  const int64_t moe_layers = trainer.expert_loads().size(0), interval = cfg.train.expert_load_interval;
+  on_every_rank(world, "opening expert_load.npy", [&] {
+    if (lead && interval > 0 && moe_layers > 0)
+      loads_file = std::make_unique<NpyAppender>((fs::path(opts.run_dir) / "expert_load.npy").string(),
+                                                 std::vector<int64_t>{moe_layers, cfg.moe.num_experts},
+                                                 trainer.step() / interval);
+  });
+  std::vector<float> load_slice(static_cast<size_t>(moe_layers * cfg.moe.num_experts));
   const bool tty = ::isatty(STDERR_FILENO);
   const int64_t print_every = tty ? 1 : std::max<int64_t>(1, (stop - trainer.step()) / 20);
   double elapsed = 0;
@@ -205,7 +216,21 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                         {"tokens_per_s", m.tokens / m.seconds},
                         {"step_time_s", m.seconds},
                         {"expert_load_max", m.expert_load_max},
-                        {"expert_load_mean", m.expert_load_mean}};
+                        {"expert_load_mean", m.expert_load_mean},
+                        {"expert_load_p50", m.expert_load_p50},
+                        {"expert_load_p90", m.expert_load_p90},
+                        {"expert_load_p99", m.expert_load_p99},
+                        {"expert_load_max_over_mean", m.expert_load_max_over_mean}};
+    if (loads_file && m.step % interval == 0) {
+      const double* l = trainer.expert_loads().ptr<double>();
+      for (size_t i = 0; i < load_slice.size(); ++i) load_slice[i] = static_cast<float>(l[i]);
+      try {
+        loads_file->append(load_slice.data());
+      } catch (const Error& e) {  // the statistics are not worth stopping for (rank 0 alone writes them)
+        std::fprintf(stderr, "%smoefold: warning: %s; expert_load.npy stops here\n", tty ? "\n" : "", e.what());
+        loads_file.reset();
+      }
+    }
     if (opts.device == Device::cuda)  // planned GPU memory (arenas), the peak so far
       j["gpu_memory_peak_mib"] = static_cast<double>(device_bytes_peak()) / (1 << 20);
     const bool last = m.step == stop;

@@ -161,8 +161,10 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
                                  cfg_.parallel.overlap_moe_a2a);
     tickets_.resize(models_.size());
   }
-  metrics_.expert_load_max.assign(static_cast<size_t>(layers), 0.0);
-  metrics_.expert_load_mean.assign(static_cast<size_t>(layers), 0.0);
+  for (std::vector<double>* v :
+       {&metrics_.expert_load_max, &metrics_.expert_load_mean, &metrics_.expert_load_p50, &metrics_.expert_load_p90,
+        &metrics_.expert_load_p99, &metrics_.expert_load_max_over_mean})
+    v->assign(static_cast<size_t>(layers), 0.0);
 }
 
 void Trainer::shard_batch(size_t slot) {
@@ -455,15 +457,25 @@ void Trainer::accumulate_gradients() {
   out.loss = out.lm_loss + out.aux_loss + out.z_loss + out.mtp_loss;
   out.grad_norm = std::sqrt(dense_sq + expert_sq);
   out.tokens = tokens;
+  std::vector<double> sorted(static_cast<size_t>(experts));
   for (int64_t l = 0; l < layers; ++l) {
     const double* c = load + l * experts;
-    double mx = 0, sum = 0;
-    for (int64_t e = 0; e < experts; ++e) {
-      mx = std::max(mx, c[e]);
-      sum += c[e];
-    }
-    out.expert_load_max[l] = mx;
-    out.expert_load_mean[l] = sum / static_cast<double>(experts);
+    double sum = 0;
+    for (int64_t e = 0; e < experts; ++e) sum += c[e];
+    sorted.assign(c, c + experts);
+    std::sort(sorted.begin(), sorted.end());
+    const double mean = sum / static_cast<double>(experts);
+    // Nearest rank: the smallest load with at least p of the experts at or below it.
+    auto pct = [&](double p) {
+      const auto rank = static_cast<size_t>(std::ceil(p * static_cast<double>(experts)));
+      return sorted[std::max<size_t>(rank, 1) - 1] / (mean > 0 ? mean : 1);
+    };
+    out.expert_load_max[l] = sorted.back();
+    out.expert_load_mean[l] = mean;
+    out.expert_load_p50[l] = pct(0.50);
+    out.expert_load_p90[l] = pct(0.90);
+    out.expert_load_p99[l] = pct(0.99);
+    out.expert_load_max_over_mean[l] = pct(1.0);
   }
 }
 

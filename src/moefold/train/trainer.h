@@ -52,6 +52,9 @@ struct StepMetrics {
   int64_t tokens = 0;                    // tokens in the global batch
   std::vector<double> expert_load_max;   // per MoE layer: most tokens on one expert / step
   std::vector<double> expert_load_mean;  // per MoE layer: mean tokens per expert / step
+  // Per MoE layer, over its experts' step loads as multiples of the mean: the 50th, 90th and 99th
+  // percentiles (nearest rank) and the maximum.
+  std::vector<double> expert_load_p50, expert_load_p90, expert_load_p99, expert_load_max_over_mean;
 };
 
 // What the trainer binds beside the models: each in-flight micro-batch's ids and targets (whole
