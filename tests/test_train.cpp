@@ -1062,7 +1062,7 @@ TEST(Checkpoint, OlderChecksumsStillLoad) {
 }
 
 // checkpoint_bytes (what `moefold plan` prints and a save checks against the free space) bounds
-// the files a save writes, from above and within 25 % for these small models (headers are a large
+// the files a save writes, from above and within 50 % for these small models (headers are a large
 // share of them; at real sizes the tensors are all of it): both families, MTP and the selection
 // bias included.
 TEST(Checkpoint, SizeIsKnownBeforeTheSave) {
@@ -1088,7 +1088,7 @@ TEST(Checkpoint, SizeIsKnownBeforeTheSave) {
     const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
     EXPECT_LE(12 * (size.total_params + size.mtp_params), written);  // the counts are the tensors written
     EXPECT_GE(planned, written);
-    EXPECT_LE(static_cast<double>(planned), 1.25 * static_cast<double>(written) + (1 << 20));
+    EXPECT_LE(static_cast<double>(planned), 1.5 * static_cast<double>(written));
   }
 }
 

@@ -214,14 +214,6 @@ int64_t checkpoint_file_bytes(const ShardedNames& e) {
   return bytes;
 }
 
-std::string format_bytes(double bytes) {
-  const char* unit = bytes >= 1e9 ? "GB" : bytes >= 1e6 ? "MB" : "kB";
-  const double scale = bytes >= 1e9 ? 1e9 : bytes >= 1e6 ? 1e6 : 1e3;
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f %s", bytes / scale, unit);
-  return buf;
-}
-
 // Throws naming the directory when its file system has less than `bytes` (+ 1 %) available.
 void check_free_space(const std::string& dir, int64_t bytes) {
   std::error_code ec;
@@ -320,14 +312,23 @@ CheckpointWriter::~CheckpointWriter() {
   if (pending_ && pending_->thread.joinable()) pending_->thread.join();
 }
 
+std::string format_bytes(double bytes) {
+  const char* unit = bytes >= 1e9 ? "GB" : bytes >= 1e6 ? "MB" : "kB";
+  const double scale = bytes >= 1e9 ? 1e9 : bytes >= 1e6 ? 1e6 : 1e3;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f %s", bytes / scale, unit);
+  return buf;
+}
+
 int64_t checkpoint_bytes(const Config& cfg) {
   const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
   const int64_t params = size.total_params + size.mtp_params;
-  // Header JSON per tensor (name, dtype, shape, offsets: < 256 bytes) in the model file and twice
-  // in the optimizer's, one index line each; at most 16 + 3 E tensors per decoder layer.
+  // Header JSON per tensor (name, dtype, shape, offsets: < 160 bytes) in the model file and twice
+  // in the optimizer's, at most 16 + 3 E tensors per decoder layer; 32 KiB for trainer.json,
+  // config.toml and the indexes' framing.
   const int64_t layers = cfg.model.num_hidden_layers + cfg.model.num_nextn_predict_layers;
   const int64_t tensors = 8 + layers * (16 + 3 * cfg.moe.num_experts);
-  return params * 12 + tensors * 4 * 256 + (int64_t{1} << 20);
+  return params * 12 + tensors * 3 * 160 + (int64_t{32} << 10);
 }
 
 std::string CheckpointWriter::save(const std::vector<Param>& params, const AdamW& opt, const TrainerState& state,

@@ -79,6 +79,8 @@ class CheckpointWriter {
 // headers, indexes, trainer.json and config.toml. `moefold plan` prints it; a run warns at start
 // when its directory has less free; CheckpointWriter::save refuses before the first byte.
 int64_t checkpoint_bytes(const Config& cfg);
+// "165.3 kB", "68.6 GB": sizes in the messages about them.
+std::string format_bytes(double bytes);
 
 // Writes checkpoint `state.step` under `checkpoints_dir` synchronously (a CheckpointWriter with
 // the default options); returns its path.

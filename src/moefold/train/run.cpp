@@ -146,11 +146,11 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
     const fs::space_info space = fs::space(opts.run_dir, ec);
     const int64_t need = checkpoint_bytes(cfg);
     if (!ec && static_cast<double>(space.available) < static_cast<double>(need))
-      std::fprintf(stderr,
-                   "moefold: warning: a checkpoint takes %.2f GB and %s has %.2f GB free: saves will fail "
-                   "(train.on_save_error = %s)\n",
-                   static_cast<double>(need) / 1e9, opts.run_dir.c_str(), static_cast<double>(space.available) / 1e9,
-                   cfg.train.on_save_error.c_str());
+      std::fprintf(
+          stderr,
+          "moefold: warning: a checkpoint takes %s and %s has %s free: saves will fail (train.on_save_error = %s)\n",
+          format_bytes(static_cast<double>(need)).c_str(), opts.run_dir.c_str(),
+          format_bytes(static_cast<double>(space.available)).c_str(), cfg.train.on_save_error.c_str());
   }
   const int64_t stop = opts.stop_step >= 0 ? opts.stop_step : cfg.train.steps;
   const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);

@@ -165,6 +165,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
        {&metrics_.expert_load_max, &metrics_.expert_load_mean, &metrics_.expert_load_p50, &metrics_.expert_load_p90,
         &metrics_.expert_load_p99, &metrics_.expert_load_max_over_mean})
     v->assign(static_cast<size_t>(layers), 0.0);
+  sorted_loads_.assign(static_cast<size_t>(cfg.moe.num_experts), 0.0);
 }
 
 void Trainer::shard_batch(size_t slot) {
@@ -457,12 +458,12 @@ void Trainer::accumulate_gradients() {
   out.loss = out.lm_loss + out.aux_loss + out.z_loss + out.mtp_loss;
   out.grad_norm = std::sqrt(dense_sq + expert_sq);
   out.tokens = tokens;
-  std::vector<double> sorted(static_cast<size_t>(experts));
+  std::vector<double>& sorted = sorted_loads_;  // the step loop allocates nothing
   for (int64_t l = 0; l < layers; ++l) {
     const double* c = load + l * experts;
     double sum = 0;
     for (int64_t e = 0; e < experts; ++e) sum += c[e];
-    sorted.assign(c, c + experts);
+    std::copy(c, c + experts, sorted.begin());
     std::sort(sorted.begin(), sorted.end());
     const double mean = sum / static_cast<double>(experts);
     // Nearest rank: the smallest load with at least p of the experts at or below it.

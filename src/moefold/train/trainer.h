@@ -186,6 +186,7 @@ class Trainer {
   StepBuffers buf_;
   AdamW::ShardGroups shard_groups_{};  // shard_groups(), taken once
   StepMetrics metrics_;
+  std::vector<double> sorted_loads_;  // one layer's expert loads, sorted for the percentiles (sized once)
   int64_t step_ = 0;
   size_t planned_bytes_ = 0;
 };
