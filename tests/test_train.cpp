@@ -10,6 +10,7 @@
 #include <map>
 #include <new>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <tuple>
 #include <vector>
 
@@ -642,6 +643,39 @@ TEST(Trainer, ExpertLoadStatisticsAndTheirFileSurviveAResume) {
   Config bad = cfg;
   bad.train.expert_load_interval = -1;
   EXPECT_NE(error_of([&] { bad.validate(); }).find("train.expert_load_interval = -1 must be >= 0"), std::string::npos);
+}
+
+// train.log: a start line, then every train.log_interval steps (and the last) one line with the
+// step, loss, lr, tokens/s, TFLOP/s, memory and ETA, and the evaluations; --quiet still writes it
+// (it silences the terminal only); a resumed run appends.
+TEST(Trainer, TrainLogHasALineEveryIntervalAndTheEvaluations) {
+  testing::TempDir tmp("test_train");
+  const fs::path& dir = tmp.path();
+  Config cfg = small_config(make_data(dir), {"train.log_interval=2", "train.checkpoint_interval=0"});
+  run_training(cfg, RunOptions{(dir / "run").string(), 3, false, true});
+  run_training(cfg, RunOptions{(dir / "run").string(), 6, true, true});
+  std::vector<std::string> lines;
+  std::istringstream in(testing::read_bytes((dir / "run" / "train.log").string()));
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  const std::vector<std::string> starts = {"moefold: started at step 0, until step 3",
+                                           "step 2/3 | loss ",
+                                           "step 3/3 | loss ",
+                                           "eval loss ",  // the last step's
+                                           "moefold: resumed at step 3, until step 6",
+                                           "step 4/6 | loss ",
+                                           "eval loss ",  // train.eval_interval = 4
+                                           "step 6/6 | loss ",
+                                           "eval loss "};
+  ASSERT_EQ(lines.size(), starts.size()) << testing::read_bytes((dir / "run" / "train.log").string());
+  for (size_t i = 0; i < lines.size(); ++i) {
+    EXPECT_TRUE(lines[i].starts_with(starts[i])) << lines[i];
+    if (!starts[i].starts_with("step")) continue;
+    for (const char* field : {" | lr ", " tokens/s | ", " TFLOP/s | peak RSS ", " MiB | ETA "})
+      EXPECT_NE(lines[i].find(field), std::string::npos) << lines[i];
+  }
+  Config bad = cfg;
+  bad.train.log_interval = -1;
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("train.log_interval = -1 must be >= 0"), std::string::npos);
 }
 
 // moe.router_init_std sets the standard deviation of the routers' initial weights alone (0: the

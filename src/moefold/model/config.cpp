@@ -197,6 +197,7 @@ void TrainConfig::validate() const {
   check_modules("train.fp8_exclude", fp8_exclude, kFp8Modules);
   if (eval_interval < 0) MF_FAIL("train.eval_interval = ", eval_interval, " must be >= 0");
   if (checkpoint_interval < 0) MF_FAIL("train.checkpoint_interval = ", checkpoint_interval, " must be >= 0");
+  if (log_interval < 0) MF_FAIL("train.log_interval = ", log_interval, " must be >= 0 (0: the last step only)");
   if (expert_load_interval < 0)
     MF_FAIL("train.expert_load_interval = ", expert_load_interval, " must be >= 0 (0: never)");
   if (keep_checkpoints < 0) MF_FAIL("train.keep_checkpoints = ", keep_checkpoints, " must be >= 0");

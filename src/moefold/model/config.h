@@ -163,6 +163,9 @@ struct TrainConfig {
   // Every N steps the run directory's expert_load.npy grows by one [MoE layers, experts] slice of
   // the step's tokens per expert (float32, summed over micro-batches and ranks); 0: never.
   int64_t expert_load_interval = 10;
+  // Every N steps (and the last) one line, step, loss, lr, tokens/s, TFLOP/s, memory and ETA, to
+  // the run directory's train.log and, unless --quiet, standard error; 0: only the last step.
+  int64_t log_interval = 10;
   int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)
   bool save_checkpoints = true;       // false: no checkpoint at all, not even at the end (experiments)
   // Checkpoints (train/checkpoint.h): written by a background thread from a pinned host copy of

@@ -170,6 +170,9 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "eval_interval", eval_interval, "evaluate every N steps (0: only at the end)"),
       MF_FIELD(train, "eval_batches", eval_batches, "held-out micro-batches per evaluation"),
       MF_FIELD(train, "checkpoint_interval", checkpoint_interval, "checkpoint every N steps (0: only at the end)"),
+      MF_FIELD(train, "log_interval", log_interval,
+               "every N steps one line (step, loss, lr, tokens/s, TFLOP/s, memory, ETA) to train.log and the "
+               "terminal (0: the last step only)"),
       MF_FIELD(train, "expert_load_interval", expert_load_interval,
                "every N steps expert_load.npy in the run directory grows by one [MoE layers, experts] slice of "
                "tokens per expert (0: never)"),

@@ -1,5 +1,6 @@
 #include "moefold/train/run.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -66,6 +67,12 @@ void progress(const StepMetrics& m, int64_t stop, double tok_s, double eta, bool
                static_cast<long long>(m.step), static_cast<long long>(stop), bar.c_str(), m.loss, tok_s,
                human_duration(eta).c_str(), tty ? "   " : "\n");
   std::fflush(stderr);
+}
+
+// The process's peak resident memory (Linux: getrusage's KiB).
+int64_t peak_rss_bytes() {
+  rusage u{};
+  return ::getrusage(RUSAGE_SELF, &u) == 0 ? static_cast<int64_t>(u.ru_maxrss) * 1024 : 0;
 }
 
 // Keeps the metrics lines up to `step` (a resumed run rewrites what follows).
@@ -175,7 +182,34 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
   });
   std::vector<float> load_slice(static_cast<size_t>(moe_layers * cfg.moe.num_experts));
   const bool tty = ::isatty(STDERR_FILENO);
-  const int64_t print_every = tty ? 1 : std::max<int64_t>(1, (stop - trainer.step()) / 20);
+  // The progress bar on a terminal (every step); log lines every train.log_interval steps, to
+  // train.log (rank 0) and standard error.
+  std::ofstream train_log;
+  if (lead) {
+    train_log.open(fs::path(opts.run_dir) / "train.log", std::ios::app);
+    train_log << "moefold: " << (trainer.step() > 0 ? "resumed at step " : "started at step ") << trainer.step()
+              << ", until step " << stop << "; " << cfg.preset << ", "
+              << cfg.train.global_batch_size * cfg.train.seq_len << " tokens per step, " << world.size()
+              << " rank(s)\n";
+    train_log.flush();
+  }
+  const int64_t log_every = cfg.train.log_interval;
+  double since_log_s = 0;
+  int64_t since_log_tokens = 0;
+  auto log_line = [&](const StepMetrics& m, double eta_s) {
+    const double tok_s = static_cast<double>(since_log_tokens) / since_log_s;
+    const double mib = opts.device == Device::cuda ? static_cast<double>(device_bytes_peak()) / (1 << 20)
+                                                   : static_cast<double>(peak_rss_bytes()) / (1 << 20);
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "step %lld/%lld | loss %.4f | lr %.3e | %.0f tokens/s | %.2f TFLOP/s | %s %.0f MiB | ETA %s",
+                  static_cast<long long>(m.step), static_cast<long long>(stop), m.loss, m.lr, tok_s,
+                  tok_s * size.train_flops_per_token / 1e12, opts.device == Device::cuda ? "GPU peak" : "peak RSS", mib,
+                  human_duration(eta_s).c_str());
+    since_log_s = 0;
+    since_log_tokens = 0;
+    return std::string(buf);
+  };
   double elapsed = 0;
   int64_t steps_done = 0;
   int64_t last_saved = -1;
@@ -203,6 +237,8 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
       saving([&] { report_saved(writer.finish(false), save_blocking_s); });
     elapsed += m.seconds;
     ++steps_done;
+    since_log_s += m.seconds;
+    since_log_tokens += m.tokens;
     nlohmann::json j = {{"step", m.step},
                         {"loss", m.loss},
                         {"lm_loss", m.lm_loss},
@@ -240,14 +276,21 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
       metrics << j.dump() << "\n";
       metrics.flush();
     }
-    if (!opts.quiet && (m.step % print_every == 0 || last)) {
-      double tok_s = static_cast<double>(m.tokens) * steps_done / elapsed;
-      progress(m, stop, tok_s, elapsed / steps_done * static_cast<double>(stop - m.step), tty);
-      if (j.contains("eval_loss")) {
-        std::fprintf(stderr, "%seval loss %.4f at step %lld\n", tty ? "\n" : "", j["eval_loss"].get<double>(),
-                     static_cast<long long>(m.step));
-      }
+    const double eta = elapsed / static_cast<double>(steps_done) * static_cast<double>(stop - m.step);
+    if (!opts.quiet && tty) progress(m, stop, static_cast<double>(m.tokens) * steps_done / elapsed, eta, tty);
+    if (lead && ((log_every > 0 && m.step % log_every == 0) || last)) {
+      const std::string line = log_line(m, eta);
+      train_log << line << "\n";
+      if (!opts.quiet) std::fprintf(stderr, "%s%s\n", tty ? "\r\033[K" : "", line.c_str());
     }
+    if (lead && j.contains("eval_loss")) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "eval loss %.4f at step %lld", j["eval_loss"].get<double>(),
+                    static_cast<long long>(m.step));
+      train_log << buf << "\n";
+      if (!opts.quiet) std::fprintf(stderr, "%s%s\n", tty ? "\r\033[K" : "", buf);
+    }
+    if (lead) train_log.flush();
     if (cfg.train.save_checkpoints &&
         ((cfg.train.checkpoint_interval > 0 && m.step % cfg.train.checkpoint_interval == 0) || last)) {
       const auto t0 = std::chrono::steady_clock::now();  // training waits from here (for the save before too)
