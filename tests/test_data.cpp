@@ -408,6 +408,51 @@ TEST(ByteTokenizer, RoundTrip) {
 
 // ---- prepare ----
 
+// JSONL corpora (Megatron's preprocess_data.py input): one document per line from the string at
+// --json-key, blank lines skipped, unicode and a 1 MB line kept whole; a bad line (not JSON, not
+// an object, no key, not a string, nested too deep) is one error naming the file and line, or with
+// --skip-bad-lines skipped and counted; compressed JSONL is refused by name, not sniffed as binary.
+TEST(Prepare, JsonlLinesAreDocuments) {
+  TempDir dir;
+  const std::string big(1 << 20, 'w');
+  const std::string jsonl = dir.file("c.jsonl");
+  write_bytes(jsonl,
+              "{\"text\": \"ab\", \"id\": 1}\n\n   \r\n{\"text\": \"\\u00e9\u4e2d\"}\n{\"body\": \"x\", \"text\": \"" +
+                  big + "\"}");  // no final newline
+  const std::string out = dir.file("j.tokens");
+  PrepareStats st = prepare({jsonl}, out);
+  EXPECT_EQ(st.files, 1);
+  EXPECT_EQ(st.documents, 3);
+  EXPECT_EQ(st.bad_lines, 0);
+  // ab EOS, the 2 + 3 UTF-8 bytes of "\u00e9\u4e2d" EOS, the big line EOS.
+  EXPECT_EQ(st.tokens, 3 + 6 + static_cast<int64_t>(big.size()) + 1);
+  TokenDataset ds = open_token_dataset(out);
+  std::vector<int32_t> head(9);
+  ds.copy_tokens(0, 9, head.data());
+  EXPECT_EQ(head,
+            (std::vector<int32_t>{'a', 'b', ByteTokenizer::kEos, 0xc3, 0xa9, 0xe4, 0xb8, 0xad, ByteTokenizer::kEos}));
+  PrepareOptions body;
+  body.json_key = "body";
+  expect_error([&] { prepare({jsonl}, out, TokenFormat::plain, body); }, jsonl + ":1", "no key \"body\" (--json-key)");
+  const std::string bad = dir.file("bad.jsonl");
+  for (const auto& [line, what] : std::vector<std::pair<std::string, std::string>>{
+           {"{\"text\": \"ok\"\n", "not JSON"},
+           {"[\"text\"]", "not a JSON object"},
+           {"{\"text\": 7}", "\"text\" is not a string"},
+           {"{\"text\": " + std::string(100, '[') + std::string(100, ']') + "}", "nested deeper than 64"}}) {
+    write_bytes(bad, "{\"text\": \"fine\"}\n" + line + "\n{\"text\": \"also fine\"}\n");
+    expect_error([&] { prepare({bad}, out); }, bad + ":2", what);
+    PrepareOptions skip;
+    skip.skip_bad_lines = true;
+    const PrepareStats s = prepare({bad}, out, TokenFormat::plain, skip);
+    EXPECT_EQ(s.documents, 2) << line;
+    EXPECT_EQ(s.bad_lines, 1) << line;
+  }
+  const std::string gz = dir.file("c.jsonl.gz");
+  write_bytes(gz, std::string("\x1f\x8b\x08\0", 4));
+  expect_error([&] { prepare({gz}, out); }, gz, "compressed JSONL is not read yet");
+}
+
 TEST(Prepare, TreeSortedSkipsBinaryDeterministic) {
   TempDir dir;
   fs::path in = dir.path() / "corpus";

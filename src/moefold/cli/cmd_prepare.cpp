@@ -18,8 +18,10 @@ struct PrepareArgs {
 void prepare_tokens(const PrepareArgs& a) {
   PrepareStats s =
       prepare(a.inputs, a.output, a.format == "megatron" ? TokenFormat::megatron : TokenFormat::plain, a.options);
-  std::printf("prepared %lld files, %lld bytes -> %lld tokens in %s", static_cast<long long>(s.files),
-              static_cast<long long>(s.bytes), static_cast<long long>(s.tokens), a.output.c_str());
+  std::printf("prepared %lld files (%lld documents), %lld bytes -> %lld tokens in %s", static_cast<long long>(s.files),
+              static_cast<long long>(s.documents), static_cast<long long>(s.bytes), static_cast<long long>(s.tokens),
+              a.output.c_str());
+  if (s.bad_lines > 0) std::printf(" (%lld bad .jsonl lines skipped)", static_cast<long long>(s.bad_lines));
   if (!a.options.tokenizer.empty())
     std::printf(" (tokenizer vocabulary: %lld ids, EOS %lld; model.vocab_size must be >= %lld)",
                 static_cast<long long>(s.vocab_size), static_cast<long long>(s.eos_id),
@@ -43,6 +45,12 @@ Command add_prepare(CLI::App& app) {
   cmd->add_option("--eos-token", a->options.eos_token,
                   "token appended to each document (default: <|endoftext|>, <｜end▁of▁sentence｜> or </s>)")
       ->needs(o_tokenizer);
+  cmd->add_option("--json-key", a->options.json_key,
+                  "in *.jsonl inputs (one JSON object per line, one document each): the key of the text (default "
+                  "text)");
+  cmd->add_flag("--skip-bad-lines", a->options.skip_bad_lines,
+                "skip (and count) .jsonl lines that are not JSON objects with a string at --json-key, instead of "
+                "failing");
   return {cmd, [a](World&) { prepare_tokens(*a); }};
 }
 

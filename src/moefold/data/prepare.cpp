@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string_view>
 
@@ -14,6 +15,7 @@
 #include "moefold/data/bpe_tokenizer.h"
 #include "moefold/data/byte_tokenizer.h"
 #include "moefold/data/token_dataset.h"
+#include "moefold/io/json_limits.h"
 
 namespace moefold {
 
@@ -73,6 +75,40 @@ std::string read_file(const fs::path& p) {
   return s;
 }
 
+// The documents of a .jsonl file's text: each non-blank line's string at `key`.
+template <class F>
+void for_each_jsonl_document(const fs::path& path, const std::string& text, const PrepareOptions& o,
+                             PrepareStats& stats, F&& document) {
+  size_t start = 0;
+  for (int64_t line_no = 1; start < text.size(); ++line_no) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string_view line(text.data() + start, end - start);
+    start = end + 1;
+    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+    const std::string where = cat(path.string(), ":", line_no);
+    std::string problem;
+    try {
+      const auto j = parse_json_limited<nlohmann::json>(where, line.begin(), line.end());
+      if (!j.is_object())
+        problem = "not a JSON object";
+      else if (!j.contains(o.json_key))
+        problem = cat("no key \"", o.json_key, "\" (--json-key)");
+      else if (!j[o.json_key].is_string())
+        problem = cat("\"", o.json_key, "\" is not a string");
+      else
+        document(j[o.json_key].get_ref<const std::string&>());
+    } catch (const nlohmann::json::exception& e) {
+      problem = cat("not JSON (", e.what(), ")");
+    } catch (const Error& e) {
+      problem = e.what();
+    }
+    if (problem.empty()) continue;
+    if (!o.skip_bad_lines) MF_FAIL("prepare: ", where, ": ", problem, "; --skip-bad-lines skips such lines");
+    ++stats.bad_lines;
+  }
+}
+
 void rename_or_fail(const std::string& from, const std::string& to) {
   std::error_code ec;
   fs::rename(from, to, ec);
@@ -126,12 +162,7 @@ PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& 
                         : TokenWriter::megatron(tmp, wide ? MegatronDType::int32 : MegatronDType::uint16);
     std::vector<uint32_t> doc;
     std::vector<int32_t> ids;
-    for (const auto& f : files) {
-      std::string text = read_file(f);
-      if (text.empty() || std::memchr(text.data(), '\0', std::min(text.size(), kSniffBytes)) != nullptr) {
-        ++stats.skipped;
-        continue;
-      }
+    auto add_document = [&](const std::string& text) {
       doc.clear();
       if (bpe) {
         ids.clear();
@@ -142,9 +173,24 @@ PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& 
       }
       doc.push_back(static_cast<uint32_t>(stats.eos_id));
       w.add_document(doc);
+      ++stats.documents;
+      stats.tokens += static_cast<int64_t>(doc.size());
+    };
+    for (const auto& f : files) {
+      const std::string name = f.filename().string();
+      if (ends_with(name, ".jsonl.gz") || ends_with(name, ".jsonl.zst"))
+        MF_FAIL("prepare: ", f.string(), ": compressed JSONL is not read yet; decompress it to .jsonl first");
+      std::string text = read_file(f);
+      if (text.empty() || std::memchr(text.data(), '\0', std::min(text.size(), kSniffBytes)) != nullptr) {
+        ++stats.skipped;
+        continue;
+      }
+      if (ends_with(name, ".jsonl"))
+        for_each_jsonl_document(f, text, options, stats, add_document);
+      else
+        add_document(text);
       ++stats.files;
       stats.bytes += static_cast<int64_t>(text.size());
-      stats.tokens += static_cast<int64_t>(doc.size());
     }
     w.finish();
     for (size_t i = 0; i < tmp_files.size(); ++i) rename_or_fail(tmp_files[i], final_files[i]);

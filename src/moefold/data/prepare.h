@@ -20,10 +20,17 @@ struct PrepareOptions {
   std::string tokenizer;  // a Hugging Face tokenizer.json (byte-level BPE); empty: the byte tokenizer
   std::string eos_token;  // with `tokenizer`: the token ending each document; empty: the first of
                           // <|endoftext|>, <｜end▁of▁sentence｜>, </s> among its added tokens
+  // Files named *.jsonl hold one document per line, a JSON object whose string `json_key` is the
+  // text (Megatron's preprocess_data.py); blank lines are skipped. A line that is not such an
+  // object is an error naming the file and line, or with skip_bad_lines skipped and counted.
+  std::string json_key = "text";
+  bool skip_bad_lines = false;
 };
 
 struct PrepareStats {
-  int64_t files = 0;       // files tokenized (one document each)
+  int64_t files = 0;       // files tokenized (one document each, or a .jsonl file's lines)
+  int64_t documents = 0;   // documents written (each followed by EOS)
+  int64_t bad_lines = 0;   // .jsonl lines skipped under skip_bad_lines
   int64_t skipped = 0;     // files skipped: empty, or a NUL byte in the first 8 KiB (binary)
   int64_t bytes = 0;       // bytes of the tokenized files
   int64_t tokens = 0;      // tokens written, EOS included
