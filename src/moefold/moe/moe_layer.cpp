@@ -80,14 +80,14 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std
       max_tokens_(max_tokens),
       prefix_(std::move(prefix)),
       dispatcher_(std::move(dispatcher)),
-      router_(cfg_, hidden, max_tokens, prefix_, cfg_.router_init_std > 0 ? cfg_.router_init_std : init_std_),
+      router_(cfg_, hidden, max_tokens, prefix_, router_init_std()),
       experts_(make_experts(cfg_, *dispatcher_, hidden, prefix_, init_std_)) {
   MF_CHECK(hidden >= 1 && max_tokens >= 0, "MoeLayer: hidden ", hidden, ", max_tokens ", max_tokens);
 }
 
 void MoeLayer::set_init_std(double std) {
   init_std_ = std;
-  router_ = Router(cfg_, hidden_, max_tokens_, prefix_, cfg_.router_init_std > 0 ? cfg_.router_init_std : init_std_);
+  router_ = Router(cfg_, hidden_, max_tokens_, prefix_, router_init_std());
   experts_ = make_experts(cfg_, *dispatcher_, hidden_, prefix_, init_std_);
 }
 

@@ -112,6 +112,8 @@ class MoeLayer {
   int64_t hidden_, max_tokens_;
   std::string prefix_;
   double init_std_ = 0.02;
+  // The router's: moe.router_init_std, or (0) the layer's init_std_.
+  double router_init_std() const { return cfg_.router_init_std > 0 ? cfg_.router_init_std : init_std_; }
   std::unique_ptr<Dispatcher> dispatcher_;
   Router router_;
   Experts experts_;

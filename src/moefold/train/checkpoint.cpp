@@ -205,12 +205,16 @@ ShardedNames entries_of(const std::vector<Param>& params, const AdamW& opt, cons
   return out;
 }
 
-// Bytes of the two files a writing rank writes: the tensors plus each file's header (its JSON
-// bounded by 256 bytes per tensor: name, dtype, shape and offsets).
+// A safetensors header's JSON per tensor, name excluded: dtype, shape and offsets (< 128 bytes);
+// names are < 64 bytes where only their count is known (checkpoint_bytes).
+constexpr int64_t kHeaderBytesPerTensor = 128;
+
+// Bytes of the two files a writing rank writes: the tensors plus each file's header.
 int64_t checkpoint_file_bytes(const ShardedNames& e) {
   int64_t bytes = 2 * (8 + 4096);
   for (const auto* list : {&e.weights, &e.moments})
-    for (const SafetensorsEntry& t : *list) bytes += t.tensor.numel() * 4 + 256 + static_cast<int64_t>(t.name.size());
+    for (const SafetensorsEntry& t : *list)
+      bytes += t.tensor.numel() * 4 + kHeaderBytesPerTensor + static_cast<int64_t>(t.name.size());
   return bytes;
 }
 
@@ -323,12 +327,11 @@ std::string format_bytes(double bytes) {
 int64_t checkpoint_bytes(const Config& cfg) {
   const ModelSize size = model_size(cfg.model, cfg.moe, cfg.train.seq_len);
   const int64_t params = size.total_params + size.mtp_params;
-  // Header JSON per tensor (name, dtype, shape, offsets: < 160 bytes) in the model file and twice
-  // in the optimizer's, at most 16 + 3 E tensors per decoder layer; 32 KiB for trainer.json,
-  // config.toml and the indexes' framing.
+  // Each tensor's header entry (and its name) in the model file and twice in the optimizer's, at
+  // most 16 + 3 E tensors per decoder layer; 32 KiB for trainer.json, config.toml and the indexes.
   const int64_t layers = cfg.model.num_hidden_layers + cfg.model.num_nextn_predict_layers;
   const int64_t tensors = 8 + layers * (16 + 3 * cfg.moe.num_experts);
-  return params * 12 + tensors * 3 * 160 + (int64_t{32} << 10);
+  return params * 12 + tensors * 3 * (kHeaderBytesPerTensor + 64) + (int64_t{32} << 10);
 }
 
 std::string CheckpointWriter::save(const std::vector<Param>& params, const AdamW& opt, const TrainerState& state,

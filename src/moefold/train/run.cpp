@@ -58,14 +58,14 @@ std::string human_duration(double s) {
   return buf;
 }
 
-void progress(const StepMetrics& m, int64_t stop, double tok_s, double eta, bool tty) {
+// The progress bar, redrawn in place on an interactive terminal.
+void progress(const StepMetrics& m, int64_t stop, double tok_s, double eta) {
   const int width = 24;
   int filled = stop > 0 ? static_cast<int>(width * m.step / stop) : width;
   std::string bar(static_cast<size_t>(filled), '=');
   bar.resize(width, ' ');
-  std::fprintf(stderr, "%sstep %lld/%lld [%s] loss %.4f | %.0f tok/s | ETA %s%s", tty ? "\r" : "",
-               static_cast<long long>(m.step), static_cast<long long>(stop), bar.c_str(), m.loss, tok_s,
-               human_duration(eta).c_str(), tty ? "   " : "\n");
+  std::fprintf(stderr, "\rstep %lld/%lld [%s] loss %.4f | %.0f tok/s | ETA %s   ", static_cast<long long>(m.step),
+               static_cast<long long>(stop), bar.c_str(), m.loss, tok_s, human_duration(eta).c_str());
   std::fflush(stderr);
 }
 
@@ -277,7 +277,7 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
       metrics.flush();
     }
     const double eta = elapsed / static_cast<double>(steps_done) * static_cast<double>(stop - m.step);
-    if (!opts.quiet && tty) progress(m, stop, static_cast<double>(m.tokens) * steps_done / elapsed, eta, tty);
+    if (!opts.quiet && tty) progress(m, stop, static_cast<double>(m.tokens) * steps_done / elapsed, eta);
     if (lead && ((log_every > 0 && m.step % log_every == 0) || last)) {
       const std::string line = log_line(m, eta);
       train_log << line << "\n";
