@@ -17,6 +17,7 @@
 #include "moefold/core/rng.h"
 #include "moefold/data/npy.h"
 #include "moefold/data/token_dataset.h"
+#include "moefold/io/tensorboard.h"
 #include "moefold/train/hf_import.h"
 #include "moefold/train/pipeline_schedule.h"
 #include "moefold/train/run.h"
@@ -607,6 +608,16 @@ TEST(Trainer, ExpertBiasFollowsTheStepLoads) {
   }
 }
 
+// Under `dir`: "straight", 6 steps of a small run with expert_load_interval 2, and "resumed", the
+// same stopped at step 4 and resumed to 6. Returns its config.
+Config run_straight_and_resumed(const fs::path& dir) {
+  Config cfg = small_config(make_data(dir), {"train.expert_load_interval=2", "train.checkpoint_interval=0"});
+  run_training(cfg, RunOptions{(dir / "straight").string(), 6, false, true});
+  run_training(cfg, RunOptions{(dir / "resumed").string(), 4, false, true});
+  run_training(cfg, RunOptions{(dir / "resumed").string(), 6, true, true});
+  return cfg;
+}
+
 // Expert-load statistics: metrics.jsonl has each MoE layer's p50 <= p90 <= p99 <= max load as
 // multiples of the mean (the max = expert_load_max / expert_load_mean); expert_load.npy grows by
 // one [MoE layers, experts] slice of tokens per expert every train.expert_load_interval steps
@@ -615,10 +626,7 @@ TEST(Trainer, ExpertBiasFollowsTheStepLoads) {
 TEST(Trainer, ExpertLoadStatisticsAndTheirFileSurviveAResume) {
   testing::TempDir tmp("test_train");
   const fs::path& dir = tmp.path();
-  Config cfg = small_config(make_data(dir), {"train.expert_load_interval=2", "train.checkpoint_interval=0"});
-  run_training(cfg, RunOptions{(dir / "straight").string(), 6, false, true});
-  run_training(cfg, RunOptions{(dir / "resumed").string(), 4, false, true});
-  run_training(cfg, RunOptions{(dir / "resumed").string(), 6, true, true});
+  const Config cfg = run_straight_and_resumed(dir);
   const NpyFloats loads = read_npy_f32((dir / "straight" / "expert_load.npy").string());
   ASSERT_EQ(loads.shape, (std::vector<int64_t>{3, 2, 4}));
   for (int64_t s = 0; s < 3; ++s)
@@ -676,6 +684,113 @@ TEST(Trainer, TrainLogHasALineEveryIntervalAndTheEvaluations) {
   Config bad = cfg;
   bad.train.log_interval = -1;
   EXPECT_NE(error_of([&] { bad.validate(); }).find("train.log_interval = -1 must be >= 0"), std::string::npos);
+}
+
+// The TensorBoard events of a run (rank 0): every step's metrics equal to metrics.jsonl's, per
+// layer the expert-load scalars and a tokens-per-expert histogram every train.expert_load_interval
+// steps, the config as text; a resumed run cuts the events after its step and continues in a new
+// file, so that every step is there once and equal to the straight run's; tensorboard = false
+// writes none.
+TEST(Trainer, TensorBoardEventsMatchTheMetricsAndSurviveAResume) {
+  testing::TempDir tmp("test_train");
+  const fs::path& dir = tmp.path();
+  const Config cfg = run_straight_and_resumed(dir);
+  // tag -> step -> values (a step seen twice would show as two values)
+  using Seen = std::map<std::string, std::map<int64_t, std::vector<TbValue>>>;
+  auto events = [](const fs::path& run, size_t files) {
+    Seen out;
+    const std::vector<std::string> paths = tb_event_files((run / "tensorboard").string());
+    EXPECT_EQ(paths.size(), files) << run;
+    for (const std::string& p : paths)
+      for (const TbEvent& e : read_tb_events(p))
+        for (const TbValue& v : e.values) out[v.tag][e.step].push_back(v);
+    return out;
+  };
+  const Seen straight = events(dir / "straight", 1), resumed = events(dir / "resumed", 2);
+  const std::vector<nlohmann::json> rows = read_metrics(dir / "straight");
+  ASSERT_EQ(rows.size(), 6u);
+  for (const auto& [tag, key] :
+       std::vector<std::pair<std::string, std::string>>{{"loss/total", "loss"},
+                                                        {"loss/lm", "lm_loss"},
+                                                        {"optimizer/lr", "lr"},
+                                                        {"optimizer/grad_norm", "grad_norm"},
+                                                        {"throughput/tflops", "tflops"},
+                                                        {"memory/host_peak_mib", "host_memory_peak_mib"}}) {
+    ASSERT_EQ(straight.count(tag), 1u) << tag;
+    ASSERT_EQ(straight.at(tag).size(), 6u) << tag;
+    for (const nlohmann::json& r : rows) {
+      const std::vector<TbValue>& v = straight.at(tag).at(r["step"].get<int64_t>());
+      ASSERT_EQ(v.size(), 1u);
+      EXPECT_EQ(v[0].scalar, static_cast<float>(r[key].get<double>())) << tag << " step " << r["step"];
+    }
+  }
+  for (int64_t s : {4, 6})
+    EXPECT_EQ(straight.at("loss/eval").at(s)[0].scalar, static_cast<float>(rows[s - 1]["eval_loss"].get<double>()));
+  for (const char* layer : {"layer_00", "layer_01"}) {
+    const auto& h = straight.at(std::string("tokens_per_expert/") + layer);
+    ASSERT_EQ(h.size(), 3u);
+    for (int64_t s : {2, 4, 6}) {
+      const TbHistogram& g = h.at(s)[0].histogram;
+      EXPECT_EQ(g.num, 4);           // experts
+      EXPECT_EQ(g.sum, 4 * 16 * 2);  // tokens x top-k
+      double counted = 0;
+      for (double c : g.bucket) counted += c;
+      EXPECT_EQ(counted, 4);
+    }
+    const std::string p = std::string("expert_load_") + layer + "/";
+    for (const char* stat : {"max_over_mean", "min_over_mean", "p50_over_mean", "p90_over_mean", "p99_over_mean",
+                             "max_tokens", "mean_tokens", "min_tokens", "dropped_fraction"})
+      EXPECT_EQ(straight.at(p + stat).size(), 3u) << p + stat;
+    EXPECT_EQ(straight.at(p + "mean_tokens").at(2)[0].scalar, 32.0f);
+    EXPECT_EQ(straight.at(p + "dropped_fraction").at(4)[0].scalar, 0.0f);  // dropless
+  }
+  ASSERT_EQ(straight.at("config").size(), 1u);
+  EXPECT_NE(straight.at("config").at(0)[0].text.find("    [model]"), std::string::npos);
+  EXPECT_EQ(resumed.at("config").size(), 2u);  // at the start and at the resume
+  for (const auto& [tag, steps] : straight) {
+    if (tag == "config" || tag.starts_with("throughput/") || tag.starts_with("memory/")) continue;  // timings differ
+    ASSERT_EQ(resumed.count(tag), 1u) << tag;
+    ASSERT_EQ(resumed.at(tag).size(), steps.size()) << tag;
+    for (const auto& [step, values] : steps) {
+      const std::vector<TbValue>& r = resumed.at(tag).at(step);
+      ASSERT_EQ(r.size(), 1u) << tag << " step " << step;
+      EXPECT_EQ(r[0].scalar, values[0].scalar) << tag << " step " << step;
+      EXPECT_EQ(r[0].histogram.bucket, values[0].histogram.bucket) << tag << " step " << step;
+    }
+  }
+  Config off = cfg;
+  off.train.tensorboard = false;
+  run_training(off, RunOptions{(dir / "off").string(), 2, false, true});
+  EXPECT_TRUE(tb_event_files((dir / "off" / "tensorboard").string()).empty());
+}
+
+// expert_load_dropped_fraction: the share of the token-to-expert assignments the dispatcher did
+// not keep (its plan's rows, one micro-batch per step here) under moe.capacity_factor; 0 when
+// dropless; expert_load_min is the least loaded expert.
+TEST(Trainer, DroppedFractionIsWhatTheDispatcherDropped) {
+  testing::TempDir tmp("test_train");
+  const std::string data = make_data(tmp.path());
+  for (const char* factor : {"0.5", "1.0", "0"}) {
+    Config cfg = small_config(data, {"train.micro_batch_size=4", cat("moe.capacity_factor=", factor)});
+    TokenDataset ds = open_token_dataset(cfg.data.path);
+    OneRank one(cfg);
+    Trainer t(cfg, ds, one.mesh);
+    t.init_fresh();
+    for (int step = 0; step < 3; ++step) {
+      const StepMetrics& m = t.train_step();
+      for (int64_t l = 0; l < t.model().num_moe_layers(); ++l) {
+        const double assignments = 4 * 16 * 2;
+        const double kept = static_cast<double>(t.model().moe(l).plan().num_rows);
+        EXPECT_DOUBLE_EQ(m.expert_load_dropped_fraction[static_cast<size_t>(l)], 1 - kept / assignments)
+            << "capacity_factor " << factor << " layer " << l;
+        const double* loads = t.expert_loads().ptr<double>() + l * 4;
+        EXPECT_EQ(m.expert_load_min[static_cast<size_t>(l)], *std::min_element(loads, loads + 4));
+      }
+      if (std::string(factor) == "0.5") {
+        EXPECT_GE(m.expert_load_dropped_fraction[0], 0.4);
+      }
+    }
+  }
 }
 
 // moe.router_init_std sets the standard deviation of the routers' initial weights alone (0: the

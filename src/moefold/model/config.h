@@ -166,6 +166,9 @@ struct TrainConfig {
   // Every N steps (and the last) one line, step, loss, lr, tokens/s, TFLOP/s, memory and ETA, to
   // the run directory's train.log and, unless --quiet, standard error; 0: only the last step.
   int64_t log_interval = 10;
+  // TensorBoard event files in the run directory's tensorboard/ (rank 0): every step's scalars;
+  // every expert_load_interval steps per-layer expert-load scalars and tokens-per-expert histograms.
+  bool tensorboard = true;
   int64_t checkpoint_interval = 200;  // checkpoint every N steps (0: only at the end)
   bool save_checkpoints = true;       // false: no checkpoint at all, not even at the end (experiments)
   // Checkpoints (train/checkpoint.h): written by a background thread from a pinned host copy of

@@ -176,6 +176,9 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "expert_load_interval", expert_load_interval,
                "every N steps expert_load.npy in the run directory grows by one [MoE layers, experts] slice of "
                "tokens per expert (0: never)"),
+      MF_FIELD(train, "tensorboard", tensorboard,
+               "TensorBoard event files in the run directory's tensorboard/: every step's metrics; every "
+               "expert_load_interval steps per-layer expert-load scalars and tokens-per-expert histograms"),
       MF_FIELD(train, "save_checkpoints", save_checkpoints,
                "false: no checkpoint is written, not even at the end (experiments, measurements)"),
       MF_FIELD(train, "async_checkpoint", async_checkpoint,

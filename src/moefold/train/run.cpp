@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 
 #include "moefold/comm/agree.h"
 #include "moefold/core/device.h"
@@ -17,6 +18,7 @@
 #include "moefold/data/npy.h"
 #include "moefold/data/prepare.h"
 #include "moefold/data/token_dataset.h"
+#include "moefold/io/tensorboard.h"
 #include "moefold/parallel/mesh.h"
 #include "moefold/train/trainer.h"
 
@@ -89,6 +91,50 @@ void truncate_metrics(const std::string& path, int64_t step) {
   }
   in.close();
   std::ofstream(path, std::ios::trunc) << kept;
+}
+
+// A step's TensorBoard values: every metrics.jsonl scalar; with `layers`, per MoE layer the
+// expert-load statistics and a histogram of its tokens per expert (`loads`: [layers, experts]).
+void write_tensorboard(TensorBoardWriter& tb, const StepMetrics& m, const nlohmann::json& j, const double* loads,
+                       int64_t experts, bool layers) {
+  for (const auto& [tag, key] :
+       std::initializer_list<std::pair<const char*, const char*>>{{"loss/total", "loss"},
+                                                                  {"loss/lm", "lm_loss"},
+                                                                  {"loss/aux", "aux_loss"},
+                                                                  {"loss/z", "z_loss"},
+                                                                  {"loss/mtp", "mtp_loss"},
+                                                                  {"loss/eval", "eval_loss"},
+                                                                  {"optimizer/lr", "lr"},
+                                                                  {"optimizer/grad_norm", "grad_norm"},
+                                                                  {"throughput/tokens_per_s", "tokens_per_s"},
+                                                                  {"throughput/tflops", "tflops"},
+                                                                  {"throughput/step_time_s", "step_time_s"},
+                                                                  {"memory/gpu_peak_mib", "gpu_memory_peak_mib"},
+                                                                  {"memory/host_peak_mib", "host_memory_peak_mib"}})
+    if (j.contains(key)) tb.scalar(tag, j[key].get<double>());
+  tb.scalar("optimizer/skipped", m.skipped ? 1 : 0);
+  const size_t n = m.expert_load_max_over_mean.size();
+  if (n > 0)  // every step: the worst layer
+    tb.scalar("expert_load/max_over_mean_worst_layer",
+              *std::max_element(m.expert_load_max_over_mean.begin(), m.expert_load_max_over_mean.end()));
+  if (!layers) return;
+  for (size_t l = 0; l < n; ++l) {
+    char layer[32];
+    std::snprintf(layer, sizeof layer, "layer_%02zu", l);
+    const double mean = m.expert_load_mean[l] > 0 ? m.expert_load_mean[l] : 1;
+    const std::string p = std::string("expert_load_") + layer + "/";
+    tb.scalar(p + "max_over_mean", m.expert_load_max_over_mean[l]);
+    tb.scalar(p + "min_over_mean", m.expert_load_min[l] / mean);
+    tb.scalar(p + "p50_over_mean", m.expert_load_p50[l]);
+    tb.scalar(p + "p90_over_mean", m.expert_load_p90[l]);
+    tb.scalar(p + "p99_over_mean", m.expert_load_p99[l]);
+    tb.scalar(p + "max_tokens", m.expert_load_max[l]);
+    tb.scalar(p + "mean_tokens", m.expert_load_mean[l]);
+    tb.scalar(p + "min_tokens", m.expert_load_min[l]);
+    tb.scalar(p + "dropped_fraction", m.expert_load_dropped_fraction[l]);
+    tb.histogram(std::string("tokens_per_expert/") + layer,
+                 make_histogram(loads + l * experts, static_cast<size_t>(experts), std::min<int>(30, experts)));
+  }
 }
 
 }  // namespace
@@ -181,6 +227,21 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                                                  trainer.step() / interval);
   });
   std::vector<float> load_slice(static_cast<size_t>(moe_layers * cfg.moe.num_experts));
+  // TensorBoard (rank 0): events past the resumed step cut off (all of them on a fresh start), then
+  // a new event file from here.
+  std::unique_ptr<TensorBoardWriter> tb;
+  on_every_rank(world, "opening the TensorBoard files", [&] {
+    if (!lead) return;
+    const std::string dir = (fs::path(opts.run_dir) / "tensorboard").string();
+    truncate_tb_events(dir, trainer.step());
+    if (!cfg.train.tensorboard) return;
+    tb = std::make_unique<TensorBoardWriter>(dir);
+    std::string config_md;  // TensorBoard's Text tab renders Markdown: a code block
+    std::istringstream toml(config_to_toml(cfg));
+    for (std::string line; std::getline(toml, line);) config_md += "    " + line + "\n";
+    tb->text("config", config_md);
+    tb->write_step(trainer.step());
+  });
   const bool tty = ::isatty(STDERR_FILENO);
   // The progress bar on a terminal (every step); log lines every train.log_interval steps, to
   // train.log (rank 0) and standard error.
@@ -267,8 +328,12 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
         loads_file.reset();
       }
     }
+    j["tflops"] = static_cast<double>(m.tokens) / m.seconds * size.train_flops_per_token / 1e12;
+    j["expert_load_min"] = m.expert_load_min;
+    j["expert_load_dropped_fraction"] = m.expert_load_dropped_fraction;
     if (opts.device == Device::cuda)  // planned GPU memory (arenas), the peak so far
       j["gpu_memory_peak_mib"] = static_cast<double>(device_bytes_peak()) / (1 << 20);
+    j["host_memory_peak_mib"] = static_cast<double>(peak_rss_bytes()) / (1 << 20);
     const bool last = m.step == stop;
     if ((cfg.train.eval_interval > 0 && m.step % cfg.train.eval_interval == 0) || last)
       if (trainer.num_valid_batches() > 0) j["eval_loss"] = trainer.evaluate();
@@ -276,6 +341,14 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
       metrics << j.dump() << "\n";
       metrics.flush();
     }
+    if (tb) try {
+        write_tensorboard(*tb, m, j, trainer.expert_loads().ptr<double>(), cfg.moe.num_experts,
+                          interval > 0 && m.step % interval == 0);
+        tb->write_step(m.step);
+      } catch (const Error& e) {  // like expert_load.npy: not worth stopping the run for
+        std::fprintf(stderr, "%smoefold: warning: %s; the TensorBoard events stop here\n", tty ? "\n" : "", e.what());
+        tb.reset();
+      }
     const double eta = elapsed / static_cast<double>(steps_done) * static_cast<double>(stop - m.step);
     if (!opts.quiet && tty) progress(m, stop, static_cast<double>(m.tokens) * steps_done / elapsed, eta);
     if (lead && ((log_every > 0 && m.step % log_every == 0) || last)) {

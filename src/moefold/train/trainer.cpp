@@ -87,7 +87,9 @@ void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model, size_
   // Host side whatever the device: token windows, statistics, loads.
   full_ids_BS = mem.host_act(bs, DType::i32);
   full_targets_BS = mem.host_act(bs, DType::i32);
-  load_sum_LE = mem.host_act({layers, experts}, DType::f64);
+  step_sums = mem.host_act({layers * experts + layers}, DType::f64);
+  load_sum_LE = step_sums.slice(0, layers * experts).view({layers, experts});
+  dropped_L = step_sums.slice(layers * experts, layers * experts + layers);
   stats = mem.host_act({4}, DType::f64);
   counts_E = mem.mirrored({experts}, DType::i64);
 }
@@ -163,7 +165,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   }
   for (std::vector<double>* v :
        {&metrics_.expert_load_max, &metrics_.expert_load_mean, &metrics_.expert_load_p50, &metrics_.expert_load_p90,
-        &metrics_.expert_load_p99, &metrics_.expert_load_max_over_mean})
+        &metrics_.expert_load_p99, &metrics_.expert_load_max_over_mean, &metrics_.expert_load_min,
+        &metrics_.expert_load_dropped_fraction})
     v->assign(static_cast<size_t>(layers), 0.0);
   sorted_loads_.assign(static_cast<size_t>(cfg.moe.num_experts), 0.0);
 }
@@ -213,11 +216,22 @@ void Trainer::add_forward_results(size_t slot, double loss) {
   stats[3] += model.mtp_loss();
   ProfileScope scope("expert loads read-back");
   const int64_t experts = cfg_.moe.num_experts;
-  double* load = buf_.load_sum_LE.ptr<double>() + moe_layers_before(cfg_.model, model.first_layer()) * experts;
+  const int64_t first = moe_layers_before(cfg_.model, model.first_layer());
+  double* load = buf_.load_sum_LE.ptr<double>() + first * experts;
+  double* dropped = buf_.dropped_L.ptr<double>() + first;
   for (int64_t l = 0; l < model.num_moe_layers(); ++l) {
     buf_.counts_E.host.copy_from(model.moe(l).router().tokens_per_expert());  // from the GPU: waits
     const int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
-    for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
+    int64_t assignments = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      load[l * experts + e] += static_cast<double>(counts[e]);
+      assignments += counts[e];
+    }
+    // The dispatcher keeps at most capacity(tokens) of this rank's rows per expert (each token has
+    // top-k assignments): what is above it was dropped.
+    const int64_t cap = cfg_.moe.capacity(assignments / cfg_.moe.num_experts_per_tok);
+    if (cap > 0)
+      for (int64_t e = 0; e < experts; ++e) dropped[l] += static_cast<double>(std::max<int64_t>(counts[e] - cap, 0));
   }
 }
 
@@ -379,7 +393,7 @@ void Trainer::accumulate_gradients() {
   {
     ProfileScope scope("zero grads");
     mem_.zero_grads();
-    buf_.load_sum_LE.zero();
+    buf_.step_sums.zero();
     buf_.stats.zero();
   }
   if (mesh_.dims.pp > 1 || cfg_.parallel.overlap_moe_a2a) {
@@ -439,14 +453,14 @@ void Trainer::accumulate_gradients() {
     // The LM loss is complete on every TP rank; router losses and expert loads are per TP rank.
     ProfileScope scope("stats all-reduce");
     reduce_dense(buf_.stats);
-    reduce_dense(buf_.load_sum_LE);
+    reduce_dense(buf_.step_sums);
     if (mesh_.tp->size() > 1) {
       mesh_.tp->all_reduce(buf_.stats.slice(1, 3), ReduceOp::sum);
-      mesh_.tp->all_reduce(buf_.load_sum_LE, ReduceOp::sum);
+      mesh_.tp->all_reduce(buf_.step_sums, ReduceOp::sum);
     }
     if (mesh_.dims.pp > 1) {  // each stage's losses and its layers' loads
       mesh_.pp->all_reduce(buf_.stats, ReduceOp::sum);
-      mesh_.pp->all_reduce(buf_.load_sum_LE, ReduceOp::sum);
+      mesh_.pp->all_reduce(buf_.step_sums, ReduceOp::sum);
     }
   }
 
@@ -477,6 +491,8 @@ void Trainer::accumulate_gradients() {
     out.expert_load_p90[l] = pct(0.90);
     out.expert_load_p99[l] = pct(0.99);
     out.expert_load_max_over_mean[l] = pct(1.0);
+    out.expert_load_min[l] = sorted.front();
+    out.expert_load_dropped_fraction[l] = sum > 0 ? buf_.dropped_L.ptr<double>()[l] / sum : 0;
   }
 }
 

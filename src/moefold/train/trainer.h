@@ -55,6 +55,10 @@ struct StepMetrics {
   // Per MoE layer, over its experts' step loads as multiples of the mean: the 50th, 90th and 99th
   // percentiles (nearest rank) and the maximum.
   std::vector<double> expert_load_p50, expert_load_p90, expert_load_p99, expert_load_max_over_mean;
+  std::vector<double> expert_load_min;  // per MoE layer: fewest tokens on one expert / step
+  // Per MoE layer: the share of the step's token-to-expert assignments dropped by the capacity
+  // (moe.capacity_factor; 0 when dropless).
+  std::vector<double> expert_load_dropped_fraction;
 };
 
 // What the trainer binds beside the models: each in-flight micro-batch's ids and targets (whole
@@ -64,6 +68,8 @@ struct StepBuffers {
   std::vector<Mirrored> ids_BL, targets_BL;  // per model: this rank's positions (all of them without CP)
   Mirrored counts_E;                         // i64 [experts]: one layer's routed tokens, or its step load (bias update)
   Tensor load_sum_LE;  // f64 [MoE layers of the whole model, experts]: tokens per expert over a step's micro-batches
+  Tensor dropped_L;    // f64 [MoE layers]: assignments dropped by the capacity over a step's micro-batches
+  Tensor step_sums;    // f64: load_sum_LE's and dropped_L's storage, one buffer so one reduction sums both
   Tensor stats;        // f64 [4]: loss sum, aux, z, mtp (reduced together)
   void bind(Memory& mem, const Config& cfg, const Model& model, size_t models);
 };
