@@ -12,6 +12,7 @@
 
 #include "layout_testing.h"
 #include "moefold/comm/communicator.h"
+#include "moefold/io/tensorboard.h"
 #include "moefold/train/memory_plan.h"
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
@@ -391,6 +392,16 @@ TEST_F(Layouts, CheckpointSavedUnderOneLayoutResumesUnderAnother) {
   run_training(cfg, RunOptions{(dir / "full").string(), 8, false, true}, world);
   const std::vector<double> want = metric_losses(dir / "full");
   ASSERT_EQ(want.size(), 8u);
+  if (world.rank() == 0) {  // rank 0 alone writes TensorBoard events, of the values reduced over ranks
+    const std::vector<std::string> files = tb_event_files((dir / "full" / "tensorboard").string());
+    ASSERT_EQ(files.size(), 1u);
+    std::vector<double> tb;
+    for (const TbEvent& e : read_tb_events(files[0]))
+      for (const TbValue& v : e.values)
+        if (v.tag == "loss/total") tb.push_back(v.scalar);
+    ASSERT_EQ(tb.size(), 8u);
+    for (size_t i = 0; i < 8; ++i) EXPECT_EQ(tb[i], static_cast<float>(want[i])) << "step " << i + 1;
+  }
   // Resume from its step-4 checkpoint under every other EP on this world, and on one rank.
   for (int64_t ep = 1; ep <= max_ep; ep *= 2) {
     SCOPED_TRACE(
