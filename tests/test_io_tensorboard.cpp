@@ -162,7 +162,8 @@ TEST(TensorBoard, HistogramBucketsCountEveryValue) {
 }
 
 // A resumed run: the steps after it are cut from every file (rewritten in place), the rest kept
-// byte for byte; cut to step 0 a file is left with its version alone.
+// byte for byte; cut to step 0 a file is left with its version alone; a corrupt file is named and
+// left as it is.
 TEST(TensorBoard, ResumeCutsTheLaterSteps) {
   TempDir tmp("test_tb");
   const std::string dir = tmp.file("tb");
@@ -180,7 +181,16 @@ TEST(TensorBoard, ResumeCutsTheLaterSteps) {
   ASSERT_EQ(left.size(), 1u);
   EXPECT_EQ(left[0].file_version, "brain.Event:2");
   EXPECT_TRUE(tb_event_files(tmp.file("missing")).empty());
-  truncate_tb_events(tmp.file("missing"), 0);
+  EXPECT_TRUE(truncate_tb_events(tmp.file("missing"), 0).empty());
+  // A corrupt file is named and left alone; the others are still cut.
+  const std::string second = write_run(dir, 4);
+  const std::string corrupt = tmp.file("tb") + "/events.out.tfevents.0.corrupt";
+  write_bytes(corrupt, "garbage, not records");
+  const std::vector<std::string> problems = truncate_tb_events(dir, 2);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_NE(problems[0].find(corrupt + ": the length of the record at byte 0"), std::string::npos) << problems[0];
+  EXPECT_EQ(read_bytes(corrupt), "garbage, not records");
+  EXPECT_EQ(read_tb_events(second).back().step, 2);
 }
 
 // TensorBoard's own reader (EventAccumulator) sees every scalar, histogram and text.

@@ -233,18 +233,25 @@ std::vector<std::string> tb_event_files(const std::string& dir) {
   return out;
 }
 
-void truncate_tb_events(const std::string& dir, int64_t step) {
+std::vector<std::string> truncate_tb_events(const std::string& dir, int64_t step) {
+  std::vector<std::string> unread;
   for (const std::string& path : tb_event_files(dir)) {
-    const TbRecords r = read_tf_records(path);
     std::string kept;
-    bool dropped = r.truncated_tail;
-    for (const std::string& rec : r.records) {
-      const TbEvent e = parse_tb_event(rec, path);
-      if (e.file_version.empty() && e.step > step) {
-        dropped = true;
-        continue;
+    bool dropped = false;
+    try {
+      const TbRecords r = read_tf_records(path);
+      dropped = r.truncated_tail;
+      for (const std::string& rec : r.records) {
+        const TbEvent e = parse_tb_event(rec, path);
+        if (e.file_version.empty() && e.step > step) {
+          dropped = true;
+          continue;
+        }
+        kept += frame(rec);
       }
-      kept += frame(rec);
+    } catch (const Error& e) {
+      unread.push_back(cat(e.what(), "; left as it is"));
+      continue;
     }
     if (!dropped) continue;
     const std::string tmp = (fs::path(dir) / ".cut.tmp").string();  // not named like an event file
@@ -258,6 +265,7 @@ void truncate_tb_events(const std::string& dir, int64_t step) {
     fs::rename(tmp, path, ec);
     if (ec) MF_FAIL(path, ": cannot replace: ", ec.message());
   }
+  return unread;
 }
 
 }  // namespace moefold

@@ -83,7 +83,8 @@ std::vector<TbEvent> read_tb_events(const std::string& path);
 std::vector<std::string> tb_event_files(const std::string& dir);
 // A resumed run: in every event file of `dir`, the summaries of steps after `step` are dropped
 // (and a cut-short last record); a file that changes is rewritten under a temporary name and
-// renamed into place.
-void truncate_tb_events(const std::string& dir, int64_t step);
+// renamed into place. A file that cannot be read (a CRC mismatch) is left as it is: one message
+// naming it is returned for each such file (statistics are not worth refusing to train for).
+std::vector<std::string> truncate_tb_events(const std::string& dir, int64_t step);
 
 }  // namespace moefold

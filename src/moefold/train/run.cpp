@@ -233,7 +233,8 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
   on_every_rank(world, "opening the TensorBoard files", [&] {
     if (!lead) return;
     const std::string dir = (fs::path(opts.run_dir) / "tensorboard").string();
-    truncate_tb_events(dir, trainer.step());
+    for (const std::string& problem : truncate_tb_events(dir, trainer.step()))
+      std::fprintf(stderr, "moefold: warning: %s\n", problem.c_str());
     if (!cfg.train.tensorboard) return;
     tb = std::make_unique<TensorBoardWriter>(dir);
     std::string config_md;  // TensorBoard's Text tab renders Markdown: a code block
