@@ -54,5 +54,6 @@ Command add_eval(CLI::App& app);
 Command add_convert(CLI::App& app);
 Command add_prepare(CLI::App& app);
 Command add_bench(CLI::App& app);
+Command add_report(CLI::App& app);
 
 }  // namespace moefold::cli

@@ -1,4 +1,4 @@
-// The moefold command line: train, eval, convert, info, config, prepare, bench (one cmd_*.cpp
+// The moefold command line: train, eval, convert, info, config, prepare, bench, report (one cmd_*.cpp
 // each). User mistakes end in one line on stderr ("moefold: error: ...") and exit code 1; usage
 // mistakes get CLI11's message and non-zero code.
 #include <cstdio>
@@ -13,8 +13,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   using namespace moefold::cli;
   // The order of `moefold --help`.
-  const Command commands[] = {add_train(app), add_info(app),    add_plan(app),    add_config(app),
-                              add_eval(app),  add_convert(app), add_prepare(app), add_bench(app)};
+  const Command commands[] = {add_train(app),   add_info(app),    add_plan(app),  add_config(app), add_eval(app),
+                              add_convert(app), add_prepare(app), add_bench(app), add_report(app)};
 
   CLI11_PARSE(app, argc, argv);
 
