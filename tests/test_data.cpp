@@ -1,17 +1,24 @@
 // data: token datasets (Megatron .bin/.idx and plain .tokens) round trips, a hand-built
 // Megatron file, malformed files, the byte tokenizer, prepare, and the resumable loader.
 #include <unistd.h>
+#include <zlib.h>
+#include <zstd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <new>
+#include <nlohmann/json.hpp>
 #include <set>
+#include <tuple>
 
 #include "moefold/core/rng.h"
+#include "moefold/data/bpe_tokenizer.h"
 #include "moefold/data/byte_tokenizer.h"
+#include "moefold/data/line_reader.h"
 #include "moefold/data/loader.h"
 #include "moefold/data/npy.h"
 #include "moefold/data/prepare.h"
@@ -411,7 +418,7 @@ TEST(ByteTokenizer, RoundTrip) {
 // JSONL corpora (Megatron's preprocess_data.py input): one document per line from the string at
 // --json-key, blank lines skipped, unicode and a 1 MB line kept whole; a bad line (not JSON, not
 // an object, no key, not a string, nested too deep) is one error naming the file and line, or with
-// --skip-bad-lines skipped and counted; compressed JSONL is refused by name, not sniffed as binary.
+// --skip-bad-lines skipped and counted; a cut .jsonl.gz is an error naming it, not sniffed as binary.
 TEST(Prepare, JsonlLinesAreDocuments) {
   TempDir dir;
   const std::string big(1 << 20, 'w');
@@ -450,7 +457,7 @@ TEST(Prepare, JsonlLinesAreDocuments) {
   }
   const std::string gz = dir.file("c.jsonl.gz");
   write_bytes(gz, std::string("\x1f\x8b\x08\0", 4));
-  expect_error([&] { prepare({gz}, out); }, gz, "compressed JSONL is not read yet");
+  expect_error([&] { prepare({gz}, out); }, gz + ":1", "truncated gzip data");
 }
 
 TEST(Prepare, TreeSortedSkipsBinaryDeterministic) {
@@ -503,6 +510,271 @@ TEST(Prepare, TreeSortedSkipsBinaryDeterministic) {
   expect_error([&] { prepare({dir.file("nope")}, dir.file("x.tokens")); }, dir.file("nope"), "no such file");
   expect_error([&] { prepare({in.string()}, dir.file("x.bin")); }, dir.file("x.bin"), "must end with .tokens");
   EXPECT_FALSE(default_corpus_dirs().empty());
+}
+
+// ---- prepare: compressed JSONL, threads ----
+
+// `s` as a gzip member (zlib's deflate with the gzip wrapper).
+std::string gzip(std::string_view s) {
+  z_stream zs{};
+  EXPECT_EQ(deflateInit2(&zs, 1, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY), Z_OK);
+  std::string out(deflateBound(&zs, static_cast<uLong>(s.size())), '\0');
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(s.data()));
+  zs.avail_in = static_cast<uInt>(s.size());
+  zs.next_out = reinterpret_cast<Bytef*>(out.data());
+  zs.avail_out = static_cast<uInt>(out.size());
+  EXPECT_EQ(deflate(&zs, Z_FINISH), Z_STREAM_END);
+  out.resize(zs.total_out);
+  deflateEnd(&zs);
+  return out;
+}
+
+// `s` as one zstd frame with a content checksum (as the zstd tool writes by default).
+std::string zstd(std::string_view s) {
+  ZSTD_CCtx* cctx = ZSTD_createCCtx();
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, 1);
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 1);
+  std::string out(ZSTD_compressBound(s.size()), '\0');
+  const size_t n = ZSTD_compress2(cctx, out.data(), out.size(), s.data(), s.size());
+  ZSTD_freeCCtx(cctx);
+  EXPECT_FALSE(ZSTD_isError(n)) << ZSTD_getErrorName(n);
+  out.resize(n);
+  return out;
+}
+
+// `n` characters of text, ASCII and multi-byte UTF-8 mixed with the characters JSON escapes.
+std::string random_text(uint64_t seed, uint64_t stream, size_t n) {
+  static const std::vector<std::string> kAlphabet = {"a", "b", "e", "t",  " ",  " ", "\n", "\t", "\"", "\\",
+                                                     "/", "é", "ß", "中", "文", "😀", "Ω",  "7",  ".",  "\r"};
+  std::string s;
+  for (size_t i = 0; i < n; ++i) s += kAlphabet[rng_below(seed, stream, i, kAlphabet.size())];
+  return s;
+}
+
+std::string json_line(const std::string& text) { return nlohmann::json{{"text", text}}.dump(); }
+
+// The byte tokenizer's stream for `docs`: each document's bytes, then EOS.
+std::vector<uint32_t> byte_tokens(const std::vector<std::string>& docs) {
+  std::vector<uint32_t> t;
+  for (const auto& d : docs) {
+    ByteTokenizer::encode(d, &t);
+    t.push_back(ByteTokenizer::kEos);
+  }
+  return t;
+}
+
+// .jsonl.gz and .jsonl.zst (one gzip member or two, one zstd frame or two, cut inside a line) give
+// the bytes the same .jsonl gives: blank lines (CRLF ones too) skipped, unicode raw and escaped,
+// a 6 MB line spanning many buffers of compressed and decompressed bytes, no final newline; a
+// missing key names the compressed file and its line.
+TEST(Prepare, CompressedJsonlGivesThePlainTokens) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(cat("seed ", seed));
+  TempDir dir;
+  std::vector<std::string> docs = {"first", "é中😀 raw", "é中😀 escaped", random_text(seed, 1, 4 << 20), ""};
+  std::string jsonl = "\n" + json_line(docs[0]) + "\r\n\n   \n" + json_line(docs[1]) + "\n" +
+                      R"({"text": "\u00e9\u4e2d\ud83d\ude00 escaped", "id": 3})" + "\n" + json_line(docs[3]) + "\n" +
+                      json_line(docs[4]) + "\n\n";
+  for (uint64_t i = 0; i < 200; ++i) {
+    docs.push_back(random_text(seed, 2 + i, rng_below(seed, 0, i, 3000)));
+    jsonl += json_line(docs.back()) + "\n";
+  }
+  docs.push_back("last, no newline");
+  jsonl += json_line(docs.back());
+  const size_t cut = jsonl.size() / 3;  // inside the 6 MB line
+  const std::string big = json_line(docs[3]);
+  const size_t big_begin = jsonl.find(big);
+  ASSERT_TRUE(big_begin < cut && cut < big_begin + big.size());
+
+  const std::string plain = dir.file("c.jsonl");
+  write_bytes(plain, jsonl);
+  const std::string want_out = dir.file("plain.tokens");
+  const PrepareStats want = prepare({plain}, want_out);
+  EXPECT_EQ(want.documents, static_cast<int64_t>(docs.size()));
+  EXPECT_EQ(all_tokens(open_token_dataset(want_out)), byte_tokens(docs));
+
+  const std::vector<std::pair<std::string, std::string>> files = {
+      {"one.jsonl.gz", gzip(jsonl)},
+      {"two.jsonl.gz", gzip(jsonl.substr(0, cut)) + gzip(jsonl.substr(cut))},
+      {"one.jsonl.zst", zstd(jsonl)},
+      {"two.jsonl.zst", zstd(jsonl.substr(0, cut)) + zstd(jsonl.substr(cut))}};
+  for (const auto& [name, bytes] : files) {
+    SCOPED_TRACE(name);
+    const std::string path = dir.file(name);
+    write_bytes(path, bytes);
+    const std::string out = dir.file(name + ".tokens");
+    const PrepareStats st = prepare({path}, out, TokenFormat::plain);
+    EXPECT_EQ(st.files, 1);
+    EXPECT_EQ(st.documents, want.documents);
+    EXPECT_EQ(st.bytes, static_cast<int64_t>(jsonl.size()));
+    EXPECT_EQ(st.tokens, want.tokens);
+    EXPECT_TRUE(read_bytes(out) == read_bytes(want_out));
+
+    // A line without the key after the 6 MB line, the two members/frames cut inside it.
+    const size_t at = jsonl.find('\n', cut) + 1;
+    const std::string bad_text = jsonl.substr(0, at) + "{\"id\": 7}\n" + jsonl.substr(at);
+    const int64_t bad_line = 1 + std::count(jsonl.begin(), jsonl.begin() + static_cast<std::ptrdiff_t>(at), '\n');
+    const bool gz = name.ends_with(".gz");
+    auto compress = [&](std::string_view s) { return gz ? gzip(s) : zstd(s); };
+    const std::string bad = dir.file("bad-" + name);
+    write_bytes(bad, name.starts_with("one") ? compress(bad_text)
+                                             : compress(std::string_view(bad_text).substr(0, at + 4)) +
+                                                   compress(std::string_view(bad_text).substr(at + 4)));
+    expect_error([&] { prepare({bad}, out); }, cat(bad, ":", bad_line), "no key \"text\" (--json-key)");
+    PrepareOptions skip;
+    skip.skip_bad_lines = true;
+    const PrepareStats s = prepare({bad}, out, TokenFormat::plain, skip);
+    EXPECT_EQ(s.bad_lines, 1);
+    EXPECT_EQ(s.documents, want.documents);
+  }
+}
+
+// A cut or corrupt compressed file is one error naming the file and the line reached; the output
+// already there is left as it was and no temporary file stays. A compressed empty text is an empty
+// file (skipped); an empty .gz is not gzip. Lines longer than the reader's limit fail by name.
+TEST(Prepare, CorruptCompressedJsonlNamesTheFile) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(cat("seed ", seed));
+  TempDir dir;
+  std::string jsonl;
+  for (uint64_t i = 0; i < 3000; ++i) jsonl += json_line(random_text(seed, i, 200)) + "\n";
+  const std::string out = dir.file("out.tokens");
+  write_bytes(dir.file("ok.jsonl"), jsonl);
+  prepare({dir.file("ok.jsonl")}, out);
+  const std::string good = read_bytes(out);
+
+  const std::string gz = gzip(jsonl), zs = zstd(jsonl);
+  std::string gz_flipped = gz, zs_flipped = zs;
+  gz_flipped[gz.size() / 2] ^= 0x55;
+  zs_flipped[zs.size() / 2] ^= 0x55;
+  // (name, bytes, what the message says, whether the line reached is past the first)
+  const std::vector<std::tuple<std::string, std::string, std::string, bool>> cases = {
+      {"half.jsonl.gz", gz.substr(0, gz.size() / 2), "truncated gzip data (the file ends inside a member)", true},
+      {"no-trailer.jsonl.gz", gz.substr(0, gz.size() - 4), "truncated gzip data", true},
+      {"second-member-cut.jsonl.gz", gz + gz.substr(0, 20), "truncated gzip data", true},
+      {"flipped.jsonl.gz", gz_flipped, "gzip data", false},
+      {"not-gzip.jsonl.gz", jsonl, "corrupt gzip data (zlib: incorrect header check)", false},
+      {"empty.jsonl.gz", "", "truncated gzip data (an empty file)", false},
+      {"half.jsonl.zst", zs.substr(0, zs.size() / 2), "truncated zstd data (the file ends inside a frame)", true},
+      {"flipped.jsonl.zst", zs_flipped, "zstd data", false},
+      {"not-zstd.jsonl.zst", jsonl, "corrupt zstd data (Unknown frame descriptor)", false},
+      {"empty.jsonl.zst", "", "truncated zstd data (an empty file)", false}};
+  for (const auto& [name, bytes, what, past_first] : cases) {
+    SCOPED_TRACE(name);
+    const std::string path = dir.file(name);
+    write_bytes(path, bytes);
+    // Checksums come at the ends of members and frames: without skip_bad_lines a flipped byte may
+    // first show as a bad line, still naming the file.
+    PrepareOptions skip;
+    skip.skip_bad_lines = true;
+    expect_error(
+        [&] {
+          prepare({dir.file("ok.jsonl"), path}, out, TokenFormat::plain, skip);
+        },
+        "prepare: " + path + ":", what);
+    expect_error(
+        [&] {
+          prepare({dir.file("ok.jsonl"), path}, out);
+        },
+        "prepare: " + path + ":", name.starts_with("flipped") ? "" : what);
+    try {
+      prepare({path}, out, TokenFormat::plain, skip);
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      const int64_t line = std::atoll(msg.c_str() + msg.find(path) + path.size() + 1);
+      EXPECT_GE(line, 1) << msg;
+      if (past_first) {
+        EXPECT_GT(line, 1) << msg;
+      }
+    }
+    EXPECT_TRUE(read_bytes(out) == good);
+    fs::remove(path);
+  }
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+
+  // Compressed empty text: an empty file, skipped like an empty .jsonl.
+  write_bytes(dir.file("nothing.jsonl.gz"), gzip(""));
+  write_bytes(dir.file("nothing.jsonl.zst"), zstd(""));
+  const PrepareStats st = prepare({dir.file("ok.jsonl"), dir.file("nothing.jsonl.gz"), dir.file("nothing.jsonl.zst")},
+                                  dir.file("n.tokens"));
+  EXPECT_EQ(st.files, 1);
+  EXPECT_EQ(st.skipped, 2);
+
+  // The reader's line limit (1 GiB in prepare), here 300 bytes: line 2 is longer.
+  const std::string lines = dir.file("lines.zst");
+  write_bytes(lines, zstd("short\n" + std::string(301, 'x') + "\n"));
+  LineReader r(lines, compression_of(lines), 300);
+  std::string line;
+  EXPECT_TRUE(r.next(&line));
+  EXPECT_EQ(line, "short");
+  expect_error([&] { r.next(&line); }, lines + ":2", "a line longer than 300 bytes");
+}
+
+// The thread count changes nothing: 1, 2 and 5 threads write the same bytes (plain and Megatron,
+// byte tokenizer and a BPE tokenizer.json), equal to the documents encoded one by one in corpus
+// order, over a corpus of many batches; the first bad line is the one reported whatever the count.
+TEST(Prepare, ThreadCountDoesNotChangeTheOutput) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(cat("seed ", seed));
+  TempDir dir;
+  fs::create_directories(dir.path() / "corpus");
+  std::vector<std::string> docs;
+  std::string a, c;
+  for (uint64_t i = 0; i < 2400; ++i) {
+    docs.push_back(random_text(seed, i, rng_below(seed, 1u << 20, i, 1200)));
+    (i < 1600 ? a : c) += json_line(docs.back()) + "\n";
+    if (i == 100) a += "{\"no text\": 1}\n";  // skipped under skip_bad_lines
+    if (i == 2000) c += "[1]\n";
+  }
+  docs.push_back("b, a text file");
+  write_bytes((dir.path() / "corpus" / "a.jsonl.zst").string(), zstd(a));
+  write_bytes((dir.path() / "corpus" / "b.txt").string(), docs.back());
+  write_bytes((dir.path() / "corpus" / "c.jsonl.gz").string(), gzip(c));
+  std::rotate(docs.begin() + 1600, docs.end() - 1, docs.end());  // b.txt comes before c.jsonl.gz
+  const std::string corpus = (dir.path() / "corpus").string();
+
+  const std::string tokenizer = std::string(MOEFOLD_SOURCE_DIR) + "/tests/fixtures/tokenizer/qwen2/tokenizer.json";
+  const BpeTokenizer bpe(tokenizer);
+  const int32_t bpe_eos = *bpe.added_token_id("<|endoftext|>");
+  std::vector<uint32_t> want_bpe;
+  for (const auto& d : docs) {
+    for (int32_t id : bpe.encode(d)) want_bpe.push_back(static_cast<uint32_t>(id));
+    want_bpe.push_back(static_cast<uint32_t>(bpe_eos));
+  }
+  const std::vector<uint32_t> want_bytes = byte_tokens(docs);
+
+  for (const std::string& tok : {std::string(), tokenizer}) {
+    SCOPED_TRACE(tok.empty() ? "bytes" : tok);
+    std::string first;
+    for (int threads : {1, 2, 5}) {
+      SCOPED_TRACE(cat(threads, " threads"));
+      PrepareOptions o;
+      o.tokenizer = tok;
+      o.skip_bad_lines = true;
+      o.threads = threads;
+      const std::string out = dir.file(cat("t", threads, ".tokens"));
+      const PrepareStats st = prepare({corpus}, out, TokenFormat::plain, o);
+      EXPECT_EQ(st.threads, threads);
+      EXPECT_EQ(st.bad_lines, 2);
+      EXPECT_EQ(st.documents, static_cast<int64_t>(docs.size()));
+      EXPECT_GT(st.bytes, 4 * (256 << 10));  // several batches (prepare's are 256 KiB) in flight
+      const std::string bytes = read_bytes(out);
+      if (first.empty()) {
+        first = bytes;
+        EXPECT_TRUE(all_tokens(open_token_dataset(out)) == (tok.empty() ? want_bytes : want_bpe));
+      }
+      EXPECT_TRUE(bytes == first);
+      const std::string prefix = dir.file(cat("m", threads));
+      prepare({corpus}, prefix, TokenFormat::megatron, o);
+      EXPECT_TRUE(all_tokens(open_token_dataset(prefix)) == all_tokens(open_token_dataset(out)));
+      EXPECT_EQ(open_token_dataset(prefix).num_documents(), st.documents);
+
+      o.skip_bad_lines = false;
+      const std::string a_path = (dir.path() / "corpus" / "a.jsonl.zst").string();
+      expect_error([&] { prepare({corpus}, out, TokenFormat::plain, o); }, a_path + ":102:", "no key \"text\"");
+    }
+  }
 }
 
 // ---- loader ----

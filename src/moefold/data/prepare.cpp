@@ -4,16 +4,22 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string_view>
+#include <thread>
 
 #include "moefold/core/error.h"
 #include "moefold/data/bpe_tokenizer.h"
 #include "moefold/data/byte_tokenizer.h"
+#include "moefold/data/line_reader.h"
+#include "moefold/data/ordered_pool.h"
 #include "moefold/data/token_dataset.h"
 #include "moefold/io/json_limits.h"
 
@@ -75,39 +81,168 @@ std::string read_file(const fs::path& p) {
   return s;
 }
 
-// The documents of a .jsonl file's text: each non-blank line's string at `key`.
-template <class F>
-void for_each_jsonl_document(const fs::path& path, const std::string& text, const PrepareOptions& o,
-                             PrepareStats& stats, F&& document) {
-  size_t start = 0;
-  for (int64_t line_no = 1; start < text.size(); ++line_no) {
-    size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    const std::string_view line(text.data() + start, end - start);
-    start = end + 1;
-    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    const std::string where = cat(path.string(), ":", line_no);
-    std::string problem;
-    try {
-      const auto j = parse_json_limited<nlohmann::json>(where, line.begin(), line.end());
-      if (!j.is_object())
-        problem = "not a JSON object";
-      else if (!j.contains(o.json_key))
-        problem = cat("no key \"", o.json_key, "\" (--json-key)");
-      else if (!j[o.json_key].is_string())
-        problem = cat("\"", o.json_key, "\" is not a string");
-      else
-        document(j[o.json_key].get_ref<const std::string&>());
-    } catch (const nlohmann::json::exception& e) {
-      problem = cat("not JSON (", e.what(), ")");
-    } catch (const Error& e) {
-      problem = e.what();
-    }
-    if (problem.empty()) continue;
-    if (!o.skip_bad_lines) MF_FAIL("prepare: ", where, ": ", problem, "; --skip-bad-lines skips such lines");
-    ++stats.bad_lines;
-  }
+bool is_jsonl(const std::string& name) {
+  return ends_with(name, ".jsonl") || ends_with(name, ".jsonl.gz") || ends_with(name, ".jsonl.zst");
 }
+
+bool is_blank(std::string_view line) { return line.find_first_not_of(" \t\r") == std::string_view::npos; }
+
+bool looks_binary(std::string_view head) { return std::memchr(head.data(), '\0', head.size()) != nullptr; }
+
+// Text handed to the tokenizing threads, in corpus order: about kBatchBytes of documents, so that a
+// batch costs little to queue next to its tokenizing, and the batches in flight
+// (kInFlightPerThread per thread) hold little memory however many threads there are.
+constexpr size_t kBatchBytes = size_t{256} << 10;
+constexpr size_t kInFlightPerThread = 2;
+
+struct Document {
+  std::string text;  // the whole document, or (line_no > 0) a .jsonl line holding it
+  const fs::path* file;
+  int64_t line_no;
+};
+
+struct Batch {
+  std::vector<Document> documents;
+  std::exception_ptr error;  // the reading failed after `documents`: raised in corpus order
+};
+
+// The batch's documents as tokens, each followed by EOS.
+struct TokenizedBatch {
+  std::vector<uint32_t> tokens;
+  std::vector<size_t> ends;  // ends[i]: one past document i's EOS in `tokens`
+  int64_t bad_lines = 0;     // .jsonl lines skipped (skip_bad_lines)
+};
+
+// The text of a .jsonl line (the string at o.json_key); nullopt for a bad line skipped under
+// o.skip_bad_lines, which otherwise fails naming the file and line.
+std::optional<std::string> jsonl_text(const Document& d, const PrepareOptions& o) {
+  const std::string where = cat(d.file->string(), ":", d.line_no);
+  std::string problem;
+  try {
+    auto j = parse_json_limited<nlohmann::json>(where, d.text.begin(), d.text.end());
+    if (!j.is_object()) {
+      problem = "not a JSON object";
+    } else if (auto it = j.find(o.json_key); it == j.end()) {
+      problem = cat("no key \"", o.json_key, "\" (--json-key)");
+    } else if (!it->is_string()) {
+      problem = cat("\"", o.json_key, "\" is not a string");
+    } else {
+      return std::move(it->get_ref<std::string&>());
+    }
+  } catch (const nlohmann::json::exception& e) {
+    problem = cat("not JSON (", e.what(), ")");
+  } catch (const Error& e) {
+    problem = e.what();
+  }
+  if (!o.skip_bad_lines) MF_FAIL("prepare: ", where, ": ", problem, "; --skip-bad-lines skips such lines");
+  return std::nullopt;
+}
+
+// Runs on the tokenizing threads, each with its own BpeTokenizer (ByteTokenizer has no state).
+TokenizedBatch tokenize(Batch& b, const BpeTokenizer* bpe, uint32_t eos_id, const PrepareOptions& o) {
+  TokenizedBatch t;
+  std::vector<int32_t> ids;
+  for (Document& d : b.documents) {
+    std::optional<std::string> json_text;
+    if (d.line_no > 0) {
+      json_text = jsonl_text(d, o);
+      if (!json_text) {
+        ++t.bad_lines;
+        continue;
+      }
+    }
+    const std::string& text = json_text ? *json_text : d.text;
+    if (bpe) {
+      ids.clear();
+      bpe->encode(text, &ids);
+      t.tokens.insert(t.tokens.end(), ids.begin(), ids.end());
+    } else {
+      ByteTokenizer::encode(text, &t.tokens);
+    }
+    t.tokens.push_back(eos_id);
+    t.ends.push_back(t.tokens.size());
+    std::string().swap(d.text);  // the batch's memory goes as its documents are done
+  }
+  if (b.error) std::rethrow_exception(b.error);
+  return t;
+}
+
+// The corpus as batches of documents, in order: each file one document, or each non-blank line of
+// a .jsonl[.gz|.zst] file one (read a chunk at a time). Counts files, skipped files and bytes.
+class CorpusReader {
+ public:
+  CorpusReader(const std::vector<fs::path>& files, PrepareStats& stats) : files_(files), stats_(stats) {}
+
+  // The next batch into `*b` (empty at the end); false once the corpus is read. A failure is left
+  // in b->error, after the documents read before it, and ends the corpus.
+  bool next(Batch* b) {
+    size_t bytes = 0;
+    try {
+      while (bytes < kBatchBytes && file_idx_ < files_.size()) {
+        if (!lines_) {
+          open_next(b, &bytes);
+          continue;
+        }
+        std::string line;
+        try {
+          if (!lines_->next(&line)) {
+            ++stats_.files;
+            stats_.bytes += lines_->bytes();
+            lines_.reset();
+            ++file_idx_;
+            continue;
+          }
+        } catch (const Error& e) {
+          MF_FAIL("prepare: ", e.what());
+        }
+        if (is_blank(line)) continue;
+        bytes += line.size();
+        b->documents.push_back({std::move(line), &files_[file_idx_], lines_->line_number()});
+      }
+    } catch (...) {
+      b->error = std::current_exception();
+      file_idx_ = files_.size();
+      return false;
+    }
+    return file_idx_ < files_.size();
+  }
+
+ private:
+  // Opens files_[file_idx_]: a .jsonl file becomes lines_; any other file is one document, added
+  // to `b` (with its size to *bytes). Empty and binary files (a NUL byte in the first kSniffBytes)
+  // are skipped. Moves to the next file unless lines_ is set.
+  void open_next(Batch* b, size_t* bytes) {
+    const fs::path& f = files_[file_idx_];
+    const std::string name = f.filename().string();
+    if (is_jsonl(name)) {
+      try {
+        lines_ = std::make_unique<LineReader>(f.string(), compression_of(name));
+        const std::string_view head = lines_->head(kSniffBytes);
+        if (!head.empty() && !looks_binary(head)) return;
+        lines_.reset();
+      } catch (const Error& e) {
+        MF_FAIL("prepare: ", e.what());
+      }
+    } else {
+      std::string text = read_file(f);
+      if (!text.empty() && !looks_binary(std::string_view(text).substr(0, kSniffBytes))) {
+        ++stats_.files;
+        stats_.bytes += static_cast<int64_t>(text.size());
+        *bytes += text.size();
+        b->documents.push_back({std::move(text), &f, 0});
+        ++file_idx_;
+        return;
+      }
+    }
+    ++stats_.skipped;
+    ++file_idx_;
+  }
+
+  const std::vector<fs::path>& files_;
+  PrepareStats& stats_;
+  size_t file_idx_ = 0;
+  std::unique_ptr<LineReader> lines_;  // the .jsonl file being read
+};
 
 void rename_or_fail(const std::string& from, const std::string& to) {
   std::error_code ec;
@@ -131,6 +266,9 @@ PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& 
   stats.output = out;
   if (inputs.empty()) MF_FAIL("prepare: no inputs");
   if (options.tokenizer.empty() && !options.eos_token.empty()) MF_FAIL("prepare: --eos-token needs --tokenizer");
+  if (options.threads < 0) MF_FAIL("prepare: threads = ", options.threads, " must be >= 0 (0: all cores)");
+  stats.threads =
+      options.threads > 0 ? options.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   std::optional<BpeTokenizer> bpe;
   stats.vocab_size = ByteTokenizer::kVocabSize;
   stats.eos_id = ByteTokenizer::kEos;
@@ -160,38 +298,46 @@ PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& 
     TokenWriter w = format == TokenFormat::plain
                         ? TokenWriter::plain(tmp, wide ? 4 : 2)
                         : TokenWriter::megatron(tmp, wide ? MegatronDType::int32 : MegatronDType::uint16);
-    std::vector<uint32_t> doc;
-    std::vector<int32_t> ids;
-    auto add_document = [&](const std::string& text) {
-      doc.clear();
-      if (bpe) {
-        ids.clear();
-        bpe->encode(text, &ids);
-        doc.assign(ids.begin(), ids.end());
-      } else {
-        ByteTokenizer::encode(text, &doc);
+    // BpeTokenizer::encode is thread-safe, but its cache of merged pre-tokens sits behind one
+    // mutex: two threads sharing a tokenizer ran no faster than one (measured, docs/benchmarks.md
+    // "moefold prepare vs tokenizers"). So each thread loads its own copy, in parallel, on its
+    // first batch: a few tens of MB and a fraction of a second per thread for a 150k vocabulary.
+    std::vector<std::unique_ptr<BpeTokenizer>> thread_bpe(static_cast<size_t>(stats.threads));
+    const auto eos_id = static_cast<uint32_t>(stats.eos_id);
+    auto work = [&](Batch& b, int thread_idx) {
+      const BpeTokenizer* tok = nullptr;
+      if (bpe && thread_idx == 0) {
+        tok = &*bpe;
+      } else if (bpe) {
+        auto& own = thread_bpe[static_cast<size_t>(thread_idx)];
+        if (!own) own = std::make_unique<BpeTokenizer>(options.tokenizer);
+        tok = own.get();
       }
-      doc.push_back(static_cast<uint32_t>(stats.eos_id));
-      w.add_document(doc);
-      ++stats.documents;
-      stats.tokens += static_cast<int64_t>(doc.size());
+      return tokenize(b, tok, eos_id, options);
     };
-    for (const auto& f : files) {
-      const std::string name = f.filename().string();
-      if (ends_with(name, ".jsonl.gz") || ends_with(name, ".jsonl.zst"))
-        MF_FAIL("prepare: ", f.string(), ": compressed JSONL is not read yet; decompress it to .jsonl first");
-      std::string text = read_file(f);
-      if (text.empty() || std::memchr(text.data(), '\0', std::min(text.size(), kSniffBytes)) != nullptr) {
-        ++stats.skipped;
-        continue;
+    // The reading and the writing stay on this thread, in corpus order; the tokenizing threads
+    // take batches in any order and the pool gives their results back in the order pushed.
+    OrderedPool<Batch, TokenizedBatch> pool(stats.threads, kInFlightPerThread * static_cast<size_t>(stats.threads) + 1,
+                                            work);
+    auto write = [&](const TokenizedBatch& t) {
+      size_t begin = 0;
+      for (size_t end : t.ends) {
+        w.add_document(std::span<const uint32_t>(t.tokens.data() + begin, end - begin));
+        begin = end;
       }
-      if (ends_with(name, ".jsonl"))
-        for_each_jsonl_document(f, text, options, stats, add_document);
-      else
-        add_document(text);
-      ++stats.files;
-      stats.bytes += static_cast<int64_t>(text.size());
+      stats.documents += static_cast<int64_t>(t.ends.size());
+      stats.tokens += static_cast<int64_t>(t.tokens.size());
+      stats.bad_lines += t.bad_lines;
+    };
+    CorpusReader reader(files, stats);
+    for (bool more = true; more;) {
+      Batch b;
+      more = reader.next(&b);
+      if (b.documents.empty() && !b.error) continue;
+      while (pool.full()) write(pool.pop());
+      pool.push(std::move(b));
     }
+    while (pool.in_flight() > 0) write(pool.pop());
     w.finish();
     for (size_t i = 0; i < tmp_files.size(); ++i) rename_or_fail(tmp_files[i], final_files[i]);
   } catch (...) {
