@@ -415,10 +415,18 @@ struct Merge {
 
 uint64_t pair_key(int32_t a, int32_t b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
 
-// Pre-tokens up to this many bytes are cached (longer ones are rare and cheap to miss); the
-// cache is emptied when it reaches kCacheEntries.
+// Pre-tokens up to this many bytes are cached (longer ones are rare and cheap to miss). The cache
+// is split into kCacheShards by the pre-token's hash, each behind its own lock, so that threads
+// sharing a tokenizer (`moefold prepare --threads`) rarely wait on one another; a shard is emptied
+// when it reaches kCacheEntries / kCacheShards.
 constexpr size_t kCacheMaxWord = 256;
 constexpr size_t kCacheEntries = 1 << 18;
+constexpr size_t kCacheShards = 64;
+
+struct alignas(64) CacheShard {  // a cache line of its own: the locks of two shards never share one
+  std::mutex mu;
+  StringMap<std::vector<int32_t>> map;  // raw pre-token -> ids
+};
 
 }  // namespace
 
@@ -439,8 +447,7 @@ struct BpeTokenizer::Impl {
   bool fuse_unk = false;
   int64_t vocab_size = 0;
 
-  mutable std::mutex cache_mu;
-  mutable StringMap<std::vector<int32_t>> cache;  // raw pre-token -> ids
+  mutable std::array<CacheShard, kCacheShards> cache;
 
   void load_model(const Keys& k, const json& m);
   void load_normalizer(const Keys& k, const json& n, const std::string& key);
@@ -681,9 +688,10 @@ void BpeTokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>* out) c
     merge_word(word, out);
     return;
   }
+  CacheShard& shard = cache[StringHash{}(word) % kCacheShards];
   {
-    std::lock_guard<std::mutex> lock(cache_mu);
-    if (auto it = cache.find(word); it != cache.end()) {
+    std::lock_guard<std::mutex> lock(shard.mu);
+    if (auto it = shard.map.find(word); it != shard.map.end()) {
       out->insert(out->end(), it->second.begin(), it->second.end());
       return;
     }
@@ -691,9 +699,9 @@ void BpeTokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>* out) c
   const size_t first = out->size();
   merge_word(word, out);
   std::vector<int32_t> ids(out->begin() + static_cast<std::ptrdiff_t>(first), out->end());
-  std::lock_guard<std::mutex> lock(cache_mu);
-  if (cache.size() >= kCacheEntries) cache.clear();
-  cache.emplace(std::string(word), std::move(ids));
+  std::lock_guard<std::mutex> lock(shard.mu);
+  if (shard.map.size() >= kCacheEntries / kCacheShards) shard.map.clear();
+  shard.map.emplace(std::string(word), std::move(ids));
 }
 
 // The library's Word::merge_all: a min-heap of candidate merges ordered by (rank, position);

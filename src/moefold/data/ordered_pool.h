@@ -22,15 +22,14 @@ namespace moefold {
 template <class In, class Out>
 class OrderedPool {
  public:
-  // `work(input, thread_idx)` runs on `num_threads` threads at once, on distinct inputs;
-  // thread_idx (0 .. num_threads - 1) names the calling thread, for state of its own. What it
-  // throws comes out of the pop() that would have given its result. REQUIRES: num_threads >= 1,
+  // `work(input)` runs on `num_threads` threads at once, on distinct inputs. What it throws comes
+  // out of the pop() that would have given its result. REQUIRES: num_threads >= 1,
   // max_in_flight >= 1.
-  OrderedPool(int num_threads, size_t max_in_flight, std::function<Out(In&, int)> work)
+  OrderedPool(int num_threads, size_t max_in_flight, std::function<Out(In&)> work)
       : max_in_flight_(max_in_flight), work_(std::move(work)) {
     MF_CHECK(num_threads >= 1 && max_in_flight >= 1);
     threads_.reserve(static_cast<size_t>(num_threads));
-    for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this, i] { run(i); });
+    for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { run(); });
   }
   // Stops the threads: inputs not started are dropped, those being worked on are finished first.
   ~OrderedPool() {
@@ -79,7 +78,7 @@ class OrderedPool {
     std::exception_ptr error;
   };
 
-  void run(int thread_idx) {
+  void run() {
     for (;;) {
       std::unique_lock<std::mutex> lock(mu_);
       todo_cv_.wait(lock, [&] { return stop_ || !todo_.empty(); });
@@ -89,7 +88,7 @@ class OrderedPool {
       lock.unlock();
       Result r;
       try {
-        r.out.emplace(work_(in, thread_idx));
+        r.out.emplace(work_(in));
       } catch (...) {
         r.error = std::current_exception();
       }
@@ -101,7 +100,7 @@ class OrderedPool {
   }
 
   const size_t max_in_flight_;
-  const std::function<Out(In&, int)> work_;
+  const std::function<Out(In&)> work_;
   // pushed_/popped_ are touched by the owner's thread only (push, pop).
   uint64_t pushed_ = 0, popped_ = 0;
   std::mutex mu_;

@@ -138,7 +138,7 @@ std::optional<std::string> jsonl_text(const Document& d, const PrepareOptions& o
   return std::nullopt;
 }
 
-// Runs on the tokenizing threads, each with its own BpeTokenizer (ByteTokenizer has no state).
+// Runs on the tokenizing threads, which share `bpe` (ByteTokenizer has no state).
 TokenizedBatch tokenize(Batch& b, const BpeTokenizer* bpe, uint32_t eos_id, const PrepareOptions& o) {
   TokenizedBatch t;
   std::vector<int32_t> ids;
@@ -298,23 +298,10 @@ PrepareStats prepare(const std::vector<std::string>& inputs, const std::string& 
     TokenWriter w = format == TokenFormat::plain
                         ? TokenWriter::plain(tmp, wide ? 4 : 2)
                         : TokenWriter::megatron(tmp, wide ? MegatronDType::int32 : MegatronDType::uint16);
-    // BpeTokenizer::encode is thread-safe, but its cache of merged pre-tokens sits behind one
-    // mutex: two threads sharing a tokenizer ran no faster than one (measured, docs/benchmarks.md
-    // "moefold prepare vs tokenizers"). So each thread loads its own copy, in parallel, on its
-    // first batch: a few tens of MB and a fraction of a second per thread for a 150k vocabulary.
-    std::vector<std::unique_ptr<BpeTokenizer>> thread_bpe(static_cast<size_t>(stats.threads));
+    // One tokenizer for every thread: BpeTokenizer::encode is thread-safe, its cache of merged
+    // pre-tokens split into shards with a lock each (one lock made two threads no faster than one).
     const auto eos_id = static_cast<uint32_t>(stats.eos_id);
-    auto work = [&](Batch& b, int thread_idx) {
-      const BpeTokenizer* tok = nullptr;
-      if (bpe && thread_idx == 0) {
-        tok = &*bpe;
-      } else if (bpe) {
-        auto& own = thread_bpe[static_cast<size_t>(thread_idx)];
-        if (!own) own = std::make_unique<BpeTokenizer>(options.tokenizer);
-        tok = own.get();
-      }
-      return tokenize(b, tok, eos_id, options);
-    };
+    auto work = [&](Batch& b) { return tokenize(b, bpe ? &*bpe : nullptr, eos_id, options); };
     // The reading and the writing stay on this thread, in corpus order; the tokenizing threads
     // take batches in any order and the pool gives their results back in the order pushed.
     OrderedPool<Batch, TokenizedBatch> pool(stats.threads, kInFlightPerThread * static_cast<size_t>(stats.threads) + 1,

@@ -28,8 +28,8 @@ struct PrepareOptions {
   // file and the line reached.
   std::string json_key = "text";
   bool skip_bad_lines = false;
-  // Tokenizing threads (0: std::thread::hardware_concurrency()); with `tokenizer` each loads its
-  // own copy. Reading and writing stay on the calling thread.
+  // Tokenizing threads (0: std::thread::hardware_concurrency()), sharing one tokenizer. Reading and
+  // writing stay on the calling thread.
   int threads = 0;
 };
 
