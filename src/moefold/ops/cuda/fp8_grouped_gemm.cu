@@ -128,6 +128,14 @@ __device__ __forceinline__ uint64_t gmma_desc(const void* tile) {
   return desc;
 }
 
+// A float of shared memory, read in program order with the asm around it (issued between a
+// block's MMAs and the wait for them, its latency hides under their drain).
+__device__ __forceinline__ float ld_shared_f32(const float* p) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr(p)) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
@@ -140,21 +148,27 @@ __device__ __forceinline__ void fence_operands(float (&d)[64]) {
 #define MF_D8(i)                                                                                              \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
-// d (64 rows x 128 columns over the warp group) (+)= A (64 x 32, smem) B^T (128 x 32, smem).
-__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+// d (64 rows x 128 columns over the warp group) (+)= A (64 x 32, smem) B^T (128 x 32, smem). The
+// descriptors as their low words and the high word they share (gmma_desc's, the same for every
+// tile): 32-bit arithmetic on warp-uniform values between the MMAs, not 64-bit adds per MMA.
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint32_t desc_a_lo, uint32_t desc_b_lo,
+                                                 uint32_t desc_hi, bool accumulate) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
+      ".reg .b64 da, db;\n"
+      "setp.ne.b32 p, %67, 0;\n"
+      "mov.b64 da, {%64, %66};\n"
+      "mov.b64 db, {%65, %66};\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n"
+      "da, db, p, 1, 1;\n"
       "}\n"
       : MF_D8(0), MF_D8(8), MF_D8(16), MF_D8(24), MF_D8(32), MF_D8(40), MF_D8(48), MF_D8(56)
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+      : "r"(desc_a_lo), "r"(desc_b_lo), "r"(desc_hi), "r"(static_cast<int>(accumulate)));
 }
 #undef MF_D8
 
@@ -267,8 +281,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A consumer warp group: rows wg * 64 ... + 63 of each tile.
   const int wg = warp / 4 - 1, wg_warp = warp % 4;
   const int row_lo = wg * 64 + wg_warp * 16 + lane / 4;  // this thread's rows in the tile: row_lo, row_lo + 8
-  // Stage 0's descriptors; stage s's start s * the stage's bytes later (the address field counts 16 bytes).
+  // Stage 0's descriptors; stage s's start s * the stage's bytes later (the address field counts 16
+  // bytes and stays in the low word). Made warp-uniform so that their arithmetic can run on the
+  // uniform datapath.
   const uint64_t desc_a0 = gmma_desc(sm.a[0] + wg * 64 * kBlockK), desc_b0 = gmma_desc(sm.b[0]);
+  const uint32_t desc_hi = static_cast<uint32_t>(desc_a0 >> 32);
+  const uint32_t desc_a0_lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(desc_a0), 0),
+                 desc_b0_lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(desc_b0), 0);
   int stage = 0;
   uint32_t phase = 0;
   float acc[64], part[64];
@@ -280,16 +299,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int kb = 0; kb < k_blocks; ++kb) {
       bar_wait(&sm.full[stage], phase);
-      const uint64_t da = desc_a0 + stage * (kStageBytesA >> 4), db = desc_b0 + stage * (kStageBytesB >> 4);
+      const uint32_t ustage = __shfl_sync(0xffffffffu, static_cast<uint32_t>(stage), 0);
+      const uint32_t da = desc_a0_lo + ustage * (kStageBytesA >> 4), db = desc_b0_lo + ustage * (kStageBytesB >> 4);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 32; ++kk) wgmma_m64n128k32(part, da + 2 * kk, db + 2 * kk, kk > 0);
+      for (int kk = 0; kk < kBlockK / 32; ++kk) wgmma_m64n128k32(part, da + 2 * kk, db + 2 * kk, desc_hi, kk > 0);
       wgmma_commit();
+      // The scales, read while the MMAs run (after their issue: it never waits for them).
+      const float s_b = ld_shared_f32(&sm.sb[stage][0]);
+      const float sa_lo = ld_shared_f32(&sm.sa[stage][row_lo]), sa_hi = ld_shared_f32(&sm.sa[stage][row_lo + 8]);
       wgmma_wait_all();
       fence_operands(part);
-      // The scales are read from shared memory only now (the MMAs' issue never waits for them).
-      const float s_b = sm.sb[stage][0];
-      const float s_lo = sm.sa[stage][row_lo] * s_b, s_hi = sm.sa[stage][row_lo + 8] * s_b;
+      const float s_lo = sa_lo * s_b, s_hi = sa_hi * s_b;
       __syncwarp();
       if (lane == 0) bar_arrive(&sm.empty[stage]);
       if (++stage == kStages) stage = 0, phase ^= 1;
