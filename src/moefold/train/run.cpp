@@ -93,6 +93,19 @@ void truncate_metrics(const std::string& path, int64_t step) {
   std::ofstream(path, std::ios::trunc) << kept;
 }
 
+// Writes to `sink` unless it is gone; a failure (a full disk) is one warning and the sink stops:
+// the statistics files are not worth stopping the run for (rank 0 alone writes them).
+template <class T, class F>
+void best_effort(std::unique_ptr<T>& sink, const char* what, bool tty, F&& write) {
+  if (!sink) return;
+  try {
+    write(*sink);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%smoefold: warning: %s; %s stops here\n", tty ? "\n" : "", e.what(), what);
+    sink.reset();
+  }
+}
+
 // A step's TensorBoard values: every metrics.jsonl scalar; with `layers`, per MoE layer the
 // expert-load statistics and a histogram of its tokens per expert (`loads`: [layers, experts]).
 void write_tensorboard(TensorBoardWriter& tb, const StepMetrics& m, const nlohmann::json& j, const double* loads,
@@ -319,16 +332,12 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                         {"expert_load_p90", m.expert_load_p90},
                         {"expert_load_p99", m.expert_load_p99},
                         {"expert_load_max_over_mean", m.expert_load_max_over_mean}};
-    if (loads_file && m.step % interval == 0) {
-      const double* l = trainer.expert_loads().ptr<double>();
-      for (size_t i = 0; i < load_slice.size(); ++i) load_slice[i] = static_cast<float>(l[i]);
-      try {
-        loads_file->append(load_slice.data());
-      } catch (const Error& e) {  // the statistics are not worth stopping for (rank 0 alone writes them)
-        std::fprintf(stderr, "%smoefold: warning: %s; expert_load.npy stops here\n", tty ? "\n" : "", e.what());
-        loads_file.reset();
-      }
-    }
+    if (interval > 0 && m.step % interval == 0)
+      best_effort(loads_file, "expert_load.npy", tty, [&](NpyAppender& f) {
+        const double* l = trainer.expert_loads().ptr<double>();
+        for (size_t i = 0; i < load_slice.size(); ++i) load_slice[i] = static_cast<float>(l[i]);
+        f.append(load_slice.data());
+      });
     j["tflops"] = static_cast<double>(m.tokens) / m.seconds * size.train_flops_per_token / 1e12;
     j["expert_load_min"] = m.expert_load_min;
     j["expert_load_dropped_fraction"] = m.expert_load_dropped_fraction;
@@ -342,14 +351,11 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
       metrics << j.dump() << "\n";
       metrics.flush();
     }
-    if (tb) try {
-        write_tensorboard(*tb, m, j, trainer.expert_loads().ptr<double>(), cfg.moe.num_experts,
-                          interval > 0 && m.step % interval == 0);
-        tb->write_step(m.step);
-      } catch (const Error& e) {  // like expert_load.npy: not worth stopping the run for
-        std::fprintf(stderr, "%smoefold: warning: %s; the TensorBoard events stop here\n", tty ? "\n" : "", e.what());
-        tb.reset();
-      }
+    best_effort(tb, "the TensorBoard event file", tty, [&](TensorBoardWriter& w) {
+      write_tensorboard(w, m, j, trainer.expert_loads().ptr<double>(), cfg.moe.num_experts,
+                        interval > 0 && m.step % interval == 0);
+      w.write_step(m.step);
+    });
     const double eta = elapsed / static_cast<double>(steps_done) * static_cast<double>(stop - m.step);
     if (!opts.quiet && tty) progress(m, stop, static_cast<double>(m.tokens) * steps_done / elapsed, eta);
     if (lead && ((log_every > 0 && m.step % log_every == 0) || last)) {

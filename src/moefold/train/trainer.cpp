@@ -222,16 +222,8 @@ void Trainer::add_forward_results(size_t slot, double loss) {
   for (int64_t l = 0; l < model.num_moe_layers(); ++l) {
     buf_.counts_E.host.copy_from(model.moe(l).router().tokens_per_expert());  // from the GPU: waits
     const int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
-    int64_t assignments = 0;
-    for (int64_t e = 0; e < experts; ++e) {
-      load[l * experts + e] += static_cast<double>(counts[e]);
-      assignments += counts[e];
-    }
-    // The dispatcher keeps at most capacity(tokens) of this rank's rows per expert (each token has
-    // top-k assignments): what is above it was dropped.
-    const int64_t cap = cfg_.moe.capacity(assignments / cfg_.moe.num_experts_per_tok);
-    if (cap > 0)
-      for (int64_t e = 0; e < experts; ++e) dropped[l] += static_cast<double>(std::max<int64_t>(counts[e] - cap, 0));
+    for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
+    dropped[l] += static_cast<double>(cfg_.moe.dropped_assignments(counts));  // by this rank's capacity
   }
 }
 
