@@ -300,6 +300,96 @@ TEST(Permute, PlanIsExpertContiguousAndStable) {
   }
 }
 
+// Negative indices are empty slots: no row, row_TK -1, the other slots planned as without them.
+TEST(Permute, EmptySlotsGetNoRow) {
+  Pool pool;
+  const int64_t t_n = 10, e_n = 5, k_n = 3;
+  for (int64_t capacity : {int64_t{0}, int64_t{3}}) {
+    Tensor idx = random_topk(pool, t_n, e_n, k_n), prob = pool.uniform({t_n, k_n}, 0.1, 1.0);
+    int64_t empty = 0;
+    for (int64_t i = 0; i < t_n * k_n; ++i)
+      if (i % 4 == 1 || i / k_n == 2) {  // token 2: no expert at all
+        testing::set_value_at(idx, i, -1);
+        ++empty;
+      }
+    Plan p(pool, idx, prob, e_n, capacity, false, t_n * k_n);
+    int64_t kept = 0;
+    for (int64_t i = 0; i < t_n * k_n; ++i) {
+      if (testing::value_at(idx, i) < 0) {
+        EXPECT_EQ(p.at(p.row, i), -1) << "empty slot " << i;
+      } else if (p.at(p.row, i) >= 0) {
+        ++kept;
+        EXPECT_EQ(p.at(p.token, p.at(p.row, i)), i / k_n);
+      }
+    }
+    EXPECT_EQ(p.num_rows, kept);
+    if (capacity == 0) {
+      EXPECT_EQ(kept, t_n * k_n - empty);
+    }
+  }
+}
+
+// moe_node_route / moe_node_meta / moe_node_meta_backward against their definitions, walked by
+// brute force: each (token, node) pair with a kept assignment is one row on its node, carrying the
+// token's kept experts there in k order.
+TEST(NodeRoute, MatchesBruteForce) {
+  Pool pool;
+  const int64_t t_n = 13, e_n = 8, k_n = 4;
+  for (int64_t nodes : {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}})
+    for (int64_t capacity : {int64_t{0}, int64_t{4}}) {
+      SCOPED_TRACE("nodes " + std::to_string(nodes) + " capacity " + std::to_string(capacity));
+      const int64_t per = e_n / nodes, s_n = std::min(k_n, per);
+      Tensor idx = random_topk(pool, t_n, e_n, k_n), prob = pool.uniform({t_n, k_n}, 0.1, 1.0);
+      Tensor keep;
+      if (capacity > 0) keep = Plan(pool, idx, prob, e_n, capacity, false, t_n * k_n).row;
+      Tensor node = pool.zeros({t_n, k_n}, DType::i32), slot = pool.zeros({t_n, k_n}, DType::i32);
+      moe_node_route(testing::exec(), idx, keep, per, node, slot);
+      const Plan np(pool, node, prob, nodes, 0, false, t_n * std::min(k_n, nodes));
+      Tensor meta_idx = pool.zeros({np.num_rows, s_n}, DType::i32), meta_prob = pool.zeros({np.num_rows, s_n});
+      Tensor assign = pool.zeros({t_n, k_n}, DType::i64);
+      moe_node_meta(testing::exec(), idx, prob, node, slot, np.row, per, meta_idx, meta_prob, assign);
+      Tensor dmeta = pool.randn({np.num_rows, s_n}), dprob = pool.randn({t_n, k_n});
+      moe_node_meta_backward(testing::exec(), dmeta, assign, dprob);
+
+      auto kept = [&](int64_t a) { return !keep.defined() || keep.ptr<int64_t>()[a] >= 0; };
+      int64_t rows = 0;
+      for (int64_t n = 0; n < nodes; ++n)
+        for (int64_t t = 0; t < t_n; ++t) {
+          std::vector<int64_t> ks;  // the token's kept assignments on node n, in k order
+          for (int64_t k = 0; k < k_n; ++k)
+            if (kept(t * k_n + k) && static_cast<int64_t>(testing::value_at(idx, t * k_n + k)) / per == n)
+              ks.push_back(k);
+          if (ks.empty()) continue;
+          const int64_t r = rows++;  // node-major rows, tokens in order within a node
+          ASSERT_EQ(np.at(np.token, r), t);
+          EXPECT_EQ(testing::value_at(node, t * k_n + ks[0]), n) << "leader of token " << t;
+          for (size_t j = 0; j < ks.size(); ++j) {
+            const int64_t a = t * k_n + ks[j];
+            EXPECT_EQ(testing::value_at(slot, a), static_cast<double>(j));
+            if (j > 0) {
+              EXPECT_EQ(testing::value_at(node, a), -1);
+            }
+            ASSERT_EQ(assign.ptr<int64_t>()[a], r * s_n + static_cast<int64_t>(j));
+            EXPECT_EQ(testing::value_at(meta_idx, r * s_n + j),
+                      testing::value_at(idx, a) - static_cast<double>(n * per));
+            EXPECT_EQ(testing::value_at(meta_prob, r * s_n + j), testing::value_at(prob, a));
+            EXPECT_EQ(testing::value_at(dprob, a), testing::value_at(dmeta, r * s_n + j));
+          }
+          for (int64_t j = static_cast<int64_t>(ks.size()); j < s_n; ++j) {
+            EXPECT_EQ(testing::value_at(meta_idx, r * s_n + j), -1);
+            EXPECT_EQ(testing::value_at(meta_prob, r * s_n + j), 0.0);
+          }
+        }
+      EXPECT_EQ(np.num_rows, rows);
+      for (int64_t a = 0; a < t_n * k_n; ++a)
+        if (!kept(a)) {
+          EXPECT_EQ(testing::value_at(slot, a), -1);
+          EXPECT_EQ(assign.ptr<int64_t>()[a], -1);
+          EXPECT_EQ(testing::value_at(dprob, a), 0.0);
+        }
+    }
+}
+
 TEST(Permute, ThenCombineWithProbabilityOneIsIdentity) {
   Pool pool;
   const int64_t t_n = 11, e_n = 4, h_n = 7, kGuard = 2;

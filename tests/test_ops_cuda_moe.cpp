@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_testing.h"
@@ -369,9 +370,10 @@ struct PlanCase {
   double skew;             // routing weights 1 / (1 + skew * e)
   double capacity_factor;  // 0: dropless; else capacity = ceil(factor * T*K / E)
   bool pad;
-  bool tied_probs;  // probabilities from {0.25, 0.5, 0.75, 1}: many exact ties at the capacity cut
-  bool hot;         // every token's first choice is expert 0 (a segment spanning many tiles)
-  int drops;        // whether the case drops assignments: 1 surely, 0 never, -1 by chance
+  bool tied_probs;           // probabilities from {0.25, 0.5, 0.75, 1}: many exact ties at the capacity cut
+  bool hot;                  // every token's first choice is expert 0 (a segment spanning many tiles)
+  int drops;                 // whether the case drops assignments: 1 surely, 0 never, -1 by chance
+  bool empty_slots = false;  // about a third of the slots -1 (HierarchicalDispatcher's relayed rows)
 };
 
 const PlanCase kPlanCases[] = {
@@ -386,7 +388,18 @@ const PlanCase kPlanCases[] = {
     {"tiny", 5, 4, 2, 4, 0.0, 0, false, false, false, 0},
     {"tiny_pad", 5, 4, 2, 4, 0.0, 1.0, true, false, false, -1},
     {"no_tokens_pad", 0, 8, 2, 8, 0.0, 1.0, true, false, false, 0},
+    {"dropless_empty_slots", 3001, 64, 6, 64, 0.05, 0, false, false, false, 0, true},
+    {"capacity_empty_slots", 3001, 64, 6, 64, 0.05, 0.5, false, true, false, 1, true},
 };
+
+// About a third of the slots of `idx` emptied (-1), whole tokens among them.
+void empty_some_slots(Tensor& idx, std::mt19937_64& rng) {
+  int32_t* p = idx.ptr<int32_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i)
+    if (rng() % 3 == 0) p[i] = -1;
+  if (idx.size(0) > 2)
+    for (int64_t k = 0; k < idx.size(1); ++k) p[idx.size(1) + k] = -1;  // token 1: no expert at all
+}
 
 // The CPU plan of a case (host tensors), for the permute and combine tests.
 struct HostPlan {
@@ -403,6 +416,7 @@ TEST(CudaPermutePlan, MatchesCpuBitForBit) {
     DevicePool dev;
     const int64_t t_n = c.t_n, e_n = c.e_n, k_n = c.k_n;
     Tensor idx = random_topk(pool, rng, t_n, k_n, c.used, c.skew, c.hot);
+    if (c.empty_slots) empty_some_slots(idx, rng);
     Tensor prob = pool.uniform({t_n, k_n}, 0.0, 1.0, DType::f32);
     if (c.tied_probs)
       for (int64_t i = 0; i < t_n * k_n; ++i) prob.ptr<float>()[i] = static_cast<float>(1 + rng() % 4) / 4.0f;
@@ -429,7 +443,15 @@ TEST(CudaPermutePlan, MatchesCpuBitForBit) {
     expect_same(ints(gpu.token_R), ints(cpu.token_R), "token_R");
     // The case does what it says (so that the comparison covers drops and padding).
     const std::vector<int64_t> row = ints(cpu.row_TK), token = ints(cpu.token_R);
-    const bool dropped = std::find(row.begin(), row.end(), -1) != row.end();
+    int64_t empty = 0;
+    for (int64_t i = 0; i < t_n * k_n; ++i) {
+      if (idx.ptr<int32_t>()[i] >= 0) continue;
+      ++empty;
+      EXPECT_EQ(row[static_cast<size_t>(i)], -1) << "empty slot " << i;
+    }
+    EXPECT_EQ(empty > 0, c.empty_slots);
+    bool dropped = false;
+    for (int64_t i = 0; i < t_n * k_n; ++i) dropped = dropped || (idx.ptr<int32_t>()[i] >= 0 && row[i] < 0);
     const bool padded = std::find(token.begin(), token.begin() + r_cpu, -1) != token.begin() + r_cpu;
     if (c.drops >= 0) {
       EXPECT_EQ(dropped, c.drops == 1) << "drops";
@@ -461,6 +483,104 @@ TEST(CudaPermutePlanDeathTest, BadTopkAndShortTokenBufferFailLikeTheCpu) {
   bad.ptr<int32_t>()[7] = static_cast<int32_t>(e_n + 1);
   EXPECT_DEATH(plan(bad, t_n * k_n), "expert index 9 out of \\[0, 8\\)");
   EXPECT_DEATH(plan(idx, t_n * k_n - 1), "permute plan needs more than 17 rows");
+}
+
+// ---- node routing (HierarchicalDispatcher) -------------------------------------------------------
+
+// Bytes of a float tensor (host or device), for bit-for-bit comparisons.
+std::vector<uint8_t> bytes_of(const Tensor& t) {
+  std::vector<uint8_t> out(static_cast<size_t>(t.nbytes()));
+  device_copy(out.data(), Device::cpu, t.data(), t.device(), t.nbytes());
+  return out;
+}
+
+// Node routing, its plan, the travelling experts and probabilities, and the probabilities'
+// gradient: the GPU's equal the CPU's bit for bit, with and without a capacity's drops.
+TEST(CudaNodeRoute, MatchesCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  struct Case {
+    int64_t t_n, e_n, k_n, nodes;
+    double capacity_factor;
+  };
+  for (const Case c : {Case{3001, 64, 8, 4, 0}, Case{2000, 256, 8, 8, 0}, Case{1500, 32, 6, 2, 0.6},
+                       Case{700, 16, 4, 16, 0}, Case{5, 8, 2, 2, 0.5}, Case{0, 8, 2, 2, 0}}) {
+    SCOPED_TRACE("T " + std::to_string(c.t_n) + " E " + std::to_string(c.e_n) + " nodes " + std::to_string(c.nodes) +
+                 " " + seed_trace());
+    Pool pool;
+    DevicePool dev;
+    const int64_t t_n = c.t_n, k_n = c.k_n, per_node = c.e_n / c.nodes, s_n = std::min(k_n, per_node);
+    Tensor idx = random_topk(pool, rng, t_n, k_n, c.e_n, 0.02, false);
+    Tensor prob = pool.uniform({t_n, k_n}, 0.0, 1.0, DType::f32);
+    Tensor keep;
+    if (c.capacity_factor > 0) {
+      const auto cap = static_cast<int64_t>(
+          std::ceil(c.capacity_factor * static_cast<double>(t_n * k_n) / static_cast<double>(c.e_n)));
+      keep = pool.zeros({t_n, k_n}, DType::i64);
+      moe_permute_plan(testing::exec(), idx, prob, cap, false,
+                       {pool.zeros({c.e_n}, DType::i64), pool.zeros({c.e_n + 1}, DType::i64), keep,
+                        pool.zeros({t_n * k_n}, DType::i64)});
+    }
+    const int64_t r_max = t_n * std::min(k_n, c.nodes) + 3;
+    struct Side {
+      Tensor idx, prob, keep, node, slot, counts, offsets, row, token, meta_idx, meta_prob, assign, dmeta, dprob;
+      int64_t rows = 0;
+    };
+    auto run = [&](Side& d) {
+      moe_node_route(testing::exec(), d.idx, d.keep, per_node, d.node, d.slot);
+      d.rows = moe_permute_plan(testing::exec(), d.node, d.prob, 0, false, {d.counts, d.offsets, d.row, d.token});
+      moe_node_meta(testing::exec(), d.idx, d.prob, d.node, d.slot, d.row, per_node, d.meta_idx.slice(0, d.rows),
+                    d.meta_prob.slice(0, d.rows), d.assign);
+      moe_node_meta_backward(testing::exec(), d.dmeta.slice(0, d.rows), d.assign, d.dprob);
+    };
+    Tensor dmeta = pool.uniform({r_max, s_n}, -1.0, 1.0, DType::f32);
+    Side h{idx,
+           prob,
+           keep,
+           pool.zeros({t_n, k_n}, DType::i32),
+           pool.zeros({t_n, k_n}, DType::i32),
+           host_filled_i64(pool, {c.nodes}, kSentinel),
+           host_filled_i64(pool, {c.nodes + 1}, kSentinel),
+           host_filled_i64(pool, {t_n, k_n}, kSentinel),
+           host_filled_i64(pool, {r_max}, kSentinel),
+           pool.zeros({r_max, s_n}, DType::i32),
+           pool.zeros({r_max, s_n}, DType::f32),
+           host_filled_i64(pool, {t_n, k_n}, kSentinel),
+           dmeta,
+           pool.zeros({t_n, k_n}, DType::f32)};
+    Side g{dev.upload(idx, DType::i32),
+           dev.upload(prob, DType::f32),
+           keep.defined() ? dev.upload(keep, DType::i64) : Tensor(),
+           dev.poisoned({t_n, k_n}, DType::i32),
+           dev.poisoned({t_n, k_n}, DType::i32),
+           filled_i64(dev, {c.nodes}, kSentinel),
+           filled_i64(dev, {c.nodes + 1}, kSentinel),
+           filled_i64(dev, {t_n, k_n}, kSentinel),
+           filled_i64(dev, {r_max}, kSentinel),
+           dev.poisoned({r_max, s_n}, DType::i32),
+           dev.poisoned({r_max, s_n}, DType::f32),
+           filled_i64(dev, {t_n, k_n}, kSentinel),
+           dev.upload(dmeta, DType::f32),
+           dev.poisoned({t_n, k_n}, DType::f32)};
+    run(h);
+    run(g);
+    ASSERT_EQ(g.rows, h.rows);
+    for (const auto& [what, a, b] : {std::tuple{"node_idx", g.node, h.node}, std::tuple{"slot", g.slot, h.slot},
+                                     std::tuple{"counts", g.counts, h.counts}, std::tuple{"row", g.row, h.row},
+                                     std::tuple{"token", g.token.slice(0, h.rows), h.token.slice(0, h.rows)},
+                                     std::tuple{"meta_idx", g.meta_idx.slice(0, h.rows), h.meta_idx.slice(0, h.rows)},
+                                     std::tuple{"assign", g.assign, h.assign}})
+      expect_same(ints(a), ints(b), what);
+    EXPECT_EQ(bytes_of(g.meta_prob.slice(0, h.rows)), bytes_of(h.meta_prob.slice(0, h.rows))) << "meta_prob";
+    EXPECT_EQ(bytes_of(g.dprob), bytes_of(h.dprob)) << "dprob";
+    // Every kept assignment travels in exactly one slot; the case drops what it says.
+    int64_t kept = 0, placed = 0;
+    const std::vector<int64_t> assign = ints(h.assign), meta = ints(h.meta_idx.slice(0, h.rows));
+    for (const int64_t a : assign) kept += a >= 0;
+    for (const int64_t m : meta) placed += m >= 0;
+    EXPECT_EQ(kept, placed);
+    EXPECT_EQ(kept<t_n * k_n, c.capacity_factor> 0 && t_n > 0);
+  }
 }
 
 // ---- permute and combine -----------------------------------------------------------------------

@@ -29,6 +29,16 @@ struct MoeRig {
   std::string prefix_;
 };
 
+// The layer the multi-rank MoE tests run: hidden 6, parameters under model.layers.0.mlp (its
+// routed experts' weights: kRigExpertParams); LocalDispatcher when d is null.
+inline const std::string kRigPrefix = "model.layers.0.mlp";
+inline const char* const kRigExpertParams[] = {".experts.gate_up_proj", ".experts.down_proj"};
+inline constexpr int64_t kRigHidden = 6;
+struct Rig : MoeRig {
+  Rig(const MoeConfig& cfg, int64_t max_t, std::unique_ptr<Dispatcher> d)
+      : MoeRig(cfg, kRigHidden, max_t, kRigPrefix, std::move(d)) {}
+};
+
 // Token block of rank b: its size differs per rank (so capacities differ too), its values are
 // drawn from (seed, b), so any rank can build any block.
 inline int64_t block_tokens(int b) { return 5 + 3 * b; }

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_cases.h"
 #include "moe_rig.h"
 #include "moefold/comm/communicator.h"
 #include "moefold/core/memory.h"
@@ -33,16 +34,10 @@ using testing::Pool;
 using testing::shared_seed;
 using testing::test_world;
 
-const std::string kPrefix = "model.layers.0.mlp";
-constexpr int64_t kE = 8, kH = 6, kF = 8;
+using testing::Rig;
+constexpr int64_t kE = testing::kCaseExperts, kH = testing::kRigHidden, kF = 8;  // F splits over 1, 2, 4, 8 ETP ranks
 // f64 throughout; the ETP layer and the references add the same terms in different orders only.
 constexpr double kTol = 1e-10;
-
-// A MoeLayer (hidden kH, parameters under kPrefix) bound to its own Memory; LocalDispatcher when d is null.
-struct Rig : testing::MoeRig {
-  Rig(const MoeConfig& cfg, int64_t max_t, std::unique_ptr<Dispatcher> d)
-      : MoeRig(cfg, kH, max_t, kPrefix, std::move(d)) {}
-};
 
 // This rank's shard of the expert weights: experts [e0, e0 + l_n), F columns [f0, f0 + fl). Gate
 // and up rows interleave (gate j at 2j, up j at 2j + 1), so the shard of gate_up is each expert's
@@ -66,33 +61,11 @@ Tensor cut_down(Pool& pool, const Tensor& full_EHF, int64_t e0, int64_t l_n, int
   return out;
 }
 
-struct Case {
-  std::string name;
-  MoeConfig cfg;
-  std::vector<double> bias_E;  // added to every element of gate row e; empty: unbiased router
-};
+using testing::Case;
 
-struct Knobs {
-  int64_t k = 2;
-  bool sigmoid = false;
-  bool norm = true;
-  bool aux = false;
-  double capacity = 0;
-  bool pad = false;
-};
-
-Case make(std::string name, Knobs o, std::vector<double> bias_E = {}) {
-  MoeConfig cfg{.num_experts = kE,
-                .num_experts_per_tok = o.k,
-                .moe_intermediate_size = kF,
-                .scoring_func = o.sigmoid ? ScoreFunc::sigmoid : ScoreFunc::softmax,
-                .norm_topk_prob = o.norm,
-                .routed_scaling_factor = o.sigmoid ? 2.5 : 1.0,
-                .aux_loss_coeff = o.aux ? 0.1 : 0.0,
-                .z_loss_coeff = o.aux ? 0.01 : 0.0,
-                .capacity_factor = o.capacity,
-                .pad_to_capacity = o.pad};
-  return {std::move(name), cfg, std::move(bias_E)};
+Case make(std::string name, testing::Knobs o, std::vector<double> bias_E = {}) {
+  o.ffn = kF;
+  return testing::make(std::move(name), o, std::move(bias_E));
 }
 
 std::vector<Case> all_cases() {

@@ -64,7 +64,7 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
   world.barrier();
   cfg.data.path = path;
   const ParallelConfig layout = cfg.resolve_layout(world.size());
-  Mesh mesh = Mesh::build(world, layout);
+  Mesh mesh = Mesh::build(world, layout, cfg.moe.dispatcher == "hierarchical");
   const TokenDataset data = open_token_dataset(path);
   Trainer trainer(cfg, data, mesh, opts.device);
   {

@@ -246,6 +246,9 @@ void Config::validate() const {
     MF_FAIL("moe.num_experts = ", moe.num_experts, " is not divisible by parallel.ep = ", p.ep);
   if (moe.moe_intermediate_size % p.etp != 0)
     MF_FAIL("moe.moe_intermediate_size = ", moe.moe_intermediate_size, " is not divisible by parallel.etp = ", p.etp);
+  if (moe.dispatcher == "hierarchical" && (p.ep == 1 || p.etp > 1))
+    MF_FAIL("moe.dispatcher = \"hierarchical\" needs parallel.ep > 1 and parallel.etp = 1 (ep = ", p.ep,
+            ", etp = ", p.etp, ")");
   if (model.num_attention_heads % p.tp != 0 || model.num_key_value_heads % p.tp != 0)
     MF_FAIL("model.num_attention_heads = ", model.num_attention_heads,
             " and model.num_key_value_heads = ", model.num_key_value_heads,

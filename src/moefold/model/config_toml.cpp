@@ -114,6 +114,9 @@ const std::vector<Field>& fields() {
       MF_FIELD(moe, "fp8_dispatch", fp8_dispatch,
                "with train.fp8 = blockwise: tokens travel to the experts as FP8 plus 1 x 128 scales (combine "
                "and gradients stay bf16)"),
+      MF_FIELD(moe, "dispatcher", dispatcher,
+               "expert-parallel dispatcher: \"alltoall\" (every token-expert pair travels) or \"hierarchical\" "
+               "(a token crosses to another node once and fans out there; the combine sums within the node)"),
       MF_FIELD(moe, "capacity_factor", capacity_factor,
                "<= 0: dropless; else capacity = ceil(cf * T * K / E) rows per expert"),
       MF_FIELD(moe, "pad_to_capacity", pad_to_capacity, "with a capacity: pad every expert to exactly its capacity"),
@@ -216,6 +219,9 @@ const std::vector<Field>& fields() {
                "expert-parallel exchange: \"auto\" (ipc where the EP GPUs can map each other's memory, else nccl), "
                "\"nccl\" (the communicator's send/recv) or \"ipc\" (copies into the peers' memory; MPI messages "
                "on CPU ranks)"),
+      MF_FIELD(parallel, "ranks_per_node", ranks_per_node,
+               "ranks per node (0: those sharing a host); fewer splits a host into emulated nodes whose expert "
+               "traffic takes the inter-node path"),
       MF_FIELD(data, "path", path, ".tokens file or Megatron .bin/.idx prefix; empty: default corpus"),
       MF_FIELD(data, "valid_fraction", valid_fraction, "tail of the token stream held out for evaluation"),
       MF_FIELD(data, "default_corpus_dir", default_corpus_dir,

@@ -26,6 +26,8 @@ void MoeConfig::validate() const {
   if (!std::isfinite(ep_recv_factor) || (ep_recv_factor != 0 && ep_recv_factor < 1))
     MF_FAIL("moe.ep_recv_factor = ", ep_recv_factor, " must be 0 (the worst case) or >= 1 (times the average)");
   require_positive("moe", "topk_group", topk_group);
+  if (dispatcher != "alltoall" && dispatcher != "hierarchical")
+    MF_FAIL("moe.dispatcher = '", dispatcher, "' is not supported (alltoall, hierarchical)");
   if (num_experts % n_group != 0) MF_FAIL("moe.n_group = ", n_group, " must divide moe.num_experts = ", num_experts);
   if (topk_group > n_group) MF_FAIL("moe.topk_group = ", topk_group, " must be <= moe.n_group = ", n_group);
   if (num_experts_per_tok > topk_group * (num_experts / n_group))

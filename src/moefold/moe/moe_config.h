@@ -47,6 +47,11 @@ struct MoeConfig {
   // weight gradient requantizes their values along the rows. The combine and every gradient stay
   // in the model's dtype (as DeepEP).
   bool fp8_dispatch = false;
+  // The expert-parallel dispatcher: "alltoall" (every (token, expert) assignment travels to its
+  // expert's rank; AllToAllDispatcher) or "hierarchical" (HierarchicalDispatcher: a token crosses
+  // to another node once, carrying its experts there, and fans out over the node's fast links;
+  // the combine sums within the node before the result crosses back).
+  std::string dispatcher = "alltoall";
 
   // Throws moefold::Error naming the offending key ("moe.num_experts_per_tok = 9 must be <=
   // moe.num_experts = 8").

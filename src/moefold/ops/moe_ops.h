@@ -112,10 +112,12 @@ void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double gra
 // Expert e's rows are [offsets_E1[e], offsets_E1[e+1]); within an expert, rows follow token
 // order. capacity <= 0: dropless. capacity > 0: each expert keeps its `capacity` assignments of
 // highest topk_prob (ties to the lower token) and drops the rest (row_TK = -1). pad: each expert
-// gets exactly `capacity` rows; the unused ones have token_R = -1.
+// gets exactly `capacity` rows; the unused ones have token_R = -1. A negative topk_idx is an empty
+// slot (HierarchicalDispatcher's relayed tokens carry fewer than K experts): no row, row_TK = -1.
 // Outputs (all i64, written): counts_E (rows per expert, padding included), offsets_E1 [E+1],
 // row_TK [T, K], token_R (at least the returned number of rows R). Returns R.
-// REQUIRES: topk_idx in [0, E) and distinct within a token; token_R large enough (checked).
+// REQUIRES: topk_idx < E, its non-negative entries distinct within a token; token_R large enough
+// (checked).
 struct PermutePlanOut {
   Tensor counts_E;
   Tensor offsets_E1;
@@ -137,6 +139,31 @@ void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row
 // (0 when dropped); both written.
 void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
                           const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK);
+
+// ---- node routing (HierarchicalDispatcher): each token crosses to a node once ---------------------
+// The experts are split over nodes in contiguous blocks of `experts_per_node` (N * experts_per_node
+// = E). A token's kept assignments (keep_row_TK[t, k] >= 0; undefined keep_row_TK: all kept) that
+// share a node travel there as ONE row, carrying those experts and their probabilities.
+// moe_node_route writes node_idx_TK (i32 [T, K]): the assignment's node for the first kept k of
+// its token on that node (the "leader", which moe_permute_plan over N nodes gives the token's row
+// on the node), -1 for the other k's and for dropped ones; and slot_TK (i32 [T, K]): the kept
+// assignment's place among its token's kept assignments on the same node (0, 1, ...), -1 dropped.
+void moe_node_route(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& keep_row_TK,
+                    int64_t experts_per_node, const Tensor& node_idx_TK, const Tensor& slot_TK);
+// With node_row_TK (moe_permute_plan over node_idx_TK: the leaders' rows, R0 rows in all): the
+// travelling rows' experts and probabilities. meta_idx_RS (i32 [R0, S]) gets each row's experts as
+// node-local indices (expert - node * experts_per_node) in slot order, -1 in unused slots;
+// meta_prob_RS (prob dtype [R0, S]) their topk_prob, 0 in unused slots; assign_TK (i64 [T, K]) the
+// flat place row * S + slot of each kept assignment, -1 for dropped ones. All written.
+// REQUIRES: S >= the most kept assignments of a token on one node (min(K, experts_per_node)).
+void moe_node_meta(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
+                   const Tensor& node_idx_TK, const Tensor& slot_TK, const Tensor& node_row_TK,
+                   int64_t experts_per_node, const Tensor& meta_idx_RS, const Tensor& meta_prob_RS,
+                   const Tensor& assign_TK);
+// dprob_TK[t, k] = dmeta_RS.flat[assign_TK[t, k]] (0 where assign_TK is -1), written: the
+// gradient of the probabilities moe_node_meta sent, back in the tokens' order.
+void moe_node_meta_backward(const ExecContext& ctx, const Tensor& dmeta_RS, const Tensor& assign_TK,
+                            const Tensor& dprob_TK);
 
 // ---- grouped linear: y[rows of e] = x[rows of e] @ w_EOI[e]^T for each expert e ---------------
 // offsets_E1 (i64, [E+1]) delimit each expert's rows; offsets_E1[E] = R = x_RI.size(0). Experts

@@ -1,8 +1,15 @@
 #include "moefold/parallel/mesh.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <array>
+#include <cstring>
 #include <limits>
+#include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "moefold/core/error.h"
 
@@ -151,7 +158,84 @@ Communicator* Mesh::grads_in() const {
   return pp == 1 ? nullptr : link(*this, link_round(pp_rank, pp), false);
 }
 
-Mesh Mesh::build(Communicator& world, const ParallelConfig& d) {
+namespace {
+
+// The node of every world rank from the host of every world rank: hosts in the order of their
+// lowest rank, each cut into nodes of ranks_per_node consecutive ranks of it (0: one node).
+std::vector<int> nodes_of(const std::vector<std::string>& hosts, int64_t ranks_per_node) {
+  std::map<std::string, int> seen;  // host -> ranks of it so far
+  std::map<std::pair<std::string, int64_t>, int> ids;
+  std::vector<int> node(hosts.size());
+  for (size_t r = 0; r < hosts.size(); ++r) {
+    const int i = seen[hosts[r]]++;
+    const std::pair<std::string, int64_t> key{hosts[r], ranks_per_node > 0 ? i / ranks_per_node : 0};
+    const auto it = ids.emplace(key, static_cast<int>(ids.size())).first;
+    node[r] = it->second;
+  }
+  if (ranks_per_node > 0)
+    for (const auto& [host, n] : seen)
+      if (n % ranks_per_node != 0)
+        MF_FAIL("parallel.ranks_per_node = ", ranks_per_node, " does not divide the ", n, " ranks on host '", host,
+                "'");
+  return node;
+}
+
+// The (color, key) of this rank's ep_node and ep_rail groups, the nodes its EP group spans, and
+// whether the group lies on them in equal blocks of consecutive EP ranks (else why not).
+struct EpTopology {
+  std::pair<int, int> node_split, rail_split;
+  int nodes = 1;
+  std::string irregular;
+};
+EpTopology ep_topology(const ParallelConfig& d, const std::vector<int>& node, int world_rank) {
+  const int world = static_cast<int>(d.world()), ep = static_cast<int>(d.ep), etp = static_cast<int>(d.etp);
+  const int n = world / static_cast<int>(d.pp), s = world_rank / n;
+  const Coords c = coords_of(d, world_rank);
+  std::vector<int> member_node(static_cast<size_t>(ep));  // node of EP rank j of this rank's group
+  for (int j = 0; j < ep; ++j)
+    member_node[static_cast<size_t>(j)] = node[static_cast<size_t>(s * n + c.etp_rank + etp * (j + ep * c.edp_rank))];
+  EpTopology t;
+  // Blocks of consecutive EP ranks on one node; regular when they are all as long and no node
+  // appears in two blocks.
+  std::vector<int> block_of(static_cast<size_t>(ep)), block_start;
+  for (int j = 0; j < ep; ++j) {
+    if (j == 0 || member_node[j] != member_node[j - 1]) block_start.push_back(j);
+    block_of[static_cast<size_t>(j)] = static_cast<int>(block_start.size()) - 1;
+  }
+  const int blocks = static_cast<int>(block_start.size());
+  std::map<int, int> blocks_on;
+  for (int b = 0; b < blocks; ++b) ++blocks_on[member_node[static_cast<size_t>(block_start[b])]];
+  t.nodes = static_cast<int>(blocks_on.size());
+  const int per = ep / blocks;
+  for (const auto& [nd, k] : blocks_on)
+    if (k > 1) t.irregular = "node " + std::to_string(nd) + " holds EP ranks that are not consecutive";
+  if (t.irregular.empty() && per * blocks != ep)
+    t.irregular = std::to_string(ep) + " EP ranks on " + std::to_string(blocks) + " nodes unevenly";
+  for (int b = 0; t.irregular.empty() && b < blocks; ++b) {
+    const int end = b + 1 < blocks ? block_start[b + 1] : ep;
+    if (end - block_start[b] != per)
+      t.irregular = "node " + std::to_string(member_node[block_start[b]]) + " holds " +
+                    std::to_string(end - block_start[b]) + " of the EP group's ranks, another " + std::to_string(per);
+  }
+  const int b = block_of[static_cast<size_t>(c.ep_rank)];
+  const int ep_color = c.split[7].first;  // the EP group's (kGroupSpecs: "ep")
+  t.node_split = {ep_color * world + member_node[static_cast<size_t>(c.ep_rank)], c.ep_rank};
+  t.rail_split = {ep_color * world + (c.ep_rank - block_start[static_cast<size_t>(b)]), c.ep_rank};
+  return t;
+}
+
+void set_nodes(Mesh& m, const std::vector<int>& node, int world_rank) {
+  m.node = node[static_cast<size_t>(world_rank)];
+  m.num_nodes = 0;
+  for (const int x : node) m.num_nodes = std::max(m.num_nodes, x + 1);
+  const EpTopology t = ep_topology(m.dims, node, world_rank);
+  m.ep_nodes = t.nodes;
+  m.ep_nodes_irregular = t.irregular;
+}
+
+}  // namespace
+
+Mesh Mesh::build(Communicator& world, const ParallelConfig& d, bool ep_hierarchy) {
   MF_CHECK(d.world() == world.size(), "mesh for ", d.world(), " ranks built on a world of ", world.size());
   Mesh m;
   m.dims = d;
@@ -161,10 +245,26 @@ Mesh Mesh::build(Communicator& world, const ParallelConfig& d) {
   set_ranks(m, c, r);
   for (int g = 0; g < groups_of(d); ++g)
     m.*kGroupSpecs[g].member = world.split(c.split[g].first, c.split[g].second, kGroupSpecs[g].name);
+  // Every rank's host name (64 bytes: longer names are cut, as HOST_NAME_MAX allows).
+  constexpr int64_t kHostBytes = 64;
+  std::vector<char> host(static_cast<size_t>(kHostBytes), 0), all(static_cast<size_t>(kHostBytes * world.size()));
+  gethostname(host.data(), host.size() - 1);
+  world.all_gather(Tensor(host.data(), DType::u8, {1, kHostBytes}),
+                   Tensor(all.data(), DType::u8, {static_cast<int64_t>(world.size()), kHostBytes}));
+  std::vector<std::string> hosts;
+  for (int q = 0; q < world.size(); ++q)
+    hosts.emplace_back(all.data() + q * kHostBytes, strnlen(all.data() + q * kHostBytes, kHostBytes));
+  const std::vector<int> node = nodes_of(hosts, d.ranks_per_node);
+  set_nodes(m, node, r);
+  if (ep_hierarchy && d.ep > 1) {
+    const EpTopology t = ep_topology(d, node, r);
+    m.ep_node = world.split(t.node_split.first, t.node_split.second, "ep_node");
+    m.ep_rail = world.split(t.rail_split.first, t.rail_split.second, "ep_rail");
+  }
   return m;
 }
 
-Mesh Mesh::plan(const ParallelConfig& d, int rank) {
+Mesh Mesh::plan(const ParallelConfig& d, int rank, bool ep_hierarchy) {
   const int n = static_cast<int>(d.world());
   MF_CHECK(0 <= rank && rank < n, "Mesh::plan: rank ", rank, " of ", n);
   Mesh m;
@@ -183,6 +283,29 @@ Mesh Mesh::plan(const ParallelConfig& d, int rank) {
       if (s.second < c.split[g].second || (s.second == c.split[g].second && q < rank)) ++below;
     }
     m.*kGroupSpecs[g].member = std::make_unique<ShapeCommunicator>(kGroupSpecs[g].name, below, size);
+  }
+  std::vector<int> node(static_cast<size_t>(n));
+  for (int q = 0; q < n; ++q)
+    node[static_cast<size_t>(q)] = d.ranks_per_node > 0 ? q / static_cast<int>(d.ranks_per_node) : 0;
+  if (d.ranks_per_node > 0 && n % d.ranks_per_node != 0)
+    MF_FAIL("parallel.ranks_per_node = ", d.ranks_per_node, " does not divide the ", n, " ranks");
+  set_nodes(m, node, rank);
+  if (ep_hierarchy && d.ep > 1) {  // sizes and places as build() would split them
+    const EpTopology mine = ep_topology(d, node, rank);
+    int node_size = 0, node_below = 0, rail_size = 0, rail_below = 0;
+    for (int q = 0; q < n; ++q) {
+      const EpTopology t = ep_topology(d, node, q);
+      if (t.node_split.first == mine.node_split.first) {
+        ++node_size;
+        node_below += t.node_split.second < mine.node_split.second;
+      }
+      if (t.rail_split.first == mine.rail_split.first) {
+        ++rail_size;
+        rail_below += t.rail_split.second < mine.rail_split.second;
+      }
+    }
+    m.ep_node = std::make_unique<ShapeCommunicator>("ep_node", node_below, node_size);
+    m.ep_rail = std::make_unique<ShapeCommunicator>("ep_rail", rail_below, rail_size);
   }
   return m;
 }

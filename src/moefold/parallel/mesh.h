@@ -8,6 +8,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "moefold/comm/communicator.h"
 #include "moefold/parallel/parallel_config.h"
@@ -45,12 +47,25 @@ struct Mesh {
   bool first_stage() const { return pp_rank == 0; }
   bool last_stage() const { return pp_rank + 1 == dims.pp; }
 
-  // Collective over `world`. REQUIRES: dims resolved for world->size() ranks.
-  static Mesh build(Communicator& world, const ParallelConfig& dims);
+  // Nodes: the ranks sharing a host name, split into emulated nodes of dims.ranks_per_node
+  // consecutive ranks where that is set; numbered in the order of their lowest world rank.
+  int node = 0, num_nodes = 1;
+  int ep_nodes = 1;  // the nodes this rank's EP group spans
+  // With build(..., ep_hierarchy) and ep > 1 (else null): the EP ranks on this rank's node, and
+  // those at this rank's place on theirs (one per node: the rail its tokens cross nodes on), both
+  // ordered by EP rank. ep_nodes_regular: each node holds the same number of the group's ranks,
+  // consecutive in EP rank (what HierarchicalDispatcher needs; otherwise why, for its message).
+  std::unique_ptr<Communicator> ep_node, ep_rail;
+  std::string ep_nodes_irregular;  // empty: regular
+
+  // Collective over `world`. REQUIRES: dims resolved for world->size() ranks. ep_hierarchy: also
+  // build ep_node and ep_rail (moe.dispatcher = "hierarchical").
+  static Mesh build(Communicator& world, const ParallelConfig& dims, bool ep_hierarchy = false);
   // The mesh world rank `rank` of dims.world() ranks would have, without a world: every group
   // knows its size and this rank's place (as build() would split them) and refuses to
-  // communicate (moefold plan binds a model on it). REQUIRES: dims resolved.
-  static Mesh plan(const ParallelConfig& dims, int rank);
+  // communicate (moefold plan binds a model on it). Nodes: dims.ranks_per_node consecutive ranks
+  // (0: one node). REQUIRES: dims resolved.
+  static Mesh plan(const ParallelConfig& dims, int rank, bool ep_hierarchy = false);
 
   std::unique_ptr<Communicator> owned_world;  // plan(): the shape-only world
 };

@@ -18,6 +18,8 @@ void ParallelConfig::validate() const {
   if (pipeline_schedule != "1f1b")
     MF_FAIL("parallel.pipeline_schedule = '", pipeline_schedule, "' is not supported (1f1b)");
   positive("vpp", vpp);
+  if (ranks_per_node < 0)
+    MF_FAIL("parallel.ranks_per_node = ", ranks_per_node, " must be >= 1 (or 0: the ranks of one host)");
   if (vpp > 1 && pp == 1) MF_FAIL("parallel.vpp = ", vpp, " needs parallel.pp > 1 (pp = 1)");
   if (vpp > 1 && (first_stage_layers > 0 || last_stage_layers > 0))
     MF_FAIL("parallel.vpp = ", vpp,

@@ -43,6 +43,10 @@ struct ParallelConfig {
   // memory, where the EP group shares a host and can map it; on CPU ranks the same copies as MPI
   // messages), "nccl" (the communicator's send/recv), or "auto" (ipc where GPUs can map).
   std::string ep_transport = "auto";
+  // Ranks per node (0: the ranks that share a host name form a node). A smaller number splits each
+  // host into emulated nodes of that many ranks (consecutive world ranks): expert traffic between
+  // them then takes the inter-node path (NCCL / MPI, never peer copies), as between real hosts.
+  int64_t ranks_per_node = 0;
 
   // Static checks (positive sizes, a known schedule and ep_transport); world-dependent checks are in
   // resolve().

@@ -14,7 +14,7 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
   p.rank = rank;
   p.device = device;
   p.compute = device == Device::cuda ? DType::bf16 : DType::f32;
-  Mesh mesh = Mesh::plan(p.layout, rank);
+  Mesh mesh = Mesh::plan(p.layout, rank, cfg.moe.dispatcher == "hierarchical");
   std::vector<std::unique_ptr<Model>> models = make_models(cfg, mesh);  // one per micro-batch in flight
   const ExecContext ctx(device, cfg.kernels, ExecContext::Stream::none);
   Memory mem(p.compute, ctx);

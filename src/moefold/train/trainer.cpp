@@ -8,6 +8,7 @@
 #include "moefold/core/profile.h"
 #include "moefold/moe/all_gather_dispatcher.h"
 #include "moefold/moe/all_to_all_dispatcher.h"
+#include "moefold/moe/hierarchical_dispatcher.h"
 #include "moefold/ops/ops.h"
 #include "moefold/parallel/context_parallel.h"
 #include "moefold/train/pipeline_schedule.h"
@@ -18,12 +19,28 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
   if (mesh.dims.ep == 1 && mesh.dims.etp == 1) return {};
   // Rows of the residual stream per rank: sequences split over CP, then rows over TP.
   const int64_t tokens = cfg.train.micro_batch_size * cfg.train.seq_len / (mesh.dims.cp * mesh.dims.tp);
-  return [&cfg, &mesh, tokens](int64_t) -> std::unique_ptr<Dispatcher> {
+  // Peer copies only within a node: an EP group over several (real or emulated) nodes takes the
+  // communicator's exchange unless ep_transport insists.
+  EpTransportChoice transport = parse_ep_transport(cfg.parallel.ep_transport);
+  if (transport == EpTransportChoice::automatic && mesh.ep_nodes > 1) transport = EpTransportChoice::nccl;
+  if (cfg.moe.dispatcher == "hierarchical") {
+    if (!mesh.ep_nodes_irregular.empty())
+      MF_FAIL(
+          "moe.dispatcher = \"hierarchical\" needs each node to hold the same number of an EP group's ranks, "
+          "consecutive in EP rank: ",
+          mesh.ep_nodes_irregular, " (parallel.ranks_per_node = ", mesh.dims.ranks_per_node, ")");
+    MF_CHECK(mesh.ep_node != nullptr && mesh.ep_rail != nullptr,
+             "moe.dispatcher = \"hierarchical\": the mesh was built without its node groups");
+  }
+  const EpTransportChoice node_transport = parse_ep_transport(cfg.parallel.ep_transport);
+  return [&cfg, &mesh, tokens, transport, node_transport](int64_t) -> std::unique_ptr<Dispatcher> {
     if (mesh.dims.etp > 1)  // tokens all-gathered over ETP, then all-to-all over EP
       return std::make_unique<AllGatherDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.etp,
                                                    mesh.dims.ep > 1 ? mesh.ep.get() : nullptr);
-    return std::make_unique<AllToAllDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.ep,
-                                                parse_ep_transport(cfg.parallel.ep_transport));
+    if (cfg.moe.dispatcher == "hierarchical")  // across nodes once over the rail, then within the node
+      return std::make_unique<HierarchicalDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.ep, *mesh.ep_node,
+                                                      *mesh.ep_rail, node_transport);
+    return std::make_unique<AllToAllDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.ep, transport);
   };
 }
 

@@ -39,15 +39,21 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
   const int64_t max_rows = out.token_R.numel();
 
   // 1. Assignments per expert, their start in `grouped`, then a stable bucket pass (token order).
-  topk_expert_counts(ctx, topk_idx_TK, out.counts_E);
+  std::fill(counts, counts + e_n, int64_t{0});
+  for (int64_t a = 0; a < a_n; ++a) {
+    MF_CHECK(idx[a] < e_n, "expert index ", idx[a], " out of [0, ", e_n, ")");
+    if (idx[a] >= 0) ++counts[idx[a]];  // negative: an empty slot
+  }
   for (int64_t t = 0; t < t_n; ++t)
     for (int64_t k = 0; k < k_n; ++k)
       for (int64_t j = 0; j < k; ++j)
-        MF_CHECK(idx[t * k_n + j] != idx[t * k_n + k], "token ", t, " routed twice to expert ", idx[t * k_n + k]);
+        MF_CHECK(idx[t * k_n + k] < 0 || idx[t * k_n + j] != idx[t * k_n + k], "token ", t, " routed twice to expert ",
+                 idx[t * k_n + k]);
   offsets[0] = 0;
   for (int64_t e = 0; e < e_n; ++e) offsets[e + 1] = offsets[e] + counts[e];
   for (int64_t e = 0; e < e_n; ++e) counts[e] = offsets[e];  // cursors
-  for (int64_t a = 0; a < a_n; ++a) grouped[counts[idx[a]]++] = a;
+  for (int64_t a = 0; a < a_n; ++a)
+    if (idx[a] >= 0) grouped[counts[idx[a]]++] = a;
 
   // 2. Per expert: keep the highest probabilities (ties: lower token, i.e. lower a), back in
   //    token order; then lay the kept ones (and padding) out as rows. offsets[] is rewritten

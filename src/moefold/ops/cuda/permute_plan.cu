@@ -26,7 +26,7 @@ constexpr int kPlanThreads = 256;
 // Values the plan returns to the host (set to all ones before the plan).
 enum PlanInfo : int {
   kRows = 0,   // R
-  kBadIndex,   // the first assignment whose expert index is outside [0, E)
+  kBadIndex,   // the first assignment whose expert index is E or more (negative: an empty slot)
   kDuplicate,  // the first assignment whose expert an earlier k of its token chose
   kNumPlanInfo,
 };
@@ -44,7 +44,8 @@ __global__ void plan_tile_counts_kernel(const int32_t* idx, int64_t a_n, int k_n
   const int64_t end = std::min<int64_t>(a_n, (tile + 1) * kPlanTile);
   for (int64_t a = tile * kPlanTile + lane; a < end; a += kWarp) {
     const int e = idx[a];
-    if (e < 0 || e >= e_n) {
+    if (e < 0) continue;  // an empty slot
+    if (e >= e_n) {
       atomicMin(&info[kBadIndex], static_cast<unsigned long long>(a));
       continue;
     }
@@ -155,6 +156,8 @@ __global__ void plan_scatter_kernel(const int32_t* idx, int64_t a_n, int k_n, in
       if (r >= 0 && r < max_rows) token[r] = a / k_n;
     } else if (e >= 0) {
       grouped[assign_off[e] + pos] = static_cast<int>(a);
+    } else {
+      row[a] = -1;  // an empty slot: plan_capacity_kernel never sees it
     }
   }
 }

@@ -16,8 +16,8 @@
 namespace moefold::cuda {
 
 // Waits for the GPU once: R, and the index checks, come back to the host, which checks the
-// indices like the CPU op (an expert outside [0, E), a token routed twice). Takes scratch
-// (ScratchSlot::permute_plan). REQUIRES: T*K < 2^31, E <= 12288.
+// indices like the CPU op (an expert index E or more, a token routed twice; a negative one is an empty slot). Takes
+// scratch (ScratchSlot::permute_plan). REQUIRES: T*K < 2^31, E <= 12288.
 int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
                          int64_t capacity, bool pad, const PermutePlanOut& out);
 
