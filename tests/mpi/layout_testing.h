@@ -49,7 +49,8 @@ struct LayoutRun {
   std::unique_ptr<Trainer> trainer;
   LayoutRun(const Config& cfg, Communicator& world, Device device = Device::cpu,
             std::optional<DType> compute = std::nullopt)
-      : mesh(Mesh::build(world, cfg.resolve_layout(world.size()))), data(open_token_dataset(cfg.data.path)) {
+      : mesh(Mesh::build(world, cfg.resolve_layout(world.size()), cfg.moe.dispatcher == "hierarchical")),
+        data(open_token_dataset(cfg.data.path)) {
     trainer = std::make_unique<Trainer>(cfg, data, mesh, device, compute);
     trainer->init_fresh();
   }

@@ -260,6 +260,53 @@ TEST_F(Layouts, EpTransportsGiveIdenticalSteps) {
   EXPECT_EQ(losses[0], losses[1]) << "losses and gradient norms of steps 1-3, nccl then ipc";
 }
 
+// moe.dispatcher = "hierarchical" over emulated nodes (parallel.ranks_per_node: 1, 2, ... ranks
+// per node): three steps give the flat dispatcher's losses, gradient norms and expert loads (the
+// experts' weight gradients sum their rows in another order: within rounding), the inter-node
+// bytes are counted (none on one node), and moefold plan's memory and Mesh::plan's node groups
+// are the trainer's and Mesh::build's.
+TEST_F(Layouts, HierarchicalDispatchMatchesTheFlatOne) {
+  Communicator& world = testing::test_world();
+  const int n = world.size();
+  if (n == 1 || 8 % n != 0) GTEST_SKIP() << "needs EP over 2, 4 or 8 ranks";
+  for (const Config* base : {&base_, &deepseek_}) {
+    // 4 sequences per step: at most DP = 4 (TP = 2 on 8 ranks).
+    const Config flat_cfg = with_layout(*base, {n == 8 ? 2 : 1, 1, n, 1});
+    std::vector<StepMetrics> want;
+    {
+      LayoutRun flat(flat_cfg, world);
+      for (int i = 0; i < 3; ++i) want.push_back(flat.trainer->train_step());
+    }
+    for (int per_node = 1; per_node <= n; per_node *= 2) {
+      SCOPED_TRACE(cat(base == &base_ ? "qwen3-like" : "deepseek-v3-like", ", ", n / per_node, " nodes x ", per_node));
+      Config c = flat_cfg;
+      c.moe.dispatcher = "hierarchical";
+      c.parallel.ranks_per_node = per_node;
+      LayoutRun run(c, world);
+      ASSERT_EQ(run.mesh.num_nodes, n / per_node);
+      ASSERT_EQ(run.mesh.ep_node->size() * run.mesh.ep_rail->size(), run.mesh.ep->size());
+      for (int i = 0; i < 3; ++i) {
+        const StepMetrics got = run.trainer->train_step();
+        testing::expect_step_matches(got, want[static_cast<size_t>(i)]);
+        if (per_node == n) {
+          EXPECT_EQ(got.inter_node_bytes, 0.0);
+        } else {
+          EXPECT_GT(got.inter_node_bytes, 0.0);
+        }
+      }
+      const MemoryPlan p = plan_memory(c, n, world.rank(), Device::cpu);
+      EXPECT_EQ(p.device_total(), run.trainer->planned_bytes());
+      const Mesh planned = Mesh::plan(run.mesh.dims, world.rank(), true);
+      EXPECT_EQ(planned.node, run.mesh.node);
+      for (const auto& [built, plan] : {std::pair{run.mesh.ep_node.get(), planned.ep_node.get()},
+                                        std::pair{run.mesh.ep_rail.get(), planned.ep_rail.get()}}) {
+        EXPECT_EQ(plan->size(), built->size()) << built->name();
+        EXPECT_EQ(plan->rank(), built->rank()) << built->name();
+      }
+    }
+  }
+}
+
 // Recomputation under every layout (recompute_check.h: the combined variants, 2 steps): the
 // recomputed forwards gather over TP, pass the CP ring and exchange the expert rows over EP again,
 // and change no bit of the losses, the gradient norms or the weights (DeepSeek-V3's layers).

@@ -102,6 +102,9 @@ class Dispatcher {
   virtual FfnSlice ffn_slice(int64_t ffn) const { return {0, ffn}; }
   // Most rows dispatch() can hand to the local experts (sizes the expert activations).
   virtual int64_t max_rows() const = 0;
+  // Bytes this rank sent to other nodes since the last call (dispatchers that count them:
+  // HierarchicalDispatcher), and the count starts again.
+  virtual int64_t take_inter_node_bytes() { return 0; }
 
   // Routes x_TH to expert-contiguous rows. topk_idx_TK (i32) and topk_prob_TK come from the
   // router. REQUIRES: T <= max_tokens; topk_prob_TK stays unchanged until combine_backward (the

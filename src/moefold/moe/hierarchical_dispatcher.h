@@ -62,6 +62,11 @@ class HierarchicalDispatcher final : public Dispatcher {
   const AllToAllDispatcher& inner() const { return inner_; }
   const InterNodeBytes& inter_node() const { return bytes_; }
   void reset_inter_node() { bytes_ = InterNodeBytes{}; }
+  int64_t take_inter_node_bytes() override {
+    const int64_t n = bytes_.total();
+    reset_inter_node();
+    return n;
+  }
   // Rows of the last dispatch that crossed to other nodes: the (token, remote node) pairs.
   int64_t inter_node_rows() const { return remote_rows_; }
 

@@ -103,6 +103,7 @@ class MoeLayer {
   const MoeConfig& config() const { return cfg_; }
   const Router& router() const { return router_; }
   const Dispatcher& dispatcher() const { return *dispatcher_; }
+  Dispatcher& dispatcher() { return *dispatcher_; }
   const Experts& experts() const { return experts_; }
   const DispatchPlan& plan() const { return *plan_; }  // REQUIRES: after forward
 

@@ -104,9 +104,10 @@ void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model, size_
   // Host side whatever the device: token windows, statistics, loads.
   full_ids_BS = mem.host_act(bs, DType::i32);
   full_targets_BS = mem.host_act(bs, DType::i32);
-  step_sums = mem.host_act({layers * experts + layers}, DType::f64);
+  step_sums = mem.host_act({layers * experts + layers + 1}, DType::f64);
   load_sum_LE = step_sums.slice(0, layers * experts).view({layers, experts});
   dropped_L = step_sums.slice(layers * experts, layers * experts + layers);
+  inter_node_bytes = step_sums.slice(layers * experts + layers, layers * experts + layers + 1);
   stats = mem.host_act({4}, DType::f64);
   counts_E = mem.mirrored({experts}, DType::i64);
 }
@@ -404,6 +405,7 @@ void Trainer::accumulate_gradients() {
     mem_.zero_grads();
     buf_.step_sums.zero();
     buf_.stats.zero();
+    take_inter_node_bytes();  // what evaluation sent since the last step is not this step's
   }
   if (mesh_.dims.pp > 1 || cfg_.parallel.overlap_moe_a2a) {
     run_pipeline(position);
@@ -458,6 +460,7 @@ void Trainer::accumulate_gradients() {
       expert_sq = both[1];
     }
   }
+  buf_.inter_node_bytes.ptr<double>()[0] = static_cast<double>(take_inter_node_bytes());
   {
     // The LM loss is complete on every TP rank; router losses and expert loads are per TP rank.
     ProfileScope scope("stats all-reduce");
@@ -503,6 +506,14 @@ void Trainer::accumulate_gradients() {
     out.expert_load_min[l] = sorted.front();
     out.expert_load_dropped_fraction[l] = sum > 0 ? buf_.dropped_L.ptr<double>()[l] / sum : 0;
   }
+  out.inter_node_bytes = buf_.inter_node_bytes.ptr<double>()[0];
+}
+
+int64_t Trainer::take_inter_node_bytes() {
+  int64_t n = 0;
+  for (const std::unique_ptr<Model>& m : models_)
+    for (int64_t l = 0; l < m->num_moe_layers(); ++l) n += m->moe(l).dispatcher().take_inter_node_bytes();
+  return n;
 }
 
 const StepMetrics& Trainer::train_step() {

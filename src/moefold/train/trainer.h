@@ -59,6 +59,9 @@ struct StepMetrics {
   // Per MoE layer: the share of the step's token-to-expert assignments dropped by the capacity
   // (moe.capacity_factor; 0 when dropless).
   std::vector<double> expert_load_dropped_fraction;
+  // Bytes every rank's expert dispatch sent to other nodes in the step (moe.dispatcher =
+  // "hierarchical"; 0 for the others, which do not count them).
+  double inter_node_bytes = 0;
 };
 
 // What the trainer binds beside the models: each in-flight micro-batch's ids and targets (whole
@@ -69,8 +72,9 @@ struct StepBuffers {
   Mirrored counts_E;                         // i64 [experts]: one layer's routed tokens, or its step load (bias update)
   Tensor load_sum_LE;  // f64 [MoE layers of the whole model, experts]: tokens per expert over a step's micro-batches
   Tensor dropped_L;    // f64 [MoE layers]: assignments dropped by the capacity over a step's micro-batches
-  Tensor step_sums;    // f64: load_sum_LE's and dropped_L's storage, one buffer so one reduction sums both
-  Tensor stats;        // f64 [4]: loss sum, aux, z, mtp (reduced together)
+  Tensor inter_node_bytes;  // f64 [1]: bytes the step's dispatches sent between nodes
+  Tensor step_sums;         // f64: load_sum_LE's, dropped_L's and inter_node_bytes' storage: one reduction sums them
+  Tensor stats;             // f64 [4]: loss sum, aux, z, mtp (reduced together)
   void bind(Memory& mem, const Config& cfg, const Model& model, size_t models);
 };
 
@@ -162,6 +166,8 @@ class Trainer {
   void forward_micro_batch(int64_t i, size_t slot);
   // A forward's loss sum, router losses and expert loads into the step's statistics.
   void add_forward_results(size_t slot, double loss);
+  // Bytes every MoE layer of every model sent to other nodes since the last call (counts restart).
+  int64_t take_inter_node_bytes();
   void backward_micro_batch(int64_t i, size_t slot);
   // This stage's schedule over the step's local micro-batches (pipeline parallelism, or the
   // all-to-all overlap).
