@@ -1,10 +1,12 @@
 // `moefold plan`: the memory one training rank of a layout needs, from the trainer's own binding
 // pass (train/memory_plan.h), and whether it fits; when it does not, what the memory options
-// that exist give.
+// that exist give. `moefold plan --perf`: the predicted step time and TFLOP/s per GPU on a cluster
+// (train/perf_model.h), with --search the best layouts that fit.
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <initializer_list>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "moefold/core/error.h"
 #include "moefold/train/checkpoint.h"
 #include "moefold/train/memory_plan.h"
+#include "moefold/train/perf_model.h"
 #include "moefold/train/pipeline_schedule.h"
 
 namespace moefold::cli {
@@ -21,7 +24,10 @@ namespace {
 struct PlanArgs {
   ConfigOptions config;
   int world = 1;
-  std::string gpu_memory = "139GiB", host_memory = "1TiB", device = "cuda";
+  std::string gpu_memory, host_memory = "1TiB", device = "cuda";  // gpu_memory empty: 139GiB (--perf: the cluster's)
+  bool perf = false, search = false, json = false;                // --perf, --search, --json
+  ClusterOptions cluster;
+  int top = 5;  // --top: layouts --search prints
 };
 
 // "141GiB", "80GB", "512MiB", "1TiB" or plain bytes; anything else: one line naming the option.
@@ -88,12 +94,111 @@ void add_modules(Config& c, std::initializer_list<const char*> modules) {
     if (std::find(m.begin(), m.end(), name) == m.end()) m.emplace_back(name);
 }
 
+// --perf: the performance model's breakdown of one step (or JSON for scripts and tests).
+nlohmann::json item_json(const PerfItem& i) {
+  return {{"name", i.name}, {"ms", i.ms}, {"exposed_ms", i.exposed_ms}, {"overlap", i.overlap}};
+}
+
+nlohmann::json prediction_json(const PerfPrediction& p) {
+  const ParallelConfig& l = p.layout;
+  nlohmann::json j = {
+      {"layout",
+       {{"pp", l.pp}, {"vpp", l.vpp}, {"tp", l.tp}, {"cp", l.cp}, {"dp", l.dp}, {"ep", l.ep}, {"etp", l.etp}}},
+      {"micro_batches", p.micro_batches},
+      {"slowest_stage", p.slowest_stage},
+      {"moe_layer_ms", p.moe_layer_ms},
+      {"dense_layer_ms", p.dense_layer_ms},
+      {"head_ms", p.head_ms},
+      {"bubble_ms", p.bubble_ms},
+      {"step_ms", p.step_ms},
+      {"tokens_per_s", p.tokens_per_s},
+      {"tflops_per_gpu", p.tflops_per_gpu}};
+  j["compute"] = nlohmann::json::array();
+  for (const PerfItem& i : p.compute) j["compute"].push_back(item_json(i));
+  j["communication"] = nlohmann::json::array();
+  for (const PerfItem& i : p.communication) j["communication"].push_back(item_json(i));
+  return j;
+}
+
+std::string layout_text(const ParallelConfig& l) {
+  return cat("tp ", l.tp, ", cp ", l.cp, ", pp ", l.pp, l.vpp > 1 ? cat(" (vpp ", l.vpp, ")") : std::string(), ", dp ",
+             l.dp, ", ep ", l.ep, ", etp ", l.etp, " (edp ", l.edp(), ")");
+}
+
+void print_prediction(const Config& cfg, const Cluster& c, int world, const PerfPrediction& p) {
+  std::printf("%s on %d x %s (%lld per node; NVLink %.0f GB/s, between nodes %.0f GB/s per GPU): %s\n",
+              cfg.preset.c_str(), world, c.gpu.name.c_str(), static_cast<long long>(c.gpus_per_node), c.nvlink_gbps,
+              c.internode_gbps, layout_text(p.layout).c_str());
+  std::printf("%lld micro-batches of %lld x %lld tokens per step and data-parallel rank; dispatcher %s; %s\n",
+              static_cast<long long>(p.micro_batches), static_cast<long long>(cfg.train.micro_batch_size),
+              static_cast<long long>(cfg.train.seq_len), cfg.moe.dispatcher.c_str(),
+              cfg.train.fp8 == "blockwise" ? "FP8 (blockwise) linears" : "bf16");
+  std::printf("one micro-batch on one rank, forward + backward%s: MoE layer %.2f ms",
+              cfg.train.recompute().num_layers > 0 || cfg.train.recompute().any_module() ? " + recompute" : "",
+              p.moe_layer_ms);
+  if (p.dense_layer_ms > 0) std::printf(", dense layer %.2f ms", p.dense_layer_ms);
+  std::printf(", LM head%s %.2f ms\n", cfg.model.num_nextn_predict_layers > 0 ? " and MTP" : "", p.head_ms);
+  std::printf("per step, %s (ms):\n",
+              p.layout.pp > 1 ? cat("pipeline stage ", p.slowest_stage, ", the slowest").c_str() : "one rank");
+  for (const PerfItem& i : p.compute) std::printf("  %-46s %10.2f\n", i.name.c_str(), i.ms);
+  std::printf("  communication                                   total    exposed   overlap\n");
+  for (const PerfItem& i : p.communication)
+    std::printf("  %-46s %10.2f %10.2f   %s\n", i.name.c_str(), i.ms, i.exposed_ms, i.overlap.c_str());
+  if (p.layout.pp > 1)
+    std::printf("  pipeline bubble ((pp - 1) / (m x vpp) = %.3f)       %10.2f\n",
+                bubble_fraction(p.layout.pp, p.layout.vpp, p.micro_batches), p.bubble_ms);
+  std::printf("step %.1f ms: %.0f tokens/s, %.1f model TFLOP/s per GPU (MFU %.3f of 989)\n", p.step_ms, p.tokens_per_s,
+              p.tflops_per_gpu, p.tflops_per_gpu / 989);
+}
+
+void run_perf(const PlanArgs& a) {
+  const Config cfg = a.config.load();
+  if (a.world < 1) MF_FAIL("--world ", a.world, ": expected at least 1 rank");
+  if (a.top < 1) MF_FAIL("--top ", a.top, ": expected at least 1 layout");
+  Cluster c = make_cluster(a.cluster);
+  if (!a.gpu_memory.empty()) c.gpu.memory_gib = parse_bytes(a.gpu_memory, "--gpu-memory") / (1024.0 * 1024 * 1024);
+  if (!a.search) {
+    const PerfPrediction p = predict_step(cfg, a.world, c);
+    if (a.json) {
+      std::printf("%s\n", prediction_json(p).dump(2).c_str());
+      return;
+    }
+    print_prediction(cfg, c, a.world, p);
+    return;
+  }
+  SearchStats stats;
+  const std::vector<LayoutCandidate> best = search_layouts(cfg, a.world, c, a.top, &stats);
+  if (a.json) {
+    nlohmann::json j = {{"layouts", stats.layouts}, {"planned", stats.planned}, {"too_large", stats.too_large}};
+    j["best"] = nlohmann::json::array();
+    for (const LayoutCandidate& b : best) {
+      nlohmann::json e = prediction_json(b.prediction);
+      e["micro_batch_size"] = b.micro_batch_size;
+      e["peak_gib"] = b.peak_gib;
+      e["dispatcher"] = b.dispatcher;
+      j["best"].push_back(e);
+    }
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  std::printf(
+      "%s on %d x %s: %lld layouts timed (tp, cp, pp, vpp, ep, etp, micro-batch), best first; %lld memory-planned, "
+      "%lld of them over %.1f GiB\n",
+      cfg.preset.c_str(), a.world, c.gpu.name.c_str(), static_cast<long long>(stats.layouts),
+      static_cast<long long>(stats.planned), static_cast<long long>(stats.too_large), c.gpu.memory_gib);
+  if (best.empty()) std::printf("no layout fits: more GPUs, or the memory options `moefold plan` lists\n");
+  for (const LayoutCandidate& b : best)
+    std::printf("  %6.1f TFLOP/s  %8.0f ms  %s, micro-batch %lld, %s, peak %.1f GiB\n", b.prediction.tflops_per_gpu,
+                b.prediction.step_ms, layout_text(b.layout).c_str(), static_cast<long long>(b.micro_batch_size),
+                b.dispatcher.c_str(), b.peak_gib);
+}
+
 void run_plan(const PlanArgs& a) {
   Config cfg = a.config.load();
   const Device device = a.device == "cpu" ? Device::cpu : Device::cuda;
   if (a.device != "cpu" && a.device != "cuda") MF_FAIL("--device ", a.device, ": expected cuda or cpu");
   if (a.world < 1) MF_FAIL("--world ", a.world, ": expected at least 1 rank");
-  const size_t gpu_bytes = parse_bytes(a.gpu_memory, "--gpu-memory");
+  const size_t gpu_bytes = parse_bytes(a.gpu_memory.empty() ? "139GiB" : a.gpu_memory, "--gpu-memory");
   const size_t host_bytes = parse_bytes(a.host_memory, "--host-memory");
   // The ranks whose plans can differ: the first of each pipeline stage (their layers and
   // micro-batches in flight differ) and the last rank (the last expert-parallel shard).
@@ -295,10 +400,21 @@ Command add_plan(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("plan", "print the memory each rank of a layout needs, and whether it fits");
   add_config_options(cmd, a->config);
   cmd->add_option("--world", a->world, "ranks of the layout (default 1; parallel.* of the config lays them out)");
-  cmd->add_option("--gpu-memory", a->gpu_memory, "memory one GPU can allocate (default 139GiB: an H200)");
+  cmd->add_option("--gpu-memory", a->gpu_memory,
+                  "memory one GPU can allocate (default 139GiB: an H200; with --perf the cluster's GPU)");
   cmd->add_option("--host-memory", a->host_memory, "host memory per rank (default 1TiB)");
   cmd->add_option("--device", a->device, "cuda (default: bf16 mixed precision) or cpu (f32)");
-  return {cmd, [a](World&) { run_plan(*a); }};
+  cmd->add_flag("--perf", a->perf, "predict the step time and model TFLOP/s per GPU on a cluster instead");
+  cmd->add_flag("--search", a->search, "with --perf: the best layouts for --world GPUs that fit in memory");
+  cmd->add_flag("--json", a->json, "with --perf: print JSON");
+  cmd->add_option("--top", a->top, "with --search: layouts to print (default 5)");
+  cmd->add_option("--cluster", a->cluster.kind, "with --perf: h200 (default) or h100");
+  cmd->add_option("--gpus-per-node", a->cluster.gpus_per_node, "with --perf: GPUs per node (default 8)");
+  cmd->add_option("--nvlink-gbps", a->cluster.nvlink_gbps,
+                  "with --perf: NVLink GB/s per GPU and direction (default: the cluster's)");
+  cmd->add_option("--internode-gbps", a->cluster.internode_gbps,
+                  "with --perf: GB/s per GPU and direction between nodes (default 50)");
+  return {cmd, [a](World&) { a->perf || a->search ? run_perf(*a) : run_plan(*a); }};
 }
 
 }  // namespace moefold::cli
