@@ -176,6 +176,10 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
   expect_on_both("--set parallel.pp=2", "model.num_hidden_layers = 1 does not split into parallel.pp = 2 stages");
   expect_on_both("--set parallel.pp=2 --set model.num_hidden_layers=2 --set parallel.ep=2",
                  "ep x etp = 2 x 1 = 2 does not divide dp x cp x tp = 1 x 1 x 1 = 1");
+  // Emulated nodes must split the host's ranks; the hierarchical dispatcher needs EP.
+  expect_on_both("--set train.global_batch_size=4 --set parallel.ranks_per_node=3",
+                 "parallel.ranks_per_node = 3 does not divide the 2 ranks on host");
+  expect_on_both("--set moe.dispatcher=hierarchical", "moe.dispatcher = \"hierarchical\" needs parallel.ep > 1");
   // Interleaving needs the micro-batches per step to be a multiple of pp: 2 sequences are one here.
   expect_on_both("--set parallel.pp=2 --set parallel.vpp=2 --set model.num_hidden_layers=4",
                  "the interleaved schedule needs the micro-batches per step");
@@ -186,6 +190,15 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
                           d);
   EXPECT_EQ(stages.code, 0) << stages.err;
   EXPECT_TRUE(fs::exists(d / "pp" / "checkpoints" / "step_00000002" / "model-00002-of-00002.safetensors"));
+  // Two emulated nodes of one rank: the hierarchical dispatcher trains and counts what crossed.
+  Result hier = run_mpi(2,
+                        cat("train --run-dir hier --steps 2 --set data.path=data.tokens ", kSmall,
+                            " --set train.global_batch_size=4 --set parallel.ep=2 --set moe.dispatcher=hierarchical "
+                            "--set parallel.ranks_per_node=1"),
+                        d);
+  EXPECT_EQ(hier.code, 0) << hier.err;
+  EXPECT_NE(testing::read_bytes((d / "hier" / "metrics.jsonl").string()).find("\"inter_node_bytes\""),
+            std::string::npos);
   // And the good layout trains, writing one shard per EP rank.
   Result ok = run_mpi(2,
                       cat("train --run-dir good --steps 2 --set data.path=data.tokens ", kSmall,

@@ -228,9 +228,11 @@ void set_nodes(Mesh& m, const std::vector<int>& node, int world_rank) {
   m.node = node[static_cast<size_t>(world_rank)];
   m.num_nodes = 0;
   for (const int x : node) m.num_nodes = std::max(m.num_nodes, x + 1);
-  const EpTopology t = ep_topology(m.dims, node, world_rank);
-  m.ep_nodes = t.nodes;
-  m.ep_nodes_irregular = t.irregular;
+  m.ep_nodes = ep_topology(m.dims, node, world_rank).nodes;
+  // Every EP group's, so that every rank refuses a hierarchical dispatch alike.
+  m.ep_nodes_irregular.clear();
+  for (int q = 0; q < static_cast<int>(node.size()) && m.ep_nodes_irregular.empty(); ++q)
+    m.ep_nodes_irregular = ep_topology(m.dims, node, q).irregular;
 }
 
 }  // namespace

@@ -53,8 +53,8 @@ struct Mesh {
   int ep_nodes = 1;  // the nodes this rank's EP group spans
   // With build(..., ep_hierarchy) and ep > 1 (else null): the EP ranks on this rank's node, and
   // those at this rank's place on theirs (one per node: the rail its tokens cross nodes on), both
-  // ordered by EP rank. ep_nodes_regular: each node holds the same number of the group's ranks,
-  // consecutive in EP rank (what HierarchicalDispatcher needs; otherwise why, for its message).
+  // ordered by EP rank. ep_nodes_irregular: empty when each node holds the same number of every EP
+  // group's ranks, consecutive in EP rank (what HierarchicalDispatcher needs), else why not.
   std::unique_ptr<Communicator> ep_node, ep_rail;
   std::string ep_nodes_irregular;  // empty: regular
 

@@ -162,7 +162,9 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
   // message instead of leaving the others waiting in their next collective.
   ParallelConfig layout;
   on_every_rank(world, "checking the layout", [&] { layout = cfg.resolve_layout(world.size()); });
-  Mesh mesh = Mesh::build(world, layout, cfg.moe.dispatcher == "hierarchical");
+  Mesh mesh;
+  on_every_rank(world, "building the mesh",
+                [&] { mesh = Mesh::build(world, layout, cfg.moe.dispatcher == "hierarchical"); });
   const std::string ckpt_dir = (fs::path(opts.run_dir) / "checkpoints").string();
   const std::string metrics_path = (fs::path(opts.run_dir) / "metrics.jsonl").string();
   std::string resume_from;
