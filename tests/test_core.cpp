@@ -1,9 +1,13 @@
 // Core: tensor views, planned arenas, bf16 conversion, the counter-based RNG.
 #include <atomic>
 #include <cmath>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
+#include "moefold/core/device.h"
+#include "moefold/core/gpu_activity.h"
 #include "moefold/core/host_threads.h"
 #include "moefold/core/memory.h"
 #include "moefold/core/rng.h"
@@ -289,6 +293,30 @@ TEST(Memory, PeerActsShareOffsetsAcrossMemories) {
   EXPECT_GE(a.peer_block_bytes(), static_cast<size_t>(offset(a, qa)) + qa.nbytes());
   EXPECT_EQ(pb.dtype(), DType::bf16);                       // the compute dtype unless given
   EXPECT_GE(a.act_bytes(), a.peer_block_bytes() + 12 * 4);  // activations count the peer block too
+}
+
+// The arithmetic of core/gpu_activity.h's windows: overlapping, nested and clipped intervals are
+// covered once; the longest uncovered stretch includes the window's ends.
+TEST(GpuActivity, IntervalCoverCountsEachInstantOnce) {
+  using V = std::vector<std::pair<uint64_t, uint64_t>>;
+  IntervalCover c = interval_cover(V{{10, 20}, {15, 30}, {12, 14}, {40, 50}, {45, 45}}, 0, 100);
+  EXPECT_EQ(c.covered, 30u);      // [10, 30) and [40, 50)
+  EXPECT_EQ(c.largest_gap, 50u);  // [50, 100)
+  c = interval_cover(V{{0, 60}, {70, 200}}, 50, 100);
+  EXPECT_EQ(c.covered, 40u);  // [50, 60) and [70, 100)
+  EXPECT_EQ(c.largest_gap, 10u);
+  c = interval_cover(V{}, 5, 9);
+  EXPECT_EQ(c.covered, 0u);
+  EXPECT_EQ(c.largest_gap, 4u);
+  c = interval_cover(V{{1, 2}}, 9, 5);  // an empty window
+  EXPECT_EQ(c.covered, 0u);
+  EXPECT_EQ(c.largest_gap, 0u);
+  // Without CUDA, recording says why instead of failing.
+  std::string why;
+  if (!cuda_built()) {
+    EXPECT_FALSE(gpu_activity_start(&why));
+    EXPECT_EQ(why, "built without CUDA");
+  }
 }
 
 TEST(Rng, DeterministicAndWellDistributed) {

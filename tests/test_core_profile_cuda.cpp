@@ -4,10 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda_testing.h"
 #include "moefold/core/device.h"
+#include "moefold/core/gpu_activity.h"
 #include "moefold/core/profile.h"
 
 namespace moefold {
@@ -64,6 +69,43 @@ TEST(ProfileCuda, EventsTimeTheStreamWithoutWaiting) {
   EXPECT_NEAR(outer.self_ms, outer.ms - inner.ms, 1e-6);
   EXPECT_DOUBLE_EQ(outer.top_level_ms, outer.ms);
   EXPECT_DOUBLE_EQ(inner.top_level_ms, 0);
+}
+
+// core/gpu_activity.h: a window of [memsets, host sleeps 30 ms, memsets, synchronise] shows the GPU
+// busy for the memsets only, idle across the sleep (its longest gap), and the host waiting in the
+// synchronisation for the second batch. Skipped where CUPTI cannot be had (says why).
+TEST(GpuActivity, SeesTheGpuIdleWhileTheHostSleeps) {
+  MF_REQUIRE_GPU();
+  const size_t bytes = size_t{256} << 20;
+  void* buf = device_malloc(bytes);
+  device_zero(buf, bytes);
+  device_synchronize();
+  std::string why;
+  if (!gpu_activity_start(&why)) {
+    device_free(buf);
+    GTEST_SKIP() << "CUPTI: " << why;
+  }
+  const uint64_t t0 = gpu_activity_now();
+  for (int k = 0; k < 20; ++k) device_zero(buf, bytes);  // >= 1 ms of GPU work
+  device_synchronize();
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  for (int k = 0; k < 20; ++k) device_zero(buf, bytes);
+  device_synchronize();
+  const uint64_t t1 = gpu_activity_now();
+  const std::vector<GpuActivityWindow> w = gpu_activity_stop({{t0, t1}});
+  device_free(buf);
+  ASSERT_EQ(w.size(), 1u);
+  const GpuActivityWindow& a = w[0];
+  EXPECT_EQ(a.gpu_ops, 40);
+  EXPECT_GT(a.gpu_busy_ms, 2.0);  // 10 GiB written at most ~5 TB/s
+  EXPECT_GE(a.gpu_idle_ms, 29.0);
+  EXPECT_GE(a.largest_gap_ms, 29.0);
+  EXPECT_NEAR(a.gpu_busy_ms + a.gpu_idle_ms, a.wall_ms, 1e-9);
+  EXPECT_GE(a.host_wait_ms, 0.5 * a.gpu_busy_ms);  // the host waited out (most of) both batches
+  EXPECT_GE(a.host_ms, 29.0);                      // the sleep is host time
+  EXPECT_GE(a.launch_ms, 0.0);                     // memsets are no kernel launches
+  std::printf("window %.3f ms: GPU busy %.3f, idle %.3f (gap %.3f); host %.3f, waiting %.3f, launching %.3f\n",
+              a.wall_ms, a.gpu_busy_ms, a.gpu_idle_ms, a.largest_gap_ms, a.host_ms, a.host_wait_ms, a.launch_ms);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
+#include "moefold/core/gpu_activity.h"
 #include "moefold/core/profile.h"
 #include "moefold/core/rng.h"
 #include "moefold/data/token_dataset.h"
@@ -33,6 +34,47 @@ std::string fmt(const char* f, double v) {
 struct ProfileOff {
   ~ProfileOff() { profile_disable(); }
 };
+}  // namespace
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// `steps` more training steps recorded with CUPTI, each a window from the step's start to the end
+// of its GPU work: medians of the host / GPU split into r.activity.
+void record_activity(Trainer& trainer, int steps, TrainBenchResult& r) {
+  if (!gpu_activity_start(&r.activity_unavailable)) return;
+  std::vector<std::pair<uint64_t, uint64_t>> windows;
+  for (int i = 0; i < steps; ++i) {
+    const uint64_t t0 = gpu_activity_now();
+    trainer.train_step();
+    device_synchronize();
+    windows.emplace_back(t0, gpu_activity_now());
+  }
+  const std::vector<GpuActivityWindow> w = gpu_activity_stop(windows);
+  r.activity_steps = steps;
+  auto med = [&](double GpuActivityWindow::*f) {
+    std::vector<double> v;
+    for (const GpuActivityWindow& x : w) v.push_back(x.*f);
+    return median(v);
+  };
+  HostGpuSplit& a = r.activity;
+  a.step_ms = med(&GpuActivityWindow::wall_ms);
+  a.host_ms = med(&GpuActivityWindow::host_ms);
+  a.host_wait_ms = med(&GpuActivityWindow::host_wait_ms);
+  a.launch_ms = med(&GpuActivityWindow::launch_ms);
+  a.gpu_busy_ms = med(&GpuActivityWindow::gpu_busy_ms);
+  a.gpu_idle_ms = med(&GpuActivityWindow::gpu_idle_ms);
+  a.largest_gap_ms = med(&GpuActivityWindow::largest_gap_ms);
+  std::vector<double> ops;
+  for (const GpuActivityWindow& x : w) ops.push_back(static_cast<double>(x.gpu_ops));
+  a.gpu_ops = median(ops);
+}
+
 }  // namespace
 
 TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const TrainBenchOptions& opts) {
@@ -116,11 +158,11 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
       r.bubble_theory = (pp - 1) / (m + pp - 1) / static_cast<double>(layout.vpp);  // interleaving divides it
     }
   }
+  if (opts.device == Device::cuda && opts.activity_steps > 0) record_activity(trainer, opts.activity_steps, r);
   world.barrier();
   if (world.rank() == 0 && opts.scratch_dir.empty()) fs::remove_all(dir);
-  std::sort(ms.begin(), ms.end());
   r.ranks = world.size();
-  r.step_ms = ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
+  r.step_ms = median(ms);
   r.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len;
   r.tokens_per_s = static_cast<double>(r.tokens_per_step) / (r.step_ms * 1e-3);
   r.flops_per_token = model_size(cfg.model, cfg.moe, cfg.train.seq_len).train_flops_per_token;
@@ -174,6 +216,20 @@ std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, con
             fmt("%.3f", r.exposed_a2a_ms), " ms per step (",
             fmt("%.1f%%", r.mean_step_ms > 0 ? 100 * r.exposed_a2a_ms / r.mean_step_ms : 0), ")",
             cfg.parallel.overlap_moe_a2a ? ", parallel.overlap_moe_a2a on" : "", "\n");
+  if (r.activity_steps > 0) {
+    const HostGpuSplit& a = r.activity;
+    auto of = [&](double ms) {
+      return cat(fmt("%.3f", ms), " ms (", fmt("%.1f%%", a.step_ms > 0 ? 100 * ms / a.step_ms : 0), ")");
+    };
+    s += cat("\nHost and GPU (CUPTI, medians of ", r.activity_steps,
+             " more steps recorded after the timed ones: ", fmt("%.3f", a.step_ms),
+             " ms each, recording included): host ", of(a.host_ms), ", of it in kernel launches ", of(a.launch_ms),
+             "; host waiting for the GPU ", of(a.host_wait_ms), "; GPU busy ", of(a.gpu_busy_ms), ", idle ",
+             of(a.gpu_idle_ms), " (longest gap ", fmt("%.3f", a.largest_gap_ms), " ms); ", fmt("%.0f", a.gpu_ops),
+             " GPU operations per step\n");
+  } else if (!r.activity_unavailable.empty()) {
+    s += cat("\nHost and GPU: not measured (", r.activity_unavailable, ")\n");
+  }
   if (r.phases.empty()) return s;
   s += cat("\nWhere a step's time goes (means over the timed steps: ", fmt("%.1f", r.mean_step_ms),
            " ms per step; on a GPU, CUDA events on the compute stream, so a phase includes the stream's idle time "

@@ -20,6 +20,21 @@ struct TrainBenchOptions {
   Device device = Device::cuda;
   std::string scratch_dir;  // where the random token file goes (a fresh temporary directory if empty)
   bool breakdown = true;    // time the phases of the timed steps (CUDA events; host clock on the CPU)
+  // GPU: steps after the timed ones recorded with CUPTI (core/gpu_activity.h) for the host / GPU
+  // split (0: none). Recording slows the CUDA calls, so these steps are not the timed ones.
+  int activity_steps = 3;
+};
+
+// Host and GPU time of a step (medians over TrainBenchOptions::activity_steps, CUPTI).
+struct HostGpuSplit {
+  double step_ms = 0;         // wall time of the recorded step
+  double host_ms = 0;         // the host planning and issuing work (step - host_wait)
+  double host_wait_ms = 0;    // the host inside calls that wait for the GPU
+  double launch_ms = 0;       // the host inside kernel launches
+  double gpu_busy_ms = 0;     // the union of the GPU's work
+  double gpu_idle_ms = 0;     // step - busy: the GPU with nothing of this process to run
+  double largest_gap_ms = 0;  // the longest of those gaps
+  double gpu_ops = 0;         // kernels, copies and memsets per step
 };
 
 // One phase of the step breakdown: means per timed step.
@@ -61,6 +76,10 @@ struct TrainBenchResult {
   // compute stream waits on the EP counts exchange and rounds (the "moe ep ..." phases); what
   // parallel.overlap_moe_a2a hides.
   double exposed_a2a_ms = 0;
+  // The host / GPU split (GPU, with activity_steps > 0): recorded steps, or why it could not be had.
+  int activity_steps = 0;
+  HostGpuSplit activity;
+  std::string activity_unavailable;
 };
 
 // Collective over `world` (every rank calls it). Throws moefold::Error on bad options.

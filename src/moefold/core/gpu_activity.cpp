@@ -1,0 +1,234 @@
+// GPU activity windows (gpu_activity.h): CUPTI through dlopen, and the interval arithmetic.
+#include "moefold/core/gpu_activity.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+
+#include "moefold/core/error.h"
+
+#ifdef MOEFOLD_WITH_CUDA
+#include <cupti.h>
+#include <dlfcn.h>
+#endif
+
+namespace moefold {
+
+IntervalCover interval_cover(std::vector<std::pair<uint64_t, uint64_t>> intervals, uint64_t lo, uint64_t hi) {
+  IntervalCover c;
+  if (hi <= lo) return c;
+  std::sort(intervals.begin(), intervals.end());
+  uint64_t at = lo;  // everything before `at` is accounted for
+  for (auto [b, e] : intervals) {
+    b = std::max(b, lo);
+    e = std::min(e, hi);
+    if (e <= b || e <= at) continue;
+    if (b > at) c.largest_gap = std::max(c.largest_gap, b - at);
+    c.covered += e - std::max(b, at);
+    at = e;
+  }
+  c.largest_gap = std::max(c.largest_gap, hi - at);
+  return c;
+}
+
+#ifdef MOEFOLD_WITH_CUDA
+
+namespace {
+
+// The CUPTI entry points this uses, from libcupti (the toolkit's, found by the loader's path).
+struct Cupti {
+  void* lib = nullptr;
+  CUptiResult (*enable)(CUpti_ActivityKind) = nullptr;
+  CUptiResult (*disable)(CUpti_ActivityKind) = nullptr;
+  CUptiResult (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc) = nullptr;
+  CUptiResult (*flush_all)(uint32_t) = nullptr;
+  CUptiResult (*next_record)(uint8_t*, size_t, CUpti_Activity**) = nullptr;
+  CUptiResult (*timestamp)(uint64_t*) = nullptr;
+  std::string error;  // why it could not be loaded
+};
+
+Cupti& cupti() {
+  static Cupti c = [] {
+    Cupti x;
+    for (const char* name : {"libcupti.so", "libcupti.so.13"})
+      if ((x.lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
+    if (x.lib == nullptr) {
+      x.error = std::string("libcupti not found (") + dlerror() + ")";
+      return x;
+    }
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(x.lib, name));
+      if (fn == nullptr && x.error.empty()) x.error = std::string("libcupti has no ") + name;
+    };
+    sym(x.enable, "cuptiActivityEnable");
+    sym(x.disable, "cuptiActivityDisable");
+    sym(x.register_callbacks, "cuptiActivityRegisterCallbacks");
+    sym(x.flush_all, "cuptiActivityFlushAll");
+    sym(x.next_record, "cuptiActivityGetNextRecord");
+    sym(x.timestamp, "cuptiGetTimestamp");
+    return x;
+  }();
+  return c;
+}
+
+enum class Kind : uint8_t { gpu, wait, launch };
+struct Span {
+  Kind kind;
+  uint64_t begin, end;
+};
+
+// Filled by CUPTI's buffer callback (its own thread) and read after the flush.
+std::mutex g_mutex;
+std::vector<Span> g_spans;
+bool g_recording = false;
+
+constexpr size_t kBufferBytes = 8 << 20;
+constexpr CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
+                                         CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_RUNTIME,
+                                         CUPTI_ACTIVITY_KIND_DRIVER};
+
+bool runtime_waits(uint32_t cbid) {
+  return cbid == CUPTI_RUNTIME_TRACE_CBID_cudaStreamSynchronize_v3020 ||
+         cbid == CUPTI_RUNTIME_TRACE_CBID_cudaEventSynchronize_v3020 ||
+         cbid == CUPTI_RUNTIME_TRACE_CBID_cudaDeviceSynchronize_v3020 ||
+         cbid == CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_v3020;
+}
+bool runtime_launches(uint32_t cbid) {
+  return cbid == CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000 ||
+         cbid == CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_v11060 ||
+         cbid == CUPTI_RUNTIME_TRACE_CBID_cudaLaunchCooperativeKernel_v9000 ||
+         cbid == CUPTI_RUNTIME_TRACE_CBID_cudaGraphLaunch_v10000;
+}
+bool driver_waits(uint32_t cbid) {
+  return cbid == CUPTI_DRIVER_TRACE_CBID_cuStreamSynchronize || cbid == CUPTI_DRIVER_TRACE_CBID_cuEventSynchronize ||
+         cbid == CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize || cbid == CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoH_v2 ||
+         cbid == CUPTI_DRIVER_TRACE_CBID_cuMemcpyHtoD_v2;
+}
+bool driver_launches(uint32_t cbid) {
+  return cbid == CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel || cbid == CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx ||
+         cbid == CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel || cbid == CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch;
+}
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+  *size = kBufferBytes;
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  std::vector<Span> spans;
+  CUpti_Activity* rec = nullptr;
+  while (cupti().next_record(buffer, valid, &rec) == CUPTI_SUCCESS) {
+    switch (rec->kind) {
+      case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
+      case CUPTI_ACTIVITY_KIND_KERNEL: {
+        const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
+        spans.push_back({Kind::gpu, k->start, k->end});
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMCPY: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
+        spans.push_back({Kind::gpu, m->start, m->end});
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMSET: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
+        spans.push_back({Kind::gpu, m->start, m->end});
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_RUNTIME:
+      case CUPTI_ACTIVITY_KIND_DRIVER: {
+        const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(rec);
+        const bool runtime = rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME;
+        if (runtime ? runtime_waits(a->cbid) : driver_waits(a->cbid)) spans.push_back({Kind::wait, a->start, a->end});
+        if (runtime ? runtime_launches(a->cbid) : driver_launches(a->cbid))
+          spans.push_back({Kind::launch, a->start, a->end});
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  std::free(buffer);
+  const std::lock_guard<std::mutex> lock(g_mutex);
+  g_spans.insert(g_spans.end(), spans.begin(), spans.end());
+}
+
+}  // namespace
+
+bool gpu_activity_start(std::string* why) {
+  Cupti& c = cupti();
+  if (!c.error.empty()) {
+    if (why) *why = c.error;
+    return false;
+  }
+  MF_CHECK(!g_recording, "gpu_activity_start: already recording");
+  static const bool registered = c.register_callbacks(buffer_requested, buffer_completed) == CUPTI_SUCCESS;
+  if (!registered) {
+    if (why) *why = "cuptiActivityRegisterCallbacks failed";
+    return false;
+  }
+  {
+    const std::lock_guard<std::mutex> lock(g_mutex);
+    g_spans.clear();
+  }
+  for (const CUpti_ActivityKind k : kKinds)
+    if (c.enable(k) != CUPTI_SUCCESS) {
+      for (const CUpti_ActivityKind d : kKinds) c.disable(d);
+      if (why) *why = "cuptiActivityEnable(" + std::to_string(static_cast<int>(k)) + ") failed (another profiler?)";
+      return false;
+    }
+  g_recording = true;
+  return true;
+}
+
+uint64_t gpu_activity_now() {
+  uint64_t t = 0;
+  MF_CHECK(g_recording && cupti().timestamp(&t) == CUPTI_SUCCESS, "gpu_activity_now: not recording");
+  return t;
+}
+
+std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>& windows) {
+  MF_CHECK(g_recording, "gpu_activity_stop: not recording");
+  Cupti& c = cupti();
+  for (const CUpti_ActivityKind k : kKinds) c.disable(k);
+  c.flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+  g_recording = false;
+  std::vector<std::pair<uint64_t, uint64_t>> by_kind[3];
+  {
+    const std::lock_guard<std::mutex> lock(g_mutex);
+    for (const Span& s : g_spans) by_kind[static_cast<int>(s.kind)].emplace_back(s.begin, s.end);
+    g_spans.clear();
+  }
+  std::vector<GpuActivityWindow> out;
+  for (const auto& [lo, hi] : windows) {
+    GpuActivityWindow w;
+    auto ms = [](uint64_t ns) { return static_cast<double>(ns) * 1e-6; };
+    const IntervalCover gpu = interval_cover(by_kind[0], lo, hi);
+    w.wall_ms = ms(hi > lo ? hi - lo : 0);
+    w.gpu_busy_ms = ms(gpu.covered);
+    w.gpu_idle_ms = w.wall_ms - w.gpu_busy_ms;
+    w.largest_gap_ms = ms(gpu.largest_gap);
+    w.host_wait_ms = ms(interval_cover(by_kind[1], lo, hi).covered);
+    w.host_ms = w.wall_ms - w.host_wait_ms;
+    w.launch_ms = ms(interval_cover(by_kind[2], lo, hi).covered);
+    for (const auto& [b, e] : by_kind[0]) w.gpu_ops += b >= lo && b < hi;
+    out.push_back(w);
+  }
+  return out;
+}
+
+#else  // no CUDA: nothing to record
+
+bool gpu_activity_start(std::string* why) {
+  if (why) *why = "built without CUDA";
+  return false;
+}
+uint64_t gpu_activity_now() { MF_FAIL("gpu_activity_now: built without CUDA"); }
+std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>&) {
+  MF_FAIL("gpu_activity_stop: built without CUDA");
+}
+
+#endif
+
+}  // namespace moefold
