@@ -37,6 +37,29 @@ TEST(BenchMoeLayerEp, RowsOfAllRanksAreEveryAssignment) {
   }
 }
 
+// The same with moe.dispatcher = "hierarchical" over emulated nodes of one rank: the rows still add
+// up to every assignment, and the layer runs.
+TEST(BenchMoeLayerEp, HierarchicalDispatcherOverEmulatedNodes) {
+  Communicator& world = testing::test_world();
+  if (world.size() == 1) GTEST_SKIP() << "one rank: no expert parallelism";
+  MoeBenchOptions o;
+  o.shapes = {"tiny"};
+  o.tokens = 64;
+  o.reps = 2;
+  o.warmup = 1;
+  o.device = Device::cpu;
+  o.overrides = {"moe.num_experts=8", "moe.num_experts_per_tok=2", "moe.dispatcher=hierarchical",
+                 "parallel.ranks_per_node=1"};
+  o.ep = &world;
+  for (const MoeBenchResult& x : bench_moe_layer(o)) {
+    SCOPED_TRACE(x.routing);
+    int64_t rows = x.rows;
+    world.all_reduce(Tensor(&rows, DType::i64, {1}), ReduceOp::sum);
+    EXPECT_EQ(rows, 64 * 2 * world.size());
+    EXPECT_GT(x.total.ms, 0);
+  }
+}
+
 // `moefold bench train` with pipeline stages over the ranks: every rank's share of the step in the
 // stage exchanges, beside 1F1B's bubble in theory: (pp - 1) / (m + pp - 1), m = 4 micro-batches.
 TEST(BenchTrainPipeline, ReportsEachRanksBubble) {

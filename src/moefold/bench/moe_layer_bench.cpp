@@ -5,6 +5,8 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
@@ -16,11 +18,13 @@
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/moe/dispatcher.h"
 #include "moefold/moe/experts.h"
+#include "moefold/moe/hierarchical_dispatcher.h"
 #include "moefold/moe/moe_layer.h"
 #include "moefold/moe/router.h"
 #include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
 #include "moefold/ops/ops.h"
+#include "moefold/parallel/mesh.h"
 
 namespace moefold {
 
@@ -86,12 +90,18 @@ class RandomFill {
   Tensor staging_;
 };
 
-// The dispatcher of the benchmark: all experts here, or EP over `ep` (all-to-all).
-std::unique_ptr<Dispatcher> make_dispatcher(const Config& c, int64_t t, Communicator* ep) {
-  if (ep != nullptr && ep->size() > 1)
-    return std::make_unique<AllToAllDispatcher>(c.moe, c.model.hidden_size, t, *ep,
-                                                parse_ep_transport(c.parallel.ep_transport));
-  return std::make_unique<LocalDispatcher>(c.moe, c.model.hidden_size, t);
+// The dispatcher of the benchmark: all experts here, or EP over `ep`: all-to-all, or with
+// moe.dispatcher = "hierarchical" over the nodes of `nodes` (a mesh of EP over every rank of ep).
+std::unique_ptr<Dispatcher> make_dispatcher(const Config& c, int64_t t, Communicator* ep, const Mesh* nodes) {
+  if (ep == nullptr || ep->size() == 1) return std::make_unique<LocalDispatcher>(c.moe, c.model.hidden_size, t);
+  const EpTransportChoice transport = parse_ep_transport(c.parallel.ep_transport);
+  if (nodes != nullptr) {
+    if (!nodes->ep_nodes_irregular.empty())
+      MF_FAIL("bench moe-layer: moe.dispatcher = \"hierarchical\": ", nodes->ep_nodes_irregular);
+    return std::make_unique<HierarchicalDispatcher>(c.moe, c.model.hidden_size, t, *nodes->ep, *nodes->ep_node,
+                                                    *nodes->ep_rail, transport);
+  }
+  return std::make_unique<AllToAllDispatcher>(c.moe, c.model.hidden_size, t, *ep, transport);
 }
 
 struct Layer {
@@ -107,9 +117,9 @@ struct Layer {
   Tensor dgate_up;
   Tensor q_rows, s_rows;  // FP8: the quantized fc1 input
   Tensor packed;          // moe.fp8_dispatch: the tokens quantized for dispatch (as MoeLayer's)
-  Layer(const Config& c, int64_t t, Communicator* ep)
+  Layer(const Config& c, int64_t t, Communicator* ep, const Mesh* nodes)
       : router(c.moe, c.model.hidden_size, t, "bench", c.model.initializer_range),
-        dispatcher_ptr(make_dispatcher(c, t, ep)),
+        dispatcher_ptr(make_dispatcher(c, t, ep, nodes)),
         dispatcher(*dispatcher_ptr),
         experts({.num_experts = dispatcher.num_local_experts(),
                  .hidden = c.model.hidden_size,
@@ -170,7 +180,9 @@ double time_median(Device device, int warmup, int reps, const std::function<void
 }
 
 MoeBenchResult run_one(const std::string& shape, const std::string& routing, const MoeBenchOptions& opts) {
-  const Config c = load_config(shape, opts.overrides);
+  std::vector<std::string> overrides = opts.overrides;  // EP over every rank of opts.ep, as the config says
+  if (opts.ep != nullptr) overrides.insert(overrides.begin(), "parallel.ep=" + std::to_string(opts.ep->size()));
+  const Config c = load_config(shape, overrides);
   const auto facts_it = shape_facts().find(shape);
   const ShapeFacts* facts = facts_it == shape_facts().end() ? nullptr : &facts_it->second;
   const int64_t t = opts.tokens > 0 ? opts.tokens : facts ? facts->tokens : 4096;
@@ -181,7 +193,12 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
 
   const ExecContext ctx(opts.device, c.kernels);
   Memory mem(opts.device == Device::cuda ? DType::bf16 : DType::f32, ctx);
-  Layer layer(c, t, opts.ep);
+  std::optional<Mesh> nodes;  // the hierarchical dispatcher's node and rail groups of EP over every rank
+  if (c.moe.dispatcher == "hierarchical" && opts.ep != nullptr && opts.ep->size() > 1) {
+    ParallelConfig every{.dp = opts.ep->size(), .ep = opts.ep->size(), .ranks_per_node = c.parallel.ranks_per_node};
+    nodes.emplace(Mesh::build(*opts.ep, every.resolve(opts.ep->size()), true));
+  }
+  Layer layer(c, t, opts.ep, nodes ? &*nodes : nullptr);
   if (opts.fp8) {
     layer.experts.set_fp8(true);
     if (layer.shared) layer.shared->set_fp8(true);
