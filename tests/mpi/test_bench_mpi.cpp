@@ -3,6 +3,9 @@
 // receive add up to every token's K assignments (dropless), balanced or routed by the router.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
 #include "moefold/bench/moe_layer_bench.h"
 #include "moefold/bench/train_bench.h"
 #include "moefold/model/config.h"
@@ -11,8 +14,8 @@
 namespace moefold {
 namespace {
 
-TEST(BenchMoeLayerEp, RowsOfAllRanksAreEveryAssignment) {
-  Communicator& world = testing::test_world();
+// The tiny shape with 64 tokens per rank, 8 experts of which each token takes 2, EP over `world`.
+MoeBenchOptions small_ep(Communicator& world, std::vector<std::string> more = {}) {
   MoeBenchOptions o;
   o.shapes = {"tiny"};
   o.tokens = 64;
@@ -20,8 +23,14 @@ TEST(BenchMoeLayerEp, RowsOfAllRanksAreEveryAssignment) {
   o.warmup = 1;
   o.device = Device::cpu;
   o.overrides = {"moe.num_experts=8", "moe.num_experts_per_tok=2"};
+  o.overrides.insert(o.overrides.end(), more.begin(), more.end());
   o.ep = &world;
-  const std::vector<MoeBenchResult> r = bench_moe_layer(o);
+  return o;
+}
+
+TEST(BenchMoeLayerEp, RowsOfAllRanksAreEveryAssignment) {
+  Communicator& world = testing::test_world();
+  const std::vector<MoeBenchResult> r = bench_moe_layer(small_ep(world));
   ASSERT_EQ(r.size(), 2u);
   for (const MoeBenchResult& x : r) {
     SCOPED_TRACE(x.routing);
@@ -42,16 +51,8 @@ TEST(BenchMoeLayerEp, RowsOfAllRanksAreEveryAssignment) {
 TEST(BenchMoeLayerEp, HierarchicalDispatcherOverEmulatedNodes) {
   Communicator& world = testing::test_world();
   if (world.size() == 1) GTEST_SKIP() << "one rank: no expert parallelism";
-  MoeBenchOptions o;
-  o.shapes = {"tiny"};
-  o.tokens = 64;
-  o.reps = 2;
-  o.warmup = 1;
-  o.device = Device::cpu;
-  o.overrides = {"moe.num_experts=8", "moe.num_experts_per_tok=2", "moe.dispatcher=hierarchical",
-                 "parallel.ranks_per_node=1"};
-  o.ep = &world;
-  for (const MoeBenchResult& x : bench_moe_layer(o)) {
+  for (const MoeBenchResult& x :
+       bench_moe_layer(small_ep(world, {"moe.dispatcher=hierarchical", "parallel.ranks_per_node=1"}))) {
     SCOPED_TRACE(x.routing);
     int64_t rows = x.rows;
     world.all_reduce(Tensor(&rows, DType::i64, {1}), ReduceOp::sum);
