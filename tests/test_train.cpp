@@ -381,6 +381,36 @@ const std::vector<std::string> kDeepSeek = {"model.architecture=deepseek_v3",
 // The distributed optimizer on one rank (its whole path, shard groups of one): see sharding_check.h.
 // With bf16 moments too: both runs keep them in bf16, checkpoints in f32, and every resume
 // continues with the same bits.
+// train.cuda_graphs on a CPU run: one line says why it is not used, and training is as without
+// (CPU ranks run every op themselves); an unknown value is refused naming the key.
+TEST(Trainer, CudaGraphsOnTheCpuSayWhy) {
+  testing::TempDir dir("trainer_graphs");
+  const std::string data = testing::make_train_data(dir.path());
+  std::vector<double> losses[2];
+  for (int g = 0; g < 2; ++g) {
+    const Config cfg = testing::small_train_config(data, {g ? "train.cuda_graphs=layers" : "train.cuda_graphs=none"});
+    const TokenDataset tokens = open_token_dataset(cfg.data.path);
+    OneRank r(cfg);
+    Trainer t(cfg, tokens, r.mesh, Device::cpu);
+    t.init_fresh();
+    for (int i = 0; i < 2; ++i) losses[g].push_back(t.train_step().loss);
+    EXPECT_EQ(t.cuda_graphs_note(), g ? "train.cuda_graphs = \"layers\" not used: a CPU run (nothing to capture)" : "");
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_THROW(
+      {
+        try {
+          testing::small_train_config(data, {"train.cuda_graphs=step"}).validate();
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("train.cuda_graphs = 'step' is not supported (none, layers)"),
+                    std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      Error);
+}
+
 TEST(Trainer, DistributedOptimizerOnOneRankChangesNothing) {
   testing::expect_one_rank_sharding_changes_nothing(Device::cpu, {});
   testing::expect_one_rank_sharding_changes_nothing(Device::cpu,

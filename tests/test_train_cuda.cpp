@@ -379,5 +379,70 @@ TEST(TrainCuda, StepLoopAllocatesNoDeviceMemory) {
   EXPECT_EQ(device_bytes_in_use(), in_use);
 }
 
+// train.cuda_graphs = "layers" changes nothing: the same losses (router losses included: they
+// are read from the device after the layers), gradient norms and weights, bit for bit, over steps
+// of two micro-batches (the backward's two graphs: writing and adding to the expert gradients),
+// with evaluations between them; the layers are replayed, none falls back. Qwen3-like with z-loss,
+// and DeepSeek-V3-like (MLA, shared experts, sequence aux loss, expert bias); padded capacity too.
+TEST(TrainCuda, CudaGraphsChangeNothing) {
+  MF_REQUIRE_GPU();
+  testing::TempDir dir("train_cuda_graphs");
+  const std::string data = testing::make_train_data(dir.path());
+  std::vector<std::string> deepseek = kDeepSeek;
+  deepseek.push_back("model.num_nextn_predict_layers=0");
+  for (std::vector<std::string> extra :
+       {std::vector<std::string>{}, deepseek,
+        std::vector<std::string>{"moe.capacity_factor=1.25", "moe.pad_to_capacity=true"}}) {
+    extra.push_back("moe.moe_intermediate_size=16");  // CUTLASS's grouped GEMMs (widths of 8s): no waits
+    SCOPED_TRACE(extra.size() > 3 ? "deepseek-v3-like" : extra.size() > 1 ? "padded capacity" : "qwen3-like");
+    std::vector<std::vector<double>> runs;
+    std::vector<std::vector<float>> weights;
+    for (const char* graphs : {"none", "layers"}) {
+      std::vector<std::string> ov = extra;
+      ov.push_back(std::string("train.cuda_graphs=") + graphs);
+      const Config cfg = testing::small_train_config(data, ov);
+      const TokenDataset tokens = open_token_dataset(cfg.data.path);
+      OneRank a(cfg);
+      Trainer gpu(cfg, tokens, a.mesh, Device::cuda);
+      gpu.init_fresh();
+      std::vector<double>& got = runs.emplace_back();
+      for (int i = 0; i < 6; ++i) {
+        const StepMetrics& m = gpu.train_step();
+        got.insert(got.end(), {m.loss, m.lm_loss, m.aux_loss, m.z_loss, m.grad_norm});
+        if (i == 2) got.push_back(gpu.evaluate());
+      }
+      EXPECT_EQ(gpu.cuda_graphs_note(), "") << graphs;
+      const int64_t replays = gpu.model().cuda_graphs().replays();
+      if (std::string(graphs) == "layers") {
+        EXPECT_GT(replays, 0) << "no layer was replayed";
+      }
+      std::vector<float>& w = weights.emplace_back();
+      for (const Param& p : gpu.memory().params())
+        if (p.value.dtype() == DType::f32) {
+          const std::vector<float> v = to_host(p.value);
+          w.insert(w.end(), v.begin(), v.end());
+        }
+    }
+    EXPECT_EQ(runs[0], runs[1]) << "losses, router losses, gradient norms and an evaluation, without and with graphs";
+    EXPECT_TRUE(weights[0] == weights[1]) << "the weights after 6 steps";
+  }
+}
+
+// Where a feature prevents capture, the run says why and trains as without graphs.
+TEST(TrainCuda, CudaGraphsSayWhyTheyAreNotUsed) {
+  MF_REQUIRE_GPU();
+  testing::TempDir dir("train_cuda_graphs_refused");
+  const Config cfg = testing::small_train_config(testing::make_train_data(dir.path()),
+                                                 {"train.cuda_graphs=layers", "moe.capacity_factor=1.25"});
+  const TokenDataset tokens = open_token_dataset(cfg.data.path);
+  OneRank a(cfg);
+  Trainer gpu(cfg, tokens, a.mesh, Device::cuda);
+  gpu.init_fresh();
+  gpu.train_step();
+  EXPECT_NE(gpu.cuda_graphs_note().find("moe.capacity_factor without moe.pad_to_capacity"), std::string::npos)
+      << gpu.cuda_graphs_note();
+  EXPECT_EQ(gpu.model().cuda_graphs().replays(), 0);
+}
+
 }  // namespace
 }  // namespace moefold

@@ -569,8 +569,17 @@ bool Memory::accumulate_grad(size_t index) {
            index, " is not written by its backward");
   Param& p = params_[index];
   const bool accumulate = p.written_generation == grad_generation_;
+  if (grad_writes_ != nullptr) grad_writes_->push_back({index, p.written_generation});
   p.written_generation = grad_generation_;
   return accumulate;
+}
+
+void Memory::mark_grads_written(const std::vector<GradWrite>& writes) {
+  for (const GradWrite& w : writes) params_[w.index].written_generation = grad_generation_;
+}
+
+void Memory::restore_grad_writes(const std::vector<GradWrite>& writes) {
+  for (auto it = writes.rbegin(); it != writes.rend(); ++it) params_[it->index].written_generation = it->previous;
 }
 
 Tensor Memory::grad_block(ParamGroup group) const {

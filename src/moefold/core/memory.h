@@ -420,6 +420,17 @@ class Memory {
   bool accumulate_grad(size_t index);
   // Incremented by every zero_grads(): a backward compares it with the generation it last wrote.
   int64_t grad_generation() const { return grad_generation_; }
+  // CUDA graphs (train.cuda_graphs): while `into` is set, accumulate_grad records each parameter
+  // it is asked about with the generation it had written before; a replayed backward marks the
+  // same parameters written in this generation (as running it would have), and a failed capture
+  // puts back what it recorded.
+  struct GradWrite {
+    size_t index = 0;
+    int64_t previous = -1;
+  };
+  void record_grad_writes(std::vector<GradWrite>* into) { grad_writes_ = into; }
+  void mark_grads_written(const std::vector<GradWrite>& writes);
+  void restore_grad_writes(const std::vector<GradWrite>& writes);
   // All gradients of a group as one flat tensor (for one all-reduce); padding between
   // parameters is zero and stays zero. Empty when the group has no parameters.
   Tensor grad_block(ParamGroup group) const;
@@ -449,6 +460,7 @@ class Memory {
   Device device_ = Device::cpu;
   const ExecContext* exec_;
   int64_t grad_generation_ = 0;
+  std::vector<GradWrite>* grad_writes_ = nullptr;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
   Arena fp8_;                        // the FP8 weight copies (Param::fp8)
   Arena staging_[kNumParamGroups];   // host: sharded masters' staging with bf16 gradients

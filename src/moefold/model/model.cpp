@@ -295,6 +295,8 @@ Model::Model(const ModelConfig& m, const MoeConfig& e, int64_t micro_batch, int6
 
 void Model::bind(Memory& mem) {
   ctx_ = &mem.exec();
+  mem_ = &mem;
+  graphs_.clear();
   const int64_t h = cfg_.hidden_size, n = tp_ ? tp_->size() : 1;
   const int64_t v = cfg_.vocab_size / n;
   const double std = cfg_.initializer_range;
@@ -440,7 +442,8 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS,
       ctx_->wait_for(*copy_);
       if (offloads(l - 1)) offload_after_forward(l - 1);
     }
-    layers_[l]->forward(res_[l], res_[l + 1]);
+    graphs_.forward(
+        *ctx_, *mem_, l, [&] { layers_[l]->forward(res_[l], res_[l + 1]); }, [&] { layers_[l]->forward_replayed(); });
   }
   if (copy_ && offloads(num_layers() - 1)) offload_after_forward(num_layers() - 1);
   if (!last_stage_) return 0.0;  // the caller sends output() on
@@ -531,7 +534,7 @@ void Model::backward(double lm_grad_scale, double moe_loss_scale, const std::fun
       ProfileScope scope("recompute layers forward");
       for (int64_t j = chunk_first_[l]; j <= l; ++j) layers_[j]->forward(res_[j], res_[j + 1]);
     }
-    layers_[l]->backward(dres_TH_, moe_loss_scale);
+    graphs_.backward(*ctx_, *mem_, l, moe_loss_scale, [&] { layers_[l]->backward(dres_TH_, moe_loss_scale); });
     if (grads_ready) grads_ready(first_layer_ + l);
   }
   if (first_stage_) embed_backward(ids_, dres_TH_);  // else stream_grad() is d(input) for the caller

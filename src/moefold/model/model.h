@@ -13,6 +13,7 @@
 #include "moefold/core/memory.h"
 #include "moefold/model/attention.h"
 #include "moefold/model/config.h"
+#include "moefold/model/layer_graphs.h"
 #include "moefold/model/mlp.h"
 #include "moefold/moe/moe_layer.h"
 #include "moefold/parallel/vocab_parallel.h"
@@ -63,6 +64,11 @@ class DecoderLayer {
             bool whole = false);
   // x_TH -> out_TH (written); x_TH must stay unchanged until backward.
   void forward(const Tensor& x_TH, const Tensor& out_TH);
+  // Its forward was replayed from a CUDA graph: the host state forward leaves beside the device's
+  // (the router's losses, to be read again).
+  void forward_replayed() {
+    if (moe_) moe_->forward_replayed();
+  }
   // On entry dres_TH = d(out); on exit d(x). moe_loss_scale weights the router losses.
   void backward(const Tensor& dres_TH, double moe_loss_scale);
   // forward and backward in the MoE layer's three phases (MoeLayer): begin (through the dispatch /
@@ -178,6 +184,10 @@ class Model {
   // step's first forward nor its last backward is paired).
   static double forward_backward(Model& fwd, const Tensor& ids_BS, const Tensor& targets_BS, Model& bwd,
                                  double lm_grad_scale, double moe_loss_scale);
+  // train.cuda_graphs = "layers": forward and backward replay each decoder layer as CUDA graphs
+  // (model/layer_graphs.h). REQUIRES: what the trainer checks (cuda_graphs_refusal).
+  void set_cuda_graphs(bool on) { graphs_.set_enabled(on); }
+  const LayerGraphs& cuda_graphs() const { return graphs_; }
 
   // Router losses of the last forward, summed over layers (already times their coefficients);
   // aux_loss holds both load-balancing losses (Switch and sequence-level).
@@ -261,6 +271,8 @@ class Model {
   int64_t vocab_offset_ = 0;                       // first vocabulary row held here (tensor parallelism)
   std::unique_ptr<ContextParallelAttention> cpa_;  // shared by every layer (stateless between calls)
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
+  Memory* mem_ = nullptr;  // bound through
+  LayerGraphs graphs_;
   std::vector<MoeLayer*> moe_layers_;
   std::vector<std::unique_ptr<MtpDepth>> mtp_;
   AttentionScratch scratch_;

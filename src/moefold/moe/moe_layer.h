@@ -93,6 +93,7 @@ class MoeLayer {
   void backward_dispatch(const Tensor& dx_TH, double loss_scale);
 
   // From the last forward, already multiplied by their coefficients.
+  void forward_replayed() { router_.forward_replayed(); }  // see DecoderLayer::forward_replayed
   double aux_loss() const { return router_.aux_loss(); }
   double z_loss() const { return router_.z_loss(); }
   double seq_aux_loss() const { return router_.seq_aux_loss(); }

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <utility>
 
+#include "moefold/core/device.h"
 #include "moefold/ops/moe_ops.h"
 #include "moefold/ops/ops.h"
 
@@ -56,6 +57,7 @@ void Router::bind(Memory& mem) {
   dlogits_buf_ = mem.scratch({max_tokens_, e_n}, rd);
   dextra_buf_ = mem.scratch({max_tokens_, e_n}, rd);
   counts_E_ = mem.result({e_n}, DType::i64);  // the trainer reads it after the whole forward
+  losses_3_ = mem.result({3}, DType::f64);    // and these
   group_counts_E_ = mem.act({e_n}, DType::i64);
   if (cfg_.seq_aux_loss_coeff > 0) seq_counts_buf_ = mem.act({std::max<int64_t>(num_seqs_, 1), e_n}, DType::i64);
   bound_ = true;
@@ -100,9 +102,9 @@ void Router::forward(const Tensor& x_TH) {
     token_group_->all_reduce(group_counts_E_, ReduceOp::sum);
     total_tokens_ = t_n * token_group_->size();  // every rank of the group holds as many tokens
   }
-  aux_loss_ = cfg_.aux_loss_coeff * aux_loss_forward(*ctx_, scores_, cfg_.scoring_func, group_counts_E_,
-                                                     cfg_.num_experts_per_tok, total_tokens_);
-  seq_aux_loss_ = 0;
+  losses_read_ = false;
+  aux_loss_forward(*ctx_, scores_, cfg_.scoring_func, group_counts_E_, cfg_.num_experts_per_tok, total_tokens_,
+                   losses_3_.slice(0, 1));
   if (cfg_.seq_aux_loss_coeff > 0) {
     int64_t b_n = num_seqs_;
     if (num_seqs_ > 0) {
@@ -114,10 +116,19 @@ void Router::forward(const Tensor& x_TH) {
     seq_counts_BE_ = seq_counts_buf_.slice(0, b_n);
     seq_expert_counts(*ctx_, topk_idx_, seq_layout_, seq_counts_BE_);
     if (grouped) token_group_->all_reduce(seq_counts_BE_, ReduceOp::sum);
-    seq_aux_loss_ = cfg_.seq_aux_loss_coeff * seq_aux_loss_forward(*ctx_, scores_, cfg_.scoring_func, seq_counts_BE_,
-                                                                   cfg_.num_experts_per_tok, seq_layout_);
+    seq_aux_loss_forward(*ctx_, scores_, cfg_.scoring_func, seq_counts_BE_, cfg_.num_experts_per_tok, seq_layout_,
+                         losses_3_.slice(1, 2));
   }
-  z_loss_ = cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff * z_loss_forward(*ctx_, logits_, total_tokens_) : 0.0;
+  if (cfg_.z_loss_coeff > 0) z_loss_forward(*ctx_, logits_, total_tokens_, losses_3_.slice(2, 3));
+}
+
+double Router::loss(int i) const {
+  if (!losses_read_) {
+    // From the GPU: waits. (A raw copy: no Tensor, whose shape would allocate in the step loop.)
+    device_copy(losses_host_, Device::cpu, losses_3_.data(), losses_3_.device(), sizeof(losses_host_), ctx_->stream());
+    losses_read_ = true;
+  }
+  return losses_host_[i];
 }
 
 Tensor Router::router_input(const Tensor& x_TH) {

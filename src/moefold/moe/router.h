@@ -57,10 +57,16 @@ class Router {
   const Tensor& topk_idx() const { return topk_idx_; }           // i32 [T, K]
   const Tensor& topk_prob() const { return topk_prob_; }         // [T, K]
   const Tensor& tokens_per_expert() const { return counts_E_; }  // i64 [E], before capacity dropping
-  double aux_loss() const { return aux_loss_; }                  // aux_loss_coeff * aux
-  double seq_aux_loss() const { return seq_aux_loss_; }          // seq_aux_loss_coeff * seq aux (this rank's share)
-  double z_loss() const { return z_loss_; }                      // z_loss_coeff * z
-  const Tensor& expert_bias() const { return bias_E_; }          // [E]; undefined without cfg.expert_bias
+  // The losses of the last forward (0 before one). The forward leaves them on the device (it never
+  // waits for them); the first of these calls after it reads them (waits for the device).
+  double aux_loss() const { return cfg_.aux_loss_coeff * loss(0); }  // aux_loss_coeff * aux
+  // Its forward's device work ran again (a CUDA graph replayed it): the losses are new.
+  void forward_replayed() { losses_read_ = false; }
+  double seq_aux_loss() const {  // seq_aux_loss_coeff * seq aux (this rank's share)
+    return cfg_.seq_aux_loss_coeff > 0 ? cfg_.seq_aux_loss_coeff * loss(1) : 0.0;
+  }
+  double z_loss() const { return cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff * loss(2) : 0.0; }  // z_loss_coeff * z
+  const Tensor& expert_bias() const { return bias_E_; }  // [E]; undefined without cfg.expert_bias
 
  private:
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
@@ -91,7 +97,12 @@ class Router {
   SeqLayout seq_layout_;
   Tensor seq_counts_buf_, seq_counts_BE_;
   Tensor logits_, scores_, topk_idx_, topk_prob_;
-  double aux_loss_ = 0, seq_aux_loss_ = 0, z_loss_ = 0;
+  // f64 [3] where the forward writes aux, seq aux and z (before their coefficients), and their
+  // host copy once read.
+  Tensor losses_3_;
+  mutable double losses_host_[3] = {0, 0, 0};
+  mutable bool losses_read_ = true;  // nothing to read before the first forward
+  double loss(int i) const;
 };
 
 }  // namespace moefold

@@ -50,6 +50,10 @@ void router_topk_backward(const ExecContext& ctx, const Tensor& scores_TE, const
 // counts_E[e] = number of (t, k) with topk_idx_TK[t, k] == e (i64, written).
 void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& counts_E);
 
+// The router losses below return their value; given loss_1 (f64 [1] on the device of their
+// scores / logits), they write it there instead and return NaN without waiting for the device
+// (a step whose layers never wait: the value is read after the layer, the same bits).
+
 // ---- load-balancing loss (Switch Transformer eq. 4 / GShard, normalised as Megatron-Core's
 // switch_load_balancing_loss_func): aux = E / (T*T*K) * sum_e (sum_t p_te) * counts_E[e], where
 // p is the full score distribution (softmax scores; sigmoid scores normalised per token to sum
@@ -59,7 +63,7 @@ void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const
 // micro-batch and total_tokens = T of all of them, each rank returns its share (the sum over the
 // ranks is the aux loss of the whole micro-batch) and its tokens' gradient. 0: T of this call.
 double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
-                        int64_t k, int64_t total_tokens = 0);
+                        int64_t k, int64_t total_tokens = 0, const Tensor& loss_1 = Tensor());
 // dlogits_TE = grad_scale * d(aux)/d(logits) (written).
 void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
                        int64_t k, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens = 0);
@@ -88,7 +92,8 @@ void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const 
                        const Tensor& counts_BE);
 // This rank's share of the loss: E / (K * S^2 * B) * sum_t sum_e counts_BE[b(t), e] * p_te.
 double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
-                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout);
+                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout,
+                            const Tensor& loss_1 = Tensor());
 // dlogits_TE = grad_scale * d(share)/d(logits) (written).
 void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout, double grad_scale,
@@ -103,7 +108,8 @@ void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tens
 
 // ---- router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): z = mean_t (logsumexp_e logits_te)^2 ------
 // The mean is over total_tokens (0: T of this call), as for the aux loss.
-double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens = 0);
+double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens = 0,
+                      const Tensor& loss_1 = Tensor());
 // dlogits_TE = grad_scale * 2 * lse_t / T * softmax(logits)_te (written).
 void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE,
                      int64_t total_tokens = 0);
@@ -115,7 +121,10 @@ void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double gra
 // gets exactly `capacity` rows; the unused ones have token_R = -1. A negative topk_idx is an empty
 // slot (HierarchicalDispatcher's relayed tokens carry fewer than K experts): no row, row_TK = -1.
 // Outputs (all i64, written): counts_E (rows per expert, padding included), offsets_E1 [E+1],
-// row_TK [T, K], token_R (at least the returned number of rows R). Returns R.
+// row_TK [T, K], token_R (at least the returned number of rows R). Returns R. wait = false, where
+// the caller knows R (dropless without empty slots: T*K; padded: E*capacity), returns that R
+// without waiting for the device; on a GPU a bad index then stops the kernel (a device trap that
+// the next CUDA call reports) instead of failing here.
 // REQUIRES: topk_idx < E, its non-negative entries distinct within a token; token_R large enough
 // (checked).
 struct PermutePlanOut {
@@ -125,7 +134,7 @@ struct PermutePlanOut {
   Tensor token_R;
 };
 int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
-                         int64_t capacity, bool pad, const PermutePlanOut& out);
+                         int64_t capacity, bool pad, const PermutePlanOut& out, bool wait = true);
 
 // rows_RH[r] = x_TH[token_R[r]] (zero for padding rows). R = rows_RH.size(0) <= token_R.numel().
 void moe_permute(const ExecContext& ctx, const Tensor& x_TH, const Tensor& token_R, const Tensor& rows_RH);

@@ -231,6 +231,8 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                  static_cast<double>(trainer.planned_bytes()) / (1 << 20), static_cast<long long>(data->num_tokens()),
                  static_cast<long long>(cfg.train.global_batch_size * cfg.train.seq_len), static_cast<long long>(stop),
                  opts.run_dir.c_str());
+  std::string graphs_note = trainer.cuda_graphs_note();  // said once, and again if it changes
+  if (lead && !graphs_note.empty()) std::fprintf(stderr, "moefold: %s\n", graphs_note.c_str());
   std::ofstream metrics;
   if (lead) metrics.open(metrics_path, std::ios::app);
   // expert_load.npy: a slice every expert_load_interval steps, those past the resumed step cut off.
@@ -360,6 +362,10 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
                         interval > 0 && m.step % interval == 0);
       w.write_step(m.step);
     });
+    if (const std::string note = trainer.cuda_graphs_note(); note != graphs_note) {
+      graphs_note = note;
+      if (lead) std::fprintf(stderr, "%smoefold: %s\n", tty ? "\n" : "", note.c_str());
+    }
     const double eta = elapsed / static_cast<double>(steps_done) * static_cast<double>(stop - m.step);
     if (!opts.quiet && tty) progress(m, stop, static_cast<double>(m.tokens) * steps_done / elapsed, eta);
     if (lead && ((log_every > 0 && m.step % log_every == 0) || last)) {

@@ -44,6 +44,20 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
   };
 }
 
+std::string cuda_graphs_refusal(const Config& cfg, const Mesh& mesh, Device device) {
+  if (cfg.train.cuda_graphs == "none") return "";
+  if (device != Device::cuda) return "a CPU run (nothing to capture)";
+  if (mesh.world->size() > 1)
+    return "several ranks (the layers' collectives and expert exchanges are not captured yet)";
+  if (cfg.moe.capacity_factor > 0 && !cfg.moe.pad_to_capacity)
+    return "moe.capacity_factor without moe.pad_to_capacity (the expert rows follow the routing)";
+  if (cfg.train.fp8 != "none") return "train.fp8 (the FP8 weights are quantized inside a step's first forward)";
+  if (!cfg.train.offload_modules.empty()) return "train.offload_modules (copies between the layers)";
+  if (cfg.train.recompute_num_layers > 0 || !cfg.train.recompute_modules.empty())
+    return "train.recompute_* (recomputed forwards inside the backward)";
+  return "";
+}
+
 int64_t moe_layers_before(const ModelConfig& m, int64_t layer) {
   int64_t n = 0;
   for (int64_t l = 0; l < layer; ++l) n += m.is_dense_layer(l) ? 0 : 1;
@@ -176,6 +190,9 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   grads_reducer_.emplace(mem_, model_.total_layers(), grad_groups());
   for (size_t k = 0; k < models_.size(); ++k)
     if (k == 0 || models_[k]->first_layer() != models_[k - 1]->first_layer()) chunk_base_.push_back(k);
+  graphs_refusal_ = cuda_graphs_refusal(cfg_, mesh_, device);
+  if (cfg_.train.cuda_graphs == "layers" && graphs_refusal_.empty())
+    for (const std::unique_ptr<Model>& m : models_) m->set_cuda_graphs(true);
   if (mesh_.dims.pp > 1 || cfg_.parallel.overlap_moe_a2a) {  // decided once: the step loop allocates nothing
     pipeline_ops_ = pipeline_ops(mesh_.dims.pp, mesh_.dims.vpp, mesh_.pp_rank, local_micro_batches(),
                                  cfg_.parallel.overlap_moe_a2a);
@@ -507,6 +524,15 @@ void Trainer::accumulate_gradients() {
     out.expert_load_dropped_fraction[l] = sum > 0 ? buf_.dropped_L.ptr<double>()[l] / sum : 0;
   }
   out.inter_node_bytes = buf_.inter_node_bytes.ptr<double>()[0];
+}
+
+std::string Trainer::cuda_graphs_note() const {
+  if (cfg_.train.cuda_graphs == "none") return "";
+  if (!graphs_refusal_.empty()) return "train.cuda_graphs = \"layers\" not used: " + graphs_refusal_;
+  for (const std::unique_ptr<Model>& m : models_)
+    if (!m->cuda_graphs().fallback().empty())
+      return "train.cuda_graphs = \"layers\" stopped: " + m->cuda_graphs().fallback();
+  return "";
 }
 
 int64_t Trainer::take_inter_node_bytes() {

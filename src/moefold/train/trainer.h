@@ -99,6 +99,8 @@ void apply_memory_options(Memory& mem, const TrainConfig& train);
 void bind_training(Memory& mem, std::vector<std::unique_ptr<Model>>& models, const Config& cfg, StepBuffers& buffers);
 // The dispatchers of the model's MoE layers on `mesh` (empty: local experts). Keeps references.
 DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh);
+// train.cuda_graphs = "layers" on `device` under `mesh`: what prevents capture (empty: nothing).
+std::string cuda_graphs_refusal(const Config& cfg, const Mesh& mesh, Device device);
 // The distributed optimizer's layout: each group sharded over the ranks that reduce it.
 ShardLayout shard_layout_for(const Mesh& mesh, const Model& model);
 
@@ -134,6 +136,9 @@ class Trainer {
 
   // Bytes reserved before step 0: parameters, gradients, activations, the optimizer's state.
   size_t planned_bytes() const { return planned_bytes_; }
+  // train.cuda_graphs: why the layers are not (or no longer) replayed as graphs; empty when they
+  // are, or when graphs are off.
+  std::string cuda_graphs_note() const;
   size_t optimizer_bytes() const { return opt_.state_bytes(); }
   int64_t step() const { return step_; }
   const StepMetrics& metrics() const { return metrics_; }
@@ -201,6 +206,7 @@ class Trainer {
   std::vector<double> sorted_loads_;  // one layer's expert loads, sorted for the percentiles (sized once)
   int64_t step_ = 0;
   size_t planned_bytes_ = 0;
+  std::string graphs_refusal_;  // cuda_graphs_refusal of this run
 };
 
 }  // namespace moefold

@@ -16,7 +16,7 @@ namespace moefold {
 // ---- permutation plan --------------------------------------------------------------------------
 
 int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
-                         int64_t capacity, bool pad, const PermutePlanOut& out) {
+                         int64_t capacity, bool pad, const PermutePlanOut& out, bool wait) {
   check_2d(topk_idx_TK, "moe_permute_plan topk_idx");
   check_dtype(topk_idx_TK, DType::i32, "moe_permute_plan topk_idx");
   check_shape(topk_prob_TK, topk_idx_TK.shape(), "moe_permute_plan topk_prob");
@@ -29,7 +29,8 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
   const int64_t a_n = t_n * k_n;  // assignments a = t*K + k
   MF_CHECK(out.offsets_E1.numel() == e_n + 1, "offsets ", out.offsets_E1.str(), " for ", e_n, " experts");
   MF_CHECK(!pad || capacity > 0, "padding needs a capacity");
-  MF_ON_GPU(ctx, topk_idx_TK, cuda::moe_permute_plan(ctx, topk_idx_TK, topk_prob_TK, capacity, pad, out));
+  MF_CHECK(wait || capacity <= 0 || pad, "moe_permute_plan: without waiting R must be known (dropless or padded)");
+  MF_ON_GPU(ctx, topk_idx_TK, cuda::moe_permute_plan(ctx, topk_idx_TK, topk_prob_TK, capacity, pad, out, wait));
   check_on_cpu(topk_idx_TK, "moe_permute_plan topk_idx");
   const int32_t* idx = topk_idx_TK.ptr<int32_t>();
   int64_t* counts = out.counts_E.ptr<int64_t>();
@@ -87,6 +88,8 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
 
   // 3. Row of each assignment; token_R turns from assignment ids into token ids.
   const int64_t num_rows = offsets[e_n];
+  MF_CHECK(wait || num_rows == (pad ? e_n * capacity : a_n), "moe_permute_plan: ", num_rows,
+           " rows where the caller expects ", pad ? e_n * capacity : a_n, " (an empty slot without waiting?)");
   for (int64_t a = 0; a < a_n; ++a) grouped[a] = -1;
   for (int64_t r = 0; r < num_rows; ++r) {
     if (token[r] < 0) continue;

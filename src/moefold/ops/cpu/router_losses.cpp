@@ -2,6 +2,8 @@
 // load-balancing losses (batch and sequence level), the aux-loss-free bias update and the
 // z-loss; the scalar losses are accumulated in double. Gradient rule: dlogits WRITTEN; the
 // counts carry no gradient. CUDA tensors go to ops/cuda/router_losses.cu.
+#include <limits>
+
 #include "moefold/ops/cpu/moe_common.h"
 #include "moefold/ops/dispatch.h"
 #include "moefold/ops/moe_ops.h"
@@ -32,6 +34,19 @@ void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const
 // ---- load-balancing losses ---------------------------------------------------------------------
 
 namespace {
+// A loss's optional output (moe_ops.h): f64 [1].
+void check_loss_out(const Tensor& loss_1, const char* what) {
+  if (!loss_1.defined()) return;
+  check_dtype(loss_1, DType::f64, what);
+  MF_CHECK(loss_1.numel() == 1, what, ": loss ", loss_1.str());
+}
+// The value returned, or written to loss_1 (a host tensor here) and NaN returned.
+double deliver(double value, const Tensor& loss_1) {
+  if (!loss_1.defined()) return value;
+  check_on_cpu(loss_1, "router loss output");
+  loss_1.ptr<double>()[0] = value;
+  return std::numeric_limits<double>::quiet_NaN();
+}
 void check_aux(const Tensor& scores_TE, const Tensor& counts_E, int64_t k) {
   check_2d(scores_TE, "aux_loss scores");
   check_dtype(counts_E, DType::i64, "aux_loss counts");
@@ -73,20 +88,25 @@ void weighted_prob_row_backward(const T* s, int64_t e_n, ScoreFunc score_func, c
 }  // namespace
 
 double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
-                        int64_t k, int64_t total_tokens) {
+                        int64_t k, int64_t total_tokens, const Tensor& loss_1) {
   check_aux(scores_TE, counts_E, k);
-  MF_ON_GPU(ctx, scores_TE, cuda::aux_loss_forward(ctx, scores_TE, score_func, counts_E, k, total_tokens));
+  check_loss_out(loss_1, "aux_loss_forward");
+  MF_ON_GPU(ctx, scores_TE, cuda::aux_loss_forward(ctx, scores_TE, score_func, counts_E, k, total_tokens, loss_1));
   check_on_cpu(scores_TE, "aux_loss scores");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
-  if (t_n == 0) return 0.0;
+  if (t_n == 0) return deliver(0.0, loss_1);
   const int64_t t_all = total_tokens > 0 ? total_tokens : t_n;
   const int64_t* counts = counts_E.ptr<int64_t>();
-  return dispatch_float(scores_TE.dtype(), [&]<class T>() {
-    const T* scores = scores_TE.ptr<T>();
-    double total = 0;
-    for (int64_t t = 0; t < t_n; ++t) total += weighted_prob_row(scores + t * e_n, e_n, score_func, counts);
-    return total * static_cast<double>(e_n) / (static_cast<double>(t_all) * static_cast<double>(t_all) * k);
-  });
+  return deliver(dispatch_float(scores_TE.dtype(),
+                                [&]<class T>() {
+                                  const T* scores = scores_TE.ptr<T>();
+                                  double total = 0;
+                                  for (int64_t t = 0; t < t_n; ++t)
+                                    total += weighted_prob_row(scores + t * e_n, e_n, score_func, counts);
+                                  return total * static_cast<double>(e_n) /
+                                         (static_cast<double>(t_all) * static_cast<double>(t_all) * k);
+                                }),
+                 loss_1);
 }
 
 void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
@@ -154,24 +174,28 @@ void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const 
 }
 
 double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
-                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout) {
+                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout, const Tensor& loss_1) {
   check_seq_aux(scores_TE, counts_BE, k, layout);
-  MF_ON_GPU(ctx, scores_TE, cuda::seq_aux_loss_forward(ctx, scores_TE, score_func, counts_BE, k, layout));
+  check_loss_out(loss_1, "seq_aux_loss_forward");
+  MF_ON_GPU(ctx, scores_TE, cuda::seq_aux_loss_forward(ctx, scores_TE, score_func, counts_BE, k, layout, loss_1));
   check_on_cpu(scores_TE, "seq_aux_loss scores");
   check_on_cpu(counts_BE, "seq_aux_loss counts");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
-  if (t_n == 0) return 0.0;
+  if (t_n == 0) return deliver(0.0, loss_1);
   const int64_t* counts = counts_BE.ptr<int64_t>();
-  return dispatch_float(scores_TE.dtype(), [&]<class T>() {
-    const T* scores = scores_TE.ptr<T>();
-    double total = 0;
-    for (int64_t t = 0; t < t_n; ++t) {
-      const int64_t* cb = counts + (layout.row_offset + t) / layout.local_seq_len * e_n;
-      total += weighted_prob_row(scores + t * e_n, e_n, score_func, cb);
-    }
-    const double s_n = static_cast<double>(layout.seq_len);
-    return total * static_cast<double>(e_n) / (static_cast<double>(k) * s_n * s_n * static_cast<double>(b_n));
-  });
+  return deliver(dispatch_float(scores_TE.dtype(),
+                                [&]<class T>() {
+                                  const T* scores = scores_TE.ptr<T>();
+                                  double total = 0;
+                                  for (int64_t t = 0; t < t_n; ++t) {
+                                    const int64_t* cb = counts + (layout.row_offset + t) / layout.local_seq_len * e_n;
+                                    total += weighted_prob_row(scores + t * e_n, e_n, score_func, cb);
+                                  }
+                                  const double s_n = static_cast<double>(layout.seq_len);
+                                  return total * static_cast<double>(e_n) /
+                                         (static_cast<double>(k) * s_n * s_n * static_cast<double>(b_n));
+                                }),
+                 loss_1);
 }
 
 void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
@@ -227,21 +251,24 @@ void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tens
 
 // ---- router z-loss -----------------------------------------------------------------------------
 
-double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens) {
+double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens, const Tensor& loss_1) {
   check_2d(logits_TE, "z_loss logits");
-  MF_ON_GPU(ctx, logits_TE, cuda::z_loss_forward(ctx, logits_TE, total_tokens));
+  check_loss_out(loss_1, "z_loss_forward");
+  MF_ON_GPU(ctx, logits_TE, cuda::z_loss_forward(ctx, logits_TE, total_tokens, loss_1));
   check_on_cpu(logits_TE, "z_loss logits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
-  if (t_n == 0) return 0.0;
-  return dispatch_float(logits_TE.dtype(), [&]<class T>() {
-    const T* logits = logits_TE.ptr<T>();
-    double total = 0;
-    for (int64_t t = 0; t < t_n; ++t) {
-      double lse = static_cast<double>(softmax_row<T>(logits + t * e_n, e_n, nullptr));
-      total += lse * lse;
-    }
-    return total / static_cast<double>(total_tokens > 0 ? total_tokens : t_n);
-  });
+  if (t_n == 0) return deliver(0.0, loss_1);
+  return deliver(dispatch_float(logits_TE.dtype(),
+                                [&]<class T>() {
+                                  const T* logits = logits_TE.ptr<T>();
+                                  double total = 0;
+                                  for (int64_t t = 0; t < t_n; ++t) {
+                                    double lse = static_cast<double>(softmax_row<T>(logits + t * e_n, e_n, nullptr));
+                                    total += lse * lse;
+                                  }
+                                  return total / static_cast<double>(total_tokens > 0 ? total_tokens : t_n);
+                                }),
+                 loss_1);
 }
 
 void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE,

@@ -247,12 +247,23 @@ __global__ void plan_capacity_kernel(const int* grouped, const float* prob, cons
     if (r0 + i < max_rows) token[r0 + i] = -1;
 }
 
+// wait = false: what the host would have checked, checked here (a trap stops the stream's work).
+__global__ void plan_check_kernel(const unsigned long long* info, int64_t expected_rows) {
+  MF_DEVICE_REQUIRE(info[kBadIndex] == kNoAssignment, "moe_permute_plan: assignment %llu has an expert index >= E",
+                    info[kBadIndex]);
+  MF_DEVICE_REQUIRE(info[kDuplicate] == kNoAssignment, "moe_permute_plan: assignment %llu repeats its token's expert",
+                    info[kDuplicate]);
+  MF_DEVICE_REQUIRE(info[kRows] == static_cast<unsigned long long>(expected_rows),
+                    "moe_permute_plan: %llu rows, the caller expects %lld", info[kRows],
+                    static_cast<long long>(expected_rows));
+}
+
 }  // namespace
 
 // ---- permutation plan --------------------------------------------------------------------------
 
 int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
-                         int64_t capacity, bool pad, const PermutePlanOut& out) {
+                         int64_t capacity, bool pad, const PermutePlanOut& out, bool wait) {
   check_cuda_tensor(topk_idx_TK, "moe_permute_plan topk_idx");
   check_cuda_dtype(topk_prob_TK, DType::f32, "moe_permute_plan topk_prob (CUDA: f32)");
   for (const Tensor* t : {&out.counts_E, &out.offsets_E1, &out.row_TK, &out.token_R})
@@ -305,6 +316,13 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
     plan_capacity_kernel<<<e, kPlanThreads, 0, stream_of(ctx)>>>(
         grouped, topk_prob_TK.ptr<float>(), n_assign, assign_off, offsets, counts, capacity, k, max_rows, row, token);
     MF_CUDA_LAUNCHED("moe_permute_plan capacity");
+  }
+  if (!wait) {
+    const int64_t rows = pad ? e_n * capacity : a_n;
+    MF_CHECK(rows <= max_rows, "permute plan needs more than ", max_rows, " rows");
+    plan_check_kernel<<<1, 1, 0, stream_of(ctx)>>>(info, rows);
+    MF_CUDA_LAUNCHED("moe_permute_plan check");
+    return rows;
   }
   unsigned long long host[kNumPlanInfo];
   MF_CUDA_CHECK(cudaMemcpyAsync(host, info, info_bytes, cudaMemcpyDeviceToHost, stream_of(ctx)));

@@ -18,7 +18,9 @@ namespace moefold::cuda {
 // Waits for the GPU once: R, and the index checks, come back to the host, which checks the
 // indices like the CPU op (an expert index E or more, a token routed twice; a negative one is an empty slot). Takes
 // scratch (ScratchSlot::permute_plan). REQUIRES: T*K < 2^31, E <= 12288.
+// wait = false: returns the R the caller knows (T*K dropless, E*capacity padded) without waiting;
+// a kernel then checks the indices and R and traps where they fail.
 int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, const Tensor& topk_prob_TK,
-                         int64_t capacity, bool pad, const PermutePlanOut& out);
+                         int64_t capacity, bool pad, const PermutePlanOut& out, bool wait);
 
 }  // namespace moefold::cuda

@@ -116,21 +116,43 @@ __global__ void row_loss_kernel(const float* x, int64_t t_n, int e_n, bool softm
   }
 }
 
-// Sum over tokens of the per-token value, on the host (waits for the GPU).
+// The partial sums in order, times mul, over div (one thread: the host loop's additions).
+__global__ void finish_loss_kernel(const double* partial, int blocks, double mul, double div, double* out) {
+  double total = 0;
+  for (int i = 0; i < blocks; ++i) total += partial[i];
+  out[0] = total * mul / div;
+}
+
+// Sum over tokens of the per-token value, times mul, over div: returned (waits for the GPU), or
+// with `out` (f64 [1] on the GPU) written there without waiting, NaN returned.
 template <int kKind>
-double row_loss_sum(const ExecContext& ctx, const float* x, int64_t t_n, int e_n, bool softmax, const int64_t* counts,
-                    int64_t row_offset, int64_t local_seq_len, const char* what) {
+double row_loss(const ExecContext& ctx, const float* x, int64_t t_n, int e_n, bool softmax, const int64_t* counts,
+                int64_t row_offset, int64_t local_seq_len, double mul, double div, const Tensor& out,
+                const char* what) {
+  if (out.defined()) {
+    check_cuda_dtype(out, DType::f64, what);
+    MF_CHECK(out.numel() == 1, what, ": loss ", out.str());
+  }
+  if (t_n == 0) {
+    if (out.defined()) MF_CUDA_CHECK(cudaMemsetAsync(out.data(), 0, sizeof(double), stream_of(ctx)));
+    return out.defined() ? std::numeric_limits<double>::quiet_NaN() : 0.0;
+  }
   const int blocks = std::min(blocks_for(t_n, kLossWarps), kLossMaxBlocks);
   auto* partial = static_cast<double*>(ctx.scratch(ScratchSlot::router_loss, blocks * sizeof(double)));
   row_loss_kernel<kKind><<<blocks, kLossWarps * kWarp, 0, stream_of(ctx)>>>(x, t_n, e_n, softmax, counts, row_offset,
                                                                             local_seq_len, partial);
   MF_CUDA_LAUNCHED(what);
+  if (out.defined()) {
+    finish_loss_kernel<<<1, 1, 0, stream_of(ctx)>>>(partial, blocks, mul, div, out.ptr<double>());
+    MF_CUDA_LAUNCHED(what);
+    return std::numeric_limits<double>::quiet_NaN();
+  }
   double host[kLossMaxBlocks];
   MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream_of(ctx)));
   MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
   double total = 0;
   for (int i = 0; i < blocks; ++i) total += host[i];
-  return total;
+  return total * mul / div;
 }
 
 // dlogits = d(c0 * sum_e counts_e p_e)/d(logits) for each token (written), in f64: with
@@ -236,15 +258,14 @@ void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const 
 // ---- load-balancing losses ---------------------------------------------------------------------
 
 double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
-                        int64_t k, int64_t total_tokens) {
+                        int64_t k, int64_t total_tokens, const Tensor& loss_1) {
   check_aux(scores_TE, counts_E, "aux_loss_forward");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1);
-  if (t_n == 0) return 0.0;
   const int64_t t_all = total_tokens > 0 ? total_tokens : t_n;
-  const double total =
-      row_loss_sum<0>(ctx, scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax,
-                      counts_E.ptr<int64_t>(), 0, t_n, "aux_loss_forward");
-  return total * static_cast<double>(e_n) / (static_cast<double>(t_all) * static_cast<double>(t_all) * k);
+  return row_loss<0>(ctx, scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax,
+                     counts_E.ptr<int64_t>(), 0, t_n, static_cast<double>(e_n),
+                     static_cast<double>(t_all) * static_cast<double>(t_all) * static_cast<double>(k), loss_1,
+                     "aux_loss_forward");
 }
 
 void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
@@ -262,15 +283,13 @@ void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFun
 }
 
 double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
-                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout) {
+                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout, const Tensor& loss_1) {
   check_aux(scores_TE, counts_BE, "seq_aux_loss_forward");
   const int64_t t_n = scores_TE.size(0), e_n = scores_TE.size(1), b_n = counts_BE.size(0);
-  if (t_n == 0) return 0.0;
-  const double total =
-      row_loss_sum<0>(ctx, scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax,
-                      counts_BE.ptr<int64_t>(), layout.row_offset, layout.local_seq_len, "seq_aux_loss_forward");
   const double s_n = static_cast<double>(layout.seq_len);
-  return total * static_cast<double>(e_n) / (static_cast<double>(k) * s_n * s_n * static_cast<double>(b_n));
+  return row_loss<0>(ctx, scores_TE.ptr<float>(), t_n, static_cast<int>(e_n), score_func == ScoreFunc::softmax,
+                     counts_BE.ptr<int64_t>(), layout.row_offset, layout.local_seq_len, static_cast<double>(e_n),
+                     static_cast<double>(k) * s_n * s_n * static_cast<double>(b_n), loss_1, "seq_aux_loss_forward");
 }
 
 void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
@@ -310,13 +329,11 @@ void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tens
 
 // ---- router z-loss -----------------------------------------------------------------------------
 
-double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens) {
+double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens, const Tensor& loss_1) {
   check_cuda_dtype(logits_TE, DType::f32, "z_loss logits");
   const int64_t t_n = logits_TE.size(0), e_n = logits_TE.size(1);
-  if (t_n == 0) return 0.0;
-  const double total =
-      row_loss_sum<1>(ctx, logits_TE.ptr<float>(), t_n, static_cast<int>(e_n), true, nullptr, 0, t_n, "z_loss_forward");
-  return total / static_cast<double>(total_tokens > 0 ? total_tokens : t_n);
+  return row_loss<1>(ctx, logits_TE.ptr<float>(), t_n, static_cast<int>(e_n), true, nullptr, 0, t_n, 1.0,
+                     static_cast<double>(total_tokens > 0 ? total_tokens : t_n), loss_1, "z_loss_forward");
 }
 
 void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE,

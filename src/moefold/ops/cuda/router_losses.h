@@ -25,17 +25,18 @@ void topk_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const
 void seq_expert_counts(const ExecContext& ctx, const Tensor& topk_idx_TK, const SeqLayout& layout,
                        const Tensor& counts_BE);
 
+// The losses wait for the GPU unless given loss_1 (see moe_ops.h).
 double aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
-                        int64_t k, int64_t total_tokens = 0);  // waits for the GPU
+                        int64_t k, int64_t total_tokens, const Tensor& loss_1);
 void aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func, const Tensor& counts_E,
                        int64_t k, double grad_scale, const Tensor& dlogits_TE, int64_t total_tokens = 0);
 double seq_aux_loss_forward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
-                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout);  // waits for the GPU
+                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout, const Tensor& loss_1);
 void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, ScoreFunc score_func,
                            const Tensor& counts_BE, int64_t k, const SeqLayout& layout, double grad_scale,
                            const Tensor& dlogits_TE);
 void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tensor& counts_E, double rate);
-double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens = 0);  // waits for the GPU
+double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens, const Tensor& loss_1);
 void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE,
                      int64_t total_tokens = 0);
 
