@@ -116,11 +116,17 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
   std::vector<double> ms;
   TrainBenchResult r;
   ProfileOff profile_off;
+  // The breakdown's events would run the layers eagerly (layer_graphs.h): not while graphs replay.
+  r.graphs_note = trainer.cuda_graphs_note();
+  const bool graphs = cfg.train.cuda_graphs == "layers" && r.graphs_note.empty();
+  const bool breakdown = opts.breakdown && !graphs;
+  if (opts.breakdown && graphs)
+    r.graphs_note = "train.cuda_graphs = \"layers\": no phase breakdown (its events would run the layers eagerly)";
   for (int64_t i = 0; i < total; ++i) {
     // The breakdown: the last warm-up step is profiled only to count the scopes of a step, so
     // that room for every timed step's is made before them (recording then creates no events).
-    if (opts.breakdown && i == std::max(opts.warmup - 1, 0)) profile_enable(opts.device);
-    if (opts.breakdown && i == opts.warmup) {
+    if (breakdown && i == std::max(opts.warmup - 1, 0)) profile_enable(opts.device);
+    if (breakdown && i == opts.warmup) {
       int64_t scopes = 0;
       for (const PhaseTime& p : profile_collect()) scopes += p.calls;
       profile_reserve(scopes * opts.steps);
@@ -136,7 +142,7 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
     r.last_loss = m.loss;
     if (i >= opts.warmup) ms.push_back(step_ms);
   }
-  if (opts.breakdown) {
+  if (breakdown) {
     const double steps = opts.steps;
     for (const double x : ms) r.mean_step_ms += x / steps;
     r.untimed_ms = r.mean_step_ms;
@@ -159,6 +165,7 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
     }
   }
   if (opts.device == Device::cuda && opts.activity_steps > 0) record_activity(trainer, opts.activity_steps, r);
+  if (!trainer.cuda_graphs_note().empty()) r.graphs_note = trainer.cuda_graphs_note();  // stopped in the steps
   world.barrier();
   if (world.rank() == 0 && opts.scratch_dir.empty()) fs::remove_all(dir);
   r.ranks = world.size();
@@ -230,6 +237,7 @@ std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, con
   } else if (!r.activity_unavailable.empty()) {
     s += cat("\nHost and GPU: not measured (", r.activity_unavailable, ")\n");
   }
+  if (!r.graphs_note.empty()) s += cat("\n", r.graphs_note, "\n");
   if (r.phases.empty()) return s;
   s += cat("\nWhere a step's time goes (means over the timed steps: ", fmt("%.1f", r.mean_step_ms),
            " ms per step; on a GPU, CUDA events on the compute stream, so a phase includes the stream's idle time "

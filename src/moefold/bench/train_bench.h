@@ -80,6 +80,8 @@ struct TrainBenchResult {
   int activity_steps = 0;
   HostGpuSplit activity;
   std::string activity_unavailable;
+  // train.cuda_graphs: why the layers were not replayed, or that the breakdown was left out.
+  std::string graphs_note;
 };
 
 // Collective over `world` (every rank calls it). Throws moefold::Error on bad options.
