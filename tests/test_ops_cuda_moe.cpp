@@ -294,10 +294,15 @@ TEST(CudaLosses, AuxSeqAuxAndZLossMatchCpu) {
       Tensor scores_d = dev.upload(scores, DType::f32), counts_d = dev.upload(counts, DType::i64);
       Tensor scores64 = testing::rounded(pool, scores, DType::f32);
 
+      // Written to the device (no wait, loss_1) or returned: the same bits.
+      Tensor loss_d = dev.poisoned({1}, DType::f64);
+      auto on_device = [&] { return testing::download(loss_d)[0]; };
       for (int64_t total : {int64_t{0}, 3 * t_n}) {
         const double want = aux_loss_forward(testing::exec(), scores64, f, counts, k_n, total);
-        EXPECT_NEAR(aux_loss_forward(testing::exec(), scores_d, f, counts_d, k_n, total), want, kLoss * std::abs(want))
-            << total;
+        const double got = aux_loss_forward(testing::exec(), scores_d, f, counts_d, k_n, total);
+        EXPECT_NEAR(got, want, kLoss * std::abs(want)) << total;
+        EXPECT_TRUE(std::isnan(aux_loss_forward(testing::exec(), scores_d, f, counts_d, k_n, total, loss_d)));
+        EXPECT_EQ(on_device(), got) << "aux written to the device, total " << total;
         Tensor dl_d = dev.poisoned({t_n, e_n}, DType::f32), dl = pool.zeros({t_n, e_n}, DType::f64);
         aux_loss_backward(testing::exec(), scores_d, f, counts_d, k_n, 0.37, dl_d, total);
         aux_loss_backward(testing::exec(), scores64, f, counts, k_n, 0.37, dl, total);
@@ -311,8 +316,10 @@ TEST(CudaLosses, AuxSeqAuxAndZLossMatchCpu) {
       seq_expert_counts(testing::exec(), idx, layout, seq_counts);
       Tensor seq_counts_d = dev.upload(seq_counts, DType::i64);
       const double want = seq_aux_loss_forward(testing::exec(), scores64, f, seq_counts, k_n, layout);
-      EXPECT_NEAR(seq_aux_loss_forward(testing::exec(), scores_d, f, seq_counts_d, k_n, layout), want,
-                  kLoss * std::abs(want));
+      const double got = seq_aux_loss_forward(testing::exec(), scores_d, f, seq_counts_d, k_n, layout);
+      EXPECT_NEAR(got, want, kLoss * std::abs(want));
+      seq_aux_loss_forward(testing::exec(), scores_d, f, seq_counts_d, k_n, layout, loss_d);
+      EXPECT_EQ(on_device(), got) << "seq aux written to the device";
       Tensor dl_d = dev.poisoned({t_n, e_n}, DType::f32), dl = pool.zeros({t_n, e_n}, DType::f64);
       seq_aux_loss_backward(testing::exec(), scores_d, f, seq_counts_d, k_n, layout, 1.7, dl_d);
       seq_aux_loss_backward(testing::exec(), scores64, f, seq_counts, k_n, layout, 1.7, dl);
@@ -322,7 +329,10 @@ TEST(CudaLosses, AuxSeqAuxAndZLossMatchCpu) {
       Tensor logits_d = dev.upload(logits, DType::f32), logits64 = testing::rounded(pool, logits, DType::f32);
       for (int64_t total : {int64_t{0}, 2 * t_n + 1}) {
         const double z = z_loss_forward(testing::exec(), logits64, total);
-        EXPECT_NEAR(z_loss_forward(testing::exec(), logits_d, total), z, kLoss * z) << total;
+        const double got_z = z_loss_forward(testing::exec(), logits_d, total);
+        EXPECT_NEAR(got_z, z, kLoss * z) << total;
+        z_loss_forward(testing::exec(), logits_d, total, loss_d);
+        EXPECT_EQ(on_device(), got_z) << "z written to the device, total " << total;
         Tensor dz_d = dev.poisoned({t_n, e_n}, DType::f32), dz = pool.zeros({t_n, e_n}, DType::f64);
         z_loss_backward(testing::exec(), logits_d, 0.01, dz_d, total);
         z_loss_backward(testing::exec(), logits64, 0.01, dz, total);

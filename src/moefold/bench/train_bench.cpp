@@ -34,10 +34,6 @@ std::string fmt(const char* f, double v) {
 struct ProfileOff {
   ~ProfileOff() { profile_disable(); }
 };
-}  // namespace
-
-namespace {
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -57,9 +53,9 @@ void record_activity(Trainer& trainer, int steps, TrainBenchResult& r) {
   }
   const std::vector<GpuActivityWindow> w = gpu_activity_stop(windows);
   r.activity_steps = steps;
-  auto med = [&](double GpuActivityWindow::*f) {
+  auto med = [&](auto GpuActivityWindow::*field) {
     std::vector<double> v;
-    for (const GpuActivityWindow& x : w) v.push_back(x.*f);
+    for (const GpuActivityWindow& x : w) v.push_back(static_cast<double>(x.*field));
     return median(v);
   };
   HostGpuSplit& a = r.activity;
@@ -70,9 +66,7 @@ void record_activity(Trainer& trainer, int steps, TrainBenchResult& r) {
   a.gpu_busy_ms = med(&GpuActivityWindow::gpu_busy_ms);
   a.gpu_idle_ms = med(&GpuActivityWindow::gpu_idle_ms);
   a.largest_gap_ms = med(&GpuActivityWindow::largest_gap_ms);
-  std::vector<double> ops;
-  for (const GpuActivityWindow& x : w) ops.push_back(static_cast<double>(x.gpu_ops));
-  a.gpu_ops = median(ops);
+  a.gpu_ops = med(&GpuActivityWindow::gpu_ops);
 }
 
 }  // namespace

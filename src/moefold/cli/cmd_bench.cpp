@@ -21,7 +21,6 @@ struct BenchArgs {
   TrainBenchOptions steps;
   std::string train_device = "auto";
   bool no_breakdown = false;
-  int activity_steps = 3;
 };
 
 void bench_moe(BenchArgs& a, World& w) {
@@ -49,7 +48,6 @@ void bench_steps(BenchArgs& a, World& w) {
   TrainBenchOptions& o = a.steps;
   o.device = pick_device(a.train_device);
   o.breakdown = !a.no_breakdown;
-  o.activity_steps = a.activity_steps;
   Communicator& world = make_world(o.device, cfg.parallel.timeout_s, w);
   const TrainBenchResult r = bench_train(cfg, world, o);
   if (world.rank() == 0)
@@ -98,7 +96,7 @@ Command add_bench(CLI::App& app) {
   train->add_flag("--no-breakdown", a->no_breakdown,
                   "time the steps only (no phase scopes: CUDA events cost a few microseconds each)");
   train
-      ->add_option("--activity-steps", a->activity_steps,
+      ->add_option("--activity-steps", a->steps.activity_steps,
                    "GPU: steps after the timed ones recorded with CUPTI for the host time and the GPU's idle time "
                    "(0: none)")
       ->check(CLI::NonNegativeNumber);

@@ -3,7 +3,7 @@
 // operation, so the host issues one launch instead of hundreds. Capture is thread-local: a call
 // that cannot be captured (a wait for the device, an allocation) fails the capture, which then
 // reports why instead of recording anything. Only in effect in a CUDA build (elsewhere capture
-// fails with "built without CUDA").
+// fails with "built without CUDA"). WorkRef: the work handed to it, borrowed without allocating.
 #pragma once
 
 #include <string>

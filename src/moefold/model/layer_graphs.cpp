@@ -17,7 +17,7 @@ void LayerGraphs::forward(const ExecContext& ctx, Memory& mem, int64_t layer, Wo
 void LayerGraphs::backward(const ExecContext& ctx, Memory& mem, int64_t layer, double loss_scale, WorkRef work) {
   // The first backward of the layer in a gradient generation writes its written-by-backward
   // gradients, the others add to them: two graphs.
-  auto [it, fresh] = backward_generation_.try_emplace(layer, -1);
+  const auto it = backward_generation_.try_emplace(layer, -1).first;
   const bool writes = it->second != mem.grad_generation();
   it->second = mem.grad_generation();
   run(ctx, mem, Key{layer, true, writes, loss_scale}, work, nullptr);

@@ -58,8 +58,6 @@ class HierarchicalDispatcher final : public Dispatcher {
   int64_t num_local_experts() const override { return inner_.num_local_experts(); }
   int64_t first_local_expert() const override { return ep_.rank() * inner_.num_local_experts(); }
   int64_t max_rows() const override { return inner_.max_rows(); }
-  // The within-node dispatcher (its plan is the one dispatch() returns).
-  const AllToAllDispatcher& inner() const { return inner_; }
   const InterNodeBytes& inter_node() const { return bytes_; }
   void reset_inter_node() { bytes_ = InterNodeBytes{}; }
   int64_t take_inter_node_bytes() override {

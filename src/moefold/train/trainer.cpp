@@ -21,8 +21,9 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
   const int64_t tokens = cfg.train.micro_batch_size * cfg.train.seq_len / (mesh.dims.cp * mesh.dims.tp);
   // Peer copies only within a node: an EP group over several (real or emulated) nodes takes the
   // communicator's exchange unless ep_transport insists.
-  EpTransportChoice transport = parse_ep_transport(cfg.parallel.ep_transport);
-  if (transport == EpTransportChoice::automatic && mesh.ep_nodes > 1) transport = EpTransportChoice::nccl;
+  const EpTransportChoice node_transport = parse_ep_transport(cfg.parallel.ep_transport);  // within a node
+  const EpTransportChoice transport =
+      node_transport == EpTransportChoice::automatic && mesh.ep_nodes > 1 ? EpTransportChoice::nccl : node_transport;
   if (cfg.moe.dispatcher == "hierarchical") {
     if (!mesh.ep_nodes_irregular.empty())
       MF_FAIL(
@@ -32,7 +33,6 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
     MF_CHECK(mesh.ep_node != nullptr && mesh.ep_rail != nullptr,
              "moe.dispatcher = \"hierarchical\": the mesh was built without its node groups");
   }
-  const EpTransportChoice node_transport = parse_ep_transport(cfg.parallel.ep_transport);
   return [&cfg, &mesh, tokens, transport, node_transport](int64_t) -> std::unique_ptr<Dispatcher> {
     if (mesh.dims.etp > 1)  // tokens all-gathered over ETP, then all-to-all over EP
       return std::make_unique<AllGatherDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.etp,
