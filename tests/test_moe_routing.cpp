@@ -7,6 +7,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -429,6 +430,41 @@ TEST(ExpertBias, UpdateFollowsTheSignOfTheLoadGap) {
     for (int e = 0; e < 3; ++e) testing::set_value_at(c3, e, 7);
     expert_bias_update(testing::exec(), b3, c3, 0.5);
     EXPECT_EQ(testing::value_at(b3, 0), 0.5);
+  }
+}
+
+// What a forward adds to the step's statistics: the losses times their coefficients (a term with
+// coefficient 0 left out even when its loss is NaN), the loads, and MoeConfig::dropped_assignments.
+TEST(StepStats, AddWhatTheHostWouldAdd) {
+  Pool pool;
+  std::mt19937_64 rng(testing::fresh_seed());
+  for (const double cf : {0.0, 0.5, 1.0, 1.25}) {
+    SCOPED_TRACE(::testing::Message() << "capacity_factor " << cf);
+    MoeConfig cfg;
+    cfg.num_experts = 7;
+    cfg.num_experts_per_tok = 3;
+    cfg.capacity_factor = cf;
+    Tensor counts = pool.zeros({7}, DType::i64);
+    int64_t* c = counts.ptr<int64_t>();
+    // 40 tokens of 3 assignments each, skewed towards the first experts.
+    for (int64_t t = 0; t < 40 * 3; ++t) ++c[std::min(rng() % 7, rng() % 7)];
+    Tensor losses = pool.zeros({3}, DType::f64), sums = pool.zeros({2}, DType::f64);
+    Tensor load = pool.zeros({7}, DType::f64), dropped = pool.zeros({1}, DType::f64);
+    losses.ptr<double>()[0] = 1.0625;
+    losses.ptr<double>()[1] = 0.75;
+    losses.ptr<double>()[2] = std::numeric_limits<double>::quiet_NaN();  // z not computed: coefficient 0
+    sums.ptr<double>()[0] = 0.5;
+    load.ptr<double>()[2] = 3;
+    dropped.ptr<double>()[0] = 2;
+    moe_step_stats(testing::exec(), losses, 0.01, 0.001, 0.0, counts, cf, 3, sums, load, dropped);
+    EXPECT_EQ(sums.ptr<double>()[0], 0.5 + (0.01 * 1.0625 + 0.001 * 0.75));
+    EXPECT_EQ(sums.ptr<double>()[1], 0.0) << "the z term with coefficient 0";
+    for (int64_t e = 0; e < 7; ++e)
+      EXPECT_EQ(load.ptr<double>()[e], static_cast<double>(c[e]) + (e == 2 ? 3 : 0)) << "expert " << e;
+    EXPECT_EQ(dropped.ptr<double>()[0], 2.0 + static_cast<double>(cfg.dropped_assignments(c)));
+    if (cf == 0.5) {
+      EXPECT_GT(cfg.dropped_assignments(c), 0) << "the case drops nothing";
+    }
   }
 }
 

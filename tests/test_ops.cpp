@@ -399,6 +399,9 @@ TEST(CrossEntropy, ForwardMatchesNaiveSoftmax) {
     want += -std::log(std::exp(testing::value_at(logits, i * v + targets.ptr<int32_t>()[i])) / z);
   }
   EXPECT_NEAR(loss, want, kF64Tol * n);
+  Tensor loss_1 = pool.zeros({1});  // the sum written out instead of returned: the same bits
+  EXPECT_TRUE(std::isnan(cross_entropy_forward(testing::exec(), logits, targets, lse, loss_1)));
+  EXPECT_EQ(loss_1.ptr<double>()[0], loss);
 
   Tensor lse32 = pool.zeros({n}, DType::f32);
   const double loss32 = cross_entropy_forward(testing::exec(), cast(pool, logits, DType::f32), targets, lse32);

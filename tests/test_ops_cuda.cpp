@@ -152,6 +152,53 @@ TEST(CudaAdamW, HostUpdateGivesTheKernelsBits) {
       }
 }
 
+// AdamWBatch: one launch over many tensors of odd sizes (one element, less than a block, many
+// blocks), with and without decay, gives each the bits of its own adamw_update.
+TEST(CudaAdamW, BatchGivesEachTensorItsOwnUpdatesBits) {
+  MF_REQUIRE_GPU();
+  for (const DType gt : {DType::f32, DType::bf16})
+    for (const DType mt : {DType::f32, DType::bf16})
+      for (const bool compute : {true, false}) {
+        SCOPED_TRACE(cat("g ", dtype_name(gt), ", moments ", dtype_name(mt), compute ? ", compute copy" : ""));
+        Pool host;
+        DevicePool dev;
+        const int64_t sizes[] = {1, 3, 4096, 4097, 20000, 131, 8};
+        std::vector<AdamWEntry> batch, single;
+        for (size_t i = 0; i < std::size(sizes); ++i) {
+          const int64_t n = sizes[i];
+          Tensor w = host.randn({n}, DType::f32), g = host.zeros({n}, gt), m = host.zeros({n}, mt),
+                 v = host.zeros({n}, mt);
+          cast(testing::exec(), host.randn({n}, DType::f32, 0.1), g);
+          cast(testing::exec(), host.randn({n}, DType::f32, 0.01), m);
+          cast(testing::exec(), host.uniform({n}, 0.0, 0.01, DType::f32), v);
+          for (std::vector<AdamWEntry>* into : {&batch, &single})
+            into->push_back({dev.upload(w, DType::f32), dev.upload(g, gt), dev.upload(m, mt), dev.upload(v, mt),
+                             compute ? dev.poisoned({n}, DType::bf16) : Tensor(), i % 3 != 1});
+        }
+        const AdamWStep s{3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - std::pow(0.9, 7), 1 - std::pow(0.95, 7), 0.25};
+        const AdamWBatch b(batch);
+        b.update(testing::exec(), s);
+        b.update(testing::exec(), s);  // twice: the state carries over
+        for (int rep = 0; rep < 2; ++rep)
+          for (const AdamWEntry& e : single) {
+            AdamWStep each = s;
+            if (!e.decay) each.weight_decay = 0;
+            adamw_update(testing::exec(), e.w, e.g, e.m, e.v, each, e.compute);
+          }
+        for (size_t i = 0; i < batch.size(); ++i)
+          for (const auto& [got, want, what] :
+               {std::tuple{&batch[i].w, &single[i].w, "w"}, std::tuple{&batch[i].m, &single[i].m, "m"},
+                std::tuple{&batch[i].v, &single[i].v, "v"},
+                std::tuple{&batch[i].compute, &single[i].compute, "copy"}}) {
+            if (!got->defined()) continue;
+            std::vector<uint8_t> a(got->nbytes()), c(want->nbytes());
+            device_copy(a.data(), Device::cpu, got->data(), Device::cuda, a.size());
+            device_copy(c.data(), Device::cpu, want->data(), Device::cuda, c.size());
+            EXPECT_TRUE(a == c) << what << " of entry " << i << " (" << sizes[i] << " elements)";
+          }
+      }
+}
+
 }  // namespace
 // cast on the GPU: the same bits as the CPU cast (one rounding to nearest even).
 TEST(CudaCast, MatchesCpuBitForBit) {

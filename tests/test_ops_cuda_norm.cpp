@@ -338,6 +338,13 @@ void check_cross_entropy(int64_t n, int64_t v, DType dt) {
   const double loss = cross_entropy_forward(testing::exec(), ld, td, lse.t);
   EXPECT_NEAR(loss, loss_ref, kF32Sum * std::abs(loss_ref)) << "cross-entropy loss";
   EXPECT_EQ(cross_entropy_forward(testing::exec(), ld, td, lse.t), loss) << "cross-entropy loss is not deterministic";
+  {  // the sum left on the device: the same bits, NaN returned
+    Tensor sum_d = dev.empty({1}, DType::f64);
+    EXPECT_TRUE(std::isnan(cross_entropy_forward(testing::exec(), ld, td, lse.t, sum_d)));
+    Tensor sum_h = pool.zeros({1}, DType::f64);
+    sum_h.copy_from(sum_d);
+    EXPECT_EQ(sum_h.ptr<double>()[0], loss) << "cross-entropy loss on the device";
+  }
   const std::vector<double> lse_gpu = download(lse.t);
   expect_close(lse_gpu, lse_ref, kF32Sum, "cross-entropy lse");
   for (int64_t i = 0; i < n; ++i) {

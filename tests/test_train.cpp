@@ -386,23 +386,26 @@ const std::vector<std::string> kDeepSeek = {"model.architecture=deepseek_v3",
 TEST(Trainer, CudaGraphsOnTheCpuSayWhy) {
   testing::TempDir dir("trainer_graphs");
   const std::string data = testing::make_train_data(dir.path());
-  std::vector<double> losses[2];
-  for (int g = 0; g < 2; ++g) {
-    const Config cfg = testing::small_train_config(data, {g ? "train.cuda_graphs=layers" : "train.cuda_graphs=none"});
+  std::vector<double> losses[3];
+  const char* modes[] = {"none", "layers", "step"};
+  for (int g = 0; g < 3; ++g) {
+    const Config cfg = testing::small_train_config(data, {std::string("train.cuda_graphs=") + modes[g]});
     const TokenDataset tokens = open_token_dataset(cfg.data.path);
     OneRank r(cfg);
     Trainer t(cfg, tokens, r.mesh, Device::cpu);
     t.init_fresh();
     for (int i = 0; i < 2; ++i) losses[g].push_back(t.train_step().loss);
-    EXPECT_EQ(t.cuda_graphs_note(), g ? "train.cuda_graphs = \"layers\" not used: a CPU run (nothing to capture)" : "");
+    EXPECT_EQ(t.cuda_graphs_note(),
+              g ? cat("train.cuda_graphs = \"", modes[g], "\" not used: a CPU run (nothing to capture)") : "");
   }
   EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_EQ(losses[0], losses[2]);
   EXPECT_THROW(
       {
         try {
-          testing::small_train_config(data, {"train.cuda_graphs=step"}).validate();
+          testing::small_train_config(data, {"train.cuda_graphs=micro"}).validate();
         } catch (const Error& e) {
-          EXPECT_NE(std::string(e.what()).find("train.cuda_graphs = 'step' is not supported (none, layers)"),
+          EXPECT_NE(std::string(e.what()).find("train.cuda_graphs = 'micro' is not supported (none, layers, step)"),
                     std::string::npos)
               << e.what();
           throw;

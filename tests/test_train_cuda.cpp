@@ -397,7 +397,7 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
     SCOPED_TRACE(extra.size() > 3 ? "deepseek-v3-like" : extra.size() > 1 ? "padded capacity" : "qwen3-like");
     std::vector<std::vector<double>> runs;
     std::vector<std::vector<float>> weights;
-    for (const char* graphs : {"none", "layers"}) {
+    for (const char* graphs : {"none", "layers", "step"}) {
       std::vector<std::string> ov = extra;
       ov.push_back(std::string("train.cuda_graphs=") + graphs);
       const Config cfg = testing::small_train_config(data, ov);
@@ -409,12 +409,14 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
       for (int i = 0; i < 6; ++i) {
         const StepMetrics& m = gpu.train_step();
         got.insert(got.end(), {m.loss, m.lm_loss, m.aux_loss, m.z_loss, m.grad_norm});
+        got.insert(got.end(), m.expert_load_dropped_fraction.begin(), m.expert_load_dropped_fraction.end());
+        const Tensor& loads = gpu.expert_loads();
+        got.insert(got.end(), loads.ptr<double>(), loads.ptr<double>() + loads.numel());
         if (i == 2) got.push_back(gpu.evaluate());
       }
       EXPECT_EQ(gpu.cuda_graphs_note(), "") << graphs;
-      const int64_t replays = gpu.model().cuda_graphs().replays();
-      if (std::string(graphs) == "layers") {
-        EXPECT_GT(replays, 0) << "no layer was replayed";
+      if (std::string(graphs) != "none") {
+        EXPECT_GT(gpu.cuda_graph_replays(), 0) << graphs << ": nothing replayed";
       }
       std::vector<float>& w = weights.emplace_back();
       for (const Param& p : gpu.memory().params())
@@ -423,8 +425,12 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
           w.insert(w.end(), v.begin(), v.end());
         }
     }
-    EXPECT_EQ(runs[0], runs[1]) << "losses, router losses, gradient norms and an evaluation, without and with graphs";
-    EXPECT_TRUE(weights[0] == weights[1]) << "the weights after 6 steps";
+    for (size_t k = 1; k < runs.size(); ++k) {
+      EXPECT_EQ(runs[0], runs[k]) << "losses, router losses, gradient norms, expert loads, drops and an evaluation, "
+                                     "without graphs and with "
+                                  << (k == 1 ? "layers" : "step");
+      EXPECT_TRUE(weights[0] == weights[k]) << "the weights after 6 steps, " << (k == 1 ? "layers" : "step");
+    }
   }
 }
 
@@ -441,7 +447,20 @@ TEST(TrainCuda, CudaGraphsSayWhyTheyAreNotUsed) {
   gpu.train_step();
   EXPECT_NE(gpu.cuda_graphs_note().find("moe.capacity_factor without moe.pad_to_capacity"), std::string::npos)
       << gpu.cuda_graphs_note();
-  EXPECT_EQ(gpu.model().cuda_graphs().replays(), 0);
+  EXPECT_EQ(gpu.cuda_graph_replays(), 0);
+  // Whole micro-batches: the multi-token prediction losses come back to the host.
+  std::vector<std::string> mtp = kDeepSeek;
+  mtp.insert(mtp.end(), {"train.cuda_graphs=step", "model.num_nextn_predict_layers=1"});
+  const Config cfg2 = testing::small_train_config(testing::make_train_data(dir.path()), mtp);
+  OneRank b(cfg2);
+  Trainer gpu2(cfg2, tokens, b.mesh, Device::cuda);
+  gpu2.init_fresh();
+  const double loss = gpu2.train_step().loss;
+  EXPECT_TRUE(std::isfinite(loss));
+  EXPECT_EQ(gpu2.cuda_graphs_note(),
+            "train.cuda_graphs = \"step\" not used: model.num_nextn_predict_layers (the multi-token prediction "
+            "losses come back to the host)");
+  EXPECT_EQ(gpu2.cuda_graph_replays(), 0);
 }
 
 }  // namespace

@@ -51,7 +51,8 @@ void record_activity(Trainer& trainer, int steps, TrainBenchResult& r) {
     device_synchronize();
     windows.emplace_back(t0, gpu_activity_now());
   }
-  const std::vector<GpuActivityWindow> w = gpu_activity_stop(windows);
+  const std::vector<GpuActivityWindow> w = gpu_activity_stop(windows, &r.activity_ops);
+  for (GpuOpTotal& t : r.activity_ops) t.ms /= steps;  // per step; counts stay totals until printed
   r.activity_steps = steps;
   auto med = [&](auto GpuActivityWindow::*field) {
     std::vector<double> v;
@@ -112,10 +113,11 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
   ProfileOff profile_off;
   // The breakdown's events would run the layers eagerly (layer_graphs.h): not while graphs replay.
   r.graphs_note = trainer.cuda_graphs_note();
-  const bool graphs = cfg.train.cuda_graphs == "layers" && r.graphs_note.empty();
+  const bool graphs = cfg.train.cuda_graphs != "none" && r.graphs_note.empty();
   const bool breakdown = opts.breakdown && !graphs;
   if (opts.breakdown && graphs)
-    r.graphs_note = "train.cuda_graphs = \"layers\": no phase breakdown (its events would run the layers eagerly)";
+    r.graphs_note = "train.cuda_graphs = \"" + cfg.train.cuda_graphs +
+                    "\": no phase breakdown (its events would run the graphs' work eagerly)";
   for (int64_t i = 0; i < total; ++i) {
     // The breakdown: the last warm-up step is profiled only to count the scopes of a step, so
     // that room for every timed step's is made before them (recording then creates no events).
@@ -228,6 +230,18 @@ std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, con
              "; host waiting for the GPU ", of(a.host_wait_ms), "; GPU busy ", of(a.gpu_busy_ms), ", idle ",
              of(a.gpu_idle_ms), " (longest gap ", fmt("%.3f", a.largest_gap_ms), " ms); ", fmt("%.0f", a.gpu_ops),
              " GPU operations per step\n");
+    constexpr size_t kShown = 30;
+    s += cat("\nGPU operations by kernel (CUPTI, per recorded step; the ", std::min(kShown, r.activity_ops.size()),
+             " longest of ", r.activity_ops.size(),
+             "):\n\n| kernel | calls | ms | share of GPU busy |\n|---|---|---|---|\n");
+    for (size_t i = 0; i < std::min(kShown, r.activity_ops.size()); ++i) {
+      const GpuOpTotal& t = r.activity_ops[i];
+      std::string name = t.name.size() > 90 ? t.name.substr(0, 87) + "..." : t.name;
+      for (char& c : name)
+        if (c == '|') c = '/';
+      s += cat("| `", name, "` | ", fmt("%.1f", static_cast<double>(t.count) / r.activity_steps), " | ",
+               fmt("%.4f", t.ms), " | ", fmt("%.1f%%", a.gpu_busy_ms > 0 ? 100 * t.ms / a.gpu_busy_ms : 0), " |\n");
+    }
   } else if (!r.activity_unavailable.empty()) {
     s += cat("\nHost and GPU: not measured (", r.activity_unavailable, ")\n");
   }

@@ -3,12 +3,15 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <mutex>
+#include <string_view>
 
 #include "moefold/core/error.h"
 
 #ifdef MOEFOLD_WITH_CUDA
 #include <cupti.h>
+#include <cxxabi.h>
 #include <dlfcn.h>
 #endif
 
@@ -75,7 +78,47 @@ enum class Kind : uint8_t { gpu, wait, launch };
 struct Span {
   Kind kind;
   uint64_t begin, end;
+  const char* name;  // GPU work: the kernel's mangled name (CUPTI's, shared by its records) or a label
 };
+
+const char* memcpy_label(uint8_t kind) {
+  switch (kind) {
+    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOD:
+      return "memcpy HtoD";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOH:
+      return "memcpy DtoH";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOD:
+      return "memcpy DtoD";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOH:
+      return "memcpy HtoH";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_PTOP:
+      return "memcpy PtoP";
+    default:
+      return "memcpy";
+  }
+}
+
+// A kernel's demangled name without its parameter list (the mangled one where that fails).
+std::string readable(const char* mangled) {
+  int status = 0;
+  char* d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  if (status != 0 || d == nullptr) return mangled;
+  std::string s(d);
+  std::free(d);
+  // Cut at the '(' of the outermost parameter list: the first '(' outside template brackets.
+  static constexpr std::string_view kAnonymous = "(anonymous namespace)";
+  int depth = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s.compare(i, kAnonymous.size(), kAnonymous) == 0) {
+      i += kAnonymous.size() - 1;
+      continue;
+    }
+    if (s[i] == '<') ++depth;
+    if (s[i] == '>') --depth;
+    if (s[i] == '(' && depth == 0) return s.substr(0, i);
+  }
+  return s;
+}
 
 // Filled by CUPTI's buffer callback (its own thread) and read after the flush.
 std::mutex g_mutex;
@@ -123,26 +166,27 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
       case CUPTI_ACTIVITY_KIND_KERNEL: {
         const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-        spans.push_back({Kind::gpu, k->start, k->end});
+        spans.push_back({Kind::gpu, k->start, k->end, k->name});
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
-        spans.push_back({Kind::gpu, m->start, m->end});
+        spans.push_back({Kind::gpu, m->start, m->end, memcpy_label(m->copyKind)});
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMSET: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-        spans.push_back({Kind::gpu, m->start, m->end});
+        spans.push_back({Kind::gpu, m->start, m->end, "memset"});
         break;
       }
       case CUPTI_ACTIVITY_KIND_RUNTIME:
       case CUPTI_ACTIVITY_KIND_DRIVER: {
         const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(rec);
         const bool runtime = rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME;
-        if (runtime ? runtime_waits(a->cbid) : driver_waits(a->cbid)) spans.push_back({Kind::wait, a->start, a->end});
+        if (runtime ? runtime_waits(a->cbid) : driver_waits(a->cbid))
+          spans.push_back({Kind::wait, a->start, a->end, nullptr});
         if (runtime ? runtime_launches(a->cbid) : driver_launches(a->cbid))
-          spans.push_back({Kind::launch, a->start, a->end});
+          spans.push_back({Kind::launch, a->start, a->end, nullptr});
         break;
       }
       default:
@@ -188,7 +232,8 @@ uint64_t gpu_activity_now() {
   return t;
 }
 
-std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>& windows) {
+std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>& windows,
+                                                 std::vector<GpuOpTotal>* by_op) {
   MF_CHECK(g_recording, "gpu_activity_stop: not recording");
   Cupti& c = cupti();
   for (const CUpti_ActivityKind k : kKinds) c.disable(k);
@@ -198,6 +243,27 @@ std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uin
   {
     const std::lock_guard<std::mutex> lock(g_mutex);
     for (const Span& s : g_spans) by_kind[static_cast<int>(s.kind)].emplace_back(s.begin, s.end);
+    if (by_op) {
+      std::map<const char*, GpuOpTotal> totals;  // CUPTI shares one name string among a kernel's records
+      for (const Span& s : g_spans) {
+        if (s.kind != Kind::gpu) continue;
+        bool inside = false;
+        for (const auto& [lo, hi] : windows) inside = inside || (s.begin >= lo && s.begin < hi);
+        if (!inside) continue;
+        GpuOpTotal& t = totals[s.name];
+        ++t.count;
+        t.ms += static_cast<double>(s.end - s.begin) * 1e-6;
+      }
+      std::map<std::string, GpuOpTotal> merged;  // one entry per readable name
+      for (auto& [name, t] : totals) {
+        GpuOpTotal& m = merged[name ? readable(name) : std::string("?")];
+        m.count += t.count;
+        m.ms += t.ms;
+      }
+      by_op->clear();
+      for (auto& [name, t] : merged) by_op->push_back({name, t.count, t.ms});
+      std::sort(by_op->begin(), by_op->end(), [](const GpuOpTotal& a, const GpuOpTotal& b) { return a.ms > b.ms; });
+    }
     g_spans.clear();
   }
   std::vector<GpuActivityWindow> out;
@@ -225,7 +291,8 @@ bool gpu_activity_start(std::string* why) {
   return false;
 }
 uint64_t gpu_activity_now() { MF_FAIL("gpu_activity_now: built without CUDA"); }
-std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>&) {
+std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>&,
+                                                 std::vector<GpuOpTotal>*) {
   MF_FAIL("gpu_activity_stop: built without CUDA");
 }
 

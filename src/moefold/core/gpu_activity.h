@@ -26,6 +26,15 @@ struct GpuActivityWindow {
   int64_t gpu_ops = 0;        // kernels, copies and memsets that started in the window
 };
 
+// One kind of GPU operation (a kernel by its demangled name without the parameter list, or
+// "memcpy HtoD" / "memset" ...) over every window of a recording: how often it started in them and
+// its summed duration.
+struct GpuOpTotal {
+  std::string name;
+  int64_t count = 0;
+  double ms = 0;
+};
+
 // Starts recording (enables CUPTI's activity kinds). False when it cannot be had (no CUDA build,
 // no libcupti, CUPTI refuses), with the reason in *why.
 bool gpu_activity_start(std::string* why);
@@ -33,7 +42,9 @@ bool gpu_activity_start(std::string* why);
 uint64_t gpu_activity_now();
 // Stops recording and reads every record; each window [begin, end) in ns of gpu_activity_now().
 // REQUIRES: recording, and the device's work in the windows finished (synchronised).
-std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>& windows);
+// With `by_op`, also the operations that started in any window, longest summed duration first.
+std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>& windows,
+                                                 std::vector<GpuOpTotal>* by_op = nullptr);
 
 // The length of the union of [begin, end) intervals clipped to [lo, hi), and the longest gap of
 // [lo, hi) that none of them covers (the arithmetic of the windows, testable without a GPU).

@@ -194,8 +194,8 @@ void TrainConfig::validate() const {
   if (recompute_method != "uniform" && recompute_method != "block")
     MF_FAIL("train.recompute_method = '", recompute_method, "' is not supported (uniform, block)");
   if (fp8 != "none" && fp8 != "blockwise") MF_FAIL("train.fp8 = '", fp8, "' is not supported (none, blockwise)");
-  if (cuda_graphs != "none" && cuda_graphs != "layers")
-    MF_FAIL("train.cuda_graphs = '", cuda_graphs, "' is not supported (none, layers)");
+  if (cuda_graphs != "none" && cuda_graphs != "layers" && cuda_graphs != "step")
+    MF_FAIL("train.cuda_graphs = '", cuda_graphs, "' is not supported (none, layers, step)");
   check_modules("train.fp8_exclude", fp8_exclude, kFp8Modules);
   if (eval_interval < 0) MF_FAIL("train.eval_interval = ", eval_interval, " must be >= 0");
   if (checkpoint_interval < 0) MF_FAIL("train.checkpoint_interval = ", checkpoint_interval, " must be >= 0");

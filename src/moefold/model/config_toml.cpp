@@ -163,8 +163,9 @@ const std::vector<Field>& fields() {
       MF_FIELD(train, "recompute_method", recompute_method,
                "uniform (every layer, chunks of recompute_num_layers) or block (the first recompute_num_layers)"),
       MF_FIELD(train, "cuda_graphs", cuda_graphs,
-               "\"none\" or \"layers\": each decoder layer's forward and backward replayed as CUDA graphs (one "
-               "launch per layer; where a feature prevents capture the run says why and goes on without)"),
+               "\"none\", \"layers\" (each decoder layer's forward and backward replayed as CUDA graphs: one launch "
+               "per layer) or \"step\" (each micro-batch's forward, loss and backward one graph; the optimizer "
+               "after it); where a feature prevents capture the run says why and goes on without"),
       MF_FIELD(train, "fp8", fp8,
                "FP8 GEMMs of the linear layers: none or blockwise (E4M3, scales per 1 x 128 tile of activations and "
                "gradients and per 128 x 128 block of weights; DeepSeek-V3's recipe)"),

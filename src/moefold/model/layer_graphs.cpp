@@ -15,12 +15,20 @@ void LayerGraphs::forward(const ExecContext& ctx, Memory& mem, int64_t layer, Wo
 }
 
 void LayerGraphs::backward(const ExecContext& ctx, Memory& mem, int64_t layer, double loss_scale, WorkRef work) {
+  run(ctx, mem, Key{layer, true, first_in_generation(mem, layer), loss_scale}, work, nullptr);
+}
+
+void LayerGraphs::micro_batch(const ExecContext& ctx, Memory& mem, WorkRef work, WorkRef after_replay) {
+  run(ctx, mem, Key{kMicroBatch, true, first_in_generation(mem, kMicroBatch), 0.0}, work, &after_replay);
+}
+
+bool LayerGraphs::first_in_generation(const Memory& mem, int64_t layer) {
   // The first backward of the layer in a gradient generation writes its written-by-backward
   // gradients, the others add to them: two graphs.
   const auto it = backward_generation_.try_emplace(layer, -1).first;
-  const bool writes = it->second != mem.grad_generation();
+  const bool first = it->second != mem.grad_generation();
   it->second = mem.grad_generation();
-  run(ctx, mem, Key{layer, true, writes, loss_scale}, work, nullptr);
+  return first;
 }
 
 void LayerGraphs::run(const ExecContext& ctx, Memory& mem, const Key& key, WorkRef work, const WorkRef* after_replay) {
@@ -47,7 +55,10 @@ void LayerGraphs::run(const ExecContext& ctx, Memory& mem, const Key& key, WorkR
   mem.record_grad_writes(nullptr);
   if (!ok) {  // nothing ran: put the write marks back and run it eagerly, graphs off from now on
     mem.restore_grad_writes(e.writes);
-    fallback_ = "decoder layer " + std::to_string(std::get<0>(key)) + (std::get<1>(key) ? " backward" : " forward") +
+    const int64_t layer = std::get<0>(key);
+    fallback_ = (layer == kMicroBatch
+                     ? std::string("the micro-batch")
+                     : "decoder layer " + std::to_string(layer) + (std::get<1>(key) ? " backward" : " forward")) +
                 ": " + why;
     entries_.clear();
     work();

@@ -1,12 +1,12 @@
 // train.cuda_graphs = "layers": each decoder layer's forward and backward replayed as CUDA graphs
-// (core/cuda_graph.h). A key (layer, forward or backward, and for backward whether it writes or
-// adds to the gradients of the parameters its backward writes, and its loss scale) runs eagerly
-// the first time it is seen (the ops size their scratch, libraries build their plans), is
-// captured and launched the second time, and replayed from then on. A replayed backward marks its
-// parameters written (Memory::mark_grads_written); after a replayed forward `after_replay` runs
-// (the host state a forward leaves beside the device's: the router's losses to be read again).
-// A failed capture turns every graph off with its reason (fallback()); the work then runs eagerly,
-// with the gradients' write marks put back. While the profiler records, everything runs eagerly.
+// (core/cuda_graph.h); "step": each whole micro-batch (micro_batch()). A key (layer, forward or backward, and for
+// backward whether it writes or adds to the gradients of the parameters its backward writes, and its loss scale) runs
+// eagerly the first time it is seen (the ops size their scratch, libraries build their plans), is captured and launched
+// the second time, and replayed from then on. A replayed backward marks its parameters written
+// (Memory::mark_grads_written); after a replayed forward `after_replay` runs (the host state a forward leaves beside
+// the device's: the router's losses to be read again). A failed capture turns every graph off with its reason
+// (fallback()); the work then runs eagerly, with the gradients' write marks put back. While the profiler records,
+// everything runs eagerly.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +32,11 @@ class LayerGraphs {
 
   void forward(const ExecContext& ctx, Memory& mem, int64_t layer, WorkRef work, WorkRef after_replay);
   void backward(const ExecContext& ctx, Memory& mem, int64_t layer, double loss_scale, WorkRef work);
+  // train.cuda_graphs = "step": a whole micro-batch (the model's forward and backward and what the
+  // trainer queues between them) as one graph; the first in a gradient generation writes the
+  // gradients, the others add to them (two graphs). after_replay as for forward. The layers' own
+  // graphs must be off (no capture inside a capture).
+  void micro_batch(const ExecContext& ctx, Memory& mem, WorkRef work, WorkRef after_replay);
 
  private:
   struct Entry {
@@ -39,9 +44,11 @@ class LayerGraphs {
     CudaGraph graph;
     std::vector<Memory::GradWrite> writes;  // the parameters its backward writes or adds to
   };
-  // (layer, backward, writes the gradients, loss scale)
+  // (layer, backward, writes the gradients, loss scale); layer kMicroBatch: a whole micro-batch
+  static constexpr int64_t kMicroBatch = -1;
   using Key = std::tuple<int64_t, bool, bool, double>;
   void run(const ExecContext& ctx, Memory& mem, const Key& key, WorkRef work, const WorkRef* after_replay);
+  bool first_in_generation(const Memory& mem, int64_t layer);
 
   bool enabled_ = false;
   std::string fallback_;

@@ -365,6 +365,7 @@ void Model::bind(Memory& mem) {
     logits_TV_ = mem.act({tokens_, v});
     lse_T_ = mem.act({tokens_}, mem.master_dtype());
     dnf_TH_ = mem.act({rows_, h});
+    loss_sum_1_ = mem.result({1}, DType::f64);
   }
   dres_TH_ = mem.act({rows_, h});
   full_NH_ = mem.act({tp_ ? tokens_ : 0, h});
@@ -471,9 +472,9 @@ double Model::head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor&
     ProfileScope scope("lm head gemm forward");
     linear_forward(*ctx_, tp_ ? nf_full_NH : nf_TH, lm_head_, logits_NV);
   }
-  // The loss comes back to the host here: the host waits for the stream.
+  // The loss comes back to the host here (the host waits for the stream), or stays on the device.
   ProfileScope scope("cross entropy forward + loss read-back");
-  if (!tp_) return cross_entropy_forward(*ctx_, logits_NV, targets_N, lse_N);
+  if (!tp_) return cross_entropy_forward(*ctx_, logits_NV, targets_N, lse_N, loss_on_device_ ? loss_sum_1_ : Tensor());
   return vocab_parallel_cross_entropy_forward(*ctx_, *tp_, logits_NV, vocab_offset_, targets_N, lse_N, ce_scratch_);
 }
 
@@ -671,6 +672,12 @@ void Model::mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const
   rmsnorm_backward(*ctx_, d.emb_TH_, d.enorm_, d.en_rstd_, d.en_TH_, d.hp_TH_, d.denorm_);
   embed_backward(d.ids_, d.hp_TH_);
   rmsnorm_backward(*ctx_, *d.prev_, d.hnorm_, d.hn_rstd_, d.hn_TH_, d.dprev_TH_, d.dhnorm_);  // d(h_prev)
+}
+
+void Model::set_loss_on_device(bool on) {
+  MF_CHECK(!on || (last_stage_ && !tp_ && mtp_.empty()),
+           "Model: the loss stays on the device only on the last stage without TP or multi-token prediction");
+  loss_on_device_ = on;
 }
 
 double Model::aux_loss() const {

@@ -184,6 +184,13 @@ class Model {
   // step's first forward nor its last backward is paired).
   static double forward_backward(Model& fwd, const Tensor& ids_BS, const Tensor& targets_BS, Model& bwd,
                                  double lm_grad_scale, double moe_loss_scale);
+  // The main head's loss sum stays on the device: forward writes it to loss_sum() and returns NaN
+  // (nothing waits for it). REQUIRES: the last stage, no tensor parallelism, no multi-token
+  // prediction (their losses still come back to the host).
+  void set_loss_on_device(bool on);
+  // f64 [1]: the last forward's sum of token losses, when set_loss_on_device.
+  const Tensor& loss_sum() const { return loss_sum_1_; }
+  bool loss_on_device() const { return loss_on_device_; }
   // train.cuda_graphs = "layers": forward and backward replay each decoder layer as CUDA graphs
   // (model/layer_graphs.h). REQUIRES: what the trainer checks (cuda_graphs_refusal).
   void set_cuda_graphs(bool on) { graphs_.set_enabled(on); }
@@ -273,6 +280,8 @@ class Model {
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   Memory* mem_ = nullptr;  // bound through
   LayerGraphs graphs_;
+  bool loss_on_device_ = false;
+  Tensor loss_sum_1_;  // f64 [1]: the head's loss sum (set_loss_on_device)
   std::vector<MoeLayer*> moe_layers_;
   std::vector<std::unique_ptr<MtpDepth>> mtp_;
   AttentionScratch scratch_;

@@ -67,6 +67,10 @@ class Router {
   }
   double z_loss() const { return cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff * loss(2) : 0.0; }  // z_loss_coeff * z
   const Tensor& expert_bias() const { return bias_E_; }  // [E]; undefined without cfg.expert_bias
+  // What the last forward adds to a step's statistics, queued on its stream (moe_step_stats):
+  // aux_loss() + seq_aux_loss() into sums_2[0], z_loss() into sums_2[1], tokens_per_expert() into
+  // load_E, the assignments the capacity drops into dropped_1. Nothing waits.
+  void add_step_stats(const Tensor& sums_2, const Tensor& load_E, const Tensor& dropped_1) const;
 
  private:
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through

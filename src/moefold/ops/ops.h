@@ -51,6 +51,33 @@ struct AdamWStep {
 };
 void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v,
                   const AdamWStep& s, const Tensor& w_compute = Tensor());
+// Many tensors' AdamW updates as one operation (one kernel launch on a GPU, where a model's dozens
+// of small parameters would otherwise cost a launch each): the same bits as one adamw_update per
+// entry. Entries with `decay` take AdamWStep::weight_decay, the others 0. Every entry on one
+// device, with one dtype for all gradients, one for all first and one for all second moments, and
+// a compute copy in all entries (of one dtype) or in none. The addresses are kept (on a GPU in a
+// table on the device, made once): the tensors must stay where they are.
+struct AdamWEntry {
+  Tensor w, g, m, v, compute;
+  bool decay = true;
+};
+class AdamWBatch {
+ public:
+  AdamWBatch() = default;
+  AdamWBatch(const AdamWBatch&) = delete;
+  AdamWBatch& operator=(const AdamWBatch&) = delete;
+  AdamWBatch(AdamWBatch&& o) noexcept;
+  AdamWBatch& operator=(AdamWBatch&& o) noexcept;
+  ~AdamWBatch();
+  explicit AdamWBatch(std::vector<AdamWEntry> entries);
+  void update(const ExecContext& ctx, const AdamWStep& s) const;
+  size_t size() const { return entries_.size(); }
+
+ private:
+  std::vector<AdamWEntry> entries_;
+  void* table_ = nullptr;  // GPU: the entries' descriptors (device memory)
+  int64_t blocks_ = 0;     // GPU: blocks of one launch
+};
 // The same update on host tensors with the GPU kernel's arithmetic, bit for bit (f32, every
 // operation rounded on its own): w f32; g, m, v f32 or bf16; w_compute (optional) bf16. Spread
 // over `threads` (null: the calling thread) in blocks of 64 Ki elements (optimizer offload).
@@ -176,9 +203,11 @@ void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor&
 // Returns the SUM over rows of -log softmax(logits)[target] (double); lse_N saved for backward.
 // Targets are i32 in [0, V), or kIgnoreTarget: no loss and a zero gradient row (positions
 // without a target, e.g. the last k of multi-token prediction at depth k).
+// With loss_1 (f64 [1] on the logits' device) the sum is written there instead, nothing waits for
+// the device, and NaN is returned.
 inline constexpr int32_t kIgnoreTarget = -1;
 double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
-                             const Tensor& lse_N);
+                             const Tensor& lse_N, const Tensor& loss_1 = Tensor());
 // dlogits = grad_scale * (softmax(logits) - onehot(target)); grad_scale is d(loss)/d(row loss),
 // e.g. 1 / (tokens in the global batch). dlogits may be logits itself (in place: elementwise).
 void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,

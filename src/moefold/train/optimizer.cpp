@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <map>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "moefold/core/exec.h"
@@ -77,6 +79,7 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
   take_all();  // measure
   arena_.allocate();
   take_all();
+  make_batches();
 }
 
 size_t AdamW::state_bytes(const Memory& mem, const TrainConfig& cfg) {
@@ -269,6 +272,28 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
   }
   MF_CHECK(arena_.capacity() == state_bytes(mem, cfg_), "AdamW: state of ", arena_.capacity(), " bytes, planned ",
            state_bytes(mem, cfg_));
+  make_batches();
+}
+
+void AdamW::make_batches() {
+  // Small parameters (norms, routers, small projections) in batches, one per combination of
+  // dtypes: one launch each instead of one per parameter. Large ones keep their own (vectorized)
+  // pass, which costs its launch nothing in comparison. Offloaded segments, and sharded ones whose
+  // f32 compute copy is copied after the update, stay out.
+  constexpr int64_t kBatchElements = int64_t{1} << 20;
+  batches_.clear();
+  batched_.assign(segments_.size(), false);
+  std::map<std::tuple<DType, DType, DType, int>, std::vector<AdamWEntry>> by_dtypes;
+  for (size_t k = 0; k < segments_.size(); ++k) {
+    const Segment& sg = segments_[k];
+    const bool copied_after = sharded_ && sg.compute.defined() && !mixed_;
+    if (sg.host || copied_after || sg.master.numel() > kBatchElements) continue;
+    const int c = sg.compute.defined() ? static_cast<int>(sg.compute.dtype()) : -1;
+    by_dtypes[{sg.grad.dtype(), sg.m.dtype(), sg.v.dtype(), c}].push_back(
+        {sg.master, sg.grad, sg.m, sg.v, sg.compute, (*params_)[sg.param].decay});
+    batched_[k] = true;
+  }
+  for (auto& [dtypes, entries] : by_dtypes) batches_.emplace_back(std::move(entries));
 }
 
 void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
@@ -293,9 +318,14 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
       fences_[i].record(copy_->stream());
     }
   }
+  // The batches hold the bound parameters' tensors: only for those (the caller may pass a copy).
+  const bool batches = &params == params_;
+  if (batches)
+    for (const AdamWBatch& b : batches_)
+      b.update(*ctx_, AdamWStep{lr, b1, b2, eps, cfg_.weight_decay, bc1, bc2, grad_scale});
   for (size_t k = 0; k < segments_.size(); ++k) {
     const Segment& sg = segments_[k];
-    if (sg.host) continue;
+    if (sg.host || (batches && batched_[k])) continue;
     const Param& p = params[sg.param];
     const AdamWStep s{lr, b1, b2, eps, p.decay ? cfg_.weight_decay : 0.0, bc1, bc2, grad_scale};
     if (!sharded_) {  // the caller's tensors (the optimizer may be bound to a copy of the list)

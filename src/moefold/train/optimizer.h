@@ -32,10 +32,9 @@
 #include "moefold/core/host_threads.h"
 #include "moefold/core/memory.h"
 #include "moefold/model/config.h"
+#include "moefold/ops/ops.h"
 
 namespace moefold {
-
-struct AdamWStep;  // ops/ops.h
 
 class AdamW {
  public:
@@ -120,6 +119,8 @@ class AdamW {
   };
   // The offloaded segments' update (step).
   void step_host(const std::vector<Param>& params, const AdamWStep& base);
+  // The batched updates of the small segments (bind's last part).
+  void make_batches();
   // Each group's sharded buckets and its communicator.
   struct Group {
     Communicator* comm = nullptr;
@@ -157,6 +158,8 @@ class AdamW {
   void block_to_host(const Tensor& block, std::vector<std::byte>& host) const;
   void host_to_block(const std::vector<std::byte>& host, const Tensor& block) const;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;  // without sharding: by parameter
+  std::vector<AdamWBatch> batches_;           // the small segments' updates (make_batches)
+  std::vector<bool> batched_;                 // per segment: in one of batches_
   // Offload: the pinned host state and staging, its pieces and their fences, the copy stream and
   // the host threads.
   Arena host_arena_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 
 #include "moefold/core/fault_points.h"
 #include "moefold/core/profile.h"
@@ -55,6 +56,11 @@ std::string cuda_graphs_refusal(const Config& cfg, const Mesh& mesh, Device devi
   if (!cfg.train.offload_modules.empty()) return "train.offload_modules (copies between the layers)";
   if (cfg.train.recompute_num_layers > 0 || !cfg.train.recompute_modules.empty())
     return "train.recompute_* (recomputed forwards inside the backward)";
+  if (cfg.train.cuda_graphs == "step") {
+    if (cfg.model.num_nextn_predict_layers > 0)
+      return "model.num_nextn_predict_layers (the multi-token prediction losses come back to the host)";
+    if (cfg.parallel.overlap_moe_a2a) return "parallel.overlap_moe_a2a (two micro-batches interleaved)";
+  }
   return "";
 }
 
@@ -118,11 +124,21 @@ void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model, size_
   // Host side whatever the device: token windows, statistics, loads.
   full_ids_BS = mem.host_act(bs, DType::i32);
   full_targets_BS = mem.host_act(bs, DType::i32);
-  step_sums = mem.host_act({layers * experts + layers + 1}, DType::f64);
-  load_sum_LE = step_sums.slice(0, layers * experts).view({layers, experts});
-  dropped_L = step_sums.slice(layers * experts, layers * experts + layers);
-  inter_node_bytes = step_sums.slice(layers * experts + layers, layers * experts + layers + 1);
-  stats = mem.host_act({4}, DType::f64);
+  const int64_t le = layers * experts;
+  sums = mem.mirrored({4 + le + layers + 1}, DType::f64);
+  stats = sums.host.slice(0, 4);
+  step_sums = sums.host.slice(4, 4 + le + layers + 1);
+  load_sum_LE = step_sums.slice(0, le).view({layers, experts});
+  dropped_L = step_sums.slice(le, le + layers);
+  inter_node_bytes = step_sums.slice(le + layers, le + layers + 1);
+  dev_loss_1 = sums.dev.slice(0, 1);
+  dev_router_2 = sums.dev.slice(1, 3);
+  dev_load_E.clear();
+  dev_dropped_1.clear();
+  for (int64_t l = 0; l < layers; ++l) {
+    dev_load_E.push_back(sums.dev.slice(4 + l * experts, 4 + (l + 1) * experts));
+    dev_dropped_1.push_back(sums.dev.slice(4 + le + l, 4 + le + l + 1));
+  }
   counts_E = mem.mirrored({experts}, DType::i64);
 }
 
@@ -193,6 +209,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   graphs_refusal_ = cuda_graphs_refusal(cfg_, mesh_, device);
   if (cfg_.train.cuda_graphs == "layers" && graphs_refusal_.empty())
     for (const std::unique_ptr<Model>& m : models_) m->set_cuda_graphs(true);
+  step_graphs_.set_enabled(cfg_.train.cuda_graphs == "step" && graphs_refusal_.empty());
   if (mesh_.dims.pp > 1 || cfg_.parallel.overlap_moe_a2a) {  // decided once: the step loop allocates nothing
     pipeline_ops_ = pipeline_ops(mesh_.dims.pp, mesh_.dims.vpp, mesh_.pp_rank, local_micro_batches(),
                                  cfg_.parallel.overlap_moe_a2a);
@@ -244,22 +261,45 @@ void Trainer::forward_micro_batch(int64_t i, size_t slot) {
 
 void Trainer::add_forward_results(size_t slot, double loss) {
   Model& model = *models_[slot];
-  double* stats = buf_.stats.ptr<double>();
-  stats[0] += loss;
-  stats[1] += model.aux_loss();
-  stats[2] += model.z_loss();
-  stats[3] += model.mtp_loss();
-  ProfileScope scope("expert loads read-back");
-  const int64_t experts = cfg_.moe.num_experts;
+  if (model.loss_on_device())
+    add_inplace(exec_, buf_.dev_loss_1, model.loss_sum());
+  else
+    host_loss_sum_ += loss;
+  host_mtp_sum_ += model.mtp_loss();
+  // Router losses, expert loads and the capacity's drops (by this rank's capacity) stay on the
+  // device until the step's end.
+  ProfileScope scope("expert loads and router losses");
   const int64_t first = moe_layers_before(cfg_.model, model.first_layer());
-  double* load = buf_.load_sum_LE.ptr<double>() + first * experts;
-  double* dropped = buf_.dropped_L.ptr<double>() + first;
   for (int64_t l = 0; l < model.num_moe_layers(); ++l) {
-    buf_.counts_E.host.copy_from(model.moe(l).router().tokens_per_expert());  // from the GPU: waits
-    const int64_t* counts = buf_.counts_E.host.ptr<int64_t>();
-    for (int64_t e = 0; e < experts; ++e) load[l * experts + e] += static_cast<double>(counts[e]);
-    dropped[l] += static_cast<double>(cfg_.moe.dropped_assignments(counts));  // by this rank's capacity
+    const auto at = static_cast<size_t>(first + l);
+    model.moe(l).router().add_step_stats(buf_.dev_router_2, buf_.dev_load_E[at], buf_.dev_dropped_1[at]);
   }
+}
+
+void Trainer::run_micro_batch_graphs(int64_t position) {
+  Model& model = *models_[0];
+  opt_.wait_weights(std::numeric_limits<int64_t>::max());  // the distributed optimizer's gathers: before, not inside
+  model.set_loss_on_device(true);
+  const int64_t micro = local_micro_batches(), all_micro = micro * mesh_.dims.dp;
+  const double lm_scale = 1.0 / static_cast<double>(cfg_.train.global_batch_size * cfg_.train.seq_len);
+  const double moe_scale = 1.0 / static_cast<double>(all_micro);
+  for (int64_t i = 0; i < micro; ++i) {
+    load_micro_batch(position, i, 0);  // the host copies the batch in; the graph reads it there
+    auto work = [&] {
+      {
+        ProfileScope scope("model forward");
+        model.forward(buf_.ids_BL[0].dev, buf_.targets_BL[0].dev);
+      }
+      add_forward_results(0, 0.0);
+      ProfileScope scope("model backward");
+      model.backward(lm_scale, moe_scale);
+    };
+    auto replayed = [&] {
+      for (int64_t l = 0; l < model.num_moe_layers(); ++l) model.moe(l).forward_replayed();
+    };
+    step_graphs_.micro_batch(exec_, mem_, work, replayed);
+  }
+  model.set_loss_on_device(false);  // evaluation reads its losses
 }
 
 void Trainer::backward_micro_batch(int64_t i, size_t slot) {
@@ -420,12 +460,15 @@ void Trainer::accumulate_gradients() {
   {
     ProfileScope scope("zero grads");
     mem_.zero_grads();
-    buf_.step_sums.zero();
-    buf_.stats.zero();
+    buf_.sums.host.zero();
+    buf_.sums.to_device(-1, &exec_);
+    host_loss_sum_ = host_mtp_sum_ = 0;
     take_inter_node_bytes();  // what evaluation sent since the last step is not this step's
   }
   if (mesh_.dims.pp > 1 || cfg_.parallel.overlap_moe_a2a) {
     run_pipeline(position);
+  } else if (step_graphs_.enabled()) {
+    run_micro_batch_graphs(position);
   } else {
     for (int64_t i = 0; i < micro; ++i) {
       load_micro_batch(position, i, 0);
@@ -476,6 +519,13 @@ void Trainer::accumulate_gradients() {
       dense_sq = both[0];
       expert_sq = both[1];
     }
+  }
+  {
+    // What the forwards left on the device (the grad norm has waited for the stream already).
+    ProfileScope scope("statistics read-back");
+    buf_.sums.to_host(-1, &exec_);
+    stats[0] += host_loss_sum_;  // one of the two is 0: the loss sums stay bit for bit what they are
+    stats[3] += host_mtp_sum_;
   }
   buf_.inter_node_bytes.ptr<double>()[0] = static_cast<double>(take_inter_node_bytes());
   {
@@ -528,11 +578,18 @@ void Trainer::accumulate_gradients() {
 
 std::string Trainer::cuda_graphs_note() const {
   if (cfg_.train.cuda_graphs == "none") return "";
-  if (!graphs_refusal_.empty()) return "train.cuda_graphs = \"layers\" not used: " + graphs_refusal_;
+  const std::string mode = "train.cuda_graphs = \"" + cfg_.train.cuda_graphs + "\"";
+  if (!graphs_refusal_.empty()) return mode + " not used: " + graphs_refusal_;
+  if (!step_graphs_.fallback().empty()) return mode + " stopped: " + step_graphs_.fallback();
   for (const std::unique_ptr<Model>& m : models_)
-    if (!m->cuda_graphs().fallback().empty())
-      return "train.cuda_graphs = \"layers\" stopped: " + m->cuda_graphs().fallback();
+    if (!m->cuda_graphs().fallback().empty()) return mode + " stopped: " + m->cuda_graphs().fallback();
   return "";
+}
+
+int64_t Trainer::cuda_graph_replays() const {
+  int64_t n = step_graphs_.replays();
+  for (const std::unique_ptr<Model>& m : models_) n += m->cuda_graphs().replays();
+  return n;
 }
 
 int64_t Trainer::take_inter_node_bytes() {

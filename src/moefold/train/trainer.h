@@ -69,12 +69,21 @@ struct StepMetrics {
 struct StepBuffers {
   Tensor full_ids_BS, full_targets_BS;       // whole sequences (targets already shifted)
   std::vector<Mirrored> ids_BL, targets_BL;  // per model: this rank's positions (all of them without CP)
-  Mirrored counts_E;                         // i64 [experts]: one layer's routed tokens, or its step load (bias update)
+  Mirrored counts_E;                         // i64 [experts]: a layer's step load (expert-bias update)
+  // f64: stats, then step_sums. The device side gathers what the forwards leave on the device (the
+  // router losses, expert loads and drops, and with train.cuda_graphs = "step" the loss sum); it
+  // comes to the host once per step.
+  Mirrored sums;
+  // Host views of `sums`:
+  Tensor stats;        // f64 [4]: loss sum, aux, z, mtp (reduced together)
+  Tensor step_sums;    // f64: load_sum_LE's, dropped_L's and inter_node_bytes' storage: one reduction sums them
   Tensor load_sum_LE;  // f64 [MoE layers of the whole model, experts]: tokens per expert over a step's micro-batches
   Tensor dropped_L;    // f64 [MoE layers]: assignments dropped by the capacity over a step's micro-batches
   Tensor inter_node_bytes;  // f64 [1]: bytes the step's dispatches sent between nodes
-  Tensor step_sums;         // f64: load_sum_LE's, dropped_L's and inter_node_bytes' storage: one reduction sums them
-  Tensor stats;             // f64 [4]: loss sum, aux, z, mtp (reduced together)
+  // Device views of `sums` (made once: the step loop allocates nothing): the loss sum, the router
+  // losses (aux, z), and per MoE layer its load row and its dropped count.
+  Tensor dev_loss_1, dev_router_2;
+  std::vector<Tensor> dev_load_E, dev_dropped_1;
   void bind(Memory& mem, const Config& cfg, const Model& model, size_t models);
 };
 
@@ -99,7 +108,7 @@ void apply_memory_options(Memory& mem, const TrainConfig& train);
 void bind_training(Memory& mem, std::vector<std::unique_ptr<Model>>& models, const Config& cfg, StepBuffers& buffers);
 // The dispatchers of the model's MoE layers on `mesh` (empty: local experts). Keeps references.
 DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh);
-// train.cuda_graphs = "layers" on `device` under `mesh`: what prevents capture (empty: nothing).
+// train.cuda_graphs ("layers" or "step") on `device` under `mesh`: what prevents capture (empty: nothing).
 std::string cuda_graphs_refusal(const Config& cfg, const Mesh& mesh, Device device);
 // The distributed optimizer's layout: each group sharded over the ranks that reduce it.
 ShardLayout shard_layout_for(const Mesh& mesh, const Model& model);
@@ -139,6 +148,8 @@ class Trainer {
   // train.cuda_graphs: why the layers are not (or no longer) replayed as graphs; empty when they
   // are, or when graphs are off.
   std::string cuda_graphs_note() const;
+  // Graphs replayed so far (layers and micro-batches).
+  int64_t cuda_graph_replays() const;
   size_t optimizer_bytes() const { return opt_.state_bytes(); }
   int64_t step() const { return step_; }
   const StepMetrics& metrics() const { return metrics_; }
@@ -169,8 +180,12 @@ class Trainer {
   // Local micro-batch i's forward on model `slot` (its statistics and expert loads added), and
   // its backward (the last one starts the overlapped gradient reduction).
   void forward_micro_batch(int64_t i, size_t slot);
-  // A forward's loss sum, router losses and expert loads into the step's statistics.
+  // A forward's loss sum, router losses and expert loads into the step's statistics (`loss`
+  // unless the model leaves it on the device).
   void add_forward_results(size_t slot, double loss);
+  // train.cuda_graphs = "step": the step's micro-batches, each one graph (forward, statistics,
+  // backward) replayed on model 0.
+  void run_micro_batch_graphs(int64_t position);
   // Bytes every MoE layer of every model sent to other nodes since the last call (counts restart).
   int64_t take_inter_node_bytes();
   void backward_micro_batch(int64_t i, size_t slot);
@@ -206,7 +221,9 @@ class Trainer {
   std::vector<double> sorted_loads_;  // one layer's expert loads, sorted for the percentiles (sized once)
   int64_t step_ = 0;
   size_t planned_bytes_ = 0;
-  std::string graphs_refusal_;  // cuda_graphs_refusal of this run
+  std::string graphs_refusal_;                   // cuda_graphs_refusal of this run
+  LayerGraphs step_graphs_;                      // train.cuda_graphs = "step"
+  double host_loss_sum_ = 0, host_mtp_sum_ = 0;  // the step's loss sums that came back to the host
 };
 
 }  // namespace moefold

@@ -4,6 +4,7 @@
 // CUDA tensors go to ops/cuda/cross_entropy.cu.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "moefold/ops/dispatch.h"
 #include "moefold/ops/ops.h"
@@ -27,13 +28,17 @@ void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, co
 }  // namespace
 
 double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
-                             const Tensor& lse_N) {
-  MF_ON_GPU(ctx, logits_NV, cuda::cross_entropy_forward(ctx, logits_NV, targets_N, lse_N));
+                             const Tensor& lse_N, const Tensor& loss_1) {
+  if (loss_1.defined()) {
+    MF_CHECK(loss_1.dtype() == DType::f64 && loss_1.numel() == 1 && loss_1.device() == logits_NV.device(),
+             "cross_entropy_forward: loss ", loss_1.str(), " for logits ", logits_NV.str());
+  }
+  MF_ON_GPU(ctx, logits_NV, cuda::cross_entropy_forward(ctx, logits_NV, targets_N, lse_N, loss_1));
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_forward");
   const int64_t n = logits_NV.size(0), v = logits_NV.size(1);
   MF_CHECK(v > 0, "cross_entropy_forward: empty vocabulary");
   const int32_t* targets = targets_N.ptr<int32_t>();
-  return dispatch_float(logits_NV.dtype(), [&]<class T>() {
+  const double sum = dispatch_float(logits_NV.dtype(), [&]<class T>() {
     const T* logits = logits_NV.ptr<T>();
     T* lse = lse_N.ptr<T>();
     double loss = 0;
@@ -55,6 +60,9 @@ double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, co
     }
     return loss;
   });
+  if (!loss_1.defined()) return sum;
+  loss_1.ptr<double>()[0] = sum;
+  return std::numeric_limits<double>::quiet_NaN();
 }
 
 void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,

@@ -1,6 +1,7 @@
 // Elementwise helpers on whole contiguous float tensors: y += x, sum of squares, x *= s.
 // No gradients: these serve gradient accumulation, clipping and the optimizer.
 #include <cmath>
+#include <utility>
 
 #include "moefold/core/rng.h"
 #include "moefold/ops/dispatch.h"
@@ -47,6 +48,55 @@ void scale_inplace(const ExecContext& ctx, const Tensor& x, double s) {
     const T st = static_cast<T>(s);
     for (int64_t i = 0; i < n; ++i) xp[i] *= st;
   });
+}
+
+AdamWBatch::AdamWBatch(std::vector<AdamWEntry> entries) : entries_(std::move(entries)) {
+  if (entries_.empty()) return;
+  const AdamWEntry& e0 = entries_.front();
+  for (const AdamWEntry& e : entries_) {
+    MF_CHECK(e.w.device() == e0.w.device() && e.g.dtype() == e0.g.dtype() && e.m.dtype() == e0.m.dtype() &&
+                 e.v.dtype() == e0.v.dtype() && e.compute.defined() == e0.compute.defined() &&
+                 (!e.compute.defined() || e.compute.dtype() == e0.compute.dtype()),
+             "AdamWBatch: entry w ", e.w.str(), " g ", e.g.str(), " m ", e.m.str(), " v ", e.v.str(),
+             " unlike the first's");
+    for (const Tensor* t : {&e.g, &e.m, &e.v})
+      MF_CHECK(t->numel() == e.w.numel() && t->contiguous() && e.w.contiguous(), "AdamWBatch: ", t->str(), " vs w ",
+               e.w.str());
+    if (e.compute.defined()) MF_CHECK(e.compute.numel() == e.w.numel(), "AdamWBatch: compute copy ", e.compute.str());
+  }
+#ifdef MOEFOLD_WITH_CUDA
+  if (e0.w.device() == Device::cuda) table_ = cuda::adamw_batch_table(entries_, &blocks_);
+#endif
+}
+
+AdamWBatch::AdamWBatch(AdamWBatch&& o) noexcept
+    : entries_(std::move(o.entries_)), table_(std::exchange(o.table_, nullptr)), blocks_(o.blocks_) {}
+
+AdamWBatch& AdamWBatch::operator=(AdamWBatch&& o) noexcept {
+  std::swap(entries_, o.entries_);
+  std::swap(table_, o.table_);
+  std::swap(blocks_, o.blocks_);
+  return *this;
+}
+
+AdamWBatch::~AdamWBatch() {
+#ifdef MOEFOLD_WITH_CUDA
+  if (table_ != nullptr) cuda::adamw_batch_free(table_);
+#endif
+}
+
+void AdamWBatch::update(const ExecContext& ctx, const AdamWStep& s) const {
+#ifdef MOEFOLD_WITH_CUDA
+  if (table_ != nullptr) {
+    cuda::adamw_batch_update(ctx, entries_, table_, blocks_, s);
+    return;
+  }
+#endif
+  for (const AdamWEntry& e : entries_) {
+    AdamWStep each = s;
+    if (!e.decay) each.weight_decay = 0;
+    adamw_update(ctx, e.w, e.g, e.m, e.v, each, e.compute);
+  }
 }
 
 void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v,

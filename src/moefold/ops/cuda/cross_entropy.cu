@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/cross_entropy.h"
@@ -359,10 +360,15 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
-                             const Tensor& lse_N) {
+                             const Tensor& lse_N, const Tensor& loss_1) {
   check_ce(logits_NV, targets_N, lse_N, "cross_entropy_forward");
+  if (loss_1.defined()) check_cuda_tensor(loss_1, "cross_entropy_forward loss");
   const int64_t n = logits_NV.size(0), v = logits_NV.size(1);
-  if (n == 0) return 0.0;
+  if (n == 0) {
+    if (!loss_1.defined()) return 0.0;
+    MF_CUDA_CHECK(cudaMemsetAsync(loss_1.data(), 0, sizeof(double), stream_of(ctx)));
+    return std::numeric_limits<double>::quiet_NaN();
+  }
   // Row losses then their sum (the last element).
   auto* scratch =
       static_cast<double*>(ctx.scratch(ScratchSlot::cross_entropy, static_cast<size_t>(n + 1) * sizeof(double)));
@@ -373,8 +379,10 @@ double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, co
                                                                       lse_N.ptr<float>(), scratch, v);
   });
   MF_CUDA_LAUNCHED("cross_entropy_forward rows");
-  sum_kernel<<<1, kSumThreads, 0, stream_of(ctx)>>>(scratch, n, scratch + n);
+  double* sum = loss_1.defined() ? loss_1.ptr<double>() : scratch + n;
+  sum_kernel<<<1, kSumThreads, 0, stream_of(ctx)>>>(scratch, n, sum);
   MF_CUDA_LAUNCHED("cross_entropy_forward sum");
+  if (loss_1.defined()) return std::numeric_limits<double>::quiet_NaN();
   double loss = 0;
   MF_CUDA_CHECK(cudaMemcpyAsync(&loss, scratch + n, sizeof(double), cudaMemcpyDeviceToHost, stream_of(ctx)));
   MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));

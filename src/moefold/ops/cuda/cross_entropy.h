@@ -18,9 +18,10 @@ namespace moefold::cuda {
 // logits [N, V]; targets (kIgnoreTarget: no loss, lse 0). One block per row with an online max /
 // sum-exp over the vocabulary in float32 (16-byte loads when V and the pointers allow, element by
 // element otherwise); the row losses are summed in float64 in a fixed order (deterministic). WAITS
-// for the GPU: returns the host sum of row losses (uses the context's scratch: N + 1 doubles).
+// for the GPU and returns the host sum of row losses, or with loss_1 (a CUDA f64 [1]) writes the
+// sum there and returns NaN without waiting (uses the context's scratch: N + 1 doubles).
 double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
-                             const Tensor& lse_N);
+                             const Tensor& lse_N, const Tensor& loss_1);
 // dlogits in the logits' dtype, WRITTEN (ignored rows zero); may be the logits tensor itself
 // (in place: each element is read before it is written, by the same thread).
 void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,

@@ -20,6 +20,11 @@ __global__ void add_kernel(T* y, const T* x, int64_t n) {
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     y[i] = from_float<T>(to_float(y[i]) + to_float(x[i]));
 }
+__global__ void add_f64_kernel(double* y, const double* x, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = __dadd_rn(y[i], x[i]);
+}
 
 // Element i: mean + std * normal(seed, stream, first + i), as core/rng.cpp's rng_normal on the host.
 template <class T>
@@ -102,9 +107,12 @@ void add_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& x) {
   MF_CHECK(y.numel() == x.numel() && y.dtype() == x.dtype(), "add_inplace: ", y.str(), " += ", x.str());
   const int64_t n = y.numel();
   if (n == 0) return;
-  dispatch_cuda_float(y.dtype(), [&]<class T>() {
-    add_kernel<T><<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.ptr<T>(), x.ptr<T>(), n);
-  });
+  if (y.dtype() == DType::f64)  // statistics (a step's loss sums): in double, as the host
+    add_f64_kernel<<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.ptr<double>(), x.ptr<double>(), n);
+  else
+    dispatch_cuda_float(y.dtype(), [&]<class T>() {
+      add_kernel<T><<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.ptr<T>(), x.ptr<T>(), n);
+    });
   MF_CUDA_LAUNCHED("add_inplace");
 }
 

@@ -3,7 +3,9 @@
 // writing the bf16 compute copy of the weight.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
+#include "moefold/core/device.h"
 #include "moefold/ops/adamw_args.h"
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/optimizer.h"
@@ -68,6 +70,47 @@ __global__ void adamw_vec_kernel(float4* w, const float4* g, float4* m, float4* 
 
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// AdamWBatch: entry i covers blocks [first_block, first_block + ceil(n / kBatchChunk)) of a launch.
+constexpr int kBatchThreads = 256;
+constexpr int64_t kBatchChunk = 16 * kBatchThreads;
+struct AdamWDesc {
+  float* w;
+  const void* g;
+  void* m;
+  void* v;
+  void* wc;
+  int64_t n, first_block;
+  int decay;
+};
+
+template <class C, class M, class V, class G>
+__global__ void adamw_batch_kernel(const AdamWDesc* d, int n_desc, AdamWArgs with_decay, AdamWArgs without) {
+  const auto b = static_cast<int64_t>(blockIdx.x);
+  int lo = 0, hi = n_desc - 1;  // the last entry whose first block is <= b
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (d[mid].first_block <= b)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const AdamWDesc e = d[lo];
+  const AdamWArgs& a = e.decay ? with_decay : without;
+  const G* g = static_cast<const G*>(e.g);
+  M* m = static_cast<M*>(e.m);
+  V* v = static_cast<V*>(e.v);
+  C* wc = static_cast<C*>(e.wc);
+  const int64_t begin = (b - e.first_block) * kBatchChunk, end = min(e.n, begin + kBatchChunk);
+  for (int64_t i = begin + threadIdx.x; i < end; i += kBatchThreads) {  // adamw_kernel's element
+    float wi = e.w[i], mi = to_float(m[i]), vi = to_float(v[i]);
+    adamw_element(a, __fmul_rn(to_float(g[i]), a.gs), wi, mi, vi);
+    m[i] = from_float<M>(mi);
+    v[i] = from_float<V>(vi);
+    e.w[i] = wi;
+    if (wc) wc[i] = from_float<C>(wi);
+  }
+}
+
 }  // namespace
 
 void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v,
@@ -112,6 +155,47 @@ void adamw_update(const ExecContext& ctx, const Tensor& w, const Tensor& g, cons
     });
   }
   MF_CUDA_LAUNCHED("adamw_update");
+}
+
+void* adamw_batch_table(const std::vector<AdamWEntry>& entries, int64_t* blocks) {
+  std::vector<AdamWDesc> d;
+  int64_t first = 0;
+  for (const AdamWEntry& e : entries) {
+    for (const Tensor* t : {&e.w, &e.g, &e.m, &e.v}) check_cuda_tensor(*t, "AdamWBatch");
+    if (e.compute.defined()) check_cuda_tensor(e.compute, "AdamWBatch compute copy");
+    d.push_back({e.w.ptr<float>(), e.g.data(), e.m.data(), e.v.data(), e.compute.defined() ? e.compute.data() : nullptr,
+                 e.w.numel(), first, e.decay ? 1 : 0});
+    first += ceil_div(e.w.numel(), kBatchChunk);
+  }
+  MF_CHECK(first <= std::numeric_limits<int>::max() && d.size() <= std::numeric_limits<int>::max(),
+           "AdamWBatch: ", d.size(), " entries in ", first, " blocks");
+  *blocks = first;
+  void* table = device_malloc(d.size() * sizeof(AdamWDesc));
+  MF_CUDA_CHECK(cudaMemcpy(table, d.data(), d.size() * sizeof(AdamWDesc), cudaMemcpyHostToDevice));
+  return table;
+}
+
+void adamw_batch_free(void* table) { device_free(table); }
+
+void adamw_batch_update(const ExecContext& ctx, const std::vector<AdamWEntry>& entries, const void* table,
+                        int64_t blocks, const AdamWStep& s) {
+  if (blocks == 0) return;
+  AdamWStep off = s;
+  off.weight_decay = 0;
+  const AdamWArgs with_decay = adamw_args(s), without = adamw_args(off);
+  const AdamWEntry& e0 = entries.front();
+  const DType c_dtype = e0.compute.defined() ? e0.compute.dtype() : DType::f32;
+  dispatch_cuda_float(c_dtype, [&]<class C>() {
+    dispatch_cuda_float(e0.m.dtype(), [&]<class M>() {
+      dispatch_cuda_float(e0.v.dtype(), [&]<class V>() {
+        dispatch_cuda_float(e0.g.dtype(), [&]<class G>() {
+          adamw_batch_kernel<C, M, V, G><<<static_cast<unsigned>(blocks), kBatchThreads, 0, stream_of(ctx)>>>(
+              static_cast<const AdamWDesc*>(table), static_cast<int>(entries.size()), with_decay, without);
+        });
+      });
+    });
+  });
+  MF_CUDA_LAUNCHED("AdamWBatch");
 }
 
 }  // namespace moefold::cuda

@@ -11,7 +11,8 @@ namespace moefold::cuda {
 
 namespace {
 
-// Assignments a = t*K + k are cut into tiles of kPlanTile, one warp per tile. (1) Each tile counts
+// Assignments a = t*K + k are cut into tiles (plan_tile: 32 to 512 of them, smaller tiles for
+// fewer assignments, so that small plans still spread over many warps), one warp per tile. (1) Each tile counts
 // its assignments per expert; (2) per expert, an exclusive scan over the tiles turns the counts
 // into each tile's first position within the expert; (3) one block lays the experts out (their
 // assignment and row offsets); (4) each tile gives its assignments their positions in token order
@@ -19,8 +20,10 @@ namespace {
 // kept assignments (radix select of the capacity-th largest (prob, -a) key) and lays out rows and
 // padding. Integer arithmetic only: the plan is bit-identical to the CPU's.
 
-constexpr int kPlanTile = 512;
 constexpr int kPlanWarps = 4;
+
+// Assignments per tile for a_n of them: ~128 tiles up to 512 assignments each, at least a warp's.
+int64_t plan_tile(int64_t a_n) { return std::clamp<int64_t>(ceil_div(ceil_div(a_n, 128), 32) * 32, 32, 512); }
 constexpr int kPlanThreads = 256;
 
 // Values the plan returns to the host (set to all ones before the plan).
@@ -32,8 +35,8 @@ enum PlanInfo : int {
 };
 constexpr unsigned long long kNoAssignment = ~0ull;
 
-__global__ void plan_tile_counts_kernel(const int32_t* idx, int64_t a_n, int k_n, int e_n, int64_t num_tiles,
-                                        int* tile_base, unsigned long long* info) {
+__global__ void plan_tile_counts_kernel(const int32_t* idx, int64_t a_n, int k_n, int e_n, int64_t tile_size,
+                                        int64_t num_tiles, int* tile_base, unsigned long long* info) {
   extern __shared__ int plan_cnt[];
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * kPlanWarps + warp;
@@ -41,8 +44,8 @@ __global__ void plan_tile_counts_kernel(const int32_t* idx, int64_t a_n, int k_n
   int* cnt = plan_cnt + warp * e_n;
   for (int e = lane; e < e_n; e += kWarp) cnt[e] = 0;
   __syncwarp();
-  const int64_t end = std::min<int64_t>(a_n, (tile + 1) * kPlanTile);
-  for (int64_t a = tile * kPlanTile + lane; a < end; a += kWarp) {
+  const int64_t end = std::min<int64_t>(a_n, (tile + 1) * tile_size);
+  for (int64_t a = tile * tile_size + lane; a < end; a += kWarp) {
     const int e = idx[a];
     if (e < 0) continue;  // an empty slot
     if (e >= e_n) {
@@ -58,17 +61,25 @@ __global__ void plan_tile_counts_kernel(const int32_t* idx, int64_t a_n, int k_n
   for (int e = lane; e < e_n; e += kWarp) tile_base[tile * e_n + e] = cnt[e];
 }
 
-// One thread per expert: the tiles' counts become their first position within the expert.
+// One warp per expert, 32 tiles at a time: the tiles' counts become their first position within
+// the expert (an exclusive scan over the tiles).
 __global__ void plan_expert_scan_kernel(int* tile_base, int64_t num_tiles, int e_n, int64_t* n_assign) {
-  const int e = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  const int e = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / kWarp);
   if (e >= e_n) return;
   int64_t running = 0;
-  for (int64_t tile = 0; tile < num_tiles; ++tile) {
-    const int v = tile_base[tile * e_n + e];
-    tile_base[tile * e_n + e] = static_cast<int>(running);
-    running += v;
+  for (int64_t t0 = 0; t0 < num_tiles; t0 += kWarp) {
+    const int64_t tile = t0 + lane;
+    const int v = tile < num_tiles ? tile_base[tile * e_n + e] : 0;
+    int incl = v;  // inclusive scan over the lanes
+    for (int d = 1; d < kWarp; d *= 2) {
+      const int up = __shfl_up_sync(kFullMask, incl, d);
+      if (lane >= d) incl += up;
+    }
+    if (tile < num_tiles) tile_base[tile * e_n + e] = static_cast<int>(running + incl - v);
+    running += __shfl_sync(kFullMask, incl, kWarp - 1);
   }
-  n_assign[e] = running;
+  if (lane == 0) n_assign[e] = running;
 }
 
 // Exclusive scan over the block (blockDim.x a multiple of 32); *total = the block's sum.
@@ -128,9 +139,10 @@ __global__ void plan_offsets_kernel(const int64_t* n_assign, int e_n, int64_t ca
 
 // Positions in token order within each expert (see above). Dropless: the rows themselves;
 // with a capacity: the assignment ids grouped by expert, for plan_capacity_kernel.
-__global__ void plan_scatter_kernel(const int32_t* idx, int64_t a_n, int k_n, int e_n, int64_t num_tiles,
-                                    const int* tile_base, const int64_t* assign_off, const int64_t* offsets,
-                                    int64_t max_rows, bool dropless, int64_t* row, int64_t* token, int* grouped) {
+__global__ void plan_scatter_kernel(const int32_t* idx, int64_t a_n, int k_n, int e_n, int64_t tile_size,
+                                    int64_t num_tiles, const int* tile_base, const int64_t* assign_off,
+                                    const int64_t* offsets, int64_t max_rows, bool dropless, int64_t* row,
+                                    int64_t* token, int* grouped) {
   extern __shared__ int plan_cnt[];
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * kPlanWarps + warp;
@@ -138,7 +150,7 @@ __global__ void plan_scatter_kernel(const int32_t* idx, int64_t a_n, int k_n, in
   int* cnt = plan_cnt + warp * e_n;
   for (int e = lane; e < e_n; e += kWarp) cnt[e] = tile_base[tile * e_n + e];
   __syncwarp();
-  const int64_t begin = tile * kPlanTile, end = std::min<int64_t>(a_n, begin + kPlanTile);
+  const int64_t begin = tile * tile_size, end = std::min<int64_t>(a_n, begin + tile_size);
   for (int64_t a0 = begin; a0 < end; a0 += kWarp) {  // every lane runs every chunk (match_any)
     const int64_t a = a0 + lane;
     int e = a < end ? idx[a] : -1;
@@ -276,7 +288,7 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
   const int64_t max_rows = out.token_R.numel();
   const bool dropless = capacity <= 0;
   const int e = static_cast<int>(e_n), k = static_cast<int>(k_n);
-  const int64_t num_tiles = ceil_div(a_n, kPlanTile);
+  const int64_t tile_size = plan_tile(a_n), num_tiles = ceil_div(a_n, tile_size);
 
   // Scratch (grow-only): info | n_assign[E] | assign_off[E] | tile_base | grouped.
   const size_t info_bytes = kNumPlanInfo * sizeof(unsigned long long);
@@ -299,17 +311,17 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
   const size_t tile_shared = static_cast<size_t>(kPlanWarps) * e_n * sizeof(int);
   const int tile_blocks = blocks_for(num_tiles, kPlanWarps);
   if (num_tiles > 0) {
-    plan_tile_counts_kernel<<<tile_blocks, kPlanWarps * kWarp, tile_shared, stream_of(ctx)>>>(idx, a_n, k, e, num_tiles,
-                                                                                              tile_base, info);
+    plan_tile_counts_kernel<<<tile_blocks, kPlanWarps * kWarp, tile_shared, stream_of(ctx)>>>(
+        idx, a_n, k, e, tile_size, num_tiles, tile_base, info);
     MF_CUDA_LAUNCHED("moe_permute_plan counts");
   }
-  plan_expert_scan_kernel<<<blocks_for(e_n, 128), 128, 0, stream_of(ctx)>>>(tile_base, num_tiles, e, n_assign);
+  plan_expert_scan_kernel<<<blocks_for(e_n, 4), 4 * kWarp, 0, stream_of(ctx)>>>(tile_base, num_tiles, e, n_assign);
   MF_CUDA_LAUNCHED("moe_permute_plan scan");
   plan_offsets_kernel<<<1, 1024, 0, stream_of(ctx)>>>(n_assign, e, capacity, pad, assign_off, counts, offsets, info);
   MF_CUDA_LAUNCHED("moe_permute_plan offsets");
   if (num_tiles > 0) {
     plan_scatter_kernel<<<tile_blocks, kPlanWarps * kWarp, tile_shared, stream_of(ctx)>>>(
-        idx, a_n, k, e, num_tiles, tile_base, assign_off, offsets, max_rows, dropless, row, token, grouped);
+        idx, a_n, k, e, tile_size, num_tiles, tile_base, assign_off, offsets, max_rows, dropless, row, token, grouped);
     MF_CUDA_LAUNCHED("moe_permute_plan scatter");
   }
   if (!dropless) {
