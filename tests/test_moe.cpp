@@ -484,6 +484,33 @@ TEST(Capacity, KeepsHighestProbabilitiesAndDropsTheRest) {
   EXPECT_EQ(p.num_rows, t_n * k_n - dropped);
 }
 
+// Without waiting (the host does not read R), a capacity without padding pads the last expert up
+// to the bound min(T*K, E*capacity): the same rows for every assignment, the tail empty.
+TEST(Capacity, WithoutWaitingTheLastExpertIsPaddedToTheBound) {
+  Pool pool;
+  const int64_t t_n = 24, e_n = 4, k_n = 2, capacity = 10;  // bound min(48, 40) = 40
+  // Experts 0 and 1 get 16 assignments each (6 dropped each), 2 and 3 get 8: 36 rows kept.
+  Tensor idx = pool.zeros({t_n, k_n}, DType::i32), prob = pool.uniform({t_n, k_n}, 0.1, 1.0);
+  for (int64_t t = 0; t < t_n; ++t) {
+    idx.ptr<int32_t>()[t * k_n] = t < 16 ? 0 : 2;
+    idx.ptr<int32_t>()[t * k_n + 1] = t < 16 ? 1 : 3;
+  }
+  Plan waited(pool, idx, prob, e_n, capacity, false, e_n * capacity);
+  Tensor counts = pool.zeros({e_n}, DType::i64), offsets = pool.zeros({e_n + 1}, DType::i64);
+  Tensor row = pool.zeros(idx.shape(), DType::i64), token = pool.zeros({e_n * capacity}, DType::i64);
+  const int64_t r = moe_permute_plan(testing::exec(), idx, prob, capacity, false, {counts, offsets, row, token}, false);
+  ASSERT_EQ(r, 40);
+  ASSERT_EQ(waited.num_rows, 36);
+  EXPECT_EQ(offsets.ptr<int64_t>()[e_n], 40);
+  for (int64_t e = 0; e < e_n; ++e) {
+    EXPECT_EQ(offsets.ptr<int64_t>()[e], waited.at(waited.offsets, e)) << "expert " << e;
+    EXPECT_EQ(counts.ptr<int64_t>()[e], waited.at(waited.counts, e) + (e + 1 == e_n ? 40 - waited.num_rows : 0));
+  }
+  for (int64_t a = 0; a < t_n * k_n; ++a) EXPECT_EQ(row.ptr<int64_t>()[a], waited.at(waited.row, a)) << a;
+  for (int64_t i = 0; i < 40; ++i)
+    EXPECT_EQ(token.ptr<int64_t>()[i], i < waited.num_rows ? waited.at(waited.token, i) : -1) << "row " << i;
+}
+
 TEST(Capacity, TiesDropTheHigherToken) {
   Pool pool;
   // Five tokens all on expert 1 with equal probabilities except token 3 (highest): capacity 2

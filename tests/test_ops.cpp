@@ -386,6 +386,21 @@ TEST(SwiGLU, PairsAreHalvesWithColumnsInterleaved) {
 
 // ---- cross-entropy ---------------------------------------------------------------------------
 
+// Multi-token prediction's loss from the depths' sums: Model::mtp_loss's formula, added to out.
+TEST(MtpLoss, AccumulatesTheWeightedMeanOfTheDepths) {
+  Pool pool;
+  Tensor losses = pool.zeros({3}), out = pool.zeros({1});
+  const double l[] = {10.5, 7.25, 3.0};
+  for (int k = 0; k < 3; ++k) losses.ptr<double>()[k] = l[k];
+  out.ptr<double>()[0] = 1.0;
+  mtp_loss_accumulate(testing::exec(), losses, 16, 0.3, out);
+  double s = 0;
+  for (int k = 1; k <= 3; ++k) s += l[k - 1] * 16.0 / (16.0 - k);
+  EXPECT_EQ(out.ptr<double>()[0], 1.0 + s * 0.3 / 3.0);
+  mtp_loss_accumulate(testing::exec(), losses.slice(0, 0), 16, 0.3, out);  // no depths: nothing added
+  EXPECT_EQ(out.ptr<double>()[0], 1.0 + s * 0.3 / 3.0);
+}
+
 TEST(CrossEntropy, ForwardMatchesNaiveSoftmax) {
   Pool pool;
   const int64_t n = 5, v = 7;

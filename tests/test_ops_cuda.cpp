@@ -152,6 +152,23 @@ TEST(CudaAdamW, HostUpdateGivesTheKernelsBits) {
       }
 }
 
+TEST(CudaMtpLoss, MatchesCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  Pool host;
+  DevicePool dev;
+  for (const int64_t d : {1, 2, 5}) {
+    Tensor l = host.uniform({d}, 100.0, 5000.0), out = host.randn({1});
+    Tensor ld = dev.upload(l, DType::f64), outd = dev.upload(out, DType::f64);
+    for (int rep = 0; rep < 3; ++rep) {
+      mtp_loss_accumulate(testing::exec(), l, 4096, 0.1, out);
+      mtp_loss_accumulate(testing::exec(), ld, 4096, 0.1, outd);
+    }
+    double got = 0;
+    device_copy(&got, Device::cpu, outd.data(), Device::cuda, sizeof(got));
+    EXPECT_EQ(got, out.ptr<double>()[0]) << d << " depths";
+  }
+}
+
 // AdamWBatch: one launch over many tensors of odd sizes (one element, less than a block, many
 // blocks), with and without decay, gives each the bits of its own adamw_update.
 TEST(CudaAdamW, BatchGivesEachTensorItsOwnUpdatesBits) {

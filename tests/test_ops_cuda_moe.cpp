@@ -485,6 +485,20 @@ TEST(CudaPermutePlan, MatchesCpuBitForBit) {
     expect_same(ints(gpu.row_TK), ints(cpu.row_TK), "row_TK");
     // The whole of token_R: [0, R) must match, and the entries past R must stay untouched.
     expect_same(ints(gpu.token_R), ints(cpu.token_R), "token_R");
+    if (!c.empty_slots) {  // without waiting (the capacity without padding: the last expert padded to the bound)
+      PermutePlanOut nw{filled_i64(dev, {e_n}, kSentinel), filled_i64(dev, {e_n + 1}, kSentinel),
+                        filled_i64(dev, {t_n, k_n}, kSentinel), filled_i64(dev, {max_rows}, kSentinel)};
+      const int64_t r_nw = moe_permute_plan(testing::exec(), dev.upload(idx, DType::i32), dev.upload(prob, DType::f32),
+                                            capacity, c.pad, nw, false);
+      PermutePlanOut cnw{host_filled_i64(pool, {e_n}, kSentinel), host_filled_i64(pool, {e_n + 1}, kSentinel),
+                         host_filled_i64(pool, {t_n, k_n}, kSentinel), host_filled_i64(pool, {max_rows}, kSentinel)};
+      EXPECT_EQ(r_nw, moe_permute_plan(testing::exec(), idx, prob, capacity, c.pad, cnw, false)) << "without waiting";
+      EXPECT_EQ(r_nw, c.pad || capacity <= 0 ? r_cpu : std::min(t_n * k_n, e_n * capacity)) << "without waiting";
+      expect_same(ints(nw.counts_E), ints(cnw.counts_E), "counts_E without waiting");
+      expect_same(ints(nw.offsets_E1), ints(cnw.offsets_E1), "offsets_E1 without waiting");
+      expect_same(ints(nw.row_TK), ints(cpu.row_TK), "row_TK without waiting");
+      expect_same(ints(nw.token_R), ints(cnw.token_R), "token_R without waiting");
+    }
     // The case does what it says (so that the comparison covers drops and padding).
     const std::vector<int64_t> row = ints(cpu.row_TK), token = ints(cpu.token_R);
     int64_t empty = 0;

@@ -798,8 +798,8 @@ TEST(Trainer, TensorBoardEventsMatchTheMetricsAndSurviveAResume) {
 }
 
 // expert_load_dropped_fraction: the share of the token-to-expert assignments the dispatcher did
-// not keep (its plan's rows, one micro-batch per step here) under moe.capacity_factor; 0 when
-// dropless; expert_load_min is the least loaded expert.
+// not keep (those its plan gave no row, one micro-batch per step here) under
+// moe.capacity_factor; 0 when dropless; expert_load_min is the least loaded expert.
 TEST(Trainer, DroppedFractionIsWhatTheDispatcherDropped) {
   testing::TempDir tmp("test_train");
   const std::string data = make_data(tmp.path());
@@ -813,7 +813,9 @@ TEST(Trainer, DroppedFractionIsWhatTheDispatcherDropped) {
       const StepMetrics& m = t.train_step();
       for (int64_t l = 0; l < t.model().num_moe_layers(); ++l) {
         const double assignments = 4 * 16 * 2;
-        const double kept = static_cast<double>(t.model().moe(l).plan().num_rows);
+        const Tensor& rows = t.model().moe(l).plan().row_TK;
+        double kept = 0;
+        for (int64_t a = 0; a < rows.numel(); ++a) kept += rows.ptr<int64_t>()[a] >= 0 ? 1 : 0;
         EXPECT_DOUBLE_EQ(m.expert_load_dropped_fraction[static_cast<size_t>(l)], 1 - kept / assignments)
             << "capacity_factor " << factor << " layer " << l;
         const double* loads = t.expert_loads().ptr<double>() + l * 4;

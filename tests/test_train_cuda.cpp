@@ -391,10 +391,17 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
   std::vector<std::string> deepseek = kDeepSeek;
   deepseek.push_back("model.num_nextn_predict_layers=0");
   for (std::vector<std::string> extra :
-       {std::vector<std::string>{}, deepseek,
-        std::vector<std::string>{"moe.capacity_factor=1.25", "moe.pad_to_capacity=true"}}) {
+       {std::vector<std::string>{}, deepseek, kDeepSeek,
+        std::vector<std::string>{"moe.capacity_factor=1.25", "moe.pad_to_capacity=true"},
+        std::vector<std::string>{"moe.capacity_factor=0.75"}}) {
+    const std::string what = extra.size() > 3   ? (extra.back() == "model.num_nextn_predict_layers=1"
+                                                       ? "deepseek-v3-like with multi-token prediction"
+                                                       : "deepseek-v3-like")
+                             : extra.size() > 1 ? "padded capacity"
+                             : extra.empty()    ? "qwen3-like"
+                                                : "capacity without padding";
     extra.push_back("moe.moe_intermediate_size=16");  // CUTLASS's grouped GEMMs (widths of 8s): no waits
-    SCOPED_TRACE(extra.size() > 3 ? "deepseek-v3-like" : extra.size() > 1 ? "padded capacity" : "qwen3-like");
+    SCOPED_TRACE(what);
     std::vector<std::vector<double>> runs;
     std::vector<std::vector<float>> weights;
     for (const char* graphs : {"none", "layers", "step"}) {
@@ -408,7 +415,7 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
       std::vector<double>& got = runs.emplace_back();
       for (int i = 0; i < 6; ++i) {
         const StepMetrics& m = gpu.train_step();
-        got.insert(got.end(), {m.loss, m.lm_loss, m.aux_loss, m.z_loss, m.grad_norm});
+        got.insert(got.end(), {m.loss, m.lm_loss, m.aux_loss, m.z_loss, m.mtp_loss, m.grad_norm});
         got.insert(got.end(), m.expert_load_dropped_fraction.begin(), m.expert_load_dropped_fraction.end());
         const Tensor& loads = gpu.expert_loads();
         got.insert(got.end(), loads.ptr<double>(), loads.ptr<double>() + loads.numel());
@@ -439,27 +446,26 @@ TEST(TrainCuda, CudaGraphsSayWhyTheyAreNotUsed) {
   MF_REQUIRE_GPU();
   testing::TempDir dir("train_cuda_graphs_refused");
   const Config cfg = testing::small_train_config(testing::make_train_data(dir.path()),
-                                                 {"train.cuda_graphs=layers", "moe.capacity_factor=1.25"});
+                                                 {"train.cuda_graphs=layers", "train.recompute_modules=[\"moe_act\"]"});
   const TokenDataset tokens = open_token_dataset(cfg.data.path);
   OneRank a(cfg);
   Trainer gpu(cfg, tokens, a.mesh, Device::cuda);
   gpu.init_fresh();
   gpu.train_step();
-  EXPECT_NE(gpu.cuda_graphs_note().find("moe.capacity_factor without moe.pad_to_capacity"), std::string::npos)
+  EXPECT_NE(gpu.cuda_graphs_note().find("train.recompute_* (recomputed forwards inside the backward)"),
+            std::string::npos)
       << gpu.cuda_graphs_note();
   EXPECT_EQ(gpu.cuda_graph_replays(), 0);
-  // Whole micro-batches: the multi-token prediction losses come back to the host.
-  std::vector<std::string> mtp = kDeepSeek;
-  mtp.insert(mtp.end(), {"train.cuda_graphs=step", "model.num_nextn_predict_layers=1"});
-  const Config cfg2 = testing::small_train_config(testing::make_train_data(dir.path()), mtp);
+  // Whole micro-batches, likewise.
+  const Config cfg2 = testing::small_train_config(testing::make_train_data(dir.path()),
+                                                  {"train.cuda_graphs=step", "train.recompute_num_layers=1"});
   OneRank b(cfg2);
   Trainer gpu2(cfg2, tokens, b.mesh, Device::cuda);
   gpu2.init_fresh();
   const double loss = gpu2.train_step().loss;
   EXPECT_TRUE(std::isfinite(loss));
   EXPECT_EQ(gpu2.cuda_graphs_note(),
-            "train.cuda_graphs = \"step\" not used: model.num_nextn_predict_layers (the multi-token prediction "
-            "losses come back to the host)");
+            "train.cuda_graphs = \"step\" not used: train.recompute_* (recomputed forwards inside the backward)");
   EXPECT_EQ(gpu2.cuda_graph_replays(), 0);
 }
 

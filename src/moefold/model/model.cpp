@@ -343,9 +343,11 @@ void Model::bind(Memory& mem) {
     MF_CHECK(mem.device() == Device::cuda, "activation offload needs the CUDA device");
     copy_ = std::make_unique<ExecContext>(Device::cuda, ctx_->kernels(), ExecContext::Stream::own);
   }
+  mtp_losses_D_ = mem.result({static_cast<int64_t>(mtp_.size())}, DType::f64);
   for (size_t k = 0; k < mtp_.size(); ++k) {
     mem.set_part(cat("mtp.", k));
     bind_mtp(mem, *mtp_[k]);
+    mtp_[k]->loss_1_ = mtp_losses_D_.slice(static_cast<int64_t>(k), static_cast<int64_t>(k) + 1);
   }
   mem.set_part("head");
   ids_ = Tensor();
@@ -449,7 +451,8 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS,
   if (copy_ && offloads(num_layers() - 1)) offload_after_forward(num_layers() - 1);
   if (!last_stage_) return 0.0;  // the caller sends output() on
   needed(total_layers());
-  const double loss = head_forward(res_.back(), norm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_);
+  const double loss = head_forward(res_.back(), norm_, nf_TH_, rstdf_T_, full_NH_, logits_TV_, lse_T_, targets_,
+                                   loss_on_device_ ? loss_sum_1_ : Tensor());
   const Tensor* prev = &res_.back();
   for (auto& d : mtp_) {
     ProfileScope scope("mtp forward");
@@ -461,7 +464,7 @@ double Model::forward(const Tensor& ids_BS, const Tensor& targets_BS,
 
 double Model::head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor& nf_TH, const Tensor& rstd_T,
                            const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N,
-                           const Tensor& targets_N) {
+                           const Tensor& targets_N, const Tensor& loss_1) {
   ProfileScope head("lm head + loss forward");
   {
     ProfileScope scope("final rmsnorm forward");
@@ -474,7 +477,7 @@ double Model::head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor&
   }
   // The loss comes back to the host here (the host waits for the stream), or stays on the device.
   ProfileScope scope("cross entropy forward + loss read-back");
-  if (!tp_) return cross_entropy_forward(*ctx_, logits_NV, targets_N, lse_N, loss_on_device_ ? loss_sum_1_ : Tensor());
+  if (!tp_) return cross_entropy_forward(*ctx_, logits_NV, targets_N, lse_N, loss_1);
   return vocab_parallel_cross_entropy_forward(*ctx_, *tp_, logits_NV, vocab_offset_, targets_N, lse_N, ce_scratch_);
 }
 
@@ -654,8 +657,8 @@ void Model::mtp_forward(MtpDepth& d, const Tensor& prev_TH) {
   copy_matrix(*ctx_, as_matrix(d.hn_TH_), column_block(d.cat_T2H_, h, 2 * h));
   linear_forward_in(*ctx_, d.fp8_eh_proj_.get(), d.cat_T2H_, d.eh_proj_, d.hp_TH_);
   d.layer_->forward(d.hp_TH_, d.out_TH_);
-  d.loss_sum_ =
-      head_forward(d.out_TH_, d.head_norm_, d.nf_TH_, d.nf_rstd_, d.nf_full_NH_, d.logits_NV_, d.lse_N_, d.targets_);
+  d.loss_sum_ = head_forward(d.out_TH_, d.head_norm_, d.nf_TH_, d.nf_rstd_, d.nf_full_NH_, d.logits_NV_, d.lse_N_,
+                             d.targets_, loss_on_device_ ? d.loss_1_ : Tensor());
 }
 
 void Model::mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const Tensor* dnext_TH) {
@@ -675,9 +678,18 @@ void Model::mtp_backward(MtpDepth& d, double scale, double moe_loss_scale, const
 }
 
 void Model::set_loss_on_device(bool on) {
-  MF_CHECK(!on || (last_stage_ && !tp_ && mtp_.empty()),
-           "Model: the loss stays on the device only on the last stage without TP or multi-token prediction");
+  MF_CHECK(!on || (last_stage_ && !tp_), "Model: the losses stay on the device only on the last stage without TP");
   loss_on_device_ = on;
+}
+
+void Model::set_rows_without_waiting(bool on) {
+  for (MoeLayer* l : moe_layers_) l->dispatcher().set_rows_without_waiting(on);
+}
+
+void Model::add_mtp_loss(const Tensor& out_1) const {
+  MF_CHECK(loss_on_device_, "Model::add_mtp_loss: the losses are not on the device");
+  if (mtp_.empty()) return;
+  mtp_loss_accumulate(*ctx_, mtp_losses_D_, seq_len_, cfg_.mtp_loss_scaling_factor, out_1);
 }
 
 double Model::aux_loss() const {

@@ -137,6 +137,7 @@ class MtpDepth {
   Tensor ids_, targets_;  // i32 [n]: ids and targets k positions ahead (kIgnoreTarget past the end)
   Tensor emb_TH_, en_TH_, en_rstd_, hn_TH_, hn_rstd_, cat_T2H_, hp_TH_, out_TH_, nf_TH_, nf_rstd_;
   Tensor logits_NV_, lse_N_;
+  Tensor loss_1_;                 // f64 [1]: its token-loss sum, when the model keeps the losses on the device
   Tensor nf_full_NH_;             // tensor parallelism: every TP rank's rows of nf (saved for backward)
   Tensor dcat_T2H_, dprev_TH_;    // backward: d[en; hn], d(previous depth's h) from this depth
   const Tensor* prev_ = nullptr;  // the previous depth's h (forward)
@@ -184,16 +185,25 @@ class Model {
   // step's first forward nor its last backward is paired).
   static double forward_backward(Model& fwd, const Tensor& ids_BS, const Tensor& targets_BS, Model& bwd,
                                  double lm_grad_scale, double moe_loss_scale);
-  // The main head's loss sum stays on the device: forward writes it to loss_sum() and returns NaN
-  // (nothing waits for it). REQUIRES: the last stage, no tensor parallelism, no multi-token
-  // prediction (their losses still come back to the host).
+  // The losses stay on the device: forward writes the main head's sum to loss_sum() and returns
+  // NaN, and the multi-token prediction depths keep theirs (add_mtp_loss); nothing waits for them.
+  // REQUIRES: the last stage, no tensor parallelism.
   void set_loss_on_device(bool on);
+  // out_1 (f64 [1], on the device) += mtp_loss() of the last forward, computed on the device
+  // (mtp_loss_accumulate: the same bits). REQUIRES: set_loss_on_device(true) before that forward.
+  void add_mtp_loss(const Tensor& out_1) const;
   // f64 [1]: the last forward's sum of token losses, when set_loss_on_device.
   const Tensor& loss_sum() const { return loss_sum_1_; }
   bool loss_on_device() const { return loss_on_device_; }
   // train.cuda_graphs = "layers": forward and backward replay each decoder layer as CUDA graphs
   // (model/layer_graphs.h). REQUIRES: what the trainer checks (cuda_graphs_refusal).
-  void set_cuda_graphs(bool on) { graphs_.set_enabled(on); }
+  void set_cuda_graphs(bool on) {
+    graphs_.set_enabled(on);
+    set_rows_without_waiting(on);
+  }
+  // Every MoE layer's dispatcher plans its rows without the host reading them back
+  // (Dispatcher::set_rows_without_waiting): what graphs of the layers or of the step need.
+  void set_rows_without_waiting(bool on);
   const LayerGraphs& cuda_graphs() const { return graphs_; }
 
   // Router losses of the last forward, summed over layers (already times their coefficients);
@@ -234,8 +244,10 @@ class Model {
  private:
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
   // Final norm + LM head + cross-entropy of rows h_TH (this rank's); returns the token-loss sum.
+  // With loss_1 (no TP) the sum is left there (cross_entropy_forward) and NaN returned.
   double head_forward(const Tensor& h_TH, const Tensor& norm, const Tensor& nf_TH, const Tensor& rstd_T,
-                      const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N, const Tensor& targets_N);
+                      const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N, const Tensor& targets_N,
+                      const Tensor& loss_1 = Tensor());
   // dh_TH written; dnorm and the LM head's gradient accumulated; logits_NV overwritten with its gradient.
   void head_backward(const Tensor& h_TH, const Tensor& norm, const Tensor& dnorm, const Tensor& nf_TH,
                      const Tensor& rstd_T, const Tensor& nf_full_NH, const Tensor& logits_NV, const Tensor& lse_N,
@@ -281,7 +293,8 @@ class Model {
   Memory* mem_ = nullptr;  // bound through
   LayerGraphs graphs_;
   bool loss_on_device_ = false;
-  Tensor loss_sum_1_;  // f64 [1]: the head's loss sum (set_loss_on_device)
+  Tensor loss_sum_1_;    // f64 [1]: the head's loss sum (set_loss_on_device)
+  Tensor mtp_losses_D_;  // f64 [depths]: each depth's token-loss sum (set_loss_on_device)
   std::vector<MoeLayer*> moe_layers_;
   std::vector<std::unique_ptr<MtpDepth>> mtp_;
   AttentionScratch scratch_;

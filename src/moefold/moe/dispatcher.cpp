@@ -55,10 +55,13 @@ const DispatchPlan& LocalDispatcher::dispatch(const Tensor& x_TH, const Tensor& 
   p.counts_E = counts_E_;
   p.offsets_E1 = offsets_E1_;
   p.row_TK = row_TK_.slice(0, t_n);
-  // Dropless (T*K rows) or padded (E*capacity), the rows are known: the host does not wait.
+  // Dropless (T*K rows) or padded (E*capacity), the rows are known: the host does not wait. With a
+  // capacity and no padding it waits for R, unless told not to (then the last expert is padded up
+  // to the bound).
   const bool known = !(cfg_.capacity_factor > 0) || cfg_.pad_to_capacity;
-  p.num_rows = moe_permute_plan(*ctx_, topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
-                                PermutePlanOut{p.counts_E, p.offsets_E1, p.row_TK, token_R_}, !known);
+  p.num_rows =
+      moe_permute_plan(*ctx_, topk_idx_TK, topk_prob_TK, p.capacity, cfg_.pad_to_capacity,
+                       PermutePlanOut{p.counts_E, p.offsets_E1, p.row_TK, token_R_}, !known && !without_waiting_);
   p.token_R = token_R_.slice(0, p.num_rows);
   p.rows_RH = rows_RH_.slice(0, p.num_rows);
   p.topk_prob_TK = topk_prob_TK;

@@ -105,6 +105,10 @@ class Dispatcher {
   // Bytes this rank sent to other nodes since the last call (dispatchers that count them:
   // HierarchicalDispatcher), and the count starts again.
   virtual int64_t take_inter_node_bytes() { return 0; }
+  // CUDA graphs: plan the rows without the host reading them back. With a capacity and no padding
+  // a dispatcher that can (LocalDispatcher) then pads its last expert up to the bound
+  // min(T*K, E*capacity) (moe_permute_plan without waiting): zero rows, the same results.
+  virtual void set_rows_without_waiting(bool on) { (void)on; }
 
   // Routes x_TH to expert-contiguous rows. topk_idx_TK (i32) and topk_prob_TK come from the
   // router. REQUIRES: T <= max_tokens; topk_prob_TK stays unchanged until combine_backward (the
@@ -152,9 +156,11 @@ class LocalDispatcher final : public Dispatcher {
   void combine_backward(const Tensor& dy_TH, const Tensor& out_RH, const DispatchPlan& plan, const Tensor& dout_RH,
                         const Tensor& dprob_TK) override;
   void dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) override;
+  void set_rows_without_waiting(bool on) override { without_waiting_ = on; }
 
  private:
   const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
+  bool without_waiting_ = false;      // set_rows_without_waiting
   MoeConfig cfg_;
   int64_t hidden_;
   int64_t max_tokens_;

@@ -137,10 +137,12 @@ void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double gra
 // gets exactly `capacity` rows; the unused ones have token_R = -1. A negative topk_idx is an empty
 // slot (HierarchicalDispatcher's relayed tokens carry fewer than K experts): no row, row_TK = -1.
 // Outputs (all i64, written): counts_E (rows per expert, padding included), offsets_E1 [E+1],
-// row_TK [T, K], token_R (at least the returned number of rows R). Returns R. wait = false, where
-// the caller knows R (dropless without empty slots: T*K; padded: E*capacity), returns that R
-// without waiting for the device; on a GPU a bad index then stops the kernel (a device trap that
-// the next CUDA call reports) instead of failing here.
+// row_TK [T, K], token_R (at least the returned number of rows R). Returns R. wait = false returns
+// R without waiting for the device: dropless without empty slots it is T*K, padded E*capacity,
+// and with a capacity and no padding the plan pads the last expert up to the bound
+// B = min(T*K, E*capacity) (rows with token_R = -1, as padding: the experts compute zeros there)
+// and returns B. On a GPU a bad index then stops the kernel (a device trap that the next CUDA call
+// reports) instead of failing here.
 // REQUIRES: topk_idx < E, its non-negative entries distinct within a token; token_R large enough
 // (checked).
 struct PermutePlanOut {

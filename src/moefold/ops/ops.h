@@ -208,6 +208,11 @@ void swiglu_backward(const ExecContext& ctx, const Tensor& gu_N2F, const Tensor&
 inline constexpr int32_t kIgnoreTarget = -1;
 double cross_entropy_forward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,
                              const Tensor& lse_N, const Tensor& loss_1 = Tensor());
+// Multi-token prediction's loss of one forward from its depths' token-loss sums (f64 [D], depth k
+// at k - 1, on the device that keeps them): out_1 += (sum_k losses_D[k-1] * S / (S - k)) *
+// scaling / D, in double, in that order, each operation rounded (Model::mtp_loss's arithmetic).
+void mtp_loss_accumulate(const ExecContext& ctx, const Tensor& losses_D, int64_t seq_len, double scaling,
+                         const Tensor& out_1);
 // dlogits = grad_scale * (softmax(logits) - onehot(target)); grad_scale is d(loss)/d(row loss),
 // e.g. 1 / (tokens in the global batch). dlogits may be logits itself (in place: elementwise).
 void cross_entropy_backward(const ExecContext& ctx, const Tensor& logits_NV, const Tensor& targets_N,

@@ -50,17 +50,12 @@ std::string cuda_graphs_refusal(const Config& cfg, const Mesh& mesh, Device devi
   if (device != Device::cuda) return "a CPU run (nothing to capture)";
   if (mesh.world->size() > 1)
     return "several ranks (the layers' collectives and expert exchanges are not captured yet)";
-  if (cfg.moe.capacity_factor > 0 && !cfg.moe.pad_to_capacity)
-    return "moe.capacity_factor without moe.pad_to_capacity (the expert rows follow the routing)";
   if (cfg.train.fp8 != "none") return "train.fp8 (the FP8 weights are quantized inside a step's first forward)";
   if (!cfg.train.offload_modules.empty()) return "train.offload_modules (copies between the layers)";
   if (cfg.train.recompute_num_layers > 0 || !cfg.train.recompute_modules.empty())
     return "train.recompute_* (recomputed forwards inside the backward)";
-  if (cfg.train.cuda_graphs == "step") {
-    if (cfg.model.num_nextn_predict_layers > 0)
-      return "model.num_nextn_predict_layers (the multi-token prediction losses come back to the host)";
-    if (cfg.parallel.overlap_moe_a2a) return "parallel.overlap_moe_a2a (two micro-batches interleaved)";
-  }
+  if (cfg.train.cuda_graphs == "step" && cfg.parallel.overlap_moe_a2a)
+    return "parallel.overlap_moe_a2a (two micro-batches interleaved)";
   return "";
 }
 
@@ -133,6 +128,7 @@ void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model, size_
   inter_node_bytes = step_sums.slice(le + layers, le + layers + 1);
   dev_loss_1 = sums.dev.slice(0, 1);
   dev_router_2 = sums.dev.slice(1, 3);
+  dev_mtp_1 = sums.dev.slice(3, 4);
   dev_load_E.clear();
   dev_dropped_1.clear();
   for (int64_t l = 0; l < layers; ++l) {
@@ -210,6 +206,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   if (cfg_.train.cuda_graphs == "layers" && graphs_refusal_.empty())
     for (const std::unique_ptr<Model>& m : models_) m->set_cuda_graphs(true);
   step_graphs_.set_enabled(cfg_.train.cuda_graphs == "step" && graphs_refusal_.empty());
+  if (step_graphs_.enabled())
+    for (const std::unique_ptr<Model>& m : models_) m->set_rows_without_waiting(true);
   if (mesh_.dims.pp > 1 || cfg_.parallel.overlap_moe_a2a) {  // decided once: the step loop allocates nothing
     pipeline_ops_ = pipeline_ops(mesh_.dims.pp, mesh_.dims.vpp, mesh_.pp_rank, local_micro_batches(),
                                  cfg_.parallel.overlap_moe_a2a);
@@ -261,11 +259,13 @@ void Trainer::forward_micro_batch(int64_t i, size_t slot) {
 
 void Trainer::add_forward_results(size_t slot, double loss) {
   Model& model = *models_[slot];
-  if (model.loss_on_device())
+  if (model.loss_on_device()) {
     add_inplace(exec_, buf_.dev_loss_1, model.loss_sum());
-  else
+    model.add_mtp_loss(buf_.dev_mtp_1);
+  } else {
     host_loss_sum_ += loss;
-  host_mtp_sum_ += model.mtp_loss();
+    host_mtp_sum_ += model.mtp_loss();
+  }
   // Router losses, expert loads and the capacity's drops (by this rank's capacity) stay on the
   // device until the step's end.
   ProfileScope scope("expert loads and router losses");

@@ -81,8 +81,9 @@ struct StepBuffers {
   Tensor dropped_L;    // f64 [MoE layers]: assignments dropped by the capacity over a step's micro-batches
   Tensor inter_node_bytes;  // f64 [1]: bytes the step's dispatches sent between nodes
   // Device views of `sums` (made once: the step loop allocates nothing): the loss sum, the router
-  // losses (aux, z), and per MoE layer its load row and its dropped count.
-  Tensor dev_loss_1, dev_router_2;
+  // losses (aux, z), the multi-token prediction loss, and per MoE layer its load row and its
+  // dropped count.
+  Tensor dev_loss_1, dev_router_2, dev_mtp_1;
   std::vector<Tensor> dev_load_E, dev_dropped_1;
   void bind(Memory& mem, const Config& cfg, const Model& model, size_t models);
 };

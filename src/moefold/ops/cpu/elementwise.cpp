@@ -39,6 +39,20 @@ double sum_squares(const ExecContext& ctx, const Tensor& x) {
   });
 }
 
+void mtp_loss_accumulate(const ExecContext& ctx, const Tensor& losses_D, int64_t seq_len, double scaling,
+                         const Tensor& out_1) {
+  MF_CHECK(losses_D.dtype() == DType::f64 && out_1.dtype() == DType::f64 && out_1.numel() == 1 &&
+               losses_D.contiguous() && losses_D.numel() < seq_len && losses_D.device() == out_1.device(),
+           "mtp_loss_accumulate: losses ", losses_D.str(), ", out ", out_1.str(), ", seq_len ", seq_len);
+  MF_ON_GPU(ctx, out_1, cuda::mtp_loss_accumulate(ctx, losses_D, seq_len, scaling, out_1));
+  const int64_t d_n = losses_D.numel();
+  if (d_n == 0) return;
+  const double* l = losses_D.ptr<double>();
+  double s = 0;
+  for (int64_t k = 1; k <= d_n; ++k) s += l[k - 1] * static_cast<double>(seq_len) / static_cast<double>(seq_len - k);
+  out_1.ptr<double>()[0] += s * scaling / static_cast<double>(d_n);
+}
+
 void scale_inplace(const ExecContext& ctx, const Tensor& x, double s) {
   MF_ON_GPU(ctx, x, cuda::scale_inplace(ctx, x, s));
   MF_CHECK(x.contiguous() && x.device() == Device::cpu, "scale_inplace: ", x.str());

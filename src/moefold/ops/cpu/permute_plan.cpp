@@ -29,7 +29,6 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
   const int64_t a_n = t_n * k_n;  // assignments a = t*K + k
   MF_CHECK(out.offsets_E1.numel() == e_n + 1, "offsets ", out.offsets_E1.str(), " for ", e_n, " experts");
   MF_CHECK(!pad || capacity > 0, "padding needs a capacity");
-  MF_CHECK(wait || capacity <= 0 || pad, "moe_permute_plan: without waiting R must be known (dropless or padded)");
   MF_ON_GPU(ctx, topk_idx_TK, cuda::moe_permute_plan(ctx, topk_idx_TK, topk_prob_TK, capacity, pad, out, wait));
   check_on_cpu(topk_idx_TK, "moe_permute_plan topk_idx");
   const int32_t* idx = topk_idx_TK.ptr<int32_t>();
@@ -83,13 +82,21 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
       r += rows;
       begin = end;
     }
+    if (!wait && capacity > 0 && !pad && e_n > 0) {  // the last expert padded up to the bound
+      const int64_t bound = std::min(a_n, e_n * capacity);
+      MF_CHECK(bound <= max_rows, "permute plan needs more than ", max_rows, " rows");
+      for (int64_t i = r; i < bound; ++i) token[i] = -1;
+      counts[e_n - 1] += std::max<int64_t>(bound - r, 0);
+      r = std::max(r, bound);
+    }
     offsets[e_n] = r;
   });
 
   // 3. Row of each assignment; token_R turns from assignment ids into token ids.
   const int64_t num_rows = offsets[e_n];
-  MF_CHECK(wait || num_rows == (pad ? e_n * capacity : a_n), "moe_permute_plan: ", num_rows,
-           " rows where the caller expects ", pad ? e_n * capacity : a_n, " (an empty slot without waiting?)");
+  const int64_t known = pad ? e_n * capacity : capacity > 0 ? std::min(a_n, e_n * capacity) : a_n;
+  MF_CHECK(wait || num_rows == known, "moe_permute_plan: ", num_rows, " rows where the caller expects ", known,
+           " (an empty slot without waiting?)");
   for (int64_t a = 0; a < a_n; ++a) grouped[a] = -1;
   for (int64_t r = 0; r < num_rows; ++r) {
     if (token[r] < 0) continue;

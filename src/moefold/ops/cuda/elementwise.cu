@@ -20,6 +20,14 @@ __global__ void add_kernel(T* y, const T* x, int64_t n) {
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     y[i] = from_float<T>(to_float(y[i]) + to_float(x[i]));
 }
+// One thread: mtp_loss_accumulate, the host's operations one by one.
+__global__ void mtp_loss_kernel(const double* l, int64_t d_n, int64_t seq_len, double scaling, double* out) {
+  double s = 0;
+  for (int64_t k = 1; k <= d_n; ++k)
+    s = __dadd_rn(s, __ddiv_rn(__dmul_rn(l[k - 1], static_cast<double>(seq_len)), static_cast<double>(seq_len - k)));
+  out[0] = __dadd_rn(out[0], __ddiv_rn(__dmul_rn(s, scaling), static_cast<double>(d_n)));
+}
+
 __global__ void add_f64_kernel(double* y, const double* x, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -114,6 +122,16 @@ void add_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& x) {
       add_kernel<T><<<blocks_for(n), kThreads, 0, stream_of(ctx)>>>(y.ptr<T>(), x.ptr<T>(), n);
     });
   MF_CUDA_LAUNCHED("add_inplace");
+}
+
+void mtp_loss_accumulate(const ExecContext& ctx, const Tensor& losses_D, int64_t seq_len, double scaling,
+                         const Tensor& out_1) {
+  check_cuda_tensor(losses_D, "mtp_loss_accumulate losses");
+  check_cuda_tensor(out_1, "mtp_loss_accumulate out");
+  if (losses_D.numel() == 0) return;
+  mtp_loss_kernel<<<1, 1, 0, stream_of(ctx)>>>(losses_D.ptr<double>(), losses_D.numel(), seq_len, scaling,
+                                               out_1.ptr<double>());
+  MF_CUDA_LAUNCHED("mtp_loss_accumulate");
 }
 
 void scale_inplace(const ExecContext& ctx, const Tensor& x, double s) {

@@ -10,6 +10,8 @@
 namespace moefold::cuda {
 
 void add_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& x);
+void mtp_loss_accumulate(const ExecContext& ctx, const Tensor& losses_D, int64_t seq_len, double scaling,
+                         const Tensor& out_1);
 double sum_squares(const ExecContext& ctx, const Tensor& x);              // waits for the GPU (returns a host value)
 void cast(const ExecContext& ctx, const Tensor& src, const Tensor& dst);  // f32 <-> bf16 (or equal dtypes: a copy)
 // ops.h fill_normal_any on the GPU (f32 or bf16, contiguous).

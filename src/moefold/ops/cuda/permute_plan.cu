@@ -112,9 +112,10 @@ __device__ int64_t block_exclusive_scan(int64_t v, int64_t* total) {
 }
 
 // One block: rows per expert (dropless: all; capacity: at most `capacity`; pad: exactly
-// `capacity`), the assignment offsets, the row offsets, counts_E, offsets_E1 and R.
-__global__ void plan_offsets_kernel(const int64_t* n_assign, int e_n, int64_t capacity, bool pad, int64_t* assign_off,
-                                    int64_t* counts, int64_t* offsets, unsigned long long* info) {
+// `capacity`), the assignment offsets, the row offsets, counts_E, offsets_E1 and R; with bound > R
+// the last expert padded up to R = bound.
+__global__ void plan_offsets_kernel(const int64_t* n_assign, int e_n, int64_t capacity, bool pad, int64_t bound,
+                                    int64_t* assign_off, int64_t* counts, int64_t* offsets, unsigned long long* info) {
   int64_t carry_a = 0, carry_r = 0;
   for (int e0 = 0; e0 < e_n; e0 += static_cast<int>(blockDim.x)) {
     const int e = e0 + static_cast<int>(threadIdx.x);
@@ -131,7 +132,12 @@ __global__ void plan_offsets_kernel(const int64_t* n_assign, int e_n, int64_t ca
     carry_a += total_a;
     carry_r += total_r;
   }
+  __syncthreads();  // counts[e_n - 1] written
   if (threadIdx.x == 0) {
+    if (bound > carry_r) {
+      counts[e_n - 1] += bound - carry_r;
+      carry_r = bound;
+    }
     offsets[e_n] = carry_r;
     info[kRows] = static_cast<unsigned long long>(carry_r);
   }
@@ -317,7 +323,10 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
   }
   plan_expert_scan_kernel<<<blocks_for(e_n, 4), 4 * kWarp, 0, stream_of(ctx)>>>(tile_base, num_tiles, e, n_assign);
   MF_CUDA_LAUNCHED("moe_permute_plan scan");
-  plan_offsets_kernel<<<1, 1024, 0, stream_of(ctx)>>>(n_assign, e, capacity, pad, assign_off, counts, offsets, info);
+  // Without waiting, capacity and no padding: the last expert padded up to the bound.
+  const int64_t bound = !wait && !dropless && !pad ? std::min(a_n, e_n * capacity) : 0;
+  plan_offsets_kernel<<<1, 1024, 0, stream_of(ctx)>>>(n_assign, e, capacity, pad, bound, assign_off, counts, offsets,
+                                                      info);
   MF_CUDA_LAUNCHED("moe_permute_plan offsets");
   if (num_tiles > 0) {
     plan_scatter_kernel<<<tile_blocks, kPlanWarps * kWarp, tile_shared, stream_of(ctx)>>>(
@@ -330,7 +339,7 @@ int64_t moe_permute_plan(const ExecContext& ctx, const Tensor& topk_idx_TK, cons
     MF_CUDA_LAUNCHED("moe_permute_plan capacity");
   }
   if (!wait) {
-    const int64_t rows = pad ? e_n * capacity : a_n;
+    const int64_t rows = pad ? e_n * capacity : dropless ? a_n : bound;
     MF_CHECK(rows <= max_rows, "permute plan needs more than ", max_rows, " rows");
     plan_check_kernel<<<1, 1, 0, stream_of(ctx)>>>(info, rows);
     MF_CUDA_LAUNCHED("moe_permute_plan check");
