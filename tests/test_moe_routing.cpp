@@ -640,11 +640,14 @@ double busiest_over_mean(const Tensor& counts_E) {
 
 // Aux-loss-free balancing undoes a collapse: with the selection bias moving by `rate` per step
 // (group-limited sigmoid routing, as DeepSeek-V3), the busiest expert falls from every token
-// (E / K = 4 x the mean) to <= 1.5 x the mean once the bias has made up expert 0's lead in score
+// (E / K = 4 x the mean) to <= 1.6 x the mean once the bias has made up expert 0's lead in score
 // (~0.4 here; expert 0's bias falls by rate per step while the idle experts' rise by rate: ~20
-// steps at rate 0.01; within 60 stated), and stays <= 2 x after. Not within 10 steps: the bias is
-// the one thing that moves, by rate per step. Red if the bias moved the wrong way, were added to
-// anything but the scores the selection ranks, or ranked the groups without it.
+// steps at rate 0.01; within 60 stated), and stays <= 2.5 x after: the sign rule with a fixed rate
+// then holds the loads in a cycle of two steps around balance (over 300 seeds: balanced by step
+// 31-38, at most 2.2 x after; a bound of 1.5 x missed one seed in ~60, whose cycle sits at
+// 1.53 / 1.55 x). Not within 10 steps: the bias is the one thing that moves, by rate per step. Red
+// if the bias moved the wrong way, were added to anything but the scores the selection ranks, or
+// ranked the groups without it.
 TEST(Router, ExpertBiasBalancesACollapsedRouter) {
   const int64_t h_n = 32, t_n = 512, e_n = 16, k_n = 4;
   const MoeConfig cfg{.num_experts = e_n,
@@ -670,12 +673,12 @@ TEST(Router, ExpertBiasBalancesACollapsedRouter) {
       EXPECT_GT(load, 2.0) << "step " << step << ": balanced before the bias can have made up the lead";
     }
     if (balanced_at > 0) worst_after = std::max(worst_after, load);
-    if (balanced_at == 0 && load <= 1.5) balanced_at = step;
+    if (balanced_at == 0 && load <= 1.6) balanced_at = step;
     rig.router.update_expert_bias(rig.router.tokens_per_expert(), rate);
   }
   EXPECT_GT(balanced_at, 0) << "never balanced within 120 steps";
   EXPECT_LE(balanced_at, 60);
-  EXPECT_LE(worst_after, 2.0);
+  EXPECT_LE(worst_after, 2.5);
 }
 
 // The Switch load-balancing loss undoes a collapse on its own: plain gradient descent of the gate
