@@ -434,7 +434,8 @@ TEST(ExpertBias, UpdateFollowsTheSignOfTheLoadGap) {
 }
 
 // What a forward adds to the step's statistics: the losses times their coefficients (a term with
-// coefficient 0 left out even when its loss is NaN), the loads, and MoeConfig::dropped_assignments.
+// coefficient 0 left out even when its loss is NaN), the loads, and the assignments past the
+// capacity (40 tokens, K = 3, E = 7: capacity ceil(cf * 120 / 7)).
 TEST(StepStats, AddWhatTheHostWouldAdd) {
   Pool pool;
   std::mt19937_64 rng(testing::fresh_seed());
@@ -444,6 +445,7 @@ TEST(StepStats, AddWhatTheHostWouldAdd) {
     cfg.num_experts = 7;
     cfg.num_experts_per_tok = 3;
     cfg.capacity_factor = cf;
+    const int64_t capacity = cfg.capacity(40);
     Tensor counts = pool.zeros({7}, DType::i64);
     int64_t* c = counts.ptr<int64_t>();
     // 40 tokens of 3 assignments each, skewed towards the first experts.
@@ -456,14 +458,16 @@ TEST(StepStats, AddWhatTheHostWouldAdd) {
     sums.ptr<double>()[0] = 0.5;
     load.ptr<double>()[2] = 3;
     dropped.ptr<double>()[0] = 2;
-    moe_step_stats(testing::exec(), losses, 0.01, 0.001, 0.0, counts, cf, 3, sums, load, dropped);
+    moe_step_stats(testing::exec(), losses, 0.01, 0.001, 0.0, counts, capacity, sums, load, dropped);
     EXPECT_EQ(sums.ptr<double>()[0], 0.5 + (0.01 * 1.0625 + 0.001 * 0.75));
     EXPECT_EQ(sums.ptr<double>()[1], 0.0) << "the z term with coefficient 0";
     for (int64_t e = 0; e < 7; ++e)
       EXPECT_EQ(load.ptr<double>()[e], static_cast<double>(c[e]) + (e == 2 ? 3 : 0)) << "expert " << e;
-    EXPECT_EQ(dropped.ptr<double>()[0], 2.0 + static_cast<double>(cfg.dropped_assignments(c)));
+    int64_t past = 0;  // assignments beyond the capacity
+    for (int64_t e = 0; e < 7 && capacity > 0; ++e) past += std::max<int64_t>(c[e] - capacity, 0);
+    EXPECT_EQ(dropped.ptr<double>()[0], 2.0 + static_cast<double>(past));
     if (cf == 0.5) {
-      EXPECT_GT(cfg.dropped_assignments(c), 0) << "the case drops nothing";
+      EXPECT_GT(past, 0) << "the case drops nothing";
     }
   }
 }

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_testing.h"
@@ -379,27 +380,26 @@ TEST(TrainCuda, StepLoopAllocatesNoDeviceMemory) {
   EXPECT_EQ(device_bytes_in_use(), in_use);
 }
 
-// train.cuda_graphs = "layers" changes nothing: the same losses (router losses included: they
-// are read from the device after the layers), gradient norms and weights, bit for bit, over steps
-// of two micro-batches (the backward's two graphs: writing and adding to the expert gradients),
-// with evaluations between them; the layers are replayed, none falls back. Qwen3-like with z-loss,
-// and DeepSeek-V3-like (MLA, shared experts, sequence aux loss, expert bias); padded capacity too.
+// train.cuda_graphs = "layers" and "step" change nothing: the same losses (router and multi-token
+// prediction losses included: they stay on the device until the step's end), gradient norms,
+// expert loads, drops and weights, bit for bit, over steps of two micro-batches (the backward's two
+// graphs: writing and adding to the gradients), with evaluations between them; something is
+// replayed, nothing falls back. Qwen3-like with z-loss; DeepSeek-V3-like (MLA, shared experts,
+// sequence aux loss, expert bias) without and with multi-token prediction; padded capacity, and
+// capacity without padding (the plan padded to its bound under graphs).
 TEST(TrainCuda, CudaGraphsChangeNothing) {
   MF_REQUIRE_GPU();
   testing::TempDir dir("train_cuda_graphs");
   const std::string data = testing::make_train_data(dir.path());
   std::vector<std::string> deepseek = kDeepSeek;
   deepseek.push_back("model.num_nextn_predict_layers=0");
-  for (std::vector<std::string> extra :
-       {std::vector<std::string>{}, deepseek, kDeepSeek,
-        std::vector<std::string>{"moe.capacity_factor=1.25", "moe.pad_to_capacity=true"},
-        std::vector<std::string>{"moe.capacity_factor=0.75"}}) {
-    const std::string what = extra.size() > 3   ? (extra.back() == "model.num_nextn_predict_layers=1"
-                                                       ? "deepseek-v3-like with multi-token prediction"
-                                                       : "deepseek-v3-like")
-                             : extra.size() > 1 ? "padded capacity"
-                             : extra.empty()    ? "qwen3-like"
-                                                : "capacity without padding";
+  const std::pair<const char*, std::vector<std::string>> cases[] = {
+      {"qwen3-like", {}},
+      {"deepseek-v3-like", deepseek},
+      {"deepseek-v3-like with multi-token prediction", kDeepSeek},
+      {"padded capacity", {"moe.capacity_factor=1.25", "moe.pad_to_capacity=true"}},
+      {"capacity without padding", {"moe.capacity_factor=0.75"}}};
+  for (auto [what, extra] : cases) {
     extra.push_back("moe.moe_intermediate_size=16");  // CUTLASS's grouped GEMMs (widths of 8s): no waits
     SCOPED_TRACE(what);
     std::vector<std::vector<double>> runs;
@@ -445,28 +445,21 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
 TEST(TrainCuda, CudaGraphsSayWhyTheyAreNotUsed) {
   MF_REQUIRE_GPU();
   testing::TempDir dir("train_cuda_graphs_refused");
-  const Config cfg = testing::small_train_config(testing::make_train_data(dir.path()),
-                                                 {"train.cuda_graphs=layers", "train.recompute_modules=[\"moe_act\"]"});
-  const TokenDataset tokens = open_token_dataset(cfg.data.path);
-  OneRank a(cfg);
-  Trainer gpu(cfg, tokens, a.mesh, Device::cuda);
-  gpu.init_fresh();
-  gpu.train_step();
-  EXPECT_NE(gpu.cuda_graphs_note().find("train.recompute_* (recomputed forwards inside the backward)"),
-            std::string::npos)
-      << gpu.cuda_graphs_note();
-  EXPECT_EQ(gpu.cuda_graph_replays(), 0);
-  // Whole micro-batches, likewise.
-  const Config cfg2 = testing::small_train_config(testing::make_train_data(dir.path()),
-                                                  {"train.cuda_graphs=step", "train.recompute_num_layers=1"});
-  OneRank b(cfg2);
-  Trainer gpu2(cfg2, tokens, b.mesh, Device::cuda);
-  gpu2.init_fresh();
-  const double loss = gpu2.train_step().loss;
-  EXPECT_TRUE(std::isfinite(loss));
-  EXPECT_EQ(gpu2.cuda_graphs_note(),
-            "train.cuda_graphs = \"step\" not used: train.recompute_* (recomputed forwards inside the backward)");
-  EXPECT_EQ(gpu2.cuda_graph_replays(), 0);
+  const std::string data = testing::make_train_data(dir.path());
+  const std::vector<std::string> cases[] = {{"train.cuda_graphs=layers", "train.recompute_modules=[\"moe_act\"]"},
+                                            {"train.cuda_graphs=step", "train.recompute_num_layers=1"}};
+  for (const std::vector<std::string>& ov : cases) {
+    SCOPED_TRACE(ov.front());
+    const Config cfg = testing::small_train_config(data, ov);
+    const TokenDataset tokens = open_token_dataset(cfg.data.path);
+    OneRank a(cfg);
+    Trainer gpu(cfg, tokens, a.mesh, Device::cuda);
+    gpu.init_fresh();
+    EXPECT_TRUE(std::isfinite(gpu.train_step().loss));
+    EXPECT_EQ(gpu.cuda_graphs_note(), cat("train.cuda_graphs = \"", cfg.train.cuda_graphs,
+                                          "\" not used: train.recompute_* (recomputed forwards inside the backward)"));
+    EXPECT_EQ(gpu.cuda_graph_replays(), 0);
+  }
 }
 
 }  // namespace

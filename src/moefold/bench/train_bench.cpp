@@ -52,7 +52,6 @@ void record_activity(Trainer& trainer, int steps, TrainBenchResult& r) {
     windows.emplace_back(t0, gpu_activity_now());
   }
   const std::vector<GpuActivityWindow> w = gpu_activity_stop(windows, &r.activity_ops);
-  for (GpuOpTotal& t : r.activity_ops) t.ms /= steps;  // per step; counts stay totals until printed
   r.activity_steps = steps;
   auto med = [&](auto GpuActivityWindow::*field) {
     std::vector<double> v;
@@ -240,7 +239,8 @@ std::string format_train_bench(const Config& cfg, const TrainBenchResult& r, con
       for (char& c : name)
         if (c == '|') c = '/';
       s += cat("| `", name, "` | ", fmt("%.1f", static_cast<double>(t.count) / r.activity_steps), " | ",
-               fmt("%.4f", t.ms), " | ", fmt("%.1f%%", a.gpu_busy_ms > 0 ? 100 * t.ms / a.gpu_busy_ms : 0), " |\n");
+               fmt("%.4f", t.ms / r.activity_steps), " | ",
+               fmt("%.1f%%", a.gpu_busy_ms > 0 ? 100 * t.ms / r.activity_steps / a.gpu_busy_ms : 0), " |\n");
     }
   } else if (!r.activity_unavailable.empty()) {
     s += cat("\nHost and GPU: not measured (", r.activity_unavailable, ")\n");

@@ -80,7 +80,7 @@ struct TrainBenchResult {
   // The host / GPU split (GPU, with activity_steps > 0): recorded steps, or why it could not be had.
   int activity_steps = 0;
   HostGpuSplit activity;
-  // The recorded steps' GPU operations by kernel (count and ms per step), longest first.
+  // The recorded steps' GPU operations by kernel (count and ms over all of them), longest first.
   std::vector<GpuOpTotal> activity_ops;
   std::string activity_unavailable;
   // train.cuda_graphs: why the layers were not replayed, or that the breakdown was left out.

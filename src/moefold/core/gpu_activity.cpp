@@ -198,6 +198,31 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   g_spans.insert(g_spans.end(), spans.begin(), spans.end());
 }
 
+// The GPU spans that start in any window, summed by readable name, longest first.
+std::vector<GpuOpTotal> op_totals(const std::vector<Span>& spans,
+                                  const std::vector<std::pair<uint64_t, uint64_t>>& windows) {
+  std::map<const char*, GpuOpTotal> totals;  // CUPTI shares one name string among a kernel's records
+  for (const Span& s : spans) {
+    if (s.kind != Kind::gpu) continue;
+    bool inside = false;
+    for (const auto& [lo, hi] : windows) inside = inside || (s.begin >= lo && s.begin < hi);
+    if (!inside) continue;
+    GpuOpTotal& t = totals[s.name];
+    ++t.count;
+    t.ms += static_cast<double>(s.end - s.begin) * 1e-6;
+  }
+  std::map<std::string, GpuOpTotal> merged;  // one entry per readable name
+  for (const auto& [name, t] : totals) {
+    GpuOpTotal& m = merged[name ? readable(name) : std::string("?")];
+    m.count += t.count;
+    m.ms += t.ms;
+  }
+  std::vector<GpuOpTotal> out;
+  for (const auto& [name, t] : merged) out.push_back({name, t.count, t.ms});
+  std::sort(out.begin(), out.end(), [](const GpuOpTotal& a, const GpuOpTotal& b) { return a.ms > b.ms; });
+  return out;
+}
+
 }  // namespace
 
 bool gpu_activity_start(std::string* why) {
@@ -243,27 +268,7 @@ std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uin
   {
     const std::lock_guard<std::mutex> lock(g_mutex);
     for (const Span& s : g_spans) by_kind[static_cast<int>(s.kind)].emplace_back(s.begin, s.end);
-    if (by_op) {
-      std::map<const char*, GpuOpTotal> totals;  // CUPTI shares one name string among a kernel's records
-      for (const Span& s : g_spans) {
-        if (s.kind != Kind::gpu) continue;
-        bool inside = false;
-        for (const auto& [lo, hi] : windows) inside = inside || (s.begin >= lo && s.begin < hi);
-        if (!inside) continue;
-        GpuOpTotal& t = totals[s.name];
-        ++t.count;
-        t.ms += static_cast<double>(s.end - s.begin) * 1e-6;
-      }
-      std::map<std::string, GpuOpTotal> merged;  // one entry per readable name
-      for (auto& [name, t] : totals) {
-        GpuOpTotal& m = merged[name ? readable(name) : std::string("?")];
-        m.count += t.count;
-        m.ms += t.ms;
-      }
-      by_op->clear();
-      for (auto& [name, t] : merged) by_op->push_back({name, t.count, t.ms});
-      std::sort(by_op->begin(), by_op->end(), [](const GpuOpTotal& a, const GpuOpTotal& b) { return a.ms > b.ms; });
-    }
+    if (by_op) *by_op = op_totals(g_spans, windows);
     g_spans.clear();
   }
   std::vector<GpuActivityWindow> out;

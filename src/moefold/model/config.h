@@ -158,9 +158,10 @@ struct TrainConfig {
   // FP8 weights only: the FP8 linears' weights kept as their FP8 copies (quantized from the f32
   // masters), without bf16 compute copies (Memory::set_fp8_params). Same results.
   bool fp8_param = false;
-  // CUDA graphs: "none", or "layers" (each decoder layer's forward and backward captured once and
-  // replayed: the host issues one launch per layer instead of one per op; model/layer_graphs.h).
-  // Where a feature prevents capture the run goes on without, saying why in one line.
+  // CUDA graphs: "none", "layers" (each decoder layer's forward and backward captured once and
+  // replayed: the host issues one launch per layer instead of one per op; model/layer_graphs.h) or
+  // "step" (each whole micro-batch one graph; Trainer::run_micro_batch_graphs). Where a feature
+  // prevents capture the run goes on without, saying why in one line.
   std::string cuda_graphs = "none";
   int64_t eval_interval = 100;  // evaluate every N steps (0: never, except at the end)
   int64_t eval_batches = 4;     // held-out micro-batches per evaluation

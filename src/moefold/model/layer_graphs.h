@@ -1,12 +1,13 @@
 // train.cuda_graphs = "layers": each decoder layer's forward and backward replayed as CUDA graphs
-// (core/cuda_graph.h); "step": each whole micro-batch (micro_batch()). A key (layer, forward or backward, and for
-// backward whether it writes or adds to the gradients of the parameters its backward writes, and its loss scale) runs
-// eagerly the first time it is seen (the ops size their scratch, libraries build their plans), is captured and launched
-// the second time, and replayed from then on. A replayed backward marks its parameters written
-// (Memory::mark_grads_written); after a replayed forward `after_replay` runs (the host state a forward leaves beside
-// the device's: the router's losses to be read again). A failed capture turns every graph off with its reason
-// (fallback()); the work then runs eagerly, with the gradients' write marks put back. While the profiler records,
-// everything runs eagerly.
+// (core/cuda_graph.h); "step": each whole micro-batch (micro_batch()). A key (layer, forward or
+// backward, and for backward whether it writes or adds to the gradients of the parameters its
+// backward writes, and its loss scale) runs eagerly the first time it is seen (the ops size their
+// scratch, libraries build their plans), is captured and launched the second time, and replayed
+// from then on. A replayed backward marks its parameters written (Memory::mark_grads_written);
+// after a replayed forward `after_replay` runs (the host state a forward leaves beside the
+// device's: the router's losses to be read again). A failed capture turns every graph off with its
+// reason (fallback()); the work then runs eagerly, with the gradients' write marks put back. While
+// the profiler records, everything runs eagerly.
 #pragma once
 
 #include <cstdint>

@@ -62,14 +62,4 @@ int64_t MoeConfig::max_rows(int64_t num_tokens) const {
   return pad_to_capacity ? capped : std::min(assignments, capped);
 }
 
-int64_t MoeConfig::dropped_assignments(const int64_t* counts_E) const {
-  int64_t assignments = 0;
-  for (int64_t e = 0; e < num_experts; ++e) assignments += counts_E[e];
-  const int64_t cap = capacity(assignments / num_experts_per_tok);
-  int64_t dropped = 0;
-  if (cap > 0)
-    for (int64_t e = 0; e < num_experts; ++e) dropped += std::max<int64_t>(counts_E[e] - cap, 0);
-  return dropped;
-}
-
 }  // namespace moefold

@@ -61,9 +61,6 @@ struct MoeConfig {
   // Upper bound on dispatched rows for T tokens: T*K dropless, else min(T*K, E*capacity) (or
   // E*capacity exactly with padding).
   int64_t max_rows(int64_t num_tokens) const;
-  // Of the assignments one dispatch routed, counts_E[e] to expert e (num_experts entries, before
-  // dropping; each token has K), those the capacity drops: sum_e max(0, counts_E[e] - capacity(T)).
-  int64_t dropped_assignments(const int64_t* counts_E) const;
   // The router's score -> top-k probability settings (no bias: the Router adds its parameter).
   TopkRouting routing() const {
     return {scoring_func, norm_topk_prob, routed_scaling_factor, n_group, topk_group, Tensor{}};

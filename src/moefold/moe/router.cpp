@@ -124,8 +124,8 @@ void Router::forward(const Tensor& x_TH) {
 
 void Router::add_step_stats(const Tensor& sums_2, const Tensor& load_E, const Tensor& dropped_1) const {
   moe_step_stats(*ctx_, losses_3_, cfg_.aux_loss_coeff, cfg_.seq_aux_loss_coeff > 0 ? cfg_.seq_aux_loss_coeff : 0.0,
-                 cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff : 0.0, counts_E_, cfg_.capacity_factor,
-                 cfg_.num_experts_per_tok, sums_2, load_E, dropped_1);
+                 cfg_.z_loss_coeff > 0 ? cfg_.z_loss_coeff : 0.0, counts_E_, cfg_.capacity(logits_.size(0)), sums_2,
+                 load_E, dropped_1);
 }
 
 double Router::loss(int i) const {

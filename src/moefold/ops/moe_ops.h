@@ -111,15 +111,14 @@ void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tens
 //   sums_2[0] += aux_coeff * losses_3[0] + seq_aux_coeff * losses_3[1]   (load-balancing losses)
 //   sums_2[1] += z_coeff * losses_3[2]                                    (z-loss)
 //   load_E[e] += counts_E[e]
-//   dropped_1[0] += sum_e max(0, counts_E[e] - c), c = ceil(capacity_factor * T * k / E) with
-//                   T = sum_e counts_E[e] / k (MoeConfig::dropped_assignments; nothing when
-//                   capacity_factor <= 0)
+//   dropped_1[0] += sum_e max(0, counts_E[e] - capacity)   (the assignments the capacity drops;
+//                   nothing when capacity <= 0: dropless)
 // losses_3: f64 [3] (the router's aux, sequence aux and z before their coefficients); a term whose
 // coefficient is 0 is left out (its loss may not have been computed). counts_E: i64 [E]; sums_2,
 // load_E, dropped_1: f64. The products and sums in that order, in double, without fused
 // multiply-adds: both devices give the same bits.
 void moe_step_stats(const ExecContext& ctx, const Tensor& losses_3, double aux_coeff, double seq_aux_coeff,
-                    double z_coeff, const Tensor& counts_E, double capacity_factor, int64_t k, const Tensor& sums_2,
+                    double z_coeff, const Tensor& counts_E, int64_t capacity, const Tensor& sums_2,
                     const Tensor& load_E, const Tensor& dropped_1);
 
 // ---- router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): z = mean_t (logsumexp_e logits_te)^2 ------

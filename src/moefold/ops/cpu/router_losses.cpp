@@ -254,7 +254,7 @@ void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tens
 // ---- a forward's statistics into a step's sums ---------------------------------------------------
 
 void moe_step_stats(const ExecContext& ctx, const Tensor& losses_3, double aux_coeff, double seq_aux_coeff,
-                    double z_coeff, const Tensor& counts_E, double capacity_factor, int64_t k, const Tensor& sums_2,
+                    double z_coeff, const Tensor& counts_E, int64_t capacity, const Tensor& sums_2,
                     const Tensor& load_E, const Tensor& dropped_1) {
   const char* what = "moe_step_stats";
   check_dtype(losses_3, DType::f64, what);
@@ -264,12 +264,12 @@ void moe_step_stats(const ExecContext& ctx, const Tensor& losses_3, double aux_c
   check_dtype(dropped_1, DType::f64, what);
   MF_CHECK(losses_3.numel() == 3 && sums_2.numel() == 2 && dropped_1.numel() == 1 && counts_E.ndim() == 1 &&
                load_E.numel() == counts_E.numel() && losses_3.contiguous() && counts_E.contiguous() &&
-               sums_2.contiguous() && load_E.contiguous() && k > 0,
+               sums_2.contiguous() && load_E.contiguous(),
            what, ": losses ", losses_3.str(), ", counts ", counts_E.str(), ", sums ", sums_2.str(), ", load ",
-           load_E.str(), ", dropped ", dropped_1.str(), ", k ", k);
+           load_E.str(), ", dropped ", dropped_1.str());
   MF_ON_GPU(ctx, counts_E,
-            cuda::moe_step_stats(ctx, losses_3, aux_coeff, seq_aux_coeff, z_coeff, counts_E, capacity_factor, k, sums_2,
-                                 load_E, dropped_1));
+            cuda::moe_step_stats(ctx, losses_3, aux_coeff, seq_aux_coeff, z_coeff, counts_E, capacity, sums_2, load_E,
+                                 dropped_1));
   for (const Tensor* t : {&losses_3, &counts_E, &sums_2, &load_E, &dropped_1}) check_on_cpu(*t, what);
   const double* l = losses_3.ptr<double>();
   double* sums = sums_2.ptr<double>();
@@ -282,16 +282,10 @@ void moe_step_stats(const ExecContext& ctx, const Tensor& losses_3, double aux_c
   const int64_t e_n = counts_E.size(0);
   const int64_t* counts = counts_E.ptr<int64_t>();
   double* load = load_E.ptr<double>();
-  int64_t assignments = 0;
-  for (int64_t e = 0; e < e_n; ++e) {
-    load[e] += static_cast<double>(counts[e]);
-    assignments += counts[e];
-  }
-  if (!(capacity_factor > 0)) return;
-  const double tokens_k = static_cast<double>(assignments / k * k);
-  const auto cap = static_cast<int64_t>(std::ceil(capacity_factor * tokens_k / static_cast<double>(e_n)));
+  for (int64_t e = 0; e < e_n; ++e) load[e] += static_cast<double>(counts[e]);
+  if (capacity <= 0) return;
   int64_t dropped = 0;
-  for (int64_t e = 0; e < e_n; ++e) dropped += std::max<int64_t>(counts[e] - cap, 0);
+  for (int64_t e = 0; e < e_n; ++e) dropped += std::max<int64_t>(counts[e] - capacity, 0);
   dropped_1.ptr<double>()[0] += static_cast<double>(dropped);
 }
 

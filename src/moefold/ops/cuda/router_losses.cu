@@ -221,20 +221,13 @@ __global__ void expert_bias_update_kernel(T* bias, const int64_t* counts, int e_
 
 // One warp: moe_step_stats (moe_ops.h), the CPU's arithmetic (no fused multiply-adds).
 __global__ void moe_step_stats_kernel(const double* losses, double aux_coeff, double seq_aux_coeff, double z_coeff,
-                                      const int64_t* counts, int e_n, double capacity_factor, long long k, double* sums,
-                                      double* load, double* dropped) {
+                                      const int64_t* counts, int e_n, long long capacity, double* sums, double* load,
+                                      double* dropped) {
   const int lane = static_cast<int>(threadIdx.x);
-  long long assignments = 0;
-  for (int e = lane; e < e_n; e += kWarp) {
-    load[e] = __dadd_rn(load[e], static_cast<double>(counts[e]));
-    assignments += counts[e];
-  }
-  assignments = warp_sum(assignments);
-  if (capacity_factor > 0) {
-    const double tokens_k = static_cast<double>(assignments / k * k);
-    const auto cap = static_cast<long long>(ceil(__ddiv_rn(__dmul_rn(capacity_factor, tokens_k), e_n)));
+  for (int e = lane; e < e_n; e += kWarp) load[e] = __dadd_rn(load[e], static_cast<double>(counts[e]));
+  if (capacity > 0) {
     long long d = 0;
-    for (int e = lane; e < e_n; e += kWarp) d += max(counts[e] - cap, 0LL);
+    for (int e = lane; e < e_n; e += kWarp) d += max(static_cast<long long>(counts[e]) - capacity, 0LL);
     d = warp_sum(d);
     if (lane == 0) dropped[0] = __dadd_rn(dropped[0], static_cast<double>(d));
   }
@@ -354,13 +347,13 @@ void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tens
 }
 
 void moe_step_stats(const ExecContext& ctx, const Tensor& losses_3, double aux_coeff, double seq_aux_coeff,
-                    double z_coeff, const Tensor& counts_E, double capacity_factor, int64_t k, const Tensor& sums_2,
+                    double z_coeff, const Tensor& counts_E, int64_t capacity, const Tensor& sums_2,
                     const Tensor& load_E, const Tensor& dropped_1) {
   for (const Tensor* t : {&losses_3, &counts_E, &sums_2, &load_E, &dropped_1}) check_cuda_tensor(*t, "moe_step_stats");
   MF_CHECK(counts_E.numel() <= std::numeric_limits<int>::max(), "moe_step_stats: counts ", counts_E.str());
   moe_step_stats_kernel<<<1, kWarp, 0, stream_of(ctx)>>>(losses_3.ptr<double>(), aux_coeff, seq_aux_coeff, z_coeff,
                                                          counts_E.ptr<int64_t>(), static_cast<int>(counts_E.numel()),
-                                                         capacity_factor, k, sums_2.ptr<double>(), load_E.ptr<double>(),
+                                                         capacity, sums_2.ptr<double>(), load_E.ptr<double>(),
                                                          dropped_1.ptr<double>());
   MF_CUDA_LAUNCHED("moe_step_stats");
 }

@@ -37,7 +37,7 @@ void seq_aux_loss_backward(const ExecContext& ctx, const Tensor& scores_TE, Scor
                            const Tensor& dlogits_TE);
 void expert_bias_update(const ExecContext& ctx, const Tensor& bias_E, const Tensor& counts_E, double rate);
 void moe_step_stats(const ExecContext& ctx, const Tensor& losses_3, double aux_coeff, double seq_aux_coeff,
-                    double z_coeff, const Tensor& counts_E, double capacity_factor, int64_t k, const Tensor& sums_2,
+                    double z_coeff, const Tensor& counts_E, int64_t capacity, const Tensor& sums_2,
                     const Tensor& load_E, const Tensor& dropped_1);
 double z_loss_forward(const ExecContext& ctx, const Tensor& logits_TE, int64_t total_tokens, const Tensor& loss_1);
 void z_loss_backward(const ExecContext& ctx, const Tensor& logits_TE, double grad_scale, const Tensor& dlogits_TE,
