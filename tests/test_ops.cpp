@@ -5,6 +5,7 @@
 // relative to the output's magnitude (a few float32 roundings per element).
 #include <cmath>
 #include <complex>
+#include <cstring>
 #include <vector>
 
 #include "moefold/core/host_threads.h"
@@ -64,6 +65,13 @@ TEST(Elementwise, SumSquaresAndScale) {
     double want = 0;
     for (int64_t i = 0; i < x.numel(); ++i) want += testing::value_at(x, i) * testing::value_at(x, i);
     EXPECT_NEAR(sum_squares(testing::exec(), x), want, 1e-12 * want);
+    Tensor y = pool.randn({3}, dt);
+    const Tensor xs[] = {x, Tensor(nullptr, dt, {0}), y};
+    double each[3];
+    sum_squares_each(testing::exec(), xs, each);
+    EXPECT_EQ(each[0], sum_squares(testing::exec(), x));
+    EXPECT_EQ(each[1], 0.0);
+    EXPECT_EQ(each[2], sum_squares(testing::exec(), y));
     Tensor x0 = pool.clone(x);
     scale_inplace(testing::exec(), x, -0.37);
     for (int64_t i = 0; i < x.numel(); ++i)
@@ -199,6 +207,45 @@ TEST(RMSNorm, BackwardMatchesFiniteDifferences) {
   rmsnorm_backward(testing::exec(), x32, w32, rstd32, cast(pool, dy, DType::f32), dx32, dw32);
   expect_f32_close("rmsnorm dx f32", dx32, dx);
   expect_f32_close("rmsnorm dw f32", dw32, dw);
+}
+
+// The residual stream's fused forms give their compositions' bits (f64 and f32).
+TEST(RMSNorm, FusedResidualFormsAreTheirCompositions) {
+  Pool pool;
+  const int64_t n = 6, c = 9;
+  const double eps = 1e-5;
+  auto same_bits = [](const Tensor& a, const Tensor& b) {
+    return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+  };
+  for (DType dt : {DType::f64, DType::f32}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor x = pool.randn({n, c}, dt), a = pool.randn({n, c}, dt);
+    Tensor w = pool.randn({c}, dt), dy = pool.randn({n, c}, dt);
+    // copy, add, norm, copy
+    Tensor h = pool.clone(x), y = pool.zeros({n, c}, dt), rstd = pool.zeros({n}, dt);
+    add_inplace(testing::exec(), h, a);
+    rmsnorm_forward(testing::exec(), h, w, eps, y, rstd);
+    Tensor hf = pool.randn({n, c}, dt), h2f = pool.randn({n, c}, dt), yf = pool.randn({n, c}, dt);
+    Tensor rstdf = pool.randn({n}, dt);
+    add_rmsnorm_forward(testing::exec(), x, a, w, eps, hf, yf, rstdf, h2f);
+    EXPECT_TRUE(same_bits(hf, h)) << "hf";
+    EXPECT_TRUE(same_bits(h2f, h)) << "h2f";
+    EXPECT_TRUE(same_bits(yf, y)) << "yf";
+    EXPECT_TRUE(same_bits(rstdf, rstd)) << "rstdf";
+    Tensor h3 = pool.randn({n, c}, dt);  // without the second copy
+    add_rmsnorm_forward(testing::exec(), x, a, w, eps, h3, yf, rstdf);
+    EXPECT_TRUE(same_bits(h3, h)) << "h3";
+
+    // backward into a temporary, then added
+    Tensor res = pool.randn({n, c}, dt), dw0 = pool.randn({c}, dt);
+    Tensor tmp = pool.zeros({n, c}, dt), dres = pool.clone(res), dw = pool.clone(dw0);
+    rmsnorm_backward(testing::exec(), h, w, rstd, dy, tmp, dw);
+    add_inplace(testing::exec(), dres, tmp);
+    Tensor dresf = pool.clone(res), dwf = pool.clone(dw0);
+    rmsnorm_backward_add(testing::exec(), h, w, rstd, dy, dresf, dwf);
+    EXPECT_TRUE(same_bits(dresf, dres)) << "dresf";
+    EXPECT_TRUE(same_bits(dwf, dw)) << "dwf";
+  }
 }
 
 // ---- linear ----------------------------------------------------------------------------------

@@ -37,6 +37,15 @@ TEST(CudaElementwise, AddScaleSumSquaresMatchCpu) {
     EXPECT_LE(testing::rel_error(testing::download(yd), yr), tol);
     const double want = sum_squares(testing::exec(), xr), got = sum_squares(testing::exec(), xd);
     EXPECT_NEAR(got, want, 1e-9 * want);  // the same inputs, summed in double either way
+    // Several with one wait (an empty one and one of over 1024 blocks among them): each one's bits.
+    Tensor big = dev.upload(pool.randn({300001}), dt);
+    const Tensor xs[] = {xd, Tensor(nullptr, dt, {0}, Device::cuda), big, yd};
+    double each[4];
+    sum_squares_each(testing::exec(), xs, each);
+    EXPECT_EQ(each[0], got);
+    EXPECT_EQ(each[1], 0.0);
+    EXPECT_EQ(each[2], sum_squares(testing::exec(), big));
+    EXPECT_EQ(each[3], sum_squares(testing::exec(), yd));
   }
 }
 

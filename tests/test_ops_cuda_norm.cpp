@@ -1,9 +1,9 @@
-// GPU parity of the row-wise ops: embedding, RMSNorm, RoPE, SwiGLU and cross-entropy (ops/cuda/
-// embedding.h, rmsnorm.h, rope.h, swiglu.h, cross_entropy.h), forward and backward, f32 and bf16,
-// against the CPU ops run in f64 on the same (bf16-rounded) inputs (tests/cuda_testing.h). Every
-// output is poisoned (NaN bytes) and followed by
-// NaN guard elements that must survive; parameter gradients start from random values
-// (ACCUMULATED), and the deterministic reductions must repeat bit for bit.
+// GPU parity of the row-wise ops: embedding, RMSNorm (and its fused residual forms), RoPE, SwiGLU and
+// cross-entropy (ops/cuda/embedding.h, rmsnorm.h, rope.h, swiglu.h, cross_entropy.h), forward and
+// backward, f32 and bf16, against the CPU ops run in f64 on the same (bf16-rounded) inputs
+// (tests/cuda_testing.h). Every output is poisoned (NaN bytes) and followed by NaN guard elements
+// that must survive; parameter gradients start from random values (ACCUMULATED), and the
+// deterministic reductions must repeat bit for bit.
 //
 // Tolerances (relative: Frobenius error <= tol, and no element off by more than tol * max|ref|,
 // since one wrong element hides in the Frobenius norm of a large tensor):
@@ -147,7 +147,7 @@ TEST(CudaNorm, RmsNormMatchesCpu) {
     DType x, w, dw;
   };
   // Warp-per-row (C <= 1024) and block-per-row kernels; dw over one chunk (N <= 64) and over many
-  // (N = 3000, 5000: the partials live in dx); N = 1.
+  // (N = 3000, 5000: partials and arrival counters, reset for the next case); N = 1.
   const Case cases[] = {{5, 37}, {67, 1500}, {3000, 37}, {5000, 128}, {1, 4099}, {129, 2048}};
   const Types types[] = {{DType::f32, DType::f32, DType::f32},
                          {DType::bf16, DType::bf16, DType::bf16},
@@ -188,13 +188,39 @@ TEST(CudaNorm, RmsNormMatchesCpu) {
       EXPECT_EQ(download(dx2.t), download(dx.t)) << "rmsnorm dx is not deterministic";
       EXPECT_EQ(download(dw2.t), download(dw.t)) << "rmsnorm dw is not deterministic";
 
-      if (ty.x == DType::bf16) {  // dx not 4-byte aligned: dw in one chunk, the same values
+      if (ty.x == DType::bf16) {  // dx not 4-byte aligned: the same bits
         Guarded dx3 = guarded(dev, {cs.n, cs.c}, ty.x, nullptr, 2), dw3 = guarded(dev, {cs.c}, ty.dw, &dw0);
         rmsnorm_backward(testing::exec(), xd, wd, rstd.t, dyd, dx3.t, dw3.t);
         EXPECT_EQ(download(dx3.t), download(dx.t)) << "rmsnorm dx at a 2-byte offset";
-        expect_close(download(dw3.t), dw_ref, sum_tol(ty.dw), "rmsnorm dw (dx at a 2-byte offset)");
+        EXPECT_EQ(download(dw3.t), download(dw.t)) << "rmsnorm dw (dx at a 2-byte offset)";
         expect_guard_intact(dx3, "rmsnorm dx at a 2-byte offset");
       }
+
+      // The residual stream's fused forms: bit for bit their compositions of CUDA ops.
+      Tensor res0 = pool.randn({cs.n, cs.c});
+      Guarded dres = guarded(dev, {cs.n, cs.c}, ty.x, &res0), dw4 = guarded(dev, {cs.c}, ty.dw, &dw0);
+      rmsnorm_backward_add(testing::exec(), xd, wd, rstd.t, dyd, dres.t, dw4.t);
+      Tensor dres_composed = dev.upload(res0, ty.x);
+      add_inplace(testing::exec(), dres_composed, dx.t);
+      EXPECT_EQ(download(dres.t), download(dres_composed)) << "rmsnorm_backward_add dx";
+      EXPECT_EQ(download(dw4.t), download(dw.t)) << "rmsnorm_backward_add dw";
+      expect_guard_intact(dres, "rmsnorm_backward_add dx");
+      expect_guard_intact(dw4, "rmsnorm_backward_add dw");
+
+      Tensor ad = dev.upload(pool.randn({cs.n, cs.c}), ty.x);
+      Tensor h_composed = dev.upload(x, ty.x);
+      add_inplace(testing::exec(), h_composed, ad);
+      Guarded y_composed = guarded(dev, {cs.n, cs.c}, ty.x), rstd_composed = guarded(dev, {cs.n}, DType::f32);
+      rmsnorm_forward(testing::exec(), h_composed, wd, eps, y_composed.t, rstd_composed.t);
+      Guarded h5 = guarded(dev, {cs.n, cs.c}, ty.x), h25 = guarded(dev, {cs.n, cs.c}, ty.x);
+      Guarded y5 = guarded(dev, {cs.n, cs.c}, ty.x), rstd5 = guarded(dev, {cs.n}, DType::f32);
+      add_rmsnorm_forward(testing::exec(), xd, ad, wd, eps, h5.t, y5.t, rstd5.t, h25.t);
+      const std::vector<double> h_want = download(h_composed);
+      EXPECT_EQ(download(h5.t), h_want) << "add_rmsnorm_forward h";
+      EXPECT_EQ(download(h25.t), h_want) << "add_rmsnorm_forward h2";
+      EXPECT_EQ(download(y5.t), download(y_composed.t)) << "add_rmsnorm_forward y";
+      EXPECT_EQ(download(rstd5.t), download(rstd_composed.t)) << "add_rmsnorm_forward rstd";
+      for (const Guarded* g : {&h5, &h25, &y5, &rstd5}) expect_guard_intact(*g, "add_rmsnorm_forward");
     }
   }
 }

@@ -25,6 +25,7 @@
 #include "moefold/ops/moe_ops.h"
 #include "moefold/ops/ops.h"
 #include "moefold/parallel/mesh.h"
+#include "moefold/train/trainer.h"
 
 namespace moefold {
 
@@ -193,7 +194,8 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
 
   const ExecContext ctx(opts.device, c.kernels);
   Memory mem(opts.device == Device::cuda ? DType::bf16 : DType::f32, ctx);
-  std::optional<Mesh> nodes;  // the hierarchical dispatcher's node and rail groups of EP over every rank
+  apply_memory_options(mem, c.train);  // train.main_grads_dtype: the expert weight gradients' dtype
+  std::optional<Mesh> nodes;           // the hierarchical dispatcher's node and rail groups of EP over every rank
   if (c.moe.dispatcher == "hierarchical" && opts.ep != nullptr && opts.ep->size() > 1) {
     ParallelConfig every{.dp = opts.ep->size(), .ep = opts.ep->size(), .ranks_per_node = c.parallel.ranks_per_node};
     nodes.emplace(Mesh::build(*opts.ep, every.resolve(opts.ep->size()), true));
@@ -351,7 +353,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   fill(h, 1.0, ++salt);
   fill(dgu, 1e-3, ++salt);
   const double fc1 = 4.0 * r * h_n * f, fc2 = 2.0 * r * h_n * f;
-  auto gemm = [&](const char* name, double flops, double ceiling,
+  auto gemm = [&](const std::string& name, double flops, double ceiling,
                   const std::function<void(const Tensor& off, int64_t begin, int64_t end)>& fn) {
     const auto pieces = [&] {
       for (const RowPiece& pc : plan->pieces) fn(pc.offsets_E1, pc.begin, pc.end);
@@ -384,9 +386,11 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   const auto fc1_backward = [&](const Tensor& off, int64_t a, int64_t b) {
     grouped_linear_backward(ctx, rows.slice(a, b), w1, off, dgu.slice(a, b), drows2.slice(a, b), layer.dgate_up);
   };
-  // The weight gradient alone (f32, written as in a step's first micro-batch): with few rows per
-  // expert it is bound by writing the f32 gradient (4 bytes per 2 x rows-per-expert FLOPs).
-  gemm("fc1 wgrad (grouped, f32 gradient written)", fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
+  // The weight gradient alone (written as in a step's first micro-batch): with few rows per expert
+  // it is bound by writing the gradient (f32: 4 bytes per 2 x rows-per-expert FLOPs).
+  const std::string wgrad =
+      cat("fc1 wgrad (grouped, ", layer.dgate_up.dtype() == DType::bf16 ? "bf16" : "f32", " gradient written)");
+  gemm(wgrad, fc1, 0, [&](const Tensor& off, int64_t a, int64_t b) {
     grouped_linear_backward(ctx, rows.slice(a, b), w1, off, dgu.slice(a, b), Tensor(), layer.dgate_up,
                             /*accumulate=*/false);
   });

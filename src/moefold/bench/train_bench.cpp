@@ -173,10 +173,19 @@ TrainBenchResult bench_train(const Config& cfg_in, Communicator& world, const Tr
   if (opts.device == Device::cuda) {
     r.peak_memory_mib = static_cast<double>(device_bytes_peak()) / (1 << 20);
     r.planned_mib = static_cast<double>(trainer.planned_bytes()) / (1 << 20);
-    static const char* const kSlots[] = {
-        "sum_squares",       "cross_entropy",          "router_loss",   "permute_plan",  "attention",
-        "grouped_gemm_args", "grouped_gemm_workspace", "fp8_operand_a", "fp8_operand_b", "fp8_gemm_args",
-        "fp8_tile_map"};
+    static const char* const kSlots[] = {"sum_squares",
+                                         "cross_entropy",
+                                         "router_loss",
+                                         "permute_plan",
+                                         "attention",
+                                         "grouped_gemm_args",
+                                         "grouped_gemm_workspace",
+                                         "fp8_operand_a",
+                                         "fp8_operand_b",
+                                         "fp8_gemm_args",
+                                         "fp8_tile_map",
+                                         "rmsnorm_dw",
+                                         "arrivals"};
     static_assert(std::size(kSlots) == static_cast<size_t>(ScratchSlot::count));
     for (int i = 0; i < static_cast<int>(ScratchSlot::count); ++i)
       r.scratch_mib.emplace_back(

@@ -71,6 +71,8 @@ void* ExecContext::scratch(ScratchSlot slot, size_t bytes) const {
     }
     b.bytes = std::max(bytes, 2 * b.bytes);
     b.p = device_malloc(b.bytes);
+    if (slot == ScratchSlot::arrivals)
+      MF_CUDA_CHECK(cudaMemsetAsync(b.p, 0, b.bytes, static_cast<cudaStream_t>(stream_)));
   }
   return b.p;
 }

@@ -30,6 +30,11 @@ enum class ScratchSlot : int {
   fp8_operand_b,  // its quantized B operand and scales
   fp8_gemm_args,  // its per-group CUTLASS arguments
   fp8_tile_map,   // the row tiles of fp8_quantize_cols' segments (ops/cuda/fp8_quantize.cu)
+  rmsnorm_dw,     // rmsnorm_backward's dw partial sums per chunk of rows (ops/cuda/rmsnorm.cu)
+  // Arrival counters of the one-launch reductions (a block's partial sum, then the last block to
+  // arrive adds them in order: rmsnorm_backward, the router losses). ZEROED when (re)allocated,
+  // and every kernel that uses them leaves them zero again (the ops run in stream order).
+  arrivals,
   count
 };
 
@@ -64,7 +69,8 @@ class ExecContext {
   void* stream() const { return stream_; }
 
   // Device memory of `bytes` or more for `slot`, valid until the next call for that slot on this
-  // context; only this context's stream may use it. REQUIRES: a CUDA context.
+  // context; only this context's stream may use it (arrivals: zeroed when it grows).
+  // REQUIRES: a CUDA context.
   void* scratch(ScratchSlot slot, size_t bytes) const;
   // The bytes `slot`'s scratch holds now (0 before its first use).
   size_t scratch_bytes(ScratchSlot slot) const;

@@ -50,8 +50,7 @@ DecoderLayer::DecoderLayer(const ModelConfig& m, const MoeConfig& e, int64_t bat
 }
 
 void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-                        ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH,
-                        bool whole) {
+                        ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, bool whole) {
   ctx_ = &mem.exec();
   const int64_t h = cfg_.hidden_size;
   const Recompute r = whole ? Recompute{} : recompute_;
@@ -78,7 +77,6 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
     mlp_->bind(mem, tp);
   }
   dn_TH_ = dn_TH;
-  tmp_TH_ = tmp_TH;
   n1_TH_ = norms_again_ ? mem.scratch({rows_, h}) : o.qkv_linear ? mem.offloaded({rows_, h}) : mem.act({rows_, h});
   rstd1_T_ = mem.act({rows_}, mem.master_dtype());
   h_TH_ = o.mlp_norm ? mem.offloaded({rows_, h}) : mem.act({rows_, h});
@@ -92,7 +90,7 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
 }
 
 // Profile scopes: one name per part for every layer; the layer's own (self) time is its
-// residual copies and adds.
+// residual add after the MLP (the one after attention is fused into the second RMSNorm).
 void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
   ProfileScope layer("decoder layer forward");
   forward_attention(x_TH, out_TH);
@@ -114,13 +112,10 @@ void DecoderLayer::forward_attention(const Tensor& x_TH, const Tensor& out_TH) {
     ProfileScope scope("attention forward");
     attn_->forward(n1_TH_, a_TH_);
   }
-  h_TH_.copy_from(x_TH, ctx_);
-  add_inplace(*ctx_, h_TH_, a_TH_);
-  {
+  {  // h = x + a, kept; its norm; out = h (the residual the MLP's output is added to)
     ProfileScope scope("rmsnorm forward");
-    rmsnorm_forward(*ctx_, h_TH_, norm2_, cfg_.rms_norm_eps, n2_TH_, rstd2_T_);
+    add_rmsnorm_forward(*ctx_, x_TH, a_TH_, norm2_, cfg_.rms_norm_eps, h_TH_, n2_TH_, rstd2_T_, out_TH);
   }
-  out_TH.copy_from(h_TH_, ctx_);
   if (moe_) return;
   {
     ProfileScope scope("dense mlp forward");
@@ -192,18 +187,16 @@ void DecoderLayer::backward_tail(const Tensor& dres_TH) {
   }
   {
     ProfileScope scope("rmsnorm backward");
-    rmsnorm_backward(*ctx_, h_TH_, norm2_, rstd2_T_, dn_TH_, tmp_TH_, dnorm2_);
+    rmsnorm_backward_add(*ctx_, h_TH_, norm2_, rstd2_T_, dn_TH_, dres_TH, dnorm2_);  // d(h)
   }
-  add_inplace(*ctx_, dres_TH, tmp_TH_);  // d(h)
   {
     ProfileScope scope("attention backward");
     attn_->backward(dres_TH, dn_TH_);
   }
   {
     ProfileScope scope("rmsnorm backward");
-    rmsnorm_backward(*ctx_, x_TH_, norm1_, rstd1_T_, dn_TH_, tmp_TH_, dnorm1_);
+    rmsnorm_backward_add(*ctx_, x_TH_, norm1_, rstd1_T_, dn_TH_, dres_TH, dnorm1_);  // d(x)
   }
-  add_inplace(*ctx_, dres_TH, tmp_TH_);  // d(x)
 }
 
 void DecoderLayer::backward_begin(const Tensor& dres_TH) {
@@ -321,7 +314,6 @@ void Model::bind(Memory& mem) {
                 cfg_.num_key_value_heads / n * cfg_.head_dim);
   if (cpa_) cpa_->bind(mem);
   dn_TH_ = mem.act({rows_, h});
-  tmp_TH_ = mem.act({rows_, h});
   // The residual stream: each layer's input, except inside a recomputed chunk, where a layer's
   // input is part of its recomputed activations (its slot), and the model's output.
   // With attn_norm offloaded, an offloading layer's input is in its offload slot.
@@ -335,7 +327,7 @@ void Model::bind(Memory& mem) {
     mem.begin_layer(recompute_slot_[l], offload_slot_[l]);
     if (recompute_slot_[l] > 0) res_[l] = mem.act({rows_, h});
     if (offloaded_input(static_cast<int64_t>(l))) res_[l] = mem.offloaded({rows_, h});
-    layers_[l]->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_, recompute_slot_[l] >= 0);
+    layers_[l]->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, recompute_slot_[l] >= 0);
     offload_blocks_.push_back(mem.end_layer());
   }
   copy_.reset();
@@ -626,7 +618,7 @@ void Model::bind_mtp(Memory& mem, MtpDepth& d) {
   d.deh_proj_ = mem.grad(p + ".eh_proj.weight");
   d.dhead_norm_ = mem.grad(p + ".shared_head.norm.weight");
   mem.begin_layer();
-  d.layer_->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_, tmp_TH_);
+  d.layer_->bind(mem, cos_SD_, sin_SD_, &scratch_, cpa_.get(), tp_, dn_TH_);
   mem.end_layer();
   d.ids_ = mem.act({tokens_}, DType::i32);
   d.targets_ = mem.act({tokens_}, DType::i32);

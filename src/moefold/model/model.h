@@ -60,8 +60,7 @@ class DecoderLayer {
   // layer before its backward (Memory::begin_layer with a recompute slot): no module recomputes
   // itself then.
   void bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, AttentionScratch* scratch,
-            ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, const Tensor& tmp_TH,
-            bool whole = false);
+            ContextParallelAttention* cp, Communicator* tp, const Tensor& dn_TH, bool whole = false);
   // x_TH -> out_TH (written); x_TH must stay unchanged until backward.
   void forward(const Tensor& x_TH, const Tensor& out_TH);
   // Its forward was replayed from a CUDA graph: the host state forward leaves beside the device's
@@ -101,7 +100,7 @@ class DecoderLayer {
   std::unique_ptr<MoeLayer> moe_;  // MoE layers
   std::unique_ptr<DenseMlp> mlp_;  // the dense layer's MLP, or the MoE layer's shared experts
   Tensor norm1_, norm2_, dnorm1_, dnorm2_;
-  Tensor dn_TH_, tmp_TH_;  // shared backward workspaces
+  Tensor dn_TH_;  // shared backward workspace
   Tensor x_TH_, n1_TH_, rstd1_T_, h_TH_, n2_TH_, rstd2_T_;
   Tensor a_TH_, m_TH_, s_TH_, ds_TH_;  // scratch: forward temporaries, backward workspace
   // forward's norms, attention and residual (a dense layer's MLP too); after the MoE output: its
@@ -301,7 +300,7 @@ class Model {
   Tensor embed_, dembed_, norm_, dnorm_, lm_head_, dlm_head_;
   Tensor cos_SD_, sin_SD_;
   std::vector<Tensor> res_;  // residual stream: res_[l] is the input of layer l, res_[L] the output
-  Tensor ids_, targets_, nf_TH_, rstdf_T_, logits_TV_, lse_T_, dnf_TH_, dres_TH_, dn_TH_, tmp_TH_;
+  Tensor ids_, targets_, nf_TH_, rstdf_T_, logits_TV_, lse_T_, dnf_TH_, dres_TH_, dn_TH_;
   Tensor full_NH_, partial_NH_;      // tensor parallelism: every TP rank's rows; partial sums
   VocabParallelScratch ce_scratch_;  // vocabulary-parallel cross-entropy
 };

@@ -10,6 +10,7 @@
 // Q query heads, G kv heads, D head dim, F expert FFN; Sq/Sk query/key sequence, P table positions.
 #pragma once
 
+#include <span>
 #include <vector>
 
 #include "moefold/core/exec.h"
@@ -22,6 +23,10 @@ namespace moefold {
 void add_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& x);
 // Sum of squares of all elements, accumulated in double.
 double sum_squares(const ExecContext& ctx, const Tensor& x);
+// out[i] = sum_squares(xs[i]) (the same bits), with one wait on a GPU for all of them; no heap
+// allocation. REQUIRES: at most kMaxSumSquares tensors, on one device; out as many as xs.
+constexpr size_t kMaxSumSquares = 8;
+void sum_squares_each(const ExecContext& ctx, std::span<const Tensor> xs, std::span<double> out);
 // x *= s.
 void scale_inplace(const ExecContext& ctx, const Tensor& x, double s);
 
@@ -95,6 +100,16 @@ void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w
                      const Tensor& rstd_N);
 void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N,
                       const Tensor& dy_NC, const Tensor& dx_NC, const Tensor& dw_C);
+// The residual stream's fused forms (one kernel each on a GPU, where each composed form is three
+// or four operations), bit for bit their compositions:
+// h_NC = x_NC + a_NC (rounded to the dtype), then rmsnorm_forward(h_NC) into y_NC / rstd_N, and a
+// second copy of h into h2_NC when it is defined: copy, add_inplace, rmsnorm_forward, copy.
+void add_rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& a_NC, const Tensor& w_C, double eps,
+                         const Tensor& h_NC, const Tensor& y_NC, const Tensor& rstd_N, const Tensor& h2_NC = {});
+// rmsnorm_backward whose input gradient is ADDED to dx_NC (the residual stream's gradient; the
+// gradient rounded to the dtype, then added): rmsnorm_backward into a temporary, add_inplace.
+void rmsnorm_backward_add(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N,
+                          const Tensor& dy_NC, const Tensor& dx_NC, const Tensor& dw_C);
 
 // ---- linear without bias: y_NO = x_NI @ w_OI^T (PyTorch/HF weight layout) ------------------
 // dx may be undefined (Tensor{}) to skip the input gradient.

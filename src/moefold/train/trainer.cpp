@@ -490,7 +490,7 @@ void Trainer::accumulate_gradients() {
   // Sharded: each rank's slots, summed over the shard group first.
   double dense_sq = 0, expert_sq = 0;
   {
-    ProfileScope scope("grad norm");  // sum_squares returns to the host: waits for the stream
+    ProfileScope scope("grad norm");  // sum_squares returns to the host: one wait for the stream
     double sq[2] = {0, 0};
     if (mem_.sharded()) {
       const AdamW::ShardGroups& groups = shard_groups_;
@@ -504,11 +504,21 @@ void Trainer::accumulate_gradients() {
       sq[1] = owned[static_cast<int>(ParamGroup::expert)];
       dense_sq = owned[static_cast<int>(ParamGroup::dense)];
     } else {
-      sq[0] = sum_squares(exec_, mem_.grad_block(ParamGroup::tensor_parallel));
-      for (const Param& p : mem_.params())  // the embedding's copy on the last stage: its owner counts it
-        if (p.pipeline_copy) sq[0] -= sum_squares(exec_, p.grad);
-      sq[1] = sum_squares(exec_, mem_.grad_block(ParamGroup::expert));
-      dense_sq = sum_squares(exec_, mem_.grad_block(ParamGroup::dense));
+      // tensor-parallel, expert, dense, then the embedding's copy on the last stage (its owner counts it).
+      Tensor blocks[kMaxSumSquares] = {mem_.grad_block(ParamGroup::tensor_parallel),
+                                       mem_.grad_block(ParamGroup::expert), mem_.grad_block(ParamGroup::dense)};
+      size_t n = 3;
+      for (const Param& p : mem_.params())
+        if (p.pipeline_copy) {
+          MF_CHECK(n < kMaxSumSquares, "more pipeline copies than the gradient norm takes");
+          blocks[n++] = p.grad;
+        }
+      double s[kMaxSumSquares];
+      sum_squares_each(exec_, std::span<const Tensor>(blocks, n), std::span<double>(s, n));
+      sq[0] = s[0];
+      for (size_t i = 3; i < n; ++i) sq[0] -= s[i];
+      sq[1] = s[1];
+      dense_sq = s[2];
     }
     if (mesh_.tp->size() > 1) mesh_.tp->all_reduce(Tensor(&sq[0], DType::f64, {1}), ReduceOp::sum);
     if (mesh_.ep_etp->size() > 1) mesh_.ep_etp->all_reduce(Tensor(&sq[1], DType::f64, {1}), ReduceOp::sum);

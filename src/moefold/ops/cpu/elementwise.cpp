@@ -1,6 +1,7 @@
 // Elementwise helpers on whole contiguous float tensors: y += x, sum of squares, x *= s.
 // No gradients: these serve gradient accumulation, clipping and the optimizer.
 #include <cmath>
+#include <span>
 #include <utility>
 
 #include "moefold/core/rng.h"
@@ -37,6 +38,17 @@ double sum_squares(const ExecContext& ctx, const Tensor& x) {
     for (int64_t i = 0; i < n; ++i) s += static_cast<double>(xp[i]) * static_cast<double>(xp[i]);
     return s;
   });
+}
+
+void sum_squares_each(const ExecContext& ctx, std::span<const Tensor> xs, std::span<double> out) {
+  MF_CHECK(xs.size() <= kMaxSumSquares && out.size() == xs.size(), "sum_squares_each: ", xs.size(), " tensors, ",
+           out.size(), " results (at most ", kMaxSumSquares, ")");
+  if (xs.empty()) return;
+  for (const Tensor& x : xs)
+    MF_CHECK(x.numel() == 0 || x.device() == xs.front().device(), "sum_squares_each: ", x.str(), " vs ",
+             xs.front().str());
+  MF_ON_GPU(ctx, xs.front(), cuda::sum_squares_each(ctx, xs, out));
+  for (size_t i = 0; i < xs.size(); ++i) out[i] = sum_squares(ctx, xs[i]);
 }
 
 void mtp_loss_accumulate(const ExecContext& ctx, const Tensor& losses_D, int64_t seq_len, double scaling,

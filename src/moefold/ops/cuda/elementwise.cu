@@ -1,10 +1,11 @@
 // CUDA elementwise helpers (ops/ops.h): y += x, sum of squares, x *= s, over f32 or bf16.
 #include <algorithm>
-#include <vector>
+#include <span>
 
 #include "moefold/core/philox.h"
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/elementwise.h"
+#include "moefold/ops/ops.h"  // kMaxSumSquares
 
 namespace moefold::cuda {
 
@@ -145,21 +146,44 @@ void scale_inplace(const ExecContext& ctx, const Tensor& x, double s) {
 }
 
 double sum_squares(const ExecContext& ctx, const Tensor& x) {
-  check_cuda_tensor(x, "sum_squares");
-  const int64_t n = x.numel();
-  if (n == 0) return 0.0;
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 1024));
-  auto* partial = static_cast<double*>(ctx.scratch(ScratchSlot::sum_squares, blocks * sizeof(double)));
-  dispatch_cuda_float(x.dtype(), [&]<class T>() {
-    sum_squares_kernel<T><<<blocks, kThreads, 0, stream_of(ctx)>>>(x.ptr<T>(), n, partial);
-  });
-  MF_CUDA_LAUNCHED("sum_squares");
-  double host[1024];  // blocks <= 1024
-  MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream_of(ctx)));
-  MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
   double s = 0;
-  for (int i = 0; i < blocks; ++i) s += host[i];
+  cuda::sum_squares_each(ctx, std::span<const Tensor>(&x, 1), std::span<double>(&s, 1));  // not ops.h's
   return s;
+}
+
+void sum_squares_each(const ExecContext& ctx, std::span<const Tensor> xs, std::span<double> out) {
+  // Each tensor's partial sums (at most 1024 blocks) side by side in one scratch, one copy back.
+  constexpr int kMaxBlocks = 1024;
+  int blocks[kMaxSumSquares];
+  int total = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (xs[i].numel() > 0) check_cuda_tensor(xs[i], "sum_squares");
+    blocks[i] = static_cast<int>(std::min<int64_t>(ceil_div(xs[i].numel(), kThreads), kMaxBlocks));
+    total += blocks[i];
+    out[i] = 0;
+  }
+  if (total == 0) return;
+  auto* partial = static_cast<double*>(ctx.scratch(ScratchSlot::sum_squares, total * sizeof(double)));
+  int first = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (blocks[i] > 0)
+      dispatch_cuda_float(xs[i].dtype(), [&]<class T>() {
+        sum_squares_kernel<T>
+            <<<blocks[i], kThreads, 0, stream_of(ctx)>>>(xs[i].ptr<T>(), xs[i].numel(), partial + first);
+      });
+    MF_CUDA_LAUNCHED("sum_squares");
+    first += blocks[i];
+  }
+  static thread_local double host[kMaxSumSquares * kMaxBlocks];
+  MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, total * sizeof(double), cudaMemcpyDeviceToHost, stream_of(ctx)));
+  MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+  first = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    double s = 0;
+    for (int b = 0; b < blocks[i]; ++b) s += host[first + b];
+    out[i] = s;
+    first += blocks[i];
+  }
 }
 
 }  // namespace moefold::cuda

@@ -16,11 +16,15 @@ void rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w
                      const Tensor& rstd_N);
 // x, dy, dx of one dtype; w and dw each of x's dtype or f32; rstd f32; dw ACCUMULATED.
 // Deterministic: dw is summed per column over fixed chunks of rows, then over the chunks in order
-// (bit-identical run to run on one GPU model; the chunk count follows the SM count).
-// The per-chunk partial sums (f32, at most N/2 rows of them) live in dx's storage, which is
-// free until dx is written last, so the op needs no workspace; hence dx must not overlap x, dy,
-// w, rstd or dw (checked). A dx not 4-byte aligned gets one chunk (correct, slower).
+// (bit-identical run to run on one GPU model; the chunk count follows the SM count). One kernel:
+// the chunks' partial sums live in the context's scratch, and each column tile's last chunk to
+// finish (an atomic counter) adds them up. dx must not overlap x, dy, w, rstd or dw (checked).
 void rmsnorm_backward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N,
                       const Tensor& dy_NC, const Tensor& dx_NC, const Tensor& dw_C);
+// The fused forms of ops/ops.h, one kernel each, bit for bit the compositions of the CUDA ops.
+void add_rmsnorm_forward(const ExecContext& ctx, const Tensor& x_NC, const Tensor& a_NC, const Tensor& w_C, double eps,
+                         const Tensor& h_NC, const Tensor& y_NC, const Tensor& rstd_N, const Tensor& h2_NC);
+void rmsnorm_backward_add(const ExecContext& ctx, const Tensor& x_NC, const Tensor& w_C, const Tensor& rstd_N,
+                          const Tensor& dy_NC, const Tensor& dx_NC, const Tensor& dw_C);
 
 }  // namespace moefold::cuda

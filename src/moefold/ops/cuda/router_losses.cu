@@ -84,11 +84,19 @@ __device__ double weighted_prob_row(const float* s, int e_n, bool softmax, const
   return warp_sum(total);
 }
 
+// Where row_loss_kernel's last block puts the loss (out null: the host adds the partial sums).
+struct LossFinish {
+  unsigned* arrived = nullptr;  // blocks done (zero before and after the kernel)
+  double mul = 1, div = 1;
+  double* out = nullptr;  // f64 [1]: the partial sums in order, times mul, over div
+};
+
 // Per-token value (weighted_prob_row for the aux losses, lse^2 for the z-loss) summed over the
-// tokens of each block in a fixed order: partial[block].
+// tokens of each block in a fixed order: partial[block]; with fin.out, the last block to finish
+// adds the partials in block order (one thread: the host loop's additions) into *fin.out.
 template <int kKind>  // 0: aux (scores, counts), 1: z-loss (logits)
 __global__ void row_loss_kernel(const float* x, int64_t t_n, int e_n, bool softmax, const int64_t* counts,
-                                int64_t row_offset, int64_t local_seq_len, double* partial) {
+                                int64_t row_offset, int64_t local_seq_len, double* partial, LossFinish fin) {
   __shared__ double warp_total[kLossWarps];
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   double acc = 0;
@@ -109,18 +117,18 @@ __global__ void row_loss_kernel(const float* x, int64_t t_n, int e_n, bool softm
   }
   if (lane == 0) warp_total[warp] = acc;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    double s = 0;
-    for (int w = 0; w < kLossWarps; ++w) s += warp_total[w];
-    partial[blockIdx.x] = s;
-  }
-}
-
-// The partial sums in order, times mul, over div (one thread: the host loop's additions).
-__global__ void finish_loss_kernel(const double* partial, int blocks, double mul, double div, double* out) {
+  if (threadIdx.x != 0) return;
+  double s = 0;
+  for (int w = 0; w < kLossWarps; ++w) s += warp_total[w];
+  partial[blockIdx.x] = s;
+  if (fin.out == nullptr) return;
+  __threadfence();  // the partial is visible before this block counts itself in
+  if (atomicAdd(fin.arrived, 1u) != gridDim.x - 1) return;
+  __threadfence();
   double total = 0;
-  for (int i = 0; i < blocks; ++i) total += partial[i];
-  out[0] = total * mul / div;
+  for (unsigned i = 0; i < gridDim.x; ++i) total += __ldcg(partial + i);
+  fin.out[0] = total * fin.mul / fin.div;
+  *fin.arrived = 0;
 }
 
 // Sum over tokens of the per-token value, times mul, over div: returned (waits for the GPU), or
@@ -136,14 +144,13 @@ double row_loss(const ExecContext& ctx, const float* x, int64_t t_n, int e_n, bo
   }
   const int blocks = std::min(blocks_for(t_n, kLossWarps), kLossMaxBlocks);
   auto* partial = static_cast<double*>(ctx.scratch(ScratchSlot::router_loss, blocks * sizeof(double)));
+  LossFinish fin;
+  if (out.defined())
+    fin = {static_cast<unsigned*>(ctx.scratch(ScratchSlot::arrivals, sizeof(unsigned))), mul, div, out.ptr<double>()};
   row_loss_kernel<kKind><<<blocks, kLossWarps * kWarp, 0, stream_of(ctx)>>>(x, t_n, e_n, softmax, counts, row_offset,
-                                                                            local_seq_len, partial);
+                                                                            local_seq_len, partial, fin);
   MF_CUDA_LAUNCHED(what);
-  if (out.defined()) {
-    finish_loss_kernel<<<1, 1, 0, stream_of(ctx)>>>(partial, blocks, mul, div, out.ptr<double>());
-    MF_CUDA_LAUNCHED(what);
-    return std::numeric_limits<double>::quiet_NaN();
-  }
+  if (out.defined()) return std::numeric_limits<double>::quiet_NaN();
   double host[kLossMaxBlocks];
   MF_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost, stream_of(ctx)));
   MF_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""The PyTorch bar for `moefold bench moe-layer` (docs/benchmarks.md "Ceilings and bars"): one MoE
+layer as modern PyTorch training code writes it (router, argsort permutation, torch._grouped_mm
+for the experts, SwiGLU, weighted index_add un-permutation, the shared experts as dense GEMMs),
+bf16 weights and gradients, dropless, forward + backward, timed with CUDA events. TFLOP/s use
+moefold's FLOP count (3 x forward: router 2THE, experts 6KTHF, shared 6THF_shared), so the two
+tables divide. Needs a GPU and PyTorch >= 2.8 (torch._grouped_mm); run it in the same device call
+as the moefold bench it is compared with.
+
+    python3 scripts/bench_bar_moe.py --shape deepseek-v3 --routing real --reps 5
+"""
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+# The presets' MoE shapes (`moefold config --config NAME`) and the tokens the bench uses.
+SHAPES = {
+    "qwen3-30b-a3b": dict(h=2048, e=128, k=8, f=768, shared=0, t=16384, score="softmax", groups=1, topk_groups=1,
+                          scale=1.0),
+    "qwen3-235b-a22b": dict(h=4096, e=128, k=8, f=1536, shared=0, t=8192, score="softmax", groups=1, topk_groups=1,
+                            scale=1.0),
+    "deepseek-v3": dict(h=7168, e=256, k=8, f=2048, shared=1, t=8192, score="sigmoid", groups=8, topk_groups=4,
+                        scale=2.5),
+    "mixtral-8x7b": dict(h=4096, e=8, k=2, f=14336, shared=0, t=8192, score="softmax", groups=1, topk_groups=1,
+                         scale=1.0),
+}
+
+
+class MoeLayer(torch.nn.Module):
+    def __init__(self, s, dev):
+        super().__init__()
+        self.s = s
+        h, e, f, fs = s["h"], s["e"], s["f"], s["f"] * s["shared"]
+        bf = dict(device=dev, dtype=torch.bfloat16)
+        self.router = torch.nn.Parameter(torch.randn(e, h, **bf) * 0.02)
+        self.w1 = torch.nn.Parameter(torch.randn(e, h, 2 * f, **bf) * 0.02)  # [E, K, N] for _grouped_mm
+        self.w2 = torch.nn.Parameter(torch.randn(e, f, h, **bf) * 0.02)
+        self.bias = torch.zeros(e, device=dev)  # DeepSeek-V3's selection bias (zero at the start)
+        if fs:
+            self.ws1 = torch.nn.Parameter(torch.randn(h, 2 * fs, **bf) * 0.02)
+            self.ws2 = torch.nn.Parameter(torch.randn(fs, h, **bf) * 0.02)
+
+    def route(self, x, balanced):
+        s = self.s
+        t, e, k = x.shape[0], s["e"], s["k"]
+        logits = (x @ self.router.t()).float()
+        scores = torch.sigmoid(logits) if s["score"] == "sigmoid" else torch.softmax(logits, dim=-1)
+        if balanced:  # token t's k-th expert is (t*K + k) mod E, weights 1/K (moefold's balanced routing)
+            idx = (torch.arange(t * k, device=x.device) % e).view(t, k)
+            return idx, torch.full((t, k), 1.0 / k, device=x.device)
+        sel = scores + self.bias
+        if s["groups"] > 1:  # group-limited: the best topk_groups groups by the sum of their top-2
+            groups = sel.view(t, s["groups"], -1).topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(groups, dtype=torch.bool)
+            keep.scatter_(1, groups.topk(s["topk_groups"], dim=-1).indices, True)
+            sel = sel.masked_fill(~keep.repeat_interleave(e // s["groups"], dim=1), float("-inf"))
+        idx = sel.topk(k, dim=-1).indices
+        prob = scores.gather(1, idx)
+        prob = prob / prob.sum(-1, keepdim=True) * s["scale"]
+        return idx, prob
+
+    def forward(self, x, balanced):
+        s = self.s
+        k, e = s["k"], s["e"]
+        idx, prob = self.route(x, balanced)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32)
+        tok = order // k
+        gu = torch._grouped_mm(x[tok], self.w1, offs=offs)
+        gate, up = gu.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2, offs=offs)
+        y = y * prob.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+        out = torch.zeros_like(x).index_add(0, tok, y)
+        if s["shared"]:
+            sg, su = (x @ self.ws1).chunk(2, dim=-1)
+            out = out + (F.silu(sg) * su) @ self.ws2
+        return out
+
+
+def run(name, routing, reps, warmup):
+    s = SHAPES[name]
+    dev = torch.device("cuda")
+    torch.manual_seed(2026)
+    layer = MoeLayer(s, dev)
+    t, h = s["t"], s["h"]
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn(t, h, device=dev, dtype=torch.bfloat16) / t
+    balanced = routing == "balanced"
+    times = []
+    for i in range(warmup + reps):
+        for p in list(layer.parameters()) + [x]:
+            p.grad = None  # every repetition writes its gradients (a step's first micro-batch)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        layer(x, balanced).backward(dy)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    fwd = 2 * t * h * s["e"] + 6 * s["k"] * t * h * s["f"] + 6 * t * h * s["f"] * s["shared"]
+    print(f"bar {name} {routing}: {ms:.3f} ms, {3 * fwd / ms / 1e9:.1f} TFLOP/s (PyTorch {torch.__version__}, "
+          f"torch._grouped_mm, bf16 gradients)", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
+    ap.add_argument("--routing", action="append", choices=["balanced", "real"], help="default: both")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    a = ap.parse_args()
+    for name in a.shape or list(SHAPES):
+        for routing in a.routing or ["balanced", "real"]:
+            run(name, routing, a.reps, a.warmup)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
