@@ -24,6 +24,10 @@ TEST(KernelOptions, NamesParseBack) {
   EXPECT_STREQ(swiglu_fusion_name(SwigluFusion::automatic), "auto");
   EXPECT_STREQ(attention_kernel_name(AttentionKernel::automatic), "auto");
   EXPECT_STREQ(gemm_tiles_name(GemmTiles::pingpong), "pingpong");
+  for (GemmTiles v : {GemmTiles::small, GemmTiles::large, GemmTiles::pingpong, GemmTiles::large_n2,
+                      GemmTiles::pingpong_n2, GemmTiles::large_auto})
+    EXPECT_EQ(parse_cutlass_tiles(gemm_tiles_name(v), "k").dgrad, v);
+  EXPECT_STREQ(gemm_tiles_name(GemmTiles::large_n2), "large_n2");
 }
 
 TEST(KernelOptions, CutlassTilesTextRoundTrips) {
@@ -59,10 +63,12 @@ TEST(KernelOptions, BadTextNamesKeyValueAndChoices) {
             "kernels.fused_swiglu = \"1\": expected one of auto, on, off");
   EXPECT_EQ(error_of([] { parse_attention_kernel("flash", "kernels.attention"); }),
             "kernels.attention = \"flash\": expected one of auto, own, cudnn");
-  EXPECT_EQ(tiles_err("huge"), "kernels.cutlass_tile = \"huge\": expected one of small, large, pingpong");
+  EXPECT_EQ(tiles_err("huge"),
+            "kernels.cutlass_tile = \"huge\": expected one of small, large, pingpong, large_n2, pingpong_n2, "
+            "large_auto");
   EXPECT_EQ(tiles_err("forward=large,dgrad=huge"),
             "kernels.cutlass_tile = \"forward=large,dgrad=huge\": tiles \"huge\" for dgrad: expected one of small, "
-            "large, pingpong");
+            "large, pingpong, large_n2, pingpong_n2, large_auto");
   EXPECT_NE(tiles_err("backward=large").find("unknown kind \"backward\""), std::string::npos);
   EXPECT_NE(tiles_err("forward=large,forward=small").find("kind \"forward\" named twice"), std::string::npos);
   for (const char* v : {"forward=large,", ",forward=large", "forward=large,,dgrad=small", "forward=large,dgrad"})

@@ -364,9 +364,14 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
         << "an f32 output is not CUTLASS's";
   }
   const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
-  for (const char* tile : {"large", "small", "pingpong", "forward=small,dgrad=pingpong,wgrad=small"}) {
+  for (const char* tile : {"large", "small", "pingpong", "large_n2", "pingpong_n2", "large_auto",
+                           "forward=small,dgrad=pingpong_n2,wgrad=small", "forward=pingpong_n2,dgrad=large_n2"}) {
     SCOPED_TRACE(tile);
     const ExecContext ctx(Device::cuda, with_tiles(tile));
+    // Widths of two 256-wide N tiles: large_auto picks the 1 x 2 clusters for the first (rows
+    // padded to 16 tiles by 2 x 1 clusters, 12 by 1 x 2), the 2 x 1 for the second (12 both ways).
+    check_grouped(DType::bf16, DType::bf16, {300, 0, 3, 129}, 512, 512, ctx);
+    check_grouped(DType::bf16, DType::bf16, {256, 512}, 512, 512, ctx);
     check_grouped(DType::bf16, DType::f32, counts, 48, 40, ctx);
     check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3, 64}, 256, 128, ctx);
     check_grouped(DType::bf16, DType::f32, {0, 0, 0}, 16, 8, ctx);  // no rows at all
@@ -441,7 +446,8 @@ TEST(CudaGroupedLinear, SwigluFusedMatchesCpu) {
   const bool built = cuda::cutlass_grouped_gemm_built();
   // "": the defaults (ping-pong forward, large backward); "swiglu_forward=large" the other
   // pairing through the per-kind syntax.
-  for (const char* tile : {"", "large", "pingpong", "swiglu_forward=large,swiglu_dgrad=pingpong", "small"}) {
+  for (const char* tile : {"", "large", "pingpong", "swiglu_forward=large,swiglu_dgrad=pingpong", "large_n2",
+                           "pingpong_n2", "swiglu_forward=large_n2,swiglu_dgrad=pingpong_n2", "large_auto", "small"}) {
     SCOPED_TRACE(tile);
     const ExecContext ctx(Device::cuda, with_tiles(tile));
     const bool fused = built && std::strcmp(tile, "small") != 0;  // small: the unfused ops

@@ -44,8 +44,12 @@ constexpr std::pair<const char*, SwigluFusion> kSwiglu[] = {
     {"auto", SwigluFusion::automatic}, {"on", SwigluFusion::on}, {"off", SwigluFusion::off}};
 constexpr std::pair<const char*, AttentionKernel> kAttention[] = {
     {"auto", AttentionKernel::automatic}, {"own", AttentionKernel::own}, {"cudnn", AttentionKernel::cudnn}};
-constexpr std::pair<const char*, GemmTiles> kTiles[] = {
-    {"small", GemmTiles::small}, {"large", GemmTiles::large}, {"pingpong", GemmTiles::pingpong}};
+constexpr std::pair<const char*, GemmTiles> kTiles[] = {{"small", GemmTiles::small},
+                                                        {"large", GemmTiles::large},
+                                                        {"pingpong", GemmTiles::pingpong},
+                                                        {"large_n2", GemmTiles::large_n2},
+                                                        {"pingpong_n2", GemmTiles::pingpong_n2},
+                                                        {"large_auto", GemmTiles::large_auto}};
 constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {{"cooperative", Fp8Tile::cooperative},
                                                          {"cooperative_1x1", Fp8Tile::cooperative_1x1},
                                                          {"pingpong", Fp8Tile::pingpong},

@@ -15,9 +15,17 @@ enum class GroupedGemmImpl : uint8_t { cutlass, cublaslt };
 
 // CUTLASS tile configurations of the grouped GEMMs: 128x128 cooperative (small), 128x256
 // cooperative (large), 64x256 ping-pong (pingpong; one warp group's epilogue overlaps the other's
-// math). The fused SwiGLU kinds are built with large and pingpong only (compile time): small
-// there runs the GEMM and SwiGLU apart.
-enum class GemmTiles : uint8_t { small, large, pingpong };
+// math). large and pingpong run in 2 x 1 clusters: the two CTAs of a cluster take adjacent M
+// tiles and share B's (the weight's) loads, so CUTLASS pads every expert's rows to a PAIR of M
+// tiles. large_n2 and pingpong_n2 are the same tiles in 1 x 2 clusters: the two CTAs take
+// adjacent N tiles and share A's (the rows') loads, so an expert's rows are padded to one tile
+// (real routing's uneven experts), at 25% more operand traffic per CTA. large_auto: large or
+// large_n2, whichever pads the call's experts to fewer tiles (weighted by what the 1 x 2 clusters'
+// extra traffic costs), chosen on the device from the offsets (no host read; graphs keep it); both
+// kernels are launched, the one not chosen finds no tiles. The weight gradient's M is the weight's
+// rows (never padded): there the _n2 and _auto names run as large and pingpong. The fused SwiGLU
+// kinds are built without small (compile time): small there runs the GEMM and SwiGLU apart.
+enum class GemmTiles : uint8_t { small, large, pingpong, large_n2, pingpong_n2, large_auto };
 
 // One tile configuration per GEMM kind. Defaults: measured (docs/benchmarks.md): ping-pong for the
 // fused SwiGLU forward (1.27 ms vs 1.40 ms with large tiles, qwen3-30b-a3b fc1), large otherwise.

@@ -47,6 +47,23 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// "The last block to arrive" of `total` blocks sharing `counter` (a zeroed word, e.g. from
+// ScratchSlot::arrivals): every thread of the block calls it after writing its results; true in
+// the last block, whose later reads see every block's results. The counter is zero again after
+// (ready for the next launch).
+__device__ __forceinline__ bool block_is_last_to_arrive(unsigned* counter, unsigned total) {
+  __shared__ bool last;
+  __threadfence();  // this thread's results are visible before its block counts itself in
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1u) == total - 1;
+    if (last) *counter = 0;  // every block has counted itself in
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
 // Calls f.template operator()<T>() with T = float or __nv_bfloat16 for the tensor's dtype.
 template <class F>
 decltype(auto) dispatch_cuda_float(DType t, F&& f) {

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <iterator>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "moefold/ops/cuda/common.cuh"
@@ -280,11 +282,20 @@ enum class Kind : int { forward, dgrad, wgrad, swiglu_forward, swiglu_dgrad };
 // ping-pong is the fused SwiGLU forward's default; for the weight gradient it did not hide the f32
 // stores at DeepSeek-V3 (13.2 vs 13.0 ms), and neither did 4 or 8 epilogue buffers with as many
 // TMA stores in flight (12.6 / 14.4 ms; 4 slowed the accumulating form, 8 starves the mainloop).
+// Session 22 (bf16 weight gradient, DeepSeek-V3 fc1, 9.8-10.1 ms; ncu: tensor pipe 48%, DRAM 28%,
+// L2 50%): no better with 2 x 2 clusters (10.9), ping-pong 128 x 128 tiles in 2 x 1 / 2 x 2
+// clusters (10.2-10.4 / 11.0-11.3), 64 x 256 ping-pong in 2 x 2 (11.1) or an epilogue storing
+// straight from registers (PtrArrayNoSmemWarpSpecialized: 30.7). CUTLASS pads each group's M
+// tiles to a multiple of the cluster's M: the _n2 tiles (1 x 2 clusters) pad the rows to one
+// tile; measured: DeepSeek-V3 real routing +2.5-3% (fc1 forward 7.52-7.60 -> 7.14-7.21 ms) but
+// balanced -2.6% (5.62 -> 6.05: B no longer shared), Qwen3's fc2 dgrad (N = 768: 3 N tiles padded
+// to 4) 0.62 -> 0.82-0.86 ms; so they are options, not defaults.
 using SmallTile = cute::Shape<_128, _128, _64>;
 using LargeTile = cute::Shape<_128, _256, _64>;
 using PongTile = cute::Shape<_64, _256, _64>;
 using One = cute::Shape<_1, _1, _1>;
-using Pair = cute::Shape<_2, _1, _1>;
+using Pair = cute::Shape<_2, _1, _1>;   // adjacent M tiles share B: rows padded to two tiles
+using PairN = cute::Shape<_1, _2, _1>;  // adjacent N tiles share A: rows padded to one tile
 template <class Tile, class Cluster, class Schedule = Cooperative>
 using Forward =
     Grouped<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t, Tile, Cluster, Schedule>;
@@ -315,9 +326,14 @@ GemmTiles tiles_for(const ExecContext& ctx, Kind kind) {
 
 // Calls run.template operator()<G>() with G the configuration of `kind` (Forward, Dgrad or Wgrad)
 // that the context's kernels.cutlass_tile picks and returns true; false (nothing run) for "small" when kSmall is false
-// (the SwiGLU kinds are not built with small tiles, to bound the compile time).
-template <template <class, class, class> class Config, bool kSmall = true, class Run>
+// (the SwiGLU kinds are not built with small tiles, to bound the compile time). kRowsInM: the
+// kind's M is the experts' rows (every kind but the weight gradient, whose M is the weight's
+// rows): only there do the 1 x 2 clusters differ (no pair of M tiles to pad to), so the weight
+// gradient runs large_n2 / pingpong_n2 / large_auto as large / pingpong / large (fewer kernels to
+// build). large_auto hands `run` both large configurations: run_grouped picks one on the device.
+template <template <class, class, class> class Config, bool kSmall = true, bool kRowsInM = true, class Run>
 bool with_tiles(const ExecContext& ctx, Kind kind, const Run& run) {
+  using ClusterN2 = std::conditional_t<kRowsInM, PairN, Pair>;  // the _n2 tiles' clusters
   switch (tiles_for(ctx, kind)) {
     case GemmTiles::large:
       run.template operator()<Config<LargeTile, Pair, Cooperative>>();
@@ -330,6 +346,18 @@ bool with_tiles(const ExecContext& ctx, Kind kind, const Run& run) {
       return false;
     case GemmTiles::pingpong:
       run.template operator()<Config<PongTile, Pair, PingPong>>();
+      return true;
+    case GemmTiles::large_n2:
+      run.template operator()<Config<LargeTile, ClusterN2, Cooperative>>();
+      return true;
+    case GemmTiles::pingpong_n2:
+      run.template operator()<Config<PongTile, ClusterN2, PingPong>>();
+      return true;
+    case GemmTiles::large_auto:
+      if constexpr (kRowsInM)
+        run.template operator()<Config<LargeTile, Pair, Cooperative>, Config<LargeTile, PairN, Cooperative>>();
+      else
+        run.template operator()<Config<LargeTile, Pair, Cooperative>>();
       return true;
   }
   return false;
@@ -393,64 +421,152 @@ __device__ void set_group(const Arrays<G>& arr, int e, int m, int n, int k, cons
   arr.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(m, n, 1));
 }
 
-// One thread per expert. i_n / o_n: the weight's I and O; `rows` / `rows2`: the row-indexed
-// operands (x for forward; dy for dgrad; dy and x for wgrad); `out`: y, dx, or dw (C and D);
-// `src`: C where it is not D (swiglu_dgrad: gu as I float lanes per row).
+// Expert e's group of kind kKind. i_n / o_n: the weight's I and O; `rows` / `rows2`: the
+// row-indexed operands (x for forward; dy for dgrad; dy and x for wgrad); `out`: y, dx, or dw (C
+// and D); `src`: C where it is not D (swiglu_dgrad: gu as I float lanes per row). `none`: no tiles
+// at all (the configuration the device did not choose).
 template <class G, Kind kKind>
-__global__ void build_group_args(Arrays<G> arr, const int64_t* __restrict__ off, int e_n, int i_n, int o_n,
-                                 const cutlass::bfloat16_t* rows, const cutlass::bfloat16_t* rows2,
-                                 const cutlass::bfloat16_t* w, void* out, const void* src) {
-  const int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= e_n) return;
+__device__ void set_kind_group(const Arrays<G>& arr, int e, const int64_t* __restrict__ off, int i_n, int o_n,
+                               const cutlass::bfloat16_t* rows, const cutlass::bfloat16_t* rows2,
+                               const cutlass::bfloat16_t* w, void* out, const void* src, bool none) {
   const int64_t begin = off[e];
   const int m = static_cast<int>(off[e + 1] - begin);
   auto* o = static_cast<typename G::Out*>(out);
   const size_t we = static_cast<size_t>(e) * static_cast<size_t>(o_n) * static_cast<size_t>(i_n);
   if constexpr (kKind == Kind::forward || kKind == Kind::swiglu_forward)  // y_e = x_e @ w_e^T: (m, O, I)
-    set_group<G>(arr, e, m, o_n, i_n, rows + begin * i_n, w + we, o + begin * o_n, false);
+    set_group<G>(arr, e, m, o_n, i_n, rows + begin * i_n, w + we, o + begin * o_n, none);
   else if constexpr (kKind == Kind::dgrad)  // dx_e = dy_e @ w_e: (m, I, O)
-    set_group<G>(arr, e, m, i_n, o_n, rows + begin * o_n, w + we, o + begin * i_n, false);
+    set_group<G>(arr, e, m, i_n, o_n, rows + begin * o_n, w + we, o + begin * i_n, none);
   else if constexpr (kKind == Kind::swiglu_dgrad)  // dgu_e from dh_e = dy_e @ w_e and gu_e: (m, I, O)
-    set_group<G>(arr, e, m, i_n, o_n, rows + begin * o_n, w + we, o + begin * i_n, false,
+    set_group<G>(arr, e, m, i_n, o_n, rows + begin * o_n, w + we, o + begin * i_n, none,
                  static_cast<const typename G::Out*>(src) + begin * i_n);
   else  // dw_e += dy_e^T @ x_e: (O, I, m)
-    set_group<G>(arr, e, o_n, i_n, m, rows + begin * o_n, rows2 + begin * i_n, o + we, m == 0);
+    set_group<G>(arr, e, o_n, i_n, m, rows + begin * o_n, rows2 + begin * i_n, o + we, none || m == 0);
+}
+
+// One thread per expert.
+template <class G, Kind kKind>
+__global__ void build_group_args(Arrays<G> arr, const int64_t* __restrict__ off, int e_n, int i_n, int o_n,
+                                 const cutlass::bfloat16_t* rows, const cutlass::bfloat16_t* rows2,
+                                 const cutlass::bfloat16_t* w, void* out, const void* src) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e < e_n) set_kind_group<G, kKind>(arr, e, off, i_n, o_n, rows, rows2, w, out, src, false);
+}
+
+// The CTA tiles configuration G runs for e_n groups of m_e rows and n columns: CUTLASS's group
+// scheduler pads each group's M and N tiles to multiples of the cluster's.
+template <class G>
+__device__ uint64_t cluster_padded_tiles(int m, int n) {
+  constexpr int kTm = cute::size<0>(typename G::TileShape{}), kTn = cute::size<1>(typename G::TileShape{});
+  constexpr int kCm = cute::size<0>(typename G::ClusterShape{}), kCn = cute::size<1>(typename G::ClusterShape{});
+  const uint64_t mt = (m + kTm - 1) / kTm, nt = (n + kTn - 1) / kTn;
+  return (mt + kCm - 1) / kCm * kCm * ((nt + kCn - 1) / kCn * kCn);
+}
+
+// The second configuration's tiles cost this much more than the first's: large_n2 against large,
+// measured at DeepSeek-V3's fc1 forward with 256 rows per expert (6.02-6.07 vs 5.62-5.64 ms, no
+// padding in either): 1 x 2 clusters share A, the smaller operand, where 2 x 1 share B.
+constexpr uint64_t kSecondCostNum = 1075, kSecondCostDen = 1000;
+
+// One block: both configurations' groups, of which only the one with the fewer weighted tiles gets
+// any (the other's groups are all empty: its launch finds no work). The choice is made here from
+// the device's offsets, so it needs no host read and holds under CUDA graphs.
+template <class G1, class G2, Kind kKind>
+__global__ void build_group_args_either(Arrays<G1> arr1, Arrays<G2> arr2, const int64_t* __restrict__ off, int e_n,
+                                        int i_n, int o_n, const cutlass::bfloat16_t* rows,
+                                        const cutlass::bfloat16_t* rows2, const cutlass::bfloat16_t* w, void* out,
+                                        const void* src) {
+  __shared__ unsigned long long tiles[2];
+  if (threadIdx.x < 2) tiles[threadIdx.x] = 0;
+  __syncthreads();
+  const int n = kKind == Kind::forward || kKind == Kind::swiglu_forward ? o_n : i_n;  // the groups' N
+  unsigned long long t1 = 0, t2 = 0;
+  for (int e = threadIdx.x; e < e_n; e += blockDim.x) {
+    const int m = static_cast<int>(off[e + 1] - off[e]);
+    t1 += cluster_padded_tiles<G1>(m, n);
+    t2 += cluster_padded_tiles<G2>(m, n);
+  }
+  atomicAdd(&tiles[0], t1);
+  atomicAdd(&tiles[1], t2);
+  __syncthreads();
+  const bool second = tiles[0] * kSecondCostDen > tiles[1] * kSecondCostNum;
+  for (int e = threadIdx.x; e < e_n; e += blockDim.x) {
+    set_kind_group<G1, kKind>(arr1, e, off, i_n, o_n, rows, rows2, w, out, src, second);
+    set_kind_group<G2, kKind>(arr2, e, off, i_n, o_n, rows, rows2, w, out, src, !second);
+  }
 }
 
 using cutlass_grouped::hardware_info;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The epilogue arguments of the default fusion: D = acc + beta * C.
-template <class G>
-typename G::Thread linear_combination(float beta) {
-  typename G::Thread t;
-  t.alpha = 1.0f;
-  t.beta = beta;
-  return t;
+// The epilogue arguments of the default fusion, D = acc + beta * C, for configuration G.
+struct LinearCombination {
+  float beta = 0.0f;
+  template <class G>
+  typename G::Thread operator()(std::type_identity<G>) const {
+    typename G::Thread t;
+    t.alpha = 1.0f;
+    t.beta = beta;
+    return t;
+  }
+};
+
+// The operands of one grouped call (see set_kind_group).
+struct GroupCall {
+  int64_t e_n, i_n, o_n;
+  const int64_t* offsets;
+  const cutlass::bfloat16_t *rows, *rows2, *w;
+  void* out;
+  const void* src;
+  const char* what;
+};
+GroupCall group_call(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& rows,
+                     const Tensor& rows2, const Tensor& w, void* out, const char* what, const void* src = nullptr) {
+  const auto bf = [](const Tensor& t) {
+    return t.defined() ? static_cast<const cutlass::bfloat16_t*>(t.data()) : nullptr;
+  };
+  return GroupCall{e_n, i_n, o_n, offsets_E1.ptr<int64_t>(), bf(rows), bf(rows2), bf(w), out, src, what};
 }
 
-// Builds the group arguments on the device and runs one grouped GEMM of kind kKind.
-template <class G, Kind kKind>
-void run_grouped(const ExecContext& ctx, int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1,
-                 const Tensor& rows, const Tensor& rows2, const Tensor& w, void* out, const typename G::Thread& thread,
-                 const char* what, const void* src = nullptr) {
-  const size_t arg_bytes = Arrays<G>::bytes(e_n);
-  void* arg_block = ctx.scratch(ScratchSlot::grouped_gemm_args, arg_bytes);
-  Arrays<G> arr = Arrays<G>::carve(arg_block, e_n);
-  constexpr int kThreads = 128;
-  build_group_args<G, kKind><<<static_cast<unsigned>(ceil_div(e_n, kThreads)), kThreads, 0, stream_of(ctx)>>>(
-      arr, offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(i_n), static_cast<int>(o_n),
-      static_cast<const cutlass::bfloat16_t*>(rows.data()),
-      rows2.defined() ? static_cast<const cutlass::bfloat16_t*>(rows2.data()) : nullptr,
-      static_cast<const cutlass::bfloat16_t*>(w.data()), out, src);
-  MF_CUDA_LAUNCHED(what);
+// Runs configuration G over the groups in `arr` (built on the stream before).
+template <class G, class ThreadOf>
+void launch_grouped(const ExecContext& ctx, const Arrays<G>& arr, const GroupCall& c, const ThreadOf& thread_of) {
   typename G::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
-                                   {static_cast<int>(e_n), arr.problems, nullptr},
+                                   {static_cast<int>(c.e_n), arr.problems, nullptr},
                                    {arr.a, arr.sa, arr.b, arr.sb},
-                                   {thread, arr.c, arr.sc, arr.d, arr.sd},
+                                   {thread_of(std::type_identity<G>{}), arr.c, arr.sc, arr.d, arr.sd},
                                    hardware_info(ctx)};
-  cutlass_grouped::run_gemm<typename G::Gemm>(ctx, args, what);
+  cutlass_grouped::run_gemm<typename G::Gemm>(ctx, args, c.what);
+}
+
+// Builds the group arguments on the device and runs one grouped GEMM of kind kKind in
+// configuration G, or (two configurations) in the one build_group_args_either picks on the device:
+// both are launched, the other finds no tiles. thread_of(std::type_identity<G>{}): G's epilogue
+// arguments.
+template <Kind kKind, class G, class... Alt, class ThreadOf>
+void run_grouped(const ExecContext& ctx, const GroupCall& c, const ThreadOf& thread_of) {
+  static_assert(sizeof...(Alt) <= 1, "one configuration, or two to choose between");
+  const int e_n = static_cast<int>(c.e_n), i_n = static_cast<int>(c.i_n), o_n = static_cast<int>(c.o_n);
+  if constexpr (sizeof...(Alt) == 0) {
+    Arrays<G> arr = Arrays<G>::carve(ctx.scratch(ScratchSlot::grouped_gemm_args, Arrays<G>::bytes(c.e_n)), c.e_n);
+    constexpr int kThreads = 128;
+    build_group_args<G, kKind><<<static_cast<unsigned>(ceil_div(c.e_n, kThreads)), kThreads, 0, stream_of(ctx)>>>(
+        arr, c.offsets, e_n, i_n, o_n, c.rows, c.rows2, c.w, c.out, c.src);
+    MF_CUDA_LAUNCHED(c.what);
+    launch_grouped<G>(ctx, arr, c, thread_of);
+  } else {
+    using G2 = std::tuple_element_t<0, std::tuple<Alt...>>;
+    const size_t first = (Arrays<G>::bytes(c.e_n) + 15) / 16 * 16;
+    auto* block = static_cast<char*>(ctx.scratch(ScratchSlot::grouped_gemm_args, first + Arrays<G2>::bytes(c.e_n)));
+    Arrays<G> arr1 = Arrays<G>::carve(block, c.e_n);
+    Arrays<G2> arr2 = Arrays<G2>::carve(block + first, c.e_n);
+    build_group_args_either<G, G2, kKind>
+        <<<1, 256, 0, stream_of(ctx)>>>(arr1, arr2, c.offsets, e_n, i_n, o_n, c.rows, c.rows2, c.w, c.out, c.src);
+    MF_CUDA_LAUNCHED(c.what);
+    launch_grouped<G>(ctx, arr1, c, thread_of);
+    launch_grouped<G2>(ctx, arr2, c, thread_of);
+  }
 }
 
 }  // namespace
@@ -461,10 +577,9 @@ bool cutlass_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, 
   if (x_RI.dtype() != DType::bf16 || y_RO.dtype() != DType::bf16 || i_n % 8 != 0 || o_n % 8 != 0) return false;
   if (!aligned16(x_RI.data()) || !aligned16(w_EOI.data()) || !aligned16(y_RO.data())) return false;
   if (x_RI.size(0) == 0 || e_n == 0) return true;
-  const auto run = [&]<class G>() {
-    run_grouped<G, Kind::forward>(ctx, e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(),
-                                  linear_combination<G>(0.0f), "grouped_linear_forward (CUTLASS)");
-  };
+  const GroupCall call =
+      group_call(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(), "grouped_linear_forward (CUTLASS)");
+  const auto run = [&]<class... G>() { run_grouped<Kind::forward, G...>(ctx, call, LinearCombination{0.0f}); };
   with_tiles<Forward>(ctx, Kind::forward, run);
   return true;
 }
@@ -487,14 +602,14 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
     if (want_dw && !accumulate) MF_CUDA_CHECK(cudaMemsetAsync(dw_EOI.data(), 0, dw_EOI.nbytes(), stream_of(ctx)));
     return true;
   }
-  const auto dgrad = [&]<class G>() {
-    run_grouped<G, Kind::dgrad>(ctx, e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.data(),
-                                linear_combination<G>(0.0f), "grouped_linear_backward dx (CUTLASS)");
-  };
-  const auto wgrad = [&]<class G>() {
-    run_grouped<G, Kind::wgrad>(ctx, e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI, dw_EOI.data(),
-                                linear_combination<G>(accumulate ? 1.0f : 0.0f),
-                                "grouped_linear_backward dw (CUTLASS)");
+  const GroupCall dgrad_call =
+      group_call(e_n, i_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOI, dx_RI.defined() ? dx_RI.data() : nullptr,
+                 "grouped_linear_backward dx (CUTLASS)");
+  const GroupCall wgrad_call = group_call(e_n, i_n, o_n, offsets_E1, dy_RO, x_RI, w_EOI,
+                                          want_dw ? dw_EOI.data() : nullptr, "grouped_linear_backward dw (CUTLASS)");
+  const auto dgrad = [&]<class... G>() { run_grouped<Kind::dgrad, G...>(ctx, dgrad_call, LinearCombination{0.0f}); };
+  const auto wgrad = [&]<class... G>() {
+    run_grouped<Kind::wgrad, G...>(ctx, wgrad_call, LinearCombination{accumulate ? 1.0f : 0.0f});
   };
   // Written, not accumulated (beta = 0: the epilogue does not read dw): an expert without rows
   // gets no tiles, so its dw is zeroed here (the offsets are read on the device).
@@ -511,9 +626,10 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
   }
   // bf16 gradients: the large and ping-pong tiles only (small falls back to large), to bound the compile time.
   if (dw16) {
-    if (!with_tiles<WgradBf16, false>(ctx, Kind::wgrad, wgrad)) wgrad.template operator()<WgradBf16<LargeTile, Pair>>();
+    if (!with_tiles<WgradBf16, false, false>(ctx, Kind::wgrad, wgrad))
+      wgrad.template operator()<WgradBf16<LargeTile, Pair>>();
   } else {
-    with_tiles<Wgrad>(ctx, Kind::wgrad, wgrad);
+    with_tiles<Wgrad, true, false>(ctx, Kind::wgrad, wgrad);
   }
   return true;
 }
@@ -539,12 +655,14 @@ bool cutlass_grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor&
   if (!aligned16(x_RI.data()) || !aligned16(w_E2FI.data()) || !aligned16(gu_R2F.data()) || !aligned16(h_RF.data()))
     return false;
   if (x_RI.size(0) == 0 || e_n == 0) return true;
-  const auto run = [&]<class G>() {
+  const GroupCall call = group_call(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_E2FI, gu_R2F.data(),
+                                    "grouped_linear_swiglu_forward (CUTLASS)");
+  const auto thread_of = [&]<class G>(std::type_identity<G>) {
     typename G::Thread thread;
     thread.op_1 = {static_cast<cutlass::bfloat16_t*>(h_RF.data()), o_n / 2, offsets_E1.ptr<int64_t>()};
-    run_grouped<G, Kind::swiglu_forward>(ctx, e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_E2FI, gu_R2F.data(), thread,
-                                         "grouped_linear_swiglu_forward (CUTLASS)");
+    return thread;
   };
+  const auto run = [&]<class... G>() { run_grouped<Kind::swiglu_forward, G...>(ctx, call, thread_of); };
   return with_tiles<SwigluForward, false>(ctx, Kind::swiglu_forward, run);
 }
 
@@ -560,10 +678,11 @@ bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext& ctx, const T
     return false;
   if (dy_RO.size(0) == 0 || e_n == 0) return true;
   // gu and dgu as [R, F] float lanes, one (g, u) pair each.
-  const auto run = [&]<class G>() {
-    run_grouped<G, Kind::swiglu_dgrad>(ctx, e_n, f_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOF, dgu_R2F.data(),
-                                       typename G::Thread{}, "grouped_linear_swiglu_backward_data (CUTLASS)",
-                                       gu_R2F.data());
+  const GroupCall call = group_call(e_n, f_n, o_n, offsets_E1, dy_RO, Tensor(), w_EOF, dgu_R2F.data(),
+                                    "grouped_linear_swiglu_backward_data (CUTLASS)", gu_R2F.data());
+  const auto run = [&]<class... G>() {
+    run_grouped<Kind::swiglu_dgrad, G...>(ctx, call,
+                                          []<class Gi>(std::type_identity<Gi>) { return typename Gi::Thread{}; });
   };
   return with_tiles<SwigluDgrad, false>(ctx, Kind::swiglu_dgrad, run);
 }

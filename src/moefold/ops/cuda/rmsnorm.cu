@@ -141,16 +141,9 @@ __device__ void dw_tile(const BackwardArgs<T, W, G>& a, int64_t tile, int64_t ch
     return;
   }
   if (writes) a.partial[chunk * a.c + col] = s;
-  __shared__ bool last;
-  __threadfence();  // this block's partials are visible before it counts itself in
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(a.arrived + tile, 1u) == static_cast<unsigned>(a.chunks - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!block_is_last_to_arrive(a.arrived + tile, static_cast<unsigned>(a.chunks))) return;
   const float total = column_sum(PartialTerm{a.partial, a.c}, 0, a.chunks, col, a.c, lane, warp);
   if (writes) a.dw[col] = from_float<G>(to_float(a.dw[col]) + total);
-  if (threadIdx.x == 0) a.arrived[tile] = 0;
 }
 
 // One launch for the whole backward, two kinds of blocks running side by side (one after the

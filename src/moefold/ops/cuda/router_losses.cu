@@ -117,18 +117,15 @@ __global__ void row_loss_kernel(const float* x, int64_t t_n, int e_n, bool softm
   }
   if (lane == 0) warp_total[warp] = acc;
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  double s = 0;
-  for (int w = 0; w < kLossWarps; ++w) s += warp_total[w];
-  partial[blockIdx.x] = s;
-  if (fin.out == nullptr) return;
-  __threadfence();  // the partial is visible before this block counts itself in
-  if (atomicAdd(fin.arrived, 1u) != gridDim.x - 1) return;
-  __threadfence();
+  if (threadIdx.x == 0) {
+    double s = 0;
+    for (int w = 0; w < kLossWarps; ++w) s += warp_total[w];
+    partial[blockIdx.x] = s;
+  }
+  if (fin.out == nullptr || !block_is_last_to_arrive(fin.arrived, gridDim.x) || threadIdx.x != 0) return;
   double total = 0;
   for (unsigned i = 0; i < gridDim.x; ++i) total += __ldcg(partial + i);
   fin.out[0] = total * fin.mul / fin.div;
-  *fin.arrived = 0;
 }
 
 // Sum over tokens of the per-token value, times mul, over div: returned (waits for the GPU), or
