@@ -60,7 +60,7 @@ TEST(Cli, KernelSwitches) {
           "--set parallel.ep_transport=nccl");
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("\ngrouped_gemm = 'cublaslt'  # "), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("\ncutlass_tile = 'forward=small,dgrad=large,"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\ncutlass_tile = 'forward=small,dgrad=auto,"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\nep_transport = 'nccl'  # "), std::string::npos) << r.out;
   expect_one_line_error(run("info --set kernels.fused_swiglu=maybe"), {"kernels.fused_swiglu", "auto, on, off"});
   expect_one_line_error(run("config --set kernels.gemm_sms=-4"), {"kernels.gemm_sms = -4", ">= 0"});

@@ -364,7 +364,7 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
         << "an f32 output is not CUTLASS's";
   }
   const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
-  for (const char* tile : {"large", "small", "pingpong", "large_n2", "pingpong_n2", "large_auto",
+  for (const char* tile : {"large", "small", "pingpong", "large_n2", "pingpong_n2", "large_auto", "auto",
                            "forward=small,dgrad=pingpong_n2,wgrad=small", "forward=pingpong_n2,dgrad=large_n2"}) {
     SCOPED_TRACE(tile);
     const ExecContext ctx(Device::cuda, with_tiles(tile));
@@ -379,6 +379,79 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
     check_grouped(DType::bf16, DType::bf16, {300, 0, 129, 1000, 3, 64}, 256, 128, ctx);
   }
   check_grouped(DType::bf16, DType::f32, {300, 0, 129, 1000, 3}, 129, 77);  // odd widths: cuBLASLt
+#endif
+}
+
+// The weight gradient written (beta = 0: in large tiles a configuration without C, its own
+// epilogue subtiles) and accumulated onto zeros (beta = 1: the configuration that reads C) give the
+// same bits, for bf16 and f32 gradients and every tile name the kind runs differently.
+TEST(CudaGroupedLinear, WeightGradientWrittenEqualsAccumulatedOntoZeros) {
+  MF_REQUIRE_GPU();
+#ifdef MOEFOLD_WITH_CUDA
+  if (!cuda::cutlass_grouped_gemm_built()) GTEST_SKIP() << "built without CUTLASS's headers (MOEFOLD_WITH_CUTLASS)";
+  const std::vector<int64_t> counts = {300, 0, 129, 1000, 3, 64, 256};
+  constexpr int64_t i_n = 384, o_n = 640;
+  Pool pool;
+  DevicePool dev;
+  const Tensor off = offsets_of(pool, counts);
+  const int64_t r = off.ptr<int64_t>()[counts.size()], e_n = static_cast<int64_t>(counts.size());
+  const Tensor offsets = dev.upload(off, DType::i64);
+  const Tensor x = dev.upload(pool.randn({r, i_n}), DType::bf16),
+               w = dev.upload(pool.randn({e_n, o_n, i_n}), DType::bf16);
+  const Tensor dy = dev.upload(pool.randn({r, o_n}), DType::bf16);
+  for (const char* tile : {"large", "pingpong", "small"}) {
+    for (DType dt : {DType::bf16, DType::f32}) {
+      SCOPED_TRACE(::testing::Message() << tile << " " << dtype_name(dt));
+      const ExecContext ctx(Device::cuda, with_tiles(tile));
+      const Tensor written = dev.poisoned({e_n, o_n, i_n}, dt);
+      const Tensor added = dev.upload(pool.zeros({e_n, o_n, i_n}), dt);
+      ASSERT_TRUE(cuda::cutlass_grouped_linear_backward(ctx, x, w, offsets, dy, Tensor(), written, false));
+      ASSERT_TRUE(cuda::cutlass_grouped_linear_backward(ctx, x, w, offsets, dy, Tensor(), added, true));
+      const std::vector<double> a = testing::download(written), b = testing::download(added);
+      ASSERT_EQ(a.size(), b.size());
+      size_t differ = 0;
+      for (size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
+      EXPECT_EQ(differ, 0u) << "of " << a.size();
+    }
+  }
+#endif
+}
+
+// kernels.cutlass_tile = auto where large_auto pays (core/kernel_options.h large_auto_pays: 64
+// experts averaging 256 rows, uneven, 2^36 multiply-adds): the same bits as large_auto, forward and
+// input gradient, and within bf16's rounding of large (the shapes are too large for the CPU
+// reference; the tests above check large and large_auto against it).
+TEST(CudaGroupedLinear, AutoTilesRunLargeAutoWhereItPays) {
+  MF_REQUIRE_GPU();
+#ifdef MOEFOLD_WITH_CUDA
+  if (!cuda::cutlass_grouped_gemm_built()) GTEST_SKIP() << "built without CUTLASS's headers (MOEFOLD_WITH_CUTLASS)";
+  constexpr int64_t e_n = 64, i_n = 4096, o_n = 1024;
+  std::vector<int64_t> counts;
+  for (int64_t e = 0; e < e_n; e += 2) {  // pairs summing to 512: 16384 rows in all
+    counts.push_back(256 + 3 * e + 1);
+    counts.push_back(256 - 3 * e - 1);
+  }
+  ASSERT_TRUE(large_auto_pays(16384, e_n, i_n, o_n));
+  Pool pool;
+  DevicePool dev;
+  const Tensor offsets = dev.upload(offsets_of(pool, counts), DType::i64);
+  const Tensor x = dev.upload(pool.randn({16384, i_n}), DType::bf16),
+               w = dev.upload(pool.randn({e_n, o_n, i_n}), DType::bf16);
+  const Tensor dy = dev.upload(pool.randn({16384, o_n}), DType::bf16);
+  std::vector<std::vector<double>> ys, dxs;
+  for (const char* tile : {"auto", "large_auto", "large"}) {
+    SCOPED_TRACE(tile);
+    const ExecContext ctx(Device::cuda, with_tiles(tile));
+    const Tensor y = dev.poisoned({16384, o_n}, DType::bf16), dx = dev.poisoned({16384, i_n}, DType::bf16);
+    ASSERT_TRUE(cuda::cutlass_grouped_linear_forward(ctx, x, w, offsets, y));
+    ASSERT_TRUE(cuda::cutlass_grouped_linear_backward(ctx, x, w, offsets, dy, dx, Tensor(), false));
+    ys.push_back(testing::download(y));
+    dxs.push_back(testing::download(dx));
+  }
+  EXPECT_EQ(ys[0], ys[1]) << "auto and large_auto: forward";
+  EXPECT_EQ(dxs[0], dxs[1]) << "auto and large_auto: dgrad";
+  EXPECT_LE(testing::rel_error(ys[0], ys[2]), 8e-3) << "auto against large: forward";
+  EXPECT_LE(testing::rel_error(dxs[0], dxs[2]), 8e-3) << "auto against large: dgrad";
 #endif
 }
 

@@ -49,7 +49,8 @@ constexpr std::pair<const char*, GemmTiles> kTiles[] = {{"small", GemmTiles::sma
                                                         {"pingpong", GemmTiles::pingpong},
                                                         {"large_n2", GemmTiles::large_n2},
                                                         {"pingpong_n2", GemmTiles::pingpong_n2},
-                                                        {"large_auto", GemmTiles::large_auto}};
+                                                        {"large_auto", GemmTiles::large_auto},
+                                                        {"auto", GemmTiles::automatic}};
 constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {{"cooperative", Fp8Tile::cooperative},
                                                          {"cooperative_1x1", Fp8Tile::cooperative_1x1},
                                                          {"pingpong", Fp8Tile::pingpong},
@@ -132,6 +133,12 @@ const char* swiglu_fusion_name(SwigluFusion v) { return name_of(v, kSwiglu); }
 const char* fp8_dense_gemm_name(Fp8DenseGemm v) { return name_of(v, kFp8Dense); }
 const char* attention_kernel_name(AttentionKernel v) { return name_of(v, kAttention); }
 const char* gemm_tiles_name(GemmTiles v) { return name_of(v, kTiles); }
+
+bool large_auto_pays(int64_t rows, int64_t experts, int64_t in, int64_t out) {
+  if (rows <= 0 || experts <= 0) return false;
+  const double multiply_adds = static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
+  return rows < kAutoMaxRowsPerExpert * experts && multiply_adds >= static_cast<double>(kAutoMinMultiplyAdds);
+}
 
 CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& key) {
   return parse_per_kind<CutlassTiles>(value, key, kKinds, kTiles);

@@ -25,17 +25,33 @@ enum class GroupedGemmImpl : uint8_t { cutlass, cublaslt };
 // kernels are launched, the one not chosen finds no tiles. The weight gradient's M is the weight's
 // rows (never padded): there the _n2 and _auto names run as large and pingpong. The fused SwiGLU
 // kinds are built without small (compile time): small there runs the GEMM and SwiGLU apart.
-enum class GemmTiles : uint8_t { small, large, pingpong, large_n2, pingpong_n2, large_auto };
+// automatic (config text "auto"): large_auto where large_auto_pays says the call is worth its two
+// extra launches (few rows per expert, much work), else large; decided on the host from the
+// call's shapes (the rows of a dropless layer are T x k, known without reading the counts).
+enum class GemmTiles : uint8_t { small, large, pingpong, large_n2, pingpong_n2, large_auto, automatic };
 
 // One tile configuration per GEMM kind. Defaults: measured (docs/benchmarks.md): ping-pong for the
-// fused SwiGLU forward (1.27 ms vs 1.40 ms with large tiles, qwen3-30b-a3b fc1), large otherwise.
+// fused SwiGLU forward (1.27 ms vs 1.40 ms with large tiles, qwen3-30b-a3b fc1); auto for the
+// kinds whose M is the experts' rows (DeepSeek-V3 under real routing: large_auto 1.23-1.24x the
+// PyTorch layer against 1.20x with large; elsewhere auto is large); large for the weight gradient.
 struct CutlassTiles {
-  GemmTiles forward = GemmTiles::large;            // y = x w^T
-  GemmTiles dgrad = GemmTiles::large;              // dx = dy w
+  GemmTiles forward = GemmTiles::automatic;        // y = x w^T
+  GemmTiles dgrad = GemmTiles::automatic;          // dx = dy w
   GemmTiles wgrad = GemmTiles::large;              // dw += dy^T x (f32)
   GemmTiles swiglu_forward = GemmTiles::pingpong;  // fc1 with SwiGLU in the epilogue
-  GemmTiles swiglu_dgrad = GemmTiles::large;       // fc2's dgrad with SwiGLU's backward in the epilogue
+  GemmTiles swiglu_dgrad = GemmTiles::automatic;   // fc2's dgrad with SwiGLU's backward in the epilogue
 };
+
+// GemmTiles::automatic's rule for a grouped GEMM of `rows` rows (all experts') over `experts`
+// groups with weights of in x out: large_auto when the experts average fewer than four 128-row
+// tiles (where real routing's uneven counts make the 2 x 1 clusters' padding to tile pairs a
+// sizeable share) and the call does at least 2^36 multiply-adds (~0.1 ms on an H200, so the
+// argument kernel and the second, empty launch cost a few percent at most). Measured
+// (docs/benchmarks.md, session 22): DeepSeek-V3 (256 rows per expert) gains 2.8-3.4% of the layer
+// under real routing; Qwen3-30B-A3B (1024) lost 2% balanced and the tiny preset 5% with large_auto.
+constexpr int64_t kAutoMaxRowsPerExpert = 512;
+constexpr int64_t kAutoMinMultiplyAdds = int64_t{1} << 36;
+bool large_auto_pays(int64_t rows, int64_t experts, int64_t in, int64_t out);
 
 // CUTLASS configurations of the FP8 blockwise-scaled GEMMs (ops/cuda/fp8_gemm_cutlass.cu; K tile
 // 128, one scale block): cooperative (128 x 128 tiles, both consumer warp groups on one tile, in

@@ -66,19 +66,20 @@ struct PingPong {
 // Fusion: the epilogue's operation (default D = alpha * acc + beta * C; the SwiGLU kinds below
 // bring their own visitor trees).
 template <class LayoutA, class LayoutB, class ElementOut, class TileShape_, class ClusterShape_,
-          class Schedule = Cooperative, class Fusion = cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>
+          class Schedule = Cooperative, class Fusion = cutlass::epilogue::fusion::LinearCombination<ElementOut, float>,
+          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto, class ElementC = ElementOut>
 struct Grouped {
   using ElementIn = cutlass::bfloat16_t;
-  using Out = ElementOut;  // C and D
+  using Out = ElementOut;  // D, and C unless ElementC is void (no C read)
   using Acc = float;
   static constexpr int kAlignIn = 8;  // 16 bytes of bf16
   static constexpr int kAlignOut = 16 / static_cast<int>(sizeof(ElementOut));
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc, ElementOut, cutlass::layout::RowMajor*, kAlignOut,
-      ElementOut, cutlass::layout::RowMajor*, kAlignOut, typename Schedule::Epilogue, Fusion>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpiTile, Acc, Acc, ElementC,
+      cutlass::layout::RowMajor*, kAlignOut, ElementOut, cutlass::layout::RowMajor*, kAlignOut,
+      typename Schedule::Epilogue, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn, ElementIn, LayoutB*, kAlignIn,
       Acc, TileShape, ClusterShape,
@@ -308,6 +309,19 @@ using Wgrad = Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, f
 template <class Tile, class Cluster, class Schedule = Cooperative>
 using WgradBf16 =
     Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, Tile, Cluster, Schedule>;
+// The weight gradient in large tiles, with the epilogue measured best for it (docs/benchmarks.md,
+// session 23: DeepSeek-V3's fc1, K = 256 rows per expert, so each tile's epilogue weighs against
+// only four 64-deep main-loop steps). Written (beta = 0): no C operand at all (CUTLASS otherwise
+// keeps C's shared-memory tiles, and D reuses them, even when beta = 0 reads none), bf16 stored in
+// two 128 x 128 subtiles (fc1 9.06-9.31 ms against 9.85-10.41 with the builder's 128 x 32
+// subtiles, 9.66-9.95 with 128 x 32 and no C), f32 in 128 x 32 (11.8-12.0 against 12.5-13.0).
+// Accumulated (beta = 1, a step's later micro-batches): bf16 in 128 x 64 subtiles (9.29 against
+// 10.39); f32 as Wgrad. Same bits either way: D = round(acc) written, round(acc + C) added.
+template <class Out, int kEpiN, bool kReadsC>
+using WgradLarge =
+    Grouped<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Out, LargeTile, Pair, Cooperative,
+            cutlass::epilogue::fusion::LinearCombination<Out, float, std::conditional_t<kReadsC, Out, void>, float>,
+            cute::Shape<_128, cute::Int<kEpiN>>, std::conditional_t<kReadsC, Out, void>>;
 // The SwiGLU kinds: forward as Forward (D = gu, bf16) plus h; backward data as Dgrad with C = gu
 // and D = dgu viewed as F float lanes per row.
 template <class Tile, class Cluster, class Schedule = Cooperative>
@@ -316,6 +330,23 @@ using SwigluForward = Grouped<cutlass::layout::RowMajor, cutlass::layout::Column
 template <class Tile, class Cluster, class Schedule = Cooperative>
 using SwigluDgrad =
     Grouped<cutlass::layout::RowMajor, cutlass::layout::RowMajor, float, Tile, Cluster, Schedule, SwigluBackwardTree>;
+
+// The operands of one grouped call (see set_kind_group).
+struct GroupCall {
+  int64_t r_n, e_n, i_n, o_n;  // r_n: the rows of every expert (the row-indexed operand's)
+  const int64_t* offsets;
+  const cutlass::bfloat16_t *rows, *rows2, *w;
+  void* out;
+  const void* src;
+  const char* what;
+};
+GroupCall group_call(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& rows,
+                     const Tensor& rows2, const Tensor& w, void* out, const char* what, const void* src = nullptr) {
+  const auto bf = [](const Tensor& t) {
+    return t.defined() ? static_cast<const cutlass::bfloat16_t*>(t.data()) : nullptr;
+  };
+  return GroupCall{rows.size(0), e_n, i_n, o_n, offsets_E1.ptr<int64_t>(), bf(rows), bf(rows2), bf(w), out, src, what};
+}
 
 // The tile configuration of `kind` in the run's kernels.cutlass_tile (core/kernel_options.h).
 GemmTiles tiles_for(const ExecContext& ctx, Kind kind) {
@@ -330,11 +361,15 @@ GemmTiles tiles_for(const ExecContext& ctx, Kind kind) {
 // kind's M is the experts' rows (every kind but the weight gradient, whose M is the weight's
 // rows): only there do the 1 x 2 clusters differ (no pair of M tiles to pad to), so the weight
 // gradient runs large_n2 / pingpong_n2 / large_auto as large / pingpong / large (fewer kernels to
-// build). large_auto hands `run` both large configurations: run_grouped picks one on the device.
+// build). large_auto hands `run` both large configurations: run_grouped picks one on the device;
+// auto does so where large_auto_pays for call `c`, else runs large.
 template <template <class, class, class> class Config, bool kSmall = true, bool kRowsInM = true, class Run>
-bool with_tiles(const ExecContext& ctx, Kind kind, const Run& run) {
+bool with_tiles(const ExecContext& ctx, Kind kind, const GroupCall& c, const Run& run) {
   using ClusterN2 = std::conditional_t<kRowsInM, PairN, Pair>;  // the _n2 tiles' clusters
-  switch (tiles_for(ctx, kind)) {
+  GemmTiles tiles = tiles_for(ctx, kind);
+  if (tiles == GemmTiles::automatic)
+    tiles = kRowsInM && large_auto_pays(c.r_n, c.e_n, c.i_n, c.o_n) ? GemmTiles::large_auto : GemmTiles::large;
+  switch (tiles) {
     case GemmTiles::large:
       run.template operator()<Config<LargeTile, Pair, Cooperative>>();
       return true;
@@ -359,6 +394,8 @@ bool with_tiles(const ExecContext& ctx, Kind kind, const Run& run) {
       else
         run.template operator()<Config<LargeTile, Pair, Cooperative>>();
       return true;
+    case GemmTiles::automatic:  // resolved above
+      break;
   }
   return false;
 }
@@ -512,21 +549,14 @@ struct LinearCombination {
   }
 };
 
-// The operands of one grouped call (see set_kind_group).
-struct GroupCall {
-  int64_t e_n, i_n, o_n;
-  const int64_t* offsets;
-  const cutlass::bfloat16_t *rows, *rows2, *w;
-  void* out;
-  const void* src;
-  const char* what;
-};
-GroupCall group_call(int64_t e_n, int64_t i_n, int64_t o_n, const Tensor& offsets_E1, const Tensor& rows,
-                     const Tensor& rows2, const Tensor& w, void* out, const char* what, const void* src = nullptr) {
-  const auto bf = [](const Tensor& t) {
-    return t.defined() ? static_cast<const cutlass::bfloat16_t*>(t.data()) : nullptr;
-  };
-  return GroupCall{e_n, i_n, o_n, offsets_E1.ptr<int64_t>(), bf(rows), bf(rows2), bf(w), out, src, what};
+// C's pointers: none where G reads no C (ElementC void).
+template <class G>
+auto c_pointers(const Arrays<G>& arr) {
+  using CPtr = decltype(std::declval<typename G::Gemm::Arguments>().epilogue.ptr_C);
+  if constexpr (std::is_same_v<CPtr, const void**>)
+    return CPtr{nullptr};
+  else
+    return arr.c;
 }
 
 // Runs configuration G over the groups in `arr` (built on the stream before).
@@ -535,7 +565,7 @@ void launch_grouped(const ExecContext& ctx, const Arrays<G>& arr, const GroupCal
   typename G::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                    {static_cast<int>(c.e_n), arr.problems, nullptr},
                                    {arr.a, arr.sa, arr.b, arr.sb},
-                                   {thread_of(std::type_identity<G>{}), arr.c, arr.sc, arr.d, arr.sd},
+                                   {thread_of(std::type_identity<G>{}), c_pointers<G>(arr), arr.sc, arr.d, arr.sd},
                                    hardware_info(ctx)};
   cutlass_grouped::run_gemm<typename G::Gemm>(ctx, args, c.what);
 }
@@ -580,7 +610,7 @@ bool cutlass_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, 
   const GroupCall call =
       group_call(e_n, i_n, o_n, offsets_E1, x_RI, Tensor(), w_EOI, y_RO.data(), "grouped_linear_forward (CUTLASS)");
   const auto run = [&]<class... G>() { run_grouped<Kind::forward, G...>(ctx, call, LinearCombination{0.0f}); };
-  with_tiles<Forward>(ctx, Kind::forward, run);
+  with_tiles<Forward>(ctx, Kind::forward, call, run);
   return true;
 }
 
@@ -613,7 +643,7 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
   };
   // Written, not accumulated (beta = 0: the epilogue does not read dw): an expert without rows
   // gets no tiles, so its dw is zeroed here (the offsets are read on the device).
-  if (dx_RI.defined()) with_tiles<Dgrad>(ctx, Kind::dgrad, dgrad);
+  if (dx_RI.defined()) with_tiles<Dgrad>(ctx, Kind::dgrad, dgrad_call, dgrad);
   if (!want_dw) return true;
   if (!accumulate) {
     const int64_t per = o_n * i_n;
@@ -624,12 +654,24 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
     else
       cutlass_grouped::zero_empty_experts(ctx, dw_EOI.ptr<float>(), offsets_E1.ptr<int64_t>(), e_n, per, what);
   }
-  // bf16 gradients: the large and ping-pong tiles only (small falls back to large), to bound the compile time.
+  // The kind's tiles as run: ping-pong (pingpong, pingpong_n2), small (f32 only: bf16 gradients are
+  // not built with small tiles, to bound the compile time), else large (the _n2, _auto and auto
+  // names: the weight gradient's M is the weight's rows, never padded).
+  const GemmTiles tiles = tiles_for(ctx, Kind::wgrad);
+  const bool pong = tiles == GemmTiles::pingpong || tiles == GemmTiles::pingpong_n2;
   if (dw16) {
-    if (!with_tiles<WgradBf16, false, false>(ctx, Kind::wgrad, wgrad))
-      wgrad.template operator()<WgradBf16<LargeTile, Pair>>();
+    if (pong)
+      wgrad.template operator()<WgradBf16<PongTile, Pair, PingPong>>();
+    else if (accumulate)
+      wgrad.template operator()<WgradLarge<cutlass::bfloat16_t, 64, true>>();
+    else
+      wgrad.template operator()<WgradLarge<cutlass::bfloat16_t, 128, false>>();
+  } else if (pong || tiles == GemmTiles::small) {
+    with_tiles<Wgrad, true, false>(ctx, Kind::wgrad, wgrad_call, wgrad);
+  } else if (accumulate) {
+    wgrad.template operator()<Wgrad<LargeTile, Pair>>();
   } else {
-    with_tiles<Wgrad, true, false>(ctx, Kind::wgrad, wgrad);
+    wgrad.template operator()<WgradLarge<float, 32, false>>();
   }
   return true;
 }
@@ -663,7 +705,7 @@ bool cutlass_grouped_linear_swiglu_forward(const ExecContext& ctx, const Tensor&
     return thread;
   };
   const auto run = [&]<class... G>() { run_grouped<Kind::swiglu_forward, G...>(ctx, call, thread_of); };
-  return with_tiles<SwigluForward, false>(ctx, Kind::swiglu_forward, run);
+  return with_tiles<SwigluForward, false>(ctx, Kind::swiglu_forward, call, run);
 }
 
 bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext& ctx, const Tensor& dy_RO, const Tensor& w_EOF,
@@ -684,7 +726,7 @@ bool cutlass_grouped_linear_swiglu_backward_data(const ExecContext& ctx, const T
     run_grouped<Kind::swiglu_dgrad, G...>(ctx, call,
                                           []<class Gi>(std::type_identity<Gi>) { return typename Gi::Thread{}; });
   };
-  return with_tiles<SwigluDgrad, false>(ctx, Kind::swiglu_dgrad, run);
+  return with_tiles<SwigluDgrad, false>(ctx, Kind::swiglu_dgrad, call, run);
 }
 
 #else  // built without CUTLASS's headers
