@@ -1,9 +1,9 @@
 // Recomputation changes nothing (test_train.cpp on the CPU in f64 and f32, test_train_cuda.cpp on
 // the GPU, test_train_layouts.cpp under every layout): each train.recompute_modules entry alone,
 // all of them together, and whole layers (uniform chunks of 1 and 2, block of 1, block with every
-// module) give the run without recomputation's losses and gradient norms bit for bit, step after
-// step, and then the same master weights. The recomputed forward runs the same ops on the same
-// inputs, so the bits are the same wherever the forward ops are deterministic.
+// module), and the shared experts on a context of their own, give the run without recomputation's
+// losses and gradient norms bit for bit, step after step, and then the same master weights. The recomputed forward runs
+// the same ops on the same inputs, so the bits are the same wherever the forward ops are deterministic.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -26,6 +26,7 @@ struct RecomputeVariant {
   std::string method = "uniform";
   std::vector<std::string> offload;  // train.offload_modules (GPU)
   bool overlap = false;              // parallel.overlap_moe_a2a
+  bool shared_overlap = false;       // moe.shared_expert_overlap (where the family has shared experts)
 };
 
 // every: each module alone too (else only the combinations).
@@ -48,6 +49,18 @@ inline std::vector<RecomputeVariant> recompute_variants(bool every = true) {
                "uniform",
                {},
                true});
+  // The shared experts on their own context (moe.shared_expert_overlap): alone, recomputed, in
+  // whole recomputed layers and in the phases of overlap_moe_a2a.
+  v.push_back({"shared_expert_overlap", {}, 0, "uniform", {}, false, true});
+  v.push_back({"shared_expert_overlap, shared_experts, layernorm",
+               {"shared_experts", "layernorm"},
+               0,
+               "uniform",
+               {},
+               false,
+               true});
+  v.push_back({"shared_expert_overlap, whole layers, uniform 1", {}, 1, "uniform", {}, false, true});
+  v.push_back({"shared_expert_overlap, overlap_moe_a2a", {}, 0, "uniform", {}, true, true});
   return v;
 }
 
@@ -71,6 +84,7 @@ inline std::vector<RecomputeVariant> offload_variants() {
                "block",
                all});
   v.push_back({"offload every module, uniform 2 (nothing left to offload)", {}, 2, "uniform", all});
+  v.push_back({"offload every module, shared_expert_overlap", {}, 0, "uniform", all, false, true});
   return v;
 }
 
@@ -80,6 +94,7 @@ inline Config with_recompute(Config c, const RecomputeVariant& v) {
   c.train.recompute_method = v.method;
   c.train.offload_modules = v.offload;
   c.parallel.overlap_moe_a2a = v.overlap;
+  c.moe.shared_expert_overlap = v.shared_overlap && c.moe.n_shared_experts > 0;
   c.validate();
   return c;
 }

@@ -104,6 +104,14 @@ TEST(Config, BadInputNamesTheKey) {
                 .find("parallel.overlap_moe_a2a"),
             std::string::npos);
   EXPECT_NE(err("[parallel]\npp = 2\nvpp = 2\noverlap_moe_a2a = true\n").find("1F1B only"), std::string::npos);
+  // The shared experts on their own stream: only where there are some, without tensor parallelism.
+  EXPECT_NE(err("[moe]\nshared_expert_overlap = true\n")
+                .find("moe.shared_expert_overlap = true needs moe.n_shared_experts > 0 (got 0)"),
+            std::string::npos);
+  EXPECT_NE(err("[moe]\nshared_expert_overlap = true\nn_shared_experts = 1\n[parallel]\ntp = 2\n")
+                .find("moe.shared_expert_overlap = true with parallel.tp = 2 is not supported yet"),
+            std::string::npos);
+  EXPECT_EQ(err("[moe]\nshared_expert_overlap = true\nn_shared_experts = 1\n"), "");
   EXPECT_NE(err("[parallel]\ncp = 3\n").find("train.seq_len = 128 is not divisible by 2 x parallel.cp = 6"),
             std::string::npos);
   EXPECT_NE(err("[parallel]\nep = 3\n").find("moe.num_experts = 8 is not divisible by parallel.ep = 3"),

@@ -397,6 +397,12 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
       {"qwen3-like", {}},
       {"deepseek-v3-like", deepseek},
       {"deepseek-v3-like with multi-token prediction", kDeepSeek},
+      {"deepseek-v3-like, shared experts on their own stream",
+       [&] {
+         std::vector<std::string> v = kDeepSeek;
+         v.push_back("moe.shared_expert_overlap=true");
+         return v;
+       }()},
       {"padded capacity", {"moe.capacity_factor=1.25", "moe.pad_to_capacity=true"}},
       {"capacity without padding", {"moe.capacity_factor=0.75"}}};
   for (auto [what, extra] : cases) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moefold/core/error.h"
@@ -282,6 +283,26 @@ TEST(PerfModel, ExpertTrafficFollowsNodesAndDispatcher) {
   ClusterOptions slow;
   slow.internode_gbps = "25";
   EXPECT_GT(a2a_ms(predict_step(cfg("alltoall"), 16, make_cluster(slow))), 1.9 * flat);
+}
+
+// moe.shared_expert_overlap hides the exchanges' exposed part behind the shared experts, and
+// nothing else: DeepSeek-V3's layers over EP 16 on two nodes.
+TEST(PerfModel, SharedExpertOverlapHidesTheExchanges) {
+  const auto exposed = [](bool overlap) {
+    const Config c = config(
+        "deepseek-v3", {"model.num_hidden_layers=4", "model.first_k_dense_replace=1",
+                        "model.num_nextn_predict_layers=0", "train.global_batch_size=16", "train.micro_batch_size=1",
+                        "parallel.ep=16", cat("moe.shared_expert_overlap=", overlap ? "true" : "false")});
+    const PerfPrediction p = predict_step(c, 16, h200());
+    for (const PerfItem& i : p.communication)
+      if (i.name.rfind("expert all-to-all", 0) == 0) return std::pair(i.ms, i.exposed_ms);
+    return std::pair(0.0, 0.0);
+  };
+  const auto [off_ms, off_exposed] = exposed(false);
+  const auto [on_ms, on_exposed] = exposed(true);
+  EXPECT_GT(off_exposed, 0);
+  EXPECT_EQ(on_ms, off_ms);  // the same bytes
+  EXPECT_LT(on_exposed, off_exposed);
 }
 
 // The step's model FLOPs are model_size's: TFLOP/s x GPUs x step = FLOPs per token x tokens.

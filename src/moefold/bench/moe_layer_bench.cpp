@@ -111,6 +111,7 @@ struct Layer {
   Dispatcher& dispatcher;
   Experts experts;
   std::optional<DenseMlp> shared;                // DeepSeek-V3's shared experts (one MLP of n x F)
+  std::unique_ptr<ExecContext> side;             // moe.shared_expert_overlap: where they run
   Tensor x, y, dy, dx, out, dout, drows, dprob;  // the layer's own tensors (as MoeLayer's)
   Tensor y_shared, dx_shared;
   Tensor balanced_idx, balanced_prob;  // [T, K]: balanced routing
@@ -133,6 +134,10 @@ struct Layer {
       shared.emplace(c.model.hidden_size, c.moe.n_shared_experts * c.moe.moe_intermediate_size, t, t, "bench.shared",
                      c.model.initializer_range);
   }
+  // moe.shared_expert_overlap: the shared experts on a context of their own (as Model makes one).
+  void overlap_shared(const ExecContext& ctx) {
+    side = std::make_unique<ExecContext>(ctx.device(), ctx.kernels(), ExecContext::Stream::own);
+  }
   void bind(Memory& mem, const Config& c, int64_t t) {
     const int64_t h_n = c.model.hidden_size, k = c.moe.num_experts_per_tok, f = c.moe.moe_intermediate_size;
     const int64_t r = dispatcher.max_rows();
@@ -141,7 +146,7 @@ struct Layer {
     dispatcher.bind(mem);
     packed = mem.act({dispatcher.fp8_rows() ? t : 0, fp8_packed_width(h_n)}, DType::u8);
     experts.bind(mem);
-    if (shared) shared->bind(mem, nullptr);
+    if (shared) shared->bind(mem, nullptr, side.get());
     y_shared = mem.act({shared ? t : 0, h_n});
     dx_shared = mem.act({shared ? t : 0, h_n});
     x = mem.act({t, h_n});
@@ -201,6 +206,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     nodes.emplace(Mesh::build(*opts.ep, every.resolve(opts.ep->size()), true));
   }
   Layer layer(c, t, opts.ep, nodes ? &*nodes : nullptr);
+  if (c.moe.shared_expert_overlap) layer.overlap_shared(ctx);
   if (opts.fp8) {
     layer.experts.set_fp8(true);
     if (layer.shared) layer.shared->set_fp8(true);
@@ -268,7 +274,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
       [&] { layer.dispatcher.dispatch_backward(layer.drows.slice(0, plan->num_rows), *plan, layer.dx); },
       [&] { layer.router.backward(layer.x, layer.dprob, 1.0, layer.dx); },
   };
-  if (layer.shared) {  // as DecoderLayer runs it: beside the routed experts, outputs and gradients added
+  if (layer.shared && !layer.side) {  // as DecoderLayer runs them: after the routed experts, results added
     names.insert(names.begin() + 4, "shared expert");
     stage_flops.insert(stage_flops.begin() + 4, shared_fwd);
     stages.insert(stages.begin() + 4, [&] {
@@ -279,6 +285,34 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     stage_flops.push_back(2 * shared_fwd);
     stages.push_back([&] {
       layer.shared->backward(layer.dy, layer.dx_shared);
+      add_inplace(ctx, layer.dx, layer.dx_shared);
+    });
+  } else if (layer.shared) {  // moe.shared_expert_overlap: queued on their context where their input
+    // is ready (before the router; before the combine's backward), joined where their result is
+    // added; the stages of the routed experts in between run beside them, and the join's stage
+    // times what of them those did not hide.
+    const ExecContext& side = *layer.side;
+    const auto router = stages[0], combine_backward = stages[4];
+    stages[0] = [&, router] {
+      side.wait_for(ctx);
+      layer.shared->forward(layer.x, layer.y_shared);
+      router();
+    };
+    stages[4] = [&, combine_backward] {
+      side.wait_for(ctx);
+      layer.shared->backward(layer.dy, layer.dx_shared);
+      combine_backward();
+    };
+    names.insert(names.begin() + 4, "shared expert (overlapped: its wait and add)");
+    stages.insert(stages.begin() + 4, [&] {
+      ctx.wait_for(side);
+      add_inplace(ctx, layer.y, layer.y_shared);
+    });
+    stage_flops.insert(stage_flops.begin() + 4, 0);
+    names.push_back("shared expert backward (overlapped: its wait and add)");
+    stage_flops.push_back(0);
+    stages.push_back([&] {
+      ctx.wait_for(side);
       add_inplace(ctx, layer.dx, layer.dx_shared);
     });
   }

@@ -286,6 +286,9 @@ void Config::validate() const {
           "parallel.overlap_moe_a2a with train.recompute_num_layers, train.recompute_modules 'moe' or "
           "'layernorm', or train.offload_modules is not supported yet");
   }
+  if (moe.shared_expert_overlap && p.tp > 1)
+    MF_FAIL("moe.shared_expert_overlap = true with parallel.tp = ", p.tp,
+            " is not supported yet (the shared experts' tensor-parallel collectives order with the layer's stream)");
   if (p.pp > 1 && !train.offload_modules.empty())
     MF_FAIL("train.offload_modules with parallel.pp = ", p.pp,
             " is not supported yet (the micro-batches in flight would share the offload slots)");

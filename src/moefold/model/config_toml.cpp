@@ -122,6 +122,9 @@ const std::vector<Field>& fields() {
       MF_FIELD(moe, "pad_to_capacity", pad_to_capacity, "with a capacity: pad every expert to exactly its capacity"),
       MF_FIELD(moe, "n_shared_experts", n_shared_experts,
                "shared experts every token passes (one MLP of n x moe_intermediate_size)"),
+      MF_FIELD(moe, "shared_expert_overlap", shared_expert_overlap,
+               "run the shared experts on a CUDA stream of their own beside the routed experts (same results; "
+               "not with parallel.tp > 1)"),
       MF_FIELD(moe, "n_group", n_group, "group-limited routing: experts in n_group contiguous groups (1: off)"),
       MF_FIELD(moe, "topk_group", topk_group, "groups a token may route into (best by sum of top-2 scores)"),
       MF_FIELD(moe, "expert_bias", expert_bias,

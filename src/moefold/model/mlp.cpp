@@ -15,8 +15,10 @@ DenseMlp::DenseMlp(int64_t hidden, int64_t ffn, int64_t rows, int64_t tokens, st
            ", rows ", rows, ", tokens ", tokens);
 }
 
-void DenseMlp::bind(Memory& mem, Communicator* tp) {
-  ctx_ = &mem.exec();
+void DenseMlp::bind(Memory& mem, Communicator* tp, const ExecContext* on) {
+  ctx_ = on ? on : &mem.exec();
+  MF_CHECK(on == nullptr || tp == nullptr || tp->size() == 1, prefix_,
+           ": tensor parallelism's collectives order with the Memory's context, not another");
   const int64_t n = tp ? tp->size() : 1, r = tp ? tp->rank() : 0;
   MF_CHECK(ffn_ % n == 0 && tokens_ == rows_ * n, prefix_, ": F ", ffn_, ", rows ", rows_, " over ", n, " TP ranks");
   tp_ = n > 1 ? tp : nullptr;
@@ -65,18 +67,18 @@ void DenseMlp::bind(Memory& mem, Communicator* tp) {
 
 void DenseMlp::fp8_gate_up_forward() {
   // h is free until the SwiGLU writes it.
-  fp8_linear_forward(*ctx_, x_full_, gate_FH_, h_NF_, fp8_gate_.get());
+  fp8_linear_forward(*ctx_, x_full_, gate_FH_, h_NF_, fp8_gate_.get(ctx_));
   copy_matrix(*ctx_, as_matrix(h_NF_), column_block(gu_N2F_, 0, ffn_here_));
-  fp8_linear_forward(*ctx_, x_full_, up_FH_, h_NF_, fp8_up_.get());
+  fp8_linear_forward(*ctx_, x_full_, up_FH_, h_NF_, fp8_up_.get(ctx_));
   copy_matrix(*ctx_, as_matrix(h_NF_), column_block(gu_N2F_, ffn_here_, 2 * ffn_here_));
 }
 
 void DenseMlp::fp8_gate_up_backward(const Tensor& dx) {
   // dh is free once the SwiGLU's backward has read it.
   copy_matrix(*ctx_, column_block(dgu_N2F_, 0, ffn_here_), as_matrix(dh_NF_));
-  fp8_linear_backward(*ctx_, x_full_, gate_FH_, dh_NF_, dx, dgate_FH_, true, fp8_gate_.get());
+  fp8_linear_backward(*ctx_, x_full_, gate_FH_, dh_NF_, dx, dgate_FH_, true, fp8_gate_.get(ctx_));
   copy_matrix(*ctx_, column_block(dgu_N2F_, ffn_here_, 2 * ffn_here_), as_matrix(dh_NF_));
-  fp8_linear_backward(*ctx_, x_full_, up_FH_, dh_NF_, dx_up_NH_, dup_FH_, true, fp8_up_.get());
+  fp8_linear_backward(*ctx_, x_full_, up_FH_, dh_NF_, dx_up_NH_, dup_FH_, true, fp8_up_.get(ctx_));
   add_inplace(*ctx_, dx, dx_up_NH_);
 }
 
@@ -99,7 +101,7 @@ void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
            1, 0);
   }
   swiglu_forward(*ctx_, gu_N2F_, h_NF_);
-  linear_forward_in(*ctx_, fp8_down_.get(), h_NF_, down_HF_, y);
+  linear_forward_in(*ctx_, fp8_down_.get(ctx_), h_NF_, down_HF_, y);
   if (tp_) tp_->reduce_scatter(partial_NH_, y_TH, ReduceOp::sum);
 }
 
@@ -115,7 +117,7 @@ void DenseMlp::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     dy = dy_full_NH_;
     tp_->all_gather(dy_TH, dy);
   }
-  linear_backward_in(*ctx_, fp8_down_.get(), h_NF_, down_HF_, dy, dh_NF_, ddown_HF_);
+  linear_backward_in(*ctx_, fp8_down_.get(ctx_), h_NF_, down_HF_, dy, dh_NF_, ddown_HF_);
   swiglu_backward(*ctx_, gu_N2F_, dh_NF_, dgu_N2F_);
   const Tensor dx = tp_ ? partial_NH_ : dx_TH;
   if (fp8_) {

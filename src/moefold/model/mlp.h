@@ -28,15 +28,16 @@ class DenseMlp {
   void set_recompute(bool on) { recompute_ = on; }
   // on: its three projections run in FP8 (Fp8Linears, config.h). REQUIRES: before bind.
   void set_fp8(bool on) { fp8_ = on; }
-  // tp: the tensor-parallel group (null or size 1: the whole F here).
-  void bind(Memory& mem, Communicator* tp);
+  // tp: the tensor-parallel group (null or size 1: the whole F here). on: the context its ops run
+  // on (null: the Memory's; another one needs no tensor parallelism).
+  void bind(Memory& mem, Communicator* tp, const ExecContext* on = nullptr);
   // x_TH -> y_TH (written). Keeps what backward needs (x_TH itself must not change until then).
   void forward(const Tensor& x_TH, const Tensor& y_TH);
   // dy_TH -> dx_TH (written).
   void backward(const Tensor& dy_TH, const Tensor& dx_TH);
 
  private:
-  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
+  const ExecContext* ctx_ = nullptr;  // where its ops run: bind's `on`, or the Memory's it was bound through
   int64_t hidden_, ffn_, rows_, tokens_;
   int64_t ffn_here_ = 0;  // F held here
   std::string prefix_;

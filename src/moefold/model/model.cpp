@@ -71,10 +71,11 @@ void DecoderLayer::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
     moe_->set_fp8(fp8_.experts);
     moe_->bind(mem);
   }
+  side_ = moe_ && mlp_ && shared_ctx_ != ctx_ ? shared_ctx_ : nullptr;
   if (mlp_) {
     mlp_->set_recompute(moe_ ? r.shared_experts : r.mlp);
     mlp_->set_fp8(moe_ ? fp8_.shared_experts : fp8_.mlp);
-    mlp_->bind(mem, tp);
+    mlp_->bind(mem, tp, side_);
   }
   dn_TH_ = dn_TH;
   n1_TH_ = norms_again_ ? mem.scratch({rows_, h}) : o.qkv_linear ? mem.offloaded({rows_, h}) : mem.act({rows_, h});
@@ -95,6 +96,7 @@ void DecoderLayer::forward(const Tensor& x_TH, const Tensor& out_TH) {
   ProfileScope layer("decoder layer forward");
   forward_attention(x_TH, out_TH);
   if (!moe_) return;
+  shared_forward_start();
   {
     ProfileScope scope("moe forward");
     moe_->forward(n2_TH_, m_TH_);
@@ -124,10 +126,19 @@ void DecoderLayer::forward_attention(const Tensor& x_TH, const Tensor& out_TH) {
   add_inplace(*ctx_, out_TH, m_TH_);
 }
 
+void DecoderLayer::shared_forward_start() {
+  if (side_ == nullptr) return;
+  side_->wait_for(*ctx_);  // n2 is ready, and the layer before is done with the shared workspace
+  mlp_->forward(n2_TH_, s_TH_);
+}
+
 void DecoderLayer::forward_tail(const Tensor& out_TH) {
   add_inplace(*ctx_, out_TH, m_TH_);
   if (mlp_) {  // shared experts see every token
-    {
+    if (side_) {
+      ProfileScope scope("shared experts forward (wait)");  // what of them the routed experts did not hide
+      ctx_->wait_for(*side_);
+    } else {
       ProfileScope scope("shared experts forward");
       mlp_->forward(n2_TH_, s_TH_);
     }
@@ -150,6 +161,7 @@ void DecoderLayer::forward_experts() {
 
 void DecoderLayer::forward_end(const Tensor& out_TH) {
   if (!moe_) return;
+  shared_forward_start();  // beside the combine (not earlier: between the phases another layer runs)
   {
     ProfileScope scope("moe forward");
     moe_->forward_combine(m_TH_);
@@ -161,6 +173,7 @@ void DecoderLayer::backward(const Tensor& dres_TH, double moe_loss_scale) {
   ProfileScope layer("decoder layer backward");
   recompute_norms();
   if (moe_) {
+    shared_backward_start(dres_TH);
     ProfileScope scope("moe backward");
     moe_->backward(dres_TH, dn_TH_, moe_loss_scale);
   }
@@ -174,9 +187,18 @@ void DecoderLayer::recompute_norms() {
   rmsnorm_forward(*ctx_, x_TH_, norm1_, cfg_.rms_norm_eps, n1_TH_, rstd1_T_);
 }
 
+void DecoderLayer::shared_backward_start(const Tensor& dres_TH) {
+  if (side_ == nullptr) return;
+  side_->wait_for(*ctx_);  // d(out) is ready (and n2, recomputed)
+  mlp_->backward(dres_TH, ds_TH_);
+}
+
 void DecoderLayer::backward_tail(const Tensor& dres_TH) {
   if (moe_ && mlp_) {
-    {
+    if (side_) {
+      ProfileScope scope("shared experts backward (wait)");
+      ctx_->wait_for(*side_);
+    } else {
       ProfileScope scope("shared experts backward");
       mlp_->backward(dres_TH, ds_TH_);
     }
@@ -214,6 +236,7 @@ void DecoderLayer::backward_experts() {
 
 void DecoderLayer::backward_end(const Tensor& dres_TH, double moe_loss_scale) {
   if (moe_) {
+    shared_backward_start(dres_TH);  // beside the dispatch's backward
     ProfileScope scope("moe backward");
     moe_->backward_dispatch(dn_TH_, moe_loss_scale);
   }
@@ -322,6 +345,11 @@ void Model::bind(Memory& mem) {
   for (int64_t l = 0; l <= num_layers(); ++l)
     if (l == num_layers() || (recompute_slot_[l] <= 0 && !offloaded_input(l))) res_[l] = mem.act({rows_, h});
   offload_blocks_.clear();
+  if (moe_cfg_.shared_expert_overlap && !mem.measuring() && !shared_)
+    shared_ = std::make_unique<ExecContext>(ctx_->device(), ctx_->kernels(), ExecContext::Stream::own);
+  const ExecContext* shared = mem.measuring() ? nullptr : shared_.get();
+  for (auto& layer : layers_) layer->set_shared_context(shared);
+  for (auto& d : mtp_) d->layer().set_shared_context(shared);
   for (size_t l = 0; l < layers_.size(); ++l) {
     mem.set_part(cat("layers.", l));
     mem.begin_layer(recompute_slot_[l], offload_slot_[l]);

@@ -56,6 +56,10 @@ class DecoderLayer {
                const Offload& offload = {});
   // Which of its linear layers run in FP8 (Fp8Linears, config.h). REQUIRES: before bind.
   void set_fp8(const Fp8Linears& fp8) { fp8_ = fp8; }
+  // moe.shared_expert_overlap: the context its shared experts run on, beside the routed experts on
+  // the layer's own (null: the layer's own, after them). Ignored by a layer without shared experts.
+  // REQUIRES: before bind; the layer without tensor parallelism.
+  void set_shared_context(const ExecContext* ctx) { shared_ctx_ = ctx; }
   // REQUIRES: between mem.begin_layer() and mem.end_layer(). whole: the caller recomputes the whole
   // layer before its backward (Memory::begin_layer with a recompute slot): no module recomputes
   // itself then.
@@ -88,7 +92,9 @@ class DecoderLayer {
   MoeLayer* moe() { return moe_.get(); }
 
  private:
-  const ExecContext* ctx_ = nullptr;  // where its ops run: the Memory's it was bound through
+  const ExecContext* ctx_ = nullptr;         // where its ops run: the Memory's it was bound through
+  const ExecContext* shared_ctx_ = nullptr;  // set_shared_context
+  const ExecContext* side_ = nullptr;        // where the shared experts run now, when not on ctx_
   ModelConfig cfg_;
   int64_t rows_;
   std::string prefix_;
@@ -106,9 +112,13 @@ class DecoderLayer {
   // forward's norms, attention and residual (a dense layer's MLP too); after the MoE output: its
   // residual and the shared experts. backward's norms recomputed (layernorm); after the MoE
   // backward: the shared experts (or the dense MLP), norms and attention.
+  // With the shared experts on side_: *_start queues their forward (backward) there once their
+  // input is ready on ctx_, and the tail makes ctx_ wait for it before adding their result.
   void forward_attention(const Tensor& x_TH, const Tensor& out_TH);
+  void shared_forward_start();
   void forward_tail(const Tensor& out_TH);
   void recompute_norms();
+  void shared_backward_start(const Tensor& dres_TH);
   void backward_tail(const Tensor& dres_TH);
 };
 
@@ -274,6 +284,9 @@ class Model {
   std::vector<int> offload_slot_;
   std::vector<Memory::OffloadBlock> offload_blocks_;
   std::unique_ptr<ExecContext> copy_;
+  // moe.shared_expert_overlap: every layer's shared experts run here, beside the routed experts on
+  // ctx_ (made at the first binding that allocates; a CPU context runs them in turn, on the caller).
+  std::unique_ptr<ExecContext> shared_;
   bool offloads(int64_t layer) const { return offload_slot_[static_cast<size_t>(layer)] >= 0; }
   int64_t offloaded_before(int64_t layer) const;  // the last offloading layer below `layer` (-1: none)
   void offload_after_forward(int64_t layer);      // its block to the host (copy stream)

@@ -44,6 +44,8 @@ void MoeConfig::validate() const {
     MF_FAIL("moe.expert_bias_update_rate = ", expert_bias_update_rate, " must be finite and >= 0");
   if (!(seq_aux_loss_coeff >= 0) || !std::isfinite(seq_aux_loss_coeff))
     MF_FAIL("moe.seq_aux_loss_coeff = ", seq_aux_loss_coeff, " must be finite and >= 0");
+  if (shared_expert_overlap && n_shared_experts <= 0)
+    MF_FAIL("moe.shared_expert_overlap = true needs moe.n_shared_experts > 0 (got ", n_shared_experts, ")");
   if (pad_to_capacity && !(capacity_factor > 0))
     MF_FAIL("moe.pad_to_capacity = true requires moe.capacity_factor > 0 (got ", capacity_factor, ")");
 }

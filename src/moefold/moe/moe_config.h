@@ -27,6 +27,11 @@ struct MoeConfig {
   double expert_bias_update_rate = 1e-3;        // bias step per update (Megatron: moe_router_bias_update_rate)
   double seq_aux_loss_coeff = 0.0;              // sequence-level load-balancing loss weight (DeepSeek-V3 eq. 17)
   int64_t n_shared_experts = 0;  // DeepSeek-V3 shared experts: one dense MLP of n * moe_intermediate_size
+  // The shared experts on a second execution context (a CUDA stream of their own) beside the
+  // routed experts' router, dispatch, experts and combine, joined before their output (and their
+  // input gradient) is added: the same ops in the same order, so the same bits (Megatron-Core's
+  // moe_shared_expert_overlap). Needs n_shared_experts > 0 and no tensor parallelism.
+  bool shared_expert_overlap = false;
   // Under mixed precision, the router's logits GEMM: false multiplies the bf16 input by the bf16
   // copy of the gate with fp32 accumulation into fp32 logits (tensor cores); true multiplies fp32
   // copies of both (Megatron-Core's moe_router_dtype=fp32; ~10x slower on an H200). Scores, top-k,

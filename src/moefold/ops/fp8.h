@@ -121,9 +121,10 @@ class Fp8Param {
   // Registers `spec` (with fp8 = on) as mem.param does and returns its compute tensor (with
   // train.fp8_param a shape without data: read only through get()). REQUIRES: from the module's bind.
   Tensor param(Memory& mem, ParamSpec spec, bool on);
-  // The quantized weight (quantized now on mem.exec() if the weights may have changed), or null
-  // when registered off.
-  const Fp8Weight* get() const;
+  // The quantized weight (quantized now, on `on` or else mem.exec(), if the weights may have
+  // changed), or null when registered off. A module running on another context than its Memory's
+  // (moe.shared_expert_overlap) passes its own, so the quantization precedes its GEMMs there.
+  const Fp8Weight* get(const ExecContext* on = nullptr) const;
 
  private:
   Memory* mem_ = nullptr;

@@ -33,18 +33,20 @@ MemoryPlan plan_memory(const Config& cfg, int world, int rank, Device device) {
   p.host = mem.host_act_bytes();
   p.parts = mem.part_bytes();
   if (device == Device::cuda) {
-    // What the libraries took at the first step on an H200 (cuDNN 9; docs/benchmarks.md), per
-    // micro-batch of B sequences, H = heads / tp, S = seq_len, Sq = S / cp queries, D = head_dim:
-    // the deterministic backward 2 B H Sq S bytes (+ 4 B H Sq D with grouped-query heads), the
-    // other one 8 B H Sq D.
-    p.runtime = size_t{32} << 20;  // cuBLASLt's workspace (ops/cuda/gemm.cu)
-    // and FP8's own, where cuBLASLt's block scaling serves the dense layers (fp8_gemm_cublaslt.cu)
-    if (cfg.train.fp8 == "blockwise" && cfg.kernels.fp8_dense_gemm == Fp8DenseGemm::cublaslt)
-      p.runtime += size_t{32} << 20;
+    // cuBLASLt's workspace (ops/cuda/gemm.cu), and FP8's own where cuBLASLt's block scaling serves
+    // the dense layers (fp8_gemm_cublaslt.cu): one per execution context, and with
+    // moe.shared_expert_overlap each model (micro-batch in flight) has a second one.
+    const bool fp8_lt = cfg.train.fp8 == "blockwise" && cfg.kernels.fp8_dense_gemm == Fp8DenseGemm::cublaslt;
+    const size_t contexts = 1 + (cfg.moe.shared_expert_overlap ? models.size() : 0);
+    p.runtime = contexts * (fp8_lt ? 2 : 1) * (size_t{32} << 20);
     // Several GPUs: each NCCL communicator (the world and the mesh's ten groups, eighteen with
     // pipeline stages) stages host tensors in 8 MiB of its own (comm/nccl.cpp; NCCL's internal
     // buffers are not device_malloc's).
     if (world > 1) p.runtime += size_t{p.layout.pp > 1 ? 19u : 11u} * (size_t{8} << 20);
+    // What the libraries took at the first step on an H200 (cuDNN 9; docs/benchmarks.md), per
+    // micro-batch of B sequences, H = heads / tp, S = seq_len, Sq = S / cp queries, D = head_dim:
+    // the deterministic backward 2 B H Sq S bytes (+ 4 B H Sq D with grouped-query heads), the
+    // other one 8 B H Sq D.
     const KernelOptions& k = cfg.kernels;
     const auto b = static_cast<size_t>(cfg.train.micro_batch_size),
                h = static_cast<size_t>(cfg.model.num_attention_heads / p.layout.tp),

@@ -473,10 +473,11 @@ PerfPrediction predict_step(const Config& cfg, int64_t world, const Cluster& clu
     LayerTime lt;
     lt.parts = layer_parts(dense, recompute_layer);
     lt.compute = sum(lt.parts);
-    double core = 0, experts = 0;
+    double core = 0, experts = 0, shared = 0;
     for (const Part& p : lt.parts) {
       if (std::string(p.name) == "attention core") core = p.total();
       if (std::string(p.name) == "experts (grouped GEMMs)") experts = p.total();
+      if (std::string(p.name) == "shared experts") shared = p.total();
     }
     lt.tp = tp_block * (dense ? 2 : 1) + (dense ? 0 : etp_block);
     if (recompute_layer) lt.tp *= 1.25;  // the recomputed forward gathers again
@@ -495,6 +496,9 @@ PerfPrediction predict_step(const Config& cfg, int64_t world, const Cluster& clu
         const double c = static_cast<double>(std::max<int64_t>(cfg.moe.ep_overlap_chunks, 1));
         lt.a2a_exposed = lt.a2a / c + std::max(0.0, lt.a2a * (c - 1) / c - experts);
       }
+      // moe.shared_expert_overlap: the shared experts run on their own stream while the exchanges
+      // wait (their forward beside the dispatch and combine, their backward beside the gradients').
+      if (cfg.moe.shared_expert_overlap) lt.a2a_exposed = std::max(0.0, lt.a2a_exposed - shared);
     }
     return lt;
   };
@@ -645,9 +649,11 @@ PerfPrediction predict_step(const Config& cfg, int64_t world, const Cluster& clu
     auto comm = [&](const char* name, double ms, double exposed, const char* how) {
       if (ms > 0) out.communication.push_back({name, ms, exposed, how});
     };
-    comm("expert all-to-all (EP)", st.a2a * m_d, st.a2a_exposed * m_d,
-         cfg.parallel.overlap_moe_a2a ? "beside the other micro-batch's layer (overlap_moe_a2a)"
-                                      : "rounds beside the experts' GEMMs (ep_overlap_chunks)");
+    const std::string a2a_how =
+        std::string(cfg.parallel.overlap_moe_a2a ? "beside the other micro-batch's layer (overlap_moe_a2a)"
+                                                 : "rounds beside the experts' GEMMs (ep_overlap_chunks)") +
+        (cfg.moe.shared_expert_overlap ? " and the shared experts (shared_expert_overlap)" : "");
+    comm("expert all-to-all (EP)", st.a2a * m_d, st.a2a_exposed * m_d, a2a_how.c_str());
     comm("tensor-parallel gathers (TP, ETP)", st.tpc * m_d, st.tpc * m_d, "not overlapped");
     comm("context-parallel K/V ring (CP)", st.cpc * m_d, st.cp_exposed * m_d, "beside the attention core");
     comm(dist ? "gradient reduce-scatter (DP, EDP)" : "gradient all-reduce (DP, EDP)", grad_ms, grad_exposed,

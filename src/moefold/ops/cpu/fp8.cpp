@@ -614,15 +614,15 @@ Tensor Fp8Param::param(Memory& mem, ParamSpec spec, bool on) {
   return w;
 }
 
-const Fp8Weight* Fp8Param::get() const {
+const Fp8Weight* Fp8Param::get(const ExecContext* on) const {
   if (!on_) return nullptr;
   Param& p = mem_->params()[index_];
   if (p.fp8_version != mem_->weights_version()) {
     // Kept only in FP8: from the master, rounded as its bf16 copy would be.
     const bool from_master = p.compute.data() == nullptr;
     const bool via_bf16 = from_master && mem_->dtype() == DType::bf16 && p.value.dtype() != DType::bf16;
-    fp8_quantize_blocks(mem_->exec(), from_master ? p.value : p.compute, p.fp8.q, p.fp8.s, p.fp8.qT, p.fp8.sT,
-                        via_bf16);
+    fp8_quantize_blocks(on ? *on : mem_->exec(), from_master ? p.value : p.compute, p.fp8.q, p.fp8.s, p.fp8.qT,
+                        p.fp8.sT, via_bf16);
     p.fp8_version = mem_->weights_version();
   }
   return &p.fp8;
