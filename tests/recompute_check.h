@@ -26,7 +26,7 @@ struct RecomputeVariant {
   std::string method = "uniform";
   std::vector<std::string> offload;  // train.offload_modules (GPU)
   bool overlap = false;              // parallel.overlap_moe_a2a
-  bool shared_overlap = false;       // moe.shared_expert_overlap (where the family has shared experts)
+  bool shared_overlap = false;       // moe.shared_expert_overlap (where there are shared experts and no TP)
 };
 
 // every: each module alone too (else only the combinations).
@@ -94,7 +94,7 @@ inline Config with_recompute(Config c, const RecomputeVariant& v) {
   c.train.recompute_method = v.method;
   c.train.offload_modules = v.offload;
   c.parallel.overlap_moe_a2a = v.overlap;
-  c.moe.shared_expert_overlap = v.shared_overlap && c.moe.n_shared_experts > 0;
+  c.moe.shared_expert_overlap = v.shared_overlap && c.moe.n_shared_experts > 0 && c.parallel.tp <= 1;
   c.validate();
   return c;
 }
