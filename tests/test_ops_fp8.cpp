@@ -519,7 +519,8 @@ namespace {
 // A weight's FP8 copy (Fp8Param): quantized at the first get() of each weights version, reused
 // until the next (a changed weight without Memory::weights_changed() keeps its old codes: the
 // Trainer calls it before every step and evaluation); the FP8 GEMMs give the same bits with it as
-// without. A second binding of the module (Memory::SharedParams) shares the copy.
+// without. A second binding of the module (Memory::SharedParams) shares the copy; with CUDA graphs
+// the Trainer quantizes every changed copy up front (fp8_quantize_changed_params).
 TEST(Fp8Param, QuantizesOncePerWeightsVersionAndChangesNothing) {
   Memory mem(DType::f32, cpu());
   Tensor w, w2;
@@ -571,6 +572,19 @@ TEST(Fp8Param, QuantizesOncePerWeightsVersionAndChangesNothing) {
   mem.weights_changed();
   EXPECT_EQ(shared.get()->s.ptr<float>()[0], 2 * s0.ptr<float>()[0]);
   EXPECT_EQ(std::memcmp(cache.get()->q.data(), q0.data(), q0.nbytes()), 0);
+
+  // fp8_quantize_changed_params (before CUDA graphs): what the first get() of a new version would
+  // do, done up front; get() then quantizes nothing (a copy changed behind its back stays).
+  scale_inplace(cpu(), w, 0.5);
+  mem.weights_changed();
+  fp8_quantize_changed_params(mem);
+  EXPECT_EQ(q->s.ptr<float>()[0], s0.ptr<float>()[0]);
+  q->s.ptr<float>()[0] = 7.0f;
+  EXPECT_EQ(cache.get()->s.ptr<float>()[0], 7.0f);
+  fp8_quantize_changed_params(mem);  // the same version: nothing again
+  EXPECT_EQ(cache.get()->s.ptr<float>()[0], 7.0f);
+  mem.weights_changed();
+  EXPECT_EQ(cache.get()->s.ptr<float>()[0], s0.ptr<float>()[0]);
 }
 
 // via_bf16: an f32 weight quantized as its bf16 rounding would be, bit for bit (values chosen so

@@ -403,6 +403,20 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
          v.push_back("moe.shared_expert_overlap=true");
          return v;
        }()},
+      // FP8 (the weights quantized before the graphs, Trainer::quantize_fp8_weights_before_graphs):
+      // tokens dispatched in FP8, and DeepSeek-V3-like with the weights kept only in FP8.
+      {"fp8",
+       {"model.hidden_size=32", "model.num_attention_heads=2", "model.num_key_value_heads=2", "model.head_dim=16",
+        "train.fp8=blockwise", "moe.fp8_dispatch=true"}},
+      {"fp8, deepseek-v3-like, fp8_param",
+       [&] {
+         std::vector<std::string> v = deepseek;
+         v.insert(v.end(),
+                  {"model.hidden_size=32", "model.num_attention_heads=2", "model.num_key_value_heads=2",
+                   "model.qk_rope_head_dim=16", "model.head_dim=16", "model.qk_nope_head_dim=16", "model.v_head_dim=16",
+                   "model.kv_lora_rank=16", "model.q_lora_rank=16", "train.fp8=blockwise", "train.fp8_param=true"});
+         return v;
+       }()},
       {"padded capacity", {"moe.capacity_factor=1.25", "moe.pad_to_capacity=true"}},
       {"capacity without padding", {"moe.capacity_factor=0.75"}}};
   for (auto [what, extra] : cases) {

@@ -132,6 +132,12 @@ class Fp8Param {
   bool on_ = false;
 };
 
+// Every FP8 copy of mem's parameters quantized now, on mem.exec(), where the weights may have
+// changed since it was made: what each Fp8Param::get would do at its first use, done before it (a
+// step replayed from CUDA graphs makes no host calls, so its graphs hold no quantization). The
+// same codes and scales. REQUIRES: the compute copies (masters) hold the new weights.
+void fp8_quantize_changed_params(Memory& mem);
+
 // A module's linear layer in its train.fp8 choice: linear_forward / linear_backward (ops.h), or
 // the FP8 ops above with the weight's FP8 copy when wq is given (Fp8Param::get()).
 void linear_forward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,

@@ -10,6 +10,7 @@
 #include "moefold/moe/all_gather_dispatcher.h"
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/moe/hierarchical_dispatcher.h"
+#include "moefold/ops/fp8.h"
 #include "moefold/ops/ops.h"
 #include "moefold/parallel/context_parallel.h"
 #include "moefold/train/pipeline_schedule.h"
@@ -50,7 +51,6 @@ std::string cuda_graphs_refusal(const Config& cfg, const Mesh& mesh, Device devi
   if (device != Device::cuda) return "a CPU run (nothing to capture)";
   if (mesh.world->size() > 1)
     return "several ranks (the layers' collectives and expert exchanges are not captured yet)";
-  if (cfg.train.fp8 != "none") return "train.fp8 (the FP8 weights are quantized inside a step's first forward)";
   if (!cfg.train.offload_modules.empty()) return "train.offload_modules (copies between the layers)";
   if (cfg.train.recompute_num_layers > 0 || !cfg.train.recompute_modules.empty())
     return "train.recompute_* (recomputed forwards inside the backward)";
@@ -596,6 +596,12 @@ std::string Trainer::cuda_graphs_note() const {
   return "";
 }
 
+void Trainer::quantize_fp8_weights_before_graphs() {
+  if (cfg_.train.fp8 == "none" || cfg_.train.cuda_graphs == "none" || !graphs_refusal_.empty()) return;
+  opt_.wait_all_weights();
+  fp8_quantize_changed_params(mem_);
+}
+
 int64_t Trainer::cuda_graph_replays() const {
   int64_t n = step_graphs_.replays();
   for (const std::unique_ptr<Model>& m : models_) n += m->cuda_graphs().replays();
@@ -613,6 +619,7 @@ const StepMetrics& Trainer::train_step() {
   (void)fault_point("train.step");
   auto t0 = std::chrono::steady_clock::now();
   mem_.weights_changed();  // the optimizer, a load or an initialisation may have run since the last forward
+  quantize_fp8_weights_before_graphs();
   accumulate_gradients();
   StepMetrics& out = metrics_;
   out.lr = learning_rate(cfg_.train, step_);
@@ -663,6 +670,7 @@ double Trainer::evaluate() {
   if (nv == 0) return 0.0;
   opt_.wait_all_weights();
   mem_.weights_changed();
+  quantize_fp8_weights_before_graphs();
   // Every rank runs the same number of forwards (expert parallelism exchanges tokens), so the
   // evaluated batches are rounded down to a multiple of dp (at least dp).
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);

@@ -614,18 +614,30 @@ Tensor Fp8Param::param(Memory& mem, ParamSpec spec, bool on) {
   return w;
 }
 
+namespace {
+
+// p's FP8 copy quantized again on `ctx` if the weights may have changed since it was made.
+void refresh_fp8_copy(const ExecContext& ctx, const Memory& mem, Param& p) {
+  if (p.fp8_version == mem.weights_version()) return;
+  // Kept only in FP8: from the master, rounded as its bf16 copy would be.
+  const bool from_master = p.compute.data() == nullptr;
+  const bool via_bf16 = from_master && mem.dtype() == DType::bf16 && p.value.dtype() != DType::bf16;
+  fp8_quantize_blocks(ctx, from_master ? p.value : p.compute, p.fp8.q, p.fp8.s, p.fp8.qT, p.fp8.sT, via_bf16);
+  p.fp8_version = mem.weights_version();
+}
+
+}  // namespace
+
 const Fp8Weight* Fp8Param::get(const ExecContext* on) const {
   if (!on_) return nullptr;
   Param& p = mem_->params()[index_];
-  if (p.fp8_version != mem_->weights_version()) {
-    // Kept only in FP8: from the master, rounded as its bf16 copy would be.
-    const bool from_master = p.compute.data() == nullptr;
-    const bool via_bf16 = from_master && mem_->dtype() == DType::bf16 && p.value.dtype() != DType::bf16;
-    fp8_quantize_blocks(on ? *on : mem_->exec(), from_master ? p.value : p.compute, p.fp8.q, p.fp8.s, p.fp8.qT,
-                        p.fp8.sT, via_bf16);
-    p.fp8_version = mem_->weights_version();
-  }
+  refresh_fp8_copy(on ? *on : mem_->exec(), *mem_, p);
   return &p.fp8;
+}
+
+void fp8_quantize_changed_params(Memory& mem) {
+  for (Param& p : mem.params())
+    if (p.fp8.defined()) refresh_fp8_copy(mem.exec(), mem, p);
 }
 
 void linear_forward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
