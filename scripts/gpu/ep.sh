@@ -6,6 +6,7 @@
 # NCCL (--set parallel.ep_transport=nccl) with fewer SMs for the GEMMs (kernels.gemm_sms). Full outputs land in $OUT.
 #   scripts/gpu/ep.sh [routing]   # balanced (default) or real; EP_FULL=1: all layout tests
 #   EP_SWEEP="2:116:16 1:0:0" scripts/gpu/ep.sh   # only EP = 2 runs: chunks:GEMM SMs:NCCL CTAs (0: default)
+#   EP_SHARED=1 scripts/gpu/ep.sh   # only moe.shared_expert_overlap off / on at DeepSeek-V3's layer, EP = 2
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
@@ -26,6 +27,17 @@ bench() {  # name, launcher (one or mpi), then options of bench moe-layer
     > "$out/ep_$name.md" 2>&1
   grep "^| qwen3\|^| experts\|^| dispatch\|^| combine\|^| (within)\|error\|moefold:" "$out/ep_$name.md" | head -20
 }
+if [ "${EP_SHARED:-0}" = 1 ]; then  # moe.shared_expert_overlap at EP = 2: DeepSeek-V3's layer, off / on, twice
+  for round in 1 2; do
+    for ov in false true; do
+      echo "== deepseek-v3 EP = 2, shared_expert_overlap=$ov, round $round"
+      mpi "$B" bench moe-layer --shape deepseek-v3 --routing "$routing" --reps 5 --warmup 2 \
+        --set train.main_grads_dtype=bf16 --set moe.shared_expert_overlap="$ov" > "$out/ep_shared_$ov.md" 2>&1
+      grep "^| deepseek\|^| shared\|^| dispatch\|^| combine\|error\|moefold:" "$out/ep_shared_$ov.md" | head -10
+    done
+  done
+  exit 0
+fi
 if [ -n "${EP_SWEEP:-}" ]; then  # EP_SWEEP="chunks:gemm_sms:nccl_max_ctas ..." (0: default; EP_TRANSPORT=auto|nccl|ipc)
   for cfg in $EP_SWEEP; do
     IFS=: read -r c sms ctas <<< "$cfg"
