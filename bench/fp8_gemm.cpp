@@ -10,8 +10,9 @@
 // there), median of --runs after --warmup.
 // Then the experts' grouped GEMMs (bench_grouped). Both by default.
 // --probe-layouts: which scale layouts cuBLASLt's block scaling reads (probe_layouts), nothing else.
+// --wgrad-groups: the bf16 weight gradient in fewer, larger groups (bench_wgrad_groups), nothing else.
 //   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
-//                              --probe-layouts]
+//                              --probe-layouts | --wgrad-groups]
 // --tiles: the kernels.fp8_tile values the grouped GEMMs run in, in turn (default
 // "cooperative;rows=own;cooperative;rows=own").
 #include <cublasLt.h>
@@ -335,9 +336,33 @@ void bench_grouped(int runs, int warmup, const std::vector<std::string>& tiles) 
   }
 }
 
+// --wgrad-groups: the bf16 weight gradient (bf16 dw written, kernels.cutlass_tile's defaults) of
+// DeepSeek-V3's fc1 (256 experts of 256 rows, O 4096, I 7168) against the same work in fewer,
+// larger groups (E / 4 experts of O and I twice as large, ...): the same rows per group (the
+// GEMM's K), tile shape, FLOPs and bytes written, with a persistent CTA changing groups (and
+// rewriting its TMA descriptors) 4, 16, 64 times less often.
+void bench_wgrad_groups(int runs, int warmup) {
+  const ExecContext& ctx = ExecContext::standard(Device::cuda);
+  for (const int64_t scale : {1, 2, 4, 8, 1}) {
+    const GroupedShape g{"deepseek-v3 fc1 work", 256 / (scale * scale), 256, 4096 * scale, 7168 * scale};
+    const int64_t r = g.e * g.m;
+    DeviceTensor x({r, g.i}, DType::bf16), w({g.e, g.o, g.i}, DType::bf16), dy({r, g.o}, DType::bf16),
+        dw({g.e, g.o, g.i}, DType::bf16);
+    bench::fill_random(*x, 3);
+    bench::fill_random(*dy, 5);
+    std::vector<int64_t> off(static_cast<size_t>(g.e + 1));
+    for (int64_t e = 0; e <= g.e; ++e) off[static_cast<size_t>(e)] = e * g.m;
+    DeviceTensor offsets({g.e + 1}, DType::i64);
+    device_copy((*offsets).data(), Device::cuda, off.data(), Device::cpu, off.size() * sizeof(int64_t));
+    report_grouped(g, "wgrad", "bf16 dw written (CUTLASS grouped)", bench::time_ms(runs, warmup, [&] {
+                     grouped_linear_backward(ctx, *x, *w, *offsets, *dy, Tensor(), *dw, false);
+                   }));
+  }
+}
+
 int run(int argc, char** argv) {
   int runs = 20, warmup = 3;
-  bool dense = true, grouped = true, probe = false;
+  bool dense = true, grouped = true, probe = false, wgrad_groups = false;
   std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -351,6 +376,8 @@ int run(int argc, char** argv) {
       }
     } else if (a == "--probe-layouts")
       probe = true;
+    else if (a == "--wgrad-groups")
+      wgrad_groups = true;
     else if (a == "--grouped-only")
       dense = false;
     else if (a == "--dense-only")
@@ -361,7 +388,11 @@ int run(int argc, char** argv) {
       warmup = std::atoi(argv[++i]);
     else
       MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only | ",
-              "--probe-layouts] (got '", a, "')");
+              "--probe-layouts | --wgrad-groups] (got '", a, "')");
+  }
+  if (wgrad_groups) {
+    bench_wgrad_groups(runs, warmup);
+    return 0;
   }
   if (probe) {
     cublasLtHandle_t lt;
