@@ -273,6 +273,13 @@ void report_grouped(const GroupedShape& g, const char* kind, const char* impl, d
   std::fflush(stdout);
 }
 
+// offsets_E1[e] = e * m (i64 on the device): E experts of m rows each.
+void set_equal_offsets(const Tensor& offsets_E1, int64_t m) {
+  std::vector<int64_t> off(static_cast<size_t>(offsets_E1.numel()));
+  for (size_t e = 0; e < off.size(); ++e) off[e] = static_cast<int64_t>(e) * m;
+  device_copy(offsets_E1.data(), Device::cuda, off.data(), Device::cpu, off.size() * sizeof(int64_t));
+}
+
 void bench_grouped(int runs, int warmup, const std::vector<std::string>& tiles) {
   const ExecContext& ctx = ExecContext::standard(Device::cuda);
   for (const GroupedShape& g : kGrouped) {
@@ -282,10 +289,8 @@ void bench_grouped(int runs, int warmup, const std::vector<std::string>& tiles) 
     bench::fill_random(*x, 3);
     bench::fill_random(*w, 4);
     bench::fill_random(*dy, 5);
-    std::vector<int64_t> off(static_cast<size_t>(g.e + 1));
-    for (int64_t e = 0; e <= g.e; ++e) off[static_cast<size_t>(e)] = e * g.m;
     DeviceTensor offsets({g.e + 1}, DType::i64);
-    device_copy((*offsets).data(), Device::cuda, off.data(), Device::cpu, off.size() * sizeof(int64_t));
+    set_equal_offsets(*offsets, g.m);
     const int64_t ib = (g.i + kFp8Tile - 1) / kFp8Tile, ob = (g.o + kFp8Tile - 1) / kFp8Tile;
     DeviceTensor qw({g.e, g.o, g.i}, DType::u8), sw({g.e, ob, ib}, DType::f32), qwT({g.e, g.i, g.o}, DType::u8),
         swT({g.e, ib, ob}, DType::f32);
@@ -350,10 +355,8 @@ void bench_wgrad_groups(int runs, int warmup) {
         dw({g.e, g.o, g.i}, DType::bf16);
     bench::fill_random(*x, 3);
     bench::fill_random(*dy, 5);
-    std::vector<int64_t> off(static_cast<size_t>(g.e + 1));
-    for (int64_t e = 0; e <= g.e; ++e) off[static_cast<size_t>(e)] = e * g.m;
     DeviceTensor offsets({g.e + 1}, DType::i64);
-    device_copy((*offsets).data(), Device::cuda, off.data(), Device::cpu, off.size() * sizeof(int64_t));
+    set_equal_offsets(*offsets, g.m);
     report_grouped(g, "wgrad", "bf16 dw written (CUTLASS grouped)", bench::time_ms(runs, warmup, [&] {
                      grouped_linear_backward(ctx, *x, *w, *offsets, *dy, Tensor(), *dw, false);
                    }));
