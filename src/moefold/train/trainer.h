@@ -200,6 +200,9 @@ class Trainer {
   // The embedding's gradient summed over its copies (the first and last stage, with multi-token
   // prediction under pipeline parallelism); the norm counts it once.
   void reduce_embedding_copies();
+  // With CUDA graphs and train.fp8: every FP8 weight copy quantized before the step's (the
+  // evaluation's) forwards, outside the graphs, since a replayed forward cannot decide to.
+  void quantize_fp8_weights_before_graphs();
 
   Config cfg_;
   Mesh& mesh_;
@@ -222,10 +225,7 @@ class Trainer {
   std::vector<double> sorted_loads_;  // one layer's expert loads, sorted for the percentiles (sized once)
   int64_t step_ = 0;
   size_t planned_bytes_ = 0;
-  std::string graphs_refusal_;  // cuda_graphs_refusal of this run
-  // With CUDA graphs and train.fp8: every FP8 weight copy quantized before the step's (the
-  // evaluation's) forwards, outside the graphs, since a replayed forward cannot decide to.
-  void quantize_fp8_weights_before_graphs();
+  std::string graphs_refusal_;                   // cuda_graphs_refusal of this run
   LayerGraphs step_graphs_;                      // train.cuda_graphs = "step"
   double host_loss_sum_ = 0, host_mtp_sum_ = 0;  // the step's loss sums that came back to the host
 };
