@@ -438,7 +438,7 @@ TEST(Permute, BackwardsMatchFiniteDifferences) {
       // combine: loss = <g_T, combine(out, prob)>.
       Tensor out = pool.randn({r_n, h_n}), g = pool.randn({t_n, h_n}), y = pool.zeros({t_n, h_n});
       Tensor dout = pool.randn({r_n, h_n}), dprob = pool.randn({t_n, k_n});  // garbage: must be overwritten
-      moe_combine_backward(testing::exec(), out, p.row, prob, g, dout, dprob);
+      moe_combine_backward(testing::exec(), out, p.row, prob, p.token, g, dout, dprob);
       auto loss = [&] {
         moe_combine(testing::exec(), out, p.row, prob, y);
         return dot(g, y);

@@ -714,9 +714,11 @@ TEST(CudaPermuteCombine, ForwardAndBackwardMatchCpu) {
       // Combine backward: dout rows of kept assignments, zero padding rows, nothing past R.
       Tensor dy = pool.randn({t_n, h_n});
       Tensor dout_buf = dev.poisoned({r_n + guard, h_n}, dt), dprob_d = dev.poisoned({t_n, k_n}, DType::f32);
-      moe_combine_backward(testing::exec(), out_d, row_d, prob_d, dev.upload(dy, dt), dout_buf.slice(0, r_n), dprob_d);
+      moe_combine_backward(testing::exec(), out_d, row_d, prob_d, token_d, dev.upload(dy, dt), dout_buf.slice(0, r_n),
+                           dprob_d);
       Tensor dout64 = pool.zeros({r_n, h_n}, DType::f64), dprob64 = pool.zeros({t_n, k_n}, DType::f64);
-      moe_combine_backward(testing::exec(), out64, plan.row, prob64, testing::rounded(pool, dy, dt), dout64, dprob64);
+      moe_combine_backward(testing::exec(), out64, plan.row, prob64, plan.token, testing::rounded(pool, dy, dt), dout64,
+                           dprob64);
       const std::vector<double> dout = testing::download(dout_buf);
       EXPECT_LE(testing::rel_error(std::vector<double>(dout.begin(), dout.begin() + r_n * h_n), dout64), tol)
           << "combine backward dout";

@@ -417,6 +417,16 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
                    "model.kv_lora_rank=16", "model.q_lora_rank=16", "train.fp8=blockwise", "train.fp8_param=true"});
          return v;
        }()},
+      // Recomputed forwards inside the backward's graphs: every module, and whole layers.
+      {"deepseek-v3-like, every module recomputed",
+       [&] {
+         std::vector<std::string> v = kDeepSeek;
+         v.push_back(
+             "train.recompute_modules=[\"layernorm\", \"core_attn\", \"mla_up_proj\", \"moe_act\", "
+             "\"shared_experts\", \"moe\", \"mlp\"]");
+         return v;
+       }()},
+      {"qwen3-like, the first layer recomputed whole", {"train.recompute_num_layers=1"}},
       {"padded capacity", {"moe.capacity_factor=1.25", "moe.pad_to_capacity=true"}},
       {"capacity without padding", {"moe.capacity_factor=0.75"}}};
   for (auto [what, extra] : cases) {
@@ -466,9 +476,12 @@ TEST(TrainCuda, CudaGraphsSayWhyTheyAreNotUsed) {
   MF_REQUIRE_GPU();
   testing::TempDir dir("train_cuda_graphs_refused");
   const std::string data = testing::make_train_data(dir.path());
-  const std::vector<std::string> cases[] = {{"train.cuda_graphs=layers", "train.recompute_modules=[\"moe_act\"]"},
-                                            {"train.cuda_graphs=step", "train.recompute_num_layers=1"}};
-  for (const std::vector<std::string>& ov : cases) {
+  const std::pair<std::vector<std::string>, const char*> cases[] = {
+      {{"train.cuda_graphs=layers", "train.offload_modules=[\"moe_act\"]"},
+       "train.offload_modules (copies between the layers)"},
+      {{"train.cuda_graphs=step", "parallel.overlap_moe_a2a=true"},
+       "parallel.overlap_moe_a2a (two micro-batches interleaved)"}};
+  for (const auto& [ov, why] : cases) {
     SCOPED_TRACE(ov.front());
     const Config cfg = testing::small_train_config(data, ov);
     const TokenDataset tokens = open_token_dataset(cfg.data.path);
@@ -476,8 +489,7 @@ TEST(TrainCuda, CudaGraphsSayWhyTheyAreNotUsed) {
     Trainer gpu(cfg, tokens, a.mesh, Device::cuda);
     gpu.init_fresh();
     EXPECT_TRUE(std::isfinite(gpu.train_step().loss));
-    EXPECT_EQ(gpu.cuda_graphs_note(), cat("train.cuda_graphs = \"", cfg.train.cuda_graphs,
-                                          "\" not used: train.recompute_* (recomputed forwards inside the backward)"));
+    EXPECT_EQ(gpu.cuda_graphs_note(), cat("train.cuda_graphs = \"", cfg.train.cuda_graphs, "\" not used: ", why));
     EXPECT_EQ(gpu.cuda_graph_replays(), 0);
   }
 }

@@ -76,7 +76,7 @@ void LocalDispatcher::combine(const Tensor& out_RH, const DispatchPlan& plan, co
 
 void LocalDispatcher::combine_backward(const Tensor& dy_TH, const Tensor& out_RH, const DispatchPlan& plan,
                                        const Tensor& dout_RH, const Tensor& dprob_TK) {
-  moe_combine_backward(*ctx_, out_RH, plan.row_TK, plan.topk_prob_TK, dy_TH, dout_RH, dprob_TK);
+  moe_combine_backward(*ctx_, out_RH, plan.row_TK, plan.topk_prob_TK, plan.token_R, dy_TH, dout_RH, dprob_TK);
 }
 
 void LocalDispatcher::dispatch_backward(const Tensor& drows_RH, const DispatchPlan& plan, const Tensor& dx_TH) {

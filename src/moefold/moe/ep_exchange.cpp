@@ -218,7 +218,7 @@ void EpExchange::combine_backward_home(const EpPlan& p, const Tensor& dy_TH, con
   check_rows(out_RH, p, "combine_backward out");
   check_rows(dout_RH, p, "combine_backward dout");
   // own_SH_'s x rows are dead since dispatch: it holds the home gradient.
-  moe_combine_backward(*ctx_, home_SH_.slice(0, p.num_home_rows), p.row_TK, p.topk_prob_TK, dy_TH,
+  moe_combine_backward(*ctx_, home_SH_.slice(0, p.num_home_rows), p.row_TK, p.topk_prob_TK, p.token_R, dy_TH,
                        own_SH_.slice(0, p.num_home_rows), dprob_TK);
 }
 

@@ -161,10 +161,11 @@ void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const 
 // ---- combine: y_TH[t] = sum_k prob_TK[t, k] * out_RH[row_TK[t, k]] (dropped: 0), written ------
 void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
                  const Tensor& y_TH);
-// dout_RH[row(t,k)] = prob_tk * dy_t (padding rows 0), dprob_TK[t, k] = <dy_t, out_RH[row(t,k)]>
-// (0 when dropped); both written.
+// dout_RH[row(t,k)] = prob_tk * dy_t and 0 in the padding rows (token_R[r] < 0: every other row
+// is some kept assignment's, as moe_permute_plan makes them), dprob_TK[t, k] = <dy_t,
+// out_RH[row(t,k)]> (0 when dropped); both written. R = dout_RH.size(0) <= token_R.numel().
 void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
-                          const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK);
+                          const Tensor& token_R, const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK);
 
 // ---- node routing (HierarchicalDispatcher): each token crosses to a node once ---------------------
 // The experts are split over nodes in contiguous blocks of `experts_per_node` (N * experts_per_node

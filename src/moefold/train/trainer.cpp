@@ -52,8 +52,6 @@ std::string cuda_graphs_refusal(const Config& cfg, const Mesh& mesh, Device devi
   if (mesh.world->size() > 1)
     return "several ranks (the layers' collectives and expert exchanges are not captured yet)";
   if (!cfg.train.offload_modules.empty()) return "train.offload_modules (copies between the layers)";
-  if (cfg.train.recompute_num_layers > 0 || !cfg.train.recompute_modules.empty())
-    return "train.recompute_* (recomputed forwards inside the backward)";
   if (cfg.train.cuda_graphs == "step" && cfg.parallel.overlap_moe_a2a)
     return "parallel.overlap_moe_a2a (two micro-batches interleaved)";
   return "";

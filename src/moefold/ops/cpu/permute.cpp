@@ -115,17 +115,21 @@ void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row
 }
 
 void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
-                          const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK) {
+                          const Tensor& token_R, const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK) {
   check_rows(out_RH, dy_TH, "moe_combine_backward");
   check_row_map(row_TK, dy_TH.size(0), "moe_combine_backward row");
   check_shape(prob_TK, row_TK.shape(), "moe_combine_backward prob");
   check_shape(dprob_TK, row_TK.shape(), "moe_combine_backward dprob");
   check_shape(dout_RH, out_RH.shape(), "moe_combine_backward dout");
   check_same_dtype(dout_RH, dy_TH, "moe_combine_backward dout");
-  MF_ON_GPU(ctx, out_RH, cuda::moe_combine_backward(ctx, out_RH, row_TK, prob_TK, dy_TH, dout_RH, dprob_TK));
+  check_dtype(token_R, DType::i64, "moe_combine_backward token");
+  MF_CHECK(token_R.ndim() == 1 && token_R.numel() >= out_RH.size(0), "moe_combine_backward: token_R ", token_R.str(),
+           " for ", out_RH.size(0), " rows");
+  MF_ON_GPU(ctx, out_RH, cuda::moe_combine_backward(ctx, out_RH, row_TK, prob_TK, token_R, dy_TH, dout_RH, dprob_TK));
   check_on_cpu(out_RH, "moe_combine_backward");
   check_on_cpu(dy_TH, "moe_combine_backward");
   check_on_cpu(row_TK, "moe_combine_backward row");
+  check_on_cpu(token_R, "moe_combine_backward token");
   // The combine weights take the rows' dtype on the CPU (CUDA: f32 whatever that dtype is).
   check_same_dtype(prob_TK, dy_TH, "moe_combine_backward prob");
   check_same_dtype(dprob_TK, dy_TH, "moe_combine_backward dprob");
@@ -137,7 +141,9 @@ void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Te
     const T* dy = dy_TH.ptr<T>();
     T* dout = dout_RH.ptr<T>();
     T* dprob = dprob_TK.ptr<T>();
-    std::fill(dout, dout + r_n * h_n, T(0));  // padding rows get no gradient
+    const int64_t* token = token_R.ptr<int64_t>();
+    for (int64_t r = 0; r < r_n; ++r)  // padding rows get no gradient; the others are written below
+      if (token[r] < 0) std::fill(dout + r * h_n, dout + (r + 1) * h_n, T(0));
     for (int64_t t = 0; t < t_n; ++t) {
       const T* dyt = dy + t * h_n;
       for (int64_t k = 0; k < k_n; ++k) {

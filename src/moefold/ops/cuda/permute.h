@@ -22,8 +22,9 @@ void moe_permute_backward(const ExecContext& ctx, const Tensor& drows_RH, const 
 // Accumulates in f32 in k order.
 void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
                  const Tensor& y_TH);
-// dout_RH is zeroed first (padding rows), then each kept (t, k) writes its row.
+// The padding rows (token_R[r] < 0) are zeroed by a kernel of their own (not the whole of dout_RH:
+// the other rows are written once each), then each kept (t, k) writes its row.
 void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
-                          const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK);
+                          const Tensor& token_R, const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK);
 
 }  // namespace moefold::cuda
