@@ -1,5 +1,6 @@
-// DenseMlp forward/backward: two GEMMs write gate and up side by side into one [N, 2F] buffer
-// (column blocks of leading dimension 2F), so the fused SwiGLU op runs on it unchanged. Every
+// DenseMlp forward/backward: gate and up written side by side into one [N, 2F] buffer (one GEMM
+// where their weights lie back to back, else two into column blocks of leading dimension 2F), so
+// the fused SwiGLU op runs on it unchanged. Every
 // step is an op, so the layer runs wherever its tensors are (CPU or GPU).
 #include "moefold/model/mlp.h"
 
@@ -8,6 +9,17 @@
 #include "moefold/ops/ops.h"
 
 namespace moefold {
+
+namespace {
+// a and b as one [2 x rows, cols] matrix where they lie back to back in memory (the Memory lays
+// out gate and up, and their gradients, in binding order), else undefined: then two GEMMs.
+Tensor stacked(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined() || a.dtype() != b.dtype() || a.device() != b.device() || !(a.shape() == b.shape()) ||
+      a.shape().ndim != 2 || static_cast<const char*>(a.data()) + a.nbytes() != b.data())
+    return {};
+  return Tensor(a.data(), a.dtype(), {2 * a.size(0), a.size(1)}, a.device());
+}
+}  // namespace
 
 DenseMlp::DenseMlp(int64_t hidden, int64_t ffn, int64_t rows, int64_t tokens, std::string prefix, double init_std)
     : hidden_(hidden), ffn_(ffn), rows_(rows), tokens_(tokens), prefix_(std::move(prefix)), init_std_(init_std) {
@@ -95,6 +107,8 @@ void DenseMlp::forward(const Tensor& x_TH, const Tensor& y_TH) {
   // gu[:, :F] = x @ gate^T, gu[:, F:] = x @ up^T
   if (fp8_) {
     fp8_gate_up_forward();
+  } else if (const Tensor gate_up = stacked(gate_FH_, up_FH_); gate_up.defined()) {  // one GEMM, N = 2F
+    matmul(*ctx_, as_matrix(x_full_), false, as_matrix(gate_up), true, as_matrix(gu_N2F_), 1, 0);
   } else {
     matmul(*ctx_, as_matrix(x_full_), false, as_matrix(gate_FH_), true, column_block(gu_N2F_, 0, ffn_here_), 1, 0);
     matmul(*ctx_, as_matrix(x_full_), false, as_matrix(up_FH_), true, column_block(gu_N2F_, ffn_here_, 2 * ffn_here_),
@@ -125,12 +139,22 @@ void DenseMlp::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
     if (tp_) tp_->reduce_scatter(partial_NH_, dx_TH, ReduceOp::sum);
     return;
   }
-  // dgate += dgu[:, :F]^T x; dup += dgu[:, F:]^T x; dx = dgu[:, :F] gate + dgu[:, F:] up
+  // dgate += dgu[:, :F]^T x; dup += dgu[:, F:]^T x; dx = dgu[:, :F] gate + dgu[:, F:] up: where
+  // gate and up (and their gradients) are one [2F, H] matrix, one GEMM each with N or K = 2F (dx
+  // then rounded once, not after each half).
   const MatrixView dg = column_block(dgu_N2F_, 0, ffn_here_), du = column_block(dgu_N2F_, ffn_here_, 2 * ffn_here_);
-  matmul(*ctx_, dg, true, as_matrix(x_full_), false, as_matrix(dgate_FH_), 1, 1);
-  matmul(*ctx_, du, true, as_matrix(x_full_), false, as_matrix(dup_FH_), 1, 1);
-  matmul(*ctx_, dg, false, as_matrix(gate_FH_), false, as_matrix(dx), 1, 0);
-  matmul(*ctx_, du, false, as_matrix(up_FH_), false, as_matrix(dx), 1, 1);
+  if (const Tensor dgate_up = stacked(dgate_FH_, dup_FH_); dgate_up.defined()) {
+    matmul(*ctx_, as_matrix(dgu_N2F_), true, as_matrix(x_full_), false, as_matrix(dgate_up), 1, 1);
+  } else {
+    matmul(*ctx_, dg, true, as_matrix(x_full_), false, as_matrix(dgate_FH_), 1, 1);
+    matmul(*ctx_, du, true, as_matrix(x_full_), false, as_matrix(dup_FH_), 1, 1);
+  }
+  if (const Tensor gate_up = stacked(gate_FH_, up_FH_); gate_up.defined()) {
+    matmul(*ctx_, as_matrix(dgu_N2F_), false, as_matrix(gate_up), false, as_matrix(dx), 1, 0);
+  } else {
+    matmul(*ctx_, dg, false, as_matrix(gate_FH_), false, as_matrix(dx), 1, 0);
+    matmul(*ctx_, du, false, as_matrix(up_FH_), false, as_matrix(dx), 1, 1);
+  }
   if (tp_) tp_->reduce_scatter(partial_NH_, dx_TH, ReduceOp::sum);
 }
 
