@@ -1,7 +1,7 @@
 // DenseMlp forward/backward: gate and up written side by side into one [N, 2F] buffer (one GEMM
 // where their weights lie back to back, else two into column blocks of leading dimension 2F), so
-// the fused SwiGLU op runs on it unchanged. Every
-// step is an op, so the layer runs wherever its tensors are (CPU or GPU).
+// the fused SwiGLU op runs on it unchanged. Every step is an op, so the layer runs wherever its
+// tensors are (CPU or GPU).
 #include "moefold/model/mlp.h"
 
 #include "moefold/core/profile.h"
