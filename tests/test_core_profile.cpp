@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "moefold/core/gpu_clocks.h"
 #include "moefold/core/profile.h"
 
 namespace moefold {
@@ -113,6 +114,26 @@ TEST(Profile, ScopesRecordNothingWhileOff) {
   ASSERT_EQ(t.size(), 1u);
   EXPECT_EQ(t[0].name, "inner");
   EXPECT_EQ(t[0].depth, 0);  // the unrecorded scope around it does not count
+}
+
+// core/gpu_clocks.h's summary and line (the sampling itself: test_core_profile_cuda.cpp).
+TEST(GpuClocks, SummaryAndLine) {
+  const GpuClocks c = summarize_gpu_clocks({{1500, 600, 0x4}, {1700, 650, 0x0}, {1600, 700, 0x40 | 0x1}}, 1980, 700);
+  EXPECT_EQ(c.samples, 3);
+  EXPECT_EQ(c.sm_mhz_median, 1600);
+  EXPECT_EQ(c.sm_mhz_min, 1500);
+  EXPECT_EQ(c.sm_mhz_max, 1700);
+  EXPECT_EQ(c.power_w_mean, 650);
+  EXPECT_EQ(c.power_w_max, 700);
+  EXPECT_EQ(c.reasons, 0x45u);
+  EXPECT_EQ(describe_gpu_clocks(c),
+            "SM clock median 1600 MHz (1500-1700; max 1980), power 650 W mean, 700 W peak of 700 W; clock held down "
+            "by: power cap, hardware thermal slowdown (3 samples)");
+  EXPECT_EQ(summarize_gpu_clocks({{1400, 1, 0}, {1800, 1, 0}}, 0, 0).sm_mhz_median, 1600);  // even: the middle two
+  EXPECT_EQ(describe_gpu_clocks(summarize_gpu_clocks({{1980, 300, 0x1}}, 0, 0)),
+            "SM clock median 1980 MHz (1980-1980), power 300 W mean, 300 W peak; clock held down by: nothing (1 "
+            "samples)");  // unknown limits are left out; the idle bit is no reason
+  EXPECT_EQ(describe_gpu_clocks(summarize_gpu_clocks({}, 1980, 700)), "no samples");
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "cuda_testing.h"
 #include "moefold/core/device.h"
 #include "moefold/core/gpu_activity.h"
+#include "moefold/core/gpu_clocks.h"
 #include "moefold/core/profile.h"
 
 namespace moefold {
@@ -106,6 +107,28 @@ TEST(GpuActivity, SeesTheGpuIdleWhileTheHostSleeps) {
   EXPECT_GE(a.launch_ms, 0.0);                     // memsets are no kernel launches
   std::printf("window %.3f ms: GPU busy %.3f, idle %.3f (gap %.3f); host %.3f, waiting %.3f, launching %.3f\n",
               a.wall_ms, a.gpu_busy_ms, a.gpu_idle_ms, a.largest_gap_ms, a.host_ms, a.host_wait_ms, a.launch_ms);
+}
+
+TEST(GpuClocksCuda, SamplesTheDeviceWhileItWorks) {
+  MF_REQUIRE_GPU();
+  GpuClockSampler sampler;
+  std::string why;
+  ASSERT_TRUE(sampler.start(5, &why)) << why;
+  const size_t bytes = size_t{256} << 20;
+  void* buf = device_malloc(bytes);
+  for (int k = 0; k < 200; ++k) device_zero(buf, bytes);  // ~50 GiB written: >= 10 ms
+  device_synchronize();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const GpuClocks c = sampler.stop();
+  device_free(buf);
+  EXPECT_GE(c.samples, 2);
+  EXPECT_GT(c.sm_mhz_median, 0);
+  EXPECT_GT(c.sm_mhz_limit, 0);
+  EXPECT_LE(c.sm_mhz_max, c.sm_mhz_limit);
+  EXPECT_GT(c.power_w_max, 0);
+  EXPECT_GT(c.power_limit_w, 0);
+  std::printf("%s\n", describe_gpu_clocks(c).c_str());
+  EXPECT_EQ(sampler.stop().samples, 0);  // stopped: nothing more
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
+#include "moefold/core/gpu_clocks.h"
 #include "moefold/core/memory.h"
 #include "moefold/core/profile.h"
 #include "moefold/core/rng.h"
@@ -344,7 +345,18 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     if (timed)
       for (size_t s = 0; s < timers.size(); ++s) ms[s].push_back(timers[s].elapsed_ms());
   };
-  for (int i = 0; i < opts.warmup + opts.reps; ++i) repetition(i, i >= opts.warmup);
+  for (int i = 0; i < opts.warmup; ++i) repetition(i, false);
+  {
+    GpuClockSampler clocks;  // every 10 ms over the timed repetitions
+    std::string why;
+    const bool sampling = opts.device == Device::cuda && clocks.start(10, &why);
+    for (int i = opts.warmup; i < opts.warmup + opts.reps; ++i) repetition(i, true);
+    if (sampling) {  // the repetitions' timers waited for the GPU
+      res.gpu_clocks = describe_gpu_clocks(clocks.stop());
+    } else if (opts.device == Device::cuda) {
+      res.gpu_clocks = "not sampled: " + why;
+    }
+  }
   res.expert_grad_sq = sum_squares(ctx, layer.dgate_up);  // the timed repetitions' (before the phase ones)
   profile_enable(opts.device);
   for (int i = 0; i < phase_reps; ++i) repetition(opts.warmup + opts.reps + i, false);
@@ -500,6 +512,7 @@ std::string format_moe_bench(const std::vector<MoeBenchResult>& results, const s
              fmt("%.2f", r.load_mean > 0 ? r.load_max / r.load_mean : 0), " |\n");
   for (const MoeBenchResult& r : results) {
     s += cat("\n", r.shape, ", ", r.routing, " routing, ", r.tokens, " tokens:\n\n");
+    if (!r.gpu_clocks.empty()) s += cat("GPU during the timed repetitions: ", r.gpu_clocks, "\n\n");
     s += "| part | median ms | share of the layer | TFLOP/s | ceiling | ratio |\n|---|---|---|---|---|---|\n";
     auto row = [&](const BenchTime& b, bool share) {
       s += cat("| ", b.name, " | ", fmt("%.3f", b.ms), " | ", share ? fmt("%.1f%%", 100 * b.ms / r.total.ms) : "-",

@@ -58,6 +58,9 @@ struct MoeBenchResult {
   // Sum of squares of the experts' gate_up gradient after the timed repetitions: one
   // repetition's (written every time), or all of them added (accumulate_grads).
   double expert_grad_sq = 0;
+  // The GPU's clocks and power over the timed repetitions (describe_gpu_clocks), or why they
+  // were not sampled; empty on the CPU.
+  std::string gpu_clocks;
 };
 
 // Runs every (shape, routing) of `opts`. Fails (moefold::Error) on a bad shape or option.

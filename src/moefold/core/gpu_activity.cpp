@@ -8,11 +8,11 @@
 #include <string_view>
 
 #include "moefold/core/error.h"
+#include "moefold/core/run_time_library.h"
 
 #ifdef MOEFOLD_WITH_CUDA
 #include <cupti.h>
 #include <cxxabi.h>
-#include <dlfcn.h>
 #endif
 
 namespace moefold {
@@ -40,35 +40,24 @@ namespace {
 
 // The CUPTI entry points this uses, from libcupti (the toolkit's, found by the loader's path).
 struct Cupti {
-  void* lib = nullptr;
+  RunTimeLibrary lib{{"libcupti.so", "libcupti.so.13"}, "libcupti"};
   CUptiResult (*enable)(CUpti_ActivityKind) = nullptr;
   CUptiResult (*disable)(CUpti_ActivityKind) = nullptr;
   CUptiResult (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc) = nullptr;
   CUptiResult (*flush_all)(uint32_t) = nullptr;
   CUptiResult (*next_record)(uint8_t*, size_t, CUpti_Activity**) = nullptr;
   CUptiResult (*timestamp)(uint64_t*) = nullptr;
-  std::string error;  // why it could not be loaded
 };
 
 Cupti& cupti() {
   static Cupti c = [] {
     Cupti x;
-    for (const char* name : {"libcupti.so", "libcupti.so.13"})
-      if ((x.lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
-    if (x.lib == nullptr) {
-      x.error = std::string("libcupti not found (") + dlerror() + ")";
-      return x;
-    }
-    auto sym = [&](auto& fn, const char* name) {
-      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(x.lib, name));
-      if (fn == nullptr && x.error.empty()) x.error = std::string("libcupti has no ") + name;
-    };
-    sym(x.enable, "cuptiActivityEnable");
-    sym(x.disable, "cuptiActivityDisable");
-    sym(x.register_callbacks, "cuptiActivityRegisterCallbacks");
-    sym(x.flush_all, "cuptiActivityFlushAll");
-    sym(x.next_record, "cuptiActivityGetNextRecord");
-    sym(x.timestamp, "cuptiGetTimestamp");
+    x.lib.get(x.enable, "cuptiActivityEnable");
+    x.lib.get(x.disable, "cuptiActivityDisable");
+    x.lib.get(x.register_callbacks, "cuptiActivityRegisterCallbacks");
+    x.lib.get(x.flush_all, "cuptiActivityFlushAll");
+    x.lib.get(x.next_record, "cuptiActivityGetNextRecord");
+    x.lib.get(x.timestamp, "cuptiGetTimestamp");
     return x;
   }();
   return c;
@@ -227,8 +216,8 @@ std::vector<GpuOpTotal> op_totals(const std::vector<Span>& spans,
 
 bool gpu_activity_start(std::string* why) {
   Cupti& c = cupti();
-  if (!c.error.empty()) {
-    if (why) *why = c.error;
+  if (!c.lib.error.empty()) {  // why it could not be loaded
+    if (why) *why = c.lib.error;
     return false;
   }
   MF_CHECK(!g_recording, "gpu_activity_start: already recording");
