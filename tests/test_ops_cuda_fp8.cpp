@@ -345,6 +345,114 @@ TEST(CudaFp8, GpuQuantizeRejectsF64) {
   DevicePool dev;
   const Tensor x = dev.empty({4, 8}, DType::f64), q = dev.empty({4, 8}, DType::u8), s = dev.empty({1, 4}, DType::f32);
   EXPECT_NE(testing::error_of([&] { fp8_quantize_rows(testing::exec(), x, q, s); }).find("f64"), std::string::npos);
+  // A part of a weight (the distributed optimizer's ops), empty or not.
+  const Tensor amax = dev.empty({1, 1}, DType::f32), flat = x.view({32}), flat_q = q.view({32});
+  for (const int64_t end : {int64_t{0}, int64_t{20}}) {
+    SCOPED_TRACE(::testing::Message() << "part of " << end);
+    EXPECT_NE(testing::error_of([&] {
+                fp8_block_amax(testing::exec(), flat.slice(0, end), Shape{4, 8}, 0, amax);
+              }).find("f64"),
+              std::string::npos);
+    EXPECT_NE(testing::error_of([&] {
+                fp8_quantize_part(testing::exec(), flat.slice(0, end), Shape{4, 8}, 0, amax, flat_q.slice(0, end));
+              }).find("f64"),
+              std::string::npos);
+  }
+}
+
+// ---- parts of a weight (FP8-only weights under the distributed optimizer) ----------------------------
+
+// A weight of `shape` (dt): values 0.3 * normal times 2^[-24, 24] per 128 x 128 block (flat block 0:
+// 2^0; block 2: f32 subnormals; block 3: near f32's largest), mantissas cut to 5 bits (E4M3's ties),
+// 1 in 16 zero, and Fp8Quantize.PartsGiveTheBlocksOfTheWhole's planted values: 447.99 in block 0 (448
+// in bf16: with via_bf16 its block's scale moves), block (0, 1) all zero, a NaN and an infinity.
+Host part_weight(std::mt19937_64& rng, const Shape& shape, DType dt) {
+  const int64_t o_n = shape[shape.ndim - 2], i_n = shape[shape.ndim - 1], n = shape.numel();
+  const int64_t ob = tiles(o_n), ib = tiles(i_n);
+  std::vector<int> shift(static_cast<size_t>(n / (o_n * i_n) * ob * ib));
+  std::uniform_int_distribution<int> binade(-24, 24), coin(0, 15);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  for (size_t b = 0; b < shift.size(); ++b) shift[b] = b == 0 ? 0 : b == 2 ? -140 : b == 3 ? 120 : binade(rng);
+  Host h(shape, dt);
+  for (int64_t g = 0; g < n; ++g) {
+    const int64_t e = g / (o_n * i_n), o = g / i_n % o_n, i = g % i_n;
+    float v = normal(rng);
+    uint32_t bits = 0;
+    std::memcpy(&bits, &v, 4);
+    bits &= ~((1u << 18) - 1u);
+    std::memcpy(&v, &bits, 4);
+    v = std::ldexp(v, shift[static_cast<size_t>((e * ob + o / kFp8Tile) * ib + i / kFp8Tile)]);
+    if (coin(rng) == 0 || (e == 0 && o < kFp8Tile && i >= kFp8Tile && i < 2 * kFp8Tile)) v = 0.0f;
+    set_float(h, g, v);
+  }
+  set_float(h, 5 * i_n + 3, 447.99f);
+  set_float(h, n - 1, NAN);
+  set_float(h, n - 2 * i_n - 1, INFINITY);
+  return h;
+}
+
+// Each part's fp8_block_amax into one amax, fp8_scales_from_amax, each part's fp8_quantize_part into
+// its slice of q (flat), fp8_transpose_blocks: on ctx, outputs in amax (then s), q, qT, sT.
+void run_parts(const ExecContext& ctx, const Tensor& w, const std::vector<int64_t>& cuts, bool via_bf16,
+               const Tensor& amax_s, const Tensor& q, const Tensor& qT, const Tensor& sT,
+               std::vector<uint8_t>* amax_bytes) {
+  const int64_t n = w.numel();
+  const Tensor flat = w.view({n}), flat_q = q.view({n});
+  for (size_t k = 0; k + 1 < cuts.size(); ++k)
+    fp8_block_amax(ctx, flat.slice(cuts[k], cuts[k + 1]), w.shape(), cuts[k], amax_s, via_bf16);
+  *amax_bytes = bytes_of(amax_s);
+  fp8_scales_from_amax(ctx, amax_s);
+  for (size_t k = 0; k + 1 < cuts.size(); ++k)
+    fp8_quantize_part(ctx, flat.slice(cuts[k], cuts[k + 1]), w.shape(), cuts[k], amax_s,
+                      flat_q.slice(cuts[k], cuts[k + 1]), via_bf16);
+  fp8_transpose_blocks(ctx, q, amax_s, qT, sT);
+}
+
+void check_parts(std::mt19937_64& rng, const Shape& shape, DType dt, bool via_bf16) {
+  SCOPED_TRACE(::testing::Message() << "parts of " << shape.str() << " " << dtype_name(dt)
+                                    << (via_bf16 ? " via bf16" : ""));
+  DevicePool dev;
+  const int64_t n = shape.numel();
+  Host w = part_weight(rng, shape, dt);
+  // 7 parts at random cuts, one empty; every other cut a multiple of 4 (the vector paths).
+  std::vector<int64_t> cuts = {0, 0, n};
+  for (int k = 0; k < 5; ++k) {
+    const int64_t c = std::uniform_int_distribution<int64_t>(0, n)(rng);
+    cuts.push_back(k % 2 == 0 ? c : c - c % 4);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  const Shape ss = fp8_block_scale_shape(shape, false), sts = fp8_block_scale_shape(shape, true),
+              ts = fp8_transposed_shape(shape);
+  // (a) the same sequence on the CPU.
+  Host amax(ss, DType::f32), q(shape, DType::u8, 0xab), qt(ts, DType::u8, 0xab), st(sts, DType::f32, 0xab);
+  std::vector<uint8_t> amax_cpu, amax_gpu;
+  run_parts(cpu(), w.t, cuts, via_bf16, amax.t, q.t, qt.t, st.t, &amax_cpu);
+  const Tensor wd = to_device(dev, w), amax_d = filled(dev, ss, DType::f32, 0),
+               qd = filled(dev, shape, DType::u8, 0xab), qtd = filled(dev, ts, DType::u8, 0xab),
+               std_ = filled(dev, sts, DType::f32, 0xab);
+  run_parts(testing::exec(), wd, cuts, via_bf16, amax_d, qd, qtd, std_, &amax_gpu);
+  EXPECT_SAME_BYTES(amax_gpu, amax_cpu, "block amax");
+  EXPECT_SAME_BYTES(bytes_of(amax_d), amax.bytes, "scales");
+  EXPECT_SAME_BYTES(bytes_of(qd), q.bytes, "codes");
+  EXPECT_SAME_BYTES(bytes_of(qtd), qt.bytes, "transposed codes");
+  EXPECT_SAME_BYTES(bytes_of(std_), st.bytes, "transposed scales");
+  // (b) fp8_quantize_blocks of the whole weight on the GPU.
+  const Tensor qb = filled(dev, shape, DType::u8, 0xcd), sb = filled(dev, ss, DType::f32, 0xcd),
+               qtb = filled(dev, ts, DType::u8, 0xcd), stb = filled(dev, sts, DType::f32, 0xcd);
+  fp8_quantize_blocks(testing::exec(), wd, qb, sb, qtb, stb, via_bf16);
+  EXPECT_SAME_BYTES(bytes_of(amax_d), bytes_of(sb), "scales vs the whole's");
+  EXPECT_SAME_BYTES(bytes_of(qd), bytes_of(qb), "codes vs the whole's");
+  EXPECT_SAME_BYTES(bytes_of(qtd), bytes_of(qtb), "transposed codes vs the whole's");
+  EXPECT_SAME_BYTES(bytes_of(std_), bytes_of(stb), "transposed scales vs the whole's");
+}
+
+TEST(CudaFp8, PartsMatchCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  for (const Shape& shape :
+       {Shape{300, 200}, Shape{3, 130, 260}, Shape{2, 128, 128}, Shape{130, 301}, Shape{4, 1024, 2048}})
+    for (const auto& [dt, via_bf16] : {std::pair{DType::f32, false}, {DType::f32, true}, {DType::bf16, false}})
+      check_parts(rng, shape, dt, via_bf16);
 }
 
 // ---- GEMMs ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 // so a long dot product of random operands is off by ~2^-4 * sqrt(2/3) ~ 5% relative).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -609,6 +610,62 @@ TEST(Fp8Quantize, BlocksViaBf16AreTheBlocksOfTheBf16Rounding) {
   // and differ from quantizing the f32 values themselves
   fp8_quantize_blocks(cpu(), w, q2, s2, qT2, sT2);
   EXPECT_NE(std::memcmp(q1.data(), q2.data(), q2.nbytes()), 0);
+}
+
+// FP8-only weights under the distributed optimizer: a weight cut into flat parts anywhere (as
+// AdamW's slots cut it), each part's block amax, their max, the scales and each part's codes, then
+// the transposes, give fp8_quantize_blocks's q, s, qT and sT of the whole weight bit for bit: 2-D
+// and 3-D, sides off the 128 grid, f32 through bf16, bf16 and f64 parts, an all-zero block (scale
+// 1), a block with a NaN and one with an infinity (scale 1, saturated / NaN codes).
+TEST(Fp8Quantize, PartsGiveTheBlocksOfTheWhole) {
+  Pool pool;
+  std::mt19937 rng(7);
+  for (const Shape& shape : {Shape{300, 200}, Shape{3, 130, 260}, Shape{2, 128, 128}})
+    for (const DType dt : {DType::f32, DType::bf16, DType::f64})
+      for (const bool via_bf16 : {false, true}) {
+        if (via_bf16 && dt != DType::f32) continue;
+        SCOPED_TRACE(cat(shape.str(), " ", dtype_name(dt), via_bf16 ? " via bf16" : ""));
+        const Tensor w = pool.zeros(shape, dt);
+        cast(cpu(), pool.randn(shape, DType::f32, 0.3), w);
+        const int64_t i_n = shape[shape.ndim - 1], n = w.numel();
+        set_value_at(w, 5 * i_n + 3, 447.99);  // rounds to 448 in bf16: the block's scale moves
+        for (int64_t o = 0; o < 128 && o < shape[shape.ndim - 2]; ++o)  // block (0, 1) all zero
+          for (int64_t i = 128; i < 256 && i < i_n; ++i) set_value_at(w, o * i_n + i, 0.0);
+        set_value_at(w, n - 1, std::numeric_limits<double>::quiet_NaN());
+        set_value_at(w, n - 2 * i_n - 1, std::numeric_limits<double>::infinity());
+        const Shape ss = fp8_block_scale_shape(shape, false);
+        const Tensor q = pool.zeros(shape, DType::u8), s = pool.zeros(ss, DType::f32);
+        const Tensor qT = pool.zeros(fp8_transposed_shape(shape), DType::u8);
+        const Tensor sT = pool.zeros(fp8_block_scale_shape(shape, true), DType::f32);
+        fp8_quantize_blocks(cpu(), w, q, s, qT, sT, via_bf16);
+        // Parts of random lengths (one empty), as slots of a flat block.
+        std::vector<int64_t> cuts = {0, 0, n};
+        for (int k = 0; k < 5; ++k) cuts.push_back(std::uniform_int_distribution<int64_t>(0, n)(rng));
+        std::sort(cuts.begin(), cuts.end());
+        const Tensor flat = w.view({n});
+        const Tensor amax = pool.zeros(ss, DType::f32), qp = pool.zeros(shape, DType::u8);
+        const Tensor flat_q = qp.view({n});
+        for (size_t k = 0; k + 1 < cuts.size(); ++k) {  // each rank's part, its amax into one max
+          const Tensor part_amax = pool.zeros(ss, DType::f32);
+          fp8_block_amax(cpu(), flat.slice(cuts[k], cuts[k + 1]), shape, cuts[k], part_amax, via_bf16);
+          for (int64_t b = 0; b < amax.numel(); ++b)
+            amax.ptr<float>()[b] = std::max(amax.ptr<float>()[b], part_amax.ptr<float>()[b]);
+        }
+        fp8_scales_from_amax(cpu(), amax);
+        EXPECT_EQ(std::memcmp(amax.data(), s.data(), s.nbytes()), 0);
+        EXPECT_EQ(amax.ptr<float>()[1], 1.0f);  // the all-zero block
+        for (size_t k = 0; k + 1 < cuts.size(); ++k)
+          fp8_quantize_part(cpu(), flat.slice(cuts[k], cuts[k + 1]), shape, cuts[k], amax,
+                            flat_q.slice(cuts[k], cuts[k + 1]), via_bf16);
+        EXPECT_EQ(std::memcmp(qp.data(), q.data(), q.nbytes()), 0);
+        const Tensor qT2 = pool.zeros(qT.shape(), DType::u8), sT2 = pool.zeros(sT.shape(), DType::f32);
+        fp8_transpose_blocks(cpu(), qp, amax, qT2, sT2);
+        EXPECT_EQ(std::memcmp(qT2.data(), qT.data(), qT.nbytes()), 0);
+        EXPECT_EQ(std::memcmp(sT2.data(), sT.data(), sT.nbytes()), 0);
+      }
+  // One line for a part outside its weight.
+  const Tensor w = pool.randn({4, 8}, DType::f32, 1.0), a = pool.zeros({1, 1}, DType::f32);
+  EXPECT_DEATH(fp8_block_amax(cpu(), w.view({32}).slice(0, 8), Shape{4, 8}, 30, a), "of a weight of 32");
 }
 
 // train.fp8_param (Memory::set_fp8_params) with bf16 compute: an FP8 weight gets no bf16 copy (its

@@ -261,7 +261,11 @@ TEST(TrainCuda, Bf16MainGradsTrainAndResume) {
 // 2 bytes per element of them); their FP8 copies, quantized from the f32 masters rounded to bf16,
 // hold the codes the bf16 copies would give, so 3 steps give the plain FP8 run's losses, gradient
 // norms and master weights bit for bit (both families, every kind of FP8 linear: widths multiples
-// of 16), and a checkpoint of it resumes with the uninterrupted run's next losses.
+// of 16), and a checkpoint of it resumes with the uninterrupted run's next losses. The same with
+// the distributed optimizer (one rank, bf16 main gradients: the masters staged on the host): the
+// FP8-only weights' codes are quantized from the optimizer's slots on the GPU (fp8_block_amax, ...)
+// and gathered, the compute block shrinks by their 2 bytes an element (up to a bucket's rounding),
+// the same losses (the gradient norm within 1e-6: the FP8-only buckets move the slot boundaries).
 TEST(TrainCuda, Fp8ParamChangesNothing) {
   MF_REQUIRE_GPU();
   testing::TempDir dir("train_cuda_fp8_param");
@@ -274,42 +278,57 @@ TEST(TrainCuda, Fp8ParamChangesNothing) {
   deepseek.insert(deepseek.end(), {"model.num_attention_heads=2", "model.num_key_value_heads=2",
                                    "model.qk_rope_head_dim=16", "model.head_dim=16", "model.qk_nope_head_dim=16",
                                    "model.v_head_dim=16", "model.kv_lora_rank=16", "model.q_lora_rank=16"});
-  for (const std::vector<std::string>& family : {std::vector<std::string>{}, deepseek}) {
-    SCOPED_TRACE(family.empty() ? "qwen3_moe" : "deepseek_v3");
-    std::vector<std::string> extra = widths;
-    extra.insert(extra.end(), family.begin(), family.end());
-    extra.push_back("moe.fp8_dispatch=true");
-    const Config plain = testing::small_train_config(path, extra);
-    Config only = plain;
-    only.train.fp8_param = true;
-    OneRank ra(plain), rb(only), rc(only);
-    Trainer a(plain, data, ra.mesh, Device::cuda), b(only, data, rb.mesh, Device::cuda);
-    a.init_fresh();
-    b.init_fresh();
-    size_t fp8_elems = 0;
-    for (const Param& p : b.params())
-      if (p.fp8.defined()) {
-        fp8_elems += static_cast<size_t>(p.value.numel());
-        EXPECT_FALSE(p.has_compute_copy()) << p.name;
+  for (const bool sharded : {false, true})
+    for (const std::vector<std::string>& family : {std::vector<std::string>{}, deepseek}) {
+      SCOPED_TRACE(cat(family.empty() ? "qwen3_moe" : "deepseek_v3", sharded ? ", distributed optimizer" : ""));
+      std::vector<std::string> extra = widths;
+      extra.insert(extra.end(), family.begin(), family.end());
+      extra.push_back("moe.fp8_dispatch=true");
+      if (sharded) extra.insert(extra.end(), {"parallel.distributed_optimizer=true", "train.main_grads_dtype=bf16"});
+      const Config plain = testing::small_train_config(path, extra);
+      Config only = plain;
+      only.train.fp8_param = true;
+      OneRank ra(plain), rb(only), rc(only);
+      Trainer a(plain, data, ra.mesh, Device::cuda), b(only, data, rb.mesh, Device::cuda);
+      a.init_fresh();
+      b.init_fresh();
+      size_t fp8_elems = 0, slack = 0;
+      for (const Param& p : b.params())
+        if (p.fp8.defined()) {
+          fp8_elems += static_cast<size_t>(p.value.numel());
+          EXPECT_FALSE(p.has_compute_copy()) << p.name;
+          EXPECT_EQ(p.fp8_gathered, sharded) << p.name;
+        }
+      for (int g = 0; g < kNumParamGroups && sharded; ++g)
+        for (const GradBucket& bk : b.memory().grad_buckets(static_cast<ParamGroup>(g)))
+          if (bk.fp8) slack += 2 * 64 + 128;  // the compute block's rounding, the codes' and scales' alignment
+      EXPECT_GT(fp8_elems, 0u);
+      EXPECT_GE(a.memory().compute_bytes() + slack, b.memory().compute_bytes() + 2 * fp8_elems);
+      EXPECT_NEAR(static_cast<double>(a.memory().fp8_bytes()), static_cast<double>(b.memory().fp8_bytes()),
+                  static_cast<double>(slack));
+      for (int i = 0; i < 3; ++i) {
+        const StepMetrics ma = a.train_step(), mb = b.train_step();
+        EXPECT_EQ(mb.loss, ma.loss) << "step " << i + 1;
+        if (sharded)
+          EXPECT_NEAR(mb.grad_norm, ma.grad_norm, 1e-6 * ma.grad_norm) << "step " << i + 1;
+        else
+          EXPECT_EQ(mb.grad_norm, ma.grad_norm) << "step " << i + 1;
       }
-    EXPECT_GT(fp8_elems, 0u);
-    EXPECT_GE(a.memory().compute_bytes() - b.memory().compute_bytes(), 2 * fp8_elems);
-    EXPECT_EQ(a.memory().fp8_bytes(), b.memory().fp8_bytes());
-    for (int i = 0; i < 3; ++i) {
-      const StepMetrics ma = a.train_step(), mb = b.train_step();
-      EXPECT_EQ(mb.loss, ma.loss) << "step " << i + 1;
-      EXPECT_EQ(mb.grad_norm, ma.grad_norm) << "step " << i + 1;
+      if (sharded) {  // Param::value: the whole masters until the next step
+        a.gather_master_weights();
+        b.gather_master_weights();
+      }
+      for (const Param& p : b.params()) {
+        const Param* r = a.memory().find(p.name);
+        ASSERT_NE(r, nullptr) << p.name;
+        EXPECT_TRUE(testing::value_bytes(p.value) == testing::value_bytes(r->value)) << p.name;
+      }
+      const std::string ckpt =
+          b.save((dir.path() / cat(family.empty() ? "q" : "d", sharded ? "_sharded" : "")).string());
+      Trainer c(only, data, rc.mesh, Device::cuda);
+      c.load(ckpt);
+      for (int i = 0; i < 2; ++i) EXPECT_EQ(c.train_step().loss, b.train_step().loss) << "resumed, step " << i + 1;
     }
-    for (const Param& p : b.params()) {
-      const Param* r = a.memory().find(p.name);
-      ASSERT_NE(r, nullptr) << p.name;
-      EXPECT_TRUE(testing::value_bytes(p.value) == testing::value_bytes(r->value)) << p.name;
-    }
-    const std::string ckpt = b.save((dir.path() / (family.empty() ? "q" : "d")).string());
-    Trainer c(only, data, rc.mesh, Device::cuda);
-    c.load(ckpt);
-    for (int i = 0; i < 2; ++i) EXPECT_EQ(c.train_step().loss, b.train_step().loss) << "resumed, step " << i + 1;
-  }
 }
 
 // Optimizer offload (train.optimizer_offload_fraction) with the distributed optimizer on one GPU:

@@ -6,13 +6,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "layout_testing.h"
 #include "moefold/comm/communicator.h"
 #include "moefold/io/tensorboard.h"
+#include "moefold/ops/fp8.h"
 #include "moefold/train/memory_plan.h"
 #include "moefold/train/run.h"
 #include "moefold/train/trainer.h"
@@ -32,6 +35,7 @@ using testing::Layout;
 using testing::layout_name;
 using testing::LayoutRun;
 using testing::metric_losses;
+using testing::Pool;
 using testing::rel_err;
 using testing::resume_config;
 using testing::with_layout;
@@ -379,6 +383,99 @@ void distributed_optimizer_matches(const Config& base_) {
 
 TEST_F(Layouts, DistributedOptimizerMatchesUnsharded) { distributed_optimizer_matches(base_); }
 TEST_F(Layouts, DeepSeekV3DistributedOptimizerMatchesUnsharded) { distributed_optimizer_matches(deepseek_); }
+
+// train.fp8_param with the distributed optimizer (AdamW::gather_copies): each rank quantizes its
+// slots (its part of every 128 x 128 block's amax, one max over the shard group, the codes) and the
+// FP8 codes are gathered instead of compute copies. On every layout with a shard group of more
+// than one rank, against the same sharded run with compute copies: after each of 4 steps every
+// FP8-only weight's codes and scales are exactly fp8_quantize_blocks's of its whole (gathered)
+// master; the losses stay within 1e-6 (the FP8-only weights' buckets of their own move the slot
+// boundaries, so the gradient norm adds its squares in another order); the first layout also
+// without the overlapped gathers (the same bits). The compute copies shrink by the FP8 weights'
+// 4 bytes an element (f32 on the CPU), the FP8 copies stay as large (the codes moved into the
+// code block). Then a checkpoint saved at step 4 resumes (codes from the loaded masters) with the
+// uninterrupted run's losses.
+void fp8_param_sharded_changes_nothing(const Config& base_, bool resume) {
+  namespace fs = std::filesystem;
+  Communicator& world = testing::test_world();
+  if (world.size() == 1) GTEST_SKIP() << "one rank: every shard group has one rank";
+  Config cfg = base_;
+  cfg.train.fp8 = "blockwise";
+  cfg.parallel.distributed_optimizer = true;
+  int checked = 0;
+  for (const Layout& l : layouts(world.size())) {
+    SCOPED_TRACE(layout_name(l, world.size()));
+    Config off = with_layout(cfg, l), on = off;
+    on.train.fp8_param = true;
+    LayoutRun a(off, world), b(on, world);
+    if (b.mesh.dense->size() == 1 && b.mesh.edp->size() == 1) continue;
+    ++checked;
+    Config late = on;
+    late.parallel.overlap_param_gather = false;
+    std::unique_ptr<LayoutRun> c = checked == 1 ? std::make_unique<LayoutRun>(late, world) : nullptr;
+    const Memory &ma = a.trainer->memory(), &mb = b.trainer->memory();
+    double worst = 0;
+    for (int i = 0; i < 4; ++i) {
+      const double want = a.trainer->train_step().loss, got = b.trainer->train_step().loss;
+      ASSERT_NEAR(got, want, 1e-6 * want) << "step " << i + 1;
+      worst = std::max(worst, std::abs(got - want) / want);
+      if (c) {
+        ASSERT_EQ(c->trainer->train_step().loss, got) << "overlap_param_gather = false, step " << i + 1;
+      }
+      b.trainer->gather_master_weights();  // Param::value: the whole masters until the next step
+      for (const Param& p : mb.params()) {
+        if (!p.fp8_gathered) continue;
+        Pool pool;
+        const Tensor q = pool.zeros(p.grad.shape(), DType::u8);
+        const Tensor s = pool.zeros(fp8_block_scale_shape(p.grad.shape(), false), DType::f32);
+        fp8_quantize_blocks(ExecContext::standard(Device::cpu), p.value, q, s, Tensor(), Tensor());
+        ASSERT_EQ(std::memcmp(q.data(), p.fp8.q.data(), q.nbytes()), 0) << p.name << ", step " << i + 1;
+        ASSERT_EQ(std::memcmp(s.data(), p.fp8.s.data(), s.nbytes()), 0) << p.name << ", step " << i + 1;
+      }
+    }
+    size_t fp8_elems = 0, fp8_params = 0, slack = 0;
+    for (const Param& p : mb.params())
+      if (p.fp8_gathered) {
+        fp8_elems += static_cast<size_t>(p.grad.numel());
+        ++fp8_params;
+        EXPECT_FALSE(p.has_compute_copy()) << p.name;
+      }
+    for (int g = 0; g < kNumParamGroups; ++g)
+      for (const GradBucket& bk : mb.grad_buckets(static_cast<ParamGroup>(g)))
+        if (bk.fp8) slack += 4 * static_cast<size_t>(std::lcm(int64_t{64}, mb.shards(static_cast<ParamGroup>(g))));
+    EXPECT_GT(fp8_elems, 0u);
+    EXPECT_GE(ma.compute_bytes() + slack, mb.compute_bytes() + 4 * fp8_elems);
+    EXPECT_NEAR(static_cast<double>(mb.fp8_bytes()), static_cast<double>(ma.fp8_bytes()),
+                static_cast<double>(slack + 64 * fp8_params));
+    if (world.rank() == 0)
+      std::printf("fp8_param sharded, %s: %zu FP8-only elements, largest relative loss difference %.3g\n",
+                  layout_name(l, world.size()).c_str(), fp8_elems, worst);
+  }
+  EXPECT_GT(checked, 0);
+  if (!resume) return;
+  // A checkpoint of it resumes with the uninterrupted run's losses (data-parallel ranks only, TP 2
+  // on 8: the codes come from the loaded masters through the slots).
+  const fs::path dir = fresh_shared_dir(world, "fp8_param");
+  Config r = resume_config(cfg);
+  r.train.fp8_param = true;
+  r = with_layout(r, {world.size() == 8 ? 2 : 1, 1, 1, 1});  // at most 4 data-parallel ranks (4 sequences)
+  run_training(r, RunOptions{(dir / "full").string(), 8, false, true}, world);
+  const std::vector<double> want = metric_losses(dir / "full");
+  ASSERT_EQ(want.size(), 8u);
+  if (world.rank() == 0) copy_step4(dir / "full", dir / "resumed");
+  world.barrier();
+  run_training(r, RunOptions{(dir / "resumed").string(), 8, true, true}, world);
+  expect_resumed_steps(dir / "resumed", want);
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(dir);
+}
+
+TEST_F(Layouts, Fp8ParamWithDistributedOptimizerChangesNothing) {
+  fp8_param_sharded_changes_nothing(base_, true);
+  Config c = deepseek_;
+  c.moe.fp8_dispatch = true;
+  fp8_param_sharded_changes_nothing(c, false);
+}
 
 // moefold plan's numbers are the trainer's: for every layout (distributed optimizer on and off),
 // plan_memory for this rank (a shape-only mesh, nothing allocated) gives exactly the bytes the

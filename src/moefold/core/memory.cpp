@@ -34,7 +34,8 @@ void Arena::allocate() {
     p = device_malloc(capacity_ ? capacity_ : kAlign);
     device_zero(p, capacity_, stream_);
   } else {
-    p = pinned_ ? pinned_host_malloc(capacity_) : std::aligned_alloc(kAlign, capacity_ ? capacity_ : kAlign);
+    // aligned_alloc wants a multiple of the alignment (a block reserved to an odd byte count).
+    p = pinned_ ? pinned_host_malloc(capacity_) : std::aligned_alloc(kAlign, capacity_ ? round_up(capacity_) : kAlign);
     MF_CHECK(p != nullptr, "out of host memory allocating ", capacity_, " bytes");
     std::memset(p, 0, capacity_);
   }
@@ -134,6 +135,8 @@ Memory::Memory(DType dtype, const ExecContext& exec)
   for (Arena& a : params_arena_) a.set_device(device, stream);
   for (Arena& a : grads_) a.set_device(device, stream);
   for (Arena& a : compute_) a.set_device(device, stream);
+  for (Arena& a : codes_) a.set_device(device, stream);
+  for (Arena& a : scales_) a.set_device(device, stream);
   fp8_.set_device(device, stream);
   acts_.set_device(device, stream);
   peer_acts_.set_device(device, stream);
@@ -181,8 +184,10 @@ Tensor Memory::param(const ParamSpec& spec) {
       p.compute = compute_[g].take(dtype_, shape);
   }
   if (spec.fp8) {
-    p.fp8.q = fp8_.take(DType::u8, shape);
-    p.fp8.s = fp8_.take(DType::f32, fp8_block_scale_shape(shape, false));
+    if (!p.fp8_gathered) {  // else take_sharded placed them in the code and scale blocks
+      p.fp8.q = fp8_.take(DType::u8, shape);
+      p.fp8.s = fp8_.take(DType::f32, fp8_block_scale_shape(shape, false));
+    }
     p.fp8.qT = fp8_.take(DType::u8, fp8_transposed_shape(shape));
     p.fp8.sT = fp8_.take(DType::f32, fp8_block_scale_shape(shape, true));
   }
@@ -212,7 +217,6 @@ Tensor Memory::param(const ParamSpec& spec) {
 
 void Memory::set_fp8_params(bool on) {
   MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::set_fp8_params after parameters were registered");
-  MF_CHECK(!on || !sharded_, "FP8-only weights (train.fp8_param) with the distributed optimizer");
   fp8_params_ = on;
 }
 
@@ -242,7 +246,6 @@ void Memory::shard_layout(ShardLayout layout) {
   MF_CHECK(params_.empty() && grad_bytes() == 0, "Memory::shard_layout after parameters were registered");
   for (int64_t n : layout.shards) MF_CHECK(n >= 1, "Memory::shard_layout: ", n, " shards");
   MF_CHECK(layout.bucket_of != nullptr, "Memory::shard_layout without bucket_of");
-  MF_CHECK(!fp8_params_, "FP8-only weights (train.fp8_param) with the distributed optimizer");
   layout_ = std::move(layout);
   sharded_ = true;
 }
@@ -253,16 +256,46 @@ void Memory::take_sharded(Param& p, const ParamSpec& spec) {
   const int64_t shards = layout_.shards[g];
   std::vector<GradBucket>& buckets = buckets_[g];
   const int64_t key = layout_.bucket_of(spec.name);
-  if (buckets.empty() || buckets.back().key != key || buckets.back().full_master != spec.full_master) {
+  const bool fp8 = spec.fp8 && fp8_params_ && !spec.full_master;  // kept only in FP8: codes gathered
+  if (buckets.empty() || buckets.back().key != key || buckets.back().full_master != spec.full_master ||
+      buckets.back().fp8 != fp8) {
     // A new bucket starts at a multiple of the shard count (and of the arena's alignment).
     grads_[g].pad_to(std::lcm(kAlign, static_cast<size_t>(shards) * esize));
-    buckets.push_back({key, static_cast<int64_t>(grads_[g].used() / esize), 0, spec.full_master});
+    GradBucket b{key, static_cast<int64_t>(grads_[g].used() / esize), 0, spec.full_master, fp8};
+    // Its copies: the compute block skips the FP8-only buckets' room in whole multiples of 64
+    // elements and of the shard count (the gap to the last bucket with copies, rounded down), so
+    // the copies keep their gradients' alignment, and without FP8-only buckets copy_begin == begin
+    // (the gaps are the alignment padding, shorter than that multiple). The code block packs its
+    // buckets, each from a multiple of the alignment and of the shard count.
+    const auto last = std::find_if(buckets.rbegin(), buckets.rend(), [&](const GradBucket& c) { return c.fp8 == fp8; });
+    if (fp8) {
+      codes_[g].pad_to(std::lcm(kAlign, static_cast<size_t>(shards)));
+      b.copy_begin = static_cast<int64_t>(codes_[g].used());
+      scales_[g].pad_to(kAlign);
+      b.scale_begin = b.scale_end = static_cast<int64_t>(scales_[g].used() / sizeof(float));
+    } else {
+      const int64_t unit = std::lcm(int64_t{64}, shards);
+      const int64_t gap = b.begin - (last == buckets.rend() ? 0 : last->end);
+      const int64_t end = last == buckets.rend() ? 0 : last->copy_begin + (last->end - last->begin);
+      b.copy_begin = end + gap - gap / unit * unit;
+    }
+    buckets.push_back(b);
   }
-  const size_t at = grads_[g].used();  // bytes: the compute copy sits at the same element offset
+  GradBucket& b = buckets.back();
+  const size_t at = grads_[g].used();  // bytes: the copy sits at the same element offset in its bucket
   p.grad = grads_[g].take(grad_dtype(spec.group), spec.shape);
   const int64_t end = static_cast<int64_t>(grads_[g].used() / esize);
-  buckets.back().end = (end + shards - 1) / shards * shards;
-  p.compute = compute_[g].take_at(dtype_, spec.shape, at / esize * dtype_size(dtype_));
+  b.end = (end + shards - 1) / shards * shards;
+  const auto copy_at = static_cast<size_t>(b.copy_begin + (static_cast<int64_t>(at / esize) - b.begin));
+  if (fp8) {
+    p.compute = Tensor(nullptr, dtype_, spec.shape, device_);
+    p.fp8.q = codes_[g].take_at(DType::u8, spec.shape, copy_at);
+    p.fp8.s = scales_[g].take(DType::f32, fp8_block_scale_shape(spec.shape, false));
+    p.fp8_gathered = true;
+    b.scale_end = static_cast<int64_t>(scales_[g].used() / sizeof(float));
+  } else {
+    p.compute = compute_[g].take_at(dtype_, spec.shape, copy_at * dtype_size(dtype_));
+  }
   if (spec.full_master)
     p.value = params_arena_[g].take(master_dtype(), spec.shape);
   else if (p.grad.dtype() == master_dtype())
@@ -270,6 +303,13 @@ void Memory::take_sharded(Param& p, const ParamSpec& spec) {
   else  // bf16 gradients: the master's staging in host memory, at the gradient's element offset
     p.value = staging_[g].take_at(master_dtype(), spec.shape, at / esize * dtype_size(master_dtype()));
   if (spec.full_master && !mixed_precision()) p.compute = p.value;
+}
+
+int64_t Memory::copy_elems(int g, bool fp8) const {
+  int64_t n = 0;
+  for (const GradBucket& b : buckets_[g])
+    if (b.fp8 == fp8) n = std::max(n, b.copy_begin + (b.end - b.begin));
+  return n;
 }
 
 Tensor Memory::master_staging(ParamGroup group) const {
@@ -281,7 +321,19 @@ Tensor Memory::master_staging(ParamGroup group) const {
 Tensor Memory::compute_block(ParamGroup group) const {
   MF_CHECK(sharded_, "Memory::compute_block without the distributed optimizer's layout");
   const int g = static_cast<int>(group);
-  return Tensor(compute_[g].base(), dtype_, {block_elems(g)}, device_);
+  return Tensor(compute_[g].base(), dtype_, {copy_elems(g, false)}, device_);
+}
+
+Tensor Memory::code_block(ParamGroup group) const {
+  MF_CHECK(sharded_, "Memory::code_block without the distributed optimizer's layout");
+  const int g = static_cast<int>(group);
+  return Tensor(codes_[g].base(), DType::u8, {copy_elems(g, true)}, device_);
+}
+
+Tensor Memory::scale_block(ParamGroup group) const {
+  MF_CHECK(sharded_, "Memory::scale_block without the distributed optimizer's layout");
+  const int g = static_cast<int>(group);
+  return Tensor(scales_[g].base(), DType::f32, {static_cast<int64_t>(scales_[g].used() / sizeof(float))}, device_);
 }
 
 Shape Param::global_shape() const {
@@ -465,12 +517,15 @@ void Memory::allocate() {
     grads_[g].reserve_to(static_cast<size_t>(block_elems(g)) * dtype_size(grad_dtype(static_cast<ParamGroup>(g))));
     if (grad_dtype(static_cast<ParamGroup>(g)) != master_dtype())
       staging_[g].reserve_to(static_cast<size_t>(block_elems(g)) * dtype_size(master_dtype()));
-    compute_[g].reserve_to(static_cast<size_t>(block_elems(g)) * dtype_size(dtype_));
+    compute_[g].reserve_to(static_cast<size_t>(copy_elems(g, false)) * dtype_size(dtype_));
+    codes_[g].reserve_to(static_cast<size_t>(copy_elems(g, true)));
   }
   for (int g = 0; g < kNumParamGroups; ++g) {
     params_arena_[g].allocate();
     grads_[g].allocate();
     compute_[g].allocate();
+    codes_[g].allocate();
+    scales_[g].allocate();
     staging_[g].allocate();
   }
   fp8_.allocate();
@@ -501,6 +556,8 @@ std::vector<const Arena*> Memory::arenas() const {
     all.push_back(&params_arena_[g]);
     all.push_back(&grads_[g]);
     all.push_back(&compute_[g]);
+    all.push_back(&codes_[g]);
+    all.push_back(&scales_[g]);
   }
   all.push_back(&fp8_);
   all.push_back(&acts_);
@@ -522,11 +579,16 @@ size_t Memory::master_bytes() const {
 size_t Memory::compute_bytes() const {
   size_t n = 0;
   for (int g = 0; g < kNumParamGroups; ++g)
-    n += std::max(compute_[g].used(), static_cast<size_t>(block_elems(g)) * dtype_size(dtype_));
+    n += std::max(compute_[g].used(), static_cast<size_t>(copy_elems(g, false)) * dtype_size(dtype_));
   return n;
 }
 
-size_t Memory::fp8_bytes() const { return fp8_.used(); }
+size_t Memory::fp8_bytes() const {
+  size_t n = fp8_.used();
+  for (int g = 0; g < kNumParamGroups; ++g)
+    n += std::max(codes_[g].used(), static_cast<size_t>(copy_elems(g, true))) + scales_[g].used();
+  return n;
+}
 
 size_t Memory::grad_bytes() const {
   size_t n = 0;

@@ -188,6 +188,9 @@ struct Param {
   // forward reads the FP8 copy only, which the master refreshes.
   Fp8Weight fp8;
   uint64_t fp8_version = ~uint64_t{0};
+  // Sharded FP8-only (GradBucket::fp8): fp8.q and fp8.s come from the optimizer (its slots
+  // quantized, the codes gathered); a refresh only transposes them into qT and sT.
+  bool fp8_gathered = false;
   // Whether `compute` is a separate copy the writers of `value` refresh.
   bool has_compute_copy() const { return compute.data() != nullptr && compute.data() != value.data(); }
 
@@ -235,9 +238,19 @@ struct ShardLayout {
 // the group's shard count, so rank k of the shard group owns slot [begin + k s, begin + (k + 1) s),
 // s = (end - begin) / shards. full_master: its parameters are ParamSpec::full_master (the bucket is
 // all-reduced and updated whole on every rank).
+// copy_begin: where the bucket's copies start, in the group's compute block (Memory::compute_block),
+// or, fp8, in its code block: slot k's copies at [copy_begin + k s, copy_begin + (k + 1) s). Without
+// FP8-only buckets copy_begin == begin (the compute block mirrors the gradient block).
+// fp8: the bucket's weights are kept only in FP8 (Memory::set_fp8_params): no compute copies, their
+// FP8 codes (Param::fp8.q) are views of the group's code block (u8, at their gradients' element
+// offsets within the bucket, from copy_begin) and their block scales (Param::fp8.s) views of its
+// scale block, elements [scale_begin, scale_end) (AdamW quantizes its slot and gathers the codes).
 struct GradBucket {
   int64_t key = 0, begin = 0, end = 0;
   bool full_master = false;
+  bool fp8 = false;
+  int64_t copy_begin = 0;
+  int64_t scale_begin = 0, scale_end = 0;
 };
 
 class Memory {
@@ -273,7 +286,9 @@ class Memory {
   void weights_changed() { ++weights_version_; }
   // train.fp8_param: parameters registered with ParamSpec::fp8 get no bf16 compute copy (mixed
   // precision; their FP8 copy is quantized from the master, rounded to bf16 first, so the FP8
-  // codes are the ones the copy would give). REQUIRES: before the first bind; not sharded.
+  // codes are the ones the copy would give). Sharded (shard_layout), such parameters (full_master
+  // ones excepted) get no compute copy whatever the dtypes, and buckets of their own
+  // (GradBucket::fp8). REQUIRES: before the first bind.
   void set_fp8_params(bool on);
   bool fp8_params() const { return fp8_params_; }
 
@@ -376,8 +391,13 @@ class Memory {
   int64_t shards(ParamGroup group) const { return layout_.shards[static_cast<int>(group)]; }
   // The group's buckets in block order (sharded; empty when the group has no parameters).
   const std::vector<GradBucket>& grad_buckets(ParamGroup group) const { return buckets_[static_cast<int>(group)]; }
-  // The group's compute copies as one flat tensor laid out like grad_block (sharded only).
+  // The group's compute copies as one flat tensor (sharded only): bucket b's at b.copy_begin (laid
+  // out like grad_block but for the FP8-only buckets' room, which it skips).
   Tensor compute_block(ParamGroup group) const;
+  // Sharded with FP8-only weights (set_fp8_params): the group's FP8 codes (u8) and block scales
+  // (f32) as flat tensors (GradBucket::fp8); empty without such buckets.
+  Tensor code_block(ParamGroup group) const;
+  Tensor scale_block(ParamGroup group) const;
   // Sharded with bf16 gradients: the group's f32 master staging in host memory, laid out like
   // grad_block (Param::value views it); undefined otherwise (the gradients' storage stages).
   Tensor master_staging(ParamGroup group) const;
@@ -462,10 +482,11 @@ class Memory {
   int64_t grad_generation_ = 0;
   std::vector<GradWrite>* grad_writes_ = nullptr;
   Arena params_arena_[kNumParamGroups], grads_[kNumParamGroups], compute_[kNumParamGroups], acts_;
-  Arena fp8_;                        // the FP8 weight copies (Param::fp8)
-  Arena staging_[kNumParamGroups];   // host: sharded masters' staging with bf16 gradients
-  Arena host_acts_;                  // always host memory; empty on a CPU run
-  Arena peer_acts_;                  // the peer-visible activations (peer_act)
+  Arena fp8_;                                               // the FP8 weight copies (Param::fp8)
+  Arena codes_[kNumParamGroups], scales_[kNumParamGroups];  // sharded FP8-only buckets' codes and scales
+  Arena staging_[kNumParamGroups];                          // host: sharded masters' staging with bf16 gradients
+  Arena host_acts_;                                         // always host memory; empty on a CPU run
+  Arena peer_acts_;                                         // the peer-visible activations (peer_act)
   OverlayPool scratch_, recompute_;  // shared between layers (1 slot); recomputed layers (a slot per position)
   OverlayPool exchange_scratch_;     // exchange_scratch (1 slot)
   OverlayPool offload_;              // offloaded layers (a slot per layer index mod the model's slot count)
@@ -473,7 +494,7 @@ class Memory {
   bool in_layer_ = false, acts_in_scratch_ = false, shared_params_ = false, fp8_params_ = false;
   uint64_t weights_version_ = 0;
   int recompute_slot_ = -1, offload_slot_ = -1;
-  size_t measured_[3 * kNumParamGroups + 5] = {};
+  size_t measured_[5 * kNumParamGroups + 5] = {};
   bool sharded_ = false;
   ShardLayout layout_;
   std::vector<PartBytes> parts_;  // measuring pass: workspace bytes by part
@@ -485,6 +506,9 @@ class Memory {
   std::vector<GradBucket> buckets_[kNumParamGroups];  // sharded: each group's buckets
   // Sharded: elements of group g's padded blocks (the last bucket's end).
   int64_t block_elems(int g) const { return buckets_[g].empty() ? 0 : buckets_[g].back().end; }
+  // Sharded: elements of group g's compute block (fp8 false) or code block (true): the furthest
+  // copy end of its buckets of that kind.
+  int64_t copy_elems(int g, bool fp8) const;
   std::vector<const Arena*> arenas() const;            // every arena, in a fixed order
   void take_sharded(Param& p, const ParamSpec& spec);  // Memory::param's tensors with shard_layout
   std::vector<Param> params_;

@@ -156,7 +156,8 @@ struct TrainConfig {
   std::string fp8 = "none";
   std::vector<std::string> fp8_exclude;
   // FP8 weights only: the FP8 linears' weights kept as their FP8 copies (quantized from the f32
-  // masters), without bf16 compute copies (Memory::set_fp8_params). Same results.
+  // masters), without bf16 compute copies (Memory::set_fp8_params). Same results. With the
+  // distributed optimizer the codes of each rank's slots are gathered (AdamW).
   bool fp8_param = false;
   // CUDA graphs: "none", "layers" (each decoder layer's forward and backward captured once and
   // replayed: the host issues one launch per layer instead of one per op; model/layer_graphs.h) or

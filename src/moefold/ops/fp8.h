@@ -68,6 +68,25 @@ void fp8_quantize_cols(const ExecContext& ctx, const Tensor& x_RC, const Tensor&
 // master quantized into the codes its bf16 copy would give: train.fp8_param).
 void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& q, const Tensor& s, const Tensor& qT,
                          const Tensor& sT, bool via_bf16 = false);
+// ---- FP8-only weights under the distributed optimizer (train.fp8_param, AdamW) ----------------
+// A rank updates a flat part of a weight: elements [first, first + part.numel()) of the whole
+// weight of shape `whole` ([O, I] or [E, O, I]; part a contiguous f32, f64 or bf16 tensor). Its
+// blocks' codes come out as fp8_quantize_blocks's of the whole weight would, in four steps: each
+// rank's fp8_block_amax, a max over the ranks, fp8_scales_from_amax, each rank's
+// fp8_quantize_part (then the codes gathered), fp8_transpose_blocks for the transposed operands.
+// amax (f32, fp8_block_scale_shape(whole, false)): amax[b] = max(amax[b], |v|) over the part's
+// values v in block b (rounded to bf16 first with via_bf16); a non-finite v counts as +infinity.
+// The caller zeroes amax before the first part.
+void fp8_block_amax(const ExecContext& ctx, const Tensor& part, const Shape& whole, int64_t first, const Tensor& amax,
+                    bool via_bf16 = false);
+// In place, any f32 tensor: each amax to its block's scale (fp8_tile_scale; +infinity -> 1).
+void fp8_scales_from_amax(const ExecContext& ctx, const Tensor& amax_to_scale);
+// q_part (u8, part's numel): part's codes, e4m3(v / s[its block]), s (f32, fp8_block_scale_shape(whole,
+// false)) the scales of the whole weight's blocks.
+void fp8_quantize_part(const ExecContext& ctx, const Tensor& part, const Shape& whole, int64_t first, const Tensor& s,
+                       const Tensor& q_part, bool via_bf16 = false);
+// qT and sT of fp8_quantize_blocks from its q and s (a transpose of each matrix and of its scales).
+void fp8_transpose_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& qT, const Tensor& sT);
 // x_RK [R, K] into the packed layout p_RW (u8 [R, fp8_packed_width(K)]).
 void fp8_quantize_packed(const ExecContext& ctx, const Tensor& x_RK, const Tensor& p_RW);
 // h = swiglu(gu) (GateUp::pairs, ops.h swiglu_forward: rounded to gu's dtype) into the packed layout

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "moefold/core/exec.h"
+#include "moefold/ops/fp8.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -72,8 +73,21 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
       v_dtype_ = moment_dtype(cfg_.exp_avg_sq_dtype, p.value.dtype());
       exp_avg_.push_back(arena_.take(m_dtype_, p.value.shape()));
       exp_avg_sq_.push_back(arena_.take(v_dtype_, p.value.shape()));
-      segments_.push_back({i, p.group, 0, n, p.value.view({n}), exp_avg_.back().view({n}), exp_avg_sq_.back().view({n}),
-                           p.grad.view({n}), p.has_compute_copy() ? p.compute.view({n}) : Tensor(), true});
+      segments_.push_back({i,
+                           p.group,
+                           0,
+                           n,
+                           p.value.view({n}),
+                           exp_avg_.back().view({n}),
+                           exp_avg_sq_.back().view({n}),
+                           p.grad.view({n}),
+                           p.has_compute_copy() ? p.compute.view({n}) : Tensor(),
+                           true,
+                           false,
+                           0,
+                           {},
+                           0,
+                           0});
     }
   };
   take_all();  // measure
@@ -161,6 +175,7 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
   m_dtype_ = moment_dtype(cfg_.exp_avg_dtype, dt);
   v_dtype_ = moment_dtype(cfg_.exp_avg_sq_dtype, dt);
   const std::vector<Param>& params = mem.params();
+  const double fraction = cfg_.optimizer_offload_fraction;
   for (int g = 0; g < kNumParamGroups; ++g) {
     const ParamGroup group = static_cast<ParamGroup>(g);
     Group& gr = groups_[static_cast<size_t>(g)];
@@ -172,6 +187,10 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
              " ranks");
     gr.grad_block = mem.grad_block(group);
     gr.compute_block = mem.compute_block(group);
+    gr.code_block = mem.code_block(group);
+    gr.scale_block = mem.scale_block(group);
+    for (const GradBucket& b : gr.buckets)
+      MF_CHECK(!b.fp8 || fraction == 0, "AdamW: optimizer offload with FP8-only weights (train.fp8_param)");
     gr.stage = mem.master_staging(group);
     // Decided once: the step loop allocates nothing.
     gr.gather_order.clear();
@@ -184,7 +203,6 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
   }
   // One pass measures, the next takes: per bucket the slot's master, m and v (one tensor each,
   // the slot's segments are views of it), or a full_master bucket's m and v.
-  const double fraction = cfg_.optimizer_offload_fraction;
   MF_CHECK(fraction == 0 || mem.device() == Device::cuda, "optimizer offload on a CPU run");  // apply_memory_options
   host_arena_.set_device(Device::cpu);
   host_arena_.set_pinned(true);
@@ -215,13 +233,16 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
         const int64_t staging = staged;
         staged += s1 - sp;
         if (arena_.measuring()) continue;
+        const int64_t to_copy = b.copy_begin - b.begin;  // a block element's place among the copies
         for (int64_t p = sp; p < s1; p += kPieceElements)
-          pieces_.push_back({static_cast<size_t>(g), p, staging + (p - sp), std::min(kPieceElements, s1 - p)});
+          pieces_.push_back(
+              {static_cast<size_t>(g), p, staging + (p - sp), std::min(kPieceElements, s1 - p), p + to_copy});
         for (const auto& [range, i] : ranges) {
           const Param& p = params[i];
           const int64_t a = std::max(range.first, s0), e = std::min(range.second, sp);
           if (a < e) {
-            Segment sg{i, p.group, a, e, {}, m.slice(a - s0, e - s0), v.slice(a - s0, e - s0), {}, {}, whole};
+            Segment sg{i,     p.group, a,  e, {}, m.slice(a - s0, e - s0), v.slice(a - s0, e - s0), {}, {}, whole,
+                       false, 0,       {}, 0, bi};
             if (whole) {  // the parameter's own master; its compute copy where it has one
               sg.master = p.value.view({p.value.numel()});
               sg.grad = p.grad.view({p.grad.numel()});
@@ -229,7 +250,13 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
             } else {
               sg.master = master.slice(a - s0, e - s0);
               sg.grad = gr.grad_block.slice(a, e);
-              sg.compute = gr.compute_block.slice(a, e);
+              const int64_t c = b.copy_begin - b.begin;  // the copies' offset from the gradients'
+              if (b.fp8) {
+                sg.code = gr.code_block.slice(a + c, e + c);
+                sg.first = a - range.first;
+              } else {
+                sg.compute = gr.compute_block.slice(a + c, e + c);
+              }
             }
             segments_.push_back(std::move(sg));
           }
@@ -243,10 +270,13 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
                        hm.slice(ha - sp, he - sp),
                        hv.slice(ha - sp, he - sp),
                        gr.grad_block.slice(ha, he),
-                       gr.compute_block.slice(ha, he),
+                       gr.compute_block.slice(ha + b.copy_begin - b.begin, he + b.copy_begin - b.begin),
                        false,
                        true,
-                       staging + (ha - sp)};
+                       staging + (ha - sp),
+                       {},
+                       0,
+                       bi};
             segments_.push_back(std::move(sg));
           }
         }
@@ -341,14 +371,41 @@ void AdamW::step(std::vector<Param>& params, double lr, double grad_scale) {
   if (!pieces_.empty()) step_host(params, AdamWStep{lr, b1, b2, eps, 0.0, bc1, bc2, grad_scale});
   // Every rank's updated slots to every rank, each group's buckets in forward order on its
   // stream (the first layer's weights first).
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    const Group& gr = groups_[g];
-    for (const size_t i : gr.gather_order) {
-      const GradBucket& b = gr.buckets[i];
-      pending_[g].emplace_back(b.key, gr.comm->start_all_gather(gr.compute_block.slice(b.begin, b.end)));
-    }
-  }
+  for (size_t g = 0; g < groups_.size(); ++g) gather_copies(g);
   if (!overlap_gather_) wait_all_weights();
+}
+
+void AdamW::gather_copies(size_t g, bool fp8_only) {
+  const Group& gr = groups_[g];
+  if (gr.scale_block.defined() && gr.scale_block.numel() > 0) {
+    // The FP8-only buckets' block scales: each rank's amax of its slots' part of every block (the
+    // values rounded to the compute dtype, as its copies would be), one max over the shard group,
+    // the scales; then each slot's codes. Each code depends only on its value and its block's
+    // amax, so the codes are those of quantizing each whole weight (fp8_quantize_blocks).
+    if (gr.scale_block.device() == Device::cuda)
+      device_zero(gr.scale_block.data(), gr.scale_block.nbytes(), ctx_->stream());
+    else
+      gr.scale_block.zero();
+    for (const Segment& sg : segments_)
+      if (static_cast<size_t>(sg.group) == g && sg.code.defined()) {
+        const Param& p = (*params_)[sg.param];
+        fp8_block_amax(*ctx_, sg.master, p.grad.shape(), sg.first, p.fp8.s, mixed_);
+      }
+    gr.comm->wait(gr.comm->start_all_reduce(gr.scale_block, ReduceOp::max));
+    fp8_scales_from_amax(*ctx_, gr.scale_block);
+    for (const Segment& sg : segments_)
+      if (static_cast<size_t>(sg.group) == g && sg.code.defined()) {
+        const Param& p = (*params_)[sg.param];
+        fp8_quantize_part(*ctx_, sg.master, p.grad.shape(), sg.first, p.fp8.s, sg.code, mixed_);
+      }
+  }
+  for (const size_t i : gr.gather_order) {
+    const GradBucket& b = gr.buckets[i];
+    if (fp8_only && !b.fp8) continue;
+    const Tensor& copies = b.fp8 ? gr.code_block : gr.compute_block;
+    pending_[g].emplace_back(b.key,
+                             gr.comm->start_all_gather(copies.slice(b.copy_begin, b.copy_begin + (b.end - b.begin))));
+  }
 }
 
 void AdamW::step_host(const std::vector<Param>& params, const AdamWStep& base) {
@@ -377,10 +434,9 @@ void AdamW::step_host(const std::vector<Param>& params, const AdamWStep& base) {
                         sg.v.slice(a, e), s, bf16_compute ? compute : Tensor(), threads_.get());
       if (!bf16_compute) compute.copy_from(master);  // an f32 compute copy is the master itself
     }
-    device_copy_async(
-        static_cast<char*>(groups_[pc.group].compute_block.data()) + static_cast<size_t>(pc.begin) * csize,
-        Device::cuda, static_cast<const char*>(host_compute_.data()) + static_cast<size_t>(p0) * csize, Device::cpu,
-        static_cast<size_t>(pc.n) * csize, copy_->stream());
+    device_copy_async(static_cast<char*>(groups_[pc.group].compute_block.data()) + static_cast<size_t>(pc.copy) * csize,
+                      Device::cuda, static_cast<const char*>(host_compute_.data()) + static_cast<size_t>(p0) * csize,
+                      Device::cpu, static_cast<size_t>(pc.n) * csize, copy_->stream());
   }
   ctx_->wait_for(*copy_);  // the gathers and the next forward read the copied compute copies
 }
@@ -515,9 +571,15 @@ void AdamW::scatter_state() {
   for (const Segment& sg : segments_)
     if (sharded_ && !sg.whole)
       sg.master.copy_from(groups_[static_cast<size_t>(sg.group)].exposure().slice(sg.begin, sg.end), ctx_);
-  // Every rank holds every value: each compute copy is cast whole, no gather needed.
+  // Every rank holds every value: each compute copy is cast whole, no gather needed. The FP8-only
+  // weights' codes come from the slots as the step makes them (gathered).
   for (const Param& p : params)
     if (p.has_compute_copy()) convert(p.value, p.compute);
+  if (sharded_) {
+    for (size_t g = 0; g < groups_.size(); ++g)
+      if (groups_[g].scale_block.defined() && groups_[g].scale_block.numel() > 0) gather_copies(g, true);
+    wait_all_weights();
+  }
   const bool loaded = !host_m_[0].empty() || !host_m_[1].empty() || !host_m_[2].empty();
   if (!exposed_ || !loaded) return release_state();
   // The moments, each in turn, from host memory through each group's exposure block (the gradients,

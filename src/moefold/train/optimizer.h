@@ -110,22 +110,33 @@ class AdamW {
     // staging at `staging` (elements).
     bool host = false;
     int64_t staging = 0;
+    // In an FP8-only bucket (GradBucket::fp8): no compute copy; its FP8 codes (the code block's
+    // slice) and its first element's flat index in the parameter. bucket: its bucket's index.
+    Tensor code;
+    int64_t first = 0;
+    size_t bucket = 0;
   };
   // A piece of the offloaded elements: block elements [begin, begin + n) of `group`, staging
   // elements [staging, staging + n); the unit of the copies and of the host update's pipeline.
   struct Piece {
     size_t group = 0;
     int64_t begin = 0, staging = 0, n = 0;
+    int64_t copy = 0;  // where its compute copies lie in the group's compute block
   };
   // The offloaded segments' update (step).
   void step_host(const std::vector<Param>& params, const AdamWStep& base);
   // The batched updates of the small segments (bind's last part).
   void make_batches();
+  // Group g's buckets' updated copies to every rank, in forward order: the FP8-only buckets' slots
+  // quantized first (their blocks' amax, one max over the shard group, scales, codes), then every
+  // bucket's gather started (pending_). fp8_only: those buckets only (scatter_state).
+  void gather_copies(size_t g, bool fp8_only = false);
   // Each group's sharded buckets and its communicator.
   struct Group {
     Communicator* comm = nullptr;
     Tensor grad_block, compute_block;
-    Tensor stage;  // bf16 gradients: the f32 host staging of the masters (Memory::master_staging)
+    Tensor code_block, scale_block;  // FP8-only buckets' codes and scales (Memory::code_block)
+    Tensor stage;                    // bf16 gradients: the f32 host staging of the masters (Memory::master_staging)
     // Where the exposed state passes (gather_state, scatter_state): the staging, else the gradients.
     const Tensor& exposure() const { return stage.defined() ? stage : grad_block; }
     std::vector<GradBucket> buckets;

@@ -596,12 +596,20 @@ PerfPrediction predict_step(const Config& cfg, int64_t world, const Cluster& clu
   for (size_t i = 0; i < stages.size(); ++i) {
     const Stage& st = stages[i];
     // Gradients: reduce-scatter (distributed optimizer) or all-reduce over DP x CP (dense) and EDP
-    // (experts), in the main gradients' dtype; then the updated bf16 weights all-gathered.
+    // (experts), in the main gradients' dtype; then the updated bf16 weights all-gathered, or with
+    // train.fp8_param the FP8 linears' codes (a byte an element; their scales are ~0.01% more).
     const int64_t dn = l.dp * l.cp;
     const double rs =
         ring_ms(st.params_dense * gb, dn, l.tp, cluster) + ring_ms(st.params_expert * gb, edp, l.ep * l.etp, cluster);
-    const double ag =
-        ring_ms(st.params_dense * 2, dn, l.tp, cluster) + ring_ms(st.params_expert * 2, edp, l.ep * l.etp, cluster);
+    // The FP8 linears' weights (dense, experts).
+    double fp8_dense = 0;
+    const double fp8_expert = s.fp8.experts ? st.params_expert : 0;
+    if (s.fp8.qkv) fp8_dense += static_cast<double>(st.layers) * lp.attn / tp;
+    if (s.fp8.shared_experts || s.fp8.mlp) fp8_dense += st.params_dense - static_cast<double>(st.layers) * lp.attn / tp;
+    fp8_dense = std::clamp(fp8_dense, 0.0, st.params_dense);
+    const double codes = t.fp8_param ? 1 : 0;  // bytes each FP8 weight element saves in the gather
+    const double ag = ring_ms(st.params_dense * 2 - codes * fp8_dense, dn, l.tp, cluster) +
+                      ring_ms(st.params_expert * 2 - codes * fp8_expert, edp, l.ep * l.etp, cluster);
     const double grad_ms = dist ? rs : 2 * rs, gather_ms = dist ? ag : 0;
     // Overlap (parallel.overlap_grad_reduce / overlap_param_gather): each layer's reduction starts
     // as its backward ends in the step's last micro-batch, so all but the last layer's hides behind
@@ -626,14 +634,7 @@ PerfPrediction predict_step(const Config& cfg, int64_t world, const Cluster& clu
     double opt_ms = bytes_ms((elems - offloaded) * (8 + moments + gb + 2) + elems * gb, cluster.gpu.hbm_gbps) +
                     offloaded / kOffloadElementsPerS * 1e3;
     // FP8: the FP8 linears' weights quantized once per step.
-    double quant_ms = 0;
-    if (s.fp8.any()) {
-      double w = 0;
-      if (s.fp8.experts) w += st.params_expert;
-      if (s.fp8.qkv) w += static_cast<double>(st.layers) * lp.attn / tp;
-      if (s.fp8.shared_experts || s.fp8.mlp) w += st.params_dense - static_cast<double>(st.layers) * lp.attn / tp;
-      quant_ms = std::max(0.0, w) / cluster.gpu.fp8_weight_quant_per_s * 1e3;
-    }
+    const double quant_ms = (fp8_dense + fp8_expert) / cluster.gpu.fp8_weight_quant_per_s * 1e3;
     const double mb = st.mb_ms;
     const double bubble = l.pp > 1 ? bubble_fraction(l.pp, l.vpp, micro) * static_cast<double>(micro) * mb : 0;
     const double step = static_cast<double>(micro) * mb + bubble + grad_exposed + gather_exposed + opt_ms + quant_ms;

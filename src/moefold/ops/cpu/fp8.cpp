@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "moefold/ops/dispatch.h"
@@ -283,6 +284,99 @@ void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& 
                sd[si] = scale;
                if (st) st[(e * ib + i0 / kFp8Tile) * ob + o0 / kFp8Tile] = scale;
              });
+}
+
+namespace {
+
+// A flat part of a weight of shape `whole` (fp8_block_amax, fp8_quantize_part): the checks.
+void check_part(const Tensor& part, const Shape& whole, int64_t first, const Tensor& s, const Tensor& q,
+                const char* what) {
+  MF_CHECK(whole.ndim == 2 || whole.ndim == 3, what, ": whole weight ", whole.str(), " ([O, I] or [E, O, I])");
+  MF_CHECK(part.contiguous() && is_float(part.dtype()), what, ": part ", part.str(), " (contiguous f32, f64 or bf16)");
+  MF_CHECK(first >= 0 && first + part.numel() <= whole.numel(), what, ": elements [", first, ", ", first + part.numel(),
+           ") of a weight of ", whole.numel());
+  check_shape(s, fp8_block_scale_shape(whole, false), what);
+  MF_CHECK(s.dtype() == DType::f32 && s.contiguous(), what, ": scales ", s.str(), " (contiguous f32)");
+  if (q.defined())
+    MF_CHECK(q.dtype() == DType::u8 && q.contiguous() && q.numel() == part.numel(), what, ": codes ", q.str(),
+             " for a part of ", part.numel());
+  check_same_device({&part, &s, &q}, what);
+}
+
+// Calls each(j, b) for a part's element j, b the flat index of its block's scale.
+template <class Each>
+void for_part_blocks(int64_t n, const Shape& whole, int64_t first, const Each& each) {
+  const int64_t o_n = whole[whole.ndim - 2], i_n = whole[whole.ndim - 1];
+  const int64_t ob = tiles(o_n), ib = tiles(i_n);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t g = first + j, e = g / (o_n * i_n), o = g / i_n % o_n, i = g % i_n;
+    each(j, (e * ob + o / kFp8Tile) * ib + i / kFp8Tile);
+  }
+}
+
+// Element j of a part: its value as fp8_quantize_blocks reads it.
+float part_value(const Tensor& part, int64_t j, bool via_bf16) {
+  const float v = load(part.data(), part.dtype(), j);
+  return via_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
+}  // namespace
+
+void fp8_block_amax(const ExecContext& ctx, const Tensor& part, const Shape& whole, int64_t first, const Tensor& amax,
+                    bool via_bf16) {
+  check_part(part, whole, first, amax, Tensor(), "fp8_block_amax");
+  MF_ON_GPU(ctx, part, cuda::fp8_block_amax(ctx, part, whole, first, amax, via_bf16));
+  float* m = amax.ptr<float>();
+  for_part_blocks(part.numel(), whole, first, [&](int64_t j, int64_t b) {
+    const float a = std::fabs(part_value(part, j, via_bf16));
+    m[b] = std::max(m[b], std::isfinite(a) ? a : std::numeric_limits<float>::infinity());
+  });
+}
+
+void fp8_scales_from_amax(const ExecContext& ctx, const Tensor& amax_to_scale) {
+  MF_CHECK(amax_to_scale.dtype() == DType::f32 && amax_to_scale.contiguous(),
+           "fp8_scales_from_amax: ", amax_to_scale.str(), " (contiguous f32)");
+  MF_ON_GPU(ctx, amax_to_scale, cuda::fp8_scales_from_amax(ctx, amax_to_scale));
+  float* a = amax_to_scale.ptr<float>();
+  for (int64_t i = 0; i < amax_to_scale.numel(); ++i) a[i] = fp8_tile_scale(a[i]);
+}
+
+void fp8_quantize_part(const ExecContext& ctx, const Tensor& part, const Shape& whole, int64_t first, const Tensor& s,
+                       const Tensor& q_part, bool via_bf16) {
+  MF_CHECK(q_part.defined(), "fp8_quantize_part: no codes tensor");
+  check_part(part, whole, first, s, q_part, "fp8_quantize_part");
+  MF_ON_GPU(ctx, part, cuda::fp8_quantize_part(ctx, part, whole, first, s, q_part, via_bf16));
+  const float* sd = s.ptr<float>();
+  uint8_t* q = q_part.ptr<uint8_t>();
+  for_part_blocks(part.numel(), whole, first,
+                  [&](int64_t j, int64_t b) { q[j] = e4m3_from_float(part_value(part, j, via_bf16) / sd[b]); });
+}
+
+void fp8_transpose_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& qT,
+                          const Tensor& sT) {
+  const char* what = "fp8_transpose_blocks";
+  MF_CHECK((q.ndim() == 2 || q.ndim() == 3) && q.dtype() == DType::u8 && q.contiguous(), what, ": q ", q.str(),
+           " (contiguous u8 [O, I] or [E, O, I])");
+  check_shape(s, fp8_block_scale_shape(q.shape(), false), what);
+  check_shape(qT, fp8_transposed_shape(q.shape()), what);
+  check_shape(sT, fp8_block_scale_shape(q.shape(), true), what);
+  MF_CHECK(qT.dtype() == DType::u8 && s.dtype() == DType::f32 && sT.dtype() == DType::f32 && s.contiguous() &&
+               qT.contiguous() && sT.contiguous(),
+           what, ": qT ", qT.str(), ", s ", s.str(), ", sT ", sT.str(), " (contiguous u8, f32, f32)");
+  check_same_device({&q, &s, &qT, &sT}, what);
+  MF_ON_GPU(ctx, q, cuda::fp8_transpose_blocks(ctx, q, s, qT, sT));
+  const int64_t e_n = q.ndim() == 3 ? q.size(0) : 1, o_n = q.size(q.ndim() - 2), i_n = q.size(q.ndim() - 1);
+  const int64_t ob = tiles(o_n), ib = tiles(i_n);
+  const uint8_t* qd = q.ptr<uint8_t>();
+  uint8_t* qt = qT.ptr<uint8_t>();
+  for (int64_t e = 0; e < e_n; ++e)
+    for (int64_t o = 0; o < o_n; ++o)
+      for (int64_t i = 0; i < i_n; ++i) qt[(e * i_n + i) * o_n + o] = qd[(e * o_n + o) * i_n + i];
+  const float* sd = s.ptr<float>();
+  float* st = sT.ptr<float>();
+  for (int64_t e = 0; e < e_n; ++e)
+    for (int64_t a = 0; a < ob; ++a)
+      for (int64_t b = 0; b < ib; ++b) st[(e * ib + b) * ob + a] = sd[(e * ob + a) * ib + b];
 }
 
 void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK) {
@@ -619,6 +713,11 @@ namespace {
 // p's FP8 copy quantized again on `ctx` if the weights may have changed since it was made.
 void refresh_fp8_copy(const ExecContext& ctx, const Memory& mem, Param& p) {
   if (p.fp8_version == mem.weights_version()) return;
+  if (p.fp8_gathered) {  // q and s from the distributed optimizer (its gathered codes): transposed here
+    fp8_transpose_blocks(ctx, p.fp8.q, p.fp8.s, p.fp8.qT, p.fp8.sT);
+    p.fp8_version = mem.weights_version();
+    return;
+  }
   // Kept only in FP8: from the master, rounded as its bf16 copy would be.
   const bool from_master = p.compute.data() == nullptr;
   const bool via_bf16 = from_master && mem.dtype() == DType::bf16 && p.value.dtype() != DType::bf16;

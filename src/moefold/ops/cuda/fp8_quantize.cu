@@ -6,7 +6,9 @@
 // Memory-bound passes: rows give each warp one 128-element tile (a coalesced 256 / 512-byte row
 // segment, a warp max); cols stage a 128-row x 64-column tile per block and write its transpose
 // from shared memory, 128 contiguous bytes per column; blocks read a 128 x 128 block row by row and
-// write its transpose (qT) through shared memory the same way.
+// write its transpose (qT) through shared memory the same way. Parts of a weight (the distributed
+// optimizer's flat slices) are read row tile by row tile as in the rows layout: a warp's 128
+// elements share a block, so block amaxes take one atomicMax per 32 row tiles, not per element.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -364,6 +366,23 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- blocks ----------------------------------------------------------------------------------------
 
+// A block's codes staged transposed in shared memory (codes[column][row], h rows x wd columns) out
+// to qT's rows, dst its element (i0, o0) (qT [i, o_n]): warp w writes columns w, w + 8, ..., lane l
+// bytes 4l .. 4l + 3 of each (128 contiguous bytes). vec_t: o_n % 4 == 0 with qT 4-byte aligned.
+__device__ __forceinline__ void store_block_transposed(const uint8_t (*codes)[kCodeStride], uint8_t* __restrict__ dst,
+                                                       int64_t o_n, int h, int wd, bool vec_t) {
+  const int t = 4 * static_cast<int>(threadIdx.x % 32);
+  for (int cl = static_cast<int>(threadIdx.x / 32); cl < wd; cl += kWarps) {
+    uint8_t* row = dst + cl * o_n;
+    if (vec_t && t + 3 < h) {
+      *reinterpret_cast<uint32_t*>(row + t) = *reinterpret_cast<const uint32_t*>(&codes[cl][t]);
+    } else {
+      for (int j = 0; j < 4; ++j)
+        if (t + j < h) row[t + j] = codes[cl][t + j];
+    }
+  }
+}
+
 // Block (bi, bo, e): the 128 x 128 block (bo, bi) of matrix e. Lane l of warp w holds columns
 // 4l .. 4l + 3 of rows w, w + 8, ..., w + 120. kVec: i % 4 == 0 with aligned w and q (vector
 // loads and 32-bit stores); vec_t: o % 4 == 0 with qT aligned (32-bit stores of qT's rows).
@@ -432,16 +451,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (qT == nullptr) return;  // uniform over the block
   __syncthreads();
-  const int t = 4 * lane;
-  for (int cl = warp; cl < wd; cl += kWarps) {
-    uint8_t* dst = qT + e * i_n * o_n + (i0 + cl) * o_n + o0;
-    if (vec_t && t + 3 < h) {
-      *reinterpret_cast<uint32_t*>(dst + t) = *reinterpret_cast<const uint32_t*>(&codes[cl][t]);
-    } else {
-      for (int j = 0; j < 4; ++j)
-        if (t + j < h) dst[t + j] = codes[cl][t + j];
-    }
-  }
+  store_block_transposed(codes, qT + e * i_n * o_n + i0 * o_n + o0, o_n, h, wd, vec_t);
 }
 
 // w [e, o, i] = q * s, one thread per element.
@@ -454,6 +464,184 @@ __global__ void dequantize_blocks_kernel(const uint8_t* __restrict__ q, const fl
     const int64_t i = idx % i_n, o = (idx / i_n) % o_n, e = idx / (i_n * o_n);
     w[idx] = from_float<T>(e4m3_value(q[idx]) * s[(e * ob + o / kTile) * ib + i / kTile]);
   }
+}
+
+// q [e, o, i] into qT [e, i, o] and s [e, ob, ib] into sT [e, ib, ob] (fp8_transpose_blocks), block
+// (bi, bo, e) moving block (bo, bi) of matrix e as quantize_blocks_kernel moves its codes: rows read
+// 128 bytes a warp, staged transposed in shared memory, written 128 bytes a warp. kVec: i % 4 == 0
+// with q aligned (32-bit loads); vec_t as store_block_transposed's.
+template <bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    transpose_blocks_kernel(const uint8_t* __restrict__ q, const float* __restrict__ s, int64_t o_n, int64_t i_n,
+                            uint8_t* __restrict__ qT, float* __restrict__ sT, bool vec_t) {
+  const int64_t e = blockIdx.z, bo = blockIdx.y, bi = blockIdx.x, ob = gridDim.y, ib = gridDim.x;
+  const int64_t o0 = bo * kTile, i0 = bi * kTile;
+  const int h = static_cast<int>(std::min<int64_t>(kTile, o_n - o0)),
+            wd = static_cast<int>(std::min<int64_t>(kTile, i_n - i0));
+  const int c = 4 * static_cast<int>(threadIdx.x % 32);
+  __shared__ __align__(16) uint8_t codes[kTile][kCodeStride];
+  if (threadIdx.x == 0) sT[(e * ib + bi) * ob + bo] = s[(e * ob + bo) * ib + bi];
+  const uint8_t* src = q + e * o_n * i_n + o0 * i_n + i0 + c;
+  for (int o = static_cast<int>(threadIdx.x / 32); o < h; o += kWarps) {
+    if constexpr (kVec) {
+      if (c < wd) {  // wd % 4 == 0
+        const uint32_t c4 = *reinterpret_cast<const uint32_t*>(src + o * i_n);
+        for (int j = 0; j < 4; ++j) codes[c + j][o] = static_cast<uint8_t>(c4 >> (8 * j));
+      }
+    } else {
+      for (int j = 0; j < 4; ++j)
+        if (c + j < wd) codes[c + j][o] = src[o * i_n + j];
+    }
+  }
+  __syncthreads();
+  store_block_transposed(codes, qT + e * i_n * o_n + i0 * o_n + o0, o_n, h, wd, vec_t);
+}
+
+// ---- parts of a weight (fp8_block_amax, fp8_quantize_part) ----------------------------------------
+
+// A part (elements [first, first + n) of a weight [e, o_n, i_n], flat) seen as the rows of the
+// weight's [e * o_n, i_n] view it touches: rows [r0, r0 + rows). Each warp takes tiles of those rows
+// as quantize_rows_kernel does (lane l: columns 4l .. 4l + 3 of a 128-column tile), so a warp's
+// elements all lie in one block and need no index arithmetic per element.
+struct PartRows {
+  int64_t n, first, o_n, i_n, ob, ib, r0, rows;
+};
+
+constexpr int kPartRows = 4;  // rows per warp: block (x, b) covers rows 32x .. 32x + 31 of tile b
+static_assert(kWarps * kPartRows == 32, "block_amax_kernel gives each of its 32 row tiles a lane");
+
+// A warp's current row among the part's rows (y, then y + 8, ...): its matrix e and row o in the
+// weight and the part's index j of its column 0, one division for the first and steps after.
+struct PartRow {
+  int64_t y, e, o, j;
+  __device__ PartRow(const PartRows& p, int64_t first_y)
+      : y(first_y), e((p.r0 + y) / p.o_n), o(p.r0 + y - e * p.o_n), j((p.r0 + y) * p.i_n - p.first) {}
+  __device__ void next(const PartRows& p) {
+    y += kWarps;
+    j += kWarps * p.i_n;
+    for (o += kWarps; o >= p.o_n; o -= p.o_n) ++e;
+  }
+};
+
+// A lane's four elements of a row, tile blockIdx.y.
+struct PartQuad {
+  int64_t j;      // the part's index of the first element (outside [0, n) for elements not in the part)
+  int64_t block;  // the flat index of the elements' block (blocks layout [e, ob, ib])
+  unsigned in;    // bit k: element k lies in the part
+};
+
+// The lane's values v of `row` (0 where not in the part: they leave an amax as it is), read as the
+// blocks kernel reads w (rounded to bf16 first with via_bf16). kVec: i_n % 4 == 0, first % 4 == 0
+// and part aligned (a lane's four elements are then all in or all out, but for the part's last).
+template <class T, bool kVec>
+__device__ __forceinline__ PartQuad load_part_quad(const T* __restrict__ part, const PartRows& p, const PartRow& row,
+                                                   bool via_bf16, float v[4]) {
+  const int64_t c = blockIdx.y * static_cast<int64_t>(kTile) + 4 * (threadIdx.x % 32);
+  PartQuad quad{row.j + c, (row.e * p.ob + row.o / kTile) * p.ib + blockIdx.y, 0u};
+  for (int k = 0; k < 4; ++k) v[k] = 0.0f;
+  if (row.y < p.rows) {
+    if (row.j >= 0 && row.j + p.i_n <= p.n) {  // the whole row lies in the part (most rows)
+      const int64_t left = p.i_n - c;
+      quad.in = left >= 4 ? 0xfu : left > 0 ? (1u << left) - 1u : 0u;
+    } else {
+      for (int k = 0; k < 4; ++k)
+        if (c + k < p.i_n && quad.j + k >= 0 && quad.j + k < p.n) quad.in |= 1u << k;
+    }
+  }
+  if (kVec && quad.in == 0xfu) {
+    load4(part + quad.j, v);
+  } else {
+    for (int k = 0; k < 4; ++k)
+      if (quad.in >> k & 1u) v[k] = to_float(part[quad.j + k]);
+  }
+  if (via_bf16) {  // __float2bfloat16_rn's roundings, two to an instruction
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+    v[0] = __low2float(lo), v[1] = __high2float(lo), v[2] = __low2float(hi), v[3] = __high2float(hi);
+  }
+  return quad;
+}
+
+// Block (x, b): rows 32x .. 32x + 31 of the part's rows, tile b; warp w reads rows w, w + 8, w + 16,
+// w + 24 (four loads in flight per lane). Each row tile's max is a warp max (its elements share a
+// block); the 32 row tiles' maxima go to warp 0, whose lanes group equal blocks (__match_any_sync:
+// 32 consecutive rows span one block but where a 128-row band or a matrix ends) and add each
+// group's max by one atomicMax on the float's bits: one atomic per 4096 elements, not per element.
+// Non-negative floats order as their bits; non-finite |v| clamp to +infinity's bits.
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    block_amax_kernel(const T* __restrict__ part, PartRows p, float* __restrict__ amax, bool via_bf16) {
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  __shared__ int64_t block_of[32];
+  __shared__ uint32_t max_of[32];
+  PartRow row(p, blockIdx.x * 32LL + warp);
+  float v[kPartRows][4];
+  PartQuad quad[kPartRows];
+#pragma unroll
+  for (int i = 0; i < kPartRows; ++i, row.next(p)) quad[i] = load_part_quad<T, kVec>(part, p, row, via_bf16, v[i]);
+#pragma unroll
+  for (int i = 0; i < kPartRows; ++i) {
+    uint32_t m = max(max(abs_bits(v[i][0]), abs_bits(v[i][1])), max(abs_bits(v[i][2]), abs_bits(v[i][3])));
+    m = __reduce_max_sync(0xffffffffu, min(m, kInfBits));
+    if (lane == 0) {
+      block_of[warp + kWarps * i] = quad[i].block;
+      max_of[warp + kWarps * i] = m;
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const int64_t block = block_of[lane];
+  const unsigned same = __match_any_sync(0xffffffffu, static_cast<unsigned long long>(block));
+  const uint32_t m = __reduce_max_sync(same, max_of[lane]);
+  // m == 0 changes nothing (amax starts at 0); rows past the part's (m == 0) have no block.
+  if (lane == __ffs(same) - 1 && m != 0) atomicMax(reinterpret_cast<int*>(amax) + block, static_cast<int>(m));
+}
+
+// 1 / s exactly where s is a positive normal power of two (every scale fp8_tile_scale gives), so
+// v * (1 / s) is v / s's correctly rounded quotient; 0 for other s (divided instead).
+__device__ __forceinline__ float pow2_inverse(float s) {
+  const uint32_t bits = __float_as_uint(s), exp_field = bits >> 23;  // with the sign: negatives >= 256
+  if ((bits & 0x7fffffu) != 0 || exp_field == 0 || exp_field >= 255) return 0.0f;
+  return exp_field == 254 ? __uint_as_float(0x00400000u) : __uint_as_float((254u - exp_field) << 23);  // 2^-127
+}
+
+// Block (x, b) as block_amax_kernel's; each lane writes its elements' codes e4m3(v / s[block])
+// (e4m3_special's rule for the non-finite quotients). kVec: q aligned too (one 32-bit store).
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    quantize_part_kernel(const T* __restrict__ part, PartRows p, const float* __restrict__ s, uint8_t* __restrict__ q,
+                         bool via_bf16) {
+  PartRow row(p, blockIdx.x * 32LL + threadIdx.x / 32);
+#pragma unroll
+  for (int i = 0; i < kPartRows; ++i, row.next(p)) {
+    float v[4];
+    const PartQuad quad = load_part_quad<T, kVec>(part, p, row, via_bf16, v);
+    if (quad.in == 0) continue;
+    const float scale = s[quad.block], inv = pow2_inverse(scale);
+    float x[4];
+    if (inv != 0.0f) {  // uniform over the warp
+      for (int k = 0; k < 4; ++k) x[k] = v[k] * inv;
+    } else {
+      for (int k = 0; k < 4; ++k) x[k] = __fdiv_rn(v[k], scale);
+    }
+    uint32_t m = 0;
+    for (int k = 0; k < 4; ++k)
+      if (quad.in >> k & 1u) m = max(m, abs_bits(x[k]));
+    const uint32_t codes = e4m3x4(x, m < kInfBits);
+    if (kVec && quad.in == 0xfu) {
+      *reinterpret_cast<uint32_t*>(q + quad.j) = codes;
+    } else {
+      for (int k = 0; k < 4; ++k)
+        if (quad.in >> k & 1u) q[quad.j + k] = static_cast<uint8_t>(codes >> (8 * k));
+    }
+  }
+}
+
+// In place: each amax to its scale (fp8_tile_scale, as tile_scale reads it off the bits: negative,
+// NaN and infinite values give 1 as the CPU's !(amax > 0) || !isfinite(amax)).
+__global__ void scales_from_amax_kernel(float* __restrict__ a, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    a[i] = tile_scale(__float_as_uint(a[i])).scale;
 }
 
 // ---- launch helpers --------------------------------------------------------------------------------
@@ -590,6 +778,29 @@ void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dty
   MF_CUDA_LAUNCHED("fp8_quantize_blocks");
 }
 
+namespace {
+// The parts' launches (fp8_block_amax, fp8_quantize_part): the dtype (f64 refused even for an empty
+// part), the grid over the part's rows and tiles, and the vector path; launch<T, kVec>(grid, rows).
+// q_aligned: the codes, if any, 4-byte aligned.
+template <class Launch>
+void launch_part(const Tensor& part, const Shape& whole, int64_t first, bool q_aligned, const char* what,
+                 const Launch& launch) {
+  with_input_dtype(part.dtype(), what, [&]<class T>() {
+    const int64_t n = part.numel(), o_n = whole[whole.ndim - 2], i_n = whole[whole.ndim - 1];
+    if (n == 0) return;
+    const int64_t r0 = first / i_n;
+    const PartRows p{
+        n, first, o_n, i_n, ceil_div(o_n, kTile), ceil_div(i_n, kTile), r0, (first + n - 1) / i_n - r0 + 1};
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, 32)), grid_dim_yz(p.ib, what));
+    if (i_n % 4 == 0 && first % 4 == 0 && aligned(part.data(), 4 * sizeof(T)) && q_aligned)
+      launch.template operator()<T, true>(grid, p);
+    else
+      launch.template operator()<T, false>(grid, p);
+    MF_CUDA_LAUNCHED(what);
+  });
+}
+}  // namespace
+
 // ---- the ops ---------------------------------------------------------------------------------------
 
 void fp8_quantize_rows(const ExecContext& ctx, const Tensor& x_RK, const Tensor& q_RK, const Tensor& s_BR) {
@@ -632,6 +843,50 @@ void fp8_quantize_blocks(const ExecContext& ctx, const Tensor& w, const Tensor& 
                              w.size(batched ? 2 : 1), q.ptr<uint8_t>(), s.ptr<float>(),
                              qT.defined() ? qT.ptr<uint8_t>() : nullptr, sT.defined() ? sT.ptr<float>() : nullptr,
                              via_bf16);
+}
+
+void fp8_block_amax(const ExecContext& ctx, const Tensor& part, const Shape& whole, int64_t first, const Tensor& amax,
+                    bool via_bf16) {
+  launch_part(part, whole, first, true, "fp8_block_amax", [&]<class T, bool kVec>(dim3 grid, const PartRows& p) {
+    block_amax_kernel<T, kVec>
+        <<<grid, kThreads, 0, stream_of(ctx)>>>(static_cast<const T*>(part.data()), p, amax.ptr<float>(), via_bf16);
+  });
+}
+
+void fp8_scales_from_amax(const ExecContext& ctx, const Tensor& amax_to_scale) {
+  const int64_t n = amax_to_scale.numel();
+  if (n == 0) return;
+  scales_from_amax_kernel<<<elementwise_blocks(n), kThreads, 0, stream_of(ctx)>>>(amax_to_scale.ptr<float>(), n);
+  MF_CUDA_LAUNCHED("fp8_scales_from_amax");
+}
+
+void fp8_quantize_part(const ExecContext& ctx, const Tensor& part, const Shape& whole, int64_t first, const Tensor& s,
+                       const Tensor& q_part, bool via_bf16) {
+  uint8_t* q = q_part.ptr<uint8_t>();
+  launch_part(
+      part, whole, first, aligned(q, 4), "fp8_quantize_part", [&]<class T, bool kVec>(dim3 grid, const PartRows& p) {
+        quantize_part_kernel<T, kVec>
+            <<<grid, kThreads, 0, stream_of(ctx)>>>(static_cast<const T*>(part.data()), p, s.ptr<float>(), q, via_bf16);
+      });
+}
+
+void fp8_transpose_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& qT,
+                          const Tensor& sT) {
+  const bool batched = q.ndim() == 3;
+  const int64_t e = batched ? q.size(0) : 1, o = q.size(batched ? 1 : 0), i = q.size(batched ? 2 : 1);
+  if (e == 0 || o == 0 || i == 0) return;
+  const dim3 grid(static_cast<unsigned>(ceil_div(i, kTile)), grid_dim_yz(ceil_div(o, kTile), "fp8_transpose_blocks"),
+                  grid_dim_yz(e, "fp8_transpose_blocks"));
+  const uint8_t* qd = q.ptr<uint8_t>();
+  uint8_t* qtd = qT.ptr<uint8_t>();
+  const bool vec_t = o % 4 == 0 && aligned(qtd, 4);
+  if (i % 4 == 0 && aligned(qd, 4))
+    transpose_blocks_kernel<true>
+        <<<grid, kThreads, 0, stream_of(ctx)>>>(qd, s.ptr<float>(), o, i, qtd, sT.ptr<float>(), vec_t);
+  else
+    transpose_blocks_kernel<false>
+        <<<grid, kThreads, 0, stream_of(ctx)>>>(qd, s.ptr<float>(), o, i, qtd, sT.ptr<float>(), vec_t);
+  MF_CUDA_LAUNCHED("fp8_transpose_blocks");
 }
 
 void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK) {
