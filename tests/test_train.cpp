@@ -1050,8 +1050,8 @@ TEST(Trainer, Fp8ResumeIsBitIdentical) {
 // train.fp8_param: the FP8 linears read only their FP8 copies (on the CPU, f32 compute, the copies
 // come from the masters themselves; the bf16 case is TrainCuda.Fp8ParamChangesNothing): the same
 // losses as plain FP8, for every kind of linear layer, with and without FP8 dispatch (with the
-// distributed optimizer: Layouts.Fp8ParamWithDistributedOptimizerChangesNothing). Refused in one
-// line without FP8 or with optimizer offload.
+// distributed optimizer: Layouts.Fp8ParamWithDistributedOptimizerChangesNothing; with optimizer
+// offload: TrainCuda.OptimizerOffloadChangesNothing). Refused in one line without FP8.
 TEST(Trainer, Fp8ParamChangesNothing) {
   testing::TempDir tmp("test_train_fp8_param");
   const std::string path = make_data(tmp.path());
@@ -1068,10 +1068,6 @@ TEST(Trainer, Fp8ParamChangesNothing) {
     return testing::error_of([&] { testing::small_train_config(path, extra); });
   };
   EXPECT_NE(refusal({"train.fp8_param=true"}).find("train.fp8_param = true needs train.fp8"), std::string::npos);
-  EXPECT_NE(refusal({"train.fp8=blockwise", "train.fp8_param=true", "parallel.distributed_optimizer=true",
-                     "train.optimizer_offload_fraction=0.5"})
-                .find("train.fp8_param = true with train.optimizer_offload_fraction = 0.5 is not supported yet"),
-            std::string::npos);
 }
 
 // train.on_nonfinite: a NaN planted in a weight makes step 3's loss and gradients NaN. "stop"

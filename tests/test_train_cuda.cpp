@@ -335,17 +335,30 @@ TEST(TrainCuda, Fp8ParamChangesNothing) {
 // the host update gives the kernel's bits, so with 40% and with all of the state offloaded the
 // losses and master weights equal the run that keeps it on the GPU, bit for bit (f32 and bf16
 // moments, f32 and bf16 gradients: those stage to the host as bf16); a checkpoint of the offloaded
-// run resumes with and without offload with the uninterrupted run's next losses.
+// run resumes with and without offload with the uninterrupted run's next losses. The same with
+// FP8-only weights (train.fp8_param, f32 and bf16 gradients): their offloaded slots' new bf16
+// values land in their gradients' bytes and the GPU quantizes the codes from them.
 TEST(TrainCuda, OptimizerOffloadChangesNothing) {
   MF_REQUIRE_GPU();
   testing::TempDir dir("train_cuda_offload");
   const std::string path = testing::make_train_data(dir.path());
   const TokenDataset data = open_token_dataset(path);
-  for (const auto& [moments, grads] : {std::pair{"f32", "f32"}, {"bf16", "f32"}, {"f32", "bf16"}, {"bf16", "bf16"}}) {
-    SCOPED_TRACE(cat("moments ", moments, ", gradients ", grads));
-    const Config base = testing::small_train_config(
-        path, {"parallel.distributed_optimizer=true", cat("train.exp_avg_dtype=", moments),
-               cat("train.exp_avg_sq_dtype=", moments), cat("train.main_grads_dtype=", grads)});
+  const std::vector<std::string> fp8 = {"model.hidden_size=32",         "model.num_attention_heads=2",
+                                        "model.num_key_value_heads=2",  "model.head_dim=16",
+                                        "moe.moe_intermediate_size=16", "train.fp8=blockwise",
+                                        "moe.fp8_dispatch=true",        "train.fp8_param=true"};
+  struct Case {
+    const char *moments, *grads;
+    bool fp8;
+  };
+  for (const auto& [moments, grads, fp8_only] :
+       {Case{"f32", "f32", false}, Case{"bf16", "f32", false}, Case{"f32", "bf16", false}, Case{"bf16", "bf16", false},
+        Case{"f32", "f32", true}, Case{"bf16", "bf16", true}}) {
+    SCOPED_TRACE(cat("moments ", moments, ", gradients ", grads, fp8_only ? ", FP8-only weights" : ""));
+    std::vector<std::string> extra = {"parallel.distributed_optimizer=true", cat("train.exp_avg_dtype=", moments),
+                                      cat("train.exp_avg_sq_dtype=", moments), cat("train.main_grads_dtype=", grads)};
+    if (fp8_only) extra.insert(extra.end(), fp8.begin(), fp8.end());
+    const Config base = testing::small_train_config(path, extra);
     std::vector<std::unique_ptr<OneRank>> ranks;
     auto make = [&](double fraction) {
       Config c = base;
@@ -365,7 +378,8 @@ TEST(TrainCuda, OptimizerOffloadChangesNothing) {
     for (const Param& p : ref->params())
       for (Trainer* t : {part.get(), all.get()})
         EXPECT_TRUE(testing::value_bytes(t->memory().find(p.name)->value) == testing::value_bytes(p.value)) << p.name;
-    const std::string ckpt = part->save((dir.path() / cat("ckpt_", moments, "_", grads)).string());
+    const std::string ckpt =
+        part->save((dir.path() / cat("ckpt_", moments, "_", grads, fp8_only ? "_fp8" : "")).string());
     std::unique_ptr<Trainer> on = make(0.4), off = make(0);
     on->load(ckpt);
     off->load(ckpt);

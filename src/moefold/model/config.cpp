@@ -274,9 +274,6 @@ void Config::validate() const {
         train.fp8, "\")");
   if (train.fp8_param && train.fp8 != "blockwise")
     MF_FAIL("train.fp8_param = true needs train.fp8 = \"blockwise\" (train.fp8 = \"", train.fp8, "\")");
-  if (train.fp8_param && p.distributed_optimizer && train.optimizer_offload_fraction > 0)
-    MF_FAIL("train.fp8_param = true with train.optimizer_offload_fraction = ", train.optimizer_offload_fraction,
-            " is not supported yet (the host would have to quantize its slots' FP8 codes)");
   p.stage_layers(model.num_hidden_layers);  // fails with one line where the layers do not split
   if (p.overlap_moe_a2a) {                  // what a layer keeps between its phases must not be shared workspace
     const Recompute r = train.recompute();

@@ -176,7 +176,8 @@ const std::vector<Field>& fields() {
                "with fp8 = blockwise, linear layers kept in bf16: qkv, attn_proj, mlp, experts, shared_experts, mtp"),
       MF_FIELD(train, "fp8_param", fp8_param,
                "with fp8 = blockwise, the FP8 linears' weights kept only in FP8 (quantized from the f32 masters; no "
-               "bf16 copies; same results); not with parallel.distributed_optimizer yet"),
+               "bf16 copies; same results); with parallel.distributed_optimizer each rank quantizes its slots and "
+               "the FP8 codes are gathered (half the bytes of bf16)"),
       MF_FIELD(train, "eval_interval", eval_interval, "evaluate every N steps (0: only at the end)"),
       MF_FIELD(train, "eval_batches", eval_batches, "held-out micro-batches per evaluation"),
       MF_FIELD(train, "checkpoint_interval", checkpoint_interval, "checkpoint every N steps (0: only at the end)"),

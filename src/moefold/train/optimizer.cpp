@@ -87,7 +87,8 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
                            0,
                            {},
                            0,
-                           0});
+                           0,
+                           {}});
     }
   };
   take_all();  // measure
@@ -190,7 +191,8 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
     gr.code_block = mem.code_block(group);
     gr.scale_block = mem.scale_block(group);
     for (const GradBucket& b : gr.buckets)
-      MF_CHECK(!b.fp8 || fraction == 0, "AdamW: optimizer offload with FP8-only weights (train.fp8_param)");
+      MF_CHECK(!b.fp8 || fraction == 0 || mem.dtype() == DType::bf16,
+               "AdamW: optimizer offload of FP8-only weights needs bf16 compute");
     gr.stage = mem.master_staging(group);
     // Decided once: the step loop allocates nothing.
     gr.gather_order.clear();
@@ -233,16 +235,28 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
         const int64_t staging = staged;
         staged += s1 - sp;
         if (arena_.measuring()) continue;
-        const int64_t to_copy = b.copy_begin - b.begin;  // a block element's place among the copies
+        // Where each offloaded element's new bf16 copy lands on the device: among the compute
+        // copies, or in an FP8-only bucket (no compute copies: the codes are quantized on the
+        // GPU from these values) in the bucket's offloaded gradients' bytes, packed from their
+        // start (the gradients left for the host before, on the same copy stream; dead until the
+        // next backward, and at least 2 bytes an element).
+        const size_t gsize = dtype_size(gr.grad_block.dtype()), csize = dtype_size(mem.dtype());
+        const auto landing = [&](int64_t j) -> char* {
+          if (!b.fp8)
+            return static_cast<char*>(gr.compute_block.data()) +
+                   static_cast<size_t>(j + b.copy_begin - b.begin) * csize;
+          return static_cast<char*>(gr.grad_block.data()) + static_cast<size_t>(sp) * gsize +
+                 static_cast<size_t>(j - sp) * csize;
+        };
         for (int64_t p = sp; p < s1; p += kPieceElements)
           pieces_.push_back(
-              {static_cast<size_t>(g), p, staging + (p - sp), std::min(kPieceElements, s1 - p), p + to_copy});
+              {static_cast<size_t>(g), p, staging + (p - sp), std::min(kPieceElements, s1 - p), landing(p)});
         for (const auto& [range, i] : ranges) {
           const Param& p = params[i];
           const int64_t a = std::max(range.first, s0), e = std::min(range.second, sp);
           if (a < e) {
-            Segment sg{i,     p.group, a,  e, {}, m.slice(a - s0, e - s0), v.slice(a - s0, e - s0), {}, {}, whole,
-                       false, 0,       {}, 0, bi};
+            Segment sg{i, p.group, a, e,  {}, m.slice(a - s0, e - s0), v.slice(a - s0, e - s0), {}, {}, whole, false,
+                       0, {},      0, bi, {}};
             if (whole) {  // the parameter's own master; its compute copy where it has one
               sg.master = p.value.view({p.value.numel()});
               sg.grad = p.grad.view({p.grad.numel()});
@@ -270,13 +284,22 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
                        hm.slice(ha - sp, he - sp),
                        hv.slice(ha - sp, he - sp),
                        gr.grad_block.slice(ha, he),
-                       gr.compute_block.slice(ha + b.copy_begin - b.begin, he + b.copy_begin - b.begin),
+                       {},
                        false,
                        true,
                        staging + (ha - sp),
                        {},
                        0,
-                       bi};
+                       bi,
+                       {}};
+            if (b.fp8) {  // its codes from its landed bf16 values (gather_copies)
+              const int64_t c = b.copy_begin - b.begin;
+              sg.code = gr.code_block.slice(ha + c, he + c);
+              sg.first = ha - range.first;
+              sg.values = Tensor(landing(ha), mem.dtype(), {he - ha}, mem.device());
+            } else {
+              sg.compute = gr.compute_block.slice(ha + b.copy_begin - b.begin, he + b.copy_begin - b.begin);
+            }
             segments_.push_back(std::move(sg));
           }
         }
@@ -389,14 +412,16 @@ void AdamW::gather_copies(size_t g, bool fp8_only) {
     for (const Segment& sg : segments_)
       if (static_cast<size_t>(sg.group) == g && sg.code.defined()) {
         const Param& p = (*params_)[sg.param];
-        fp8_block_amax(*ctx_, sg.master, p.grad.shape(), sg.first, p.fp8.s, mixed_);
+        // An offloaded slot's values landed as bf16 (step_host, scatter_state): rounded already.
+        fp8_block_amax(*ctx_, sg.host ? sg.values : sg.master, p.grad.shape(), sg.first, p.fp8.s, mixed_ && !sg.host);
       }
     gr.comm->wait(gr.comm->start_all_reduce(gr.scale_block, ReduceOp::max));
     fp8_scales_from_amax(*ctx_, gr.scale_block);
     for (const Segment& sg : segments_)
       if (static_cast<size_t>(sg.group) == g && sg.code.defined()) {
         const Param& p = (*params_)[sg.param];
-        fp8_quantize_part(*ctx_, sg.master, p.grad.shape(), sg.first, p.fp8.s, sg.code, mixed_);
+        fp8_quantize_part(*ctx_, sg.host ? sg.values : sg.master, p.grad.shape(), sg.first, p.fp8.s, sg.code,
+                          mixed_ && !sg.host);
       }
   }
   for (const size_t i : gr.gather_order) {
@@ -434,9 +459,9 @@ void AdamW::step_host(const std::vector<Param>& params, const AdamWStep& base) {
                         sg.v.slice(a, e), s, bf16_compute ? compute : Tensor(), threads_.get());
       if (!bf16_compute) compute.copy_from(master);  // an f32 compute copy is the master itself
     }
-    device_copy_async(static_cast<char*>(groups_[pc.group].compute_block.data()) + static_cast<size_t>(pc.copy) * csize,
-                      Device::cuda, static_cast<const char*>(host_compute_.data()) + static_cast<size_t>(p0) * csize,
-                      Device::cpu, static_cast<size_t>(pc.n) * csize, copy_->stream());
+    device_copy_async(pc.to, Device::cuda,
+                      static_cast<const char*>(host_compute_.data()) + static_cast<size_t>(p0) * csize, Device::cpu,
+                      static_cast<size_t>(pc.n) * csize, copy_->stream());
   }
   ctx_->wait_for(*copy_);  // the gathers and the next forward read the copied compute copies
 }
@@ -577,7 +602,11 @@ void AdamW::scatter_state() {
     if (p.has_compute_copy()) convert(p.value, p.compute);
   if (sharded_) {
     for (size_t g = 0; g < groups_.size(); ++g)
-      if (groups_[g].scale_block.defined() && groups_[g].scale_block.numel() > 0) gather_copies(g, true);
+      if (groups_[g].scale_block.defined() && groups_[g].scale_block.numel() > 0) {
+        for (const Segment& sg : segments_)  // offloaded FP8-only slots: their values as a step lands them
+          if (static_cast<size_t>(sg.group) == g && sg.host && sg.code.defined()) convert(sg.master, sg.values);
+        gather_copies(g, true);
+      }
     wait_all_weights();
   }
   const bool loaded = !host_m_[0].empty() || !host_m_[1].empty() || !host_m_[2].empty();

@@ -111,17 +111,20 @@ class AdamW {
     bool host = false;
     int64_t staging = 0;
     // In an FP8-only bucket (GradBucket::fp8): no compute copy; its FP8 codes (the code block's
-    // slice) and its first element's flat index in the parameter. bucket: its bucket's index.
+    // slice) and its first element's flat index in the parameter; offloaded, `values`: where its
+    // new bf16 values land on the device (step_host), which the codes are quantized from. bucket:
+    // its bucket's index.
     Tensor code;
     int64_t first = 0;
     size_t bucket = 0;
+    Tensor values;
   };
   // A piece of the offloaded elements: block elements [begin, begin + n) of `group`, staging
   // elements [staging, staging + n); the unit of the copies and of the host update's pipeline.
   struct Piece {
     size_t group = 0;
     int64_t begin = 0, staging = 0, n = 0;
-    int64_t copy = 0;  // where its compute copies lie in the group's compute block
+    void* to = nullptr;  // where its new compute-dtype copies land on the device
   };
   // The offloaded segments' update (step).
   void step_host(const std::vector<Param>& params, const AdamWStep& base);
