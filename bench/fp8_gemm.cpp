@@ -11,8 +11,9 @@
 // Then the experts' grouped GEMMs (bench_grouped). Both by default.
 // --probe-layouts: which scale layouts cuBLASLt's block scaling reads (probe_layouts), nothing else.
 // --wgrad-groups: the bf16 weight gradient in fewer, larger groups (bench_wgrad_groups), nothing else.
+// --quantize: the activations' FP8 quantization passes alone (bench_quantize), nothing else.
 //   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
-//                              --probe-layouts | --wgrad-groups]
+//                              --probe-layouts | --wgrad-groups | --quantize]
 // --tiles: the kernels.fp8_tile values the grouped GEMMs run in, in turn (default
 // "cooperative;rows=own;cooperative;rows=own").
 #include <cublasLt.h>
@@ -32,6 +33,7 @@
 #include "bench_util.h"
 #include "moefold/core/error.h"
 #include "moefold/core/exec.h"
+#include "moefold/ops/cuda/fp8.h"
 #include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
 
@@ -363,9 +365,48 @@ void bench_wgrad_groups(int runs, int warmup) {
   }
 }
 
+// --quantize: the rows and cols layouts (ops/fp8.h) of bf16 activations as the FP8 linears
+// quantize them: the experts' output gradient dy [65536, 2048] and [65536, 1536] of 128 experts
+// of 512 rows (rows with the grouped GEMM's scales, launch_fp8_quantize_rows with the offsets on
+// the device; cols in the experts' segments) and a dense [8192, 4096] (rows without offsets, cols
+// as one segment). Cols times include the tile map's kernel. Effective GB/s: x read plus the codes
+// and scales written.
+void bench_quantize(int runs, int warmup) {
+  const ExecContext& ctx = ExecContext::standard(Device::cuda);
+  struct Case {
+    const char* name;
+    int64_t rows, cols, experts;  // experts == 0: dense
+  };
+  for (const Case& c :
+       {Case{"experts dy", 65536, 2048, 128}, Case{"experts dy", 65536, 1536, 128}, Case{"dense x", 8192, 4096, 0}}) {
+    const int64_t segments = std::max<int64_t>(c.experts, 1), kb = (c.cols + kFp8Tile - 1) / kFp8Tile;
+    const int64_t p = fp8_cols_width(c.rows, segments);
+    const int64_t col_tiles = segments * ((c.rows / segments + kFp8Tile - 1) / kFp8Tile);  // the tiles written
+    DeviceTensor x({c.rows, c.cols}, DType::bf16), q({c.rows, c.cols}, DType::u8), s({kb, c.rows}, DType::f32),
+        qT({c.cols, p}, DType::u8), sT({p / kFp8Tile, c.cols}, DType::f32), offsets({segments + 1}, DType::i64);
+    bench::fill_random(*x, 11);
+    set_equal_offsets(*offsets, c.rows / segments);
+    const double rows_ms = bench::time_ms(runs, warmup, [&] {
+      if (c.experts > 0)
+        cuda::launch_fp8_quantize_rows(ctx, (*x).data(), DType::bf16, c.rows, c.cols, (*q).ptr<uint8_t>(),
+                                       (*s).ptr<float>(), (*offsets).ptr<int64_t>(), c.experts);
+      else
+        fp8_quantize_rows(ctx, *x, *q, *s);
+    });
+    const double cols_ms = bench::time_ms(runs, warmup, [&] { fp8_quantize_cols(ctx, *x, *offsets, *qT, *sT); });
+    const double elems = static_cast<double>(c.rows) * c.cols;
+    const double rows_bytes = 3 * elems + 4.0 * kb * c.rows, cols_bytes = 3 * elems + 4.0 * col_tiles * c.cols;
+    std::printf("quantize %-10s [%6lld, %4lld] %3lld segments  rows %7.3f ms %6.0f GB/s  cols %7.3f ms %6.0f GB/s\n",
+                c.name, static_cast<long long>(c.rows), static_cast<long long>(c.cols),
+                static_cast<long long>(segments), rows_ms, rows_bytes / rows_ms * 1e-6, cols_ms,
+                cols_bytes / cols_ms * 1e-6);
+    std::fflush(stdout);
+  }
+}
+
 int run(int argc, char** argv) {
   int runs = 20, warmup = 3;
-  bool dense = true, grouped = true, probe = false, wgrad_groups = false;
+  bool dense = true, grouped = true, probe = false, wgrad_groups = false, quantize = false;
   std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -381,6 +422,8 @@ int run(int argc, char** argv) {
       probe = true;
     else if (a == "--wgrad-groups")
       wgrad_groups = true;
+    else if (a == "--quantize")
+      quantize = true;
     else if (a == "--grouped-only")
       dense = false;
     else if (a == "--dense-only")
@@ -391,7 +434,11 @@ int run(int argc, char** argv) {
       warmup = std::atoi(argv[++i]);
     else
       MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only | ",
-              "--probe-layouts | --wgrad-groups] (got '", a, "')");
+              "--probe-layouts | --wgrad-groups | --quantize] (got '", a, "')");
+  }
+  if (quantize) {
+    bench_quantize(runs, warmup);
+    return 0;
   }
   if (wgrad_groups) {
     bench_wgrad_groups(runs, warmup);

@@ -177,6 +177,35 @@ void check_rows(std::mt19937_64& rng, int64_t r, int64_t k, DType dt, bool non_f
   }
 }
 
+#ifdef MOEFOLD_WITH_CUDA
+// launch_fp8_quantize_rows with group offsets (the grouped GEMM's scales: group g's [B, m_g] block
+// at s[off[g] * B]), x and q starting `shift` elements (bytes) into their allocations (unaligned
+// starts take the narrower paths): codes as the CPU's fp8_quantize_rows, its scales rearranged.
+void check_rows_grouped(std::mt19937_64& rng, const std::vector<int64_t>& counts, int64_t k, DType dt, int64_t shift) {
+  const Host off = offsets_of(counts);
+  const int64_t g_n = static_cast<int64_t>(counts.size()), r = off.t.ptr<int64_t>()[g_n], b_n = tiles(k);
+  SCOPED_TRACE(::testing::Message() << "grouped rows " << dtype_name(dt) << " R " << r << " K " << k << " groups "
+                                    << g_n << " shift " << shift);
+  DevicePool dev;
+  const Host x = awkward(rng, r, k, dt);
+  Host q({shift + r * k}, DType::u8, 0xab), s({b_n, r}, DType::f32), sg({b_n * r}, DType::f32, 0xab);
+  fp8_quantize_rows(cpu(), x.t, q.t.slice(shift, shift + r * k).view({r, k}), s.t);
+  const int64_t* o = off.t.ptr<int64_t>();
+  for (int64_t g = 0; g < g_n; ++g)
+    for (int64_t b = 0; b < b_n; ++b)
+      for (int64_t i = o[g]; i < o[g + 1]; ++i)
+        sg.t.ptr<float>()[o[g] * b_n + b * (o[g + 1] - o[g]) + (i - o[g])] = s.t.ptr<float>()[b * r + i];
+  const size_t es = dtype_size(dt);
+  const Tensor xd = dev.empty({shift + r * k}, dt), qd = filled(dev, {shift + r * k}, DType::u8, 0xab),
+               sd = filled(dev, {b_n * r}, DType::f32, 0xab), offd = to_device(dev, off);
+  device_copy(static_cast<uint8_t*>(xd.data()) + shift * es, Device::cuda, x.bytes.data(), Device::cpu, x.bytes.size());
+  cuda::launch_fp8_quantize_rows(testing::exec(), static_cast<uint8_t*>(xd.data()) + shift * es, dt, r, k,
+                                 qd.ptr<uint8_t>() + shift, sd.ptr<float>(), offd.ptr<int64_t>(), g_n);
+  EXPECT_SAME_BYTES(bytes_of(qd), q.bytes, "codes (after `shift` poisoned bytes)");
+  EXPECT_SAME_BYTES(bytes_of(sd), sg.bytes, "grouped scales");
+}
+#endif
+
 TEST(CudaFp8, QuantizeRowsMatchesCpuBitForBit) {
   MF_REQUIRE_GPU();
   std::mt19937_64 rng(testing::fresh_seed());
@@ -185,9 +214,21 @@ TEST(CudaFp8, QuantizeRowsMatchesCpuBitForBit) {
     check_rows(rng, 5, 130, dt);     // k % 4 != 0: the scalar path; a 2-element last tile
     check_rows(rng, 37, 128, dt);    // one whole tile per row
     check_rows(rng, 64, 300, dt);    // vector path with a 44-element last tile
+    check_rows(rng, 70, 36, dt);     // k % 8 == 4: 8-byte loads for bf16, 16-byte for f32
+    check_rows(rng, 7, 1544, dt);    // 13 tiles, the last of 8 elements; fewer rows than a block's
+    check_rows(rng, 300, 1536, dt);  // 12 tiles; rows not a multiple of a block's
     check_rows(rng, 129, 2048, dt);  // training-like rows
     check_rows(rng, 9, 500, dt, true);
   }
+#ifdef MOEFOLD_WITH_CUDA
+  const std::vector<int64_t> groups = {0, 1, 127, 0, 128, 129, 300, 0};  // empty groups among them
+  for (DType dt : kInputs)
+    for (int64_t shift : {0, 1, 4}) {  // aligned; unaligned; bf16 8-byte aligned (f32 16)
+      check_rows_grouped(rng, groups, 1536, dt, shift);
+      check_rows_grouped(rng, groups, 200, dt, shift);
+    }
+  check_rows_grouped(rng, {512, 512, 512}, 2048, DType::bf16, 0);
+#endif
 }
 
 // Packed rows (moe.fp8_dispatch's): bytes, padding included, as the CPU's; dequantized alike.
@@ -288,6 +329,8 @@ TEST(CudaFp8, QuantizeColsMatchesCpuBitForBit) {
     check_cols(rng, {700}, 96, dt, 0);        // one segment (the dense layer's wgrad)
     check_cols(rng, {0, 0}, 8, dt, 128);      // no rows at all
     check_cols(rng, {3, 250}, 40, dt, 0, true);
+    check_cols(rng, {512, 0, 200}, 260, dt, 0);  // cols % 4 == 0, not % 128: a partial column chunk
+    check_cols(rng, {129}, 6, dt, 0);            // cols % 4 == 2: 4-byte column pairs for bf16
   }
 }
 

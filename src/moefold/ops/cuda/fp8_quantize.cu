@@ -3,12 +3,15 @@
 // scale read off amax's exponent bits (never a log), x / s computed as x * 2^-e (exact: the same
 // correctly rounded quotient), and one rounding to E4M3 by the hardware's cvt.rn.satfinite.
 //
-// Memory-bound passes: rows give each warp one 128-element tile (a coalesced 256 / 512-byte row
-// segment, a warp max); cols stage a 128-row x 64-column tile per block and write its transpose
-// from shared memory, 128 contiguous bytes per column; blocks read a 128 x 128 block row by row and
-// write its transpose (qT) through shared memory the same way. Parts of a weight (the distributed
-// optimizer's flat slices) are read row tile by row tile as in the rows layout: a warp's 128
-// elements share a block, so block amaxes take one atomicMax per 32 row tiles, not per element.
+// Memory-bound passes: rows give each lane 16 bytes of a tile and each warp 4 such loads in flight
+// (bf16: a tile per half warp, 8 rows of one tile a warp; the packed and SwiGLU forms and narrow or
+// unaligned rows: a warp per tile, 4 elements a lane); cols stage a 128-row x 128-column (f32: 64)
+// tile per block, a lane loading 16 consecutive rows of its 8 bytes of columns, and write its
+// transpose from shared memory, 128 contiguous bytes per column; blocks read a 128 x 128 block row
+// by row and write its transpose (qT) through shared memory the same way. Parts of a weight (the
+// distributed optimizer's flat slices) are read row tile by row tile as in the rows layout: a
+// warp's 128 elements share a block, so block amaxes take one atomicMax per 32 row tiles, not per
+// element.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -181,6 +184,76 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The plain rows layout (no packing, no SwiGLU) with 16-byte loads: a lane holds kPer = 16 /
+// sizeof(T) consecutive elements of a tile (bf16: 8, 16 lanes a tile, two tiles a warp; f32: 4, a
+// warp a tile), and warp w of block (bx, b) quantizes tile b of the kRowSteps * kItems consecutive
+// rows from (8 bx + w) * kRowSteps * kItems, every load issued before the first reduction (4 loads
+// in flight per lane: a warp per tile of 8-byte loads reached 40% of an H100's bandwidth). Values,
+// scales and codes as quantize_rows_kernel's; lane j stores row j's scale (one coalesced store),
+// its group looked up while the loads are in flight. REQUIRES: k % kPer == 0, x 16-byte and q
+// kPer-byte aligned; tiles = ceil(k / 128).
+constexpr int kRowSteps = 4;
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_rows_wide_kernel(const T* __restrict__ x, int64_t rows, int64_t k, int64_t tiles, uint8_t* __restrict__ q,
+                              float* __restrict__ s, const int64_t* __restrict__ off, int groups) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(T));  // elements per lane
+  constexpr int kLanes = kTile / kPer;                    // lanes per tile
+  constexpr int kItems = 32 / kLanes;                     // tiles (rows) per warp and step
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int li = lane % kLanes;
+  const int64_t first = (blockIdx.x * static_cast<int64_t>(kWarps) + warp) * (kRowSteps * kItems);
+  if (first >= rows) return;  // whole warps
+  const int64_t b = blockIdx.y, k0 = b * kTile + kPer * li;
+  uint4 raw[kRowSteps];
+#pragma unroll
+  for (int u = 0; u < kRowSteps; ++u) {  // step u: row first + u kItems + lane / kLanes
+    const int64_t r = first + u * kItems + lane / kLanes;
+    raw[u] = make_uint4(0, 0, 0, 0);
+    if (r < rows && k0 < k) raw[u] = *reinterpret_cast<const uint4*>(x + r * k + k0);
+  }
+  const int64_t rs = first + lane;  // the row whose scale this lane stores (lane < kRowSteps * kItems)
+  int64_t begin = 0, m = rows;
+  if (off != nullptr && lane < kRowSteps * kItems && rs < rows) {
+    const int g = find_group(off, groups, rs);
+    begin = off[g];
+    m = off[g + 1] - begin;
+  }
+  float scale = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kRowSteps; ++u) {
+    float v[kPer];
+    if constexpr (kPer == 8) {  // a bf16 is the high half of its float
+      const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+      for (int j = 0; j < 4; ++j)
+        v[2 * j] = __uint_as_float(w[j] << 16), v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    } else {
+      v[0] = __uint_as_float(raw[u].x), v[1] = __uint_as_float(raw[u].y);
+      v[2] = __uint_as_float(raw[u].z), v[3] = __uint_as_float(raw[u].w);
+    }
+    uint32_t mx = 0;
+    for (int j = 0; j < kPer; ++j) mx = max(mx, abs_bits(v[j]));
+    for (int o = kLanes / 2; o > 0; o /= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const TileScale ts = tile_scale(mx);
+    float scaled[kPer];
+    for (int j = 0; j < kPer; ++j) scaled[j] = v[j] * ts.inv;
+    const int64_t r = first + u * kItems + lane / kLanes;
+    if (r < rows && k0 < k) {
+      uint8_t* dst = q + r * k + k0;
+      if constexpr (kPer == 8)
+        *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3x4(scaled, ts.finite), e4m3x4(scaled + 4, ts.finite));
+      else
+        *reinterpret_cast<uint32_t*>(dst) = e4m3x4(scaled, ts.finite);
+    }
+    // Lane j takes row j's scale: step j / kItems, from the first lane of tile j % kItems.
+    const float t = __shfl_sync(0xffffffffu, ts.scale, (lane % kItems) * kLanes);
+    if (lane / kItems == u) scale = t;
+  }
+  if (lane < kRowSteps * kItems && rs < rows)
+    s[off != nullptr ? begin * tiles + b * m + (rs - begin) : b * rows + rs] = scale;
+}
+
 // x [rows, k] = q * s in x's dtype, one thread per element.
 template <class T>
 __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q, const float* __restrict__ s, int64_t rows,
@@ -259,6 +332,21 @@ __global__ void __launch_bounds__(kThreads) col_tiles_kernel(const int64_t* __re
   for (int64_t pt = done + threadIdx.x; pt < tiles; pt += kThreads) map[pt] = {0, 0};
 }
 
+// The cols kernels' block of kChunk columns of one padded tile pt: each column's amax over the
+// warps' partial maxima, its scale into sT (columns past `cols` not written), its inverse and
+// finiteness for the codes. Threads [0, kChunk) work; the caller synchronises around it.
+template <int kChunk>
+__device__ __forceinline__ void column_scales(const uint32_t (*partial)[kChunk], int64_t pt, int64_t cols, int64_t c0,
+                                              float* inv_of, bool* finite_of, float* __restrict__ sT) {
+  if (threadIdx.x >= kChunk) return;
+  uint32_t m = 0;
+  for (int w = 0; w < kWarps; ++w) m = max(m, partial[w][threadIdx.x]);
+  const TileScale ts = tile_scale(m);
+  inv_of[threadIdx.x] = ts.inv;
+  finite_of[threadIdx.x] = ts.finite;
+  if (c0 + threadIdx.x < cols) sT[pt * cols + c0 + threadIdx.x] = ts.scale;
+}
+
 constexpr int kColChunk = 64;           // columns per block: a warp reads 64 contiguous elements of a row
 constexpr int kCodeStride = kTile + 4;  // bytes per column of staged codes: 4-byte aligned, banks spread
 
@@ -319,14 +407,7 @@ __global__ void __launch_bounds__(kThreads)
   partial[warp][2 * lane] = m0;
   partial[warp][2 * lane + 1] = m1;
   __syncthreads();
-  if (threadIdx.x < kColChunk) {
-    uint32_t m = 0;
-    for (int w = 0; w < kWarps; ++w) m = max(m, partial[w][threadIdx.x]);
-    const TileScale ts = tile_scale(m);
-    inv_of[threadIdx.x] = ts.inv;
-    finite_of[threadIdx.x] = ts.finite;
-    if (c0 + threadIdx.x < cols) sT[pt * cols + c0 + threadIdx.x] = ts.scale;
-  }
+  column_scales<kColChunk>(partial, pt, cols, c0, inv_of, finite_of, sT);
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kTile / kWarps; ++i) {
@@ -346,6 +427,94 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       for (int j = 0; j < 4; ++j)
         if (t + j < n) dst[t + j] = codes[cl][t + j];
+    }
+  }
+}
+
+// quantize_cols_kernel with 8-byte loads and 16-byte staging: block (cx, pt) takes columns
+// [kChunk cx, kChunk cx + kChunk) of padded tile pt (kChunk = 32 lanes x 8 / sizeof(T) columns);
+// warp w loads rows 16 w .. 16 w + 15 (all 16 loads in flight), so that a lane holds 16
+// consecutive rows of its columns and stages each column's 16 codes as one 16-byte store. The
+// staged column's 16-byte chunks are swizzled (chunk j of column cl at j ^ (cl / kPer % 8)) so
+// that neither the stores nor the reads conflict; 8 lanes write a column's 128 bytes of qT.
+// REQUIRES: cols % (8 / sizeof(T)) == 0, x 8-byte aligned, qT 4-byte aligned (16 if q16).
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_cols_wide_kernel(const T* __restrict__ x, int64_t cols, int64_t p, const ColTile* __restrict__ map,
+                              uint8_t* __restrict__ qT, float* __restrict__ sT, bool q16) {
+  constexpr int kPer = 8 / static_cast<int>(sizeof(T));  // columns per lane
+  constexpr int kChunk = 32 * kPer;                      // columns per block
+  constexpr int kRows = kTile / kWarps;                  // rows per warp
+  static_assert(kRows == 16, "a warp's rows are one 16-byte chunk of a staged column");
+  const int64_t pt = blockIdx.y;
+  const ColTile tile = map[pt];
+  if (tile.n == 0) return;
+  const int n = static_cast<int>(tile.n);
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int64_t c0 = blockIdx.x * static_cast<int64_t>(kChunk), c = c0 + kPer * lane;
+  __shared__ __align__(16) uint32_t partial[kWarps][kChunk];
+  __shared__ float inv_of[kChunk];
+  __shared__ bool finite_of[kChunk];
+  __shared__ __align__(16) uint8_t codes[kChunk][kTile];
+
+  uint2 raw[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int t = kRows * warp + i;
+    raw[i] = make_uint2(0, 0);
+    if (c < cols && t < n) raw[i] = *reinterpret_cast<const uint2*>(x + (tile.r0 + t) * cols + c);
+  }
+  const auto value = [&](int i, int j) {  // row 16 w + i, column c + j
+    if constexpr (kPer == 4) {
+      const uint32_t w = j < 2 ? raw[i].x : raw[i].y;
+      return __uint_as_float(j % 2 == 0 ? w << 16 : w & 0xffff0000u);
+    } else {
+      return __uint_as_float(j == 0 ? raw[i].x : raw[i].y);
+    }
+  };
+  uint32_t m[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    m[j] = 0;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) m[j] = max(m[j], abs_bits(value(i, j)));
+  }
+  if constexpr (kPer == 4)
+    *reinterpret_cast<uint4*>(&partial[warp][kPer * lane]) = make_uint4(m[0], m[1], m[2], m[3]);
+  else
+    *reinterpret_cast<uint2*>(&partial[warp][kPer * lane]) = make_uint2(m[0], m[1]);
+  __syncthreads();
+  column_scales<kChunk>(partial, pt, cols, c0, inv_of, finite_of, sT);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int cl = kPer * lane + j;
+    const float inv = inv_of[cl];
+    const bool finite = finite_of[cl];
+    uint32_t w[4];
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const float v[4] = {value(4 * g, j) * inv, value(4 * g + 1, j) * inv, value(4 * g + 2, j) * inv,
+                          value(4 * g + 3, j) * inv};
+      w[g] = e4m3x4(v, finite);
+    }
+    *reinterpret_cast<uint4*>(&codes[cl][16 * (warp ^ (lane % 8))]) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  __syncthreads();
+  const int part = lane % 8, t = 16 * part;  // this lane's 16 rows of a column
+  for (int cl = 4 * warp + lane / 8; cl < kChunk && c0 + cl < cols; cl += 4 * kWarps) {
+    const uint4 v = *reinterpret_cast<const uint4*>(&codes[cl][16 * (part ^ (cl / kPer % 8))]);
+    uint8_t* dst = qT + (c0 + cl) * p + pt * kTile + t;  // p % 128 == 0
+    if (t + 16 <= n) {
+      if (q16) {
+        *reinterpret_cast<uint4*>(dst) = v;
+      } else {
+        uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
+        d4[0] = v.x, d4[1] = v.y, d4[2] = v.z, d4[3] = v.w;
+      }
+    } else {
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      for (int j = 0; t + j < n; ++j) dst[j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
     }
   }
 }
@@ -691,6 +860,14 @@ void quantize_rows(const ExecContext& ctx, const void* x, DType dtype, int64_t r
   const dim3 grid(static_cast<unsigned>(ceil_div(rows, kWarps)), grid_dim_yz(ceil_div(k, kTile), what));
   const auto launch = [&]<class T, bool kSwiglu>() {
     const T* xt = static_cast<const T*>(x);
+    constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+    if (!kSwiglu && packed_at < 0 && k % kPer == 0 && aligned(x, 16) && aligned(q, kPer)) {
+      const int64_t tiles = ceil_div(k, kTile), rows_per_block = kWarps * kRowSteps * (32 * kPer / kTile);
+      const dim3 g(static_cast<unsigned>(ceil_div(rows, rows_per_block)), grid_dim_yz(tiles, what));
+      quantize_rows_wide_kernel<T>
+          <<<g, kThreads, 0, stream_of(ctx)>>>(xt, rows, k, tiles, q, s, group_offsets, static_cast<int>(groups));
+      return;
+    }
     // A lane reads 4 elements (SwiGLU: 4 gate-up pairs, 16 bytes of bf16) and writes 4 codes.
     const bool vec = k % 4 == 0 && ldq % 4 == 0 && aligned(x, (kSwiglu ? 8 : 4) * sizeof(T)) && aligned(q, 4);
     if (vec)
@@ -745,7 +922,12 @@ void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype
   quantize_cols(ctx, rows, cols, offsets, segments, p, qT, "fp8_quantize_cols", [&](dim3 grid, const ColTile* map) {
     with_input_dtype(dtype, "fp8_quantize_cols", [&]<class T>() {
       const T* xt = static_cast<const T*>(x);
-      if (cols % 2 == 0 && aligned(x, 2 * sizeof(T)))
+      constexpr int kPer = 8 / static_cast<int>(sizeof(T));
+      if (cols % kPer == 0 && aligned(x, 8))
+        quantize_cols_wide_kernel<T>
+            <<<dim3(static_cast<unsigned>(ceil_div(cols, 32 * kPer)), grid.y), kThreads, 0, stream_of(ctx)>>>(
+                xt, cols, p, map, qT, sT, aligned(qT, 16));
+      else if (cols % 2 == 0 && aligned(x, 2 * sizeof(T)))
         quantize_cols_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT, cols, 0);
       else
         quantize_cols_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT, cols, 0);
