@@ -477,17 +477,24 @@ TEST_F(Layouts, Fp8ParamWithDistributedOptimizerChangesNothing) {
   fp8_param_sharded_changes_nothing(c, false);
 }
 
-// moefold plan's numbers are the trainer's: for every layout (distributed optimizer on and off),
+// moefold plan's numbers are the trainer's: for every layout (distributed optimizer on and off; on
+// with FP8-only weights too, whose codes and scales live in the groups' code and scale blocks),
 // plan_memory for this rank (a shape-only mesh, nothing allocated) gives exactly the bytes the
 // rank's Trainer planned, part by part, and Mesh::plan gives every group the size and rank that
 // Mesh::build's splits gave.
 TEST_F(Layouts, PlanMatchesEveryRanksTrainer) {
   Communicator& world = testing::test_world();
   for (const Layout& l : layouts(world.size()))
-    for (const bool sharded : {false, true}) {
-      SCOPED_TRACE(cat(layout_name(l, world.size()), sharded ? ", distributed optimizer" : ""));
+    for (const int variant : {0, 1, 2}) {
+      const bool sharded = variant > 0;
+      SCOPED_TRACE(cat(layout_name(l, world.size()), sharded ? ", distributed optimizer" : "",
+                       variant == 2 ? ", FP8-only weights" : ""));
       Config c = with_layout(deepseek_, l);
       c.parallel.distributed_optimizer = sharded;
+      if (variant == 2) {
+        c.train.fp8 = "blockwise";
+        c.train.fp8_param = true;
+      }
       LayoutRun run(c, world);
       const MemoryPlan p = plan_memory(c, world.size(), world.rank(), Device::cpu);
       const Memory& mem = run.trainer->memory();
