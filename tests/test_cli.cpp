@@ -77,6 +77,13 @@ TEST(Cli, PlanPrintsEachRanksBytes) {
                            "planned on the GPU", "layers.0-3 ", "parallel.distributed_optimizer = true: peak",
                            "with train.exp_avg_dtype = train.exp_avg_sq_dtype = bf16: peak"})
     EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  // With FP8 linears, keeping their weights only in FP8 is one of the options (after the free ones).
+  Result fp8 =
+      run("plan --config qwen3-30b-a3b --world 8 --set parallel.ep=8 --set model.num_hidden_layers=4 "
+          "--set train.fp8=blockwise");
+  EXPECT_EQ(fp8.code, 0) << fp8.err;
+  EXPECT_NE(fp8.out.find("train.main_grads_dtype = bf16, train.fp8_param = true: peak"), std::string::npos) << fp8.out;
+  EXPECT_EQ(r.out.find("train.fp8_param"), std::string::npos) << r.out;
   Result tiny = run("plan --device cpu --gpu-memory 1TB");
   EXPECT_EQ(tiny.code, 0) << tiny.err;
   EXPECT_NE(tiny.out.find("planned on the host"), std::string::npos) << tiny.out;
