@@ -271,8 +271,6 @@ void Memory::take_sharded(Param& p, const ParamSpec& spec) {
     if (fp8) {
       codes_[g].pad_to(std::lcm(kAlign, static_cast<size_t>(shards)));
       b.copy_begin = static_cast<int64_t>(codes_[g].used());
-      scales_[g].pad_to(kAlign);
-      b.scale_begin = b.scale_end = static_cast<int64_t>(scales_[g].used() / sizeof(float));
     } else {
       const int64_t unit = std::lcm(int64_t{64}, shards);
       const int64_t gap = b.begin - (last == buckets.rend() ? 0 : last->end);
@@ -292,7 +290,6 @@ void Memory::take_sharded(Param& p, const ParamSpec& spec) {
     p.fp8.q = codes_[g].take_at(DType::u8, spec.shape, copy_at);
     p.fp8.s = scales_[g].take(DType::f32, fp8_block_scale_shape(spec.shape, false));
     p.fp8_gathered = true;
-    b.scale_end = static_cast<int64_t>(scales_[g].used() / sizeof(float));
   } else {
     p.compute = compute_[g].take_at(dtype_, spec.shape, copy_at * dtype_size(dtype_));
   }

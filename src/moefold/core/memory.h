@@ -244,13 +244,12 @@ struct ShardLayout {
 // fp8: the bucket's weights are kept only in FP8 (Memory::set_fp8_params): no compute copies, their
 // FP8 codes (Param::fp8.q) are views of the group's code block (u8, at their gradients' element
 // offsets within the bucket, from copy_begin) and their block scales (Param::fp8.s) views of its
-// scale block, elements [scale_begin, scale_end) (AdamW quantizes its slot and gathers the codes).
+// scale block (AdamW quantizes its slot and gathers the codes).
 struct GradBucket {
   int64_t key = 0, begin = 0, end = 0;
   bool full_master = false;
   bool fp8 = false;
   int64_t copy_begin = 0;
-  int64_t scale_begin = 0, scale_end = 0;
 };
 
 class Memory {

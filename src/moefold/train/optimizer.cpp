@@ -73,22 +73,8 @@ void AdamW::bind(const ExecContext& ctx, const std::vector<Param>& params) {
       v_dtype_ = moment_dtype(cfg_.exp_avg_sq_dtype, p.value.dtype());
       exp_avg_.push_back(arena_.take(m_dtype_, p.value.shape()));
       exp_avg_sq_.push_back(arena_.take(v_dtype_, p.value.shape()));
-      segments_.push_back({i,
-                           p.group,
-                           0,
-                           n,
-                           p.value.view({n}),
-                           exp_avg_.back().view({n}),
-                           exp_avg_sq_.back().view({n}),
-                           p.grad.view({n}),
-                           p.has_compute_copy() ? p.compute.view({n}) : Tensor(),
-                           true,
-                           false,
-                           0,
-                           {},
-                           0,
-                           0,
-                           {}});
+      segments_.push_back({i, p.group, 0, n, p.value.view({n}), exp_avg_.back().view({n}), exp_avg_sq_.back().view({n}),
+                           p.grad.view({n}), p.has_compute_copy() ? p.compute.view({n}) : Tensor(), true});
     }
   };
   take_all();  // measure
@@ -255,8 +241,7 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
           const Param& p = params[i];
           const int64_t a = std::max(range.first, s0), e = std::min(range.second, sp);
           if (a < e) {
-            Segment sg{i, p.group, a, e,  {}, m.slice(a - s0, e - s0), v.slice(a - s0, e - s0), {}, {}, whole, false,
-                       0, {},      0, bi, {}};
+            Segment sg{i, p.group, a, e, {}, m.slice(a - s0, e - s0), v.slice(a - s0, e - s0), {}, {}, whole};
             if (whole) {  // the parameter's own master; its compute copy where it has one
               sg.master = p.value.view({p.value.numel()});
               sg.grad = p.grad.view({p.grad.numel()});
@@ -287,11 +272,7 @@ void AdamW::bind(const Memory& mem, const ShardGroups& groups) {
                        {},
                        false,
                        true,
-                       staging + (ha - sp),
-                       {},
-                       0,
-                       bi,
-                       {}};
+                       staging + (ha - sp)};
             if (b.fp8) {  // its codes from its landed bf16 values (gather_copies)
               const int64_t c = b.copy_begin - b.begin;
               sg.code = gr.code_block.slice(ha + c, he + c);

@@ -112,12 +112,10 @@ class AdamW {
     int64_t staging = 0;
     // In an FP8-only bucket (GradBucket::fp8): no compute copy; its FP8 codes (the code block's
     // slice) and its first element's flat index in the parameter; offloaded, `values`: where its
-    // new bf16 values land on the device (step_host), which the codes are quantized from. bucket:
-    // its bucket's index.
-    Tensor code;
+    // new bf16 values land on the device (step_host), which the codes are quantized from.
+    Tensor code{};
     int64_t first = 0;
-    size_t bucket = 0;
-    Tensor values;
+    Tensor values{};
   };
   // A piece of the offloaded elements: block elements [begin, begin + n) of `group`, staging
   // elements [staging, staging + n); the unit of the copies and of the host update's pipeline.
