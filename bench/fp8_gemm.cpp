@@ -369,8 +369,9 @@ void bench_wgrad_groups(int runs, int warmup) {
 // quantize them: the experts' output gradient dy [65536, 2048] and [65536, 1536] of 128 experts
 // of 512 rows (rows with the grouped GEMM's scales, launch_fp8_quantize_rows with the offsets on
 // the device; cols in the experts' segments) and a dense [8192, 4096] (rows without offsets, cols
-// as one segment). Cols times include the tile map's kernel. Effective GB/s: x read plus the codes
-// and scales written.
+// as one segment), then the experts' x [65536, 2048] as packed FP8 rows in 128 segments, cols only.
+// Cols times include the tile map's kernel. Effective GB/s: x read plus the codes and scales
+// written.
 void bench_quantize(int runs, int warmup) {
   const ExecContext& ctx = ExecContext::standard(Device::cuda);
   struct Case {
@@ -402,6 +403,25 @@ void bench_quantize(int runs, int warmup) {
                 cols_bytes / cols_ms * 1e-6);
     std::fflush(stdout);
   }
+  // The experts' x when it came packed (moe.fp8_dispatch): its cols layout for the weight gradient
+  // (launch_fp8_quantize_cols_packed); GB/s: the packed rows read (codes and scales) plus the codes
+  // and scales written.
+  const int64_t rows = 65536, cols = 2048, segments = 128, kb = cols / kFp8Tile, w = fp8_packed_width(cols);
+  const int64_t p = fp8_cols_width(rows, segments), col_tiles = rows / kFp8Tile;
+  DeviceTensor x({rows, cols}, DType::bf16), packed({rows, w}, DType::u8), qT({cols, p}, DType::u8),
+      sT({p / kFp8Tile, cols}, DType::f32), offsets({segments + 1}, DType::i64);
+  bench::fill_random(*x, 12);
+  fp8_quantize_packed(ctx, *x, *packed);
+  set_equal_offsets(*offsets, rows / segments);
+  const double ms = bench::time_ms(runs, warmup, [&] {
+    cuda::launch_fp8_quantize_cols_packed(ctx, (*packed).ptr<uint8_t>(), rows, cols, (*offsets).ptr<int64_t>(),
+                                          segments, p, (*qT).ptr<uint8_t>(), (*sT).ptr<float>());
+  });
+  const double bytes = 2.0 * rows * cols + 4.0 * kb * rows + 4.0 * col_tiles * cols;
+  std::printf("quantize experts x packed [%6lld, %4lld] %3lld segments  cols %7.3f ms %6.0f GB/s\n",
+              static_cast<long long>(rows), static_cast<long long>(cols), static_cast<long long>(segments), ms,
+              bytes / ms * 1e-6);
+  std::fflush(stdout);
 }
 
 int run(int argc, char** argv) {

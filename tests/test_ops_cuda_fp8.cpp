@@ -334,6 +334,49 @@ TEST(CudaFp8, QuantizeColsMatchesCpuBitForBit) {
   }
 }
 
+#ifdef MOEFOLD_WITH_CUDA
+// launch_fp8_quantize_cols_packed (the weight gradient's x when it came packed): the cols layout of
+// the packed rows' values, bit for bit the CPU's fp8_quantize_cols of fp8_dequantize_packed's f32
+// (each a code times its tile's scale, as the GPU computes it). The packed rows start `shift` bytes
+// into their allocation (4: not 8-byte aligned, the narrow path, as k % 8 != 0 takes).
+void check_cols_packed(std::mt19937_64& rng, const std::vector<int64_t>& counts, int64_t k, int64_t shift,
+                       bool non_finite = false) {
+  const Host off = offsets_of(counts);
+  const int64_t r = off.t.ptr<int64_t>()[counts.size()], s_n = static_cast<int64_t>(counts.size());
+  const int64_t w = fp8_packed_width(k), p = fp8_cols_width(r, s_n);
+  SCOPED_TRACE(::testing::Message() << "packed cols R " << r << " K " << k << " segments " << s_n << " shift "
+                                    << shift);
+  DevicePool dev;
+  Host x = awkward(rng, r, k, DType::f32);
+  if (non_finite) add_non_finite(x);
+  Host packed({r, w}, DType::u8), v({r, k}, DType::f32), q({k, p}, DType::u8, 0xab),
+      s({p / kFp8Tile, k}, DType::f32, 0xab);
+  fp8_quantize_packed(cpu(), x.t, packed.t);
+  fp8_dequantize_packed(cpu(), packed.t, v.t);
+  fp8_quantize_cols(cpu(), v.t, off.t, q.t, s.t);
+  const Tensor pd = dev.empty({shift + r * w}, DType::u8), offd = to_device(dev, off),
+               qd = filled(dev, {k, p}, DType::u8, 0xab), sd = filled(dev, {p / kFp8Tile, k}, DType::f32, 0xab);
+  device_copy(pd.ptr<uint8_t>() + shift, Device::cuda, packed.bytes.data(), Device::cpu, packed.bytes.size());
+  cuda::launch_fp8_quantize_cols_packed(testing::exec(), pd.ptr<uint8_t>() + shift, r, k, offd.ptr<int64_t>(), s_n, p,
+                                        qd.ptr<uint8_t>(), sd.ptr<float>());
+  EXPECT_SAME_BYTES(bytes_of(qd), q.bytes, "codes (and the unwritten columns' poison)");
+  EXPECT_SAME_BYTES(bytes_of(sd), s.bytes, "scales");
+}
+
+TEST(CudaFp8, QuantizeColsPackedMatchesCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  const std::vector<int64_t> segments = {0, 1, 127, 0, 128, 129, 300, 0};  // empty ones, some under 128 rows
+  check_cols_packed(rng, segments, 2048, 0);       // Qwen3-30B-A3B's hidden size: 8 codes a lane
+  check_cols_packed(rng, segments, 200, 0);        // a 72-column last tile, a partial column chunk
+  check_cols_packed(rng, {512, 0, 200}, 384, 0);   // whole tiles only
+  check_cols_packed(rng, {3, 250}, 512, 0, true);  // NaN codes and saturated ones
+  check_cols_packed(rng, segments, 100, 0);        // k % 8 == 4: the narrow path
+  check_cols_packed(rng, segments, 130, 0);        // k % 8 == 2
+  check_cols_packed(rng, segments, 2048, 4);       // rows 4-byte aligned only
+}
+#endif
+
 void check_blocks(std::mt19937_64& rng, int64_t e, int64_t o, int64_t i, DType dt, bool transposed,
                   bool non_finite = false, bool via_bf16 = false) {
   SCOPED_TRACE(::testing::Message() << "blocks " << dtype_name(dt) << " E " << e << " O " << o << " I " << i

@@ -5,13 +5,13 @@
 //
 // Memory-bound passes: rows give each lane 16 bytes of a tile and each warp 4 such loads in flight
 // (bf16: a tile per half warp, 8 rows of one tile a warp; the packed and SwiGLU forms and narrow or
-// unaligned rows: a warp per tile, 4 elements a lane); cols stage a 128-row x 128-column (f32: 64)
-// tile per block, a lane loading 16 consecutive rows of its 8 bytes of columns, and write its
-// transpose from shared memory, 128 contiguous bytes per column; blocks read a 128 x 128 block row
-// by row and write its transpose (qT) through shared memory the same way. Parts of a weight (the
-// distributed optimizer's flat slices) are read row tile by row tile as in the rows layout: a
-// warp's 128 elements share a block, so block amaxes take one atomicMax per 32 row tiles, not per
-// element.
+// unaligned rows: a warp per tile, 4 elements a lane); cols stage a 128-row x 128-column (f32: 64;
+// packed FP8 rows: 256, a code times its row tile's scale) tile per block, a lane loading 16
+// consecutive rows of its 8 bytes of columns, and write its transpose from shared memory, 128
+// contiguous bytes per column; blocks read a 128 x 128 block row by row and write its transpose
+// (qT) through shared memory the same way. Parts of a weight (the distributed optimizer's flat
+// slices) are read row tile by row tile as in the rows layout: a warp's 128 elements share a
+// block, so block amaxes take one atomicMax per 32 row tiles, not per element.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -431,21 +431,87 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// quantize_cols_kernel with 8-byte loads and 16-byte staging: block (cx, pt) takes columns
-// [kChunk cx, kChunk cx + kChunk) of padded tile pt (kChunk = 32 lanes x 8 / sizeof(T) columns);
-// warp w loads rows 16 w .. 16 w + 15 (all 16 loads in flight), so that a lane holds 16
-// consecutive rows of its columns and stages each column's 16 codes as one 16-byte store. The
-// staged column's 16-byte chunks are swizzled (chunk j of column cl at j ^ (cl / kPer % 8)) so
-// that neither the stores nor the reads conflict; 8 lanes write a column's 128 bytes of qT.
-// REQUIRES: cols % (8 / sizeof(T)) == 0, x 8-byte aligned, qT 4-byte aligned (16 if q16).
+// quantize_cols_wide_kernel's inputs: a lane's kPer consecutive columns of a row as one 8-byte
+// load (load), anything per row beside them (rows: the warp's kRows rows from r, count of them
+// real), and the values of columns 2h and 2h + 1 of the lane's kPer in row i (pair). kMagnitude
+// clears the loaded elements' sign bits: pair of the masked load is |value| (the max pass reads it,
+// so that the compiler does not keep the code pass's values live across the reduction).
+// Dense x [rows, cols] of T: bf16 4 columns a lane, f32 2.
 template <class T>
+struct DenseColsIn {
+  static constexpr int kPer = 8 / static_cast<int>(sizeof(T));
+  static constexpr uint32_t kMagnitude = sizeof(T) == 2 ? 0x7fff7fffu : 0x7fffffffu;
+  const T* x;
+  int64_t cols;
+  struct Rows {};
+  __device__ __forceinline__ uint2 load(int64_t r, int64_t c) const {
+    return __ldg(reinterpret_cast<const uint2*>(x + r * cols + c));
+  }
+  __device__ __forceinline__ Rows rows(int64_t, int, int64_t) const { return {}; }
+  __device__ __forceinline__ float2 pair(uint2 raw, const Rows&, int, int h) const {
+    if constexpr (kPer == 4) {  // a bf16 is the high half of its float
+      const uint32_t w = h == 0 ? raw.x : raw.y;
+      return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    } else {
+      return make_float2(__uint_as_float(raw.x), __uint_as_float(raw.y));
+    }
+  }
+};
+
+// Packed rows (ops/fp8.h: row pitch ld bytes, scales from byte `at`), 8 codes a lane (a block's 256
+// columns: two tiles of the rows), each value its code times its row tile's scale, as
+// quantize_cols_kernel's kPacked path computes it. The 16 lanes of a tile load the scales of the
+// warp's 16 rows, one a lane, and hand them round by shuffles.
+struct PackedColsIn {
+  static constexpr int kPer = 8;
+  static constexpr int kLanesPerTile = kTile / kPer;
+  static constexpr uint32_t kMagnitude = 0x7f7f7f7fu;  // |code * s| == |code| * s, rounded alike
+  const uint8_t* x;
+  int64_t cols, ld, at;
+  struct Rows {
+    float scale[kTile / kWarps];
+  };
+  __device__ __forceinline__ uint2 load(int64_t r, int64_t c) const {
+    return __ldg(reinterpret_cast<const uint2*>(x + r * ld + c));
+  }
+  __device__ __forceinline__ Rows rows(int64_t r, int count, int64_t c) const {
+    constexpr int kRows = kTile / kWarps;
+    static_assert(kRows <= kLanesPerTile, "a tile's lanes hold its rows' scales");
+    const int lane = static_cast<int>(threadIdx.x % 32), i = lane % kRows;
+    float own = 0.0f;
+    if (i < count && c - c % kTile < cols)
+      own = __ldg(reinterpret_cast<const float*>(x + (r + i) * ld + at) + c / kTile);
+    Rows out;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+      out.scale[j] = __shfl_sync(0xffffffffu, own, lane / kLanesPerTile * kLanesPerTile + j);
+    return out;
+  }
+  __device__ __forceinline__ float2 pair(uint2 raw, const Rows& rows, int i, int h) const {
+    const uint32_t w = h < 2 ? raw.x : raw.y;
+    const __half2_raw codes =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> (16 * (h % 2))), __NV_E4M3);
+    const float2 v = __half22float2(__half2(codes));  // exact, as e4m3_value
+    return make_float2(v.x * rows.scale[i], v.y * rows.scale[i]);
+  }
+};
+
+// quantize_cols_kernel with 8-byte loads and 16-byte staging: block (cx, pt) takes columns
+// [kChunk cx, kChunk cx + kChunk) of padded tile pt (kChunk = 32 lanes x In::kPer columns); warp w
+// loads rows 16 w .. 16 w + 15 (all 16 loads in flight), so that a lane holds 16 consecutive rows
+// of its columns and stages each column's 16 codes as one 16-byte store. The staged column's
+// 16-byte chunks are swizzled (chunk j of column cl at j ^ (cl / kPer % 8)) so that neither the
+// stores nor the reads conflict; 8 lanes write a column's 128 bytes of qT.
+// REQUIRES: cols % In::kPer == 0, In's rows aligned for its loads, qT 4-byte aligned (16 if q16).
+template <class In>
 __global__ void __launch_bounds__(kThreads)
-    quantize_cols_wide_kernel(const T* __restrict__ x, int64_t cols, int64_t p, const ColTile* __restrict__ map,
-                              uint8_t* __restrict__ qT, float* __restrict__ sT, bool q16) {
-  constexpr int kPer = 8 / static_cast<int>(sizeof(T));  // columns per lane
-  constexpr int kChunk = 32 * kPer;                      // columns per block
-  constexpr int kRows = kTile / kWarps;                  // rows per warp
+    quantize_cols_wide_kernel(In in, int64_t cols, int64_t p, const ColTile* __restrict__ map, uint8_t* __restrict__ qT,
+                              float* __restrict__ sT, bool q16) {
+  constexpr int kPer = In::kPer;         // columns per lane
+  constexpr int kChunk = 32 * kPer;      // columns per block
+  constexpr int kRows = kTile / kWarps;  // rows per warp
   static_assert(kRows == 16, "a warp's rows are one 16-byte chunk of a staged column");
+  static_assert(kChunk <= kThreads, "column_scales gives each column a thread");
   const int64_t pt = blockIdx.y;
   const ColTile tile = map[pt];
   if (tile.n == 0) return;
@@ -462,43 +528,50 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < kRows; ++i) {
     const int t = kRows * warp + i;
     raw[i] = make_uint2(0, 0);
-    if (c < cols && t < n) raw[i] = *reinterpret_cast<const uint2*>(x + (tile.r0 + t) * cols + c);
+    if (c < cols && t < n) raw[i] = in.load(tile.r0 + t, c);
   }
-  const auto value = [&](int i, int j) {  // row 16 w + i, column c + j
-    if constexpr (kPer == 4) {
-      const uint32_t w = j < 2 ? raw[i].x : raw[i].y;
-      return __uint_as_float(j % 2 == 0 ? w << 16 : w & 0xffff0000u);
-    } else {
-      return __uint_as_float(j == 0 ? raw[i].x : raw[i].y);
-    }
-  };
+  const typename In::Rows rows = in.rows(tile.r0 + kRows * warp, n - kRows * warp, c);
   uint32_t m[kPer];
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    m[j] = 0;
+  for (int h = 0; h < kPer / 2; ++h) {
+    m[2 * h] = m[2 * h + 1] = 0;
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) m[j] = max(m[j], abs_bits(value(i, j)));
+    for (int i = 0; i < kRows; ++i) {
+      const float2 v = in.pair(make_uint2(raw[i].x & In::kMagnitude, raw[i].y & In::kMagnitude), rows, i, h);
+      m[2 * h] = max(m[2 * h], abs_bits(v.x));
+      m[2 * h + 1] = max(m[2 * h + 1], abs_bits(v.y));
+    }
   }
-  if constexpr (kPer == 4)
-    *reinterpret_cast<uint4*>(&partial[warp][kPer * lane]) = make_uint4(m[0], m[1], m[2], m[3]);
-  else
+  if constexpr (kPer == 2) {
     *reinterpret_cast<uint2*>(&partial[warp][kPer * lane]) = make_uint2(m[0], m[1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; j += 4)
+      *reinterpret_cast<uint4*>(&partial[warp][kPer * lane + j]) = make_uint4(m[j], m[j + 1], m[j + 2], m[j + 3]);
+  }
   __syncthreads();
   column_scales<kChunk>(partial, pt, cols, c0, inv_of, finite_of, sT);
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int cl = kPer * lane + j;
-    const float inv = inv_of[cl];
-    const bool finite = finite_of[cl];
-    uint32_t w[4];
+  for (int h = 0; h < kPer / 2; ++h) {  // columns cl and cl + 1
+    const int cl = kPer * lane + 2 * h;
+    const float inv0 = inv_of[cl], inv1 = inv_of[cl + 1];
+    const bool finite0 = finite_of[cl], finite1 = finite_of[cl + 1];
+    uint32_t w0[4], w1[4];
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      const float v[4] = {value(4 * g, j) * inv, value(4 * g + 1, j) * inv, value(4 * g + 2, j) * inv,
-                          value(4 * g + 3, j) * inv};
-      w[g] = e4m3x4(v, finite);
+      float a[4], b[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float2 v = in.pair(raw[4 * g + u], rows, 4 * g + u, h);
+        a[u] = v.x * inv0, b[u] = v.y * inv1;
+      }
+      w0[g] = e4m3x4(a, finite0);
+      w1[g] = e4m3x4(b, finite1);
     }
-    *reinterpret_cast<uint4*>(&codes[cl][16 * (warp ^ (lane % 8))]) = make_uint4(w[0], w[1], w[2], w[3]);
+    const int chunk = 16 * (warp ^ (lane % 8));
+    *reinterpret_cast<uint4*>(&codes[cl][chunk]) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+    *reinterpret_cast<uint4*>(&codes[cl + 1][chunk]) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
   }
   __syncthreads();
   const int part = lane % 8, t = 16 * part;  // this lane's 16 rows of a column
@@ -902,6 +975,15 @@ void launch_fp8_packed_scales(const ExecContext& ctx, const uint8_t* p, int64_t 
 }
 
 namespace {
+// quantize_cols_wide_kernel over input `in`: grid.y padded tiles, columns in blocks of 32 In::kPer.
+template <class In>
+void launch_cols_wide(const ExecContext& ctx, const In& in, int64_t cols, int64_t p, dim3 grid, const ColTile* map,
+                      uint8_t* qT, float* sT) {
+  quantize_cols_wide_kernel<In>
+      <<<dim3(static_cast<unsigned>(ceil_div(cols, 32 * In::kPer)), grid.y), kThreads, 0, stream_of(ctx)>>>(
+          in, cols, p, map, qT, sT, aligned(qT, 16));
+}
+
 // The cols layout's launches: the checks, the tile map and the grid, then launch(grid, map).
 template <class Launch>
 void quantize_cols(const ExecContext& ctx, int64_t rows, int64_t cols, const int64_t* offsets, int64_t segments,
@@ -922,11 +1004,8 @@ void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype
   quantize_cols(ctx, rows, cols, offsets, segments, p, qT, "fp8_quantize_cols", [&](dim3 grid, const ColTile* map) {
     with_input_dtype(dtype, "fp8_quantize_cols", [&]<class T>() {
       const T* xt = static_cast<const T*>(x);
-      constexpr int kPer = 8 / static_cast<int>(sizeof(T));
-      if (cols % kPer == 0 && aligned(x, 8))
-        quantize_cols_wide_kernel<T>
-            <<<dim3(static_cast<unsigned>(ceil_div(cols, 32 * kPer)), grid.y), kThreads, 0, stream_of(ctx)>>>(
-                xt, cols, p, map, qT, sT, aligned(qT, 16));
+      if (cols % DenseColsIn<T>::kPer == 0 && aligned(x, 8))
+        launch_cols_wide(ctx, DenseColsIn<T>{xt, cols}, cols, p, grid, map, qT, sT);
       else if (cols % 2 == 0 && aligned(x, 2 * sizeof(T)))
         quantize_cols_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT, cols, 0);
       else
@@ -937,10 +1016,15 @@ void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype
 
 void launch_fp8_quantize_cols_packed(const ExecContext& ctx, const uint8_t* x, int64_t rows, int64_t cols,
                                      const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT) {
+  const int64_t ld = fp8_packed_width(cols), at = fp8_packed_scales_at(cols);
   quantize_cols(ctx, rows, cols, offsets, segments, p, qT, "fp8_quantize_cols (packed rows)",
                 [&](dim3 grid, const ColTile* map) {
-                  quantize_cols_kernel<uint8_t, false, true><<<grid, kThreads, 0, stream_of(ctx)>>>(
-                      x, cols, p, map, qT, sT, fp8_packed_width(cols), fp8_packed_scales_at(cols));
+                  // ld and at are multiples of 16: 8-byte code loads, aligned scales.
+                  if (cols % PackedColsIn::kPer == 0 && aligned(x, 8))
+                    launch_cols_wide(ctx, PackedColsIn{x, cols, ld, at}, cols, p, grid, map, qT, sT);
+                  else
+                    quantize_cols_kernel<uint8_t, false, true>
+                        <<<grid, kThreads, 0, stream_of(ctx)>>>(x, cols, p, map, qT, sT, ld, at);
                 });
 }
 
