@@ -369,7 +369,8 @@ void bench_wgrad_groups(int runs, int warmup) {
 // quantize them: the experts' output gradient dy [65536, 2048] and [65536, 1536] of 128 experts
 // of 512 rows (rows with the grouped GEMM's scales, launch_fp8_quantize_rows with the offsets on
 // the device; cols in the experts' segments) and a dense [8192, 4096] (rows without offsets, cols
-// as one segment), then the experts' x [65536, 2048] as packed FP8 rows in 128 segments, cols only.
+// as one segment), and both in one pass (launch_fp8_quantize_rows_cols, the FP8 backward's dy),
+// then the experts' x [65536, 2048] as packed FP8 rows in 128 segments, cols only.
 // Cols times include the tile map's kernel. Effective GB/s: x read plus the codes and scales
 // written.
 void bench_quantize(int runs, int warmup) {
@@ -395,12 +396,21 @@ void bench_quantize(int runs, int warmup) {
         fp8_quantize_rows(ctx, *x, *q, *s);
     });
     const double cols_ms = bench::time_ms(runs, warmup, [&] { fp8_quantize_cols(ctx, *x, *offsets, *qT, *sT); });
+    // Both in one pass (the backward's dy: launch_fp8_quantize_rows_cols, rows scales grouped).
+    const double both_ms = bench::time_ms(runs, warmup, [&] {
+      cuda::launch_fp8_quantize_rows_cols(
+          ctx, (*x).data(), DType::bf16, c.rows, c.cols, c.experts > 0 ? (*offsets).ptr<int64_t>() : nullptr, segments,
+          true, (*q).ptr<uint8_t>(), (*s).ptr<float>(), p, (*qT).ptr<uint8_t>(), (*sT).ptr<float>());
+    });
     const double elems = static_cast<double>(c.rows) * c.cols;
     const double rows_bytes = 3 * elems + 4.0 * kb * c.rows, cols_bytes = 3 * elems + 4.0 * col_tiles * c.cols;
-    std::printf("quantize %-10s [%6lld, %4lld] %3lld segments  rows %7.3f ms %6.0f GB/s  cols %7.3f ms %6.0f GB/s\n",
-                c.name, static_cast<long long>(c.rows), static_cast<long long>(c.cols),
-                static_cast<long long>(segments), rows_ms, rows_bytes / rows_ms * 1e-6, cols_ms,
-                cols_bytes / cols_ms * 1e-6);
+    const double both_bytes = 4 * elems + 4.0 * kb * c.rows + 4.0 * col_tiles * c.cols;
+    std::printf(
+        "quantize %-10s [%6lld, %4lld] %3lld segments  rows %7.3f ms %6.0f GB/s  cols %7.3f ms %6.0f GB/s  "
+        "rows + cols in one pass %7.3f ms %6.0f GB/s\n",
+        c.name, static_cast<long long>(c.rows), static_cast<long long>(c.cols), static_cast<long long>(segments),
+        rows_ms, rows_bytes / rows_ms * 1e-6, cols_ms, cols_bytes / cols_ms * 1e-6, both_ms,
+        both_bytes / both_ms * 1e-6);
     std::fflush(stdout);
   }
   // The experts' x when it came packed (moe.fp8_dispatch): its cols layout for the weight gradient

@@ -178,6 +178,19 @@ void check_rows(std::mt19937_64& rng, int64_t r, int64_t k, DType dt, bool non_f
 }
 
 #ifdef MOEFOLD_WITH_CUDA
+// The rows layout's scales s [B, R] (fp8_quantize_rows's) in the grouped GEMM's layout: group g's
+// [B, m_g] block at s[off[g] * B].
+Host grouped_scales(const Host& s, const Host& off) {
+  const int64_t b_n = s.t.size(0), r = s.t.size(1), g_n = off.t.numel() - 1;
+  const int64_t* o = off.t.ptr<int64_t>();
+  Host sg({b_n * r}, DType::f32, 0xab);
+  for (int64_t g = 0; g < g_n; ++g)
+    for (int64_t b = 0; b < b_n; ++b)
+      for (int64_t i = o[g]; i < o[g + 1]; ++i)
+        sg.t.ptr<float>()[o[g] * b_n + b * (o[g + 1] - o[g]) + (i - o[g])] = s.t.ptr<float>()[b * r + i];
+  return sg;
+}
+
 // launch_fp8_quantize_rows with group offsets (the grouped GEMM's scales: group g's [B, m_g] block
 // at s[off[g] * B]), x and q starting `shift` elements (bytes) into their allocations (unaligned
 // starts take the narrower paths): codes as the CPU's fp8_quantize_rows, its scales rearranged.
@@ -188,13 +201,9 @@ void check_rows_grouped(std::mt19937_64& rng, const std::vector<int64_t>& counts
                                     << g_n << " shift " << shift);
   DevicePool dev;
   const Host x = awkward(rng, r, k, dt);
-  Host q({shift + r * k}, DType::u8, 0xab), s({b_n, r}, DType::f32), sg({b_n * r}, DType::f32, 0xab);
+  Host q({shift + r * k}, DType::u8, 0xab), s({b_n, r}, DType::f32);
   fp8_quantize_rows(cpu(), x.t, q.t.slice(shift, shift + r * k).view({r, k}), s.t);
-  const int64_t* o = off.t.ptr<int64_t>();
-  for (int64_t g = 0; g < g_n; ++g)
-    for (int64_t b = 0; b < b_n; ++b)
-      for (int64_t i = o[g]; i < o[g + 1]; ++i)
-        sg.t.ptr<float>()[o[g] * b_n + b * (o[g + 1] - o[g]) + (i - o[g])] = s.t.ptr<float>()[b * r + i];
+  const Host sg = grouped_scales(s, off);
   const size_t es = dtype_size(dt);
   const Tensor xd = dev.empty({shift + r * k}, dt), qd = filled(dev, {shift + r * k}, DType::u8, 0xab),
                sd = filled(dev, {b_n * r}, DType::f32, 0xab), offd = to_device(dev, off);
@@ -335,6 +344,56 @@ TEST(CudaFp8, QuantizeColsMatchesCpuBitForBit) {
 }
 
 #ifdef MOEFOLD_WITH_CUDA
+// launch_fp8_quantize_rows_cols (an FP8 backward's dy, read once for both operands): the rows layout
+// as the CPU's fp8_quantize_rows (its scales plain, or grouped by the segments) and the cols layout
+// as its fp8_quantize_cols, bit for bit, the unwritten columns keeping their poison.
+void check_rows_cols(std::mt19937_64& rng, const std::vector<int64_t>& counts, int64_t c, bool grouped,
+                     bool non_finite = false) {
+  const Host off = offsets_of(counts);
+  const int64_t r = off.t.ptr<int64_t>()[counts.size()], s_n = static_cast<int64_t>(counts.size());
+  const int64_t p = fp8_cols_width(r, s_n), b_n = tiles(c);
+  SCOPED_TRACE(::testing::Message() << "rows and cols R " << r << " C " << c << " segments " << s_n
+                                    << (grouped ? " grouped" : " plain") << (non_finite ? " non-finite" : ""));
+  DevicePool dev;
+  Host x = awkward(rng, r, c, DType::bf16);
+  if (non_finite) add_non_finite(x);
+  Host q({r, c}, DType::u8, 0xab), s({b_n, r}, DType::f32, 0xab), qT({c, p}, DType::u8, 0xab),
+      sT({p / kFp8Tile, c}, DType::f32, 0xab);
+  fp8_quantize_rows(cpu(), x.t, q.t, s.t);
+  fp8_quantize_cols(cpu(), x.t, off.t, qT.t, sT.t);
+  const Tensor xd = to_device(dev, x), offd = to_device(dev, off), qd = filled(dev, {r, c}, DType::u8, 0xab),
+               sd = filled(dev, {b_n, r}, DType::f32, 0xab), qTd = filled(dev, {c, p}, DType::u8, 0xab),
+               sTd = filled(dev, {p / kFp8Tile, c}, DType::f32, 0xab);
+  ASSERT_TRUE(cuda::fp8_rows_cols_fused_serves(DType::bf16, c, xd.data(), qd.data()));
+  cuda::launch_fp8_quantize_rows_cols(testing::exec(), xd.data(), DType::bf16, r, c, offd.ptr<int64_t>(), s_n, grouped,
+                                      qd.ptr<uint8_t>(), sd.ptr<float>(), p, qTd.ptr<uint8_t>(), sTd.ptr<float>());
+  EXPECT_SAME_BYTES(bytes_of(qd), q.bytes, "rows codes");
+  EXPECT_SAME_BYTES(bytes_of(sd), grouped ? grouped_scales(s, off).bytes : s.bytes, "rows scales");
+  EXPECT_SAME_BYTES(bytes_of(qTd), qT.bytes, "cols codes (and the unwritten columns' poison)");
+  EXPECT_SAME_BYTES(bytes_of(sTd), sT.bytes, "cols scales");
+}
+
+TEST(CudaFp8, QuantizeRowsColsInOnePassMatchesCpuBitForBit) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  const std::vector<int64_t> segments = {0, 1, 127, 0, 128, 129, 300, 0};  // empty ones, some under 128 rows
+  for (bool grouped : {true, false}) {
+    check_rows_cols(rng, segments, 2048, grouped);  // Qwen3-30B-A3B's hidden size
+    check_rows_cols(rng, segments, 200, grouped);   // a 72-column last tile of every row
+    check_rows_cols(rng, segments, 260, grouped);   // C % 128 == 4: a 4-column last tile
+    check_rows_cols(rng, {700}, 96, grouped);       // one segment (a dense layer's dy)
+    check_rows_cols(rng, {0, 0}, 128, grouped);     // no rows at all
+    check_rows_cols(rng, {3, 250}, 384, grouped, true);
+  }
+  check_rows_cols(rng, {512, 512, 512}, 1536, true);  // whole tiles only
+  // Where the one pass does not serve, the backward runs the two (f32, C % 4 != 0, unaligned x).
+  DevicePool dev;
+  const Tensor x = dev.empty({64, 130}, DType::bf16), q = dev.empty({64, 130}, DType::u8);
+  EXPECT_FALSE(cuda::fp8_rows_cols_fused_serves(DType::f32, 128, x.data(), q.data()));
+  EXPECT_FALSE(cuda::fp8_rows_cols_fused_serves(DType::bf16, 130, x.data(), q.data()));
+  EXPECT_FALSE(cuda::fp8_rows_cols_fused_serves(DType::bf16, 128, static_cast<uint8_t*>(x.data()) + 4, q.data()));
+}
+
 // launch_fp8_quantize_cols_packed (the weight gradient's x when it came packed): the cols layout of
 // the packed rows' values, bit for bit the CPU's fp8_quantize_cols of fp8_dequantize_packed's f32
 // (each a code times its tile's scale, as the GPU computes it). The packed rows start `shift` bytes

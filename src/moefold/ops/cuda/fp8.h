@@ -102,6 +102,15 @@ void launch_fp8_packed_scales(const ExecContext& ctx, const uint8_t* p, int64_t 
 // p >= the padded width the segments need (fp8_cols_width(rows, segments) suffices).
 void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
                               const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT);
+// Both layouts of bf16 x [rows, cols] from one read of x (an FP8 backward's dy: rows for the data
+// gradient, cols for the weight gradient): q [rows, cols] and s as launch_fp8_quantize_rows with the
+// segments as its groups (grouped_rows; else the plain layout s[b * rows + r]), qT and sT as
+// launch_fp8_quantize_cols. The same bytes as those two. REQUIRES: fp8_rows_cols_fused_serves (else
+// run the two), launch_fp8_quantize_cols's conditions on p.
+bool fp8_rows_cols_fused_serves(DType dtype, int64_t cols, const void* x, const void* q);
+void launch_fp8_quantize_rows_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
+                                   const int64_t* offsets, int64_t segments, bool grouped_rows, uint8_t* q, float* s,
+                                   int64_t p, uint8_t* qT, float* sT);
 // The cols layout of packed rows x [rows, fp8_packed_width(cols)]'s values (the weight gradient's
 // operand when x came packed; values exact, as launch_fp8_quantize_cols of their dequantization).
 void launch_fp8_quantize_cols_packed(const ExecContext& ctx, const uint8_t* x, int64_t rows, int64_t cols,

@@ -262,15 +262,31 @@ void run_fp8(const ExecContext& ctx, const Operands& op, float beta, const char*
 constexpr size_t kAlign = 256;
 size_t padded(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
-// A quantized operand: `codes` bytes of E4M3 and `scales` floats, in one scratch slot.
+// A quantized operand: `codes` bytes of E4M3 and `scales` floats, in a scratch slot.
 struct Quantized {
   uint8_t* q;
   float* s;
 };
+struct Counts {  // an operand's size in elements
+  int64_t codes, scales;
+};
+size_t operand_bytes(Counts n) {
+  return padded(static_cast<size_t>(n.codes)) + padded(static_cast<size_t>(n.scales) * sizeof(float));
+}
+Quantized operand_at(char* base, Counts n) {
+  return {reinterpret_cast<uint8_t*>(base), reinterpret_cast<float*>(base + padded(static_cast<size_t>(n.codes)))};
+}
 Quantized quantized_scratch(const ExecContext& ctx, ScratchSlot slot, int64_t codes, int64_t scales) {
-  const size_t qb = padded(static_cast<size_t>(codes));
-  char* base = static_cast<char*>(ctx.scratch(slot, qb + padded(static_cast<size_t>(scales) * sizeof(float))));
-  return {reinterpret_cast<uint8_t*>(base), reinterpret_cast<float*>(base + qb)};
+  const Counts n{codes, scales};
+  return operand_at(static_cast<char*>(ctx.scratch(slot, operand_bytes(n))), n);
+}
+// Two operands in one slot, the second after the first.
+struct RowsAndCols {
+  Quantized rows, cols;
+};
+RowsAndCols quantized_pair_scratch(const ExecContext& ctx, ScratchSlot slot, Counts rows, Counts cols) {
+  char* base = static_cast<char*>(ctx.scratch(slot, operand_bytes(rows) + operand_bytes(cols)));
+  return {operand_at(base, rows), operand_at(base + operand_bytes(rows), cols)};
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -384,13 +400,26 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
     if (dw.defined() && !accumulate) MF_CUDA_CHECK(cudaMemsetAsync(dw.data(), 0, dw.nbytes(), stream_of(ctx)));
     return;
   }
-  const int64_t ob = ceil_div(o_n, kFp8Tile);
+  const int64_t ob = ceil_div(o_n, kFp8Tile), segments = off != nullptr ? e_n : 1;
+  const int64_t p = fp8_cols_width(r_n, segments);  // the weight gradient's reduction, padded per segment
   Operands op;
   op.off = off, op.rows = r_n;
   op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
+  // dy's two operands (rows for the data gradient, cols for the weight gradient) from one read of
+  // dy where both are wanted, both in dgrad's slot (the cols after the rows).
+  Quantized dy_cols{};
   if (dx.defined()) {
-    const Quantized qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * o_n, ob * r_n);
-    launch_fp8_quantize_rows(ctx, dy.data(), dy.dtype(), r_n, o_n, qdy.q, qdy.s, off, e_n);
+    Quantized qdy{};
+    if (dw.defined() && fp8_rows_cols_fused_serves(dy.dtype(), o_n, dy.data(), nullptr)) {
+      const RowsAndCols both =
+          quantized_pair_scratch(ctx, ScratchSlot::fp8_operand_a, {r_n * o_n, ob * r_n}, {o_n * p, p / kFp8Tile * o_n});
+      qdy = both.rows, dy_cols = both.cols;
+      launch_fp8_quantize_rows_cols(ctx, dy.data(), dy.dtype(), r_n, o_n, off, segments, true, qdy.q, qdy.s, p,
+                                    dy_cols.q, dy_cols.s);
+    } else {
+      qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * o_n, ob * r_n);
+      launch_fp8_quantize_rows(ctx, dy.data(), dy.dtype(), r_n, o_n, qdy.q, qdy.s, off, e_n);
+    }
     const bool lt = dense_on_cublaslt(ctx, off, r_n, i_n, o_n);
     const WeightOperand qw = weight_operand(ctx, w, wq, e_n, o_n, i_n, true, lt);
     if (lt && lt_blocks(ctx, qdy.q, o_n, qdy.s, r_n, qw.q, o_n, qw.s_lt, i_n, o_n, dx, 0.0f)) {
@@ -415,14 +444,16 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
       cutlass_grouped::zero_empty_experts(ctx, dw.ptr<float>(), off, e_n, o_n * i_n, zero);
   }
   // The slots of dgrad's operands are reused: this stream ran (or queued) dgrad before.
-  const int64_t p = fp8_cols_width(r_n, off != nullptr ? e_n : 1);
-  const Quantized qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, o_n * p, p / kFp8Tile * o_n);
-  launch_fp8_quantize_cols(ctx, dy.data(), dy.dtype(), r_n, o_n, off, off != nullptr ? e_n : 1, p, qdy.q, qdy.s);
+  Quantized qdy = dy_cols;
+  if (qdy.q == nullptr) {
+    qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, o_n * p, p / kFp8Tile * o_n);
+    launch_fp8_quantize_cols(ctx, dy.data(), dy.dtype(), r_n, o_n, off, segments, p, qdy.q, qdy.s);
+  }
   const Quantized qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, i_n * p, p / kFp8Tile * i_n);
   if (packed(x))  // Q_cols of the packed rows' values, read from the codes and scales
-    launch_fp8_quantize_cols_packed(ctx, x.ptr<uint8_t>(), r_n, i_n, off, off != nullptr ? e_n : 1, p, qx.q, qx.s);
+    launch_fp8_quantize_cols_packed(ctx, x.ptr<uint8_t>(), r_n, i_n, off, segments, p, qx.q, qx.s);
   else
-    launch_fp8_quantize_cols(ctx, x.data(), x.dtype(), r_n, i_n, off, off != nullptr ? e_n : 1, p, qx.q, qx.s);
+    launch_fp8_quantize_cols(ctx, x.data(), x.dtype(), r_n, i_n, off, segments, p, qx.q, qx.s);
   // Dense on cuBLASLt: dw[O, I] = dy^T x, both operands' cols layouts as they are (1 x 128 tiles
   // along the tokens), K = the rows (whole tiles only: the columns past them are not written).
   if (dense_on_cublaslt(ctx, off, o_n, i_n, r_n) && lt_fp8_gemm(ctx, o_n, i_n, r_n, qdy.q, p, qdy.s, qx.q, p, qx.s,

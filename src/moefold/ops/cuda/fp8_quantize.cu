@@ -297,10 +297,13 @@ __global__ void packed_scales_kernel(const uint8_t* __restrict__ p, int64_t rows
 // ---- cols ------------------------------------------------------------------------------------------
 
 // Padded tile pt of the cols layout (qT's columns [128 pt, 128 pt + 128)): rows [r0, r0 + n) of x,
-// n <= 128; n == 0 for the tiles past the last segment's.
+// n <= 128; n == 0 for the tiles past the last segment's. begin, count: the tile's segment's first
+// row and its rows (the rows layout's grouped scales, quantize_cols_wide_kernel's RowsOut).
 struct ColTile {
   int64_t r0;
   int64_t n;
+  int64_t begin;
+  int64_t count;
 };
 
 // One block: each segment's tiles from an exclusive scan of ceil(n_j / 128) over the segments
@@ -324,12 +327,12 @@ __global__ void __launch_bounds__(kThreads) col_tiles_kernel(const int64_t* __re
     Scan(scan_storage).ExclusiveSum(count, first, total);
     first += done;
     for (int64_t t = 0; t < count && first + t < tiles; ++t)
-      map[first + t] = {begin + t * kTile, std::min<int64_t>(kTile, end - begin - t * kTile)};
+      map[first + t] = {begin + t * kTile, std::min<int64_t>(kTile, end - begin - t * kTile), begin, end - begin};
     __syncthreads();  // every thread has read `done` and left the scan's storage
     if (threadIdx.x == 0) done += total;
     __syncthreads();
   }
-  for (int64_t pt = done + threadIdx.x; pt < tiles; pt += kThreads) map[pt] = {0, 0};
+  for (int64_t pt = done + threadIdx.x; pt < tiles; pt += kThreads) map[pt] = {0, 0, 0, 0};
 }
 
 // The cols kernels' block of kChunk columns of one padded tile pt: each column's amax over the
@@ -496,17 +499,49 @@ struct PackedColsIn {
   }
 };
 
+// quantize_cols_wide_kernel's optional second output: the rows layout of the same values
+// (launch_fp8_quantize_rows_cols). NoRowsOut: the cols layout alone.
+struct NoRowsOut {
+  static constexpr bool kOn = false;
+};
+// q [rows, cols] codes; s the rows' scales, tile b of row r at s[begin * tiles + b * count + (r -
+// begin)] with the tile's segment (begin, count) when grouped (launch_fp8_quantize_rows's layout
+// with group offsets), else at s[b * rows + r].
+struct RowsOut {
+  static constexpr bool kOn = true;
+  uint8_t* q;
+  float* s;
+  int64_t rows, tiles;
+  bool grouped;
+};
+
+// The largest of v over the warp's lanes, in every lane.
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+  for (int o = 16; o > 0; o /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+#endif
+}
+
 // quantize_cols_kernel with 8-byte loads and 16-byte staging: block (cx, pt) takes columns
 // [kChunk cx, kChunk cx + kChunk) of padded tile pt (kChunk = 32 lanes x In::kPer columns); warp w
 // loads rows 16 w .. 16 w + 15 (all 16 loads in flight), so that a lane holds 16 consecutive rows
 // of its columns and stages each column's 16 codes as one 16-byte store. The staged column's
 // 16-byte chunks are swizzled (chunk j of column cl at j ^ (cl / kPer % 8)) so that neither the
 // stores nor the reads conflict; 8 lanes write a column's 128 bytes of qT.
-// REQUIRES: cols % In::kPer == 0, In's rows aligned for its loads, qT 4-byte aligned (16 if q16).
-template <class In>
-__global__ void __launch_bounds__(kThreads)
+// With RowsOut (kChunk == 128: the block's columns are one tile of a row, b = blockIdx.x) the same
+// registers give the rows layout too: row t's amax over the warp, its four codes a lane as one
+// 32-bit store, its scale from lane t % 16 (x read once for both of a backward's operands).
+// REQUIRES: cols % In::kPer == 0, In's rows aligned for its loads, qT 4-byte aligned (16 if q16);
+// with RowsOut, q 4-byte aligned. With RowsOut three blocks an SM (80 registers, 16 bytes
+// spilled; left alone ptxas takes 124 and two blocks fit: 0.244 against 0.219 ms for [65536, 2048]
+// on an H100).
+template <class In, class Out = NoRowsOut>
+__global__ void __launch_bounds__(kThreads, Out::kOn ? 3 : 0)
     quantize_cols_wide_kernel(In in, int64_t cols, int64_t p, const ColTile* __restrict__ map, uint8_t* __restrict__ qT,
-                              float* __restrict__ sT, bool q16) {
+                              float* __restrict__ sT, bool q16, Out out = {}) {
   constexpr int kPer = In::kPer;         // columns per lane
   constexpr int kChunk = 32 * kPer;      // columns per block
   constexpr int kRows = kTile / kWarps;  // rows per warp
@@ -540,6 +575,29 @@ __global__ void __launch_bounds__(kThreads)
       const float2 v = in.pair(make_uint2(raw[i].x & In::kMagnitude, raw[i].y & In::kMagnitude), rows, i, h);
       m[2 * h] = max(m[2 * h], abs_bits(v.x));
       m[2 * h + 1] = max(m[2 * h + 1], abs_bits(v.y));
+    }
+  }
+  if constexpr (Out::kOn) {
+    static_assert(std::is_same_v<In, DenseColsIn<__nv_bfloat16>>, "a block's columns are one tile of each row");
+    float own_scale = 0.0f;  // row kRows * warp + lane's (lanes below kRows)
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      // amax on the bf16 bits (sign cleared, integer order is float order): two halves at a time,
+      // then as an f32's bits (a bf16 is the high half of its float).
+      const uint32_t m2 = __vmaxu2(raw[i].x & In::kMagnitude, raw[i].y & In::kMagnitude);
+      const uint32_t mx = warp_max(max(m2 & 0xffffu, m2 >> 16) << 16);
+      const TileScale ts = tile_scale(mx);
+      const float2 lo = in.pair(raw[i], rows, i, 0), hi = in.pair(raw[i], rows, i, 1);
+      const float a[4] = {lo.x * ts.inv, lo.y * ts.inv, hi.x * ts.inv, hi.y * ts.inv};
+      const uint32_t codes4 = e4m3x4(a, ts.finite);
+      const int t = kRows * warp + i;
+      if (t < n && c < cols) *reinterpret_cast<uint32_t*>(out.q + (tile.r0 + t) * cols + c) = codes4;
+      if (lane == i) own_scale = ts.scale;
+    }
+    const int t = kRows * warp + lane;
+    if (lane < kRows && t < n) {
+      const int64_t r = tile.r0 + t, b = blockIdx.x;
+      out.s[out.grouped ? tile.begin * out.tiles + b * tile.count + (r - tile.begin) : b * out.rows + r] = own_scale;
     }
   }
   if constexpr (kPer == 2) {
@@ -976,12 +1034,12 @@ void launch_fp8_packed_scales(const ExecContext& ctx, const uint8_t* p, int64_t 
 
 namespace {
 // quantize_cols_wide_kernel over input `in`: grid.y padded tiles, columns in blocks of 32 In::kPer.
-template <class In>
+template <class In, class Out = NoRowsOut>
 void launch_cols_wide(const ExecContext& ctx, const In& in, int64_t cols, int64_t p, dim3 grid, const ColTile* map,
-                      uint8_t* qT, float* sT) {
-  quantize_cols_wide_kernel<In>
+                      uint8_t* qT, float* sT, const Out& out = {}) {
+  quantize_cols_wide_kernel<In, Out>
       <<<dim3(static_cast<unsigned>(ceil_div(cols, 32 * In::kPer)), grid.y), kThreads, 0, stream_of(ctx)>>>(
-          in, cols, p, map, qT, sT, aligned(qT, 16));
+          in, cols, p, map, qT, sT, aligned(qT, 16), out);
 }
 
 // The cols layout's launches: the checks, the tile map and the grid, then launch(grid, map).
@@ -1012,6 +1070,23 @@ void launch_fp8_quantize_cols(const ExecContext& ctx, const void* x, DType dtype
         quantize_cols_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(xt, cols, p, map, qT, sT, cols, 0);
     });
   });
+}
+
+bool fp8_rows_cols_fused_serves(DType dtype, int64_t cols, const void* x, const void* q) {
+  return dtype == DType::bf16 && cols % DenseColsIn<__nv_bfloat16>::kPer == 0 && aligned(x, 8) && aligned(q, 4);
+}
+
+void launch_fp8_quantize_rows_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
+                                   const int64_t* offsets, int64_t segments, bool grouped_rows, uint8_t* q, float* s,
+                                   int64_t p, uint8_t* qT, float* sT) {
+  MF_CHECK(fp8_rows_cols_fused_serves(dtype, cols, x, q), "fp8 rows and cols in one pass: ", dtype_name(dtype),
+           " x of ", cols, " columns (bf16, a multiple of 4, aligned: else the two passes)");
+  const RowsOut out{q, s, rows, ceil_div(cols, kTile), grouped_rows};
+  quantize_cols(ctx, rows, cols, offsets, segments, p, qT, "fp8_quantize_rows_cols",
+                [&](dim3 grid, const ColTile* map) {
+                  launch_cols_wide(ctx, DenseColsIn<__nv_bfloat16>{static_cast<const __nv_bfloat16*>(x), cols}, cols, p,
+                                   grid, map, qT, sT, out);
+                });
 }
 
 void launch_fp8_quantize_cols_packed(const ExecContext& ctx, const uint8_t* x, int64_t rows, int64_t cols,
