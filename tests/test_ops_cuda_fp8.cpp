@@ -958,6 +958,50 @@ TEST(CudaFp8Linear, BackwardIsDeterministic) {
   }
 }
 
+// Fp8SharedInput (attention's q, k and v projections read one x): three dense linears of different
+// widths given x's shared operands give the bits each gives alone, forward and backward (both
+// kernels: cuBLASLt at multiples of 128, CUTLASS at O = 80), with the operand made by the first
+// call of each kind and a forward after a backward only after reset().
+TEST(CudaFp8Linear, SharedInputGivesTheSameBits) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  DevicePool dev;
+  const int64_t n = 700, in = 512;
+  const Host x = gaussian_bf16(rng, n, in);
+  const Tensor xd = to_device(dev, x);
+  Fp8SharedInput xin;
+  xin.bytes = dev.poisoned({fp8_shared_input_bytes(n, in)}, DType::u8);
+  std::vector<Tensor> ws, dys;
+  for (int64_t o : {1024, 256, 80}) {
+    ws.push_back(to_device(dev, gaussian_bf16(rng, o, in)));
+    dys.push_back(to_device(dev, gaussian_bf16(rng, n, o)));
+  }
+  for (int round = 0; round < 2; ++round) {  // the second: the bytes hold the backward's operand
+    xin.reset();
+    for (size_t j = 0; j < ws.size(); ++j) {
+      SCOPED_TRACE(::testing::Message() << "round " << round << " forward, O " << ws[j].size(0));
+      const Tensor alone = dev.poisoned({n, ws[j].size(0)}, DType::bf16),
+                   shared = dev.poisoned(alone.shape(), DType::bf16);
+      fp8_linear_forward(testing::exec(), xd, ws[j], alone);
+      fp8_linear_forward(testing::exec(), xd, ws[j], shared, nullptr, &xin);
+      EXPECT_TRUE(xin.rows_ready);
+      EXPECT_SAME_BYTES(bytes_of(shared), bytes_of(alone), "y");
+    }
+    xin.reset();
+    for (size_t j = 0; j < ws.size(); ++j) {
+      SCOPED_TRACE(::testing::Message() << "round " << round << " backward, O " << ws[j].size(0));
+      const Tensor dx = dev.poisoned({n, in}, DType::bf16), dx_shared = dev.poisoned({n, in}, DType::bf16),
+                   dw = dev.poisoned(ws[j].shape(), DType::f32), dw_shared = dev.poisoned(ws[j].shape(), DType::f32);
+      fp8_linear_backward(testing::exec(), xd, ws[j], dys[j], dx, dw, false);
+      fp8_linear_backward(testing::exec(), xd, ws[j], dys[j], dx_shared, dw_shared, false, nullptr, &xin);
+      EXPECT_TRUE(xin.cols_ready);
+      EXPECT_FALSE(xin.rows_ready);
+      EXPECT_SAME_BYTES(bytes_of(dx_shared), bytes_of(dx), "dx");
+      EXPECT_SAME_BYTES(bytes_of(dw_shared), bytes_of(dw), "dw");
+    }
+  }
+}
+
 TEST(CudaFp8Linear, RejectsWidthsTmaCannotMove) {
   MF_REQUIRE_FP8_GEMM();
   DevicePool dev;

@@ -111,6 +111,7 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   lse_BQS_ = recompute_core_ ? mem.scratch({batch_, q, seq_len_}, mem.master_dtype())
                              : kept(offload_core_, {batch_, q, seq_len_}, mem.master_dtype());
   x_gathered_TH_ = kept(offload_qkv_, {tp_ ? tokens_ : 0, h}, dt);
+  x_fp8_.bytes = fp8_qkv_ ? mem.scratch({fp8_shared_input_bytes(tokens_, h)}, DType::u8) : Tensor();
 }
 
 void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
@@ -120,12 +121,13 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     x_full_ = x_gathered_TH_;
     tp_->all_gather(x_TH, x_full_);
   }
+  x_fp8_.reset();
   if (qk_norm_ == QkNorm::none) {
-    linear_forward_in(*ctx_, fp8_wq_.get(), x_full_, wq_, q_TQD_);
-    linear_forward_in(*ctx_, fp8_wk_.get(), x_full_, wk_, k_TGD_);
+    linear_forward_in(*ctx_, fp8_wq_.get(), x_full_, wq_, q_TQD_, &x_fp8_);
+    linear_forward_in(*ctx_, fp8_wk_.get(), x_full_, wk_, k_TGD_, &x_fp8_);
   } else {
-    linear_forward_in(*ctx_, fp8_wq_.get(), x_full_, wq_, q_raw_TQD_);
-    linear_forward_in(*ctx_, fp8_wk_.get(), x_full_, wk_, k_raw_TGD_);
+    linear_forward_in(*ctx_, fp8_wq_.get(), x_full_, wq_, q_raw_TQD_, &x_fp8_);
+    linear_forward_in(*ctx_, fp8_wk_.get(), x_full_, wk_, k_raw_TGD_, &x_fp8_);
     // RMSNorm on q and k: per head (Qwen3) or over the whole projection (OLMoE).
     const int64_t qr = qk_norm_ == QkNorm::whole ? tokens_ : tokens_ * q,
                   kr = qk_norm_ == QkNorm::whole ? tokens_ : tokens_ * g;
@@ -134,7 +136,7 @@ void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     rmsnorm_forward(*ctx_, k_raw_TGD_.view({kr, tokens_ * g * d / kr}), k_norm_, cfg_.rms_norm_eps,
                     k_TGD_.view({kr, tokens_ * g * d / kr}), k_rstd_.slice(0, kr));
   }
-  linear_forward_in(*ctx_, fp8_wv_.get(), x_full_, wv_, v_TGD_);
+  linear_forward_in(*ctx_, fp8_wv_.get(), x_full_, wv_, v_TGD_, &x_fp8_);
   // RoPE in place.
   const Tensor q4 = q_TQD_.view({batch_, seq_len_, q, d}), k4 = k_TGD_.view({batch_, seq_len_, g, d});
   if (cp_) {  // this rank's chunks of the sequence, against every key of the CP group
@@ -212,10 +214,11 @@ void Attention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   }
   // d(x) over every row: this rank's heads' part, summed over TP and split back into rows.
   const Tensor dx_full = tp_ ? w.partial_TH : dx_TH;
-  linear_backward_in(*ctx_, fp8_wq_.get(), x_full_, wq_, dq_raw, dx_full, dwq_);
-  linear_backward_in(*ctx_, fp8_wk_.get(), x_full_, wk_, dk_raw, w.dx_TH, dwk_);
+  x_fp8_.reset();  // the forward's operand (or this scratch's bytes) is gone
+  linear_backward_in(*ctx_, fp8_wq_.get(), x_full_, wq_, dq_raw, dx_full, dwq_, &x_fp8_);
+  linear_backward_in(*ctx_, fp8_wk_.get(), x_full_, wk_, dk_raw, w.dx_TH, dwk_, &x_fp8_);
   add_inplace(*ctx_, dx_full, w.dx_TH);
-  linear_backward_in(*ctx_, fp8_wv_.get(), x_full_, wv_, w.dv_TGD, w.dx_TH, dwv_);
+  linear_backward_in(*ctx_, fp8_wv_.get(), x_full_, wv_, w.dv_TGD, w.dx_TH, dwv_, &x_fp8_);
   add_inplace(*ctx_, dx_full, w.dx_TH);
   if (tp_) tp_->reduce_scatter(dx_full, dx_TH, ReduceOp::sum);
 }

@@ -151,6 +151,7 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   dkv_a_ = mem.scratch({nt, rkv_ + dr_});
   dx_part_ = mem.scratch({nt, h});
   partial_ = mem.scratch({tp_ ? nt : 0, h});
+  x_fp8_.bytes = fp8_qkv_ ? mem.scratch({fp8_shared_input_bytes(nt, h)}, DType::u8) : Tensor();
 }
 
 void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
@@ -160,11 +161,12 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
     x_full_ = x_gathered_TH_;
     tp_->all_gather(x_TH, x_full_);
   }
+  x_fp8_.reset();
   if (rq_ > 0) {
-    linear_forward_in(*ctx_, fp8_wq_a_.get(), x_full_, wq_a_, cq_raw_);
+    linear_forward_in(*ctx_, fp8_wq_a_.get(), x_full_, wq_a_, cq_raw_, &x_fp8_);
     rmsnorm_forward(*ctx_, cq_raw_, q_a_norm_, cfg_.rms_norm_eps, cq_, cq_rstd_);
   }
-  linear_forward_in(*ctx_, fp8_wkv_a_.get(), x_full_, wkv_a_, kv_a_);
+  linear_forward_in(*ctx_, fp8_wkv_a_.get(), x_full_, wkv_a_, kv_a_, &x_fp8_);
   // kv_a = [latent, rotary key]: the latent normed.
   copy_matrix(*ctx_, view(kv_a_, nt, rkv_, kvw, 0), view(ckv_raw_, nt, rkv_, rkv_, 0));
   rmsnorm_forward(*ctx_, ckv_raw_, kv_a_norm_, cfg_.rms_norm_eps, ckv_, ckv_rstd_);
@@ -180,7 +182,10 @@ void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {
 
 void MlaAttention::up_forward() {
   const int64_t q = qh_, nt = tokens_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
-  linear_forward_in(*ctx_, fp8_wq_b_.get(), rq_ > 0 ? cq_ : x_full_, wq_b_, q_raw_);
+  if (rq_ > 0)
+    linear_forward_in(*ctx_, fp8_wq_b_.get(), cq_, wq_b_, q_raw_);
+  else
+    linear_forward_in(*ctx_, fp8_wq_b_.get(), x_full_, wq_b_, q_raw_, &x_fp8_);
   // The rotary key and every query head's rotary part, rotated; k_nope and v from the latent.
   copy_matrix(*ctx_, view(kv_a_, nt, dr_, kvw, rkv_), view(k_pe_, nt, dr_, dr_, 0));
   copy_matrix(*ctx_, view(q_raw_, nt * q, dr_, dqk_, dn_), view(q_pe_, nt * q, dr_, dr_, 0));
@@ -222,6 +227,7 @@ void MlaAttention::core_forward() {
 
 void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   const int64_t q = qh_, nt = tokens_, kvw = rkv_ + dr_, kvbw = dn_ + dv_;
+  x_fp8_.reset();  // the forward's operand (or this scratch's bytes) is gone
   if (recompute_up_proj_) {
     ProfileScope scope("recompute mla up projections");
     up_forward();
@@ -271,11 +277,11 @@ void MlaAttention::backward(const Tensor& dy_TH, const Tensor& dx_TH) {
   if (rq_ > 0) {
     linear_backward_in(*ctx_, fp8_wq_b_.get(), cq_, wq_b_, dq_raw_, dcq_, dwq_b_);
     rmsnorm_backward(*ctx_, cq_raw_, q_a_norm_, cq_rstd_, dcq_, dcq_raw_, dq_a_norm_);
-    linear_backward_in(*ctx_, fp8_wq_a_.get(), x_full_, wq_a_, dcq_raw_, dx_full, dwq_a_);
+    linear_backward_in(*ctx_, fp8_wq_a_.get(), x_full_, wq_a_, dcq_raw_, dx_full, dwq_a_, &x_fp8_);
   } else {
-    linear_backward_in(*ctx_, fp8_wq_b_.get(), x_full_, wq_b_, dq_raw_, dx_full, dwq_b_);
+    linear_backward_in(*ctx_, fp8_wq_b_.get(), x_full_, wq_b_, dq_raw_, dx_full, dwq_b_, &x_fp8_);
   }
-  linear_backward_in(*ctx_, fp8_wkv_a_.get(), x_full_, wkv_a_, dkv_a_, dx_part_, dwkv_a_);
+  linear_backward_in(*ctx_, fp8_wkv_a_.get(), x_full_, wkv_a_, dkv_a_, dx_part_, dwkv_a_, &x_fp8_);
   add_inplace(*ctx_, dx_full, dx_part_);
   if (tp_) tp_->reduce_scatter(dx_full, dx_TH, ReduceOp::sum);
 }

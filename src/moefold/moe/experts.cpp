@@ -96,8 +96,12 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
     else
       grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
   };
+  // down's weight gradient with its data gradient where h is at hand and nothing waits for the
+  // input gradient (FP8: dout quantized for both in one pass), else after them (the exchange of
+  // the input gradient overlaps it).
+  const bool down_wgrad_first = fp8_ && !recompute_act_ && !input_grads_done;
   if (fp8_) {  // dh = dout @ down in FP8, then the SwiGLU's backward apart
-    linear_backward(h, down_EHF_, fp8_down_, dout_RH, dh, Tensor());
+    linear_backward(h, down_EHF_, fp8_down_, dout_RH, dh, down_wgrad_first ? ddown_EHF_ : Tensor());
     swiglu_backward(*ctx_, gu, dh, dgu, GateUp::pairs);
   } else {
     grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
@@ -109,7 +113,7 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
     else
       swiglu_forward(*ctx_, gu, h, GateUp::pairs);
   }
-  linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
+  if (!down_wgrad_first) linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
   if (!input_grads_done) {
     linear_backward(rows_RH, gate_up_E2FH_, fp8_gate_up_, dgu, drows_RH, dgate_up_E2FH_);
     return;

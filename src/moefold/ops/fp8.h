@@ -118,16 +118,41 @@ void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor
 // requantization of dispatched FP8 tokens). y and dx then take w's dtype.
 // wq: w already quantized (an Fp8Param's; REQUIRES: fp8_quantize_blocks of this w), or null. A weight
 // kept only in FP8 (train.fp8_param: w has no data) needs it.
+// xin (dense ops, bf16 x): x's operands shared with the other linears that read the same x
+// (Fp8SharedInput below), or null.
+struct Fp8SharedInput;
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
-                        const Fp8Weight* wq = nullptr);
+                        const Fp8Weight* wq = nullptr, Fp8SharedInput* xin = nullptr);
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
                          const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate = true,
-                         const Fp8Weight* wq = nullptr);
+                         const Fp8Weight* wq = nullptr, Fp8SharedInput* xin = nullptr);
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                 const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq = nullptr);
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
                                  const Tensor& dw_EOI, bool accumulate = true, const Fp8Weight* wq = nullptr);
+
+// An activation x that several FP8 linears read (attention's q, k and v projections, MLA's two down
+// projections): its FP8 operands quantized once for all of them. The forwards share x's rows
+// operand, the weight gradients its cols operand (one segment of all rows); the first call that
+// needs one after reset() quantizes it into `bytes` (u8, fp8_shared_input_bytes(rows, cols) of
+// them, on x's device; one operand at a time: making one drops the other), the others read it. The
+// owner resets whenever x may have changed (REQUIRES: the calls between two resets pass the same x).
+// The same results as without it: the CPU's emulation quantizes at every call, and so does a call
+// given no bytes.
+struct Fp8SharedInput {
+  Tensor bytes;
+  bool rows_ready = false, cols_ready = false;
+  void reset() { rows_ready = cols_ready = false; }
+};
+int64_t fp8_shared_input_bytes(int64_t rows, int64_t cols);
+// Where an operand of `codes` bytes and `scales` floats keeps them inside a block of fp8_shared_input_bytes
+// (both start on 256-byte boundaries; the scales after the codes): the scales' byte offset, and the
+// bytes the operand takes.
+inline int64_t fp8_operand_scales_at(int64_t codes) { return (codes + 255) / 256 * 256; }
+inline int64_t fp8_operand_bytes(int64_t codes, int64_t scales) {
+  return fp8_operand_scales_at(codes) + (4 * scales + 255) / 256 * 256;
+}
 
 // A weight the forward reads in FP8 (a module's FP8 linear): registers the parameter with
 // ParamSpec::fp8 and hands out its FP8 copy (Param::fp8, shared by every binding of the module),
@@ -159,9 +184,10 @@ void fp8_quantize_changed_params(Memory& mem);
 
 // A module's linear layer in its train.fp8 choice: linear_forward / linear_backward (ops.h), or
 // the FP8 ops above with the weight's FP8 copy when wq is given (Fp8Param::get()).
+// xin: x's shared FP8 operands (FP8 only), or null.
 void linear_forward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
-                       const Tensor& y_NO);
+                       const Tensor& y_NO, Fp8SharedInput* xin = nullptr);
 void linear_backward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
-                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI);
+                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI, Fp8SharedInput* xin = nullptr);
 
 }  // namespace moefold

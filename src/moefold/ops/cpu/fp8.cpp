@@ -610,11 +610,29 @@ void emulated_wgrad(const Tensor& x, const Tensor& dy, const Tensor& offsets, co
 
 }  // namespace
 
+int64_t fp8_shared_input_bytes(int64_t rows, int64_t cols) {
+  const int64_t p = fp8_cols_width(rows, 1);
+  return std::max(fp8_operand_bytes(rows * cols, tiles(cols) * rows), fp8_operand_bytes(cols * p, p / kFp8Tile * cols));
+}
+
+namespace {
+// A shared input's bytes: where given, on x's device and large enough for x's operands.
+void check_xin(const Tensor& x, const Fp8SharedInput* xin, const char* what) {
+  if (xin == nullptr || !xin->bytes.defined()) return;
+  MF_CHECK(!is_packed(x), what, ": shared FP8 operands of packed rows");
+  MF_CHECK(xin->bytes.dtype() == DType::u8 && xin->bytes.contiguous() &&
+               xin->bytes.numel() >= fp8_shared_input_bytes(x.size(0), x.size(1)),
+           what, ": shared FP8 operands' bytes ", xin->bytes.str(), " for x ", x.str());
+  check_same_device({&x, &xin->bytes}, what);
+}
+}  // namespace
+
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
-                        const Fp8Weight* wq) {
+                        const Fp8Weight* wq, Fp8SharedInput* xin) {
   check_fp8_linear(x_NI, w_OI, y_NO, 2, "fp8_linear_forward");
   check_wq(w_OI, wq, "fp8_linear_forward");
-  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_forward(ctx, x_NI, w_OI, y_NO, wq));
+  check_xin(x_NI, xin, "fp8_linear_forward");
+  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_forward(ctx, x_NI, w_OI, y_NO, wq, xin));
   const int64_t n = x_NI.size(0), in = w_OI.size(1), out = w_OI.size(0);
   dispatch_float(w_OI.dtype(), [&]<class T>() {
     std::vector<T> own;
@@ -624,11 +642,13 @@ void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor
 }
 
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
-                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq) {
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq,
+                         Fp8SharedInput* xin) {
   check_fp8_linear(x_NI, w_OI, dy_NO, 2, "fp8_linear_backward");
   check_fp8_grads(x_NI, w_OI, dx_NI, dw_OI, "fp8_linear_backward");
   check_wq(w_OI, wq, "fp8_linear_backward");
-  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, accumulate, wq));
+  check_xin(x_NI, xin, "fp8_linear_backward");
+  MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, accumulate, wq, xin));
   const int64_t n = x_NI.size(0), in = w_OI.size(1), out = w_OI.size(0);
   dispatch_float(w_OI.dtype(), [&]<class T>() {
     if (dx_NI.defined()) {
@@ -740,17 +760,17 @@ void fp8_quantize_changed_params(Memory& mem) {
 }
 
 void linear_forward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
-                       const Tensor& y_NO) {
+                       const Tensor& y_NO, Fp8SharedInput* xin) {
   if (wq != nullptr)
-    fp8_linear_forward(ctx, x_NI, w_OI, y_NO, wq);
+    fp8_linear_forward(ctx, x_NI, w_OI, y_NO, wq, xin);
   else
     linear_forward(ctx, x_NI, w_OI, y_NO);
 }
 
 void linear_backward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
-                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI) {
+                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI, Fp8SharedInput* xin) {
   if (wq != nullptr)
-    fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, true, wq);
+    fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, true, wq, xin);
   else
     linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI);
 }

@@ -43,10 +43,12 @@ void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor
 
 // ---- FP8 linear layers (ops/fp8.h; y, dx WRITTEN; dw ACCUMULATED unless accumulate == false) ----
 // wq: the weight already quantized (null or undefined: quantized here into scratch).
+// xin: x's shared operands (ops/fp8.h Fp8SharedInput), or null.
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
-                        const Fp8Weight* wq);
+                        const Fp8Weight* wq, Fp8SharedInput* xin);
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
-                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq);
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq,
+                         Fp8SharedInput* xin);
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                 const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq);
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,

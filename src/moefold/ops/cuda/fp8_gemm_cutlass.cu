@@ -259,10 +259,8 @@ void run_fp8(const ExecContext& ctx, const Operands& op, float beta, const char*
 
 // ---- operands in scratch -----------------------------------------------------------------------
 
-constexpr size_t kAlign = 256;
-size_t padded(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-// A quantized operand: `codes` bytes of E4M3 and `scales` floats, in a scratch slot.
+// A quantized operand: `codes` bytes of E4M3 and `scales` floats (ops/fp8.h fp8_operand_bytes's
+// layout), in a scratch slot or a shared input's bytes.
 struct Quantized {
   uint8_t* q;
   float* s;
@@ -270,12 +268,15 @@ struct Quantized {
 struct Counts {  // an operand's size in elements
   int64_t codes, scales;
 };
-size_t operand_bytes(Counts n) {
-  return padded(static_cast<size_t>(n.codes)) + padded(static_cast<size_t>(n.scales) * sizeof(float));
-}
+size_t operand_bytes(Counts n) { return static_cast<size_t>(fp8_operand_bytes(n.codes, n.scales)); }
 Quantized operand_at(char* base, Counts n) {
-  return {reinterpret_cast<uint8_t*>(base), reinterpret_cast<float*>(base + padded(static_cast<size_t>(n.codes)))};
+  return {reinterpret_cast<uint8_t*>(base), reinterpret_cast<float*>(base + fp8_operand_scales_at(n.codes))};
 }
+// x's operand in a shared input's bytes (ops/fp8.h Fp8SharedInput; the entry point checked its size).
+Quantized shared_operand(const Fp8SharedInput& xin, Counts n) {
+  return operand_at(static_cast<char*>(xin.bytes.data()), n);
+}
+bool shares(const Fp8SharedInput* xin) { return xin != nullptr && xin->bytes.defined(); }
 Quantized quantized_scratch(const ExecContext& ctx, ScratchSlot slot, int64_t codes, int64_t scales) {
   const Counts n{codes, scales};
   return operand_at(static_cast<char*>(ctx.scratch(slot, operand_bytes(n))), n);
@@ -361,7 +362,7 @@ WeightOperand weight_operand(const ExecContext& ctx, const Tensor& w, const Fp8W
 
 // y = x @ w^T per group (off: [e_n + 1] device offsets, or nullptr: one group of all rows).
 void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n, const Tensor& y,
-             const Fp8Weight* wq, const char* what) {
+             const Fp8Weight* wq, Fp8SharedInput* xin, const char* what) {
   check_gpu_operands(x, w, y, Tensor(), Tensor(), what);
   const int64_t r_n = x.size(0), i_n = matrix_cols(w), o_n = matrix_rows(w);
   if (r_n == 0 || e_n == 0) return;
@@ -373,6 +374,12 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
     qx.q = x.ptr<uint8_t>();
     lda = x.size(1);
     launch_fp8_packed_scales(ctx, qx.q, r_n, i_n, qx.s, off, e_n);
+  } else if (shares(xin)) {  // quantized by the first of the linears reading x
+    qx = shared_operand(*xin, {r_n * i_n, ib * r_n});
+    if (!xin->rows_ready) {
+      launch_fp8_quantize_rows(ctx, x.data(), x.dtype(), r_n, i_n, qx.q, qx.s, off, e_n);
+      xin->rows_ready = true, xin->cols_ready = false;
+    }
   } else {
     qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, r_n * i_n, ib * r_n);
     launch_fp8_quantize_rows(ctx, x.data(), x.dtype(), r_n, i_n, qx.q, qx.s, off, e_n);
@@ -392,7 +399,7 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
 // dx = dy @ w and dw (+)= dy^T @ x per group; dx or dw undefined: skipped.
 void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n,
               const Tensor& dy, const Tensor& dx, const Tensor& dw, bool accumulate, const Fp8Weight* wq,
-              const char* what) {
+              Fp8SharedInput* xin, const char* what) {
   check_gpu_operands(x, w, dy, dx, dw, what);
   const int64_t r_n = x.size(0), i_n = matrix_cols(w), o_n = matrix_rows(w);
   if (e_n == 0) return;
@@ -449,11 +456,21 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
     qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, o_n * p, p / kFp8Tile * o_n);
     launch_fp8_quantize_cols(ctx, dy.data(), dy.dtype(), r_n, o_n, off, segments, p, qdy.q, qdy.s);
   }
-  const Quantized qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, i_n * p, p / kFp8Tile * i_n);
-  if (packed(x))  // Q_cols of the packed rows' values, read from the codes and scales
+  const Counts x_cols{i_n * p, p / kFp8Tile * i_n};
+  Quantized qx{};
+  if (packed(x)) {  // Q_cols of the packed rows' values, read from the codes and scales
+    qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, x_cols.codes, x_cols.scales);
     launch_fp8_quantize_cols_packed(ctx, x.ptr<uint8_t>(), r_n, i_n, off, segments, p, qx.q, qx.s);
-  else
+  } else if (shares(xin)) {  // quantized by the first of the linears reading x
+    qx = shared_operand(*xin, x_cols);
+    if (!xin->cols_ready) {
+      launch_fp8_quantize_cols(ctx, x.data(), x.dtype(), r_n, i_n, off, segments, p, qx.q, qx.s);
+      xin->cols_ready = true, xin->rows_ready = false;
+    }
+  } else {
+    qx = quantized_scratch(ctx, ScratchSlot::fp8_operand_b, x_cols.codes, x_cols.scales);
     launch_fp8_quantize_cols(ctx, x.data(), x.dtype(), r_n, i_n, off, segments, p, qx.q, qx.s);
+  }
   // Dense on cuBLASLt: dw[O, I] = dy^T x, both operands' cols layouts as they are (1 x 128 tiles
   // along the tokens), K = the rows (whole tiles only: the columns past them are not written).
   if (dense_on_cublaslt(ctx, off, o_n, i_n, r_n) && lt_fp8_gemm(ctx, o_n, i_n, r_n, qdy.q, p, qdy.s, qx.q, p, qx.s,
@@ -470,24 +487,25 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
 }  // namespace
 
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
-                        const Fp8Weight* wq) {
-  forward(ctx, x_NI, w_OI, nullptr, 1, y_NO, wq, "fp8_linear_forward");
+                        const Fp8Weight* wq, Fp8SharedInput* xin) {
+  forward(ctx, x_NI, w_OI, nullptr, 1, y_NO, wq, xin, "fp8_linear_forward");
 }
 
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
-                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq) {
-  backward(ctx, x_NI, w_OI, nullptr, 1, dy_NO, dx_NI, dw_OI, accumulate, wq, "fp8_linear_backward");
+                         const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq,
+                         Fp8SharedInput* xin) {
+  backward(ctx, x_NI, w_OI, nullptr, 1, dy_NO, dx_NI, dw_OI, accumulate, wq, xin, "fp8_linear_backward");
 }
 
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                 const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq) {
-  forward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), y_RO, wq, "fp8_grouped_linear_forward");
+  forward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), y_RO, wq, nullptr, "fp8_grouped_linear_forward");
 }
 
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
                                  const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq) {
-  backward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), dy_RO, dx_RI, dw_EOI, accumulate, wq,
+  backward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), dy_RO, dx_RI, dw_EOI, accumulate, wq, nullptr,
            "fp8_grouped_linear_backward");
 }
 
@@ -503,11 +521,12 @@ namespace {
 }
 }  // namespace
 
-void fp8_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Fp8Weight*) {
+void fp8_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Fp8Weight*,
+                        Fp8SharedInput*) {
   no_cutlass("fp8_linear_forward");
 }
 void fp8_linear_backward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         bool, const Fp8Weight*) {
+                         bool, const Fp8Weight*, Fp8SharedInput*) {
   no_cutlass("fp8_linear_backward");
 }
 void fp8_grouped_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
