@@ -432,6 +432,23 @@ void bench_quantize(int runs, int warmup) {
               static_cast<long long>(rows), static_cast<long long>(cols), static_cast<long long>(segments), ms,
               bytes / ms * 1e-6);
   std::fflush(stdout);
+  // The experts' fc1 weight [128, 1536, 2048] into blocks with the transposed copy (once a step):
+  // from its bf16 copy, and from an f32 master via bf16 (train.fp8_param). GB/s: w read, q and qT
+  // written.
+  const int64_t e = 128, o = 1536, i = 2048;
+  for (DType dt : {DType::bf16, DType::f32}) {
+    DeviceTensor w({e, o, i}, dt), q({e, o, i}, DType::u8), qT({e, i, o}, DType::u8),
+        sb({e, o / kFp8Tile, i / kFp8Tile}, DType::f32), sbT({e, i / kFp8Tile, o / kFp8Tile}, DType::f32);
+    bench::fill_random(*w, 13);
+    const bool via_bf16 = dt == DType::f32;
+    const double bms =
+        bench::time_ms(runs, warmup, [&] { fp8_quantize_blocks(ctx, *w, *q, *sb, *qT, *sbT, via_bf16); });
+    const double elems = static_cast<double>(e) * o * i;
+    std::printf("quantize experts w %s [%lld, %lld, %lld] blocks + transposed %7.3f ms %6.0f GB/s\n",
+                via_bf16 ? "f32 via bf16" : "bf16", static_cast<long long>(e), static_cast<long long>(o),
+                static_cast<long long>(i), bms, (dtype_size(dt) + 2.0) * elems / bms * 1e-6);
+    std::fflush(stdout);
+  }
 }
 
 int run(int argc, char** argv) {

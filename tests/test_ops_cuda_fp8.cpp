@@ -477,9 +477,11 @@ TEST(CudaFp8, QuantizeBlocksMatchesCpuBitForBit) {
       check_blocks(rng, 1, 192, 256, dt, t);  // O not a multiple of 128
       check_blocks(rng, 3, 130, 301, dt, t);  // experts, odd I
       check_blocks(rng, 2, 256, 384, dt, t);
+      check_blocks(rng, 2, 144, 132, dt, t);  // a 16-row, 4-column last block: 16-byte qT rows
     }
     check_blocks(rng, 2, 100, 200, dt, true, true);
   }
+  check_blocks(rng, 2, 100, 200, DType::f32, true, true, true);  // non-finite masters via bf16
   // f32 masters quantized as their bf16 copies would be (train.fp8_param): scalar and vector paths.
   check_blocks(rng, 3, 130, 301, DType::f32, true, false, true);
   check_blocks(rng, 2, 256, 384, DType::f32, true, false, true);

@@ -754,6 +754,120 @@ __global__ void __launch_bounds__(kThreads)
   store_block_transposed(codes, qT + e * i_n * o_n + i0 * o_n + o0, o_n, h, wd, vec_t);
 }
 
+// quantize_blocks_kernel's vector path with a layout that stages the transpose in 16-byte pieces:
+// warp w holds rows 16 w .. 16 w + 15 of the block (lane l its columns 4l .. 4l + 3), bf16 values
+// (and f32 ones quantized via bf16) kept as their bf16 bits (32 registers), so that each of a
+// lane's columns has 16 consecutive codes: a 4 x 4 byte transpose of four rows' code words gives
+// them, staged as one 16-byte store per column (16-byte chunks swizzled as in
+// quantize_cols_wide_kernel), then 8 lanes write a column's 128 bytes of qT. The same codes and
+// scales. REQUIRES: i % 4 == 0, w aligned for 8-byte (bf16) / 16-byte (f32) loads, q 4-byte
+// aligned; vec_t: o % 4 == 0 with qT 4-byte aligned, q16t: o % 16 == 0 with qT 16-byte aligned.
+template <class T, bool kViaBf16>
+__global__ void __launch_bounds__(kThreads)
+    quantize_blocks_wide_kernel(const T* __restrict__ w, int64_t o_n, int64_t i_n, uint8_t* __restrict__ q,
+                                float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, bool vec_t,
+                                bool q16t) {
+  constexpr bool kBits = std::is_same_v<T, __nv_bfloat16> || kViaBf16;  // values held as bf16 bits
+  constexpr int kRows = kTile / kWarps;
+  static_assert(kRows == 16, "a warp's rows are one 16-byte chunk of a staged column");
+  using Raw = std::conditional_t<kBits, uint2, float4>;
+  const int64_t e = blockIdx.z, bo = blockIdx.y, bi = blockIdx.x, ob = gridDim.y, ib = gridDim.x;
+  const int64_t o0 = bo * kTile, i0 = bi * kTile;
+  const int h = static_cast<int>(std::min<int64_t>(kTile, o_n - o0)),
+            wd = static_cast<int>(std::min<int64_t>(kTile, i_n - i0));
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int c = 4 * lane;
+  const int64_t base = e * o_n * i_n + o0 * i_n + i0;  // element (o0, i0) of matrix e
+  __shared__ uint32_t partial[kWarps];
+  __shared__ __align__(16) uint8_t codes[kTile][kTile];  // [column][row]: qT's rows
+
+  Raw raw[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int o = kRows * warp + i;
+    raw[i] = Raw{};
+    if (o < h && c < wd) {
+      const T* p = w + base + o * i_n + c;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        raw[i] = __ldg(reinterpret_cast<const uint2*>(p));
+      } else if constexpr (kViaBf16) {  // an f32 master quantized as its bf16 copy would be
+        const float4 f = __ldg(reinterpret_cast<const float4*>(p));
+        const auto bits = [](float a) { return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))); };
+        raw[i] = make_uint2(bits(f.x) | bits(f.y) << 16, bits(f.z) | bits(f.w) << 16);
+      } else {
+        raw[i] = __ldg(reinterpret_cast<const float4*>(p));
+      }
+    }
+  }
+  // Value j of a lane's four (a bf16 is the high half of its float).
+  const auto value = [](const Raw& r, int j) {
+    if constexpr (kBits) {
+      const uint32_t x = j < 2 ? r.x : r.y;
+      return __uint_as_float(j % 2 == 0 ? x << 16 : x & 0xffff0000u);
+    } else {
+      return j == 0 ? r.x : j == 1 ? r.y : j == 2 ? r.z : r.w;
+    }
+  };
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    if constexpr (kBits) {  // sign cleared, integer order is float order
+      const uint32_t m2 = __vmaxu2(raw[i].x & 0x7fff7fffu, raw[i].y & 0x7fff7fffu);
+      m = max(m, max(m2 & 0xffffu, m2 >> 16) << 16);
+    } else {
+      m = max(m, max(max(abs_bits(raw[i].x), abs_bits(raw[i].y)), max(abs_bits(raw[i].z), abs_bits(raw[i].w))));
+    }
+  }
+  m = warp_max(m);
+  if (lane == 0) partial[warp] = m;
+  __syncthreads();
+  m = partial[0];
+  for (int j = 1; j < kWarps; ++j) m = max(m, partial[j]);
+  const TileScale ts = tile_scale(m);
+  if (threadIdx.x == 0) {
+    if (s != nullptr) s[(e * ob + bo) * ib + bi] = ts.scale;
+    if (sT != nullptr) sT[(e * ib + bi) * ob + bo] = ts.scale;
+  }
+  uint32_t col[4][kRows / 4];  // column j's codes of rows 4g .. 4g + 3 of the warp's: col[j][g]
+#pragma unroll
+  for (int g = 0; g < kRows / 4; ++g) {
+    uint32_t row4[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = 4 * g + u, o = kRows * warp + i;
+      const float a[4] = {value(raw[i], 0) * ts.inv, value(raw[i], 1) * ts.inv, value(raw[i], 2) * ts.inv,
+                          value(raw[i], 3) * ts.inv};
+      row4[u] = e4m3x4(a, ts.finite);
+      if (q != nullptr && o < h && c < wd) *reinterpret_cast<uint32_t*>(q + base + o * i_n + c) = row4[u];
+    }
+    // The four rows' words transposed: column j's four codes (rows 4g .. 4g + 3) as one word.
+    const uint32_t t0 = __byte_perm(row4[0], row4[1], 0x5140), t1 = __byte_perm(row4[2], row4[3], 0x5140);
+    const uint32_t t2 = __byte_perm(row4[0], row4[1], 0x7362), t3 = __byte_perm(row4[2], row4[3], 0x7362);
+    col[0][g] = __byte_perm(t0, t1, 0x5410), col[1][g] = __byte_perm(t0, t1, 0x7632);
+    col[2][g] = __byte_perm(t2, t3, 0x5410), col[3][g] = __byte_perm(t2, t3, 0x7632);
+  }
+  if (qT == nullptr) return;  // uniform over the block
+  const int chunk = 16 * (warp ^ (lane % 8));
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    *reinterpret_cast<uint4*>(&codes[c + j][chunk]) = make_uint4(col[j][0], col[j][1], col[j][2], col[j][3]);
+  __syncthreads();
+  const int part = lane % 8, t = 16 * part;  // this lane's 16 rows of a column
+  for (int cl = 4 * warp + lane / 8; cl < wd; cl += 4 * kWarps) {
+    const uint4 v = *reinterpret_cast<const uint4*>(&codes[cl][16 * (part ^ (cl / 4 % 8))]);
+    uint8_t* dst = qT + e * i_n * o_n + (i0 + cl) * o_n + o0 + t;
+    if (t + 16 <= h && q16t) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else if (t + 16 <= h && vec_t) {
+      uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
+      d4[0] = v.x, d4[1] = v.y, d4[2] = v.z, d4[3] = v.w;
+    } else {
+      const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+      for (int j = 0; j < 16 && t + j < h; ++j) dst[j] = static_cast<uint8_t>(wv[j / 4] >> (8 * (j % 4)));
+    }
+  }
+}
+
 // w [e, o, i] = q * s, one thread per element.
 template <class T>
 __global__ void dequantize_blocks_kernel(const uint8_t* __restrict__ q, const float* __restrict__ s, int64_t e_n,
@@ -1111,9 +1225,15 @@ void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dty
   const bool vec_t = o % 4 == 0 && aligned(qT, 4);
   with_input_dtype(dtype, "fp8_quantize_blocks", [&]<class T>() {
     const T* wt = static_cast<const T*>(w);
-    if (i % 4 == 0 && aligned(w, 4 * sizeof(T)) && aligned(q, 4))
-      quantize_blocks_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t, via_bf16);
-    else
+    if (i % 4 == 0 && aligned(w, 4 * sizeof(T)) && aligned(q, 4)) {
+      const bool q16t = o % 16 == 0 && aligned(qT, 16);
+      if (std::is_same_v<T, float> && via_bf16)
+        quantize_blocks_wide_kernel<T, true>
+            <<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t, q16t);
+      else
+        quantize_blocks_wide_kernel<T, false>
+            <<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t, q16t);
+    } else
       quantize_blocks_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t, via_bf16);
   });
   MF_CUDA_LAUNCHED("fp8_quantize_blocks");
