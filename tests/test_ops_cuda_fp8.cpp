@@ -1004,6 +1004,37 @@ TEST(CudaFp8Linear, SharedInputGivesTheSameBits) {
   }
 }
 
+// The experts' split backward (data gradient, then weight gradient, in two calls): dy's cols operand
+// carried in a shared operand from the first call to the second gives the bits of one call with
+// both, and of two calls without it.
+TEST(CudaFp8Linear, SplitBackwardCarriesDyColsOperand) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  DevicePool dev;
+  const std::vector<int64_t> counts = {300, 0, 1000, 77};
+  const Host off = offsets_of(counts);
+  const int64_t r = 1377, e = 4, o = 256, in = 512;
+  const Tensor xd = to_device(dev, gaussian_bf16(rng, r, in)),
+               wd = to_device(dev, gaussian_bf16(rng, e * o, in)).view({e, o, in}),
+               dyd = to_device(dev, gaussian_bf16(rng, r, o)), offd = to_device(dev, off);
+  const Tensor dx = dev.poisoned({r, in}, DType::bf16), dw = dev.poisoned({e, o, in}, DType::f32);
+  fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, dyd, dx, dw, false);
+  Fp8SharedInput dyq;
+  dyq.bytes = dev.poisoned({fp8_shared_input_bytes(r, o, e)}, DType::u8);
+  for (bool shared : {true, false}) {
+    SCOPED_TRACE(shared ? "carried" : "quantized in each call");
+    const Tensor dx2 = dev.poisoned({r, in}, DType::bf16), dw2 = dev.poisoned({e, o, in}, DType::f32);
+    fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, dyd, dx2, Tensor(), false, nullptr,
+                                shared ? &dyq : nullptr);
+    EXPECT_EQ(dyq.cols_ready, shared);
+    fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, dyd, Tensor(), dw2, false, nullptr,
+                                shared ? &dyq : nullptr);
+    EXPECT_FALSE(dyq.cols_ready);  // taken
+    EXPECT_SAME_BYTES(bytes_of(dx2), bytes_of(dx), "dx");
+    EXPECT_SAME_BYTES(bytes_of(dw2), bytes_of(dw), "dw");
+  }
+}
+
 TEST(CudaFp8Linear, RejectsWidthsTmaCannotMove) {
   MF_REQUIRE_FP8_GEMM();
   DevicePool dev;

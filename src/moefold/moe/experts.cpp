@@ -2,6 +2,7 @@
 // grouped_linear.
 #include "moefold/moe/experts.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "moefold/ops/fp8.h"
@@ -62,6 +63,9 @@ void Experts::bind(Memory& mem) {
   h_RF_ = recompute_act_ ? mem.scratch(h_shape, h_dtype) : mem.act(h_shape, h_dtype);
   dh_RF_ = mem.scratch({max_rows_, ffn_});
   dgu_R2F_ = mem.scratch({max_rows_, 2 * ffn_});
+  const int64_t dy_bytes = std::max(fp8_shared_input_bytes(max_rows_, hidden_, num_experts_),
+                                    fp8_shared_input_bytes(max_rows_, 2 * ffn_, num_experts_));
+  dy_fp8_.bytes = fp8_ ? mem.scratch({dy_bytes}, DType::u8) : Tensor();
 }
 
 void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH, int64_t first_row) {
@@ -88,20 +92,18 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   MF_CHECK(mem_ != nullptr, "Experts::backward before bind");
   const bool accumulate = mem_->accumulate_grad(gate_up_index_);
   MF_CHECK(mem_->accumulate_grad(down_index_) == accumulate, "Experts: gate_up_proj and down_proj written apart");
-  // grouped_linear_backward in this layer's precision (wq: w's FP8 copy).
+  // grouped_linear_backward in this layer's precision (wq: w's FP8 copy). In FP8 each GEMM's data
+  // gradient, run first, quantizes dy for both and leaves its cols operand in dy_fp8_ for the weight
+  // gradient (each layer's data gradient is followed by its weight gradient).
   const auto linear_backward = [&](const Tensor& x, const Tensor& w, const Fp8Param& wq, const Tensor& dy,
                                    const Tensor& dx, const Tensor& dw) {
     if (fp8_)
-      fp8_grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate, wq.get());
+      fp8_grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate, wq.get(), &dy_fp8_);
     else
       grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
   };
-  // down's weight gradient with its data gradient where h is at hand and nothing waits for the
-  // input gradient (FP8: dout quantized for both in one pass), else after them (the exchange of
-  // the input gradient overlaps it).
-  const bool down_wgrad_first = fp8_ && !recompute_act_ && !input_grads_done;
   if (fp8_) {  // dh = dout @ down in FP8, then the SwiGLU's backward apart
-    linear_backward(h, down_EHF_, fp8_down_, dout_RH, dh, down_wgrad_first ? ddown_EHF_ : Tensor());
+    linear_backward(h, down_EHF_, fp8_down_, dout_RH, dh, Tensor());
     swiglu_backward(*ctx_, gu, dh, dgu, GateUp::pairs);
   } else {
     grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
@@ -113,7 +115,7 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
     else
       swiglu_forward(*ctx_, gu, h, GateUp::pairs);
   }
-  if (!down_wgrad_first) linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
+  linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
   if (!input_grads_done) {
     linear_backward(rows_RH, gate_up_E2FH_, fp8_gate_up_, dgu, drows_RH, dgate_up_E2FH_);
     return;

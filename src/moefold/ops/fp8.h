@@ -128,9 +128,15 @@ void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tenso
                          const Fp8Weight* wq = nullptr, Fp8SharedInput* xin = nullptr);
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                 const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq = nullptr);
+// dyq (grouped backward, bf16 dy): dy's cols operand carried from a call computing dx alone to the
+// call computing dw alone that follows it with the same dy and offsets (the experts' backward,
+// split around the input gradient's exchange): the first quantizes dy in both layouts in one pass,
+// the cols into dyq's bytes (fp8_shared_input_bytes(R, O, E); cols_ready), the second reads them.
+// Null or without bytes: each call quantizes what it needs.
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate = true, const Fp8Weight* wq = nullptr);
+                                 const Tensor& dw_EOI, bool accumulate = true, const Fp8Weight* wq = nullptr,
+                                 Fp8SharedInput* dyq = nullptr);
 
 // An activation x that several FP8 linears read (attention's q, k and v projections, MLA's two down
 // projections): its FP8 operands quantized once for all of them. The forwards share x's rows
@@ -145,7 +151,9 @@ struct Fp8SharedInput {
   bool rows_ready = false, cols_ready = false;
   void reset() { rows_ready = cols_ready = false; }
 };
-int64_t fp8_shared_input_bytes(int64_t rows, int64_t cols);
+// Bytes for x [rows, cols]'s rows operand or its cols operand in `segments` row segments (the
+// larger).
+int64_t fp8_shared_input_bytes(int64_t rows, int64_t cols, int64_t segments = 1);
 // Where an operand of `codes` bytes and `scales` floats keeps them inside a block of fp8_shared_input_bytes
 // (both start on 256-byte boundaries; the scales after the codes): the scales' byte offset, and the
 // bytes the operand takes.

@@ -610,19 +610,20 @@ void emulated_wgrad(const Tensor& x, const Tensor& dy, const Tensor& offsets, co
 
 }  // namespace
 
-int64_t fp8_shared_input_bytes(int64_t rows, int64_t cols) {
-  const int64_t p = fp8_cols_width(rows, 1);
+int64_t fp8_shared_input_bytes(int64_t rows, int64_t cols, int64_t segments) {
+  const int64_t p = fp8_cols_width(rows, segments);
   return std::max(fp8_operand_bytes(rows * cols, tiles(cols) * rows), fp8_operand_bytes(cols * p, p / kFp8Tile * cols));
 }
 
 namespace {
-// A shared input's bytes: where given, on x's device and large enough for x's operands.
-void check_xin(const Tensor& x, const Fp8SharedInput* xin, const char* what) {
+// A shared operand's bytes: where given, on x's device and large enough for x's operands in
+// `segments` segments.
+void check_xin(const Tensor& x, const Fp8SharedInput* xin, const char* what, int64_t segments = 1) {
   if (xin == nullptr || !xin->bytes.defined()) return;
   MF_CHECK(!is_packed(x), what, ": shared FP8 operands of packed rows");
   MF_CHECK(xin->bytes.dtype() == DType::u8 && xin->bytes.contiguous() &&
-               xin->bytes.numel() >= fp8_shared_input_bytes(x.size(0), x.size(1)),
-           what, ": shared FP8 operands' bytes ", xin->bytes.str(), " for x ", x.str());
+               xin->bytes.numel() >= fp8_shared_input_bytes(x.size(0), x.size(1), segments),
+           what, ": shared FP8 operands' bytes ", xin->bytes.str(), " for ", x.str());
   check_same_device({&x, &xin->bytes}, what);
 }
 }  // namespace
@@ -687,15 +688,16 @@ void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, cons
 
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq) {
+                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq, Fp8SharedInput* dyq) {
   check_fp8_linear(x_RI, w_EOI, dy_RO, 3, "fp8_grouped_linear_backward");
   check_fp8_grads(x_RI, w_EOI, dx_RI, dw_EOI, "fp8_grouped_linear_backward");
   check_offsets(offsets_E1, x_RI.size(0), "fp8_grouped_linear_backward");
   MF_CHECK(offsets_E1.numel() == w_EOI.size(0) + 1, "fp8_grouped_linear_backward: offsets ", offsets_E1.str(), " for ",
            w_EOI.size(0), " experts");
   check_wq(w_EOI, wq, "fp8_grouped_linear_backward");
+  check_xin(dy_RO, dyq, "fp8_grouped_linear_backward", w_EOI.size(0));
   MF_ON_GPU(ctx, x_RI,
-            cuda::fp8_grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate, wq));
+            cuda::fp8_grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate, wq, dyq));
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
   const int64_t* off = offsets_E1.ptr<int64_t>();
   dispatch_float(w_EOI.dtype(), [&]<class T>() {

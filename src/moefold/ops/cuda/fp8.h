@@ -53,7 +53,7 @@ void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, cons
                                 const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq);
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq);
+                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq, Fp8SharedInput* dyq);
 
 // ---- cuBLASLt's block-scaled FP8 GEMM (fp8_gemm_cublaslt.cu; the dense layers) -----------------
 // out[m, n] (row-major, ld n; bf16 or f32) = a[m, K] b[n, K]^T + beta * out, both operands K-major

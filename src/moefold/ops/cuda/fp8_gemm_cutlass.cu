@@ -399,7 +399,7 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
 // dx = dy @ w and dw (+)= dy^T @ x per group; dx or dw undefined: skipped.
 void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n,
               const Tensor& dy, const Tensor& dx, const Tensor& dw, bool accumulate, const Fp8Weight* wq,
-              Fp8SharedInput* xin, const char* what) {
+              Fp8SharedInput* xin, Fp8SharedInput* dyq, const char* what) {
   check_gpu_operands(x, w, dy, dx, dw, what);
   const int64_t r_n = x.size(0), i_n = matrix_cols(w), o_n = matrix_rows(w);
   if (e_n == 0) return;
@@ -413,14 +413,22 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   op.off = off, op.rows = r_n;
   op.e_n = static_cast<int>(e_n), op.i_n = static_cast<int>(i_n), op.o_n = static_cast<int>(o_n);
   // dy's two operands (rows for the data gradient, cols for the weight gradient) from one read of
-  // dy where both are wanted, both in dgrad's slot (the cols after the rows).
+  // dy where both are wanted: both in dgrad's slot (the cols after the rows), or the cols in dyq's
+  // bytes for the weight gradient's call to come.
+  const Counts dy_rows_n{r_n * o_n, ob * r_n}, dy_cols_n{o_n * p, p / kFp8Tile * o_n};
   Quantized dy_cols{};
   if (dx.defined()) {
     Quantized qdy{};
-    if (dw.defined() && fp8_rows_cols_fused_serves(dy.dtype(), o_n, dy.data(), nullptr)) {
-      const RowsAndCols both =
-          quantized_pair_scratch(ctx, ScratchSlot::fp8_operand_a, {r_n * o_n, ob * r_n}, {o_n * p, p / kFp8Tile * o_n});
-      qdy = both.rows, dy_cols = both.cols;
+    const bool one_pass = fp8_rows_cols_fused_serves(dy.dtype(), o_n, dy.data(), nullptr);
+    if (one_pass && (dw.defined() || shares(dyq))) {
+      if (dw.defined()) {
+        const RowsAndCols both = quantized_pair_scratch(ctx, ScratchSlot::fp8_operand_a, dy_rows_n, dy_cols_n);
+        qdy = both.rows, dy_cols = both.cols;
+      } else {
+        qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, dy_rows_n.codes, dy_rows_n.scales);
+        dy_cols = shared_operand(*dyq, dy_cols_n);
+        dyq->cols_ready = true, dyq->rows_ready = false;
+      }
       launch_fp8_quantize_rows_cols(ctx, dy.data(), dy.dtype(), r_n, o_n, off, segments, true, qdy.q, qdy.s, p,
                                     dy_cols.q, dy_cols.s);
     } else {
@@ -452,6 +460,10 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   }
   // The slots of dgrad's operands are reused: this stream ran (or queued) dgrad before.
   Quantized qdy = dy_cols;
+  if (qdy.q == nullptr && !dx.defined() && shares(dyq) && dyq->cols_ready) {  // the data gradient's call made them
+    qdy = shared_operand(*dyq, dy_cols_n);
+    dyq->cols_ready = false;
+  }
   if (qdy.q == nullptr) {
     qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, o_n * p, p / kFp8Tile * o_n);
     launch_fp8_quantize_cols(ctx, dy.data(), dy.dtype(), r_n, o_n, off, segments, p, qdy.q, qdy.s);
@@ -494,7 +506,7 @@ void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
                          const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq,
                          Fp8SharedInput* xin) {
-  backward(ctx, x_NI, w_OI, nullptr, 1, dy_NO, dx_NI, dw_OI, accumulate, wq, xin, "fp8_linear_backward");
+  backward(ctx, x_NI, w_OI, nullptr, 1, dy_NO, dx_NI, dw_OI, accumulate, wq, xin, nullptr, "fp8_linear_backward");
 }
 
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
@@ -504,9 +516,9 @@ void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, cons
 
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq) {
+                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq, Fp8SharedInput* dyq) {
   backward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), dy_RO, dx_RI, dw_EOI, accumulate, wq, nullptr,
-           "fp8_grouped_linear_backward");
+           dyq, "fp8_grouped_linear_backward");
 }
 
 #else  // built without CUTLASS's headers
@@ -534,7 +546,7 @@ void fp8_grouped_linear_forward(const ExecContext&, const Tensor&, const Tensor&
   no_cutlass("fp8_grouped_linear_forward");
 }
 void fp8_grouped_linear_backward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const Tensor&, const Tensor&, bool, const Fp8Weight*) {
+                                 const Tensor&, const Tensor&, bool, const Fp8Weight*, Fp8SharedInput*) {
   no_cutlass("fp8_grouped_linear_backward");
 }
 
