@@ -419,6 +419,7 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   Quantized dy_cols{};
   if (dx.defined()) {
     Quantized qdy{};
+    if (shares(dyq)) dyq->cols_ready = false;  // an earlier dy's are stale now, whatever this call leaves
     const bool one_pass = fp8_rows_cols_fused_serves(dy.dtype(), o_n, dy.data(), nullptr);
     if (one_pass && (dw.defined() || shares(dyq))) {
       if (dw.defined()) {

@@ -683,10 +683,10 @@ __device__ __forceinline__ void store_block_transposed(const uint8_t (*codes)[kC
   }
 }
 
-// Block (bi, bo, e): the 128 x 128 block (bo, bi) of matrix e. Lane l of warp w holds columns
-// 4l .. 4l + 3 of rows w, w + 8, ..., w + 120. kVec: i % 4 == 0 with aligned w and q (vector
-// loads and 32-bit stores); vec_t: o % 4 == 0 with qT aligned (32-bit stores of qT's rows).
-template <class T, bool kVec>
+// Block (bi, bo, e): the 128 x 128 block (bo, bi) of matrix e, element by element (I % 4 != 0 or
+// unaligned w, q: else quantize_blocks_wide_kernel). Lane l of warp w holds columns 4l .. 4l + 3 of
+// rows w, w + 8, ..., w + 120; vec_t: o % 4 == 0 with qT aligned (32-bit stores of qT's rows).
+template <class T>
 __global__ void __launch_bounds__(kThreads)
     quantize_blocks_kernel(const T* __restrict__ w, int64_t o_n, int64_t i_n, uint8_t* __restrict__ q,
                            float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, bool vec_t,
@@ -709,12 +709,8 @@ __global__ void __launch_bounds__(kThreads)
     v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.0f;
     if (o < h) {
       const T* row = w + base + o * i_n;
-      if constexpr (kVec) {
-        if (c < wd) load4(row + c, v[i]);
-      } else {
-        for (int j = 0; j < 4; ++j)
-          if (c + j < wd) v[i][j] = to_float(row[c + j]);
-      }
+      for (int j = 0; j < 4; ++j)
+        if (c + j < wd) v[i][j] = to_float(row[c + j]);
       if (via_bf16)  // an f32 master quantized as its bf16 copy would be (uniform over the grid)
         for (int j = 0; j < 4; ++j) v[i][j] = __bfloat162float(__float2bfloat16_rn(v[i][j]));
     }
@@ -738,12 +734,8 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t c4 = e4m3x4(scaled, ts.finite);
     if (q != nullptr) {
       uint8_t* dst = q + base + o * i_n + c;
-      if constexpr (kVec) {
-        if (c < wd) *reinterpret_cast<uint32_t*>(dst) = c4;
-      } else {
-        for (int j = 0; j < 4; ++j)
-          if (c + j < wd) dst[j] = static_cast<uint8_t>(c4 >> (8 * j));
-      }
+      for (int j = 0; j < 4; ++j)
+        if (c + j < wd) dst[j] = static_cast<uint8_t>(c4 >> (8 * j));
     }
     if (qT != nullptr)
       for (int j = 0; j < 4; ++j)
@@ -754,7 +746,7 @@ __global__ void __launch_bounds__(kThreads)
   store_block_transposed(codes, qT + e * i_n * o_n + i0 * o_n + o0, o_n, h, wd, vec_t);
 }
 
-// quantize_blocks_kernel's vector path with a layout that stages the transpose in 16-byte pieces:
+// The blocks of aligned weights, with a layout that stages the transpose in 16-byte pieces:
 // warp w holds rows 16 w .. 16 w + 15 of the block (lane l its columns 4l .. 4l + 3), bf16 values
 // (and f32 ones quantized via bf16) kept as their bf16 bits (32 registers), so that each of a
 // lane's columns has 16 consecutive codes: a 4 x 4 byte transpose of four rows' code words gives
@@ -1233,8 +1225,9 @@ void launch_fp8_quantize_blocks(const ExecContext& ctx, const void* w, DType dty
       else
         quantize_blocks_wide_kernel<T, false>
             <<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t, q16t);
-    } else
-      quantize_blocks_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t, via_bf16);
+    } else {
+      quantize_blocks_kernel<T><<<grid, kThreads, 0, stream_of(ctx)>>>(wt, o, i, q, s, qT, sT, vec_t, via_bf16);
+    }
   });
   MF_CUDA_LAUNCHED("fp8_quantize_blocks");
 }
