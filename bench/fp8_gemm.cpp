@@ -370,7 +370,8 @@ void bench_wgrad_groups(int runs, int warmup) {
 // of 512 rows (rows with the grouped GEMM's scales, launch_fp8_quantize_rows with the offsets on
 // the device; cols in the experts' segments) and a dense [8192, 4096] (rows without offsets, cols
 // as one segment), and both in one pass (launch_fp8_quantize_rows_cols, the FP8 backward's dy),
-// then the experts' x [65536, 2048] as packed FP8 rows in 128 segments, cols only.
+// then the experts' x [65536, 2048] as packed FP8 rows in 128 segments, cols only, and the experts'
+// fc1 weight into blocks with its transpose.
 // Cols times include the tile map's kernel. Effective GB/s: x read plus the codes and scales
 // written.
 void bench_quantize(int runs, int warmup) {
@@ -437,12 +438,12 @@ void bench_quantize(int runs, int warmup) {
   // written.
   const int64_t e = 128, o = 1536, i = 2048;
   for (DType dt : {DType::bf16, DType::f32}) {
-    DeviceTensor w({e, o, i}, dt), q({e, o, i}, DType::u8), qT({e, i, o}, DType::u8),
+    DeviceTensor weight({e, o, i}, dt), q({e, o, i}, DType::u8), qT({e, i, o}, DType::u8),
         sb({e, o / kFp8Tile, i / kFp8Tile}, DType::f32), sbT({e, i / kFp8Tile, o / kFp8Tile}, DType::f32);
-    bench::fill_random(*w, 13);
+    bench::fill_random(*weight, 13);
     const bool via_bf16 = dt == DType::f32;
     const double bms =
-        bench::time_ms(runs, warmup, [&] { fp8_quantize_blocks(ctx, *w, *q, *sb, *qT, *sbT, via_bf16); });
+        bench::time_ms(runs, warmup, [&] { fp8_quantize_blocks(ctx, *weight, *q, *sb, *qT, *sbT, via_bf16); });
     const double elems = static_cast<double>(e) * o * i;
     std::printf("quantize experts w %s [%lld, %lld, %lld] blocks + transposed %7.3f ms %6.0f GB/s\n",
                 via_bf16 ? "f32 via bf16" : "bf16", static_cast<long long>(e), static_cast<long long>(o),

@@ -960,7 +960,7 @@ TEST(CudaFp8Linear, BackwardIsDeterministic) {
   }
 }
 
-// Fp8SharedInput (attention's q, k and v projections read one x): three dense linears of different
+// Fp8SharedOperands (attention's q, k and v projections read one x): three dense linears of different
 // widths given x's shared operands give the bits each gives alone, forward and backward (both
 // kernels: cuBLASLt at multiples of 128, CUTLASS at O = 80), with the operand made by the first
 // call of each kind and a forward after a backward only after reset().
@@ -971,8 +971,8 @@ TEST(CudaFp8Linear, SharedInputGivesTheSameBits) {
   const int64_t n = 700, in = 512;
   const Host x = gaussian_bf16(rng, n, in);
   const Tensor xd = to_device(dev, x);
-  Fp8SharedInput xin;
-  xin.bytes = dev.poisoned({fp8_shared_input_bytes(n, in)}, DType::u8);
+  Fp8SharedOperands xin;
+  xin.bytes = dev.poisoned({fp8_shared_operand_bytes(n, in)}, DType::u8);
   std::vector<Tensor> ws, dys;
   for (int64_t o : {1024, 256, 80}) {
     ws.push_back(to_device(dev, gaussian_bf16(rng, o, in)));
@@ -1019,8 +1019,8 @@ TEST(CudaFp8Linear, SplitBackwardCarriesDyColsOperand) {
                dyd = to_device(dev, gaussian_bf16(rng, r, o)), offd = to_device(dev, off);
   const Tensor dx = dev.poisoned({r, in}, DType::bf16), dw = dev.poisoned({e, o, in}, DType::f32);
   fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, dyd, dx, dw, false);
-  Fp8SharedInput dyq;
-  dyq.bytes = dev.poisoned({fp8_shared_input_bytes(r, o, e)}, DType::u8);
+  Fp8SharedOperands dyq;
+  dyq.bytes = dev.poisoned({fp8_shared_operand_bytes(r, o, e)}, DType::u8);
   for (bool shared : {true, false}) {
     SCOPED_TRACE(shared ? "carried" : "quantized in each call");
     const Tensor dx2 = dev.poisoned({r, in}, DType::bf16), dw2 = dev.poisoned({e, o, in}, DType::f32);

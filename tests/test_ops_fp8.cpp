@@ -509,10 +509,10 @@ TEST(Fp8Linear, DenseIsOneSegment) {
   EXPECT_EQ(testing::max_abs_diff(py, y), 0.0);
   EXPECT_GT(testing::max_abs_diff(py, ry), 0.0);  // quantization changed something
   EXPECT_LT(rel_err(py, ry), 0.1);
-  // Shared FP8 operands of x (Fp8SharedInput): the CPU's emulation quantizes at every call, the same
+  // Shared FP8 operands of x (Fp8SharedOperands): the CPU's emulation quantizes at every call, the same
   // results; bytes too few for x's operands are a caller's bug.
-  Fp8SharedInput xin;
-  xin.bytes = pool.zeros({fp8_shared_input_bytes(n, i_n)}, DType::u8);
+  Fp8SharedOperands xin;
+  xin.bytes = pool.zeros({fp8_shared_operand_bytes(n, i_n)}, DType::u8);
   const Tensor sy = pool.zeros({n, o_n}, DType::f64), sdx = pool.zeros({n, i_n}, DType::f64);
   const Tensor sdw = pool.zeros({o_n, i_n}, DType::f64);
   fp8_linear_forward(cpu(), x, w, sy, nullptr, &xin);
@@ -520,7 +520,7 @@ TEST(Fp8Linear, DenseIsOneSegment) {
   EXPECT_EQ(testing::max_abs_diff(sy, y), 0.0);
   EXPECT_EQ(testing::max_abs_diff(sdx, dx), 0.0);
   EXPECT_EQ(testing::max_abs_diff(sdw, dw), 0.0);
-  xin.bytes = pool.zeros({fp8_shared_input_bytes(n, i_n) - 1}, DType::u8);
+  xin.bytes = pool.zeros({fp8_shared_operand_bytes(n, i_n) - 1}, DType::u8);
   EXPECT_DEATH(fp8_linear_forward(cpu(), x, w, sy, nullptr, &xin), "shared FP8 operands' bytes");
 }
 

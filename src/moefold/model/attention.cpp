@@ -111,7 +111,7 @@ void Attention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD, At
   lse_BQS_ = recompute_core_ ? mem.scratch({batch_, q, seq_len_}, mem.master_dtype())
                              : kept(offload_core_, {batch_, q, seq_len_}, mem.master_dtype());
   x_gathered_TH_ = kept(offload_qkv_, {tp_ ? tokens_ : 0, h}, dt);
-  x_fp8_.bytes = fp8_qkv_ ? mem.scratch({fp8_shared_input_bytes(tokens_, h)}, DType::u8) : Tensor();
+  x_fp8_.bytes = fp8_qkv_ ? mem.scratch({fp8_shared_operand_bytes(tokens_, h)}, DType::u8) : Tensor();
 }
 
 void Attention::forward(const Tensor& x_TH, const Tensor& y_TH) {

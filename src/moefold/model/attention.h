@@ -90,7 +90,7 @@ class Attention : public SelfAttention {
   QkNorm qk_norm_ = QkNorm::per_head;
   Tensor wq_, wk_, wv_, wo_, q_norm_, k_norm_;
   Fp8Param fp8_wq_, fp8_wk_, fp8_wv_, fp8_wo_;  // their FP8 copies (set_fp8)
-  Fp8SharedInput x_fp8_;                        // x's FP8 operands, quantized once for q, k and v (scratch bytes)
+  Fp8SharedOperands x_fp8_;                     // x's FP8 operands, quantized once for q, k and v (scratch bytes)
   Tensor dwq_, dwk_, dwv_, dwo_, dq_norm_, dk_norm_;
   Tensor cos_, sin_;
   AttentionScratch* scratch_ = nullptr;

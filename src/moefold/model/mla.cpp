@@ -151,7 +151,7 @@ void MlaAttention::bind(Memory& mem, const Tensor& cos_SD, const Tensor& sin_SD,
   dkv_a_ = mem.scratch({nt, rkv_ + dr_});
   dx_part_ = mem.scratch({nt, h});
   partial_ = mem.scratch({tp_ ? nt : 0, h});
-  x_fp8_.bytes = fp8_qkv_ ? mem.scratch({fp8_shared_input_bytes(nt, h)}, DType::u8) : Tensor();
+  x_fp8_.bytes = fp8_qkv_ ? mem.scratch({fp8_shared_operand_bytes(nt, h)}, DType::u8) : Tensor();
 }
 
 void MlaAttention::forward(const Tensor& x_TH, const Tensor& y_TH) {

@@ -52,7 +52,7 @@ class MlaAttention : public SelfAttention {
   Tensor wq_a_, q_a_norm_, wq_b_, wkv_a_, kv_a_norm_, wkv_b_, wo_;
   Fp8Param fp8_wq_a_, fp8_wq_b_, fp8_wkv_a_, fp8_wkv_b_, fp8_wo_;  // their FP8 copies (set_fp8)
   // x's FP8 operands, quantized once for the projections reading x (q_a or q, and kv_a; scratch)
-  Fp8SharedInput x_fp8_;
+  Fp8SharedOperands x_fp8_;
   Tensor dwq_a_, dq_a_norm_, dwq_b_, dwkv_a_, dkv_a_norm_, dwkv_b_, dwo_;
   // From the latents (and x without q-LoRA) to the core's q4_, k4_, v4_ (recomputed: mla_up_proj).
   void up_forward();

@@ -63,8 +63,8 @@ void Experts::bind(Memory& mem) {
   h_RF_ = recompute_act_ ? mem.scratch(h_shape, h_dtype) : mem.act(h_shape, h_dtype);
   dh_RF_ = mem.scratch({max_rows_, ffn_});
   dgu_R2F_ = mem.scratch({max_rows_, 2 * ffn_});
-  const int64_t dy_bytes = std::max(fp8_shared_input_bytes(max_rows_, hidden_, num_experts_),
-                                    fp8_shared_input_bytes(max_rows_, 2 * ffn_, num_experts_));
+  const int64_t dy_bytes = std::max(fp8_shared_operand_bytes(max_rows_, hidden_, num_experts_),
+                                    fp8_shared_operand_bytes(max_rows_, 2 * ffn_, num_experts_));
   dy_fp8_.bytes = fp8_ ? mem.scratch({dy_bytes}, DType::u8) : Tensor();
 }
 

@@ -83,10 +83,10 @@ class Experts {
   Tensor gate_up_E2FH_, down_EHF_, dgate_up_E2FH_, ddown_EHF_;
   bool recompute_act_ = false, offload_gu_ = false, fp8_ = false;
   Fp8Param fp8_gate_up_, fp8_down_;  // the weights' FP8 copies (quantized once per step)
-  Fp8SharedInput dy_fp8_;   // FP8: an output gradient's cols operand, from its data gradient to its weight gradient
-  Tensor gu_R2F_, h_RF_;    // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
-  Tensor dh_RF_, dgu_R2F_;  // scratch: backward workspaces
-  Memory* mem_ = nullptr;   // for its gradients' generation (accumulate_grad)
+  Fp8SharedOperands dy_fp8_;  // FP8: an output gradient's cols operand, from its data gradient to its weight gradient
+  Tensor gu_R2F_, h_RF_;      // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
+  Tensor dh_RF_, dgu_R2F_;    // scratch: backward workspaces
+  Memory* mem_ = nullptr;     // for its gradients' generation (accumulate_grad)
   size_t gate_up_index_ = 0, down_index_ = 0;  // the weights' parameter indices (Memory::accumulate_grad)
 };
 

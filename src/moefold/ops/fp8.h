@@ -119,42 +119,43 @@ void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor
 // wq: w already quantized (an Fp8Param's; REQUIRES: fp8_quantize_blocks of this w), or null. A weight
 // kept only in FP8 (train.fp8_param: w has no data) needs it.
 // xin (dense ops, bf16 x): x's operands shared with the other linears that read the same x
-// (Fp8SharedInput below), or null.
-struct Fp8SharedInput;
+// (Fp8SharedOperands below), or null.
+struct Fp8SharedOperands;
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
-                        const Fp8Weight* wq = nullptr, Fp8SharedInput* xin = nullptr);
+                        const Fp8Weight* wq = nullptr, Fp8SharedOperands* xin = nullptr);
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
                          const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate = true,
-                         const Fp8Weight* wq = nullptr, Fp8SharedInput* xin = nullptr);
+                         const Fp8Weight* wq = nullptr, Fp8SharedOperands* xin = nullptr);
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                 const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq = nullptr);
 // dyq (grouped backward, bf16 dy): dy's cols operand carried from a call computing dx alone to the
 // call computing dw alone that follows it with the same dy and offsets (the experts' backward,
 // split around the input gradient's exchange): the first quantizes dy in both layouts in one pass,
-// the cols into dyq's bytes (fp8_shared_input_bytes(R, O, E); cols_ready), the second reads them.
+// the cols into dyq's bytes (fp8_shared_operand_bytes(R, O, E); cols_ready), the second reads them.
 // Null or without bytes: each call quantizes what it needs.
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
                                  const Tensor& dw_EOI, bool accumulate = true, const Fp8Weight* wq = nullptr,
-                                 Fp8SharedInput* dyq = nullptr);
+                                 Fp8SharedOperands* dyq = nullptr);
 
-// An activation x that several FP8 linears read (attention's q, k and v projections, MLA's two down
-// projections): its FP8 operands quantized once for all of them. The forwards share x's rows
-// operand, the weight gradients its cols operand (one segment of all rows); the first call that
-// needs one after reset() quantizes it into `bytes` (u8, fp8_shared_input_bytes(rows, cols) of
+// A tensor's FP8 operands made once and read by several calls: an activation x that several FP8
+// linears read (attention's q, k and v projections, MLA's two down projections; below), or an
+// output gradient carried across the experts' split backward (dyq above). For x: the forwards
+// share x's rows operand, the weight gradients its cols operand (one segment of all rows); the first call that
+// needs one after reset() quantizes it into `bytes` (u8, fp8_shared_operand_bytes(rows, cols) of
 // them, on x's device; one operand at a time: making one drops the other), the others read it. The
 // owner resets whenever x may have changed (REQUIRES: the calls between two resets pass the same x).
 // The same results as without it: the CPU's emulation quantizes at every call, and so does a call
 // given no bytes.
-struct Fp8SharedInput {
+struct Fp8SharedOperands {
   Tensor bytes;
   bool rows_ready = false, cols_ready = false;
   void reset() { rows_ready = cols_ready = false; }
 };
 // Bytes for x [rows, cols]'s rows operand or its cols operand in `segments` row segments (the
 // larger).
-int64_t fp8_shared_input_bytes(int64_t rows, int64_t cols, int64_t segments = 1);
-// Where an operand of `codes` bytes and `scales` floats keeps them inside a block of fp8_shared_input_bytes
+int64_t fp8_shared_operand_bytes(int64_t rows, int64_t cols, int64_t segments = 1);
+// Where an operand of `codes` bytes and `scales` floats keeps them inside a block of fp8_shared_operand_bytes
 // (both start on 256-byte boundaries; the scales after the codes): the scales' byte offset, and the
 // bytes the operand takes.
 inline int64_t fp8_operand_scales_at(int64_t codes) { return (codes + 255) / 256 * 256; }
@@ -194,8 +195,9 @@ void fp8_quantize_changed_params(Memory& mem);
 // the FP8 ops above with the weight's FP8 copy when wq is given (Fp8Param::get()).
 // xin: x's shared FP8 operands (FP8 only), or null.
 void linear_forward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
-                       const Tensor& y_NO, Fp8SharedInput* xin = nullptr);
+                       const Tensor& y_NO, Fp8SharedOperands* xin = nullptr);
 void linear_backward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
-                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI, Fp8SharedInput* xin = nullptr);
+                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI,
+                        Fp8SharedOperands* xin = nullptr);
 
 }  // namespace moefold

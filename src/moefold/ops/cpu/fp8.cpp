@@ -610,7 +610,7 @@ void emulated_wgrad(const Tensor& x, const Tensor& dy, const Tensor& offsets, co
 
 }  // namespace
 
-int64_t fp8_shared_input_bytes(int64_t rows, int64_t cols, int64_t segments) {
+int64_t fp8_shared_operand_bytes(int64_t rows, int64_t cols, int64_t segments) {
   const int64_t p = fp8_cols_width(rows, segments);
   return std::max(fp8_operand_bytes(rows * cols, tiles(cols) * rows), fp8_operand_bytes(cols * p, p / kFp8Tile * cols));
 }
@@ -618,21 +618,21 @@ int64_t fp8_shared_input_bytes(int64_t rows, int64_t cols, int64_t segments) {
 namespace {
 // A shared operand's bytes: where given, on x's device and large enough for x's operands in
 // `segments` segments.
-void check_xin(const Tensor& x, const Fp8SharedInput* xin, const char* what, int64_t segments = 1) {
+void check_shared(const Tensor& x, const Fp8SharedOperands* xin, const char* what, int64_t segments = 1) {
   if (xin == nullptr || !xin->bytes.defined()) return;
   MF_CHECK(!is_packed(x), what, ": shared FP8 operands of packed rows");
   MF_CHECK(xin->bytes.dtype() == DType::u8 && xin->bytes.contiguous() &&
-               xin->bytes.numel() >= fp8_shared_input_bytes(x.size(0), x.size(1), segments),
+               xin->bytes.numel() >= fp8_shared_operand_bytes(x.size(0), x.size(1), segments),
            what, ": shared FP8 operands' bytes ", xin->bytes.str(), " for ", x.str());
   check_same_device({&x, &xin->bytes}, what);
 }
 }  // namespace
 
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
-                        const Fp8Weight* wq, Fp8SharedInput* xin) {
+                        const Fp8Weight* wq, Fp8SharedOperands* xin) {
   check_fp8_linear(x_NI, w_OI, y_NO, 2, "fp8_linear_forward");
   check_wq(w_OI, wq, "fp8_linear_forward");
-  check_xin(x_NI, xin, "fp8_linear_forward");
+  check_shared(x_NI, xin, "fp8_linear_forward");
   MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_forward(ctx, x_NI, w_OI, y_NO, wq, xin));
   const int64_t n = x_NI.size(0), in = w_OI.size(1), out = w_OI.size(0);
   dispatch_float(w_OI.dtype(), [&]<class T>() {
@@ -644,11 +644,11 @@ void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor
 
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
                          const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq,
-                         Fp8SharedInput* xin) {
+                         Fp8SharedOperands* xin) {
   check_fp8_linear(x_NI, w_OI, dy_NO, 2, "fp8_linear_backward");
   check_fp8_grads(x_NI, w_OI, dx_NI, dw_OI, "fp8_linear_backward");
   check_wq(w_OI, wq, "fp8_linear_backward");
-  check_xin(x_NI, xin, "fp8_linear_backward");
+  check_shared(x_NI, xin, "fp8_linear_backward");
   MF_ON_GPU(ctx, x_NI, cuda::fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, accumulate, wq, xin));
   const int64_t n = x_NI.size(0), in = w_OI.size(1), out = w_OI.size(0);
   dispatch_float(w_OI.dtype(), [&]<class T>() {
@@ -688,14 +688,14 @@ void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, cons
 
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq, Fp8SharedInput* dyq) {
+                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq, Fp8SharedOperands* dyq) {
   check_fp8_linear(x_RI, w_EOI, dy_RO, 3, "fp8_grouped_linear_backward");
   check_fp8_grads(x_RI, w_EOI, dx_RI, dw_EOI, "fp8_grouped_linear_backward");
   check_offsets(offsets_E1, x_RI.size(0), "fp8_grouped_linear_backward");
   MF_CHECK(offsets_E1.numel() == w_EOI.size(0) + 1, "fp8_grouped_linear_backward: offsets ", offsets_E1.str(), " for ",
            w_EOI.size(0), " experts");
   check_wq(w_EOI, wq, "fp8_grouped_linear_backward");
-  check_xin(dy_RO, dyq, "fp8_grouped_linear_backward", w_EOI.size(0));
+  check_shared(dy_RO, dyq, "fp8_grouped_linear_backward", w_EOI.size(0));
   MF_ON_GPU(ctx, x_RI,
             cuda::fp8_grouped_linear_backward(ctx, x_RI, w_EOI, offsets_E1, dy_RO, dx_RI, dw_EOI, accumulate, wq, dyq));
   const int64_t e_n = w_EOI.size(0), o_n = w_EOI.size(1), i_n = w_EOI.size(2);
@@ -762,7 +762,7 @@ void fp8_quantize_changed_params(Memory& mem) {
 }
 
 void linear_forward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
-                       const Tensor& y_NO, Fp8SharedInput* xin) {
+                       const Tensor& y_NO, Fp8SharedOperands* xin) {
   if (wq != nullptr)
     fp8_linear_forward(ctx, x_NI, w_OI, y_NO, wq, xin);
   else
@@ -770,7 +770,7 @@ void linear_forward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor
 }
 
 void linear_backward_in(const ExecContext& ctx, const Fp8Weight* wq, const Tensor& x_NI, const Tensor& w_OI,
-                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI, Fp8SharedInput* xin) {
+                        const Tensor& dy_NO, const Tensor& dx_NI, const Tensor& dw_OI, Fp8SharedOperands* xin) {
   if (wq != nullptr)
     fp8_linear_backward(ctx, x_NI, w_OI, dy_NO, dx_NI, dw_OI, true, wq, xin);
   else

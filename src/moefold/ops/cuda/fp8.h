@@ -43,17 +43,17 @@ void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor
 
 // ---- FP8 linear layers (ops/fp8.h; y, dx WRITTEN; dw ACCUMULATED unless accumulate == false) ----
 // wq: the weight already quantized (null or undefined: quantized here into scratch).
-// xin: x's shared operands (ops/fp8.h Fp8SharedInput), or null.
+// xin: x's shared operands (ops/fp8.h Fp8SharedOperands), or null.
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
-                        const Fp8Weight* wq, Fp8SharedInput* xin);
+                        const Fp8Weight* wq, Fp8SharedOperands* xin);
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
                          const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq,
-                         Fp8SharedInput* xin);
+                         Fp8SharedOperands* xin);
 void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                 const Tensor& offsets_E1, const Tensor& y_RO, const Fp8Weight* wq);
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq, Fp8SharedInput* dyq);
+                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq, Fp8SharedOperands* dyq);
 
 // ---- cuBLASLt's block-scaled FP8 GEMM (fp8_gemm_cublaslt.cu; the dense layers) -----------------
 // out[m, n] (row-major, ld n; bf16 or f32) = a[m, K] b[n, K]^T + beta * out, both operands K-major

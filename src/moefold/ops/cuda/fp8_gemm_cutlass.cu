@@ -272,11 +272,11 @@ size_t operand_bytes(Counts n) { return static_cast<size_t>(fp8_operand_bytes(n.
 Quantized operand_at(char* base, Counts n) {
   return {reinterpret_cast<uint8_t*>(base), reinterpret_cast<float*>(base + fp8_operand_scales_at(n.codes))};
 }
-// x's operand in a shared input's bytes (ops/fp8.h Fp8SharedInput; the entry point checked its size).
-Quantized shared_operand(const Fp8SharedInput& xin, Counts n) {
+// x's operand in a shared input's bytes (ops/fp8.h Fp8SharedOperands; the entry point checked its size).
+Quantized shared_operand(const Fp8SharedOperands& xin, Counts n) {
   return operand_at(static_cast<char*>(xin.bytes.data()), n);
 }
-bool shares(const Fp8SharedInput* xin) { return xin != nullptr && xin->bytes.defined(); }
+bool shares(const Fp8SharedOperands* xin) { return xin != nullptr && xin->bytes.defined(); }
 Quantized quantized_scratch(const ExecContext& ctx, ScratchSlot slot, int64_t codes, int64_t scales) {
   const Counts n{codes, scales};
   return operand_at(static_cast<char*>(ctx.scratch(slot, operand_bytes(n))), n);
@@ -362,7 +362,7 @@ WeightOperand weight_operand(const ExecContext& ctx, const Tensor& w, const Fp8W
 
 // y = x @ w^T per group (off: [e_n + 1] device offsets, or nullptr: one group of all rows).
 void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n, const Tensor& y,
-             const Fp8Weight* wq, Fp8SharedInput* xin, const char* what) {
+             const Fp8Weight* wq, Fp8SharedOperands* xin, const char* what) {
   check_gpu_operands(x, w, y, Tensor(), Tensor(), what);
   const int64_t r_n = x.size(0), i_n = matrix_cols(w), o_n = matrix_rows(w);
   if (r_n == 0 || e_n == 0) return;
@@ -399,7 +399,7 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
 // dx = dy @ w and dw (+)= dy^T @ x per group; dx or dw undefined: skipped.
 void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int64_t* off, int64_t e_n,
               const Tensor& dy, const Tensor& dx, const Tensor& dw, bool accumulate, const Fp8Weight* wq,
-              Fp8SharedInput* xin, Fp8SharedInput* dyq, const char* what) {
+              Fp8SharedOperands* xin, Fp8SharedOperands* dyq, const char* what) {
   check_gpu_operands(x, w, dy, dx, dw, what);
   const int64_t r_n = x.size(0), i_n = matrix_cols(w), o_n = matrix_rows(w);
   if (e_n == 0) return;
@@ -500,13 +500,13 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
 }  // namespace
 
 void fp8_linear_forward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& y_NO,
-                        const Fp8Weight* wq, Fp8SharedInput* xin) {
+                        const Fp8Weight* wq, Fp8SharedOperands* xin) {
   forward(ctx, x_NI, w_OI, nullptr, 1, y_NO, wq, xin, "fp8_linear_forward");
 }
 
 void fp8_linear_backward(const ExecContext& ctx, const Tensor& x_NI, const Tensor& w_OI, const Tensor& dy_NO,
                          const Tensor& dx_NI, const Tensor& dw_OI, bool accumulate, const Fp8Weight* wq,
-                         Fp8SharedInput* xin) {
+                         Fp8SharedOperands* xin) {
   backward(ctx, x_NI, w_OI, nullptr, 1, dy_NO, dx_NI, dw_OI, accumulate, wq, xin, nullptr, "fp8_linear_backward");
 }
 
@@ -517,7 +517,7 @@ void fp8_grouped_linear_forward(const ExecContext& ctx, const Tensor& x_RI, cons
 
 void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, const Tensor& w_EOI,
                                  const Tensor& offsets_E1, const Tensor& dy_RO, const Tensor& dx_RI,
-                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq, Fp8SharedInput* dyq) {
+                                 const Tensor& dw_EOI, bool accumulate, const Fp8Weight* wq, Fp8SharedOperands* dyq) {
   backward(ctx, x_RI, w_EOI, offsets_E1.ptr<int64_t>(), w_EOI.size(0), dy_RO, dx_RI, dw_EOI, accumulate, wq, nullptr,
            dyq, "fp8_grouped_linear_backward");
 }
@@ -535,11 +535,11 @@ namespace {
 }  // namespace
 
 void fp8_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Fp8Weight*,
-                        Fp8SharedInput*) {
+                        Fp8SharedOperands*) {
   no_cutlass("fp8_linear_forward");
 }
 void fp8_linear_backward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         bool, const Fp8Weight*, Fp8SharedInput*) {
+                         bool, const Fp8Weight*, Fp8SharedOperands*) {
   no_cutlass("fp8_linear_backward");
 }
 void fp8_grouped_linear_forward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -547,7 +547,7 @@ void fp8_grouped_linear_forward(const ExecContext&, const Tensor&, const Tensor&
   no_cutlass("fp8_grouped_linear_forward");
 }
 void fp8_grouped_linear_backward(const ExecContext&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const Tensor&, const Tensor&, bool, const Fp8Weight*, Fp8SharedInput*) {
+                                 const Tensor&, const Tensor&, bool, const Fp8Weight*, Fp8SharedOperands*) {
   no_cutlass("fp8_grouped_linear_backward");
 }
 

@@ -683,6 +683,38 @@ __device__ __forceinline__ void store_block_transposed(const uint8_t (*codes)[kC
   }
 }
 
+// The blocks kernels' block (bi, bo, e) = blockIdx: matrix e's 128 x 128 block (bo, bi), h rows x
+// wd columns of it (fewer at the edges), base the index of its element (o0, i0) in w [e, o, i].
+struct WeightBlock {
+  int64_t e, bo, bi, o0, i0, base;
+  int h, wd;
+  __device__ WeightBlock(int64_t o_n, int64_t i_n)
+      : e(blockIdx.z),
+        bo(blockIdx.y),
+        bi(blockIdx.x),
+        o0(bo * kTile),
+        i0(bi * kTile),
+        base(e * o_n * i_n + o0 * i_n + i0),
+        h(static_cast<int>(std::min<int64_t>(kTile, o_n - o0))),
+        wd(static_cast<int>(std::min<int64_t>(kTile, i_n - i0))) {}
+  // The block's scale from every thread's amax bits m (a warp max, then the block's through
+  // partial[kWarps]), written by thread 0 to s and sT (either may be null) in the blocks layouts.
+  __device__ TileScale scale(uint32_t m, uint32_t* partial, float* __restrict__ s, float* __restrict__ sT) const {
+    m = warp_max(m);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = m;
+    __syncthreads();
+    m = partial[0];
+    for (int j = 1; j < kWarps; ++j) m = max(m, partial[j]);
+    const TileScale ts = tile_scale(m);
+    const int64_t ob = gridDim.y, ib = gridDim.x;
+    if (threadIdx.x == 0) {
+      if (s != nullptr) s[(e * ob + bo) * ib + bi] = ts.scale;
+      if (sT != nullptr) sT[(e * ib + bi) * ob + bo] = ts.scale;
+    }
+    return ts;
+  }
+};
+
 // Block (bi, bo, e): the 128 x 128 block (bo, bi) of matrix e, element by element (I % 4 != 0 or
 // unaligned w, q: else quantize_blocks_wide_kernel). Lane l of warp w holds columns 4l .. 4l + 3 of
 // rows w, w + 8, ..., w + 120; vec_t: o % 4 == 0 with qT aligned (32-bit stores of qT's rows).
@@ -691,13 +723,11 @@ __global__ void __launch_bounds__(kThreads)
     quantize_blocks_kernel(const T* __restrict__ w, int64_t o_n, int64_t i_n, uint8_t* __restrict__ q,
                            float* __restrict__ s, uint8_t* __restrict__ qT, float* __restrict__ sT, bool vec_t,
                            bool via_bf16) {
-  const int64_t e = blockIdx.z, bo = blockIdx.y, bi = blockIdx.x, ob = gridDim.y, ib = gridDim.x;
-  const int64_t o0 = bo * kTile, i0 = bi * kTile;
-  const int h = static_cast<int>(std::min<int64_t>(kTile, o_n - o0)),
-            wd = static_cast<int>(std::min<int64_t>(kTile, i_n - i0));
+  const WeightBlock blk(o_n, i_n);
+  const int64_t e = blk.e, o0 = blk.o0, i0 = blk.i0, base = blk.base;
+  const int h = blk.h, wd = blk.wd;
   const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
   const int c = 4 * lane;
-  const int64_t base = e * o_n * i_n + o0 * i_n + i0;  // element (o0, i0) of matrix e
   __shared__ uint32_t partial[kWarps];
   __shared__ __align__(16) uint8_t codes[kTile][kCodeStride];  // [column][row]: qT's rows
 
@@ -716,16 +746,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     m = max(m, max(max(abs_bits(v[i][0]), abs_bits(v[i][1])), max(abs_bits(v[i][2]), abs_bits(v[i][3]))));
   }
-  m = __reduce_max_sync(0xffffffffu, m);
-  if (lane == 0) partial[warp] = m;
-  __syncthreads();
-  m = partial[0];
-  for (int j = 1; j < kWarps; ++j) m = max(m, partial[j]);
-  const TileScale ts = tile_scale(m);
-  if (threadIdx.x == 0) {
-    if (s != nullptr) s[(e * ob + bo) * ib + bi] = ts.scale;
-    if (sT != nullptr) sT[(e * ib + bi) * ob + bo] = ts.scale;
-  }
+  const TileScale ts = blk.scale(m, partial, s, sT);
 #pragma unroll
   for (int i = 0; i < kTile / kWarps; ++i) {
     const int o = warp + kWarps * i;
@@ -763,13 +784,11 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kRows = kTile / kWarps;
   static_assert(kRows == 16, "a warp's rows are one 16-byte chunk of a staged column");
   using Raw = std::conditional_t<kBits, uint2, float4>;
-  const int64_t e = blockIdx.z, bo = blockIdx.y, bi = blockIdx.x, ob = gridDim.y, ib = gridDim.x;
-  const int64_t o0 = bo * kTile, i0 = bi * kTile;
-  const int h = static_cast<int>(std::min<int64_t>(kTile, o_n - o0)),
-            wd = static_cast<int>(std::min<int64_t>(kTile, i_n - i0));
+  const WeightBlock blk(o_n, i_n);
+  const int64_t e = blk.e, o0 = blk.o0, i0 = blk.i0, base = blk.base;
+  const int h = blk.h, wd = blk.wd;
   const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
   const int c = 4 * lane;
-  const int64_t base = e * o_n * i_n + o0 * i_n + i0;  // element (o0, i0) of matrix e
   __shared__ uint32_t partial[kWarps];
   __shared__ __align__(16) uint8_t codes[kTile][kTile];  // [column][row]: qT's rows
 
@@ -810,16 +829,7 @@ __global__ void __launch_bounds__(kThreads)
       m = max(m, max(max(abs_bits(raw[i].x), abs_bits(raw[i].y)), max(abs_bits(raw[i].z), abs_bits(raw[i].w))));
     }
   }
-  m = warp_max(m);
-  if (lane == 0) partial[warp] = m;
-  __syncthreads();
-  m = partial[0];
-  for (int j = 1; j < kWarps; ++j) m = max(m, partial[j]);
-  const TileScale ts = tile_scale(m);
-  if (threadIdx.x == 0) {
-    if (s != nullptr) s[(e * ob + bo) * ib + bi] = ts.scale;
-    if (sT != nullptr) sT[(e * ib + bi) * ob + bo] = ts.scale;
-  }
+  const TileScale ts = blk.scale(m, partial, s, sT);
   uint32_t col[4][kRows / 4];  // column j's codes of rows 4g .. 4g + 3 of the warp's: col[j][g]
 #pragma unroll
   for (int g = 0; g < kRows / 4; ++g) {
