@@ -8,10 +8,16 @@
 #include <utility>
 #include <vector>
 
+#include "moefold/bench/fp8_error_bench.h"
 #include "moefold/bench/moe_layer_bench.h"
 #include "moefold/bench/train_bench.h"
 #include "moefold/core/error.h"
 #include "moefold/core/profile.h"
+#include "moefold/data/token_dataset.h"
+#include "moefold/parallel/mesh.h"
+#include "moefold/train/trainer.h"
+#include "testing.h"
+#include "train_fixture.h"
 
 namespace moefold {
 namespace {
@@ -215,6 +221,138 @@ TEST(BenchTrain, BreaksTheStepIntoPhases) {
   const TrainBenchResult plain = bench_train(cfg, *world, o);
   EXPECT_TRUE(plain.phases.empty());
   EXPECT_EQ(format_train_bench(cfg, plain, "header").find("| phase |"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moefold
+
+namespace moefold {
+namespace {
+
+// `moefold bench fp8-error` on the CPU: a small DeepSeek-V3-shaped model (MLA, a dense first
+// layer, a shared expert, multi-token prediction) so that every FP8 module kind is there.
+Config fp8_error_config(const std::string& data, std::vector<std::string> extra = {}) {
+  std::vector<std::string> ov = {"model.architecture=deepseek_v3",
+                                 "model.q_lora_rank=16",
+                                 "model.kv_lora_rank=16",
+                                 "model.qk_nope_head_dim=8",
+                                 "model.qk_rope_head_dim=4",
+                                 "model.v_head_dim=8",
+                                 "model.head_dim=4",
+                                 "model.num_key_value_heads=2",
+                                 "model.first_k_dense_replace=1",
+                                 "model.intermediate_size=24",
+                                 "moe.n_shared_experts=1",
+                                 "model.num_nextn_predict_layers=1",
+                                 "moe.scoring_func=sigmoid"};
+  ov.insert(ov.end(), extra.begin(), extra.end());
+  return testing::small_train_config(data, ov);
+}
+
+struct OneRankMesh {
+  std::unique_ptr<Communicator> world = make_self_communicator();
+  Mesh mesh;
+  explicit OneRankMesh(const Config& cfg) : mesh(Mesh::build(*world, cfg.resolve_layout(1))) {}
+};
+
+Fp8ErrorOptions cpu_fp8_error() {
+  Fp8ErrorOptions o;
+  o.device = Device::cpu;
+  return o;
+}
+
+const Fp8ErrorRow& row(const Fp8ErrorResult& r, const std::string& name) {
+  for (const Fp8ErrorRow& x : r.rows)
+    if (x.name == name) return x;
+  ADD_FAILURE() << "no row " << name;
+  static const Fp8ErrorRow none;
+  return none;
+}
+
+// Every module kept in bf16 by train.fp8_exclude: the two arms compute the same step from the same
+// weights and batches, so every gradient and loss agrees exactly (a tool that compared different
+// batches or weights would show errors here).
+TEST(BenchFp8Error, NoFp8ModuleChangesNothing) {
+  testing::TempDir dir("bench_fp8_error_none");
+  const Config cfg = fp8_error_config(
+      testing::make_train_data(dir.path()),
+      {"train.fp8=blockwise", R"(train.fp8_exclude=["qkv", "attn_proj", "mlp", "experts", "shared_experts", "mtp"])"});
+  std::unique_ptr<Communicator> world = make_self_communicator();
+  Fp8ErrorOptions o = cpu_fp8_error();
+  o.batches = 2;
+  const Fp8ErrorResult r = bench_fp8_error(cfg, *world, o);
+  EXPECT_EQ(r.fp8_modules, "");
+  ASSERT_EQ(r.lm_loss_ref.size(), 2u);
+  EXPECT_NE(r.lm_loss_ref[0], r.lm_loss_ref[1]);  // two different batches
+  for (size_t b = 0; b < 2; ++b) {
+    EXPECT_EQ(r.lm_loss_fp8[b], r.lm_loss_ref[b]);
+    EXPECT_EQ(r.mtp_loss_fp8[b], r.mtp_loss_ref[b]);
+    EXPECT_EQ(r.grad_norm_fp8[b], r.grad_norm_ref[b]);
+  }
+  for (const Fp8ErrorRow& x : r.rows) {
+    EXPECT_FALSE(x.fp8) << x.name;
+    EXPECT_EQ(x.diff_sq, 0) << x.name;
+    EXPECT_EQ(x.relative_error(), 0) << x.name;
+  }
+}
+
+// With FP8 on: the FP8 linears' weights are flagged, their gradients (and those upstream of them)
+// differ by E4M3's rounding, a few percent to tens of percent, and still point the same way; the
+// layers are pooled per parameter (model.layers.*), multi-token prediction's layer apart, unless
+// per_layer. train.fp8_exclude takes a module's weights out of the flagged ones.
+TEST(BenchFp8Error, MeasuresEveryGradientAgainstTheStepWithoutFp8) {
+  testing::TempDir dir("bench_fp8_error");
+  const std::string data = testing::make_train_data(dir.path());
+  std::unique_ptr<Communicator> world = make_self_communicator();
+  const Fp8ErrorResult r = bench_fp8_error(fp8_error_config(data), *world, cpu_fp8_error());
+  EXPECT_EQ(r.fp8_modules, "qkv, attn_proj, mlp, experts, shared_experts, mtp");
+  for (const char* name : {"model.layers.*.self_attn.q_a_proj.weight", "model.layers.*.self_attn.kv_b_proj.weight",
+                           "model.layers.*.self_attn.o_proj.weight", "model.layers.*.mlp.down_proj.weight",
+                           "model.layers.*.mlp.experts.gate_up_proj",
+                           "model.layers.*.mlp.shared_experts.up_proj.weight", "model.layers.2.eh_proj.weight"}) {
+    const Fp8ErrorRow& x = row(r, name);
+    EXPECT_TRUE(x.fp8) << name;
+    EXPECT_GT(x.relative_error(), 1e-3) << name;
+    EXPECT_LT(x.relative_error(), 0.5) << name;
+    EXPECT_GT(x.cosine(), 0.85) << name;
+  }
+  EXPECT_FALSE(row(r, "lm_head.weight").fp8);
+  EXPECT_GT(row(r, "lm_head.weight").relative_error(), 0);  // the hidden states reaching it changed
+  EXPECT_FALSE(row(r, "model.layers.*.mlp.gate.weight").fp8);
+  // Layer 0 (dense) and 1 (MoE) pooled: the attention's weights of both.
+  EXPECT_EQ(row(r, "model.layers.*.self_attn.o_proj.weight").elements, 2 * 16 * 2 * 8);
+  EXPECT_NE(format_fp8_error(r, "t").find("| model.layers.*.mlp.experts.down_proj | yes | "), std::string::npos);
+
+  Fp8ErrorOptions o = cpu_fp8_error();
+  o.per_layer = true;
+  const Fp8ErrorResult each = bench_fp8_error(fp8_error_config(data, {R"(train.fp8_exclude=["experts"])"}), *world, o);
+  EXPECT_EQ(each.fp8_modules, "qkv, attn_proj, mlp, shared_experts, mtp");
+  EXPECT_EQ(row(each, "model.layers.1.self_attn.o_proj.weight").elements, 16 * 2 * 8);
+  EXPECT_FALSE(row(each, "model.layers.1.mlp.experts.gate_up_proj").fp8);
+  EXPECT_TRUE(row(each, "model.layers.1.mlp.shared_experts.up_proj.weight").fp8);
+}
+
+// From a checkpoint: its weights and data position, not a fresh init's; bad options fail.
+TEST(BenchFp8Error, StartsFromACheckpointAndRejectsBadOptions) {
+  testing::TempDir dir("bench_fp8_error_ckpt");
+  const Config cfg = fp8_error_config(testing::make_train_data(dir.path()));
+  std::unique_ptr<Communicator> world = make_self_communicator();
+  std::string ckpt;
+  {
+    OneRankMesh m(cfg);
+    const TokenDataset data = open_token_dataset(cfg.data.path);
+    Trainer t(cfg, data, m.mesh, Device::cpu);
+    t.init_fresh();
+    for (int i = 0; i < 3; ++i) t.train_step();
+    ckpt = t.save((dir.path() / "checkpoints").string());
+  }
+  const Fp8ErrorResult fresh = bench_fp8_error(cfg, *world, cpu_fp8_error());
+  Fp8ErrorOptions o = cpu_fp8_error();
+  o.checkpoint = ckpt;
+  const Fp8ErrorResult later = bench_fp8_error(cfg, *world, o);
+  EXPECT_LT(later.lm_loss_ref[0], fresh.lm_loss_ref[0]);  // three steps trained
+  o.batches = 0;
+  EXPECT_THROW(bench_fp8_error(cfg, *world, o), Error);
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
-// `moefold bench`: moe-layer (one MoE layer forward+backward at the full-size presets' MoE shapes)
+// `moefold bench`: moe-layer (one MoE layer forward+backward at the full-size presets' MoE shapes),
+// fp8-error (FP8's gradient error per parameter against the same step without it)
 // and train (full training steps on random tokens); rank 0 prints the table of medians
 // (docs/benchmarks.md records them).
 #include <cstdio>
 
+#include "moefold/bench/fp8_error_bench.h"
 #include "moefold/bench/moe_layer_bench.h"
 #include "moefold/bench/train_bench.h"
 #include "moefold/cli/commands.h"
@@ -21,6 +23,10 @@ struct BenchArgs {
   TrainBenchOptions steps;
   std::string train_device = "auto";
   bool no_breakdown = false;
+  CLI::App* fp8_error = nullptr;
+  ConfigOptions fp8_config;
+  Fp8ErrorOptions fp8;
+  std::string fp8_device = "auto";
 };
 
 void bench_moe(BenchArgs& a, World& w) {
@@ -57,6 +63,21 @@ void bench_steps(BenchArgs& a, World& w) {
                                ", random tokens, median of ", o.steps, " after ", o.warmup, " warm-up"))
             .c_str(),
         stdout);
+}
+
+void bench_fp8(BenchArgs& a, World& w) {
+  const Config cfg = a.fp8_config.load();
+  Fp8ErrorOptions& o = a.fp8;
+  o.device = pick_device(a.fp8_device);
+  Communicator& world = make_world(o.device, cfg.parallel.timeout_s, w);
+  const Fp8ErrorResult r = bench_fp8_error(cfg, world, o);
+  std::fputs(format_fp8_error(
+                 r, cat("FP8 (blockwise) against the same step without it on ",
+                        o.device == Device::cuda ? cuda_device_name() + " (bf16 mixed precision)" : "the CPU (fp32)",
+                        ": gradients of ", o.batches, " global batch", o.batches == 1 ? "" : "es", " from ",
+                        o.checkpoint.empty() ? "a fresh init" : o.checkpoint))
+                 .c_str(),
+             stdout);
 }
 
 }  // namespace
@@ -101,8 +122,23 @@ Command add_bench(CLI::App& app) {
                    "(0: none)")
       ->check(CLI::NonNegativeNumber);
 
+  CLI::App* fp8 = a->fp8_error = cmd->add_subcommand(
+      "fp8-error",
+      "what FP8 (train.fp8 = blockwise) does to a step's gradients: per parameter, the relative error and cosine "
+      "against the same step without FP8, from the same weights and batches (nothing timed)");
+  add_config_options(fp8, a->fp8_config);
+  fp8->add_option("--from", a->fp8.checkpoint,
+                  "start from this checkpoint's weights and data position (runs/.../checkpoints/step_NNNNNNNN; "
+                  "pass its run's config.toml as --config) instead of a fresh init");
+  fp8->add_option("--batches", a->fp8.batches, "global batches compared (sums pooled)")->check(CLI::PositiveNumber);
+  fp8->add_flag("--per-layer", a->fp8.per_layer, "one row per layer (else each parameter's layers together)");
+  fp8->add_option("--device", a->fp8_device, "cuda (bf16 against FP8), cpu (fp32 against emulated FP8) or auto")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+
   return {cmd, [a](World& w) {
-            if (*a->train)
+            if (*a->fp8_error)
+              bench_fp8(*a, w);
+            else if (*a->train)
               bench_steps(*a, w);
             else if (*a->moe_layer)
               bench_moe(*a, w);

@@ -28,27 +28,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The dataset named by data.path, or the default corpus prepared once (by rank 0) into the run
-// directory.
-TokenDataset open_data(const Config& cfg, const std::string& run_dir, bool quiet, Communicator& world) {
-  if (!cfg.data.path.empty()) return open_token_dataset(cfg.data.path);
-  const std::string path = (fs::path(run_dir) / "default_corpus.tokens").string();
-  on_every_rank(world, "preparing the default corpus", [&] {
-    if (world.rank() != 0 || fs::exists(path)) return;
-    std::vector<std::string> inputs;
-    if (!cfg.data.default_corpus_dir.empty())
-      inputs.push_back(cfg.data.default_corpus_dir);
-    else
-      inputs = default_corpus_dirs();
-    PrepareStats s = prepare(inputs, path, TokenFormat::plain);
-    if (!quiet)
-      std::fprintf(stderr, "moefold: prepared the default corpus: %lld files, %lld tokens from %s -> %s\n",
-                   static_cast<long long>(s.files), static_cast<long long>(s.tokens), inputs.front().c_str(),
-                   path.c_str());
-  });
-  return open_token_dataset(path);
-}
-
 std::string human_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   char buf[32];
@@ -153,6 +132,25 @@ void write_tensorboard(TensorBoardWriter& tb, const StepMetrics& m, const nlohma
 
 }  // namespace
 
+TokenDataset open_run_data(const Config& cfg, const std::string& run_dir, bool quiet, Communicator& world) {
+  if (!cfg.data.path.empty()) return open_token_dataset(cfg.data.path);
+  const std::string path = (fs::path(run_dir) / "default_corpus.tokens").string();
+  on_every_rank(world, "preparing the default corpus", [&] {
+    if (world.rank() != 0 || fs::exists(path)) return;
+    std::vector<std::string> inputs;
+    if (!cfg.data.default_corpus_dir.empty())
+      inputs.push_back(cfg.data.default_corpus_dir);
+    else
+      inputs = default_corpus_dirs();
+    PrepareStats s = prepare(inputs, path, TokenFormat::plain);
+    if (!quiet)
+      std::fprintf(stderr, "moefold: prepared the default corpus: %lld files, %lld tokens from %s -> %s\n",
+                   static_cast<long long>(s.files), static_cast<long long>(s.tokens), inputs.front().c_str(),
+                   path.c_str());
+  });
+  return open_token_dataset(path);
+}
+
 int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator& world) {
   RunOptions opts = opts_in;
   const bool lead = world.rank() == 0;
@@ -185,7 +183,7 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
   std::optional<TokenDataset> data;
   std::unique_ptr<Trainer> trainer_ptr;
   on_every_rank(world, "opening the data", [&] {
-    data.emplace(open_data(cfg, opts.run_dir, opts.quiet, world));
+    data.emplace(open_run_data(cfg, opts.run_dir, opts.quiet, world));
     data->check_vocab(cfg.model.vocab_size);
     trainer_ptr = std::make_unique<Trainer>(cfg, *data, mesh, opts.device);
   });
