@@ -249,12 +249,6 @@ Config fp8_error_config(const std::string& data, std::vector<std::string> extra 
   return testing::small_train_config(data, ov);
 }
 
-struct OneRankMesh {
-  std::unique_ptr<Communicator> world = make_self_communicator();
-  Mesh mesh;
-  explicit OneRankMesh(const Config& cfg) : mesh(Mesh::build(*world, cfg.resolve_layout(1))) {}
-};
-
 Fp8ErrorOptions cpu_fp8_error() {
   Fp8ErrorOptions o;
   o.device = Device::cpu;
@@ -339,7 +333,7 @@ TEST(BenchFp8Error, StartsFromACheckpointAndRejectsBadOptions) {
   std::unique_ptr<Communicator> world = make_self_communicator();
   std::string ckpt;
   {
-    OneRankMesh m(cfg);
+    testing::OneRank m(cfg);
     const TokenDataset data = open_token_dataset(cfg.data.path);
     Trainer t(cfg, data, m.mesh, Device::cpu);
     t.init_fresh();

@@ -47,12 +47,7 @@ namespace fs = std::filesystem;
 
 using testing::error_of;
 
-// One rank, no MPI.
-struct OneRank {
-  std::unique_ptr<Communicator> world = make_self_communicator();
-  Mesh mesh;
-  explicit OneRank(const Config& cfg) : mesh(Mesh::build(*world, cfg.resolve_layout(1))) {}
-};
+using testing::OneRank;
 
 int64_t run_training(const Config& cfg, const RunOptions& opts) {
   auto world = make_self_communicator();

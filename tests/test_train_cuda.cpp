@@ -27,11 +27,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct OneRank {
-  std::unique_ptr<Communicator> world = make_self_communicator();
-  Mesh mesh;
-  explicit OneRank(const Config& cfg) : mesh(Mesh::build(*world, cfg.resolve_layout(1))) {}
-};
+using testing::OneRank;
 
 void expect_gpu_curve_matches_cpu(const std::vector<std::string>& extra) {
   testing::TempDir dir("train_cuda");

@@ -2,12 +2,15 @@
 #pragma once
 
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "moefold/comm/communicator.h"
 #include "moefold/core/rng.h"
 #include "moefold/data/token_dataset.h"
 #include "moefold/model/config.h"
+#include "moefold/parallel/mesh.h"
 
 namespace moefold::testing {
 
@@ -35,5 +38,12 @@ inline Config small_train_config(const std::string& data, std::vector<std::strin
   ov.insert(ov.end(), extra.begin(), extra.end());
   return load_config("tiny", ov);
 }
+
+// One rank, no MPI: the communicator and the mesh a Trainer of `cfg` needs.
+struct OneRank {
+  std::unique_ptr<Communicator> world = make_self_communicator();
+  Mesh mesh;
+  explicit OneRank(const Config& cfg) : mesh(Mesh::build(*world, cfg.resolve_layout(1))) {}
+};
 
 }  // namespace moefold::testing
