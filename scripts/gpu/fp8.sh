@@ -215,7 +215,8 @@ for fam in sorted({f for f, _ in runs}):
             if len(d) > 1:
                 se = st.stdev(d) / len(d) ** 0.5
                 print(f"{fam}: paired by seed, {what}: {' '.join(f'{x:+.4f}' for x in d)}; mean {st.mean(d):+.4f} "
-                      f"+- {se:.4f} ({st.mean(d) / a[i] * 100:+.2f}% +- {se / a[i] * 100:.2f}%)")
+                      f"+- {se:.4f} ({st.mean(d) / a[i] * 100:+.2f}% +- {se / a[i] * 100:.2f}%), median "
+                      f"{st.median(d) / a[i] * 100:+.2f}%, FP8 worse in {sum(x > 0 for x in d)} of {len(d)}")
 PY
 fi
 exit $status
