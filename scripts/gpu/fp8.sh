@@ -152,7 +152,8 @@ fi
 # for curves; FP8_WIDTH: the DeepSeek-V3-shaped model's hidden size, default the tiny preset's): the
 # mean over seeds of each run's last-100-step mean loss and last eval, their spread (min..max) and
 # FP8's relative difference of the means, and the paired (same seed) differences' mean and standard
-# error (issue 18's 0.5% target needs it beyond one seed's noise). FP8_JOBS runs share the GPU at once
+# error (issue 18's 0.5% target needs it beyond one seed's noise), their median; per seed, where the
+# two curves part (the largest 50-step gap, gradient-norm spikes, skipped steps, router balance). FP8_JOBS runs share the GPU at once
 # (default 1; these models are far too small to fill it). FP8_ARMS: the arms run (default "none
 # blockwise"; runs are deterministic per seed, so an arm measured before need not run again);
 # FP8_EXCLUDE: train.fp8_exclude of the FP8 arm, a TOML array such as '["qkv"]'.
@@ -182,13 +183,32 @@ if want seeds; then
   python3 - "$out/seeds" <<'PY' || status=1
 import json, os, sys, statistics as st
 base = sys.argv[1]
-runs, by_seed = {}, {}
+runs, by_seed, curves = {}, {}, {}
 for name in sorted(os.listdir(base)):
     fam, fp8, seed = name.rsplit("_", 2)
     rows = [json.loads(l) for l in open(os.path.join(base, name, "metrics.jsonl"))]
     ev = [r["eval_loss"] for r in rows if "eval_loss" in r]
     runs.setdefault((fam, fp8), []).append((sum(r["loss"] for r in rows[-100:]) / 100, ev[-1]))
     by_seed.setdefault((fam, seed), {})[fp8] = runs[(fam, fp8)][-1]
+    curves.setdefault((fam, seed), {})[fp8] = rows
+# Per seed with both arms, where the curves part: the largest gap of the 50-step running means of
+# the training loss (FP8 - bf16, relative) and its step, each arm's largest gradient norm (and its
+# step) and skipped steps, the last expert_load_max_over_mean of the worst layer (a spike or a
+# collapsed router shows here before it shows in the means).
+def curve_line(fam, seed, arms):
+    a, b = arms["none"], arms["blockwise"]
+    n = min(len(a), len(b))
+    def run_mean(rows, i):
+        w = rows[max(0, i - 49):i + 1]
+        return sum(r["loss"] for r in w) / len(w)
+    gap, at = max(((run_mean(b, i) - run_mean(a, i)) / run_mean(a, i), i + 1) for i in range(n))
+    def worst(rows):
+        g, i = max((r["grad_norm"], r["step"]) for r in rows)
+        load = rows[-1].get("expert_load_max_over_mean") or [float("nan")]  # per MoE layer
+        load = max(load) if isinstance(load, list) else load
+        return (f"max grad_norm {g:.3f} at {i}, {sum(1 for r in rows if r.get('skipped'))} skipped, "
+                f"last load max/mean (worst layer) {load:.2f}")
+    return f"{fam} seed {seed}: largest 50-step gap FP8 - bf16 {gap * 100:+.2f}% at step {at}; bf16 {worst(a)}; FP8 {worst(b)}"
 for fam in sorted({f for f, _ in runs}):
     line = []
     means = {}
@@ -217,6 +237,9 @@ for fam in sorted({f for f, _ in runs}):
                 print(f"{fam}: paired by seed, {what}: {' '.join(f'{x:+.4f}' for x in d)}; mean {st.mean(d):+.4f} "
                       f"+- {se:.4f} ({st.mean(d) / a[i] * 100:+.2f}% +- {se / a[i] * 100:.2f}%), median "
                       f"{st.median(d) / a[i] * 100:+.2f}%, FP8 worse in {sum(x > 0 for x in d)} of {len(d)}")
+for (fam, seed), arms in sorted(curves.items(), key=lambda kv: (kv[0][0], int(kv[0][1]))):
+    if len(arms) == 2:
+        print(curve_line(fam, seed, arms))
 PY
 fi
 exit $status
