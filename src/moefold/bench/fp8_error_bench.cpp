@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 
+#include "moefold/bench/format.h"
 #include "moefold/core/device.h"
 #include "moefold/core/dtype.h"
 #include "moefold/core/error.h"
@@ -17,6 +18,8 @@
 #include "moefold/train/trainer.h"
 
 namespace moefold {
+
+using bench_format::fmt;
 
 namespace fs = std::filesystem;
 
@@ -59,12 +62,6 @@ std::string group_name(const std::string& name, int64_t layers, bool per_layer) 
   return key + "*" + name.substr(dot);
 }
 
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
-
 }  // namespace
 
 double Fp8ErrorRow::relative_error() const {
@@ -91,19 +88,12 @@ Fp8ErrorResult bench_fp8_error(const Config& cfg_in, Communicator& world, const 
     c->validate();
   }
   Fp8ErrorResult r;
-  const Fp8Linears f = with.train.fp8_linears();
-  for (auto [on, name] : {std::pair{f.qkv, "qkv"},
-                          {f.attn_proj, "attn_proj"},
-                          {f.mlp, "mlp"},
-                          {f.experts, "experts"},
-                          {f.shared_experts, "shared_experts"},
-                          {f.mtp, "mtp"}})
-    if (on) r.fp8_modules += cat(r.fp8_modules.empty() ? "" : ", ", name);
+  r.fp8_modules = with.train.fp8_linears().names();
 
-  // Without data.path, the default corpus: opts.data_dir's, the checkpoint's run directory's (where
-  // `moefold train` prepared it), or prepared into a scratch directory removed at the end.
-  fs::path dir = opts.data_dir;
-  if (dir.empty() && !opts.checkpoint.empty()) {
+  // Without data.path, the default corpus: the checkpoint's run directory's (where `moefold train`
+  // prepared it), or prepared into a scratch directory removed at the end.
+  fs::path dir;
+  if (!opts.checkpoint.empty()) {
     fs::path c = fs::path(opts.checkpoint).lexically_normal();
     if (!c.has_filename()) c = c.parent_path();  // a trailing '/'
     const fs::path run = c.parent_path().parent_path();

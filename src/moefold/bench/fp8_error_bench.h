@@ -21,7 +21,6 @@ struct Fp8ErrorOptions {
   std::string checkpoint;  // the weights and data position of this checkpoint (else a fresh init)
   int batches = 1;         // global batches compared (their sums of squares pooled)
   bool per_layer = false;  // one row per parameter and layer (experts still together)
-  std::string data_dir;    // where the default corpus is prepared when data.path is empty
 };
 
 // One group of gradients: sums over its elements and over the batches.

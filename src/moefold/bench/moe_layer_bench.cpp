@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "moefold/bench/format.h"
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
 #include "moefold/core/gpu_clocks.h"
@@ -29,6 +30,8 @@
 #include "moefold/train/trainer.h"
 
 namespace moefold {
+
+using bench_format::fmt;
 
 namespace {
 
@@ -477,12 +480,6 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     layer.experts.fp8_gate_up();
   });
   return res;
-}
-
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <vector>
 
+#include "moefold/bench/format.h"
 #include "moefold/core/device.h"
 #include "moefold/core/error.h"
 #include "moefold/core/gpu_activity.h"
@@ -19,16 +20,12 @@
 
 namespace moefold {
 
+using bench_format::fmt;
+
 namespace fs = std::filesystem;
 
 namespace {
 constexpr double kPeakTflops = 989;  // H100/H200 SXM dense bf16 (datasheet), as docs/benchmarks.md quotes MFU
-
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
 
 // Profiling is process-wide: off again however the benchmark ends.
 struct ProfileOff {

@@ -230,6 +230,13 @@ Fp8Linears TrainConfig::fp8_linears() const {
   return f;
 }
 
+std::string Fp8Linears::names() const {
+  std::string out;
+  for (const auto& m : kFp8Modules)
+    if (this->*m.flag) out += cat(out.empty() ? "" : ", ", m.name);
+  return out;
+}
+
 void DataConfig::validate() const {
   if (!(valid_fraction >= 0 && valid_fraction < 0.5))
     MF_FAIL("data.valid_fraction = ", valid_fraction, " must be in [0, 0.5)");

@@ -115,6 +115,8 @@ struct Offload {
 struct Fp8Linears {
   bool qkv = false, attn_proj = false, mlp = false, experts = false, shared_experts = false, mtp = false;
   bool any() const { return qkv || attn_proj || mlp || experts || shared_experts || mtp; }
+  // The modules on, by their train.fp8_exclude names, comma-separated ("" when none).
+  std::string names() const;
 };
 
 struct TrainConfig {
