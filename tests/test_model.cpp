@@ -148,6 +148,15 @@ TEST(Config, KernelsSectionAndEpTransport) {
   EXPECT_EQ(d.kernels.grouped_gemm, GroupedGemmImpl::cutlass);
   EXPECT_EQ(cutlass_tiles_text(d.kernels.cutlass_tiles), "");
   EXPECT_EQ(fp8_tiles_text(d.kernels.fp8_tiles), "");
+  // FP8 rows GEMMs: own where it pays (every expert GEMM of Qwen3-30B-A3B, none of DeepSeek-V3's).
+  EXPECT_EQ(d.kernels.fp8_tiles.rows, Fp8Tile::automatic);
+  EXPECT_EQ(d.kernels.fp8_tiles.cols, Fp8Tile::cooperative);
+  EXPECT_TRUE(own_fp8_pays(1536, 2048) && own_fp8_pays(2048, 1536) && own_fp8_pays(2048, 768) &&
+              own_fp8_pays(768, 2048));
+  EXPECT_FALSE(own_fp8_pays(4096, 7168) || own_fp8_pays(7168, 4096) || own_fp8_pays(7168, 2048) ||
+               own_fp8_pays(2048, 7168));
+  EXPECT_EQ(fp8_tiles_text(parse_fp8_tiles("cooperative", "kernels.fp8_tile")), "rows=cooperative,cols=cooperative");
+  EXPECT_EQ(parse_fp8_tiles("auto", "kernels.fp8_tile").rows, Fp8Tile::automatic);
   EXPECT_EQ(d.kernels.fp8_dense_gemm, Fp8DenseGemm::cublaslt);
   EXPECT_EQ(d.kernels.gemm_sms, 0);
   EXPECT_EQ(d.kernels.fused_swiglu, SwigluFusion::automatic);

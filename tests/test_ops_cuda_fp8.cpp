@@ -864,7 +864,7 @@ TEST(CudaFp8Linear, EveryTileConfigurationGivesTheSameBits) {
   const Tensor xd = to_device(dev, x), wd = to_device(dev, w).view({e_n, out, in}), dyd = to_device(dev, dy),
                offd = to_device(dev, off);
   std::vector<std::vector<uint8_t>> want;
-  for (const char* tile : {"cooperative", "cooperative_1x1", "pingpong", "rows=own"}) {
+  for (const char* tile : {"cooperative", "cooperative_1x1", "pingpong", "rows=own", "auto"}) {
     SCOPED_TRACE(tile);
     KernelOptions k;
     k.fp8_tiles = parse_fp8_tiles(tile, "kernels.fp8_tile");

@@ -54,7 +54,8 @@ constexpr std::pair<const char*, GemmTiles> kTiles[] = {{"small", GemmTiles::sma
 constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {{"cooperative", Fp8Tile::cooperative},
                                                          {"cooperative_1x1", Fp8Tile::cooperative_1x1},
                                                          {"pingpong", Fp8Tile::pingpong},
-                                                         {"own", Fp8Tile::own}};
+                                                         {"own", Fp8Tile::own},
+                                                         {"auto", Fp8Tile::automatic}};
 // The kinds of CutlassTiles and Fp8Tiles, in the order of their members.
 constexpr const char* kKinds[] = {"forward", "dgrad", "wgrad", "swiglu_forward", "swiglu_dgrad"};
 constexpr const char* kFp8Kinds[] = {"rows", "cols"};

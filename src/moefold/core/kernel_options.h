@@ -58,17 +58,22 @@ bool large_auto_pays(int64_t rows, int64_t experts, int64_t in, int64_t out);
 // 2 x 1 clusters: two M tiles share B's loads), cooperative_1x1 (the same without clusters) or
 // pingpong (64 x 128 tiles, one warp group's epilogue beside the other's math, 2 x 1 clusters).
 // own: moefold's kernel (ops/cuda/fp8_grouped_gemm.cu; rows only: 128 x 128 tiles, one TMA
-// descriptor for every expert). All sum alike: the same bits (tests/test_ops_cuda_fp8.cpp).
-enum class Fp8Tile : uint8_t { cooperative, cooperative_1x1, pingpong, own };
+// descriptor for every expert). automatic: own where own_fp8_pays, else cooperative (for cols:
+// cooperative). All sum alike: the same bits (tests/test_ops_cuda_fp8.cpp).
+enum class Fp8Tile : uint8_t { cooperative, cooperative_1x1, pingpong, own, automatic };
 
 // One configuration per FP8 GEMM kernel: rows (forward and dgrad: 1 x 128 rows x 128 x 128 weight
 // blocks) and cols (wgrad: both operands transposed 1 x 128 tiles). Defaults: measured
 // (docs/benchmarks.md, "FP8": cooperative and cooperative_1x1 within noise of each other at the
-// expert shapes, pingpong slower but at Qwen3-30B-A3B's fc2).
+// expert shapes, pingpong slower but at Qwen3-30B-A3B's fc2; own ahead of cooperative where the
+// output and the reduction are both at most 2048 wide, behind it at DeepSeek-V3's wider GEMMs).
 struct Fp8Tiles {
-  Fp8Tile rows = Fp8Tile::cooperative;
+  Fp8Tile rows = Fp8Tile::automatic;
   Fp8Tile cols = Fp8Tile::cooperative;
 };
+// Whether rows = auto runs a grouped FP8 GEMM of n output columns and reduction k on moefold's own
+// kernel: n <= 2048 and k <= 2048 (every expert GEMM of Qwen3-30B-A3B; none of DeepSeek-V3's).
+inline bool own_fp8_pays(int64_t n, int64_t k) { return n <= 2048 && k <= 2048; }
 
 // SwiGLU fused into the experts' grouped GEMM epilogues: automatic (the backward always, the
 // forward for inputs of at most 2048 columns, where it was measured faster), on (both
@@ -107,8 +112,8 @@ AttentionKernel parse_attention_kernel(const std::string& value, const std::stri
 // "forward=large,dgrad=small,wgrad=...,swiglu_forward=pingpong,swiglu_dgrad=large" (kinds not
 // named keep their defaults).
 CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& key);
-// "" (defaults), one of "cooperative" | "cooperative_1x1" | "pingpong" (both kinds), or per kind
-// "rows=...,cols=...".
+// "" (defaults), one of "cooperative" | "cooperative_1x1" | "pingpong" | "auto" (both kinds), or
+// per kind "rows=...,cols=..." (rows also "own").
 Fp8Tiles parse_fp8_tiles(const std::string& value, const std::string& key);
 const char* grouped_gemm_name(GroupedGemmImpl v);
 const char* fp8_dense_gemm_name(Fp8DenseGemm v);

@@ -247,9 +247,10 @@ const std::vector<Field>& fields() {
                "dense FP8 linears (train.fp8): \"cublaslt\" (block scaling where it serves the shape, else "
                "CUTLASS) or \"cutlass\""),
       MF_FIELD(kernels, "fp8_tile", fp8_tiles,
-               "FP8 GEMM configurations (train.fp8): \"\" (defaults), \"cooperative\", \"cooperative_1x1\", "
-               "\"pingpong\" or per kind \"rows=..,cols=..\" (rows: forward and dgrad; cols: wgrad); rows may also be "
-               "\"own\" (moefold's grouped kernel)"),
+               "FP8 GEMM configurations (train.fp8): \"\" (defaults: rows auto, cols cooperative), \"cooperative\", "
+               "\"cooperative_1x1\", \"pingpong\", \"auto\" or per kind \"rows=..,cols=..\" (rows: forward and dgrad; "
+               "cols: wgrad); rows may also be \"own\" (moefold's grouped kernel; auto: own for the experts' GEMMs up "
+               "to 2048 wide and deep, else cooperative)"),
       MF_FIELD(kernels, "gemm_sms", gemm_sms,
                "SMs the persistent grouped GEMMs use (0: all; fewer leave some to a transfer beside them)"),
       MF_FIELD(kernels, "fused_swiglu", fused_swiglu,

@@ -119,7 +119,8 @@ template <int kGranN, class Out, class Run>
 void with_fp8_tile(Fp8Tile tile, const Run& run) {
   switch (tile) {
     case Fp8Tile::cooperative:
-    case Fp8Tile::own:  // a shape the own kernel does not serve: the default configuration
+    case Fp8Tile::own:        // a shape the own kernel does not serve: the default configuration
+    case Fp8Tile::automatic:  // where own does not pay (rows), and the weight gradient's (cols)
       return run.template operator()<Fp8Grouped<kGranN, Out, Cooperative, Pair>>();
     case Fp8Tile::cooperative_1x1:
       return run.template operator()<Fp8Grouped<kGranN, Out, Cooperative, One>>();
@@ -331,10 +332,14 @@ bool lt_blocks(const ExecContext& ctx, const uint8_t* a, int64_t lda, const floa
   return lt_fp8_gemm(ctx, m, n, k, a, lda, sa, b, ldb, padded, true, out.data(), out.dtype(), beta);
 }
 
-// Whether a rows GEMM (forward or dgrad: n output columns, reduction k, A's row stride lda) runs
-// on moefold's own kernel (kernels.fp8_tile rows = own; shapes it does not serve stay on CUTLASS).
-bool own_rows(const ExecContext& ctx, int64_t e_n, int64_t n, int64_t k, int64_t lda) {
-  return ctx.kernels().fp8_tiles.rows == Fp8Tile::own && own_fp8_gemm_serves(e_n, n, k, lda);
+// Whether a rows GEMM (forward or dgrad: n output columns, reduction k, A's row stride lda; off:
+// the experts' offsets, null for a dense layer) runs on moefold's own kernel (kernels.fp8_tile rows
+// = own, or auto for the experts' GEMMs where own_fp8_pays; shapes it does not serve stay on
+// CUTLASS).
+bool own_rows(const ExecContext& ctx, const int64_t* off, int64_t e_n, int64_t n, int64_t k, int64_t lda) {
+  const Fp8Tile rows = ctx.kernels().fp8_tiles.rows;
+  return (rows == Fp8Tile::own || (rows == Fp8Tile::automatic && off != nullptr && own_fp8_pays(n, k))) &&
+         own_fp8_gemm_serves(e_n, n, k, lda);
 }
 
 // The weight's operand for the forward (q; CUTLASS reads it with the transposed block scales sT,
@@ -387,7 +392,7 @@ void forward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const int
   const bool lt = dense_on_cublaslt(ctx, off, r_n, o_n, i_n);
   const WeightOperand qw = weight_operand(ctx, w, wq, e_n, o_n, i_n, false, lt);
   if (lt && lt_blocks(ctx, qx.q, lda, qx.s, r_n, qw.q, i_n, qw.s_lt, o_n, i_n, y, 0.0f)) return;
-  if (own_rows(ctx, e_n, o_n, i_n, lda))
+  if (own_rows(ctx, off, e_n, o_n, i_n, lda))
     return own_fp8_grouped_gemm(ctx, qx.q, lda, qx.s, r_n, off, e_n, qw.q, qw.s, o_n, i_n, y.data(), what);
   Operands op;
   op.a = qx.q, op.lda = lda, op.sfa = qx.s, op.b = qw.q, op.sfb = qw.s, op.d = y.data(), op.off = off, op.rows = r_n;
@@ -440,7 +445,7 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
     const WeightOperand qw = weight_operand(ctx, w, wq, e_n, o_n, i_n, true, lt);
     if (lt && lt_blocks(ctx, qdy.q, o_n, qdy.s, r_n, qw.q, o_n, qw.s_lt, i_n, o_n, dx, 0.0f)) {
       // done on cuBLASLt
-    } else if (own_rows(ctx, e_n, i_n, o_n, o_n)) {
+    } else if (own_rows(ctx, off, e_n, i_n, o_n, o_n)) {
       own_fp8_grouped_gemm(ctx, qdy.q, o_n, qdy.s, r_n, off, e_n, qw.q, qw.s, i_n, o_n, dx.data(), what);
     } else {
       op.a = qdy.q, op.sfa = qdy.s, op.b = qw.q, op.sfb = qw.s, op.d = dx.data();
