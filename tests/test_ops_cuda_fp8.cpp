@@ -1035,6 +1035,58 @@ TEST(CudaFp8Linear, SplitBackwardCarriesDyColsOperand) {
   }
 }
 
+// fp8_swiglu_backward_operands: the SwiGLU backward's dgu never written, its rows and cols operands
+// made in one pass into the shared bytes, give the bits of swiglu_backward's dgu through fc1's
+// backward: split (data gradient, then weight gradient, as the experts call it) and in one call;
+// without room for both operands it writes dgu as swiglu_backward does. F = 768 (Qwen3-30B-A3B's
+// width: 2F = 1536, 12 row tiles) and 200 (a partial tile), experts with 0 and < 128 rows.
+TEST(CudaFp8Linear, SwigluBackwardOperandsGiveTheBitsOfDgu) {
+  MF_REQUIRE_FP8_GEMM();
+  std::mt19937_64 rng(testing::fresh_seed());
+  DevicePool dev;
+  const std::vector<int64_t> counts = {300, 0, 1000, 77};
+  const Host off = offsets_of(counts);
+  const int64_t r = 1377, e = 4, in = 256;
+  const Tensor offd = to_device(dev, off), xd = to_device(dev, gaussian_bf16(rng, r, in));
+  for (int64_t f : {768, 200}) {
+    SCOPED_TRACE(::testing::Message() << "F " << f);
+    const Tensor gud = to_device(dev, gaussian_bf16(rng, r, 2 * f)), dhd = to_device(dev, gaussian_bf16(rng, r, f)),
+                 wd = to_device(dev, gaussian_bf16(rng, e * 2 * f, in)).view({e, 2 * f, in});
+    const Tensor dgu = dev.poisoned({r, 2 * f}, DType::bf16);
+    swiglu_backward(testing::exec(), gud, dhd, dgu, GateUp::pairs);
+    const Tensor dx = dev.poisoned({r, in}, DType::bf16), dw = dev.poisoned({e, 2 * f, in}, DType::f32);
+    fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, dgu, dx, dw, false);
+    Fp8SharedOperands dyq;
+    dyq.bytes = dev.poisoned({fp8_shared_operand_bytes(r, 2 * f, e, true)}, DType::u8);
+    for (bool split : {true, false}) {
+      SCOPED_TRACE(split ? "split" : "one call");
+      const Tensor unwritten = dev.poisoned({r, 2 * f}, DType::bf16);
+      const std::vector<uint8_t> poison = bytes_of(unwritten);
+      fp8_swiglu_backward_operands(testing::exec(), gud, dhd, offd, unwritten, dyq);
+      EXPECT_TRUE(dyq.rows_ready && dyq.cols_ready);
+      const Tensor dx2 = dev.poisoned({r, in}, DType::bf16), dw2 = dev.poisoned({e, 2 * f, in}, DType::f32);
+      if (split) {
+        fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, unwritten, dx2, Tensor(), false, nullptr, &dyq);
+        EXPECT_TRUE(dyq.cols_ready);  // kept for the weight gradient
+        fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, unwritten, Tensor(), dw2, false, nullptr, &dyq);
+      } else {
+        fp8_grouped_linear_backward(testing::exec(), xd, wd, offd, unwritten, dx2, dw2, false, nullptr, &dyq);
+      }
+      EXPECT_FALSE(dyq.rows_ready || dyq.cols_ready);  // taken
+      EXPECT_SAME_BYTES(bytes_of(unwritten), poison, "dgu (not written)");
+      EXPECT_SAME_BYTES(bytes_of(dx2), bytes_of(dx), "dx");
+      EXPECT_SAME_BYTES(bytes_of(dw2), bytes_of(dw), "dw");
+    }
+    Fp8SharedOperands small;  // room for one operand only: dgu written, nothing made
+    small.bytes = dev.poisoned({fp8_shared_operand_bytes(r, 2 * f, e)}, DType::u8);
+    small.cols_ready = true;
+    const Tensor written = dev.poisoned({r, 2 * f}, DType::bf16);
+    fp8_swiglu_backward_operands(testing::exec(), gud, dhd, offd, written, small);
+    EXPECT_FALSE(small.rows_ready || small.cols_ready);
+    EXPECT_SAME_BYTES(bytes_of(written), bytes_of(dgu), "dgu");
+  }
+}
+
 TEST(CudaFp8Linear, RejectsWidthsTmaCannotMove) {
   MF_REQUIRE_FP8_GEMM();
   DevicePool dev;

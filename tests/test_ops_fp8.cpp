@@ -476,6 +476,30 @@ TEST(Fp8Quantize, PackedRowsPermuteAsBytes) {
       ASSERT_EQ(rows.ptr<uint8_t>()[r * w_n + j], token[r] < 0 ? 0 : p.ptr<uint8_t>()[token[r] * w_n + j]) << r;
 }
 
+// On the CPU fp8_swiglu_backward_operands is swiglu_backward (the FP8 calls after it quantize the
+// written dgu) and drops whatever the shared operands held; the pair layout's bytes are the two
+// operands' together.
+TEST(Fp8Linear, SwigluBackwardOperandsOnTheCpuWriteDgu) {
+  Pool pool;
+  const int64_t r = 50, f = 24;
+  const Tensor gu = pool.randn({r, 2 * f}, DType::f32), dh = pool.randn({r, f}, DType::f32);
+  const Tensor want = pool.zeros({r, 2 * f}, DType::f32), got = pool.zeros({r, 2 * f}, DType::f32);
+  int64_t off[3] = {0, 20, r};
+  const Tensor offsets(off, DType::i64, {3});
+  swiglu_backward(cpu(), gu, dh, want, GateUp::pairs);
+  Fp8SharedOperands dyq;
+  dyq.rows_ready = dyq.cols_ready = true;
+  fp8_swiglu_backward_operands(cpu(), gu, dh, offsets, got, dyq);
+  EXPECT_EQ(testing::max_abs_diff(got, want), 0.0);
+  EXPECT_FALSE(dyq.rows_ready || dyq.cols_ready);
+  EXPECT_EQ(fp8_shared_operand_bytes(300, 256, 3, true),
+            fp8_operand_bytes(300 * 256, 2 * 300) +
+                fp8_operand_bytes(256 * fp8_cols_width(300, 3), fp8_cols_width(300, 3) / 128 * 256));
+  EXPECT_EQ(fp8_shared_operand_bytes(300, 256, 3),
+            std::max(fp8_operand_bytes(300 * 256, 2 * 300),
+                     fp8_operand_bytes(256 * fp8_cols_width(300, 3), fp8_cols_width(300, 3) / 128 * 256)));
+}
+
 TEST(Fp8Linear, DenseIsOneSegment) {
   Pool pool;
   const int64_t n = 300, i_n = 96, o_n = 64;

@@ -64,7 +64,7 @@ void Experts::bind(Memory& mem) {
   dh_RF_ = mem.scratch({max_rows_, ffn_});
   dgu_R2F_ = mem.scratch({max_rows_, 2 * ffn_});
   const int64_t dy_bytes = std::max(fp8_shared_operand_bytes(max_rows_, hidden_, num_experts_),
-                                    fp8_shared_operand_bytes(max_rows_, 2 * ffn_, num_experts_));
+                                    fp8_shared_operand_bytes(max_rows_, 2 * ffn_, num_experts_, true));
   dy_fp8_.bytes = fp8_ ? mem.scratch({dy_bytes}, DType::u8) : Tensor();
 }
 
@@ -93,8 +93,9 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
   const bool accumulate = mem_->accumulate_grad(gate_up_index_);
   MF_CHECK(mem_->accumulate_grad(down_index_) == accumulate, "Experts: gate_up_proj and down_proj written apart");
   // grouped_linear_backward in this layer's precision (wq: w's FP8 copy). In FP8 each GEMM's data
-  // gradient, run first, quantizes dy for both and leaves its cols operand in dy_fp8_ for the weight
-  // gradient (each layer's data gradient is followed by its weight gradient).
+  // gradient, run first, reads dy's operands from dy_fp8_ or quantizes dy for both, leaving the cols
+  // operand there for the weight gradient (each layer's data gradient is followed by its weight
+  // gradient).
   const auto linear_backward = [&](const Tensor& x, const Tensor& w, const Fp8Param& wq, const Tensor& dy,
                                    const Tensor& dx, const Tensor& dw) {
     if (fp8_)
@@ -102,20 +103,24 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
     else
       grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
   };
-  if (fp8_) {  // dh = dout @ down in FP8, then the SwiGLU's backward apart
-    linear_backward(h, down_EHF_, fp8_down_, dout_RH, dh, Tensor());
-    swiglu_backward(*ctx_, gu, dh, dgu, GateUp::pairs);
-  } else {
-    grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
-  }
   // The forward's h came from the stored gu (moe_ops.h): swiglu_forward on it gives the same bits.
-  if (recompute_act_) {
+  const auto recompute_h = [&] {
+    if (!recompute_act_) return;
     if (fp8_)
       fp8_swiglu_packed(*ctx_, gu, h);
     else
       swiglu_forward(*ctx_, gu, h, GateUp::pairs);
+  };
+  if (fp8_) {  // dh = dout @ down and down's gradient in FP8, then the SwiGLU's backward into fc1's dy operands
+    linear_backward(h, down_EHF_, fp8_down_, dout_RH, dh, Tensor());
+    recompute_h();
+    linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
+    fp8_swiglu_backward_operands(*ctx_, gu, dh, offsets_E1, dgu, dy_fp8_);
+  } else {
+    grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
+    recompute_h();
+    linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
   }
-  linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
   if (!input_grads_done) {
     linear_backward(rows_RH, gate_up_E2FH_, fp8_gate_up_, dgu, drows_RH, dgate_up_E2FH_);
     return;

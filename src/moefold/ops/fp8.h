@@ -145,6 +145,8 @@ void fp8_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI, con
 // needs one after reset() quantizes it into `bytes` (u8, fp8_shared_operand_bytes(rows, cols) of
 // them, on x's device; one operand at a time: making one drops the other), the others read it. The
 // owner resets whenever x may have changed (REQUIRES: the calls between two resets pass the same x).
+// Both ready at once (fp8_swiglu_backward_operands below) means both held in the pair layout: the
+// rows operand first, the cols operand after it (fp8_shared_operand_bytes(..., both = true)).
 // The same results as without it: the CPU's emulation quantizes at every call, and so does a call
 // given no bytes.
 struct Fp8SharedOperands {
@@ -153,8 +155,19 @@ struct Fp8SharedOperands {
   void reset() { rows_ready = cols_ready = false; }
 };
 // Bytes for x [rows, cols]'s rows operand or its cols operand in `segments` row segments (the
-// larger).
-int64_t fp8_shared_operand_bytes(int64_t rows, int64_t cols, int64_t segments = 1);
+// larger), or with `both` the two together (the pair layout).
+int64_t fp8_shared_operand_bytes(int64_t rows, int64_t cols, int64_t segments = 1, bool both = false);
+
+// The FP8 experts' SwiGLU backward straight into fc1's output-gradient operands: dgu =
+// swiglu_backward(gu, dh) in the GateUp::pairs layout (ops.h) is the dy of the two
+// fp8_grouped_linear_backward calls that follow with dy = dgu_R2F, the same offsets and dyq (the
+// data gradient's, then the weight gradient's). On the GPU, where one pass serves (bf16, 2F a
+// multiple of 4, aligned, dyq's bytes fp8_shared_operand_bytes(R, 2F, E, true)), dgu itself is NOT
+// written: the pass leaves its rows operand and its cols operand (per expert) in dyq, both ready,
+// and the calls read them (the same bits as quantizing the written dgu). Elsewhere (the CPU, other
+// shapes) dgu is written and dyq reset. REQUIRES: nothing but those two calls reads dgu.
+void fp8_swiglu_backward_operands(const ExecContext& ctx, const Tensor& gu_R2F, const Tensor& dh_RF,
+                                  const Tensor& offsets_E1, const Tensor& dgu_R2F, Fp8SharedOperands& dyq);
 // Where an operand of `codes` bytes and `scales` floats keeps them inside a block of fp8_shared_operand_bytes
 // (both start on 256-byte boundaries; the scales after the codes): the scales' byte offset, and the
 // bytes the operand takes.

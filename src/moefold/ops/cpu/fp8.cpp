@@ -437,6 +437,19 @@ void fp8_swiglu_packed(const ExecContext& ctx, const Tensor& gu_R2F, const Tenso
   fp8_quantize_packed(ctx, h_RF, p_RW);
 }
 
+void fp8_swiglu_backward_operands(const ExecContext& ctx, const Tensor& gu_R2F, const Tensor& dh_RF,
+                                  const Tensor& offsets_E1, const Tensor& dgu_R2F, Fp8SharedOperands& dyq) {
+  MF_CHECK(
+      gu_R2F.ndim() == 2 && dh_RF.ndim() == 2 && gu_R2F.size(0) == dh_RF.size(0) && gu_R2F.size(1) == 2 * dh_RF.size(1),
+      "fp8_swiglu_backward_operands: gu ", gu_R2F.str(), ", dh ", dh_RF.str());
+  check_shape(dgu_R2F, gu_R2F.shape(), "fp8_swiglu_backward_operands dgu");
+  check_offsets(offsets_E1, gu_R2F.size(0), "fp8_swiglu_backward_operands");
+  check_same_device({&gu_R2F, &dh_RF, &dgu_R2F, &offsets_E1}, "fp8_swiglu_backward_operands");
+  MF_ON_GPU(ctx, gu_R2F, cuda::fp8_swiglu_backward_operands(ctx, gu_R2F, dh_RF, offsets_E1, dgu_R2F, dyq));
+  swiglu_backward(ctx, gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
+  dyq.reset();
+}
+
 void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK) {
   check_packed(x_RK, p_RW, "fp8_dequantize_packed");
   MF_ON_GPU(ctx, x_RK, cuda::fp8_dequantize_packed(ctx, p_RW, x_RK));
@@ -610,9 +623,11 @@ void emulated_wgrad(const Tensor& x, const Tensor& dy, const Tensor& offsets, co
 
 }  // namespace
 
-int64_t fp8_shared_operand_bytes(int64_t rows, int64_t cols, int64_t segments) {
+int64_t fp8_shared_operand_bytes(int64_t rows, int64_t cols, int64_t segments, bool both) {
   const int64_t p = fp8_cols_width(rows, segments);
-  return std::max(fp8_operand_bytes(rows * cols, tiles(cols) * rows), fp8_operand_bytes(cols * p, p / kFp8Tile * cols));
+  const int64_t r = fp8_operand_bytes(rows * cols, tiles(cols) * rows),
+                c = fp8_operand_bytes(cols * p, p / kFp8Tile * cols);
+  return both ? r + c : std::max(r, c);
 }
 
 namespace {

@@ -37,6 +37,8 @@ void fp8_transpose_blocks(const ExecContext& ctx, const Tensor& q, const Tensor&
 void fp8_dequantize_rows(const ExecContext& ctx, const Tensor& q_RK, const Tensor& s_BR, const Tensor& x_RK);
 void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK);
 void fp8_swiglu_packed(const ExecContext& ctx, const Tensor& gu_R2F, const Tensor& p_RW);
+void fp8_swiglu_backward_operands(const ExecContext& ctx, const Tensor& gu_R2F, const Tensor& dh_RF,
+                                  const Tensor& offsets_E1, const Tensor& dgu_R2F, Fp8SharedOperands& dyq);
 void fp8_dequantize_cols(const ExecContext& ctx, const Tensor& qT_CP, const Tensor& sT_BC, const Tensor& offsets_S1,
                          const Tensor& x_RC);
 void fp8_dequantize_blocks(const ExecContext& ctx, const Tensor& q, const Tensor& s, const Tensor& w);
@@ -113,6 +115,13 @@ bool fp8_rows_cols_fused_serves(DType dtype, int64_t cols, const void* x, const 
 void launch_fp8_quantize_rows_cols(const ExecContext& ctx, const void* x, DType dtype, int64_t rows, int64_t cols,
                                    const int64_t* offsets, int64_t segments, bool grouped_rows, uint8_t* q, float* s,
                                    int64_t p, uint8_t* qT, float* sT);
+// launch_fp8_quantize_rows_cols of dgu = swiglu_backward(gu, dh) in the GateUp::pairs layout
+// (cols = 2F; the values swiglu_backward's bf16 kernels write, computed as they are read): both
+// operands of fc1's output gradient without dgu in memory. REQUIRES: fp8_swiglu_grad_fused_serves.
+bool fp8_swiglu_grad_fused_serves(DType dtype, int64_t cols, const void* gu, const void* dh, const void* q);
+void launch_fp8_swiglu_grad_rows_cols(const ExecContext& ctx, const void* gu, const void* dh, int64_t rows,
+                                      int64_t cols, const int64_t* offsets, int64_t segments, uint8_t* q, float* s,
+                                      int64_t p, uint8_t* qT, float* sT);
 // The cols layout of packed rows x [rows, fp8_packed_width(cols)]'s values (the weight gradient's
 // operand when x came packed; values exact, as launch_fp8_quantize_cols of their dequantization).
 void launch_fp8_quantize_cols_packed(const ExecContext& ctx, const uint8_t* x, int64_t rows, int64_t cols,

@@ -278,14 +278,19 @@ Quantized shared_operand(const Fp8SharedOperands& xin, Counts n) {
   return operand_at(static_cast<char*>(xin.bytes.data()), n);
 }
 bool shares(const Fp8SharedOperands* xin) { return xin != nullptr && xin->bytes.defined(); }
+// Both operands in a shared operand's pair layout (ops/fp8.h: the rows first).
+struct RowsAndCols {
+  Quantized rows, cols;
+};
+RowsAndCols shared_pair(const Fp8SharedOperands& xin, Counts rows, Counts cols) {
+  char* base = static_cast<char*>(xin.bytes.data());
+  return {operand_at(base, rows), operand_at(base + operand_bytes(rows), cols)};
+}
 Quantized quantized_scratch(const ExecContext& ctx, ScratchSlot slot, int64_t codes, int64_t scales) {
   const Counts n{codes, scales};
   return operand_at(static_cast<char*>(ctx.scratch(slot, operand_bytes(n))), n);
 }
 // Two operands in one slot, the second after the first.
-struct RowsAndCols {
-  Quantized rows, cols;
-};
 RowsAndCols quantized_pair_scratch(const ExecContext& ctx, ScratchSlot slot, Counts rows, Counts cols) {
   char* base = static_cast<char*>(ctx.scratch(slot, operand_bytes(rows) + operand_bytes(cols)));
   return {operand_at(base, rows), operand_at(base + operand_bytes(rows), cols)};
@@ -421,12 +426,18 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   // dy where both are wanted: both in dgrad's slot (the cols after the rows), or the cols in dyq's
   // bytes for the weight gradient's call to come.
   const Counts dy_rows_n{r_n * o_n, ob * r_n}, dy_cols_n{o_n * p, p / kFp8Tile * o_n};
+  // Both of dy's operands made before the call (fp8_swiglu_backward_operands: the pair layout).
+  const bool made = shares(dyq) && dyq->rows_ready && dyq->cols_ready;
   Quantized dy_cols{};
   if (dx.defined()) {
     Quantized qdy{};
-    if (shares(dyq)) dyq->cols_ready = false;  // an earlier dy's are stale now, whatever this call leaves
+    if (shares(dyq) && !made) dyq->cols_ready = false;  // an earlier dy's are stale now, whatever this call leaves
     const bool one_pass = fp8_rows_cols_fused_serves(dy.dtype(), o_n, dy.data(), nullptr);
-    if (one_pass && (dw.defined() || shares(dyq))) {
+    if (made) {  // read in place; the cols stay for the weight gradient's call
+      const RowsAndCols both = shared_pair(*dyq, dy_rows_n, dy_cols_n);
+      qdy = both.rows;
+      if (dw.defined()) dy_cols = both.cols, dyq->reset();
+    } else if (one_pass && (dw.defined() || shares(dyq))) {
       if (dw.defined()) {
         const RowsAndCols both = quantized_pair_scratch(ctx, ScratchSlot::fp8_operand_a, dy_rows_n, dy_cols_n);
         qdy = both.rows, dy_cols = both.cols;
@@ -466,9 +477,9 @@ void backward(const ExecContext& ctx, const Tensor& x, const Tensor& w, const in
   }
   // The slots of dgrad's operands are reused: this stream ran (or queued) dgrad before.
   Quantized qdy = dy_cols;
-  if (qdy.q == nullptr && !dx.defined() && shares(dyq) && dyq->cols_ready) {  // the data gradient's call made them
-    qdy = shared_operand(*dyq, dy_cols_n);
-    dyq->cols_ready = false;
+  if (qdy.q == nullptr && !dx.defined() && shares(dyq) && dyq->cols_ready) {  // made by an earlier call
+    qdy = made ? shared_pair(*dyq, dy_rows_n, dy_cols_n).cols : shared_operand(*dyq, dy_cols_n);
+    dyq->reset();
   }
   if (qdy.q == nullptr) {
     qdy = quantized_scratch(ctx, ScratchSlot::fp8_operand_a, o_n * p, p / kFp8Tile * o_n);

@@ -22,6 +22,7 @@
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/fp8.h"
 #include "moefold/ops/cuda/swiglu.cuh"
+#include "moefold/ops/cuda/swiglu.h"
 #include "moefold/ops/fp8.h"
 
 namespace moefold::cuda {
@@ -461,6 +462,25 @@ struct DenseColsIn {
   }
 };
 
+// dgu [rows, cols = 2F] = swiglu_backward(gu, dh) in the GateUp::pairs layout, computed as loaded:
+// a lane's 4 columns are two (g, u) pairs of gu and two values of dh [rows, F], their gradients
+// as swiglu_backward's bf16 kernels compute and round them (swiglu_grad<true>, round to nearest);
+// from there DenseColsIn<bf16>'s (the same bits as reading the written dgu).
+struct SwigluGradColsIn : DenseColsIn<__nv_bfloat16> {
+  const __nv_bfloat16* dh;
+  __device__ __forceinline__ uint2 load(int64_t r, int64_t c) const {
+    const uint2 g = __ldg(reinterpret_cast<const uint2*>(x + r * cols + c));
+    const uint32_t d = __ldg(reinterpret_cast<const uint32_t*>(dh + r * (cols / 2) + c / 2));
+    const auto lo = [](uint32_t w) { return __uint_as_float(w << 16); };
+    const auto hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };
+    const auto bits = [](float v) { return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16(v))); };
+    float dg0, du0, dg1, du1;
+    swiglu_grad<true>(lo(g.x), hi(g.x), lo(d), dg0, du0);
+    swiglu_grad<true>(lo(g.y), hi(g.y), hi(d), dg1, du1);
+    return make_uint2(bits(dg0) | bits(du0) << 16, bits(dg1) | bits(du1) << 16);
+  }
+};
+
 // Packed rows (ops/fp8.h: row pitch ld bytes, scales from byte `at`), 8 codes a lane (a block's 256
 // columns: two tiles of the rows), each value its code times its row tile's scale, as
 // quantize_cols_kernel's kPacked path computes it. The 16 lanes of a tile load the scales of the
@@ -578,7 +598,7 @@ __global__ void __launch_bounds__(kThreads, Out::kOn ? 3 : 0)
     }
   }
   if constexpr (Out::kOn) {
-    static_assert(std::is_same_v<In, DenseColsIn<__nv_bfloat16>>, "a block's columns are one tile of each row");
+    static_assert(std::is_base_of_v<DenseColsIn<__nv_bfloat16>, In>, "a block's columns are one tile of each row");
     float own_scale = 0.0f;  // row kRows * warp + lane's (lanes below kRows)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
@@ -1205,6 +1225,21 @@ void launch_fp8_quantize_rows_cols(const ExecContext& ctx, const void* x, DType 
                 });
 }
 
+bool fp8_swiglu_grad_fused_serves(DType dtype, int64_t cols, const void* gu, const void* dh, const void* q) {
+  return fp8_rows_cols_fused_serves(dtype, cols, gu, q) && aligned(dh, 4);
+}
+
+void launch_fp8_swiglu_grad_rows_cols(const ExecContext& ctx, const void* gu, const void* dh, int64_t rows,
+                                      int64_t cols, const int64_t* offsets, int64_t segments, uint8_t* q, float* s,
+                                      int64_t p, uint8_t* qT, float* sT) {
+  MF_CHECK(fp8_swiglu_grad_fused_serves(DType::bf16, cols, gu, dh, q), "fp8 SwiGLU gradient in one pass: ", cols,
+           " columns (a multiple of 4, aligned: else swiglu_backward and the quantization)");
+  const RowsOut out{q, s, rows, ceil_div(cols, kTile), true};
+  const SwigluGradColsIn in{{static_cast<const __nv_bfloat16*>(gu), cols}, static_cast<const __nv_bfloat16*>(dh)};
+  quantize_cols(ctx, rows, cols, offsets, segments, p, qT, "fp8_swiglu_grad_rows_cols",
+                [&](dim3 grid, const ColTile* map) { launch_cols_wide(ctx, in, cols, p, grid, map, qT, sT, out); });
+}
+
 void launch_fp8_quantize_cols_packed(const ExecContext& ctx, const uint8_t* x, int64_t rows, int64_t cols,
                                      const int64_t* offsets, int64_t segments, int64_t p, uint8_t* qT, float* sT) {
   const int64_t ld = fp8_packed_width(cols), at = fp8_packed_scales_at(cols);
@@ -1282,6 +1317,28 @@ void fp8_swiglu_packed(const ExecContext& ctx, const Tensor& gu_R2F, const Tenso
   const int64_t f = gu_R2F.size(1) / 2;
   quantize_rows(ctx, gu_R2F.data(), gu_R2F.dtype(), gu_R2F.size(0), f, p_RW.ptr<uint8_t>(), nullptr, nullptr, 1,
                 p_RW.size(1), fp8_packed_scales_at(f), true);
+}
+
+void fp8_swiglu_backward_operands(const ExecContext& ctx, const Tensor& gu_R2F, const Tensor& dh_RF,
+                                  const Tensor& offsets_E1, const Tensor& dgu_R2F, Fp8SharedOperands& dyq) {
+  const int64_t r_n = gu_R2F.size(0), cols = gu_R2F.size(1), e_n = offsets_E1.numel() - 1;
+  const int64_t p = fp8_cols_width(r_n, e_n);
+  const bool room = dyq.bytes.defined() && dyq.bytes.dtype() == DType::u8 &&
+                    dyq.bytes.numel() >= fp8_shared_operand_bytes(r_n, cols, e_n, true);
+  auto* base = room ? static_cast<char*>(dyq.bytes.data()) : nullptr;
+  if (!room || !fp8_swiglu_grad_fused_serves(gu_R2F.dtype(), cols, gu_R2F.data(), dh_RF.data(), base)) {
+    cuda::swiglu_backward(ctx, gu_R2F, dh_RF, dgu_R2F, GateUp::pairs);
+    dyq.reset();
+    return;
+  }
+  // The pair layout (ops/fp8.h): the rows operand, then the cols operand.
+  const int64_t rows_codes = r_n * cols, rows_scales = ceil_div(cols, kTile) * r_n;
+  char* cols_at = base + fp8_operand_bytes(rows_codes, rows_scales);
+  launch_fp8_swiglu_grad_rows_cols(
+      ctx, gu_R2F.data(), dh_RF.data(), r_n, cols, offsets_E1.ptr<int64_t>(), e_n, reinterpret_cast<uint8_t*>(base),
+      reinterpret_cast<float*>(base + fp8_operand_scales_at(rows_codes)), p, reinterpret_cast<uint8_t*>(cols_at),
+      reinterpret_cast<float*>(cols_at + fp8_operand_scales_at(cols * p)));
+  dyq.rows_ready = dyq.cols_ready = true;
 }
 
 void fp8_dequantize_packed(const ExecContext& ctx, const Tensor& p_RW, const Tensor& x_RK) {
