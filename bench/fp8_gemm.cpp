@@ -36,6 +36,7 @@
 #include "moefold/ops/cuda/fp8.h"
 #include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
+#include "moefold/ops/ops.h"
 
 namespace moefold {
 namespace {
@@ -412,6 +413,38 @@ void bench_quantize(int runs, int warmup) {
         c.name, static_cast<long long>(c.rows), static_cast<long long>(c.cols), static_cast<long long>(segments),
         rows_ms, rows_bytes / rows_ms * 1e-6, cols_ms, cols_bytes / cols_ms * 1e-6, both_ms,
         both_bytes / both_ms * 1e-6);
+    std::fflush(stdout);
+  }
+  // The experts' fc1 output gradient dgu [65536, 1536] from the SwiGLU's backward: swiglu_backward
+  // then the one pass over the written dgu, against fp8_swiglu_backward_operands (dgu computed as
+  // the one pass loads it). GB/s of the fused pass: gu and dh read, both operands written.
+  {
+    const int64_t r = 65536, f = 768, e = 128, kb2 = 2 * f / kFp8Tile, p2 = fp8_cols_width(r, e);
+    DeviceTensor gu({r, 2 * f}, DType::bf16), dh({r, f}, DType::bf16), dgu({r, 2 * f}, DType::bf16),
+        both({fp8_shared_operand_bytes(r, 2 * f, e, true)}, DType::u8), offsets({e + 1}, DType::i64),
+        q({r, 2 * f}, DType::u8), s({kb2, r}, DType::f32), qT({2 * f, p2}, DType::u8),
+        sT({p2 / kFp8Tile, 2 * f}, DType::f32);
+    bench::fill_random(*gu, 13);
+    bench::fill_random(*dh, 14);
+    set_equal_offsets(*offsets, r / e);
+    const double apart = bench::time_ms(runs, warmup, [&] {
+      swiglu_backward(ctx, *gu, *dh, *dgu, GateUp::pairs);
+      cuda::launch_fp8_quantize_rows_cols(ctx, (*dgu).data(), DType::bf16, r, 2 * f, (*offsets).ptr<int64_t>(), e, true,
+                                          (*q).ptr<uint8_t>(), (*s).ptr<float>(), p2, (*qT).ptr<uint8_t>(),
+                                          (*sT).ptr<float>());
+    });
+    Fp8SharedOperands dyq;
+    dyq.bytes = *both;
+    const double fused = bench::time_ms(runs, warmup, [&] {
+      fp8_swiglu_backward_operands(ctx, *gu, *dh, *offsets, *dgu, dyq);
+      dyq.reset();
+    });
+    const double bytes = 2.0 * r * 3 * f + 2.0 * r * 2 * f + 4.0 * kb2 * r + 4.0 * (r / kFp8Tile) * 2 * f;
+    std::printf(
+        "quantize experts dgu [%6lld, %4lld] %3lld segments  swiglu_backward + one pass %7.3f ms  "
+        "fused (fp8_swiglu_backward_operands) %7.3f ms %6.0f GB/s\n",
+        static_cast<long long>(r), static_cast<long long>(2 * f), static_cast<long long>(e), apart, fused,
+        bytes / fused * 1e-6);
     std::fflush(stdout);
   }
   // The experts' x when it came packed (moe.fp8_dispatch): its cols layout for the weight gradient
