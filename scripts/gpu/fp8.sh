@@ -153,93 +153,45 @@ fi
 # mean over seeds of each run's last-100-step mean loss and last eval, their spread (min..max) and
 # FP8's relative difference of the means, and the paired (same seed) differences' mean and standard
 # error (issue 18's 0.5% target needs it beyond one seed's noise), their median; per seed, where the
-# two curves part (the largest 50-step gap, gradient-norm spikes, skipped steps, router balance). FP8_JOBS runs share the GPU at once
-# (default 1; these models are far too small to fill it). FP8_ARMS: the arms run (default "none
-# blockwise"; runs are deterministic per seed, so an arm measured before need not run again);
-# FP8_EXCLUDE: train.fp8_exclude of the FP8 arm, a TOML array such as '["qkv"]'.
+# two curves part (the largest 50-step gap, gradient-norm spikes, skipped steps, router balance).
+# FP8_ARMS: the arms run (default "none blockwise"; runs are deterministic per seed, so an arm
+# measured before at the same commit need not run again): none (bf16), blockwise (FP8), control
+# (bf16 with other kernels of the same math: kernels.grouped_gemm = cublaslt and kernels.attention =
+# own, so only the rounding differs; its paired differences against none are the noise floor a
+# perturbation of the last bits alone gives, to hold FP8's against). FP8_JOBS runs share the GPU at
+# once (default 1; these models are far too small to fill it); FP8_DEADLINE_S: no run starts after
+# that many seconds (the summary covers what finished); FP8_EXCLUDE: train.fp8_exclude of the FP8
+# arm, a TOML array such as '["qkv"]'.
 if want seeds; then
-  seed_run() {  # family, fp8, seed
-    local dir="/tmp/moefold-runs/seeds_$1_$2_$3" extra=()
+  seeds_start=$SECONDS
+  seed_run() {  # family, arm, seed
+    local dir="/tmp/moefold-runs/seeds_$1_$2_$3" extra=() fp8=$2
     rm -rf "$dir"
     [ "$1" = deepseek ] && extra=("${ds[@]}")
     [ -n "${FP8_WIDTH:-}" ] && extra+=(--set model.hidden_size=$FP8_WIDTH)
     [ "$2" = blockwise ] && [ -n "${FP8_EXCLUDE:-}" ] && extra+=(--set "train.fp8_exclude=$FP8_EXCLUDE")
-    timeout 300 "$B" train --quiet --device cuda --steps 1000 --run-dir "$dir" --set train.fp8=$2 \
-      --set train.seed=$((1000 + $3)) --set train.eval_interval=100 "${extra[@]}" > /dev/null 2>&1 || return 1
+    [ "$2" = control ] && fp8=none && extra+=(--set kernels.grouped_gemm=cublaslt --set kernels.attention=own)
+    timeout "${FP8_RUN_TIMEOUT:-480}" "$B" train --quiet --device cuda --steps 1000 --run-dir "$dir" \
+      --set train.fp8=$fp8 --set train.seed=$((1000 + $3)) --set train.eval_interval=100 "${extra[@]}" \
+      > /dev/null 2>&1 || { echo "seeds: $1 $2 seed $3 failed or timed out"; return 1; }
     mkdir -p "$out/seeds/$1_$2_$3" && cp "$dir/metrics.jsonl" "$out/seeds/$1_$2_$3/"
   }
   jobs_n=0
   for fam in ${FP8_FAMILIES:-qwen3 deepseek}; do
     first=${FP8_SEED_FIRST:-1}
     for seed in $(seq "$first" $((first + ${FP8_SEEDS:-3} - 1))); do
-      for fp8 in ${FP8_ARMS:-none blockwise}; do
-        seed_run "$fam" "$fp8" "$seed" &
+      for arm in ${FP8_ARMS:-none blockwise}; do
+        if [ -n "${FP8_DEADLINE_S:-}" ] && [ $((SECONDS - seeds_start)) -ge "$FP8_DEADLINE_S" ]; then
+          echo "seeds: deadline reached before $fam $arm seed $seed"; break 3
+        fi
+        seed_run "$fam" "$arm" "$seed" &
         jobs_n=$((jobs_n + 1))
         if [ "$jobs_n" -ge "${FP8_JOBS:-1}" ]; then wait -n || status=1; jobs_n=$((jobs_n - 1)); fi
       done
     done
   done
   while [ "$jobs_n" -gt 0 ]; do wait -n || status=1; jobs_n=$((jobs_n - 1)); done
-  python3 - "$out/seeds" <<'PY' || status=1
-import json, os, sys, statistics as st
-base = sys.argv[1]
-runs, by_seed, curves = {}, {}, {}
-for name in sorted(os.listdir(base)):
-    fam, fp8, seed = name.rsplit("_", 2)
-    rows = [json.loads(l) for l in open(os.path.join(base, name, "metrics.jsonl"))]
-    ev = [r["eval_loss"] for r in rows if "eval_loss" in r]
-    runs.setdefault((fam, fp8), []).append((sum(r["loss"] for r in rows[-100:]) / 100, ev[-1]))
-    by_seed.setdefault((fam, seed), {})[fp8] = runs[(fam, fp8)][-1]
-    curves.setdefault((fam, seed), {})[fp8] = rows
-# Per seed with both arms, where the curves part: the largest gap of the 50-step running means of
-# the training loss (FP8 - bf16, relative) and its step, each arm's largest gradient norm (and its
-# step) and skipped steps, the last expert_load_max_over_mean of the worst layer (a spike or a
-# collapsed router shows here before it shows in the means).
-def curve_line(fam, seed, arms):
-    a, b = arms["none"], arms["blockwise"]
-    n = min(len(a), len(b))
-    def run_mean(rows, i):
-        w = rows[max(0, i - 49):i + 1]
-        return sum(r["loss"] for r in w) / len(w)
-    gap, at = max(((run_mean(b, i) - run_mean(a, i)) / run_mean(a, i), i + 1) for i in range(n))
-    def worst(rows):
-        g, i = max((r["grad_norm"], r["step"]) for r in rows)
-        load = rows[-1].get("expert_load_max_over_mean") or [float("nan")]  # per MoE layer
-        load = max(load) if isinstance(load, list) else load
-        return (f"max grad_norm {g:.3f} at {i}, {sum(1 for r in rows if r.get('skipped'))} skipped, "
-                f"last load max/mean (worst layer) {load:.2f}")
-    return f"{fam} seed {seed}: largest 50-step gap FP8 - bf16 {gap * 100:+.2f}% at step {at}; bf16 {worst(a)}; FP8 {worst(b)}"
-for fam in sorted({f for f, _ in runs}):
-    line = []
-    means = {}
-    for fp8 in ("none", "blockwise"):
-        v = runs.get((fam, fp8), [])
-        if not v:
-            continue
-        l100 = [a for a, _ in v]
-        evs = [b for _, b in v]
-        means[fp8] = (st.mean(l100), st.mean(evs))
-        line.append(f"{fp8}: last-100 mean {st.mean(l100):.4f} ({min(l100):.4f}..{max(l100):.4f}), eval {st.mean(evs):.4f} ({min(evs):.4f}..{max(evs):.4f}), {len(v)} seeds")
-    print(f"{fam}: " + "; ".join(line))
-    for fp8 in ("none", "blockwise"):  # per seed, for pairing with an arm measured in another call
-        per = sorted((int(s), v[fp8]) for (f, s), v in by_seed.items() if f == fam and fp8 in v)
-        if per:
-            print(f"{fam} {fp8} per seed (last-100 mean / eval): " + " ".join(f"{s}:{a:.4f}/{b:.4f}" for s, (a, b) in per))
-    if len(means) == 2:
-        a, b = means["none"], means["blockwise"]
-        print(f"{fam}: FP8 - bf16: last-100 mean {(b[0] - a[0]) / a[0] * 100:+.2f}%, eval {(b[1] - a[1]) / a[1] * 100:+.2f}%")
-        for i, what in ((0, "last-100 mean"), (1, "eval")):
-            d = [v["blockwise"][i] - v["none"][i]
-                 for (f, _), v in sorted(by_seed.items(), key=lambda kv: (kv[0][0], int(kv[0][1])))
-                 if f == fam and len(v) == 2]  # in seed order
-            if len(d) > 1:
-                se = st.stdev(d) / len(d) ** 0.5
-                print(f"{fam}: paired by seed, {what}: {' '.join(f'{x:+.4f}' for x in d)}; mean {st.mean(d):+.4f} "
-                      f"+- {se:.4f} ({st.mean(d) / a[i] * 100:+.2f}% +- {se / a[i] * 100:.2f}%), median "
-                      f"{st.median(d) / a[i] * 100:+.2f}%, FP8 worse in {sum(x > 0 for x in d)} of {len(d)}")
-for (fam, seed), arms in sorted(curves.items(), key=lambda kv: (kv[0][0], int(kv[0][1]))):
-    if len(arms) == 2:
-        print(curve_line(fam, seed, arms))
-PY
+  echo "seeds: runs took $((SECONDS - seeds_start)) s"
+  python3 "$root/scripts/gpu/fp8_seeds.py" "$out/seeds" || status=1
 fi
 exit $status
