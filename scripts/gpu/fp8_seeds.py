@@ -4,8 +4,9 @@ blockwise (FP8) and control (bf16 with other kernels of the same math). Runs her
 device call brought back:  python3 scripts/gpu/fp8_seeds.py DIR
 
 Per family and arm: the mean over seeds of each run's last-100-step mean training loss and last eval
-loss, with their spread. Per arm against none, paired by seed: the differences, their mean and
-standard error, median, mean and largest absolute value, how many the arm lost. The control's
+loss, with their spread. FP8 and the control against bf16, and FP8 against the control, paired by
+seed: the differences, their mean and standard error, median, Hodges-Lehmann estimate, 10%-trimmed
+mean, mean and largest absolute value, how many the arm lost. The control's
 differences are the noise floor: what a perturbation of the last bits alone does to a 1000-step run
 whose trajectory can part at a loss plateau; FP8's are read against them. Per seed and arm, where the
 curves part (the largest gap of the 50-step running means and its step, each arm's largest gradient
@@ -62,6 +63,18 @@ def curve_line(fam, seed, arm, a, b):
             f"smallest {low * 100:+.2f}% at step {low_at}; bf16 {worst(a)}; {arm} {worst(b)}")
 
 
+def hodges_lehmann(d):
+    """The median of all pairwise means (i <= j): a centre that a few parted trajectories do not move."""
+    return st.median((d[i] + d[j]) / 2 for i in range(len(d)) for j in range(i, len(d)))
+
+
+def trimmed_mean(d, share):
+    """The mean without the lowest and highest `share` of the values (int(share * n) each side)."""
+    k = int(share * len(d))
+    kept = sorted(d)[k:len(d) - k]
+    return st.mean(kept)
+
+
 def main(base):
     runs = load(base)
     for fam in sorted({f for f, _ in runs}):
@@ -80,18 +93,22 @@ def main(base):
                 for s in seeds if arm in runs[(fam, s)]))
         if "none" not in means:
             continue
-        for arm in ARMS[1:]:
-            paired = [s for s in seeds if arm in runs[(fam, s)] and "none" in runs[(fam, s)]]
+        # Each arm against bf16, and FP8 against the control (both off bf16 by rounding alone or
+        # by FP8 as well), paired by seed, relative to bf16's mean.
+        for arm, ref in (("blockwise", "none"), ("control", "none"), ("blockwise", "control")):
+            paired = [s for s in seeds if arm in runs[(fam, s)] and ref in runs[(fam, s)]]
             if not paired:
                 continue
-            for i, (what, f) in enumerate((("last-100 mean", last100), ("eval", last_eval))):
-                base_mean = st.mean(f(runs[(fam, s)]["none"]) for s in paired)
-                d = [f(runs[(fam, s)][arm]) - f(runs[(fam, s)]["none"]) for s in paired]
+            for what, f in (("last-100 mean", last100), ("eval", last_eval)):
+                base_mean = st.mean(f(runs[(fam, s)]["none"]) for s in paired if "none" in runs[(fam, s)])
+                d = [f(runs[(fam, s)][arm]) - f(runs[(fam, s)][ref]) for s in paired]
                 pct = lambda x: x / base_mean * 100  # noqa: E731
                 se = st.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
                 absd = [abs(x) for x in d]
-                print(f"{fam}: {arm} - bf16 paired by seed ({len(d)}), {what}: mean {pct(st.mean(d)):+.2f}% +- "
-                      f"{pct(se):.2f}%, median {pct(st.median(d)):+.2f}%, mean |d| {pct(st.mean(absd)):.2f}%, "
+                name = "bf16" if ref == "none" else ref
+                print(f"{fam}: {arm} - {name} paired by seed ({len(d)}), {what}: mean {pct(st.mean(d)):+.2f}% +- "
+                      f"{pct(se):.2f}%, median {pct(st.median(d)):+.2f}%, Hodges-Lehmann {pct(hodges_lehmann(d)):+.2f}%, "
+                      f"10%-trimmed mean {pct(trimmed_mean(d, 0.1)):+.2f}%, mean |d| {pct(st.mean(absd)):.2f}%, "
                       f"largest |d| {pct(max(absd)):.2f}%, {arm} worse in {sum(x > 0 for x in d)} of {len(d)}, "
                       f"identical in {sum(x == 0 for x in d)}; "
                       + " ".join(f"{s}:{x:+.4f}" for s, x in zip(paired, d)))
