@@ -7,7 +7,14 @@
 #             netlib's reference BLAS stands in for OpenBLAS, with blas_shim.c preloaded.
 # Then on the GPU machine: scripts/gpu/run.sh (see there).
 set -euo pipefail
-root="$(cd "$(dirname "$0")/../.." && pwd)"
+# With MOEFOLD_GPU_BASELINE (below) the checkout rewrites the working tree, this file included, and
+# bash reads a script as it goes: run from a copy.
+if [ -n "${MOEFOLD_GPU_BASELINE:-}" ] && [ -z "${MOEFOLD_BUNDLE_ROOT:-}" ]; then
+  copy=$(mktemp)
+  cp "$0" "$copy"
+  MOEFOLD_BUNDLE_ROOT="$(cd "$(dirname "$0")/../.." && pwd)" exec bash "$copy" "$@"
+fi
+root="${MOEFOLD_BUNDLE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
 build="${MOEFOLD_GPU_BUILD:-$root/build-gpu}"
 out="$root/.gpu"
 grep -qx '/.gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$root/.git/info/exclude"
@@ -20,11 +27,33 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE="${MOEFOLD_GPU_BUILD_TYPE:-Relea
 # and test_comm_nccl).
 targets=${MOEFOLD_GPU_TARGETS:-$(cd "$root/tests" && ls test_*cuda*.cpp mpi/test_*cuda*.cpp mpi/test_comm_nccl.cpp 2>/dev/null | xargs -n1 basename | sed 's/\.cpp$//')}
 # MOEFOLD_GPU_EXTRA_TARGETS: more targets to bundle (e.g. "moefold test_train").
+# MOEFOLD_GPU_BASELINE: a git ref (e.g. main) whose MOEFOLD_GPU_BASELINE_TARGETS (default: the extra
+# targets) are bundled too, as .gpu/bin/<target>_old, for a before/after timing in one device call.
+# They are built in the same build directory with the ref checked out in place (the working tree
+# must be clean; the current commit is checked out again after, also on failure).
+baseline_bin=""
+if [ -n "${MOEFOLD_GPU_BASELINE:-}" ]; then
+  if ! git -C "$root" diff --quiet HEAD; then
+    echo "bundle: MOEFOLD_GPU_BASELINE needs a clean working tree (commit or stash first)" >&2
+    exit 1
+  fi
+  current=$(git -C "$root" symbolic-ref -q --short HEAD || git -C "$root" rev-parse HEAD)
+  baseline_bin=$(mktemp -d)
+  trap 'git -C "$root" checkout -q "$current"' EXIT
+  git -C "$root" checkout -q "$MOEFOLD_GPU_BASELINE"
+  base_targets=${MOEFOLD_GPU_BASELINE_TARGETS:-${MOEFOLD_GPU_EXTRA_TARGETS:-}}
+  cmake --build "$build" -j"$(nproc)" --target $base_targets
+  for t in $base_targets; do strip -o "$baseline_bin/${t}_old" "$build/$t"; done
+  git -C "$root" checkout -q "$current"
+  trap - EXIT
+  echo "bundle: baseline $MOEFOLD_GPU_BASELINE ($(git -C "$root" rev-parse --short "$MOEFOLD_GPU_BASELINE")): $base_targets"
+fi
 cmake --build "$build" -j"$(nproc)" --target $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}
 rm -rf "$out" && mkdir -p "$out/bin" "$out/lib"
 for t in $targets ${MOEFOLD_GPU_EXTRA_TARGETS:-}; do
   strip -o "$out/bin/$t" "$build/$t"
 done
+[ -n "$baseline_bin" ] && cp "$baseline_bin"/* "$out/bin/" && rm -rf "$baseline_bin"
 # Shared libraries: everything ldd finds outside glibc, the toolchain runtime and CUDA.
 for b in "$out"/bin/*; do ldd "$b"; done | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
   case "$(basename "$lib")" in
