@@ -103,24 +103,21 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
     else
       grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
   };
+  // dh = dout @ down: in FP8 alone (the SwiGLU's backward follows down's weight gradient, straight
+  // into fc1's dy operands), else with the SwiGLU's backward fused in.
+  if (fp8_)
+    linear_backward(h, down_EHF_, fp8_down_, dout_RH, dh, Tensor());
+  else
+    grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
   // The forward's h came from the stored gu (moe_ops.h): swiglu_forward on it gives the same bits.
-  const auto recompute_h = [&] {
-    if (!recompute_act_) return;
+  if (recompute_act_) {
     if (fp8_)
       fp8_swiglu_packed(*ctx_, gu, h);
     else
       swiglu_forward(*ctx_, gu, h, GateUp::pairs);
-  };
-  if (fp8_) {  // dh = dout @ down and down's gradient in FP8, then the SwiGLU's backward into fc1's dy operands
-    linear_backward(h, down_EHF_, fp8_down_, dout_RH, dh, Tensor());
-    recompute_h();
-    linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
-    fp8_swiglu_backward_operands(*ctx_, gu, dh, offsets_E1, dgu, dy_fp8_);
-  } else {
-    grouped_linear_swiglu_backward_data(*ctx_, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
-    recompute_h();
-    linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
   }
+  linear_backward(h, down_EHF_, fp8_down_, dout_RH, Tensor(), ddown_EHF_);
+  if (fp8_) fp8_swiglu_backward_operands(*ctx_, gu, dh, offsets_E1, dgu, dy_fp8_);
   if (!input_grads_done) {
     linear_backward(rows_RH, gate_up_E2FH_, fp8_gate_up_, dgu, drows_RH, dgate_up_E2FH_);
     return;
