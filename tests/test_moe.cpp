@@ -390,6 +390,125 @@ TEST(NodeRoute, MatchesBruteForce) {
     }
 }
 
+// moe_ep_send_slots / moe_ep_recv_slots: P ranks' home plans emulated in one process, the
+// fixed-size all_to_all done by hand (rank s's slot m becomes rank m's slot s), against the
+// definition: rank m's expert l gets, in rank order and within a rank in home-row order, every
+// (rank, token) routed to global expert m L + l that fit rank s's slot; the remaining rows pad the
+// last expert; the two maps are each other's inverse; the overflow counts what did not fit.
+TEST(EpSlots, EmulatedExchangeGivesEveryRankItsExpertsRows) {
+  Pool pool;
+  const int64_t e_n = 8, k_n = 2;
+  const int64_t tokens[] = {7, 3, 9, 5};  // rank s's tokens
+  for (int64_t p_n : {int64_t{1}, int64_t{2}, int64_t{4}})
+    for (int64_t b_n : {int64_t{0}, int64_t{3}, int64_t{9}, int64_t{18}})
+      for (int64_t r_n : {int64_t{5}, int64_t{40}})
+        for (int64_t capacity : {int64_t{0}, int64_t{2}}) {
+          SCOPED_TRACE("P " + std::to_string(p_n) + " B " + std::to_string(b_n) + " R " + std::to_string(r_n) +
+                       " capacity " + std::to_string(capacity));
+          const int64_t l_n = e_n / p_n, x_n = p_n * b_n;
+          std::vector<Plan> plans;
+          std::vector<Tensor> token_x, slot_tk, send;
+          double overflow_send = 0;
+          for (int64_t s = 0; s < p_n; ++s) {
+            const int64_t t_n = tokens[s];
+            Tensor idx = random_topk(pool, t_n, e_n, k_n), prob = pool.uniform({t_n, k_n}, 0.1, 1.0);
+            plans.emplace_back(pool, idx, prob, e_n, capacity, capacity > 0, t_n * k_n + e_n * capacity);
+            token_x.push_back(pool.zeros({x_n}, DType::i64));
+            slot_tk.push_back(pool.zeros({t_n, k_n}, DType::i64));
+            send.push_back(pool.zeros({p_n, l_n}, DType::i64));
+            Tensor over = pool.zeros({1}, DType::f64);
+            testing::set_value_at(over, 0, 0.5);  // added to, not written
+            moe_ep_send_slots(testing::exec(), plans[s].offsets, plans[s].token, plans[s].row, b_n, token_x[s],
+                              slot_tk[s], send[s], over);
+            overflow_send += testing::value_at(over, 0) - 0.5;
+            // The sender's side against its plan.
+            const Plan& pl = plans[s];
+            double lost = 0;
+            for (int64_t m = 0; m < p_n; ++m) {
+              const int64_t first = pl.at(pl.offsets, m * l_n), n = pl.at(pl.offsets, (m + 1) * l_n) - first;
+              lost += static_cast<double>(std::max<int64_t>(0, n - b_n));
+              for (int64_t i = 0; i < b_n; ++i)
+                ASSERT_EQ(token_x[s].ptr<int64_t>()[m * b_n + i], i < n ? pl.at(pl.token, first + i) : -1);
+              int64_t in_slot = 0;
+              for (int64_t l = 0; l < l_n; ++l) in_slot += send[s].ptr<int64_t>()[m * l_n + l];
+              EXPECT_EQ(in_slot, std::min(n, b_n));
+            }
+            EXPECT_EQ(testing::value_at(over, 0) - 0.5, lost);
+            for (int64_t a = 0; a < t_n * k_n; ++a) {
+              const int64_t r = pl.at(pl.row, a), x = slot_tk[s].ptr<int64_t>()[a];
+              if (r < 0) {
+                EXPECT_EQ(x, -1) << "dropped assignment " << a;
+                continue;
+              }
+              if (x < 0) {  // only rows past their slot's B
+                const auto m = static_cast<int64_t>(testing::value_at(idx, a)) / l_n;
+                EXPECT_GE(r - pl.at(pl.offsets, m * l_n), b_n) << "assignment " << a << " lost a row that fits";
+                continue;
+              }
+              EXPECT_EQ(token_x[s].ptr<int64_t>()[x], a / k_n) << "assignment " << a;
+            }
+          }
+          double overflow_recv = 0;
+          for (int64_t m = 0; m < p_n; ++m) {
+            // Rank m's receive: slot s holds what rank s sent to m.
+            Tensor recv = pool.zeros({p_n, l_n}, DType::i64);
+            for (int64_t s = 0; s < p_n; ++s)
+              for (int64_t l = 0; l < l_n; ++l) recv.ptr<int64_t>()[s * l_n + l] = send[s].ptr<int64_t>()[m * l_n + l];
+            Tensor src = pool.zeros({r_n}, DType::i64), row = pool.zeros({x_n}, DType::i64);
+            Tensor counts = pool.zeros({l_n}, DType::i64), offsets = pool.zeros({l_n + 1}, DType::i64);
+            Tensor over = pool.zeros({1}, DType::f64);
+            moe_ep_recv_slots(testing::exec(), recv, b_n, src, row, counts, offsets, over);
+            overflow_recv += testing::value_at(over, 0);
+            // The definition: expert l's rows, rank by rank, as (sending rank, token) pairs.
+            std::vector<std::pair<int64_t, int64_t>> want;
+            std::vector<int64_t> starts;
+            for (int64_t l = 0; l < l_n; ++l) {
+              starts.push_back(static_cast<int64_t>(want.size()));
+              for (int64_t s = 0; s < p_n; ++s) {
+                const Plan& pl = plans[s];
+                const int64_t first = pl.at(pl.offsets, m * l_n);
+                for (int64_t r = pl.at(pl.offsets, m * l_n + l); r < pl.at(pl.offsets, m * l_n + l + 1); ++r)
+                  if (r - first < b_n) want.emplace_back(s, pl.at(pl.token, r));
+              }
+            }
+            const auto got_n = static_cast<int64_t>(want.size());
+            EXPECT_EQ(testing::value_at(over, 0), static_cast<double>(std::max<int64_t>(0, got_n - r_n)));
+            EXPECT_EQ(offsets.ptr<int64_t>()[l_n], r_n);
+            for (int64_t l = 0; l < l_n; ++l) {
+              EXPECT_EQ(offsets.ptr<int64_t>()[l], std::min(starts[l], r_n)) << "expert " << l;
+              EXPECT_EQ(counts.ptr<int64_t>()[l], offsets.ptr<int64_t>()[l + 1] - offsets.ptr<int64_t>()[l]);
+            }
+            for (int64_t r = 0; r < r_n; ++r) {
+              const int64_t x = src.ptr<int64_t>()[r];
+              if (r >= got_n) {
+                EXPECT_EQ(x, -1) << "padding row " << r;
+                continue;
+              }
+              ASSERT_GE(x, 0) << "row " << r;
+              ASSERT_LT(x, x_n);
+              EXPECT_EQ(x / b_n, want[r].first) << "row " << r;
+              EXPECT_EQ(token_x[want[r].first].ptr<int64_t>()[m * b_n + x % b_n], want[r].second) << "row " << r;
+              EXPECT_EQ(row.ptr<int64_t>()[x], r) << "slot row " << x;
+            }
+            int64_t mapped = 0;
+            for (int64_t x = 0; x < x_n; ++x) {
+              const int64_t r = row.ptr<int64_t>()[x];
+              if (r < 0) continue;
+              ++mapped;
+              EXPECT_EQ(src.ptr<int64_t>()[r], x) << "slot row " << x;
+            }
+            EXPECT_EQ(mapped, std::min(got_n, r_n));
+          }
+          if (b_n == 18 && r_n == 40) {  // room for everything
+            EXPECT_EQ(overflow_send, 0);
+            EXPECT_EQ(overflow_recv, 0);
+          }
+          if (b_n == 0) {
+            EXPECT_GT(overflow_send, 0);
+          }
+        }
+}
+
 TEST(Permute, ThenCombineWithProbabilityOneIsIdentity) {
   Pool pool;
   const int64_t t_n = 11, e_n = 4, h_n = 7, kGuard = 2;

@@ -638,6 +638,86 @@ TEST(CudaNodeRoute, MatchesCpuBitForBit) {
   }
 }
 
+// ---- expert-parallel slots (SlotDispatcher) ------------------------------------------------------
+
+// The slot plans of both sides: the GPU's equal the CPU's integer for integer, with slots that
+// hold everything, slots that overflow, and experts' rows that overflow; padded plans too.
+TEST(CudaEpSlots, SendAndReceivePlansMatchCpu) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  struct Case {
+    int64_t t_n, e_n, k_n, peers, slot_rows, rows, capacity;
+  };
+  for (const Case c : {Case{4096, 256, 8, 8, 4096, 32768, 0}, Case{4096, 256, 8, 8, 3000, 30000, 0},
+                       Case{3001, 64, 6, 4, 2000, 4000, 0}, Case{1500, 16, 2, 2, 1200, 3000, 200},
+                       Case{5, 8, 2, 8, 1, 3, 0}, Case{0, 8, 2, 2, 4, 8, 0}, Case{100, 1024, 8, 1, 800, 800, 0}}) {
+    SCOPED_TRACE("T " + std::to_string(c.t_n) + " E " + std::to_string(c.e_n) + " P " + std::to_string(c.peers) +
+                 " B " + std::to_string(c.slot_rows) + " R " + std::to_string(c.rows) + " " + seed_trace());
+    Pool pool;
+    DevicePool dev;
+    const int64_t t_n = c.t_n, k_n = c.k_n, p_n = c.peers, l_n = c.e_n / p_n, x_n = p_n * c.slot_rows;
+    const int64_t s_max = c.capacity > 0 ? c.e_n * c.capacity : t_n * k_n;
+    Tensor idx = random_topk(pool, rng, t_n, k_n, c.e_n, 0.02, false);
+    Tensor prob = pool.uniform({t_n, k_n}, 0.0, 1.0, DType::f32);
+    Tensor offsets = pool.zeros({c.e_n + 1}, DType::i64), row = pool.zeros({t_n, k_n}, DType::i64);
+    Tensor token = pool.zeros({s_max}, DType::i64);
+    moe_permute_plan(testing::exec(), idx, prob, c.capacity, c.capacity > 0,
+                     {pool.zeros({c.e_n}, DType::i64), offsets, row, token});
+    // A receiver's counts: slot p brings a random share of at most B rows, skewed over experts.
+    Tensor recv = pool.zeros({p_n, l_n}, DType::i64);
+    for (int64_t p = 0; p < p_n; ++p) {
+      int64_t left = std::uniform_int_distribution<int64_t>(0, c.slot_rows)(rng);
+      for (int64_t l = 0; l < l_n && left > 0; ++l) {
+        const int64_t n = l + 1 == l_n ? left : std::uniform_int_distribution<int64_t>(0, left)(rng);
+        recv.ptr<int64_t>()[p * l_n + l] = n;
+        left -= n;
+      }
+    }
+    struct Side {
+      Tensor offsets, token, row, recv, token_x, slot_tk, send, src, row_x, counts, offsets_l, over;
+    };
+    auto run = [&](const Side& d) {
+      moe_ep_send_slots(testing::exec(), d.offsets, d.token, d.row, c.slot_rows, d.token_x, d.slot_tk, d.send, d.over);
+      moe_ep_recv_slots(testing::exec(), d.recv, c.slot_rows, d.src, d.row_x, d.counts, d.offsets_l, d.over);
+    };
+    Tensor over_h = pool.zeros({1}, DType::f64);
+    over_h.ptr<double>()[0] = 3;  // added to
+    const Side h{offsets,
+                 token,
+                 row,
+                 recv,
+                 host_filled_i64(pool, {x_n}, kSentinel),
+                 host_filled_i64(pool, {t_n, k_n}, kSentinel),
+                 host_filled_i64(pool, {p_n, l_n}, kSentinel),
+                 host_filled_i64(pool, {c.rows}, kSentinel),
+                 host_filled_i64(pool, {x_n}, kSentinel),
+                 host_filled_i64(pool, {l_n}, kSentinel),
+                 host_filled_i64(pool, {l_n + 1}, kSentinel),
+                 over_h};
+    const Side g{dev.upload(offsets, DType::i64),
+                 dev.upload(token, DType::i64),
+                 dev.upload(row, DType::i64),
+                 dev.upload(recv, DType::i64),
+                 filled_i64(dev, {x_n}, kSentinel),
+                 filled_i64(dev, {t_n, k_n}, kSentinel),
+                 filled_i64(dev, {p_n, l_n}, kSentinel),
+                 filled_i64(dev, {c.rows}, kSentinel),
+                 filled_i64(dev, {x_n}, kSentinel),
+                 filled_i64(dev, {l_n}, kSentinel),
+                 filled_i64(dev, {l_n + 1}, kSentinel),
+                 dev.upload(over_h, DType::f64)};
+    run(g);
+    run(h);
+    for (const auto& [what, a, b] :
+         {std::tuple{"token_X", g.token_x, h.token_x}, std::tuple{"slot_TK", g.slot_tk, h.slot_tk},
+          std::tuple{"send_counts", g.send, h.send}, std::tuple{"src_R", g.src, h.src},
+          std::tuple{"row_X", g.row_x, h.row_x}, std::tuple{"counts", g.counts, h.counts},
+          std::tuple{"offsets", g.offsets_l, h.offsets_l}})
+      expect_same(ints(a), ints(b), what);
+    EXPECT_EQ(bytes_of(g.over), bytes_of(h.over)) << "overflow";
+  }
+}
+
 // ---- permute and combine -----------------------------------------------------------------------
 
 // A CPU plan with drops and padding rows (capacity 60 for ~75 assignments per expert, skewed),

@@ -13,6 +13,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -26,6 +28,7 @@
 #include "moefold/core/rng.h"
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/moe/moe_layer.h"
+#include "moefold/moe/slot_dispatcher.h"
 #include "mpi_testing.h"
 #include "testing.h"
 
@@ -80,21 +83,22 @@ TEST(AllToAllDispatcher, RecvFactorOverflowFailsOnEveryRank) {
   }
 }
 
-// Every case by both transports: the exchange (MPI messages) and the peer copies (MPI's
-// PeerMemory: the same offsets a GPU's direct copies write to, as messages).
-class AllToAll : public ::testing::TestWithParam<std::tuple<Case, EpTransportChoice>> {};
-
-TEST_P(AllToAll, MatchesOneRankReference) {
-  const Case& c = std::get<0>(GetParam());
-  const EpTransportChoice transport = std::get<1>(GetParam());
+// This rank's EP layer over `disp` (the whole router, experts [rank L, (rank + 1) L)) runs a
+// throw-away step with other token counts (after_warmup runs then), then the real step, whose y,
+// dx, router gradient (summed over EP) and expert gradients must equal the references'. Returns
+// A biased router's never-chosen experts get no gradient. after_step runs last, while the
+// dispatcher still lives (its checks of the regime the case is about).
+struct StepFacts {
+  int64_t total_tokens = 0;  // T of all ranks' blocks
+  int64_t home_rows = 0;     // this rank's rows as one process routes its block (LocalDispatcher's R)
+};
+void expect_references(const Case& c, uint64_t seed, std::unique_ptr<Dispatcher> disp,
+                       const std::function<void()>& after_warmup,
+                       const std::function<void(const StepFacts&)>& after_step) {
   Communicator& world = test_world();
   const int ep = world.size(), rank = world.rank();
-  if (kE % ep != 0) GTEST_SKIP() << kE << " experts over " << ep << " ranks";
-  const uint64_t seed = shared_seed(world);
-  SCOPED_TRACE("MOEFOLD_TEST_SEED=" + std::to_string(seed) + " rank " + std::to_string(rank) + " of " +
-               std::to_string(ep));
   const MoeConfig& cfg = c.cfg;
-  const int64_t l_n = kE / ep, k_n = cfg.num_experts_per_tok, max_t = block_tokens(ep - 1);
+  const int64_t l_n = kE / ep, max_t = block_tokens(ep - 1);
   const double loss_scale = 1.3;
   const bool biased = !c.bias_E.empty();
   Pool pool;
@@ -109,12 +113,10 @@ TEST_P(AllToAll, MatchesOneRankReference) {
       for (int64_t i = 0; i < kH; ++i) g[e * kH + i] += c.bias_E[e];
   }
 
-  // This rank's EP layer: the whole router, experts [rank*L, (rank+1)*L).
-  auto disp_owned = std::make_unique<AllToAllDispatcher>(cfg, kH, max_t, world, transport);
-  const AllToAllDispatcher& disp = *disp_owned;
-  Rig mine(cfg, max_t, std::move(disp_owned));
-  ASSERT_EQ(disp.num_local_experts(), l_n);
-  ASSERT_EQ(disp.first_local_expert(), rank * l_n);
+  const Dispatcher& d = *disp;
+  Rig mine(cfg, max_t, std::move(disp));
+  EXPECT_EQ(d.num_local_experts(), l_n);
+  EXPECT_EQ(d.first_local_expert(), rank * l_n);
   mine.param(".gate.weight").value.copy_from(ref.param(".gate.weight").value);
   for (const char* name : kExpertParams)
     mine.param(name).value.copy_from(ref.param(name).value.slice(rank * l_n, (rank + 1) * l_n));
@@ -126,7 +128,7 @@ TEST_P(AllToAll, MatchesOneRankReference) {
     mine.layer.forward(warm.x, y);
     mine.layer.backward(warm.dy, dx, loss_scale);
   }
-  ASSERT_STREQ(disp.transport().name(), transport == EpTransportChoice::ipc && ep > 1 ? "peer" : "exchange");
+  after_warmup();
 
   // The EP step on this rank's block (outputs pre-filled with garbage: they must be written).
   const Block own = draw_block(pool, seed, rank, kH, biased, 0);
@@ -135,13 +137,12 @@ TEST_P(AllToAll, MatchesOneRankReference) {
   mine.mem.zero_grads();
   mine.layer.forward(own.x, y);
   mine.layer.backward(own.dy, dx, loss_scale);
-  const AllToAllPlan& plan = disp.plan();
   Tensor dgate = pool.clone(mine.param(".gate.weight").grad);
   world.all_reduce(dgate, ReduceOp::sum);
 
   // Reference 1 (always exact): the LocalDispatcher layer block by block, gradients accumulated.
   ref.mem.zero_grads();
-  int64_t total_t = 0;
+  int64_t total_t = 0, home_rows = 0;
   for (int b = 0; b < ep; ++b) {
     const Block blk = draw_block(pool, seed, b, kH, biased, 0);
     total_t += blk.x.size(0);
@@ -153,8 +154,8 @@ TEST_P(AllToAll, MatchesOneRankReference) {
     EXPECT_LE(rel_err(dx, dxb), kTol) << "dx";
     EXPECT_NEAR(mine.layer.aux_loss(), ref.layer.aux_loss(), kTol * std::max(1.0, ref.layer.aux_loss()));
     EXPECT_NEAR(mine.layer.z_loss(), ref.layer.z_loss(), kTol * std::max(1.0, ref.layer.z_loss()));
-    EXPECT_EQ(plan.capacity, ref.layer.plan().capacity);
-    EXPECT_EQ(plan.num_home_rows, ref.layer.plan().num_rows);
+    EXPECT_EQ(mine.layer.plan().capacity, ref.layer.plan().capacity);
+    home_rows = ref.layer.plan().num_rows;
   }
   EXPECT_LE(rel_err(dgate, ref.param(".gate.weight").grad), kTol) << "router gradient summed over EP";
   EXPECT_GT(max_abs(dgate), 0);
@@ -187,8 +188,50 @@ TEST_P(AllToAll, MatchesOneRankReference) {
       EXPECT_LE(rel_err(mine.param(name).grad, cat.param(name).grad.slice(rank * l_n, (rank + 1) * l_n)), kTol)
           << name << " vs concatenated";
   }
+  for (int64_t l = 0; l < l_n; ++l) {
+    const int64_t e = rank * l_n + l;
+    if (biased && c.bias_E[e] < 0) {  // no real rows (padding rows carry no gradient)
+      EXPECT_EQ(max_abs(mine.param(".experts.gate_up_proj").grad.slice(l, l + 1)), 0.0) << "idle expert " << e;
+      EXPECT_EQ(max_abs(mine.param(".experts.down_proj").grad.slice(l, l + 1)), 0.0) << "idle expert " << e;
+    }
+  }
+  after_step(StepFacts{total_t, home_rows});
+}
 
-  // The regime each case is about actually happened.
+void expect_all_to_all_regime(const Case& c, const AllToAllDispatcher& disp, const StepFacts& f);
+
+// Every case by both transports: the exchange (MPI messages) and the peer copies (MPI's
+// PeerMemory: the same offsets a GPU's direct copies write to, as messages).
+class AllToAll : public ::testing::TestWithParam<std::tuple<Case, EpTransportChoice>> {};
+
+TEST_P(AllToAll, MatchesOneRankReference) {
+  const Case& c = std::get<0>(GetParam());
+  const EpTransportChoice transport = std::get<1>(GetParam());
+  Communicator& world = test_world();
+  const int ep = world.size(), rank = world.rank();
+  if (kE % ep != 0) GTEST_SKIP() << kE << " experts over " << ep << " ranks";
+  const uint64_t seed = shared_seed(world);
+  SCOPED_TRACE("MOEFOLD_TEST_SEED=" + std::to_string(seed) + " rank " + std::to_string(rank) + " of " +
+               std::to_string(ep));
+  auto disp_owned = std::make_unique<AllToAllDispatcher>(c.cfg, kH, block_tokens(ep - 1), world, transport);
+  const AllToAllDispatcher& disp = *disp_owned;
+  expect_references(
+      c, seed, std::move(disp_owned),
+      [&] {
+        ASSERT_STREQ(disp.transport().name(), transport == EpTransportChoice::ipc && ep > 1 ? "peer" : "exchange");
+      },
+      [&](const StepFacts& f) { expect_all_to_all_regime(c, disp, f); });
+}
+
+// The regime each case is about actually happened (AllToAllDispatcher's plan of the step).
+void expect_all_to_all_regime(const Case& c, const AllToAllDispatcher& disp, const StepFacts& f) {
+  Communicator& world = test_world();
+  const int ep = world.size(), rank = world.rank();
+  const MoeConfig& cfg = c.cfg;
+  const int64_t l_n = kE / ep, k_n = cfg.num_experts_per_tok, total_t = f.total_tokens;
+  const bool biased = !c.bias_E.empty();
+  const AllToAllPlan& plan = disp.plan();
+  EXPECT_EQ(plan.num_home_rows, f.home_rows);
   const int64_t rows = plan.num_rows;
   EXPECT_LE(rows, disp.max_rows());
   int64_t dropped = 0;
@@ -215,10 +258,6 @@ TEST_P(AllToAll, MatchesOneRankReference) {
     if (always && !(cfg.capacity_factor > 0)) {
       EXPECT_EQ(n, total_t) << "expert " << e;
     }
-    if (never) {  // no real rows (padding rows carry no gradient)
-      EXPECT_EQ(max_abs(mine.param(".experts.gate_up_proj").grad.slice(l, l + 1)), 0.0) << "idle expert " << e;
-      EXPECT_EQ(max_abs(mine.param(".experts.down_proj").grad.slice(l, l + 1)), 0.0) << "idle expert " << e;
-    }
   }
   if (idle_rank && !cfg.pad_to_capacity) {
     EXPECT_EQ(rows, 0) << "the idle rank received rows";
@@ -239,6 +278,99 @@ INSTANTIATE_TEST_SUITE_P(Cases, AllToAll,
                            return std::get<0>(i.param).name +
                                   (std::get<1>(i.param) == EpTransportChoice::ipc ? "_peer" : "_exchange");
                          });
+
+// SlotDispatcher (moe.dispatcher = "slots"): every case it takes (dropless or padded) against the
+// same references, then what its device-side plan received.
+class Slots : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Slots, MatchesOneRankReference) {
+  const Case& c = GetParam();
+  Communicator& world = test_world();
+  const int ep = world.size(), rank = world.rank();
+  if (kE % ep != 0) GTEST_SKIP() << kE << " experts over " << ep << " ranks";
+  if (c.cfg.capacity_factor > 0 && !c.cfg.pad_to_capacity) GTEST_SKIP() << "a capacity without padding";
+  const uint64_t seed = shared_seed(world);
+  SCOPED_TRACE("MOEFOLD_TEST_SEED=" + std::to_string(seed) + " rank " + std::to_string(rank) + " of " +
+               std::to_string(ep));
+  const MoeConfig& cfg = c.cfg;
+  const int64_t l_n = kE / ep, k_n = cfg.num_experts_per_tok;
+  auto disp_owned = std::make_unique<SlotDispatcher>(cfg, kH, block_tokens(ep - 1), world);
+  const SlotDispatcher& disp = *disp_owned;
+  expect_references(
+      c, seed, std::move(disp_owned), [] {},
+      [&](const StepFacts& f) {
+        EXPECT_EQ(disp.overflow().ptr<double>()[0], 0.0) << "rows that did not fit";
+        EXPECT_EQ(disp.slot_rows(), SlotDispatcher::slot_rows(cfg, block_tokens(ep - 1), ep));
+        const int64_t* recv = disp.recv_counts().ptr<int64_t>();
+        std::vector<int64_t> per_expert(static_cast<size_t>(l_n), 0);
+        int64_t rows = 0;
+        for (int64_t p = 0; p < ep; ++p)
+          for (int64_t l = 0; l < l_n; ++l) {
+            per_expert[static_cast<size_t>(l)] += recv[p * l_n + l];
+            rows += recv[p * l_n + l];
+          }
+        const int64_t all_rows = sum_all(world, rows);
+        if (!(cfg.capacity_factor > 0)) {
+          EXPECT_EQ(all_rows, f.total_tokens * k_n);
+        } else {
+          int64_t want = 0;
+          for (int b = 0; b < ep; ++b) want += l_n * cfg.capacity(block_tokens(b));
+          EXPECT_EQ(rows, want) << "padded rows received";
+        }
+        EXPECT_LE(rows, disp.max_rows());
+        for (int64_t l = 0; l < l_n; ++l) {
+          const int64_t e = rank * l_n + l;
+          if (!c.bias_E.empty() && c.bias_E[e] >= 5 && !(cfg.capacity_factor > 0)) {
+            EXPECT_EQ(per_expert[static_cast<size_t>(l)], f.total_tokens) << "expert " << e;
+          }
+          if (!c.bias_E.empty() && c.bias_E[e] < 0 && !cfg.pad_to_capacity) {
+            EXPECT_EQ(per_expert[static_cast<size_t>(l)], 0) << "expert " << e;
+          }
+        }
+      });
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Slots, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+// Slots too small for the routing (every token to expert 7, slots of 1.5 x the average share): the
+// step runs to its end without touching memory outside its buffers (the ASan build checks), leaves
+// the rows that did not fit out, and counts them on the device; nothing is read by the host.
+TEST(Slots, RowsThatDoNotFitAreCountedNotWritten) {
+  Communicator& world = testing::test_world();
+  const int ep = world.size();
+  if (ep == 1 || kE % ep != 0) GTEST_SKIP() << "needs EP > 1 dividing " << kE;
+  const uint64_t seed = shared_seed(world);
+  Case c = make("overflow", {.k = 1, .norm = false, .recv = 1.5}, {0, 0, 0, 0, 0, 0, 0, 5});
+  const int64_t max_t = testing::block_tokens(ep - 1);
+  Pool pool;
+  auto owned = std::make_unique<SlotDispatcher>(c.cfg, kH, max_t, world);
+  SlotDispatcher& disp = *owned;
+  Rig rig(c.cfg, max_t, std::move(owned));
+  int64_t stream = 1;
+  for (Param& p : rig.mem.params()) fill_normal(p.value, seed, stream++, 0.0, 0.5);
+  double* g = rig.param(".gate.weight").value.ptr<double>();
+  for (int64_t e = 0; e < kE; ++e)
+    for (int64_t i = 0; i < kH; ++i) g[e * kH + i] += c.bias_E[e];
+  const testing::Block own = testing::draw_block(pool, seed, world.rank(), kH, true, 0);
+  Tensor y = pool.zeros(own.x.shape()), dx = pool.zeros(own.x.shape());
+  rig.layer.forward(own.x, y);
+  rig.layer.backward(own.dy, dx, 1.0);
+  const int64_t t_n = own.x.size(0), b_n = disp.slot_rows();
+  // Rank r's tokens all go to the last rank's expert 7: t_n - B of them cannot travel.
+  EXPECT_EQ(disp.overflow().ptr<double>()[0] >= static_cast<double>(std::max<int64_t>(0, t_n - b_n)), true);
+  double all = disp.overflow().ptr<double>()[0];
+  world.all_reduce(Tensor(&all, DType::f64, {1}), ReduceOp::sum);
+  EXPECT_GT(all, 0) << "nothing overflowed: the case does not test what it says";
+  for (int64_t i = 0; i < y.numel(); ++i) ASSERT_TRUE(std::isfinite(y.ptr<double>()[i]));
+  for (int64_t i = 0; i < dx.numel(); ++i) ASSERT_TRUE(std::isfinite(dx.ptr<double>()[i]));
+  // A sink given by the owner (the trainer's step sums) is added to instead.
+  double sink = 0.25;
+  disp.set_overflow_sink(Tensor(&sink, DType::f64, {1}));
+  rig.layer.forward(own.x, y);
+  world.all_reduce(Tensor(&sink, DType::f64, {1}), ReduceOp::sum);
+  EXPECT_GT(sink, 0.25 * ep);
+}
 
 }  // namespace
 }  // namespace moefold

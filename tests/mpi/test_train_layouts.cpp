@@ -311,6 +311,60 @@ TEST_F(Layouts, HierarchicalDispatchMatchesTheFlatOne) {
   }
 }
 
+// moe.dispatcher = "slots" (the exchange in fixed slots, the counts on the device): three steps
+// give the all-to-all dispatcher's losses, gradient norms and expert loads (the experts' rows sit
+// in another order: within rounding), moefold plan's memory is the trainer's; slots of exactly
+// the average share (moe.ep_recv_factor = 1) cannot hold random routing: the first step fails
+// on every rank with one line naming the key, before the optimizer runs.
+TEST_F(Layouts, SlotDispatchMatchesTheAllToAllOne) {
+  Communicator& world = testing::test_world();
+  const int n = world.size();
+  if (n == 1 || 8 % n != 0) GTEST_SKIP() << "needs EP over 2, 4 or 8 ranks";
+  for (const Config* base : {&base_, &deepseek_}) {
+    SCOPED_TRACE(base == &base_ ? "qwen3-like" : "deepseek-v3-like");
+    const Config flat_cfg = with_layout(*base, {n == 8 ? 2 : 1, 1, n, 1});
+    std::vector<StepMetrics> want;
+    {
+      LayoutRun flat(flat_cfg, world);
+      for (int i = 0; i < 3; ++i) want.push_back(flat.trainer->train_step());
+    }
+    for (const double factor : {0.0, 2.0}) {
+      SCOPED_TRACE(cat("moe.ep_recv_factor = ", factor));
+      Config c = flat_cfg;
+      c.moe.dispatcher = "slots";
+      c.moe.ep_recv_factor = factor;
+      LayoutRun run(c, world);
+      for (int i = 0; i < 3; ++i) testing::expect_step_matches(run.trainer->train_step(), want[static_cast<size_t>(i)]);
+      const MemoryPlan p = plan_memory(c, n, world.rank(), Device::cpu);
+      EXPECT_EQ(p.device_total(), run.trainer->planned_bytes());
+    }
+    Config tight = flat_cfg;
+    tight.moe.dispatcher = "slots";
+    tight.moe.ep_recv_factor = 1.0;
+    LayoutRun run(tight, world);
+    auto weights = [&run] {  // every master weight's bytes (CPU ranks: host memory)
+      std::vector<std::vector<uint8_t>> w;
+      for (const Param& p : run.trainer->params()) {
+        const auto* at = static_cast<const uint8_t*>(p.value.data());
+        w.emplace_back(at, at + p.value.nbytes());
+      }
+      return w;
+    };
+    const std::vector<std::vector<uint8_t>> before = weights();
+    try {
+      run.trainer->train_step();
+      ADD_FAILURE() << "the step did not fail";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("step 1: "), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("did not fit its fixed slots (moe.dispatcher = \"slots\", "
+                                           "moe.ep_recv_factor = 1); raise moe.ep_recv_factor"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(weights(), before) << "the failed step changed the weights";
+  }
+}
+
 // Recomputation under every layout (recompute_check.h: the combined variants, 2 steps): the
 // recomputed forwards gather over TP, pass the CP ring and exchange the expert rows over EP again,
 // and change no bit of the losses, the gradient norms or the weights (DeepSeek-V3's layers).

@@ -23,6 +23,7 @@
 #include "moefold/moe/hierarchical_dispatcher.h"
 #include "moefold/moe/moe_layer.h"
 #include "moefold/moe/router.h"
+#include "moefold/moe/slot_dispatcher.h"
 #include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
 #include "moefold/ops/ops.h"
@@ -96,7 +97,8 @@ class RandomFill {
 };
 
 // The dispatcher of the benchmark: all experts here, or EP over `ep`: all-to-all, or with
-// moe.dispatcher = "hierarchical" over the nodes of `nodes` (a mesh of EP over every rank of ep).
+// moe.dispatcher = "hierarchical" over the nodes of `nodes` (a mesh of EP over every rank of ep), or
+// in fixed slots with moe.dispatcher = "slots".
 std::unique_ptr<Dispatcher> make_dispatcher(const Config& c, int64_t t, Communicator* ep, const Mesh* nodes) {
   if (ep == nullptr || ep->size() == 1) return std::make_unique<LocalDispatcher>(c.moe, c.model.hidden_size, t);
   const EpTransportChoice transport = parse_ep_transport(c.parallel.ep_transport);
@@ -106,6 +108,7 @@ std::unique_ptr<Dispatcher> make_dispatcher(const Config& c, int64_t t, Communic
     return std::make_unique<HierarchicalDispatcher>(c.moe, c.model.hidden_size, t, *nodes->ep, *nodes->ep_node,
                                                     *nodes->ep_rail, transport);
   }
+  if (c.moe.dispatcher == "slots") return std::make_unique<SlotDispatcher>(c.moe, c.model.hidden_size, t, *ep);
   return std::make_unique<AllToAllDispatcher>(c.moe, c.model.hidden_size, t, *ep, transport);
 }
 

@@ -255,6 +255,8 @@ void Config::validate() const {
     MF_FAIL("moe.num_experts = ", moe.num_experts, " is not divisible by parallel.ep = ", p.ep);
   if (moe.moe_intermediate_size % p.etp != 0)
     MF_FAIL("moe.moe_intermediate_size = ", moe.moe_intermediate_size, " is not divisible by parallel.etp = ", p.etp);
+  if (moe.dispatcher == "slots" && p.etp > 1)
+    MF_FAIL("moe.dispatcher = \"slots\" needs parallel.etp = 1 (etp = ", p.etp, ")");
   if (moe.dispatcher == "hierarchical" && (p.ep == 1 || p.etp > 1))
     MF_FAIL("moe.dispatcher = \"hierarchical\" needs parallel.ep > 1 and parallel.etp = 1 (ep = ", p.ep,
             ", etp = ", p.etp, ")");

@@ -115,8 +115,10 @@ const std::vector<Field>& fields() {
                "with train.fp8 = blockwise: tokens travel to the experts as FP8 plus 1 x 128 scales (combine "
                "and gradients stay bf16)"),
       MF_FIELD(moe, "dispatcher", dispatcher,
-               "expert-parallel dispatcher: \"alltoall\" (every token-expert pair travels) or \"hierarchical\" "
-               "(a token crosses to another node once and fans out there; the combine sums within the node)"),
+               "expert-parallel dispatcher: \"alltoall\" (every token-expert pair travels), \"hierarchical\" "
+               "(a token crosses to another node once and fans out there; the combine sums within the node) or "
+               "\"slots\" (as alltoall in fixed-size slots, moe.ep_recv_factor times the average, with the counts "
+               "on the device: no host round trip; dropless or padded)"),
       MF_FIELD(moe, "capacity_factor", capacity_factor,
                "<= 0: dropless; else capacity = ceil(cf * T * K / E) rows per expert"),
       MF_FIELD(moe, "pad_to_capacity", pad_to_capacity, "with a capacity: pad every expert to exactly its capacity"),

@@ -26,8 +26,13 @@ void MoeConfig::validate() const {
   if (!std::isfinite(ep_recv_factor) || (ep_recv_factor != 0 && ep_recv_factor < 1))
     MF_FAIL("moe.ep_recv_factor = ", ep_recv_factor, " must be 0 (the worst case) or >= 1 (times the average)");
   require_positive("moe", "topk_group", topk_group);
-  if (dispatcher != "alltoall" && dispatcher != "hierarchical")
-    MF_FAIL("moe.dispatcher = '", dispatcher, "' is not supported (alltoall, hierarchical)");
+  if (dispatcher != "alltoall" && dispatcher != "hierarchical" && dispatcher != "slots")
+    MF_FAIL("moe.dispatcher = '", dispatcher, "' is not supported (alltoall, hierarchical, slots)");
+  if (dispatcher == "slots" && capacity_factor > 0 && !pad_to_capacity)
+    MF_FAIL("moe.dispatcher = \"slots\" needs dropless routing or moe.pad_to_capacity = true (moe.capacity_factor = ",
+            capacity_factor, " without padding leaves row counts only the host knows)");
+  if (dispatcher == "slots" && num_experts > 1024)
+    MF_FAIL("moe.dispatcher = \"slots\" takes at most 1024 experts (moe.num_experts = ", num_experts, ")");
   if (num_experts % n_group != 0) MF_FAIL("moe.n_group = ", n_group, " must divide moe.num_experts = ", num_experts);
   if (topk_group > n_group) MF_FAIL("moe.topk_group = ", topk_group, " must be <= moe.n_group = ", n_group);
   if (num_experts_per_tok > topk_group * (num_experts / n_group))

@@ -167,6 +167,34 @@ void moe_combine(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row
 void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Tensor& row_TK, const Tensor& prob_TK,
                           const Tensor& token_R, const Tensor& dy_TH, const Tensor& dout_RH, const Tensor& dprob_TK);
 
+// ---- expert-parallel slots (SlotDispatcher): the exchange in fixed-size slots, counts on the device
+// P EP peers of L local experts each (E = P * L global experts). The rows a rank sends to peer p
+// travel in slot p: rows [p * B, (p + 1) * B) of a [P * B, H] buffer, expert-major over p's
+// experts, B = slot_rows fixed at plan time, so the exchange needs no count on the host.
+//
+// The sending side, from moe_permute_plan over the E global experts (home_offsets_E1 = its
+// offsets_E1, home_token_S = its token_R, row_TK = its row_TK): peer p's home rows (its experts'
+// rows, in order) fill slot p; those past B rows do not fit. Written: token_X (i64 [P * B]) the
+// token of each slot row, -1 where there is none (a free row or a padding row); slot_TK (i64
+// [T, K]) the slot row of each assignment, -1 when dropped or when it did not fit; send_counts_PL
+// (i64 [P, L]) the rows of each of p's experts in slot p. overflow_1 (f64 [1]) is ADDED the rows
+// that did not fit. REQUIRES: home_offsets_E1 non-decreasing from 0, row_TK's rows below its last,
+// E <= 1024.
+void moe_ep_send_slots(const ExecContext& ctx, const Tensor& home_offsets_E1, const Tensor& home_token_S,
+                       const Tensor& row_TK, int64_t slot_rows, const Tensor& token_X, const Tensor& slot_TK,
+                       const Tensor& send_counts_PL, const Tensor& overflow_1);
+// The receiving side: recv_counts_PL (i64 [P, L]) the rows slot p brought for each local expert
+// (peer p's send_counts_PL for this rank). The experts' R = src_R.numel() rows are expert-major,
+// expert l's from every slot in slot order; rows past R do not fit, and the rows the slots leave
+// free pad the LAST expert (offsets_L1[L] = R: grouped ops see all R rows; padding rows are zero
+// rows, which compute and add nothing). Written: src_R (i64 [R]) the slot row of each expert row,
+// -1 for padding; row_X (i64 [P * B]) the expert row of each slot row, -1 where there is none;
+// counts_L (i64 [L], padding included) and offsets_L1 (i64 [L + 1]). overflow_1 (f64 [1]) is ADDED
+// the rows that did not fit. REQUIRES: counts >= 0, each slot's sum <= B, E = P * L <= 1024 (CUDA: the
+// tables live in shared memory).
+void moe_ep_recv_slots(const ExecContext& ctx, const Tensor& recv_counts_PL, int64_t slot_rows, const Tensor& src_R,
+                       const Tensor& row_X, const Tensor& counts_L, const Tensor& offsets_L1, const Tensor& overflow_1);
+
 // ---- node routing (HierarchicalDispatcher): each token crosses to a node once ---------------------
 // The experts are split over nodes in contiguous blocks of `experts_per_node` (N * experts_per_node
 // = E). A token's kept assignments (keep_row_TK[t, k] >= 0; undefined keep_row_TK: all kept) that

@@ -10,6 +10,7 @@
 #include "moefold/moe/all_gather_dispatcher.h"
 #include "moefold/moe/all_to_all_dispatcher.h"
 #include "moefold/moe/hierarchical_dispatcher.h"
+#include "moefold/moe/slot_dispatcher.h"
 #include "moefold/ops/fp8.h"
 #include "moefold/ops/ops.h"
 #include "moefold/parallel/context_parallel.h"
@@ -39,6 +40,8 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
     if (mesh.dims.etp > 1)  // tokens all-gathered over ETP, then all-to-all over EP
       return std::make_unique<AllGatherDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.etp,
                                                    mesh.dims.ep > 1 ? mesh.ep.get() : nullptr);
+    if (cfg.moe.dispatcher == "slots")  // fixed-size slots, the counts on the device
+      return std::make_unique<SlotDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.ep);
     if (cfg.moe.dispatcher == "hierarchical")  // across nodes once over the rail, then within the node
       return std::make_unique<HierarchicalDispatcher>(cfg.moe, cfg.model.hidden_size, tokens, *mesh.ep, *mesh.ep_node,
                                                       *mesh.ep_rail, node_transport);
@@ -118,12 +121,14 @@ void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model, size_
   full_ids_BS = mem.host_act(bs, DType::i32);
   full_targets_BS = mem.host_act(bs, DType::i32);
   const int64_t le = layers * experts;
-  sums = mem.mirrored({4 + le + layers + 1}, DType::f64);
+  sums = mem.mirrored({4 + le + layers + 2}, DType::f64);
   stats = sums.host.slice(0, 4);
-  step_sums = sums.host.slice(4, 4 + le + layers + 1);
+  step_sums = sums.host.slice(4, 4 + le + layers + 2);
   load_sum_LE = step_sums.slice(0, le).view({layers, experts});
   dropped_L = step_sums.slice(le, le + layers);
   inter_node_bytes = step_sums.slice(le + layers, le + layers + 1);
+  overflow_rows = step_sums.slice(le + layers + 1, le + layers + 2);
+  dev_overflow_1 = sums.dev.slice(4 + le + layers + 1, 4 + le + layers + 2);
   dev_loss_1 = sums.dev.slice(0, 1);
   dev_router_2 = sums.dev.slice(1, 3);
   dev_mtp_1 = sums.dev.slice(3, 4);
@@ -194,6 +199,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   mem_.allocate();
   bind_all();
   mem_.finish_binding();
+  for (const std::unique_ptr<Model>& m : models_)  // rows a dispatch cannot place: counted with the step's sums
+    for (int64_t l = 0; l < m->num_moe_layers(); ++l) m->moe(l).dispatcher().set_overflow_sink(buf_.dev_overflow_1);
   shard_groups_ = shard_groups();  // kept: the step loop allocates nothing
   opt_.bind(mem_, shard_groups_);
   opt_.set_overlap_gather(cfg.parallel.overlap_param_gather);
@@ -582,6 +589,14 @@ void Trainer::accumulate_gradients() {
     out.expert_load_dropped_fraction[l] = sum > 0 ? buf_.dropped_L.ptr<double>()[l] / sum : 0;
   }
   out.inter_node_bytes = buf_.inter_node_bytes.ptr<double>()[0];
+  fail_on_overflow(buf_.overflow_rows.ptr<double>()[0], "step " + std::to_string(step_ + 1));
+}
+
+void Trainer::fail_on_overflow(double rows, const std::string& where) const {
+  if (rows == 0) return;  // the same sum on every rank: every rank fails alike
+  MF_FAIL(where, ": ", rows, " rows of the expert-parallel exchange did not fit its fixed slots (moe.dispatcher = \"",
+          cfg_.moe.dispatcher, "\", moe.ep_recv_factor = ", cfg_.moe.ep_recv_factor,
+          "); raise moe.ep_recv_factor (moefold plan shows what it costs) or set it to 0 for the worst case");
 }
 
 std::string Trainer::cuda_graphs_note() const {
@@ -673,6 +688,8 @@ double Trainer::evaluate() {
   // evaluated batches are rounded down to a multiple of dp (at least dp).
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);
   double sum = 0;
+  buf_.overflow_rows.zero();  // what the evaluation's dispatches cannot place (the step zeroes its own)
+  buf_.dev_overflow_1.copy_from(buf_.overflow_rows);
   // Pipeline: forward only, each batch through the chunks in order (virtual stage by virtual stage).
   Communicator *in = mesh_.activations_in(), *out = mesh_.activations_out();
   std::vector<int64_t> sending(chunk_base_.size(), -1);
@@ -693,6 +710,9 @@ double Trainer::evaluate() {
   }
   for (const int64_t ticket : sending)
     if (ticket >= 0) out->wait(ticket);
+  buf_.overflow_rows.copy_from(buf_.dev_overflow_1);
+  mesh_.world->all_reduce(buf_.overflow_rows, ReduceOp::sum);
+  fail_on_overflow(buf_.overflow_rows.ptr<double>()[0], "evaluation");
   buf_.stats.ptr<double>()[0] = sum;
   reduce_dense(buf_.stats.slice(0, 1));
   if (mesh_.dims.pp > 1) mesh_.pp->all_reduce(buf_.stats.slice(0, 1), ReduceOp::sum);  // the last stage's

@@ -80,11 +80,13 @@ struct StepBuffers {
   Tensor load_sum_LE;  // f64 [MoE layers of the whole model, experts]: tokens per expert over a step's micro-batches
   Tensor dropped_L;    // f64 [MoE layers]: assignments dropped by the capacity over a step's micro-batches
   Tensor inter_node_bytes;  // f64 [1]: bytes the step's dispatches sent between nodes
+  Tensor overflow_rows;     // f64 [1]: rows the step's dispatches could not place (Dispatcher::set_overflow_sink)
   // Device views of `sums` (made once: the step loop allocates nothing): the loss sum, the router
   // losses (aux, z), the multi-token prediction loss, and per MoE layer its load row and its
   // dropped count.
   Tensor dev_loss_1, dev_router_2, dev_mtp_1;
   std::vector<Tensor> dev_load_E, dev_dropped_1;
+  Tensor dev_overflow_1;  // every MoE layer's dispatcher adds its overflow here
   void bind(Memory& mem, const Config& cfg, const Model& model, size_t models);
 };
 
@@ -166,6 +168,8 @@ class Trainer {
  private:
   // Sum over the dense data-parallel group (DP x CP) in place.
   void reduce_dense(const Tensor& t);
+  // Fails naming the dispatcher's bound when `rows` (summed over every rank) is not 0.
+  void fail_on_overflow(double rows, const std::string& where) const;
   // train.on_nonfinite = "stop": throws naming the step, the loss and norm, and this rank's first
   // parameter (registration order) whose gradient is not finite.
   [[noreturn]] void fail_nonfinite() const;
