@@ -285,6 +285,28 @@ TEST(PerfModel, ExpertTrafficFollowsNodesAndDispatcher) {
   EXPECT_GT(a2a_ms(predict_step(cfg("alltoall"), 16, make_cluster(slow))), 1.9 * flat);
 }
 
+// The slot dispatcher moves P x B rows each way whatever the routing, not pipelined: at the worst
+// case (B = T min(K, L)) K = 8 of 128 experts over EP 16 send 8 x T rows to each peer instead of
+// T K / P on average, all exposed; moe.ep_recv_factor = 2 slots carry twice the average.
+TEST(PerfModel, SlotDispatchCarriesItsSlack) {
+  auto predict = [](const char* dispatcher, const char* factor) {
+    const Config c = config("qwen3-30b-a3b",
+                            {"model.num_hidden_layers=4", "train.global_batch_size=16", "train.micro_batch_size=1",
+                             "parallel.ep=16", cat("moe.dispatcher=", dispatcher), cat("moe.ep_recv_factor=", factor)});
+    const PerfPrediction p = predict_step(c, 16, h200());
+    for (const PerfItem& i : p.communication)
+      if (i.name.rfind("expert all-to-all", 0) == 0) return std::pair(i.ms, i.exposed_ms);
+    return std::pair(0.0, 0.0);
+  };
+  const auto flat = predict("alltoall", "0"), worst = predict("slots", "0"), twice = predict("slots", "2");
+  EXPECT_GT(worst.first, 10 * flat.first);
+  EXPECT_DOUBLE_EQ(worst.second, worst.first);
+  EXPECT_GT(twice.first, 1.5 * flat.first);
+  EXPECT_LT(twice.first, 2.5 * flat.first);
+  EXPECT_DOUBLE_EQ(twice.second, twice.first);
+  EXPECT_LT(flat.second, flat.first);
+}
+
 // moe.shared_expert_overlap hides the exchanges' exposed part behind the shared experts, and
 // nothing else: DeepSeek-V3's layers over EP 16 on two nodes.
 TEST(PerfModel, SharedExpertOverlapHidesTheExchanges) {

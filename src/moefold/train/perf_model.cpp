@@ -10,6 +10,7 @@
 
 #include "moefold/core/error.h"
 #include "moefold/model/model_flops.h"
+#include "moefold/moe/slot_dispatcher.h"
 #include "moefold/train/memory_plan.h"
 
 namespace moefold {
@@ -298,7 +299,13 @@ A2a ep_all_to_all(const OpShape& s, const Cluster& c, double row_bytes) {
   const int64_t per_node = std::clamp<int64_t>(c.gpus_per_node / l.etp, 1, l.ep);
   const double g = static_cast<double>(per_node), nodes = ep / g;
   const double rows = s.tau * k;  // this rank's (token, expert) rows
-  if (s.cfg.moe.dispatcher == "hierarchical" && nodes > 1) {
+  if (s.cfg.moe.dispatcher == "slots") {
+    // Fixed slots: every peer gets B rows whatever the routing (SlotDispatcher::slot_rows).
+    const auto slot = static_cast<double>(
+        SlotDispatcher::slot_rows(s.cfg.moe, static_cast<int64_t>(std::ceil(s.tau)), static_cast<int>(l.ep)));
+    a.intra_bytes = slot * (g - 1) * row_bytes;
+    a.inter_bytes = slot * (ep - g) * row_bytes;
+  } else if (s.cfg.moe.dispatcher == "hierarchical" && nodes > 1) {
     // Each token crosses to each other node holding one of its experts once, then fans out there
     // over NVLink; the rows for this node's other ranks go over NVLink directly.
     const double remote =
@@ -489,9 +496,12 @@ PerfPrediction predict_step(const Config& cfg, int64_t world, const Cluster& clu
       // Overlap: with parallel.overlap_moe_a2a one micro-batch's all-to-alls run beside another's
       // computation of the same layer (Megatron-Core's 1F1B overlap): exposed only past that
       // compute. Without it the dispatcher's rounds (moe.ep_overlap_chunks = c) hide all but the
-      // first round of each exchange behind the experts' GEMMs of the rounds already received.
+      // first round of each exchange behind the experts' GEMMs of the rounds already received
+      // (the slot dispatcher has no rounds).
       if (cfg.parallel.overlap_moe_a2a) {
         lt.a2a_exposed = std::max(0.0, lt.a2a - lt.compute);
+      } else if (cfg.moe.dispatcher == "slots") {  // not pipelined: the experts wait for every row
+        lt.a2a_exposed = lt.a2a;
       } else {
         const double c = static_cast<double>(std::max<int64_t>(cfg.moe.ep_overlap_chunks, 1));
         lt.a2a_exposed = lt.a2a / c + std::max(0.0, lt.a2a * (c - 1) / c - experts);
