@@ -316,7 +316,7 @@ TEST_F(Layouts, HierarchicalDispatchMatchesTheFlatOne) {
 // in another order: within rounding) with slots of the worst case and of less, moefold plan's
 // memory is the trainer's; slots of exactly
 // the average share (moe.ep_recv_factor = 1) cannot hold random routing: the first step fails
-// on every rank with one line naming the key, before the optimizer runs.
+// on every rank with one line naming the key, before the optimizer runs, and so does an evaluation.
 TEST_F(Layouts, SlotDispatchMatchesTheAllToAllOne) {
   Communicator& world = testing::test_world();
   const int n = world.size();
@@ -368,6 +368,12 @@ TEST_F(Layouts, SlotDispatchMatchesTheAllToAllOne) {
           << e.what();
     }
     EXPECT_EQ(weights(), before) << "the failed step changed the weights";
+    try {  // an evaluation counts its own
+      run.trainer->evaluate();
+      ADD_FAILURE() << "the evaluation did not fail";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("evaluation: ", 0), 0u) << e.what();
+    }
   }
 }
 

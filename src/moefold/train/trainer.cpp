@@ -688,8 +688,11 @@ double Trainer::evaluate() {
   // evaluated batches are rounded down to a multiple of dp (at least dp).
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);
   double sum = 0;
-  buf_.overflow_rows.zero();  // what the evaluation's dispatches cannot place (the step zeroes its own)
-  buf_.dev_overflow_1.copy_from(buf_.overflow_rows);
+  const bool slots = cfg_.moe.dispatcher == "slots" && mesh_.dims.ep > 1;  // the one dispatcher that can overflow
+  if (slots) {  // what the evaluation's dispatches cannot place (each step zeroes its own)
+    buf_.overflow_rows.zero();
+    buf_.dev_overflow_1.copy_from(buf_.overflow_rows);
+  }
   // Pipeline: forward only, each batch through the chunks in order (virtual stage by virtual stage).
   Communicator *in = mesh_.activations_in(), *out = mesh_.activations_out();
   std::vector<int64_t> sending(chunk_base_.size(), -1);
@@ -710,9 +713,11 @@ double Trainer::evaluate() {
   }
   for (const int64_t ticket : sending)
     if (ticket >= 0) out->wait(ticket);
-  buf_.overflow_rows.copy_from(buf_.dev_overflow_1);
-  mesh_.world->all_reduce(buf_.overflow_rows, ReduceOp::sum);
-  fail_on_overflow(buf_.overflow_rows.ptr<double>()[0], "evaluation");
+  if (slots) {
+    buf_.overflow_rows.copy_from(buf_.dev_overflow_1);
+    mesh_.world->all_reduce(buf_.overflow_rows, ReduceOp::sum);
+    fail_on_overflow(buf_.overflow_rows.ptr<double>()[0], "evaluation");
+  }
   buf_.stats.ptr<double>()[0] = sum;
   reduce_dense(buf_.stats.slice(0, 1));
   if (mesh_.dims.pp > 1) mesh_.pp->all_reduce(buf_.stats.slice(0, 1), ReduceOp::sum);  // the last stage's
