@@ -3,6 +3,8 @@
 // receive add up to every token's K assignments (dropless), balanced or routed by the router.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <string>
 #include <vector>
 
@@ -57,6 +59,19 @@ TEST(BenchMoeLayerEp, HierarchicalDispatcherOverEmulatedNodes) {
     int64_t rows = x.rows;
     world.all_reduce(Tensor(&rows, DType::i64, {1}), ReduceOp::sum);
     EXPECT_EQ(rows, 64 * 2 * world.size());
+    EXPECT_GT(x.total.ms, 0);
+  }
+}
+
+// moe.dispatcher = "slots": the layer runs, the experts get the fixed R rows (the worst case:
+// every rank's 64 x 2 assignments could come here, P x 64 x min(2, 8 / P)).
+TEST(BenchMoeLayerEp, SlotDispatcherHandsTheExpertsItsFixedRows) {
+  Communicator& world = testing::test_world();
+  if (world.size() == 1) GTEST_SKIP() << "one rank: no expert parallelism";
+  const int64_t p = world.size();
+  for (const MoeBenchResult& x : bench_moe_layer(small_ep(world, {"moe.dispatcher=slots"}))) {
+    SCOPED_TRACE(x.routing);
+    EXPECT_EQ(x.rows, p * 64 * std::min<int64_t>(2, 8 / p));
     EXPECT_GT(x.total.ms, 0);
   }
 }
