@@ -314,7 +314,7 @@ TEST_F(Layouts, HierarchicalDispatchMatchesTheFlatOne) {
 // moe.dispatcher = "slots" (the exchange in fixed slots, the counts on the device): three steps
 // give the all-to-all dispatcher's losses, gradient norms and expert loads (the experts' rows sit
 // in another order: within rounding) with slots of the worst case and of less, moefold plan's
-// memory is the trainer's; slots of exactly
+// memory is the trainer's; FP8 rows travel through them; slots of exactly
 // the average share (moe.ep_recv_factor = 1) cannot hold random routing: the first step fails
 // on every rank with one line naming the key, before the optimizer runs, and so does an evaluation.
 TEST_F(Layouts, SlotDispatchMatchesTheAllToAllOne) {
@@ -343,6 +343,24 @@ TEST_F(Layouts, SlotDispatchMatchesTheAllToAllOne) {
       EXPECT_NEAR(run.trainer->evaluate(), want_eval, 1e-6 * want_eval);
       const MemoryPlan p = plan_memory(c, n, world.rank(), Device::cpu);
       EXPECT_EQ(p.device_total(), run.trainer->planned_bytes());
+    }
+    // FP8 with packed FP8 rows through the slots (their byte-row views): the first step's forward
+    // quantizes each row alone, so its loss is the all-to-all's; the gradients then group the rows
+    // into other 128-row tiles (the weight gradients' quantization): within FP8's bounds.
+    Config fp8 = flat_cfg;
+    fp8.train.fp8 = "blockwise";
+    fp8.moe.fp8_dispatch = true;
+    StepMetrics fp8_want;
+    {
+      LayoutRun flat(fp8, world);
+      fp8_want = flat.trainer->train_step();
+    }
+    fp8.moe.dispatcher = "slots";
+    {
+      LayoutRun run(fp8, world);
+      const StepMetrics got = run.trainer->train_step();
+      EXPECT_NEAR(got.lm_loss, fp8_want.lm_loss, 1e-6 * fp8_want.lm_loss) << "FP8 dispatch";
+      EXPECT_NEAR(got.grad_norm, fp8_want.grad_norm, 0.05 * fp8_want.grad_norm) << "FP8 dispatch";
     }
     Config tight = flat_cfg;
     tight.moe.dispatcher = "slots";
