@@ -6,12 +6,17 @@
 // across contexts. Skipped without a GPU.
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "cuda_testing.h"
+#include "moefold/comm/communicator.h"
+#include "moefold/core/cuda_graph.h"
 #include "moefold/core/device.h"
 #include "moefold/core/exec.h"
 #include "moefold/moe/moe_layer.h"
+#include "moefold/moe/slot_dispatcher.h"
 #include "moefold/ops/ops.h"
 
 namespace moefold {
@@ -36,7 +41,11 @@ struct GpuLayer {
   Memory mem;
   MoeLayer layer;
   Tensor x, y, dy, dx, stage;  // stage: f32 [T, H] for the bf16 uploads
-  GpuLayer(const ExecContext& ctx) : mem(DType::bf16, ctx), layer(layer_config(), kHidden, kTokens, "model.mlp") {
+  // d: the dispatcher (null: LocalDispatcher).
+  explicit GpuLayer(const ExecContext& ctx, std::unique_ptr<Dispatcher> d = nullptr)
+      : mem(DType::bf16, ctx),
+        layer(d ? MoeLayer(layer_config(), kHidden, kTokens, "model.mlp", std::move(d))
+                : MoeLayer(layer_config(), kHidden, kTokens, "model.mlp")) {
     const auto bind = [&] {
       layer.bind(mem);
       x = mem.act({kTokens, kHidden});
@@ -120,6 +129,43 @@ TEST(ExecContext, TwoMoeLayersOnTwoStreamsMatchEachAlone) {
     EXPECT_TRUE(got_b[i] == want_b[i]) << "layer b, result " << i;
   }
   EXPECT_TRUE(got_a[0] != got_b[0]) << "the two layers had different inputs";
+}
+
+// moe.dispatcher = "slots" over a group of one rank (the self communicator): its one slot holds
+// the home rows in LocalDispatcher's order, so the layer gives LocalDispatcher's bits (the slot
+// plans' CUDA kernels and the device-only exchange, on one GPU); captured as one CUDA graph (no
+// count reaches the host, so nothing stops the capture) and replayed, it gives them again.
+TEST(SlotDispatcherCuda, OneRankGivesLocalDispatchersBitsEagerAndReplayed) {
+  MF_REQUIRE_GPU();
+  Pool pool;
+  const ExecContext& ctx = ExecContext::standard(Device::cuda);
+  std::unique_ptr<Communicator> self = make_self_communicator("ep");
+  GpuLayer local(ctx), slots(ctx, std::make_unique<SlotDispatcher>(layer_config(), kHidden, kTokens, *self));
+  const Values v = random_values(pool, local);
+  local.load(v);
+  local.step();
+  const auto want = local.results();
+  slots.load(v);
+  slots.step();
+  const auto eager = slots.results();
+  ASSERT_EQ(eager.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(eager[i] == want[i]) << "eager, result " << i;
+
+  CudaGraph graph;
+  std::string why;
+  ASSERT_TRUE(graph.capture(
+      ctx, [&] { slots.step(); }, &why))
+      << why;
+  slots.load(random_values(pool, slots));  // other values first: the replay must compute, not keep
+  slots.load(v);
+  graph.launch(ctx);
+  const auto replayed = slots.results();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(replayed[i] == want[i]) << "replayed, result " << i;
+  const auto* d = dynamic_cast<const SlotDispatcher*>(&slots.layer.dispatcher());
+  ASSERT_NE(d, nullptr);
+  double overflow = -1;
+  Tensor(&overflow, DType::f64, {1}).copy_from(d->overflow(), &ctx);
+  EXPECT_EQ(overflow, 0.0);
 }
 
 // Scratch belongs to the context: two contexts never share a buffer, and one context reuses its
