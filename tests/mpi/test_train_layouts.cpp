@@ -314,7 +314,7 @@ TEST_F(Layouts, HierarchicalDispatchMatchesTheFlatOne) {
 // moe.dispatcher = "slots" (the exchange in fixed slots, the counts on the device): three steps
 // give the all-to-all dispatcher's losses, gradient norms and expert loads (the experts' rows sit
 // in another order: within rounding) with slots of the worst case and of less, moefold plan's
-// memory is the trainer's; FP8 rows travel through them; slots of exactly
+// memory is the trainer's; with two micro-batches interleaved and FP8 rows too; slots of exactly
 // the average share (moe.ep_recv_factor = 1) cannot hold random routing: the first step fails
 // on every rank with one line naming the key, before the optimizer runs, and so does an evaluation.
 TEST_F(Layouts, SlotDispatchMatchesTheAllToAllOne) {
@@ -343,6 +343,13 @@ TEST_F(Layouts, SlotDispatchMatchesTheAllToAllOne) {
       EXPECT_NEAR(run.trainer->evaluate(), want_eval, 1e-6 * want_eval);
       const MemoryPlan p = plan_memory(c, n, world.rank(), Device::cpu);
       EXPECT_EQ(p.device_total(), run.trainer->planned_bytes());
+    }
+    {  // two micro-batches interleaved (parallel.overlap_moe_a2a): each has its own slots
+      Config c = flat_cfg;
+      c.moe.dispatcher = "slots";
+      c.parallel.overlap_moe_a2a = true;
+      LayoutRun run(c, world);
+      for (int i = 0; i < 3; ++i) testing::expect_step_matches(run.trainer->train_step(), want[static_cast<size_t>(i)]);
     }
     // FP8 with packed FP8 rows through the slots (their byte-row views): the first step's forward
     // quantizes each row alone, so its loss is the all-to-all's; the gradients then group the rows
