@@ -261,6 +261,14 @@ TEST(Config, BadKernelsValueIsOneLineNamingTheKey) {
       {"[model]\nnum_hidden_layers = 68888888888\n", "model.num_hidden_layers = 68888888888 is more than 16384 layers"},
       {"[train]\nexp_avg_sq_dtype = \"f16\"\n", "train.exp_avg_sq_dtype = 'f16' is not supported (f32, bf16)"},
       {"[moe]\nep_recv_factor = 0.5\n", "moe.ep_recv_factor = 0.5 must be 0 (the worst case) or >= 1"},
+      {"[moe]\ndispatcher = \"slot\"\n", "moe.dispatcher = 'slot' is not supported (alltoall, hierarchical, slots)"},
+      {"[moe]\ndispatcher = \"slots\"\ncapacity_factor = 1.25\n",
+       "moe.dispatcher = \"slots\" needs dropless routing or moe.pad_to_capacity = true"},
+      {"[moe]\ndispatcher = \"slots\"\nnum_experts = 2048\n", "moe.dispatcher = \"slots\" takes at most 1024 experts"},
+      {"[moe]\ndispatcher = \"slots\"\n[parallel]\nep = 2\netp = 2\n",
+       "moe.dispatcher = \"slots\" needs parallel.etp = 1 (etp = 2)"},
+      {"[moe]\ndispatcher = \"slots\"\n[parallel]\nep_transport = \"ipc\"\n",
+       "moe.dispatcher = \"slots\" exchanges through the communicator: parallel.ep_transport = 'ipc' does not apply"},
   };
   for (const auto& [text, needle] : cases) {
     const std::string e = err(text);

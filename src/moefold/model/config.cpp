@@ -257,6 +257,10 @@ void Config::validate() const {
     MF_FAIL("moe.moe_intermediate_size = ", moe.moe_intermediate_size, " is not divisible by parallel.etp = ", p.etp);
   if (moe.dispatcher == "slots" && p.etp > 1)
     MF_FAIL("moe.dispatcher = \"slots\" needs parallel.etp = 1 (etp = ", p.etp, ")");
+  if (moe.dispatcher == "slots" && p.ep_transport == "ipc")
+    MF_FAIL(
+        "moe.dispatcher = \"slots\" exchanges through the communicator: parallel.ep_transport = 'ipc' does not "
+        "apply (auto or nccl)");
   if (moe.dispatcher == "hierarchical" && (p.ep == 1 || p.etp > 1))
     MF_FAIL("moe.dispatcher = \"hierarchical\" needs parallel.ep > 1 and parallel.etp = 1 (ep = ", p.ep,
             ", etp = ", p.etp, ")");
