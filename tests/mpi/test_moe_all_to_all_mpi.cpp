@@ -334,7 +334,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, Slots, ::testing::ValuesIn(all_cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
 // Slots too small for the routing (every token to expert 7, slots of 1.5 x the average share): the
-// step runs to its end without touching memory outside its buffers (the ASan build checks), leaves
+// step runs to its end without touching memory outside its buffers (run it from the ASan build), leaves
 // the rows that did not fit out, and counts them on the device; nothing is read by the host.
 TEST(Slots, RowsThatDoNotFitAreCountedNotWritten) {
   Communicator& world = testing::test_world();
