@@ -57,6 +57,19 @@ using testing::draw_block;
 using testing::rel_err;
 using testing::sum_all;
 
+// Every parameter drawn from `seed`, and the case's bias (if any) added to every element of gate row e.
+void fill_params(Rig& rig, const Case& c, uint64_t seed) {
+  int64_t stream = 1;
+  for (Param& p : rig.mem.params()) fill_normal(p.value, seed, stream++, 0.0, 0.5);
+  if (c.bias_E.empty()) return;
+  double* g = rig.param(".gate.weight").value.ptr<double>();
+  for (int64_t e = 0; e < kE; ++e)
+    for (int64_t i = 0; i < kH; ++i) g[e * kH + i] += c.bias_E[e];
+}
+
+// Every token to expert 7 (one rank's), K = 1, receive buffers at 1.5 x the average: more than fits.
+Case overflow_case() { return make("overflow", {.k = 1, .norm = false, .recv = 1.5}, {0, 0, 0, 0, 0, 0, 0, 5}); }
+
 // moe.ep_recv_factor too small for the routing (every token to expert 7, one rank's): every rank
 // of the group fails the dispatch with one message naming the key, none hangs.
 TEST(AllToAllDispatcher, RecvFactorOverflowFailsOnEveryRank) {
@@ -64,15 +77,11 @@ TEST(AllToAllDispatcher, RecvFactorOverflowFailsOnEveryRank) {
   const int ep = world.size();
   if (ep == 1 || kE % ep != 0) GTEST_SKIP() << "needs EP > 1 dividing " << kE;
   const uint64_t seed = shared_seed(world);
-  Case c = make("overflow", {.k = 1, .norm = false, .recv = 1.5}, {0, 0, 0, 0, 0, 0, 0, 5});
+  const Case c = overflow_case();
   const int64_t max_t = testing::block_tokens(ep - 1);
   Pool pool;
   Rig rig(c.cfg, max_t, std::make_unique<AllToAllDispatcher>(c.cfg, kH, max_t, world));
-  int64_t stream = 1;
-  for (Param& p : rig.mem.params()) fill_normal(p.value, seed, stream++, 0.0, 0.5);
-  double* g = rig.param(".gate.weight").value.ptr<double>();
-  for (int64_t e = 0; e < kE; ++e)
-    for (int64_t i = 0; i < kH; ++i) g[e * kH + i] += c.bias_E[e];
+  fill_params(rig, c, seed);
   const testing::Block own = testing::draw_block(pool, seed, world.rank(), kH, true, 0);
   Tensor y = pool.zeros(own.x.shape());
   try {
@@ -105,13 +114,7 @@ void expect_references(const Case& c, uint64_t seed, std::unique_ptr<Dispatcher>
 
   // The full layer, identical on every rank.
   Rig ref(cfg, max_t, nullptr);
-  int64_t stream = 1;
-  for (Param& p : ref.mem.params()) fill_normal(p.value, seed, stream++, 0.0, 0.5);
-  if (biased) {
-    double* g = ref.param(".gate.weight").value.ptr<double>();
-    for (int64_t e = 0; e < kE; ++e)
-      for (int64_t i = 0; i < kH; ++i) g[e * kH + i] += c.bias_E[e];
-  }
+  fill_params(ref, c, seed);
 
   const Dispatcher& d = *disp;
   Rig mine(cfg, max_t, std::move(disp));
@@ -341,17 +344,13 @@ TEST(Slots, RowsThatDoNotFitAreCountedNotWritten) {
   const int ep = world.size();
   if (ep == 1 || kE % ep != 0) GTEST_SKIP() << "needs EP > 1 dividing " << kE;
   const uint64_t seed = shared_seed(world);
-  Case c = make("overflow", {.k = 1, .norm = false, .recv = 1.5}, {0, 0, 0, 0, 0, 0, 0, 5});
+  const Case c = overflow_case();
   const int64_t max_t = testing::block_tokens(ep - 1);
   Pool pool;
   auto owned = std::make_unique<SlotDispatcher>(c.cfg, kH, max_t, world);
   SlotDispatcher& disp = *owned;
   Rig rig(c.cfg, max_t, std::move(owned));
-  int64_t stream = 1;
-  for (Param& p : rig.mem.params()) fill_normal(p.value, seed, stream++, 0.0, 0.5);
-  double* g = rig.param(".gate.weight").value.ptr<double>();
-  for (int64_t e = 0; e < kE; ++e)
-    for (int64_t i = 0; i < kH; ++i) g[e * kH + i] += c.bias_E[e];
+  fill_params(rig, c, seed);
   const testing::Block own = testing::draw_block(pool, seed, world.rank(), kH, true, 0);
   Tensor y = pool.zeros(own.x.shape()), dx = pool.zeros(own.x.shape());
   rig.layer.forward(own.x, y);
