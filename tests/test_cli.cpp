@@ -206,6 +206,23 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
   EXPECT_EQ(hier.code, 0) << hier.err;
   EXPECT_NE(testing::read_bytes((d / "hier" / "metrics.jsonl").string()).find("\"inter_node_bytes\""),
             std::string::npos);
+  // The slot dispatcher: slots of exactly the average share cannot hold the routing (the corpus is
+  // one character, so with K = 1 every token takes the same expert, one rank's): the first step
+  // fails on both ranks with one line naming the key, and no checkpoint is written; at the worst
+  // case it trains.
+  expect_on_both(
+      "--set train.global_batch_size=4 --set parallel.ep=2 --set moe.dispatcher=slots "
+      "--set moe.ep_recv_factor=1 --set moe.num_experts_per_tok=1",
+      "rows of the expert-parallel exchange did not fit its fixed slots (moe.dispatcher = \"slots\", "
+      "moe.ep_recv_factor = 1); raise moe.ep_recv_factor");
+  EXPECT_FALSE(fs::exists(d / "r" / "checkpoints"));
+  Result slots = run_mpi(2,
+                         cat("train --run-dir slots --steps 2 --set data.path=data.tokens ", kSmall,
+                             " --set train.global_batch_size=4 --set parallel.ep=2 --set moe.dispatcher=slots "
+                             "--set moe.num_experts_per_tok=1"),
+                         d);
+  EXPECT_EQ(slots.code, 0) << slots.err;
+  EXPECT_TRUE(fs::exists(d / "slots" / "checkpoints" / "step_00000002" / "model-00002-of-00002.safetensors"));
   // And the good layout trains, writing one shard per EP rank.
   Result ok = run_mpi(2,
                       cat("train --run-dir good --steps 2 --set data.path=data.tokens ", kSmall,
