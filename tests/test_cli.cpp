@@ -84,6 +84,17 @@ TEST(Cli, PlanPrintsEachRanksBytes) {
   EXPECT_EQ(fp8.code, 0) << fp8.err;
   EXPECT_NE(fp8.out.find("train.main_grads_dtype = bf16, train.fp8_param = true: peak"), std::string::npos) << fp8.out;
   EXPECT_EQ(r.out.find("train.fp8_param"), std::string::npos) << r.out;
+  // The slot dispatcher's fixed sizes: 4096 tokens per rank, K = 8 of 128 experts over EP 8 (16
+  // each): slots of 2 x 4096 x 8 / 8 rows at twice the average, 2 x 4096 x 8 rows to the experts.
+  Result slots =
+      run("plan --config qwen3-30b-a3b --world 8 --set parallel.ep=8 --set model.num_hidden_layers=4 "
+          "--set moe.dispatcher=slots --set moe.ep_recv_factor=2 --set train.micro_batch_size=1");
+  EXPECT_EQ(slots.code, 0) << slots.err;
+  EXPECT_NE(slots.out.find("slot dispatcher (moe.ep_recv_factor = 2): 8192 rows per peer slot, 65536 rows to the "
+                           "experts; each exchange moves 65536 rows per rank whatever the routing (32768 routed on "
+                           "average)"),
+            std::string::npos)
+      << slots.out;
   Result tiny = run("plan --device cpu --gpu-memory 1TB");
   EXPECT_EQ(tiny.code, 0) << tiny.err;
   EXPECT_NE(tiny.out.find("planned on the host"), std::string::npos) << tiny.out;

@@ -12,6 +12,7 @@
 
 #include "moefold/cli/commands.h"
 #include "moefold/core/error.h"
+#include "moefold/moe/slot_dispatcher.h"
 #include "moefold/train/checkpoint.h"
 #include "moefold/train/memory_plan.h"
 #include "moefold/train/perf_model.h"
@@ -233,6 +234,17 @@ void run_plan(const PlanArgs& a) {
         "chunk): %s on the first stage, %s on the last\n",
         cfg.parallel.pipeline_schedule.c_str(), l.vpp > 1 ? ", interleaved" : "", ov ? ", all-to-all overlap" : "",
         l.vpp > 1 ? "virtual " : "", counts.c_str(), first.c_str(), last.c_str());
+  }
+  if (cfg.moe.dispatcher == "slots" && l.ep > 1) {  // its fixed sizes decide memory and the bytes on the wire
+    const int64_t tokens = cfg.train.micro_batch_size * cfg.train.seq_len / (l.cp * l.tp);
+    const int ep = static_cast<int>(l.ep);
+    const int64_t slot = SlotDispatcher::slot_rows(cfg.moe, tokens, ep);
+    std::printf(
+        "slot dispatcher (moe.ep_recv_factor = %g): %lld rows per peer slot, %lld rows to the experts; each "
+        "exchange moves %lld rows per rank whatever the routing (%lld routed on average)\n",
+        cfg.moe.ep_recv_factor, static_cast<long long>(slot),
+        static_cast<long long>(SlotDispatcher::expert_rows(cfg.moe, tokens, ep)), static_cast<long long>(slot * ep),
+        static_cast<long long>(tokens * cfg.moe.num_experts_per_tok));
   }
   std::printf(
       "per rank (%s); planned = what the trainer reserves before step 0 (its binding pass); the libraries\n"

@@ -25,6 +25,11 @@ int64_t SlotDispatcher::slot_rows(const MoeConfig& cfg, int64_t max_tokens, int 
   return std::min(worst, static_cast<int64_t>(std::ceil(cfg.ep_recv_factor * share)));
 }
 
+int64_t SlotDispatcher::expert_rows(const MoeConfig& cfg, int64_t max_tokens, int ep_size) {
+  if (cfg.capacity_factor > 0) return ep_size * slot_rows(cfg, max_tokens, ep_size);
+  return ep_max_recv_rows(cfg, max_tokens, ep_size);
+}
+
 SlotDispatcher::SlotDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, Communicator& ep)
     : cfg_(cfg), hidden_(hidden), max_tokens_(max_tokens), ep_(ep) {
   MF_CHECK(hidden >= 1 && max_tokens >= 0, "SlotDispatcher: hidden ", hidden, ", max_tokens ", max_tokens);
@@ -37,7 +42,7 @@ SlotDispatcher::SlotDispatcher(const MoeConfig& cfg, int64_t hidden, int64_t max
   p_n_ = ep.size();
   l_n_ = cfg.num_experts / p_n_;
   b_n_ = slot_rows(cfg, max_tokens, p_n_);
-  r_max_ = cfg.capacity_factor > 0 ? p_n_ * b_n_ : ep_max_recv_rows(cfg, max_tokens, p_n_);
+  r_max_ = expert_rows(cfg, max_tokens, p_n_);
   s_max_ = cfg.max_rows(max_tokens);
 }
 

@@ -41,12 +41,14 @@ class SlotDispatcher final : public Dispatcher {
   // B: rows of one slot. Padded: L x capacity (exactly what a peer sends). Dropless: the worst
   // case T min(K, L), or with moe.ep_recv_factor f > 0 at most ceil(f T K / P).
   static int64_t slot_rows(const MoeConfig& cfg, int64_t max_tokens, int ep_size);
+  // R: the rows the local experts always get. Padded, P x B (exact); dropless, ep_max_recv_rows
+  // (the worst case, or ceil(f T K)).
+  static int64_t expert_rows(const MoeConfig& cfg, int64_t max_tokens, int ep_size);
 
   void bind(Memory& mem) override;
   int64_t num_local_experts() const override { return l_n_; }
   int64_t first_local_expert() const override { return ep_.rank() * l_n_; }
-  // R: padded, P x B (exact); dropless, ep_max_recv_rows (the worst case, or ceil(f T K)).
-  int64_t max_rows() const override { return r_max_; }
+  int64_t max_rows() const override { return r_max_; }  // expert_rows
   int64_t slot_rows() const { return b_n_; }
   void set_overflow_sink(const Tensor& sink_1) override { sink_ = sink_1; }
   // Where the overflow is added: the sink, else the dispatcher's own counter (zero after bind).
