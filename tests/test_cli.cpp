@@ -201,20 +201,19 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
   // Interleaving needs the micro-batches per step to be a multiple of pp: 2 sequences are one here.
   expect_on_both("--set parallel.pp=2 --set parallel.vpp=2 --set model.num_hidden_layers=4",
                  "the interleaved schedule needs the micro-batches per step");
+  // A good layout trains two steps on both ranks and writes both ranks' shards.
+  auto expect_trains = [&](const std::string& run_dir, const std::string& set) {
+    Result r =
+        run_mpi(2, cat("train --run-dir ", run_dir, " --steps 2 --set data.path=data.tokens ", kSmall, " ", set), d);
+    EXPECT_EQ(r.code, 0) << set << ": " << r.err;
+    EXPECT_TRUE(fs::exists(d / run_dir / "checkpoints" / "step_00000002" / "model-00002-of-00002.safetensors")) << set;
+  };
   // Two stages train and write a shard each.
-  Result stages = run_mpi(2,
-                          cat("train --run-dir pp --steps 2 --set data.path=data.tokens ", kSmall,
-                              " --set parallel.pp=2 ", "--set model.num_hidden_layers=2"),
-                          d);
-  EXPECT_EQ(stages.code, 0) << stages.err;
-  EXPECT_TRUE(fs::exists(d / "pp" / "checkpoints" / "step_00000002" / "model-00002-of-00002.safetensors"));
+  expect_trains("pp", "--set parallel.pp=2 --set model.num_hidden_layers=2");
   // Two emulated nodes of one rank: the hierarchical dispatcher trains and counts what crossed.
-  Result hier = run_mpi(2,
-                        cat("train --run-dir hier --steps 2 --set data.path=data.tokens ", kSmall,
-                            " --set train.global_batch_size=4 --set parallel.ep=2 --set moe.dispatcher=hierarchical "
-                            "--set parallel.ranks_per_node=1"),
-                        d);
-  EXPECT_EQ(hier.code, 0) << hier.err;
+  expect_trains("hier",
+                "--set train.global_batch_size=4 --set parallel.ep=2 --set moe.dispatcher=hierarchical "
+                "--set parallel.ranks_per_node=1");
   EXPECT_NE(testing::read_bytes((d / "hier" / "metrics.jsonl").string()).find("\"inter_node_bytes\""),
             std::string::npos);
   // The slot dispatcher: slots of exactly the average share cannot hold the routing (the corpus is
@@ -227,20 +226,11 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
       "rows of the expert-parallel exchange did not fit its fixed slots (moe.dispatcher = \"slots\", "
       "moe.ep_recv_factor = 1); raise moe.ep_recv_factor");
   EXPECT_FALSE(fs::exists(d / "r" / "checkpoints"));
-  Result slots = run_mpi(2,
-                         cat("train --run-dir slots --steps 2 --set data.path=data.tokens ", kSmall,
-                             " --set train.global_batch_size=4 --set parallel.ep=2 --set moe.dispatcher=slots "
-                             "--set moe.num_experts_per_tok=1"),
-                         d);
-  EXPECT_EQ(slots.code, 0) << slots.err;
-  EXPECT_TRUE(fs::exists(d / "slots" / "checkpoints" / "step_00000002" / "model-00002-of-00002.safetensors"));
+  expect_trains("slots",
+                "--set train.global_batch_size=4 --set parallel.ep=2 --set moe.dispatcher=slots "
+                "--set moe.num_experts_per_tok=1");
   // And the good layout trains, writing one shard per EP rank.
-  Result ok = run_mpi(2,
-                      cat("train --run-dir good --steps 2 --set data.path=data.tokens ", kSmall,
-                          " --set train.global_batch_size=4 --set parallel.ep=2"),
-                      d);
-  EXPECT_EQ(ok.code, 0) << ok.err;
-  EXPECT_TRUE(fs::exists(d / "good" / "checkpoints" / "step_00000002" / "model-00002-of-00002.safetensors"));
+  expect_trains("good", "--set train.global_batch_size=4 --set parallel.ep=2");
 }
 
 TEST(Cli, PrepareTrainResumeAndBadCheckpoint) {

@@ -55,7 +55,6 @@ class SlotDispatcher final : public Dispatcher {
   const Tensor& overflow() const { return sink_.defined() ? sink_ : own_overflow_; }
   // i64 [P, L] of the last dispatch: rows slot p brought for local expert l (padding excluded).
   const Tensor& recv_counts() const { return recv_counts_PL_; }
-  Communicator& group() const { return ep_; }
 
   // Collective over the EP group (every EP rank calls each of these together); nothing is read
   // back to the host.
