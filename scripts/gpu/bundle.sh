@@ -17,8 +17,9 @@ fi
 root="${MOEFOLD_BUNDLE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
 build="${MOEFOLD_GPU_BUILD:-$root/build-gpu}"
 out="$root/.gpu"
-grep -qx '/.gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$root/.git/info/exclude"
-grep -qx '/build-gpu/' "$root/.git/info/exclude" 2>/dev/null || echo '/build-gpu/' >> "$root/.git/info/exclude"
+# In a linked worktree .git is a file: the exclude list lives in the common git directory.
+exclude="$(cd "$root" && git rev-parse --path-format=absolute --git-common-dir)/info/exclude"
+for p in /.gpu/ /build-gpu/ /.gpupack/; do grep -qx "$p" "$exclude" 2>/dev/null || echo "$p" >> "$exclude"; done
 # MOEFOLD_GPU_BUILD_TYPE: Release by default; e.g. RelWithDebInfo with MOEFOLD_GPU_BUILD=build-ci to
 # bundle the CI build's binaries instead of building everything again (device code is the same).
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE="${MOEFOLD_GPU_BUILD_TYPE:-Release}" -DMOEFOLD_WERROR=ON \
@@ -71,6 +72,5 @@ du -sh "$out" | sed 's/^/bundle: /'
 # The device tool carries at most 64 MiB with the working tree; the full set of GPU tests is larger
 # (77 MB at b276583). A gzipped copy is a third of it: carry .gpupack and begin the command with
 # `tar xzf .gpupack/gpu.tgz;`.
-grep -qx '/.gpupack/' "$root/.git/info/exclude" 2>/dev/null || echo '/.gpupack/' >> "$root/.git/info/exclude"
 mkdir -p "$root/.gpupack" && tar czf "$root/.gpupack/gpu.tgz" -C "$root" .gpu
 du -sh "$root/.gpupack/gpu.tgz" | sed 's/^/packed: /'
