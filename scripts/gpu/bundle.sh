@@ -41,7 +41,7 @@ if [ -n "${MOEFOLD_GPU_BASELINE:-}" ]; then
   current=$(git -C "$root" symbolic-ref -q --short HEAD || git -C "$root" rev-parse HEAD)
   baseline_bin=$(mktemp -d)
   trap 'git -C "$root" checkout -q "$current"' EXIT
-  git -C "$root" checkout -q "$MOEFOLD_GPU_BASELINE"
+  git -C "$root" checkout -q --detach "$MOEFOLD_GPU_BASELINE"  # detached: a branch checked out in another worktree works too
   base_targets=${MOEFOLD_GPU_BASELINE_TARGETS:-${MOEFOLD_GPU_EXTRA_TARGETS:-}}
   cmake --build "$build" -j"$(nproc)" --target $base_targets
   for t in $base_targets; do strip -o "$baseline_bin/${t}_old" "$build/$t"; done
