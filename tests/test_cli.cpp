@@ -224,11 +224,14 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
       "--set train.global_batch_size=4 --set parallel.ep=2 --set moe.dispatcher=slots "
       "--set moe.ep_recv_factor=1 --set moe.num_experts_per_tok=1",
       "rows of the expert-parallel exchange did not fit its fixed slots (moe.dispatcher = \"slots\", "
-      "moe.ep_recv_factor = 1); raise moe.ep_recv_factor");
+      "moe.ep_recv_factor = 1); raise moe.ep_recv_factor (this routing asked for up to 2 times a bound");
   EXPECT_FALSE(fs::exists(d / "r" / "checkpoints"));
   expect_trains("slots",
                 "--set train.global_batch_size=4 --set parallel.ep=2 --set moe.dispatcher=slots "
                 "--set moe.num_experts_per_tok=1");
+  // Every token on one rank's expert fills that peer's worst-case slot exactly.
+  EXPECT_NE(testing::read_bytes((d / "slots" / "metrics.jsonl").string()).find("\"ep_slot_fill\":1.0"),
+            std::string::npos);
   // And the good layout trains, writing one shard per EP rank.
   expect_trains("good", "--set train.global_batch_size=4 --set parallel.ep=2");
 }

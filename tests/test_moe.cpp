@@ -394,7 +394,8 @@ TEST(NodeRoute, MatchesBruteForce) {
 // fixed-size all_to_all done by hand (rank s's slot m becomes rank m's slot s), against the
 // definition: rank m's expert l gets, in rank order and within a rank in home-row order, every
 // (rank, token) routed to global expert m L + l that fit rank s's slot; the remaining rows pad the
-// last expert; the two maps are each other's inverse; the overflow counts what did not fit.
+// last expert; the two maps are each other's inverse; the overflow counts what did not fit; the
+// fill is the largest share of a bound asked for (a peer's rows over B, the rows that came over R).
 TEST(EpSlots, EmulatedExchangeGivesEveryRankItsExpertsRows) {
   Pool pool;
   const int64_t e_n = 8, k_n = 2;
@@ -416,17 +417,19 @@ TEST(EpSlots, EmulatedExchangeGivesEveryRankItsExpertsRows) {
             token_x.push_back(pool.zeros({x_n}, DType::i64));
             slot_tk.push_back(pool.zeros({t_n, k_n}, DType::i64));
             send.push_back(pool.zeros({p_n, l_n}, DType::i64));
-            Tensor over = pool.zeros({1}, DType::f64);
-            testing::set_value_at(over, 0, 0.5);  // added to, not written
+            Tensor over = pool.zeros({1}, DType::f64), fill = pool.zeros({1}, DType::f64);
+            testing::set_value_at(over, 0, 0.5);   // added to, not written
+            testing::set_value_at(fill, 0, 0.25);  // max-ed with, not written
             moe_ep_send_slots(testing::exec(), plans[s].offsets, plans[s].token, plans[s].row, b_n, token_x[s],
-                              slot_tk[s], send[s], over);
+                              slot_tk[s], send[s], over, fill);
             overflow_send += testing::value_at(over, 0) - 0.5;
             // The sender's side against its plan.
             const Plan& pl = plans[s];
-            double lost = 0;
+            double lost = 0, most = 0.25;
             for (int64_t m = 0; m < p_n; ++m) {
               const int64_t first = pl.at(pl.offsets, m * l_n), n = pl.at(pl.offsets, (m + 1) * l_n) - first;
               lost += static_cast<double>(std::max<int64_t>(0, n - b_n));
+              most = std::max(most, static_cast<double>(n) / static_cast<double>(std::max<int64_t>(b_n, 1)));
               for (int64_t i = 0; i < b_n; ++i)
                 ASSERT_EQ(token_x[s].ptr<int64_t>()[m * b_n + i], i < n ? pl.at(pl.token, first + i) : -1);
               int64_t in_slot = 0;
@@ -434,6 +437,7 @@ TEST(EpSlots, EmulatedExchangeGivesEveryRankItsExpertsRows) {
               EXPECT_EQ(in_slot, std::min(n, b_n));
             }
             EXPECT_EQ(testing::value_at(over, 0) - 0.5, lost);
+            EXPECT_EQ(testing::value_at(fill, 0), most);
             for (int64_t a = 0; a < t_n * k_n; ++a) {
               const int64_t r = pl.at(pl.row, a), x = slot_tk[s].ptr<int64_t>()[a];
               if (r < 0) {
@@ -456,8 +460,8 @@ TEST(EpSlots, EmulatedExchangeGivesEveryRankItsExpertsRows) {
               for (int64_t l = 0; l < l_n; ++l) recv.ptr<int64_t>()[s * l_n + l] = send[s].ptr<int64_t>()[m * l_n + l];
             Tensor src = pool.zeros({r_n}, DType::i64), row = pool.zeros({x_n}, DType::i64);
             Tensor counts = pool.zeros({l_n}, DType::i64), offsets = pool.zeros({l_n + 1}, DType::i64);
-            Tensor over = pool.zeros({1}, DType::f64);
-            moe_ep_recv_slots(testing::exec(), recv, b_n, src, row, counts, offsets, over);
+            Tensor over = pool.zeros({1}, DType::f64), fill = pool.zeros({1}, DType::f64);
+            moe_ep_recv_slots(testing::exec(), recv, b_n, src, row, counts, offsets, over, fill);
             overflow_recv += testing::value_at(over, 0);
             // The definition: expert l's rows, rank by rank, as (sending rank, token) pairs.
             std::vector<std::pair<int64_t, int64_t>> want;
@@ -473,6 +477,7 @@ TEST(EpSlots, EmulatedExchangeGivesEveryRankItsExpertsRows) {
             }
             const auto got_n = static_cast<int64_t>(want.size());
             EXPECT_EQ(testing::value_at(over, 0), static_cast<double>(std::max<int64_t>(0, got_n - r_n)));
+            EXPECT_EQ(testing::value_at(fill, 0), static_cast<double>(got_n) / static_cast<double>(r_n));
             EXPECT_EQ(offsets.ptr<int64_t>()[l_n], r_n);
             for (int64_t l = 0; l < l_n; ++l) {
               EXPECT_EQ(offsets.ptr<int64_t>()[l], std::min(starts[l], r_n)) << "expert " << l;

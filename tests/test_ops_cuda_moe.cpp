@@ -641,7 +641,8 @@ TEST(CudaNodeRoute, MatchesCpuBitForBit) {
 // ---- expert-parallel slots (SlotDispatcher) ------------------------------------------------------
 
 // The slot plans of both sides: the GPU's equal the CPU's integer for integer, with slots that
-// hold everything, slots that overflow, and experts' rows that overflow; padded plans too.
+// hold everything, slots that overflow, and experts' rows that overflow; padded plans too. The
+// overflow and the fill (both sides max-ed into one) bit for bit.
 TEST(CudaEpSlots, SendAndReceivePlansMatchCpu) {
   MF_REQUIRE_GPU();
   std::mt19937_64 rng(testing::fresh_seed());
@@ -674,14 +675,16 @@ TEST(CudaEpSlots, SendAndReceivePlansMatchCpu) {
       }
     }
     struct Side {
-      Tensor offsets, token, row, recv, token_x, slot_tk, send, src, row_x, counts, offsets_l, over;
+      Tensor offsets, token, row, recv, token_x, slot_tk, send, src, row_x, counts, offsets_l, over, fill;
     };
     auto run = [&](const Side& d) {
-      moe_ep_send_slots(testing::exec(), d.offsets, d.token, d.row, c.slot_rows, d.token_x, d.slot_tk, d.send, d.over);
-      moe_ep_recv_slots(testing::exec(), d.recv, c.slot_rows, d.src, d.row_x, d.counts, d.offsets_l, d.over);
+      moe_ep_send_slots(testing::exec(), d.offsets, d.token, d.row, c.slot_rows, d.token_x, d.slot_tk, d.send, d.over,
+                        d.fill);
+      moe_ep_recv_slots(testing::exec(), d.recv, c.slot_rows, d.src, d.row_x, d.counts, d.offsets_l, d.over, d.fill);
     };
-    Tensor over_h = pool.zeros({1}, DType::f64);
-    over_h.ptr<double>()[0] = 3;  // added to
+    Tensor over_h = pool.zeros({1}, DType::f64), fill_h = pool.zeros({1}, DType::f64);
+    over_h.ptr<double>()[0] = 3;      // added to
+    fill_h.ptr<double>()[0] = 0.125;  // max-ed with
     const Side h{offsets,
                  token,
                  row,
@@ -693,7 +696,8 @@ TEST(CudaEpSlots, SendAndReceivePlansMatchCpu) {
                  host_filled_i64(pool, {x_n}, kSentinel),
                  host_filled_i64(pool, {l_n}, kSentinel),
                  host_filled_i64(pool, {l_n + 1}, kSentinel),
-                 over_h};
+                 over_h,
+                 fill_h};
     const Side g{dev.upload(offsets, DType::i64),
                  dev.upload(token, DType::i64),
                  dev.upload(row, DType::i64),
@@ -705,7 +709,8 @@ TEST(CudaEpSlots, SendAndReceivePlansMatchCpu) {
                  filled_i64(dev, {x_n}, kSentinel),
                  filled_i64(dev, {l_n}, kSentinel),
                  filled_i64(dev, {l_n + 1}, kSentinel),
-                 dev.upload(over_h, DType::f64)};
+                 dev.upload(over_h, DType::f64),
+                 dev.upload(fill_h, DType::f64)};
     run(g);
     run(h);
     for (const auto& [what, a, b] :
@@ -715,6 +720,7 @@ TEST(CudaEpSlots, SendAndReceivePlansMatchCpu) {
           std::tuple{"offsets", g.offsets_l, h.offsets_l}})
       expect_same(ints(a), ints(b), what);
     EXPECT_EQ(bytes_of(g.over), bytes_of(h.over)) << "overflow";
+    EXPECT_EQ(bytes_of(g.fill), bytes_of(h.fill)) << "fill " << h.fill.ptr<double>()[0];
   }
 }
 

@@ -321,6 +321,10 @@ TEST_P(Slots, MatchesOneRankReference) {
           EXPECT_EQ(rows, want) << "padded rows received";
         }
         EXPECT_LE(rows, disp.max_rows());
+        // The fill: at most 1 where everything fit, at least what the experts' rows took of R.
+        const double fill = disp.fill().ptr<double>()[0];
+        EXPECT_LE(fill, 1.0);
+        EXPECT_GE(fill, static_cast<double>(rows) / static_cast<double>(std::max<int64_t>(disp.max_rows(), 1)));
         for (int64_t l = 0; l < l_n; ++l) {
           const int64_t e = rank * l_n + l;
           if (!c.bias_E.empty() && c.bias_E[e] >= 5 && !(cfg.capacity_factor > 0)) {
@@ -358,17 +362,21 @@ TEST(Slots, RowsThatDoNotFitAreCountedNotWritten) {
   const int64_t t_n = own.x.size(0), b_n = disp.slot_rows();
   // Rank r's tokens all go to the last rank's expert 7: t_n - B of them cannot travel.
   EXPECT_EQ(disp.overflow().ptr<double>()[0] >= static_cast<double>(std::max<int64_t>(0, t_n - b_n)), true);
+  EXPECT_GE(disp.fill().ptr<double>()[0], static_cast<double>(t_n) / static_cast<double>(std::max<int64_t>(b_n, 1)))
+      << "the fill of the slot to the last rank";
   double all = disp.overflow().ptr<double>()[0];
   world.all_reduce(Tensor(&all, DType::f64, {1}), ReduceOp::sum);
   EXPECT_GT(all, 0) << "nothing overflowed: the case does not test what it says";
   for (int64_t i = 0; i < y.numel(); ++i) ASSERT_TRUE(std::isfinite(y.ptr<double>()[i]));
   for (int64_t i = 0; i < dx.numel(); ++i) ASSERT_TRUE(std::isfinite(dx.ptr<double>()[i]));
-  // A sink given by the owner (the trainer's step sums) is added to instead.
-  double sink = 0.25;
-  disp.set_overflow_sink(Tensor(&sink, DType::f64, {1}));
+  // Sinks given by the owner (the trainer's step sums) are added to and max-ed into instead.
+  double sink = 0.25, fill = 0;
+  disp.set_overflow_sink(Tensor(&sink, DType::f64, {1}), Tensor(&fill, DType::f64, {1}));
   rig.layer.forward(own.x, y);
   world.all_reduce(Tensor(&sink, DType::f64, {1}), ReduceOp::sum);
+  world.all_reduce(Tensor(&fill, DType::f64, {1}), ReduceOp::max);
   EXPECT_GT(sink, 0.25 * ep);
+  EXPECT_GT(fill, 1.0) << "rows did not fit";
 }
 
 }  // namespace

@@ -339,7 +339,14 @@ TEST_F(Layouts, SlotDispatchMatchesTheAllToAllOne) {
       c.moe.dispatcher = "slots";
       c.moe.ep_recv_factor = factor;
       LayoutRun run(c, world);
-      for (int i = 0; i < 3; ++i) testing::expect_step_matches(run.trainer->train_step(), want[static_cast<size_t>(i)]);
+      for (int i = 0; i < 3; ++i) {
+        const StepMetrics got = run.trainer->train_step();
+        testing::expect_step_matches(got, want[static_cast<size_t>(i)]);
+        // What the routing asked of the slots: something, and no more than they hold.
+        EXPECT_GT(got.ep_slot_fill, 0.0);
+        EXPECT_LE(got.ep_slot_fill, 1.0);
+        EXPECT_EQ(want[static_cast<size_t>(i)].ep_slot_fill, 0.0) << "the all-to-all dispatcher has no slots";
+      }
       EXPECT_NEAR(run.trainer->evaluate(), want_eval, 1e-6 * want_eval);
       const MemoryPlan p = plan_memory(c, n, world.rank(), Device::cpu);
       EXPECT_EQ(p.device_total(), run.trainer->planned_bytes());
@@ -388,7 +395,8 @@ TEST_F(Layouts, SlotDispatchMatchesTheAllToAllOne) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("step 1: "), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("did not fit its fixed slots (moe.dispatcher = \"slots\", "
-                                           "moe.ep_recv_factor = 1); raise moe.ep_recv_factor"),
+                                           "moe.ep_recv_factor = 1); raise moe.ep_recv_factor (this routing asked "
+                                           "for up to "),
                 std::string::npos)
           << e.what();
     }

@@ -110,10 +110,15 @@ class Dispatcher {
   // min(T*K, E*capacity) (moe_permute_plan without waiting): zero rows, the same results.
   virtual void set_rows_without_waiting(bool on) { (void)on; }
   // Rows a dispatch cannot place (SlotDispatcher: past its fixed slots) are left out and ADDED,
-  // as a whole number, to sink_1 (f64 [1] on the rows' device) without the host reading them; the
-  // trainer fails the step when the sum is not 0. Dispatchers that cannot overflow, or that check
-  // on the host (AllToAllDispatcher), ignore it. An undefined tensor: the dispatcher's own counter.
-  virtual void set_overflow_sink(const Tensor& sink_1) { (void)sink_1; }
+  // as a whole number, to overflow_1 (f64 [1] on the rows' device) without the host reading them;
+  // the trainer fails the step when the sum is not 0. fill_1 (f64 [1], there too) is MAX-ed with
+  // the largest share of a fixed buffer a dispatch asked for (rows over the bound: above 1 where
+  // rows were left out). Dispatchers that cannot overflow, or that check on the host
+  // (AllToAllDispatcher), ignore both. Undefined tensors: the dispatcher's own counters.
+  virtual void set_overflow_sink(const Tensor& overflow_1, const Tensor& fill_1) {
+    (void)overflow_1;
+    (void)fill_1;
+  }
 
   // Routes x_TH to expert-contiguous rows. topk_idx_TK (i32) and topk_prob_TK come from the
   // router. REQUIRES: T <= max_tokens; topk_prob_TK stays unchanged until combine_backward (the

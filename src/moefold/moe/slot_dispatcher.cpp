@@ -68,9 +68,11 @@ void SlotDispatcher::bind(Memory& mem) {
   const Shape rows{r_max_, row_width(hidden_)};
   rows_RH_ = offload_rows_ ? mem.offloaded(rows, rows_dtype_) : mem.act(rows, rows_dtype_);
   own_overflow_ = mem.result({1}, DType::f64);
-  if (!mem.measuring()) {  // zero once: it only ever grows
+  own_fill_ = mem.result({1}, DType::f64);
+  if (!mem.measuring()) {  // zero once: they only ever grow
     double zero = 0;
     own_overflow_.copy_from(Tensor(&zero, DType::f64, {1}));
+    own_fill_.copy_from(Tensor(&zero, DType::f64, {1}));
   }
   plan_ = DispatchPlan{};
   combined_ = false;
@@ -100,9 +102,9 @@ const DispatchPlan& SlotDispatcher::dispatch(const Tensor& x_TH, const Tensor& t
   p.token_R = home_token_S_.slice(0, s_n);
   const Tensor slot_TK = slot_TK_.slice(0, t_n);
   moe_ep_send_slots(*ctx_, home_offsets_E1_, home_token_S_, p.row_TK, b_n_, token_X_, slot_TK, send_counts_PL_,
-                    overflow());
+                    overflow(), fill());
   ep_.all_to_all(send_counts_PL_, recv_counts_PL_);
-  moe_ep_recv_slots(*ctx_, recv_counts_PL_, b_n_, src_R_, row_X_, counts_L_, offsets_L1_, overflow());
+  moe_ep_recv_slots(*ctx_, recv_counts_PL_, b_n_, src_R_, row_X_, counts_L_, offsets_L1_, overflow(), fill());
   // 2. The rows: x into the slots (free rows zero), across, and out into the experts' order.
   const Tensor send = rows_view(send_XH_, x_n, w, rows_dtype_), recv = rows_view(recv_XH_, x_n, w, rows_dtype_);
   moe_permute(*ctx_, x_TH, token_X_, send);

@@ -10,7 +10,8 @@
 //   leave free pad the last expert as zero rows, which compute and add nothing.
 // Rows past either bound cannot be placed: they are left out (no memory outside the buffers is
 // touched) and counted on the device into the overflow sink, which the trainer reads with the
-// step's statistics and turns into a failed step naming moe.ep_recv_factor. Free slot rows travel
+// step's statistics and turns into a failed step naming moe.ep_recv_factor; the fill sink gets the
+// largest share of a bound any dispatch asked for (the step's `ep_slot_fill`). Free slot rows travel
 // as zeros, so the exchange moves P B rows each way whatever the routing (the slack of the bound).
 // The whole home side is LocalDispatcher's ops over the slot layout: the home rows ARE the slots.
 // Not pipelined (the experts run once all rows have arrived). Needs dropless routing or
@@ -50,9 +51,14 @@ class SlotDispatcher final : public Dispatcher {
   int64_t first_local_expert() const override { return ep_.rank() * l_n_; }
   int64_t max_rows() const override { return r_max_; }  // expert_rows
   int64_t slot_rows() const { return b_n_; }
-  void set_overflow_sink(const Tensor& sink_1) override { sink_ = sink_1; }
-  // Where the overflow is added: the sink, else the dispatcher's own counter (zero after bind).
+  void set_overflow_sink(const Tensor& overflow_1, const Tensor& fill_1) override {
+    sink_ = overflow_1;
+    fill_sink_ = fill_1;
+  }
+  // Where the overflow is added and the fill max-ed: the sinks, else the dispatcher's own
+  // counters (zero after bind).
   const Tensor& overflow() const { return sink_.defined() ? sink_ : own_overflow_; }
+  const Tensor& fill() const { return fill_sink_.defined() ? fill_sink_ : own_fill_; }
   // i64 [P, L] of the last dispatch: rows slot p brought for local expert l (padding excluded).
   const Tensor& recv_counts() const { return recv_counts_PL_; }
 
@@ -82,7 +88,7 @@ class SlotDispatcher final : public Dispatcher {
   // Slots: send_XH_ and recv_XH_ carry each leg (dispatch in the rows' format: rows_view);
   // home_XH_ keeps the outputs combine brought home until combine_backward.
   Tensor send_XH_, recv_XH_, home_XH_, rows_RH_;
-  Tensor own_overflow_, sink_;
+  Tensor own_overflow_, sink_, own_fill_, fill_sink_;
   DispatchPlan plan_;
   bool combined_ = false;
 };

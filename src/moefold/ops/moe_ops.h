@@ -178,11 +178,12 @@ void moe_combine_backward(const ExecContext& ctx, const Tensor& out_RH, const Te
 // token of each slot row, -1 where there is none (a free row or a padding row); slot_TK (i64
 // [T, K]) the slot row of each assignment, -1 when dropped or when it did not fit; send_counts_PL
 // (i64 [P, L]) the rows of each of p's experts in slot p. overflow_1 (f64 [1]) is ADDED the rows
-// that did not fit. REQUIRES: home_offsets_E1 non-decreasing from 0, row_TK's rows below its last,
-// E <= 1024.
+// that did not fit. fill_1 (f64 [1], optional) is MAX-ed with the fill asked of the slots: the most
+// home rows of one peer over B (above 1: some did not fit; B = 0 counts as 1 row). REQUIRES:
+// home_offsets_E1 non-decreasing from 0, row_TK's rows below its last, E <= 1024; fill_1 >= 0.
 void moe_ep_send_slots(const ExecContext& ctx, const Tensor& home_offsets_E1, const Tensor& home_token_S,
                        const Tensor& row_TK, int64_t slot_rows, const Tensor& token_X, const Tensor& slot_TK,
-                       const Tensor& send_counts_PL, const Tensor& overflow_1);
+                       const Tensor& send_counts_PL, const Tensor& overflow_1, const Tensor& fill_1 = Tensor());
 // The receiving side: recv_counts_PL (i64 [P, L]) the rows slot p brought for each local expert
 // (peer p's send_counts_PL for this rank). The experts' R = src_R.numel() rows are expert-major,
 // expert l's from every slot in slot order; rows past R do not fit, and the rows the slots leave
@@ -190,10 +191,12 @@ void moe_ep_send_slots(const ExecContext& ctx, const Tensor& home_offsets_E1, co
 // rows, which compute and add nothing). Written: src_R (i64 [R]) the slot row of each expert row,
 // -1 for padding; row_X (i64 [P * B]) the expert row of each slot row, -1 where there is none;
 // counts_L (i64 [L], padding included) and offsets_L1 (i64 [L + 1]). overflow_1 (f64 [1]) is ADDED
-// the rows that did not fit. REQUIRES: counts >= 0, each slot's sum <= B, E = P * L <= 1024 (CUDA: the
-// tables live in shared memory).
+// the rows that did not fit; fill_1 (f64 [1], optional) is MAX-ed with the rows that came over R (R = 0
+// counts as 1 row). REQUIRES: counts >= 0, each slot's sum <= B, E = P * L <= 1024 (CUDA: the
+// tables live in shared memory); fill_1 >= 0.
 void moe_ep_recv_slots(const ExecContext& ctx, const Tensor& recv_counts_PL, int64_t slot_rows, const Tensor& src_R,
-                       const Tensor& row_X, const Tensor& counts_L, const Tensor& offsets_L1, const Tensor& overflow_1);
+                       const Tensor& row_X, const Tensor& counts_L, const Tensor& offsets_L1, const Tensor& overflow_1,
+                       const Tensor& fill_1 = Tensor());
 
 // ---- node routing (HierarchicalDispatcher): each token crosses to a node once ---------------------
 // The experts are split over nodes in contiguous blocks of `experts_per_node` (N * experts_per_node

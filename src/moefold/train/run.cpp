@@ -103,7 +103,8 @@ void write_tensorboard(TensorBoardWriter& tb, const StepMetrics& m, const nlohma
                                                                   {"throughput/step_time_s", "step_time_s"},
                                                                   {"memory/gpu_peak_mib", "gpu_memory_peak_mib"},
                                                                   {"memory/host_peak_mib", "host_memory_peak_mib"},
-                                                                  {"comm/inter_node_bytes", "inter_node_bytes"}})
+                                                                  {"comm/inter_node_bytes", "inter_node_bytes"},
+                                                                  {"comm/ep_slot_fill", "ep_slot_fill"}})
     if (j.contains(key)) tb.scalar(tag, j[key].get<double>());
   tb.scalar("optimizer/skipped", m.skipped ? 1 : 0);
   const size_t n = m.expert_load_max_over_mean.size();
@@ -345,6 +346,7 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
     j["expert_load_min"] = m.expert_load_min;
     j["expert_load_dropped_fraction"] = m.expert_load_dropped_fraction;
     if (cfg.moe.dispatcher == "hierarchical") j["inter_node_bytes"] = m.inter_node_bytes;
+    if (trainer.slot_exchange()) j["ep_slot_fill"] = m.ep_slot_fill;
     if (opts.device == Device::cuda)  // planned GPU memory (arenas), the peak so far
       j["gpu_memory_peak_mib"] = static_cast<double>(device_bytes_peak()) / (1 << 20);
     j["host_memory_peak_mib"] = static_cast<double>(peak_rss_bytes()) / (1 << 20);

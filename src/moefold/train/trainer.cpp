@@ -121,7 +121,7 @@ void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model, size_
   full_ids_BS = mem.host_act(bs, DType::i32);
   full_targets_BS = mem.host_act(bs, DType::i32);
   const int64_t le = layers * experts;
-  sums = mem.mirrored({4 + le + layers + 2}, DType::f64);
+  sums = mem.mirrored({4 + le + layers + 3}, DType::f64);
   stats = sums.host.slice(0, 4);
   step_sums = sums.host.slice(4, 4 + le + layers + 2);
   load_sum_LE = step_sums.slice(0, le).view({layers, experts});
@@ -129,6 +129,8 @@ void StepBuffers::bind(Memory& mem, const Config& cfg, const Model& model, size_
   inter_node_bytes = step_sums.slice(le + layers, le + layers + 1);
   overflow_rows = step_sums.slice(le + layers + 1, le + layers + 2);
   dev_overflow_1 = sums.dev.slice(4 + le + layers + 1, 4 + le + layers + 2);
+  slot_fill = sums.host.slice(4 + le + layers + 2, 4 + le + layers + 3);
+  dev_fill_1 = sums.dev.slice(4 + le + layers + 2, 4 + le + layers + 3);
   dev_loss_1 = sums.dev.slice(0, 1);
   dev_router_2 = sums.dev.slice(1, 3);
   dev_mtp_1 = sums.dev.slice(3, 4);
@@ -200,7 +202,8 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   bind_all();
   mem_.finish_binding();
   for (const std::unique_ptr<Model>& m : models_)  // rows a dispatch cannot place: counted with the step's sums
-    for (int64_t l = 0; l < m->num_moe_layers(); ++l) m->moe(l).dispatcher().set_overflow_sink(buf_.dev_overflow_1);
+    for (int64_t l = 0; l < m->num_moe_layers(); ++l)
+      m->moe(l).dispatcher().set_overflow_sink(buf_.dev_overflow_1, buf_.dev_fill_1);
   shard_groups_ = shard_groups();  // kept: the step loop allocates nothing
   opt_.bind(mem_, shard_groups_);
   opt_.set_overlap_gather(cfg.parallel.overlap_param_gather);
@@ -556,6 +559,7 @@ void Trainer::accumulate_gradients() {
       mesh_.pp->all_reduce(buf_.stats, ReduceOp::sum);
       mesh_.pp->all_reduce(buf_.step_sums, ReduceOp::sum);
     }
+    if (slot_exchange()) mesh_.world->all_reduce(buf_.slot_fill, ReduceOp::max);
   }
 
   StepMetrics& out = metrics_;
@@ -589,14 +593,17 @@ void Trainer::accumulate_gradients() {
     out.expert_load_dropped_fraction[l] = sum > 0 ? buf_.dropped_L.ptr<double>()[l] / sum : 0;
   }
   out.inter_node_bytes = buf_.inter_node_bytes.ptr<double>()[0];
-  fail_on_overflow(buf_.overflow_rows.ptr<double>()[0], "step " + std::to_string(step_ + 1));
+  out.ep_slot_fill = buf_.slot_fill.ptr<double>()[0];
+  fail_on_overflow(buf_.overflow_rows.ptr<double>()[0], out.ep_slot_fill, "step " + std::to_string(step_ + 1));
 }
 
-void Trainer::fail_on_overflow(double rows, const std::string& where) const {
+void Trainer::fail_on_overflow(double rows, double fill, const std::string& where) const {
   if (rows == 0) return;  // the same sum on every rank: every rank fails alike
   MF_FAIL(where, ": ", rows, " rows of the expert-parallel exchange did not fit its fixed slots (moe.dispatcher = \"",
           cfg_.moe.dispatcher, "\", moe.ep_recv_factor = ", cfg_.moe.ep_recv_factor,
-          "); raise moe.ep_recv_factor (moefold plan shows what it costs) or set it to 0 for the worst case");
+          "); raise moe.ep_recv_factor (this routing asked for up to ", fill,
+          " times a bound, and the bounds grow with it; moefold plan shows what it costs) or set it to 0 for the "
+          "worst case");
 }
 
 std::string Trainer::cuda_graphs_note() const {
@@ -688,10 +695,12 @@ double Trainer::evaluate() {
   // evaluated batches are rounded down to a multiple of dp (at least dp).
   const int64_t per_rank = std::max<int64_t>(1, std::min(cfg_.train.eval_batches, nv) / dp);
   double sum = 0;
-  const bool slots = cfg_.moe.dispatcher == "slots" && mesh_.dims.ep > 1;  // the one dispatcher that can overflow
-  if (slots) {  // what the evaluation's dispatches cannot place (each step zeroes its own)
+  const bool slots = slot_exchange();  // the one dispatcher that can overflow
+  if (slots) {                         // what the evaluation's dispatches cannot place (each step zeroes its own)
     buf_.overflow_rows.zero();
     buf_.dev_overflow_1.copy_from(buf_.overflow_rows);
+    buf_.slot_fill.zero();
+    buf_.dev_fill_1.copy_from(buf_.slot_fill);
   }
   // Pipeline: forward only, each batch through the chunks in order (virtual stage by virtual stage).
   Communicator *in = mesh_.activations_in(), *out = mesh_.activations_out();
@@ -715,8 +724,10 @@ double Trainer::evaluate() {
     if (ticket >= 0) out->wait(ticket);
   if (slots) {
     buf_.overflow_rows.copy_from(buf_.dev_overflow_1);
+    buf_.slot_fill.copy_from(buf_.dev_fill_1);
     mesh_.world->all_reduce(buf_.overflow_rows, ReduceOp::sum);
-    fail_on_overflow(buf_.overflow_rows.ptr<double>()[0], "evaluation");
+    mesh_.world->all_reduce(buf_.slot_fill, ReduceOp::max);
+    fail_on_overflow(buf_.overflow_rows.ptr<double>()[0], buf_.slot_fill.ptr<double>()[0], "evaluation");
   }
   buf_.stats.ptr<double>()[0] = sum;
   reduce_dense(buf_.stats.slice(0, 1));

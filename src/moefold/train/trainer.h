@@ -62,6 +62,10 @@ struct StepMetrics {
   // Bytes every rank's expert dispatch sent to other nodes in the step (moe.dispatcher =
   // "hierarchical"; 0 for the others, which do not count them).
   double inter_node_bytes = 0;
+  // moe.dispatcher = "slots" with EP: the largest share of a fixed exchange buffer (one peer's slot,
+  // or the experts' rows) that a dispatch of the step asked for, over every rank (0 otherwise). Above
+  // 1 rows did not fit and the step fails; how far below 1 says how much moe.ep_recv_factor could fall.
+  double ep_slot_fill = 0;
 };
 
 // What the trainer binds beside the models: each in-flight micro-batch's ids and targets (whole
@@ -81,12 +85,14 @@ struct StepBuffers {
   Tensor dropped_L;    // f64 [MoE layers]: assignments dropped by the capacity over a step's micro-batches
   Tensor inter_node_bytes;  // f64 [1]: bytes the step's dispatches sent between nodes
   Tensor overflow_rows;     // f64 [1]: rows the step's dispatches could not place (Dispatcher::set_overflow_sink)
+  Tensor slot_fill;         // f64 [1] after step_sums (a maximum, not summed): StepMetrics::ep_slot_fill
   // Device views of `sums` (made once: the step loop allocates nothing): the loss sum, the router
   // losses (aux, z), the multi-token prediction loss, and per MoE layer its load row and its
   // dropped count.
   Tensor dev_loss_1, dev_router_2, dev_mtp_1;
   std::vector<Tensor> dev_load_E, dev_dropped_1;
   Tensor dev_overflow_1;  // every MoE layer's dispatcher adds its overflow here
+  Tensor dev_fill_1;      // and max-es its fill here
   void bind(Memory& mem, const Config& cfg, const Model& model, size_t models);
 };
 
@@ -164,12 +170,15 @@ class Trainer {
   const Model& model() const { return *models_.front(); }
   std::vector<Param>& params() { return mem_.params(); }
   int64_t num_valid_batches() const { return loader_.num_valid_batches(); }
+  // The slot dispatcher's exchange (the one that can overflow): moe.dispatcher = "slots" with EP.
+  bool slot_exchange() const { return cfg_.moe.dispatcher == "slots" && mesh_.dims.ep > 1; }
 
  private:
   // Sum over the dense data-parallel group (DP x CP) in place.
   void reduce_dense(const Tensor& t);
-  // Fails naming the dispatcher's bound when `rows` (summed over every rank) is not 0.
-  void fail_on_overflow(double rows, const std::string& where) const;
+  // Fails naming the dispatcher's bound when `rows` (summed over every rank) is not 0; `fill`:
+  // what the routing asked of the bounds (StepMetrics::ep_slot_fill).
+  void fail_on_overflow(double rows, double fill, const std::string& where) const;
   // train.on_nonfinite = "stop": throws naming the step, the loss and norm, and this rank's first
   // parameter (registration order) whose gradient is not finite.
   [[noreturn]] void fail_nonfinite() const;

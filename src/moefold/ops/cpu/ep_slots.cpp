@@ -20,11 +20,18 @@ void check_vector(const Tensor& t, DType dtype, int64_t n, const char* what) {
   check_dtype(t, dtype, what);
   MF_CHECK(t.contiguous() && t.numel() == n, what, ": ", t.str(), ", expected ", n, " elements");
 }
+
+// fill_1 (optional) max-ed with rows / bound (a bound of 0 counts as 1 row).
+void max_fill(const Tensor& fill_1, int64_t rows, int64_t bound) {
+  if (!fill_1.defined()) return;
+  double& f = fill_1.ptr<double>()[0];
+  f = std::max(f, static_cast<double>(rows) / static_cast<double>(std::max<int64_t>(bound, 1)));
+}
 }  // namespace
 
 void moe_ep_send_slots(const ExecContext& ctx, const Tensor& home_offsets_E1, const Tensor& home_token_S,
                        const Tensor& row_TK, int64_t slot_rows, const Tensor& token_X, const Tensor& slot_TK,
-                       const Tensor& send_counts_PL, const Tensor& overflow_1) {
+                       const Tensor& send_counts_PL, const Tensor& overflow_1, const Tensor& fill_1) {
   check_2d(send_counts_PL, "moe_ep_send_slots send_counts");
   check_dtype(send_counts_PL, DType::i64, "moe_ep_send_slots send_counts");
   const int64_t p_n = send_counts_PL.size(0), l_n = send_counts_PL.size(1), e_n = p_n * l_n, b_n = slot_rows;
@@ -39,9 +46,10 @@ void moe_ep_send_slots(const ExecContext& ctx, const Tensor& home_offsets_E1, co
   check_dtype(slot_TK, DType::i64, "moe_ep_send_slots slot_TK");
   check_shape(slot_TK, row_TK.shape(), "moe_ep_send_slots slot_TK");
   check_vector(overflow_1, DType::f64, 1, "moe_ep_send_slots overflow");
+  if (fill_1.defined()) check_vector(fill_1, DType::f64, 1, "moe_ep_send_slots fill");
   MF_ON_GPU(ctx, send_counts_PL,
             cuda::moe_ep_send_slots(ctx, home_offsets_E1, home_token_S, row_TK, slot_rows, token_X, slot_TK,
-                                    send_counts_PL, overflow_1));
+                                    send_counts_PL, overflow_1, fill_1));
   check_on_cpu(send_counts_PL, "moe_ep_send_slots send_counts");
   const int64_t* off = home_offsets_E1.ptr<int64_t>();
   const int64_t* token = home_token_S.ptr<int64_t>();
@@ -55,6 +63,7 @@ void moe_ep_send_slots(const ExecContext& ctx, const Tensor& home_offsets_E1, co
     const int64_t first = off[p * l_n], n = off[(p + 1) * l_n] - first;
     MF_CHECK(n >= 0, "moe_ep_send_slots: home offsets decrease at peer ", p);
     lost += std::max<int64_t>(0, n - b_n);
+    max_fill(fill_1, n, b_n);
     for (int64_t i = 0; i < b_n; ++i) tok_x[p * b_n + i] = i < n ? token[first + i] : -1;
     for (int64_t l = 0; l < l_n; ++l) {
       const int64_t a = std::min(off[p * l_n + l] - first, b_n), b = std::min(off[p * l_n + l + 1] - first, b_n);
@@ -80,8 +89,8 @@ void moe_ep_send_slots(const ExecContext& ctx, const Tensor& home_offsets_E1, co
 }
 
 void moe_ep_recv_slots(const ExecContext& ctx, const Tensor& recv_counts_PL, int64_t slot_rows, const Tensor& src_R,
-                       const Tensor& row_X, const Tensor& counts_L, const Tensor& offsets_L1,
-                       const Tensor& overflow_1) {
+                       const Tensor& row_X, const Tensor& counts_L, const Tensor& offsets_L1, const Tensor& overflow_1,
+                       const Tensor& fill_1) {
   check_2d(recv_counts_PL, "moe_ep_recv_slots recv_counts");
   check_dtype(recv_counts_PL, DType::i64, "moe_ep_recv_slots recv_counts");
   const int64_t p_n = recv_counts_PL.size(0), l_n = recv_counts_PL.size(1), b_n = slot_rows;
@@ -93,8 +102,10 @@ void moe_ep_recv_slots(const ExecContext& ctx, const Tensor& recv_counts_PL, int
   check_vector(counts_L, DType::i64, l_n, "moe_ep_recv_slots counts");
   check_vector(offsets_L1, DType::i64, l_n + 1, "moe_ep_recv_slots offsets");
   check_vector(overflow_1, DType::f64, 1, "moe_ep_recv_slots overflow");
-  MF_ON_GPU(ctx, recv_counts_PL,
-            cuda::moe_ep_recv_slots(ctx, recv_counts_PL, slot_rows, src_R, row_X, counts_L, offsets_L1, overflow_1));
+  if (fill_1.defined()) check_vector(fill_1, DType::f64, 1, "moe_ep_recv_slots fill");
+  MF_ON_GPU(
+      ctx, recv_counts_PL,
+      cuda::moe_ep_recv_slots(ctx, recv_counts_PL, slot_rows, src_R, row_X, counts_L, offsets_L1, overflow_1, fill_1));
   check_on_cpu(recv_counts_PL, "moe_ep_recv_slots recv_counts");
   const int64_t* c = recv_counts_PL.ptr<int64_t>();
   const int64_t r_n = src_R.numel();
@@ -128,6 +139,7 @@ void moe_ep_recv_slots(const ExecContext& ctx, const Tensor& recv_counts_PL, int
   offsets[l_n] = r_n;
   for (int64_t l = 0; l < l_n; ++l) counts[l] = offsets[l + 1] - offsets[l];
   overflow_1.ptr<double>()[0] += static_cast<double>(std::max<int64_t>(0, dst - r_n));
+  max_fill(fill_1, dst, r_n);
 }
 
 }  // namespace moefold

@@ -1,8 +1,8 @@
 // CUDA expert-parallel slot plans (ops/moe_ops.h, contracts in ep_slots.h). Every block first
 // builds the per-expert tables in shared memory (E <= 1024 entries: a few microseconds), then each
 // thread places one row: a slot row, an assignment or an expert row, by binary search in the tables.
-// One extra thread writes the per-expert outputs and adds the overflow. Nothing is read back to the
-// host.
+// One extra thread writes the per-expert outputs and adds the overflow (and max-es the fill). Nothing is read back to
+// the host.
 #include "moefold/ops/cuda/common.cuh"
 // (common.cuh first: it declares dtype_of<__nv_bfloat16>.)
 #include "moefold/ops/cuda/ep_slots.h"
@@ -29,9 +29,17 @@ __device__ __forceinline__ int64_t last_at_most(int64_t n, int64_t v, Key key) {
   return lo;
 }
 
+// fill (or null) max-ed with rows / bound, a bound of 0 counting as 1 row (the CPU's division;
+// non-negative doubles order as their bits).
+__device__ __forceinline__ void max_fill(double* fill, int64_t rows, int64_t bound) {
+  if (fill == nullptr) return;
+  const double f = static_cast<double>(rows) / static_cast<double>(bound > 0 ? bound : 1);
+  atomicMax(reinterpret_cast<unsigned long long*>(fill), static_cast<unsigned long long>(__double_as_longlong(f)));
+}
+
 __global__ void send_slots_kernel(const int64_t* off, const int64_t* token, const int64_t* row, int64_t a_n,
                                   int64_t p_n, int64_t l_n, int64_t b_n, int64_t* token_x, int64_t* slot,
-                                  int64_t* counts, double* overflow) {
+                                  int64_t* counts, double* overflow, double* fill) {
   __shared__ int64_t s_off[kMaxExperts + 1];
   const int64_t e_n = p_n * l_n;
   for (int64_t i = threadIdx.x; i <= e_n; i += blockDim.x) s_off[i] = off[i];
@@ -60,11 +68,12 @@ __global__ void send_slots_kernel(const int64_t* off, const int64_t* token, cons
     }
     const int64_t n = s_off[(p + 1) * l_n] - first;
     if (n > b_n) atomicAdd(overflow, static_cast<double>(n - b_n));
+    max_fill(fill, n, b_n);
   }
 }
 
 __global__ void recv_slots_kernel(const int64_t* c, int64_t p_n, int64_t l_n, int64_t b_n, int64_t r_n, int64_t* src_r,
-                                  int64_t* row_x, int64_t* counts, int64_t* offsets, double* overflow) {
+                                  int64_t* row_x, int64_t* counts, int64_t* offsets, double* overflow, double* fill) {
   // s_src[p, l]: expert l's first row in slot p; s_dst[p, l]: where those rows start among the
   // experts' rows; s_start[l]: expert l's first row (s_start[L]: every row that came).
   __shared__ int64_t s_c[kMaxExperts], s_src[kMaxExperts], s_dst[kMaxExperts], s_start[kMaxExperts + 1];
@@ -124,6 +133,7 @@ __global__ void recv_slots_kernel(const int64_t* c, int64_t p_n, int64_t l_n, in
     offsets[l_n] = r_n;
     for (int64_t l = 0; l < l_n; ++l) counts[l] = offsets[l + 1] - offsets[l];
     if (total > r_n) atomicAdd(overflow, static_cast<double>(total - r_n));
+    max_fill(fill, total, r_n);
   }
 }
 
@@ -131,27 +141,31 @@ __global__ void recv_slots_kernel(const int64_t* c, int64_t p_n, int64_t l_n, in
 
 void moe_ep_send_slots(const ExecContext& ctx, const Tensor& home_offsets_E1, const Tensor& home_token_S,
                        const Tensor& row_TK, int64_t slot_rows, const Tensor& token_X, const Tensor& slot_TK,
-                       const Tensor& send_counts_PL, const Tensor& overflow_1) {
+                       const Tensor& send_counts_PL, const Tensor& overflow_1, const Tensor& fill_1) {
   for (const Tensor* t : {&home_offsets_E1, &home_token_S, &row_TK, &token_X, &slot_TK, &send_counts_PL, &overflow_1})
     check_cuda_tensor(*t, "moe_ep_send_slots");
+  if (fill_1.defined()) check_cuda_tensor(fill_1, "moe_ep_send_slots");
   const int64_t p_n = send_counts_PL.size(0), l_n = send_counts_PL.size(1), a_n = row_TK.numel();
   const int64_t n = p_n * slot_rows + a_n + p_n;
   send_slots_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
       home_offsets_E1.ptr<int64_t>(), home_token_S.ptr<int64_t>(), row_TK.ptr<int64_t>(), a_n, p_n, l_n, slot_rows,
-      token_X.ptr<int64_t>(), slot_TK.ptr<int64_t>(), send_counts_PL.ptr<int64_t>(), overflow_1.ptr<double>());
+      token_X.ptr<int64_t>(), slot_TK.ptr<int64_t>(), send_counts_PL.ptr<int64_t>(), overflow_1.ptr<double>(),
+      fill_1.defined() ? fill_1.ptr<double>() : nullptr);
   MF_CUDA_LAUNCHED("moe_ep_send_slots");
 }
 
 void moe_ep_recv_slots(const ExecContext& ctx, const Tensor& recv_counts_PL, int64_t slot_rows, const Tensor& src_R,
-                       const Tensor& row_X, const Tensor& counts_L, const Tensor& offsets_L1,
-                       const Tensor& overflow_1) {
+                       const Tensor& row_X, const Tensor& counts_L, const Tensor& offsets_L1, const Tensor& overflow_1,
+                       const Tensor& fill_1) {
   for (const Tensor* t : {&recv_counts_PL, &src_R, &row_X, &counts_L, &offsets_L1, &overflow_1})
     check_cuda_tensor(*t, "moe_ep_recv_slots");
+  if (fill_1.defined()) check_cuda_tensor(fill_1, "moe_ep_recv_slots");
   const int64_t p_n = recv_counts_PL.size(0), l_n = recv_counts_PL.size(1), r_n = src_R.numel();
   const int64_t n = r_n + p_n * slot_rows + 1;
   recv_slots_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
       recv_counts_PL.ptr<int64_t>(), p_n, l_n, slot_rows, r_n, src_R.ptr<int64_t>(), row_X.ptr<int64_t>(),
-      counts_L.ptr<int64_t>(), offsets_L1.ptr<int64_t>(), overflow_1.ptr<double>());
+      counts_L.ptr<int64_t>(), offsets_L1.ptr<int64_t>(), overflow_1.ptr<double>(),
+      fill_1.defined() ? fill_1.ptr<double>() : nullptr);
   MF_CUDA_LAUNCHED("moe_ep_recv_slots");
 }
 
