@@ -1,8 +1,8 @@
 // CUDA expert-parallel slot plans (ops/moe_ops.h, contracts in ep_slots.h). Every block first
 // builds the per-expert tables in shared memory (E <= 1024 entries: a few microseconds), then each
 // thread places one row: a slot row, an assignment or an expert row, by binary search in the tables.
-// One extra thread writes the per-expert outputs and adds the overflow (and max-es the fill). Nothing is read back to
-// the host.
+// One extra thread writes the per-expert outputs, adds the overflow and max-es the fill. Nothing
+// is read back to the host.
 #include "moefold/ops/cuda/common.cuh"
 // (common.cuh first: it declares dtype_of<__nv_bfloat16>.)
 #include "moefold/ops/cuda/ep_slots.h"
