@@ -232,6 +232,7 @@ TEST(Cli, BadLayoutsFailOnEveryRankWithoutHanging) {
   // Every token on one rank's expert fills that peer's worst-case slot exactly.
   EXPECT_NE(testing::read_bytes((d / "slots" / "metrics.jsonl").string()).find("\"ep_slot_fill\":1.0"),
             std::string::npos);
+  EXPECT_NE(testing::read_bytes((d / "slots" / "train.log").string()).find(" | slot fill 1.00 | "), std::string::npos);
   // And the good layout trains, writing one shard per EP rank.
   expect_trains("good", "--set train.global_batch_size=4 --set parallel.ep=2");
 }

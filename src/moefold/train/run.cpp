@@ -279,12 +279,14 @@ int64_t run_training(const Config& cfg, const RunOptions& opts_in, Communicator&
     const double tok_s = static_cast<double>(since_log_tokens) / since_log_s;
     const double mib = opts.device == Device::cuda ? static_cast<double>(device_bytes_peak()) / (1 << 20)
                                                    : static_cast<double>(peak_rss_bytes()) / (1 << 20);
-    char buf[256];
+    char fill[32] = "";  // the slot dispatcher's fullest slot (metrics.jsonl's ep_slot_fill)
+    if (trainer.slot_exchange()) std::snprintf(fill, sizeof fill, " | slot fill %.2f", m.ep_slot_fill);
+    char buf[288];
     std::snprintf(buf, sizeof buf,
-                  "step %lld/%lld | loss %.4f | lr %.3e | %.0f tokens/s | %.2f TFLOP/s | %s %.0f MiB | ETA %s",
+                  "step %lld/%lld | loss %.4f | lr %.3e | %.0f tokens/s | %.2f TFLOP/s | %s %.0f MiB%s | ETA %s",
                   static_cast<long long>(m.step), static_cast<long long>(stop), m.loss, m.lr, tok_s,
                   tok_s * size.train_flops_per_token / 1e12, opts.device == Device::cuda ? "GPU peak" : "peak RSS", mib,
-                  human_duration(eta_s).c_str());
+                  fill, human_duration(eta_s).c_str());
     since_log_s = 0;
     since_log_tokens = 0;
     return std::string(buf);
