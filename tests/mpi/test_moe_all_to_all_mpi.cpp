@@ -371,7 +371,7 @@ TEST(Slots, RowsThatDoNotFitAreCountedNotWritten) {
   for (int64_t i = 0; i < dx.numel(); ++i) ASSERT_TRUE(std::isfinite(dx.ptr<double>()[i]));
   // Sinks given by the owner (the trainer's step sums) are added to and max-ed into instead.
   double sink = 0.25, fill = 0;
-  disp.set_overflow_sink(Tensor(&sink, DType::f64, {1}), Tensor(&fill, DType::f64, {1}));
+  disp.set_overflow_sinks(Tensor(&sink, DType::f64, {1}), Tensor(&fill, DType::f64, {1}));
   rig.layer.forward(own.x, y);
   world.all_reduce(Tensor(&sink, DType::f64, {1}), ReduceOp::sum);
   world.all_reduce(Tensor(&fill, DType::f64, {1}), ReduceOp::max);

@@ -115,7 +115,7 @@ class Dispatcher {
   // the largest share of a fixed buffer a dispatch asked for (rows over the bound: above 1 where
   // rows were left out). Dispatchers that cannot overflow, or that check on the host
   // (AllToAllDispatcher), ignore both. Undefined tensors: the dispatcher's own counters.
-  virtual void set_overflow_sink(const Tensor& overflow_1, const Tensor& fill_1) {
+  virtual void set_overflow_sinks(const Tensor& overflow_1, const Tensor& fill_1) {
     (void)overflow_1;
     (void)fill_1;
   }

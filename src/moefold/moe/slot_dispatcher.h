@@ -51,13 +51,13 @@ class SlotDispatcher final : public Dispatcher {
   int64_t first_local_expert() const override { return ep_.rank() * l_n_; }
   int64_t max_rows() const override { return r_max_; }  // expert_rows
   int64_t slot_rows() const { return b_n_; }
-  void set_overflow_sink(const Tensor& overflow_1, const Tensor& fill_1) override {
-    sink_ = overflow_1;
+  void set_overflow_sinks(const Tensor& overflow_1, const Tensor& fill_1) override {
+    overflow_sink_ = overflow_1;
     fill_sink_ = fill_1;
   }
   // Where the overflow is added and the fill max-ed: the sinks, else the dispatcher's own
   // counters (zero after bind).
-  const Tensor& overflow() const { return sink_.defined() ? sink_ : own_overflow_; }
+  const Tensor& overflow() const { return overflow_sink_.defined() ? overflow_sink_ : own_overflow_; }
   const Tensor& fill() const { return fill_sink_.defined() ? fill_sink_ : own_fill_; }
   // i64 [P, L] of the last dispatch: rows slot p brought for local expert l (padding excluded).
   const Tensor& recv_counts() const { return recv_counts_PL_; }
@@ -88,7 +88,7 @@ class SlotDispatcher final : public Dispatcher {
   // Slots: send_XH_ and recv_XH_ carry each leg (dispatch in the rows' format: rows_view);
   // home_XH_ keeps the outputs combine brought home until combine_backward.
   Tensor send_XH_, recv_XH_, home_XH_, rows_RH_;
-  Tensor own_overflow_, sink_, own_fill_, fill_sink_;
+  Tensor own_overflow_, overflow_sink_, own_fill_, fill_sink_;
   DispatchPlan plan_;
   bool combined_ = false;
 };

@@ -203,7 +203,7 @@ Trainer::Trainer(const Config& cfg, const TokenDataset& data, Mesh& mesh, Device
   mem_.finish_binding();
   for (const std::unique_ptr<Model>& m : models_)  // rows a dispatch cannot place: counted with the step's sums
     for (int64_t l = 0; l < m->num_moe_layers(); ++l)
-      m->moe(l).dispatcher().set_overflow_sink(buf_.dev_overflow_1, buf_.dev_fill_1);
+      m->moe(l).dispatcher().set_overflow_sinks(buf_.dev_overflow_1, buf_.dev_fill_1);
   shard_groups_ = shard_groups();  // kept: the step loop allocates nothing
   opt_.bind(mem_, shard_groups_);
   opt_.set_overlap_gather(cfg.parallel.overlap_param_gather);

@@ -84,7 +84,7 @@ struct StepBuffers {
   Tensor load_sum_LE;  // f64 [MoE layers of the whole model, experts]: tokens per expert over a step's micro-batches
   Tensor dropped_L;    // f64 [MoE layers]: assignments dropped by the capacity over a step's micro-batches
   Tensor inter_node_bytes;  // f64 [1]: bytes the step's dispatches sent between nodes
-  Tensor overflow_rows;     // f64 [1]: rows the step's dispatches could not place (Dispatcher::set_overflow_sink)
+  Tensor overflow_rows;     // f64 [1]: rows the step's dispatches could not place (Dispatcher::set_overflow_sinks)
   Tensor slot_fill;         // f64 [1] after step_sums (a maximum, not summed): StepMetrics::ep_slot_fill
   // Device views of `sums` (made once: the step loop allocates nothing): the loss sum, the router
   // losses (aux, z), the multi-token prediction loss, and per MoE layer its load row and its

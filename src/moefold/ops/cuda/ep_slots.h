@@ -2,8 +2,7 @@
 // contracts, in namespace moefold::cuda; ops/cpu/ep_slots.cpp checks the arguments and dispatches
 // here for CUDA tensors. Integer arithmetic only (the overflow is a sum of whole numbers; the fill
 // one division, max-ed as the CPU's): the results are bit-identical to the CPU ops'. fill_1 may be
-// undefined. Nothing is read back to the host: graphs capture
-// them. Only in the CUDA build.
+// undefined. Nothing is read back to the host: graphs capture them. Only in the CUDA build.
 #pragma once
 
 #include <cstdint>
