@@ -11,9 +11,10 @@
 // Then the experts' grouped GEMMs (bench_grouped). Both by default.
 // --probe-layouts: which scale layouts cuBLASLt's block scaling reads (probe_layouts), nothing else.
 // --wgrad-groups: the bf16 weight gradient in fewer, larger groups (bench_wgrad_groups), nothing else.
+// --wgrad-own: the weight gradient on CUTLASS and on the own kernel (bench_wgrad_own), nothing else.
 // --quantize: the activations' FP8 quantization passes alone (bench_quantize), nothing else.
 //   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
-//                              --probe-layouts | --wgrad-groups | --quantize]
+//                              --probe-layouts | --wgrad-groups | --wgrad-own | --quantize]
 // --tiles: the kernels.fp8_tile values the grouped GEMMs run in, in turn (default
 // "cooperative;rows=own;cooperative;rows=own").
 #include <cublasLt.h>
@@ -25,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <utility>
@@ -366,6 +368,45 @@ void bench_wgrad_groups(int runs, int warmup) {
   }
 }
 
+// --wgrad-own: the bf16 weight gradient at the expert shapes on CUTLASS's large tiles and on the
+// own kernel (kernels.cutlass_tile wgrad = own), in turn, twice: bf16 dw written (a step's first
+// micro-batch), bf16 dw accumulated (its later ones), f32 dw written; the DeepSeek-V3 fc1 shape
+// also with uneven experts (128 to 383 rows, the same total: real routing's spread).
+void bench_wgrad_own(int runs, int warmup) {
+  std::vector<GroupedShape> shapes(std::begin(kGrouped), std::end(kGrouped));
+  shapes.push_back({"deepseek-v3 fc1 uneven", 256, 256, 4096, 7168});
+  for (const GroupedShape& g : shapes) {
+    const int64_t r = g.e * g.m;
+    DeviceTensor x({r, g.i}, DType::bf16), w({g.e, g.o, g.i}, DType::bf16), dy({r, g.o}, DType::bf16),
+        dw16({g.e, g.o, g.i}, DType::bf16), dw32({g.e, g.o, g.i}, DType::f32), offsets({g.e + 1}, DType::i64);
+    bench::fill_random(*x, 3);
+    bench::fill_random(*dy, 5);
+    set_equal_offsets(*offsets, g.m);
+    if (std::string(g.name).find("uneven") != std::string::npos) {
+      std::vector<int64_t> off(static_cast<size_t>(g.e + 1), 0);
+      for (int64_t e = 0; e < g.e; ++e) {  // pairs of m - d and m + d rows, d from 0 to 127
+        const int64_t d = (e / 2 * 37) % 128;
+        off[static_cast<size_t>(e + 1)] = off[static_cast<size_t>(e)] + (e % 2 == 0 ? g.m - d : g.m + d);
+      }
+      device_copy((*offsets).data(), Device::cuda, off.data(), Device::cpu, off.size() * sizeof(int64_t));
+    }
+    for (int round = 0; round < 2; ++round) {
+      for (const char* tile : {"wgrad=large", "wgrad=own"}) {
+        KernelOptions k;
+        k.cutlass_tiles = parse_cutlass_tiles(tile, "kernels.cutlass_tile");
+        const ExecContext c(Device::cuda, k);
+        const auto time = [&](const Tensor& dw, bool accumulate) {
+          return bench::time_ms(runs, warmup,
+                                [&] { grouped_linear_backward(c, *x, *w, *offsets, *dy, Tensor(), dw, accumulate); });
+        };
+        report_grouped(g, "wgrad", cat(tile, ", bf16 written").c_str(), time(*dw16, false));
+        report_grouped(g, "wgrad", cat(tile, ", bf16 added").c_str(), time(*dw16, true));
+        report_grouped(g, "wgrad", cat(tile, ", f32 written").c_str(), time(*dw32, false));
+      }
+    }
+  }
+}
+
 // --quantize: the rows and cols layouts (ops/fp8.h) of bf16 activations as the FP8 linears
 // quantize them: the experts' output gradient dy [65536, 2048] and [65536, 1536] of 128 experts
 // of 512 rows (rows with the grouped GEMM's scales, launch_fp8_quantize_rows with the offsets on
@@ -487,7 +528,7 @@ void bench_quantize(int runs, int warmup) {
 
 int run(int argc, char** argv) {
   int runs = 20, warmup = 3;
-  bool dense = true, grouped = true, probe = false, wgrad_groups = false, quantize = false;
+  bool dense = true, grouped = true, probe = false, wgrad_groups = false, wgrad_own = false, quantize = false;
   std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -503,6 +544,8 @@ int run(int argc, char** argv) {
       probe = true;
     else if (a == "--wgrad-groups")
       wgrad_groups = true;
+    else if (a == "--wgrad-own")
+      wgrad_own = true;
     else if (a == "--quantize")
       quantize = true;
     else if (a == "--grouped-only")
@@ -515,7 +558,7 @@ int run(int argc, char** argv) {
       warmup = std::atoi(argv[++i]);
     else
       MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only | ",
-              "--probe-layouts | --wgrad-groups | --quantize] (got '", a, "')");
+              "--probe-layouts | --wgrad-groups | --wgrad-own | --quantize] (got '", a, "')");
   }
   if (quantize) {
     bench_quantize(runs, warmup);
@@ -523,6 +566,10 @@ int run(int argc, char** argv) {
   }
   if (wgrad_groups) {
     bench_wgrad_groups(runs, warmup);
+    return 0;
+  }
+  if (wgrad_own) {
+    bench_wgrad_own(runs, warmup);
     return 0;
   }
   if (probe) {

@@ -1,6 +1,7 @@
 // Core: the config text of the kernel switches (core/kernel_options.h): every name parses back to
 // its value, tile choices print canonically and read back, and bad text names the key, the whole
 // value and what is accepted.
+#include "moefold/core/error.h"
 #include "moefold/core/kernel_options.h"
 #include "testing.h"
 
@@ -87,10 +88,19 @@ TEST(KernelOptions, BadTextNamesKeyValueAndChoices) {
             "kernels.attention = \"flash\": expected one of auto, own, cudnn");
   EXPECT_EQ(tiles_err("huge"),
             "kernels.cutlass_tile = \"huge\": expected one of small, large, pingpong, large_n2, pingpong_n2, "
-            "large_auto, auto");
+            "large_auto, auto, own");
   EXPECT_EQ(tiles_err("forward=large,dgrad=huge"),
             "kernels.cutlass_tile = \"forward=large,dgrad=huge\": tiles \"huge\" for dgrad: expected one of small, "
-            "large, pingpong, large_n2, pingpong_n2, large_auto, auto");
+            "large, pingpong, large_n2, pingpong_n2, large_auto, auto, own");
+  // own is the weight gradient's only.
+  EXPECT_EQ(parse_cutlass_tiles("wgrad=own", "k").wgrad, GemmTiles::own);
+  EXPECT_EQ(cutlass_tiles_text(parse_cutlass_tiles("wgrad=own", "k")),
+            "forward=auto,dgrad=auto,wgrad=own,swiglu_forward=pingpong,swiglu_dgrad=auto");
+  for (const char* v : {"own", "dgrad=own", "wgrad=own,swiglu_dgrad=own"})
+    EXPECT_EQ(tiles_err(v),
+              cat("kernels.cutlass_tile = \"", v,
+                  "\": own serves the weight gradient only (\"wgrad=own\"); the other kinds run on CUTLASS"))
+        << v;
   EXPECT_NE(tiles_err("backward=large").find("unknown kind \"backward\""), std::string::npos);
   EXPECT_NE(tiles_err("forward=large,forward=small").find("kind \"forward\" named twice"), std::string::npos);
   for (const char* v : {"forward=large,", ",forward=large", "forward=large,,dgrad=small", "forward=large,dgrad"})

@@ -364,8 +364,9 @@ TEST(CudaGroupedLinear, CutlassPathMatchesCpu) {
         << "an f32 output is not CUTLASS's";
   }
   const std::vector<int64_t> counts = {0, 37, 1, 0, 91, 5, 0};
-  for (const char* tile : {"large", "small", "pingpong", "large_n2", "pingpong_n2", "large_auto", "auto",
-                           "forward=small,dgrad=pingpong_n2,wgrad=small", "forward=pingpong_n2,dgrad=large_n2"}) {
+  for (const char* tile :
+       {"large", "small", "pingpong", "large_n2", "pingpong_n2", "large_auto", "auto",
+        "forward=small,dgrad=pingpong_n2,wgrad=small", "forward=pingpong_n2,dgrad=large_n2", "wgrad=own"}) {
     SCOPED_TRACE(tile);
     const ExecContext ctx(Device::cuda, with_tiles(tile));
     // Widths of two 256-wide N tiles: large_auto picks the 1 x 2 clusters for the first (rows
@@ -399,7 +400,7 @@ TEST(CudaGroupedLinear, WeightGradientWrittenEqualsAccumulatedOntoZeros) {
   const Tensor x = dev.upload(pool.randn({r, i_n}), DType::bf16),
                w = dev.upload(pool.randn({e_n, o_n, i_n}), DType::bf16);
   const Tensor dy = dev.upload(pool.randn({r, o_n}), DType::bf16);
-  for (const char* tile : {"large", "pingpong", "small"}) {
+  for (const char* tile : {"large", "pingpong", "small", "wgrad=own"}) {
     for (DType dt : {DType::bf16, DType::f32}) {
       SCOPED_TRACE(::testing::Message() << tile << " " << dtype_name(dt));
       const ExecContext ctx(Device::cuda, with_tiles(tile));
@@ -412,6 +413,73 @@ TEST(CudaGroupedLinear, WeightGradientWrittenEqualsAccumulatedOntoZeros) {
       size_t differ = 0;
       for (size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
       EXPECT_EQ(differ, 0u) << "of " << a.size();
+    }
+  }
+#endif
+}
+
+// The own weight-gradient kernel (kernels.cutlass_tile wgrad = own, ops/cuda/wgrad_grouped_gemm.cu):
+// the same bits on 1, 7 and every SM (each tile summed by one CTA in one order), written and
+// accumulated; against CUTLASS's large tiles within the f32 sums' reordering; and an expert's last
+// block, which holds the next expert's rows, takes none of them into its sum: the rows of experts
+// 1 and 3 are infinite in x and dy, so a leak makes experts 0 and 2 (ending mid-block) non-finite.
+TEST(CudaGroupedLinear, OwnWeightGradientIsGridFreeMasksForeignRowsAndMatchesCutlass) {
+  MF_REQUIRE_GPU();
+#ifdef MOEFOLD_WITH_CUDA
+  if (!cuda::cutlass_grouped_gemm_built()) GTEST_SKIP() << "built without CUTLASS's headers (MOEFOLD_WITH_CUTLASS)";
+  const std::vector<int64_t> counts = {37, 5, 200, 64, 0, 129};
+  constexpr int64_t i_n = 520, o_n = 264;  // tiles cut by both widths
+  Pool pool;
+  DevicePool dev;
+  const Tensor off = offsets_of(pool, counts);
+  const int64_t* o = off.ptr<int64_t>();
+  const int64_t r = o[counts.size()], e_n = static_cast<int64_t>(counts.size());
+  Tensor x = pool.randn({r, i_n}), dy = pool.randn({r, o_n});
+  for (const int64_t e : {1, 3})
+    for (int64_t row = o[e]; row < o[e + 1]; ++row) {
+      for (int64_t c = 0; c < i_n; ++c) testing::set_value_at(x, row * i_n + c, INFINITY);
+      for (int64_t c = 0; c < o_n; ++c) testing::set_value_at(dy, row * o_n + c, INFINITY);
+    }
+  const Tensor offsets = dev.upload(off, DType::i64), xd = dev.upload(x, DType::bf16),
+               dyd = dev.upload(dy, DType::bf16), w = dev.upload(pool.randn({e_n, o_n, i_n}), DType::bf16);
+  const int64_t per = o_n * i_n;
+  for (DType dt : {DType::bf16, DType::f32}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const auto run = [&](const char* tiles, int sms, bool accumulate, const Tensor& onto) {
+      KernelOptions k = with_tiles(tiles);
+      k.gemm_sms = sms;
+      const ExecContext ctx(Device::cuda, k);
+      const Tensor dw = accumulate ? dev.upload(onto, dt) : dev.poisoned({e_n, o_n, i_n}, dt);
+      EXPECT_TRUE(cuda::cutlass_grouped_linear_backward(ctx, xd, w, offsets, dyd, Tensor(), dw, accumulate));
+      return testing::download(dw);
+    };
+    const Tensor before = testing::rounded(pool, pool.randn({e_n, o_n, i_n}), dt);
+    const std::vector<double> own = run("wgrad=own", 0, false, before), added = run("wgrad=own", 0, true, before);
+    for (const int sms : {1, 7}) {
+      EXPECT_EQ(run("wgrad=own", sms, false, before), own) << sms << " SMs, written";
+      EXPECT_EQ(run("wgrad=own", sms, true, before), added) << sms << " SMs, accumulated";
+    }
+    const std::vector<double> cutlass = run("large", 0, false, before), cutlass_added = run("large", 0, true, before);
+    for (const int64_t e : {0, 2, 4, 5}) {
+      SCOPED_TRACE(::testing::Message() << "expert " << e);
+      const auto slice = [&](const std::vector<double>& v) {
+        return std::vector<double>(v.begin() + e * per, v.begin() + (e + 1) * per);
+      };
+      const std::vector<double> mine = slice(own), theirs = slice(cutlass);
+      size_t finite = 0;
+      for (const double v : mine) finite += std::isfinite(v);
+      ASSERT_EQ(finite, mine.size()) << "the next expert's rows leaked into the sum";
+      if (counts[static_cast<size_t>(e)] == 0) {
+        EXPECT_EQ(mine, std::vector<double>(static_cast<size_t>(per), 0.0)) << "an expert without rows: zeros";
+        std::vector<double> kept;
+        for (int64_t i = 0; i < per; ++i) kept.push_back(testing::value_at(before, e * per + i));
+        EXPECT_EQ(slice(added), kept) << "an expert without rows keeps its gradient";
+        continue;
+      }
+      // The f32 sums in another order: bf16's rounding of the results at most one unit apart.
+      const double bound = dt == DType::bf16 ? 4e-3 : 1e-5;
+      EXPECT_LE(testing::rel_error(mine, theirs), bound) << "written";
+      EXPECT_LE(testing::rel_error(slice(added), slice(cutlass_added)), bound) << "accumulated";
     }
   }
 #endif

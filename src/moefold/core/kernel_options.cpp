@@ -50,7 +50,8 @@ constexpr std::pair<const char*, GemmTiles> kTiles[] = {{"small", GemmTiles::sma
                                                         {"large_n2", GemmTiles::large_n2},
                                                         {"pingpong_n2", GemmTiles::pingpong_n2},
                                                         {"large_auto", GemmTiles::large_auto},
-                                                        {"auto", GemmTiles::automatic}};
+                                                        {"auto", GemmTiles::automatic},
+                                                        {"own", GemmTiles::own}};
 constexpr std::pair<const char*, Fp8Tile> kFp8Tiles[] = {{"cooperative", Fp8Tile::cooperative},
                                                          {"cooperative_1x1", Fp8Tile::cooperative_1x1},
                                                          {"pingpong", Fp8Tile::pingpong},
@@ -142,7 +143,12 @@ bool large_auto_pays(int64_t rows, int64_t experts, int64_t in, int64_t out) {
 }
 
 CutlassTiles parse_cutlass_tiles(const std::string& value, const std::string& key) {
-  return parse_per_kind<CutlassTiles>(value, key, kKinds, kTiles);
+  const CutlassTiles t = parse_per_kind<CutlassTiles>(value, key, kKinds, kTiles);
+  for (const GemmTiles k : {t.forward, t.dgrad, t.swiglu_forward, t.swiglu_dgrad})
+    if (k == GemmTiles::own)
+      MF_FAIL(key, " = \"", value, "\": own serves the weight gradient only (\"wgrad=own\"); the other kinds run on ",
+              "CUTLASS");
+  return t;
 }
 std::string cutlass_tiles_text(const CutlassTiles& t) { return per_kind_text(t, kKinds, kTiles); }
 Fp8Tiles parse_fp8_tiles(const std::string& value, const std::string& key) {

@@ -28,7 +28,10 @@ enum class GroupedGemmImpl : uint8_t { cutlass, cublaslt };
 // automatic (config text "auto"): large_auto where large_auto_pays says the call is worth its two
 // extra launches (few rows per expert, much work), else large; decided on the host from the
 // call's shapes (the rows of a dropless layer are T x k, known without reading the counts).
-enum class GemmTiles : uint8_t { small, large, pingpong, large_n2, pingpong_n2, large_auto, automatic };
+// own (the weight gradient only): moefold's kernel (ops/cuda/wgrad_grouped_gemm.cu: 128 x 256
+// tiles for bf16 gradients, 128 x 128 for f32, both operands read along the rows, TMA stores
+// beside the next tile's MMAs; sm_90a); where it cannot serve (widths not multiples of 8), large.
+enum class GemmTiles : uint8_t { small, large, pingpong, large_n2, pingpong_n2, large_auto, automatic, own };
 
 // One tile configuration per GEMM kind. Defaults: measured (docs/benchmarks.md): ping-pong for the
 // fused SwiGLU forward (1.27 ms vs 1.40 ms with large tiles, qwen3-30b-a3b fc1); auto for the

@@ -17,8 +17,6 @@
 // shared memory for 16-byte row stores. A tile's rows past its expert's end belong to the next
 // expert (or are past the tensor: TMA fills zeros): they are computed with the wrong weight and
 // never stored.
-#include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -27,10 +25,13 @@
 
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/fp8.h"
+#include "moefold/ops/cuda/sm90.cuh"
 
 namespace moefold::cuda {
 
 namespace {
+
+using namespace sm90;
 
 constexpr int kBlockM = 128;  // rows per CTA tile (two consumer warp groups of 64)
 constexpr int kBlockN = 128;  // columns per tile: one weight scale block
@@ -65,34 +66,7 @@ struct alignas(1024) Smem {
   int begin[kMaxGroups + 1];         // the groups' row offsets
 };
 
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MOEFOLD_OWN_FP8_GEMM_DEVICE 1
-#endif
-
-#ifdef MOEFOLD_OWN_FP8_GEMM_DEVICE
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void bar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred ready;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
-      "@!ready bra WAIT;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
+#ifdef MOEFOLD_SM90A_DEVICE
 // 4 bytes from global to shared memory, asynchronously; zeros when !valid (src is not read).
 __device__ __forceinline__ void copy_async_4(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0)
@@ -103,21 +77,6 @@ __device__ __forceinline__ void copy_async_4(void* dst, const void* src, bool va
 __device__ __forceinline__ void copies_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
-      "[%2];" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
 // A wgmma shared-memory descriptor of a K-major tile in the 128-byte swizzle (rows of 128 bytes,
 // 8-row groups 1024 bytes apart). Advancing by 32 bytes of K adds 2 to it.
 __device__ __forceinline__ uint64_t gmma_desc(const void* tile) {
@@ -134,15 +93,6 @@ __device__ __forceinline__ float ld_shared_f32(const float* p) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr(p)) : "memory");
   return v;
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// Keeps the compiler from moving accesses of d across the asynchronous MMAs.
-__device__ __forceinline__ void fence_operands(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 #define MF_D8(i)                                                                                              \
@@ -193,7 +143,7 @@ struct TileWalk {
 __global__ void __launch_bounds__(kThreads, 1)
     own_fp8_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                            const Params p) {
-#ifdef MOEFOLD_OWN_FP8_GEMM_DEVICE
+#ifdef MOEFOLD_SM90A_DEVICE
   extern __shared__ uint8_t raw[];
   Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
@@ -225,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       bar_init(&sm.full[s], 1 + 32);  // the TMA thread's expect_tx and the scale warp's lanes
       bar_init(&sm.empty[s], 8);      // each consumer warp
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_barrier_init();
   }
   __syncthreads();
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN, k_blocks = (p.k + kBlockK - 1) / kBlockK;
@@ -259,8 +209,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (warp < 4) {  // the rest of the producer warp group: one thread issues every TMA load
     if (threadIdx.x != 0) return;
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
+    prefetch_map(&map_a);
+    prefetch_map(&map_b);
     int stage = 0;
     uint32_t phase = 0;
     for (int t = static_cast<int>(blockIdx.x); t < tiles; t += static_cast<int>(gridDim.x)) {
@@ -308,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The scales, read while the MMAs run (after their issue: it never waits for them).
       const float s_b = ld_shared_f32(&sm.sb[stage][0]);
       const float sa_lo = ld_shared_f32(&sm.sa[stage][row_lo]), sa_hi = ld_shared_f32(&sm.sa[stage][row_lo + 8]);
-      wgmma_wait_all();
+      wgmma_wait<0>();
       fence_operands(part);
       const float s_lo = sa_lo * s_b, s_hi = sa_hi * s_b;
       __syncwarp();
@@ -326,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // wg * 64), columns 8j + 2 (lane % 4) + {0, 1}; staged in shared memory, then stored 16 bytes
     // a thread along whole rows. The warp group's named barrier (1 + wg) brackets the staging area.
     uint8_t* out = sm.out[wg];
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");  // the previous tile's reads are done
+    named_sync(1 + wg, 128);  // the previous tile's reads are done
     const int lr = row_lo - wg * 64;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -336,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<__nv_bfloat162*>(out + (lr + 8) * kOutPitch + c) =
           __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
     }
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+    named_sync(1 + wg, 128);
     const int tid = static_cast<int>(threadIdx.x % 128), chunk = tid % 16;  // 16 chunks of 8 columns a row
     const int col = n_tile * kBlockN + 8 * chunk;
     const int64_t first = sm.begin[e] + int64_t{m_tile} * kBlockM + wg * 64;
@@ -353,29 +303,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled through the runtime (no link against the driver library).
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    MF_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found));
-    MF_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr, "cuTensorMapEncodeTiled not found in the driver");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 // A TMA map of E4M3 bytes with dims (inner first) and byte strides of the outer dims, boxes of
 // 128 bytes x box_rows (x 1), in the 128-byte swizzle; out-of-bounds boxes fill zeros.
 CUtensorMap tma_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides, uint32_t box_rows) {
-  CUtensorMap map{};
-  const cuuint32_t box[3] = {kBlockK, box_rows, 1}, unit[3] = {1, 1, 1};
-  const CUresult r =
-      encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims,
-                     strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MF_CHECK(r == CUDA_SUCCESS, "own FP8 grouped GEMM: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
-  return map;
+  const uint32_t box[3] = {kBlockK, box_rows, 1};
+  return tiled_map(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, rank, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
+                   "own FP8 grouped GEMM");
 }
 
 struct KernelState {
@@ -388,13 +321,7 @@ KernelState& kernel_state() {
     int dev = 0;
     MF_CUDA_CHECK(cudaGetDevice(&dev));
     MF_CUDA_CHECK(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, dev));
-    // The kernel's body exists only in sm_90a code: anything else would run an empty kernel.
-    cudaFuncAttributes attr{};
-    MF_CUDA_CHECK(cudaFuncGetAttributes(&attr, own_fp8_grouped_kernel));
-    MF_CHECK(attr.binaryVersion == 90, "kernels.fp8_tile rows = own needs an sm_90a GPU and a build for it ",
-             "(MOEFOLD_CUDA_ARCHS with 90a); this kernel was built for sm_", attr.binaryVersion);
-    MF_CUDA_CHECK(cudaFuncSetAttribute(own_fp8_grouped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(sizeof(Smem) + 1024)));
+    require_sm90a(own_fp8_grouped_kernel, static_cast<int>(sizeof(Smem) + 1024), "kernels.fp8_tile rows = own");
   });
   return s;
 }

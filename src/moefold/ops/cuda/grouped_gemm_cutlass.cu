@@ -23,6 +23,7 @@
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/grouped_gemm_cutlass.h"
 #include "moefold/ops/cuda/swiglu.cuh"
+#include "moefold/ops/cuda/wgrad_grouped_gemm.h"
 
 #ifdef MOEFOLD_WITH_CUTLASS
 #include "cute/tensor.hpp"
@@ -395,6 +396,7 @@ bool with_tiles(const ExecContext& ctx, Kind kind, const GroupCall& c, const Run
         run.template operator()<Config<LargeTile, Pair, Cooperative>>();
       return true;
     case GemmTiles::automatic:  // resolved above
+    case GemmTiles::own:        // the weight gradient's only (parse_cutlass_tiles refuses it elsewhere)
       break;
   }
   return false;
@@ -645,6 +647,11 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
   // gets no tiles, so its dw is zeroed here (the offsets are read on the device).
   if (dx_RI.defined()) with_tiles<Dgrad>(ctx, Kind::dgrad, dgrad_call, dgrad);
   if (!want_dw) return true;
+  const GemmTiles tiles = tiles_for(ctx, Kind::wgrad);
+  if (tiles == GemmTiles::own && own_wgrad_serves(e_n, o_n, i_n)) {  // zeroes empty experts itself
+    own_grouped_wgrad(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, "grouped_linear_backward dw (own kernel)");
+    return true;
+  }
   if (!accumulate) {
     const int64_t per = o_n * i_n;
     const char* what = "grouped_linear_backward dw (zero empty experts)";
@@ -656,8 +663,7 @@ bool cutlass_grouped_linear_backward(const ExecContext& ctx, const Tensor& x_RI,
   }
   // The kind's tiles as run: ping-pong (pingpong, pingpong_n2), small (f32 only: bf16 gradients are
   // not built with small tiles, to bound the compile time), else large (the _n2, _auto and auto
-  // names: the weight gradient's M is the weight's rows, never padded).
-  const GemmTiles tiles = tiles_for(ctx, Kind::wgrad);
+  // names: the weight gradient's M is the weight's rows, never padded; own where it cannot serve).
   const bool pong = tiles == GemmTiles::pingpong || tiles == GemmTiles::pingpong_n2;
   if (dw16) {
     if (pong)

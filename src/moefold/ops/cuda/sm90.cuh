@@ -1,0 +1,142 @@
+// Hopper (sm_90a) building blocks of moefold's own GEMM kernels (fp8_grouped_gemm.cu,
+// wgrad_grouped_gemm.cu): shared-memory barriers, TMA loads and stores, wgmma's fences, and the
+// driver's tensor-map encoder. The device functions exist only where MOEFOLD_SM90A_DEVICE is
+// defined (device code for sm_90a, whose wgmma and TMA instructions they use); the kernels guard
+// their bodies with it.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+#include "moefold/ops/cuda/common.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOEFOLD_SM90A_DEVICE 1
+#endif
+
+namespace moefold::cuda::sm90 {
+
+#ifdef MOEFOLD_SM90A_DEVICE
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void bar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred ready;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+      "@!ready bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// After every thread's mbarrier.init: the inits visible to the asynchronous proxy (TMA).
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// This thread's generic-proxy writes of shared memory visible to the asynchronous proxy (wgmma's
+// operand reads, TMA stores) after the barrier that follows.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+// A named barrier of `threads` threads (whole warps), id 1..15 (0 is __syncthreads').
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// TMA tile loads (landing on bar's transaction count; boxes past the tensor fill zeros).
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+// A TMA tile store (the parts of the box past the tensor are not written), in this thread's
+// current bulk group; store_commit closes the group, store_wait_read<N> waits until at most N
+// groups still read their shared memory, store_wait_all until every group's writes are done.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of d across the asynchronous MMAs.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+#endif
+
+// cuTensorMapEncodeTiled through the runtime (no link against the driver library).
+inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MF_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found));
+    MF_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr, "cuTensorMapEncodeTiled not found in the driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A tiled TMA map of `rank` dims (inner first; byte strides of the outer ones), boxes of `box`
+// elements, unit element strides; out-of-bounds boxes fill zeros on loads and are not written by
+// stores. `what` names the kernel in the failure.
+inline CUtensorMap tiled_map(const void* base, CUtensorMapDataType type, int rank, const uint64_t* dims,
+                             const uint64_t* strides, const uint32_t* box, CUtensorMapSwizzle swizzle,
+                             const char* what) {
+  CUtensorMap map{};
+  const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
+  const CUresult r = encode_tiled()(&map, type, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides,
+                                    box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MF_CHECK(r == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
+  return map;
+}
+
+// The kernel's body exists only in sm_90a code: anything else would run an empty kernel. Fails
+// naming `what` unless `kernel` was built for sm_90a (else sets its dynamic shared memory).
+template <class Kernel>
+void require_sm90a(Kernel* kernel, int smem_bytes, const char* what) {
+  cudaFuncAttributes attr{};
+  MF_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  MF_CHECK(attr.binaryVersion == 90, what, " needs an sm_90a GPU and a build for it ",
+           "(MOEFOLD_CUDA_ARCHS with 90a); this kernel was built for sm_", attr.binaryVersion);
+  MF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+}
+
+}  // namespace moefold::cuda::sm90

@@ -1,0 +1,387 @@
+// moefold's own bf16 grouped weight-gradient GEMM for Hopper (sm_90a): kernels.cutlass_tile
+// wgrad = own. See wgrad_grouped_gemm.h and docs/design-notes.md, "The own weight-gradient kernel".
+//
+// dw_e[o, i] (+)= sum over the expert's rows r of dy[r, o] x[r, i]
+//
+// Per CTA tile: 128 weight rows (o) x kBlockN weight columns (i) of one expert; the reduction runs
+// over the expert's rows in blocks of 64. Both operands are read as they lie, row by row ("MN-
+// major" for wgmma: dy^T's and x's contiguous dimension is the tile's M and N): one producer
+// thread loads TMA boxes of 64 rows x 64 columns (128 bytes, 128-byte swizzle) into a ring of
+// stages; two consumer warp groups (64 weight rows each, sharing x's boxes) sum each block with
+// wgmma.m64nNk16 with both transpose bits set. An expert's rows start anywhere: its blocks start
+// at its first row, and the last block's rows past the expert's end (the next expert's, or zeros
+// past the tensor) are zeroed in shared memory before its MMAs, which stop at the last 16 rows
+// holding any of the expert's rows. The epilogue stages each warp group's 64 x kBlockN tile in
+// shared memory (in the 128-byte swizzle of the output's TMA boxes) and one thread stores it with
+// TMA; the warp group goes on to the next tile's blocks while the stores drain, and waits for
+// them only before it writes the staging area again. Accumulating, the old gradient tile is loaded
+// into the staging area by TMA at the tile's start (beside its main loop) and added in the
+// epilogue: round(acc + old), as CUTLASS's epilogue with beta = 1.
+//
+// Each output tile is summed by one CTA in a fixed order: the bits do not depend on the grid.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+
+#include "moefold/ops/cuda/common.cuh"
+#include "moefold/ops/cuda/sm90.cuh"
+#include "moefold/ops/cuda/wgrad_grouped_gemm.h"
+
+namespace moefold::cuda {
+
+namespace {
+
+using namespace sm90;
+
+constexpr int kBlockM = 128;   // weight rows per tile: two consumer warp groups of 64
+constexpr int kBlockK = 64;    // expert rows per main-loop block
+constexpr int kBox = 8192;     // one TMA box: 64 rows x 128 bytes, 128-byte swizzle
+constexpr int kThreads = 384;  // a producer warp group and two consumer warp groups
+
+// Tile width and stages per output type: bf16 256 columns (3 stages of 48 KiB), f32 128 (4 of
+// 32 KiB); each leaves 2 x 32 KiB for the staged outputs.
+template <class Out>
+struct Config;
+template <>
+struct Config<__nv_bfloat16> {
+  static constexpr int kBlockN = 256, kStages = 3;
+};
+template <>
+struct Config<float> {
+  static constexpr int kBlockN = 128, kStages = 4;
+};
+
+template <class Out>
+struct alignas(1024) Smem {
+  static constexpr int kBlockN = Config<Out>::kBlockN, kStages = Config<Out>::kStages;
+  static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));  // output columns per staged box row
+  static constexpr int kChunks = kBlockN / kChunkCols;                    // output boxes per warp group
+  uint8_t a[kStages][2 * kBox];             // dy: 64 rows x 128 weight rows, two boxes of 64 columns
+  uint8_t b[kStages][kBlockN / 64 * kBox];  // x: 64 rows x kBlockN weight columns
+  uint8_t out[2][kChunks * kBox];           // each consumer warp group's 64 x kBlockN outputs, as TMA boxes
+  uint64_t full[kStages];                   // the stage's boxes landed
+  uint64_t empty[kStages];                  // the consumers' 8 warps are done with the stage
+  uint64_t old[2];                          // each warp group's old gradient tile landed (accumulating)
+};
+
+struct Params {
+  const int64_t* off;  // [groups + 1] the experts' row offsets
+  int groups;
+  int o_tiles, i_tiles;
+  int accumulate;
+};
+
+#ifdef MOEFOLD_SM90A_DEVICE
+// A wgmma shared-memory descriptor of an MN-major operand in the 128-byte swizzle, as the TMA
+// boxes lie: each row (one k) holds 64 consecutive m (or n) in 128 bytes, 8-row groups 1024 bytes
+// apart (stride byte offset), the next 64 m (n) one box further (leading byte offset). A 16-row
+// step of k adds 2048 bytes (128 to the low word).
+__device__ __forceinline__ uint64_t desc_mn(const void* tile) {
+  uint64_t desc = (smem_addr(tile) & 0x3FFFF) >> 4;  // start address / 16
+  desc |= uint64_t{kBox >> 4} << 16;                 // leading byte offset: the next 64 columns
+  desc |= uint64_t{1024 >> 4} << 32;                 // stride byte offset: the next 8 rows
+  desc |= uint64_t{1} << 62;                         // 128-byte swizzle
+  return desc;
+}
+
+#define MF_W8(i)                                                                                              \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define MF_W64(i) \
+  MF_W8(i), MF_W8(i + 8), MF_W8(i + 16), MF_W8(i + 24), MF_W8(i + 32), MF_W8(i + 40), MF_W8(i + 48), MF_W8(i + 56)
+// d (64 x N over the warp group) (+)= A (64 x 16) B (16 x N), both MN-major bf16 in shared memory.
+// The descriptors as their low words and the high word they share (desc_mn's, the same for every
+// tile).
+template <int N>
+__device__ __forceinline__ void wgmma_bf16_mn(float (&d)[N / 2], uint32_t desc_a_lo, uint32_t desc_b_lo,
+                                              uint32_t desc_hi, bool accumulate) {
+  if constexpr (N == 128) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        ".reg .b64 da, db;\n"
+        "setp.ne.b32 p, %67, 0;\n"
+        "mov.b64 da, {%64, %66};\n"
+        "mov.b64 db, {%65, %66};\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "da, db, p, 1, 1, 1, 1;\n"
+        "}\n"
+        : MF_W64(0)
+        : "r"(desc_a_lo), "r"(desc_b_lo), "r"(desc_hi), "r"(static_cast<int>(accumulate)));
+  } else {
+    static_assert(N == 256);
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        ".reg .b64 da, db;\n"
+        "setp.ne.b32 p, %131, 0;\n"
+        "mov.b64 da, {%128, %130};\n"
+        "mov.b64 db, {%129, %130};\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "da, db, p, 1, 1, 1, 1;\n"
+        "}\n"
+        : MF_W64(0), MF_W64(64)
+        : "r"(desc_a_lo), "r"(desc_b_lo), "r"(desc_hi), "r"(static_cast<int>(accumulate)));
+  }
+}
+#undef MF_W64
+#undef MF_W8
+
+// Zeroes rows [from, to) of a TMA box (whole 128-byte rows: the swizzle permutes 16-byte units
+// within a row), 128 threads.
+__device__ __forceinline__ void zero_rows(uint8_t* box, int from, int to, int tid) {
+  for (int u = from * 8 + tid; u < to * 8; u += 128) *reinterpret_cast<uint4*>(box + 16 * u) = make_uint4(0, 0, 0, 0);
+}
+
+// The byte of output (row, col) in a warp group's staging area: box col / kChunkCols, its row's
+// 16-byte units swizzled as TMA's 128-byte swizzle lays them (unit ^ row % 8).
+template <class Out>
+__device__ __forceinline__ int staged_byte(int row, int col) {
+  constexpr int kChunkCols = Smem<Out>::kChunkCols;
+  const int byte = (col % kChunkCols) * static_cast<int>(sizeof(Out));
+  return (col / kChunkCols) * kBox + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
+}
+#endif
+
+template <class Out>
+__global__ void __launch_bounds__(kThreads, 1)
+    own_wgrad_kernel(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
+                     const __grid_constant__ CUtensorMap map_dw, const Params p) {
+#ifdef MOEFOLD_SM90A_DEVICE
+  using S = Smem<Out>;
+  constexpr int kBlockN = S::kBlockN, kStages = S::kStages, kChunkCols = S::kChunkCols;
+  extern __shared__ uint8_t raw[];
+  S& sm = *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      bar_init(&sm.full[s], 1);   // the TMA thread's expect_tx
+      bar_init(&sm.empty[s], 8);  // each consumer warp
+    }
+    bar_init(&sm.old[0], 1);
+    bar_init(&sm.old[1], 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const int per_expert = p.o_tiles * p.i_tiles, tiles = p.groups * per_expert;
+  // Tile t: expert t / per_expert; within it, consecutive tiles share x's columns (the wider operand).
+  const auto tile_at = [&](int t, int& e, int& o_tile, int& i_tile) {
+    e = t / per_expert;
+    const int rest = t - e * per_expert;
+    i_tile = rest / p.o_tiles;
+    o_tile = rest - i_tile * p.o_tiles;
+  };
+
+  if (warp < 4) {  // the producer warp group: one thread issues every TMA load
+    if (threadIdx.x != 0) return;
+    prefetch_map(&map_dy);
+    prefetch_map(&map_x);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = static_cast<int>(blockIdx.x); t < tiles; t += static_cast<int>(gridDim.x)) {
+      int e, o_tile, i_tile;
+      tile_at(t, e, o_tile, i_tile);
+      const int end = static_cast<int>(p.off[e + 1]);
+      for (int row = static_cast<int>(p.off[e]); row < end; row += kBlockK) {
+        bar_wait(&sm.empty[stage], phase ^ 1);
+        bar_expect_tx(&sm.full[stage], (2 + kBlockN / 64) * kBox);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          tma_load_2d(sm.a[stage] + h * kBox, &map_dy, &sm.full[stage], o_tile * kBlockM + h * 64, row);
+#pragma unroll
+        for (int c = 0; c < kBlockN / 64; ++c)
+          tma_load_2d(sm.b[stage] + c * kBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+    }
+    return;
+  }
+
+  // A consumer warp group: weight rows wg * 64 ... + 63 of each tile.
+  const int wg = warp / 4 - 1, tid = static_cast<int>(threadIdx.x % 128);
+  const bool leader = tid == 0;               // issues the warp group's TMA stores (and old-gradient loads)
+  const int lr = (warp % 4) * 16 + lane / 4;  // this thread's rows of the 64: lr, lr + 8
+  uint8_t* out = sm.out[wg];
+  // Stage 0's descriptors; stage s's start s * the stage's bytes later (the address field counts 16
+  // bytes and stays in the low word), made warp-uniform for the uniform datapath.
+  const uint64_t desc_a0 = desc_mn(sm.a[0] + wg * kBox), desc_b0 = desc_mn(sm.b[0]);
+  const uint32_t desc_hi = static_cast<uint32_t>(desc_a0 >> 32);
+  const uint32_t desc_a0_lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(desc_a0), 0),
+                 desc_b0_lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(desc_b0), 0);
+  constexpr uint32_t kStepA = sizeof(sm.a[0]) >> 4, kStepB = sizeof(sm.b[0]) >> 4;
+  int stage = 0;
+  uint32_t phase = 0, old_phase = 0;
+  float acc[kBlockN / 2];
+  for (int t = static_cast<int>(blockIdx.x); t < tiles; t += static_cast<int>(gridDim.x)) {
+    int e, o_tile, i_tile;
+    tile_at(t, e, o_tile, i_tile);
+    const int begin = static_cast<int>(p.off[e]), end = static_cast<int>(p.off[e + 1]);
+    const int out_row = o_tile * kBlockM + wg * 64, out_col = i_tile * kBlockN;
+    if (p.accumulate && leader) {  // the old gradient into the staging area, once the last stores read it
+      store_wait_read<0>();
+      bar_expect_tx(&sm.old[wg], S::kChunks * kBox);
+#pragma unroll
+      for (int c = 0; c < S::kChunks; ++c)
+        tma_load_3d(out + c * kBox, &map_dw, &sm.old[wg], out_col + c * kChunkCols, out_row, e);
+    }
+    int prev = -1;  // the stage of the block whose MMAs may still run
+    for (int row = begin; row < end; row += kBlockK) {
+      bar_wait(&sm.full[stage], phase);
+      const int valid = min(kBlockK, end - row);
+      if (valid < kBlockK) {  // the expert's last block: its rows from `valid` on are not the expert's
+        zero_rows(sm.a[stage] + wg * kBox, valid, kBlockK, tid);
+        for (int c = wg; c < kBlockN / 64; c += 2) zero_rows(sm.b[stage] + c * kBox, valid, kBlockK, tid);
+        fence_async_shared();
+        named_sync(3, 256);  // both warp groups' zeros written (they share x's boxes)
+      }
+      const uint32_t ustage = __shfl_sync(0xffffffffu, static_cast<uint32_t>(stage), 0);
+      const uint32_t da = desc_a0_lo + ustage * kStepA, db = desc_b0_lo + ustage * kStepB;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk)
+        wgmma_bf16_mn<kBlockN>(acc, da + 128 * kk, db + 128 * kk, desc_hi, row > begin || kk > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous block's MMAs are done: its stage goes back to the producer
+      __syncwarp();
+      if (prev >= 0 && lane == 0) bar_arrive(&sm.empty[prev]);
+      prev = stage;
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    wgmma_wait<0>();
+    fence_operands(acc);
+    __syncwarp();
+    if (prev >= 0 && lane == 0) bar_arrive(&sm.empty[prev]);
+    const bool summed = prev >= 0;  // else no rows (acc never written): zeros written, or the old gradient kept
+    // The epilogue: each thread holds rows lr and lr + 8, columns 8j + 2 (lane % 4) + {0, 1}.
+    if (p.accumulate) {
+      bar_wait(&sm.old[wg], old_phase);
+      old_phase ^= 1;
+    } else {
+      if (leader) store_wait_read<0>();  // the last tile's stores have read the staging area
+      named_sync(1 + wg, 128);
+    }
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const int col = 8 * j + 2 * (lane % 4);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v0 = summed ? acc[4 * j + 2 * h] : 0.0f, v1 = summed ? acc[4 * j + 2 * h + 1] : 0.0f;
+        uint8_t* q = out + staged_byte<Out>(lr + 8 * h, col);
+        if constexpr (sizeof(Out) == 2) {
+          __nv_bfloat162* q2 = reinterpret_cast<__nv_bfloat162*>(q);
+          if (p.accumulate) {
+            const float2 old = __bfloat1622float2(*q2);
+            v0 += old.x;
+            v1 += old.y;
+          }
+          *q2 = __floats2bfloat162_rn(v0, v1);
+        } else {
+          float2* q2 = reinterpret_cast<float2*>(q);
+          if (p.accumulate) {
+            const float2 old = *q2;
+            v0 += old.x;
+            v1 += old.y;
+          }
+          *q2 = make_float2(v0, v1);
+        }
+      }
+    }
+    fence_async_shared();
+    named_sync(1 + wg, 128);
+    if (leader) {
+#pragma unroll
+      for (int c = 0; c < S::kChunks; ++c) tma_store_3d(&map_dw, out + c * kBox, out_col + c * kChunkCols, out_row, e);
+      store_commit();
+    }
+  }
+  if (leader) store_wait_all();
+#endif
+}
+
+template <class Out>
+struct KernelState {
+  int sms = 0;
+};
+template <class Out>
+KernelState<Out>& kernel_state() {
+  static KernelState<Out> s;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int dev = 0;
+    MF_CUDA_CHECK(cudaGetDevice(&dev));
+    MF_CUDA_CHECK(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, dev));
+    require_sm90a(own_wgrad_kernel<Out>, static_cast<int>(sizeof(Smem<Out>) + 1024),
+                  "kernels.cutlass_tile wgrad = own");
+  });
+  return s;
+}
+
+template <class Out>
+void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
+            const Tensor& dw_EOI, bool accumulate, const char* what) {
+  using S = Smem<Out>;
+  KernelState<Out>& st = kernel_state<Out>();
+  const int64_t rows = x_RI.size(0), e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
+  constexpr auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  constexpr auto out_type = sizeof(Out) == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  const uint32_t box_in[2] = {64, kBlockK}, box_out[3] = {S::kChunkCols, 64, 1};
+  const uint64_t dims_dy[2] = {static_cast<uint64_t>(o_n), static_cast<uint64_t>(rows)},
+                 dims_x[2] = {static_cast<uint64_t>(i_n), static_cast<uint64_t>(rows)},
+                 dims_dw[3] = {static_cast<uint64_t>(i_n), static_cast<uint64_t>(o_n), static_cast<uint64_t>(e_n)};
+  const uint64_t strides_dy[1] = {static_cast<uint64_t>(o_n) * 2}, strides_x[1] = {static_cast<uint64_t>(i_n) * 2},
+                 strides_dw[2] = {static_cast<uint64_t>(i_n) * sizeof(Out),
+                                  static_cast<uint64_t>(o_n * i_n) * sizeof(Out)};
+  const CUtensorMap map_dy =
+      tiled_map(dy_RO.data(), bf16, 2, dims_dy, strides_dy, box_in, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const CUtensorMap map_x =
+      tiled_map(x_RI.data(), bf16, 2, dims_x, strides_x, box_in, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const CUtensorMap map_dw =
+      tiled_map(dw_EOI.data(), out_type, 3, dims_dw, strides_dw, box_out, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const Params p{offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(ceil_div(o_n, kBlockM)),
+                 static_cast<int>(ceil_div(i_n, S::kBlockN)), accumulate ? 1 : 0};
+  const int64_t tiles = e_n * p.o_tiles * p.i_tiles;
+  int sms = st.sms;
+  if (const int want = ctx.kernels().gemm_sms; want > 0) sms = std::min(sms, want);
+  const auto grid = static_cast<unsigned>(std::min<int64_t>(sms, tiles));
+  own_wgrad_kernel<Out><<<grid, kThreads, sizeof(S) + 1024, stream_of(ctx)>>>(map_dy, map_x, map_dw, p);
+  MF_CUDA_LAUNCHED(what);
+}
+
+}  // namespace
+
+bool own_wgrad_serves(int64_t groups, int64_t o_n, int64_t i_n) {
+  return groups >= 1 && o_n > 0 && i_n > 0 && o_n % 8 == 0 && i_n % 8 == 0 &&
+         groups * ceil_div(o_n, kBlockM) * ceil_div(i_n, 128) < (int64_t{1} << 31);
+}
+
+void own_grouped_wgrad(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
+                       const Tensor& dw_EOI, bool accumulate, const char* what) {
+  const int64_t e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
+  MF_CHECK(own_wgrad_serves(e_n, o_n, i_n), what, ": the own weight-gradient GEMM cannot serve ", e_n, " experts of ",
+           o_n, " x ", i_n);
+  MF_CHECK(x_RI.size(0) < (int64_t{1} << 31), what, ": ", x_RI.size(0),
+           " rows (the own kernel indexes rows with 32 bits)");
+  MF_CHECK(x_RI.dtype() == DType::bf16 && dy_RO.dtype() == DType::bf16, what, ": bf16 x and dy expected");
+  if (dw_EOI.dtype() == DType::bf16)
+    launch<__nv_bfloat16>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+  else if (dw_EOI.dtype() == DType::f32)
+    launch<float>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+  else
+    MF_FAIL(what, ": dw must be bf16 or f32, not ", dtype_name(dw_EOI.dtype()));
+}
+
+}  // namespace moefold::cuda
