@@ -35,10 +35,20 @@ namespace {
 
 using namespace sm90;
 
-constexpr int kBlockM = 128;   // weight rows per tile: two consumer warp groups of 64
-constexpr int kBlockK = 64;    // expert rows per main-loop block
-constexpr int kBox = 8192;     // one TMA box: 64 rows x 128 bytes, 128-byte swizzle
-constexpr int kThreads = 384;  // a producer warp group and two consumer warp groups
+constexpr int kBlockM = 128;  // weight rows per tile: two consumer warp groups of 64
+#ifndef MOEFOLD_WGRAD_BK
+#define MOEFOLD_WGRAD_BK 32
+#endif
+#ifndef MOEFOLD_WGRAD_STMATRIX
+#define MOEFOLD_WGRAD_STMATRIX 0
+#endif
+#ifndef MOEFOLD_WGRAD_IMAJOR
+#define MOEFOLD_WGRAD_IMAJOR 1
+#endif
+constexpr int kBlockK = MOEFOLD_WGRAD_BK;  // expert rows per main-loop block (one stage)
+constexpr int kInBox = kBlockK * 128;      // one operand TMA box: kBlockK rows x 128 bytes, 128-byte swizzle
+constexpr int kOutBox = 64 * 128;          // one output TMA box: 64 rows x 128 bytes, 128-byte swizzle
+constexpr int kThreads = 384;              // a producer warp group and two consumer warp groups
 
 // Tile width and stages per output type: bf16 256 columns (3 stages of 48 KiB), f32 128 (4 of
 // 32 KiB); each leaves 2 x 32 KiB for the staged outputs.
@@ -46,11 +56,11 @@ template <class Out>
 struct Config;
 template <>
 struct Config<__nv_bfloat16> {
-  static constexpr int kBlockN = 256, kStages = 3;
+  static constexpr int kBlockN = 256, kStages = 3 * 64 / kBlockK;
 };
 template <>
 struct Config<float> {
-  static constexpr int kBlockN = 128, kStages = 4;
+  static constexpr int kBlockN = 128, kStages = 4 * 64 / kBlockK;
 };
 
 template <class Out>
@@ -58,12 +68,12 @@ struct alignas(1024) Smem {
   static constexpr int kBlockN = Config<Out>::kBlockN, kStages = Config<Out>::kStages;
   static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));  // output columns per staged box row
   static constexpr int kChunks = kBlockN / kChunkCols;                    // output boxes per warp group
-  uint8_t a[kStages][2 * kBox];             // dy: 64 rows x 128 weight rows, two boxes of 64 columns
-  uint8_t b[kStages][kBlockN / 64 * kBox];  // x: 64 rows x kBlockN weight columns
-  uint8_t out[2][kChunks * kBox];           // each consumer warp group's 64 x kBlockN outputs, as TMA boxes
-  uint64_t full[kStages];                   // the stage's boxes landed
-  uint64_t empty[kStages];                  // the consumers' 8 warps are done with the stage
-  uint64_t old[2];                          // each warp group's old gradient tile landed (accumulating)
+  uint8_t a[kStages][2 * kInBox];             // dy: kBlockK rows x 128 weight rows, two boxes of 64 columns
+  uint8_t b[kStages][kBlockN / 64 * kInBox];  // x: kBlockK rows x kBlockN weight columns
+  uint8_t out[2][kChunks * kOutBox];          // each consumer warp group's 64 x kBlockN outputs, as TMA boxes
+  uint64_t full[kStages];                     // the stage's boxes landed
+  uint64_t empty[kStages];                    // the consumers' 8 warps are done with the stage
+  uint64_t old[2];                            // each warp group's old gradient tile landed (accumulating)
 };
 
 struct Params {
@@ -80,7 +90,7 @@ struct Params {
 // step of k adds 2048 bytes (128 to the low word).
 __device__ __forceinline__ uint64_t desc_mn(const void* tile) {
   uint64_t desc = (smem_addr(tile) & 0x3FFFF) >> 4;  // start address / 16
-  desc |= uint64_t{kBox >> 4} << 16;                 // leading byte offset: the next 64 columns
+  desc |= uint64_t{kInBox >> 4} << 16;               // leading byte offset: the next 64 columns
   desc |= uint64_t{1024 >> 4} << 32;                 // stride byte offset: the next 8 rows
   desc |= uint64_t{1} << 62;                         // 128-byte swizzle
   return desc;
@@ -153,7 +163,7 @@ template <class Out>
 __device__ __forceinline__ int staged_byte(int row, int col) {
   constexpr int kChunkCols = Smem<Out>::kChunkCols;
   const int byte = (col % kChunkCols) * static_cast<int>(sizeof(Out));
-  return (col / kChunkCols) * kBox + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
+  return (col / kChunkCols) * kOutBox + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
 }
 #endif
 
@@ -182,8 +192,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto tile_at = [&](int t, int& e, int& o_tile, int& i_tile) {
     e = t / per_expert;
     const int rest = t - e * per_expert;
+#if MOEFOLD_WGRAD_IMAJOR
+    o_tile = rest / p.i_tiles;
+    i_tile = rest - o_tile * p.i_tiles;
+#else
     i_tile = rest / p.o_tiles;
     o_tile = rest - i_tile * p.o_tiles;
+#endif
   };
 
   if (warp < 4) {  // the producer warp group: one thread issues every TMA load
@@ -198,13 +213,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int end = static_cast<int>(p.off[e + 1]);
       for (int row = static_cast<int>(p.off[e]); row < end; row += kBlockK) {
         bar_wait(&sm.empty[stage], phase ^ 1);
-        bar_expect_tx(&sm.full[stage], (2 + kBlockN / 64) * kBox);
+        bar_expect_tx(&sm.full[stage], (2 + kBlockN / 64) * kInBox);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          tma_load_2d(sm.a[stage] + h * kBox, &map_dy, &sm.full[stage], o_tile * kBlockM + h * 64, row);
+          tma_load_2d(sm.a[stage] + h * kInBox, &map_dy, &sm.full[stage], o_tile * kBlockM + h * 64, row);
 #pragma unroll
         for (int c = 0; c < kBlockN / 64; ++c)
-          tma_load_2d(sm.b[stage] + c * kBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row);
+          tma_load_2d(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -218,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* out = sm.out[wg];
   // Stage 0's descriptors; stage s's start s * the stage's bytes later (the address field counts 16
   // bytes and stays in the low word), made warp-uniform for the uniform datapath.
-  const uint64_t desc_a0 = desc_mn(sm.a[0] + wg * kBox), desc_b0 = desc_mn(sm.b[0]);
+  const uint64_t desc_a0 = desc_mn(sm.a[0] + wg * kInBox), desc_b0 = desc_mn(sm.b[0]);
   const uint32_t desc_hi = static_cast<uint32_t>(desc_a0 >> 32);
   const uint32_t desc_a0_lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(desc_a0), 0),
                  desc_b0_lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(desc_b0), 0);
@@ -233,18 +248,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int out_row = o_tile * kBlockM + wg * 64, out_col = i_tile * kBlockN;
     if (p.accumulate && leader) {  // the old gradient into the staging area, once the last stores read it
       store_wait_read<0>();
-      bar_expect_tx(&sm.old[wg], S::kChunks * kBox);
+      bar_expect_tx(&sm.old[wg], S::kChunks * kOutBox);
 #pragma unroll
       for (int c = 0; c < S::kChunks; ++c)
-        tma_load_3d(out + c * kBox, &map_dw, &sm.old[wg], out_col + c * kChunkCols, out_row, e);
+        tma_load_3d(out + c * kOutBox, &map_dw, &sm.old[wg], out_col + c * kChunkCols, out_row, e);
     }
     int prev = -1;  // the stage of the block whose MMAs may still run
     for (int row = begin; row < end; row += kBlockK) {
       bar_wait(&sm.full[stage], phase);
       const int valid = min(kBlockK, end - row);
       if (valid < kBlockK) {  // the expert's last block: its rows from `valid` on are not the expert's
-        zero_rows(sm.a[stage] + wg * kBox, valid, kBlockK, tid);
-        for (int c = wg; c < kBlockN / 64; c += 2) zero_rows(sm.b[stage] + c * kBox, valid, kBlockK, tid);
+        zero_rows(sm.a[stage] + wg * kInBox, valid, kBlockK, tid);
+        for (int c = wg; c < kBlockN / 64; c += 2) zero_rows(sm.b[stage] + c * kInBox, valid, kBlockK, tid);
         fence_async_shared();
         named_sync(3, 256);  // both warp groups' zeros written (they share x's boxes)
       }
@@ -274,29 +289,67 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (leader) store_wait_read<0>();  // the last tile's stores have read the staging area
       named_sync(1 + wg, 128);
     }
+#if MOEFOLD_WGRAD_STMATRIX
+    if constexpr (sizeof(Out) == 2) {
+      // Two 8-column groups a step: four 8 x 8 matrices (rows lr's and lr + 8's 8-row blocks, groups
+      // j and j + 1), stored with one stmatrix (lane l gives row l % 8 of matrix l / 8).
+      const int m = lane / 8, m_row = (warp % 4) * 16 + lane % 8 + 8 * (m & 1);
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) {
-      const int col = 8 * j + 2 * (lane % 4);
+      for (int j = 0; j < kBlockN / 8; j += 2) {
+        const uint32_t addr = smem_addr(out + staged_byte<Out>(m_row, 8 * (j + (m >> 1))));
+        float v[8];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float v0 = summed ? acc[4 * j + 2 * h] : 0.0f, v1 = summed ? acc[4 * j + 2 * h + 1] : 0.0f;
-        uint8_t* q = out + staged_byte<Out>(lr + 8 * h, col);
-        if constexpr (sizeof(Out) == 2) {
-          __nv_bfloat162* q2 = reinterpret_cast<__nv_bfloat162*>(q);
-          if (p.accumulate) {
-            const float2 old = __bfloat1622float2(*q2);
-            v0 += old.x;
-            v1 += old.y;
+        for (int i = 0; i < 8; ++i) v[i] = summed ? acc[4 * j + i] : 0.0f;
+        if (p.accumulate) {
+          uint32_t old[4];
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(old[0]), "=r"(old[1]), "=r"(old[2]), "=r"(old[3])
+                       : "r"(addr)
+                       : "memory");
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old[i]));
+            v[2 * i] += o.x;
+            v[2 * i + 1] += o.y;
           }
-          *q2 = __floats2bfloat162_rn(v0, v1);
-        } else {
-          float2* q2 = reinterpret_cast<float2*>(q);
-          if (p.accumulate) {
-            const float2 old = *q2;
-            v0 += old.x;
-            v1 += old.y;
+        }
+        uint32_t r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+          r[i] = *reinterpret_cast<const uint32_t*>(&b);
+        }
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]),
+                     "r"(r[1]), "r"(r[2]), "r"(r[3])
+                     : "memory");
+      }
+    } else
+#endif
+    {
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v0 = summed ? acc[4 * j + 2 * h] : 0.0f, v1 = summed ? acc[4 * j + 2 * h + 1] : 0.0f;
+          uint8_t* q = out + staged_byte<Out>(lr + 8 * h, col);
+          if constexpr (sizeof(Out) == 2) {
+            __nv_bfloat162* q2 = reinterpret_cast<__nv_bfloat162*>(q);
+            if (p.accumulate) {
+              const float2 old = __bfloat1622float2(*q2);
+              v0 += old.x;
+              v1 += old.y;
+            }
+            *q2 = __floats2bfloat162_rn(v0, v1);
+          } else {
+            float2* q2 = reinterpret_cast<float2*>(q);
+            if (p.accumulate) {
+              const float2 old = *q2;
+              v0 += old.x;
+              v1 += old.y;
+            }
+            *q2 = make_float2(v0, v1);
           }
-          *q2 = make_float2(v0, v1);
         }
       }
     }
@@ -304,7 +357,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_sync(1 + wg, 128);
     if (leader) {
 #pragma unroll
-      for (int c = 0; c < S::kChunks; ++c) tma_store_3d(&map_dw, out + c * kBox, out_col + c * kChunkCols, out_row, e);
+      for (int c = 0; c < S::kChunks; ++c)
+        tma_store_3d(&map_dw, out + c * kOutBox, out_col + c * kChunkCols, out_row, e);
       store_commit();
     }
   }
