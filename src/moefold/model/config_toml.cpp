@@ -243,7 +243,8 @@ const std::vector<Field>& fields() {
                "CUTLASS tiles: \"\" (per-kind defaults), \"small\", \"large\", \"pingpong\", \"large_n2\", "
                "\"pingpong_n2\" (1 x 2 clusters: rows padded to one tile, not two), \"large_auto\" (large or large_n2, "
                "chosen on the device per call), \"auto\" (large_auto for few rows per expert in large calls, else "
-               "large; the forward, dgrad and swiglu_dgrad default) or per kind "
+               "large; the forward, dgrad and swiglu_dgrad default), \"own\" (wgrad only: moefold's own "
+               "weight-gradient kernel, sm_90a) or per kind "
                "\"forward=..,dgrad=..,wgrad=..,swiglu_forward=..,swiglu_dgrad=..\""),
       MF_FIELD(kernels, "fp8_dense_gemm", fp8_dense_gemm,
                "dense FP8 linears (train.fp8): \"cublaslt\" (block scaling where it serves the shape, else "
