@@ -4,19 +4,20 @@
 // dw_e[o, i] (+)= sum over the expert's rows r of dy[r, o] x[r, i]
 //
 // Per CTA tile: 128 weight rows (o) x kBlockN weight columns (i) of one expert; the reduction runs
-// over the expert's rows in blocks of 64. Both operands are read as they lie, row by row ("MN-
-// major" for wgmma: dy^T's and x's contiguous dimension is the tile's M and N): one producer
-// thread loads TMA boxes of 64 rows x 64 columns (128 bytes, 128-byte swizzle) into a ring of
+// over the expert's rows in blocks of kBlockK. Both operands are read as they lie, row by row
+// ("MN-major" for wgmma: dy^T's and x's contiguous dimension is the tile's M and N): one producer
+// thread loads TMA boxes of kBlockK rows x 64 columns (128 bytes, 128-byte swizzle) into a ring of
 // stages; two consumer warp groups (64 weight rows each, sharing x's boxes) sum each block with
 // wgmma.m64nNk16 with both transpose bits set. An expert's rows start anywhere: its blocks start
 // at its first row, and the last block's rows past the expert's end (the next expert's, or zeros
-// past the tensor) are zeroed in shared memory before its MMAs, which stop at the last 16 rows
-// holding any of the expert's rows. The epilogue stages each warp group's 64 x kBlockN tile in
-// shared memory (in the 128-byte swizzle of the output's TMA boxes) and one thread stores it with
-// TMA; the warp group goes on to the next tile's blocks while the stores drain, and waits for
-// them only before it writes the staging area again. Accumulating, the old gradient tile is loaded
-// into the staging area by TMA at the tile's start (beside its main loop) and added in the
-// epilogue: round(acc + old), as CUTLASS's epilogue with beta = 1.
+// past the tensor) are zeroed in shared memory before its MMAs. The epilogue stages each warp
+// group's 64 x kBlockN tile in shared memory (in the 128-byte swizzle of the output's TMA boxes;
+// bf16 with stmatrix, four 8 x 8 matrices an instruction) and one thread stores it with TMA; the
+// warp group goes on to the next tile's blocks while the stores drain, and waits for them only
+// before it writes the staging area again. Accumulating, the old gradient tile is loaded into the
+// staging area by TMA at the tile's start (beside its main loop) and added in the epilogue:
+// round(acc + old), as CUTLASS's epilogue with beta = 1. Consecutive tiles of an expert walk the
+// weight's columns first: the CTAs in flight write whole rows of the gradient.
 //
 // Each output tile is summed by one CTA in a fixed order: the bits do not depend on the grid.
 #include <cuda_bf16.h>
@@ -36,19 +37,12 @@ namespace {
 using namespace sm90;
 
 constexpr int kBlockM = 128;  // weight rows per tile: two consumer warp groups of 64
-#ifndef MOEFOLD_WGRAD_BK
-#define MOEFOLD_WGRAD_BK 32
-#endif
-#ifndef MOEFOLD_WGRAD_STMATRIX
-#define MOEFOLD_WGRAD_STMATRIX 0
-#endif
-#ifndef MOEFOLD_WGRAD_IMAJOR
-#define MOEFOLD_WGRAD_IMAJOR 1
-#endif
-constexpr int kBlockK = MOEFOLD_WGRAD_BK;  // expert rows per main-loop block (one stage)
-constexpr int kInBox = kBlockK * 128;      // one operand TMA box: kBlockK rows x 128 bytes, 128-byte swizzle
-constexpr int kOutBox = 64 * 128;          // one output TMA box: 64 rows x 128 bytes, 128-byte swizzle
-constexpr int kThreads = 384;              // a producer warp group and two consumer warp groups
+// Expert rows per main-loop block (one stage): 32, so that the stages the consumers hold (the block
+// being summed and the one whose MMAs may still run) leave four loading (docs/benchmarks.md, session 33).
+constexpr int kBlockK = 32;
+constexpr int kInBox = kBlockK * 128;  // one operand TMA box: kBlockK rows x 128 bytes, 128-byte swizzle
+constexpr int kOutBox = 64 * 128;      // one output TMA box: 64 rows x 128 bytes, 128-byte swizzle
+constexpr int kThreads = 384;          // a producer warp group and two consumer warp groups
 
 // Tile width and stages per output type: bf16 256 columns (3 stages of 48 KiB), f32 128 (4 of
 // 32 KiB); each leaves 2 x 32 KiB for the staged outputs.
@@ -188,17 +182,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int per_expert = p.o_tiles * p.i_tiles, tiles = p.groups * per_expert;
-  // Tile t: expert t / per_expert; within it, consecutive tiles share x's columns (the wider operand).
+  // Tile t: expert t / per_expert; within it, along the weight's columns first (consecutive tiles
+  // write neighbouring pieces of the same rows of the gradient).
   const auto tile_at = [&](int t, int& e, int& o_tile, int& i_tile) {
     e = t / per_expert;
     const int rest = t - e * per_expert;
-#if MOEFOLD_WGRAD_IMAJOR
     o_tile = rest / p.i_tiles;
     i_tile = rest - o_tile * p.i_tiles;
-#else
-    i_tile = rest / p.o_tiles;
-    o_tile = rest - i_tile * p.o_tiles;
-#endif
   };
 
   if (warp < 4) {  // the producer warp group: one thread issues every TMA load
@@ -289,7 +279,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (leader) store_wait_read<0>();  // the last tile's stores have read the staging area
       named_sync(1 + wg, 128);
     }
-#if MOEFOLD_WGRAD_STMATRIX
     if constexpr (sizeof(Out) == 2) {
       // Two 8-column groups a step: four 8 x 8 matrices (rows lr's and lr + 8's 8-row blocks, groups
       // j and j + 1), stored with one stmatrix (lane l gives row l % 8 of matrix l / 8).
@@ -323,33 +312,20 @@ __global__ void __launch_bounds__(kThreads, 1)
                      "r"(r[1]), "r"(r[2]), "r"(r[3])
                      : "memory");
       }
-    } else
-#endif
-    {
+    } else {  // f32: two floats a thread and row, 8-byte shared stores
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
         const int col = 8 * j + 2 * (lane % 4);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float v0 = summed ? acc[4 * j + 2 * h] : 0.0f, v1 = summed ? acc[4 * j + 2 * h + 1] : 0.0f;
-          uint8_t* q = out + staged_byte<Out>(lr + 8 * h, col);
-          if constexpr (sizeof(Out) == 2) {
-            __nv_bfloat162* q2 = reinterpret_cast<__nv_bfloat162*>(q);
-            if (p.accumulate) {
-              const float2 old = __bfloat1622float2(*q2);
-              v0 += old.x;
-              v1 += old.y;
-            }
-            *q2 = __floats2bfloat162_rn(v0, v1);
-          } else {
-            float2* q2 = reinterpret_cast<float2*>(q);
-            if (p.accumulate) {
-              const float2 old = *q2;
-              v0 += old.x;
-              v1 += old.y;
-            }
-            *q2 = make_float2(v0, v1);
+          float2* q = reinterpret_cast<float2*>(out + staged_byte<Out>(lr + 8 * h, col));
+          float2 v = summed ? make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]) : make_float2(0.0f, 0.0f);
+          if (p.accumulate) {
+            const float2 old = *q;
+            v.x += old.x;
+            v.y += old.y;
           }
+          *q = v;
         }
       }
     }
