@@ -95,32 +95,19 @@ __device__ __forceinline__ float ld_shared_f32(const float* p) {
   return v;
 }
 
-#define MF_D8(i)                                                                                              \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
-      "+f"(d[i + 7])
 // d (64 rows x 128 columns over the warp group) (+)= A (64 x 32, smem) B^T (128 x 32, smem). The
 // descriptors as their low words and the high word they share (gmma_desc's, the same for every
 // tile): 32-bit arithmetic on warp-uniform values between the MMAs, not 64-bit adds per MMA.
 __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint32_t desc_a_lo, uint32_t desc_b_lo,
                                                  uint32_t desc_hi, bool accumulate) {
   asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      ".reg .b64 da, db;\n"
-      "setp.ne.b32 p, %67, 0;\n"
-      "mov.b64 da, {%64, %66};\n"
-      "mov.b64 db, {%65, %66};\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "da, db, p, 1, 1;\n"
-      "}\n"
-      : MF_D8(0), MF_D8(8), MF_D8(16), MF_D8(24), MF_D8(32), MF_D8(40), MF_D8(48), MF_D8(56)
+      "{\n" MOEFOLD_WGMMA_SETUP("%64", "%65", "%66",
+                                "%67") "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MOEFOLD_WGMMA_ACC64
+                                       ", da, db, p, 1, 1;\n"
+                                       "}\n"
+      : MOEFOLD_WGMMA_D64(d, 0)
       : "r"(desc_a_lo), "r"(desc_b_lo), "r"(desc_hi), "r"(static_cast<int>(accumulate)));
 }
-#undef MF_D8
 
 // The CTA's tiles in order: tile t is M tile g = t / n_tiles (of all groups' M tiles in group
 // order) and N tile t % n_tiles. Consecutive CTAs share an A tile; an expert's weight stays in L2

@@ -101,6 +101,41 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 }
 #endif
 
+// Inline-asm pieces of the wgmma instructions (m64nN, f32 accumulators): the accumulators as
+// operands (8 and 64 of them from d[i] on), their register lists in the instruction (the first 64
+// or 128 operands), and the setup of the predicate p (accumulate, else overwrite) and of the
+// descriptors da and db from 32-bit operands (a's and b's low words and the high word they share),
+// the operands named as strings ("%64").
+#define MOEFOLD_WGMMA_D8(d, i)                                                                          \
+  "+f"(d[i]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), \
+      "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define MOEFOLD_WGMMA_D64(d, i)                                                                                       \
+  MOEFOLD_WGMMA_D8(d, i), MOEFOLD_WGMMA_D8(d, (i) + 8), MOEFOLD_WGMMA_D8(d, (i) + 16), MOEFOLD_WGMMA_D8(d, (i) + 24), \
+      MOEFOLD_WGMMA_D8(d, (i) + 32), MOEFOLD_WGMMA_D8(d, (i) + 40), MOEFOLD_WGMMA_D8(d, (i) + 48),                    \
+      MOEFOLD_WGMMA_D8(d, (i) + 56)
+#define MOEFOLD_WGMMA_ACC64                                                          \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "          \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define MOEFOLD_WGMMA_ACC128                                                                     \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "             \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "             \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "             \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+#define MOEFOLD_WGMMA_SETUP(a_lo, b_lo, hi, accumulate) \
+  ".reg .pred p;\n"                                     \
+  ".reg .b64 da, db;\n"                                 \
+  "setp.ne.b32 p, " accumulate                          \
+  ", 0;\n"                                              \
+  "mov.b64 da, {" a_lo ", " hi                          \
+  "};\n"                                                \
+  "mov.b64 db, {" b_lo ", " hi "};\n"
+
 // cuTensorMapEncodeTiled through the runtime (no link against the driver library).
 inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {

@@ -90,11 +90,6 @@ __device__ __forceinline__ uint64_t desc_mn(const void* tile) {
   return desc;
 }
 
-#define MF_W8(i)                                                                                              \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
-      "+f"(d[i + 7])
-#define MF_W64(i) \
-  MF_W8(i), MF_W8(i + 8), MF_W8(i + 16), MF_W8(i + 24), MF_W8(i + 32), MF_W8(i + 40), MF_W8(i + 48), MF_W8(i + 56)
 // d (64 x N over the warp group) (+)= A (64 x 16) B (16 x N), both MN-major bf16 in shared memory.
 // The descriptors as their low words and the high word they share (desc_mn's, the same for every
 // tile).
@@ -103,47 +98,23 @@ __device__ __forceinline__ void wgmma_bf16_mn(float (&d)[N / 2], uint32_t desc_a
                                               uint32_t desc_hi, bool accumulate) {
   if constexpr (N == 128) {
     asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        ".reg .b64 da, db;\n"
-        "setp.ne.b32 p, %67, 0;\n"
-        "mov.b64 da, {%64, %66};\n"
-        "mov.b64 db, {%65, %66};\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "da, db, p, 1, 1, 1, 1;\n"
-        "}\n"
-        : MF_W64(0)
+        "{\n" MOEFOLD_WGMMA_SETUP("%64", "%65", "%66",
+                                  "%67") "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MOEFOLD_WGMMA_ACC64
+                                         ", da, db, p, 1, 1, 1, 1;\n"
+                                         "}\n"
+        : MOEFOLD_WGMMA_D64(d, 0)
         : "r"(desc_a_lo), "r"(desc_b_lo), "r"(desc_hi), "r"(static_cast<int>(accumulate)));
   } else {
     static_assert(N == 256);
     asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        ".reg .b64 da, db;\n"
-        "setp.ne.b32 p, %131, 0;\n"
-        "mov.b64 da, {%128, %130};\n"
-        "mov.b64 db, {%129, %130};\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "da, db, p, 1, 1, 1, 1;\n"
-        "}\n"
-        : MF_W64(0), MF_W64(64)
+        "{\n" MOEFOLD_WGMMA_SETUP("%128", "%129", "%130",
+                                  "%131") "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " MOEFOLD_WGMMA_ACC128
+                                          ", da, db, p, 1, 1, 1, 1;\n"
+                                          "}\n"
+        : MOEFOLD_WGMMA_D64(d, 0), MOEFOLD_WGMMA_D64(d, 64)
         : "r"(desc_a_lo), "r"(desc_b_lo), "r"(desc_hi), "r"(static_cast<int>(accumulate)));
   }
 }
-#undef MF_W64
-#undef MF_W8
 
 // Zeroes rows [from, to) of a TMA box (whole 128-byte rows: the swizzle permutes 16-byte units
 // within a row), 128 threads.
