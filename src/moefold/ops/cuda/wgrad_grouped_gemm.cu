@@ -44,17 +44,17 @@ constexpr int kInBox = kBlockK * 128;  // one operand TMA box: kBlockK rows x 12
 constexpr int kOutBox = 64 * 128;      // one output TMA box: 64 rows x 128 bytes, 128-byte swizzle
 constexpr int kThreads = 384;          // a producer warp group and two consumer warp groups
 
-// Tile width and stages per output type: bf16 256 columns (3 stages of 48 KiB), f32 128 (4 of
-// 32 KiB); each leaves 2 x 32 KiB for the staged outputs.
+// Tile width and stages per output type: bf16 256 columns (6 stages of 24 KiB), f32 128 (8 of
+// 16 KiB); each leaves 2 x 32 KiB for the staged outputs.
 template <class Out>
 struct Config;
 template <>
 struct Config<__nv_bfloat16> {
-  static constexpr int kBlockN = 256, kStages = 3 * 64 / kBlockK;
+  static constexpr int kBlockN = 256, kStages = 6;
 };
 template <>
 struct Config<float> {
-  static constexpr int kBlockN = 128, kStages = 4 * 64 / kBlockK;
+  static constexpr int kBlockN = 128, kStages = 8;
 };
 
 template <class Out>
