@@ -26,7 +26,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <utility>
@@ -373,16 +372,21 @@ void bench_wgrad_groups(int runs, int warmup) {
 // micro-batch), bf16 dw accumulated (its later ones), f32 dw written; the DeepSeek-V3 fc1 shape
 // also with uneven experts (128 to 383 rows, the same total: real routing's spread).
 void bench_wgrad_own(int runs, int warmup) {
-  std::vector<GroupedShape> shapes(std::begin(kGrouped), std::end(kGrouped));
-  shapes.push_back({"deepseek-v3 fc1 uneven", 256, 256, 4096, 7168});
-  for (const GroupedShape& g : shapes) {
+  struct Case {
+    GroupedShape g;
+    bool uneven;
+  };
+  std::vector<Case> cases;
+  for (const GroupedShape& g : kGrouped) cases.push_back({g, false});
+  cases.push_back({{"deepseek-v3 fc1 uneven", 256, 256, 4096, 7168}, true});
+  for (const auto& [g, uneven] : cases) {
     const int64_t r = g.e * g.m;
     DeviceTensor x({r, g.i}, DType::bf16), w({g.e, g.o, g.i}, DType::bf16), dy({r, g.o}, DType::bf16),
         dw16({g.e, g.o, g.i}, DType::bf16), dw32({g.e, g.o, g.i}, DType::f32), offsets({g.e + 1}, DType::i64);
     bench::fill_random(*x, 3);
     bench::fill_random(*dy, 5);
     set_equal_offsets(*offsets, g.m);
-    if (std::string(g.name).find("uneven") != std::string::npos) {
+    if (uneven) {
       std::vector<int64_t> off(static_cast<size_t>(g.e + 1), 0);
       for (int64_t e = 0; e < g.e; ++e) {  // pairs of m - d and m + d rows, d from 0 to 127
         const int64_t d = (e / 2 * 37) % 128;

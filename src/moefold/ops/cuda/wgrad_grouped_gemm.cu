@@ -116,10 +116,11 @@ __device__ __forceinline__ void wgmma_bf16_mn(float (&d)[N / 2], uint32_t desc_a
   }
 }
 
-// Zeroes rows [from, to) of a TMA box (whole 128-byte rows: the swizzle permutes 16-byte units
-// within a row), 128 threads.
-__device__ __forceinline__ void zero_rows(uint8_t* box, int from, int to, int tid) {
-  for (int u = from * 8 + tid; u < to * 8; u += 128) *reinterpret_cast<uint4*>(box + 16 * u) = make_uint4(0, 0, 0, 0);
+// Zeroes an operand box's rows from `from` on (whole 128-byte rows: the swizzle permutes 16-byte
+// units within a row), 128 threads.
+__device__ __forceinline__ void zero_rows_from(uint8_t* box, int from, int tid) {
+  for (int u = from * 8 + tid; u < kBlockK * 8; u += 128)
+    *reinterpret_cast<uint4*>(box + 16 * u) = make_uint4(0, 0, 0, 0);
 }
 
 // The byte of output (row, col) in a warp group's staging area: box col / kChunkCols, its row's
@@ -219,8 +220,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       bar_wait(&sm.full[stage], phase);
       const int valid = min(kBlockK, end - row);
       if (valid < kBlockK) {  // the expert's last block: its rows from `valid` on are not the expert's
-        zero_rows(sm.a[stage] + wg * kInBox, valid, kBlockK, tid);
-        for (int c = wg; c < kBlockN / 64; c += 2) zero_rows(sm.b[stage] + c * kInBox, valid, kBlockK, tid);
+        zero_rows_from(sm.a[stage] + wg * kInBox, valid, tid);
+        for (int c = wg; c < kBlockN / 64; c += 2) zero_rows_from(sm.b[stage] + c * kInBox, valid, tid);
         fence_async_shared();
         named_sync(3, 256);  // both warp groups' zeros written (they share x's boxes)
       }
