@@ -11,10 +11,11 @@
 // Then the experts' grouped GEMMs (bench_grouped). Both by default.
 // --probe-layouts: which scale layouts cuBLASLt's block scaling reads (probe_layouts), nothing else.
 // --wgrad-groups: the bf16 weight gradient in fewer, larger groups (bench_wgrad_groups), nothing else.
-// --wgrad-own: the weight gradient on CUTLASS and on the own kernel (bench_wgrad_own), nothing else.
+// --wgrad-own: the weight gradient on CUTLASS and on the own kernel (bench_wgrad_own), nothing else;
+//   --wgrad-case NAME: only that shape (e.g. "deepseek-v3 fc1": one kernel to profile).
 // --quantize: the activations' FP8 quantization passes alone (bench_quantize), nothing else.
 //   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
-//                              --probe-layouts | --wgrad-groups | --wgrad-own | --quantize]
+//                              --probe-layouts | --wgrad-groups | --wgrad-own [--wgrad-case NAME] | --quantize]
 // --tiles: the kernels.fp8_tile values the grouped GEMMs run in, in turn (default
 // "cooperative;rows=own;cooperative;rows=own").
 #include <cublasLt.h>
@@ -371,7 +372,7 @@ void bench_wgrad_groups(int runs, int warmup) {
 // own kernel (kernels.cutlass_tile wgrad = own), in turn, twice: bf16 dw written (a step's first
 // micro-batch), bf16 dw accumulated (its later ones), f32 dw written; the DeepSeek-V3 fc1 shape
 // also with uneven experts (128 to 383 rows, the same total: real routing's spread).
-void bench_wgrad_own(int runs, int warmup) {
+void bench_wgrad_own(int runs, int warmup, const std::string& only) {
   struct Case {
     GroupedShape g;
     bool uneven;
@@ -379,6 +380,10 @@ void bench_wgrad_own(int runs, int warmup) {
   std::vector<Case> cases;
   for (const GroupedShape& g : kGrouped) cases.push_back({g, false});
   cases.push_back({{"deepseek-v3 fc1 uneven", 256, 256, 4096, 7168}, true});
+  if (!only.empty()) {
+    std::erase_if(cases, [&](const Case& c) { return c.g.name != only; });
+    MF_CHECK(!cases.empty(), "bench_fp8_gemm --wgrad-case: no shape named '", only, "'");
+  }
   for (const auto& [g, uneven] : cases) {
     const int64_t r = g.e * g.m;
     DeviceTensor x({r, g.i}, DType::bf16), w({g.e, g.o, g.i}, DType::bf16), dy({r, g.o}, DType::bf16),
@@ -534,6 +539,7 @@ int run(int argc, char** argv) {
   int runs = 20, warmup = 3;
   bool dense = true, grouped = true, probe = false, wgrad_groups = false, wgrad_own = false, quantize = false;
   std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
+  std::string wgrad_case;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tiles" && i + 1 < argc) {  // kernels.fp8_tile values separated by ';'
@@ -550,6 +556,8 @@ int run(int argc, char** argv) {
       wgrad_groups = true;
     else if (a == "--wgrad-own")
       wgrad_own = true;
+    else if (a == "--wgrad-case" && i + 1 < argc)
+      wgrad_case = argv[++i];
     else if (a == "--quantize")
       quantize = true;
     else if (a == "--grouped-only")
@@ -562,7 +570,7 @@ int run(int argc, char** argv) {
       warmup = std::atoi(argv[++i]);
     else
       MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only | ",
-              "--probe-layouts | --wgrad-groups | --wgrad-own | --quantize] (got '", a, "')");
+              "--probe-layouts | --wgrad-groups | --wgrad-own [--wgrad-case NAME] | --quantize] (got '", a, "')");
   }
   if (quantize) {
     bench_quantize(runs, warmup);
@@ -573,7 +581,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (wgrad_own) {
-    bench_wgrad_own(runs, warmup);
+    bench_wgrad_own(runs, warmup, wgrad_case);
     return 0;
   }
   if (probe) {
