@@ -12,10 +12,12 @@
 // --probe-layouts: which scale layouts cuBLASLt's block scaling reads (probe_layouts), nothing else.
 // --wgrad-groups: the bf16 weight gradient in fewer, larger groups (bench_wgrad_groups), nothing else.
 // --wgrad-own: the weight gradient on CUTLASS and on the own kernel (bench_wgrad_own), nothing else;
-//   --wgrad-case NAME: only that shape (e.g. "deepseek-v3 fc1": one kernel to profile).
+//   --wgrad-case NAME: only that shape (e.g. "deepseek-v3 fc1": one kernel to profile);
+//   --wgrad-clusters 'C;...': the own kernel in clusters of C CTAs (default '2;1'; 2 is wgrad = own's).
 // --quantize: the activations' FP8 quantization passes alone (bench_quantize), nothing else.
 //   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
-//                              --probe-layouts | --wgrad-groups | --wgrad-own [--wgrad-case NAME] | --quantize]
+//                              --probe-layouts | --wgrad-groups | --quantize |
+//                              --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...']]
 // --tiles: the kernels.fp8_tile values the grouped GEMMs run in, in turn (default
 // "cooperative;rows=own;cooperative;rows=own").
 #include <cublasLt.h>
@@ -36,6 +38,7 @@
 #include "moefold/core/error.h"
 #include "moefold/core/exec.h"
 #include "moefold/ops/cuda/fp8.h"
+#include "moefold/ops/cuda/wgrad_grouped_gemm.h"
 #include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
 #include "moefold/ops/ops.h"
@@ -369,10 +372,11 @@ void bench_wgrad_groups(int runs, int warmup) {
 }
 
 // --wgrad-own: the bf16 weight gradient at the expert shapes on CUTLASS's large tiles and on the
-// own kernel (kernels.cutlass_tile wgrad = own), in turn, twice: bf16 dw written (a step's first
-// micro-batch), bf16 dw accumulated (its later ones), f32 dw written; the DeepSeek-V3 fc1 shape
-// also with uneven experts (128 to 383 rows, the same total: real routing's spread).
-void bench_wgrad_own(int runs, int warmup, const std::string& only) {
+// own kernel in each cluster size (2: kernels.cutlass_tile wgrad = own's), in turn, twice: bf16 dw
+// written (a step's first micro-batch), bf16 dw accumulated (its later ones), f32 dw written; the
+// DeepSeek-V3 fc1 shape also with uneven experts (128 to 383 rows, the same total: real routing's
+// spread).
+void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::vector<int>& clusters) {
   struct Case {
     GroupedShape g;
     bool uneven;
@@ -399,18 +403,25 @@ void bench_wgrad_own(int runs, int warmup, const std::string& only) {
       }
       device_copy((*offsets).data(), Device::cuda, off.data(), Device::cpu, off.size() * sizeof(int64_t));
     }
+    const ExecContext& c = ExecContext::standard(Device::cuda);
     for (int round = 0; round < 2; ++round) {
-      for (const char* tile : {"wgrad=large", "wgrad=own"}) {
+      // CUTLASS's large tiles, then the own kernel in each cluster size.
+      for (size_t v = 0; v <= clusters.size(); ++v) {
         KernelOptions k;
-        k.cutlass_tiles = parse_cutlass_tiles(tile, "kernels.cutlass_tile");
-        const ExecContext c(Device::cuda, k);
+        k.cutlass_tiles = parse_cutlass_tiles("wgrad=large", "kernels.cutlass_tile");
+        const ExecContext large(Device::cuda, k);
+        const std::string name = v == 0 ? "wgrad=large" : cat("own, clusters of ", clusters[v - 1]);
         const auto time = [&](const Tensor& dw, bool accumulate) {
-          return bench::time_ms(runs, warmup,
-                                [&] { grouped_linear_backward(c, *x, *w, *offsets, *dy, Tensor(), dw, accumulate); });
+          return bench::time_ms(runs, warmup, [&] {
+            if (v == 0)
+              grouped_linear_backward(large, *x, *w, *offsets, *dy, Tensor(), dw, accumulate);
+            else
+              cuda::own_grouped_wgrad(c, *x, *dy, *offsets, dw, accumulate, "bench", clusters[v - 1]);
+          });
         };
-        report_grouped(g, "wgrad", cat(tile, ", bf16 written").c_str(), time(*dw16, false));
-        report_grouped(g, "wgrad", cat(tile, ", bf16 added").c_str(), time(*dw16, true));
-        report_grouped(g, "wgrad", cat(tile, ", f32 written").c_str(), time(*dw32, false));
+        report_grouped(g, "wgrad", cat(name, ", bf16 written").c_str(), time(*dw16, false));
+        report_grouped(g, "wgrad", cat(name, ", bf16 added").c_str(), time(*dw16, true));
+        report_grouped(g, "wgrad", cat(name, ", f32 written").c_str(), time(*dw32, false));
       }
     }
   }
@@ -540,6 +551,7 @@ int run(int argc, char** argv) {
   bool dense = true, grouped = true, probe = false, wgrad_groups = false, wgrad_own = false, quantize = false;
   std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
   std::string wgrad_case;
+  std::vector<int> clusters = {2, 1};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tiles" && i + 1 < argc) {  // kernels.fp8_tile values separated by ';'
@@ -558,7 +570,15 @@ int run(int argc, char** argv) {
       wgrad_own = true;
     else if (a == "--wgrad-case" && i + 1 < argc)
       wgrad_case = argv[++i];
-    else if (a == "--quantize")
+    else if (a == "--wgrad-clusters" && i + 1 < argc) {  // 'C;C;...'
+      clusters.clear();
+      const std::string list = argv[++i];
+      for (size_t at = 0; at < list.size();) {
+        const size_t semi = std::min(list.find(';', at), list.size());
+        clusters.push_back(std::atoi(list.substr(at, semi - at).c_str()));
+        at = semi + 1;
+      }
+    } else if (a == "--quantize")
       quantize = true;
     else if (a == "--grouped-only")
       dense = false;
@@ -570,7 +590,8 @@ int run(int argc, char** argv) {
       warmup = std::atoi(argv[++i]);
     else
       MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only | ",
-              "--probe-layouts | --wgrad-groups | --wgrad-own [--wgrad-case NAME] | --quantize] (got '", a, "')");
+              "--probe-layouts | --wgrad-groups | --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...'] | ",
+              "--quantize] (got '", a, "')");
   }
   if (quantize) {
     bench_quantize(runs, warmup);
@@ -581,7 +602,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (wgrad_own) {
-    bench_wgrad_own(runs, warmup, wgrad_case);
+    bench_wgrad_own(runs, warmup, wgrad_case, clusters);
     return 0;
   }
   if (probe) {

@@ -27,6 +27,7 @@
 #ifdef MOEFOLD_WITH_CUDA
 #include "moefold/ops/cuda/gemm.h"
 #include "moefold/ops/cuda/grouped_gemm_cutlass.h"
+#include "moefold/ops/cuda/wgrad_grouped_gemm.h"
 #endif
 
 namespace moefold {
@@ -420,9 +421,11 @@ TEST(CudaGroupedLinear, WeightGradientWrittenEqualsAccumulatedOntoZeros) {
 
 // The own weight-gradient kernel (kernels.cutlass_tile wgrad = own, ops/cuda/wgrad_grouped_gemm.cu):
 // the same bits on 1, 7 and every SM (each tile summed by one CTA in one order), written and
-// accumulated; against CUTLASS's large tiles within the f32 sums' reordering; and an expert's last
-// block, which holds the next expert's rows, takes none of them into its sum: the rows of experts
-// 1 and 3 are infinite in x and dy, so a leak makes experts 0 and 2 (ending mid-block) non-finite.
+// accumulated, in clusters of 2 CTAs (the default) and of 1 (264 weight rows make an odd count of
+// 128-row tiles, so a cluster's second CTA has none in the last row of tiles); against CUTLASS's
+// large tiles within the f32 sums' reordering; and an expert's last block, which holds the next
+// expert's rows, takes none of them into its sum: the rows of experts 1 and 3 are infinite in x and
+// dy, so a leak makes experts 0 and 2 (ending mid-block) non-finite.
 TEST(CudaGroupedLinear, OwnWeightGradientIsGridFreeMasksForeignRowsAndMatchesCutlass) {
   MF_REQUIRE_GPU();
 #ifdef MOEFOLD_WITH_CUDA
@@ -458,6 +461,17 @@ TEST(CudaGroupedLinear, OwnWeightGradientIsGridFreeMasksForeignRowsAndMatchesCut
     for (const int sms : {1, 7}) {
       EXPECT_EQ(run("wgrad=own", sms, false, before), own) << sms << " SMs, written";
       EXPECT_EQ(run("wgrad=own", sms, true, before), added) << sms << " SMs, accumulated";
+    }
+    for (const int sms : {0, 1, 7}) {  // clusters of one CTA
+      SCOPED_TRACE(::testing::Message() << "clusters of 1, " << sms << " SMs");
+      KernelOptions k;
+      k.gemm_sms = sms;
+      const ExecContext ctx(Device::cuda, k);
+      const Tensor written = dev.poisoned({e_n, o_n, i_n}, dt), onto = dev.upload(before, dt);
+      cuda::own_grouped_wgrad(ctx, xd, dyd, offsets, written, false, "test", 1);
+      cuda::own_grouped_wgrad(ctx, xd, dyd, offsets, onto, true, "test", 1);
+      EXPECT_EQ(testing::download(written), own) << "written";
+      EXPECT_EQ(testing::download(onto), added) << "accumulated";
     }
     const std::vector<double> cutlass = run("large", 0, false, before), cutlass_added = run("large", 0, true, before);
     for (const int64_t e : {0, 2, 4, 5}) {

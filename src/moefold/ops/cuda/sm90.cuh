@@ -71,6 +71,41 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// The same load multicast: the box lands at dst's offset in the shared memory of every CTA of the
+// cluster in cta_mask, each completing the bytes on its own barrier at bar's offset.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                                      uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4}], [%2], %5;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
+      : "memory");
+}
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Arrives on the barrier at bar's offset in the shared memory of the cluster's CTA `cta` (this one
+// included). The arrival's release is the CTA's, not the cluster's (a cluster-scope release costs a
+// memory barrier of this thread's earlier accesses, and the stage's readers are wgmma's, already
+// waited for).
+__device__ __forceinline__ void bar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+// Every thread of the cluster that has not exited meets here (barrier inits and shared memory seen
+// across the cluster; no CTA leaves while another may still reach its shared memory).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
 // A TMA tile store (the parts of the box past the tensor are not written), in this thread's
 // current bulk group; store_commit closes the group, store_wait_read<N> waits until at most N
 // groups still read their shared memory, store_wait_all until every group's writes are done.

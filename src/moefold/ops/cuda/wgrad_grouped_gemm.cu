@@ -17,7 +17,10 @@
 // before it writes the staging area again. Accumulating, the old gradient tile is loaded into the
 // staging area by TMA at the tile's start (beside its main loop) and added in the epilogue:
 // round(acc + old), as CUTLASS's epilogue with beta = 1. Consecutive tiles of an expert walk the
-// weight's columns first: the CTAs in flight write whole rows of the gradient.
+// weight's columns first: the CTAs in flight write whole rows of the gradient. In 2-CTA clusters
+// the pair sums neighbouring 128-row tiles of the same columns, each CTA loading half of x's boxes
+// and multicasting them to both; a stage goes back to the producers once all 16 consumer warps of
+// the pair are done with it.
 //
 // Each output tile is summed by one CTA in a fixed order: the bits do not depend on the grid.
 #include <cuda_bf16.h>
@@ -43,9 +46,12 @@ constexpr int kBlockK = 32;
 constexpr int kInBox = kBlockK * 128;  // one operand TMA box: kBlockK rows x 128 bytes, 128-byte swizzle
 constexpr int kOutBox = 64 * 128;      // one output TMA box: 64 rows x 128 bytes, 128-byte swizzle
 constexpr int kThreads = 384;          // a producer warp group and two consumer warp groups
+// kCluster CTAs a cluster (2 unless own_grouped_wgrad is told 1) sum neighbouring 128-row tiles
+// of the same columns of one expert, each loading 1 / kCluster of x's boxes and multicasting them
+// to all: x's reads from L2 halve in pairs.
 
-// Tile width and stages per output type: bf16 256 columns (6 stages of 24 KiB), f32 128 (8 of
-// 16 KiB); each leaves 2 x 32 KiB for the staged outputs.
+// Tile width and stages per output type: bf16 256 columns (stages of 24 KiB: 6 beside the 64 KiB of
+// staging), f32 128 (stages of 16 KiB: 8).
 template <class Out>
 struct Config;
 template <>
@@ -57,23 +63,30 @@ struct Config<float> {
   static constexpr int kBlockN = 128, kStages = 8;
 };
 
+// Output columns per staged box row (128 bytes).
+template <class Out>
+constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));
+
 template <class Out>
 struct alignas(1024) Smem {
   static constexpr int kBlockN = Config<Out>::kBlockN, kStages = Config<Out>::kStages;
-  static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));  // output columns per staged box row
-  static constexpr int kChunks = kBlockN / kChunkCols;                    // output boxes per warp group
+  static constexpr int kChunks = kBlockN / kChunkCols<Out>;  // output boxes per warp group
   uint8_t a[kStages][2 * kInBox];             // dy: kBlockK rows x 128 weight rows, two boxes of 64 columns
   uint8_t b[kStages][kBlockN / 64 * kInBox];  // x: kBlockK rows x kBlockN weight columns
   uint8_t out[2][kChunks * kOutBox];          // each consumer warp group's 64 x kBlockN outputs, as TMA boxes
   uint64_t full[kStages];                     // the stage's boxes landed
-  uint64_t empty[kStages];                    // the consumers' 8 warps are done with the stage
+  uint64_t empty[kStages];                    // every consumer warp of the cluster is done with the stage
   uint64_t old[2];                            // each warp group's old gradient tile landed (accumulating)
 };
+
+// Each layout, with the 1024 bytes of alignment slack, within an SM's 227 KiB of shared memory.
+static_assert(sizeof(Smem<__nv_bfloat16>) + 1024 <= 227 * 1024 && sizeof(Smem<float>) + 1024 <= 227 * 1024);
 
 struct Params {
   const int64_t* off;  // [groups + 1] the experts' row offsets
   int groups;
-  int o_tiles, i_tiles;
+  int o_groups;  // the clusters' units of weight rows: ceil(128-row tiles / the cluster's CTAs)
+  int i_tiles;
   int accumulate;
 };
 
@@ -127,40 +140,46 @@ __device__ __forceinline__ void zero_rows_from(uint8_t* box, int from, int tid) 
 // 16-byte units swizzled as TMA's 128-byte swizzle lays them (unit ^ row % 8).
 template <class Out>
 __device__ __forceinline__ int staged_byte(int row, int col) {
-  constexpr int kChunkCols = Smem<Out>::kChunkCols;
-  const int byte = (col % kChunkCols) * static_cast<int>(sizeof(Out));
-  return (col / kChunkCols) * kOutBox + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
+  const int byte = (col % kChunkCols<Out>)*static_cast<int>(sizeof(Out));
+  return (col / kChunkCols<Out>)*kOutBox + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
 }
 #endif
 
-template <class Out>
+template <class Out, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     own_wgrad_kernel(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
                      const __grid_constant__ CUtensorMap map_dw, const Params p) {
 #ifdef MOEFOLD_SM90A_DEVICE
   using S = Smem<Out>;
-  constexpr int kBlockN = S::kBlockN, kStages = S::kStages, kChunkCols = S::kChunkCols;
+  constexpr int kBlockN = S::kBlockN, kStages = S::kStages, kCols = kChunkCols<Out>;
   extern __shared__ uint8_t raw[];
   S& sm = *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      bar_init(&sm.full[s], 1);   // the TMA thread's expect_tx
-      bar_init(&sm.empty[s], 8);  // each consumer warp
+      bar_init(&sm.full[s], 1);              // the TMA thread's expect_tx
+      bar_init(&sm.empty[s], 8 * kCluster);  // each consumer warp of the cluster
     }
     bar_init(&sm.old[0], 1);
     bar_init(&sm.old[1], 1);
     fence_barrier_init();
   }
-  __syncthreads();
-  const int per_expert = p.o_tiles * p.i_tiles, tiles = p.groups * per_expert;
-  // Tile t: expert t / per_expert; within it, along the weight's columns first (consecutive tiles
-  // write neighbouring pieces of the same rows of the gradient).
+  if constexpr (kCluster > 1)
+    cluster_sync();  // the barriers of every CTA of the cluster initialized
+  else
+    __syncthreads();
+  const uint32_t rank = kCluster > 1 ? cluster_rank() : 0;
+  const int cluster = static_cast<int>(blockIdx.x) / kCluster, clusters = static_cast<int>(gridDim.x) / kCluster;
+  const int per_expert = p.o_groups * p.i_tiles, tiles = p.groups * per_expert;
+  // Cluster tile t: expert t / per_expert; within it, along the weight's columns first (consecutive
+  // tiles write neighbouring pieces of the same rows of the gradient). This CTA's 128 rows: the
+  // rank's of the cluster's kCluster x 128.
   const auto tile_at = [&](int t, int& e, int& o_tile, int& i_tile) {
     e = t / per_expert;
     const int rest = t - e * per_expert;
-    o_tile = rest / p.i_tiles;
-    i_tile = rest - o_tile * p.i_tiles;
+    const int o_group = rest / p.i_tiles;
+    i_tile = rest - o_group * p.i_tiles;
+    o_tile = o_group * kCluster + static_cast<int>(rank);
   };
 
   if (warp < 4) {  // the producer warp group: one thread issues every TMA load
@@ -169,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     prefetch_map(&map_x);
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = static_cast<int>(blockIdx.x); t < tiles; t += static_cast<int>(gridDim.x)) {
+    for (int t = cluster; t < tiles; t += clusters) {
       int e, o_tile, i_tile;
       tile_at(t, e, o_tile, i_tile);
       const int end = static_cast<int>(p.off[e + 1]);
@@ -180,8 +199,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int h = 0; h < 2; ++h)
           tma_load_2d(sm.a[stage] + h * kInBox, &map_dy, &sm.full[stage], o_tile * kBlockM + h * 64, row);
 #pragma unroll
-        for (int c = 0; c < kBlockN / 64; ++c)
-          tma_load_2d(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row);
+        for (int c = 0; c < kBlockN / 64; ++c) {
+          if constexpr (kCluster > 1) {  // this rank's share of x's boxes, to every CTA of the cluster
+            if (c % kCluster == static_cast<int>(rank))
+              tma_load_2d_multicast(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row,
+                                    static_cast<uint16_t>((1u << kCluster) - 1));
+          } else {
+            tma_load_2d(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row);
+          }
+        }
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -192,7 +218,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = warp / 4 - 1, tid = static_cast<int>(threadIdx.x % 128);
   const bool leader = tid == 0;               // issues the warp group's TMA stores (and old-gradient loads)
   const int lr = (warp % 4) * 16 + lane / 4;  // this thread's rows of the 64: lr, lr + 8
-  uint8_t* out = sm.out[wg];
   // Stage 0's descriptors; stage s's start s * the stage's bytes later (the address field counts 16
   // bytes and stays in the low word), made warp-uniform for the uniform datapath.
   const uint64_t desc_a0 = desc_mn(sm.a[0] + wg * kInBox), desc_b0 = desc_mn(sm.b[0]);
@@ -203,17 +228,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   int stage = 0;
   uint32_t phase = 0, old_phase = 0;
   float acc[kBlockN / 2];
-  for (int t = static_cast<int>(blockIdx.x); t < tiles; t += static_cast<int>(gridDim.x)) {
+  // A stage goes back to the producers once every consumer warp of the cluster is done with it.
+  const auto release = [&](int s) {
+    if constexpr (kCluster > 1) {
+      for (uint32_t r = 0; r < kCluster; ++r) {
+        if (r == rank)
+          bar_arrive(&sm.empty[s]);
+        else
+          bar_arrive_cluster(&sm.empty[s], r);
+      }
+    } else {
+      bar_arrive(&sm.empty[s]);
+    }
+  };
+  for (int t = cluster; t < tiles; t += clusters) {
     int e, o_tile, i_tile;
     tile_at(t, e, o_tile, i_tile);
     const int begin = static_cast<int>(p.off[e]), end = static_cast<int>(p.off[e + 1]);
     const int out_row = o_tile * kBlockM + wg * 64, out_col = i_tile * kBlockN;
+    uint8_t* out = sm.out[wg];
     if (p.accumulate && leader) {  // the old gradient into the staging area, once the last stores read it
       store_wait_read<0>();
       bar_expect_tx(&sm.old[wg], S::kChunks * kOutBox);
 #pragma unroll
       for (int c = 0; c < S::kChunks; ++c)
-        tma_load_3d(out + c * kOutBox, &map_dw, &sm.old[wg], out_col + c * kChunkCols, out_row, e);
+        tma_load_3d(out + c * kOutBox, &map_dw, &sm.old[wg], out_col + c * kCols, out_row, e);
     }
     int prev = -1;  // the stage of the block whose MMAs may still run
     for (int row = begin; row < end; row += kBlockK) {
@@ -234,14 +273,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_commit();
       wgmma_wait<1>();  // the previous block's MMAs are done: its stage goes back to the producer
       __syncwarp();
-      if (prev >= 0 && lane == 0) bar_arrive(&sm.empty[prev]);
+      if (prev >= 0 && lane == 0) release(prev);
       prev = stage;
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
     wgmma_wait<0>();
     fence_operands(acc);
     __syncwarp();
-    if (prev >= 0 && lane == 0) bar_arrive(&sm.empty[prev]);
+    if (prev >= 0 && lane == 0) release(prev);
     const bool summed = prev >= 0;  // else no rows (acc never written): zeros written, or the old gradient kept
     // The epilogue: each thread holds rows lr and lr + 8, columns 8j + 2 (lane % 4) + {0, 1}.
     if (p.accumulate) {
@@ -305,42 +344,64 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_sync(1 + wg, 128);
     if (leader) {
 #pragma unroll
-      for (int c = 0; c < S::kChunks; ++c)
-        tma_store_3d(&map_dw, out + c * kOutBox, out_col + c * kChunkCols, out_row, e);
+      for (int c = 0; c < S::kChunks; ++c) tma_store_3d(&map_dw, out + c * kOutBox, out_col + c * kCols, out_row, e);
       store_commit();
     }
   }
   if (leader) store_wait_all();
+  if constexpr (kCluster > 1) cluster_sync();  // the other CTAs' last arrivals on this one's barriers landed
 #endif
 }
 
-template <class Out>
-struct KernelState {
-  int sms = 0;
+// A launch's configuration: grid (whole clusters), block, shared memory, stream, the cluster's
+// shape where it has more than one CTA.
+struct Launch {
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  Launch(int cluster_ctas, unsigned clusters, int smem, cudaStream_t stream) {
+    config.gridDim = dim3(clusters * static_cast<unsigned>(cluster_ctas));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = static_cast<size_t>(smem);
+    config.stream = stream;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = static_cast<unsigned>(cluster_ctas);
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = cluster_ctas > 1 ? 1 : 0;
+  }
 };
-template <class Out>
-KernelState<Out>& kernel_state() {
-  static KernelState<Out> s;
+
+// The clusters resident at once (one CTA a multiprocessor), found once.
+template <class Out, int kCluster>
+int resident_clusters() {
+  static int clusters = 0;
   static std::once_flag once;
   std::call_once(once, [] {
-    int dev = 0;
-    MF_CUDA_CHECK(cudaGetDevice(&dev));
-    MF_CUDA_CHECK(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, dev));
-    require_sm90a(own_wgrad_kernel<Out>, static_cast<int>(sizeof(Smem<Out>) + 1024),
-                  "kernels.cutlass_tile wgrad = own");
+    const int smem = static_cast<int>(sizeof(Smem<Out>) + 1024);
+    require_sm90a(own_wgrad_kernel<Out, kCluster>, smem, "kernels.cutlass_tile wgrad = own");
+    if constexpr (kCluster == 1) {
+      int dev = 0;
+      MF_CUDA_CHECK(cudaGetDevice(&dev));
+      MF_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrMultiProcessorCount, dev));
+    } else {
+      Launch l(kCluster, 1, smem, nullptr);
+      MF_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, own_wgrad_kernel<Out, kCluster>, &l.config));
+      MF_CHECK(clusters > 0, "kernels.cutlass_tile wgrad = own: no cluster of ", kCluster, " CTAs fits this GPU");
+    }
   });
-  return s;
+  return clusters;
 }
 
-template <class Out>
+template <class Out, int kCluster>
 void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
             const Tensor& dw_EOI, bool accumulate, const char* what) {
   using S = Smem<Out>;
-  KernelState<Out>& st = kernel_state<Out>();
+  const int resident = resident_clusters<Out, kCluster>();
   const int64_t rows = x_RI.size(0), e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
   constexpr auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   constexpr auto out_type = sizeof(Out) == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  const uint32_t box_in[2] = {64, kBlockK}, box_out[3] = {S::kChunkCols, 64, 1};
+  const uint32_t box_in[2] = {64, kBlockK}, box_out[3] = {kChunkCols<Out>, 64, 1};
   const uint64_t dims_dy[2] = {static_cast<uint64_t>(o_n), static_cast<uint64_t>(rows)},
                  dims_x[2] = {static_cast<uint64_t>(i_n), static_cast<uint64_t>(rows)},
                  dims_dw[3] = {static_cast<uint64_t>(i_n), static_cast<uint64_t>(o_n), static_cast<uint64_t>(e_n)};
@@ -353,14 +414,26 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
       tiled_map(x_RI.data(), bf16, 2, dims_x, strides_x, box_in, CU_TENSOR_MAP_SWIZZLE_128B, what);
   const CUtensorMap map_dw =
       tiled_map(dw_EOI.data(), out_type, 3, dims_dw, strides_dw, box_out, CU_TENSOR_MAP_SWIZZLE_128B, what);
-  const Params p{offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(ceil_div(o_n, kBlockM)),
+  const int o_tiles = static_cast<int>(ceil_div(o_n, kBlockM));
+  const Params p{offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(ceil_div(o_tiles, kCluster)),
                  static_cast<int>(ceil_div(i_n, S::kBlockN)), accumulate ? 1 : 0};
-  const int64_t tiles = e_n * p.o_tiles * p.i_tiles;
-  int sms = st.sms;
-  if (const int want = ctx.kernels().gemm_sms; want > 0) sms = std::min(sms, want);
-  const auto grid = static_cast<unsigned>(std::min<int64_t>(sms, tiles));
-  own_wgrad_kernel<Out><<<grid, kThreads, sizeof(S) + 1024, stream_of(ctx)>>>(map_dy, map_x, map_dw, p);
+  const int64_t tiles = e_n * p.o_groups * p.i_tiles;  // the clusters' tiles
+  // Persistent clusters: as many as fit at once, fewer for kernels.gemm_sms (at least one).
+  int clusters = resident;
+  if (const int want = ctx.kernels().gemm_sms; want > 0) clusters = std::min(clusters, std::max(1, want / kCluster));
+  Launch l(kCluster, static_cast<unsigned>(std::min<int64_t>(clusters, tiles)), static_cast<int>(sizeof(S) + 1024),
+           stream_of(ctx));
+  MF_CUDA_CHECK(cudaLaunchKernelEx(&l.config, own_wgrad_kernel<Out, kCluster>, map_dy, map_x, map_dw, p));
   MF_CUDA_LAUNCHED(what);
+}
+
+// The cluster size's instantiation.
+template <class Out>
+void launch_cluster(int cluster, const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO,
+                    const Tensor& offsets_E1, const Tensor& dw_EOI, bool accumulate, const char* what) {
+  if (cluster == 2) return launch<Out, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+  MF_CHECK(cluster == 1, what, ": the own weight-gradient kernel runs in clusters of 1 or 2 CTAs, not ", cluster);
+  launch<Out, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
 }
 
 }  // namespace
@@ -371,7 +444,7 @@ bool own_wgrad_serves(int64_t groups, int64_t o_n, int64_t i_n) {
 }
 
 void own_grouped_wgrad(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
-                       const Tensor& dw_EOI, bool accumulate, const char* what) {
+                       const Tensor& dw_EOI, bool accumulate, const char* what, int cluster) {
   const int64_t e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
   MF_CHECK(own_wgrad_serves(e_n, o_n, i_n), what, ": the own weight-gradient GEMM cannot serve ", e_n, " experts of ",
            o_n, " x ", i_n);
@@ -379,9 +452,9 @@ void own_grouped_wgrad(const ExecContext& ctx, const Tensor& x_RI, const Tensor&
            " rows (the own kernel indexes rows with 32 bits)");
   MF_CHECK(x_RI.dtype() == DType::bf16 && dy_RO.dtype() == DType::bf16, what, ": bf16 x and dy expected");
   if (dw_EOI.dtype() == DType::bf16)
-    launch<__nv_bfloat16>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+    launch_cluster<__nv_bfloat16>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
   else if (dw_EOI.dtype() == DType::f32)
-    launch<float>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+    launch_cluster<float>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
   else
     MF_FAIL(what, ": dw must be bf16 or f32, not ", dtype_name(dw_EOI.dtype()));
 }

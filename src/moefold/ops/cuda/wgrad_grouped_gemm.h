@@ -20,8 +20,10 @@ bool own_wgrad_serves(int64_t groups, int64_t o_n, int64_t i_n);
 // offsets_E1 on the device (read there, never by the host). An expert without rows gets zeros
 // (written) or keeps dw (accumulated). REQUIRES: own_wgrad_serves; bf16 x and dy; every pointer
 // 16-byte aligned; fewer than 2^31 rows. Fails (naming kernels.cutlass_tile) on a GPU or build
-// without sm_90a code.
+// without sm_90a code. `cluster`: CTAs a cluster, 2 (pairs of CTAs on neighbouring rows of the
+// weight share x's loads by TMA multicast: what kernels.cutlass_tile wgrad = own runs) or 1; the
+// same bits either way.
 void own_grouped_wgrad(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
-                       const Tensor& dw_EOI, bool accumulate, const char* what);
+                       const Tensor& dw_EOI, bool accumulate, const char* what, int cluster = 2);
 
 }  // namespace moefold::cuda
