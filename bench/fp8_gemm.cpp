@@ -404,12 +404,12 @@ void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::v
       device_copy((*offsets).data(), Device::cuda, off.data(), Device::cpu, off.size() * sizeof(int64_t));
     }
     const ExecContext& c = ExecContext::standard(Device::cuda);
+    KernelOptions k;
+    k.cutlass_tiles = parse_cutlass_tiles("wgrad=large", "kernels.cutlass_tile");
+    const ExecContext large(Device::cuda, k);
     for (int round = 0; round < 2; ++round) {
       // CUTLASS's large tiles, then the own kernel in each cluster size.
       for (size_t v = 0; v <= clusters.size(); ++v) {
-        KernelOptions k;
-        k.cutlass_tiles = parse_cutlass_tiles("wgrad=large", "kernels.cutlass_tile");
-        const ExecContext large(Device::cuda, k);
         const std::string name = v == 0 ? "wgrad=large" : cat("own, clusters of ", clusters[v - 1]);
         const auto time = [&](const Tensor& dw, bool accumulate) {
           return bench::time_ms(runs, warmup, [&] {

@@ -63,14 +63,11 @@ struct Config<float> {
   static constexpr int kBlockN = 128, kStages = 8;
 };
 
-// Output columns per staged box row (128 bytes).
-template <class Out>
-constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));
-
 template <class Out>
 struct alignas(1024) Smem {
   static constexpr int kBlockN = Config<Out>::kBlockN, kStages = Config<Out>::kStages;
-  static constexpr int kChunks = kBlockN / kChunkCols<Out>;  // output boxes per warp group
+  static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));  // output columns per staged box row
+  static constexpr int kChunks = kBlockN / kChunkCols;                    // output boxes per warp group
   uint8_t a[kStages][2 * kInBox];             // dy: kBlockK rows x 128 weight rows, two boxes of 64 columns
   uint8_t b[kStages][kBlockN / 64 * kInBox];  // x: kBlockK rows x kBlockN weight columns
   uint8_t out[2][kChunks * kOutBox];          // each consumer warp group's 64 x kBlockN outputs, as TMA boxes
@@ -140,8 +137,9 @@ __device__ __forceinline__ void zero_rows_from(uint8_t* box, int from, int tid) 
 // 16-byte units swizzled as TMA's 128-byte swizzle lays them (unit ^ row % 8).
 template <class Out>
 __device__ __forceinline__ int staged_byte(int row, int col) {
-  const int byte = (col % kChunkCols<Out>)*static_cast<int>(sizeof(Out));
-  return (col / kChunkCols<Out>)*kOutBox + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
+  constexpr int kChunkCols = Smem<Out>::kChunkCols;
+  const int byte = (col % kChunkCols) * static_cast<int>(sizeof(Out));
+  return (col / kChunkCols) * kOutBox + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
 }
 #endif
 
@@ -151,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                      const __grid_constant__ CUtensorMap map_dw, const Params p) {
 #ifdef MOEFOLD_SM90A_DEVICE
   using S = Smem<Out>;
-  constexpr int kBlockN = S::kBlockN, kStages = S::kStages, kCols = kChunkCols<Out>;
+  constexpr int kBlockN = S::kBlockN, kStages = S::kStages, kChunkCols = S::kChunkCols;
   extern __shared__ uint8_t raw[];
   S& sm = *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
@@ -218,6 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = warp / 4 - 1, tid = static_cast<int>(threadIdx.x % 128);
   const bool leader = tid == 0;               // issues the warp group's TMA stores (and old-gradient loads)
   const int lr = (warp % 4) * 16 + lane / 4;  // this thread's rows of the 64: lr, lr + 8
+  uint8_t* out = sm.out[wg];
   // Stage 0's descriptors; stage s's start s * the stage's bytes later (the address field counts 16
   // bytes and stays in the low word), made warp-uniform for the uniform datapath.
   const uint64_t desc_a0 = desc_mn(sm.a[0] + wg * kInBox), desc_b0 = desc_mn(sm.b[0]);
@@ -230,29 +229,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[kBlockN / 2];
   // A stage goes back to the producers once every consumer warp of the cluster is done with it.
   const auto release = [&](int s) {
-    if constexpr (kCluster > 1) {
-      for (uint32_t r = 0; r < kCluster; ++r) {
-        if (r == rank)
-          bar_arrive(&sm.empty[s]);
-        else
-          bar_arrive_cluster(&sm.empty[s], r);
-      }
-    } else {
-      bar_arrive(&sm.empty[s]);
-    }
+    bar_arrive(&sm.empty[s]);
+    for (uint32_t r = 0; r < kCluster; ++r)
+      if (r != rank) bar_arrive_cluster(&sm.empty[s], r);
   };
   for (int t = cluster; t < tiles; t += clusters) {
     int e, o_tile, i_tile;
     tile_at(t, e, o_tile, i_tile);
     const int begin = static_cast<int>(p.off[e]), end = static_cast<int>(p.off[e + 1]);
     const int out_row = o_tile * kBlockM + wg * 64, out_col = i_tile * kBlockN;
-    uint8_t* out = sm.out[wg];
     if (p.accumulate && leader) {  // the old gradient into the staging area, once the last stores read it
       store_wait_read<0>();
       bar_expect_tx(&sm.old[wg], S::kChunks * kOutBox);
 #pragma unroll
       for (int c = 0; c < S::kChunks; ++c)
-        tma_load_3d(out + c * kOutBox, &map_dw, &sm.old[wg], out_col + c * kCols, out_row, e);
+        tma_load_3d(out + c * kOutBox, &map_dw, &sm.old[wg], out_col + c * kChunkCols, out_row, e);
     }
     int prev = -1;  // the stage of the block whose MMAs may still run
     for (int row = begin; row < end; row += kBlockK) {
@@ -344,7 +335,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_sync(1 + wg, 128);
     if (leader) {
 #pragma unroll
-      for (int c = 0; c < S::kChunks; ++c) tma_store_3d(&map_dw, out + c * kOutBox, out_col + c * kCols, out_row, e);
+      for (int c = 0; c < S::kChunks; ++c)
+        tma_store_3d(&map_dw, out + c * kOutBox, out_col + c * kChunkCols, out_row, e);
       store_commit();
     }
   }
@@ -401,7 +393,7 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
   const int64_t rows = x_RI.size(0), e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
   constexpr auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   constexpr auto out_type = sizeof(Out) == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  const uint32_t box_in[2] = {64, kBlockK}, box_out[3] = {kChunkCols<Out>, 64, 1};
+  const uint32_t box_in[2] = {64, kBlockK}, box_out[3] = {S::kChunkCols, 64, 1};
   const uint64_t dims_dy[2] = {static_cast<uint64_t>(o_n), static_cast<uint64_t>(rows)},
                  dims_x[2] = {static_cast<uint64_t>(i_n), static_cast<uint64_t>(rows)},
                  dims_dw[3] = {static_cast<uint64_t>(i_n), static_cast<uint64_t>(o_n), static_cast<uint64_t>(e_n)};
