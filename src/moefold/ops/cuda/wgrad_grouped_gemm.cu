@@ -12,10 +12,12 @@
 // at its first row, and the last block's rows past the expert's end (the next expert's, or zeros
 // past the tensor) are zeroed in shared memory before its MMAs. The epilogue stages each warp
 // group's 64 x kBlockN tile in shared memory (in the 128-byte swizzle of the output's TMA boxes;
-// bf16 with stmatrix, four 8 x 8 matrices an instruction) and one thread stores it with TMA; the
-// warp group goes on to the next tile's blocks while the stores drain, and waits for them only
-// before it writes the staging area again. Accumulating, the old gradient tile is loaded into the
-// staging area by TMA at the tile's start (beside its main loop) and added in the epilogue:
+// bf16 with stmatrix, four 8 x 8 matrices an instruction; a written bf16 tile in two halves, one
+// after the other, so that the staging area's other half holds two more stages) and one thread
+// stores it with TMA; the warp group goes on to the next tile's blocks while the stores drain,
+// and waits for them only before it writes the staging area again. Accumulating, the old
+// gradient tile is loaded into the staging area by TMA at the tile's start (beside its main loop)
+// and added in the epilogue:
 // round(acc + old), as CUTLASS's epilogue with beta = 1. Consecutive tiles of an expert walk the
 // weight's columns first: the CTAs in flight write whole rows of the gradient. In 2-CTA clusters
 // the pair sums neighbouring 128-row tiles of the same columns, each CTA loading half of x's boxes
@@ -28,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "moefold/ops/cuda/common.cuh"
 #include "moefold/ops/cuda/sm90.cuh"
@@ -50,34 +53,40 @@ constexpr int kThreads = 384;          // a producer warp group and two consumer
 // of the same columns of one expert, each loading 1 / kCluster of x's boxes and multicasting them
 // to all: x's reads from L2 halve in pairs.
 
-// Tile width and stages per output type: bf16 256 columns (stages of 24 KiB: 6 beside the 64 KiB of
-// staging), f32 128 (stages of 16 KiB: 8).
-template <class Out>
+// Tile width and stages per output type, and the parts a warp group's tile is staged in (kParts):
+// bf16 256 columns, staged whole (64 KiB: six stages of 24 KiB beside it) or, written, in two
+// halves of 128 columns (32 KiB: the other 32 KiB make eight stages; 4% faster at DeepSeek-V3's
+// and Qwen3's fc1 on the H200, docs/benchmarks.md, session 36); f32 128 columns, staged whole
+// with eight stages of 16 KiB (in halves with twelve it was slower).
+template <class Out, int kParts>
 struct Config;
-template <>
-struct Config<__nv_bfloat16> {
-  static constexpr int kBlockN = 256, kStages = 6;
+template <int kParts>
+struct Config<__nv_bfloat16, kParts> {
+  static constexpr int kBlockN = 256, kStages = kParts == 1 ? 6 : 8;
 };
-template <>
-struct Config<float> {
+template <int kParts>
+struct Config<float, kParts> {
+  static_assert(kParts == 1, "f32 tiles are staged whole");
   static constexpr int kBlockN = 128, kStages = 8;
 };
 
-template <class Out>
+template <class Out, int kParts>
 struct alignas(1024) Smem {
-  static constexpr int kBlockN = Config<Out>::kBlockN, kStages = Config<Out>::kStages;
+  static constexpr int kBlockN = Config<Out, kParts>::kBlockN, kStages = Config<Out, kParts>::kStages;
+  static constexpr int kPartCols = kBlockN / kParts;                      // output columns staged at once
   static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));  // output columns per staged box row
-  static constexpr int kChunks = kBlockN / kChunkCols;                    // output boxes per warp group
+  static constexpr int kChunks = kPartCols / kChunkCols;                  // output boxes per warp group and part
   uint8_t a[kStages][2 * kInBox];             // dy: kBlockK rows x 128 weight rows, two boxes of 64 columns
   uint8_t b[kStages][kBlockN / 64 * kInBox];  // x: kBlockK rows x kBlockN weight columns
-  uint8_t out[2][kChunks * kOutBox];          // each consumer warp group's 64 x kBlockN outputs, as TMA boxes
+  uint8_t out[2][kChunks * kOutBox];          // each consumer warp group's 64 x kPartCols outputs, as TMA boxes
   uint64_t full[kStages];                     // the stage's boxes landed
   uint64_t empty[kStages];                    // every consumer warp of the cluster is done with the stage
   uint64_t old[2];                            // each warp group's old gradient tile landed (accumulating)
 };
 
 // Each layout, with the 1024 bytes of alignment slack, within an SM's 227 KiB of shared memory.
-static_assert(sizeof(Smem<__nv_bfloat16>) + 1024 <= 227 * 1024 && sizeof(Smem<float>) + 1024 <= 227 * 1024);
+static_assert(sizeof(Smem<__nv_bfloat16, 1>) + 1024 <= 227 * 1024 && sizeof(Smem<float, 1>) + 1024 <= 227 * 1024);
+static_assert(sizeof(Smem<__nv_bfloat16, 2>) + 1024 <= 227 * 1024);
 
 struct Params {
   const int64_t* off;  // [groups + 1] the experts' row offsets
@@ -137,19 +146,20 @@ __device__ __forceinline__ void zero_rows_from(uint8_t* box, int from, int tid) 
 // 16-byte units swizzled as TMA's 128-byte swizzle lays them (unit ^ row % 8).
 template <class Out>
 __device__ __forceinline__ int staged_byte(int row, int col) {
-  constexpr int kChunkCols = Smem<Out>::kChunkCols;
+  constexpr int kChunkCols = Smem<Out, 1>::kChunkCols;
   const int byte = (col % kChunkCols) * static_cast<int>(sizeof(Out));
   return (col / kChunkCols) * kOutBox + row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
 }
 #endif
 
-template <class Out, int kCluster>
+template <class Out, int kCluster, int kParts>
 __global__ void __launch_bounds__(kThreads, 1)
     own_wgrad_kernel(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
                      const __grid_constant__ CUtensorMap map_dw, const Params p) {
 #ifdef MOEFOLD_SM90A_DEVICE
-  using S = Smem<Out>;
-  constexpr int kBlockN = S::kBlockN, kStages = S::kStages, kChunkCols = S::kChunkCols;
+  using S = Smem<Out, kParts>;
+  constexpr int kBlockN = S::kBlockN, kStages = S::kStages, kChunkCols = S::kChunkCols, kPartCols = S::kPartCols;
+  const bool accumulate = kParts == 1 && p.accumulate;  // (the launch stages accumulated tiles whole)
   extern __shared__ uint8_t raw[];
   S& sm = *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
@@ -238,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     tile_at(t, e, o_tile, i_tile);
     const int begin = static_cast<int>(p.off[e]), end = static_cast<int>(p.off[e + 1]);
     const int out_row = o_tile * kBlockM + wg * 64, out_col = i_tile * kBlockN;
-    if (p.accumulate && leader) {  // the old gradient into the staging area, once the last stores read it
+    if (accumulate && leader) {  // the old gradient into the staging area, once the last stores read it
       store_wait_read<0>();
       bar_expect_tx(&sm.old[wg], S::kChunks * kOutBox);
 #pragma unroll
@@ -273,71 +283,77 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     if (prev >= 0 && lane == 0) release(prev);
     const bool summed = prev >= 0;  // else no rows (acc never written): zeros written, or the old gradient kept
-    // The epilogue: each thread holds rows lr and lr + 8, columns 8j + 2 (lane % 4) + {0, 1}.
-    if (p.accumulate) {
+    // The epilogue: each thread holds rows lr and lr + 8, columns 8j + 2 (lane % 4) + {0, 1}; staged
+    // and stored kPartCols columns at a time.
+    if (accumulate) {
       bar_wait(&sm.old[wg], old_phase);
       old_phase ^= 1;
-    } else {
-      if (leader) store_wait_read<0>();  // the last tile's stores have read the staging area
-      named_sync(1 + wg, 128);
     }
-    if constexpr (sizeof(Out) == 2) {
-      // Two 8-column groups a step: four 8 x 8 matrices (rows lr's and lr + 8's 8-row blocks, groups
-      // j and j + 1), stored with one stmatrix (lane l gives row l % 8 of matrix l / 8).
-      const int m = lane / 8, m_row = (warp % 4) * 16 + lane % 8 + 8 * (m & 1);
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; j += 2) {
-        const uint32_t addr = smem_addr(out + staged_byte<Out>(m_row, 8 * (j + (m >> 1))));
-        float v[8];
+    for (int part = 0; part < kParts; ++part) {
+      const int col0 = part * kPartCols;
+      if (!accumulate) {
+        if (leader) store_wait_read<0>();  // the last stores have read the staging area
+        named_sync(1 + wg, 128);
+      }
+      if constexpr (sizeof(Out) == 2) {
+        // Two 8-column groups a step: four 8 x 8 matrices (rows lr's and lr + 8's 8-row blocks, groups
+        // j and j + 1), stored with one stmatrix (lane l gives row l % 8 of matrix l / 8).
+        const int m = lane / 8, m_row = (warp % 4) * 16 + lane % 8 + 8 * (m & 1);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = summed ? acc[4 * j + i] : 0.0f;
-        if (p.accumulate) {
-          uint32_t old[4];
-          asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                       : "=r"(old[0]), "=r"(old[1]), "=r"(old[2]), "=r"(old[3])
-                       : "r"(addr)
-                       : "memory");
+        for (int j = col0 / 8; j < (col0 + kPartCols) / 8; j += 2) {
+          const uint32_t addr = smem_addr(out + staged_byte<Out>(m_row, 8 * (j + (m >> 1)) - col0));
+          float v[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = summed ? acc[4 * j + i] : 0.0f;
+          if (accumulate) {
+            uint32_t old[4];
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(old[0]), "=r"(old[1]), "=r"(old[2]), "=r"(old[3])
+                         : "r"(addr)
+                         : "memory");
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old[i]));
+              v[2 * i] += o.x;
+              v[2 * i + 1] += o.y;
+            }
+          }
+          uint32_t r[4];
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old[i]));
-            v[2 * i] += o.x;
-            v[2 * i + 1] += o.y;
+            const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+            r[i] = *reinterpret_cast<const uint32_t*>(&b);
+          }
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]),
+                       "r"(r[1]), "r"(r[2]), "r"(r[3])
+                       : "memory");
+        }
+      } else {  // f32: two floats a thread and row, 8-byte shared stores
+#pragma unroll
+        for (int j = col0 / 8; j < (col0 + kPartCols) / 8; ++j) {
+          const int col = 8 * j + 2 * (lane % 4) - col0;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float2* q = reinterpret_cast<float2*>(out + staged_byte<Out>(lr + 8 * h, col));
+            float2 v = summed ? make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]) : make_float2(0.0f, 0.0f);
+            if (accumulate) {
+              const float2 old = *q;
+              v.x += old.x;
+              v.y += old.y;
+            }
+            *q = v;
           }
         }
-        uint32_t r[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-          r[i] = *reinterpret_cast<const uint32_t*>(&b);
-        }
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]),
-                     "r"(r[1]), "r"(r[2]), "r"(r[3])
-                     : "memory");
       }
-    } else {  // f32: two floats a thread and row, 8-byte shared stores
+      fence_async_shared();
+      named_sync(1 + wg, 128);
+      if (leader) {
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        const int col = 8 * j + 2 * (lane % 4);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float2* q = reinterpret_cast<float2*>(out + staged_byte<Out>(lr + 8 * h, col));
-          float2 v = summed ? make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]) : make_float2(0.0f, 0.0f);
-          if (p.accumulate) {
-            const float2 old = *q;
-            v.x += old.x;
-            v.y += old.y;
-          }
-          *q = v;
-        }
+        for (int c = 0; c < S::kChunks; ++c)
+          tma_store_3d(&map_dw, out + c * kOutBox, out_col + col0 + c * kChunkCols, out_row, e);
+        store_commit();
       }
-    }
-    fence_async_shared();
-    named_sync(1 + wg, 128);
-    if (leader) {
-#pragma unroll
-      for (int c = 0; c < S::kChunks; ++c)
-        tma_store_3d(&map_dw, out + c * kOutBox, out_col + c * kChunkCols, out_row, e);
-      store_commit();
     }
   }
   if (leader) store_wait_all();
@@ -365,31 +381,31 @@ struct Launch {
 };
 
 // The clusters resident at once (one CTA a multiprocessor), found once.
-template <class Out, int kCluster>
+template <class Out, int kCluster, int kParts>
 int resident_clusters() {
   static int clusters = 0;
   static std::once_flag once;
   std::call_once(once, [] {
-    const int smem = static_cast<int>(sizeof(Smem<Out>) + 1024);
-    require_sm90a(own_wgrad_kernel<Out, kCluster>, smem, "kernels.cutlass_tile wgrad = own");
+    const int smem = static_cast<int>(sizeof(Smem<Out, kParts>) + 1024);
+    require_sm90a(own_wgrad_kernel<Out, kCluster, kParts>, smem, "kernels.cutlass_tile wgrad = own");
     if constexpr (kCluster == 1) {
       int dev = 0;
       MF_CUDA_CHECK(cudaGetDevice(&dev));
       MF_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrMultiProcessorCount, dev));
     } else {
       Launch l(kCluster, 1, smem, nullptr);
-      MF_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, own_wgrad_kernel<Out, kCluster>, &l.config));
+      MF_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, own_wgrad_kernel<Out, kCluster, kParts>, &l.config));
       MF_CHECK(clusters > 0, "kernels.cutlass_tile wgrad = own: no cluster of ", kCluster, " CTAs fits this GPU");
     }
   });
   return clusters;
 }
 
-template <class Out, int kCluster>
+template <class Out, int kCluster, int kParts>
 void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
             const Tensor& dw_EOI, bool accumulate, const char* what) {
-  using S = Smem<Out>;
-  const int resident = resident_clusters<Out, kCluster>();
+  using S = Smem<Out, kParts>;
+  const int resident = resident_clusters<Out, kCluster, kParts>();
   const int64_t rows = x_RI.size(0), e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
   constexpr auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   constexpr auto out_type = sizeof(Out) == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
@@ -415,7 +431,7 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
   if (const int want = ctx.kernels().gemm_sms; want > 0) clusters = std::min(clusters, std::max(1, want / kCluster));
   Launch l(kCluster, static_cast<unsigned>(std::min<int64_t>(clusters, tiles)), static_cast<int>(sizeof(S) + 1024),
            stream_of(ctx));
-  MF_CUDA_CHECK(cudaLaunchKernelEx(&l.config, own_wgrad_kernel<Out, kCluster>, map_dy, map_x, map_dw, p));
+  MF_CUDA_CHECK(cudaLaunchKernelEx(&l.config, own_wgrad_kernel<Out, kCluster, kParts>, map_dy, map_x, map_dw, p));
   MF_CUDA_LAUNCHED(what);
 }
 
@@ -423,9 +439,18 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
 template <class Out>
 void launch_cluster(int cluster, const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO,
                     const Tensor& offsets_E1, const Tensor& dw_EOI, bool accumulate, const char* what) {
-  if (cluster == 2) return launch<Out, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
-  MF_CHECK(cluster == 1, what, ": the own weight-gradient kernel runs in clusters of 1 or 2 CTAs, not ", cluster);
-  launch<Out, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+  MF_CHECK(cluster == 1 || cluster == 2, what, ": the own weight-gradient kernel runs in clusters of 1 or 2 CTAs, not ",
+           cluster);
+  // A written bf16 gradient is staged in halves (two more main-loop stages); an accumulated one
+  // whole (the old tile is loaded into the staging area), and f32 whole.
+  if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
+    if (!accumulate) {
+      if (cluster == 2) return launch<Out, 2, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+      return launch<Out, 1, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+    }
+  }
+  if (cluster == 2) return launch<Out, 2, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+  launch<Out, 1, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
 }
 
 }  // namespace
