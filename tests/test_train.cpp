@@ -301,9 +301,12 @@ TEST(AdamW, Bf16MomentsAreRoundedAfterEachUpdate) {
     const double lr = 0.01 * t;
     opt.step(params, lr);
     for (int j = 0; j < 9; ++j) {
-      const double g = testing::value_at(params[0].grad, j);
-      const double mj = c.adam_beta1 * m[j] + (1 - c.adam_beta1) * g,
-                   vj = c.adam_beta2 * v[j] + (1 - c.adam_beta2) * g * g;
+      // The moments in f32, each operation rounded as the update rounds it (in double, a sum
+      // close to a bf16 rounding boundary can round the other way: the inputs are fresh each run).
+      const float g = static_cast<float>(testing::value_at(params[0].grad, j));
+      const float b1 = static_cast<float>(c.adam_beta1), b2 = static_cast<float>(c.adam_beta2);
+      const double mj = b1 * static_cast<float>(m[j]) + (1.0f - b1) * g,
+                   vj = b2 * static_cast<float>(v[j]) + (1.0f - b2) * g * g;
       w[j] = w[j] * (1 - lr * c.weight_decay) -
              lr / (1 - std::pow(c.adam_beta1, t)) * mj / (std::sqrt(vj / (1 - std::pow(c.adam_beta2, t))) + c.adam_eps);
       m[j] = bf16(mj);
