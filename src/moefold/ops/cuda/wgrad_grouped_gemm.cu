@@ -405,6 +405,8 @@ template <class Out, int kCluster, int kParts>
 void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
             const Tensor& dw_EOI, bool accumulate, const char* what) {
   using S = Smem<Out, kParts>;
+  MF_CHECK(kParts == 1 || !accumulate, what,
+           ": an accumulated gradient is staged whole (the old tile fills the staging area)");
   const int resident = resident_clusters<Out, kCluster, kParts>();
   const int64_t rows = x_RI.size(0), e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
   constexpr auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
