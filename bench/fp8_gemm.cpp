@@ -546,6 +546,17 @@ void bench_quantize(int runs, int warmup) {
   }
 }
 
+// "a;b;c" -> {"a", "b", "c"} (an empty piece between two ';' stays, as one after a trailing ';').
+std::vector<std::string> split_semicolons(const std::string& list) {
+  std::vector<std::string> pieces;
+  for (size_t at = 0; at <= list.size();) {
+    const size_t semi = std::min(list.find(';', at), list.size());
+    pieces.push_back(list.substr(at, semi - at));
+    at = semi + 1;
+  }
+  return pieces;
+}
+
 int run(int argc, char** argv) {
   int runs = 20, warmup = 3;
   bool dense = true, grouped = true, probe = false, wgrad_groups = false, wgrad_own = false, quantize = false;
@@ -555,13 +566,7 @@ int run(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tiles" && i + 1 < argc) {  // kernels.fp8_tile values separated by ';'
-      tiles.clear();
-      std::string list = argv[++i];
-      for (size_t at = 0; at <= list.size();) {
-        const size_t semi = std::min(list.find(';', at), list.size());
-        tiles.push_back(list.substr(at, semi - at));
-        at = semi + 1;
-      }
+      tiles = split_semicolons(argv[++i]);
     } else if (a == "--probe-layouts")
       probe = true;
     else if (a == "--wgrad-groups")
@@ -572,12 +577,7 @@ int run(int argc, char** argv) {
       wgrad_case = argv[++i];
     else if (a == "--wgrad-clusters" && i + 1 < argc) {  // 'C;C;...'
       clusters.clear();
-      const std::string list = argv[++i];
-      for (size_t at = 0; at < list.size();) {
-        const size_t semi = std::min(list.find(';', at), list.size());
-        clusters.push_back(std::atoi(list.substr(at, semi - at).c_str()));
-        at = semi + 1;
-      }
+      for (const std::string& c : split_semicolons(argv[++i])) clusters.push_back(std::atoi(c.c_str()));
     } else if (a == "--quantize")
       quantize = true;
     else if (a == "--grouped-only")
