@@ -106,13 +106,80 @@ def run(name, routing, reps, warmup):
           f"torch._grouped_mm, bf16 gradients)", flush=True)
 
 
+def floor(name, reps, warmup):
+    """The layer's GEMMs alone, back to back, as cuBLAS runs them at their best: the experts as
+    strided batched GEMMs (balanced routing: every expert t*K/E rows, no groups, no permutation),
+    the shared experts as dense GEMMs, bf16 in and out. Nothing else of the layer (router,
+    permutation, SwiGLU, combine) runs, so this is a floor for the layer's GEMM time under the
+    same sustained load, not a layer."""
+    s = SHAPES[name]
+    dev = torch.device("cuda")
+    torch.manual_seed(2026)
+    t, h, e, k, f, fs = s["t"], s["h"], s["e"], s["k"], s["f"], s["f"] * s["shared"]
+    m = t * k // e
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    r = lambda *shape: torch.randn(*shape, **bf) * 0.02  # noqa: E731
+    x, w1, gu, w2, hh = r(e, m, h), r(e, h, 2 * f), r(e, m, 2 * f), r(e, f, h), r(e, m, f)
+    dy, dgu = r(e, m, h), r(e, m, 2 * f)
+    gemms = [  # (name, FLOPs, call)
+        ("fc1 forward", 2 * e * m * h * 2 * f, lambda: torch.bmm(x, w1)),
+        ("fc2 forward", 2 * e * m * f * h, lambda: torch.bmm(hh, w2)),
+        ("fc2 dgrad", 2 * e * m * h * f, lambda: torch.bmm(dy, w2.transpose(1, 2))),
+        ("fc2 wgrad", 2 * e * m * f * h, lambda: torch.bmm(hh.transpose(1, 2), dy)),
+        ("fc1 dgrad", 2 * e * m * 2 * f * h, lambda: torch.bmm(dgu, w1.transpose(1, 2))),
+        ("fc1 wgrad", 2 * e * m * h * 2 * f, lambda: torch.bmm(x.transpose(1, 2), dgu)),
+    ]
+    if fs:
+        xs, ws1, gus, ws2, hs, dys = r(t, h), r(h, 2 * fs), r(t, 2 * fs), r(fs, h), r(t, fs), r(t, h)
+        gemms += [
+            ("shared fc1 forward", 2 * t * h * 2 * fs, lambda: xs @ ws1),
+            ("shared fc2 forward", 2 * t * fs * h, lambda: hs @ ws2),
+            ("shared fc2 dgrad", 2 * t * h * fs, lambda: dys @ ws2.t()),
+            ("shared fc2 wgrad", 2 * t * fs * h, lambda: hs.t() @ dys),
+            ("shared fc1 dgrad", 2 * t * 2 * fs * h, lambda: gus @ ws1.t()),
+            ("shared fc1 wgrad", 2 * t * h * 2 * fs, lambda: xs.t() @ gus),
+        ]
+
+    def timed(calls):
+        times = []
+        for i in range(warmup + reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for c in calls:
+                c()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    total = timed([g[2] for g in gemms])
+    flops = sum(g[1] for g in gemms)
+    print(f"floor {name}: the layer's GEMMs back to back {total:.3f} ms, {flops / total / 1e9:.1f} TFLOP/s "
+          f"(cuBLAS batched/dense, {e} experts of {m} rows)", flush=True)
+    for g_name, g_flops, call in gemms:  # each alone, ten in a row (the same sustained load)
+        ms = timed([call] * 10) / 10
+        print(f"floor {name}: {g_name} {ms:.3f} ms, {g_flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
     ap.add_argument("--routing", action="append", choices=["balanced", "real"], help="default: both")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--floor", action="store_true",
+                    help="instead of the layer: its GEMMs alone as cuBLAS's batched and dense GEMMs (balanced)")
+    ap.add_argument("--tokens", type=int, help="instead of the shape's tokens (as bench moe-layer --tokens)")
+    ap.add_argument("--experts", type=int, help="instead of the shape's experts (as --set moe.num_experts=N)")
     a = ap.parse_args()
+    for s in SHAPES.values():
+        s.update({k: v for k, v in (("t", a.tokens), ("e", a.experts)) if v})
+    if a.floor:
+        for name in a.shape or list(SHAPES):
+            floor(name, a.reps, a.warmup)
+            torch.cuda.empty_cache()
+        return
     for name in a.shape or list(SHAPES):
         for routing in a.routing or ["balanced", "real"]:
             run(name, routing, a.reps, a.warmup)
