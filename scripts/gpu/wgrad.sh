@@ -8,9 +8,9 @@
 # clusters of 2 and 1; ncu: the own kernel at DeepSeek-V3 fc1, bf16 written: throughput, stall
 # reasons per issued instruction and the SASS instructions the warps stall on (ncu --clock-control
 # none); layer (an H200: the DeepSeek-V3 layer needs more than 80 GB): the PyTorch layer of
-# scripts/bench_bar_moe.py, then bench moe-layer at deepseek-v3, bf16 gradients, wgrad = large and
-# own alternating (LAYER_RUNS, default "large own own large"; LAYER_ROUTINGS, default "balanced
-# real"). Outputs under $OUT, few files.
+# scripts/bench_bar_moe.py and its --floor (the layer's GEMMs alone at cuBLAS's rate), then bench
+# moe-layer at deepseek-v3, bf16 gradients, wgrad = large and own alternating (LAYER_RUNS, default
+# "large own own large"; LAYER_ROUTINGS, default "balanced real"). Outputs under $OUT, few files.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
@@ -52,6 +52,8 @@ fi
 if want layer && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   echo "== the PyTorch layer ($SECONDS s)"
   timeout 200 python3 "$root/scripts/bench_bar_moe.py" --shape deepseek-v3 --reps 5 --warmup 2 2>&1 | grep "^bar"
+  timeout 100 python3 "$root/scripts/bench_bar_moe.py" --shape deepseek-v3 --floor --reps 5 --warmup 2 2>&1 |
+    grep "^floor"
   for t in ${LAYER_RUNS:-large own own large}; do
     for routing in ${LAYER_ROUTINGS:-balanced real}; do
       echo "== bench moe-layer deepseek-v3 $routing, bf16 gradients, wgrad=$t ($SECONDS s)"
