@@ -11,7 +11,7 @@ as the moefold bench it is compared with.
 
 --floor times the layer's GEMMs alone instead (cuBLAS's batched and dense GEMMs at balanced
 routing's equal experts, back to back): what the layer's GEMM time cannot go below at cuBLAS's
-rate. --tokens and --experts change every shape's (the halved DeepSeek-V3 layer: 4096 and 128).
+rate; and the bytes its memory-bound stages must move, at the GPU's copy bandwidth. --tokens and --experts change every shape's (the halved DeepSeek-V3 layer: 4096 and 128).
 """
 import argparse
 import statistics
@@ -115,7 +115,8 @@ def floor(name, reps, warmup):
     strided batched GEMMs (balanced routing: every expert t*K/E rows, no groups, no permutation),
     the shared experts as dense GEMMs, bf16 in and out. Nothing else of the layer (router,
     permutation, SwiGLU, combine) runs, so this is a floor for the layer's GEMM time under the
-    same sustained load, not a layer."""
+    same sustained load, not a layer. Then the memory-bound stages' floor: the bytes they must
+    move at the rate of one large device copy; the two together bound the layer from below."""
     s = SHAPES[name]
     dev = torch.device("cuda")
     torch.manual_seed(2026)
@@ -164,6 +165,26 @@ def floor(name, reps, warmup):
     for g_name, g_flops, call in gemms:  # each alone, ten in a row (the same sustained load)
         ms = timed([call] * 10) / 10
         print(f"floor {name}: {g_name} {ms:.3f} ms, {g_flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+
+    # The memory-bound stages at the GPU's copy bandwidth: the bytes each must at least read and
+    # write (bf16; the router, the probabilities and the SwiGLU of the routed experts, which moefold
+    # does in its GEMMs' epilogues, left out), at the rate of one large device copy.
+    th, rh = 2 * t * h, 2 * t * k * h
+    stages = {"dispatch": th + rh, "combine": rh + th, "combine backward": th + 2 * rh, "dispatch backward": rh + th}
+    if fs:
+        stages["shared SwiGLU forward and backward"] = 2 * t * 8 * fs
+        stages["shared output and input gradient added"] = 2 * 3 * th
+    del x, w1, w2, hh, dy, dgu, gemms
+    torch.cuda.empty_cache()
+    src = torch.empty(1 << 30, device=dev, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_ms = timed([lambda: dst.copy_(src)] * 10) / 10
+    bandwidth = 2 * src.numel() / copy_ms / 1e9  # TB/s, read and written
+    moved = sum(stages.values())
+    mem_ms = moved / bandwidth / 1e9
+    print(f"floor {name}: memory-bound stages {mem_ms:.3f} ms for {moved / 1e9:.2f} GB at the copy's "
+          f"{bandwidth:.2f} TB/s (" + ", ".join(f"{n} {b / 1e9:.2f} GB" for n, b in stages.items()) + ")", flush=True)
+    print(f"floor {name}: GEMMs and memory-bound stages {total + mem_ms:.3f} ms", flush=True)
 
 
 def main():
