@@ -11,7 +11,8 @@ as the moefold bench it is compared with.
 
 --floor times the layer's GEMMs alone instead (cuBLAS's batched and dense GEMMs at balanced
 routing's equal experts, back to back): what the layer's GEMM time cannot go below at cuBLAS's
-rate; and the bytes its memory-bound stages must move, at the GPU's copy bandwidth. --tokens and --experts change every shape's (the halved DeepSeek-V3 layer: 4096 and 128).
+rate; and the bytes its memory-bound stages must move, at the GPU's copy bandwidth. --tokens and
+--experts change every shape's (the halved DeepSeek-V3 layer: 4096 and 128).
 """
 import argparse
 import statistics
@@ -84,6 +85,23 @@ class MoeLayer(torch.nn.Module):
         return out
 
 
+def median_ms(body, reps, warmup, before=None):
+    """The median over reps of body's time on the GPU (CUDA events), after warmup runs; before
+    runs ahead of each, untimed."""
+    times = []
+    for i in range(warmup + reps):
+        if before:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        body()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def run(name, routing, reps, warmup):
     s = SHAPES[name]
     dev = torch.device("cuda")
@@ -93,18 +111,12 @@ def run(name, routing, reps, warmup):
     x = torch.randn(t, h, device=dev, dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn(t, h, device=dev, dtype=torch.bfloat16) / t
     balanced = routing == "balanced"
-    times = []
-    for i in range(warmup + reps):
+
+    def no_grads():  # every repetition writes its gradients (a step's first micro-batch)
         for p in list(layer.parameters()) + [x]:
-            p.grad = None  # every repetition writes its gradients (a step's first micro-batch)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        layer(x, balanced).backward(dy)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    ms = statistics.median(times)
+            p.grad = None
+
+    ms = median_ms(lambda: layer(x, balanced).backward(dy), reps, warmup, no_grads)
     fwd = 2 * t * h * s["e"] + 6 * s["k"] * t * h * s["f"] + 6 * t * h * s["f"] * s["shared"]
     print(f"bar {name} {routing}: {ms:.3f} ms, {3 * fwd / ms / 1e9:.1f} TFLOP/s (PyTorch {torch.__version__}, "
           f"torch._grouped_mm, bf16 gradients)", flush=True)
@@ -146,17 +158,7 @@ def floor(name, reps, warmup):
         ]
 
     def timed(calls):
-        times = []
-        for i in range(warmup + reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for c in calls:
-                c()
-            end.record()
-            torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return median_ms(lambda: [c() for c in calls], reps, warmup)
 
     total = timed([g[2] for g in gemms])
     flops = sum(g[1] for g in gemms)
@@ -170,7 +172,8 @@ def floor(name, reps, warmup):
     # write (bf16; the router, the probabilities and the SwiGLU of the routed experts, which moefold
     # does in its GEMMs' epilogues, left out), at the rate of one large device copy.
     th, rh = 2 * t * h, 2 * t * k * h
-    stages = {"dispatch": th + rh, "combine": rh + th, "combine backward": th + 2 * rh, "dispatch backward": rh + th}
+    stages = {"dispatch": th + rh, "combine": rh + th, "combine backward": th + 2 * rh,
+              "dispatch backward": rh + th}
     if fs:
         stages["shared SwiGLU forward and backward"] = 2 * t * 8 * fs
         stages["shared output and input gradient added"] = 2 * 3 * th
@@ -182,8 +185,9 @@ def floor(name, reps, warmup):
     bandwidth = 2 * src.numel() / copy_ms / 1e9  # TB/s, read and written
     moved = sum(stages.values())
     mem_ms = moved / bandwidth / 1e9
+    each = ", ".join(f"{n} {b / 1e9:.2f} GB" for n, b in stages.items())
     print(f"floor {name}: memory-bound stages {mem_ms:.3f} ms for {moved / 1e9:.2f} GB at the copy's "
-          f"{bandwidth:.2f} TB/s (" + ", ".join(f"{n} {b / 1e9:.2f} GB" for n, b in stages.items()) + ")", flush=True)
+          f"{bandwidth:.2f} TB/s ({each})", flush=True)
     print(f"floor {name}: GEMMs and memory-bound stages {total + mem_ms:.3f} ms", flush=True)
 
 
@@ -194,7 +198,8 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--floor", action="store_true",
-                    help="instead of the layer: its GEMMs alone as cuBLAS's batched and dense GEMMs (balanced)")
+                    help="instead of the layer: its GEMMs alone at cuBLAS's rate (balanced), and the bytes "
+                    "its memory-bound stages move at copy speed")
     ap.add_argument("--tokens", type=int, help="instead of the shape's tokens (as bench moe-layer --tokens)")
     ap.add_argument("--experts", type=int, help="instead of the shape's experts (as --set moe.num_experts=N)")
     a = ap.parse_args()
