@@ -749,11 +749,10 @@ bool untouched_from(const std::vector<double>& v, int64_t n, int64_t h_n) {
   return true;
 }
 
-TEST(CudaPermuteCombine, ForwardAndBackwardMatchCpu) {
-  MF_REQUIRE_GPU();
-  std::mt19937_64 rng(testing::fresh_seed());
-  SCOPED_TRACE(seed_trace());
-  const int64_t t_n = 301, k_n = 4, guard = 3;
+// The CUDA permute, combine and their backward against the CPU's, K assignments per token.
+void check_permute_combine(std::mt19937_64& rng, int64_t k_n) {
+  SCOPED_TRACE("K " + std::to_string(k_n));
+  const int64_t t_n = 301, guard = 3;
   Pool plan_pool;
   const HostPlan plan = padded_plan(plan_pool, rng, t_n, k_n);
   const int64_t r_n = plan.num_rows;
@@ -821,6 +820,14 @@ TEST(CudaPermuteCombine, ForwardAndBackwardMatchCpu) {
         }
     }
   }
+}
+
+TEST(CudaPermuteCombine, ForwardAndBackwardMatchCpu) {
+  MF_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::fresh_seed());
+  SCOPED_TRACE(seed_trace());
+  // K 10: the sums over k take their loads in chunks of 8 (permute.cu): a full and a partial one.
+  for (int64_t k_n : {int64_t{4}, int64_t{10}}) check_permute_combine(rng, k_n);
 }
 
 }  // namespace

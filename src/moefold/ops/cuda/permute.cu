@@ -20,10 +20,17 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// Loads in flight: a thread issues the loads of kVecUnroll vectors of a row (permute) or of
+// kRowChunk rows (the sums over k) before it uses any of them, so its memory latency is paid once
+// per batch, not once per access (the arithmetic and its order are those of one load at a time).
+constexpr int kVecUnroll = 4;
+constexpr int kRowChunk = 8;
+
 template <class T, int VEC>
-__global__ void permute_kernel(const T* x, const int64_t* token, int64_t r_n, int64_t t_n, int64_t h_n, T* rows) {
+__global__ void permute_kernel(const T* __restrict__ x, const int64_t* __restrict__ token, int64_t r_n, int64_t t_n,
+                               int64_t h_n, T* __restrict__ rows) {
   using P = Pack<T, VEC>;
-  const int64_t nv = h_n / VEC;
+  const int64_t nv = h_n / VEC, step = blockDim.x;
   for (int64_t r = blockIdx.x; r < r_n; r += gridDim.x) {
     const int64_t t = token[r];
     MF_DEVICE_REQUIRE(t >= -1 && t < t_n, "row %lld reads token %lld of %lld", static_cast<long long>(r),
@@ -33,18 +40,27 @@ __global__ void permute_kernel(const T* x, const int64_t* token, int64_t r_n, in
       P z;
 #pragma unroll
       for (int q = 0; q < VEC; ++q) z.v[q] = from_float<T>(0.f);
-      for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) dst[v] = z;
-    } else {
-      const P* src = reinterpret_cast<const P*>(x + t * h_n);
-      for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) dst[v] = src[v];
+      for (int64_t v = threadIdx.x; v < nv; v += step) dst[v] = z;
+      continue;
+    }
+    const P* src = reinterpret_cast<const P*>(x + t * h_n);
+    for (int64_t v0 = threadIdx.x; v0 < nv; v0 += kVecUnroll * step) {
+      P p[kVecUnroll];
+#pragma unroll
+      for (int u = 0; u < kVecUnroll; ++u)
+        if (v0 + u * step < nv) p[u] = src[v0 + u * step];
+#pragma unroll
+      for (int u = 0; u < kVecUnroll; ++u)
+        if (v0 + u * step < nv) dst[v0 + u * step] = p[u];
     }
   }
 }
 
-// y_t = sum_k w_tk * in[row_tk] over kept rows (w = prob, or 1 when prob is null).
+// y_t = sum_k w_tk * in[row_tk] over kept rows (w = prob, or 1 when prob is null), in k order.
 template <class T, int VEC>
-__global__ void gather_sum_kernel(const T* in, const int64_t* row, const float* prob, int64_t t_n, int k_n, int64_t r_n,
-                                  int64_t h_n, T* y) {
+__global__ void gather_sum_kernel(const T* __restrict__ in, const int64_t* __restrict__ row,
+                                  const float* __restrict__ prob, int64_t t_n, int k_n, int64_t r_n, int64_t h_n,
+                                  T* __restrict__ y) {
   using P = Pack<T, VEC>;
   const int64_t nv = h_n / VEC;
   for (int64_t t = blockIdx.x; t < t_n; t += gridDim.x) {
@@ -53,15 +69,27 @@ __global__ void gather_sum_kernel(const T* in, const int64_t* row, const float* 
       float acc[VEC];
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] = 0.f;
-      for (int k = 0; k < k_n; ++k) {
-        const int64_t r = rt[k];
-        if (r < 0) continue;
-        MF_DEVICE_REQUIRE(r < r_n, "token %lld reads row %lld of %lld", static_cast<long long>(t),
-                          static_cast<long long>(r), static_cast<long long>(r_n));
-        const float w = prob ? prob[t * k_n + k] : 1.f;
-        const P p = reinterpret_cast<const P*>(in + r * h_n)[v];
+      for (int k0 = 0; k0 < k_n; k0 += kRowChunk) {
+        int64_t r[kRowChunk];
+        float w[kRowChunk];
+        P p[kRowChunk];
 #pragma unroll
-        for (int q = 0; q < VEC; ++q) acc[q] += w * to_float(p.v[q]);
+        for (int c = 0; c < kRowChunk; ++c) {
+          const int k = k0 + c;
+          r[c] = k < k_n ? rt[k] : -1;
+          MF_DEVICE_REQUIRE(r[c] < r_n, "token %lld reads row %lld of %lld", static_cast<long long>(t),
+                            static_cast<long long>(r[c]), static_cast<long long>(r_n));
+          w[c] = prob && r[c] >= 0 ? prob[t * k_n + k] : 1.f;
+        }
+#pragma unroll
+        for (int c = 0; c < kRowChunk; ++c)
+          if (r[c] >= 0) p[c] = reinterpret_cast<const P*>(in + r[c] * h_n)[v];
+#pragma unroll
+        for (int c = 0; c < kRowChunk; ++c) {
+          if (r[c] < 0) continue;
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) acc[q] += w[c] * to_float(p[c].v[q]);
+        }
       }
       P out;
 #pragma unroll
@@ -71,24 +99,23 @@ __global__ void gather_sum_kernel(const T* in, const int64_t* row, const float* 
   }
 }
 
-constexpr int kCombineChunk = 8;  // k handled per pass (register accumulators)
-
 // dout[row_tk] = prob_tk * dy_t and dprob_tk = <dy_t, out[row_tk]> (0 when dropped); dout's
-// other rows were zeroed before. dy_t is read once per chunk of kCombineChunk k.
+// other rows were zeroed before. dy_t is read once per chunk of kRowChunk k.
 template <class T, int VEC>
-__global__ void combine_backward_kernel(const T* out, const int64_t* row, const float* prob, const T* dy, int64_t t_n,
-                                        int k_n, int64_t r_n, int64_t h_n, T* dout, float* dprob) {
+__global__ void combine_backward_kernel(const T* __restrict__ out, const int64_t* __restrict__ row,
+                                        const float* __restrict__ prob, const T* __restrict__ dy, int64_t t_n, int k_n,
+                                        int64_t r_n, int64_t h_n, T* __restrict__ dout, float* __restrict__ dprob) {
   using P = Pack<T, VEC>;
-  __shared__ float partial[32][kCombineChunk];
+  __shared__ float partial[32][kRowChunk];
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   const int n_warps = static_cast<int>(blockDim.x) / kWarp;
   const int64_t nv = h_n / VEC;
   for (int64_t t = blockIdx.x; t < t_n; t += gridDim.x) {
-    for (int k0 = 0; k0 < k_n; k0 += kCombineChunk) {
-      int64_t r[kCombineChunk];
-      float p[kCombineChunk], dot[kCombineChunk];
+    for (int k0 = 0; k0 < k_n; k0 += kRowChunk) {
+      int64_t r[kRowChunk];
+      float p[kRowChunk], dot[kRowChunk];
 #pragma unroll
-      for (int q = 0; q < kCombineChunk; ++q) {
+      for (int q = 0; q < kRowChunk; ++q) {
         const int k = k0 + q;
         r[q] = k < k_n ? row[t * k_n + k] : -1;
         MF_DEVICE_REQUIRE(r[q] < r_n, "token %lld reads row %lld of %lld", static_cast<long long>(t),
@@ -98,29 +125,32 @@ __global__ void combine_backward_kernel(const T* out, const int64_t* row, const 
       }
       for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
         const P g = reinterpret_cast<const P*>(dy + t * h_n)[v];
+        P o[kRowChunk];
+#pragma unroll
+        for (int q = 0; q < kRowChunk; ++q)
+          if (r[q] >= 0) o[q] = reinterpret_cast<const P*>(out + r[q] * h_n)[v];
         float gf[VEC];
 #pragma unroll
         for (int q = 0; q < VEC; ++q) gf[q] = to_float(g.v[q]);
 #pragma unroll
-        for (int q = 0; q < kCombineChunk; ++q) {
+        for (int q = 0; q < kRowChunk; ++q) {
           if (r[q] < 0) continue;
-          const P o = reinterpret_cast<const P*>(out + r[q] * h_n)[v];
           P d;
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            dot[q] += gf[i] * to_float(o.v[i]);
+            dot[q] += gf[i] * to_float(o[q].v[i]);
             d.v[i] = from_float<T>(p[q] * gf[i]);
           }
           reinterpret_cast<P*>(dout + r[q] * h_n)[v] = d;
         }
       }
 #pragma unroll
-      for (int q = 0; q < kCombineChunk; ++q) {
+      for (int q = 0; q < kRowChunk; ++q) {
         const float s = warp_sum(dot[q]);
         if (lane == 0) partial[warp][q] = s;
       }
       __syncthreads();
-      if (threadIdx.x < kCombineChunk && k0 + static_cast<int>(threadIdx.x) < k_n) {
+      if (threadIdx.x < kRowChunk && k0 + static_cast<int>(threadIdx.x) < k_n) {
         float s = 0.f;
         for (int w = 0; w < n_warps; ++w) s += partial[w][threadIdx.x];
         dprob[t * k_n + k0 + threadIdx.x] = s;  // a dropped k summed no terms: 0

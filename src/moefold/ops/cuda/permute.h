@@ -3,7 +3,8 @@
 // tensors. Gradient rule: drows, dx, dout, dprob WRITTEN. Tokens and rows (x, rows, drows, dx,
 // out, y, dy, dout) f32 or bf16, all of one dtype; the combine weights prob_TK / dprob_TK f32
 // whatever that dtype is; token_R and row_TK i64; all contiguous CUDA tensors. Sums over k run
-// in f32 in k order (no atomics: deterministic). The ops only enqueue work. Only in the CUDA build.
+// in f32 in k order (no atomics: deterministic). Outputs must not overlap inputs (the kernels
+// read through restrict pointers). The ops only enqueue work. Only in the CUDA build.
 // A row or token index outside its tensor stops the kernel with a printed message and a device
 // trap: the next CUDA call fails (the host cannot see it without waiting).
 // Shapes and the dtypes both devices share are checked once, by the CPU entry point before it
