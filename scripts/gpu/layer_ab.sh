@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# On the GPU machine: the DeepSeek-V3 MoE layer (balanced routing, bf16 gradients, the own weight
+# gradient) of two moefold builds, alternating, against the PyTorch layer of
+# scripts/bench_bar_moe.py and its floor (--floor: the layer's GEMMs alone at cuBLAS's rate and
+# the memory-bound stages' bytes at a device copy's rate), all in one call. Bundle B as usual and
+# A as .gpu/bin/moefold_old (MOEFOLD_GPU_BASELINE=<ref> scripts/gpu/bundle.sh), then
+#   scripts/gpu/layer_ab.sh [rounds]     # default 2; optional tests first: LAYER_AB_TESTS=filter
+# (test_ops_cuda_moe's, and test_ops_cuda_moe_broken's where scripts/gpu/bundle_broken.sh made one).
+# An H200 runs the full layer (256 experts, 8,192 tokens); an H100 (80 GB) the halved one (128
+# experts, 4,096 tokens: the same 256 rows an expert). Each round also times the Qwen3-30B-A3B layer
+# (balanced; LAYER_AB_QWEN3= skips it). LAYER_AB_NCU=N: ncu's time and DRAM bytes of each of the
+# new build's first N kernels (one repetition), scripts/gpu/ncu_kernels.py's table in $OUT.
+# Every bench's whole output lands in $OUT.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+out="${OUT:-/tmp}"
+source "$root/scripts/gpu/env.sh"
+A="$root/.gpu/bin/moefold_old"
+B="$root/.gpu/bin/moefold"
+rounds="${1:-2}"
+status=0
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "== $gpu, rounds $rounds"
+shape=(--shape deepseek-v3)
+bar=(--shape deepseek-v3)
+if ! grep -q H200 <<< "$gpu"; then
+  shape+=(--tokens 4096 --set moe.num_experts=128)
+  bar+=(--tokens 4096 --experts 128)
+fi
+if [ -n "${LAYER_AB_TESTS:-}" ]; then
+  echo "== tests: $LAYER_AB_TESTS ($SECONDS s)"
+  timeout 200 "$root/.gpu/bin/test_ops_cuda_moe" --gtest_filter="$LAYER_AB_TESTS" > "$out/layer_ab_tests.txt" 2>&1 ||
+    status=1
+  grep -E "^\[  (PASSED|FAILED) |FAILED \]|Failure" "$out/layer_ab_tests.txt" | head -10
+  if [ -x "$root/.gpu/bin/test_ops_cuda_moe_broken" ]; then  # scripts/gpu/bundle_broken.sh: must fail
+    echo "== the same tests, broken on purpose: they must fail ($SECONDS s)"
+    timeout 200 "$root/.gpu/bin/test_ops_cuda_moe_broken" --gtest_filter="$LAYER_AB_TESTS" \
+      > "$out/layer_ab_tests_broken.txt" 2>&1 && echo "the broken build PASSED" && status=1
+    grep -E "^\[  (PASSED|FAILED) |FAILED \]|Failure|rel_error|K [0-9]" "$out/layer_ab_tests_broken.txt" | head -12
+  fi
+fi
+if [ -n "${LAYER_AB_NCU:-}" ]; then  # the new build's kernels, one repetition: LAYER_AB_NCU=<kernels to profile>
+  echo "== ncu, the new build's first $LAYER_AB_NCU kernels ($SECONDS s)"
+  timeout 300 ncu --clock-control none --launch-count "$LAYER_AB_NCU" --csv --page raw --metrics \
+    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+    "$B" bench moe-layer "${shape[@]}" --routing balanced --reps 1 --warmup 0 --set train.main_grads_dtype=bf16 \
+    --set kernels.cutlass_tile=wgrad=own > "$out/layer_ab_ncu.csv" 2> "$out/layer_ab_ncu.err" || status=1
+  python3 "$root/scripts/gpu/ncu_kernels.py" "$out/layer_ab_ncu.csv" > "$out/layer_ab_ncu.txt" 2>&1
+  tail -1 "$out/layer_ab_ncu.txt"
+fi
+echo "== the PyTorch layer and its floor ($SECONDS s)"
+timeout 200 python3 "$root/scripts/bench_bar_moe.py" "${bar[@]}" --routing balanced --reps 5 --warmup 2 \
+  > "$out/layer_ab_bar.txt" 2>&1 || status=1
+timeout 150 python3 "$root/scripts/bench_bar_moe.py" "${bar[@]}" --floor --reps 5 --warmup 2 \
+  >> "$out/layer_ab_bar.txt" 2>&1 || status=1
+grep -E "^(bar|floor)" "$out/layer_ab_bar.txt" | cut -c1-160
+for r in $(seq 1 "$rounds"); do
+  for side in old new; do
+    bin="$A"
+    [ "$side" = new ] && bin="$B"
+    f="$out/layer_ab_${side}_$r.md"
+    echo "== round $r, $side ($SECONDS s)"
+    timeout 150 "$bin" bench moe-layer "${shape[@]}" --routing balanced --reps 5 --warmup 2 \
+      --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own > "$f" 2>&1 || status=1
+    grep -E "^\| deepseek|^\| (router|dispatch|combine|experts|shared)|GPU during" "$f" | cut -c1-110
+    [ -n "${LAYER_AB_QWEN3:-1}" ] || continue  # LAYER_AB_QWEN3= skips it
+    f="$out/layer_ab_qwen3_${side}_$r.md"
+    timeout 100 "$bin" bench moe-layer --shape qwen3-30b-a3b --routing balanced --reps 10 --warmup 2 > "$f" 2>&1 ||
+      status=1
+    grep -E "^\| qwen3|^\| (dispatch|combine)" "$f" | cut -c1-110
+  done
+done
+exit $status
