@@ -42,7 +42,7 @@ fi
 if [ -n "${LAYER_AB_NCU:-}" ]; then  # the new build's kernels, one repetition: LAYER_AB_NCU=<kernels to profile>
   echo "== ncu, the new build's first $LAYER_AB_NCU kernels ($SECONDS s)"
   timeout 300 ncu --clock-control none --launch-count "$LAYER_AB_NCU" --csv --page raw --metrics \
-    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
     "$B" bench moe-layer "${shape[@]}" --routing balanced --reps 1 --warmup 0 --set train.main_grads_dtype=bf16 \
     --set kernels.cutlass_tile=wgrad=own > "$out/layer_ab_ncu.csv" 2> "$out/layer_ab_ncu.err" || status=1
   python3 "$root/scripts/gpu/ncu_kernels.py" "$out/layer_ab_ncu.csv" > "$out/layer_ab_ncu.txt" 2>&1
