@@ -232,7 +232,8 @@ TEST(CudaNorm, RopeMatchesCpu) {
   struct Case {
     int64_t b, s, h, d;
   };
-  for (const Case cs : {Case{2, 7, 3, 10}, Case{1, 33, 5, 128}, Case{3, 1, 1, 2}}) {
+  // D 128 and 24: 8 (bf16) or 4 pairs a thread, and 4; D 10 and 2: one (rope.cu's rope_width).
+  for (const Case cs : {Case{2, 7, 3, 10}, Case{1, 33, 5, 128}, Case{2, 5, 3, 24}, Case{3, 1, 1, 2}}) {
     for (DType dt : {DType::f32, DType::bf16}) {
       for (DType tdt : {dt, DType::f32}) {
         if (dt == DType::f32 && tdt != dt) continue;
@@ -256,13 +257,22 @@ TEST(CudaNorm, RopeMatchesCpu) {
         pos.ptr<int32_t>()[0] = static_cast<int32_t>(p - 1);
         Tensor pos_d = dev.upload(pos, DType::i32);
 
-        // forward, backward, forward_at, backward_at; pairs split in halves or interleaved
-        for (int variant = 0; variant < 8; ++variant) {
+        // x two elements past an aligned address: narrower vectors (2 pairs a thread, or 1).
+        const auto skewed = [&](const Tensor& host) {
+          const Tensor buf = dev.empty({host.numel() + 2}, dt);
+          const Tensor view(static_cast<char*>(buf.data()) + 2 * dtype_size(dt), dt, host.shape(), Device::cuda);
+          view.copy_from(dev.upload(host, dt));
+          return view;
+        };
+
+        // forward, backward, forward_at, backward_at; pairs split in halves or interleaved; x
+        // aligned or skewed
+        for (int variant = 0; variant < 16; ++variant) {
           SCOPED_TRACE(variant);
-          const bool il = variant >= 4;
+          const bool il = variant % 8 >= 4;
           Tensor x = pool.randn(shape);
           Tensor ref = rounded(pool, x, dt);
-          Tensor xd = dev.upload(x, dt);
+          Tensor xd = variant >= 8 ? skewed(x) : dev.upload(x, dt);
           switch (variant % 4) {
             case 0:
               rope_forward(testing::exec(), ref, cr, sr, il);

@@ -47,6 +47,12 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// N elements of T as one aligned access (16 bytes: one vector load or store).
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
 // "The last block to arrive" of `total` blocks sharing `counter` (a zeroed word, e.g. from
 // ScratchSlot::arrivals): every thread of the block calls it after writing its results; true in
 // the last block, whose later reads see every block's results. The counter is zero again after

@@ -15,11 +15,6 @@ namespace {
 // One block per row (permute) or token (the others), VEC elements per thread access: 16 bytes
 // when the row length and the pointers allow it. Sums over k run in k order, in f32.
 
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 // Loads in flight: a thread issues the loads of kVecUnroll vectors of a row (permute) or of
 // kRowChunk rows (the sums over k) before it uses any of them, so its memory latency is paid once
 // per batch, not once per access (the arithmetic and its order are those of one load at a time).

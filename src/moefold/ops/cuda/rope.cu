@@ -14,34 +14,82 @@ constexpr int kThreads = 256;
 
 int blocks_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 65535 * 8)); }
 
-// One thread per pair (j, j + D/2), or (2j, 2j + 1) interleaved, of one (b, s, h) row of x_BSHD. Token s reads table
-// row pos[s] (row s when pos is null); the table has p rows.
-template <bool kTranspose, class T, class TT>
-__global__ void rope_kernel(T* x, const TT* cos, const TT* sin, const int32_t* pos, int64_t p, int64_t s, int64_t h,
-                            int64_t d, int64_t pairs, bool interleaved) {
-  const int64_t half = d / 2;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < pairs;
+// One thread per V consecutive pairs (j, j + D/2), or (2j, 2j + 1) interleaved, j in [j0, j0 + V),
+// of one (b, s, h) row of x_BSHD: V = 1, or V pairs read and written as whole vectors where D/2
+// and the pointers allow (rope_width). Token s reads table row pos[s] (row s when pos is null);
+// the table has p rows. Each element's arithmetic is the one-pair form's.
+template <bool kTranspose, int V, class T, class TT>
+__global__ void rope_kernel(T* __restrict__ x, const TT* __restrict__ cos, const TT* __restrict__ sin,
+                            const int32_t* __restrict__ pos, int64_t p, int64_t s, int64_t h, int64_t d,
+                            int64_t groups, bool interleaved) {
+  const int64_t half = d / 2, per_row = half / V;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < groups;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / half, j = i - row * half;
+    const int64_t row = i / per_row, j0 = (i - row * per_row) * V;
     const int64_t si = (row / h) % s;
     int64_t table_row = si;
     if (pos != nullptr) {
       table_row = pos[si];
       if (table_row < 0 || table_row >= p) __trap();  // REQUIRES: 0 <= positions[s] < P
     }
-    const TT* c = cos + table_row * d;
-    const TT* sn = sin + table_row * d;
+    using PT = Pack<TT, V>;
+    const PT c0 = *reinterpret_cast<const PT*>(cos + table_row * d + j0);
+    const PT c1 = *reinterpret_cast<const PT*>(cos + table_row * d + j0 + half);
+    const PT s0 = *reinterpret_cast<const PT*>(sin + table_row * d + j0);
+    const PT s1 = *reinterpret_cast<const PT*>(sin + table_row * d + j0 + half);
+    // The pairs' elements: rotate_half's two halves, or V interleaved pairs.
+    Pack<T, 2 * V> xs;
     T* xr = x + row * d;
-    const int64_t i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + half;
-    const float a = to_float(xr[i0]), b = to_float(xr[i1]);
-    if constexpr (!kTranspose) {
-      xr[i0] = from_float<T>(a * to_float(c[j]) - b * to_float(sn[j]));
-      xr[i1] = from_float<T>(b * to_float(c[j + half]) + a * to_float(sn[j + half]));
+    if (interleaved) {
+      xs = *reinterpret_cast<const Pack<T, 2 * V>*>(xr + 2 * j0);
     } else {
-      xr[i0] = from_float<T>(a * to_float(c[j]) + b * to_float(sn[j + half]));
-      xr[i1] = from_float<T>(b * to_float(c[j + half]) - a * to_float(sn[j]));
+      const Pack<T, V> lo = *reinterpret_cast<const Pack<T, V>*>(xr + j0);
+      const Pack<T, V> hi = *reinterpret_cast<const Pack<T, V>*>(xr + j0 + half);
+#pragma unroll
+      for (int q = 0; q < V; ++q) {
+        xs.v[2 * q] = lo.v[q];
+        xs.v[2 * q + 1] = hi.v[q];
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < V; ++q) {
+      const float a = to_float(xs.v[2 * q]), b = to_float(xs.v[2 * q + 1]);
+      if constexpr (!kTranspose) {
+        xs.v[2 * q] = from_float<T>(a * to_float(c0.v[q]) - b * to_float(s0.v[q]));
+        xs.v[2 * q + 1] = from_float<T>(b * to_float(c1.v[q]) + a * to_float(s1.v[q]));
+      } else {
+        xs.v[2 * q] = from_float<T>(a * to_float(c0.v[q]) + b * to_float(s1.v[q]));
+        xs.v[2 * q + 1] = from_float<T>(b * to_float(c1.v[q]) - a * to_float(s0.v[q]));
+      }
+    }
+    if (interleaved) {
+      *reinterpret_cast<Pack<T, 2 * V>*>(xr + 2 * j0) = xs;
+    } else {
+      Pack<T, V> lo, hi;
+#pragma unroll
+      for (int q = 0; q < V; ++q) {
+        lo.v[q] = xs.v[2 * q];
+        hi.v[q] = xs.v[2 * q + 1];
+      }
+      *reinterpret_cast<Pack<T, V>*>(xr + j0) = lo;
+      *reinterpret_cast<Pack<T, V>*>(xr + j0 + half) = hi;
     }
   }
+}
+
+// The pairs per thread: the most (up to 16 bytes of x per half, 8 bf16 or 4 f32) that divide D/2
+// and keep every vector of x and of the tables aligned; 1 otherwise.
+template <class T, class TT>
+int rope_width(int64_t d, bool interleaved, const void* x, const void* cos, const void* sin) {
+  const auto aligned = [](const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+  for (int v = static_cast<int>(16 / sizeof(T)); v > 1; v /= 2) {
+    const int64_t x_bytes = (interleaved ? 2 : 1) * v * static_cast<int64_t>(sizeof(T));
+    const int64_t t_bytes = v * static_cast<int64_t>(sizeof(TT));
+    if ((d / 2) % v == 0 && aligned(x, x_bytes) && (d * static_cast<int64_t>(sizeof(T))) % x_bytes == 0 &&
+        aligned(cos, t_bytes) && aligned(sin, t_bytes))
+      return v;
+  }
+  return 1;
 }
 
 void check_table(const Tensor& x, const Tensor& cos, const Tensor& sin, const char* what) {
@@ -64,8 +112,21 @@ void rope_launch(const ExecContext& ctx, const Tensor& x, const Tensor& cos, con
   if (pairs == 0) return;
   dispatch_cuda_float(x.dtype(), [&]<class T>() {
     auto launch = [&]<class TT>() {
-      rope_kernel<kTranspose, T, TT><<<blocks_for(pairs), kThreads, 0, stream_of(ctx)>>>(
-          x.ptr<T>(), cos.ptr<TT>(), sin.ptr<TT>(), pos, cos.size(0), s, h, d, pairs, interleaved);
+      const auto run = [&]<int V>() {
+        const int64_t groups = pairs / V;
+        rope_kernel<kTranspose, V, T, TT><<<blocks_for(groups), kThreads, 0, stream_of(ctx)>>>(
+            x.ptr<T>(), cos.ptr<TT>(), sin.ptr<TT>(), pos, cos.size(0), s, h, d, groups, interleaved);
+      };
+      const int v = rope_width<T, TT>(d, interleaved, x.data(), cos.data(), sin.data());
+      if (v == 8) {
+        if constexpr (sizeof(T) == 2) run.template operator()<8>();
+      } else if (v == 4) {
+        run.template operator()<4>();
+      } else if (v == 2) {
+        run.template operator()<2>();
+      } else {
+        run.template operator()<1>();
+      }
     };
     if (cos.dtype() == x.dtype())
       launch.template operator()<T>();
