@@ -20,8 +20,8 @@ int blocks_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n
 // the table has p rows. Each element's arithmetic is the one-pair form's.
 template <bool kTranspose, int V, class T, class TT>
 __global__ void rope_kernel(T* __restrict__ x, const TT* __restrict__ cos, const TT* __restrict__ sin,
-                            const int32_t* __restrict__ pos, int64_t p, int64_t s, int64_t h, int64_t d,
-                            int64_t groups, bool interleaved) {
+                            const int32_t* __restrict__ pos, int64_t p, int64_t s, int64_t h, int64_t d, int64_t groups,
+                            bool interleaved) {
   const int64_t half = d / 2, per_row = half / V;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < groups;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
