@@ -4,8 +4,9 @@
 # scripts/bench_bar_moe.py and its floor (--floor: the layer's GEMMs alone at cuBLAS's rate and
 # the memory-bound stages' bytes at a device copy's rate), all in one call. Bundle B as usual and
 # A as .gpu/bin/moefold_old (MOEFOLD_GPU_BASELINE=<ref> scripts/gpu/bundle.sh), then
-#   scripts/gpu/layer_ab.sh [rounds]     # default 2; optional tests first: LAYER_AB_TESTS=filter
-# (test_ops_cuda_moe's, and test_ops_cuda_moe_broken's where scripts/gpu/bundle_broken.sh made one).
+#   scripts/gpu/layer_ab.sh [rounds]     # default 2
+# Optional tests first: LAYER_AB_TESTS="TARGET=FILTER ..." runs .gpu/bin/TARGET --gtest_filter=FILTER,
+# and TARGET_broken (scripts/gpu/bundle_broken.sh) where there is one: that must fail.
 # An H200 runs the full layer (256 experts, 8,192 tokens); an H100 (80 GB) the halved one (128
 # experts, 4,096 tokens: the same 256 rows an expert). Each round also times the Qwen3-30B-A3B layer
 # (balanced; LAYER_AB_QWEN3= skips it). LAYER_AB_NCU=N: ncu's time and DRAM bytes of each of the
@@ -27,18 +28,19 @@ if ! grep -q H200 <<< "$gpu"; then
   shape+=(--tokens 4096 --set moe.num_experts=128)
   bar+=(--tokens 4096 --experts 128)
 fi
-if [ -n "${LAYER_AB_TESTS:-}" ]; then
-  echo "== tests: $LAYER_AB_TESTS ($SECONDS s)"
-  timeout 200 "$root/.gpu/bin/test_ops_cuda_moe" --gtest_filter="$LAYER_AB_TESTS" > "$out/layer_ab_tests.txt" 2>&1 ||
-    status=1
-  grep -E "^\[  (PASSED|FAILED) |FAILED \]|Failure" "$out/layer_ab_tests.txt" | head -10
-  if [ -x "$root/.gpu/bin/test_ops_cuda_moe_broken" ]; then  # scripts/gpu/bundle_broken.sh: must fail
-    echo "== the same tests, broken on purpose: they must fail ($SECONDS s)"
-    timeout 200 "$root/.gpu/bin/test_ops_cuda_moe_broken" --gtest_filter="$LAYER_AB_TESTS" \
-      > "$out/layer_ab_tests_broken.txt" 2>&1 && echo "the broken build PASSED" && status=1
-    grep -E "^\[  (PASSED|FAILED) |FAILED \]|Failure|rel_error|K [0-9]" "$out/layer_ab_tests_broken.txt" | head -12
+read -ra specs <<< "${LAYER_AB_TESTS:-}"  # (no pathname expansion of the filters' stars)
+for spec in "${specs[@]}"; do  # TARGET=FILTER ...: .gpu/bin/TARGET's tests, then TARGET_broken's
+  t=${spec%%=*} filter=${spec#*=}
+  echo "== $t: $filter ($SECONDS s)"
+  timeout 200 "$root/.gpu/bin/$t" --gtest_filter="$filter" > "$out/layer_ab_$t.txt" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |FAILED \]|Failure" "$out/layer_ab_$t.txt" | head -10
+  if [ -x "$root/.gpu/bin/${t}_broken" ]; then  # scripts/gpu/bundle_broken.sh: must fail
+    echo "== ${t}_broken: the same tests must fail ($SECONDS s)"
+    timeout 200 "$root/.gpu/bin/${t}_broken" --gtest_filter="$filter" > "$out/layer_ab_${t}_broken.txt" 2>&1 &&
+      echo "the broken build PASSED" && status=1
+    grep -E "^\[  (PASSED|FAILED) |FAILED \]|Failure" "$out/layer_ab_${t}_broken.txt" | head -6
   fi
-fi
+done
 if [ -n "${LAYER_AB_NCU:-}" ]; then  # the new build's kernels, one repetition: LAYER_AB_NCU=<kernels to profile>
   echo "== ncu, the new build's first $LAYER_AB_NCU kernels ($SECONDS s)"
   timeout 300 ncu --clock-control none --launch-count "$LAYER_AB_NCU" --csv --page raw --metrics \
