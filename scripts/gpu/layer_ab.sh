@@ -41,15 +41,6 @@ for spec in "${specs[@]}"; do  # TARGET=FILTER ...: .gpu/bin/TARGET's tests, the
     grep -E "^\[  (PASSED|FAILED) |FAILED \]|Failure" "$out/layer_ab_${t}_broken.txt" | head -6
   fi
 done
-if [ -n "${LAYER_AB_NCU:-}" ]; then  # the new build's kernels, one repetition: LAYER_AB_NCU=<kernels to profile>
-  echo "== ncu, the new build's first $LAYER_AB_NCU kernels ($SECONDS s)"
-  timeout 300 ncu --clock-control none --launch-count "$LAYER_AB_NCU" --csv --page raw --metrics \
-    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
-    "$B" bench moe-layer "${shape[@]}" --routing balanced --reps 1 --warmup 0 --set train.main_grads_dtype=bf16 \
-    --set kernels.cutlass_tile=wgrad=own > "$out/layer_ab_ncu.csv" 2> "$out/layer_ab_ncu.err" || status=1
-  python3 "$root/scripts/gpu/ncu_kernels.py" "$out/layer_ab_ncu.csv" > "$out/layer_ab_ncu.txt" 2>&1
-  tail -1 "$out/layer_ab_ncu.txt"
-fi
 echo "== the PyTorch layer and its floor ($SECONDS s)"
 timeout 200 python3 "$root/scripts/bench_bar_moe.py" "${bar[@]}" --routing balanced --reps 5 --warmup 2 \
   > "$out/layer_ab_bar.txt" 2>&1 || status=1
@@ -72,4 +63,13 @@ for r in $(seq 1 "$rounds"); do
     grep -E "^\| qwen3|^\| (dispatch|combine)" "$f" | cut -c1-110
   done
 done
+if [ -n "${LAYER_AB_NCU:-}" ]; then  # the new build's kernels, one repetition: LAYER_AB_NCU=<kernels to profile>
+  echo "== ncu, the new build's first $LAYER_AB_NCU kernels ($SECONDS s)"
+  timeout 300 ncu --clock-control none --launch-count "$LAYER_AB_NCU" --csv --page raw --metrics \
+    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
+    "$B" bench moe-layer "${shape[@]}" --routing balanced --reps 1 --warmup 0 --set train.main_grads_dtype=bf16 \
+    --set kernels.cutlass_tile=wgrad=own > "$out/layer_ab_ncu.csv" 2> "$out/layer_ab_ncu.err" || status=1
+  python3 "$root/scripts/gpu/ncu_kernels.py" "$out/layer_ab_ncu.csv" > "$out/layer_ab_ncu.txt" 2>&1
+  tail -1 "$out/layer_ab_ncu.txt"
+fi
 exit $status
