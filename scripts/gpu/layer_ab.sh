@@ -11,6 +11,7 @@
 # experts, 4,096 tokens: the same 256 rows an expert). Each round also times the Qwen3-30B-A3B layer
 # (balanced; LAYER_AB_QWEN3= skips it). LAYER_AB_NCU=N: ncu's time and DRAM bytes of each of the
 # new build's first N kernels (one repetition), scripts/gpu/ncu_kernels.py's table in $OUT.
+# LAYER_AB_ROPE=1: ncu's times of both builds' RoPE kernels in a Qwen3-30B-A3B layer's step.
 # Every bench's whole output lands in $OUT.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -71,5 +72,17 @@ if [ -n "${LAYER_AB_NCU:-}" ]; then  # the new build's kernels, one repetition: 
     --set kernels.cutlass_tile=wgrad=own > "$out/layer_ab_ncu.csv" 2> "$out/layer_ab_ncu.err" || status=1
   python3 "$root/scripts/gpu/ncu_kernels.py" "$out/layer_ab_ncu.csv" > "$out/layer_ab_ncu.txt" 2>&1
   tail -1 "$out/layer_ab_ncu.txt"
+fi
+if [ -n "${LAYER_AB_ROPE:-}" ]; then  # RoPE's kernels of both builds in one Qwen3-30B-A3B layer's step (ncu)
+  for side in old new; do
+    bin="$A"
+    [ "$side" = new ] && bin="$B"
+    echo "== ncu, RoPE kernels, $side ($SECONDS s)"
+    timeout 120 ncu --clock-control none --kernel-name regex:rope --launch-count 8 --csv --page raw --metrics \
+      gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$bin" bench train --config qwen3-30b-a3b \
+      --set model.num_hidden_layers=1 --set train.global_batch_size=4 --set train.micro_batch_size=4 --steps 1 \
+      --warmup 0 --no-breakdown > "$out/layer_ab_rope_$side.csv" 2> "$out/layer_ab_rope_$side.err" || status=1
+    python3 "$root/scripts/gpu/ncu_kernels.py" "$out/layer_ab_rope_$side.csv" | tail -9
+  done
 fi
 exit $status
