@@ -20,9 +20,9 @@ TENSOR = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
 CLOCK = "sm__cycles_elapsed.avg.per_second"
 
 # To seconds, bytes and percent from the units ncu writes in its second header row.
-SCALE = {"hz": 1.0, "Khz": 1e3, "Mhz": 1e6, "Ghz": 1e9, "cycle/nsecond": 1e9, "cycle/usecond": 1e6,
-         "cycle/second": 1.0, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0, "byte": 1.0, "Kbyte": 1e3,
-         "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "%": 1.0}
+SCALE = {"hz": 1.0, "Khz": 1e3, "Mhz": 1e6, "Ghz": 1e9, "khz": 1e3, "mhz": 1e6, "ghz": 1e9,
+         "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3,
+         "second": 1.0, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "%": 1.0}
 
 
 def short(name: str) -> str:
