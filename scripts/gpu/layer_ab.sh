@@ -12,6 +12,7 @@
 # (balanced; LAYER_AB_QWEN3= skips it). LAYER_AB_NCU=N: ncu's time and DRAM bytes of each of the
 # new build's first N kernels (one repetition), scripts/gpu/ncu_kernels.py's table in $OUT.
 # LAYER_AB_ROPE=1: ncu's times of both builds' RoPE kernels in a Qwen3-30B-A3B layer's step.
+# LAYER_AB_SIDES (default "old new"): the builds in each round, .gpu/bin/moefold_<side> (new: moefold).
 # Every bench's whole output lands in $OUT.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -49,8 +50,8 @@ timeout 150 python3 "$root/scripts/bench_bar_moe.py" "${bar[@]}" --floor --reps 
   >> "$out/layer_ab_bar.txt" 2>&1 || status=1
 grep -E "^(bar|floor)" "$out/layer_ab_bar.txt" | cut -c1-160
 for r in $(seq 1 "$rounds"); do
-  for side in old new; do
-    bin="$A"
+  for side in ${LAYER_AB_SIDES:-old new}; do
+    bin="$root/.gpu/bin/moefold_$side"
     [ "$side" = new ] && bin="$B"
     f="$out/layer_ab_${side}_$r.md"
     echo "== round $r, $side ($SECONDS s)"
