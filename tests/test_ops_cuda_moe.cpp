@@ -826,7 +826,7 @@ TEST(CudaPermuteCombine, ForwardAndBackwardMatchCpu) {
   MF_REQUIRE_GPU();
   std::mt19937_64 rng(testing::fresh_seed());
   SCOPED_TRACE(seed_trace());
-  // K 10: the sums over k take their loads in chunks of 8 (permute.cu): a full and a partial one.
+  // K 10: the sums over k load their rows in chunks of 4 or 8 (permute.cu): full and partial ones.
   for (int64_t k_n : {int64_t{4}, int64_t{10}}) check_permute_combine(rng, k_n);
 }
 

@@ -58,7 +58,7 @@ for r in $(seq 1 "$rounds"); do
     timeout 150 "$bin" bench moe-layer "${shape[@]}" --routing balanced --reps 5 --warmup 2 \
       --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own > "$f" 2>&1 || status=1
     grep -E "^\| deepseek|^\| (router|dispatch|combine|experts|shared)|GPU during" "$f" | cut -c1-110
-    [ -n "${LAYER_AB_QWEN3:-1}" ] || continue  # LAYER_AB_QWEN3= skips it
+    [ -n "${LAYER_AB_QWEN3-1}" ] || continue  # LAYER_AB_QWEN3= skips it
     f="$out/layer_ab_qwen3_${side}_$r.md"
     timeout 100 "$bin" bench moe-layer --shape qwen3-30b-a3b --routing balanced --reps 10 --warmup 2 > "$f" 2>&1 ||
       status=1

@@ -15,11 +15,15 @@ namespace {
 // One block per row (permute) or token (the others), VEC elements per thread access: 16 bytes
 // when the row length and the pointers allow it. Sums over k run in k order, in f32.
 
-// Loads in flight: the sums over k issue the loads of kRowChunk rows before they use any of them,
+// Loads in flight: the sums over k issue the loads of a chunk of rows before they use any of them,
 // so a thread pays its memory latency once per chunk, not once per row (the arithmetic and its
-// order are those of one row at a time). Permute copies one vector at a time: at Qwen3-30B-A3B's
-// width a thread has one vector of a row, and four held at once cost occupancy (dispatch +43%).
-constexpr int kRowChunk = 8;
+// order are those of one row at a time). Chunks as measured (docs/benchmarks.md, session 38): four
+// rows for the weighted sum (8 cost it occupancy, 124 registers: 7% slower at Qwen3-30B-A3B),
+// eight for the combine's backward (5% faster than four at DeepSeek-V3). Permute copies one vector
+// at a time: at Qwen3-30B-A3B's width a thread has one vector of a row, and four held at once cost
+// occupancy (dispatch +43%).
+constexpr int kSumChunk = 4;
+constexpr int kCombineBackwardChunk = 8;
 
 template <class T, int VEC>
 __global__ void permute_kernel(const T* x, const int64_t* token, int64_t r_n, int64_t t_n, int64_t h_n, T* rows) {
@@ -55,12 +59,12 @@ __global__ void gather_sum_kernel(const T* __restrict__ in, const int64_t* __res
       float acc[VEC];
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] = 0.f;
-      for (int k0 = 0; k0 < k_n; k0 += kRowChunk) {
-        int64_t r[kRowChunk];
-        float w[kRowChunk];
-        P p[kRowChunk];
+      for (int k0 = 0; k0 < k_n; k0 += kSumChunk) {
+        int64_t r[kSumChunk];
+        float w[kSumChunk];
+        P p[kSumChunk];
 #pragma unroll
-        for (int c = 0; c < kRowChunk; ++c) {
+        for (int c = 0; c < kSumChunk; ++c) {
           const int k = k0 + c;
           r[c] = k < k_n ? rt[k] : -1;
           MF_DEVICE_REQUIRE(r[c] < r_n, "token %lld reads row %lld of %lld", static_cast<long long>(t),
@@ -68,10 +72,10 @@ __global__ void gather_sum_kernel(const T* __restrict__ in, const int64_t* __res
           w[c] = prob && r[c] >= 0 ? prob[t * k_n + k] : 1.f;
         }
 #pragma unroll
-        for (int c = 0; c < kRowChunk; ++c)
+        for (int c = 0; c < kSumChunk; ++c)
           if (r[c] >= 0) p[c] = reinterpret_cast<const P*>(in + r[c] * h_n)[v];
 #pragma unroll
-        for (int c = 0; c < kRowChunk; ++c) {
+        for (int c = 0; c < kSumChunk; ++c) {
           if (r[c] < 0) continue;
 #pragma unroll
           for (int q = 0; q < VEC; ++q) acc[q] += w[c] * to_float(p[c].v[q]);
@@ -86,22 +90,22 @@ __global__ void gather_sum_kernel(const T* __restrict__ in, const int64_t* __res
 }
 
 // dout[row_tk] = prob_tk * dy_t and dprob_tk = <dy_t, out[row_tk]> (0 when dropped); dout's
-// other rows were zeroed before. dy_t is read once per chunk of kRowChunk k.
+// other rows were zeroed before. dy_t is read once per chunk of kCombineBackwardChunk k.
 template <class T, int VEC>
 __global__ void combine_backward_kernel(const T* __restrict__ out, const int64_t* __restrict__ row,
                                         const float* __restrict__ prob, const T* __restrict__ dy, int64_t t_n, int k_n,
                                         int64_t r_n, int64_t h_n, T* __restrict__ dout, float* __restrict__ dprob) {
   using P = Pack<T, VEC>;
-  __shared__ float partial[32][kRowChunk];
+  __shared__ float partial[32][kCombineBackwardChunk];
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   const int n_warps = static_cast<int>(blockDim.x) / kWarp;
   const int64_t nv = h_n / VEC;
   for (int64_t t = blockIdx.x; t < t_n; t += gridDim.x) {
-    for (int k0 = 0; k0 < k_n; k0 += kRowChunk) {
-      int64_t r[kRowChunk];
-      float p[kRowChunk], dot[kRowChunk];
+    for (int k0 = 0; k0 < k_n; k0 += kCombineBackwardChunk) {
+      int64_t r[kCombineBackwardChunk];
+      float p[kCombineBackwardChunk], dot[kCombineBackwardChunk];
 #pragma unroll
-      for (int q = 0; q < kRowChunk; ++q) {
+      for (int q = 0; q < kCombineBackwardChunk; ++q) {
         const int k = k0 + q;
         r[q] = k < k_n ? row[t * k_n + k] : -1;
         MF_DEVICE_REQUIRE(r[q] < r_n, "token %lld reads row %lld of %lld", static_cast<long long>(t),
@@ -111,15 +115,15 @@ __global__ void combine_backward_kernel(const T* __restrict__ out, const int64_t
       }
       for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
         const P g = reinterpret_cast<const P*>(dy + t * h_n)[v];
-        P o[kRowChunk];
+        P o[kCombineBackwardChunk];
 #pragma unroll
-        for (int q = 0; q < kRowChunk; ++q)
+        for (int q = 0; q < kCombineBackwardChunk; ++q)
           if (r[q] >= 0) o[q] = reinterpret_cast<const P*>(out + r[q] * h_n)[v];
         float gf[VEC];
 #pragma unroll
         for (int q = 0; q < VEC; ++q) gf[q] = to_float(g.v[q]);
 #pragma unroll
-        for (int q = 0; q < kRowChunk; ++q) {
+        for (int q = 0; q < kCombineBackwardChunk; ++q) {
           if (r[q] < 0) continue;
           P d;
 #pragma unroll
@@ -131,12 +135,12 @@ __global__ void combine_backward_kernel(const T* __restrict__ out, const int64_t
         }
       }
 #pragma unroll
-      for (int q = 0; q < kRowChunk; ++q) {
+      for (int q = 0; q < kCombineBackwardChunk; ++q) {
         const float s = warp_sum(dot[q]);
         if (lane == 0) partial[warp][q] = s;
       }
       __syncthreads();
-      if (threadIdx.x < kRowChunk && k0 + static_cast<int>(threadIdx.x) < k_n) {
+      if (threadIdx.x < kCombineBackwardChunk && k0 + static_cast<int>(threadIdx.x) < k_n) {
         float s = 0.f;
         for (int w = 0; w < n_warps; ++w) s += partial[w][threadIdx.x];
         dprob[t * k_n + k0 + threadIdx.x] = s;  // a dropped k summed no terms: 0
