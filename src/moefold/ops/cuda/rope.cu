@@ -41,7 +41,12 @@ __global__ void rope_kernel(T* __restrict__ x, const TT* __restrict__ cos, const
     Pack<T, 2 * V> xs;
     T* xr = x + row * d;
     if (interleaved) {
-      xs = *reinterpret_cast<const Pack<T, 2 * V>*>(xr + 2 * j0);
+      if constexpr (V == 1) {  // element by element: x need not be aligned to a pair
+        xs.v[0] = xr[2 * j0];
+        xs.v[1] = xr[2 * j0 + 1];
+      } else {
+        xs = *reinterpret_cast<const Pack<T, 2 * V>*>(xr + 2 * j0);
+      }
     } else {
       const Pack<T, V> lo = *reinterpret_cast<const Pack<T, V>*>(xr + j0);
       const Pack<T, V> hi = *reinterpret_cast<const Pack<T, V>*>(xr + j0 + half);
@@ -63,7 +68,12 @@ __global__ void rope_kernel(T* __restrict__ x, const TT* __restrict__ cos, const
       }
     }
     if (interleaved) {
-      *reinterpret_cast<Pack<T, 2 * V>*>(xr + 2 * j0) = xs;
+      if constexpr (V == 1) {
+        xr[2 * j0] = xs.v[0];
+        xr[2 * j0 + 1] = xs.v[1];
+      } else {
+        *reinterpret_cast<Pack<T, 2 * V>*>(xr + 2 * j0) = xs;
+      }
     } else {
       Pack<T, V> lo, hi;
 #pragma unroll
