@@ -9,8 +9,8 @@
 # and TARGET_broken (scripts/gpu/bundle_broken.sh) where there is one: that must fail.
 # An H200 runs the full layer (256 experts, 8,192 tokens); an H100 (80 GB) the halved one (128
 # experts, 4,096 tokens: the same 256 rows an expert). Each round also times the Qwen3-30B-A3B layer
-# (balanced; LAYER_AB_QWEN3= skips it). LAYER_AB_NCU=N: ncu's time and DRAM bytes of each of the
-# new build's first N kernels (one repetition), scripts/gpu/ncu_kernels.py's table in $OUT.
+# (balanced; LAYER_AB_QWEN3= skips it). (A per-kernel ncu table of the layer needs the bench's
+# set-up kernels skipped: its first launches are the weights' random fill.)
 # LAYER_AB_ROPE=1: ncu's times of both builds' RoPE kernels in a Qwen3-30B-A3B layer's step.
 # LAYER_AB_SIDES (default "old new"): the builds in each round, .gpu/bin/moefold_<side> (new: moefold).
 # Every bench's whole output lands in $OUT.
@@ -18,8 +18,7 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
 source "$root/scripts/gpu/env.sh"
-A="$root/.gpu/bin/moefold_old"
-B="$root/.gpu/bin/moefold"
+moefold_of() { [ "$1" = new ] && echo "$root/.gpu/bin/moefold" || echo "$root/.gpu/bin/moefold_$1"; }
 rounds="${1:-2}"
 status=0
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -51,8 +50,7 @@ timeout 150 python3 "$root/scripts/bench_bar_moe.py" "${bar[@]}" --floor --reps 
 grep -E "^(bar|floor)" "$out/layer_ab_bar.txt" | cut -c1-160
 for r in $(seq 1 "$rounds"); do
   for side in ${LAYER_AB_SIDES:-old new}; do
-    bin="$root/.gpu/bin/moefold_$side"
-    [ "$side" = new ] && bin="$B"
+    bin=$(moefold_of "$side")
     f="$out/layer_ab_${side}_$r.md"
     echo "== round $r, $side ($SECONDS s)"
     timeout 150 "$bin" bench moe-layer "${shape[@]}" --routing balanced --reps 5 --warmup 2 \
@@ -65,19 +63,9 @@ for r in $(seq 1 "$rounds"); do
     grep -E "^\| qwen3|^\| (dispatch|combine)" "$f" | cut -c1-110
   done
 done
-if [ -n "${LAYER_AB_NCU:-}" ]; then  # the new build's kernels, one repetition: LAYER_AB_NCU=<kernels to profile>
-  echo "== ncu, the new build's first $LAYER_AB_NCU kernels ($SECONDS s)"
-  timeout 300 ncu --clock-control none --launch-count "$LAYER_AB_NCU" --csv --page raw --metrics \
-    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
-    "$B" bench moe-layer "${shape[@]}" --routing balanced --reps 1 --warmup 0 --set train.main_grads_dtype=bf16 \
-    --set kernels.cutlass_tile=wgrad=own > "$out/layer_ab_ncu.csv" 2> "$out/layer_ab_ncu.err" || status=1
-  python3 "$root/scripts/gpu/ncu_kernels.py" "$out/layer_ab_ncu.csv" > "$out/layer_ab_ncu.txt" 2>&1
-  tail -1 "$out/layer_ab_ncu.txt"
-fi
 if [ -n "${LAYER_AB_ROPE:-}" ]; then  # RoPE's kernels of both builds in one Qwen3-30B-A3B layer's step (ncu)
   for side in old new; do
-    bin="$A"
-    [ "$side" = new ] && bin="$B"
+    bin=$(moefold_of "$side")
     echo "== ncu, RoPE kernels, $side ($SECONDS s)"
     timeout 120 ncu --clock-control none --kernel-name regex:rope --launch-count 8 --csv --page raw --metrics \
       gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$bin" bench train --config qwen3-30b-a3b \
