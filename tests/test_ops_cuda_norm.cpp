@@ -257,22 +257,23 @@ TEST(CudaNorm, RopeMatchesCpu) {
         pos.ptr<int32_t>()[0] = static_cast<int32_t>(p - 1);
         Tensor pos_d = dev.upload(pos, DType::i32);
 
-        // x two elements past an aligned address: narrower vectors (2 pairs a thread, or 1).
-        const auto skewed = [&](const Tensor& host) {
-          const Tensor buf = dev.empty({host.numel() + 2}, dt);
-          const Tensor view(static_cast<char*>(buf.data()) + 2 * dtype_size(dt), dt, host.shape(), Device::cuda);
+        // x `skew` elements past an aligned address: narrower vectors (2 pairs a thread, or 1; an
+        // interleaved pair one element off is read element by element).
+        const auto skewed = [&](const Tensor& host, int64_t skew) {
+          const Tensor buf = dev.empty({host.numel() + skew}, dt);
+          const Tensor view(static_cast<char*>(buf.data()) + skew * dtype_size(dt), dt, host.shape(), Device::cuda);
           view.copy_from(dev.upload(host, dt));
           return view;
         };
 
         // forward, backward, forward_at, backward_at; pairs split in halves or interleaved; x
-        // aligned or skewed
+        // aligned, or skewed by 2 (halves) or 1 (interleaved) elements
         for (int variant = 0; variant < 16; ++variant) {
           SCOPED_TRACE(variant);
           const bool il = variant % 8 >= 4;
           Tensor x = pool.randn(shape);
           Tensor ref = rounded(pool, x, dt);
-          Tensor xd = variant >= 8 ? skewed(x) : dev.upload(x, dt);
+          Tensor xd = variant >= 8 ? skewed(x, il ? 1 : 2) : dev.upload(x, dt);
           switch (variant % 4) {
             case 0:
               rope_forward(testing::exec(), ref, cr, sr, il);
