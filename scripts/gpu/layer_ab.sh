@@ -9,8 +9,9 @@
 # and TARGET_broken (scripts/gpu/bundle_broken.sh) where there is one: that must fail.
 # An H200 runs the full layer (256 experts, 8,192 tokens); an H100 (80 GB) the halved one (128
 # experts, 4,096 tokens: the same 256 rows an expert). Each round also times the Qwen3-30B-A3B layer
-# (balanced; LAYER_AB_QWEN3= skips it). (A per-kernel ncu table of the layer needs the bench's
-# set-up kernels skipped: its first launches are the weights' random fill.)
+# (balanced; LAYER_AB_QWEN3= skips it). LAYER_AB_FLOOR= skips the floor. (A per-kernel ncu table
+# of the layer needs the bench's set-up kernels skipped: its first launches are the weights'
+# random fill.)
 # LAYER_AB_ROPE=1: ncu's times of both builds' RoPE kernels in a Qwen3-30B-A3B layer's step.
 # LAYER_AB_SIDES (default "old new"): the builds in each round, .gpu/bin/moefold_<side> (new: moefold).
 # Every bench's whole output lands in $OUT.
@@ -45,8 +46,10 @@ done
 echo "== the PyTorch layer and its floor ($SECONDS s)"
 timeout 200 python3 "$root/scripts/bench_bar_moe.py" "${bar[@]}" --routing balanced --reps 5 --warmup 2 \
   > "$out/layer_ab_bar.txt" 2>&1 || status=1
-timeout 150 python3 "$root/scripts/bench_bar_moe.py" "${bar[@]}" --floor --reps 5 --warmup 2 \
-  >> "$out/layer_ab_bar.txt" 2>&1 || status=1
+if [ -n "${LAYER_AB_FLOOR-1}" ]; then  # LAYER_AB_FLOOR= skips the floor
+  timeout 150 python3 "$root/scripts/bench_bar_moe.py" "${bar[@]}" --floor --reps 5 --warmup 2 \
+    >> "$out/layer_ab_bar.txt" 2>&1 || status=1
+fi
 grep -E "^(bar|floor)" "$out/layer_ab_bar.txt" | cut -c1-160
 for r in $(seq 1 "$rounds"); do
   for side in ${LAYER_AB_SIDES:-old new}; do
@@ -55,7 +58,7 @@ for r in $(seq 1 "$rounds"); do
     echo "== round $r, $side ($SECONDS s)"
     timeout 150 "$bin" bench moe-layer "${shape[@]}" --routing balanced --reps 5 --warmup 2 \
       --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own > "$f" 2>&1 || status=1
-    grep -E "^\| deepseek|^\| (router|dispatch|combine|experts|shared)|GPU during" "$f" | cut -c1-110
+    grep -E "^\| deepseek|^\| (router|dispatch|combine|experts|shared|fc1 wgrad)|GPU during" "$f" | cut -c1-110
     [ -n "${LAYER_AB_QWEN3-1}" ] || continue  # LAYER_AB_QWEN3= skips it
     f="$out/layer_ab_qwen3_${side}_$r.md"
     timeout 100 "$bin" bench moe-layer --shape qwen3-30b-a3b --routing balanced --reps 10 --warmup 2 > "$f" 2>&1 ||
