@@ -475,7 +475,9 @@ TEST(CudaGroupedLinear, OwnWeightGradientIsGridFreeMasksForeignRowsAndMatchesCut
       EXPECT_EQ(testing::download(onto), added) << "accumulated";
     }
     // Units of one tile (dy streamed everywhere), of two (a unit of one tile and one of two) and of
-    // up to 16 (the default here: the experts average 105 rows): the same sums in the same order.
+    // up to 16, forced (by default an expert of 300 rows makes the kernel take units of one tile):
+    // the experts of at most 256 rows keep dy over a unit, expert 6 streams it; the same sums in
+    // the same order.
     for (const int unit : {1, 2, 16})
       for (const int cluster : {1, 2}) {
         SCOPED_TRACE(::testing::Message() << "units of " << unit << " tiles, clusters of " << cluster);

@@ -102,7 +102,8 @@ struct Params {
   int groups;
   int o_groups;  // the clusters' units of weight rows: ceil(128-row tiles / the cluster's CTAs)
   int i_tiles;
-  int parts;  // the units an expert's o_group is cut into along the columns (i_tiles: units of one tile)
+  int parts;        // the units an expert's o_group is cut into along the columns (i_tiles: units of one tile)
+  int force_units;  // 0: units of one tile after all where an expert has more rows than dy's ring holds
   int accumulate;
 };
 
@@ -189,7 +190,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
   const uint32_t rank = kCluster > 1 ? cluster_rank() : 0;
   const int cluster = static_cast<int>(blockIdx.x) / kCluster, clusters = static_cast<int>(gridDim.x) / kCluster;
-  const int units = p.groups * p.o_groups * p.parts;
+  // Units of several tiles only where every expert's dy fits the ring (unless the caller forces
+  // them): where some experts stream, units of one tile were 8-10% faster (docs/benchmarks.md,
+  // session 39: DeepSeek-V3's fc1 with experts of 128-383 rows, on an H100). Each CTA reads the
+  // offsets itself: every CTA of a cluster decides alike.
+  int parts = p.parts;
+  if (parts != p.i_tiles && !p.force_units) {
+    int streams = 0;
+    for (int e = static_cast<int>(threadIdx.x); e < p.groups; e += kThreads)
+      streams |= p.off[e + 1] - p.off[e] > kBlockK * kDySlots;
+    if (__syncthreads_or(streams)) parts = p.i_tiles;
+  }
+  const int units = p.groups * p.o_groups * parts;
   // Cluster unit u: expert e's o_group's part-th share of the weight's columns, tiles [i0, i1), walked
   // along the columns (consecutive tiles write neighbouring pieces of the same rows of the gradient;
   // with units of one tile, tile u in that order). This CTA's 128 rows: the rank's of the cluster's
@@ -200,11 +212,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   const auto unit_at = [&](int u) {
     Unit un;
-    const int eo = u / p.parts, part = u - eo * p.parts;
+    const int eo = u / parts, part = u - eo * parts;
     un.e = eo / p.o_groups;
     un.o_tile = (eo - un.e * p.o_groups) * kCluster + static_cast<int>(rank);
-    un.i0 = part * p.i_tiles / p.parts;
-    un.i1 = (part + 1) * p.i_tiles / p.parts;
+    un.i0 = part * p.i_tiles / parts;
+    un.i1 = (part + 1) * p.i_tiles / parts;
     un.begin = static_cast<int>(p.off[un.e]);
     un.end = static_cast<int>(p.off[un.e + 1]);
     un.blocks = (un.end - un.begin + kBlockK - 1) / kBlockK;
@@ -479,15 +491,18 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
       tiled_map(dw_EOI.data(), out_type, 3, dims_dw, strides_dw, box_out, CU_TENSOR_MAP_SWIZZLE_128B, what);
   const int o_tiles = static_cast<int>(ceil_div(o_n, kBlockM)), i_tiles = static_cast<int>(ceil_div(i_n, S::kBlockN));
   // Units of up to unit_tiles tiles (0: kUnitTiles where the experts average at most dy's ring of
-  // rows, else 1), the expert's columns cut into equal parts.
+  // rows, else 1; the kernel takes units of one tile where some expert has more), the expert's
+  // columns cut into equal parts.
+  const bool force_units = unit_tiles > 0;
   if (unit_tiles == 0) unit_tiles = rows <= e_n * kBlockK * kDySlots ? kUnitTiles : 1;
   const Params p{offsets_E1.ptr<int64_t>(),
                  static_cast<int>(e_n),
                  static_cast<int>(ceil_div(o_tiles, kCluster)),
                  i_tiles,
                  static_cast<int>(ceil_div(i_tiles, unit_tiles)),
+                 force_units ? 1 : 0,
                  accumulate ? 1 : 0};
-  const int64_t tiles = e_n * p.o_groups * p.parts;  // the clusters' units
+  const int64_t tiles = e_n * p.o_groups * p.i_tiles;  // the clusters' tiles (units of one tile at most)
   // Persistent clusters: as many as fit at once, fewer for kernels.gemm_sms (at least one).
   int clusters = resident;
   if (const int want = ctx.kernels().gemm_sms; want > 0) clusters = std::min(clusters, std::max(1, want / kCluster));
