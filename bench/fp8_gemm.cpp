@@ -14,7 +14,8 @@
 // --wgrad-own: the weight gradient on CUTLASS and on the own kernel (bench_wgrad_own), nothing else;
 //   --wgrad-case NAME: only that shape (e.g. "deepseek-v3 fc1": one kernel to profile);
 //   --wgrad-clusters 'C;...': the own kernel in clusters of C CTAs (default '2;1'; 2 is wgrad = own's);
-//   --wgrad-units 'U;...': and units of up to U tiles (default '0': own_grouped_wgrad's rule).
+//   --wgrad-units 'U;...': and units of up to U tiles, dy kept over them where every expert has at
+//   most 256 rows (kernels.own_wgrad_units; default '1': one tile at a time).
 // --quantize: the activations' FP8 quantization passes alone (bench_quantize), nothing else.
 //   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
 //                              --probe-layouts | --wgrad-groups | --quantize |
@@ -417,7 +418,7 @@ void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::v
                   unit = v == 0 ? 0 : units[(v - 1) % units.size()];
         const std::string name =
             v == 0 ? "wgrad=large"
-                   : cat("own, clusters of ", cluster, unit == 0 ? std::string() : cat(", units of ", unit));
+                   : cat("own, clusters of ", cluster, unit == 1 ? std::string() : cat(", units of ", unit));
         const auto time = [&](const Tensor& dw, bool accumulate) {
           return bench::time_ms(runs, warmup, [&] {
             if (v == 0)
@@ -569,7 +570,7 @@ int run(int argc, char** argv) {
   bool dense = true, grouped = true, probe = false, wgrad_groups = false, wgrad_own = false, quantize = false;
   std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
   std::string wgrad_case;
-  std::vector<int> clusters = {2, 1}, units = {0};
+  std::vector<int> clusters = {2, 1}, units = {1};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tiles" && i + 1 < argc) {  // kernels.fp8_tile values separated by ';'

@@ -483,11 +483,26 @@ TEST(CudaGroupedLinear, OwnWeightGradientIsGridFreeMasksForeignRowsAndMatchesCut
         SCOPED_TRACE(::testing::Message() << "units of " << unit << " tiles, clusters of " << cluster);
         const ExecContext ctx(Device::cuda, KernelOptions{});
         const Tensor written = dev.poisoned({e_n, o_n, i_n}, dt), onto = dev.upload(before, dt);
-        cuda::own_grouped_wgrad(ctx, xd, dyd, offsets, written, false, "test", cluster, unit);
-        cuda::own_grouped_wgrad(ctx, xd, dyd, offsets, onto, true, "test", cluster, unit);
+        cuda::own_grouped_wgrad(ctx, xd, dyd, offsets, written, false, "test", cluster, unit, true);
+        cuda::own_grouped_wgrad(ctx, xd, dyd, offsets, onto, true, "test", cluster, unit, true);
         EXPECT_EQ(testing::download(written), own) << "written";
         EXPECT_EQ(testing::download(onto), added) << "accumulated";
       }
+    {  // kernels.own_wgrad_units as a run sets it: units where every expert keeps dy (expert 6 emptied)
+      std::vector<int64_t> fit = counts;
+      fit.back() = 0;
+      const Tensor fit_offsets = dev.upload(offsets_of(pool, fit), DType::i64);
+      std::vector<std::vector<double>> got;
+      for (const int unit : {1, 16}) {
+        KernelOptions k;
+        k.own_wgrad_units = unit;
+        const ExecContext ctx(Device::cuda, k);
+        const Tensor written = dev.poisoned({e_n, o_n, i_n}, dt);
+        cuda::own_grouped_wgrad(ctx, xd, dyd, fit_offsets, written, false, "test");
+        got.push_back(testing::download(written));
+      }
+      EXPECT_EQ(got[1], got[0]) << "kernels.own_wgrad_units = 16 against 1";
+    }
     const std::vector<double> cutlass = run("large", 0, false, before), cutlass_added = run("large", 0, true, before);
     for (const int64_t e : {0, 2, 4, 5, 6}) {
       SCOPED_TRACE(::testing::Message() << "expert " << e);

@@ -54,9 +54,6 @@ constexpr int kThreads = 384;          // a producer warp group and two consumer
 // kDySlots blocks: 256 rows) loads dy once, at its first tile, and keeps it there for the others:
 // only x streams. An expert with more rows streams dy with x, block by block, as a single tile does.
 constexpr int kDySlots = 8;
-// Tiles a unit holds at most where the experts average at most kDySlots blocks of rows
-// (own_grouped_wgrad's unit_tiles = 0); else units of one tile.
-constexpr int kUnitTiles = 16;
 // kCluster CTAs a cluster (2 unless own_grouped_wgrad is told 1) sum neighbouring 128-row tiles
 // of the same columns of one expert, each loading 1 / kCluster of x's boxes and multicasting them
 // to all: x's reads from L2 halve in pairs.
@@ -468,7 +465,7 @@ int resident_clusters() {
 
 template <class Out, int kCluster, int kParts>
 void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
-            const Tensor& dw_EOI, bool accumulate, const char* what, int unit_tiles) {
+            const Tensor& dw_EOI, bool accumulate, const char* what, int unit_tiles, bool force_units) {
   using S = Smem<Out, kParts>;
   MF_CHECK(kParts == 1 || !accumulate, what,
            ": an accumulated gradient is staged whole (the old tile fills the staging area)");
@@ -490,11 +487,11 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
   const CUtensorMap map_dw =
       tiled_map(dw_EOI.data(), out_type, 3, dims_dw, strides_dw, box_out, CU_TENSOR_MAP_SWIZZLE_128B, what);
   const int o_tiles = static_cast<int>(ceil_div(o_n, kBlockM)), i_tiles = static_cast<int>(ceil_div(i_n, S::kBlockN));
-  // Units of up to unit_tiles tiles (0: kUnitTiles where the experts average at most dy's ring of
-  // rows, else 1; the kernel takes units of one tile where some expert has more), the expert's
-  // columns cut into equal parts.
-  const bool force_units = unit_tiles > 0;
-  if (unit_tiles == 0) unit_tiles = rows <= e_n * kBlockK * kDySlots ? kUnitTiles : 1;
+  // Units of up to unit_tiles tiles (0: kernels.own_wgrad_units), the expert's columns cut into
+  // equal parts; the kernel takes units of one tile after all where some expert has more rows than
+  // dy's ring holds, unless forced.
+  if (unit_tiles == 0) unit_tiles = ctx.kernels().own_wgrad_units;
+  unit_tiles = std::max(unit_tiles, 1);
   const Params p{offsets_E1.ptr<int64_t>(),
                  static_cast<int>(e_n),
                  static_cast<int>(ceil_div(o_tiles, kCluster)),
@@ -515,19 +512,22 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
 // The cluster size's instantiation.
 template <class Out>
 void launch_cluster(int cluster, const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO,
-                    const Tensor& offsets_E1, const Tensor& dw_EOI, bool accumulate, const char* what, int unit_tiles) {
+                    const Tensor& offsets_E1, const Tensor& dw_EOI, bool accumulate, const char* what, int unit_tiles,
+                    bool force_units) {
   MF_CHECK(cluster == 1 || cluster == 2, what, ": the own weight-gradient kernel runs in clusters of 1 or 2 CTAs, not ",
            cluster);
   // A written bf16 gradient is staged in halves (two more main-loop stages); an accumulated one
   // whole (the old tile is loaded into the staging area), and f32 whole.
   if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
     if (!accumulate) {
-      if (cluster == 2) return launch<Out, 2, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles);
-      return launch<Out, 1, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles);
+      if (cluster == 2)
+        return launch<Out, 2, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
+      return launch<Out, 1, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
     }
   }
-  if (cluster == 2) return launch<Out, 2, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles);
-  launch<Out, 1, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles);
+  if (cluster == 2)
+    return launch<Out, 2, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
+  launch<Out, 1, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
 }
 
 }  // namespace
@@ -538,7 +538,8 @@ bool own_wgrad_serves(int64_t groups, int64_t o_n, int64_t i_n) {
 }
 
 void own_grouped_wgrad(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
-                       const Tensor& dw_EOI, bool accumulate, const char* what, int cluster, int unit_tiles) {
+                       const Tensor& dw_EOI, bool accumulate, const char* what, int cluster, int unit_tiles,
+                       bool force_units) {
   const int64_t e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
   MF_CHECK(own_wgrad_serves(e_n, o_n, i_n), what, ": the own weight-gradient GEMM cannot serve ", e_n, " experts of ",
            o_n, " x ", i_n);
@@ -547,9 +548,10 @@ void own_grouped_wgrad(const ExecContext& ctx, const Tensor& x_RI, const Tensor&
   MF_CHECK(x_RI.dtype() == DType::bf16 && dy_RO.dtype() == DType::bf16, what, ": bf16 x and dy expected");
   MF_CHECK(unit_tiles >= 0, what, ": unit_tiles ", unit_tiles);
   if (dw_EOI.dtype() == DType::bf16)
-    launch_cluster<__nv_bfloat16>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles);
+    launch_cluster<__nv_bfloat16>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles,
+                                  force_units);
   else if (dw_EOI.dtype() == DType::f32)
-    launch_cluster<float>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles);
+    launch_cluster<float>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
   else
     MF_FAIL(what, ": dw must be bf16 or f32, not ", dtype_name(dw_EOI.dtype()));
 }
