@@ -13,7 +13,8 @@
 # of the layer needs the bench's set-up kernels skipped: its first launches are the weights'
 # random fill.)
 # LAYER_AB_ROPE=1: ncu's times of both builds' RoPE kernels in a Qwen3-30B-A3B layer's step.
-# LAYER_AB_SIDES (default "old new"): the builds in each round, .gpu/bin/moefold_<side> (new: moefold).
+# LAYER_AB_SIDES (default "old new"): the builds in each round, .gpu/bin/moefold_<side> (new: moefold);
+# a side may add settings to the DeepSeek-V3 bench: "new+kernels.own_wgrad_units=16" (several: +a=b+c=d).
 # Every bench's whole output lands in $OUT.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -52,14 +53,18 @@ if [ -n "${LAYER_AB_FLOOR-1}" ]; then  # LAYER_AB_FLOOR= skips the floor
 fi
 grep -E "^(bar|floor)" "$out/layer_ab_bar.txt" | cut -c1-160
 for r in $(seq 1 "$rounds"); do
-  for side in ${LAYER_AB_SIDES:-old new}; do
+  for spec in ${LAYER_AB_SIDES:-old new}; do
+    side=${spec%%+*} sets=()
+    [ "$spec" = "$side" ] || for kv in $(tr '+' ' ' <<< "${spec#*+}"); do sets+=(--set "$kv"); done
     bin=$(moefold_of "$side")
-    f="$out/layer_ab_${side}_$r.md"
-    echo "== round $r, $side ($SECONDS s)"
+    name=$(tr -c 'A-Za-z0-9._\n-' '_' <<< "$spec")  # files come back named in these characters only
+    f="$out/layer_ab_${name}_$r.md"
+    echo "== round $r, $spec ($SECONDS s)"
     timeout 150 "$bin" bench moe-layer "${shape[@]}" --routing balanced --reps 5 --warmup 2 \
-      --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own > "$f" 2>&1 || status=1
+      --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own "${sets[@]}" > "$f" 2>&1 || status=1
     grep -E "^\| deepseek|^\| (router|dispatch|combine|experts|shared|fc1 wgrad)|GPU during" "$f" | cut -c1-110
     [ -n "${LAYER_AB_QWEN3-1}" ] || continue  # LAYER_AB_QWEN3= skips it
+    [ "$spec" = "$side" ] || continue  # the settings are DeepSeek-V3's
     f="$out/layer_ab_qwen3_${side}_$r.md"
     timeout 100 "$bin" bench moe-layer --shape qwen3-30b-a3b --routing balanced --reps 10 --warmup 2 > "$f" 2>&1 ||
       status=1
