@@ -199,6 +199,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (__syncthreads_or(streams)) parts = p.i_tiles;
   }
   const int units = p.groups * p.o_groups * parts;
+  // Tiles one at a time: each block's dy lands in its x stage's slot, given back with the stage (no
+  // ring positions, no dy barriers).
+  const bool tiles = parts == p.i_tiles;
+  static_assert(Smem<Out, kParts>::kStages <= kDySlots, "a stage's dy slot");
   // Cluster unit u: expert e's o_group's part-th share of the weight's columns, tiles [i0, i1), walked
   // along the columns (consecutive tiles write neighbouring pieces of the same rows of the gradient;
   // with units of one tile, tile u in that order). This CTA's 128 rows: the rank's of the cluster's
@@ -238,12 +242,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < un.blocks; ++j) {
           const int row = un.begin + j * kBlockK, q = dy_pos + j;
           bar_wait(&sm.empty[stage], phase ^ 1);
-          if (load_dy) bar_wait(&sm.dy_empty[q % kDySlots], ((q / kDySlots) & 1) ^ 1);
+          const int slot = tiles ? stage : q % kDySlots;
+          if (load_dy && !tiles) bar_wait(&sm.dy_empty[slot], ((q / kDySlots) & 1) ^ 1);
           bar_expect_tx(&sm.full[stage], (kBlockN / 64 + (load_dy ? 2 : 0)) * kInBox);
           if (load_dy) {
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-              tma_load_2d(sm.a[q % kDySlots] + h * kInBox, &map_dy, &sm.full[stage], un.o_tile * kBlockM + h * 64, row);
+              tma_load_2d(sm.a[slot] + h * kInBox, &map_dy, &sm.full[stage], un.o_tile * kBlockM + h * 64, row);
           }
 #pragma unroll
           for (int c = 0; c < kBlockN / 64; ++c) {
@@ -308,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       int prev = -1;  // the stage of the block whose MMAs may still run
       for (int j = 0; j < blocks; ++j) {
-        const int slot = (dy_pos + j) % kDySlots;
+        const int slot = tiles ? stage : (dy_pos + j) % kDySlots;
         bar_wait(&sm.full[stage], phase);
         const int valid = min(kBlockK, n_rows - j * kBlockK);
         if (valid < kBlockK) {  // the expert's last block: its rows from `valid` on are not the expert's
@@ -329,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncwarp();
         if (prev >= 0 && lane == 0) {
           release(prev);
-          if (last_use) release_dy(dy_pos + j - 1);
+          if (last_use && !tiles) release_dy(dy_pos + j - 1);
         }
         prev = stage;
         if (++stage == kStages) stage = 0, phase ^= 1;
@@ -339,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();
       if (prev >= 0 && lane == 0) {
         release(prev);
-        if (last_use) release_dy(dy_pos + blocks - 1);
+        if (last_use && !tiles) release_dy(dy_pos + blocks - 1);
       }
       if (!stay) dy_pos += blocks;
       const bool summed = prev >= 0;  // else no rows (acc never written): zeros written, or the old gradient kept
