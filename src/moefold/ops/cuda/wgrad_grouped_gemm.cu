@@ -49,11 +49,6 @@ constexpr int kBlockK = 32;
 constexpr int kInBox = kBlockK * 128;  // one operand TMA box: kBlockK rows x 128 bytes, 128-byte swizzle
 constexpr int kOutBox = 64 * 128;      // one output TMA box: 64 rows x 128 bytes, 128-byte swizzle
 constexpr int kThreads = 384;          // a producer warp group and two consumer warp groups
-// dy's ring: kDySlots blocks of kBlockK rows x 128 weight rows (64 KiB). A unit of consecutive tiles
-// of one expert and the same weight rows (the columns differ) whose rows fit the ring (at most
-// kDySlots blocks: 256 rows) loads dy once, at its first tile, and keeps it there for the others:
-// only x streams. An expert with more rows streams dy with x, block by block, as a single tile does.
-constexpr int kDySlots = 8;
 // kCluster CTAs a cluster (2 unless own_grouped_wgrad is told 1) sum neighbouring 128-row tiles
 // of the same columns of one expert, each loading 1 / kCluster of x's boxes and multicasting them
 // to all: x's reads from L2 halve in pairs.
@@ -81,12 +76,11 @@ struct alignas(1024) Smem {
   static constexpr int kPartCols = kBlockN / kParts;                      // output columns staged at once
   static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));  // output columns per staged box row
   static constexpr int kChunks = kPartCols / kChunkCols;                  // output boxes per warp group and part
-  uint8_t a[kDySlots][2 * kInBox];            // dy's ring: kBlockK rows x 128 weight rows, two boxes of 64 columns
+  uint8_t a[kStages][2 * kInBox];             // dy: kBlockK rows x 128 weight rows, two boxes of 64 columns
   uint8_t b[kStages][kBlockN / 64 * kInBox];  // x: kBlockK rows x kBlockN weight columns
   uint8_t out[2][kChunks * kOutBox];          // each consumer warp group's 64 x kPartCols outputs, as TMA boxes
-  uint64_t full[kStages];                     // the stage's boxes landed (x's, and dy's block loaded with them)
+  uint64_t full[kStages];                     // the stage's boxes landed
   uint64_t empty[kStages];                    // every consumer warp of the cluster is done with the stage
-  uint64_t dy_empty[kDySlots];                // every consumer warp of this CTA is done with the dy slot
   uint64_t old[2];                            // each warp group's old gradient tile landed (accumulating)
 };
 
@@ -99,8 +93,6 @@ struct Params {
   int groups;
   int o_groups;  // the clusters' units of weight rows: ceil(128-row tiles / the cluster's CTAs)
   int i_tiles;
-  int parts;        // the units an expert's o_group is cut into along the columns (i_tiles: units of one tile)
-  int force_units;  // 0: units of one tile after all where an expert has more rows than dy's ring holds
   int accumulate;
 };
 
@@ -176,7 +168,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       bar_init(&sm.full[s], 1);              // the TMA thread's expect_tx
       bar_init(&sm.empty[s], 8 * kCluster);  // each consumer warp of the cluster
     }
-    for (int s = 0; s < kDySlots; ++s) bar_init(&sm.dy_empty[s], 8);  // each consumer warp of this CTA
     bar_init(&sm.old[0], 1);
     bar_init(&sm.old[1], 1);
     fence_barrier_init();
@@ -187,90 +178,51 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
   const uint32_t rank = kCluster > 1 ? cluster_rank() : 0;
   const int cluster = static_cast<int>(blockIdx.x) / kCluster, clusters = static_cast<int>(gridDim.x) / kCluster;
-  // Units of several tiles only where every expert's dy fits the ring (unless the caller forces
-  // them): where some experts stream, units of one tile were 8-10% faster (docs/benchmarks.md,
-  // session 39: DeepSeek-V3's fc1 with experts of 128-383 rows, on an H100). Each CTA reads the
-  // offsets itself: every CTA of a cluster decides alike.
-  int parts = p.parts;
-  if (parts != p.i_tiles && !p.force_units) {
-    int streams = 0;
-    for (int e = static_cast<int>(threadIdx.x); e < p.groups; e += kThreads)
-      streams |= p.off[e + 1] - p.off[e] > kBlockK * kDySlots;
-    if (__syncthreads_or(streams)) parts = p.i_tiles;
-  }
-  const int units = p.groups * p.o_groups * parts;
-  // Tiles one at a time: each block's dy lands in its x stage's slot, given back with the stage (no
-  // ring positions, no dy barriers).
-  const bool tiles = parts == p.i_tiles;
-  static_assert(Smem<Out, kParts>::kStages <= kDySlots, "a stage's dy slot");
-  // Cluster unit u: expert e's o_group's part-th share of the weight's columns, tiles [i0, i1), walked
-  // along the columns (consecutive tiles write neighbouring pieces of the same rows of the gradient;
-  // with units of one tile, tile u in that order). This CTA's 128 rows: the rank's of the cluster's
-  // kCluster x 128. Its dy stays in the ring for all of them where the expert's rows fit it.
-  struct Unit {
-    int e, o_tile, i0, i1, begin, end, blocks;
-    bool stay;
-  };
-  const auto unit_at = [&](int u) {
-    Unit un;
-    const int eo = u / parts, part = u - eo * parts;
-    un.e = eo / p.o_groups;
-    un.o_tile = (eo - un.e * p.o_groups) * kCluster + static_cast<int>(rank);
-    un.i0 = part * p.i_tiles / parts;
-    un.i1 = (part + 1) * p.i_tiles / parts;
-    un.begin = static_cast<int>(p.off[un.e]);
-    un.end = static_cast<int>(p.off[un.e + 1]);
-    un.blocks = (un.end - un.begin + kBlockK - 1) / kBlockK;
-    un.stay = un.i1 - un.i0 > 1 && un.blocks <= kDySlots;
-    return un;
+  const int per_expert = p.o_groups * p.i_tiles, tiles = p.groups * per_expert;
+  // Cluster tile t: expert t / per_expert; within it, along the weight's columns first (consecutive
+  // tiles write neighbouring pieces of the same rows of the gradient). This CTA's 128 rows: the
+  // rank's of the cluster's kCluster x 128.
+  const auto tile_at = [&](int t, int& e, int& o_tile, int& i_tile) {
+    e = t / per_expert;
+    const int rest = t - e * per_expert;
+    const int o_group = rest / p.i_tiles;
+    i_tile = rest - o_group * p.i_tiles;
+    o_tile = o_group * kCluster + static_cast<int>(rank);
   };
 
-  // Registers: the producers' warp group needs few, the consumers' 128 accumulators a thread and the
-  // units' bookkeeping more than an even share (168) holds without spilling.
   if (warp < 4) {  // the producer warp group: one thread issues every TMA load
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x != 0) return;
     prefetch_map(&map_dy);
     prefetch_map(&map_x);
     int stage = 0;
     uint32_t phase = 0;
-    int dy_pos = 0;  // dy's ring position of the unit's (or streamed tile's) first block: slot % kDySlots
-    for (int u = cluster; u < units; u += clusters) {
-      const Unit un = unit_at(u);
-      for (int i_tile = un.i0; i_tile < un.i1; ++i_tile) {
-        const bool load_dy = !un.stay || i_tile == un.i0;
-        for (int j = 0; j < un.blocks; ++j) {
-          const int row = un.begin + j * kBlockK, q = dy_pos + j;
-          bar_wait(&sm.empty[stage], phase ^ 1);
-          const int slot = tiles ? stage : q % kDySlots;
-          if (load_dy && !tiles) bar_wait(&sm.dy_empty[slot], ((q / kDySlots) & 1) ^ 1);
-          bar_expect_tx(&sm.full[stage], (kBlockN / 64 + (load_dy ? 2 : 0)) * kInBox);
-          if (load_dy) {
+    for (int t = cluster; t < tiles; t += clusters) {
+      int e, o_tile, i_tile;
+      tile_at(t, e, o_tile, i_tile);
+      const int end = static_cast<int>(p.off[e + 1]);
+      for (int row = static_cast<int>(p.off[e]); row < end; row += kBlockK) {
+        bar_wait(&sm.empty[stage], phase ^ 1);
+        bar_expect_tx(&sm.full[stage], (2 + kBlockN / 64) * kInBox);
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-              tma_load_2d(sm.a[slot] + h * kInBox, &map_dy, &sm.full[stage], un.o_tile * kBlockM + h * 64, row);
-          }
+        for (int h = 0; h < 2; ++h)
+          tma_load_2d(sm.a[stage] + h * kInBox, &map_dy, &sm.full[stage], o_tile * kBlockM + h * 64, row);
 #pragma unroll
-          for (int c = 0; c < kBlockN / 64; ++c) {
-            if constexpr (kCluster > 1) {  // this rank's share of x's boxes, to every CTA of the cluster
-              if (c % kCluster == static_cast<int>(rank))
-                tma_load_2d_multicast(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row,
-                                      static_cast<uint16_t>((1u << kCluster) - 1));
-            } else {
-              tma_load_2d(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row);
-            }
+        for (int c = 0; c < kBlockN / 64; ++c) {
+          if constexpr (kCluster > 1) {  // this rank's share of x's boxes, to every CTA of the cluster
+            if (c % kCluster == static_cast<int>(rank))
+              tma_load_2d_multicast(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row,
+                                    static_cast<uint16_t>((1u << kCluster) - 1));
+          } else {
+            tma_load_2d(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row);
           }
-          if (++stage == kStages) stage = 0, phase ^= 1;
         }
-        if (!un.stay) dy_pos += un.blocks;
+        if (++stage == kStages) stage = 0, phase ^= 1;
       }
-      if (un.stay) dy_pos += un.blocks;
     }
     return;
   }
 
   // A consumer warp group: weight rows wg * 64 ... + 63 of each tile.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = warp / 4 - 1, tid = static_cast<int>(threadIdx.x % 128);
   const bool leader = tid == 0;               // issues the warp group's TMA stores (and old-gradient loads)
   const int lr = (warp % 4) * 16 + lane / 4;  // this thread's rows of the 64: lr, lr + 8
@@ -291,137 +243,118 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (uint32_t r = 0; r < kCluster; ++r)
       if (r != rank) bar_arrive_cluster(&sm.empty[s], r);
   };
-  int dy_pos = 0;  // as the producer's
-  // dy's slot of ring position q goes back to the producer.
-  const auto release_dy = [&](int q) { bar_arrive(&sm.dy_empty[q % kDySlots]); };
-  for (int u = cluster; u < units; u += clusters) {
-    const Unit un = unit_at(u);
-    const int e = un.e, n_rows = un.end - un.begin, out_row = un.o_tile * kBlockM + wg * 64, i1 = un.i1;
-    const bool stay = un.stay;
-    bool dy_loaded = true;  // dy's blocks fresh in the ring (else kept from the unit's first tile)
-    for (int i_tile = un.i0; i_tile < i1; ++i_tile, dy_loaded = !stay) {
-      const int out_col = i_tile * kBlockN, blocks = (n_rows + kBlockK - 1) / kBlockK;
-      // dy's blocks go back block by block after this tile's MMAs (streamed, or the unit's last tile:
-      // the next unit's first blocks load while this one's last run).
-      const bool last_use = !stay || i_tile == i1 - 1;
-      if (accumulate && leader) {  // the old gradient into the staging area, once the last stores read it
-        store_wait_read<0>();
-        bar_expect_tx(&sm.old[wg], S::kChunks * kOutBox);
+  for (int t = cluster; t < tiles; t += clusters) {
+    int e, o_tile, i_tile;
+    tile_at(t, e, o_tile, i_tile);
+    const int begin = static_cast<int>(p.off[e]), end = static_cast<int>(p.off[e + 1]);
+    const int out_row = o_tile * kBlockM + wg * 64, out_col = i_tile * kBlockN;
+    if (accumulate && leader) {  // the old gradient into the staging area, once the last stores read it
+      store_wait_read<0>();
+      bar_expect_tx(&sm.old[wg], S::kChunks * kOutBox);
 #pragma unroll
-        for (int c = 0; c < S::kChunks; ++c)
-          tma_load_3d(out + c * kOutBox, &map_dw, &sm.old[wg], out_col + c * kChunkCols, out_row, e);
+      for (int c = 0; c < S::kChunks; ++c)
+        tma_load_3d(out + c * kOutBox, &map_dw, &sm.old[wg], out_col + c * kChunkCols, out_row, e);
+    }
+    int prev = -1;  // the stage of the block whose MMAs may still run
+    for (int row = begin; row < end; row += kBlockK) {
+      bar_wait(&sm.full[stage], phase);
+      const int valid = min(kBlockK, end - row);
+      if (valid < kBlockK) {  // the expert's last block: its rows from `valid` on are not the expert's
+        zero_rows_from(sm.a[stage] + wg * kInBox, valid, tid);
+        for (int c = wg; c < kBlockN / 64; c += 2) zero_rows_from(sm.b[stage] + c * kInBox, valid, tid);
+        fence_async_shared();
+        named_sync(3, 256);  // both warp groups' zeros written (they share x's boxes)
       }
-      int prev = -1;  // the stage of the block whose MMAs may still run
-      for (int j = 0; j < blocks; ++j) {
-        const int slot = tiles ? stage : (dy_pos + j) % kDySlots;
-        bar_wait(&sm.full[stage], phase);
-        const int valid = min(kBlockK, n_rows - j * kBlockK);
-        if (valid < kBlockK) {  // the expert's last block: its rows from `valid` on are not the expert's
-          if (dy_loaded) zero_rows_from(sm.a[slot] + wg * kInBox, valid, tid);  // (a kept block stays zeroed)
-          for (int c = wg; c < kBlockN / 64; c += 2) zero_rows_from(sm.b[stage] + c * kInBox, valid, tid);
-          fence_async_shared();
-          named_sync(3, 256);  // both warp groups' zeros written (they share x's boxes)
-        }
-        const uint32_t ustage = __shfl_sync(0xffffffffu, static_cast<uint32_t>(stage), 0),
-                       uslot = __shfl_sync(0xffffffffu, static_cast<uint32_t>(slot), 0);
-        const uint32_t da = desc_a0_lo + uslot * kStepA, db = desc_b0_lo + ustage * kStepB;
-        wgmma_fence();
+      const uint32_t ustage = __shfl_sync(0xffffffffu, static_cast<uint32_t>(stage), 0);
+      const uint32_t da = desc_a0_lo + ustage * kStepA, db = desc_b0_lo + ustage * kStepB;
+      wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk)
-          wgmma_bf16_mn<kBlockN>(acc, da + 128 * kk, db + 128 * kk, desc_hi, j > 0 || kk > 0);
-        wgmma_commit();
-        wgmma_wait<1>();  // the previous block's MMAs are done: its stage (and dy's block) back to the producer
-        __syncwarp();
-        if (prev >= 0 && lane == 0) {
-          release(prev);
-          if (last_use && !tiles) release_dy(dy_pos + j - 1);
-        }
-        prev = stage;
-        if (++stage == kStages) stage = 0, phase ^= 1;
-      }
-      wgmma_wait<0>();
-      fence_operands(acc);
+      for (int kk = 0; kk < kBlockK / 16; ++kk)
+        wgmma_bf16_mn<kBlockN>(acc, da + 128 * kk, db + 128 * kk, desc_hi, row > begin || kk > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous block's MMAs are done: its stage goes back to the producer
       __syncwarp();
-      if (prev >= 0 && lane == 0) {
-        release(prev);
-        if (last_use && !tiles) release_dy(dy_pos + blocks - 1);
+      if (prev >= 0 && lane == 0) release(prev);
+      prev = stage;
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    wgmma_wait<0>();
+    fence_operands(acc);
+    __syncwarp();
+    if (prev >= 0 && lane == 0) release(prev);
+    const bool summed = prev >= 0;  // else no rows (acc never written): zeros written, or the old gradient kept
+    // The epilogue: each thread holds rows lr and lr + 8, columns 8j + 2 (lane % 4) + {0, 1}; staged
+    // and stored kPartCols columns at a time.
+    if (accumulate) {
+      bar_wait(&sm.old[wg], old_phase);
+      old_phase ^= 1;
+    }
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      const int col0 = part * kPartCols;
+      if (!accumulate) {
+        if (leader) store_wait_read<0>();  // the last stores have read the staging area
+        named_sync(1 + wg, 128);
       }
-      if (!stay) dy_pos += blocks;
-      const bool summed = prev >= 0;  // else no rows (acc never written): zeros written, or the old gradient kept
-      // The epilogue: each thread holds rows lr and lr + 8, columns 8j + 2 (lane % 4) + {0, 1}; staged
-      // and stored kPartCols columns at a time.
-      if (accumulate) {
-        bar_wait(&sm.old[wg], old_phase);
-        old_phase ^= 1;
-      }
+      if constexpr (sizeof(Out) == 2) {
+        // Two 8-column groups a step: four 8 x 8 matrices (rows lr's and lr + 8's 8-row blocks, groups
+        // j and j + 1), stored with one stmatrix (lane l gives row l % 8 of matrix l / 8).
+        const int m = lane / 8, m_row = (warp % 4) * 16 + lane % 8 + 8 * (m & 1);
 #pragma unroll
-      for (int part = 0; part < kParts; ++part) {
-        const int col0 = part * kPartCols;
-        if (!accumulate) {
-          if (leader) store_wait_read<0>();  // the last stores have read the staging area
-          named_sync(1 + wg, 128);
-        }
-        if constexpr (sizeof(Out) == 2) {
-          // Two 8-column groups a step: four 8 x 8 matrices (rows lr's and lr + 8's 8-row blocks, groups
-          // j and j + 1), stored with one stmatrix (lane l gives row l % 8 of matrix l / 8).
-          const int m = lane / 8, m_row = (warp % 4) * 16 + lane % 8 + 8 * (m & 1);
+        for (int j = col0 / 8; j < (col0 + kPartCols) / 8; j += 2) {
+          const uint32_t addr = smem_addr(out + staged_byte<Out>(m_row, 8 * (j + (m >> 1)) - col0));
+          float v[8];
 #pragma unroll
-          for (int j = col0 / 8; j < (col0 + kPartCols) / 8; j += 2) {
-            const uint32_t addr = smem_addr(out + staged_byte<Out>(m_row, 8 * (j + (m >> 1)) - col0));
-            float v[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = summed ? acc[4 * j + i] : 0.0f;
-            if (accumulate) {
-              uint32_t old[4];
-              asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                           : "=r"(old[0]), "=r"(old[1]), "=r"(old[2]), "=r"(old[3])
-                           : "r"(addr)
-                           : "memory");
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old[i]));
-                v[2 * i] += o.x;
-                v[2 * i + 1] += o.y;
-              }
-            }
-            uint32_t r[4];
+          for (int i = 0; i < 8; ++i) v[i] = summed ? acc[4 * j + i] : 0.0f;
+          if (accumulate) {
+            uint32_t old[4];
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(old[0]), "=r"(old[1]), "=r"(old[2]), "=r"(old[3])
+                         : "r"(addr)
+                         : "memory");
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-              r[i] = *reinterpret_cast<const uint32_t*>(&b);
-            }
-            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]),
-                         "r"(r[1]), "r"(r[2]), "r"(r[3])
-                         : "memory");
-          }
-        } else {  // f32: two floats a thread and row, 8-byte shared stores
-#pragma unroll
-          for (int j = col0 / 8; j < (col0 + kPartCols) / 8; ++j) {
-            const int col = 8 * j + 2 * (lane % 4) - col0;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float2* q = reinterpret_cast<float2*>(out + staged_byte<Out>(lr + 8 * h, col));
-              float2 v = summed ? make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]) : make_float2(0.0f, 0.0f);
-              if (accumulate) {
-                const float2 old = *q;
-                v.x += old.x;
-                v.y += old.y;
-              }
-              *q = v;
+              const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old[i]));
+              v[2 * i] += o.x;
+              v[2 * i + 1] += o.y;
             }
           }
+          uint32_t r[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+            r[i] = *reinterpret_cast<const uint32_t*>(&b);
+          }
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]),
+                       "r"(r[1]), "r"(r[2]), "r"(r[3])
+                       : "memory");
         }
-        fence_async_shared();
-        named_sync(1 + wg, 128);
-        if (leader) {
+      } else {  // f32: two floats a thread and row, 8-byte shared stores
 #pragma unroll
-          for (int c = 0; c < S::kChunks; ++c)
-            tma_store_3d(&map_dw, out + c * kOutBox, out_col + col0 + c * kChunkCols, out_row, e);
-          store_commit();
+        for (int j = col0 / 8; j < (col0 + kPartCols) / 8; ++j) {
+          const int col = 8 * j + 2 * (lane % 4) - col0;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float2* q = reinterpret_cast<float2*>(out + staged_byte<Out>(lr + 8 * h, col));
+            float2 v = summed ? make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]) : make_float2(0.0f, 0.0f);
+            if (accumulate) {
+              const float2 old = *q;
+              v.x += old.x;
+              v.y += old.y;
+            }
+            *q = v;
+          }
         }
       }
+      fence_async_shared();
+      named_sync(1 + wg, 128);
+      if (leader) {
+#pragma unroll
+        for (int c = 0; c < S::kChunks; ++c)
+          tma_store_3d(&map_dw, out + c * kOutBox, out_col + col0 + c * kChunkCols, out_row, e);
+        store_commit();
+      }
     }
-    if (stay) dy_pos += (n_rows + kBlockK - 1) / kBlockK;
   }
   if (leader) store_wait_all();
   if constexpr (kCluster > 1) cluster_sync();  // the other CTAs' last arrivals on this one's barriers landed
@@ -470,7 +403,7 @@ int resident_clusters() {
 
 template <class Out, int kCluster, int kParts>
 void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
-            const Tensor& dw_EOI, bool accumulate, const char* what, int unit_tiles, bool force_units) {
+            const Tensor& dw_EOI, bool accumulate, const char* what) {
   using S = Smem<Out, kParts>;
   MF_CHECK(kParts == 1 || !accumulate, what,
            ": an accumulated gradient is staged whole (the old tile fills the staging area)");
@@ -491,20 +424,10 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
       tiled_map(x_RI.data(), bf16, 2, dims_x, strides_x, box_in, CU_TENSOR_MAP_SWIZZLE_128B, what);
   const CUtensorMap map_dw =
       tiled_map(dw_EOI.data(), out_type, 3, dims_dw, strides_dw, box_out, CU_TENSOR_MAP_SWIZZLE_128B, what);
-  const int o_tiles = static_cast<int>(ceil_div(o_n, kBlockM)), i_tiles = static_cast<int>(ceil_div(i_n, S::kBlockN));
-  // Units of up to unit_tiles tiles (0: kernels.own_wgrad_units), the expert's columns cut into
-  // equal parts; the kernel takes units of one tile after all where some expert has more rows than
-  // dy's ring holds, unless forced.
-  if (unit_tiles == 0) unit_tiles = ctx.kernels().own_wgrad_units;
-  unit_tiles = std::max(unit_tiles, 1);
-  const Params p{offsets_E1.ptr<int64_t>(),
-                 static_cast<int>(e_n),
-                 static_cast<int>(ceil_div(o_tiles, kCluster)),
-                 i_tiles,
-                 static_cast<int>(ceil_div(i_tiles, unit_tiles)),
-                 force_units ? 1 : 0,
-                 accumulate ? 1 : 0};
-  const int64_t tiles = e_n * p.o_groups * p.i_tiles;  // the clusters' tiles (units of one tile at most)
+  const int o_tiles = static_cast<int>(ceil_div(o_n, kBlockM));
+  const Params p{offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(ceil_div(o_tiles, kCluster)),
+                 static_cast<int>(ceil_div(i_n, S::kBlockN)), accumulate ? 1 : 0};
+  const int64_t tiles = e_n * p.o_groups * p.i_tiles;  // the clusters' tiles
   // Persistent clusters: as many as fit at once, fewer for kernels.gemm_sms (at least one).
   int clusters = resident;
   if (const int want = ctx.kernels().gemm_sms; want > 0) clusters = std::min(clusters, std::max(1, want / kCluster));
@@ -517,22 +440,19 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
 // The cluster size's instantiation.
 template <class Out>
 void launch_cluster(int cluster, const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO,
-                    const Tensor& offsets_E1, const Tensor& dw_EOI, bool accumulate, const char* what, int unit_tiles,
-                    bool force_units) {
+                    const Tensor& offsets_E1, const Tensor& dw_EOI, bool accumulate, const char* what) {
   MF_CHECK(cluster == 1 || cluster == 2, what, ": the own weight-gradient kernel runs in clusters of 1 or 2 CTAs, not ",
            cluster);
   // A written bf16 gradient is staged in halves (two more main-loop stages); an accumulated one
   // whole (the old tile is loaded into the staging area), and f32 whole.
   if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
     if (!accumulate) {
-      if (cluster == 2)
-        return launch<Out, 2, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
-      return launch<Out, 1, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
+      if (cluster == 2) return launch<Out, 2, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+      return launch<Out, 1, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
     }
   }
-  if (cluster == 2)
-    return launch<Out, 2, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
-  launch<Out, 1, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
+  if (cluster == 2) return launch<Out, 2, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+  launch<Out, 1, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
 }
 
 }  // namespace
@@ -543,20 +463,17 @@ bool own_wgrad_serves(int64_t groups, int64_t o_n, int64_t i_n) {
 }
 
 void own_grouped_wgrad(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
-                       const Tensor& dw_EOI, bool accumulate, const char* what, int cluster, int unit_tiles,
-                       bool force_units) {
+                       const Tensor& dw_EOI, bool accumulate, const char* what, int cluster) {
   const int64_t e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
   MF_CHECK(own_wgrad_serves(e_n, o_n, i_n), what, ": the own weight-gradient GEMM cannot serve ", e_n, " experts of ",
            o_n, " x ", i_n);
   MF_CHECK(x_RI.size(0) < (int64_t{1} << 31), what, ": ", x_RI.size(0),
            " rows (the own kernel indexes rows with 32 bits)");
   MF_CHECK(x_RI.dtype() == DType::bf16 && dy_RO.dtype() == DType::bf16, what, ": bf16 x and dy expected");
-  MF_CHECK(unit_tiles >= 0, what, ": unit_tiles ", unit_tiles);
   if (dw_EOI.dtype() == DType::bf16)
-    launch_cluster<__nv_bfloat16>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles,
-                                  force_units);
+    launch_cluster<__nv_bfloat16>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
   else if (dw_EOI.dtype() == DType::f32)
-    launch_cluster<float>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
+    launch_cluster<float>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
   else
     MF_FAIL(what, ": dw must be bf16 or f32, not ", dtype_name(dw_EOI.dtype()));
 }
