@@ -13,11 +13,14 @@
 // --wgrad-groups: the bf16 weight gradient in fewer, larger groups (bench_wgrad_groups), nothing else.
 // --wgrad-own: the weight gradient on CUTLASS and on the own kernel (bench_wgrad_own), nothing else;
 //   --wgrad-case NAME: only that shape (e.g. "deepseek-v3 fc1": one kernel to profile);
-//   --wgrad-clusters 'C;...': the own kernel in clusters of C CTAs (default '2;1'; 2 is wgrad = own's).
+//   --wgrad-clusters 'C;...': the own kernel in clusters of C CTAs (default '2;1'; 2 is wgrad = own's);
+//   --wgrad-units 'U;...': and units of up to U tiles, dy kept over them where every expert has at
+//   most 256 rows (kernels.own_wgrad_units; default '1': one tile at a time).
 // --quantize: the activations' FP8 quantization passes alone (bench_quantize), nothing else.
 //   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
 //                              --probe-layouts | --wgrad-groups | --quantize |
-//                              --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...']]
+//                              --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...']
+//                              [--wgrad-units 'U;...']]
 // --tiles: the kernels.fp8_tile values the grouped GEMMs run in, in turn (default
 // "cooperative;rows=own;cooperative;rows=own").
 #include <cublasLt.h>
@@ -376,7 +379,8 @@ void bench_wgrad_groups(int runs, int warmup) {
 // written (a step's first micro-batch), bf16 dw accumulated (its later ones), f32 dw written; the
 // DeepSeek-V3 fc1 shape also with uneven experts (128 to 383 rows, the same total: real routing's
 // spread).
-void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::vector<int>& clusters) {
+void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::vector<int>& clusters,
+                     const std::vector<int>& units) {
   struct Case {
     GroupedShape g;
     bool uneven;
@@ -408,15 +412,19 @@ void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::v
     k.cutlass_tiles = parse_cutlass_tiles("wgrad=large", "kernels.cutlass_tile");
     const ExecContext large(Device::cuda, k);
     for (int round = 0; round < 2; ++round) {
-      // CUTLASS's large tiles, then the own kernel in each cluster size.
-      for (size_t v = 0; v <= clusters.size(); ++v) {
-        const std::string name = v == 0 ? "wgrad=large" : cat("own, clusters of ", clusters[v - 1]);
+      // CUTLASS's large tiles, then the own kernel in each cluster size and unit.
+      for (size_t v = 0; v <= clusters.size() * units.size(); ++v) {
+        const int cluster = v == 0 ? 0 : clusters[(v - 1) / units.size()],
+                  unit = v == 0 ? 0 : units[(v - 1) % units.size()];
+        const std::string name =
+            v == 0 ? "wgrad=large"
+                   : cat("own, clusters of ", cluster, unit == 1 ? std::string() : cat(", units of ", unit));
         const auto time = [&](const Tensor& dw, bool accumulate) {
           return bench::time_ms(runs, warmup, [&] {
             if (v == 0)
               grouped_linear_backward(large, *x, *w, *offsets, *dy, Tensor(), dw, accumulate);
             else
-              cuda::own_grouped_wgrad(c, *x, *dy, *offsets, dw, accumulate, "bench", clusters[v - 1]);
+              cuda::own_grouped_wgrad(c, *x, *dy, *offsets, dw, accumulate, "bench", cluster, unit);
           });
         };
         report_grouped(g, "wgrad", cat(name, ", bf16 written").c_str(), time(*dw16, false));
@@ -562,7 +570,7 @@ int run(int argc, char** argv) {
   bool dense = true, grouped = true, probe = false, wgrad_groups = false, wgrad_own = false, quantize = false;
   std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
   std::string wgrad_case;
-  std::vector<int> clusters = {2, 1};
+  std::vector<int> clusters = {2, 1}, units = {1};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tiles" && i + 1 < argc) {  // kernels.fp8_tile values separated by ';'
@@ -578,6 +586,9 @@ int run(int argc, char** argv) {
     else if (a == "--wgrad-clusters" && i + 1 < argc) {  // 'C;C;...'
       clusters.clear();
       for (const std::string& c : split_semicolons(argv[++i])) clusters.push_back(std::atoi(c.c_str()));
+    } else if (a == "--wgrad-units" && i + 1 < argc) {  // 'U;U;...'
+      units.clear();
+      for (const std::string& u : split_semicolons(argv[++i])) units.push_back(std::atoi(u.c_str()));
     } else if (a == "--quantize")
       quantize = true;
     else if (a == "--grouped-only")
@@ -590,8 +601,8 @@ int run(int argc, char** argv) {
       warmup = std::atoi(argv[++i]);
     else
       MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only | ",
-              "--probe-layouts | --wgrad-groups | --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...'] | ",
-              "--quantize] (got '", a, "')");
+              "--probe-layouts | --wgrad-groups | --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...'] ",
+              "[--wgrad-units 'U;...'] | ", "--quantize] (got '", a, "')");
   }
   if (quantize) {
     bench_quantize(runs, warmup);
@@ -602,7 +613,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (wgrad_own) {
-    bench_wgrad_own(runs, warmup, wgrad_case, clusters);
+    bench_wgrad_own(runs, warmup, wgrad_case, clusters, units);
     return 0;
   }
   if (probe) {

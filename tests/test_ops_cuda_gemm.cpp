@@ -430,7 +430,8 @@ TEST(CudaGroupedLinear, OwnWeightGradientIsGridFreeMasksForeignRowsAndMatchesCut
   MF_REQUIRE_GPU();
 #ifdef MOEFOLD_WITH_CUDA
   if (!cuda::cutlass_grouped_gemm_built()) GTEST_SKIP() << "built without CUTLASS's headers (MOEFOLD_WITH_CUTLASS)";
-  const std::vector<int64_t> counts = {37, 5, 200, 64, 0, 129};
+  // Experts of at most 256 rows keep dy in shared memory over a unit's tiles; 300 rows stream it.
+  const std::vector<int64_t> counts = {37, 5, 200, 64, 0, 129, 300};
   constexpr int64_t i_n = 520, o_n = 264;  // tiles cut by both widths
   Pool pool;
   DevicePool dev;
@@ -473,8 +474,37 @@ TEST(CudaGroupedLinear, OwnWeightGradientIsGridFreeMasksForeignRowsAndMatchesCut
       EXPECT_EQ(testing::download(written), own) << "written";
       EXPECT_EQ(testing::download(onto), added) << "accumulated";
     }
+    // Units of one tile (dy streamed everywhere), of two (a unit of one tile and one of two) and of
+    // up to 16, forced (by default an expert of 300 rows makes the kernel take units of one tile):
+    // the experts of at most 256 rows keep dy over a unit, expert 6 streams it; the same sums in
+    // the same order.
+    for (const int unit : {1, 2, 16})
+      for (const int cluster : {1, 2}) {
+        SCOPED_TRACE(::testing::Message() << "units of " << unit << " tiles, clusters of " << cluster);
+        const ExecContext ctx(Device::cuda, KernelOptions{});
+        const Tensor written = dev.poisoned({e_n, o_n, i_n}, dt), onto = dev.upload(before, dt);
+        cuda::own_grouped_wgrad(ctx, xd, dyd, offsets, written, false, "test", cluster, unit, true);
+        cuda::own_grouped_wgrad(ctx, xd, dyd, offsets, onto, true, "test", cluster, unit, true);
+        EXPECT_EQ(testing::download(written), own) << "written";
+        EXPECT_EQ(testing::download(onto), added) << "accumulated";
+      }
+    {  // kernels.own_wgrad_units as a run sets it: units where every expert keeps dy (expert 6 emptied)
+      std::vector<int64_t> fit = counts;
+      fit.back() = 0;
+      const Tensor fit_offsets = dev.upload(offsets_of(pool, fit), DType::i64);
+      std::vector<std::vector<double>> got;
+      for (const int unit : {1, 16}) {
+        KernelOptions k;
+        k.own_wgrad_units = unit;
+        const ExecContext ctx(Device::cuda, k);
+        const Tensor written = dev.poisoned({e_n, o_n, i_n}, dt);
+        cuda::own_grouped_wgrad(ctx, xd, dyd, fit_offsets, written, false, "test");
+        got.push_back(testing::download(written));
+      }
+      EXPECT_EQ(got[1], got[0]) << "kernels.own_wgrad_units = 16 against 1";
+    }
     const std::vector<double> cutlass = run("large", 0, false, before), cutlass_added = run("large", 0, true, before);
-    for (const int64_t e : {0, 2, 4, 5}) {
+    for (const int64_t e : {0, 2, 4, 5, 6}) {
       SCOPED_TRACE(::testing::Message() << "expert " << e);
       const auto slice = [&](const std::vector<double>& v) {
         return std::vector<double>(v.begin() + e * per, v.begin() + (e + 1) * per);

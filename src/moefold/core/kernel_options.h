@@ -98,6 +98,10 @@ struct KernelOptions {
   CutlassTiles cutlass_tiles;  // config text: see parse_cutlass_tiles
   Fp8Tiles fp8_tiles;          // config text: see parse_fp8_tiles
   int gemm_sms = 0;            // SMs the persistent grouped GEMMs spread over (0: all of them)
+  // The own weight-gradient kernel (wgrad = own): up to this many tiles of one expert and the same
+  // weight rows a cluster takes in a row, dy kept in shared memory for them, where every expert
+  // has at most 256 rows (else tiles one at a time). 1: one at a time (the same bits either way).
+  int own_wgrad_units = 1;
   SwigluFusion fused_swiglu = SwigluFusion::automatic;
   AttentionKernel attention = AttentionKernel::automatic;
   // cuDNN's attention backward with its deterministic engine (bit-identical reruns); false allows

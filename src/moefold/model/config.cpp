@@ -250,6 +250,8 @@ void Config::validate() const {
   parallel.validate();
   check_sizes(*this);  // before the products below
   if (kernels.gemm_sms < 0) MF_FAIL("kernels.gemm_sms = ", kernels.gemm_sms, " must be >= 0 (0: every SM)");
+  if (kernels.own_wgrad_units < 1 || kernels.own_wgrad_units > 64)
+    MF_FAIL("kernels.own_wgrad_units = ", kernels.own_wgrad_units, " must be between 1 and 64");
   const ParallelConfig& p = parallel;
   if (moe.num_experts % p.ep != 0)
     MF_FAIL("moe.num_experts = ", moe.num_experts, " is not divisible by parallel.ep = ", p.ep);

@@ -256,6 +256,9 @@ const std::vector<Field>& fields() {
                "to 2048 wide and deep, else cooperative)"),
       MF_FIELD(kernels, "gemm_sms", gemm_sms,
                "SMs the persistent grouped GEMMs use (0: all; fewer leave some to a transfer beside them)"),
+      MF_FIELD(kernels, "own_wgrad_units", own_wgrad_units,
+               "the own weight-gradient kernel (wgrad = own): up to this many tiles of an expert a cluster takes in "
+               "a row, keeping dy in shared memory where every expert has at most 256 rows (1: one tile at a time)"),
       MF_FIELD(kernels, "fused_swiglu", fused_swiglu,
                "SwiGLU in the grouped GEMM epilogues: \"auto\" (backward; forward where measured faster), \"on\" "
                "or \"off\""),

@@ -49,6 +49,13 @@ constexpr int kBlockK = 32;
 constexpr int kInBox = kBlockK * 128;  // one operand TMA box: kBlockK rows x 128 bytes, 128-byte swizzle
 constexpr int kOutBox = 64 * 128;      // one output TMA box: 64 rows x 128 bytes, 128-byte swizzle
 constexpr int kThreads = 384;          // a producer warp group and two consumer warp groups
+// kernels.own_wgrad_units > 1 (docs/design-notes.md, session 39): dy gets a ring of its own,
+// kDySlots blocks of kBlockK rows x 128 weight rows (64 KiB), each slot with an empty barrier of
+// the CTA's consumer warps. A unit of consecutive column tiles of one expert and the same weight
+// rows loads the expert's dy blocks once, with its first tile's x stages, and keeps them for the
+// others: only x streams. Only where every expert has at most kDySlots blocks of rows (checked on
+// the device); else that launch takes tiles one at a time, dy in the ring, block by block.
+constexpr int kDySlots = 8;
 // kCluster CTAs a cluster (2 unless own_grouped_wgrad is told 1) sum neighbouring 128-row tiles
 // of the same columns of one expert, each loading 1 / kCluster of x's boxes and multicasting them
 // to all: x's reads from L2 halve in pairs.
@@ -70,23 +77,28 @@ struct Config<float, kParts> {
   static constexpr int kBlockN = 128, kStages = 8;
 };
 
-template <class Out, int kParts>
+template <class Out, int kParts, bool kUnits = false>
 struct alignas(1024) Smem {
   static constexpr int kBlockN = Config<Out, kParts>::kBlockN, kStages = Config<Out, kParts>::kStages;
   static constexpr int kPartCols = kBlockN / kParts;                      // output columns staged at once
   static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));  // output columns per staged box row
   static constexpr int kChunks = kPartCols / kChunkCols;                  // output boxes per warp group and part
-  uint8_t a[kStages][2 * kInBox];             // dy: kBlockK rows x 128 weight rows, two boxes of 64 columns
+  static constexpr int kDyBlocks = kUnits ? kDySlots : kStages;
+  uint8_t a[kDyBlocks][2 * kInBox];           // dy: kBlockK rows x 128 weight rows, two boxes of 64 columns
   uint8_t b[kStages][kBlockN / 64 * kInBox];  // x: kBlockK rows x kBlockN weight columns
   uint8_t out[2][kChunks * kOutBox];          // each consumer warp group's 64 x kPartCols outputs, as TMA boxes
   uint64_t full[kStages];                     // the stage's boxes landed
   uint64_t empty[kStages];                    // every consumer warp of the cluster is done with the stage
   uint64_t old[2];                            // each warp group's old gradient tile landed (accumulating)
+  uint64_t dy_empty[kUnits ? kDySlots : 1];   // units: every consumer warp of this CTA is done with the dy slot
 };
 
 // Each layout, with the 1024 bytes of alignment slack, within an SM's 227 KiB of shared memory.
 static_assert(sizeof(Smem<__nv_bfloat16, 1>) + 1024 <= 227 * 1024 && sizeof(Smem<float, 1>) + 1024 <= 227 * 1024);
 static_assert(sizeof(Smem<__nv_bfloat16, 2>) + 1024 <= 227 * 1024);
+static_assert(sizeof(Smem<__nv_bfloat16, 1, true>) + 1024 <= 227 * 1024 &&
+              sizeof(Smem<__nv_bfloat16, 2, true>) + 1024 <= 227 * 1024 &&
+              sizeof(Smem<float, 1, true>) + 1024 <= 227 * 1024);
 
 struct Params {
   const int64_t* off;  // [groups + 1] the experts' row offsets
@@ -94,6 +106,8 @@ struct Params {
   int o_groups;  // the clusters' units of weight rows: ceil(128-row tiles / the cluster's CTAs)
   int i_tiles;
   int accumulate;
+  int parts;        // units: the parts an expert's o_group's columns are cut into
+  int force_units;  // units: also where some expert has more rows than dy's ring holds (tests)
 };
 
 #ifdef MOEFOLD_SM90A_DEVICE
@@ -152,12 +166,12 @@ __device__ __forceinline__ int staged_byte(int row, int col) {
 }
 #endif
 
-template <class Out, int kCluster, int kParts>
+template <class Out, int kCluster, int kParts, bool kUnits>
 __global__ void __launch_bounds__(kThreads, 1)
     own_wgrad_kernel(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
                      const __grid_constant__ CUtensorMap map_dw, const Params p) {
 #ifdef MOEFOLD_SM90A_DEVICE
-  using S = Smem<Out, kParts>;
+  using S = Smem<Out, kParts, kUnits>;
   constexpr int kBlockN = S::kBlockN, kStages = S::kStages, kChunkCols = S::kChunkCols, kPartCols = S::kPartCols;
   const bool accumulate = kParts == 1 && p.accumulate;  // (the launch stages accumulated tiles whole)
   extern __shared__ uint8_t raw[];
@@ -170,6 +184,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     bar_init(&sm.old[0], 1);
     bar_init(&sm.old[1], 1);
+    if constexpr (kUnits)
+      for (int s = 0; s < kDySlots; ++s) bar_init(&sm.dy_empty[s], 8);  // each consumer warp of this CTA
     fence_barrier_init();
   }
   if constexpr (kCluster > 1)
@@ -189,34 +205,98 @@ __global__ void __launch_bounds__(kThreads, 1)
     i_tile = rest - o_group * p.i_tiles;
     o_tile = o_group * kCluster + static_cast<int>(rank);
   };
+  // Units: cluster unit u is expert e's o_group's part-th share of the columns, tiles [i0, i1) in
+  // the order above; its dy stays in the ring for all of them. Units of one tile (parts = i_tiles,
+  // dy streamed block by block through the ring) where some expert has more rows than the ring
+  // holds, unless forced; each CTA reads the offsets itself, so every CTA of a cluster decides alike.
+  int parts = p.i_tiles;
+  if constexpr (kUnits) {
+    parts = p.parts;
+    int streams = 0;
+    for (int e = static_cast<int>(threadIdx.x); e < p.groups; e += kThreads)
+      streams |= p.off[e + 1] - p.off[e] > kBlockK * kDySlots;
+    if (__syncthreads_or(streams) && !p.force_units) parts = p.i_tiles;
+  }
+  const int units = p.groups * p.o_groups * parts;
+  const bool tiles_only = parts == p.i_tiles;  // units of one tile: each block's dy in its stage's slot, no ring
+  struct Unit {
+    int e, o_tile, i0, i1, begin, end, blocks;
+    bool stay;
+  };
+  const auto unit_at = [&](int u) {
+    Unit un;
+    const int eo = u / parts, part = u - eo * parts;
+    un.e = eo / p.o_groups;
+    un.o_tile = (eo - un.e * p.o_groups) * kCluster + static_cast<int>(rank);
+    un.i0 = part * p.i_tiles / parts;
+    un.i1 = (part + 1) * p.i_tiles / parts;
+    un.begin = static_cast<int>(p.off[un.e]);
+    un.end = static_cast<int>(p.off[un.e + 1]);
+    un.blocks = (un.end - un.begin + kBlockK - 1) / kBlockK;
+    un.stay = un.i1 - un.i0 > 1 && un.blocks <= kDySlots;
+    return un;
+  };
 
   if (warp < 4) {  // the producer warp group: one thread issues every TMA load
+    // Units: the consumers' 128 accumulators a thread and the units' bookkeeping need more than an
+    // even share of the registers (168) to run without spills; the producers need few.
+    if constexpr (kUnits) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x != 0) return;
     prefetch_map(&map_dy);
     prefetch_map(&map_x);
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = cluster; t < tiles; t += clusters) {
-      int e, o_tile, i_tile;
-      tile_at(t, e, o_tile, i_tile);
-      const int end = static_cast<int>(p.off[e + 1]);
-      for (int row = static_cast<int>(p.off[e]); row < end; row += kBlockK) {
-        bar_wait(&sm.empty[stage], phase ^ 1);
-        bar_expect_tx(&sm.full[stage], (2 + kBlockN / 64) * kInBox);
+    // A block's x boxes, this rank's share multicast to every CTA of the cluster.
+    const auto load_x = [&](int i_tile, int row) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          tma_load_2d(sm.a[stage] + h * kInBox, &map_dy, &sm.full[stage], o_tile * kBlockM + h * 64, row);
-#pragma unroll
-        for (int c = 0; c < kBlockN / 64; ++c) {
-          if constexpr (kCluster > 1) {  // this rank's share of x's boxes, to every CTA of the cluster
-            if (c % kCluster == static_cast<int>(rank))
-              tma_load_2d_multicast(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row,
-                                    static_cast<uint16_t>((1u << kCluster) - 1));
-          } else {
-            tma_load_2d(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row);
-          }
+      for (int c = 0; c < kBlockN / 64; ++c) {
+        if constexpr (kCluster > 1) {
+          if (c % kCluster == static_cast<int>(rank))
+            tma_load_2d_multicast(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row,
+                                  static_cast<uint16_t>((1u << kCluster) - 1));
+        } else {
+          tma_load_2d(sm.b[stage] + c * kInBox, &map_x, &sm.full[stage], i_tile * kBlockN + c * 64, row);
         }
-        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+    };
+    if constexpr (kUnits) {
+      int dy_pos = 0;  // the ring position of the unit's (or streamed tile's) first block
+      for (int u = cluster; u < units; u += clusters) {
+        const Unit un = unit_at(u);
+        for (int i_tile = un.i0; i_tile < un.i1; ++i_tile) {
+          const bool load_dy = !un.stay || i_tile == un.i0;
+          for (int j = 0; j < un.blocks; ++j) {
+            const int row = un.begin + j * kBlockK, q = dy_pos + j;
+            bar_wait(&sm.empty[stage], phase ^ 1);
+            const int slot = tiles_only ? stage : q % kDySlots;  // (single tiles: the stage's own slot)
+            if (load_dy && !tiles_only) bar_wait(&sm.dy_empty[slot], ((q / kDySlots) & 1) ^ 1);
+            bar_expect_tx(&sm.full[stage], (kBlockN / 64 + (load_dy ? 2 : 0)) * kInBox);
+            if (load_dy) {
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                tma_load_2d(sm.a[slot] + h * kInBox, &map_dy, &sm.full[stage], un.o_tile * kBlockM + h * 64, row);
+            }
+            load_x(i_tile, row);
+            if (++stage == kStages) stage = 0, phase ^= 1;
+          }
+          if (!un.stay) dy_pos += un.blocks;
+        }
+        if (un.stay) dy_pos += un.blocks;
+      }
+    } else {
+      for (int t = cluster; t < tiles; t += clusters) {
+        int e, o_tile, i_tile;
+        tile_at(t, e, o_tile, i_tile);
+        const int end = static_cast<int>(p.off[e + 1]);
+        for (int row = static_cast<int>(p.off[e]); row < end; row += kBlockK) {
+          bar_wait(&sm.empty[stage], phase ^ 1);
+          bar_expect_tx(&sm.full[stage], (2 + kBlockN / 64) * kInBox);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            tma_load_2d(sm.a[stage] + h * kInBox, &map_dy, &sm.full[stage], o_tile * kBlockM + h * 64, row);
+          load_x(i_tile, row);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
       }
     }
     return;
@@ -243,9 +323,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (uint32_t r = 0; r < kCluster; ++r)
       if (r != rank) bar_arrive_cluster(&sm.empty[s], r);
   };
-  for (int t = cluster; t < tiles; t += clusters) {
-    int e, o_tile, i_tile;
-    tile_at(t, e, o_tile, i_tile);
+  // One output tile. Units: dy's block j in ring position dy_first + j (single tiles of a launch of
+  // units: the stage's slot), loaded with this tile's stages where dy_fresh, given back after this
+  // tile's MMAs where dy_last.
+  const auto run_tile = [&](int e, int o_tile, int i_tile, int dy_first, bool dy_fresh, bool dy_last) {
     const int begin = static_cast<int>(p.off[e]), end = static_cast<int>(p.off[e + 1]);
     const int out_row = o_tile * kBlockM + wg * 64, out_col = i_tile * kBlockN;
     if (accumulate && leader) {  // the old gradient into the staging area, once the last stores read it
@@ -255,18 +336,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int c = 0; c < S::kChunks; ++c)
         tma_load_3d(out + c * kOutBox, &map_dw, &sm.old[wg], out_col + c * kChunkCols, out_row, e);
     }
-    int prev = -1;  // the stage of the block whose MMAs may still run
+    int prev = -1;   // the stage of the block whose MMAs may still run
+    int prev_q = 0;  // units: its dy's ring position
     for (int row = begin; row < end; row += kBlockK) {
       bar_wait(&sm.full[stage], phase);
+      int q = 0;  // units: the ring position of this block's dy
+      if constexpr (kUnits) q = dy_first + (row - begin) / kBlockK;
+      const int slot = kUnits && !tiles_only ? q % kDySlots : stage;
       const int valid = min(kBlockK, end - row);
       if (valid < kBlockK) {  // the expert's last block: its rows from `valid` on are not the expert's
-        zero_rows_from(sm.a[stage] + wg * kInBox, valid, tid);
+        if (dy_fresh) zero_rows_from(sm.a[slot] + wg * kInBox, valid, tid);  // (a kept block stays zeroed)
         for (int c = wg; c < kBlockN / 64; c += 2) zero_rows_from(sm.b[stage] + c * kInBox, valid, tid);
         fence_async_shared();
         named_sync(3, 256);  // both warp groups' zeros written (they share x's boxes)
       }
-      const uint32_t ustage = __shfl_sync(0xffffffffu, static_cast<uint32_t>(stage), 0);
-      const uint32_t da = desc_a0_lo + ustage * kStepA, db = desc_b0_lo + ustage * kStepB;
+      const uint32_t ustage = __shfl_sync(0xffffffffu, static_cast<uint32_t>(stage), 0),
+                     uslot = kUnits ? __shfl_sync(0xffffffffu, static_cast<uint32_t>(slot), 0) : ustage;
+      const uint32_t da = desc_a0_lo + uslot * kStepA, db = desc_b0_lo + ustage * kStepB;
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk)
@@ -274,14 +360,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_commit();
       wgmma_wait<1>();  // the previous block's MMAs are done: its stage goes back to the producer
       __syncwarp();
-      if (prev >= 0 && lane == 0) release(prev);
+      if (prev >= 0 && lane == 0) {
+        release(prev);
+        if (kUnits && dy_last && !tiles_only) bar_arrive(&sm.dy_empty[prev_q % kDySlots]);
+      }
       prev = stage;
+      prev_q = q;
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
     wgmma_wait<0>();
     fence_operands(acc);
     __syncwarp();
-    if (prev >= 0 && lane == 0) release(prev);
+    if (prev >= 0 && lane == 0) {
+      release(prev);
+      if (kUnits && dy_last && !tiles_only) bar_arrive(&sm.dy_empty[prev_q % kDySlots]);
+    }
     const bool summed = prev >= 0;  // else no rows (acc never written): zeros written, or the old gradient kept
     // The epilogue: each thread holds rows lr and lr + 8, columns 8j + 2 (lane % 4) + {0, 1}; staged
     // and stored kPartCols columns at a time.
@@ -355,6 +448,24 @@ __global__ void __launch_bounds__(kThreads, 1)
         store_commit();
       }
     }
+  };
+  if constexpr (kUnits) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    int dy_pos = 0;  // as the producer's
+    for (int u = cluster; u < units; u += clusters) {
+      const Unit un = unit_at(u);
+      for (int i_tile = un.i0; i_tile < un.i1; ++i_tile) {
+        run_tile(un.e, un.o_tile, i_tile, dy_pos, !un.stay || i_tile == un.i0, !un.stay || i_tile == un.i1 - 1);
+        if (!un.stay) dy_pos += un.blocks;
+      }
+      if (un.stay) dy_pos += un.blocks;
+    }
+  } else {
+    for (int t = cluster; t < tiles; t += clusters) {
+      int e, o_tile, i_tile;
+      tile_at(t, e, o_tile, i_tile);
+      run_tile(e, o_tile, i_tile, 0, true, true);
+    }
   }
   if (leader) store_wait_all();
   if constexpr (kCluster > 1) cluster_sync();  // the other CTAs' last arrivals on this one's barriers landed
@@ -381,33 +492,34 @@ struct Launch {
 };
 
 // The clusters resident at once (one CTA a multiprocessor), found once.
-template <class Out, int kCluster, int kParts>
+template <class Out, int kCluster, int kParts, bool kUnits>
 int resident_clusters() {
   static int clusters = 0;
   static std::once_flag once;
   std::call_once(once, [] {
-    const int smem = static_cast<int>(sizeof(Smem<Out, kParts>) + 1024);
-    require_sm90a(own_wgrad_kernel<Out, kCluster, kParts>, smem, "kernels.cutlass_tile wgrad = own");
+    const int smem = static_cast<int>(sizeof(Smem<Out, kParts, kUnits>) + 1024);
+    require_sm90a(own_wgrad_kernel<Out, kCluster, kParts, kUnits>, smem, "kernels.cutlass_tile wgrad = own");
     if constexpr (kCluster == 1) {
       int dev = 0;
       MF_CUDA_CHECK(cudaGetDevice(&dev));
       MF_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrMultiProcessorCount, dev));
     } else {
       Launch l(kCluster, 1, smem, nullptr);
-      MF_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, own_wgrad_kernel<Out, kCluster, kParts>, &l.config));
+      MF_CUDA_CHECK(
+          cudaOccupancyMaxActiveClusters(&clusters, own_wgrad_kernel<Out, kCluster, kParts, kUnits>, &l.config));
       MF_CHECK(clusters > 0, "kernels.cutlass_tile wgrad = own: no cluster of ", kCluster, " CTAs fits this GPU");
     }
   });
   return clusters;
 }
 
-template <class Out, int kCluster, int kParts>
+template <class Out, int kCluster, int kParts, bool kUnits>
 void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
-            const Tensor& dw_EOI, bool accumulate, const char* what) {
-  using S = Smem<Out, kParts>;
+            const Tensor& dw_EOI, bool accumulate, const char* what, int unit_tiles, bool force_units) {
+  using S = Smem<Out, kParts, kUnits>;
   MF_CHECK(kParts == 1 || !accumulate, what,
            ": an accumulated gradient is staged whole (the old tile fills the staging area)");
-  const int resident = resident_clusters<Out, kCluster, kParts>();
+  const int resident = resident_clusters<Out, kCluster, kParts, kUnits>();
   const int64_t rows = x_RI.size(0), e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
   constexpr auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   constexpr auto out_type = sizeof(Out) == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
@@ -426,33 +538,44 @@ void launch(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, con
       tiled_map(dw_EOI.data(), out_type, 3, dims_dw, strides_dw, box_out, CU_TENSOR_MAP_SWIZZLE_128B, what);
   const int o_tiles = static_cast<int>(ceil_div(o_n, kBlockM));
   const Params p{offsets_E1.ptr<int64_t>(), static_cast<int>(e_n), static_cast<int>(ceil_div(o_tiles, kCluster)),
-                 static_cast<int>(ceil_div(i_n, S::kBlockN)), accumulate ? 1 : 0};
+                 static_cast<int>(ceil_div(i_n, S::kBlockN)), accumulate ? 1 : 0,
+                 // Units: the columns cut into parts of at most unit_tiles tiles.
+                 static_cast<int>(ceil_div(ceil_div(i_n, S::kBlockN), unit_tiles)), force_units ? 1 : 0};
   const int64_t tiles = e_n * p.o_groups * p.i_tiles;  // the clusters' tiles
   // Persistent clusters: as many as fit at once, fewer for kernels.gemm_sms (at least one).
   int clusters = resident;
   if (const int want = ctx.kernels().gemm_sms; want > 0) clusters = std::min(clusters, std::max(1, want / kCluster));
   Launch l(kCluster, static_cast<unsigned>(std::min<int64_t>(clusters, tiles)), static_cast<int>(sizeof(S) + 1024),
            stream_of(ctx));
-  MF_CUDA_CHECK(cudaLaunchKernelEx(&l.config, own_wgrad_kernel<Out, kCluster, kParts>, map_dy, map_x, map_dw, p));
+  MF_CUDA_CHECK(
+      cudaLaunchKernelEx(&l.config, own_wgrad_kernel<Out, kCluster, kParts, kUnits>, map_dy, map_x, map_dw, p));
   MF_CUDA_LAUNCHED(what);
 }
 
-// The cluster size's instantiation.
+// The cluster size's and the units' instantiation.
 template <class Out>
 void launch_cluster(int cluster, const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO,
-                    const Tensor& offsets_E1, const Tensor& dw_EOI, bool accumulate, const char* what) {
+                    const Tensor& offsets_E1, const Tensor& dw_EOI, bool accumulate, const char* what, int unit_tiles,
+                    bool force_units) {
   MF_CHECK(cluster == 1 || cluster == 2, what, ": the own weight-gradient kernel runs in clusters of 1 or 2 CTAs, not ",
            cluster);
+  const auto go = [&]<int kCluster, int kParts>() {
+    if (unit_tiles > 1)
+      launch<Out, kCluster, kParts, true>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles,
+                                          force_units);
+    else
+      launch<Out, kCluster, kParts, false>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, 1, false);
+  };
   // A written bf16 gradient is staged in halves (two more main-loop stages); an accumulated one
   // whole (the old tile is loaded into the staging area), and f32 whole.
   if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
     if (!accumulate) {
-      if (cluster == 2) return launch<Out, 2, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
-      return launch<Out, 1, 2>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+      if (cluster == 2) return go.template operator()<2, 2>();
+      return go.template operator()<1, 2>();
     }
   }
-  if (cluster == 2) return launch<Out, 2, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
-  launch<Out, 1, 1>(ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+  if (cluster == 2) return go.template operator()<2, 1>();
+  go.template operator()<1, 1>();
 }
 
 }  // namespace
@@ -463,17 +586,21 @@ bool own_wgrad_serves(int64_t groups, int64_t o_n, int64_t i_n) {
 }
 
 void own_grouped_wgrad(const ExecContext& ctx, const Tensor& x_RI, const Tensor& dy_RO, const Tensor& offsets_E1,
-                       const Tensor& dw_EOI, bool accumulate, const char* what, int cluster) {
+                       const Tensor& dw_EOI, bool accumulate, const char* what, int cluster, int unit_tiles,
+                       bool force_units) {
   const int64_t e_n = dw_EOI.size(0), o_n = dw_EOI.size(1), i_n = dw_EOI.size(2);
   MF_CHECK(own_wgrad_serves(e_n, o_n, i_n), what, ": the own weight-gradient GEMM cannot serve ", e_n, " experts of ",
            o_n, " x ", i_n);
   MF_CHECK(x_RI.size(0) < (int64_t{1} << 31), what, ": ", x_RI.size(0),
            " rows (the own kernel indexes rows with 32 bits)");
   MF_CHECK(x_RI.dtype() == DType::bf16 && dy_RO.dtype() == DType::bf16, what, ": bf16 x and dy expected");
+  MF_CHECK(unit_tiles >= 0, what, ": unit_tiles ", unit_tiles);
+  if (unit_tiles == 0) unit_tiles = std::max(ctx.kernels().own_wgrad_units, 1);
   if (dw_EOI.dtype() == DType::bf16)
-    launch_cluster<__nv_bfloat16>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+    launch_cluster<__nv_bfloat16>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles,
+                                  force_units);
   else if (dw_EOI.dtype() == DType::f32)
-    launch_cluster<float>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what);
+    launch_cluster<float>(cluster, ctx, x_RI, dy_RO, offsets_E1, dw_EOI, accumulate, what, unit_tiles, force_units);
   else
     MF_FAIL(what, ": dw must be bf16 or f32, not ", dtype_name(dw_EOI.dtype()));
 }
