@@ -14,7 +14,7 @@
 # random fill.)
 # LAYER_AB_ROPE=1: ncu's times of both builds' RoPE kernels in a Qwen3-30B-A3B layer's step.
 # LAYER_AB_SIDES (default "old new"): the builds in each round, .gpu/bin/moefold_<side> (new: moefold);
-# a side may add settings to the DeepSeek-V3 bench: "new+kernels.fused_swiglu=on" (several: +a=b+c=d).
+# a side may add settings to the DeepSeek-V3 bench: "new+kernels.own_wgrad_units=16" (several: +a=b+c=d).
 # Every bench's whole output lands in $OUT.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
