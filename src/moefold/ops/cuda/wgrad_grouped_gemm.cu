@@ -236,6 +236,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     un.stay = un.i1 - un.i0 > 1 && un.blocks <= kDySlots;
     return un;
   };
+  // tile(e, o_tile, i_tile, dy_first, dy_fresh, dy_last) for each tile of this cluster in order, as
+  // the producer and the consumers both walk them: units (dy's block j of the tile at ring position
+  // dy_first + j, loaded with the tile where dy_fresh, given back after it where dy_last) or single
+  // tiles (dy with its stage).
+  const auto walk = [&](const auto& tile) {
+    if constexpr (kUnits) {
+      int dy_pos = 0;
+      for (int u = cluster; u < units; u += clusters) {
+        const Unit un = unit_at(u);
+        for (int i_tile = un.i0; i_tile < un.i1; ++i_tile) {
+          tile(un.e, un.o_tile, i_tile, dy_pos, !un.stay || i_tile == un.i0, !un.stay || i_tile == un.i1 - 1);
+          if (!un.stay) dy_pos += un.blocks;
+        }
+        if (un.stay) dy_pos += un.blocks;
+      }
+    } else {
+      for (int t = cluster; t < tiles; t += clusters) {
+        int e, o_tile, i_tile;
+        tile_at(t, e, o_tile, i_tile);
+        tile(e, o_tile, i_tile, 0, true, true);
+      }
+    }
+  };
 
   if (warp < 4) {  // the producer warp group: one thread issues every TMA load
     // Units: the consumers' 128 accumulators a thread and the units' bookkeeping need more than an
@@ -259,46 +282,28 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     };
-    if constexpr (kUnits) {
-      int dy_pos = 0;  // the ring position of the unit's (or streamed tile's) first block
-      for (int u = cluster; u < units; u += clusters) {
-        const Unit un = unit_at(u);
-        for (int i_tile = un.i0; i_tile < un.i1; ++i_tile) {
-          const bool load_dy = !un.stay || i_tile == un.i0;
-          for (int j = 0; j < un.blocks; ++j) {
-            const int row = un.begin + j * kBlockK, q = dy_pos + j;
-            bar_wait(&sm.empty[stage], phase ^ 1);
-            const int slot = tiles_only ? stage : q % kDySlots;  // (single tiles: the stage's own slot)
-            if (load_dy && !tiles_only) bar_wait(&sm.dy_empty[slot], ((q / kDySlots) & 1) ^ 1);
-            bar_expect_tx(&sm.full[stage], (kBlockN / 64 + (load_dy ? 2 : 0)) * kInBox);
-            if (load_dy) {
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-                tma_load_2d(sm.a[slot] + h * kInBox, &map_dy, &sm.full[stage], un.o_tile * kBlockM + h * 64, row);
-            }
-            load_x(i_tile, row);
-            if (++stage == kStages) stage = 0, phase ^= 1;
+    walk([&](int e, int o_tile, int i_tile, int dy_first, bool dy_fresh, bool) {
+      const int begin = static_cast<int>(p.off[e]), end = static_cast<int>(p.off[e + 1]);
+      for (int row = begin; row < end; row += kBlockK) {
+        bar_wait(&sm.empty[stage], phase ^ 1);
+        int slot = stage;  // single tiles: dy in its stage's slot
+        if constexpr (kUnits) {
+          const int q = dy_first + (row - begin) / kBlockK;
+          if (!tiles_only) {
+            slot = q % kDySlots;
+            if (dy_fresh) bar_wait(&sm.dy_empty[slot], ((q / kDySlots) & 1) ^ 1);
           }
-          if (!un.stay) dy_pos += un.blocks;
         }
-        if (un.stay) dy_pos += un.blocks;
-      }
-    } else {
-      for (int t = cluster; t < tiles; t += clusters) {
-        int e, o_tile, i_tile;
-        tile_at(t, e, o_tile, i_tile);
-        const int end = static_cast<int>(p.off[e + 1]);
-        for (int row = static_cast<int>(p.off[e]); row < end; row += kBlockK) {
-          bar_wait(&sm.empty[stage], phase ^ 1);
-          bar_expect_tx(&sm.full[stage], (2 + kBlockN / 64) * kInBox);
+        bar_expect_tx(&sm.full[stage], (kBlockN / 64 + (dy_fresh ? 2 : 0)) * kInBox);
+        if (dy_fresh) {
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            tma_load_2d(sm.a[stage] + h * kInBox, &map_dy, &sm.full[stage], o_tile * kBlockM + h * 64, row);
-          load_x(i_tile, row);
-          if (++stage == kStages) stage = 0, phase ^= 1;
+            tma_load_2d(sm.a[slot] + h * kInBox, &map_dy, &sm.full[stage], o_tile * kBlockM + h * 64, row);
         }
+        load_x(i_tile, row);
+        if (++stage == kStages) stage = 0, phase ^= 1;
       }
-    }
+    });
     return;
   }
 
@@ -449,24 +454,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   };
-  if constexpr (kUnits) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    int dy_pos = 0;  // as the producer's
-    for (int u = cluster; u < units; u += clusters) {
-      const Unit un = unit_at(u);
-      for (int i_tile = un.i0; i_tile < un.i1; ++i_tile) {
-        run_tile(un.e, un.o_tile, i_tile, dy_pos, !un.stay || i_tile == un.i0, !un.stay || i_tile == un.i1 - 1);
-        if (!un.stay) dy_pos += un.blocks;
-      }
-      if (un.stay) dy_pos += un.blocks;
-    }
-  } else {
-    for (int t = cluster; t < tiles; t += clusters) {
-      int e, o_tile, i_tile;
-      tile_at(t, e, o_tile, i_tile);
-      run_tile(e, o_tile, i_tile, 0, true, true);
-    }
-  }
+  if constexpr (kUnits) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  walk(run_tile);
   if (leader) store_wait_all();
   if constexpr (kCluster > 1) cluster_sync();  // the other CTAs' last arrivals on this one's barriers landed
 #endif
