@@ -54,7 +54,7 @@ constexpr int kThreads = 384;          // a producer warp group and two consumer
 // the CTA's consumer warps. A unit of consecutive column tiles of one expert and the same weight
 // rows loads the expert's dy blocks once, with its first tile's x stages, and keeps them for the
 // others: only x streams. Only where every expert has at most kDySlots blocks of rows (checked on
-// the device); else that launch takes tiles one at a time, dy in the ring, block by block.
+// the device); else that launch takes tiles one at a time, dy with its x stage as without units.
 constexpr int kDySlots = 8;
 // kCluster CTAs a cluster (2 unless own_grouped_wgrad is told 1) sum neighbouring 128-row tiles
 // of the same columns of one expert, each loading 1 / kCluster of x's boxes and multicasting them
@@ -207,8 +207,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // Units: cluster unit u is expert e's o_group's part-th share of the columns, tiles [i0, i1) in
   // the order above; its dy stays in the ring for all of them. Units of one tile (parts = i_tiles,
-  // dy streamed block by block through the ring) where some expert has more rows than the ring
-  // holds, unless forced; each CTA reads the offsets itself, so every CTA of a cluster decides alike.
+  // dy with its x stage) where some expert has more rows than the ring holds, unless forced (then
+  // such an expert's dy streams through the ring block by block); each CTA reads the offsets
+  // itself, so every CTA of a cluster decides alike.
   int parts = p.i_tiles;
   if constexpr (kUnits) {
     parts = p.parts;
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int units = p.groups * p.o_groups * parts;
   const bool tiles_only = parts == p.i_tiles;  // units of one tile: each block's dy in its stage's slot, no ring
   struct Unit {
-    int e, o_tile, i0, i1, begin, end, blocks;
+    int e, o_tile, i0, i1, blocks;  // blocks: the expert's blocks of kBlockK rows
     bool stay;
   };
   const auto unit_at = [&](int u) {
@@ -230,9 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     un.o_tile = (eo - un.e * p.o_groups) * kCluster + static_cast<int>(rank);
     un.i0 = part * p.i_tiles / parts;
     un.i1 = (part + 1) * p.i_tiles / parts;
-    un.begin = static_cast<int>(p.off[un.e]);
-    un.end = static_cast<int>(p.off[un.e + 1]);
-    un.blocks = (un.end - un.begin + kBlockK - 1) / kBlockK;
+    un.blocks = (static_cast<int>(p.off[un.e + 1] - p.off[un.e]) + kBlockK - 1) / kBlockK;
     un.stay = un.i1 - un.i0 > 1 && un.blocks <= kDySlots;
     return un;
   };
