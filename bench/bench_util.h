@@ -3,9 +3,11 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <thread>
 #include <vector>
 
 #include "moefold/core/device.h"
@@ -45,11 +47,17 @@ inline void fill_random(const Tensor& t, uint64_t seed) {
 }
 
 // Median milliseconds of `runs` timed calls of f after `warmup` untimed ones (CUDA events).
-inline double time_ms(int runs, int warmup, const std::function<void()>& f) {
+// rest_ms > 0: the GPU idles that long before each timed call (a kernel timed on a rested GPU
+// against the same kernel back to back: what the power limit's clocks cost it).
+inline double time_ms(int runs, int warmup, const std::function<void()>& f, int rest_ms = 0) {
   for (int i = 0; i < warmup; ++i) f();
   StreamTimer timer;
   std::vector<double> ms;
   for (int i = 0; i < runs; ++i) {
+    if (rest_ms > 0) {
+      device_synchronize();
+      std::this_thread::sleep_for(std::chrono::milliseconds(rest_ms));
+    }
     timer.start(Device::cuda);
     f();
     timer.stop();

@@ -15,12 +15,13 @@
 //   --wgrad-case NAME: only that shape (e.g. "deepseek-v3 fc1": one kernel to profile);
 //   --wgrad-clusters 'C;...': the own kernel in clusters of C CTAs (default '2;1'; 2 is wgrad = own's);
 //   --wgrad-units 'U;...': and units of up to U tiles, dy kept over them where every expert has at
-//   most 256 rows (kernels.own_wgrad_units; default '1': one tile at a time).
+//   most 256 rows (kernels.own_wgrad_units; default '1': one tile at a time);
+//   --rest-ms N: the GPU idles N ms before each timed run (against back to back: the clocks' share).
 // --quantize: the activations' FP8 quantization passes alone (bench_quantize), nothing else.
 //   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
 //                              --probe-layouts | --wgrad-groups | --quantize |
 //                              --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...']
-//                              [--wgrad-units 'U;...']]
+//                              [--wgrad-units 'U;...'] [--rest-ms N]]
 // --tiles: the kernels.fp8_tile values the grouped GEMMs run in, in turn (default
 // "cooperative;rows=own;cooperative;rows=own").
 #include <cublasLt.h>
@@ -380,7 +381,7 @@ void bench_wgrad_groups(int runs, int warmup) {
 // DeepSeek-V3 fc1 shape also with uneven experts (128 to 383 rows, the same total: real routing's
 // spread).
 void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::vector<int>& clusters,
-                     const std::vector<int>& units) {
+                     const std::vector<int>& units, int rest_ms) {
   struct Case {
     GroupedShape g;
     bool uneven;
@@ -420,12 +421,15 @@ void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::v
             v == 0 ? "wgrad=large"
                    : cat("own, clusters of ", cluster, unit == 1 ? std::string() : cat(", units of ", unit));
         const auto time = [&](const Tensor& dw, bool accumulate) {
-          return bench::time_ms(runs, warmup, [&] {
-            if (v == 0)
-              grouped_linear_backward(large, *x, *w, *offsets, *dy, Tensor(), dw, accumulate);
-            else
-              cuda::own_grouped_wgrad(c, *x, *dy, *offsets, dw, accumulate, "bench", cluster, unit);
-          });
+          return bench::time_ms(
+              runs, warmup,
+              [&] {
+                if (v == 0)
+                  grouped_linear_backward(large, *x, *w, *offsets, *dy, Tensor(), dw, accumulate);
+                else
+                  cuda::own_grouped_wgrad(c, *x, *dy, *offsets, dw, accumulate, "bench", cluster, unit);
+              },
+              rest_ms);
         };
         report_grouped(g, "wgrad", cat(name, ", bf16 written").c_str(), time(*dw16, false));
         report_grouped(g, "wgrad", cat(name, ", bf16 added").c_str(), time(*dw16, true));
@@ -566,7 +570,7 @@ std::vector<std::string> split_semicolons(const std::string& list) {
 }
 
 int run(int argc, char** argv) {
-  int runs = 20, warmup = 3;
+  int runs = 20, warmup = 3, rest_ms = 0;
   bool dense = true, grouped = true, probe = false, wgrad_groups = false, wgrad_own = false, quantize = false;
   std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
   std::string wgrad_case;
@@ -599,10 +603,12 @@ int run(int argc, char** argv) {
       runs = std::atoi(argv[++i]);
     else if (a == "--warmup" && i + 1 < argc)
       warmup = std::atoi(argv[++i]);
+    else if (a == "--rest-ms" && i + 1 < argc)
+      rest_ms = std::atoi(argv[++i]);
     else
       MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only | ",
               "--probe-layouts | --wgrad-groups | --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...'] ",
-              "[--wgrad-units 'U;...'] | ", "--quantize] (got '", a, "')");
+              "[--wgrad-units 'U;...'] [--rest-ms N] | ", "--quantize] (got '", a, "')");
   }
   if (quantize) {
     bench_quantize(runs, warmup);
@@ -613,7 +619,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (wgrad_own) {
-    bench_wgrad_own(runs, warmup, wgrad_case, clusters, units);
+    bench_wgrad_own(runs, warmup, wgrad_case, clusters, units, rest_ms);
     return 0;
   }
   if (probe) {

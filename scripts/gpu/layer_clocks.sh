@@ -3,7 +3,8 @@
 # full (H200) DeepSeek-V3 MoE layer bench (balanced, bf16 gradients, wgrad=own) with nvidia-smi
 # sampling the SM clock, power and throttle reasons every 50 ms beside it; then ncu on the layer's
 # own weight-gradient and first forward kernels with their SM clock, with and without ncu's cache
-# flush. After scripts/gpu/bundle.sh:
+# flush; and the own weight gradient at DeepSeek-V3's fc1 (full shape) back to back against after
+# 300 ms of rest before each run (bench_fp8_gemm --rest-ms). After scripts/gpu/bundle.sh:
 #   scripts/gpu/layer_clocks.sh [rounds]     # default 2
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -14,6 +15,11 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "== $gpu"
 shape=(--shape deepseek-v3 --routing balanced --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own)
 grep -q H200 <<< "$gpu" || shape+=(--tokens 4096 --set moe.num_experts=128)
+for rest in 0 300 0 300; do
+  echo "== bench_fp8_gemm --wgrad-own, deepseek-v3 fc1, --rest-ms $rest ($SECONDS s)"
+  timeout 120 "$root/.gpu/bin/bench_fp8_gemm" --wgrad-own --wgrad-case "deepseek-v3 fc1" --wgrad-clusters 2 \
+    --runs 8 --warmup 2 --rest-ms "$rest" 2>&1 | grep -E "written|added" | cut -c1-150
+done
 smi="$out/clocks_smi.csv"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
   --format=csv,noheader -lms 50 > "$smi" 2>&1 &
