@@ -48,7 +48,8 @@ inline void fill_random(const Tensor& t, uint64_t seed) {
 
 // Median milliseconds of `runs` timed calls of f after `warmup` untimed ones (CUDA events).
 // rest_ms > 0: the GPU idles that long before each timed call (a kernel timed on a rested GPU
-// against the same kernel back to back: what the power limit's clocks cost it).
+// against the same kernel back to back: what sustained load, e.g. the clock under the power limit,
+// costs it).
 inline double time_ms(int runs, int warmup, const std::function<void()>& f, int rest_ms = 0) {
   for (int i = 0; i < warmup; ++i) f();
   StreamTimer timer;

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# On the GPU machine: is a kernel slower inside the layer bench than alone? The halved (H100) or
-# full (H200) DeepSeek-V3 MoE layer bench (balanced, bf16 gradients, wgrad=own) with nvidia-smi
-# sampling the SM clock, power and throttle reasons every 50 ms beside it; then ncu on the layer's
-# own weight-gradient and first forward kernels with their SM clock, with and without ncu's cache
-# flush; and the own weight gradient at DeepSeek-V3's fc1 (full shape) back to back against after
-# 300 ms of rest before each run (bench_fp8_gemm --rest-ms). After scripts/gpu/bundle.sh:
+# On the GPU machine: is a kernel slower inside the layer bench than alone? First the own weight
+# gradient at DeepSeek-V3's fc1 (full shape) back to back against after 300 ms of rest before each
+# run (bench_fp8_gemm --rest-ms); then the halved (H100) or full (H200) DeepSeek-V3 MoE layer bench
+# (balanced, bf16 gradients, wgrad=own) with nvidia-smi sampling the SM clock, power and clock-event
+# reasons every 50 ms beside it; then ncu on the layer's grouped GEMMs and own weight gradients with
+# their SM clock, with and without ncu's cache flush. After scripts/gpu/bundle.sh:
 #   scripts/gpu/layer_clocks.sh [rounds]     # default 2
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
