@@ -17,11 +17,14 @@
 //   --wgrad-units 'U;...': and units of up to U tiles, dy kept over them where every expert has at
 //   most 256 rows (kernels.own_wgrad_units; default '1': one tile at a time);
 //   --rest-ms N: the GPU idles N ms before each timed run (against back to back: the clocks' share).
+// --wgrad-split 'S;...': the data and weight gradients one after the other against both at once on
+//   two streams, the weight gradient on S SMs (bench_wgrad_split; --wgrad-case NAME, default the
+//   DeepSeek-V3 shapes; --rest-ms), nothing else.
 // --quantize: the activations' FP8 quantization passes alone (bench_quantize), nothing else.
 //   ./build-gpu/bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only |
 //                              --probe-layouts | --wgrad-groups | --quantize |
 //                              --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...']
-//                              [--wgrad-units 'U;...'] [--rest-ms N]]
+//                              [--wgrad-units 'U;...'] [--rest-ms N] | --wgrad-split 'S;...']
 // --tiles: the kernels.fp8_tile values the grouped GEMMs run in, in turn (default
 // "cooperative;rows=own;cooperative;rows=own").
 #include <cublasLt.h>
@@ -33,6 +36,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -439,6 +443,71 @@ void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::v
   }
 }
 
+// --wgrad-split 'S;...': a grouped linear's data gradient (CUTLASS, the default tiles) and its
+// bf16 weight gradient (written; the own kernel and CUTLASS's large tiles) one after the other on
+// every SM, against both at once on two streams of their own, the weight gradient on S SMs
+// (kernels.gemm_sms) and the data gradient on the rest: whether the weight gradient's stores
+// overlap the data gradient's math when the two share the GPU. Times each alone first.
+void bench_wgrad_split(int runs, int warmup, const std::string& only, const std::vector<int>& splits, int rest_ms) {
+  int sms = 0;
+  MF_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess, "no GPU");
+  for (const GroupedShape& g : kGrouped) {
+    if (!only.empty() ? g.name != only : std::string(g.name).rfind("deepseek-v3", 0) != 0) continue;
+    const int64_t r = g.e * g.m;
+    DeviceTensor x({r, g.i}, DType::bf16), w({g.e, g.o, g.i}, DType::bf16), dy({r, g.o}, DType::bf16),
+        dx({r, g.i}, DType::bf16), dw({g.e, g.o, g.i}, DType::bf16), offsets({g.e + 1}, DType::i64);
+    bench::fill_random(*x, 3);
+    bench::fill_random(*dy, 5);
+    for (size_t at = 0, n = (*w).nbytes(), piece = (*x).nbytes(); at < n;
+         at += piece)  // random, not filled on the host
+      device_copy(static_cast<char*>((*w).data()) + at, Device::cuda, (*x).data(), Device::cuda,
+                  std::min(piece, n - at));
+    set_equal_offsets(*offsets, g.m);
+    const ExecContext& primary = ExecContext::standard(Device::cuda);
+    const auto options = [](int gemm_sms, bool own) {
+      KernelOptions k;
+      k.cutlass_tiles = parse_cutlass_tiles(own ? "wgrad=own" : "wgrad=large", "kernels.cutlass_tile");
+      k.gemm_sms = gemm_sms;
+      return k;
+    };
+    for (int round = 0; round < 2; ++round) {
+      for (const bool own : {true, false}) {
+        const char* impl = own ? "own" : "large";
+        const ExecContext all(Device::cuda, options(0, own));
+        const auto dgrad = [&](const ExecContext& c) {
+          grouped_linear_backward(c, *x, *w, *offsets, *dy, *dx, Tensor(), false);
+        };
+        const auto wgrad = [&](const ExecContext& c) {
+          grouped_linear_backward(c, *x, *w, *offsets, *dy, Tensor(), *dw, false);
+        };
+        const auto time = [&](const std::function<void()>& f) { return bench::time_ms(runs, warmup, f, rest_ms); };
+        const double d = time([&] { dgrad(all); }), wg = time([&] { wgrad(all); });
+        const double both = time([&] {
+          dgrad(all);
+          wgrad(all);
+        });
+        std::printf("%-18s %-6s dgrad %.3f ms, wgrad %.3f ms, sum %.3f, one after the other %.3f\n", g.name, impl, d,
+                    wg, d + wg, both);
+        for (const int s : splits) {
+          MF_CHECK(s > 0 && s < sms, "bench_fp8_gemm --wgrad-split: ", s, " SMs of ", sms);
+          const ExecContext cd(Device::cuda, options(sms - s, own), ExecContext::Stream::own),
+              cw(Device::cuda, options(s, own), ExecContext::Stream::own);
+          const double ms = time([&] {
+            cd.wait_for(primary);
+            cw.wait_for(primary);
+            wgrad(cw);
+            dgrad(cd);
+            primary.wait_for(cd);
+            primary.wait_for(cw);
+          });
+          std::printf("%-18s %-6s at once, wgrad on %3d SMs, dgrad on %3d: %.3f ms (%.3f of one after the other)\n",
+                      g.name, impl, s, sms - s, ms, ms / both);
+        }
+      }
+    }
+  }
+}
+
 // --quantize: the rows and cols layouts (ops/fp8.h) of bf16 activations as the FP8 linears
 // quantize them: the experts' output gradient dy [65536, 2048] and [65536, 1536] of 128 experts
 // of 512 rows (rows with the grouped GEMM's scales, launch_fp8_quantize_rows with the offsets on
@@ -574,7 +643,7 @@ int run(int argc, char** argv) {
   bool dense = true, grouped = true, probe = false, wgrad_groups = false, wgrad_own = false, quantize = false;
   std::vector<std::string> tiles = {"cooperative", "rows=own", "cooperative", "rows=own"};
   std::string wgrad_case;
-  std::vector<int> clusters = {2, 1}, units = {1};
+  std::vector<int> clusters = {2, 1}, units = {1}, splits;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tiles" && i + 1 < argc) {  // kernels.fp8_tile values separated by ';'
@@ -593,6 +662,8 @@ int run(int argc, char** argv) {
     } else if (a == "--wgrad-units" && i + 1 < argc) {  // 'U;U;...'
       units.clear();
       for (const std::string& u : split_semicolons(argv[++i])) units.push_back(std::atoi(u.c_str()));
+    } else if (a == "--wgrad-split" && i + 1 < argc) {  // 'S;S;...'
+      for (const std::string& sm : split_semicolons(argv[++i])) splits.push_back(std::atoi(sm.c_str()));
     } else if (a == "--quantize")
       quantize = true;
     else if (a == "--grouped-only")
@@ -608,7 +679,7 @@ int run(int argc, char** argv) {
     else
       MF_FAIL("usage: bench_fp8_gemm [--runs N] [--warmup N] [--tiles 'a;b;...'] [--grouped-only | --dense-only | ",
               "--probe-layouts | --wgrad-groups | --wgrad-own [--wgrad-case NAME] [--wgrad-clusters 'C;...'] ",
-              "[--wgrad-units 'U;...'] [--rest-ms N] | ", "--quantize] (got '", a, "')");
+              "[--wgrad-units 'U;...'] [--rest-ms N] | --wgrad-split 'S;...' | --quantize] (got '", a, "')");
   }
   if (quantize) {
     bench_quantize(runs, warmup);
@@ -616,6 +687,10 @@ int run(int argc, char** argv) {
   }
   if (wgrad_groups) {
     bench_wgrad_groups(runs, warmup);
+    return 0;
+  }
+  if (!splits.empty()) {
+    bench_wgrad_split(runs, warmup, wgrad_case, splits, rest_ms);
     return 0;
   }
   if (wgrad_own) {

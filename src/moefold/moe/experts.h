@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "moefold/core/memory.h"
@@ -87,6 +88,9 @@ class Experts {
   Tensor gu_R2F_, h_RF_;      // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
   Tensor dh_RF_, dgu_R2F_;    // scratch: backward workspaces
   Memory* mem_ = nullptr;     // for its gradients' generation (accumulate_grad)
+  // kernels.wgrad_sms > 0 (bf16): the data gradients on dgrad_ctx_ (the other SMs) and the weight
+  // gradients on wgrad_ctx_ (wgrad_sms SMs), each on a stream of its own, joined back into ctx_.
+  std::unique_ptr<ExecContext> dgrad_ctx_, wgrad_ctx_;
   size_t gate_up_index_ = 0, down_index_ = 0;  // the weights' parameter indices (Memory::accumulate_grad)
 };
 
