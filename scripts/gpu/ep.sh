@@ -7,6 +7,8 @@
 #   scripts/gpu/ep.sh [routing]   # balanced (default) or real; EP_FULL=1: all layout tests
 #   EP_SWEEP="2:116:16 1:0:0" scripts/gpu/ep.sh   # only EP = 2 runs: chunks:GEMM SMs:NCCL CTAs (0: default)
 #   EP_SHARED=1 scripts/gpu/ep.sh   # only moe.shared_expert_overlap off / on at DeepSeek-V3's layer, EP = 2
+#   EP_GRAPHS=1 scripts/gpu/ep.sh   # only CUDA graphs of the layers on 2 GPUs: their tests, then training at
+#                                   # EP = 2 (moe.dispatcher = "slots") without and with them (issue 23 item 6)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-/tmp}"
@@ -34,6 +36,26 @@ if [ "${EP_SHARED:-0}" = 1 ]; then  # moe.shared_expert_overlap at EP = 2: DeepS
       mpi "$B" bench moe-layer --shape deepseek-v3 --routing "$routing" --reps 5 --warmup 2 \
         --set train.main_grads_dtype=bf16 --set moe.shared_expert_overlap="$ov" > "$out/ep_shared_$ov.md" 2>&1
       grep "^| deepseek\|^| shared\|^| dispatch\|^| combine\|error\|moefold:" "$out/ep_shared_$ov.md" | head -10
+    done
+  done
+  exit 0
+fi
+if [ "${EP_GRAPHS:-0}" = 1 ]; then  # train.cuda_graphs = "layers" on 2 GPUs (moe.dispatcher = "slots")
+  echo "== graph tests on 2 ranks"
+  mpi "$root/.gpu/bin/test_train_layouts_cuda" --gtest_filter='*LayerGraphs*' > "$out/ep_graph_tests.txt" 2>&1
+  grep -E "^\[  (PASSED|FAILED) |FAILED \]|Failure|verified" "$out/ep_graph_tests.txt" | head -20
+  # tiny (host-bound: where graphs pay) and 4 layers of qwen3-30b-a3b, each none / layers, twice.
+  for round in 1 2; do
+    for graphs in none layers; do
+      for cfg in tiny qwen3-30b-a3b; do
+        f="$out/ep_graphs_${cfg}_${graphs}_$round.md"
+        echo "== train $cfg EP = 2 slots, cuda_graphs=$graphs, round $round"
+        sets=(--set parallel.ep=2 --set moe.dispatcher=slots --set train.cuda_graphs="$graphs")
+        [ "$cfg" = tiny ] || sets+=(--set model.num_hidden_layers=4 --set train.global_batch_size=8
+          --set train.micro_batch_size=4)
+        mpi "$B" bench train --config "$cfg" "${sets[@]}" --steps 10 --warmup 3 > "$f" 2>&1
+        grep -E "^\| (tiny|qwen3)|^Host and GPU|loss|graphs|error|moefold:" "$f" | cut -c1-200 | head -6
+      done
     done
   done
   exit 0

@@ -311,6 +311,47 @@ TEST_F(Layouts, HierarchicalDispatchMatchesTheFlatOne) {
   }
 }
 
+// train.cuda_graphs on several GPUs (the decision alone: on CPU ranks the meshes as GPU ranks would
+// build them): "layers" where a layer's ranks meet only in NCCL calls on device buffers (DP, TP, CP,
+// EP in fixed slots, pipeline stages); refused, naming the reason, where something reads the host
+// inside a layer (EP's other dispatchers, ETP) or runs between the captured layers ("step",
+// overlap_moe_a2a). test_train_layouts_cuda.cpp replays the allowed ones on two GPUs.
+TEST_F(Layouts, CudaGraphsOnSeveralRanksRefuseOnlyWhatReadsTheHost) {
+  Communicator& world = testing::test_world();
+  const int n = world.size();
+  if (n == 1) GTEST_SKIP() << "needs several ranks";
+  const int64_t t = n == 8 ? 2 : 1;  // 4 sequences a step: at most 4 data-parallel ranks
+  const auto refusal = [&](Config c, const Layout& l) {
+    c = with_layout(c, l);
+    c.validate();
+    const Mesh mesh = Mesh::build(world, c.resolve_layout(n), false);
+    return cuda_graphs_refusal(c, mesh, Device::cuda);
+  };
+  Config layers = base_, slots = base_, sharded = base_, step = base_, overlap = base_, pipeline = deepseek_;
+  for (Config* c : {&layers, &slots, &sharded, &step, &overlap, &pipeline}) c->train.cuda_graphs = "layers";
+  slots.moe.dispatcher = "slots";
+  sharded.parallel.distributed_optimizer = true;
+  step.moe.dispatcher = "slots";
+  step.train.cuda_graphs = "step";
+  overlap.moe.dispatcher = "slots";
+  overlap.parallel.overlap_moe_a2a = true;
+  EXPECT_EQ(refusal(layers, {t, 1, 1, 1}), "");               // DP (TP x DP at 8 ranks)
+  EXPECT_EQ(refusal(layers, {n == 8 ? 4 : n, 1, 1, 1}), "");  // TP
+  EXPECT_EQ(refusal(layers, {t, 2, 1, 1}), "");               // CP
+  EXPECT_EQ(refusal(slots, {t, 1, n, 1}), "");                // EP in slots
+  EXPECT_EQ(refusal(pipeline, {t, 1, 1, 1, 2}), "");          // two pipeline stages
+  EXPECT_EQ(refusal(sharded, {t, 1, 1, 1}), "");              // the distributed optimizer
+  EXPECT_NE(refusal(layers, {t, 1, n, 1}).find("moe.dispatcher = \"alltoall\""), std::string::npos);
+  EXPECT_NE(refusal(layers, {t, 1, 1, 2}).find("parallel.etp = 2"), std::string::npos);
+  EXPECT_NE(refusal(step, {t, 1, n, 1}).find("\"step\" with several ranks"), std::string::npos);
+  EXPECT_NE(refusal(overlap, {t, 1, n, 1}).find("parallel.overlap_moe_a2a"), std::string::npos);
+  EXPECT_EQ(refusal(base_, {t, 1, n, 1}), "");  // train.cuda_graphs = "none": nothing to refuse
+  // A CPU run says so first.
+  const Config on_cpu = with_layout(slots, {t, 1, n, 1});
+  EXPECT_EQ(cuda_graphs_refusal(on_cpu, Mesh::build(world, on_cpu.resolve_layout(n), false), Device::cpu),
+            "a CPU run (nothing to capture)");
+}
+
 // moe.dispatcher = "slots" (the exchange in fixed slots, the counts on the device): three steps
 // give the all-to-all dispatcher's losses, gradient norms and expert loads (the experts' rows sit
 // in another order: within rounding) with slots of the worst case and of less, moefold plan's

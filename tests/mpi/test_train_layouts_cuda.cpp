@@ -2,7 +2,8 @@
 // every two-rank layout (DP, TP with sequence parallelism, CP, EP, ETP, TP x EP, PP) the loss and
 // every gradient of one fp32 step, and a 20-step bf16 mixed-precision loss curve, match a one-GPU
 // run that each rank computes itself on its own GPU. A checkpoint saved under TP = EP = 2
-// resumes under DP = 2. Skipped unless every rank has a GPU of its own.
+// resumes under DP = 2. CUDA graphs of the layers replay the eager steps' bits. Skipped unless
+// every rank has a GPU of its own.
 //
 // Tolerances (bf16: 8 significant bits, a rounding error of up to 2^-9 = 2.0e-3 per op): a layout
 // changes which bf16 roundings happen (TP rounds partial row-parallel sums before the reduction,
@@ -181,6 +182,45 @@ void twenty_steps_match_one_gpu(Config cfg, Communicator& world) {
 
 TEST_F(CudaLayouts, TwentyStepLossCurveMatchesOneGpu) { twenty_steps_match_one_gpu(base_, *nccl_); }
 TEST_F(CudaLayouts, DeepSeekV3TwentyStepLossCurveMatchesOneGpu) { twenty_steps_match_one_gpu(deepseek_, *nccl_); }
+
+// train.cuda_graphs = "layers" on two GPUs, where a layer's ranks meet only in NCCL calls on device
+// buffers (DP, the distributed optimizer, TP, CP, EP in fixed slots, TP x EP, two pipeline
+// stages): five steps and an evaluation give the eager run's bits (two ranks: every reduction is
+// one addition, the same in either order), with graphs replayed and nothing refused.
+void layer_graphs_change_nothing(Config cfg, Communicator& world) {
+  cfg.moe.dispatcher = "slots";
+  struct Case {
+    Layout layout;
+    bool sharded;
+  };
+  const Case cases[] = {{{1, 1, 1, 1}, false}, {{1, 1, 1, 1}, true},  {{2, 1, 1, 1}, false},   {{1, 2, 1, 1}, false},
+                        {{1, 1, 2, 1}, false}, {{2, 1, 2, 1}, false}, {{1, 1, 1, 1, 2}, false}};
+  for (const Case& c : cases) {
+    Config lc = with_layout(cfg, c.layout);
+    lc.parallel.distributed_optimizer = c.sharded;
+    SCOPED_TRACE(cat(layout_name(c.layout, world.size(), "GPUs"), c.sharded ? ", distributed optimizer" : ""));
+    std::vector<double> runs[2];
+    for (int g = 0; g < 2; ++g) {
+      lc.train.cuda_graphs = g == 0 ? "none" : "layers";
+      LayoutRun run(lc, world, Device::cuda);
+      for (int i = 0; i < 5; ++i) {
+        const StepMetrics& m = run.trainer->train_step();
+        runs[g].insert(runs[g].end(), {m.loss, m.lm_loss, m.aux_loss, m.grad_norm});
+      }
+      runs[g].push_back(run.trainer->evaluate());
+      if (g == 1) {
+        EXPECT_EQ(run.trainer->cuda_graphs_note(), "");
+        EXPECT_GT(run.trainer->cuda_graph_replays(), 0) << "nothing replayed";
+      }
+    }
+    EXPECT_EQ(runs[0], runs[1]) << "losses, gradient norms and an evaluation, eager and from graphs";
+    if (world.rank() == 0)
+      std::printf("verified layer graphs, %s\n", layout_name(c.layout, world.size(), "GPUs").c_str());
+  }
+}
+
+TEST_F(CudaLayouts, LayerGraphsChangeNothing) { layer_graphs_change_nothing(base_, *nccl_); }
+TEST_F(CudaLayouts, DeepSeekV3LayerGraphsChangeNothing) { layer_graphs_change_nothing(deepseek_, *nccl_); }
 
 // Saved under TP = EP = 2 (sharded weights gathered through the host for the checkpoint),
 // resumed under DP = 2: the resumed steps follow the uninterrupted run.

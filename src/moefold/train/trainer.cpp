@@ -52,8 +52,23 @@ DispatcherFactory dispatchers_for(const Config& cfg, Mesh& mesh) {
 std::string cuda_graphs_refusal(const Config& cfg, const Mesh& mesh, Device device) {
   if (cfg.train.cuda_graphs == "none") return "";
   if (device != Device::cuda) return "a CPU run (nothing to capture)";
-  if (mesh.world->size() > 1)
-    return "several ranks (the layers' collectives and expert exchanges are not captured yet)";
+  if (mesh.world->size() > 1) {
+    // Inside a layer the ranks meet only in NCCL calls on device buffers (TP and CP collectives,
+    // the router's token group, the slot dispatcher's fixed-size all_to_all), forked from and joined
+    // back into the captured stream: those are captured with the layer. The rest cannot be.
+    if (cfg.train.cuda_graphs == "step")
+      return "\"step\" with several ranks (the data-parallel reductions and pipeline transfers between the "
+             "layers are not captured; \"layers\" is)";
+    if (mesh.dims.etp > 1)
+      return cat("parallel.etp = ", mesh.dims.etp,
+                 " (the expert-tensor-parallel dispatcher reads token counts on the host)");
+    if (mesh.dims.ep > 1 && cfg.moe.dispatcher != "slots")
+      return cat("parallel.ep = ", mesh.dims.ep, " with moe.dispatcher = \"", cfg.moe.dispatcher,
+                 "\" (its token counts come to the host; \"slots\" keeps them on the device)");
+    if (cfg.parallel.overlap_moe_a2a)
+      return "parallel.overlap_moe_a2a with several ranks (the interleaved micro-batches' exchanges run between the "
+             "layers' halves)";
+  }
   if (!cfg.train.offload_modules.empty()) return "train.offload_modules (copies between the layers)";
   if (cfg.train.cuda_graphs == "step" && cfg.parallel.overlap_moe_a2a)
     return "parallel.overlap_moe_a2a (two micro-batches interleaved)";
