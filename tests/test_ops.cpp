@@ -58,6 +58,19 @@ TEST(Elementwise, AddInplace) {
   }
 }
 
+// add_two_inplace: y += a, then y += b, each rounded: two add_inplace's bits.
+TEST(Elementwise, AddTwoInplaceIsTwoAdds) {
+  Pool pool;
+  for (DType dt : {DType::f64, DType::f32}) {
+    Tensor y = pool.randn({5, 7}, dt), a = pool.randn({5, 7}, dt), b = pool.randn({5, 7}, dt);
+    Tensor want = pool.clone(y);
+    add_inplace(testing::exec(), want, a);
+    add_inplace(testing::exec(), want, b);
+    add_two_inplace(testing::exec(), y, a, b);
+    for (int64_t i = 0; i < y.numel(); ++i) ASSERT_EQ(testing::value_at(y, i), testing::value_at(want, i)) << i;
+  }
+}
+
 TEST(Elementwise, SumSquaresAndScale) {
   Pool pool;
   for (DType dt : {DType::f64, DType::f32}) {

@@ -19,6 +19,38 @@ namespace {
 using testing::DevicePool;
 using testing::Pool;
 
+// add_inplace and add_two_inplace on the GPU: one f32 sum, rounded to the dtype, per add (the
+// CPU's arithmetic), in 16-byte vectors where the tensors are aligned and element by element where
+// they start off a 16-byte boundary or the length leaves a tail.
+TEST(CudaElementwise, AddsRoundEachSumAlignedOrNot) {
+  MF_REQUIRE_GPU();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const auto round = [&](float v) { return dt == DType::bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; };
+    for (const int64_t offset : {0, 1}) {  // elements: 1 puts every tensor off its 16-byte boundary
+      for (const int64_t n : {int64_t{7}, int64_t{8}, int64_t{100003}, int64_t{1} << 20}) {
+        SCOPED_TRACE(cat(dtype_name(dt), ", offset ", offset, ", n ", n));
+        Pool pool;
+        DevicePool dev;
+        const Tensor y = testing::rounded(pool, pool.randn({n + 1}), dt),
+                     a = testing::rounded(pool, pool.randn({n + 1}), dt),
+                     b = testing::rounded(pool, pool.randn({n + 1}), dt);
+        const Tensor yd = dev.upload(y, dt), ad = dev.upload(a, dt), bd = dev.upload(b, dt), y2d = dev.upload(y, dt);
+        const auto part = [&](const Tensor& t) { return t.slice(offset, offset + n); };
+        add_inplace(testing::exec(), part(yd), part(ad));
+        add_two_inplace(testing::exec(), part(y2d), part(ad), part(bd));
+        const std::vector<double> got = testing::download(yd), got2 = testing::download(y2d);
+        for (int64_t i = 0; i <= n; ++i) {
+          const bool in = i >= offset && i < offset + n;
+          const auto at = [&](const Tensor& t) { return static_cast<float>(testing::value_at(t, i)); };
+          const float once = in ? round(at(y) + at(a)) : at(y), twice = in ? round(once + at(b)) : at(y);
+          ASSERT_EQ(got[static_cast<size_t>(i)], static_cast<double>(once)) << "add_inplace, element " << i;
+          ASSERT_EQ(got2[static_cast<size_t>(i)], static_cast<double>(twice)) << "add_two_inplace, element " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaElementwise, AddScaleSumSquaresMatchCpu) {
   MF_REQUIRE_GPU();
   for (DType dt : {DType::f32, DType::bf16}) {

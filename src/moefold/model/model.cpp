@@ -133,17 +133,19 @@ void DecoderLayer::shared_forward_start() {
 }
 
 void DecoderLayer::forward_tail(const Tensor& out_TH) {
-  add_inplace(*ctx_, out_TH, m_TH_);
-  if (mlp_) {  // shared experts see every token
-    if (side_) {
-      ProfileScope scope("shared experts forward (wait)");  // what of them the routed experts did not hide
-      ctx_->wait_for(*side_);
-    } else {
-      ProfileScope scope("shared experts forward");
-      mlp_->forward(n2_TH_, s_TH_);
-    }
-    add_inplace(*ctx_, out_TH, s_TH_);
+  if (!mlp_) {
+    add_inplace(*ctx_, out_TH, m_TH_);
+    return;
   }
+  // Shared experts see every token.
+  if (side_) {
+    ProfileScope scope("shared experts forward (wait)");  // what of them the routed experts did not hide
+    ctx_->wait_for(*side_);
+  } else {
+    ProfileScope scope("shared experts forward");
+    mlp_->forward(n2_TH_, s_TH_);
+  }
+  add_two_inplace(*ctx_, out_TH, m_TH_, s_TH_);  // the routed experts' output, then the shared ones'
 }
 
 void DecoderLayer::forward_begin(const Tensor& x_TH, const Tensor& out_TH) {

@@ -21,6 +21,9 @@ namespace moefold {
 // ---- elementwise helpers -------------------------------------------------------------------
 // y += x. REQUIRES: same dtype and numel, contiguous.
 void add_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& x);
+// y += a, then y += b (each sum rounded to the dtype): the bits of the two add_inplace, in one
+// pass over y on a GPU. REQUIRES: as add_inplace, f32 or bf16 (or f64 on the CPU).
+void add_two_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& a, const Tensor& b);
 // Sum of squares of all elements, accumulated in double.
 double sum_squares(const ExecContext& ctx, const Tensor& x);
 // out[i] = sum_squares(xs[i]) (the same bits), with one wait on a GPU for all of them; no heap

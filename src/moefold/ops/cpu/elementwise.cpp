@@ -28,6 +28,12 @@ void add_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& x) {
   });
 }
 
+void add_two_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& a, const Tensor& b) {
+  MF_ON_GPU(ctx, y, cuda::add_two_inplace(ctx, y, a, b));
+  add_inplace(ctx, y, a);
+  add_inplace(ctx, y, b);
+}
+
 double sum_squares(const ExecContext& ctx, const Tensor& x) {
   MF_ON_GPU(ctx, x, cuda::sum_squares(ctx, x));
   MF_CHECK(x.contiguous() && x.device() == Device::cpu, "sum_squares: ", x.str());

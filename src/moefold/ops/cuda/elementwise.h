@@ -12,6 +12,7 @@
 namespace moefold::cuda {
 
 void add_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& x);
+void add_two_inplace(const ExecContext& ctx, const Tensor& y, const Tensor& a, const Tensor& b);
 void mtp_loss_accumulate(const ExecContext& ctx, const Tensor& losses_D, int64_t seq_len, double scaling,
                          const Tensor& out_1);
 double sum_squares(const ExecContext& ctx, const Tensor& x);  // waits for the GPU (returns a host value)
