@@ -100,8 +100,12 @@ void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Ten
   grouped_linear_forward(*ctx_, h, down_EHF_, offsets_E1, out_RH);
 }
 
+void Experts::join_weight_grads() const {
+  if (wgrad_ctx_) ctx_->wait_for(*wgrad_ctx_);
+}
+
 void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH,
-                       int64_t first_row, const std::function<void()>& input_grads_done) {
+                       int64_t first_row, const std::function<void()>& input_grads_done, bool join) {
   const int64_t r_n = rows_RH.size(0), r0 = first_row, r1 = first_row + r_n;
   MF_CHECK(r0 >= 0 && r1 <= max_rows_, "Experts: rows [", r0, ", ", r1, ") past max_rows ", max_rows_);
   const Tensor gu = gu_R2F_.slice(r0, r1), h = h_RF_.slice(r0, r1);
@@ -132,7 +136,7 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
     grouped_linear_backward(wctx, rows_RH, gate_up_E2FH_, offsets_E1, dgu, Tensor(), dgate_up_E2FH_, accumulate);
     ctx_->wait_for(dctx);
     if (input_grads_done) input_grads_done();
-    ctx_->wait_for(wctx);
+    if (join) join_weight_grads();
     return;
   }
   // dh = dout @ down: in FP8 alone (the SwiGLU's backward follows down's weight gradient, straight

@@ -64,8 +64,13 @@ class Experts {
   // the later ones (so pieces add up). Same rows, offsets and first_row as forward.
   // input_grads_done, if given, runs once drows_RH is written, before the weight gradient of the
   // first linear layer (a pipelined dispatcher starts sending drows meanwhile).
+  // join false (kernels.wgrad_sms): the weight gradients may still run on their own context when
+  // this returns, reading rows_RH, dout_RH and the saved activations and writing the expert
+  // gradients; join_weight_grads() orders the layer's context after them (MoeLayer does at the end
+  // of its backward, so they run beside the dispatch's and the router's backward).
   void backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH,
-                int64_t first_row = 0, const std::function<void()>& input_grads_done = {});
+                int64_t first_row = 0, const std::function<void()>& input_grads_done = {}, bool join = true);
+  void join_weight_grads() const;
 
   const Tensor& gate_up_proj() const { return gate_up_E2FH_; }
   // FP8 (set_fp8): the weights' copies for this step, quantized now if the weights changed
