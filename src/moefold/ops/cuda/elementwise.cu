@@ -16,9 +16,9 @@ constexpr int kThreads = 256;
 int blocks_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, kThreads), 65535 * 8)); }
 
 // y += a, then (kTwo) y += b, each sum rounded to T: add_inplace and add_two_inplace. 16-byte
-// vectors of kVec elements where every pointer is 16-byte aligned (the scalar loop where not, and
-// for the last n % kVec elements): a warp moves 512 bytes per access, not 64, and the adds run at
-// the copy engines' rate. Elementwise: the same bits either way.
+// vectors of Vec16<T>::kN elements where every pointer is 16-byte aligned (the scalar loop where
+// not, and for the last n % kN elements): a warp moves 512 bytes per access of bf16, not 64.
+// Elementwise: the same bits either way.
 template <class T>
 struct alignas(16) Vec16 {
   static constexpr int kN = 16 / sizeof(T);
