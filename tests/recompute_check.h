@@ -27,7 +27,6 @@ struct RecomputeVariant {
   std::vector<std::string> offload;  // train.offload_modules (GPU)
   bool overlap = false;              // parallel.overlap_moe_a2a
   bool shared_overlap = false;       // moe.shared_expert_overlap (where there are shared experts and no TP)
-  int wgrad_sms = 0;                 // kernels.wgrad_sms
 };
 
 // every: each module alone too (else only the combinations).
@@ -62,15 +61,6 @@ inline std::vector<RecomputeVariant> recompute_variants(bool every = true) {
                true});
   v.push_back({"shared_expert_overlap, whole layers, uniform 1", {}, 1, "uniform", {}, false, true});
   v.push_back({"shared_expert_overlap, overlap_moe_a2a", {}, 0, "uniform", {}, true, true});
-  // The experts' weight gradients on a context of their own (kernels.wgrad_sms): alone, with the
-  // SwiGLU recomputed on that context, in whole recomputed layers, and (also among the
-  // combinations) in the phases of overlap_moe_a2a beside the shared experts' context.
-  if (every) {
-    v.push_back({"wgrad_sms", {}, 0, "uniform", {}, false, false, 64});
-    v.push_back({"wgrad_sms, moe_act", {"moe_act"}, 0, "uniform", {}, false, false, 64});
-    v.push_back({"wgrad_sms, whole layers, uniform 1", {}, 1, "uniform", {}, false, false, 64});
-  }
-  v.push_back({"wgrad_sms, overlap_moe_a2a, shared_expert_overlap", {}, 0, "uniform", {}, true, true, 64});
   return v;
 }
 
@@ -105,7 +95,6 @@ inline Config with_recompute(Config c, const RecomputeVariant& v) {
   c.train.offload_modules = v.offload;
   c.parallel.overlap_moe_a2a = v.overlap;
   c.moe.shared_expert_overlap = v.shared_overlap && c.moe.n_shared_experts > 0 && c.parallel.tp <= 1;
-  c.kernels.wgrad_sms = v.wgrad_sms;
   c.validate();
   return c;
 }

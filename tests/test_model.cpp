@@ -137,7 +137,6 @@ void expect_same_switches(const Config& a, const Config& b) {
   EXPECT_EQ(a.kernels.fp8_dense_gemm, b.kernels.fp8_dense_gemm);
   EXPECT_EQ(a.kernels.gemm_sms, b.kernels.gemm_sms);
   EXPECT_EQ(a.kernels.own_wgrad_units, b.kernels.own_wgrad_units);
-  EXPECT_EQ(a.kernels.wgrad_sms, b.kernels.wgrad_sms);
   EXPECT_EQ(a.kernels.fused_swiglu, b.kernels.fused_swiglu);
   EXPECT_EQ(a.kernels.attention, b.kernels.attention);
   EXPECT_EQ(a.kernels.deterministic_attention, b.kernels.deterministic_attention);
@@ -162,7 +161,6 @@ TEST(Config, KernelsSectionAndEpTransport) {
   EXPECT_EQ(d.kernels.fp8_dense_gemm, Fp8DenseGemm::cublaslt);
   EXPECT_EQ(d.kernels.gemm_sms, 0);
   EXPECT_EQ(d.kernels.own_wgrad_units, 1);
-  EXPECT_EQ(d.kernels.wgrad_sms, 0);
   EXPECT_EQ(d.kernels.fused_swiglu, SwigluFusion::automatic);
   EXPECT_EQ(d.kernels.attention, AttentionKernel::automatic);
   EXPECT_TRUE(d.kernels.deterministic_attention);
@@ -176,7 +174,6 @@ TEST(Config, KernelsSectionAndEpTransport) {
   want.kernels.fp8_dense_gemm = Fp8DenseGemm::cutlass;
   want.kernels.gemm_sms = 120;
   want.kernels.own_wgrad_units = 16;
-  want.kernels.wgrad_sms = 64;
   want.kernels.fused_swiglu = SwigluFusion::off;
   want.kernels.attention = AttentionKernel::cudnn;
   want.kernels.deterministic_attention = false;
@@ -185,16 +182,16 @@ TEST(Config, KernelsSectionAndEpTransport) {
       load_config(write_file("kernels.toml",
                              "[kernels]\ngrouped_gemm = \"cublaslt\"\ncutlass_tile = "
                              "\"forward=small,swiglu_forward=large\"\nfp8_tile = \"cols=pingpong\"\nfp8_dense_gemm = "
-                             "\"cutlass\"\ngemm_sms = 120\nown_wgrad_units = 16\nwgrad_sms = 64\nfused_swiglu = "
+                             "\"cutlass\"\ngemm_sms = 120\nown_wgrad_units = 16\nfused_swiglu = "
                              "\"off\"\nattention = \"cudnn\"\ndeterministic_attention = false\n"
                              "[parallel]\nep_transport = \"ipc\"\n"),
                   {});
   expect_same_switches(f, want);
-  const Config s = load_config(
-      "tiny", {"kernels.grouped_gemm=cublaslt", "kernels.cutlass_tile=forward=small,swiglu_forward=large",
-               "kernels.fp8_tile=cols=pingpong", "kernels.fp8_dense_gemm=cutlass", "kernels.gemm_sms=120",
-               "kernels.own_wgrad_units=16", "kernels.wgrad_sms=64", "kernels.fused_swiglu=off",
-               "kernels.attention=cudnn", "kernels.deterministic_attention=false", "parallel.ep_transport=ipc"});
+  const Config s =
+      load_config("tiny", {"kernels.grouped_gemm=cublaslt", "kernels.cutlass_tile=forward=small,swiglu_forward=large",
+                           "kernels.fp8_tile=cols=pingpong", "kernels.fp8_dense_gemm=cutlass", "kernels.gemm_sms=120",
+                           "kernels.own_wgrad_units=16", "kernels.fused_swiglu=off", "kernels.attention=cudnn",
+                           "kernels.deterministic_attention=false", "parallel.ep_transport=ipc"});
   expect_same_switches(s, want);
   // config_to_toml records every switch (a run directory's config.toml) and reads back the same.
   for (const Config& c : {d, f}) {

@@ -432,12 +432,6 @@ TEST(TrainCuda, CudaGraphsChangeNothing) {
          v.push_back("moe.shared_expert_overlap=true");
          return v;
        }()},
-      {"deepseek-v3-like, weight gradients beside the data gradients",
-       [&] {
-         std::vector<std::string> v = kDeepSeek;
-         v.push_back("kernels.wgrad_sms=64");
-         return v;
-       }()},
       // FP8 (the weights quantized before the graphs, Trainer::quantize_fp8_weights_before_graphs):
       // tokens dispatched in FP8, and DeepSeek-V3-like with the weights kept only in FP8.
       {"fp8",

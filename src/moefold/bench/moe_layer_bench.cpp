@@ -276,13 +276,10 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
       },
       [&] {
         run_experts_backward(*plan, layer.experts, layer.dout.slice(0, plan->num_rows),
-                             layer.drows.slice(0, plan->num_rows), /*join=*/false);
+                             layer.drows.slice(0, plan->num_rows));
       },
       [&] { layer.dispatcher.dispatch_backward(layer.drows.slice(0, plan->num_rows), *plan, layer.dx); },
-      [&] {
-        layer.router.backward(layer.x, layer.dprob, 1.0, layer.dx);
-        layer.experts.join_weight_grads();  // kernels.wgrad_sms: as MoeLayer, after the router's backward
-      },
+      [&] { layer.router.backward(layer.x, layer.dprob, 1.0, layer.dx); },
   };
   if (layer.shared && !layer.side) {  // as DecoderLayer runs them: after the routed experts, results added
     names.insert(names.begin() + 4, "shared expert");

@@ -76,14 +76,6 @@ std::string cuda_device_name() {
   return cat(p.name, " (sm_", p.major, p.minor, ", ", p.multiProcessorCount, " SMs, ", p.totalGlobalMem >> 30, " GiB)");
 }
 
-int cuda_sm_count() {
-  if (cuda_device_count() == 0) return 0;
-  int dev = 0, sms = 0;
-  MF_CUDA_CHECK(cudaGetDevice(&dev));
-  MF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-
 void* device_malloc(size_t bytes) {
   ++g_mallocs;
   void* p = nullptr;
@@ -216,7 +208,6 @@ bool cuda_built() { return false; }
 int cuda_device_count() { return 0; }
 void cuda_set_device(int) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
 std::string cuda_device_name() { return "none"; }
-int cuda_sm_count() { return 0; }
 void* device_malloc(size_t) { MF_FAIL("this moefold was built without CUDA (no nvcc at build time)"); }
 void device_free(void*) {}
 void* primary_stream() { return nullptr; }

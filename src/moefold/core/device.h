@@ -19,8 +19,6 @@ int cuda_device_count();
 void cuda_set_device(int device);
 // "NVIDIA H200 (sm_90, 132 SMs, 141 GiB)" or "none".
 std::string cuda_device_name();
-// The current GPU's SMs (0 without a GPU).
-int cuda_sm_count();
 
 // Device memory (cudaMalloc / cudaFree): used only when memory is planned (arenas), never in a
 // step loop. Fails with the bytes asked for and the bytes free.

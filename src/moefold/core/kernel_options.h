@@ -102,10 +102,6 @@ struct KernelOptions {
   // weight rows a cluster takes in a row, dy kept in shared memory for them, where every expert
   // has at most 256 rows (else tiles one at a time). 1: one at a time (the same bits either way).
   int own_wgrad_units = 1;
-  // The experts' bf16 weight gradients on a stream of their own on this many SMs, beside their data
-  // gradients on the other SMs (moe/experts.cpp; 0: each after its data gradient on one stream).
-  // The same bits either way.
-  int wgrad_sms = 0;
   SwigluFusion fused_swiglu = SwigluFusion::automatic;
   AttentionKernel attention = AttentionKernel::automatic;
   // cuDNN's attention backward with its deterministic engine (bit-identical reruns); false allows

@@ -250,10 +250,6 @@ void Config::validate() const {
   parallel.validate();
   check_sizes(*this);  // before the products below
   if (kernels.gemm_sms < 0) MF_FAIL("kernels.gemm_sms = ", kernels.gemm_sms, " must be >= 0 (0: every SM)");
-  if (kernels.wgrad_sms < 0) MF_FAIL("kernels.wgrad_sms = ", kernels.wgrad_sms, " must be >= 0 (0: one stream)");
-  if (kernels.gemm_sms > 0 && kernels.wgrad_sms >= kernels.gemm_sms)
-    MF_FAIL("kernels.wgrad_sms = ", kernels.wgrad_sms, " leaves none of kernels.gemm_sms = ", kernels.gemm_sms,
-            " to the data gradients");
   if (kernels.own_wgrad_units < 1 || kernels.own_wgrad_units > 64)
     MF_FAIL("kernels.own_wgrad_units = ", kernels.own_wgrad_units, " must be between 1 and 64");
   const ParallelConfig& p = parallel;

@@ -259,9 +259,6 @@ const std::vector<Field>& fields() {
       MF_FIELD(kernels, "own_wgrad_units", own_wgrad_units,
                "the own weight-gradient kernel (wgrad = own): up to this many tiles of an expert a cluster takes in "
                "a row, keeping dy in shared memory where every expert has at most 256 rows (1: one tile at a time)"),
-      MF_FIELD(kernels, "wgrad_sms", wgrad_sms,
-               "SMs the experts' bf16 weight gradients take on a stream of their own beside their data gradients on "
-               "the other SMs (0: each after its data gradient; the same bits either way)"),
       MF_FIELD(kernels, "fused_swiglu", fused_swiglu,
                "SwiGLU in the grouped GEMM epilogues: \"auto\" (backward; forward where measured faster), \"on\" "
                "or \"off\""),

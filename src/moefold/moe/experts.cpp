@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "moefold/core/device.h"
 #include "moefold/ops/fp8.h"
 #include "moefold/ops/moe_ops.h"
 #include "moefold/ops/ops.h"
@@ -67,22 +66,6 @@ void Experts::bind(Memory& mem) {
   const int64_t dy_bytes = std::max(fp8_shared_operand_bytes(max_rows_, hidden_, num_experts_),
                                     fp8_shared_operand_bytes(max_rows_, 2 * ffn_, num_experts_, true));
   dy_fp8_.bytes = fp8_ ? mem.scratch({dy_bytes}, DType::u8) : Tensor();
-  // kernels.wgrad_sms: two contexts splitting the GPU's SMs (FP8 keeps one stream: its data
-  // gradient quantizes dy for the weight gradient). A CPU run takes the same path in program order.
-  dgrad_ctx_.reset();
-  wgrad_ctx_.reset();
-  const KernelOptions& k = ctx_->kernels();
-  if (k.wgrad_sms > 0 && !fp8_ && !mem.measuring()) {
-    int sms = ctx_->device() == Device::cuda ? cuda_sm_count() : k.wgrad_sms + 1;
-    if (k.gemm_sms > 0) sms = std::min(sms, k.gemm_sms);
-    MF_CHECK(k.wgrad_sms < sms, "kernels.wgrad_sms = ", k.wgrad_sms, " leaves none of this GPU's ", sms,
-             " SMs to the data gradients");
-    KernelOptions dk = k, wk = k;
-    dk.gemm_sms = sms - k.wgrad_sms;
-    wk.gemm_sms = k.wgrad_sms;
-    dgrad_ctx_ = std::make_unique<ExecContext>(ctx_->device(), dk, ExecContext::Stream::own);
-    wgrad_ctx_ = std::make_unique<ExecContext>(ctx_->device(), wk, ExecContext::Stream::own);
-  }
 }
 
 void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& out_RH, int64_t first_row) {
@@ -100,12 +83,8 @@ void Experts::forward(const Tensor& rows_RH, const Tensor& offsets_E1, const Ten
   grouped_linear_forward(*ctx_, h, down_EHF_, offsets_E1, out_RH);
 }
 
-void Experts::join_weight_grads() const {
-  if (wgrad_ctx_) ctx_->wait_for(*wgrad_ctx_);
-}
-
 void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH,
-                       int64_t first_row, const std::function<void()>& input_grads_done, bool join) {
+                       int64_t first_row, const std::function<void()>& input_grads_done) {
   const int64_t r_n = rows_RH.size(0), r0 = first_row, r1 = first_row + r_n;
   MF_CHECK(r0 >= 0 && r1 <= max_rows_, "Experts: rows [", r0, ", ", r1, ") past max_rows ", max_rows_);
   const Tensor gu = gu_R2F_.slice(r0, r1), h = h_RF_.slice(r0, r1);
@@ -124,21 +103,6 @@ void Experts::backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Te
     else
       grouped_linear_backward(*ctx_, x, w, offsets_E1, dy, dx, dw, accumulate);
   };
-  if (dgrad_ctx_) {  // kernels.wgrad_sms: each weight gradient beside the data gradients
-    const ExecContext &dctx = *dgrad_ctx_, &wctx = *wgrad_ctx_;
-    dctx.wait_for(*ctx_);
-    wctx.wait_for(*ctx_);
-    if (recompute_act_) swiglu_forward(wctx, gu, h, GateUp::pairs);  // see below
-    grouped_linear_backward(wctx, h, down_EHF_, offsets_E1, dout_RH, Tensor(), ddown_EHF_, accumulate);
-    grouped_linear_swiglu_backward_data(dctx, dout_RH, down_EHF_, offsets_E1, gu, dh, dgu);
-    wctx.wait_for(dctx);  // dgu
-    grouped_linear_backward(dctx, rows_RH, gate_up_E2FH_, offsets_E1, dgu, drows_RH, Tensor(), accumulate);
-    grouped_linear_backward(wctx, rows_RH, gate_up_E2FH_, offsets_E1, dgu, Tensor(), dgate_up_E2FH_, accumulate);
-    ctx_->wait_for(dctx);
-    if (input_grads_done) input_grads_done();
-    if (join) join_weight_grads();
-    return;
-  }
   // dh = dout @ down: in FP8 alone (the SwiGLU's backward follows down's weight gradient, straight
   // into fc1's dy operands), else with the SwiGLU's backward fused in.
   if (fp8_)

@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <functional>
-#include <memory>
 #include <string>
 
 #include "moefold/core/memory.h"
@@ -64,13 +63,8 @@ class Experts {
   // the later ones (so pieces add up). Same rows, offsets and first_row as forward.
   // input_grads_done, if given, runs once drows_RH is written, before the weight gradient of the
   // first linear layer (a pipelined dispatcher starts sending drows meanwhile).
-  // join false (kernels.wgrad_sms): the weight gradients may still run on their own context when
-  // this returns, reading rows_RH, dout_RH and the saved activations and writing the expert
-  // gradients; join_weight_grads() orders the layer's context after them (MoeLayer does at the end
-  // of its backward, so they run beside the dispatch's and the router's backward).
   void backward(const Tensor& rows_RH, const Tensor& offsets_E1, const Tensor& dout_RH, const Tensor& drows_RH,
-                int64_t first_row = 0, const std::function<void()>& input_grads_done = {}, bool join = true);
-  void join_weight_grads() const;
+                int64_t first_row = 0, const std::function<void()>& input_grads_done = {});
 
   const Tensor& gate_up_proj() const { return gate_up_E2FH_; }
   // FP8 (set_fp8): the weights' copies for this step, quantized now if the weights changed
@@ -93,9 +87,6 @@ class Experts {
   Tensor gu_R2F_, h_RF_;      // saved by forward (max_rows rows; h_RF_ scratch with recompute_act_)
   Tensor dh_RF_, dgu_R2F_;    // scratch: backward workspaces
   Memory* mem_ = nullptr;     // for its gradients' generation (accumulate_grad)
-  // kernels.wgrad_sms > 0 (bf16): the data gradients on dgrad_ctx_ (the other SMs) and the weight
-  // gradients on wgrad_ctx_ (wgrad_sms SMs), each on a stream of its own, joined back into ctx_.
-  std::unique_ptr<ExecContext> dgrad_ctx_, wgrad_ctx_;
   size_t gate_up_index_ = 0, down_index_ = 0;  // the weights' parameter indices (Memory::accumulate_grad)
 };
 

@@ -43,8 +43,7 @@ void run_experts_forward(const DispatchPlan& plan, Experts& experts, const Tenso
   }
 }
 
-void run_experts_backward(const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH, const Tensor& drows_RH,
-                          bool join) {
+void run_experts_backward(const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH, const Tensor& drows_RH) {
   check_shape(dout_RH, {plan.num_rows, dout_RH.size(1)}, "run_experts_backward dout");
   check_shape(drows_RH, {plan.num_rows, drows_RH.size(1)}, "run_experts_backward drows");
   PieceSchedule* s = plan.schedule;
@@ -64,14 +63,10 @@ void run_experts_backward(const DispatchPlan& plan, Experts& experts, const Tens
     // Experts::backward splits its first layer's GEMMs (input gradient, then weight gradient)
     // around the callback; it is passed whether or not a schedule waits, so every dispatcher runs
     // the same kernels in the same order.
-    experts.backward(
-        plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, dout, drows, piece.begin,
-        [&done] {
-          if (done.s) done.s->input_grads_done(done.piece, done.drows);
-        },
-        false);
+    experts.backward(plan.rows_RH.slice(piece.begin, piece.end), piece.offsets_E1, dout, drows, piece.begin, [&done] {
+      if (done.s) done.s->input_grads_done(done.piece, done.drows);
+    });
   }
-  if (join) experts.join_weight_grads();
 }
 
 MoeLayer::MoeLayer(const MoeConfig& cfg, int64_t hidden, int64_t max_tokens, std::string prefix)
@@ -181,8 +176,7 @@ void MoeLayer::backward_combine(const Tensor& dy_TH) {
 void MoeLayer::backward_experts() {
   const int64_t r_n = plan_->num_rows;
   ProfileScope scope("moe experts backward");
-  // kernels.wgrad_sms: the weight gradients go on beside the dispatch's and the router's backward.
-  run_experts_backward(*plan_, experts_, dout_RH_.slice(0, r_n), drows_RH_.slice(0, r_n), /*join=*/false);
+  run_experts_backward(*plan_, experts_, dout_RH_.slice(0, r_n), drows_RH_.slice(0, r_n));
 }
 
 void MoeLayer::backward_dispatch(const Tensor& dx_TH, double loss_scale) {
@@ -192,11 +186,8 @@ void MoeLayer::backward_dispatch(const Tensor& dx_TH, double loss_scale) {
     ProfileScope scope("moe dispatch backward");
     dispatcher_->dispatch_backward(drows_RH_.slice(0, plan_->num_rows), *plan_, dx_TH);
   }
-  {
-    ProfileScope scope("moe router backward");
-    router_.backward(x_TH_, dprob_TK_.slice(0, t_n), loss_scale, dx_TH);  // adds the router branch to dx
-  }
-  experts_.join_weight_grads();
+  ProfileScope scope("moe router backward");
+  router_.backward(x_TH_, dprob_TK_.slice(0, t_n), loss_scale, dx_TH);  // adds the router branch to dx
 }
 
 }  // namespace moefold

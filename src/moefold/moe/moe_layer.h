@@ -21,11 +21,8 @@ namespace moefold {
 // schedule puts them (the rows of out_RH, R rows, unless it keeps some elsewhere). MoeLayer and
 // the benchmark run the experts through these.
 void run_experts_forward(const DispatchPlan& plan, Experts& experts, const Tensor& out_RH);
-// Backward, over plan.backward_pieces: drows_RH written, expert gradients as Experts::backward
-// (join false: the weight gradients may still run; Experts::join_weight_grads before the rows,
-// dout or the gradients are touched again).
-void run_experts_backward(const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH, const Tensor& drows_RH,
-                          bool join = true);
+// Backward, over plan.backward_pieces: drows_RH written, expert gradients as Experts::backward.
+void run_experts_backward(const DispatchPlan& plan, Experts& experts, const Tensor& dout_RH, const Tensor& drows_RH);
 
 class MoeLayer {
  public:
