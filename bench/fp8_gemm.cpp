@@ -447,7 +447,8 @@ void bench_wgrad_own(int runs, int warmup, const std::string& only, const std::v
 // bf16 weight gradient (written; the own kernel and CUTLASS's large tiles) one after the other on
 // every SM, against both at once on two streams of their own, the weight gradient on S SMs
 // (kernels.gemm_sms) and the data gradient on the rest: whether the weight gradient's stores
-// overlap the data gradient's math when the two share the GPU. Times each alone first.
+// overlap the data gradient's math when the two share the GPU. Times each alone first. (Session
+// 41, H100: every split slower than the sequence, 1.02-1.51x; docs/benchmarks.md.)
 void bench_wgrad_split(int runs, int warmup, const std::string& only, const std::vector<int>& splits, int rest_ms) {
   int sms = 0;
   MF_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess, "no GPU");
@@ -458,8 +459,9 @@ void bench_wgrad_split(int runs, int warmup, const std::string& only, const std:
         dx({r, g.i}, DType::bf16), dw({g.e, g.o, g.i}, DType::bf16), offsets({g.e + 1}, DType::i64);
     bench::fill_random(*x, 3);
     bench::fill_random(*dy, 5);
-    for (size_t at = 0, n = (*w).nbytes(), piece = (*x).nbytes(); at < n;
-         at += piece)  // random, not filled on the host
+    // w (15 GB at fc1) as copies of x's random values: filling it on the host would take minutes.
+    const size_t piece = (*x).nbytes();
+    for (size_t at = 0, n = (*w).nbytes(); at < n; at += piece)
       device_copy(static_cast<char*>((*w).data()) + at, Device::cuda, (*x).data(), Device::cuda,
                   std::min(piece, n - at));
     set_equal_offsets(*offsets, g.m);
