@@ -319,6 +319,32 @@ TEST(GpuActivity, IntervalCoverCountsEachInstantOnce) {
   }
 }
 
+// The layer timeline's idle time before each operation: only where no earlier one (of any stream)
+// is still running; the gaps add up to the span's uncovered time.
+TEST(GpuActivity, GapsBeforeCountOnlyTimeWithNothingRunning) {
+  const std::vector<GpuOpSpan> ops = {{"a", 100, 200}, {"b", 205, 400}, {"side", 250, 300},
+                                      {"c", 390, 500}, {"d", 520, 530}, {"e", 530, 540}};
+  const std::vector<uint64_t> gaps = gaps_before(ops);
+  EXPECT_EQ(gaps, (std::vector<uint64_t>{0, 5, 0, 0, 20, 0}));
+  std::vector<std::pair<uint64_t, uint64_t>> intervals;
+  for (const GpuOpSpan& op : ops) intervals.emplace_back(op.begin, op.end);
+  uint64_t sum = 0;
+  for (uint64_t g : gaps) sum += g;
+  EXPECT_EQ(sum, 440 - interval_cover(intervals, 100, 540).covered);
+  // A long operation hides the gaps of the shorter ones inside it.
+  EXPECT_EQ(gaps_before({{"long", 0, 1000}, {"x", 10, 20}, {"y", 50, 60}}), (std::vector<uint64_t>{0, 0, 0}));
+  EXPECT_TRUE(gaps_before({}).empty());
+}
+
+TEST(GpuActivity, ShortOpNamesDropOurNamespacesAndLongTemplates) {
+  EXPECT_EQ(short_op_name("moefold::(anonymous namespace)::add_kernel<2>"), "add_kernel<2>");
+  EXPECT_EQ(short_op_name("memset"), "memset");
+  const std::string cutlass =
+      "cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<" + std::string(200, 'x') + ">>";
+  EXPECT_EQ(short_op_name(cutlass), "cutlass::device_kernel<...>");
+  EXPECT_EQ(short_op_name(std::string(100, 'z'), 20), std::string(17, 'z') + "...");
+}
+
 TEST(Rng, DeterministicAndWellDistributed) {
   EXPECT_EQ(rng_normal(1, 2, 3), rng_normal(1, 2, 3));
   EXPECT_NE(rng_normal(1, 2, 3), rng_normal(1, 2, 4));

@@ -368,6 +368,25 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   for (int i = 0; i < phase_reps; ++i) repetition(opts.warmup + opts.reps + i, false);
   for (const PhaseTime& p : profile_collect()) res.phases.push_back({p.name, p.ms / phase_reps, 0, 0});
   profile_disable();
+  if (opts.device == Device::cuda && opts.activity_reps > 0 && gpu_activity_start(&res.activity_unavailable)) {
+    std::vector<std::pair<uint64_t, uint64_t>> windows;
+    for (int i = 0; i < opts.activity_reps; ++i) {
+      const uint64_t t0 = gpu_activity_now();
+      repetition(opts.warmup + opts.reps + phase_reps + i, false);
+      device_synchronize();
+      windows.emplace_back(t0, gpu_activity_now());
+    }
+    std::vector<std::vector<GpuOpSpan>> in_order;
+    gpu_activity_stop(windows, nullptr, &in_order);
+    const auto span = [](const std::vector<GpuOpSpan>& ops) {
+      uint64_t end = 0;
+      for (const GpuOpSpan& op : ops) end = std::max(end, op.end);
+      return ops.empty() ? 0 : end - ops.front().begin;
+    };
+    std::sort(in_order.begin(), in_order.end(), [&](const auto& a, const auto& b) { return span(a) < span(b); });
+    res.activity_reps = opts.activity_reps;
+    res.timeline = in_order[in_order.size() / 2];
+  }
   res.rows = plan->num_rows;
   res.local_experts = layer.dispatcher.num_local_experts();
   res.total = {"layer forward+backward", median(ms.back()), 0, 0};
@@ -501,6 +520,45 @@ std::vector<MoeBenchResult> bench_moe_layer(const MoeBenchOptions& opts) {
   return out;
 }
 
+namespace {
+
+// The recorded repetition's operations in order: when each starts, how long it runs, and how long
+// the GPU was idle just before it.
+std::string format_timeline(const MoeBenchResult& r) {
+  const std::vector<GpuOpSpan>& ops = r.timeline;
+  const std::vector<uint64_t> gaps = gaps_before(ops);
+  uint64_t end = 0, idle = 0, longest = 0;
+  int counted = 0;  // gaps of a microsecond or more
+  for (size_t i = 0; i < ops.size(); ++i) {
+    end = std::max(end, ops[i].end);
+    idle += gaps[i];
+    longest = std::max(longest, gaps[i]);
+    counted += gaps[i] >= 1000;
+  }
+  const double span_ms = static_cast<double>(end - ops.front().begin) * 1e-6;
+  std::string s = cat("\nGPU timeline of one repetition (CUPTI; of ", r.activity_reps,
+                      " recorded after the timed ones, the one with the median span; recording slows the host's "
+                      "calls, not the GPU's work): ",
+                      fmt("%.3f", span_ms), " ms from the first operation's start to the last's end, the GPU idle ",
+                      fmt("%.3f", static_cast<double>(idle) * 1e-6), " ms of it (",
+                      fmt("%.1f%%", span_ms > 0 ? 100 * static_cast<double>(idle) * 1e-6 / span_ms : 0), ") in ",
+                      counted, " gaps of 1 us or more, the longest ", fmt("%.1f", static_cast<double>(longest) * 1e-3),
+                      " us; ", ops.size(), " operations:\n\n");
+  s += "| # | operation | starts at ms | ms | idle before, us |\n|---|---|---|---|---|\n";
+  for (size_t i = 0; i < ops.size(); ++i) {
+    std::string name = short_op_name(ops[i].name);
+    for (char& c : name)
+      if (c == '|') c = '/';
+    s += cat("| ", i + 1, " | `", name, "` | ",
+             fmt("%.3f", static_cast<double>(ops[i].begin - ops.front().begin) * 1e-6), " | ",
+             fmt("%.3f", static_cast<double>(ops[i].end - ops[i].begin) * 1e-6), " | ",
+             fmt("%.1f", static_cast<double>(gaps[i]) * 1e-3), " |\n");
+  }
+  return s;
+}
+
+}  // namespace
+
 std::string format_moe_bench(const std::vector<MoeBenchResult>& results, const std::string& header) {
   std::string s = header + "\n\n";
   s += "| shape | routing | tokens | rows | fwd+bwd ms | TFLOP/s | PyTorch bar | ratio | max/mean expert load |\n";
@@ -522,6 +580,8 @@ std::string format_moe_bench(const std::vector<MoeBenchResult>& results, const s
     for (const BenchTime& b : r.stages) row(b, true);
     for (const BenchTime& b : r.phases) row({"(within) " + b.name + ", mean", b.ms, 0, 0}, true);
     for (const BenchTime& b : r.gemms) row(b, false);
+    if (r.activity_reps > 0 && !r.timeline.empty()) s += format_timeline(r);
+    if (!r.activity_unavailable.empty()) s += cat("\nGPU timeline: not recorded (", r.activity_unavailable, ")\n");
   }
   return s;
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moefold/comm/communicator.h"
+#include "moefold/core/gpu_activity.h"
 #include "moefold/core/tensor.h"
 
 namespace moefold {
@@ -32,6 +33,9 @@ struct MoeBenchOptions {
   // Expert parallelism over these ranks (every rank runs the benchmark with its own `tokens`;
   // the experts are split, tokens travel all-to-all); null or one rank: all experts here.
   Communicator* ep = nullptr;
+  // GPU: repetitions after the others recorded with CUPTI for the layer's timeline (every kernel in
+  // order, with the GPU's idle time before it); 0: none.
+  int activity_reps = 2;
 };
 
 struct BenchTime {
@@ -61,6 +65,12 @@ struct MoeBenchResult {
   // The GPU's clocks and power over the timed repetitions (describe_gpu_clocks), or why they
   // were not sampled; empty on the CPU.
   std::string gpu_clocks;
+  // The timeline (MoeBenchOptions::activity_reps > 0, GPU): of the recorded repetitions the one
+  // whose span from the first operation's start to the last's end is the median, its operations
+  // by start time; or why none was recorded.
+  int activity_reps = 0;
+  std::vector<GpuOpSpan> timeline;
+  std::string activity_unavailable;
 };
 
 // Runs every (shape, routing) of `opts`. Fails (moefold::Error) on a bad shape or option.

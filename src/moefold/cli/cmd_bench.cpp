@@ -102,6 +102,10 @@ Command add_bench(CLI::App& app) {
                 "time a step's later micro-batches (expert weight gradients added to, not written)");
   moe->add_flag("--fp8", a->moe.fp8,
                 "the experts' GEMMs in FP8 (train.fp8 = blockwise), plus the FP8 GEMMs and quantization alone");
+  moe->add_option("--activity-reps", a->moe.activity_reps,
+                  "GPU: repetitions after the timed ones recorded with CUPTI for the layer's timeline (every kernel "
+                  "in order, with the GPU's idle time before it; 0: none)")
+      ->check(CLI::NonNegativeNumber);
   moe->add_option("--device", a->moe_device, "cuda (bf16), cpu (fp32) or auto")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 

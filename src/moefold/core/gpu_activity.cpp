@@ -34,6 +34,27 @@ IntervalCover interval_cover(std::vector<std::pair<uint64_t, uint64_t>> interval
   return c;
 }
 
+std::vector<uint64_t> gaps_before(const std::vector<GpuOpSpan>& in_order) {
+  std::vector<uint64_t> gaps;
+  gaps.reserve(in_order.size());
+  uint64_t busy_until = in_order.empty() ? 0 : in_order.front().begin;
+  for (const GpuOpSpan& op : in_order) {
+    gaps.push_back(op.begin > busy_until ? op.begin - busy_until : 0);
+    busy_until = std::max(busy_until, op.end);
+  }
+  return gaps;
+}
+
+std::string short_op_name(const std::string& name, size_t max_chars) {
+  std::string s = name;
+  for (const std::string_view drop : {std::string_view("(anonymous namespace)::"), std::string_view("moefold::")})
+    for (size_t at = s.find(drop); at != std::string::npos; at = s.find(drop, at)) s.erase(at, drop.size());
+  if (s.size() <= max_chars) return s;
+  const size_t open = s.find('<');
+  if (open != std::string::npos && open + 5 <= max_chars) return s.substr(0, open) + "<...>";
+  return s.substr(0, max_chars - 3) + "...";
+}
+
 #ifdef MOEFOLD_WITH_CUDA
 
 namespace {
@@ -212,6 +233,26 @@ std::vector<GpuOpTotal> op_totals(const std::vector<Span>& spans,
   return out;
 }
 
+// Each window's GPU spans by start time, with readable names.
+std::vector<std::vector<GpuOpSpan>> ops_in_order(const std::vector<Span>& spans,
+                                                 const std::vector<std::pair<uint64_t, uint64_t>>& windows) {
+  std::map<const char*, std::string> names;  // demangled once per kernel
+  std::vector<std::vector<GpuOpSpan>> out(windows.size());
+  for (const Span& s : spans) {
+    if (s.kind != Kind::gpu) continue;
+    for (size_t w = 0; w < windows.size(); ++w) {
+      if (s.begin < windows[w].first || s.begin >= windows[w].second) continue;
+      auto [it, fresh] = names.try_emplace(s.name);
+      if (fresh) it->second = s.name ? readable(s.name) : std::string("?");
+      out[w].push_back({it->second, s.begin, s.end});
+      break;
+    }
+  }
+  for (std::vector<GpuOpSpan>& ops : out)
+    std::stable_sort(ops.begin(), ops.end(), [](const GpuOpSpan& a, const GpuOpSpan& b) { return a.begin < b.begin; });
+  return out;
+}
+
 }  // namespace
 
 bool gpu_activity_start(std::string* why) {
@@ -247,7 +288,8 @@ uint64_t gpu_activity_now() {
 }
 
 std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>& windows,
-                                                 std::vector<GpuOpTotal>* by_op) {
+                                                 std::vector<GpuOpTotal>* by_op,
+                                                 std::vector<std::vector<GpuOpSpan>>* in_order) {
   MF_CHECK(g_recording, "gpu_activity_stop: not recording");
   Cupti& c = cupti();
   for (const CUpti_ActivityKind k : kKinds) c.disable(k);
@@ -258,6 +300,7 @@ std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uin
     const std::lock_guard<std::mutex> lock(g_mutex);
     for (const Span& s : g_spans) by_kind[static_cast<int>(s.kind)].emplace_back(s.begin, s.end);
     if (by_op) *by_op = op_totals(g_spans, windows);
+    if (in_order) *in_order = ops_in_order(g_spans, windows);
     g_spans.clear();
   }
   std::vector<GpuActivityWindow> out;
@@ -286,7 +329,7 @@ bool gpu_activity_start(std::string* why) {
 }
 uint64_t gpu_activity_now() { MF_FAIL("gpu_activity_now: built without CUDA"); }
 std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>&,
-                                                 std::vector<GpuOpTotal>*) {
+                                                 std::vector<GpuOpTotal>*, std::vector<std::vector<GpuOpSpan>>*) {
   MF_FAIL("gpu_activity_stop: built without CUDA");
 }
 

@@ -35,6 +35,12 @@ struct GpuOpTotal {
   double ms = 0;
 };
 
+// One GPU operation that started in a window (gpu_activity_stop's in_order), on CUPTI's clock (ns).
+struct GpuOpSpan {
+  std::string name;  // as GpuOpTotal's
+  uint64_t begin = 0, end = 0;
+};
+
 // Starts recording (enables CUPTI's activity kinds). False when it cannot be had (no CUDA build,
 // no libcupti, CUPTI refuses), with the reason in *why.
 bool gpu_activity_start(std::string* why);
@@ -42,9 +48,11 @@ bool gpu_activity_start(std::string* why);
 uint64_t gpu_activity_now();
 // Stops recording and reads every record; each window [begin, end) in ns of gpu_activity_now().
 // REQUIRES: recording, and the device's work in the windows finished (synchronised).
-// With `by_op`, also the operations that started in any window, longest summed duration first.
+// With `by_op`, also the operations that started in any window, longest summed duration first;
+// with `in_order`, each window's operations by start time (one vector a window).
 std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uint64_t, uint64_t>>& windows,
-                                                 std::vector<GpuOpTotal>* by_op = nullptr);
+                                                 std::vector<GpuOpTotal>* by_op = nullptr,
+                                                 std::vector<std::vector<GpuOpSpan>>* in_order = nullptr);
 
 // The length of the union of [begin, end) intervals clipped to [lo, hi), and the longest gap of
 // [lo, hi) that none of them covers (the arithmetic of the windows, testable without a GPU).
@@ -52,5 +60,14 @@ struct IntervalCover {
   uint64_t covered = 0, largest_gap = 0;
 };
 IntervalCover interval_cover(std::vector<std::pair<uint64_t, uint64_t>> intervals, uint64_t lo, uint64_t hi);
+
+// For operations in start order: how long the GPU had nothing of them to run just before each
+// one started (0 for the first, and where an earlier one, on any stream, was still running).
+// Their sum is the idle time between the first start and the last end.
+std::vector<uint64_t> gaps_before(const std::vector<GpuOpSpan>& in_order);
+
+// A kernel's readable name shortened for a table: "(anonymous namespace)::" and a leading
+// "moefold::" dropped, and template arguments past `max_chars` cut to "<...>".
+std::string short_op_name(const std::string& name, size_t max_chars = 80);
 
 }  // namespace moefold
