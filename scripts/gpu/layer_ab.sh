@@ -15,6 +15,8 @@
 # LAYER_AB_ROPE=1: ncu's times of both builds' RoPE kernels in a Qwen3-30B-A3B layer's step.
 # LAYER_AB_SIDES (default "old new"): the builds in each round, .gpu/bin/moefold_<side> (new: moefold);
 # a side may add settings to the DeepSeek-V3 bench: "new+kernels.own_wgrad_units=16" (several: +a=b+c=d).
+# LAYER_AB_BAR_ROUNDS=1: the PyTorch layer again at the start of every round (the GPU's state drifts
+# over a call: the power cap, the temperature), and each round's ratio printed.
 # Every bench's whole output lands in $OUT.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -57,7 +59,16 @@ if [ -n "${LAYER_AB_FLOOR-1}" ]; then  # LAYER_AB_FLOOR= skips the floor
     >> "$out/layer_ab_bar.txt" 2>&1 || status=1
 fi
 grep -E "^(bar|floor)" "$out/layer_ab_bar.txt" | cut -c1-160
+round_bar=""
+bar_ms() { sed -n 's/^bar .*balanced: \([0-9.]*\) ms.*/\1/p' "$1" | tail -1; }
 for r in $(seq 1 "$rounds"); do
+  if [ -n "${LAYER_AB_BAR_ROUNDS:-}" ]; then
+    echo "== round $r, the PyTorch layer ($SECONDS s)"
+    timeout 200 python3 "$root/scripts/bench_bar_moe.py" "${bar[@]}" --routing balanced --reps 5 --warmup 2 \
+      >> "$out/layer_ab_bar.txt" 2>&1 || status=1
+    round_bar=$(bar_ms "$out/layer_ab_bar.txt")
+    echo "PyTorch layer $round_bar ms"
+  fi
   for spec in ${LAYER_AB_SIDES:-old new}; do
     side=${spec%%+*} sets=()
     [ "$spec" = "$side" ] || for kv in $(tr '+' ' ' <<< "${spec#*+}"); do sets+=(--set "$kv"); done
@@ -68,6 +79,9 @@ for r in $(seq 1 "$rounds"); do
     timeout 150 "$bin" bench moe-layer "${shape[@]}" --routing balanced --reps 5 --warmup 2 \
       --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own "${sets[@]}" > "$f" 2>&1 || status=1
     grep -E "^\| deepseek|^\| (router|dispatch|combine|experts|shared|fc1 wgrad)|GPU during" "$f" | cut -c1-110
+    ours=$(sed -n 's/^| deepseek-v3 | balanced | [0-9]* | [0-9]* | \([0-9.]*\) |.*/\1/p' "$f" | head -1)
+    [ -z "${LAYER_AB_BAR_ROUNDS:-}" ] || [ -z "$ours" ] || [ -z "$round_bar" ] ||
+      echo "round $r, $spec: the PyTorch layer / ours = $(python3 -c "print(f'{$round_bar / $ours:.3f}')")x"
     [ -n "${LAYER_AB_QWEN3-1}" ] || continue  # LAYER_AB_QWEN3= skips it
     [ "$spec" = "$side" ] || continue  # the settings are DeepSeek-V3's
     f="$out/layer_ab_qwen3_${side}_$r.md"
