@@ -74,6 +74,36 @@ TEST(BenchMoeLayer, RunsEveryRoutingAndCountsFlops) {
   EXPECT_NE(report.find("| fc1 wgrad (grouped, f32 gradient written) |"), std::string::npos) << report;
 }
 
+// The GPU timeline's report (recorded with CUPTI on a GPU only; here a made-up timeline): the span,
+// the idle time between operations, per stage the operations' time and the idle before them, and
+// every operation with its stage.
+TEST(BenchMoeLayer, TimelineReportsIdleTimePerStageAndEveryOperation) {
+  MoeBenchResult r;
+  r.shape = "tiny";
+  r.routing = "balanced";
+  r.total = {"layer forward+backward", 1.0, 0, 0};
+  r.stages = {{"router", 0.1, 0, 0}, {"dispatch", 0.2, 0, 0}};
+  r.activity_reps = 2;
+  r.timeline = {{"memset", 0, 1000, 5},
+                {"moefold::(anonymous namespace)::topk_kernel<8>", 3000, 10000, 20},
+                {"moefold::permute_kernel", 12000, 20000, 40},
+                {"side", 13000, 14000, 41}};
+  r.timeline_stage = {-1, 0, 1, 1};
+  const std::string report = format_moe_bench({r}, "header");
+  EXPECT_NE(report.find("0.020 ms from the first operation's start to the last's end, the GPU idle 0.004 ms of it "
+                        "(20.0%) in 2 gaps of 1 us or more, the longest 2.0 us; 4 operations"),
+            std::string::npos)
+      << report;
+  EXPECT_NE(report.find("| (before the layer) | 1 | 0.001 | 0.000 |"), std::string::npos) << report;
+  EXPECT_NE(report.find("| router | 1 | 0.007 | 0.002 |"), std::string::npos) << report;
+  EXPECT_NE(report.find("| dispatch | 2 | 0.009 | 0.002 |"), std::string::npos) << report;
+  EXPECT_NE(report.find("| 2 | router | `topk_kernel<8>` | 0.003 | 0.007 | 2.0 |"), std::string::npos) << report;
+  EXPECT_NE(report.find("| 4 | dispatch | `side` | 0.013 | 0.001 | 0.0 |"), std::string::npos) << report;
+  r.timeline.clear();
+  r.activity_unavailable = "built without CUDA";
+  EXPECT_NE(format_moe_bench({r}, "header").find("GPU timeline: not recorded (built without CUDA)"), std::string::npos);
+}
+
 // DeepSeek-V3's shared experts run beside the routed ones: two more stages, their FLOPs counted
 // (docs/benchmarks.md: + 6*T*H*F_shared).
 TEST(BenchMoeLayer, SharedExpertsAreTimedAndCounted) {

@@ -6,6 +6,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moefold/bench/format.h"
@@ -332,6 +333,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   // give the layer's own phases (expert pieces, EP waits: the "(within)" rows). Recording CUDA
   // events inside the timed region, around the EP waits above all, could move the times measured.
   const int phase_reps = std::max(1, opts.reps / 2);
+  std::vector<uint64_t>* stage_marks = nullptr;  // recording: each stage's start on CUPTI's clock
   const auto repetition = [&](int i, bool timed) {
     // A new step's gradients (untimed): the experts' backward writes its weight gradients, as in
     // the first micro-batch of a training step (Memory::grad_written_by_backward). With
@@ -343,6 +345,7 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
     }
     timers.back().start(opts.device);
     for (size_t s = 0; s < stages.size(); ++s) {
+      if (stage_marks) stage_marks->push_back(gpu_activity_now());
       timers[s].start(opts.device);
       stages[s]();
       timers[s].stop();
@@ -370,22 +373,34 @@ MoeBenchResult run_one(const std::string& shape, const std::string& routing, con
   profile_disable();
   if (opts.device == Device::cuda && opts.activity_reps > 0 && gpu_activity_start(&res.activity_unavailable)) {
     std::vector<std::pair<uint64_t, uint64_t>> windows;
+    std::vector<std::vector<uint64_t>> marks(opts.activity_reps);
     for (int i = 0; i < opts.activity_reps; ++i) {
+      stage_marks = &marks[i];
       const uint64_t t0 = gpu_activity_now();
       repetition(opts.warmup + opts.reps + phase_reps + i, false);
       device_synchronize();
       windows.emplace_back(t0, gpu_activity_now());
     }
+    stage_marks = nullptr;
     std::vector<std::vector<GpuOpSpan>> in_order;
     gpu_activity_stop(windows, nullptr, &in_order);
-    const auto span = [](const std::vector<GpuOpSpan>& ops) {
+    const auto span = [&](int w) {
       uint64_t end = 0;
-      for (const GpuOpSpan& op : ops) end = std::max(end, op.end);
-      return ops.empty() ? 0 : end - ops.front().begin;
+      for (const GpuOpSpan& op : in_order[w]) end = std::max(end, op.end);
+      return in_order[w].empty() ? 0 : end - in_order[w].front().begin;
     };
-    std::sort(in_order.begin(), in_order.end(), [&](const auto& a, const auto& b) { return span(a) < span(b); });
+    std::vector<int> order(opts.activity_reps);
+    for (int i = 0; i < opts.activity_reps; ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return span(a) < span(b); });
+    const int median_rep = order[order.size() / 2];
     res.activity_reps = opts.activity_reps;
-    res.timeline = in_order[in_order.size() / 2];
+    res.timeline = in_order[median_rep];
+    // Each operation's stage: the last stage begun on the host before the call that issued it.
+    for (const GpuOpSpan& op : res.timeline) {
+      const std::vector<uint64_t>& m = marks[median_rep];
+      const auto after = std::upper_bound(m.begin(), m.end(), op.issued);
+      res.timeline_stage.push_back(op.issued == 0 ? -1 : static_cast<int>(after - m.begin()) - 1);
+    }
   }
   res.rows = plan->num_rows;
   res.local_experts = layer.dispatcher.num_local_experts();
@@ -522,11 +537,13 @@ std::vector<MoeBenchResult> bench_moe_layer(const MoeBenchOptions& opts) {
 
 namespace {
 
-// The recorded repetition's operations in order: when each starts, how long it runs, and how long
-// the GPU was idle just before it.
+// The recorded repetition's operations in order: when each starts, how long it runs, how long the
+// GPU was idle just before it, and the stage that issued it; then per stage the operations' time
+// and the idle time before them.
 std::string format_timeline(const MoeBenchResult& r) {
   const std::vector<GpuOpSpan>& ops = r.timeline;
   const std::vector<uint64_t> gaps = gaps_before(ops);
+  const auto ms = [](uint64_t ns) { return static_cast<double>(ns) * 1e-6; };
   uint64_t end = 0, idle = 0, longest = 0;
   int counted = 0;  // gaps of a microsecond or more
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -535,24 +552,41 @@ std::string format_timeline(const MoeBenchResult& r) {
     longest = std::max(longest, gaps[i]);
     counted += gaps[i] >= 1000;
   }
-  const double span_ms = static_cast<double>(end - ops.front().begin) * 1e-6;
+  const double span_ms = ms(end - ops.front().begin);
+  const auto stage_name = [&](size_t i) {
+    const int st = i < r.timeline_stage.size() ? r.timeline_stage[i] : -1;
+    return st >= 0 && st < static_cast<int>(r.stages.size()) ? r.stages[st].name : std::string("(before the layer)");
+  };
   std::string s = cat("\nGPU timeline of one repetition (CUPTI; of ", r.activity_reps,
                       " recorded after the timed ones, the one with the median span; recording slows the host's "
                       "calls, not the GPU's work): ",
                       fmt("%.3f", span_ms), " ms from the first operation's start to the last's end, the GPU idle ",
-                      fmt("%.3f", static_cast<double>(idle) * 1e-6), " ms of it (",
-                      fmt("%.1f%%", span_ms > 0 ? 100 * static_cast<double>(idle) * 1e-6 / span_ms : 0), ") in ",
-                      counted, " gaps of 1 us or more, the longest ", fmt("%.1f", static_cast<double>(longest) * 1e-3),
-                      " us; ", ops.size(), " operations:\n\n");
-  s += "| # | operation | starts at ms | ms | idle before, us |\n|---|---|---|---|---|\n";
+                      fmt("%.3f", ms(idle)), " ms of it (", fmt("%.1f%%", span_ms > 0 ? 100 * ms(idle) / span_ms : 0),
+                      ") in ", counted, " gaps of 1 us or more, the longest ", fmt("%.1f", ms(longest) * 1e3), " us; ",
+                      ops.size(), " operations. Per stage (the stage that issued them):\n\n");
+  s += "| stage | operations | their ms (summed) | idle before them, ms |\n|---|---|---|---|\n";
+  std::vector<std::string> order;  // stages in the order first seen
+  std::map<std::string, std::tuple<int, uint64_t, uint64_t>> per;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const std::string st = stage_name(i);
+    if (!per.count(st)) order.push_back(st);
+    auto& [n, busy, before] = per[st];
+    ++n;
+    busy += ops[i].end - ops[i].begin;
+    before += gaps[i];
+  }
+  for (const std::string& st : order) {
+    const auto& [n, busy, before] = per[st];
+    s += cat("| ", st, " | ", n, " | ", fmt("%.3f", ms(busy)), " | ", fmt("%.3f", ms(before)), " |\n");
+  }
+  s += "\nEvery operation:\n\n| # | stage | operation | starts at ms | ms | idle before, us "
+       "|\n|---|---|---|---|---|---|\n";
   for (size_t i = 0; i < ops.size(); ++i) {
     std::string name = short_op_name(ops[i].name);
     for (char& c : name)
       if (c == '|') c = '/';
-    s += cat("| ", i + 1, " | `", name, "` | ",
-             fmt("%.3f", static_cast<double>(ops[i].begin - ops.front().begin) * 1e-6), " | ",
-             fmt("%.3f", static_cast<double>(ops[i].end - ops[i].begin) * 1e-6), " | ",
-             fmt("%.1f", static_cast<double>(gaps[i]) * 1e-3), " |\n");
+    s += cat("| ", i + 1, " | ", stage_name(i), " | `", name, "` | ", fmt("%.3f", ms(ops[i].begin - ops.front().begin)),
+             " | ", fmt("%.3f", ms(ops[i].end - ops[i].begin)), " | ", fmt("%.1f", ms(gaps[i]) * 1e3), " |\n");
   }
   return s;
 }

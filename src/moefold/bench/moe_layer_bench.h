@@ -70,6 +70,7 @@ struct MoeBenchResult {
   // by start time; or why none was recorded.
   int activity_reps = 0;
   std::vector<GpuOpSpan> timeline;
+  std::vector<int> timeline_stage;  // each operation's index in `stages` (-1: issued before the first)
   std::string activity_unavailable;
 };
 

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <string_view>
+#include <unordered_map>
 
 #include "moefold/core/error.h"
 #include "moefold/core/run_time_library.h"
@@ -84,11 +85,13 @@ Cupti& cupti() {
   return c;
 }
 
-enum class Kind : uint8_t { gpu, wait, launch };
+// call: any runtime or driver call (its correlation id ties it to the GPU work it issued).
+enum class Kind : uint8_t { gpu, wait, launch, call };
 struct Span {
   Kind kind;
   uint64_t begin, end;
   const char* name;  // GPU work: the kernel's mangled name (CUPTI's, shared by its records) or a label
+  uint32_t correlation = 0;
 };
 
 const char* memcpy_label(uint8_t kind) {
@@ -176,17 +179,17 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
       case CUPTI_ACTIVITY_KIND_KERNEL: {
         const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-        spans.push_back({Kind::gpu, k->start, k->end, k->name});
+        spans.push_back({Kind::gpu, k->start, k->end, k->name, k->correlationId});
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
-        spans.push_back({Kind::gpu, m->start, m->end, memcpy_label(m->copyKind)});
+        spans.push_back({Kind::gpu, m->start, m->end, memcpy_label(m->copyKind), m->correlationId});
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMSET: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-        spans.push_back({Kind::gpu, m->start, m->end, "memset"});
+        spans.push_back({Kind::gpu, m->start, m->end, "memset", m->correlationId});
         break;
       }
       case CUPTI_ACTIVITY_KIND_RUNTIME:
@@ -197,6 +200,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
           spans.push_back({Kind::wait, a->start, a->end, nullptr});
         if (runtime ? runtime_launches(a->cbid) : driver_launches(a->cbid))
           spans.push_back({Kind::launch, a->start, a->end, nullptr});
+        spans.push_back({Kind::call, a->start, a->end, nullptr, a->correlationId});
         break;
       }
       default:
@@ -233,9 +237,12 @@ std::vector<GpuOpTotal> op_totals(const std::vector<Span>& spans,
   return out;
 }
 
-// Each window's GPU spans by start time, with readable names.
+// Each window's GPU spans by start time, with readable names and the host time of their calls.
 std::vector<std::vector<GpuOpSpan>> ops_in_order(const std::vector<Span>& spans,
                                                  const std::vector<std::pair<uint64_t, uint64_t>>& windows) {
+  std::unordered_map<uint32_t, uint64_t> issued;  // correlation id -> the call's start
+  for (const Span& s : spans)
+    if (s.kind == Kind::call) issued.emplace(s.correlation, s.begin);
   std::map<const char*, std::string> names;  // demangled once per kernel
   std::vector<std::vector<GpuOpSpan>> out(windows.size());
   for (const Span& s : spans) {
@@ -244,7 +251,8 @@ std::vector<std::vector<GpuOpSpan>> ops_in_order(const std::vector<Span>& spans,
       if (s.begin < windows[w].first || s.begin >= windows[w].second) continue;
       auto [it, fresh] = names.try_emplace(s.name);
       if (fresh) it->second = s.name ? readable(s.name) : std::string("?");
-      out[w].push_back({it->second, s.begin, s.end});
+      const auto call = issued.find(s.correlation);
+      out[w].push_back({it->second, s.begin, s.end, call == issued.end() ? 0 : call->second});
       break;
     }
   }
@@ -295,7 +303,7 @@ std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uin
   for (const CUpti_ActivityKind k : kKinds) c.disable(k);
   c.flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
   g_recording = false;
-  std::vector<std::pair<uint64_t, uint64_t>> by_kind[3];
+  std::vector<std::pair<uint64_t, uint64_t>> by_kind[4];
   {
     const std::lock_guard<std::mutex> lock(g_mutex);
     for (const Span& s : g_spans) by_kind[static_cast<int>(s.kind)].emplace_back(s.begin, s.end);

@@ -39,6 +39,7 @@ struct GpuOpTotal {
 struct GpuOpSpan {
   std::string name;  // as GpuOpTotal's
   uint64_t begin = 0, end = 0;
+  uint64_t issued = 0;  // when the host's call that issued it started (0: not recorded)
 };
 
 // Starts recording (enables CUPTI's activity kinds). False when it cannot be had (no CUDA build,
