@@ -76,12 +76,13 @@ for r in $(seq 1 "$rounds"); do
     name=$(tr -c 'A-Za-z0-9._\n-' '_' <<< "$spec")  # files come back named in these characters only
     f="$out/layer_ab_${name}_$r.md"
     echo "== round $r, $spec ($SECONDS s)"
-    timeout 150 "$bin" bench moe-layer "${shape[@]}" --routing balanced --reps 5 --warmup 2 \
-      --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own "${sets[@]}" > "$f" 2>&1 || status=1
+    layer() { timeout 150 "$bin" bench moe-layer "${shape[@]}" --routing balanced --reps 5 --warmup 2 "$@" \
+      --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own "${sets[@]}" >> "$f" 2>&1 || status=1; }
+    : > "$f"
+    layer
     if ! grep -q "^| deepseek-v3 |" "$f"; then  # no report: again without the CUPTI timeline
       echo "(no report; again with --activity-reps 0)"
-      timeout 150 "$bin" bench moe-layer "${shape[@]}" --routing balanced --reps 5 --warmup 2 --activity-reps 0 \
-        --set train.main_grads_dtype=bf16 --set kernels.cutlass_tile=wgrad=own "${sets[@]}" >> "$f" 2>&1 || status=1
+      layer --activity-reps 0
     fi
     grep -E "^\| deepseek|^\| (router|dispatch|combine|experts|shared|fc1 wgrad)|GPU during" "$f" | cut -c1-110
     ours=$(sed -n 's/^| deepseek-v3 | balanced | [0-9]* | [0-9]* | \([0-9.]*\) |.*/\1/p' "$f" | head -1)

@@ -6,7 +6,6 @@
 #include <map>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "moefold/bench/format.h"
@@ -553,9 +552,14 @@ std::string format_timeline(const MoeBenchResult& r) {
     counted += gaps[i] >= 1000;
   }
   const double span_ms = ms(end - ops.front().begin);
-  const auto stage_name = [&](size_t i) {
+  // Operation i's row of the per-stage table: 0 for what was issued before the layer's first
+  // stage, else its stage + 1.
+  const auto row_of = [&](size_t i) {
     const int st = i < r.timeline_stage.size() ? r.timeline_stage[i] : -1;
-    return st >= 0 && st < static_cast<int>(r.stages.size()) ? r.stages[st].name : std::string("(before the layer)");
+    return st >= 0 && st < static_cast<int>(r.stages.size()) ? static_cast<size_t>(st) + 1 : 0;
+  };
+  const auto row_name = [&](size_t row) {
+    return row == 0 ? std::string("(before the layer)") : r.stages[row - 1].name;
   };
   std::string s = cat("\nGPU timeline of one repetition (CUPTI; of ", r.activity_reps,
                       " recorded after the timed ones, the one with the median span; recording slows the host's "
@@ -565,28 +569,30 @@ std::string format_timeline(const MoeBenchResult& r) {
                       ") in ", counted, " gaps of 1 us or more, the longest ", fmt("%.1f", ms(longest) * 1e3), " us; ",
                       ops.size(), " operations. Per stage (the stage that issued them):\n\n");
   s += "| stage | operations | their ms (summed) | idle before them, ms |\n|---|---|---|---|\n";
-  std::vector<std::string> order;  // stages in the order first seen
-  std::map<std::string, std::tuple<int, uint64_t, uint64_t>> per;
+  struct Row {
+    int n = 0;
+    uint64_t busy = 0, before = 0;
+  };
+  std::vector<Row> per(r.stages.size() + 1);
   for (size_t i = 0; i < ops.size(); ++i) {
-    const std::string st = stage_name(i);
-    if (!per.count(st)) order.push_back(st);
-    auto& [n, busy, before] = per[st];
-    ++n;
-    busy += ops[i].end - ops[i].begin;
-    before += gaps[i];
+    Row& row = per[row_of(i)];
+    ++row.n;
+    row.busy += ops[i].end - ops[i].begin;
+    row.before += gaps[i];
   }
-  for (const std::string& st : order) {
-    const auto& [n, busy, before] = per[st];
-    s += cat("| ", st, " | ", n, " | ", fmt("%.3f", ms(busy)), " | ", fmt("%.3f", ms(before)), " |\n");
-  }
+  for (size_t k = 0; k < per.size(); ++k)
+    if (per[k].n > 0)
+      s += cat("| ", row_name(k), " | ", per[k].n, " | ", fmt("%.3f", ms(per[k].busy)), " | ",
+               fmt("%.3f", ms(per[k].before)), " |\n");
   s += "\nEvery operation:\n\n| # | stage | operation | starts at ms | ms | idle before, us "
        "|\n|---|---|---|---|---|---|\n";
   for (size_t i = 0; i < ops.size(); ++i) {
     std::string name = short_op_name(ops[i].name);
     for (char& c : name)
       if (c == '|') c = '/';
-    s += cat("| ", i + 1, " | ", stage_name(i), " | `", name, "` | ", fmt("%.3f", ms(ops[i].begin - ops.front().begin)),
-             " | ", fmt("%.3f", ms(ops[i].end - ops[i].begin)), " | ", fmt("%.1f", ms(gaps[i]) * 1e3), " |\n");
+    s += cat("| ", i + 1, " | ", row_name(row_of(i)), " | `", name, "` | ",
+             fmt("%.3f", ms(ops[i].begin - ops.front().begin)), " | ", fmt("%.3f", ms(ops[i].end - ops[i].begin)),
+             " | ", fmt("%.1f", ms(gaps[i]) * 1e3), " |\n");
   }
   return s;
 }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 
 #include "moefold/core/error.h"
 #include "moefold/core/run_time_library.h"
@@ -212,31 +213,6 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   g_spans.insert(g_spans.end(), spans.begin(), spans.end());
 }
 
-// The GPU spans that start in any window, summed by readable name, longest first.
-std::vector<GpuOpTotal> op_totals(const std::vector<Span>& spans,
-                                  const std::vector<std::pair<uint64_t, uint64_t>>& windows) {
-  std::map<const char*, GpuOpTotal> totals;  // CUPTI shares one name string among a kernel's records
-  for (const Span& s : spans) {
-    if (s.kind != Kind::gpu) continue;
-    bool inside = false;
-    for (const auto& [lo, hi] : windows) inside = inside || (s.begin >= lo && s.begin < hi);
-    if (!inside) continue;
-    GpuOpTotal& t = totals[s.name];
-    ++t.count;
-    t.ms += static_cast<double>(s.end - s.begin) * 1e-6;
-  }
-  std::map<std::string, GpuOpTotal> merged;  // one entry per readable name
-  for (const auto& [name, t] : totals) {
-    GpuOpTotal& m = merged[name ? readable(name) : std::string("?")];
-    m.count += t.count;
-    m.ms += t.ms;
-  }
-  std::vector<GpuOpTotal> out;
-  for (const auto& [name, t] : merged) out.push_back({name, t.count, t.ms});
-  std::sort(out.begin(), out.end(), [](const GpuOpTotal& a, const GpuOpTotal& b) { return a.ms > b.ms; });
-  return out;
-}
-
 // Each window's GPU spans by start time, with readable names and the host time of their calls.
 std::vector<std::vector<GpuOpSpan>> ops_in_order(const std::vector<Span>& spans,
                                                  const std::vector<std::pair<uint64_t, uint64_t>>& windows) {
@@ -258,6 +234,21 @@ std::vector<std::vector<GpuOpSpan>> ops_in_order(const std::vector<Span>& spans,
   }
   for (std::vector<GpuOpSpan>& ops : out)
     std::stable_sort(ops.begin(), ops.end(), [](const GpuOpSpan& a, const GpuOpSpan& b) { return a.begin < b.begin; });
+  return out;
+}
+
+// The operations of every window summed by readable name, longest first.
+std::vector<GpuOpTotal> op_totals(const std::vector<std::vector<GpuOpSpan>>& in_order) {
+  std::map<std::string, GpuOpTotal> merged;  // one entry per readable name
+  for (const std::vector<GpuOpSpan>& ops : in_order)
+    for (const GpuOpSpan& op : ops) {
+      GpuOpTotal& m = merged[op.name];
+      ++m.count;
+      m.ms += static_cast<double>(op.end - op.begin) * 1e-6;
+    }
+  std::vector<GpuOpTotal> out;
+  for (const auto& [name, t] : merged) out.push_back({name, t.count, t.ms});
+  std::sort(out.begin(), out.end(), [](const GpuOpTotal& a, const GpuOpTotal& b) { return a.ms > b.ms; });
   return out;
 }
 
@@ -307,8 +298,11 @@ std::vector<GpuActivityWindow> gpu_activity_stop(const std::vector<std::pair<uin
   {
     const std::lock_guard<std::mutex> lock(g_mutex);
     for (const Span& s : g_spans) by_kind[static_cast<int>(s.kind)].emplace_back(s.begin, s.end);
-    if (by_op) *by_op = op_totals(g_spans, windows);
-    if (in_order) *in_order = ops_in_order(g_spans, windows);
+    if (by_op || in_order) {
+      std::vector<std::vector<GpuOpSpan>> ops = ops_in_order(g_spans, windows);
+      if (by_op) *by_op = op_totals(ops);
+      if (in_order) *in_order = std::move(ops);
+    }
     g_spans.clear();
   }
   std::vector<GpuActivityWindow> out;

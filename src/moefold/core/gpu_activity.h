@@ -67,8 +67,9 @@ IntervalCover interval_cover(std::vector<std::pair<uint64_t, uint64_t>> interval
 // Their sum is the idle time between the first start and the last end.
 std::vector<uint64_t> gaps_before(const std::vector<GpuOpSpan>& in_order);
 
-// A kernel's readable name shortened for a table: "(anonymous namespace)::" and a leading
-// "moefold::" dropped, and template arguments past `max_chars` cut to "<...>".
+// A kernel's readable name shortened for a table: every "(anonymous namespace)::" and
+// "moefold::" dropped, and a name still longer than `max_chars` cut at its template arguments
+// ("<...>") or, where that is not short enough, at max_chars.
 std::string short_op_name(const std::string& name, size_t max_chars = 80);
 
 }  // namespace moefold
